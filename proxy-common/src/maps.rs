@@ -1,0 +1,197 @@
+//! Map keys, values, names and capacities.
+//!
+//! Shapes follow cilium's lb4 maps: a service is a set of entries in `SERVICES` keyed by
+//! {vip, port, proto, scope, slot}; slot 0 is the frontend (how many backends, which rev-NAT id),
+//! slots 1..=count name backend ids. The agent writes backends → slots → frontend, and shrinks in
+//! the reverse order, so the datapath never follows a slot that does not exist.
+
+/// Map names carry the layout version (kernel map names are at most 15 bytes).
+pub const MAP_SERVICES: &str = "SERVICES_V1";
+pub const MAP_BACKENDS: &str = "BACKENDS_V1";
+pub const MAP_REVNAT: &str = "REVNAT_V1";
+pub const MAP_CONNTRACK: &str = "CONNTRACK_V1";
+pub const MAP_STATS: &str = "STATS_V1";
+
+/// All maps the agent pins and adopts.
+pub const ALL_MAPS: [&str; 5] = [MAP_SERVICES, MAP_BACKENDS, MAP_REVNAT, MAP_CONNTRACK, MAP_STATS];
+
+/// Default capacities compiled into the object; the agent may resize at load time
+/// (`EbpfLoader::map_max_entries`) before the maps are first created.
+pub const SERVICES_CAPACITY: u32 = 262_144;
+pub const BACKENDS_CAPACITY: u32 = 131_072;
+pub const REVNAT_CAPACITY: u32 = 65_536;
+pub const CONNTRACK_CAPACITY: u32 = 262_144;
+
+/// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
+/// number of map entries one Service can take).
+pub const MAX_BACKENDS_PER_SERVICE: u16 = 16_384;
+
+/// Service key scope: which traffic a frontend serves. Only `SCOPE_EXTERNAL` (all traffic) is
+/// used today; the field exists so traffic policies can split internal/external later without a
+/// layout change.
+pub const SCOPE_EXTERNAL: u8 = 0;
+pub const SCOPE_INTERNAL: u8 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ServiceKey {
+    /// Frontend address (network order).
+    pub addr: [u8; 4],
+    /// Frontend port (network order).
+    pub port: [u8; 2],
+    /// IP protocol (`proto::TCP`/`proto::UDP`).
+    pub proto: u8,
+    /// `SCOPE_*`.
+    pub scope: u8,
+    /// 0 = the frontend entry; 1..=count = backend slots.
+    pub slot: u16,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<ServiceKey>() == 12);
+
+impl ServiceKey {
+    pub const fn new(addr: [u8; 4], port: [u8; 2], proto: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port,
+            proto,
+            scope: SCOPE_EXTERNAL,
+            slot,
+            _pad: [0; 2],
+        }
+    }
+
+    /// The same frontend, another slot.
+    pub const fn with_slot(self, slot: u16) -> Self {
+        Self { slot, ..self }
+    }
+}
+
+/// Service flags (`ServiceValue::flags`).
+pub mod service_flags {
+    /// Reserved for session affinity (ClientIP).
+    pub const AFFINITY: u16 = 1 << 0;
+}
+
+/// Value of a `SERVICES` entry. For slot 0 (frontend): `count`, `rev_nat_id`, `flags`,
+/// `affinity_timeout_s`; `backend_id` is 0. For slots ≥ 1: only `backend_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceValue {
+    pub backend_id: u32,
+    /// Number of backend slots (frontend entry only). 0 = no endpoints: the datapath rejects.
+    pub count: u16,
+    pub flags: u16,
+    pub rev_nat_id: u32,
+    pub affinity_timeout_s: u32,
+}
+const _: () = assert!(core::mem::size_of::<ServiceValue>() == 16);
+
+impl ServiceValue {
+    pub const fn frontend(count: u16, rev_nat_id: u32) -> Self {
+        Self {
+            backend_id: 0,
+            count,
+            flags: 0,
+            rev_nat_id,
+            affinity_timeout_s: 0,
+        }
+    }
+
+    pub const fn slot(backend_id: u32) -> Self {
+        Self {
+            backend_id,
+            count: 0,
+            flags: 0,
+            rev_nat_id: 0,
+            affinity_timeout_s: 0,
+        }
+    }
+}
+
+/// Backend flags (`Backend::flags`).
+pub mod backend_flags {
+    /// The endpoint is terminating (kept so established flows finish).
+    pub const TERMINATING: u8 = 1 << 0;
+    /// The endpoint runs on this node.
+    pub const LOCAL: u8 = 1 << 1;
+}
+
+/// `BACKENDS`: backend id (u32, ids start at 1; 0 = none) → where to send.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Backend {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub flags: u8,
+}
+const _: () = assert!(core::mem::size_of::<Backend>() == 8);
+
+/// `REVNAT`: rev-NAT id (u32, from 1) → the frontend a reply must appear to come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RevNat {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<RevNat>() == 8);
+
+/// Conntrack direction (`CtKey::dir`).
+pub mod ct_dir {
+    /// Client → frontend, keyed as the packet arrives (before DNAT).
+    pub const ORIGINAL: u8 = 0;
+    /// Backend → client, keyed as the reply leaves (before reverse NAT).
+    pub const REPLY: u8 = 1;
+}
+
+/// `CONNTRACK` (LRU hash) key: the full 5-tuple plus direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
+
+/// TCP/UDP flow states (`CtValue::state`).
+pub mod ct_state {
+    /// UDP flow (no states).
+    pub const UDP: u8 = 0;
+    /// TCP: SYN seen, handshake not finished.
+    pub const SYN_SENT: u8 = 1;
+    /// TCP: handshake finished.
+    pub const ESTABLISHED: u8 = 2;
+    /// TCP: FIN or RST seen in either direction.
+    pub const CLOSING: u8 = 3;
+}
+
+/// `CONNTRACK` value. ORIGINAL entries: `backend_*` is where the flow is sent, `frontend_*` the
+/// VIP:port the client used. REPLY entries: the same pair, used to rewrite the reply's source.
+/// `backend_id` + the backend address snapshot let the datapath revalidate: if `BACKENDS[id]` is
+/// gone or now names another address, the flow is stale.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CtValue {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet.
+    pub last_seen_ns: u64,
+    /// When the entry was created (CLOCK_MONOTONIC ns).
+    pub created_ns: u64,
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+    pub frontend_addr: [u8; 4],
+    pub backend_addr: [u8; 4],
+    pub frontend_port: [u8; 2],
+    pub backend_port: [u8; 2],
+    /// `ct_state::*`.
+    pub state: u8,
+    pub flags: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<CtValue>() == 40);

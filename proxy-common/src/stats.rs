@@ -1,0 +1,79 @@
+//! Datapath counters: one per-CPU `u64` array (`STATS_V1`) indexed by [`Counter`].
+//! The enum is only an index; it is never stored in a map value.
+
+macro_rules! counters {
+    ($( $(#[$doc:meta])* $variant:ident = $name:literal, )+) => {
+        /// What the datapath counts. Drop reasons start with `Drop`.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Counter {
+            $( $(#[$doc])* $variant, )+
+        }
+
+        impl Counter {
+            /// Every counter, in index order.
+            pub const ALL: &'static [Counter] = &[$(Counter::$variant,)+];
+
+            /// Stable snake_case name (metric label, `dump stats` row).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => $name,)+
+                }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Packets seen by the ingress program.
+    IngressPackets = "ingress_packets",
+    /// Packets seen by the egress program.
+    EgressPackets = "egress_packets",
+    /// Not IPv4 (passed untouched).
+    NotIpv4 = "not_ipv4",
+    /// IPv4 but not to a Service and not a tracked flow (passed untouched).
+    NotService = "not_service",
+    /// A new flow: backend picked, conntrack entries written, packet DNATed.
+    NewFlow = "new_flow",
+    /// A packet of a known flow DNATed.
+    EstablishedFlow = "established_flow",
+    /// A reply reverse-NATed on egress (backend → frontend).
+    ReplyTranslated = "reply_translated",
+    /// An idle-expired conntrack entry replaced by a new pick.
+    ConntrackExpired = "conntrack_expired",
+    /// A UDP flow whose backend disappeared, sent to a newly picked backend.
+    StaleBackendReselected = "stale_backend_reselected",
+    /// A TCP flow whose backend disappeared, answered with a RST.
+    StaleBackendReset = "stale_backend_reset",
+    /// A packet to a Service without endpoints answered with ICMP port unreachable.
+    NoEndpointsRejected = "no_endpoints_rejected",
+    /// IPv4 header with options (parsed past, allowed).
+    IpOptions = "ip_options",
+    /// Dropped: the first fragment of a packet to a Service (later fragments carry no ports).
+    DropFragment = "drop_fragment",
+    /// Dropped: truncated or malformed header on a packet to a Service.
+    DropMalformed = "drop_malformed",
+    /// Dropped: conntrack entry could not be written.
+    DropConntrackFull = "drop_conntrack_full",
+    /// Dropped: a slot named a backend that does not exist (transient during updates).
+    DropNoBackend = "drop_no_backend",
+    /// Dropped: the reject answer (ICMP/RST) could not be built.
+    DropRejectFailed = "drop_reject_failed",
+    /// Dropped: packet rewrite (checksum/store helper) failed.
+    DropRewriteFailed = "drop_rewrite_failed",
+}
+
+/// Number of entries in the stats array.
+pub const COUNTER_COUNT: u32 = Counter::ALL.len() as u32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_dense_indices() {
+        for (i, c) in Counter::ALL.iter().enumerate() {
+            assert_eq!(*c as usize, i, "{} out of order", c.name());
+        }
+    }
+}

@@ -1,0 +1,3 @@
+fn main() {
+    println!("{}", kube_proxy_ebpf::ebpf_object::EBPF_OBJECT.len());
+}

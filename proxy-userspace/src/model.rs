@@ -1,0 +1,130 @@
+//! The desired state: what the maps should carry, in host types (no byte order, no ids).
+//! `translate` produces it from Services/EndpointSlices; `diff` turns it into map operations.
+
+use std::{collections::BTreeMap, fmt, net::Ipv4Addr};
+
+/// L4 protocol of a Service port. SCTP is not supported by the datapath (translate reports it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    /// IP protocol number as carried in map keys.
+    pub const fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => proxy_common::proto::TCP,
+            Protocol::Udp => proxy_common::proto::UDP,
+        }
+    }
+
+    pub const fn from_number(n: u8) -> Option<Self> {
+        match n {
+            proxy_common::proto::TCP => Some(Protocol::Tcp),
+            proxy_common::proto::UDP => Some(Protocol::Udp),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
+/// Where clients send: a Service's ClusterIP (later also external/LB/node addresses) and port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Frontend {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for Frontend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
+    }
+}
+
+/// An endpoint address as the datapath sends to it. Its identity (addr, port, protocol) is what
+/// a backend id stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointAddr {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for EndpointAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
+    }
+}
+
+/// One backend of a frontend, with the conditions the datapath keeps as flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DesiredBackend {
+    pub endpoint: EndpointAddr,
+    /// The endpoint is terminating (selected only through the terminating fallback, or retained).
+    pub terminating: bool,
+    /// The endpoint's nodeName is this node.
+    pub local: bool,
+}
+
+/// Which Service port a frontend belongs to (for messages, dumps and metrics).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    /// The Service port's name ("" when the port is unnamed).
+    pub port_name: String,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port_name.is_empty() {
+            write!(f, "{}/{}", self.namespace, self.name)
+        } else {
+            write!(f, "{}/{}:{}", self.namespace, self.name, self.port_name)
+        }
+    }
+}
+
+/// What one frontend should do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredFrontend {
+    pub service: ServicePortName,
+    /// Backends that receive new flows, sorted and without duplicates. Empty = reject new flows.
+    pub backends: Vec<DesiredBackend>,
+    /// Backends that receive no new flows but must stay in BACKENDS so established flows to them
+    /// finish (serving + terminating endpoints not selected). Sorted, disjoint from `backends`.
+    pub retained: Vec<DesiredBackend>,
+}
+
+/// Everything the maps should carry.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    pub frontends: BTreeMap<Frontend, DesiredFrontend>,
+}
+
+/// A problem with one input object: reported (log, later Events/metrics) and skipped; every other
+/// object is still programmed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// Where the object came from (a manifest file path, or "api").
+    pub source: String,
+    /// `Kind namespace/name` (or a document index when the name is unknown).
+    pub object: String,
+    pub reason: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}: {}", self.source, self.object, self.reason)
+    }
+}
