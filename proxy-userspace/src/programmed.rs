@@ -1,0 +1,78 @@
+//! What the maps carry now (a shadow kept in memory), and the operations that change them.
+//!
+//! The shadow is rebuilt from the pinned maps when the agent starts (adoption), then kept equal to
+//! the maps by applying every operation to both. `diff` compares it with the desired state; ids
+//! are derived from it, so no other allocator state exists to drift.
+
+use std::collections::HashMap;
+
+use proxy_common::{Backend, RevNat, ServiceKey, ServiceValue};
+
+/// One write to one map. `diff` emits them in an order that keeps the datapath consistent at
+/// every step: backends → rev-NAT → slots → frontends; shrinking in reverse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend { id: u32, backend: Backend },
+    PutRevNat { id: u32, rev_nat: RevNat },
+    PutService { key: ServiceKey, value: ServiceValue },
+    DeleteService { key: ServiceKey },
+    DeleteRevNat { id: u32 },
+    DeleteBackend { id: u32 },
+}
+
+/// The maps' contents as last written (or read back at start-up).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Programmed {
+    pub services: HashMap<ServiceKey, ServiceValue>,
+    pub backends: HashMap<u32, Backend>,
+    pub rev_nats: HashMap<u32, RevNat>,
+}
+
+impl Programmed {
+    /// Record an operation the map layer has carried out.
+    pub fn apply(&mut self, op: &MapOp) {
+        match *op {
+            MapOp::PutBackend { id, backend } => {
+                self.backends.insert(id, backend);
+            }
+            MapOp::PutRevNat { id, rev_nat } => {
+                self.rev_nats.insert(id, rev_nat);
+            }
+            MapOp::PutService { key, value } => {
+                self.services.insert(key, value);
+            }
+            MapOp::DeleteService { key } => {
+                self.services.remove(&key);
+            }
+            MapOp::DeleteRevNat { id } => {
+                self.rev_nats.remove(&id);
+            }
+            MapOp::DeleteBackend { id } => {
+                self.backends.remove(&id);
+            }
+        }
+    }
+
+    /// Number of frontends (slot-0 entries).
+    pub fn frontend_count(&self) -> usize {
+        self.services.keys().filter(|k| k.slot == 0).count()
+    }
+}
+
+/// Map capacities the plan must respect (entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub services: u32,
+    pub backends: u32,
+    pub rev_nats: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Self {
+            services: proxy_common::SERVICES_CAPACITY,
+            backends: proxy_common::BACKENDS_CAPACITY,
+            rev_nats: proxy_common::REVNAT_CAPACITY,
+        }
+    }
+}
