@@ -1,0 +1,219 @@
+//! The agent under test, run standalone in the node namespace.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{ExitStatus, Output},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use serde::Deserialize;
+
+use crate::{
+    netns::NetNs,
+    process::{Proc, describe, run_with_timeout, tail},
+};
+
+/// The `--status-file` JSON the agent rewrites after every successful sync.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct AgentStatus {
+    pub syncs: u64,
+    pub frontends: u64,
+    pub backends: u64,
+    pub interfaces: Vec<String>,
+    pub problems: u64,
+}
+
+/// `kube-proxy-ebpf run` started with `nsenter --net=<node>` (network namespace only, so its
+/// pins land on the host bpffs and survive restarts). Drop kills it.
+#[derive(Debug)]
+pub struct Agent {
+    proc: Option<Proc>,
+    bin: PathBuf,
+    node_ns: PathBuf,
+    manifests: PathBuf,
+    pin_dir: PathBuf,
+    status_file: PathBuf,
+    log: PathBuf,
+    pod_interfaces: String,
+}
+
+impl Agent {
+    /// Starts the agent for `manifests`, pinning under `pin_dir`, watching `veth-*`. Its status
+    /// file and log go to `work_dir` (`agent-status.json`, `agent.log`, appended across runs).
+    pub fn start(
+        bin: &Path,
+        node: &NetNs,
+        manifests: &Path,
+        pin_dir: &Path,
+        work_dir: &Path,
+    ) -> Result<Self> {
+        let mut agent = Self {
+            proc: None,
+            bin: bin.to_path_buf(),
+            node_ns: node.path(),
+            manifests: manifests.to_path_buf(),
+            pin_dir: pin_dir.to_path_buf(),
+            status_file: work_dir.join("agent-status.json"),
+            log: work_dir.join("agent.log"),
+            pod_interfaces: "veth-*".to_owned(),
+        };
+        agent.restart()?;
+        Ok(agent)
+    }
+
+    /// Starts the agent again (after [`Agent::stop`] or [`Agent::kill`]) with the same flags.
+    /// The old status file is removed first so `wait_synced` sees this run's syncs only.
+    pub fn restart(&mut self) -> Result<()> {
+        if let Some(mut old) = self.proc.take() {
+            old.kill()?;
+        }
+        let _ = std::fs::remove_file(&self.status_file);
+        let mut cmd = std::process::Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.node_ns.display()))
+            .arg(&self.bin)
+            .arg("run")
+            .arg("--manifests")
+            .arg(&self.manifests)
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg("--pod-interfaces")
+            .arg(&self.pod_interfaces)
+            .arg("--status-file")
+            .arg(&self.status_file);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        {
+            use std::io::Write as _;
+            let mut log = std::fs::File::options()
+                .create(true)
+                .append(true)
+                .open(&self.log)?;
+            writeln!(log, "--- starting {cmd:?}")?;
+        }
+        self.proc = Some(Proc::spawn(cmd, Some(&self.log))?);
+        Ok(())
+    }
+
+    /// The current status file, `None` before the first sync of this run.
+    pub fn status(&self) -> Result<Option<AgentStatus>> {
+        match std::fs::read_to_string(&self.status_file) {
+            Ok(text) => Ok(Some(serde_json::from_str(&text).with_context(|| {
+                format!("parsing {}: {text:?}", self.status_file.display())
+            })?)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {}", self.status_file.display())),
+        }
+    }
+
+    /// Polls the status file until `syncs >= min_syncs`; fails early if the agent exits and
+    /// with the log tail on timeout.
+    pub fn wait_synced(&mut self, min_syncs: u64, timeout: Duration) -> Result<AgentStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.status()?
+                && status.syncs >= min_syncs
+            {
+                return Ok(status);
+            }
+            let proc = self.proc.as_mut().context("agent is not running")?;
+            if let Some(exit) = proc.try_wait()? {
+                bail!(
+                    "agent exited ({}) before syncing; log:\n{}",
+                    describe(exit),
+                    self.log_tail()
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "agent did not reach {min_syncs} syncs within {timeout:?} (status {:?}); log:\n{}",
+                    self.status().ok().flatten(),
+                    self.log_tail()
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the status satisfies `pred` (e.g. a backend count after a manifest change).
+    pub fn wait_status(
+        &mut self,
+        timeout: Duration,
+        mut pred: impl FnMut(&AgentStatus) -> bool,
+    ) -> Result<AgentStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.status()?
+                && pred(&status)
+            {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "agent status {:?} did not reach the expected state within {timeout:?}; log:\n{}",
+                    self.status().ok().flatten(),
+                    self.log_tail()
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM and wait (up to 10 s, then SIGKILL). Returns the exit status.
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        let mut proc = self.proc.take().context("agent is not running")?;
+        proc.terminate(Duration::from_secs(10))
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) -> Result<ExitStatus> {
+        let mut proc = self.proc.take().context("agent is not running")?;
+        proc.kill()
+    }
+
+    /// Whether the agent process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.proc
+            .as_mut()
+            .is_some_and(|p| matches!(p.try_wait(), Ok(None)))
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    /// The last 4 KiB of the agent log.
+    pub fn log_tail(&self) -> String {
+        tail(&self.log, 4096)
+    }
+
+    /// Runs `kube-proxy-ebpf <args>` (dump, cleanup) in the node's network namespace.
+    pub fn cli(&self, args: &[&str]) -> Result<Output> {
+        cli(&self.bin, &self.node_ns, args)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut proc) = self.proc.take() {
+            let _ = proc.kill();
+        }
+    }
+}
+
+/// Runs `<bin> <args>` inside the network namespace at `netns_path` (via nsenter, so the host
+/// bpffs is visible), bounded to 30 s.
+pub fn cli(bin: &Path, netns_path: &Path, args: &[&str]) -> Result<Output> {
+    let mut cmd = std::process::Command::new("nsenter");
+    cmd.arg(format!("--net={}", netns_path.display()))
+        .arg(bin)
+        .args(args);
+    run_with_timeout(cmd, Duration::from_secs(30))
+}

@@ -1,0 +1,73 @@
+//! Test environments for kube-proxy-ebpf's privileged tests and `cargo xtask demo`.
+//!
+//! Everything here is an RAII guard: network namespaces ([`NetNs`]), child processes ([`Proc`]),
+//! bpffs pin directories ([`PinDir`]), temporary directories ([`TempDir`]), the one-node
+//! [`Topology`] and the [`Agent`]. `Drop` cleans up even when a test panics.
+//!
+//! Network safety: every namespace is created here with a unique prefix; the "node" is a
+//! namespace too; nothing is created or attached in the root network namespace and no namespace
+//! gets a route out of the machine (pods route to the node namespace, which has no default route).
+
+mod agent;
+mod bpffs;
+mod manifests;
+mod netns;
+mod process;
+mod tempdir;
+mod topology;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub use agent::{Agent, AgentStatus, cli};
+pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
+pub use manifests::{ManifestDir, Protocol, ServicePort};
+pub use netns::NetNs;
+pub use process::{Proc, run_with_timeout};
+pub use tempdir::TempDir;
+pub use topology::{
+    BACKENDS, CLIENT_IP, ConnectOutcome, CurlReply, GATEWAY, HTTP_PORT, IPERF_PORT, IperfRun,
+    IperfSummary, Pod, Topology, UDP_PORT, UdpReply,
+};
+
+/// Environment variable that `cargo xtask test` sets to run the privileged test targets.
+pub const PRIVILEGED_ENV: &str = "KPE_PRIVILEGED";
+
+/// True when privileged tests should run (`KPE_PRIVILEGED=1`, set by `cargo xtask test`).
+pub fn privileged() -> bool {
+    std::env::var_os(PRIVILEGED_ENV).is_some_and(|v| v == "1")
+}
+
+/// Returns early from a privileged test unless `KPE_PRIVILEGED=1`, printing why it skipped.
+#[macro_export]
+macro_rules! require_privileged {
+    () => {
+        if !$crate::privileged() {
+            eprintln!(
+                "skipped: privileged test; run `sudo cargo xtask test` (sets {}=1)",
+                $crate::PRIVILEGED_ENV
+            );
+            return;
+        }
+    };
+}
+
+/// A name prefix unique to this process and call: `kpe<pid%10000>-<n>`.
+pub fn unique_prefix() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("kpe{}-{n}", std::process::id() % 10_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_are_unique_and_short() {
+        let a = unique_prefix();
+        let b = unique_prefix();
+        assert_ne!(a, b);
+        assert!(a.starts_with("kpe"));
+        assert!(a.len() <= 12, "{a}");
+    }
+}

@@ -1,0 +1,265 @@
+//! A folder of Service + EndpointSlice manifests for the agent's standalone mode.
+
+use std::{
+    fmt::{self, Write as _},
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result};
+
+use crate::tempdir::TempDir;
+
+/// L4 protocol of a Service port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
+/// One Service port and the port its endpoints listen on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    /// Port name; may be empty when the Service has a single port.
+    pub name: String,
+    pub port: u16,
+    pub target_port: u16,
+    pub protocol: Protocol,
+}
+
+impl ServicePort {
+    pub fn tcp(port: u16, target_port: u16) -> Self {
+        Self {
+            name: String::new(),
+            port,
+            target_port,
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    pub fn udp(port: u16, target_port: u16) -> Self {
+        Self {
+            name: String::new(),
+            port,
+            target_port,
+            protocol: Protocol::Udp,
+        }
+    }
+
+    /// The same port with a name (needed when a Service has several ports).
+    pub fn named(mut self, name: &str) -> Self {
+        self.name = name.to_owned();
+        self
+    }
+}
+
+/// A temporary manifests folder. Each Service lives in `<ns>-<name>.yaml` (Service and its
+/// EndpointSlice, two documents), written atomically (staged next door, then renamed).
+#[derive(Debug)]
+pub struct ManifestDir {
+    root: TempDir,
+    dir: PathBuf,
+    staging: PathBuf,
+}
+
+impl ManifestDir {
+    pub fn new() -> Result<Self> {
+        let root = TempDir::new("kpe-manifests")?;
+        let dir = root.join("manifests");
+        let staging = root.join("staging");
+        std::fs::create_dir(&dir)?;
+        std::fs::create_dir(&staging)?;
+        Ok(Self { root, dir, staging })
+    }
+
+    /// The folder to pass as `--manifests`.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes (or replaces) a ClusterIP Service with ready endpoints at `endpoints`.
+    pub fn write_service(
+        &self,
+        namespace: &str,
+        name: &str,
+        cluster_ip: Ipv4Addr,
+        ports: &[ServicePort],
+        endpoints: &[Ipv4Addr],
+    ) -> Result<PathBuf> {
+        let yaml = service_yaml(namespace, name, cluster_ip, ports, endpoints);
+        let file = format!("{namespace}-{name}.yaml");
+        let staged = self.staging.join(&file);
+        let target = self.dir.join(&file);
+        std::fs::write(&staged, yaml).with_context(|| format!("writing {}", staged.display()))?;
+        std::fs::rename(&staged, &target)
+            .with_context(|| format!("renaming into {}", target.display()))?;
+        Ok(target)
+    }
+
+    /// Removes a Service written by [`ManifestDir::write_service`].
+    pub fn remove_service(&self, namespace: &str, name: &str) -> Result<()> {
+        let target = self.dir.join(format!("{namespace}-{name}.yaml"));
+        std::fs::remove_file(&target).with_context(|| format!("removing {}", target.display()))
+    }
+
+    /// The temp root (manifests/ and staging/ live in it); also a good place for logs.
+    pub fn root(&self) -> &Path {
+        self.root.path()
+    }
+}
+
+/// The two YAML documents for a Service and its EndpointSlice.
+pub fn service_yaml(
+    namespace: &str,
+    name: &str,
+    cluster_ip: Ipv4Addr,
+    ports: &[ServicePort],
+    endpoints: &[Ipv4Addr],
+) -> String {
+    let mut y = String::new();
+    let _ = write!(
+        y,
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
+         spec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs: [\"{cluster_ip}\"]\n  ports:\n"
+    );
+    for p in ports {
+        let _ = write!(y, "    - ");
+        if !p.name.is_empty() {
+            let _ = write!(y, "name: {}\n      ", p.name);
+        }
+        let _ = writeln!(
+            y,
+            "port: {}\n      targetPort: {}\n      protocol: {}",
+            p.port, p.target_port, p.protocol
+        );
+    }
+    let _ = write!(
+        y,
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-slice\n  \
+         namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n"
+    );
+    if ports.is_empty() {
+        y.push_str("ports: []\n");
+    } else {
+        y.push_str("ports:\n");
+        for p in ports {
+            let _ = writeln!(
+                y,
+                "  - name: \"{}\"\n    port: {}\n    protocol: {}",
+                p.name, p.target_port, p.protocol
+            );
+        }
+    }
+    if endpoints.is_empty() {
+        y.push_str("endpoints: []\n");
+    } else {
+        y.push_str("endpoints:\n");
+        for ip in endpoints {
+            let _ = writeln!(
+                y,
+                "  - addresses: [\"{ip}\"]\n    conditions:\n      ready: true\n      serving: true\n      \
+                 terminating: false"
+            );
+        }
+    }
+    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_yaml_has_both_documents() {
+        let y = service_yaml(
+            "demo",
+            "web",
+            Ipv4Addr::new(10, 96, 0, 10),
+            &[ServicePort::tcp(80, 8080)],
+            &[Ipv4Addr::new(10, 244, 1, 11), Ipv4Addr::new(10, 244, 1, 12)],
+        );
+        let expected = "\
+apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  namespace: demo
+spec:
+  type: ClusterIP
+  clusterIP: 10.96.0.10
+  clusterIPs: [\"10.96.0.10\"]
+  ports:
+    - port: 80
+      targetPort: 8080
+      protocol: TCP
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-slice
+  namespace: demo
+  labels:
+    kubernetes.io/service-name: web
+addressType: IPv4
+ports:
+  - name: \"\"
+    port: 8080
+    protocol: TCP
+endpoints:
+  - addresses: [\"10.244.1.11\"]
+    conditions:
+      ready: true
+      serving: true
+      terminating: false
+  - addresses: [\"10.244.1.12\"]
+    conditions:
+      ready: true
+      serving: true
+      terminating: false
+";
+        assert_eq!(y, expected);
+    }
+
+    #[test]
+    fn named_ports_and_no_endpoints() {
+        let y = service_yaml(
+            "demo",
+            "empty",
+            Ipv4Addr::new(10, 96, 0, 30),
+            &[ServicePort::udp(53, 5353).named("dns")],
+            &[],
+        );
+        assert!(y.contains(
+            "    - name: dns\n      port: 53\n      targetPort: 5353\n      protocol: UDP\n"
+        ));
+        assert!(y.contains("  - name: \"dns\"\n    port: 5353\n    protocol: UDP\n"));
+        assert!(y.ends_with("endpoints: []\n"));
+    }
+
+    #[test]
+    fn write_and_remove() {
+        let dir = ManifestDir::new().expect("temp dir");
+        let path = dir
+            .write_service(
+                "a",
+                "b",
+                Ipv4Addr::new(10, 96, 0, 1),
+                &[ServicePort::tcp(1, 2)],
+                &[],
+            )
+            .expect("write");
+        assert!(path.starts_with(dir.path()));
+        assert_eq!(std::fs::read_dir(dir.path()).expect("read").count(), 1);
+        dir.remove_service("a", "b").expect("remove");
+        assert_eq!(std::fs::read_dir(dir.path()).expect("read").count(), 0);
+    }
+}

@@ -1,0 +1,629 @@
+//! A one-node, routed-CNI (Calico-like) topology made of network namespaces.
+//!
+//! ```text
+//!   client (10.244.1.2) ─┐                      ┌─ be1 (10.244.1.11) http :8080, udp :5353
+//!                        ├─ veth-* ── node ns ──┼─ be2 (10.244.1.12)
+//!                        │   (ip_forward, /32   └─ be3 (10.244.1.13)
+//!                        │    routes, no default route)
+//! ```
+//! Each pod has `eth0` with `addr/32`, a link route to 169.254.1.1 and a default route via it
+//! (into the node namespace, which itself has no default route: nothing leaves the machine).
+//! The node answers ARP for 169.254.1.1 because that address is local to its loopback; the
+//! host-side veths also have `proxy_arp=1` and `proxy_delay=0` like Calico's.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+
+use crate::{
+    netns::{EXEC_TIMEOUT, NetNs},
+    process::{Proc, describe, run_ok, tail},
+    tempdir::TempDir,
+    unique_prefix,
+};
+
+/// The node's gateway address as seen by pods (local on the node's loopback).
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// Client pod address.
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
+/// The three default backends.
+pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
+    ("be1", Ipv4Addr::new(10, 244, 1, 11)),
+    ("be2", Ipv4Addr::new(10, 244, 1, 12)),
+    ("be3", Ipv4Addr::new(10, 244, 1, 13)),
+];
+/// HTTP port of the backend servers.
+pub const HTTP_PORT: u16 = 8080;
+/// UDP echo port of the backend servers.
+pub const UDP_PORT: u16 = 5353;
+/// iperf3 server port.
+pub const IPERF_PORT: u16 = 5201;
+
+const SERVER_PY: &str = r#"
+import socket, socketserver, sys, threading
+name, ready = sys.argv[1], sys.argv[2]
+
+class Tcp(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+    request_queue_size = 1024
+
+class Http(socketserver.BaseRequestHandler):
+    def handle(self):
+        s = self.request
+        s.settimeout(5)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data and len(data) < 65536:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            body = (name + "\n").encode()
+            head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+            s.sendall(head.encode() + body)
+        except OSError:
+            pass
+
+class Udp(socketserver.ThreadingUDPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+class Echo(socketserver.BaseRequestHandler):
+    def handle(self):
+        data, sock = self.request
+        sock.sendto(name.encode() + b":" + data, self.client_address)
+
+tcp = Tcp(("0.0.0.0", 8080), Http)
+udp = Udp(("0.0.0.0", 5353), Echo)
+threading.Thread(target=udp.serve_forever, daemon=True).start()
+with open(ready, "w") as f:
+    f.write("ready\n")
+tcp.serve_forever()
+"#;
+
+const UDP_CLIENT_PY: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+s.sendto(sys.argv[3].encode(), (sys.argv[1], int(sys.argv[2])))
+data, addr = s.recvfrom(65535)
+sys.stdout.write("%s:%d\n" % addr)
+sys.stdout.write(data.decode(errors="replace"))
+"#;
+
+const CONNECT_PY: &str = r#"
+import errno, socket, sys, time
+s = socket.socket()
+s.settimeout(float(sys.argv[3]))
+t = time.monotonic()
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    r = "connected"
+except ConnectionRefusedError:
+    r = "refused"
+except socket.timeout:
+    r = "timeout"
+except OSError as e:
+    r = "error:" + errno.errorcode.get(e.errno, str(e.errno))
+print(r, int((time.monotonic() - t) * 1000))
+"#;
+
+/// A pod: a namespace with `eth0`, its host-side veth in the node namespace, and servers.
+#[derive(Debug)]
+pub struct Pod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    /// Host-side interface in the node namespace: `veth-<name>`.
+    pub host_if: String,
+    // Drop order: servers before the namespace.
+    servers: Vec<Proc>,
+    ns: NetNs,
+}
+
+impl Pod {
+    pub fn ns(&self) -> &NetNs {
+        &self.ns
+    }
+}
+
+/// Reply to one HTTP request made with curl.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CurlReply {
+    /// Response body, trimmed (the backend's pod name).
+    pub body: String,
+    /// curl's `%{remote_ip}`: the address the client connected to.
+    pub remote_ip: String,
+}
+
+/// Reply to one UDP datagram.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UdpReply {
+    /// Source address of the reply as the client saw it.
+    pub from: SocketAddrV4,
+    /// `<pod name>:<payload>` from the echo server.
+    pub body: String,
+}
+
+/// How a TCP connect attempt ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConnectOutcome {
+    Connected,
+    Refused,
+    TimedOut,
+    /// Another errno (EHOSTUNREACH, ENETUNREACH, ...).
+    Error(String),
+}
+
+/// One-node topology. Drop removes pods, then the node namespace, then the temp dir.
+#[derive(Debug)]
+pub struct Topology {
+    prefix: String,
+    pods: BTreeMap<String, Pod>,
+    node: NetNs,
+    tmp: TempDir,
+}
+
+impl Topology {
+    /// The standard topology: node, `client` and backends be1..be3 serving HTTP and UDP.
+    pub fn new() -> Result<Self> {
+        let mut topo = Self::bare()?;
+        topo.add_pod("client", CLIENT_IP)?;
+        for (name, ip) in BACKENDS {
+            topo.add_backend(name, ip)?;
+        }
+        Ok(topo)
+    }
+
+    /// Only the node namespace; add pods with [`Topology::add_pod`]/[`Topology::add_backend`].
+    pub fn bare() -> Result<Self> {
+        let prefix = unique_prefix();
+        let tmp = TempDir::new(&prefix)?;
+        std::fs::write(tmp.join("server.py"), SERVER_PY)?;
+        let node = NetNs::new(&format!("{prefix}-node"))?;
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        node.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
+        node.sysctl("net.ipv4.conf.default.send_redirects", "0")?;
+        node.exec(&["ip", "addr", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
+        Ok(Self {
+            prefix,
+            pods: BTreeMap::new(),
+            node,
+            tmp,
+        })
+    }
+
+    /// Unique prefix of every namespace of this topology.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn node(&self) -> &NetNs {
+        &self.node
+    }
+
+    /// A scratch directory removed with the topology (logs, status files).
+    pub fn tmp(&self) -> &TempDir {
+        &self.tmp
+    }
+
+    pub fn pod(&self, name: &str) -> Result<&Pod> {
+        self.pods
+            .get(name)
+            .with_context(|| format!("no pod {name} in the topology"))
+    }
+
+    pub fn pods(&self) -> impl Iterator<Item = &Pod> {
+        self.pods.values()
+    }
+
+    /// Creates a pod namespace wired to the node (no servers).
+    pub fn add_pod(&mut self, name: &str, ip: Ipv4Addr) -> Result<&Pod> {
+        let host_if = format!("veth-{name}");
+        ensure!(
+            host_if.len() <= 15,
+            "pod name {name} too long for interface {host_if}"
+        );
+        ensure!(!self.pods.contains_key(name), "pod {name} exists already");
+        let ns = NetNs::new(&format!("{}-{name}", self.prefix))?;
+        let node = self.node.name();
+        let pod = ns.name();
+        ip_n(
+            node,
+            &[
+                "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", pod,
+            ],
+        )?;
+        ip_n(pod, &["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        ip_n(pod, &["link", "set", "eth0", "up"])?;
+        ip_n(
+            pod,
+            &[
+                "route",
+                "add",
+                &GATEWAY.to_string(),
+                "dev",
+                "eth0",
+                "scope",
+                "link",
+            ],
+        )?;
+        ip_n(
+            pod,
+            &[
+                "route",
+                "add",
+                "default",
+                "via",
+                &GATEWAY.to_string(),
+                "dev",
+                "eth0",
+            ],
+        )?;
+        ns.sysctl("net.ipv4.tcp_max_tw_buckets", "0")?;
+        ns.exec(&["ethtool", "-K", "eth0", "tx", "off", "rx", "off"])?;
+        self.node
+            .sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp"), "1")?;
+        self.node
+            .sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
+        self.node
+            .sysctl(&format!("net.ipv4.conf.{host_if}.send_redirects"), "0")?;
+        self.node
+            .exec(&["ethtool", "-K", &host_if, "tx", "off", "rx", "off"])?;
+        ip_n(node, &["link", "set", &host_if, "up"])?;
+        ip_n(
+            node,
+            &["route", "add", &format!("{ip}/32"), "dev", &host_if],
+        )?;
+        let pod = Pod {
+            name: name.to_owned(),
+            ip,
+            host_if,
+            servers: Vec::new(),
+            ns,
+        };
+        Ok(self.pods.entry(name.to_owned()).or_insert(pod))
+    }
+
+    /// Creates a backend pod running the HTTP (:8080) and UDP echo (:5353) server.
+    pub fn add_backend(&mut self, name: &str, ip: Ipv4Addr) -> Result<&Pod> {
+        self.add_pod(name, ip)?;
+        let script = self.tmp.join("server.py");
+        let ready = self.tmp.join(&format!("{name}.ready"));
+        let log = self.tmp.join(&format!("{name}.log"));
+        let _ = std::fs::remove_file(&ready);
+        let pod = self.pods.get_mut(name).context("pod just added")?;
+        let args = ["python3", path_str(&script)?, name, path_str(&ready)?];
+        let mut server = pod.ns.spawn(&args, Some(&log))?;
+        wait_for(Duration::from_secs(10), || {
+            if let Some(status) = server.try_wait()? {
+                bail!(
+                    "server in {name} exited ({}): {}",
+                    describe(status),
+                    tail(&log, 2000)
+                );
+            }
+            Ok(ready.exists())
+        })
+        .with_context(|| format!("starting the servers in pod {name}"))?;
+        pod.servers.push(server);
+        Ok(pod)
+    }
+
+    /// Deletes a pod (its servers, namespace and veth pair).
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        let pod = self
+            .pods
+            .remove(name)
+            .with_context(|| format!("no pod {name}"))?;
+        drop(pod);
+        Ok(())
+    }
+
+    /// Starts `iperf3 -s -p 5201` in a pod and waits until it listens.
+    pub fn start_iperf3_server(&mut self, name: &str) -> Result<()> {
+        let log = self.tmp.join(&format!("{name}-iperf3.log"));
+        let pod = self
+            .pods
+            .get_mut(name)
+            .with_context(|| format!("no pod {name}"))?;
+        let port = IPERF_PORT.to_string();
+        let mut server = pod.ns.spawn(&["iperf3", "-s", "-p", &port], Some(&log))?;
+        let filter = format!("sport = :{IPERF_PORT}");
+        let ns = &pod.ns;
+        wait_for(Duration::from_secs(10), || {
+            if let Some(status) = server.try_wait()? {
+                bail!(
+                    "iperf3 -s in {name} exited ({}): {}",
+                    describe(status),
+                    tail(&log, 2000)
+                );
+            }
+            Ok(!ns.exec(&["ss", "-Hltn", &filter])?.trim().is_empty())
+        })
+        .with_context(|| format!("starting iperf3 in pod {name}"))?;
+        pod.servers.push(server);
+        Ok(())
+    }
+
+    fn client(&self) -> Result<&Pod> {
+        self.pod("client")
+    }
+
+    /// One HTTP GET from the client pod (`curl -s --max-time 3`).
+    pub fn curl(&self, url: &str) -> Result<CurlReply> {
+        let mut replies = self.curl_many(url, 1)?;
+        replies
+            .pop()
+            .context("curl printed nothing")?
+            .map_err(anyhow::Error::msg)
+    }
+
+    /// `n` sequential HTTP GETs from the client pod in one curl process (each on its own TCP
+    /// connection: the servers close). One entry per request: the reply or curl's error.
+    pub fn curl_many(&self, url: &str, n: usize) -> Result<Vec<Result<CurlReply, String>>> {
+        ensure!(
+            (1..=10_000).contains(&n),
+            "curl_many: n={n} out of 1..=10000"
+        );
+        let mut args = vec![
+            "curl",
+            "-s",
+            "--max-time",
+            "3",
+            "-H",
+            "Connection: close",
+            "-w",
+            "\x1e%{remote_ip}\x1e%{http_code}\x1e%{exitcode}\x1e%{errormsg}\x1d",
+        ];
+        args.extend(std::iter::repeat_n(url, n));
+        let timeout = Duration::from_secs(10) + Duration::from_secs(4) * n as u32;
+        let out = self.client()?.ns.output(&args, timeout)?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let replies: Vec<_> = stdout
+            .split('\x1d')
+            .filter(|r| !r.is_empty())
+            .map(parse_curl_record)
+            .collect();
+        ensure!(
+            replies.len() == n,
+            "curl printed {} records for {n} requests ({}): {}",
+            replies.len(),
+            describe(out.status),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(replies)
+    }
+
+    /// Sends one UDP datagram from the client pod and waits up to 2 s for the reply.
+    pub fn udp_request(&self, ip: Ipv4Addr, port: u16, payload: &str) -> Result<UdpReply> {
+        let out = self.client()?.ns.output(
+            &[
+                "python3",
+                "-c",
+                UDP_CLIENT_PY,
+                &ip.to_string(),
+                &port.to_string(),
+                payload,
+            ],
+            Duration::from_secs(10),
+        )?;
+        if !out.status.success() {
+            bail!(
+                "no UDP reply from {ip}:{port}: {}",
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or_default()
+            );
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let (from, body) = stdout
+            .split_once('\n')
+            .context("UDP client printed no source")?;
+        Ok(UdpReply {
+            from: from
+                .parse()
+                .with_context(|| format!("bad source {from:?}"))?,
+            body: body.to_owned(),
+        })
+    }
+
+    /// One TCP connect from the client pod; the outcome and how long it took.
+    pub fn tcp_connect(
+        &self,
+        ip: Ipv4Addr,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<(ConnectOutcome, Duration)> {
+        let secs = format!("{:.3}", timeout.as_secs_f64());
+        let out = self.client()?.ns.output(
+            &[
+                "python3",
+                "-c",
+                CONNECT_PY,
+                &ip.to_string(),
+                &port.to_string(),
+                &secs,
+            ],
+            timeout + Duration::from_secs(10),
+        )?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let (outcome, ms) = stdout.trim().split_once(' ').with_context(|| {
+            format!(
+                "connect helper printed {stdout:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+        let elapsed = Duration::from_millis(ms.parse().context("connect helper: elapsed")?);
+        let outcome = match outcome {
+            "connected" => ConnectOutcome::Connected,
+            "refused" => ConnectOutcome::Refused,
+            "timeout" => ConnectOutcome::TimedOut,
+            other => ConnectOutcome::Error(other.trim_start_matches("error:").to_owned()),
+        };
+        Ok((outcome, elapsed))
+    }
+
+    /// True when a TCP connect from the client is refused within 1 s (RST or ICMP port
+    /// unreachable), not timed out.
+    pub fn tcp_connect_refused(&self, ip: Ipv4Addr, port: u16) -> bool {
+        matches!(
+            self.tcp_connect(ip, port, Duration::from_secs(2)),
+            Ok((ConnectOutcome::Refused, elapsed)) if elapsed < Duration::from_secs(1)
+        )
+    }
+
+    /// Starts `iperf3 -c ip -p port -t seconds -J` in the client pod, in the background.
+    pub fn iperf3_client(&self, ip: Ipv4Addr, port: u16, seconds: u32) -> Result<IperfRun> {
+        ensure!(
+            (1..=60).contains(&seconds),
+            "iperf3 duration {seconds}s out of 1..=60"
+        );
+        let output = self.tmp.join(&format!("iperf3-client-{ip}-{port}.json"));
+        let _ = std::fs::remove_file(&output);
+        let args = [
+            "iperf3",
+            "-c",
+            &ip.to_string(),
+            "-p",
+            &port.to_string(),
+            "-t",
+            &seconds.to_string(),
+            "-J",
+            "--connect-timeout",
+            "3000",
+        ];
+        let proc = self.client()?.ns.spawn(&args, Some(&output))?;
+        Ok(IperfRun {
+            proc,
+            output,
+            seconds,
+        })
+    }
+}
+
+/// A running iperf3 client.
+#[derive(Debug)]
+pub struct IperfRun {
+    proc: Proc,
+    output: PathBuf,
+    seconds: u32,
+}
+
+/// What an iperf3 client run reported.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IperfSummary {
+    /// Whether iperf3 exited 0.
+    pub success: bool,
+    /// `end.sum_received.seconds`.
+    pub seconds: f64,
+    /// `end.sum_received.bits_per_second`.
+    pub bits_per_second: f64,
+    /// `end.sum_sent.retransmits`.
+    pub retransmits: u64,
+    /// iperf3's `error` field, if any.
+    pub error: Option<String>,
+}
+
+impl IperfRun {
+    /// Waits for the client (at most its duration + 15 s) and parses its JSON report.
+    pub fn wait(mut self) -> Result<IperfSummary> {
+        let limit = Duration::from_secs(u64::from(self.seconds) + 15);
+        let status = self.proc.wait_or_kill(limit)?;
+        let text = std::fs::read_to_string(&self.output)
+            .with_context(|| format!("reading {}", self.output.display()))?;
+        let mut summary = parse_iperf3_json(&text)
+            .with_context(|| format!("iperf3 exited ({}) with output: {text}", describe(status)))?;
+        summary.success = status.success() && summary.error.is_none();
+        Ok(summary)
+    }
+}
+
+fn parse_iperf3_json(text: &str) -> Result<IperfSummary> {
+    let v: serde_json::Value = serde_json::from_str(text).context("iperf3 JSON")?;
+    let recv = &v["end"]["sum_received"];
+    Ok(IperfSummary {
+        success: false,
+        seconds: recv["seconds"].as_f64().unwrap_or(0.0),
+        bits_per_second: recv["bits_per_second"].as_f64().unwrap_or(0.0),
+        retransmits: v["end"]["sum_sent"]["retransmits"].as_u64().unwrap_or(0),
+        error: v["error"].as_str().map(str::to_owned),
+    })
+}
+
+fn parse_curl_record(record: &str) -> Result<CurlReply, String> {
+    let mut fields = record.split('\x1e');
+    let body = fields.next().unwrap_or_default().trim().to_owned();
+    let remote_ip = fields.next().unwrap_or_default().to_owned();
+    let code = fields.next().unwrap_or_default();
+    let exit = fields.next().unwrap_or_default();
+    let msg = fields.next().unwrap_or_default();
+    if exit != "0" || code != "200" {
+        return Err(format!("curl exit {exit}, HTTP {code}: {msg}"));
+    }
+    Ok(CurlReply { body, remote_ip })
+}
+
+/// `ip -n <ns> args...` with a bound.
+fn ip_n(ns: &str, args: &[&str]) -> Result<()> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["-n", ns]).args(args);
+    run_ok(cmd, EXEC_TIMEOUT)?;
+    Ok(())
+}
+
+fn path_str(path: &std::path::Path) -> Result<&str> {
+    path.to_str()
+        .with_context(|| format!("non-UTF-8 path {}", path.display()))
+}
+
+/// Polls `ready` every 20 ms until it returns true, fails after `timeout`.
+pub(crate) fn wait_for(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if ready()? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("not ready within {timeout:?}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curl_records() {
+        assert_eq!(
+            parse_curl_record("be1\n\x1e10.96.0.10\x1e200\x1e0\x1e"),
+            Ok(CurlReply {
+                body: "be1".into(),
+                remote_ip: "10.96.0.10".into()
+            })
+        );
+        let err = parse_curl_record("\x1e10.96.0.10\x1e000\x1e7\x1eFailed to connect").unwrap_err();
+        assert!(err.contains("exit 7"), "{err}");
+    }
+
+    #[test]
+    fn iperf3_report() {
+        let s = parse_iperf3_json(
+            r#"{"end":{"sum_received":{"seconds":8.01,"bits_per_second":1.5e10},"sum_sent":{"retransmits":3}}}"#,
+        )
+        .expect("parses");
+        assert_eq!(s.seconds, 8.01);
+        assert_eq!(s.retransmits, 3);
+        assert_eq!(s.error, None);
+    }
+}
