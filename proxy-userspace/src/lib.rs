@@ -2,3 +2,11 @@
 pub mod ebpf_object;
 pub mod model;
 pub mod programmed;
+pub mod snapshot;
+pub mod manifests;
+pub mod endpoints;
+pub mod topology;
+pub mod translate;
+pub mod ids;
+pub mod encode;
+pub mod diff;

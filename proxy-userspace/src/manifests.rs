@@ -1,0 +1,323 @@
+//! Standalone source: a folder of Service and EndpointSlice manifests.
+//!
+//! Every `*.yaml`, `*.yml` and `*.json` file directly in the folder is read, in name order (not
+//! recursive: subfolders are ignored). A YAML file may hold several documents separated by
+//! `---`; a JSON file may hold several concatenated values. Each document is dispatched on
+//! apiVersion/kind: `v1 Service`, `discovery.k8s.io/v1 EndpointSlice`, and lists of them
+//! (`v1 List`, `v1 ServiceList`, `discovery.k8s.io/v1 EndpointSliceList`). A document that cannot
+//! be read is reported as a [`Problem`] and skipped; the rest of the file and the other files
+//! still load.
+
+use std::{
+    collections::{HashMap, hash_map::Entry},
+    fs,
+    hash::{DefaultHasher, Hash, Hasher},
+    io,
+    path::{Path, PathBuf},
+    time::UNIX_EPOCH,
+};
+
+use k8s_openapi::{
+    Resource,
+    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::{model::Problem, snapshot::Snapshot};
+
+/// File name endings read from the folder.
+const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
+
+/// The result of reading a folder: what loaded, and what was skipped and why.
+#[derive(Clone, Debug, Default)]
+pub struct ManifestLoad {
+    pub snapshot: Snapshot,
+    pub problems: Vec<Problem>,
+}
+
+/// Read every manifest file in `dir` (see the module docs). Never fails as a whole: an unreadable
+/// folder or file is a [`Problem`] like any bad document.
+pub fn load_dir(dir: &Path) -> ManifestLoad {
+    let mut load = Loader::default();
+    match manifest_files(dir) {
+        Ok(files) => {
+            for file in files {
+                load.file(&file);
+            }
+        }
+        Err(e) => load.problem(dir, "directory", format!("cannot list manifest files: {e}")),
+    }
+    load.out
+}
+
+/// A cheap change detector for `dir`: a hash of the names, sizes and modification times (ns) of
+/// the manifest files. Poll it and reload when it changes. An unreadable folder has a fingerprint
+/// of its own, so it changing back to readable is noticed too.
+pub fn fingerprint(dir: &Path) -> u64 {
+    let mut h = DefaultHasher::new();
+    match manifest_files(dir) {
+        Ok(files) => {
+            for file in files {
+                file.hash(&mut h);
+                match fs::metadata(&file) {
+                    Ok(meta) => {
+                        meta.len().hash(&mut h);
+                        // A clock before the epoch hashes as 0 — still stable between polls.
+                        let mtime = meta
+                            .modified()
+                            .ok()
+                            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                            .map_or(0, |d| d.as_nanos());
+                        mtime.hash(&mut h);
+                    }
+                    Err(e) => e.kind().hash(&mut h),
+                }
+            }
+        }
+        Err(e) => {
+            "unreadable".hash(&mut h);
+            e.kind().hash(&mut h);
+        }
+    }
+    h.finish()
+}
+
+/// The manifest files directly in `dir`, sorted by path.
+fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        let wanted = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| EXTENSIONS.contains(&e));
+        if wanted && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+#[derive(Default)]
+struct Loader {
+    out: ManifestLoad,
+    /// "Kind ns/name" → file it was first loaded from, to report duplicates.
+    seen: HashMap<String, String>,
+}
+
+impl Loader {
+    fn problem(&mut self, source: &Path, object: impl Into<String>, reason: impl Into<String>) {
+        self.out.problems.push(Problem {
+            source: source.display().to_string(),
+            object: object.into(),
+            reason: reason.into(),
+        });
+    }
+
+    fn file(&mut self, path: &Path) {
+        let text = match fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) => return self.problem(path, "file", format!("cannot read: {e}")),
+        };
+        let is_json = path.extension().is_some_and(|e| e == "json");
+        let documents = if is_json {
+            json_documents(&text)
+        } else {
+            yaml_documents(&text)
+        };
+        for (n, doc) in documents.into_iter().enumerate() {
+            let label = format!("document {}", n + 1);
+            match doc {
+                Ok(Value::Null) => {} // an empty document (e.g. a trailing `---`)
+                Ok(value) => self.document(path, &label, value),
+                Err(reason) => self.problem(path, label, reason),
+            }
+        }
+    }
+
+    /// Dispatch one parsed document on apiVersion/kind.
+    fn document(&mut self, path: &Path, label: &str, value: Value) {
+        let field = |f: &str| {
+            value
+                .get(f)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let (api_version, kind) = (field("apiVersion"), field("kind"));
+        match (api_version.as_str(), kind.as_str()) {
+            (Service::API_VERSION, Service::KIND) => {
+                if let Some(svc) = self.object::<Service>(path, label, value) {
+                    self.out.snapshot.services.push(svc);
+                }
+            }
+            (EndpointSlice::API_VERSION, EndpointSlice::KIND) => {
+                if let Some(slice) = self.object::<EndpointSlice>(path, label, value) {
+                    self.out.snapshot.endpoint_slices.push(slice);
+                }
+            }
+            ("v1", "List" | "ServiceList") | ("discovery.k8s.io/v1", "EndpointSliceList") => {
+                let items = match value {
+                    Value::Object(mut map) => map.remove("items"),
+                    _ => None,
+                };
+                match items {
+                    Some(Value::Array(items)) => {
+                        for (i, item) in items.into_iter().enumerate() {
+                            self.document(path, &format!("{label} item {}", i + 1), item);
+                        }
+                    }
+                    None | Some(Value::Null) => {} // an empty list
+                    Some(_) => self.problem(path, label, format!("{kind}: items is not a list")),
+                }
+            }
+            ("", _) | (_, "") => self.problem(
+                path,
+                label,
+                "not a Kubernetes object: apiVersion or kind missing",
+            ),
+            _ => self.problem(
+                path,
+                format!("{kind} {}", object_name(&value)),
+                format!(
+                    "unsupported apiVersion/kind {api_version}/{kind}: only v1 Service, \
+                     discovery.k8s.io/v1 EndpointSlice and lists of them are read"
+                ),
+            ),
+        }
+    }
+
+    /// Deserialize one object, fill in the default namespace, and check it has a name and is
+    /// not a duplicate.
+    fn object<K>(&mut self, path: &Path, label: &str, value: Value) -> Option<K>
+    where
+        K: Resource + DeserializeOwned + HasMeta,
+    {
+        let object = format!("{} {}", K::KIND, object_name(&value));
+        let mut k: K = match K::deserialize(value) {
+            Ok(k) => k,
+            Err(e) => {
+                self.problem(path, object, format!("invalid {}: {e}", K::KIND));
+                return None;
+            }
+        };
+        let meta = k.meta_mut();
+        let Some(name) = meta.name.clone().filter(|n| !n.is_empty()) else {
+            self.problem(
+                path,
+                format!("{} ({label})", K::KIND),
+                "metadata.name is missing",
+            );
+            return None;
+        };
+        let namespace = meta
+            .namespace
+            .get_or_insert_with(|| "default".to_owned())
+            .clone();
+        let object = format!("{} {namespace}/{name}", K::KIND);
+        match self.seen.entry(object.clone()) {
+            Entry::Occupied(first) => {
+                let reason = format!(
+                    "duplicate: already loaded from {}; this copy is skipped",
+                    first.get()
+                );
+                self.problem(path, object, reason);
+                None
+            }
+            Entry::Vacant(v) => {
+                v.insert(path.display().to_string());
+                Some(k)
+            }
+        }
+    }
+}
+
+/// `ns/name` from a raw document, for messages about documents that did not deserialize.
+fn object_name(value: &Value) -> String {
+    let meta = value.get("metadata");
+    let field = |f: &str| meta.and_then(|m| m.get(f)).and_then(Value::as_str);
+    format!(
+        "{}/{}",
+        field("namespace").unwrap_or("default"),
+        field("name").unwrap_or("?")
+    )
+}
+
+/// Access to an object's metadata, for the two kinds read here.
+trait HasMeta {
+    fn meta_mut(&mut self) -> &mut ObjectMeta;
+}
+
+impl HasMeta for Service {
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl HasMeta for EndpointSlice {
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// Split a YAML stream into documents and parse each on its own, so that a syntax error in one
+/// document does not hide the others (libyaml stops a stream at its first error). Documents
+/// start at lines beginning with `---`, which YAML reserves for that at column 0.
+fn yaml_documents(text: &str) -> Vec<Result<Value, String>> {
+    let mut chunks: Vec<(usize, String)> = vec![(1, String::new())];
+    for (i, line) in text.lines().enumerate() {
+        let is_marker = line
+            .strip_prefix("---")
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(' ') || rest.starts_with('\t'));
+        if is_marker {
+            chunks.push((i + 1, String::new()));
+        }
+        if let Some((_, chunk)) = chunks.last_mut() {
+            chunk.push_str(line);
+            chunk.push('\n');
+        }
+    }
+    // Text before the first marker only counts as a document if it holds something.
+    if chunks.len() > 1 && chunks.first().is_some_and(|(_, c)| is_blank_yaml(c)) {
+        chunks.remove(0);
+    }
+    chunks
+        .into_iter()
+        .map(|(line, chunk)| {
+            if is_blank_yaml(&chunk) {
+                return Ok(Value::Null);
+            }
+            serde_yaml::from_str::<Value>(&chunk)
+                .map_err(|e| format!("invalid YAML (document starts at line {line}): {e}"))
+        })
+        .collect()
+}
+
+/// Only blank lines, comments and document markers.
+fn is_blank_yaml(chunk: &str) -> bool {
+    chunk.lines().all(|l| {
+        let l = l.trim();
+        l.is_empty() || l.starts_with('#') || l == "---" || l == "..."
+    })
+}
+
+/// Parse concatenated JSON values. JSON has no document separator to resynchronise on, so a
+/// syntax error ends the file (reported as the next document).
+fn json_documents(text: &str) -> Vec<Result<Value, String>> {
+    let mut docs = Vec::new();
+    for value in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
+        match value {
+            Ok(v) => docs.push(Ok(v)),
+            Err(e) => {
+                docs.push(Err(format!(
+                    "invalid JSON: {e}; the rest of the file is skipped"
+                )));
+                break;
+            }
+        }
+    }
+    docs
+}
