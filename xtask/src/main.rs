@@ -1,1 +1,57 @@
-fn main() {}
+//! `cargo xtask setup | build-ebpf | test | demo`.
+
+mod build_ebpf;
+mod demo;
+mod setup;
+mod test;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "xtask", about = "kube-proxy-ebpf project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install (as root) or check everything a fresh Debian 12 machine needs: LLVM 22, bpf-linker
+    /// 0.13.0, nightly + rust-src, bpftool, iproute2, test tools; mount bpffs. Idempotent.
+    Setup {
+        /// Only check and report; install nothing.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Build the agent (its build.rs builds the eBPF object) and list the object's programs and
+    /// maps.
+    BuildEbpf,
+    /// Run every test tier: fmt, clippy (host and eBPF), unprivileged tests, privileged tests.
+    /// Needs root.
+    Test {
+        /// Skip `cargo xtask setup` before the tiers.
+        #[arg(long)]
+        no_setup: bool,
+    },
+    /// Build, make a one-node topology of network namespaces, run the agent on deploy/examples
+    /// and send traffic through the Services. Needs root.
+    Demo,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Setup { check } => setup::run(check),
+        Command::BuildEbpf => build_ebpf::run().map(|_| ()),
+        Command::Test { no_setup } => test::run(no_setup),
+        Command::Demo => demo::run(),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! `cargo xtask test`: every tier, in order, with a summary. Needs root.
+
+use std::{process::Command, time::Instant};
+
+use anyhow::{Result, bail};
+
+use crate::util::{cargo, is_root, sh, step_start, workspace_root};
+
+/// Privileged test targets: (package, test target). Each guards itself with KPE_PRIVILEGED=1.
+const PRIVILEGED: &[(&str, &str)] = &[
+    ("proxy-testenv", "topology"),
+    ("proxy-userspace", "datapath"),
+    ("proxy-userspace", "netns"),
+];
+
+struct Outcome {
+    name: String,
+    ok: bool,
+    secs: f64,
+    note: String,
+}
+
+pub fn run(no_setup: bool) -> Result<()> {
+    if !is_root() {
+        bail!("cargo xtask test needs root (eBPF load, network namespaces); run it with sudo");
+    }
+    let started = Instant::now();
+    if !no_setup {
+        crate::setup::run(false)?;
+    }
+    proxy_testenv::ensure_bpffs()?;
+
+    let mut outcomes = Vec::new();
+    let mut step = |name: &str, cmd: &mut Command| {
+        let started = step_start(name);
+        let result = sh(cmd);
+        let secs = started.elapsed().as_secs_f64();
+        if let Err(e) = &result {
+            eprintln!("FAILED: {name}: {e:#}");
+        }
+        outcomes.push(Outcome {
+            name: name.to_owned(),
+            ok: result.is_ok(),
+            secs,
+            note: result.err().map(|e| format!("{e:#}")).unwrap_or_default(),
+        });
+    };
+
+    // The repo's rustfmt.toml uses unstable options (group_imports, imports_granularity):
+    // only nightly rustfmt applies them; stable warns and formats differently.
+    step(
+        "fmt",
+        cargo().args(["+nightly", "fmt", "--all", "--", "--check"]),
+    );
+    // `--workspace` means all members, including proxy-ebpf (a no_std BPF crate): exclude it.
+    step(
+        "clippy (host crates)",
+        cargo()
+            .args([
+                "clippy",
+                "--workspace",
+                "--exclude",
+                "proxy-ebpf",
+                "--all-targets",
+                "--",
+            ])
+            .args(["-D", "warnings"]),
+    );
+    step(
+        "clippy (eBPF crate)",
+        cargo()
+            .current_dir(workspace_root().join("proxy-ebpf"))
+            .args([
+                "+nightly",
+                "clippy",
+                "-p",
+                "proxy-ebpf",
+                "--target",
+                "bpfel-unknown-none",
+            ])
+            .args(["-Z", "build-std=core", "--", "-D", "warnings"]),
+    );
+    step(
+        "unprivileged tests",
+        cargo()
+            .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
+            .env_remove(proxy_testenv::PRIVILEGED_ENV),
+    );
+    let mut privileged: Vec<String> = Vec::new();
+    for (package, target) in PRIVILEGED {
+        let file = workspace_root()
+            .join(package)
+            .join("tests")
+            .join(format!("{target}.rs"));
+        if file.exists() {
+            privileged.extend([
+                "-p".into(),
+                (*package).into(),
+                "--test".into(),
+                (*target).into(),
+            ]);
+        } else {
+            eprintln!(
+                "note: privileged test target {package}/tests/{target}.rs does not exist yet"
+            );
+        }
+    }
+    if !privileged.is_empty() {
+        step(
+            "privileged tests",
+            cargo()
+                .arg("test")
+                .args(&privileged)
+                .args(["--", "--test-threads=1"])
+                .env(proxy_testenv::PRIVILEGED_ENV, "1"),
+        );
+    }
+
+    eprintln!("\nsummary:");
+    for o in &outcomes {
+        let verdict = if o.ok { "ok" } else { "FAILED" };
+        eprintln!(
+            "  {:<24} {verdict:<6} {:>6.1}s {}",
+            o.name,
+            o.secs,
+            first_line(&o.note)
+        );
+    }
+    let failed = outcomes.iter().filter(|o| !o.ok).count();
+    println!(
+        "xtask test: {} steps ok, {failed} steps failed in {:.0}s",
+        outcomes.len() - failed,
+        started.elapsed().as_secs_f64()
+    );
+    if failed > 0 {
+        bail!("{failed} test steps failed");
+    }
+    Ok(())
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or_default()
+}
