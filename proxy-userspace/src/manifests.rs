@@ -290,8 +290,9 @@ fn yaml_documents(text: &str) -> Vec<Result<Value, String>> {
             if is_blank_yaml(&chunk) {
                 return Ok(Value::Null);
             }
-            serde_yaml::from_str::<Value>(&chunk)
-                .map_err(|e| format!("invalid YAML (document starts at line {line}): {e}"))
+            // Blank lines in front keep the parser's line numbers those of the file.
+            let padded = "\n".repeat(line - 1) + &chunk;
+            serde_yaml::from_str::<Value>(&padded).map_err(|e| format!("invalid YAML: {e}"))
         })
         .collect()
 }
@@ -320,4 +321,245 @@ fn json_documents(text: &str) -> Vec<Result<Value, String>> {
         }
     }
     docs
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    /// A fresh folder under the temp dir, removed on drop even if the test fails.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(files: &[(&str, &str)]) -> Self {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let n = N.fetch_add(1, Ordering::Relaxed);
+            let dir =
+                std::env::temp_dir().join(format!("kpe-manifests-{}-{n}", std::process::id()));
+            fs::create_dir_all(&dir).expect("create temp dir");
+            let t = Self(dir);
+            for (name, text) in files {
+                t.write(name, text);
+            }
+            t
+        }
+
+        fn write(&self, name: &str, text: &str) {
+            fs::write(self.0.join(name), text).expect("write manifest");
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn svc_yaml(name: &str, ip: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: ns\nspec:\n  \
+             clusterIP: {ip}\n  ports:\n  - port: 80\n"
+        )
+    }
+
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  \
+                         name: a-1\n  labels: {kubernetes.io/service-name: a}\naddressType: \
+                         IPv4\nendpoints:\n- addresses: [10.0.0.1]\n";
+
+    fn names(load: &ManifestLoad) -> Vec<String> {
+        let svcs = load.snapshot.services.iter().map(|s| &s.metadata);
+        let slices = load.snapshot.endpoint_slices.iter().map(|s| &s.metadata);
+        svcs.chain(slices)
+            .map(|m| {
+                format!(
+                    "{}/{}",
+                    m.namespace.as_deref().unwrap_or("-"),
+                    m.name.as_deref().unwrap_or("-")
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn multi_document_yaml_loads_services_and_slices() {
+        let text = format!(
+            "---\n{}---\n{}---\n{SLICE}...\n",
+            svc_yaml("a", "10.96.0.1"),
+            svc_yaml("b", "10.96.0.2")
+        );
+        let dir = TempDir::new(&[("all.yaml", &text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(load.problems, []);
+        assert_eq!(names(&load), ["ns/a", "ns/b", "default/a-1"]);
+    }
+
+    #[test]
+    fn missing_namespace_defaults_to_default() {
+        let dir = TempDir::new(&[("s.yml", SLICE)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(load.problems, []);
+        assert_eq!(names(&load), ["default/a-1"]);
+    }
+
+    #[test]
+    fn v1_list_items_are_dispatched_one_by_one() {
+        let text = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Service\n  \
+                    metadata: {name: a}\n  spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n- \
+                    apiVersion: v1\n  kind: ConfigMap\n  metadata: {name: c}\n";
+        let dir = TempDir::new(&[("list.yaml", text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(names(&load), ["default/a"]);
+        assert_eq!(load.problems.len(), 1, "{:?}", load.problems);
+        assert_eq!(load.problems[0].object, "ConfigMap default/c");
+    }
+
+    #[test]
+    fn json_files_load_like_yaml() {
+        let text = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j","namespace":"ns"},
+                       "spec":{"clusterIP":"10.96.0.9","ports":[{"port":53,"protocol":"UDP"}]}}"#;
+        let dir = TempDir::new(&[("svc.json", text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(load.problems, []);
+        assert_eq!(names(&load), ["ns/j"]);
+    }
+
+    #[test]
+    fn bad_yaml_document_is_reported_and_the_rest_still_loads() {
+        let text = format!(
+            "{}---\nkind: Service\nmetadata: [unclosed\n---\n{}",
+            svc_yaml("a", "10.96.0.1"),
+            svc_yaml("b", "10.96.0.2")
+        );
+        let dir = TempDir::new(&[
+            ("mixed.yaml", &text),
+            ("z.yaml", &svc_yaml("c", "10.96.0.3")),
+        ]);
+        let load = load_dir(&dir.0);
+        assert_eq!(names(&load), ["ns/a", "ns/b", "ns/c"]);
+        let [p] = load.problems.as_slice() else {
+            panic!("one problem expected: {:?}", load.problems)
+        };
+        assert!(p.source.ends_with("mixed.yaml"), "{p}");
+        assert_eq!(p.object, "document 2");
+        assert!(
+            p.reason.starts_with("invalid YAML") && p.reason.contains("at line 13"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn unknown_kind_is_reported_with_file_object_and_reason() {
+        let text = format!(
+            "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: d, namespace: ns}}\n---\n{}",
+            svc_yaml("a", "10.96.0.1")
+        );
+        let dir = TempDir::new(&[("d.yaml", &text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(names(&load), ["ns/a"]);
+        let [p] = load.problems.as_slice() else {
+            panic!("{:?}", load.problems)
+        };
+        assert!(p.source.ends_with("d.yaml"));
+        assert_eq!(p.object, "Deployment ns/d");
+        assert!(
+            p.reason
+                .contains("unsupported apiVersion/kind apps/v1/Deployment"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn missing_name_is_reported() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {namespace: ns}\nspec: {clusterIP: 10.96.0.1}\n";
+        let dir = TempDir::new(&[("n.yaml", text)]);
+        let load = load_dir(&dir.0);
+        assert!(load.snapshot.services.is_empty());
+        let [p] = load.problems.as_slice() else {
+            panic!("{:?}", load.problems)
+        };
+        assert_eq!(p.object, "Service (document 1)");
+        assert!(p.reason.contains("metadata.name"), "{p}");
+    }
+
+    #[test]
+    fn document_failing_k8s_deserialization_is_reported_by_name() {
+        let text = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: bad, namespace: ns}}\nspec: {{ports: \
+             7}}\n---\n{}",
+            svc_yaml("good", "10.96.0.1")
+        );
+        let dir = TempDir::new(&[("k.yaml", &text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(names(&load), ["ns/good"]);
+        let [p] = load.problems.as_slice() else {
+            panic!("{:?}", load.problems)
+        };
+        assert_eq!(p.object, "Service ns/bad");
+        assert!(p.reason.starts_with("invalid Service"), "{p}");
+    }
+
+    #[test]
+    fn missing_api_version_or_kind_is_reported() {
+        let dir = TempDir::new(&[("x.yaml", "foo: bar\n")]);
+        let load = load_dir(&dir.0);
+        let [p] = load.problems.as_slice() else {
+            panic!("{:?}", load.problems)
+        };
+        assert_eq!(p.object, "document 1");
+    }
+
+    #[test]
+    fn duplicate_object_across_files_keeps_the_first() {
+        let dir = TempDir::new(&[
+            ("a.yaml", &svc_yaml("s", "10.96.0.1")),
+            ("b.yaml", &svc_yaml("s", "10.96.0.2")),
+        ]);
+        let load = load_dir(&dir.0);
+        assert_eq!(load.snapshot.services.len(), 1);
+        let spec = load.snapshot.services[0].spec.as_ref().expect("spec");
+        assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
+        let [p] = load.problems.as_slice() else {
+            panic!("{:?}", load.problems)
+        };
+        assert!(
+            p.source.ends_with("b.yaml") && p.reason.contains("a.yaml"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn other_files_and_subfolders_are_ignored() {
+        let dir = TempDir::new(&[
+            ("notes.txt", "not yaml: ["),
+            ("a.yaml", &svc_yaml("a", "10.96.0.1")),
+        ]);
+        fs::create_dir(dir.0.join("sub.yaml")).expect("mkdir");
+        let load = load_dir(&dir.0);
+        assert_eq!(load.problems, []);
+        assert_eq!(names(&load), ["ns/a"]);
+    }
+
+    #[test]
+    fn missing_directory_is_a_problem_not_a_panic() {
+        let load = load_dir(Path::new("/nonexistent/kube-proxy-ebpf-manifests"));
+        assert_eq!(load.problems.len(), 1);
+        assert_eq!(load.problems[0].object, "directory");
+    }
+
+    #[test]
+    fn fingerprint_changes_with_content_and_file_set() {
+        let dir = TempDir::new(&[("a.yaml", &svc_yaml("a", "10.96.0.1"))]);
+        let f1 = fingerprint(&dir.0);
+        assert_eq!(f1, fingerprint(&dir.0), "stable while nothing changes");
+        dir.write("a.yaml", &svc_yaml("a", "10.96.0.11"));
+        let f2 = fingerprint(&dir.0);
+        assert_ne!(f1, f2, "size changed");
+        dir.write("b.yaml", "");
+        assert_ne!(f2, fingerprint(&dir.0), "file added");
+        let f3 = fingerprint(&dir.0);
+        dir.write("ignored.txt", "x");
+        assert_eq!(f3, fingerprint(&dir.0), "non-manifest files do not count");
+    }
 }

@@ -276,3 +276,796 @@ fn namespaced_name(svc: &Service) -> String {
         svc.metadata.name.as_deref().unwrap_or("?")
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    const NODE: &str = "node-a";
+    const ZONE: &str = "zone-a";
+
+    fn service(name: &str, spec: Value) -> Service {
+        service_meta(json!({"name": name, "namespace": "demo"}), spec)
+    }
+
+    fn service_meta(metadata: Value, spec: Value) -> Service {
+        serde_json::from_value(json!({"metadata": metadata, "spec": spec}))
+            .expect("Service fixture")
+    }
+
+    /// A ClusterIP Service with one port per (name, port, protocol).
+    fn cluster_ip(name: &str, ip: &str, ports: &[(&str, i32, &str)]) -> Service {
+        let ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, p, proto)| json!({"name": n, "port": p, "protocol": proto}))
+            .collect();
+        service(name, json!({"clusterIP": ip, "ports": ports}))
+    }
+
+    fn slice_typed(
+        service: &str,
+        name: &str,
+        address_type: &str,
+        ports: Value,
+        endpoints: Vec<Value>,
+    ) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "demo",
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": address_type,
+            "ports": ports,
+            "endpoints": endpoints,
+        }))
+        .expect("EndpointSlice fixture")
+    }
+
+    fn slice(service: &str, name: &str, ports: Value, endpoints: Vec<Value>) -> EndpointSlice {
+        slice_typed(service, name, "IPv4", ports, endpoints)
+    }
+
+    /// An endpoint; `conditions` as (ready, serving, terminating), None = field absent.
+    fn ep(addr: &str, node: &str, c: (Option<bool>, Option<bool>, Option<bool>)) -> Value {
+        json!({"addresses": [addr], "nodeName": node,
+               "conditions": {"ready": c.0, "serving": c.1, "terminating": c.2}})
+    }
+
+    fn ready(addr: &str) -> Value {
+        ep(addr, "node-b", (Some(true), Some(true), Some(false)))
+    }
+
+    fn terminating(addr: &str, serving: bool) -> Value {
+        ep(addr, "node-b", (Some(false), Some(serving), Some(true)))
+    }
+
+    fn hinted(addr: &str, zones: &[&str]) -> Value {
+        let mut v = ready(addr);
+        let zones: Vec<Value> = zones.iter().map(|z| json!({"name": z})).collect();
+        v["hints"] = json!({"forZones": zones});
+        v
+    }
+
+    fn http_port(port: i32) -> Value {
+        json!([{"name": "http", "port": port, "protocol": "TCP"}])
+    }
+
+    /// What a test expects of one frontend: selected and retained backends as
+    /// "addr:port" + " T" (terminating) + " L" (local).
+    struct Want<'a> {
+        frontend: &'a str,
+        selected: &'a [&'a str],
+        retained: &'a [&'a str],
+    }
+
+    struct Case<'a> {
+        services: Vec<Service>,
+        slices: Vec<EndpointSlice>,
+        want: &'a [Want<'a>],
+        /// Substrings of "object: reason", one per expected problem, in order.
+        problems: &'a [&'a str],
+        notes: usize,
+    }
+
+    fn show(b: &crate::model::DesiredBackend) -> String {
+        let mut s = format!("{}:{}", b.endpoint.addr, b.endpoint.port);
+        if b.terminating {
+            s.push_str(" T");
+        }
+        if b.local {
+            s.push_str(" L");
+        }
+        s
+    }
+
+    fn run(case: Case<'_>) -> Translation {
+        let snapshot = Snapshot {
+            services: case.services,
+            endpoint_slices: case.slices,
+        };
+        let node = NodeContext {
+            node_name: NODE.into(),
+            zone: Some(ZONE.into()),
+        };
+        let t = translate(&snapshot, &node);
+        let got: Vec<(String, Vec<String>, Vec<String>)> = t
+            .desired
+            .frontends
+            .iter()
+            .map(|(fe, df)| {
+                (
+                    fe.to_string(),
+                    df.backends.iter().map(show).collect(),
+                    df.retained.iter().map(show).collect(),
+                )
+            })
+            .collect();
+        let want: Vec<(String, Vec<String>, Vec<String>)> = case
+            .want
+            .iter()
+            .map(|w| {
+                let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect();
+                (w.frontend.to_owned(), v(w.selected), v(w.retained))
+            })
+            .collect();
+        assert_eq!(got, want);
+        let problems: Vec<String> = t
+            .problems
+            .iter()
+            .map(|p| format!("{}: {}", p.object, p.reason))
+            .collect();
+        assert_eq!(
+            problems.len(),
+            case.problems.len(),
+            "problems: {problems:#?}"
+        );
+        for (p, want) in problems.iter().zip(case.problems) {
+            assert!(p.contains(want), "problem {p:?} should contain {want:?}");
+        }
+        assert_eq!(t.notes.len(), case.notes, "notes: {:?}", t.notes);
+        t
+    }
+
+    fn web_slice() -> EndpointSlice {
+        slice("web", "web-1", http_port(8080), vec![ready("10.0.0.1")])
+    }
+
+    #[test]
+    fn external_name_skipped() {
+        run(Case {
+            services: vec![service(
+                "ext",
+                json!({"type": "ExternalName", "externalName": "example.com",
+                                                 "ports": [{"port": 80}]}),
+            )],
+            slices: vec![],
+            want: &[],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn headless_skipped() {
+        run(Case {
+            services: vec![
+                service(
+                    "none",
+                    json!({"clusterIP": "None", "ports": [{"port": 80}]}),
+                ),
+                service("empty", json!({"clusterIP": "", "ports": [{"port": 80}]})),
+                service("unset", json!({"ports": [{"port": 80}]})),
+            ],
+            slices: vec![],
+            want: &[],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn service_proxy_name_label_skipped() {
+        let labels = json!({"name": "other", "namespace": "demo",
+                            "labels": {"service.kubernetes.io/service-proxy-name": "someone-else"}});
+        run(Case {
+            services: vec![service_meta(
+                labels,
+                json!({"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}),
+            )],
+            slices: vec![],
+            want: &[],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn no_endpoints_gives_frontend_with_empty_backends() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn named_target_port_resolves_per_slice() {
+        // Two pod versions listen on different container ports behind one named targetPort.
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![
+                slice("web", "web-v1", http_port(8080), vec![ready("10.0.0.1")]),
+                slice("web", "web-v2", http_port(9090), vec![ready("10.0.0.2")]),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:9090"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn ports_matched_by_name_and_protocol() {
+        let ports = json!([{"name": "dns", "port": 5353, "protocol": "UDP"},
+                           {"name": "dns-tcp", "port": 5354, "protocol": "TCP"},
+                           {"name": "dns", "port": 9999, "protocol": "TCP"}]);
+        run(Case {
+            services: vec![cluster_ip(
+                "dns",
+                "10.96.0.53",
+                &[("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")],
+            )],
+            slices: vec![slice("dns", "dns-1", ports, vec![ready("10.0.0.1")])],
+            want: &[
+                Want {
+                    frontend: "10.96.0.53:53/TCP",
+                    selected: &["10.0.0.1:5354"],
+                    retained: &[],
+                },
+                Want {
+                    frontend: "10.96.0.53:53/UDP",
+                    selected: &["10.0.0.1:5353"],
+                    retained: &[],
+                },
+            ],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn unnamed_port_matches_unnamed_slice_port_only() {
+        let svc = service(
+            "web",
+            json!({"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}),
+        );
+        run(Case {
+            services: vec![svc],
+            slices: vec![
+                slice(
+                    "web",
+                    "web-1",
+                    json!([{"port": 8080}]),
+                    vec![ready("10.0.0.1")],
+                ),
+                slice("web", "web-2", http_port(9090), vec![ready("10.0.0.2")]),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn multiple_slices_merge_and_dedupe_preferring_the_local_copy() {
+        let local = ep("10.0.0.2", NODE, (Some(true), None, None));
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![
+                slice(
+                    "web",
+                    "web-a",
+                    http_port(8080),
+                    vec![ready("10.0.0.1"), ready("10.0.0.2")],
+                ),
+                slice(
+                    "web",
+                    "web-b",
+                    http_port(8080),
+                    vec![local, ready("10.0.0.3")],
+                ),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080 L", "10.0.0.3:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn slices_of_other_namespaces_services_and_address_types_are_ignored() {
+        let mut other_ns = web_slice();
+        other_ns.metadata.namespace = Some("elsewhere".into());
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![
+                other_ns,
+                slice("api", "api-1", http_port(8080), vec![ready("10.0.0.2")]),
+                slice_typed(
+                    "web",
+                    "web-v6",
+                    "IPv6",
+                    http_port(8080),
+                    vec![ready("fd00::1")],
+                ),
+                slice_typed(
+                    "web",
+                    "web-fqdn",
+                    "FQDN",
+                    http_port(8080),
+                    vec![ready("example.com")],
+                ),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn ready_endpoints_selected_serving_terminating_retained() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    ready("10.0.0.1"),
+                    terminating("10.0.0.2", true),
+                    terminating("10.0.0.3", false), // not serving: dropped entirely
+                    ep(
+                        "10.0.0.4",
+                        "node-b",
+                        (Some(false), Some(false), Some(false)),
+                    ), // not ready
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &["10.0.0.2:8080 T"],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn serving_terminating_fallback_when_none_ready() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    terminating("10.0.0.2", true),
+                    terminating("10.0.0.3", false),
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.2:8080 T"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn nil_conditions_ready_true_serving_as_ready_terminating_false() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    // No conditions at all: ready.
+                    json!({"addresses": ["10.0.0.1"]}),
+                    // Not ready, terminating, serving unset = not serving: no fallback, not retained.
+                    ep("10.0.0.2", "node-b", (Some(false), None, Some(true))),
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    fn itp_local(name: &str, ip: &str) -> Service {
+        service(
+            name,
+            json!({"clusterIP": ip, "internalTrafficPolicy": "Local",
+                             "ports": [{"name": "http", "port": 80}]}),
+        )
+    }
+
+    #[test]
+    fn itp_local_selects_only_this_nodes_endpoints() {
+        let local_ready = ep("10.0.0.1", NODE, (Some(true), Some(true), Some(false)));
+        let local_term = ep("10.0.0.3", NODE, (Some(false), Some(true), Some(true)));
+        run(Case {
+            services: vec![itp_local("web", "10.96.0.10")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![local_ready, ready("10.0.0.2"), local_term],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080 L"],
+                retained: &["10.0.0.3:8080 T L"],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn itp_local_falls_back_to_local_serving_terminating() {
+        let local_term = ep("10.0.0.3", NODE, (Some(false), Some(true), Some(true)));
+        run(Case {
+            services: vec![itp_local("web", "10.96.0.10")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![ready("10.0.0.2"), local_term],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.3:8080 T L"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn itp_local_without_local_endpoints_selects_none() {
+        run(Case {
+            services: vec![itp_local("web", "10.96.0.10")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![ready("10.0.0.2")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    fn prefer_close(name: &str) -> Service {
+        service(
+            name,
+            json!({"clusterIP": "10.96.0.10", "trafficDistribution": "PreferClose",
+                             "ports": [{"name": "http", "port": 80}]}),
+        )
+    }
+
+    #[test]
+    fn zone_hints_used_when_every_ready_endpoint_has_hints_and_one_matches() {
+        run(Case {
+            services: vec![prefer_close("web")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    hinted("10.0.0.1", &[ZONE]),
+                    hinted("10.0.0.2", &["zone-b"]),
+                    hinted("10.0.0.3", &["zone-b", ZONE]),
+                    terminating("10.0.0.4", false), // not ready: its missing hints do not count
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.3:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn zone_hints_ignored_when_a_ready_endpoint_has_none() {
+        run(Case {
+            services: vec![prefer_close("web")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![hinted("10.0.0.1", &[ZONE]), ready("10.0.0.2")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn zone_hints_ignored_when_none_matches_this_zone() {
+        run(Case {
+            services: vec![prefer_close("web")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    hinted("10.0.0.1", &["zone-b"]),
+                    hinted("10.0.0.2", &["zone-c"]),
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn zone_hints_ignored_unless_the_service_asks_for_topology() {
+        let endpoints = || vec![hinted("10.0.0.1", &[ZONE]), hinted("10.0.0.2", &["zone-b"])];
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice("web", "web-1", http_port(8080), endpoints())],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+        // The topology-mode annotation turns them on.
+        let meta = json!({"name": "web", "namespace": "demo",
+                          "annotations": {"service.kubernetes.io/topology-mode": "Auto"}});
+        run(Case {
+            services: vec![service_meta(
+                meta,
+                json!({"clusterIP": "10.96.0.10",
+                                                     "ports": [{"name": "http", "port": 80}]}),
+            )],
+            slices: vec![slice("web", "web-1", http_port(8080), endpoints())],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn ipv6_cluster_ip_skipped_with_a_note() {
+        let dual = service(
+            "dual",
+            json!({"clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00::10"],
+                                          "ports": [{"name": "http", "port": 80}]}),
+        );
+        let v6 = service(
+            "v6",
+            json!({"clusterIP": "fd00::20", "ports": [{"port": 80}]}),
+        );
+        let t = run(Case {
+            services: vec![dual, v6],
+            slices: vec![],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 2,
+        });
+        assert!(t.notes[0].reason.contains("fd00::10"), "{}", t.notes[0]);
+        assert_eq!(t.notes[1].object, "Service demo/v6");
+    }
+
+    #[test]
+    fn bad_cluster_ip_reported_and_others_kept() {
+        run(Case {
+            services: vec![
+                cluster_ip("bad", "10.96.0.300", &[("http", 80, "TCP")]),
+                cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")]),
+            ],
+            slices: vec![web_slice()],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &["Service demo/bad: clusterIP \"10.96.0.300\" is not an IP address"],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn port_zero_or_too_large_reported_and_service_skipped() {
+        run(Case {
+            services: vec![
+                cluster_ip("zero", "10.96.0.1", &[("a", 0, "TCP")]),
+                cluster_ip(
+                    "big",
+                    "10.96.0.2",
+                    &[("ok", 80, "TCP"), ("b", 70000, "TCP")],
+                ),
+                cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")]),
+            ],
+            slices: vec![web_slice()],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[
+                "Service demo/big: port \"b\" has invalid number 70000",
+                "Service demo/zero: port \"a\" has invalid number 0",
+            ],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn sctp_port_reported_and_other_ports_kept() {
+        run(Case {
+            services: vec![cluster_ip(
+                "web",
+                "10.96.0.10",
+                &[("sig", 9000, "SCTP"), ("http", 80, "TCP")],
+            )],
+            slices: vec![web_slice()],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &["Service demo/web: port \"sig\" uses SCTP"],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn duplicate_frontend_reported_and_later_service_skipped_whatever_the_input_order() {
+        for order in [["a", "b"], ["b", "a"]] {
+            let services = order
+                .iter()
+                .map(|n| cluster_ip(n, "10.96.0.10", &[("http", 80, "TCP"), ("x", 81, "TCP")]))
+                .collect();
+            run(Case {
+                services,
+                slices: vec![],
+                want: &[
+                    Want {
+                        frontend: "10.96.0.10:80/TCP",
+                        selected: &[],
+                        retained: &[],
+                    },
+                    Want {
+                        frontend: "10.96.0.10:81/TCP",
+                        selected: &[],
+                        retained: &[],
+                    },
+                ],
+                problems: &[
+                    "Service demo/b: frontend 10.96.0.10:80/TCP is already used by Service demo/a",
+                ],
+                notes: 0,
+            });
+        }
+    }
+
+    #[test]
+    fn bad_endpoint_address_reported_and_endpoint_skipped() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![ready("10.0.0.256"), ready("10.0.0.1")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &["EndpointSlice demo/web-1: endpoint address \"10.0.0.256\""],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn deploy_examples_translate_without_problems() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+        let load = crate::manifests::load_dir(&dir);
+        assert_eq!(load.problems, [], "deploy/examples must load cleanly");
+        let node = NodeContext {
+            node_name: "node-a".into(),
+            zone: None,
+        };
+        let t = translate(&load.snapshot, &node);
+        assert_eq!(t.problems, []);
+        assert_eq!(t.notes, []);
+        let three = |port| {
+            ["10.244.1.11", "10.244.1.12", "10.244.1.13"]
+                .map(|a| format!("{a}:{port} L"))
+                .to_vec()
+        };
+        let got: Vec<(String, Vec<String>)> = t
+            .desired
+            .frontends
+            .iter()
+            .map(|(fe, df)| (fe.to_string(), df.backends.iter().map(show).collect()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("10.96.0.10:80/TCP".to_owned(), three(8080)),
+                ("10.96.0.20:53/UDP".to_owned(), three(5353)),
+                ("10.96.0.30:80/TCP".to_owned(), vec![]),
+                (
+                    "10.96.0.40:5201/TCP".to_owned(),
+                    vec!["10.244.1.11:5201 L".to_owned()]
+                ),
+            ]
+        );
+        let web = t.desired.frontends.values().next().expect("web");
+        assert_eq!(web.service.to_string(), "demo/web:http");
+    }
+}
