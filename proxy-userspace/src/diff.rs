@@ -407,3 +407,590 @@ impl<'a> Admission<'a> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeMap, net::Ipv4Addr};
+
+    use proxy_common::backend_flags;
+
+    use super::*;
+    use crate::model::{DesiredBackend, Protocol, ServicePortName};
+
+    fn fe(i: u32) -> Frontend {
+        let [_, _, a, b] = i.to_be_bytes();
+        Frontend {
+            addr: Ipv4Addr::new(10, 96, a, b),
+            port: 80,
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    fn be(i: u32) -> DesiredBackend {
+        let [_, _, a, b] = i.to_be_bytes();
+        DesiredBackend {
+            endpoint: EndpointAddr {
+                addr: Ipv4Addr::new(10, 244, a, b),
+                port: 8080,
+                protocol: Protocol::Tcp,
+            },
+            terminating: false,
+            local: false,
+        }
+    }
+
+    fn term(i: u32) -> DesiredBackend {
+        DesiredBackend {
+            terminating: true,
+            ..be(i)
+        }
+    }
+
+    fn dfe(
+        i: u32,
+        mut backends: Vec<DesiredBackend>,
+        mut retained: Vec<DesiredBackend>,
+    ) -> DesiredFrontend {
+        backends.sort();
+        retained.sort();
+        let service = ServicePortName {
+            namespace: "ns".into(),
+            name: format!("svc-{i}"),
+            port_name: String::new(),
+        };
+        DesiredFrontend {
+            service,
+            backends,
+            retained,
+        }
+    }
+
+    /// Frontend i → its selected backend numbers.
+    fn state(frontends: &[(u32, &[u32])]) -> DesiredState {
+        let frontends = frontends
+            .iter()
+            .map(|(i, bs)| (fe(*i), dfe(*i, bs.iter().map(|b| be(*b)).collect(), vec![])))
+            .collect();
+        DesiredState { frontends }
+    }
+
+    const CAPS: Capacities = Capacities {
+        services: 1 << 20,
+        backends: 1 << 20,
+        rev_nats: 1 << 20,
+    };
+
+    /// What the datapath can reach must exist: every slot of every frontend, every backend a
+    /// slot names, every rev-NAT a frontend names. Checked after every single op.
+    fn assert_consistent(p: &Programmed, after: &MapOp) {
+        for (key, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
+            assert_ne!(v.rev_nat_id, 0);
+            assert!(
+                p.rev_nats.contains_key(&v.rev_nat_id),
+                "rev-NAT {} missing after {after:?}",
+                v.rev_nat_id
+            );
+            for slot in 1..=v.count {
+                let s = p.services.get(&key.with_slot(slot));
+                let s =
+                    s.unwrap_or_else(|| panic!("slot {slot} of {key:?} missing after {after:?}"));
+                assert!(
+                    p.backends.contains_key(&s.backend_id),
+                    "backend {} missing after {after:?}",
+                    s.backend_id
+                );
+            }
+        }
+    }
+
+    fn apply_checked(p: &mut Programmed, ops: &[MapOp]) {
+        for op in ops {
+            p.apply(op);
+            assert_consistent(p, op);
+        }
+    }
+
+    /// Decode what the maps make the datapath do: frontend → selected endpoints in slot order,
+    /// plus every programmed backend.
+    fn carried(p: &Programmed) -> BTreeMap<Frontend, Vec<DesiredBackend>> {
+        let mut out = BTreeMap::new();
+        for (key, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
+            let (frontend, _) = encode::decode_service_key(key).expect("our key");
+            let rev = p.rev_nats.get(&v.rev_nat_id).expect("rev-NAT");
+            assert_eq!(encode::decode_rev_nat(rev), (frontend.addr, frontend.port));
+            let backends = (1..=v.count)
+                .map(|s| {
+                    let id = p.services.get(&key.with_slot(s)).expect("slot").backend_id;
+                    encode::decode_backend(p.backends.get(&id).expect("backend")).expect("decodes")
+                })
+                .collect();
+            out.insert(frontend, backends);
+        }
+        out
+    }
+
+    /// Plan, apply op by op (checking consistency), check the result carries `d` and that a
+    /// second plan is empty.
+    fn sync(d: &DesiredState, p: &mut Programmed) -> Plan {
+        let plan = plan(d, p, &CAPS);
+        assert_eq!(plan.skipped, []);
+        apply_checked(p, &plan.ops);
+        let want: BTreeMap<_, _> = d
+            .frontends
+            .iter()
+            .map(|(f, df)| (*f, df.backends.clone()))
+            .collect();
+        assert_eq!(carried(p), want);
+        for df in d.frontends.values() {
+            for r in &df.retained {
+                let kept = p
+                    .backends
+                    .values()
+                    .any(|b| encode::decode_endpoint(b) == Some(r.endpoint));
+                assert!(kept, "retained {} not programmed", r.endpoint);
+            }
+        }
+        let again = super::plan(d, p, &CAPS);
+        assert_eq!(again.ops, [], "plan must be idempotent");
+        plan
+    }
+
+    fn key(f: u32, slot: u16) -> ServiceKey {
+        encode::service_key(&fe(f), slot)
+    }
+
+    fn put_backend(id: u32, b: u32) -> MapOp {
+        MapOp::PutBackend {
+            id,
+            backend: encode::backend(&be(b)),
+        }
+    }
+
+    fn put_slot(f: u32, slot: u16, id: u32) -> MapOp {
+        MapOp::PutService {
+            key: key(f, slot),
+            value: ServiceValue::slot(id),
+        }
+    }
+
+    fn put_frontend(f: u32, count: u16, rev: u32) -> MapOp {
+        MapOp::PutService {
+            key: key(f, 0),
+            value: ServiceValue::frontend(count, rev),
+        }
+    }
+
+    #[test]
+    fn order_new_frontend_backends_then_slots_then_frontend() {
+        let mut p = Programmed::default();
+        let plan = sync(&state(&[(1, &[1, 2])]), &mut p);
+        assert_eq!(
+            plan.ops,
+            [
+                put_backend(1, 1),
+                put_backend(2, 2),
+                MapOp::PutRevNat {
+                    id: 1,
+                    rev_nat: encode::rev_nat(&fe(1))
+                },
+                put_slot(1, 1, 1),
+                put_slot(1, 2, 2),
+                put_frontend(1, 2, 1),
+            ]
+        );
+    }
+
+    #[test]
+    fn order_reverse_on_shrink_frontend_then_slots_high_first_then_backends() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1, 2, 3])]), &mut p);
+        let plan = sync(&state(&[(1, &[2])]), &mut p);
+        assert_eq!(
+            plan.ops,
+            [
+                put_slot(1, 1, 2),
+                put_frontend(1, 1, 1),
+                MapOp::DeleteService { key: key(1, 3) },
+                MapOp::DeleteService { key: key(1, 2) },
+                MapOp::DeleteBackend { id: 1 },
+                MapOp::DeleteBackend { id: 3 },
+            ]
+        );
+    }
+
+    #[test]
+    fn order_grow_writes_new_backend_and_slot_before_count() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1])]), &mut p);
+        let plan = sync(&state(&[(1, &[1, 2])]), &mut p);
+        assert_eq!(
+            plan.ops,
+            [put_backend(2, 2), put_slot(1, 2, 2), put_frontend(1, 2, 1)]
+        );
+    }
+
+    #[test]
+    fn order_removal_frontend_then_slots_then_rev_nat_and_backends() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1, 2]), (2, &[2])]), &mut p);
+        let plan = sync(&state(&[(2, &[2])]), &mut p);
+        assert_eq!(
+            plan.ops,
+            [
+                MapOp::DeleteService { key: key(1, 0) },
+                MapOp::DeleteService { key: key(1, 2) },
+                MapOp::DeleteService { key: key(1, 1) },
+                MapOp::DeleteRevNat { id: 1 },
+                MapOp::DeleteBackend { id: 1 },
+            ]
+        );
+    }
+
+    #[test]
+    fn id_reuse_flag_change_is_a_put_with_the_same_id() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1, 2])]), &mut p);
+        let mut d = state(&[(1, &[1, 2])]);
+        let df = d.frontends.get_mut(&fe(1)).expect("fe");
+        df.backends[1].terminating = true;
+        df.backends[1].local = true;
+        let plan = sync(&d, &mut p);
+        let mut changed = encode::backend(&be(2));
+        changed.flags = backend_flags::TERMINATING | backend_flags::LOCAL;
+        assert_eq!(
+            plan.ops,
+            [MapOp::PutBackend {
+                id: 2,
+                backend: changed
+            }]
+        );
+    }
+
+    #[test]
+    fn id_allocation_smallest_free_and_not_reused_within_one_plan() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1, 2, 3])]), &mut p); // ids 1, 2, 3
+        // Backend 2 leaves while 4 arrives: id 2 is still in the map during this plan.
+        sync(&state(&[(1, &[1, 3, 4])]), &mut p);
+        assert_eq!(
+            p.backends
+                .keys()
+                .copied()
+                .collect::<std::collections::BTreeSet<_>>(),
+            [1, 3, 4].into()
+        );
+        // Now id 2 is free and the smallest.
+        let plan = sync(&state(&[(1, &[1, 3, 4, 5])]), &mut p);
+        assert_eq!(plan.ops[0], put_backend(2, 5));
+    }
+
+    #[test]
+    fn id_reuse_rev_nat_from_slot0_and_smallest_free_for_new_frontends() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[]), (2, &[]), (3, &[])]), &mut p); // rev-NAT 1, 2, 3
+        sync(&state(&[(1, &[]), (3, &[1])]), &mut p);
+        assert_eq!(
+            p.services[&key(3, 0)].rev_nat_id,
+            3,
+            "kept across a backend change"
+        );
+        let plan = sync(&state(&[(1, &[]), (3, &[1]), (4, &[])]), &mut p);
+        assert_eq!(
+            plan.ops[0],
+            MapOp::PutRevNat {
+                id: 2,
+                rev_nat: encode::rev_nat(&fe(4))
+            }
+        );
+    }
+
+    #[test]
+    fn backends_shared_across_frontends_get_one_id() {
+        let mut p = Programmed::default();
+        sync(
+            &state(&[(1, &[1, 2]), (2, &[2, 3]), (3, &[1, 2, 3])]),
+            &mut p,
+        );
+        assert_eq!(p.backends.len(), 3);
+    }
+
+    #[test]
+    fn shared_backend_flags_merge_local_any_terminating_all() {
+        let mut d = state(&[(1, &[1]), (2, &[1])]);
+        d.frontends.get_mut(&fe(1)).expect("fe").backends[0].terminating = true;
+        d.frontends.get_mut(&fe(2)).expect("fe").backends[0].local = true;
+        let plan = plan(&d, &Programmed::default(), &CAPS);
+        let MapOp::PutBackend { backend, .. } = plan.ops[0] else {
+            panic!("{:?}", plan.ops)
+        };
+        assert_eq!(backend.flags, backend_flags::LOCAL);
+    }
+
+    #[test]
+    fn retained_backends_are_programmed_but_get_no_slot() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1, 2])]), &mut p);
+        let mut d = state(&[(1, &[1])]);
+        d.frontends
+            .insert(fe(1), dfe(1, vec![be(1)], vec![term(2)]));
+        let plan = sync(&d, &mut p);
+        let mut flagged = encode::backend(&be(2));
+        flagged.flags = backend_flags::TERMINATING;
+        assert_eq!(
+            plan.ops,
+            [
+                MapOp::PutBackend {
+                    id: 2,
+                    backend: flagged
+                },
+                put_frontend(1, 1, 1),
+                MapOp::DeleteService { key: key(1, 2) },
+            ]
+        );
+        // Once it is gone from the slices, it goes from the maps.
+        let plan = sync(&state(&[(1, &[1])]), &mut p);
+        assert_eq!(plan.ops, [MapOp::DeleteBackend { id: 2 }]);
+    }
+
+    #[test]
+    fn empty_frontend_is_programmed_with_count_zero() {
+        let mut p = Programmed::default();
+        let plan = sync(&state(&[(1, &[])]), &mut p);
+        assert_eq!(plan.ops.last(), Some(&put_frontend(1, 0, 1)));
+    }
+
+    #[test]
+    fn idempotent_unchanged_state_writes_nothing() {
+        let d = state(&[(1, &[1, 2, 3]), (2, &[3, 4]), (3, &[])]);
+        let mut p = Programmed::default();
+        sync(&d, &mut p);
+        assert_eq!(plan(&d, &p, &CAPS), Plan::default());
+    }
+
+    /// xorshift64*: deterministic "random" states without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u32) -> u32 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % u64::from(n)) as u32
+        }
+    }
+
+    fn random_state(rng: &mut Rng) -> DesiredState {
+        let mut frontends = BTreeMap::new();
+        for f in 0..rng.below(12) {
+            if rng.below(3) == 0 {
+                continue;
+            }
+            let mut backends = Vec::new();
+            let mut retained = Vec::new();
+            for b in 0..16 {
+                match rng.below(8) {
+                    0 | 1 => backends.push(DesiredBackend {
+                        local: rng.below(2) == 0,
+                        ..be(b)
+                    }),
+                    2 => retained.push(term(b)),
+                    _ => {}
+                }
+            }
+            let mut fr = fe(f);
+            if rng.below(4) == 0 {
+                fr.protocol = Protocol::Udp;
+            }
+            frontends.insert(fr, dfe(f, backends, retained));
+        }
+        // Shared backends must agree on flags for the round trip to be exact.
+        let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::new();
+        for df in frontends.values_mut() {
+            for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
+                let (t, l) = *flags.entry(b.endpoint).or_insert((b.terminating, b.local));
+                b.terminating = t;
+                b.local = l;
+            }
+            df.backends.sort();
+            df.retained.sort();
+        }
+        DesiredState { frontends }
+    }
+
+    #[test]
+    fn idempotent_and_consistent_over_random_transitions() {
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut p = Programmed::default();
+            for _ in 0..25 {
+                let d = random_state(&mut rng);
+                sync(&d, &mut p);
+            }
+            sync(&DesiredState::default(), &mut p);
+            assert_eq!(
+                p,
+                Programmed::default(),
+                "everything removed at the end (seed {seed})"
+            );
+        }
+    }
+
+    #[test]
+    fn capacity_new_frontend_that_does_not_fit_is_skipped_others_programmed() {
+        let caps = Capacities {
+            services: 5,
+            ..CAPS
+        };
+        let d = state(&[(1, &[1, 2]), (2, &[1, 2]), (3, &[])]);
+        let plan = plan(&d, &Programmed::default(), &caps);
+        assert_eq!(plan.skipped.len(), 1, "{:?}", plan.skipped);
+        assert_eq!(plan.skipped[0].0, fe(2));
+        assert!(
+            plan.skipped[0].1.contains("SERVICES map full"),
+            "{}",
+            plan.skipped[0].1
+        );
+        let mut p = Programmed::default();
+        apply_checked(&mut p, &plan.ops);
+        assert_eq!(
+            carried(&p).keys().copied().collect::<Vec<_>>(),
+            [fe(1), fe(3)]
+        );
+    }
+
+    #[test]
+    fn capacity_programmed_frontend_that_cannot_grow_is_kept_as_programmed() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1])]), &mut p);
+        let caps = Capacities {
+            backends: 2,
+            ..CAPS
+        };
+        let plan = plan(&state(&[(1, &[1, 2, 3])]), &p, &caps);
+        assert_eq!(plan.ops, []);
+        assert_eq!(plan.skipped.len(), 1);
+        assert!(
+            plan.skipped[0].1.contains("BACKENDS map full")
+                && plan.skipped[0].1.ends_with("kept as programmed")
+        );
+    }
+
+    #[test]
+    fn capacity_rev_nat_map_full_skips_new_frontend() {
+        let caps = Capacities {
+            rev_nats: 1,
+            ..CAPS
+        };
+        let plan = plan(&state(&[(1, &[]), (2, &[])]), &Programmed::default(), &caps);
+        assert_eq!(
+            plan.skipped.iter().map(|s| s.0).collect::<Vec<_>>(),
+            [fe(2)]
+        );
+        assert!(plan.skipped[0].1.contains("REVNAT map full"));
+    }
+
+    #[test]
+    fn capacity_counts_the_peak_and_converges_on_the_next_sync() {
+        // A swap at a full map: the new frontend waits until the old one's entries are gone.
+        let caps = Capacities {
+            services: 2,
+            backends: 1,
+            rev_nats: 1,
+        };
+        let mut p = Programmed::default();
+        let setup = plan(&state(&[(1, &[1])]), &p, &caps);
+        apply_checked(&mut p, &setup.ops);
+        let d = state(&[(2, &[2])]);
+        let first = plan(&d, &p, &caps);
+        assert_eq!(first.skipped.len(), 1);
+        apply_checked(&mut p, &first.ops);
+        assert_eq!(p, Programmed::default());
+        let second = plan(&d, &p, &caps);
+        assert_eq!(second.skipped, []);
+        apply_checked(&mut p, &second.ops);
+        assert_eq!(carried(&p).keys().copied().collect::<Vec<_>>(), [fe(2)]);
+    }
+
+    #[test]
+    fn capacity_more_than_max_backends_per_service_is_skipped() {
+        let n = u32::from(MAX_BACKENDS_PER_SERVICE) + 1;
+        let backends: Vec<u32> = (0..n).collect();
+        let plan = plan(
+            &state(&[(1, &backends), (2, &[1])]),
+            &Programmed::default(),
+            &CAPS,
+        );
+        assert_eq!(plan.skipped.len(), 1);
+        assert_eq!(plan.skipped[0].0, fe(1));
+        assert!(
+            plan.skipped[0].1.contains("more than the 16384"),
+            "{}",
+            plan.skipped[0].1
+        );
+        assert_eq!(
+            plan.ops.len(),
+            4,
+            "only frontend 2: backend, rev-NAT, slot, frontend"
+        );
+    }
+
+    #[test]
+    fn one_service_change_among_10000_touches_only_that_service() {
+        let n = 10_000;
+        let mut d = DesiredState::default();
+        for f in 0..n {
+            d.frontends
+                .insert(fe(f), dfe(f, vec![be(2 * f), be(2 * f + 1)], vec![]));
+        }
+        let mut p = Programmed::default();
+        for op in &plan(&d, &p, &CAPS).ops {
+            p.apply(op);
+        }
+        assert_eq!(plan(&d, &p, &CAPS).ops, []);
+        // Service 4321 loses one endpoint and gains another.
+        let f = 4321;
+        d.frontends
+            .insert(fe(f), dfe(f, vec![be(2 * f), be(3 * n)], vec![]));
+        let plan = plan(&d, &p, &CAPS);
+        let old_id = p
+            .backends
+            .iter()
+            .find(|(_, b)| encode::decode_endpoint(b) == Some(be(2 * f + 1).endpoint))
+            .map(|(id, _)| *id)
+            .expect("old backend programmed");
+        let new_id = 2 * n + 1; // ids 1..=2n are taken
+        let mut new_backend = encode::backend(&be(3 * n));
+        new_backend.flags = 0;
+        assert_eq!(
+            plan.ops,
+            [
+                MapOp::PutBackend {
+                    id: new_id,
+                    backend: new_backend
+                },
+                put_slot(f, 2, new_id),
+                MapOp::DeleteBackend { id: old_id },
+            ]
+        );
+    }
+
+    #[test]
+    fn leftovers_orphan_slots_and_duplicate_backend_ids_are_cleaned() {
+        let mut p = Programmed::default();
+        sync(&state(&[(1, &[1])]), &mut p);
+        // A crash mid-plan can leave slots without a frontend entry; adoption can find two ids
+        // for one endpoint.
+        p.apply(&put_slot(9, 1, 1));
+        p.apply(&put_slot(9, 2, 7));
+        p.apply(&put_backend(7, 1));
+        let plan = sync(&state(&[(1, &[1])]), &mut p);
+        assert_eq!(
+            plan.ops,
+            [
+                MapOp::DeleteService { key: key(9, 2) },
+                MapOp::DeleteService { key: key(9, 1) },
+                MapOp::DeleteBackend { id: 7 },
+            ]
+        );
+    }
+}

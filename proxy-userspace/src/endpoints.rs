@@ -149,7 +149,7 @@ impl SliceIndex {
             }
         }
         let mut v: Vec<_> = out.into_values().collect();
-        v.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+        v.sort_by_key(|e| e.endpoint);
         v
     }
 }
