@@ -1,0 +1,370 @@
+//! Privileged network-namespace tests: real traffic from a client pod through ClusterIPs
+//! programmed by the agent running standalone in a node namespace.
+//!
+//! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
+//! Each test builds its own topology, pin dir and manifests; RAII guards remove them even when
+//! an assertion fails. Nothing is created in the root network namespace.
+
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    path::Path,
+    sync::atomic::{AtomicBool, AtomicUsize, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use proxy_testenv::{
+    Agent, BACKENDS, ConnectOutcome, CurlReply, ManifestDir, PinDir, ServicePort, Topology,
+    require_privileged,
+};
+
+const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const ECHO: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+const EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
+const BULK: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
+const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+
+/// Field order is drop order: the agent dies first, then pins, manifests and namespaces go.
+struct Env {
+    agent: Agent,
+    pins: PinDir,
+    manifests: ManifestDir,
+    topo: Topology,
+}
+
+impl Env {
+    /// Topology + manifests written by `services` + agent synced and attached to all pods.
+    fn start(services: impl FnOnce(&ManifestDir)) -> Self {
+        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+        let topo = Topology::new().expect("creating the topology");
+        let manifests = ManifestDir::new().expect("manifest dir");
+        services(&manifests);
+        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
+        let mut agent = Agent::start(
+            Path::new(BIN),
+            topo.node(),
+            manifests.path(),
+            pins.path(),
+            topo.tmp().path(),
+        )
+        .expect("starting the agent");
+        agent
+            .wait_synced(1, Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let want: Vec<String> = topo.pods().map(|p| p.host_if.clone()).collect();
+        agent
+            .wait_status(Duration::from_secs(10), |s| {
+                want.iter().all(|w| s.interfaces.contains(w))
+            })
+            .unwrap_or_else(|e| panic!("agent did not attach to {want:?}: {e:#}"));
+        Self {
+            agent,
+            pins,
+            manifests,
+            topo,
+        }
+    }
+
+    /// Panics with the message and the agent's log tail.
+    fn fail(&self, msg: &str) -> ! {
+        panic!("{msg}\n--- agent log (tail) ---\n{}", self.agent.log_tail())
+    }
+
+    fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
+        if !cond {
+            self.fail(&msg());
+        }
+    }
+
+    /// `n` requests to http://WEB/; every one must succeed from the VIP. Counts per backend.
+    fn web_distribution(&self, n: usize) -> BTreeMap<String, usize> {
+        let replies = self
+            .topo
+            .curl_many(&format!("http://{WEB}/"), n)
+            .unwrap_or_else(|e| self.fail(&format!("curl_many: {e:#}")));
+        let mut counts = BTreeMap::new();
+        for (i, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Ok(CurlReply { body, remote_ip }) => {
+                    self.check(remote_ip == WEB.to_string(), || {
+                        format!("request {i}: answered by {remote_ip}, not the VIP {WEB}")
+                    });
+                    *counts.entry(body).or_insert(0) += 1;
+                }
+                Err(e) => self.fail(&format!("request {i} of {n} to {WEB} failed: {e}")),
+            }
+        }
+        counts
+    }
+}
+
+fn web(manifests: &ManifestDir, backends: &[Ipv4Addr]) {
+    manifests
+        .write_service("demo", "web", WEB, &[ServicePort::tcp(80, 8080)], backends)
+        .expect("writing demo/web");
+}
+
+fn all_backends() -> Vec<Ipv4Addr> {
+    BACKENDS.iter().map(|(_, ip)| *ip).collect()
+}
+
+#[test]
+fn clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
+    require_privileged!();
+    let env = Env::start(|m| {
+        web(m, &all_backends());
+        m.write_service(
+            "demo",
+            "echo",
+            ECHO,
+            &[ServicePort::udp(53, 5353)],
+            &all_backends(),
+        )
+        .expect("writing demo/echo");
+    });
+
+    let counts = env.web_distribution(300);
+    eprintln!("HTTP distribution over 300 requests: {counts:?}");
+    for (name, _) in BACKENDS {
+        let got = counts.get(name).copied().unwrap_or(0);
+        env.check(got >= 30, || {
+            format!("{name} got {got} of 300 requests: {counts:?}")
+        });
+    }
+    env.check(counts.len() == 3, || {
+        format!("unexpected answers: {counts:?}")
+    });
+
+    let mut udp: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..30 {
+        let payload = format!("ping{i}");
+        let reply = env
+            .topo
+            .udp_request(ECHO, 53, &payload)
+            .unwrap_or_else(|e| env.fail(&format!("UDP request {i} to {ECHO}:53: {e:#}")));
+        env.check(*reply.from.ip() == ECHO && reply.from.port() == 53, || {
+            format!("UDP reply from {} instead of {ECHO}:53", reply.from)
+        });
+        let (backend, echoed) = reply.body.split_once(':').unwrap_or_default();
+        env.check(echoed == payload, || {
+            format!("UDP echo {:?} for {payload}", reply.body)
+        });
+        *udp.entry(backend.to_owned()).or_insert(0) += 1;
+    }
+    eprintln!("UDP distribution over 30 datagrams: {udp:?}");
+    env.check(udp.len() == 3, || {
+        format!("UDP reached {udp:?}, want all three backends")
+    });
+}
+
+#[test]
+fn service_without_endpoints_refuses_quickly() {
+    require_privileged!();
+    let env = Env::start(|m| {
+        web(m, &all_backends());
+        m.write_service("demo", "empty", EMPTY, &[ServicePort::tcp(80, 8080)], &[])
+            .expect("writing demo/empty");
+    });
+    let (outcome, elapsed) = env
+        .topo
+        .tcp_connect(EMPTY, 80, Duration::from_secs(3))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    eprintln!("connect to {EMPTY}:80: {outcome:?} after {elapsed:?}");
+    env.check(outcome == ConnectOutcome::Refused && elapsed < Duration::from_secs(1), || {
+        format!("connect to a Service without endpoints: {outcome:?} after {elapsed:?}, want refused within 1 s")
+    });
+    // The neighbour Service still works.
+    let reply = env
+        .topo
+        .curl(&format!("http://{WEB}/"))
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    env.check(reply.remote_ip == WEB.to_string(), || format!("{reply:?}"));
+}
+
+#[test]
+fn endpoint_removal_and_addition_take_effect_within_a_second() {
+    require_privileged!();
+    let mut env = Env::start(|m| web(m, &all_backends()));
+    let counts = env.web_distribution(30);
+    env.check(counts.len() == 3, || {
+        format!("before the change: {counts:?}")
+    });
+
+    // Remove be3: measure when it stops getting new connections.
+    let be3 = BACKENDS[2].0;
+    web(&env.manifests, &all_backends()[..2]);
+    let changed = Instant::now();
+    let mut last_be3: Option<Duration> = None;
+    let mut streak = 0;
+    while streak < 30 {
+        env.check(changed.elapsed() < Duration::from_secs(10), || {
+            format!("be3 still answered {last_be3:?} after the removal; no 30-request streak without it within 10 s")
+        });
+        let reply = env
+            .topo
+            .curl(&format!("http://{WEB}/"))
+            .unwrap_or_else(|e| env.fail(&format!("request during the removal failed: {e:#}")));
+        if reply.body == be3 {
+            last_be3 = Some(changed.elapsed());
+            streak = 0;
+        } else {
+            streak += 1;
+        }
+    }
+    let converged = last_be3.unwrap_or_default();
+    eprintln!("removal: last connection to be3 at {converged:?} after the manifest change");
+    env.check(converged < Duration::from_secs(1), || {
+        format!("be3 still got new connections {converged:?} after its removal (want < 1 s)")
+    });
+    let counts = env.web_distribution(60);
+    env.check(!counts.contains_key(be3) && counts.len() == 2, || {
+        format!("after removing be3: {counts:?}")
+    });
+
+    // Add a new pod be4 (its veth appears after the agent started) and put it in the Service.
+    let be4 = Ipv4Addr::new(10, 244, 1, 14);
+    env.topo.add_backend("be4", be4).expect("adding pod be4");
+    env.agent
+        .wait_status(Duration::from_secs(5), |s| {
+            s.interfaces.iter().any(|i| i == "veth-be4")
+        })
+        .unwrap_or_else(|e| panic!("agent did not attach to the new veth-be4: {e:#}"));
+    web(&env.manifests, &[BACKENDS[0].1, BACKENDS[1].1, be4]);
+    let changed = Instant::now();
+    let mut first_be4 = None;
+    while first_be4.is_none() {
+        env.check(changed.elapsed() < Duration::from_secs(10), || {
+            "be4 got no connection within 10 s of being added".to_owned()
+        });
+        let reply = env
+            .topo
+            .curl(&format!("http://{WEB}/"))
+            .unwrap_or_else(|e| env.fail(&format!("request during the addition failed: {e:#}")));
+        if reply.body == "be4" {
+            first_be4 = Some(changed.elapsed());
+        }
+    }
+    eprintln!("addition: first connection to be4 at {first_be4:?} after the manifest change");
+    let counts = env.web_distribution(60);
+    env.check(
+        counts.contains_key("be4") && !counts.contains_key(be3),
+        || format!("after adding be4: {counts:?}"),
+    );
+}
+
+#[test]
+fn agent_restart_keeps_a_long_transfer_and_requests_alive() {
+    require_privileged!();
+    let mut env = Env::start(|m| {
+        web(m, &all_backends());
+        m.write_service(
+            "demo",
+            "bulk",
+            BULK,
+            &[ServicePort::tcp(5201, 5201)],
+            &[BACKENDS[0].1],
+        )
+        .expect("writing demo/bulk");
+    });
+    env.topo
+        .start_iperf3_server("be1")
+        .expect("iperf3 server in be1");
+    let transfer = env
+        .topo
+        .iperf3_client(BULK, 5201, 8)
+        .expect("starting iperf3 -c");
+    thread::sleep(Duration::from_millis(1500));
+
+    let stop = AtomicBool::new(false);
+    let ok = AtomicUsize::new(0);
+    let failures = std::sync::Mutex::new(Vec::new());
+    let restart = thread::scope(|s| {
+        let topo = &env.topo;
+        s.spawn(|| {
+            // Bounded: stops when told or after 30 s.
+            let until = Instant::now() + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+                match topo.curl(&format!("http://{WEB}/")) {
+                    Ok(r) if r.remote_ip == WEB.to_string() => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(r) => failures.lock().expect("lock").push(format!("{r:?}")),
+                    Err(e) => failures.lock().expect("lock").push(format!("{e:#}")),
+                }
+            }
+        });
+        let result = (|| -> anyhow::Result<Duration> {
+            let t = Instant::now();
+            let status = env.agent.stop()?;
+            eprintln!("agent stopped by SIGTERM: {status}");
+            thread::sleep(Duration::from_millis(1000)); // traffic with no agent at all
+            env.agent.restart()?;
+            env.agent.wait_synced(1, Duration::from_secs(30))?;
+            Ok(t.elapsed())
+        })();
+        thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+        result
+    });
+    let restart = restart.unwrap_or_else(|e| env.fail(&format!("restarting the agent: {e:#}")));
+    let summary = transfer
+        .wait()
+        .unwrap_or_else(|e| env.fail(&format!("iperf3 client: {e:#}")));
+    let failures = failures.into_inner().expect("lock");
+    let ok = ok.into_inner();
+    eprintln!(
+        "restart took {restart:?}; iperf3 {:.1} s at {:.2} Gbit/s ({} retransmits); {ok} requests ok, {} failed",
+        summary.seconds,
+        summary.bits_per_second / 1e9,
+        summary.retransmits,
+        failures.len()
+    );
+    env.check(summary.success && summary.seconds >= 7.5, || {
+        format!("the transfer broke across the restart: {summary:?}")
+    });
+    env.check(failures.is_empty() && ok > 0, || {
+        format!("requests during the restart: {ok} ok, failures {failures:?}")
+    });
+}
+
+#[test]
+fn cleanup_removes_pins_and_detaches() {
+    require_privileged!();
+    let mut env = Env::start(|m| web(m, &all_backends()));
+    env.topo
+        .curl(&format!("http://{WEB}/"))
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    env.check(env.pins.exists(), || "the agent pinned nothing".to_owned());
+    env.agent.stop().expect("stopping the agent");
+
+    // Still forwarding from pins with no agent running.
+    env.topo
+        .curl(&format!("http://{WEB}/"))
+        .unwrap_or_else(|e| env.fail(&format!("no forwarding after SIGTERM: {e:#}")));
+
+    let pin = env.pins.path().to_string_lossy().into_owned();
+    let out = env
+        .agent
+        .cli(&["cleanup", "--pin-dir", &pin])
+        .expect("running cleanup");
+    env.check(out.status.success(), || {
+        format!(
+            "cleanup failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    env.check(!env.pins.exists(), || {
+        format!("{pin} still exists after cleanup")
+    });
+    let after = env.topo.curl(&format!("http://{WEB}/"));
+    env.check(after.is_err(), || {
+        format!("the VIP still answers after cleanup: {after:?}")
+    });
+    // Pods still reach each other directly: cleanup detached without breaking the veths.
+    let direct = env.topo.curl(&format!("http://{}:8080/", BACKENDS[0].1));
+    env.check(direct.is_ok(), || {
+        format!("direct pod traffic broken after cleanup: {direct:?}")
+    });
+}
