@@ -86,24 +86,31 @@ pub fn run(no_setup: bool) -> Result<()> {
             .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
             .env_remove(proxy_testenv::PRIVILEGED_ENV),
     );
-    let mut privileged: Vec<String> = Vec::new();
+    // One cargo invocation: `-p A -p B --test x --test y` picks each target from its package.
+    let mut packages: Vec<String> = Vec::new();
+    let mut targets: Vec<String> = Vec::new();
     for (package, target) in PRIVILEGED {
         let file = workspace_root()
             .join(package)
             .join("tests")
             .join(format!("{target}.rs"));
-        if file.exists() {
-            privileged.extend([
-                "-p".into(),
-                (*package).into(),
-                "--test".into(),
-                (*target).into(),
-            ]);
-        } else {
+        if !file.exists() {
             eprintln!(
                 "note: privileged test target {package}/tests/{target}.rs does not exist yet"
             );
+            continue;
         }
+        if !packages.iter().any(|p| p == package) {
+            packages.push((*package).to_owned());
+        }
+        targets.push((*target).to_owned());
+    }
+    let mut privileged: Vec<String> = Vec::new();
+    for p in &packages {
+        privileged.extend(["-p".to_owned(), p.clone()]);
+    }
+    for t in &targets {
+        privileged.extend(["--test".to_owned(), t.clone()]);
     }
     if !privileged.is_empty() {
         step(
