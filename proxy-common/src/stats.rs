@@ -61,6 +61,13 @@ counters! {
     DropRejectFailed = "drop_reject_failed",
     /// Dropped: packet rewrite (checksum/store helper) failed.
     DropRewriteFailed = "drop_rewrite_failed",
+    /// IPv4 with a bad header (version, IHL, lengths) or a truncated TCP/UDP header that is not
+    /// addressed to a Service, or seen on egress: passed untouched (the kernel's own checks apply).
+    MalformedPassed = "malformed_passed",
+    /// A non-first fragment (ingress), or any fragment on egress: passed untouched.
+    FragmentPassed = "fragment_passed",
+    /// Egress packet without a reply conntrack entry (passed untouched).
+    ReplyNotTracked = "reply_not_tracked",
 }
 
 /// Number of entries in the stats array.

@@ -1,11 +1,103 @@
+//! tc programs of kube-proxy-ebpf: ClusterIP DNAT with conntrack on ingress, reverse NAT on
+//! egress. The entries only run the flow (`ingress`/`egress`), turn its result into one verdict
+//! and count why; everything else lives in the modules below (see STYLE.md, "module cut").
 #![no_std]
 #![no_main]
 
-use aya_ebpf::{macros::classifier, programs::TcContext};
+mod conntrack;
+mod egress;
+mod ingress;
+mod maps;
+mod nat;
+mod packet;
+mod reject;
+mod stats;
 
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    macros::classifier,
+    programs::TcContext,
+};
+use proxy_common::Counter;
+
+/// What happens to a packet that was not dropped: the tc verdict and the counter naming the
+/// outcome.
+#[derive(Clone, Copy)]
+pub(crate) struct Action {
+    pub verdict: i32,
+    pub counter: Counter,
+}
+
+impl Action {
+    /// Hand the packet (rewritten or not) on to the kernel.
+    pub(crate) const fn pass(counter: Counter) -> Self {
+        Self { verdict: TC_ACT_OK as i32, counter }
+    }
+
+    /// The packet was turned into an answer and redirected (`bpf_redirect`'s return value).
+    pub(crate) const fn redirect(verdict: i32, counter: Counter) -> Self {
+        Self { verdict, counter }
+    }
+}
+
+/// Why a packet is dropped. The only error type of the flows; every variant is one counter and
+/// the verdict is always `TC_ACT_SHOT`.
+#[derive(Clone, Copy)]
+pub(crate) enum Drop {
+    /// First fragment of a packet to a Service.
+    Fragment,
+    /// Truncated or inconsistent TCP/UDP/IPv4 header on a packet to a Service.
+    Malformed,
+    /// The conntrack entries could not be written.
+    ConntrackFull,
+    /// A service slot named a backend that does not exist.
+    NoBackend,
+    /// The ICMP error or TCP RST could not be built.
+    RejectFailed,
+    /// A checksum or store helper failed while rewriting.
+    RewriteFailed,
+}
+
+impl Drop {
+    const fn counter(self) -> Counter {
+        match self {
+            Drop::Fragment => Counter::DropFragment,
+            Drop::Malformed => Counter::DropMalformed,
+            Drop::ConntrackFull => Counter::DropConntrackFull,
+            Drop::NoBackend => Counter::DropNoBackend,
+            Drop::RejectFailed => Counter::DropRejectFailed,
+            Drop::RewriteFailed => Counter::DropRewriteFailed,
+        }
+    }
+}
+
+/// The one place where a flow's result becomes a tc verdict.
+#[inline(always)]
+fn verdict(result: Result<Action, Drop>) -> i32 {
+    match result {
+        Ok(action) => {
+            stats::count(action.counter);
+            action.verdict
+        }
+        Err(drop) => {
+            stats::count(drop.counter());
+            TC_ACT_SHOT as i32
+        }
+    }
+}
+
+/// Pod-facing host veths and node devices, before routing: DNAT to a backend.
 #[classifier]
-pub fn tc_ingress(_ctx: TcContext) -> i32 {
-    0
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    stats::count(Counter::IngressPackets);
+    verdict(ingress::try_tc_ingress(&ctx))
+}
+
+/// Toward the client: reverse NAT of replies (backend → frontend).
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    stats::count(Counter::EgressPackets);
+    verdict(egress::try_tc_egress(&ctx))
 }
 
 #[cfg(not(test))]

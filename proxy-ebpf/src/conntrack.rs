@@ -1,0 +1,161 @@
+//! Conntrack: keys, idle timeouts, TCP state and the ORIGINAL/REPLY entry pair.
+//!
+//! Every translated flow has two entries in `CONNTRACK_V1` with the same value:
+//! ORIGINAL, keyed as the client's packets arrive (client → frontend), and REPLY, keyed as the
+//! backend's replies leave (backend → client). Ingress looks up ORIGINAL, egress REPLY.
+
+use proxy_common::{Backend, CtKey, CtValue, DatapathConfig, ct_dir, ct_state, proto};
+
+use crate::{
+    Drop, maps,
+    packet::{Packet, tcp_flags},
+};
+
+const NS_PER_S: u64 = 1_000_000_000;
+
+/// The ORIGINAL key of the packet as it arrived.
+#[inline(always)]
+pub fn original_key(p: &Packet) -> CtKey {
+    CtKey {
+        saddr: p.saddr,
+        daddr: p.daddr,
+        sport: p.sport,
+        dport: p.dport,
+        proto: p.proto,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+/// The REPLY key of the packet as it leaves (egress).
+#[inline(always)]
+pub fn reply_key(p: &Packet) -> CtKey {
+    CtKey { dir: ct_dir::REPLY, ..original_key(p) }
+}
+
+/// The REPLY key of a flow from its client and backend.
+#[inline(always)]
+fn reply_key_of(client: &CtKey, backend_addr: [u8; 4], backend_port: [u8; 2]) -> CtKey {
+    CtKey {
+        saddr: backend_addr,
+        daddr: client.saddr,
+        sport: backend_port,
+        dport: client.sport,
+        proto: client.proto,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// The ORIGINAL key of the flow a reply belongs to: client = the reply's destination, frontend
+/// from the entry.
+#[inline(always)]
+pub fn original_key_of_reply(p: &Packet, ct: &CtValue) -> CtKey {
+    CtKey {
+        saddr: p.daddr,
+        daddr: ct.frontend_addr,
+        sport: p.dport,
+        dport: ct.frontend_port,
+        proto: p.proto,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+/// Idle timeout of an entry, by protocol and state.
+#[inline(always)]
+fn timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8) -> u64 {
+    let seconds = if proto == proto::UDP {
+        cfg.udp_timeout_s
+    } else if state == ct_state::ESTABLISHED {
+        cfg.tcp_established_timeout_s
+    } else {
+        cfg.tcp_transitory_timeout_s
+    };
+    seconds as u64 * NS_PER_S
+}
+
+/// Has the entry been idle for longer than its timeout?
+#[inline(always)]
+pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bool {
+    now_ns.saturating_sub(ct.last_seen_ns) > timeout_ns(cfg, proto, ct.state)
+}
+
+/// State of a flow after a client packet (ORIGINAL direction).
+#[inline(always)]
+pub fn next_state(p: &Packet, state: u8) -> u8 {
+    if !p.is_tcp() {
+        ct_state::UDP
+    } else if p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
+        ct_state::CLOSING
+    } else if p.tcp_flags & tcp_flags::SYN != 0 {
+        ct_state::SYN_SENT
+    } else if state == ct_state::SYN_SENT || state == ct_state::UDP {
+        // The handshake's ACK, or the first packet we see of a flow (state 0 = no state yet).
+        ct_state::ESTABLISHED
+    } else {
+        state
+    }
+}
+
+/// State of a flow after a backend packet (REPLY direction): only FIN/RST change it.
+#[inline(always)]
+pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
+    if p.is_tcp() && p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 { ct_state::CLOSING } else { state }
+}
+
+/// Does the backend the entry names still exist with the address it was created with?
+#[inline(always)]
+pub fn backend_valid(ct: &CtValue) -> bool {
+    match maps::backend(ct.backend_id) {
+        Some(b) => b.addr == ct.backend_addr && b.port == ct.backend_port,
+        None => false,
+    }
+}
+
+/// A new flow's translation.
+pub struct NewFlow<'a> {
+    pub original: &'a CtKey,
+    pub backend_id: u32,
+    pub backend: &'a Backend,
+    pub rev_nat_id: u32,
+    pub now_ns: u64,
+}
+
+/// Write both entries of a new flow (overwriting an expired or stale pair), and drop the REPLY
+/// entry of the replaced flow if it pointed elsewhere.
+#[inline(always)]
+pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Result<(), Drop> {
+    let value = CtValue {
+        last_seen_ns: flow.now_ns,
+        created_ns: flow.now_ns,
+        backend_id: flow.backend_id,
+        rev_nat_id: flow.rev_nat_id,
+        frontend_addr: p.daddr,
+        backend_addr: flow.backend.addr,
+        frontend_port: p.dport,
+        backend_port: flow.backend.port,
+        state: next_state(p, ct_state::UDP),
+        flags: 0,
+        _pad: [0; 2],
+    };
+    if let Some(old) = replaced
+        && (old.backend_addr != flow.backend.addr || old.backend_port != flow.backend.port)
+    {
+        maps::ct_remove(&reply_key_of(flow.original, old.backend_addr, old.backend_port));
+    }
+    let reply = reply_key_of(flow.original, flow.backend.addr, flow.backend.port);
+    maps::ct_insert(flow.original, &value).map_err(|_| Drop::ConntrackFull)?;
+    if maps::ct_insert(&reply, &value).is_err() {
+        maps::ct_remove(flow.original);
+        return Err(Drop::ConntrackFull);
+    }
+    Ok(())
+}
+
+/// Forget a flow (both entries).
+#[inline(always)]
+pub fn remove(original: &CtKey, ct: &CtValue) {
+    maps::ct_remove(original);
+    maps::ct_remove(&reply_key_of(original, ct.backend_addr, ct.backend_port));
+}

@@ -1,0 +1,109 @@
+//! tc ingress: conntrack → service → backend pick → conntrack entries → DNAT.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{
+    Counter, CtKey, CtValue, ServiceKey, ct_state,
+    hash::{flow_hash, pick_slot},
+};
+
+use crate::{
+    Action, Drop,
+    conntrack::{self, NewFlow},
+    maps, nat,
+    packet::{self, Packet, Parsed},
+    reject, stats,
+};
+
+/// Why a packet goes through the new-flow path although it had a conntrack entry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Replacing {
+    /// No entry: a new flow.
+    Nothing,
+    /// The entry was idle for longer than its timeout, or a SYN reuses a closing flow's tuple.
+    Old,
+    /// The entry's backend is gone (UDP, or a TCP SYN).
+    Stale,
+}
+
+#[inline(always)]
+pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
+    let p = match packet::parse(ctx) {
+        Parsed::Packet(p) => p,
+        Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
+        Parsed::Pass(counter) => return Ok(Action::pass(counter)),
+        Parsed::Untranslatable { daddr, dport, proto, reason } => {
+            return match maps::service(&ServiceKey::new(daddr, dport, proto, 0)) {
+                Some(_) => Err(reason),
+                None => Ok(Action::pass(Counter::NotService)),
+            };
+        }
+    };
+    if p.has_ip_options() {
+        stats::count(Counter::IpOptions);
+    }
+    let now = maps::now_ns();
+    let key = conntrack::original_key(&p);
+    let mut old = None;
+    let mut replacing = Replacing::Nothing;
+    if let Some(entry) = maps::ct_entry(&key) {
+        let ct = entry.get();
+        if conntrack::expired(&ct, p.proto, now, &maps::config()) {
+            stats::count(Counter::ConntrackExpired);
+            replacing = Replacing::Old;
+        } else if p.is_syn() && ct.state == ct_state::CLOSING {
+            // A new connection on the tuple of a closed one: choose again, like netfilter does.
+            replacing = Replacing::Old;
+        } else if conntrack::backend_valid(&ct) {
+            entry.touch(now, conntrack::next_state(&p, ct.state));
+            nat::dnat(ctx, &p, ct.backend_addr, ct.backend_port)?;
+            return Ok(Action::pass(Counter::EstablishedFlow));
+        } else if p.is_tcp() && !p.is_syn() {
+            // Mid-connection and the backend is gone: never send to the dead address, reset.
+            conntrack::remove(&key, &ct);
+            let verdict = reject::tcp_reset(ctx, &p)?;
+            return Ok(Action::redirect(verdict, Counter::StaleBackendReset));
+        } else {
+            replacing = Replacing::Stale;
+        }
+        old = Some(ct);
+    }
+    new_flow(ctx, &p, &key, now, old.as_ref(), replacing)
+}
+
+/// Service lookup, backend pick, conntrack entries, DNAT.
+#[inline(always)]
+fn new_flow(
+    ctx: &TcContext,
+    p: &Packet,
+    key: &CtKey,
+    now: u64,
+    old: Option<&CtValue>,
+    replacing: Replacing,
+) -> Result<Action, Drop> {
+    let frontend_key = ServiceKey::new(p.daddr, p.dport, p.proto, 0);
+    let Some(frontend) = maps::service(&frontend_key) else {
+        if let Some(old) = old {
+            // The Service itself is gone: its flow is over.
+            conntrack::remove(key, old);
+        }
+        return Ok(Action::pass(Counter::NotService));
+    };
+    let hash = flow_hash(p.saddr, p.daddr, p.sport, p.dport, p.proto);
+    let Some(slot) = pick_slot(hash, frontend.count) else {
+        if let Some(old) = old {
+            conntrack::remove(key, old);
+        }
+        let verdict = reject::icmp_port_unreachable(ctx, p)?;
+        return Ok(Action::redirect(verdict, Counter::NoEndpointsRejected));
+    };
+    let backend_id = maps::service(&frontend_key.with_slot(slot)).ok_or(Drop::NoBackend)?.backend_id;
+    let backend = maps::backend(backend_id).ok_or(Drop::NoBackend)?;
+    let flow = NewFlow { original: key, backend_id, backend: &backend, rev_nat_id: frontend.rev_nat_id, now_ns: now };
+    conntrack::create(p, &flow, old)?;
+    nat::dnat(ctx, p, backend.addr, backend.port)?;
+    Ok(Action::pass(if replacing == Replacing::Stale && !p.is_tcp() {
+        Counter::StaleBackendReselected
+    } else {
+        Counter::NewFlow
+    }))
+}

@@ -1,0 +1,151 @@
+//! Map definitions, the load-time config global and the clock: the only module that calls the
+//! `unsafe` map getters or dereferences map values.
+//!
+//! The statics' identifiers are the map names (aya takes them from the symbol), so they must equal
+//! the `MAP_*` consts in proxy-common; the const asserts at the bottom keep them in step.
+
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    helpers::bpf_ktime_get_ns,
+    macros::btf_map,
+};
+use proxy_common::{
+    BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, REVNAT_CAPACITY, RevNat,
+    SERVICES_CAPACITY, ServiceKey, ServiceValue,
+};
+
+#[btf_map]
+static SERVICES_V1: HashMap<ServiceKey, ServiceValue, { SERVICES_CAPACITY as usize }> =
+    HashMap::new();
+
+#[btf_map]
+static BACKENDS_V1: HashMap<u32, Backend, { BACKENDS_CAPACITY as usize }> = HashMap::new();
+
+/// Written by the agent; the datapath reverse-NATs from the frontend snapshot in the conntrack
+/// entry, so this map is read only by later stages (ICMP error reverse NAT).
+#[btf_map]
+static REVNAT_V1: HashMap<u32, RevNat, { REVNAT_CAPACITY as usize }> = HashMap::new();
+
+#[btf_map]
+static CONNTRACK_V1: LruHashMap<CtKey, CtValue, { CONNTRACK_CAPACITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
+
+/// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
+#[unsafe(no_mangle)]
+static CONFIG: DatapathConfig = DatapathConfig::DEFAULT;
+
+/// The load-time configuration.
+#[inline(always)]
+pub fn config() -> DatapathConfig {
+    // SAFETY: CONFIG is a plain, initialised, immutable static; the volatile read only stops the
+    // compiler from folding the default, because the loader rewrites `.rodata` before loading.
+    unsafe { core::ptr::read_volatile(&CONFIG) }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the clock of `CtValue::last_seen_ns`).
+#[inline(always)]
+pub fn now_ns() -> u64 {
+    // SAFETY: bpf_ktime_get_ns takes no arguments and has no side effects.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// A copy of a `SERVICES` entry (frontend for slot 0, backend slot otherwise).
+#[inline(always)]
+pub fn service(key: &ServiceKey) -> Option<ServiceValue> {
+    let ptr = SERVICES_V1.get_ptr(key)?;
+    // SAFETY: a non-null pointer from a hash lookup points at a live value of the right type; it is
+    // copied out at once, before any insert/remove on this map could recycle the slot.
+    Some(unsafe { *ptr })
+}
+
+/// A copy of `BACKENDS[id]`.
+#[inline(always)]
+pub fn backend(id: u32) -> Option<Backend> {
+    let ptr = BACKENDS_V1.get_ptr(id)?;
+    // SAFETY: as in `service`: valid pointer, copied out immediately.
+    Some(unsafe { *ptr })
+}
+
+/// A conntrack entry found by a lookup, to read and to refresh in place.
+pub struct CtEntry {
+    ptr: *mut CtValue,
+}
+
+impl CtEntry {
+    /// A copy of the entry.
+    #[inline(always)]
+    pub fn get(&self) -> CtValue {
+        // SAFETY: `ptr` came from a successful lookup in this program run and nothing has been
+        // inserted into or removed from CONNTRACK since (callers drop the handle before writing).
+        // Other CPUs may update last_seen/state concurrently; a torn read of those is harmless.
+        unsafe { *self.ptr }
+    }
+
+    /// Record a packet: last-seen time and (TCP) state.
+    #[inline(always)]
+    pub fn touch(&self, now_ns: u64, state: u8) {
+        // SAFETY: as in `get`. Single-field stores; concurrent writers store the same kind of
+        // value (a recent timestamp, a state), so a lost update costs nothing.
+        unsafe {
+            (*self.ptr).last_seen_ns = now_ns;
+            if (*self.ptr).state != state {
+                (*self.ptr).state = state;
+            }
+        }
+    }
+}
+
+/// Look up a conntrack entry.
+#[inline(always)]
+pub fn ct_entry(key: &CtKey) -> Option<CtEntry> {
+    CONNTRACK_V1.get_ptr_mut(key).map(|ptr| CtEntry { ptr })
+}
+
+/// Insert or overwrite a conntrack entry.
+#[inline(always)]
+pub fn ct_insert(key: &CtKey, value: &CtValue) -> Result<(), i32> {
+    CONNTRACK_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// Remove a conntrack entry (absent is fine).
+#[inline(always)]
+pub fn ct_remove(key: &CtKey) {
+    let _ = CONNTRACK_V1.remove(key);
+}
+
+/// Add `n` to this CPU's counter `index` (out-of-range indices are ignored).
+#[inline(always)]
+pub fn stats_add(index: u32, n: u64) {
+    if let Some(ptr) = STATS_V1.get_ptr_mut(index) {
+        // SAFETY: per-CPU array slots are preallocated and owned by this CPU while the program
+        // runs (no preemption inside a BPF program), so the plain read-modify-write cannot race.
+        unsafe { *ptr = (*ptr).wrapping_add(n) }
+    }
+}
+
+const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+// The statics above are named by hand; a renamed const in proxy-common must fail the build here.
+const _: () = assert!(same(MAP_SERVICES, "SERVICES_V1"));
+const _: () = assert!(same(MAP_BACKENDS, "BACKENDS_V1"));
+const _: () = assert!(same(MAP_REVNAT, "REVNAT_V1"));
+const _: () = assert!(same(MAP_CONNTRACK, "CONNTRACK_V1"));
+const _: () = assert!(same(MAP_STATS, "STATS_V1"));

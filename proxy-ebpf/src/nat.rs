@@ -1,0 +1,60 @@
+//! Address/port rewrites with incremental checksum updates.
+//!
+//! Order per field: fix the L4 checksum (the address is part of its pseudo-header:
+//! `BPF_F_PSEUDO_HDR`), fix the IPv4 header checksum, then store the new bytes. UDP uses
+//! `BPF_F_MARK_MANGLED_0`: a zero UDP checksum ("none") stays zero, and a computed zero is
+//! written as 0xffff. The helpers also keep `skb->csum` right for CHECKSUM_COMPLETE and only
+//! adjust the pseudo-header part for CHECKSUM_PARTIAL; no checksum is ever zeroed or recomputed.
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    programs::TcContext,
+};
+
+use crate::{
+    Drop,
+    packet::{IP_CSUM_OFF, IP_DADDR_OFF, IP_SADDR_OFF, Packet},
+};
+
+/// DNAT: destination → backend.
+#[inline(always)]
+pub fn dnat(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<(), Drop> {
+    rewrite(ctx, p, IP_DADDR_OFF, p.daddr, addr, p.l4_off() + 2, p.dport, port)
+}
+
+/// Reverse NAT of a reply: source → frontend.
+#[inline(always)]
+pub fn snat_reply(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<(), Drop> {
+    rewrite(ctx, p, IP_SADDR_OFF, p.saddr, addr, p.l4_off(), p.sport, port)
+}
+
+#[expect(clippy::too_many_arguments, reason = "one address and one port, each old/new at an offset")]
+#[inline(always)]
+fn rewrite(
+    ctx: &TcContext,
+    p: &Packet,
+    addr_off: usize,
+    old_addr: [u8; 4],
+    new_addr: [u8; 4],
+    port_off: usize,
+    old_port: [u8; 2],
+    new_port: [u8; 2],
+) -> Result<(), Drop> {
+    let csum_off = p.l4_csum_off();
+    let mangled = if p.is_tcp() { 0 } else { BPF_F_MARK_MANGLED_0 as u64 };
+    if old_addr != new_addr {
+        let from = u32::from_ne_bytes(old_addr) as u64;
+        let to = u32::from_ne_bytes(new_addr) as u64;
+        ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
+            .map_err(|_| Drop::RewriteFailed)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4).map_err(|_| Drop::RewriteFailed)?;
+        ctx.store(addr_off, &new_addr, 0).map_err(|_| Drop::RewriteFailed)?;
+    }
+    if old_port != new_port {
+        let from = u16::from_ne_bytes(old_port) as u64;
+        let to = u16::from_ne_bytes(new_port) as u64;
+        ctx.l4_csum_replace(csum_off, from, to, mangled | 2).map_err(|_| Drop::RewriteFailed)?;
+        ctx.store(port_off, &new_port, 0).map_err(|_| Drop::RewriteFailed)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,277 @@
+//! Packet access: the only module that dereferences packet memory (through the bounds-checked
+//! [`ptr_at`]) or changes the packet's shape (tail, room, redirect).
+//!
+//! [`parse`] reads Ethernet + IPv4 + TCP/UDP once into a [`Packet`] of copied values, with
+//! offsets taken from the IHL. The other modules rewrite through checksum/store helpers, which
+//! invalidate packet pointers; none are kept, so every read here re-checks the bounds.
+//!
+//! Policy for odd packets (what [`parse`] reports):
+//! - not IPv4 → [`Parsed::NotIpv4`];
+//! - IPv4 options: parsed past (the L4 offset comes from IHL) and preserved;
+//! - bad IPv4 header (version, IHL < 5, header beyond the data) → passed untouched: nothing can
+//!   be trusted in it, and the kernel's `ip_rcv` drops it anyway;
+//! - non-first fragments (offset ≠ 0) → passed untouched: they carry no ports, so they cannot be
+//!   matched to a Service or a flow; with the first fragment dropped (below) they never reassemble
+//!   into a packet that bypassed the translation;
+//! - first fragment (MF set, offset 0), truncated TCP/UDP header, or IPv4 lengths that do not fit
+//!   the packet, when at least the ports can be read → [`Parsed::Untranslatable`]: the caller drops
+//!   it if it is addressed to a Service frontend (a translated first fragment would separate it
+//!   from its untranslated tail) and passes it otherwise;
+//! - protocols other than TCP and UDP → passed untouched.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{__sk_buff, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
+    programs::TcContext,
+};
+use proxy_common::{Counter, proto};
+
+use crate::Drop;
+
+pub const ETH_HLEN: usize = 14;
+const ETH_P_IP: [u8; 2] = [0x08, 0x00];
+pub const IPV4_HLEN: usize = 20;
+const IPV4_MAX_HLEN: usize = 60;
+pub const TCP_HLEN: usize = 20;
+pub const UDP_HLEN: usize = 8;
+/// Offset of the IPv4 header checksum.
+pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+/// Offsets of the IPv4 source and destination addresses.
+pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
+pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;
+/// Enough linear data for the largest IPv4 header and a TCP header without options.
+const PULL_LEN: u32 = (ETH_HLEN + IPV4_MAX_HLEN + TCP_HLEN) as u32;
+const IP_MF: u16 = 0x2000;
+const IP_OFFSET_MASK: u16 = 0x1fff;
+
+/// TCP flag bits (byte 13 of the header).
+pub mod tcp_flags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const ACK: u8 = 0x10;
+}
+
+/// A TCP or UDP over IPv4 packet, parsed once. Addresses and ports in network order.
+#[derive(Clone, Copy)]
+pub struct Packet {
+    /// IPv4 header length in bytes (20..=60).
+    pub ip_hlen: usize,
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    /// `proto::TCP` or `proto::UDP`.
+    pub proto: u8,
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    /// TCP flags (0 for UDP).
+    pub tcp_flags: u8,
+    /// TCP sequence and acknowledgement numbers (zero for UDP), for building a RST.
+    pub tcp_seq: [u8; 4],
+    pub tcp_ack: [u8; 4],
+    /// TCP payload length from the IPv4 total length (0 for UDP).
+    pub tcp_payload_len: u16,
+}
+
+impl Packet {
+    /// Offset of the TCP/UDP header.
+    #[inline(always)]
+    pub const fn l4_off(&self) -> usize {
+        ETH_HLEN + self.ip_hlen
+    }
+
+    /// Offset of the TCP/UDP checksum field.
+    #[inline(always)]
+    pub const fn l4_csum_off(&self) -> usize {
+        self.l4_off() + if self.proto == proto::TCP { 16 } else { 6 }
+    }
+
+    #[inline(always)]
+    pub const fn has_ip_options(&self) -> bool {
+        self.ip_hlen > IPV4_HLEN
+    }
+
+    #[inline(always)]
+    pub const fn is_tcp(&self) -> bool {
+        self.proto == proto::TCP
+    }
+
+    /// A TCP SYN without ACK: the first packet of a connection.
+    #[inline(always)]
+    pub const fn is_syn(&self) -> bool {
+        self.is_tcp() && self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+    }
+}
+
+/// What [`parse`] found.
+pub enum Parsed {
+    /// Not IPv4 (ARP, IPv6, runt frames).
+    NotIpv4,
+    /// IPv4 that is passed untouched; the counter says why.
+    Pass(Counter),
+    /// TCP/UDP that cannot be translated but whose destination was read: dropped with `reason`
+    /// if it is addressed to a Service, passed otherwise.
+    Untranslatable { daddr: [u8; 4], dport: [u8; 2], proto: u8, reason: Drop },
+    /// A translatable TCP/UDP packet.
+    Packet(Packet),
+}
+
+/// A pointer to a `T` at `offset` in the packet, if the whole `T` lies inside the linear data.
+#[inline(always)]
+fn ptr_at<T>(ctx: &TcContext, offset: usize) -> Option<*const T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + offset + size_of::<T>() > end {
+        return None;
+    }
+    Some((start + offset) as *const T)
+}
+
+/// Copy a byte array (alignment 1) out of the packet.
+#[inline(always)]
+fn read<const N: usize>(ctx: &TcContext, offset: usize) -> Option<[u8; N]> {
+    let ptr = ptr_at::<[u8; N]>(ctx, offset)?;
+    // SAFETY: `ptr_at` checked that the N bytes lie between data and data_end; [u8; N] has
+    // alignment 1 and every bit pattern is valid.
+    Some(unsafe { *ptr })
+}
+
+/// Make the headers readable with direct access when the skb is non-linear (no-op otherwise).
+#[inline(always)]
+fn pull_headers(ctx: &TcContext) {
+    let want = if ctx.len() < PULL_LEN { ctx.len() } else { PULL_LEN };
+    if ctx.data() + (want as usize) > ctx.data_end() {
+        // A failed pull leaves the data as it was; the bounds checks below then see a short packet.
+        let _ = ctx.pull_data(want);
+    }
+}
+
+/// Parse Ethernet + IPv4 + TCP/UDP once (see the module docs for the policy on odd packets).
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Parsed {
+    pull_headers(ctx);
+    let Some(ethertype) = read::<2>(ctx, 12) else {
+        return Parsed::NotIpv4;
+    };
+    if ethertype != ETH_P_IP {
+        return Parsed::NotIpv4;
+    }
+    let Some(ip) = read::<IPV4_HLEN>(ctx, ETH_HLEN) else {
+        return Parsed::Pass(Counter::MalformedPassed);
+    };
+    let ip_hlen = ((ip[0] & 0x0f) as usize) * 4;
+    if ip[0] >> 4 != 4 || ip_hlen < IPV4_HLEN {
+        return Parsed::Pass(Counter::MalformedPassed);
+    }
+    let frag = u16::from_be_bytes([ip[6], ip[7]]);
+    if frag & IP_OFFSET_MASK != 0 {
+        return Parsed::Pass(Counter::FragmentPassed);
+    }
+    let proto = ip[9];
+    if proto != proto::TCP && proto != proto::UDP {
+        return Parsed::Pass(Counter::NotService);
+    }
+    let saddr = [ip[12], ip[13], ip[14], ip[15]];
+    let daddr = [ip[16], ip[17], ip[18], ip[19]];
+    let l4_off = ETH_HLEN + ip_hlen;
+    // The ports are the first 4 bytes of both TCP and UDP; without them nothing can be matched.
+    let Some(ports) = read::<4>(ctx, l4_off) else {
+        return Parsed::Pass(Counter::MalformedPassed);
+    };
+    let sport = [ports[0], ports[1]];
+    let dport = [ports[2], ports[3]];
+    let untranslatable = |reason| Parsed::Untranslatable { daddr, dport, proto, reason };
+
+    let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    let l3_len = (ctx.len() as usize).saturating_sub(ETH_HLEN);
+    if tot_len < ip_hlen || tot_len > l3_len {
+        return untranslatable(Drop::Malformed);
+    }
+    if frag & IP_MF != 0 {
+        return untranslatable(Drop::Fragment);
+    }
+    let l4_len = tot_len - ip_hlen;
+    let mut packet = Packet {
+        ip_hlen,
+        saddr,
+        daddr,
+        proto,
+        sport,
+        dport,
+        tcp_flags: 0,
+        tcp_seq: [0; 4],
+        tcp_ack: [0; 4],
+        tcp_payload_len: 0,
+    };
+    if proto == proto::TCP {
+        let Some(tcp) = read::<TCP_HLEN>(ctx, l4_off) else {
+            return untranslatable(Drop::Malformed);
+        };
+        let doff = ((tcp[12] >> 4) as usize) * 4;
+        if doff < TCP_HLEN || doff > l4_len {
+            return untranslatable(Drop::Malformed);
+        }
+        packet.tcp_seq = [tcp[4], tcp[5], tcp[6], tcp[7]];
+        packet.tcp_ack = [tcp[8], tcp[9], tcp[10], tcp[11]];
+        packet.tcp_flags = tcp[13];
+        packet.tcp_payload_len = (l4_len - doff) as u16;
+    } else if l4_len < UDP_HLEN || read::<UDP_HLEN>(ctx, l4_off).is_none() {
+        return untranslatable(Drop::Malformed);
+    }
+    Parsed::Packet(packet)
+}
+
+/// The source and destination MAC addresses (bytes 0..12 of the frame).
+#[inline(always)]
+pub fn macs(ctx: &TcContext) -> Option<[u8; 12]> {
+    read::<12>(ctx, 0)
+}
+
+/// One's-complement partial sum (unfolded, native byte order) of `len` bytes of the IPv4 packet,
+/// from the start of its header; `len` must be a multiple of 4 and at most 80.
+#[inline(always)]
+pub fn sum_l3_prefix(ctx: &TcContext, len: usize) -> Option<u64> {
+    const MAX_WORDS: usize = 20;
+    let mut acc = 0u64;
+    let mut i = 0;
+    while i < MAX_WORDS {
+        let off = i * 4;
+        if off >= len {
+            break;
+        }
+        acc += u32::from_ne_bytes(read::<4>(ctx, ETH_HLEN + off)?) as u64;
+        i += 1;
+    }
+    Some(acc)
+}
+
+#[inline(always)]
+fn skb(ctx: &TcContext) -> *mut __sk_buff {
+    ctx.as_ptr().cast()
+}
+
+/// Cut (or extend) the frame to `len` bytes.
+#[inline(always)]
+pub fn set_len(ctx: &TcContext, len: usize) -> Result<(), i64> {
+    // SAFETY: the skb pointer is the program's context; the helper validates `len` and flags.
+    let ret = unsafe { bpf_skb_change_tail(skb(ctx), len as u32, 0) };
+    if ret == 0 { Ok(()) } else { Err(ret) }
+}
+
+/// Insert (`diff > 0`) or remove (`diff < 0`) bytes right after the Ethernet header.
+#[inline(always)]
+pub fn adjust_after_eth(ctx: &TcContext, diff: i32) -> Result<(), i64> {
+    ctx.adjust_room(diff, BPF_ADJ_ROOM_MAC, 0)
+}
+
+/// Send the packet back out of the interface it arrived on.
+#[inline(always)]
+pub fn redirect_back(ctx: &TcContext) -> i32 {
+    // SAFETY: reading `ifindex` from the program's own, valid `__sk_buff` context.
+    let ifindex = unsafe { (*skb(ctx)).ifindex };
+    // SAFETY: bpf_redirect only records the target; it returns TC_ACT_REDIRECT (or TC_ACT_SHOT
+    // for invalid flags).
+    unsafe { bpf_redirect(ifindex, 0) as i32 }
+}

@@ -1,0 +1,307 @@
+//! Test packets: a small builder (Ethernet + IPv4 (+options) + TCP/UDP with correct checksums)
+//! and a parser for assertions on what the datapath wrote. Checksums come from `proxy_common::csum`,
+//! the same arithmetic the agent and datapath are tested against.
+
+#![allow(dead_code, reason = "each test binary uses a different part of the helpers")]
+
+use std::net::Ipv4Addr;
+
+use proxy_common::{csum, proto};
+
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_ARP: u16 = 0x0806;
+pub const ETH_P_IPV6: u16 = 0x86dd;
+
+pub const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+pub const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+
+/// TCP flag bits.
+pub mod tcp_flags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const PSH: u8 = 0x08;
+    pub const ACK: u8 = 0x10;
+}
+
+#[derive(Clone, Debug)]
+pub enum L4 {
+    Tcp { sport: u16, dport: u16, seq: u32, ack: u32, flags: u8 },
+    /// `zero_csum`: send with checksum 0 ("no checksum").
+    Udp { sport: u16, dport: u16, zero_csum: bool },
+}
+
+/// A packet to build. Defaults: client MAC → host MAC, TTL 64, DF, no options, small payload.
+#[derive(Clone, Debug)]
+pub struct Pkt {
+    pub src_mac: [u8; 6],
+    pub dst_mac: [u8; 6],
+    pub saddr: Ipv4Addr,
+    pub daddr: Ipv4Addr,
+    pub l4: L4,
+    pub ip_options: Vec<u8>,
+    /// Raw flags+fragment offset field.
+    pub frag: u16,
+    pub ttl: u8,
+    pub payload: Vec<u8>,
+}
+
+impl Pkt {
+    pub fn tcp(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, flags: u8) -> Self {
+        Self::new(saddr, daddr, L4::Tcp { sport, dport, seq: 1000, ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 }, flags })
+    }
+
+    pub fn udp(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16) -> Self {
+        Self::new(saddr, daddr, L4::Udp { sport, dport, zero_csum: false })
+    }
+
+    fn new(saddr: Ipv4Addr, daddr: Ipv4Addr, l4: L4) -> Self {
+        Self {
+            src_mac: CLIENT_MAC,
+            dst_mac: HOST_MAC,
+            saddr,
+            daddr,
+            l4,
+            ip_options: Vec::new(),
+            frag: 0x4000,
+            ttl: 64,
+            payload: b"hello, service".to_vec(),
+        }
+    }
+
+    pub fn options(mut self, options: &[u8]) -> Self {
+        assert_eq!(options.len() % 4, 0, "IPv4 options must be padded to 4 bytes");
+        self.ip_options = options.to_vec();
+        self
+    }
+
+    pub fn frag(mut self, frag: u16) -> Self {
+        self.frag = frag;
+        self
+    }
+
+    pub fn payload(mut self, payload: &[u8]) -> Self {
+        self.payload = payload.to_vec();
+        self
+    }
+
+    pub fn zero_udp_csum(mut self) -> Self {
+        if let L4::Udp { zero_csum, .. } = &mut self.l4 {
+            *zero_csum = true;
+        }
+        self
+    }
+
+    pub fn seq_ack(mut self, seq_v: u32, ack_v: u32) -> Self {
+        if let L4::Tcp { seq, ack, .. } = &mut self.l4 {
+            *seq = seq_v;
+            *ack = ack_v;
+        }
+        self
+    }
+
+    /// Swap the direction (for replies): addresses, ports and MACs.
+    pub fn reversed(&self) -> Self {
+        let mut r = self.clone();
+        r.src_mac = self.dst_mac;
+        r.dst_mac = self.src_mac;
+        r.saddr = self.daddr;
+        r.daddr = self.saddr;
+        r.l4 = match self.l4 {
+            L4::Tcp { sport, dport, seq, ack, flags } => L4::Tcp { sport: dport, dport: sport, seq: ack, ack: seq, flags },
+            L4::Udp { sport, dport, zero_csum } => L4::Udp { sport: dport, dport: sport, zero_csum },
+        };
+        r
+    }
+
+    pub fn proto(&self) -> u8 {
+        match self.l4 {
+            L4::Tcp { .. } => proto::TCP,
+            L4::Udp { .. } => proto::UDP,
+        }
+    }
+
+    pub fn sport(&self) -> u16 {
+        match self.l4 {
+            L4::Tcp { sport, .. } | L4::Udp { sport, .. } => sport,
+        }
+    }
+
+    pub fn dport(&self) -> u16 {
+        match self.l4 {
+            L4::Tcp { dport, .. } | L4::Udp { dport, .. } => dport,
+        }
+    }
+
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut l4 = match self.l4 {
+            L4::Tcp { sport, dport, seq, ack, flags } => {
+                let mut h = Vec::with_capacity(20);
+                h.extend_from_slice(&sport.to_be_bytes());
+                h.extend_from_slice(&dport.to_be_bytes());
+                h.extend_from_slice(&seq.to_be_bytes());
+                h.extend_from_slice(&ack.to_be_bytes());
+                h.extend_from_slice(&[0x50, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
+                h
+            }
+            L4::Udp { sport, dport, .. } => {
+                let len = (8 + self.payload.len()) as u16;
+                let mut h = Vec::with_capacity(8);
+                h.extend_from_slice(&sport.to_be_bytes());
+                h.extend_from_slice(&dport.to_be_bytes());
+                h.extend_from_slice(&len.to_be_bytes());
+                h.extend_from_slice(&[0, 0]);
+                h
+            }
+        };
+        l4.extend_from_slice(&self.payload);
+        let (saddr, daddr) = (self.saddr.octets(), self.daddr.octets());
+        match self.l4 {
+            L4::Tcp { .. } => {
+                let c = csum::l4(saddr, daddr, proto::TCP, &l4);
+                l4[16..18].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp { zero_csum: false, .. } => {
+                let c = match csum::l4(saddr, daddr, proto::UDP, &l4) {
+                    0 => 0xffff,
+                    c => c,
+                };
+                l4[6..8].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp { zero_csum: true, .. } => {}
+        }
+        let ihl = 20 + self.ip_options.len();
+        let tot_len = (ihl + l4.len()) as u16;
+        let mut ip = vec![(4 << 4) | (ihl / 4) as u8, 0];
+        ip.extend_from_slice(&tot_len.to_be_bytes());
+        ip.extend_from_slice(&[0x12, 0x34]);
+        ip.extend_from_slice(&self.frag.to_be_bytes());
+        ip.extend_from_slice(&[self.ttl, self.proto(), 0, 0]);
+        ip.extend_from_slice(&saddr);
+        ip.extend_from_slice(&daddr);
+        ip.extend_from_slice(&self.ip_options);
+        let c = csum::ipv4_header(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+
+        let mut frame = eth(self.dst_mac, self.src_mac, ETH_P_IP);
+        frame.extend_from_slice(&ip);
+        frame.extend_from_slice(&l4);
+        frame
+    }
+}
+
+pub fn eth(dst: [u8; 6], src: [u8; 6], ethertype: u16) -> Vec<u8> {
+    let mut f = Vec::with_capacity(64);
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&src);
+    f.extend_from_slice(&ethertype.to_be_bytes());
+    f
+}
+
+/// An ARP request frame (who-has 10.96.0.10).
+pub fn arp_frame() -> Vec<u8> {
+    let mut f = eth([0xff; 6], CLIENT_MAC, ETH_P_ARP);
+    f.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
+    f.extend_from_slice(&CLIENT_MAC);
+    f.extend_from_slice(&[10, 244, 1, 2]);
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&[10, 96, 0, 10]);
+    f
+}
+
+/// An IPv6 UDP frame (the datapath is IPv4-only and must pass it untouched).
+pub fn ipv6_frame() -> Vec<u8> {
+    let mut f = eth(HOST_MAC, CLIENT_MAC, ETH_P_IPV6);
+    f.extend_from_slice(&[0x60, 0, 0, 0, 0, 8, 17, 64]);
+    f.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    f.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+    f.extend_from_slice(&[0x30, 0x39, 0, 53, 0, 8, 0, 0]);
+    f
+}
+
+/// What the datapath produced, decoded (panics with a message on anything that is not a
+/// well-formed Ethernet/IPv4 frame).
+#[derive(Debug, Clone)]
+pub struct Decoded {
+    pub dst_mac: [u8; 6],
+    pub src_mac: [u8; 6],
+    pub ihl: usize,
+    pub tos: u8,
+    pub tot_len: usize,
+    pub frag: u16,
+    pub ttl: u8,
+    pub proto: u8,
+    pub saddr: Ipv4Addr,
+    pub daddr: Ipv4Addr,
+    pub ip_header: Vec<u8>,
+    /// From the L4 header to the end of the IPv4 packet.
+    pub l4: Vec<u8>,
+}
+
+impl Decoded {
+    pub fn parse(frame: &[u8]) -> Self {
+        assert!(frame.len() >= ETH_HLEN + 20, "frame too short for Ethernet+IPv4: {} bytes", frame.len());
+        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        assert_eq!(ethertype, ETH_P_IP, "EtherType is not IPv4");
+        let ip = &frame[ETH_HLEN..];
+        assert_eq!(ip[0] >> 4, 4, "IP version");
+        let ihl = ((ip[0] & 0x0f) as usize) * 4;
+        let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+        assert!(ihl >= 20 && tot_len >= ihl && tot_len <= ip.len(), "IPv4 lengths: ihl {ihl} tot_len {tot_len} available {}", ip.len());
+        Self {
+            dst_mac: frame[0..6].try_into().unwrap(),
+            src_mac: frame[6..12].try_into().unwrap(),
+            ihl,
+            tos: ip[1],
+            tot_len,
+            frag: u16::from_be_bytes([ip[6], ip[7]]),
+            ttl: ip[8],
+            proto: ip[9],
+            saddr: Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]),
+            daddr: Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]),
+            ip_header: ip[..ihl].to_vec(),
+            l4: ip[ihl..tot_len].to_vec(),
+        }
+    }
+
+    pub fn sport(&self) -> u16 {
+        u16::from_be_bytes([self.l4[0], self.l4[1]])
+    }
+
+    pub fn dport(&self) -> u16 {
+        u16::from_be_bytes([self.l4[2], self.l4[3]])
+    }
+
+    pub fn tcp_flags(&self) -> u8 {
+        self.l4[13]
+    }
+
+    pub fn tcp_seq(&self) -> u32 {
+        u32::from_be_bytes(self.l4[4..8].try_into().unwrap())
+    }
+
+    pub fn tcp_ack(&self) -> u32 {
+        u32::from_be_bytes(self.l4[8..12].try_into().unwrap())
+    }
+
+    pub fn l4_csum_field(&self) -> u16 {
+        let off = if self.proto == proto::TCP { 16 } else { 6 };
+        u16::from_be_bytes([self.l4[off], self.l4[off + 1]])
+    }
+
+    /// The IPv4 header checksum verifies.
+    pub fn ip_csum_ok(&self) -> bool {
+        csum::ipv4_header(&self.ip_header) == 0
+    }
+
+    /// The TCP/UDP/ICMP checksum verifies (a UDP checksum of 0 means "none" and is reported as
+    /// valid; check `l4_csum_field` to tell the two apart).
+    pub fn l4_csum_ok(&self) -> bool {
+        match self.proto {
+            proto::ICMP => csum::fold(csum::sum(&self.l4, 0)) == 0,
+            proto::UDP if self.l4_csum_field() == 0 => true,
+            p => csum::l4(self.saddr.octets(), self.daddr.octets(), p, &self.l4) == 0,
+        }
+    }
+}
