@@ -6,8 +6,14 @@ const FLOW_HASH_SEED: u32 = 0x9e37_79b9;
 #[inline(always)]
 const fn mix(h: u32, word: u32) -> u32 {
     // murmur3's per-block mix.
-    let k = word.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
-    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+    let k = word
+        .wrapping_mul(0xcc9e_2d51)
+        .rotate_left(15)
+        .wrapping_mul(0x1b87_3593);
+    (h ^ k)
+        .rotate_left(13)
+        .wrapping_mul(5)
+        .wrapping_add(0xe654_6b64)
 }
 
 #[inline(always)]
@@ -21,8 +27,17 @@ const fn fmix(mut h: u32) -> u32 {
 
 /// Hash of a flow's 5-tuple as it arrives (addresses and ports in network order).
 #[inline(always)]
-pub const fn flow_hash(saddr: [u8; 4], daddr: [u8; 4], sport: [u8; 2], dport: [u8; 2], proto: u8) -> u32 {
-    let ports = ((sport[0] as u32) << 24) | ((sport[1] as u32) << 16) | ((dport[0] as u32) << 8) | dport[1] as u32;
+pub const fn flow_hash(
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+    sport: [u8; 2],
+    dport: [u8; 2],
+    proto: u8,
+) -> u32 {
+    let ports = ((sport[0] as u32) << 24)
+        | ((sport[1] as u32) << 16)
+        | ((dport[0] as u32) << 8)
+        | dport[1] as u32;
     let mut h = FLOW_HASH_SEED ^ proto as u32;
     h = mix(h, u32::from_be_bytes(saddr));
     h = mix(h, u32::from_be_bytes(daddr));
@@ -47,12 +62,30 @@ mod tests {
     #[test]
     fn same_tuple_same_hash_and_any_field_changes_it() {
         let base = flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6);
-        assert_eq!(base, flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6));
-        assert_ne!(base, flow_hash([10, 244, 1, 3], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6));
-        assert_ne!(base, flow_hash([10, 244, 1, 2], [10, 96, 0, 11], [0x9c, 0x40], [0, 80], 6));
-        assert_ne!(base, flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x41], [0, 80], 6));
-        assert_ne!(base, flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 81], 6));
-        assert_ne!(base, flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 17));
+        assert_eq!(
+            base,
+            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6)
+        );
+        assert_ne!(
+            base,
+            flow_hash([10, 244, 1, 3], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6)
+        );
+        assert_ne!(
+            base,
+            flow_hash([10, 244, 1, 2], [10, 96, 0, 11], [0x9c, 0x40], [0, 80], 6)
+        );
+        assert_ne!(
+            base,
+            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x41], [0, 80], 6)
+        );
+        assert_ne!(
+            base,
+            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 81], 6)
+        );
+        assert_ne!(
+            base,
+            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 17)
+        );
     }
 
     #[test]
@@ -61,7 +94,10 @@ mod tests {
         for count in 1..=64u16 {
             for h in [0u32, 1, u32::MAX / 2, u32::MAX - 1, u32::MAX] {
                 let s = pick_slot(h, count).unwrap();
-                assert!((1..=count).contains(&s), "hash {h} count {count} gave slot {s}");
+                assert!(
+                    (1..=count).contains(&s),
+                    "hash {h} count {count} gave slot {s}"
+                );
             }
         }
     }
@@ -71,11 +107,20 @@ mod tests {
         // 30,000 client ports over 3 backends: each gets its third within 3%.
         let mut hits = [0u32; 3];
         for port in 20_000u16..50_000 {
-            let h = flow_hash([10, 244, 1, 2], [10, 96, 0, 10], port.to_be_bytes(), [0, 80], 6);
+            let h = flow_hash(
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                port.to_be_bytes(),
+                [0, 80],
+                6,
+            );
             hits[(pick_slot(h, 3).unwrap() - 1) as usize] += 1;
         }
         for (i, n) in hits.iter().enumerate() {
-            assert!((9_700..=10_300).contains(n), "backend {i} got {n} of 30000: {hits:?}");
+            assert!(
+                (9_700..=10_300).contains(n),
+                "backend {i} got {n} of 30000: {hits:?}"
+            );
         }
     }
 }

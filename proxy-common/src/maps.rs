@@ -13,7 +13,13 @@ pub const MAP_CONNTRACK: &str = "CONNTRACK_V1";
 pub const MAP_STATS: &str = "STATS_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 5] = [MAP_SERVICES, MAP_BACKENDS, MAP_REVNAT, MAP_CONNTRACK, MAP_STATS];
+pub const ALL_MAPS: [&str; 5] = [
+    MAP_SERVICES,
+    MAP_BACKENDS,
+    MAP_REVNAT,
+    MAP_CONNTRACK,
+    MAP_STATS,
+];
 
 /// Default capacities compiled into the object; the agent may resize at load time
 /// (`EbpfLoader::map_max_entries`) before the maps are first created.

@@ -1,3 +1,42 @@
-fn main() {
-    println!("{}", kube_proxy_ebpf::ebpf_object::EBPF_OBJECT.len());
+//! `kube-proxy-ebpf`: wiring only — parse flags, set up logging, dispatch.
+
+use clap::Parser as _;
+use kube_proxy_ebpf::{
+    agent, cleanup,
+    cli::{Cli, Command},
+    dataplane::bpffs::PinLayout,
+    dump,
+};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let default_level = match cli.verbosity {
+        0 => "info",
+        1 | 2 => "debug",
+        _ => "trace",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Run(args) => {
+            // One thread is plenty: the work is a few syscalls per change.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(agent::run(args))
+        }
+        Command::Dump(args) => {
+            print!(
+                "{}",
+                dump::dump(&PinLayout::new(&args.pins.pin_dir), args.what)?
+            );
+            Ok(())
+        }
+        Command::Cleanup(args) => cleanup::cleanup(&PinLayout::new(&args.pin_dir)),
+    }
 }

@@ -12,12 +12,27 @@ use proxy_common::{Backend, RevNat, ServiceKey, ServiceValue};
 /// every step: backends → rev-NAT → slots → frontends; shrinking in reverse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MapOp {
-    PutBackend { id: u32, backend: Backend },
-    PutRevNat { id: u32, rev_nat: RevNat },
-    PutService { key: ServiceKey, value: ServiceValue },
-    DeleteService { key: ServiceKey },
-    DeleteRevNat { id: u32 },
-    DeleteBackend { id: u32 },
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    PutRevNat {
+        id: u32,
+        rev_nat: RevNat,
+    },
+    PutService {
+        key: ServiceKey,
+        value: ServiceValue,
+    },
+    DeleteService {
+        key: ServiceKey,
+    },
+    DeleteRevNat {
+        id: u32,
+    },
+    DeleteBackend {
+        id: u32,
+    },
 }
 
 /// The maps' contents as last written (or read back at start-up).

@@ -1,0 +1,451 @@
+//! The agent: wires the manifest source, the pure pipeline (translate → plan) and the dataplane
+//! edge (maps, links) into one sync loop.
+//!
+//! Start-up follows DESIGN.md: adopt the pinned maps and rebuild the shadow from them, read the
+//! source, sync, and only then attach (or atomically replace the programs of) the interfaces.
+//! Shutdown leaves maps and links pinned so traffic keeps flowing until the next agent adopts them.
+
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use aya::Ebpf;
+use proxy_common::{CtKey, CtValue, DatapathConfig, ct_state, proto};
+use tokio::signal::unix::{SignalKind, signal};
+use tracing::{debug, error, info, warn};
+
+use crate::{
+    cli::RunArgs,
+    dataplane::{
+        self,
+        attach::Attacher,
+        bpffs::PinLayout,
+        clock::monotonic_ns,
+        interfaces::{self, Patterns},
+        loader::{self, MapSizes},
+        maps::{Conntrack, ServiceMaps},
+        netlink,
+    },
+    diff, manifests,
+    model::Problem,
+    programmed::{Capacities, MapOp, Programmed},
+    snapshot::Snapshot,
+    status::{self, Status},
+    translate::{self, NodeContext},
+};
+
+/// How often the manifest folder is checked for changes.
+const MANIFEST_POLL: Duration = Duration::from_millis(200);
+/// How often idle conntrack entries are swept (the LRU also evicts under pressure).
+const CONNTRACK_GC_PERIOD: Duration = Duration::from_secs(30);
+/// Retry delay after a failed sync.
+const SYNC_RETRY: Duration = Duration::from_secs(1);
+
+/// Why a sync stopped early.
+#[derive(Debug, thiserror::Error)]
+#[error("applying {op:?} failed: {source}")]
+pub struct ApplyError {
+    op: MapOp,
+    source: Box<dataplane::Error>,
+}
+
+/// The node's long-lived datapath state.
+pub struct Agent {
+    ebpf: Ebpf,
+    maps: ServiceMaps,
+    conntrack: Conntrack,
+    programmed: Programmed,
+    attacher: Attacher,
+    capacities: Capacities,
+    config: DatapathConfig,
+    node: NodeContext,
+    patterns: Patterns,
+    status: Status,
+    status_file: Option<PathBuf>,
+    reported: BTreeSet<String>,
+}
+
+impl Agent {
+    /// Loads the programs with adopted (or new) pinned maps and reads back what they carry.
+    pub fn start(
+        pins: PinLayout,
+        config: DatapathConfig,
+        node: NodeContext,
+        patterns: Patterns,
+    ) -> anyhow::Result<Self> {
+        let sizes = MapSizes::default();
+        let adopting = pins.has_maps();
+        let mut ebpf = loader::load_pinned(&pins, &config, &sizes)?;
+        let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
+        let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
+        let programmed = maps.read_programmed()?;
+        if adopting {
+            info!(
+                pin_dir = %pins.dir.display(),
+                frontends = programmed.frontend_count(),
+                backends = programmed.backends.len(),
+                flows = conntrack.entries().len(),
+                "adopted pinned maps; converging by diff, nothing flushed"
+            );
+        } else {
+            info!(pin_dir = %pins.dir.display(), "created new pinned maps");
+        }
+        Ok(Self {
+            ebpf,
+            maps,
+            conntrack,
+            programmed,
+            attacher: Attacher::new(pins),
+            capacities: sizes.capacities(),
+            config,
+            node,
+            patterns,
+            status: Status::default(),
+            status_file: None,
+            reported: BTreeSet::new(),
+        })
+    }
+
+    /// One full sync: translate the snapshot, plan against the shadow, apply in order.
+    /// Stops at the first failed write: the plan's order keeps every prefix consistent.
+    pub fn sync(
+        &mut self,
+        snapshot: &Snapshot,
+        mut problems: Vec<Problem>,
+    ) -> Result<(), ApplyError> {
+        let started = Instant::now();
+        let translation = translate::translate(snapshot, &self.node);
+        problems.extend(translation.problems);
+        let plan = diff::plan(&translation.desired, &self.programmed, &self.capacities);
+        for (frontend, reason) in &plan.skipped {
+            problems.push(Problem {
+                source: "dataplane".into(),
+                object: format!("frontend {frontend}"),
+                reason: reason.clone(),
+            });
+        }
+        self.report_problems(&problems);
+        let removed_backends = plan
+            .ops
+            .iter()
+            .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
+        for op in &plan.ops {
+            self.maps.apply(op).map_err(|source| ApplyError {
+                op: *op,
+                source: Box::new(source),
+            })?;
+            self.programmed.apply(op);
+        }
+        if removed_backends {
+            self.gc_conntrack();
+        }
+        self.status.syncs += 1;
+        self.status.frontends = self.programmed.frontend_count();
+        self.status.backends = self.programmed.backends.len();
+        self.status.problems = problems.len();
+        let level_changed = !plan.ops.is_empty();
+        if level_changed {
+            info!(
+                ops = plan.ops.len(),
+                frontends = self.status.frontends,
+                backends = self.status.backends,
+                took_us = started.elapsed().as_micros() as u64,
+                "synced"
+            );
+        } else {
+            debug!(
+                took_us = started.elapsed().as_micros() as u64,
+                "synced, nothing to change"
+            );
+        }
+        self.write_status();
+        Ok(())
+    }
+
+    /// Logs problems not reported before (one line each, not one per sync).
+    fn report_problems(&mut self, problems: &[Problem]) {
+        let now: BTreeSet<String> = problems.iter().map(ToString::to_string).collect();
+        for p in now.difference(&self.reported) {
+            error!("skipped: {p}");
+        }
+        self.reported = now;
+    }
+
+    /// Attaches to every matching interface (new ones included), releases gone ones.
+    pub fn reconcile_interfaces(&mut self) {
+        let wanted = match interfaces::list() {
+            Ok(all) => all
+                .into_iter()
+                .filter(|i| self.patterns.matches(&i.name))
+                .collect::<Vec<_>>(),
+            Err(e) => {
+                error!("listing interfaces failed: {e}");
+                return;
+            }
+        };
+        let report = self.attacher.reconcile(&mut self.ebpf, &wanted);
+        for l in &report.attached {
+            info!(interface = %l.ifname, hook = %l.hook, "attached");
+        }
+        for l in &report.adopted {
+            info!(interface = %l.ifname, hook = %l.hook, "adopted pinned link, program replaced atomically");
+        }
+        for l in &report.released {
+            info!(interface = %l.ifname, hook = %l.hook, "released link of a gone interface");
+        }
+        for (l, e) in &report.failed {
+            error!(interface = %l.ifname, hook = %l.hook, "attach failed: {e}");
+        }
+        let interfaces: Vec<String> = self.attacher.interfaces().into_iter().collect();
+        if interfaces != self.status.interfaces {
+            self.status.interfaces = interfaces;
+            self.write_status();
+        }
+    }
+
+    /// Removes idle-expired flows, and UDP flows whose backend is gone (like kube-proxy's UDP
+    /// conntrack cleanup, so DNS clients do not keep sending to a deleted pod). TCP flows to a
+    /// gone backend are answered with a RST by the datapath on their next packet.
+    pub fn gc_conntrack(&mut self) {
+        let now = monotonic_ns();
+        let mut removed = 0usize;
+        for (key, value) in self.conntrack.entries() {
+            if flow_is_dead(&key, &value, now, &self.config, &self.programmed) {
+                self.conntrack.remove(&key);
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            debug!(removed, "conntrack garbage collected");
+        }
+    }
+
+    fn write_status(&self) {
+        if let Some(path) = &self.status_file
+            && let Err(e) = status::write(path, &self.status)
+        {
+            warn!("writing status file {}: {e}", path.display());
+        }
+    }
+}
+
+/// Pure: should the agent drop this conntrack entry?
+pub fn flow_is_dead(
+    key: &CtKey,
+    value: &CtValue,
+    now_ns: u64,
+    config: &DatapathConfig,
+    programmed: &Programmed,
+) -> bool {
+    let timeout_s = match (key.proto, value.state) {
+        (proto::TCP, ct_state::ESTABLISHED) => config.tcp_established_timeout_s,
+        (proto::TCP, _) => config.tcp_transitory_timeout_s,
+        _ => config.udp_timeout_s,
+    };
+    let idle_ns = now_ns.saturating_sub(value.last_seen_ns);
+    if idle_ns > u64::from(timeout_s) * 1_000_000_000 {
+        return true;
+    }
+    let backend_alive = programmed
+        .backends
+        .get(&value.backend_id)
+        .is_some_and(|b| b.addr == value.backend_addr && b.port == value.backend_port);
+    key.proto == proto::UDP && !backend_alive
+}
+
+fn node_name(args: &RunArgs) -> String {
+    if let Some(n) = &args.hostname_override {
+        return n.clone();
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is valid for 256 bytes; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).to_lowercase()
+}
+
+fn datapath_config(args: &RunArgs) -> DatapathConfig {
+    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+    DatapathConfig {
+        tcp_established_timeout_s: secs(args.conntrack_tcp_established_timeout),
+        tcp_transitory_timeout_s: secs(args.conntrack_tcp_transitory_timeout),
+        udp_timeout_s: secs(args.conntrack_udp_timeout),
+        flags: 0,
+    }
+}
+
+fn load_manifests(dir: &std::path::Path) -> (Snapshot, Vec<Problem>) {
+    let load = manifests::load_dir(dir);
+    (load.snapshot, load.problems)
+}
+
+/// `kube-proxy-ebpf run`.
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let pins = PinLayout::new(&args.pins.pin_dir);
+    if args.cleanup {
+        return crate::cleanup::cleanup(&pins);
+    }
+    let node = NodeContext {
+        node_name: node_name(&args),
+        zone: None,
+    };
+    let mut patterns_str = args.pod_interfaces.clone();
+    if !args.devices.is_empty() {
+        patterns_str = format!("{patterns_str},{}", args.devices);
+    }
+    let patterns = Patterns::parse(&patterns_str);
+    info!(node = %node.node_name, manifests = %args.manifests.display(), interfaces = %patterns_str, "starting");
+
+    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns)?;
+    agent.status_file = args.status_file.clone();
+
+    // The source's initial list, then a sync, then attach: programs only ever see maps that
+    // already carry the current state.
+    let mut fingerprint = manifests::fingerprint(&args.manifests);
+    let (mut snapshot, mut problems) = load_manifests(&args.manifests);
+    let mut dirty = false;
+    let mut last_sync = Instant::now();
+    if let Err(e) = agent.sync(&snapshot, problems.clone()) {
+        error!("initial sync: {e}; retrying");
+        dirty = true;
+    }
+    let mut links = netlink::watch_links()?;
+    agent.reconcile_interfaces();
+    info!("ready");
+
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut poll = tokio::time::interval(MANIFEST_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);
+    let mut next_allowed = last_sync + args.min_sync_period;
+
+    loop {
+        tokio::select! {
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+            Some(()) = links.recv() => agent.reconcile_interfaces(),
+            _ = gc.tick() => agent.gc_conntrack(),
+            _ = poll.tick() => {
+                let now_fp = manifests::fingerprint(&args.manifests);
+                if now_fp != fingerprint {
+                    fingerprint = now_fp;
+                    (snapshot, problems) = load_manifests(&args.manifests);
+                    dirty = true;
+                }
+                let now = Instant::now();
+                let due = (dirty && now >= next_allowed) || now.duration_since(last_sync) >= args.sync_period;
+                if due {
+                    last_sync = now;
+                    match agent.sync(&snapshot, problems.clone()) {
+                        Ok(()) => {
+                            dirty = false;
+                            next_allowed = now + args.min_sync_period;
+                        }
+                        Err(e) => {
+                            error!("sync failed: {e}; retrying in {SYNC_RETRY:?}");
+                            next_allowed = now + SYNC_RETRY;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    info!("stopping; maps and links stay pinned so traffic keeps flowing");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{Backend, ct_dir};
+
+    use super::*;
+
+    fn flow(proto: u8, state: u8, backend_id: u32, last_seen_ns: u64) -> (CtKey, CtValue) {
+        let key = CtKey {
+            saddr: [10, 244, 1, 2],
+            daddr: [10, 96, 0, 10],
+            sport: [0x9c, 0x40],
+            dport: [0, 80],
+            proto,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let value = CtValue {
+            last_seen_ns,
+            backend_id,
+            backend_addr: [10, 244, 1, 11],
+            backend_port: [0x1f, 0x90],
+            state,
+            ..Default::default()
+        };
+        (key, value)
+    }
+
+    fn programmed_with_backend_1() -> Programmed {
+        let mut p = Programmed::default();
+        p.backends.insert(
+            1,
+            Backend {
+                addr: [10, 244, 1, 11],
+                port: [0x1f, 0x90],
+                proto: proto::TCP,
+                flags: 0,
+            },
+        );
+        p
+    }
+
+    #[test]
+    fn idle_flows_expire_by_state_timeout() {
+        let cfg = DatapathConfig {
+            tcp_established_timeout_s: 100,
+            tcp_transitory_timeout_s: 10,
+            udp_timeout_s: 5,
+            flags: 0,
+        };
+        let p = programmed_with_backend_1();
+        let s = 1_000_000_000u64;
+        let now = 1_000 * s;
+        let (k, v) = flow(proto::TCP, ct_state::ESTABLISHED, 1, now - 50 * s);
+        assert!(
+            !flow_is_dead(&k, &v, now, &cfg, &p),
+            "established, 50 s idle of 100"
+        );
+        let (k, v) = flow(proto::TCP, ct_state::SYN_SENT, 1, now - 50 * s);
+        assert!(
+            flow_is_dead(&k, &v, now, &cfg, &p),
+            "opening, 50 s idle of 10"
+        );
+        let (k, v) = flow(proto::UDP, ct_state::UDP, 1, now - 4 * s);
+        assert!(!flow_is_dead(&k, &v, now, &cfg, &p), "udp, 4 s idle of 5");
+        let (k, v) = flow(proto::UDP, ct_state::UDP, 1, now - 6 * s);
+        assert!(flow_is_dead(&k, &v, now, &cfg, &p), "udp, 6 s idle of 5");
+    }
+
+    #[test]
+    fn udp_flows_to_a_removed_backend_are_dropped_tcp_flows_are_left_to_the_datapath() {
+        let cfg = DatapathConfig::DEFAULT;
+        let p = programmed_with_backend_1();
+        let now = 10_000_000_000u64;
+        let (k, v) = flow(proto::UDP, ct_state::UDP, 2, now);
+        assert!(
+            flow_is_dead(&k, &v, now, &cfg, &p),
+            "backend 2 does not exist"
+        );
+        let (k, mut v) = flow(proto::UDP, ct_state::UDP, 1, now);
+        assert!(!flow_is_dead(&k, &v, now, &cfg, &p));
+        v.backend_addr = [10, 244, 1, 99];
+        assert!(
+            flow_is_dead(&k, &v, now, &cfg, &p),
+            "id 1 now names another address"
+        );
+        let (k, v) = flow(proto::TCP, ct_state::ESTABLISHED, 2, now);
+        assert!(!flow_is_dead(&k, &v, now, &cfg, &p));
+    }
+}

@@ -1,0 +1,28 @@
+//! `kube-proxy-ebpf cleanup` / `run --cleanup`: remove every link and map this agent pinned.
+//! With the pins gone and no agent holding fds, the kernel detaches the programs and frees the maps.
+
+use tracing::info;
+
+use crate::dataplane::{attach, bpffs::PinLayout, maps};
+
+pub fn cleanup(pins: &PinLayout) -> anyhow::Result<()> {
+    if !pins.dir.exists() {
+        info!(pin_dir = %pins.dir.display(), "nothing to clean up");
+        return Ok(());
+    }
+    let links = attach::release_all(pins)?;
+    maps::unpin_all(pins)?;
+    for dir in [pins.links_dir(), pins.dir.clone()] {
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                anyhow::bail!(
+                    "removing {}: {e} (something else is pinned there?)",
+                    dir.display()
+                )
+            }
+            _ => {}
+        }
+    }
+    info!(pin_dir = %pins.dir.display(), links, "cleaned up: programs detached, maps unpinned");
+    Ok(())
+}

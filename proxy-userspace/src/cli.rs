@@ -1,0 +1,168 @@
+//! Command line: kube-proxy compatible where flags mean the same thing.
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kube-proxy-ebpf",
+    version,
+    about = "eBPF kube-proxy replacement"
+)]
+pub struct Cli {
+    /// Log verbosity like kube-proxy's -v (0 = info, 1+ = debug, 3+ = trace); RUST_LOG overrides.
+    #[arg(short = 'v', long = "v", global = true, default_value_t = 0)]
+    pub verbosity: u8,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: program the datapath and keep it equal to the Services.
+    Run(RunArgs),
+    /// Print the datapath's state, decoded from the pinned maps (works while the agent runs).
+    Dump(DumpArgs),
+    /// Remove everything the agent installed (links, maps, pin directory) and exit.
+    Cleanup(PinArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PinArgs {
+    /// bpffs directory holding the pinned maps and links.
+    #[arg(long, env = "KPE_PIN_DIR", default_value = proxy_common::DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Standalone mode: a folder of Service/EndpointSlice manifests (YAML/JSON, multi-document),
+    /// reloaded within a second of any change.
+    #[arg(long, env = "KPE_MANIFESTS")]
+    pub manifests: PathBuf,
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Pod-facing interfaces to attach to (comma-separated globs); interfaces created later are
+    /// attached as they appear.
+    #[arg(
+        long,
+        env = "KPE_POD_INTERFACES",
+        default_value = "veth*,cali*,lxc*,cni*"
+    )]
+    pub pod_interfaces: String,
+    /// The node's external devices to attach to (comma-separated globs).
+    #[arg(long, env = "KPE_DEVICES", default_value = "")]
+    pub devices: String,
+    /// Name of this node (decides which endpoints are local).
+    #[arg(long, env = "NODE_NAME")]
+    pub hostname_override: Option<String>,
+    /// Write a JSON status (syncs, frontends, backends, interfaces, problems) here after each sync.
+    #[arg(long)]
+    pub status_file: Option<PathBuf>,
+    /// Shortest time between two syncs (an isolated change is applied at once).
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    pub min_sync_period: Duration,
+    /// Longest time between two full syncs.
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    pub sync_period: Duration,
+    /// Idle timeout of established TCP flows.
+    #[arg(long, value_parser = parse_duration, default_value = "24h")]
+    pub conntrack_tcp_established_timeout: Duration,
+    /// Idle timeout of TCP flows being opened or closed.
+    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    pub conntrack_tcp_transitory_timeout: Duration,
+    /// Idle timeout of UDP flows.
+    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    pub conntrack_udp_timeout: Duration,
+    /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
+    #[arg(long)]
+    pub cleanup: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DumpArgs {
+    /// What to print.
+    #[arg(value_enum)]
+    pub what: DumpWhat,
+    #[command(flatten)]
+    pub pins: PinArgs,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DumpWhat {
+    Services,
+    Backends,
+    Conntrack,
+    Stats,
+}
+
+/// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("invalid duration {s:?}: use e.g. 500ms, 1s, 2m, 24h, 1h30m");
+    let mut total = Duration::ZERO;
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .ok_or_else(bad)?;
+        let value: f64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let secs = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += Duration::from_secs_f64(value * secs);
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_like_go() {
+        assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+    }
+
+    #[test]
+    fn cli_parses_run_flags() {
+        let cli = Cli::try_parse_from([
+            "kube-proxy-ebpf",
+            "run",
+            "--manifests",
+            "/m",
+            "--pin-dir",
+            "/sys/fs/bpf/x",
+            "--pod-interfaces",
+            "veth-*",
+            "--min-sync-period",
+            "100ms",
+        ])
+        .expect("parse");
+        let Command::Run(run) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(run.min_sync_period, Duration::from_millis(100));
+        assert_eq!(run.pins.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
+    }
+}

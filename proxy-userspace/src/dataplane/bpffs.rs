@@ -1,0 +1,62 @@
+//! bpffs checks and the pin directory layout.
+
+use std::{
+    ffi::CString,
+    os::unix::ffi::OsStrExt as _,
+    path::{Path, PathBuf},
+};
+
+use super::{Error, Result};
+
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Is `path` on a bpffs?
+pub fn is_bpffs(path: &Path) -> bool {
+    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a properly sized out-parameter.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC
+    }
+}
+
+/// The pin directory: maps at `<dir>/<MAP_NAME>`, links under `<dir>/links/`.
+#[derive(Clone, Debug)]
+pub struct PinLayout {
+    pub dir: PathBuf,
+}
+
+impl PinLayout {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    pub fn links_dir(&self) -> PathBuf {
+        self.dir.join("links")
+    }
+
+    /// Creates the directories after checking the parent is a bpffs.
+    pub fn create(&self) -> Result<()> {
+        let parent = self.dir.parent().unwrap_or(Path::new("/"));
+        if !is_bpffs(parent) && !is_bpffs(&self.dir) {
+            return Err(Error::NotBpffs {
+                path: parent.to_path_buf(),
+            });
+        }
+        for d in [self.dir.clone(), self.links_dir()] {
+            std::fs::create_dir_all(&d).map_err(|source| Error::PinDir { path: d, source })?;
+        }
+        Ok(())
+    }
+
+    /// Do pinned maps exist here (an agent ran before)?
+    pub fn has_maps(&self) -> bool {
+        proxy_common::ALL_MAPS.iter().all(|m| self.map(m).exists())
+    }
+}

@@ -1,0 +1,90 @@
+//! Loads the embedded eBPF object. Maps are pinned by name under the pin directory: an existing
+//! pin is adopted (same kernel map, contents kept), a missing one is created and pinned.
+
+use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use proxy_common::{
+    ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
+    MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY,
+    SERVICES_CAPACITY,
+};
+
+use super::{Error, Result, bpffs::PinLayout};
+use crate::{ebpf_object::EBPF_OBJECT, programmed::Capacities};
+
+/// Map sizes used when the maps are first created (adopted maps keep their size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub rev_nats: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: SERVICES_CAPACITY,
+            backends: BACKENDS_CAPACITY,
+            rev_nats: REVNAT_CAPACITY,
+            conntrack: CONNTRACK_CAPACITY,
+        }
+    }
+}
+
+impl MapSizes {
+    pub fn capacities(&self) -> Capacities {
+        Capacities {
+            services: self.services,
+            backends: self.backends,
+            rev_nats: self.rev_nats,
+        }
+    }
+}
+
+/// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) both
+/// programs. Nothing is attached yet.
+pub fn load_pinned(pins: &PinLayout, config: &DatapathConfig, sizes: &MapSizes) -> Result<Ebpf> {
+    pins.create()?;
+    let paths: Vec<(&'static str, std::path::PathBuf)> =
+        ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
+    let mut loader = EbpfLoader::new();
+    loader.override_global(CONFIG_GLOBAL, config, true);
+    for (name, path) in &paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(MAP_SERVICES, sizes.services)
+        .map_max_entries(MAP_BACKENDS, sizes.backends)
+        .map_max_entries(MAP_REVNAT, sizes.rev_nats)
+        .map_max_entries(MAP_CONNTRACK, sizes.conntrack);
+    let mut ebpf = loader.load(EBPF_OBJECT)?;
+    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
+        program_mut(&mut ebpf, name)?
+            .load()
+            .map_err(|source| Error::Program { name, source })?;
+    }
+    Ok(ebpf)
+}
+
+/// Loads the object without pins (fresh private maps): for tests and benchmarks.
+pub fn load_unpinned(config: &DatapathConfig) -> Result<Ebpf> {
+    let mut ebpf = EbpfLoader::new()
+        .override_global(CONFIG_GLOBAL, config, true)
+        .load(EBPF_OBJECT)?;
+    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
+        program_mut(&mut ebpf, name)?
+            .load()
+            .map_err(|source| Error::Program { name, source })?;
+    }
+    Ok(ebpf)
+}
+
+/// One of our tc programs.
+pub fn program_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier> {
+    let prog = ebpf.program_mut(name).ok_or(Error::Missing {
+        what: "program",
+        name,
+    })?;
+    prog.try_into()
+        .map_err(|source| Error::Program { name, source })
+}

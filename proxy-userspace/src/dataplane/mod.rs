@@ -1,0 +1,61 @@
+//! The IO edge towards the kernel: loading the eBPF object with pinned maps, the map layer that
+//! carries out `MapOp`s, attaching programs to interfaces (TCX links, pinned and adopted across
+//! restarts), and the netlink watch for interfaces that appear later.
+
+pub mod attach;
+pub mod bpffs;
+pub mod clock;
+pub mod interfaces;
+pub mod loader;
+pub mod maps;
+pub mod netlink;
+
+use std::{io, path::PathBuf};
+
+/// Errors at the kernel boundary. Each says what failed and on what, so the operator can act.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "{path} is not on a bpffs: mount it with `mount -t bpf bpf /sys/fs/bpf` (a DaemonSet mounts the host's /sys/fs/bpf)"
+    )]
+    NotBpffs { path: PathBuf },
+    #[error("cannot create pin directory {path}: {source}")]
+    PinDir { path: PathBuf, source: io::Error },
+    #[error("loading the eBPF object failed: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("eBPF program {name}: {source}")]
+    Program {
+        name: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("the eBPF object has no {what} named {name}")]
+    Missing {
+        what: &'static str,
+        name: &'static str,
+    },
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        source: aya::maps::MapError,
+    },
+    #[error("attaching {program} to {interface}: {source}")]
+    Attach {
+        interface: String,
+        program: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("pinning link {path}: {source}")]
+    PinLink {
+        path: PathBuf,
+        source: aya::pin::PinError,
+    },
+    #[error("link {path}: {source}")]
+    Link {
+        path: PathBuf,
+        source: aya::programs::links::LinkError,
+    },
+    #[error("{what}: {source}")]
+    Io { what: String, source: io::Error },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,62 @@
+//! Wakes the agent when interfaces appear or go (RTMGRP_LINK), so new pods get the programs within
+//! milliseconds. Messages are not parsed: any link event triggers a rescan, which is cheap.
+
+use std::{io, os::fd::FromRawFd as _, thread};
+
+use tokio::sync::mpsc;
+
+const RTMGRP_LINK: u32 = 1;
+
+/// Starts a thread that sends `()` on every batch of link events. The thread ends when the
+/// receiver is dropped (on the next event).
+pub fn watch_links() -> io::Result<mpsc::Receiver<()>> {
+    // SAFETY: plain socket(2)/bind(2) calls with a zeroed sockaddr_nl of the right size; the fd is
+    // owned by the File created right after and closed with it.
+    let file = unsafe {
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        );
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let file = std::fs::File::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_nl = std::mem::zeroed();
+        addr.nl_family = libc::AF_NETLINK as u16;
+        addr.nl_groups = RTMGRP_LINK;
+        let rc = libc::bind(
+            fd,
+            (&addr as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as u32,
+        );
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        file
+    };
+    let (tx, rx) = mpsc::channel(1);
+    thread::Builder::new().name("netlink-links".into()).spawn(move || {
+        use std::io::Read as _;
+        let mut file = file;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match file.read(&mut buf) {
+                // ENOBUFS (events were lost) also means "rescan".
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!("netlink link watch stopped: {e}; new interfaces are picked up by the periodic rescan only");
+                    return;
+                }
+            }
+            // One pending rescan is enough: a full channel means one is already queued.
+            match tx.try_send(()) {
+                Ok(()) | Err(mpsc::error::TrySendError::Full(())) => {}
+                Err(mpsc::error::TrySendError::Closed(())) => return,
+            }
+        }
+    })?;
+    Ok(rx)
+}

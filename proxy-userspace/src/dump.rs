@@ -1,0 +1,240 @@
+//! `kube-proxy-ebpf dump`: human tables decoded from the pinned maps, usable while the agent runs.
+
+use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
+
+use proxy_common::{Counter, CtKey, CtValue, backend_flags, ct_dir, ct_state};
+
+use crate::{
+    cli::DumpWhat,
+    dataplane::{
+        bpffs::PinLayout,
+        clock::monotonic_ns,
+        maps::{Conntrack, ServiceMaps, Stats},
+    },
+    encode,
+    model::Protocol,
+    programmed::Programmed,
+};
+
+pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
+    if !pins.has_maps() {
+        anyhow::bail!(
+            "no pinned maps under {}: is the agent running (or was it started with another --pin-dir)?",
+            pins.dir.display()
+        );
+    }
+    Ok(match what {
+        DumpWhat::Services => services_table(&ServiceMaps::open_pinned(pins)?.read_programmed()?),
+        DumpWhat::Backends => backends_table(&ServiceMaps::open_pinned(pins)?.read_programmed()?),
+        DumpWhat::Conntrack => {
+            conntrack_table(&Conntrack::open_pinned(pins)?.entries(), monotonic_ns())
+        }
+        DumpWhat::Stats => stats_table(&Stats::open_pinned(pins)?.read()?),
+    })
+}
+
+fn proto_name(n: u8) -> String {
+    Protocol::from_number(n).map_or_else(|| n.to_string(), |p| p.to_string())
+}
+
+fn flags_text(flags: u8) -> String {
+    let mut parts = Vec::new();
+    if flags & backend_flags::TERMINATING != 0 {
+        parts.push("terminating");
+    }
+    if flags & backend_flags::LOCAL != 0 {
+        parts.push("local");
+    }
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join(",")
+    }
+}
+
+/// One row per frontend: its backends in slot order.
+pub fn services_table(p: &Programmed) -> String {
+    let mut frontends: BTreeMap<_, (u32, u16, Vec<String>)> = BTreeMap::new();
+    for (key, value) in &p.services {
+        if key.slot != 0 {
+            continue;
+        }
+        let Some((fe, _)) = encode::decode_service_key(key) else {
+            continue;
+        };
+        let backends = (1..=value.count)
+            .map(|slot| match p.services.get(&key.with_slot(slot)) {
+                Some(s) => match p
+                    .backends
+                    .get(&s.backend_id)
+                    .and_then(encode::decode_backend)
+                {
+                    Some(b) => format!(
+                        "{}:{} (#{})",
+                        b.endpoint.addr, b.endpoint.port, s.backend_id
+                    ),
+                    None => format!("#{} (missing)", s.backend_id),
+                },
+                None => format!("slot {slot} (missing)"),
+            })
+            .collect();
+        frontends.insert(fe, (value.rev_nat_id, value.count, backends));
+    }
+    let mut out = format!(
+        "{:<24} {:<6} {:>6} {:>8}  {}\n",
+        "FRONTEND", "PROTO", "REVNAT", "BACKENDS", "TARGETS"
+    );
+    for (fe, (rev, count, backends)) in &frontends {
+        let targets = if backends.is_empty() {
+            "(none: rejected)".to_string()
+        } else {
+            backends.join(", ")
+        };
+        let _ = writeln!(
+            out,
+            "{:<24} {:<6} {:>6} {:>8}  {}",
+            format!("{}:{}", fe.addr, fe.port),
+            fe.protocol,
+            rev,
+            count,
+            targets
+        );
+    }
+    out
+}
+
+pub fn backends_table(p: &Programmed) -> String {
+    let mut out = format!(
+        "{:>6}  {:<22} {:<6} {}\n",
+        "ID", "ADDRESS", "PROTO", "FLAGS"
+    );
+    let mut ids: Vec<_> = p.backends.keys().copied().collect();
+    ids.sort_unstable();
+    for id in ids {
+        let b = p.backends[&id];
+        let _ = writeln!(
+            out,
+            "{:>6}  {:<22} {:<6} {}",
+            id,
+            format!("{}:{}", Ipv4Addr::from(b.addr), u16::from_be_bytes(b.port)),
+            proto_name(b.proto),
+            flags_text(b.flags)
+        );
+    }
+    out
+}
+
+fn state_name(proto: u8, state: u8) -> &'static str {
+    match (proto, state) {
+        (proxy_common::proto::UDP, _) => "udp",
+        (_, ct_state::SYN_SENT) => "syn_sent",
+        (_, ct_state::ESTABLISHED) => "established",
+        (_, ct_state::CLOSING) => "closing",
+        _ => "?",
+    }
+}
+
+pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
+    let mut rows: Vec<_> = entries.iter().collect();
+    rows.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
+    let mut out = format!(
+        "{:<8} {:<5} {:<22} {:<22} {:<22} {:<12} {:>8}\n",
+        "DIR", "PROTO", "SOURCE", "DESTINATION", "NAT", "STATE", "IDLE_S"
+    );
+    for (k, v) in rows {
+        let ep =
+            |a: [u8; 4], p: [u8; 2]| format!("{}:{}", Ipv4Addr::from(a), u16::from_be_bytes(p));
+        let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
+            ("orig", format!("→ {}", ep(v.backend_addr, v.backend_port)))
+        } else {
+            (
+                "reply",
+                format!("← {}", ep(v.frontend_addr, v.frontend_port)),
+            )
+        };
+        let idle = now_ns.saturating_sub(v.last_seen_ns) / 1_000_000_000;
+        let _ = writeln!(
+            out,
+            "{:<8} {:<5} {:<22} {:<22} {:<22} {:<12} {:>8}",
+            dir,
+            proto_name(k.proto),
+            ep(k.saddr, k.sport),
+            ep(k.daddr, k.dport),
+            nat,
+            state_name(k.proto, v.state),
+            idle
+        );
+    }
+    out
+}
+
+pub fn stats_table(values: &[u64]) -> String {
+    let mut out = format!("{:<28} {:>14}\n", "COUNTER", "PACKETS");
+    for (c, v) in Counter::ALL.iter().zip(values) {
+        let _ = writeln!(out, "{:<28} {:>14}", c.name(), v);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{Backend, RevNat, ServiceKey, ServiceValue, proto};
+
+    use super::*;
+
+    #[test]
+    fn services_table_lists_backends_in_slot_order_and_marks_rejecting_frontends() {
+        let mut p = Programmed::default();
+        let fe = ServiceKey::new([10, 96, 0, 10], 80u16.to_be_bytes(), proto::TCP, 0);
+        p.services.insert(fe, ServiceValue::frontend(2, 1));
+        p.services.insert(fe.with_slot(1), ServiceValue::slot(7));
+        p.services.insert(fe.with_slot(2), ServiceValue::slot(8));
+        p.backends.insert(
+            7,
+            Backend {
+                addr: [10, 244, 1, 11],
+                port: 8080u16.to_be_bytes(),
+                proto: proto::TCP,
+                flags: 0,
+            },
+        );
+        p.backends.insert(
+            8,
+            Backend {
+                addr: [10, 244, 1, 12],
+                port: 8080u16.to_be_bytes(),
+                proto: proto::TCP,
+                flags: 0,
+            },
+        );
+        p.rev_nats.insert(
+            1,
+            RevNat {
+                addr: [10, 96, 0, 10],
+                port: 80u16.to_be_bytes(),
+                _pad: [0; 2],
+            },
+        );
+        let empty = ServiceKey::new([10, 96, 0, 30], 80u16.to_be_bytes(), proto::TCP, 0);
+        p.services.insert(empty, ServiceValue::frontend(0, 2));
+        let t = services_table(&p);
+        assert!(t.contains("10.96.0.10:80"), "{t}");
+        assert!(
+            t.contains("10.244.1.11:8080 (#7), 10.244.1.12:8080 (#8)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("10.96.0.30:80") && t.contains("(none: rejected)"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn stats_table_names_every_counter() {
+        let values: Vec<u64> = (0..Counter::ALL.len() as u64).collect();
+        let t = stats_table(&values);
+        for c in Counter::ALL {
+            assert!(t.contains(c.name()), "{t}");
+        }
+    }
+}
