@@ -30,7 +30,10 @@ pub fn original_key(p: &Packet) -> CtKey {
 /// The REPLY key of the packet as it leaves (egress).
 #[inline(always)]
 pub fn reply_key(p: &Packet) -> CtKey {
-    CtKey { dir: ct_dir::REPLY, ..original_key(p) }
+    CtKey {
+        dir: ct_dir::REPLY,
+        ..original_key(p)
+    }
 }
 
 /// The REPLY key of a flow from its client and backend.
@@ -101,7 +104,11 @@ pub fn next_state(p: &Packet, state: u8) -> u8 {
 /// State of a flow after a backend packet (REPLY direction): only FIN/RST change it.
 #[inline(always)]
 pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
-    if p.is_tcp() && p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 { ct_state::CLOSING } else { state }
+    if p.is_tcp() && p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
+        ct_state::CLOSING
+    } else {
+        state
+    }
 }
 
 /// Does the backend the entry names still exist with the address it was created with?
@@ -142,7 +149,11 @@ pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Res
     if let Some(old) = replaced
         && (old.backend_addr != flow.backend.addr || old.backend_port != flow.backend.port)
     {
-        maps::ct_remove(&reply_key_of(flow.original, old.backend_addr, old.backend_port));
+        maps::ct_remove(&reply_key_of(
+            flow.original,
+            old.backend_addr,
+            old.backend_port,
+        ));
     }
     let reply = reply_key_of(flow.original, flow.backend.addr, flow.backend.port);
     maps::ct_insert(flow.original, &value).map_err(|_| Drop::ConntrackFull)?;

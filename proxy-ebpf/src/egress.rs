@@ -4,8 +4,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{Counter, ct_state};
 
 use crate::{
-    Action, Drop,
-    conntrack, maps, nat,
+    Action, Drop, conntrack, maps, nat,
     packet::{self, Parsed},
     stats,
 };
@@ -19,7 +18,10 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
         // A fragmented reply cannot be translated consistently (the later fragments carry no
         // ports and keep the backend's address); it is passed as it is.
-        Parsed::Untranslatable { reason: Drop::Fragment, .. } => return Ok(Action::pass(Counter::FragmentPassed)),
+        Parsed::Untranslatable {
+            reason: Drop::Fragment,
+            ..
+        } => return Ok(Action::pass(Counter::FragmentPassed)),
         Parsed::Untranslatable { .. } => return Ok(Action::pass(Counter::MalformedPassed)),
     };
     if p.has_ip_options() {
@@ -35,7 +37,11 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
     // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too, and
     // carry a FIN/RST from the backend over to it.
     if let Some(original) = maps::ct_entry(&conntrack::original_key_of_reply(&p, &ct)) {
-        let orig_state = if state == ct_state::CLOSING { ct_state::CLOSING } else { original.get().state };
+        let orig_state = if state == ct_state::CLOSING {
+            ct_state::CLOSING
+        } else {
+            original.get().state
+        };
         original.touch(now, orig_state);
     }
     nat::snat_reply(ctx, &p, ct.frontend_addr, ct.frontend_port)?;

@@ -31,7 +31,12 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
-        Parsed::Untranslatable { daddr, dport, proto, reason } => {
+        Parsed::Untranslatable {
+            daddr,
+            dport,
+            proto,
+            reason,
+        } => {
             return match maps::service(&ServiceKey::new(daddr, dport, proto, 0)) {
                 Some(_) => Err(reason),
                 None => Ok(Action::pass(Counter::NotService)),
@@ -96,14 +101,24 @@ fn new_flow(
         let verdict = reject::icmp_port_unreachable(ctx, p)?;
         return Ok(Action::redirect(verdict, Counter::NoEndpointsRejected));
     };
-    let backend_id = maps::service(&frontend_key.with_slot(slot)).ok_or(Drop::NoBackend)?.backend_id;
+    let backend_id = maps::service(&frontend_key.with_slot(slot))
+        .ok_or(Drop::NoBackend)?
+        .backend_id;
     let backend = maps::backend(backend_id).ok_or(Drop::NoBackend)?;
-    let flow = NewFlow { original: key, backend_id, backend: &backend, rev_nat_id: frontend.rev_nat_id, now_ns: now };
+    let flow = NewFlow {
+        original: key,
+        backend_id,
+        backend: &backend,
+        rev_nat_id: frontend.rev_nat_id,
+        now_ns: now,
+    };
     conntrack::create(p, &flow, old)?;
     nat::dnat(ctx, p, backend.addr, backend.port)?;
-    Ok(Action::pass(if replacing == Replacing::Stale && !p.is_tcp() {
-        Counter::StaleBackendReselected
-    } else {
-        Counter::NewFlow
-    }))
+    Ok(Action::pass(
+        if replacing == Replacing::Stale && !p.is_tcp() {
+            Counter::StaleBackendReselected
+        } else {
+            Counter::NewFlow
+        },
+    ))
 }

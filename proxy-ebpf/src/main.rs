@@ -31,7 +31,10 @@ pub(crate) struct Action {
 impl Action {
     /// Hand the packet (rewritten or not) on to the kernel.
     pub(crate) const fn pass(counter: Counter) -> Self {
-        Self { verdict: TC_ACT_OK as i32, counter }
+        Self {
+            verdict: TC_ACT_OK,
+            counter,
+        }
     }
 
     /// The packet was turned into an answer and redirected (`bpf_redirect`'s return value).
@@ -81,7 +84,7 @@ fn verdict(result: Result<Action, Drop>) -> i32 {
         }
         Err(drop) => {
             stats::count(drop.counter());
-            TC_ACT_SHOT as i32
+            TC_ACT_SHOT
         }
     }
 }

@@ -19,16 +19,37 @@ use crate::{
 /// DNAT: destination → backend.
 #[inline(always)]
 pub fn dnat(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<(), Drop> {
-    rewrite(ctx, p, IP_DADDR_OFF, p.daddr, addr, p.l4_off() + 2, p.dport, port)
+    rewrite(
+        ctx,
+        p,
+        IP_DADDR_OFF,
+        p.daddr,
+        addr,
+        p.l4_off() + 2,
+        p.dport,
+        port,
+    )
 }
 
 /// Reverse NAT of a reply: source → frontend.
 #[inline(always)]
 pub fn snat_reply(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<(), Drop> {
-    rewrite(ctx, p, IP_SADDR_OFF, p.saddr, addr, p.l4_off(), p.sport, port)
+    rewrite(
+        ctx,
+        p,
+        IP_SADDR_OFF,
+        p.saddr,
+        addr,
+        p.l4_off(),
+        p.sport,
+        port,
+    )
 }
 
-#[expect(clippy::too_many_arguments, reason = "one address and one port, each old/new at an offset")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one address and one port, each old/new at an offset"
+)]
 #[inline(always)]
 fn rewrite(
     ctx: &TcContext,
@@ -41,20 +62,28 @@ fn rewrite(
     new_port: [u8; 2],
 ) -> Result<(), Drop> {
     let csum_off = p.l4_csum_off();
-    let mangled = if p.is_tcp() { 0 } else { BPF_F_MARK_MANGLED_0 as u64 };
+    let mangled = if p.is_tcp() {
+        0
+    } else {
+        BPF_F_MARK_MANGLED_0 as u64
+    };
     if old_addr != new_addr {
         let from = u32::from_ne_bytes(old_addr) as u64;
         let to = u32::from_ne_bytes(new_addr) as u64;
         ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
             .map_err(|_| Drop::RewriteFailed)?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4).map_err(|_| Drop::RewriteFailed)?;
-        ctx.store(addr_off, &new_addr, 0).map_err(|_| Drop::RewriteFailed)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4)
+            .map_err(|_| Drop::RewriteFailed)?;
+        ctx.store(addr_off, &new_addr, 0)
+            .map_err(|_| Drop::RewriteFailed)?;
     }
     if old_port != new_port {
         let from = u16::from_ne_bytes(old_port) as u64;
         let to = u16::from_ne_bytes(new_port) as u64;
-        ctx.l4_csum_replace(csum_off, from, to, mangled | 2).map_err(|_| Drop::RewriteFailed)?;
-        ctx.store(port_off, &new_port, 0).map_err(|_| Drop::RewriteFailed)?;
+        ctx.l4_csum_replace(csum_off, from, to, mangled | 2)
+            .map_err(|_| Drop::RewriteFailed)?;
+        ctx.store(port_off, &new_port, 0)
+            .map_err(|_| Drop::RewriteFailed)?;
     }
     Ok(())
 }

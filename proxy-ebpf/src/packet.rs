@@ -113,7 +113,12 @@ pub enum Parsed {
     Pass(Counter),
     /// TCP/UDP that cannot be translated but whose destination was read: dropped with `reason`
     /// if it is addressed to a Service, passed otherwise.
-    Untranslatable { daddr: [u8; 4], dport: [u8; 2], proto: u8, reason: Drop },
+    Untranslatable {
+        daddr: [u8; 4],
+        dport: [u8; 2],
+        proto: u8,
+        reason: Drop,
+    },
     /// A translatable TCP/UDP packet.
     Packet(Packet),
 }
@@ -141,7 +146,11 @@ fn read<const N: usize>(ctx: &TcContext, offset: usize) -> Option<[u8; N]> {
 /// Make the headers readable with direct access when the skb is non-linear (no-op otherwise).
 #[inline(always)]
 fn pull_headers(ctx: &TcContext) {
-    let want = if ctx.len() < PULL_LEN { ctx.len() } else { PULL_LEN };
+    let want = if ctx.len() < PULL_LEN {
+        ctx.len()
+    } else {
+        PULL_LEN
+    };
     if ctx.data() + (want as usize) > ctx.data_end() {
         // A failed pull leaves the data as it was; the bounds checks below then see a short packet.
         let _ = ctx.pull_data(want);
@@ -182,7 +191,12 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     };
     let sport = [ports[0], ports[1]];
     let dport = [ports[2], ports[3]];
-    let untranslatable = |reason| Parsed::Untranslatable { daddr, dport, proto, reason };
+    let untranslatable = |reason| Parsed::Untranslatable {
+        daddr,
+        dport,
+        proto,
+        reason,
+    };
 
     let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
     let l3_len = (ctx.len() as usize).saturating_sub(ETH_HLEN);

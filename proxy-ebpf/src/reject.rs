@@ -47,11 +47,17 @@ fn sum<const N: usize>(bytes: &[u8; N]) -> u64 {
 
 /// A 20-byte IPv4 header without options, checksum filled in.
 #[inline(always)]
-fn ipv4_header(tos: u8, tot_len: u16, proto: u8, saddr: [u8; 4], daddr: [u8; 4]) -> [u8; IPV4_HLEN] {
+fn ipv4_header(
+    tos: u8,
+    tot_len: u16,
+    proto: u8,
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+) -> [u8; IPV4_HLEN] {
     let len = tot_len.to_be_bytes();
     let mut h = [
-        0x45, tos, len[0], len[1], 0, 0, 0x40, 0, TTL, proto, 0, 0, saddr[0], saddr[1], saddr[2], saddr[3],
-        daddr[0], daddr[1], daddr[2], daddr[3],
+        0x45, tos, len[0], len[1], 0, 0, 0x40, 0, TTL, proto, 0, 0, saddr[0], saddr[1], saddr[2],
+        saddr[3], daddr[0], daddr[1], daddr[2], daddr[3],
     ];
     let c = fold(sum(&h)).to_ne_bytes();
     h[10] = c[0];
@@ -63,14 +69,15 @@ fn ipv4_header(tos: u8, tot_len: u16, proto: u8, saddr: [u8; 4], daddr: [u8; 4])
 #[inline(always)]
 fn swapped_macs(macs: [u8; 12]) -> [u8; 12] {
     [
-        macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3], macs[4],
-        macs[5],
+        macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3],
+        macs[4], macs[5],
     ]
 }
 
 #[inline(always)]
 fn store<const N: usize>(ctx: &TcContext, offset: usize, bytes: &[u8; N]) -> Result<(), Drop> {
-    ctx.store(offset, bytes, BPF_F_RECOMPUTE_CSUM as u64).map_err(|_| Drop::RejectFailed)
+    ctx.store(offset, bytes, BPF_F_RECOMPUTE_CSUM as u64)
+        .map_err(|_| Drop::RejectFailed)
 }
 
 /// Turn the packet into an ICMP port unreachable from the frontend to the client, quoting the
@@ -89,9 +96,16 @@ pub fn icmp_port_unreachable(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
         packet::set_len(ctx, ETH_HLEN + quoted).map_err(|_| Drop::RejectFailed)?;
     }
     let quoted_sum = packet::sum_l3_prefix(ctx, quoted).ok_or(Drop::RejectFailed)?;
-    packet::adjust_after_eth(ctx, (IPV4_HLEN + ICMP_HLEN) as i32).map_err(|_| Drop::RejectFailed)?;
+    packet::adjust_after_eth(ctx, (IPV4_HLEN + ICMP_HLEN) as i32)
+        .map_err(|_| Drop::RejectFailed)?;
 
-    let ip = ipv4_header(ICMP_TOS, (IPV4_HLEN + ICMP_HLEN + quoted) as u16, proto::ICMP, p.daddr, p.saddr);
+    let ip = ipv4_header(
+        ICMP_TOS,
+        (IPV4_HLEN + ICMP_HLEN + quoted) as u16,
+        proto::ICMP,
+        p.daddr,
+        p.saddr,
+    );
     let mut icmp = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
     let c = fold(sum(&icmp) + quoted_sum).to_ne_bytes();
     icmp[2] = c[0];
@@ -116,22 +130,41 @@ pub fn tcp_reset(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
         if p.tcp_flags & tcp_flags::FIN != 0 {
             len += 1;
         }
-        let ack = u32::from_be_bytes(p.tcp_seq).wrapping_add(len).to_be_bytes();
+        let ack = u32::from_be_bytes(p.tcp_seq)
+            .wrapping_add(len)
+            .to_be_bytes();
         ([0; 4], ack, tcp_flags::RST | tcp_flags::ACK)
     };
     // Keep the IPv4 header and 20 bytes of TCP header, then drop the IPv4 options.
     packet::set_len(ctx, ETH_HLEN + p.ip_hlen + TCP_HLEN).map_err(|_| Drop::RejectFailed)?;
     if p.has_ip_options() {
-        packet::adjust_after_eth(ctx, IPV4_HLEN as i32 - p.ip_hlen as i32).map_err(|_| Drop::RejectFailed)?;
+        packet::adjust_after_eth(ctx, IPV4_HLEN as i32 - p.ip_hlen as i32)
+            .map_err(|_| Drop::RejectFailed)?;
     }
-    let ip = ipv4_header(0, (IPV4_HLEN + TCP_HLEN) as u16, proto::TCP, p.daddr, p.saddr);
+    let ip = ipv4_header(
+        0,
+        (IPV4_HLEN + TCP_HLEN) as u16,
+        proto::TCP,
+        p.daddr,
+        p.saddr,
+    );
     let mut tcp = [
-        p.dport[0], p.dport[1], p.sport[0], p.sport[1], seq[0], seq[1], seq[2], seq[3], ack[0], ack[1], ack[2],
-        ack[3], 0x50, flags, 0, 0, 0, 0, 0, 0,
+        p.dport[0], p.dport[1], p.sport[0], p.sport[1], seq[0], seq[1], seq[2], seq[3], ack[0],
+        ack[1], ack[2], ack[3], 0x50, flags, 0, 0, 0, 0, 0, 0,
     ];
     let pseudo = [
-        p.daddr[0], p.daddr[1], p.daddr[2], p.daddr[3], p.saddr[0], p.saddr[1], p.saddr[2], p.saddr[3], 0,
-        proto::TCP, 0, TCP_HLEN as u8,
+        p.daddr[0],
+        p.daddr[1],
+        p.daddr[2],
+        p.daddr[3],
+        p.saddr[0],
+        p.saddr[1],
+        p.saddr[2],
+        p.saddr[3],
+        0,
+        proto::TCP,
+        0,
+        TCP_HLEN as u8,
     ];
     let c = fold(sum(&pseudo) + sum(&tcp)).to_ne_bytes();
     tcp[16] = c[0];

@@ -2,7 +2,10 @@
 //! and a parser for assertions on what the datapath wrote. Checksums come from `proxy_common::csum`,
 //! the same arithmetic the agent and datapath are tested against.
 
-#![allow(dead_code, reason = "each test binary uses a different part of the helpers")]
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the helpers"
+)]
 
 use std::net::Ipv4Addr;
 
@@ -27,9 +30,19 @@ pub mod tcp_flags {
 
 #[derive(Clone, Debug)]
 pub enum L4 {
-    Tcp { sport: u16, dport: u16, seq: u32, ack: u32, flags: u8 },
+    Tcp {
+        sport: u16,
+        dport: u16,
+        seq: u32,
+        ack: u32,
+        flags: u8,
+    },
     /// `zero_csum`: send with checksum 0 ("no checksum").
-    Udp { sport: u16, dport: u16, zero_csum: bool },
+    Udp {
+        sport: u16,
+        dport: u16,
+        zero_csum: bool,
+    },
 }
 
 /// A packet to build. Defaults: client MAC → host MAC, TTL 64, DF, no options, small payload.
@@ -49,11 +62,29 @@ pub struct Pkt {
 
 impl Pkt {
     pub fn tcp(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, flags: u8) -> Self {
-        Self::new(saddr, daddr, L4::Tcp { sport, dport, seq: 1000, ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 }, flags })
+        Self::new(
+            saddr,
+            daddr,
+            L4::Tcp {
+                sport,
+                dport,
+                seq: 1000,
+                ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 },
+                flags,
+            },
+        )
     }
 
     pub fn udp(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16) -> Self {
-        Self::new(saddr, daddr, L4::Udp { sport, dport, zero_csum: false })
+        Self::new(
+            saddr,
+            daddr,
+            L4::Udp {
+                sport,
+                dport,
+                zero_csum: false,
+            },
+        )
     }
 
     fn new(saddr: Ipv4Addr, daddr: Ipv4Addr, l4: L4) -> Self {
@@ -71,7 +102,11 @@ impl Pkt {
     }
 
     pub fn options(mut self, options: &[u8]) -> Self {
-        assert_eq!(options.len() % 4, 0, "IPv4 options must be padded to 4 bytes");
+        assert_eq!(
+            options.len() % 4,
+            0,
+            "IPv4 options must be padded to 4 bytes"
+        );
         self.ip_options = options.to_vec();
         self
     }
@@ -109,8 +144,28 @@ impl Pkt {
         r.saddr = self.daddr;
         r.daddr = self.saddr;
         r.l4 = match self.l4 {
-            L4::Tcp { sport, dport, seq, ack, flags } => L4::Tcp { sport: dport, dport: sport, seq: ack, ack: seq, flags },
-            L4::Udp { sport, dport, zero_csum } => L4::Udp { sport: dport, dport: sport, zero_csum },
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+            } => L4::Tcp {
+                sport: dport,
+                dport: sport,
+                seq: ack,
+                ack: seq,
+                flags,
+            },
+            L4::Udp {
+                sport,
+                dport,
+                zero_csum,
+            } => L4::Udp {
+                sport: dport,
+                dport: sport,
+                zero_csum,
+            },
         };
         r
     }
@@ -136,7 +191,13 @@ impl Pkt {
 
     pub fn bytes(&self) -> Vec<u8> {
         let mut l4 = match self.l4 {
-            L4::Tcp { sport, dport, seq, ack, flags } => {
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+            } => {
                 let mut h = Vec::with_capacity(20);
                 h.extend_from_slice(&sport.to_be_bytes());
                 h.extend_from_slice(&dport.to_be_bytes());
@@ -162,14 +223,18 @@ impl Pkt {
                 let c = csum::l4(saddr, daddr, proto::TCP, &l4);
                 l4[16..18].copy_from_slice(&c.to_be_bytes());
             }
-            L4::Udp { zero_csum: false, .. } => {
+            L4::Udp {
+                zero_csum: false, ..
+            } => {
                 let c = match csum::l4(saddr, daddr, proto::UDP, &l4) {
                     0 => 0xffff,
                     c => c,
                 };
                 l4[6..8].copy_from_slice(&c.to_be_bytes());
             }
-            L4::Udp { zero_csum: true, .. } => {}
+            L4::Udp {
+                zero_csum: true, ..
+            } => {}
         }
         let ihl = 20 + self.ip_options.len();
         let tot_len = (ihl + l4.len()) as u16;
@@ -241,14 +306,22 @@ pub struct Decoded {
 
 impl Decoded {
     pub fn parse(frame: &[u8]) -> Self {
-        assert!(frame.len() >= ETH_HLEN + 20, "frame too short for Ethernet+IPv4: {} bytes", frame.len());
+        assert!(
+            frame.len() >= ETH_HLEN + 20,
+            "frame too short for Ethernet+IPv4: {} bytes",
+            frame.len()
+        );
         let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
         assert_eq!(ethertype, ETH_P_IP, "EtherType is not IPv4");
         let ip = &frame[ETH_HLEN..];
         assert_eq!(ip[0] >> 4, 4, "IP version");
         let ihl = ((ip[0] & 0x0f) as usize) * 4;
         let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
-        assert!(ihl >= 20 && tot_len >= ihl && tot_len <= ip.len(), "IPv4 lengths: ihl {ihl} tot_len {tot_len} available {}", ip.len());
+        assert!(
+            ihl >= 20 && tot_len >= ihl && tot_len <= ip.len(),
+            "IPv4 lengths: ihl {ihl} tot_len {tot_len} available {}",
+            ip.len()
+        );
         Self {
             dst_mac: frame[0..6].try_into().unwrap(),
             src_mac: frame[6..12].try_into().unwrap(),
