@@ -78,6 +78,19 @@ pub struct RunArgs {
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
+    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1). Flags given explicitly
+    /// override it; it overrides flag defaults.
+    #[arg(long, env = "KPE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// IP:port for /healthz and /livez (empty: disabled).
+    #[arg(long, value_parser = crate::config::parse_healthz_bind_address, default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: crate::config::BindAddress,
+    /// IP:port for /metrics (empty: disabled).
+    #[arg(long, value_parser = crate::config::parse_metrics_bind_address, default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: crate::config::BindAddress,
+    /// Node addresses NodePorts answer on: comma-separated CIDRs, `primary`, or empty for all.
+    #[arg(long, value_parser = crate::config::parse_nodeport_addresses, default_value = "")]
+    pub nodeport_addresses: crate::config::NodePortAddresses,
 }
 
 #[derive(Debug, clap::Args)]

@@ -2,6 +2,7 @@
 pub mod agent;
 pub mod cleanup;
 pub mod cli;
+pub mod config;
 pub mod dataplane;
 pub mod diff;
 pub mod dump;
