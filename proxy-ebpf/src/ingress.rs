@@ -10,7 +10,7 @@ use crate::{
     Action, Drop,
     conntrack::{self, NewFlow},
     maps, nat,
-    packet::{self, Packet, Parsed},
+    packet::{self, Packet, Parsed, tcp_flags},
     reject, stats,
 };
 
@@ -65,6 +65,10 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone: never send to the dead address, reset.
             conntrack::remove(&key, &ct);
+            if p.tcp_flags & tcp_flags::RST != 0 {
+                // Never answer a RST with a RST (RFC 9293): the flow is gone, drop it.
+                return Err(Drop::NoBackend);
+            }
             let verdict = reject::tcp_reset(ctx, &p)?;
             return Ok(Action::redirect(verdict, Counter::StaleBackendReset));
         } else {

@@ -1003,6 +1003,25 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
         ct_state::SYN_SENT,
     );
 
+    // A client RST on a flow whose backend is gone is not answered with a RST: dropped, forgotten.
+    dp.remove_backend(4);
+    let rst = Pkt::tcp(CLIENT, 34_002, VIP, 80, RST | ACK);
+    dp.check(ingress(
+        "client RST to a removed backend is dropped, not answered",
+        rst.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoBackend, 1)],
+    ));
+    assert!(
+        dp.ct(&original_key(&syn2)).is_none(),
+        "ORIGINAL entry deleted after the RST"
+    );
+    assert!(
+        dp.ct(&reply_key(&syn2, 4)).is_none(),
+        "REPLY entry deleted after the RST"
+    );
+
     // Backend id reused for another address: also stale (the entry keeps an address snapshot).
     let q2 = Pkt::udp(CLIENT, 34_003, VIP, 53);
     let only = if dp.backends().get(&11, 0).is_ok() {
