@@ -65,6 +65,10 @@ pub struct Agent {
     status: Status,
     status_file: Option<PathBuf>,
     reported: BTreeSet<String>,
+    /// Telemetry: /metrics and /healthz state, and what changed between applied syncs.
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    health: std::sync::Arc<crate::health::HealthState>,
+    changes: crate::metrics::ChangeTracker,
 }
 
 impl Agent {
@@ -76,6 +80,7 @@ impl Agent {
         patterns: Patterns,
     ) -> anyhow::Result<Self> {
         let sizes = MapSizes::default();
+        let metrics = telemetry_for(&pins, &sizes);
         let adopting = pins.has_maps();
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes)?;
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
@@ -105,6 +110,9 @@ impl Agent {
             status: Status::default(),
             status_file: None,
             reported: BTreeSet::new(),
+            metrics,
+            health: Default::default(),
+            changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
         })
     }
 
@@ -116,6 +124,7 @@ impl Agent {
         mut problems: Vec<Problem>,
     ) -> Result<(), ApplyError> {
         let started = Instant::now();
+        let changes = self.changes.diff(snapshot);
         let translation = translate::translate(snapshot, &self.node);
         problems.extend(translation.problems);
         let plan = diff::plan(&translation.desired, &self.programmed, &self.capacities);
@@ -132,10 +141,13 @@ impl Agent {
             .iter()
             .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
         for op in &plan.ops {
-            self.maps.apply(op).map_err(|source| ApplyError {
-                op: *op,
-                source: Box::new(source),
-            })?;
+            if let Err(source) = self.maps.apply(op) {
+                self.sync_failed(&changes);
+                return Err(ApplyError {
+                    op: *op,
+                    source: Box::new(source),
+                });
+            }
             self.programmed.apply(op);
         }
         if removed_backends {
@@ -145,6 +157,7 @@ impl Agent {
         self.status.frontends = self.programmed.frontend_count();
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
+        self.sync_applied(started.elapsed(), changes, snapshot, &translation.desired, &problems);
         let level_changed = !plan.ops.is_empty();
         if level_changed {
             info!(
@@ -211,7 +224,9 @@ impl Agent {
     pub fn gc_conntrack(&mut self) {
         let now = monotonic_ns();
         let mut removed = 0usize;
-        for (key, value) in self.conntrack.entries() {
+        let entries = self.conntrack.entries();
+        let total = entries.len();
+        for (key, value) in entries {
             if flow_is_dead(&key, &value, now, &self.config, &self.programmed) {
                 self.conntrack.remove(&key);
                 removed += 1;
@@ -220,6 +235,8 @@ impl Agent {
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }
+        self.metrics
+            .set_map_entries("conntrack", (total - removed) as u64);
     }
 
     fn write_status(&self) {
@@ -229,6 +246,92 @@ impl Agent {
             warn!("writing status file {}: {e}", path.display());
         }
     }
+}
+
+/// Telemetry (metrics.rs, health.rs): what the sync loop reports.
+impl Agent {
+    /// The metrics this agent updates (served by [`Agent::serve_telemetry`]).
+    pub fn metrics(&self) -> std::sync::Arc<crate::metrics::Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The health state; the Kubernetes source sets node eligibility on it.
+    pub fn health(&self) -> std::sync::Arc<crate::health::HealthState> {
+        self.health.clone()
+    }
+
+    /// A source reported a change that waits for the next sync (health clock, queued timestamp).
+    pub fn queued(&self) {
+        let now = std::time::SystemTime::now();
+        self.health.queued_at(now);
+        self.metrics.queued(now);
+    }
+
+    /// Starts /healthz, /livez and /metrics on the agent's runtime (each bind retries in the
+    /// background while the port is taken; the datapath does not wait for them).
+    pub fn serve_telemetry(&self, args: &RunArgs) {
+        self.health.set_timeout(2 * args.sync_period);
+        if let Some(addr) = args.healthz_bind_address.0 {
+            let (health, metrics) = (self.health(), self.metrics());
+            tokio::spawn(async move {
+                let l = crate::health::bind_with_retry("healthz", addr).await;
+                crate::health::serve_health(l, health, metrics).await;
+            });
+        }
+        if let Some(addr) = args.metrics_bind_address.0 {
+            let metrics = self.metrics();
+            tokio::spawn(async move {
+                let l = crate::health::bind_with_retry("metrics", addr).await;
+                crate::metrics::serve_metrics(l, metrics).await;
+            });
+        }
+    }
+
+    fn sync_failed(&self, changes: &crate::metrics::Changes) {
+        self.metrics.sync_failed(changes);
+        // A failed sync is a change still waiting: /healthz turns 503 if it keeps failing.
+        self.health.queued();
+    }
+
+    fn sync_applied(
+        &mut self,
+        took: Duration,
+        changes: crate::metrics::Changes,
+        snapshot: &Snapshot,
+        desired: &crate::model::DesiredState,
+        problems: &[Problem],
+    ) {
+        let now = std::time::SystemTime::now();
+        self.metrics.sync_applied(took, &changes, now);
+        self.changes.commit(changes);
+        let (internal, external) = crate::metrics::no_local_endpoints(snapshot, desired);
+        self.metrics.set_no_local_endpoints(internal, external);
+        self.metrics.set_sync_problems(problems.len());
+        let p = &self.programmed;
+        for (map, n) in [
+            ("services", p.services.len()),
+            ("backends", p.backends.len()),
+            ("rev_nat", p.rev_nats.len()),
+        ] {
+            self.metrics.set_map_entries(map, n as u64);
+        }
+        self.health.updated_at(now);
+    }
+}
+
+fn telemetry_for(pins: &PinLayout, sizes: &MapSizes) -> std::sync::Arc<crate::metrics::Metrics> {
+    let metrics = crate::metrics::Metrics::with_datapath(crate::metrics::pinned_stats_reader(
+        pins.clone(),
+    ));
+    for (map, capacity) in [
+        ("services", sizes.services),
+        ("backends", sizes.backends),
+        ("rev_nat", sizes.rev_nats),
+        ("conntrack", sizes.conntrack),
+    ] {
+        metrics.set_map(map, 0, capacity.into());
+    }
+    std::sync::Arc::new(metrics)
 }
 
 /// Pure: should the agent drop this conntrack entry?
@@ -303,6 +406,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns)?;
     agent.status_file = args.status_file.clone();
+    agent.serve_telemetry(&args);
 
     // The source's initial list, then a sync, then attach: programs only ever see maps that
     // already carry the current state.
@@ -337,6 +441,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     fingerprint = now_fp;
                     (snapshot, problems) = load_manifests(&args.manifests);
                     dirty = true;
+                    agent.queued();
                 }
                 let now = Instant::now();
                 let due = (dirty && now >= next_allowed) || now.duration_since(last_sync) >= args.sync_period;

@@ -19,6 +19,10 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "parsed once at start-up; boxing would only add noise"
+)]
 pub enum Command {
     /// Run the agent: program the datapath and keep it equal to the Services.
     Run(RunArgs),

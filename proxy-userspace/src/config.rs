@@ -753,6 +753,38 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
     validate(args)
 }
 
+/// For `run`: reads `--config` if given, logs its warnings and notes, merges it under the
+/// explicitly given flags, checks the result and logs the effective settings.
+pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
+    if let Some(path) = args.config.clone() {
+        let parsed = load(path.as_path())?;
+        for w in &parsed.warnings {
+            tracing::warn!("{w}");
+        }
+        for n in &parsed.notes {
+            tracing::info!("{n}");
+        }
+        apply(args, &parsed.config, explicit)?;
+        if let Some(kubeconfig) = &parsed.config.kubeconfig {
+            // Applied by the Kubernetes source's connection settings when --kubeconfig is absent.
+            tracing::debug!(kubeconfig = %kubeconfig.display(), "clientConnection.kubeconfig from the file");
+        }
+    } else {
+        validate(args)?;
+    }
+    tracing::info!(
+        healthz = %args.healthz_bind_address,
+        metrics = %args.metrics_bind_address,
+        nodeport_addresses = %args.nodeport_addresses,
+        sync_period = ?args.sync_period,
+        min_sync_period = ?args.min_sync_period,
+        udp_timeout = ?args.conntrack_udp_timeout,
+        tcp_established_timeout = ?args.conntrack_tcp_established_timeout,
+        "settings"
+    );
+    Ok(())
+}
+
 /// Checks that hold whatever the settings came from.
 pub fn validate(args: &RunArgs) -> Result<()> {
     if args.sync_period.is_zero() {

@@ -1,16 +1,19 @@
 //! `kube-proxy-ebpf`: wiring only — parse flags, set up logging, dispatch.
 
-use clap::Parser as _;
+use clap::{CommandFactory as _, FromArgMatches as _};
 use kube_proxy_ebpf::{
     agent, cleanup,
     cli::{Cli, Command},
+    config,
     dataplane::bpffs::PinLayout,
     dump,
 };
 use tracing_subscriber::EnvFilter;
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    // ArgMatches, not just the parsed struct: `--config` needs to know which flags were given.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let default_level = match cli.verbosity {
         0 => "info",
         1 | 2 => "debug",
@@ -23,7 +26,12 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Run(args) => {
+        Command::Run(mut args) => {
+            let explicit = matches
+                .subcommand_matches("run")
+                .map(config::explicit_args)
+                .unwrap_or_default();
+            config::resolve(&mut args, &explicit)?;
             // One thread is plenty: the work is a few syscalls per change.
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -1,0 +1,451 @@
+//! `/healthz` and `/livez` on healthzBindAddress, with upstream kube-proxy's semantics
+//! (`pkg/proxy/healthcheck/proxy_health.go`), and the small HTTP server shared with `/metrics`.
+//!
+//! What is implemented:
+//! - The agent reports two events: [`HealthState::queued`] when a change is waiting for a sync
+//!   (the source marked the state dirty, or a sync failed and will be retried), and
+//!   [`HealthState::updated`] when a sync has been applied to the maps.
+//! - The proxy is *healthy* unless a change has been waiting longer than the health timeout,
+//!   which is 2 × syncPeriod as upstream sets it. Only the oldest waiting change counts; a
+//!   successful sync clears it. So an idle proxy stays healthy, a starting proxy is healthy until
+//!   its first queued change is overdue, and a proxy whose map writes keep failing becomes
+//!   unhealthy after 2 × syncPeriod. (Upstream does not queue on a failed sync: its periodic
+//!   retry is silent. Queuing here makes broken map writes visible; documented choice.)
+//! - `/livez`: 200 when healthy, else 503. Body `{"lastUpdated": ..., "currentTime": ...}`.
+//! - `/healthz`: as `/livez`, and also 503 when the node is not eligible (the Node is being
+//!   deleted or carries the `ToBeDeletedByClusterAutoscaler` taint), so load balancers drain
+//!   the node. Body adds `"nodeEligible"`. Standalone mode has no Node: always eligible. The
+//!   Kubernetes source calls [`HealthState::set_node_eligible`] with [`node_eligible`].
+//! - Times are RFC 3339 wall-clock times like Go's `time.Time` in JSON; `lastUpdated` is
+//!   `0001-01-01T00:00:00Z` (Go's zero time) before the first sync.
+//! - Every answer counts in `kubeproxy_proxy_healthz_total{code}` / `kubeproxy_proxy_livez_total`.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, SystemTime},
+};
+
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode, body::Bytes, header, service::service_fn};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use k8s_openapi::{api::core::v1::Node, jiff::Timestamp};
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tracing::{debug, error, info};
+
+use crate::metrics::Metrics;
+
+/// Taint the cluster autoscaler puts on a node it is about to remove.
+pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
+/// Health timeout before the sync period is known (2 × upstream's default syncPeriod of 30 s).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long to wait before retrying a failed bind (the port may still be held by kube-proxy).
+const BIND_RETRY: Duration = Duration::from_secs(5);
+/// Slow clients are cut off after this long without a complete request head.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+struct Inner {
+    timeout: Duration,
+    last_updated: Option<SystemTime>,
+    oldest_queued: Option<SystemTime>,
+    node_eligible: bool,
+}
+
+/// The proxy's health, shared between the sync loop, the Node watch and the HTTP server.
+#[derive(Debug)]
+pub struct HealthState {
+    inner: Mutex<Inner>,
+}
+
+impl Default for HealthState {
+    fn default() -> Self {
+        Self::new(DEFAULT_TIMEOUT)
+    }
+}
+
+/// One health verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Health {
+    /// Synced recently enough (what `/livez` answers).
+    pub healthy: bool,
+    pub node_eligible: bool,
+    pub last_updated: Option<SystemTime>,
+    pub current_time: SystemTime,
+}
+
+impl HealthState {
+    /// `timeout`: how long a queued change may wait for a sync (2 × syncPeriod upstream).
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                timeout,
+                last_updated: None,
+                oldest_queued: None,
+                node_eligible: true,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding this lock cannot leave it inconsistent (plain field writes).
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.lock().timeout = timeout;
+    }
+
+    /// A change is waiting for a sync. Only the first one since the last sync is remembered.
+    pub fn queued(&self) {
+        self.queued_at(SystemTime::now());
+    }
+
+    pub fn queued_at(&self, now: SystemTime) {
+        self.lock().oldest_queued.get_or_insert(now);
+    }
+
+    /// A sync was applied: everything queued before it is carried.
+    pub fn updated(&self) {
+        self.updated_at(SystemTime::now());
+    }
+
+    pub fn updated_at(&self, now: SystemTime) {
+        let mut i = self.lock();
+        i.last_updated = Some(now);
+        i.oldest_queued = None;
+    }
+
+    /// Whether this node should receive load-balancer traffic (see [`node_eligible`]).
+    pub fn set_node_eligible(&self, eligible: bool) {
+        let mut i = self.lock();
+        if i.node_eligible != eligible {
+            info!(eligible, "node eligibility changed (/healthz follows)");
+        }
+        i.node_eligible = eligible;
+    }
+
+    pub fn health_at(&self, now: SystemTime) -> Health {
+        let i = self.lock();
+        let overdue = i
+            .oldest_queued
+            .is_some_and(|q| now.duration_since(q).unwrap_or_default() > i.timeout);
+        Health {
+            healthy: !overdue,
+            node_eligible: i.node_eligible,
+            last_updated: i.last_updated,
+            current_time: now,
+        }
+    }
+}
+
+/// Upstream's rule: a Node being deleted, or tainted for removal by the cluster autoscaler, is
+/// not eligible for load-balancer traffic.
+pub fn node_eligible(node: &Node) -> bool {
+    let deleting = node.metadata.deletion_timestamp.is_some();
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+    !deleting && !tainted
+}
+
+fn go_time(t: Option<SystemTime>) -> String {
+    // By hand: jiff's SystemTime conversions need its `std` feature, which k8s-openapi leaves off.
+    let ts = t
+        .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .and_then(|d| {
+            Timestamp::new(i64::try_from(d.as_secs()).ok()?, d.subsec_nanos() as i32).ok()
+        });
+    match ts {
+        Some(ts) => ts.to_string(),
+        None => "0001-01-01T00:00:00Z".to_owned(),
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Payload {
+    last_updated: String,
+    current_time: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_eligible: Option<bool>,
+}
+
+/// The answer to `GET path` (pure apart from counting it in `metrics`).
+pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, String) {
+    let (ok, node_eligible) = match path {
+        "/healthz" => (
+            health.healthy && health.node_eligible,
+            Some(health.node_eligible),
+        ),
+        "/livez" => (health.healthy, None),
+        _ => return (StatusCode::NOT_FOUND, "404 page not found\n".to_owned()),
+    };
+    let code = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    if path == "/healthz" {
+        metrics.healthz_answered(code.as_u16());
+    } else {
+        metrics.livez_answered(code.as_u16());
+    }
+    let body = Payload {
+        last_updated: go_time(health.last_updated),
+        current_time: go_time(Some(health.current_time)),
+        node_eligible,
+    };
+    (code, serde_json::to_string(&body).unwrap_or_default())
+}
+
+/// Serves `/healthz` and `/livez` on `listener` until the task is dropped.
+pub async fn serve_health(listener: TcpListener, state: Arc<HealthState>, metrics: Arc<Metrics>) {
+    serve(listener, move |req| {
+        let (code, body) = respond(
+            req.uri().path(),
+            &state.health_at(SystemTime::now()),
+            &metrics,
+        );
+        reply(code, "application/json", body)
+    })
+    .await;
+}
+
+/// A response with the headers upstream sets.
+pub(crate) fn reply(code: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = code;
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(header::CONTENT_TYPE, v);
+    }
+    r.headers_mut().insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
+    r
+}
+
+/// A minimal HTTP/1 server: every request is answered by `handle` (GET-only semantics; bodies
+/// are ignored). One task per connection on the caller's runtime.
+pub(crate) async fn serve<F>(listener: TcpListener, handle: F)
+where
+    F: Fn(&Request<hyper::body::Incoming>) -> Response<Full<Bytes>> + Clone + Send + Sync + 'static,
+{
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                debug!("accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let resp = handle(&req);
+                async move { Ok::<_, Infallible>(resp) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                debug!("http connection: {e}");
+            }
+        });
+    }
+}
+
+/// Binds `addr`, retrying every few seconds with an error log while it is taken (like upstream,
+/// which keeps proxying and retries: the port may still be held by kube-proxy during a switch).
+pub async fn bind_with_retry(what: &str, addr: SocketAddr) -> TcpListener {
+    let mut logged = false;
+    loop {
+        match TcpListener::bind(addr).await {
+            Ok(l) => {
+                info!("{what} serving on http://{addr}");
+                return l;
+            }
+            Err(e) => {
+                if !logged {
+                    error!(
+                        "{what}: cannot listen on {addr}: {e}; retrying every {BIND_RETRY:?} (is kube-proxy still running on this node?)"
+                    );
+                    logged = true;
+                }
+                tokio::time::sleep(BIND_RETRY).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::{
+        api::core::v1::{NodeSpec, Taint},
+        apimachinery::pkg::apis::meta::v1::Time,
+    };
+
+    use super::*;
+
+    fn at(s: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + s)
+    }
+
+    #[test]
+    fn freshness_follows_the_oldest_queued_change() {
+        // (step, event, time, expect healthy)
+        enum Ev {
+            Queue,
+            Update,
+            Check,
+        }
+        let h = HealthState::new(Duration::from_secs(60));
+        let steps = [
+            ("starting, nothing queued", Ev::Check, 0, true),
+            ("first change queued", Ev::Queue, 1, true),
+            ("queued 59 s ago", Ev::Check, 60, true),
+            (
+                "another change does not reset the clock",
+                Ev::Queue,
+                60,
+                true,
+            ),
+            ("queued 61 s ago, never synced", Ev::Check, 62, false),
+            ("synced", Ev::Update, 63, true),
+            ("idle long after a sync", Ev::Check, 10_000, true),
+            ("change queued", Ev::Queue, 10_001, true),
+            ("overdue again", Ev::Check, 10_062, false),
+        ];
+        for (what, ev, t, healthy) in steps {
+            match ev {
+                Ev::Queue => h.queued_at(at(t)),
+                Ev::Update => h.updated_at(at(t)),
+                Ev::Check => {}
+            }
+            assert_eq!(h.health_at(at(t)).healthy, healthy, "{what}");
+        }
+    }
+
+    #[test]
+    fn healthz_needs_an_eligible_node_livez_does_not() {
+        let m = Metrics::new();
+        let h = HealthState::default();
+        h.updated_at(at(0));
+        let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(
+            body,
+            r#"{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:13:21Z","nodeEligible":true}"#
+        );
+        h.set_node_eligible(false);
+        let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains(r#""nodeEligible":false"#), "{body}");
+        let (code, body) = respond("/livez", &h.health_at(at(1)), &m);
+        assert_eq!(code, StatusCode::OK);
+        assert!(!body.contains("nodeEligible"), "{body}");
+        let (code, _) = respond("/nope", &h.health_at(at(1)), &m);
+        assert_eq!(code, StatusCode::NOT_FOUND);
+        let fresh = HealthState::default();
+        let (_, body) = respond("/livez", &fresh.health_at(at(0)), &m);
+        assert!(
+            body.starts_with(r#"{"lastUpdated":"0001-01-01T00:00:00Z""#),
+            "{body}"
+        );
+        let text = m.encode_text();
+        for line in [
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+            "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
+            "kubeproxy_proxy_livez_total{code=\"200\"} 2",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+    }
+
+    #[test]
+    fn node_eligibility_like_upstream() {
+        let mut node = Node::default();
+        assert!(node_eligible(&node));
+        node.spec = Some(NodeSpec {
+            taints: Some(vec![Taint {
+                key: "node.kubernetes.io/unschedulable".into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        assert!(node_eligible(&node), "other taints do not matter");
+        node.spec
+            .as_mut()
+            .unwrap()
+            .taints
+            .as_mut()
+            .unwrap()
+            .push(Taint {
+                key: TAINT_TO_BE_DELETED.into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            });
+        assert!(!node_eligible(&node));
+        let mut deleting = Node::default();
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        assert!(!node_eligible(&deleting));
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        let (code, _, body) = test_http::get(addr, path, "*/*").await;
+        (code, body)
+    }
+
+    #[tokio::test]
+    async fn serves_over_tcp_on_loopback() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let state = Arc::new(HealthState::new(Duration::from_millis(50)));
+        let metrics = Arc::new(Metrics::new());
+        let server = tokio::spawn(serve_health(listener, state.clone(), metrics));
+        let (code, body) = get(addr, "/livez").await;
+        assert_eq!(code, 200, "{body}");
+        state.queued();
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let (code, body) = get(addr, "/healthz").await;
+        assert_eq!(code, 503, "overdue change: {body}");
+        state.updated();
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        server.abort();
+    }
+}
+
+/// A plain HTTP/1.1 GET over a real TCP connection, for tests (blocking std I/O on a worker).
+#[cfg(test)]
+pub(crate) mod test_http {
+    use std::{
+        io::{Read as _, Write as _},
+        net::{SocketAddr, TcpStream},
+    };
+
+    /// Returns (status code, response head, body).
+    pub async fn get(addr: SocketAddr, path: &str, accept: &str) -> (u16, String, String) {
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
+        );
+        tokio::task::spawn_blocking(move || {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.write_all(req.as_bytes()).expect("write");
+            let mut buf = String::new();
+            s.read_to_string(&mut buf).expect("read");
+            let (head, body) = buf.split_once("\r\n\r\n").expect("an HTTP response");
+            let code = head[9..12].parse().expect("status code");
+            (code, head.to_owned(), body.to_owned())
+        })
+        .await
+        .expect("client thread")
+    }
+}
