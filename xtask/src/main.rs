@@ -1,5 +1,6 @@
-//! `cargo xtask setup | build-ebpf | test | demo`.
+//! `cargo xtask setup | build-ebpf | test | demo | bench`.
 
+mod bench;
 mod build_ebpf;
 mod demo;
 mod setup;
@@ -37,6 +38,9 @@ enum Command {
     /// Build, make a one-node topology of network namespaces, run the agent on deploy/examples
     /// and send traffic through the Services. Needs root.
     Demo,
+    /// Benchmarks: datapath ns/packet vs Services, control-plane times, agent RSS, end-to-end
+    /// rate/latency/throughput vs kube-proxy's iptables and nftables rule sets. Needs root.
+    Bench(bench::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -46,6 +50,7 @@ fn main() -> std::process::ExitCode {
         Command::BuildEbpf => build_ebpf::run().map(|_| ()),
         Command::Test { no_setup } => test::run(no_setup),
         Command::Demo => demo::run(),
+        Command::Bench(args) => bench::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -123,6 +123,9 @@ pub fn run(no_setup: bool) -> Result<()> {
         );
     }
 
+    // The bench at tiny sizes (debug build, 1 s of load): only checks that it still works.
+    step("bench (smoke)", cargo().args(["xtask", "bench", "--smoke"]));
+
     eprintln!("\nsummary:");
     for o in &outcomes {
         let verdict = if o.ok { "ok" } else { "FAILED" };

@@ -1,0 +1,416 @@
+//! In-process measurements on an unpinned load of the real eBPF object (no interface, no
+//! traffic): the control plane (translate → plan → `ServiceMaps::apply`, the agent's pipeline)
+//! and the datapath's cost per packet with BPF_PROG_TEST_RUN.
+
+use std::{
+    net::Ipv4Addr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use kube_proxy_ebpf::{
+    dataplane::{
+        loader::{MapSizes, program_mut},
+        maps::{ServiceMaps, Stats},
+    },
+    diff,
+    ebpf_object::EBPF_OBJECT,
+    programmed::Programmed,
+    translate::{self, NodeContext},
+};
+use proxy_common::{
+    CONFIG_GLOBAL, Counter, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
+    PROG_TC_EGRESS, PROG_TC_INGRESS,
+};
+use serde_json::{Value, json};
+
+use super::{
+    packet::{self, ACK, SYN},
+    stats::{median, percentile},
+    workload::{self, SvcSpec},
+};
+
+const TC_ACT_OK: u32 = 0;
+
+/// Two Services that translate into each other (A:80 → B:81, B:81 → A:80): BPF_PROG_TEST_RUN's
+/// `repeat` reruns the program on its own output, so every repetition is a real
+/// established-flow DNAT (ingress) or reverse NAT (egress). Same trick as tests/datapath.rs.
+const CYCLE_A: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 1);
+const CYCLE_B: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 2);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 2);
+const NOT_A_SERVICE: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 99);
+
+/// How hard to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct Effort {
+    /// Single runs (distinct flows) for the new-flow figures.
+    pub new_flows: u32,
+    /// test_run calls for established/reply/no-service; each with `repeat`.
+    pub calls: u32,
+    pub repeat: u32,
+    /// Endpoint-change repetitions.
+    pub changes: u32,
+}
+
+/// Map sizes for `n` Services × 10 endpoints (+ the bench's extra Services), with slack.
+pub fn sizes_for(n: usize) -> MapSizes {
+    let n = n as u32 + 16;
+    MapSizes {
+        services: n * 11 + 1024,
+        backends: n * 10 + 1024,
+        rev_nats: n + 1024,
+        conntrack: proxy_common::CONNTRACK_CAPACITY,
+    }
+}
+
+/// Like `loader::load_unpinned`, with map sizes (the bench needs maps for 100,000 Services).
+fn load(sizes: &MapSizes) -> Result<Ebpf> {
+    let mut loader = EbpfLoader::new();
+    loader
+        .override_global(CONFIG_GLOBAL, &DatapathConfig::DEFAULT, true)
+        .map_max_entries(MAP_SERVICES, sizes.services)
+        .map_max_entries(MAP_BACKENDS, sizes.backends)
+        .map_max_entries(MAP_REVNAT, sizes.rev_nats)
+        .map_max_entries(MAP_CONNTRACK, sizes.conntrack);
+    let mut ebpf = loader
+        .load(EBPF_OBJECT)
+        .context("loading the eBPF object (root needed)")?;
+    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
+        program_mut(&mut ebpf, name)?
+            .load()
+            .with_context(|| format!("verifying {name}"))?;
+    }
+    Ok(ebpf)
+}
+
+struct Loaded {
+    ebpf: Ebpf,
+    maps: ServiceMaps,
+    stats: Stats,
+    programmed: Programmed,
+    caps: kube_proxy_ebpf::programmed::Capacities,
+    node: NodeContext,
+}
+
+/// Durations of one full sync, by part.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SyncTimes {
+    pub translate: Duration,
+    pub plan: Duration,
+    pub apply: Duration,
+    pub ops: usize,
+}
+
+impl SyncTimes {
+    pub fn total(&self) -> Duration {
+        self.translate + self.plan + self.apply
+    }
+
+    fn to_json(self) -> Value {
+        json!({
+            "translate_ms": ms(self.translate), "plan_ms": ms(self.plan),
+            "apply_ms": ms(self.apply), "total_ms": ms(self.total()), "ops": self.ops,
+        })
+    }
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl Loaded {
+    fn new(n: usize) -> Result<Self> {
+        let sizes = sizes_for(n);
+        let mut ebpf = load(&sizes)?;
+        let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
+        let stats = Stats::from_ebpf(&mut ebpf)?;
+        Ok(Self {
+            ebpf,
+            maps,
+            stats,
+            programmed: Programmed::default(),
+            caps: sizes.capacities(),
+            node: NodeContext {
+                node_name: "bench-node".into(),
+                zone: None,
+            },
+        })
+    }
+
+    /// One sync through the agent's pipeline, timed by part.
+    fn sync(&mut self, snap: &kube_proxy_ebpf::snapshot::Snapshot) -> Result<SyncTimes> {
+        let t = Instant::now();
+        let translation = translate::translate(snap, &self.node);
+        let translate = t.elapsed();
+        ensure!(
+            translation.problems.is_empty(),
+            "generated Services have problems: {:?}",
+            translation.problems.first()
+        );
+        let t = Instant::now();
+        let plan = diff::plan(&translation.desired, &self.programmed, &self.caps);
+        let plan_t = t.elapsed();
+        ensure!(
+            plan.skipped.is_empty(),
+            "maps too small: {:?}",
+            plan.skipped.first()
+        );
+        let t = Instant::now();
+        for op in &plan.ops {
+            self.maps.apply(op)?;
+            self.programmed.apply(op);
+        }
+        Ok(SyncTimes {
+            translate,
+            plan: plan_t,
+            apply: t.elapsed(),
+            ops: plan.ops.len(),
+        })
+    }
+
+    fn prog(&self, name: &str) -> Result<&SchedClassifier> {
+        self.ebpf
+            .program(name)
+            .with_context(|| format!("no program {name}"))?
+            .try_into()
+            .with_context(|| format!("{name} is not a classifier"))
+    }
+
+    /// (verdict, mean ns per run as the kernel measured it).
+    fn run(&self, prog: &str, frame: &[u8], repeat: u32) -> Result<(u32, u64)> {
+        let mut out = vec![0u8; frame.len() + 256];
+        let r = self
+            .prog(prog)?
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                repeat,
+                ..Default::default()
+            })
+            .with_context(|| format!("BPF_PROG_TEST_RUN of {prog}"))?;
+        Ok((r.return_value, r.duration.as_nanos() as u64))
+    }
+
+    fn counter(&self, c: Counter) -> Result<u64> {
+        let all = self.stats.read()?;
+        let i = Counter::ALL
+            .iter()
+            .position(|x| *x == c)
+            .context("counter index")?;
+        Ok(all[i])
+    }
+}
+
+/// Per-packet costs (ns, median) at one size.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PacketCosts {
+    pub new_flow: f64,
+    pub new_flow_p90: f64,
+    pub new_flow_spread: f64,
+    pub established: f64,
+    pub reply: f64,
+    pub no_service: f64,
+    /// "not a Service" with one run per call: what the single-run method costs by itself.
+    pub single_floor: f64,
+}
+
+impl PacketCosts {
+    pub fn get(&self, k: &str) -> f64 {
+        match k {
+            "new_flow" => self.new_flow,
+            "new_flow_spread" => self.new_flow_spread,
+            "established" => self.established,
+            "reply" => self.reply,
+            "no_service" => self.no_service,
+            "single_floor" => self.single_floor,
+            _ => f64::NAN,
+        }
+    }
+}
+
+pub const PACKET_KINDS: [(&str, &str); 6] = [
+    ("new_flow", "new flow, one Service (SYN)"),
+    ("new_flow_spread", "new flow, spread over all Services"),
+    ("established", "established flow"),
+    ("reply", "reply, reverse NAT (tc_egress)"),
+    ("no_service", "not a Service"),
+    (
+        "single_floor",
+        "not a Service, one run per call (floor of the new-flow method)",
+    ),
+];
+
+/// Everything measured at one size.
+#[derive(Clone, Debug, Default)]
+pub struct SizeResult {
+    pub services: usize,
+    pub full_sync: SyncTimes,
+    pub packets: Option<PacketCosts>,
+    /// Endpoint change: median translate+plan+apply, and its parts.
+    pub change: Option<(SyncTimes, Duration)>,
+}
+
+impl SizeResult {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "services": self.services,
+            "endpoints_per_service": workload::ENDPOINTS_PER_SERVICE,
+            "full_sync": self.full_sync.to_json(),
+            "packets_ns": self.packets.map(|p| json!({
+                "new_flow": p.new_flow, "new_flow_p90": p.new_flow_p90,
+                "new_flow_spread": p.new_flow_spread, "established": p.established,
+                "reply": p.reply, "no_service": p.no_service, "single_run_floor": p.single_floor,
+            })),
+            "endpoint_change": self.change.map(|(parts, total)| json!({
+                "median_ms": ms(total), "parts_of_median_run": parts.to_json(),
+            })),
+        })
+    }
+}
+
+/// Loads maps for `n` generated Services (+2 cycle Services), fills them through the pipeline,
+/// and measures what is asked.
+pub fn measure(n: usize, packets: bool, change: bool, effort: Effort) -> Result<SizeResult> {
+    let mut specs = workload::generated(n);
+    specs.push(SvcSpec::new("cycle-a", CYCLE_A, 80, 81, &[CYCLE_B]));
+    specs.push(SvcSpec::new("cycle-b", CYCLE_B, 81, 80, &[CYCLE_A]));
+    let snap = workload::snapshot(&specs);
+    let mut l = Loaded::new(n)?;
+    let full_sync = l.sync(&snap)?;
+    let mut result = SizeResult {
+        services: n,
+        full_sync,
+        ..Default::default()
+    };
+    if packets {
+        result.packets = Some(packet_costs(&l, &specs[..n], effort)?);
+    }
+    if change {
+        result.change = Some(endpoint_change(&mut l, &specs, effort.changes)?);
+    }
+    Ok(result)
+}
+
+fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCosts> {
+    let target = generated.first().context("at least one Service")?;
+    // (a) new flows to one Service: a distinct 5-tuple per run.
+    let mut new_flow = Vec::with_capacity(e.new_flows as usize);
+    for k in 0..e.new_flows {
+        let (saddr, sport) = client_for(k, 0);
+        let f = packet::tcp(saddr, sport, target.vip, target.port, SYN, &[]);
+        let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
+        ensure!(verdict == TC_ACT_OK, "new flow: verdict {verdict}");
+        new_flow.push(ns as f64);
+    }
+    // (a') new flows spread over all Services (cache misses of a big map).
+    let mut spread = Vec::with_capacity(e.new_flows as usize);
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for k in 0..e.new_flows {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let s = &generated[(x % generated.len() as u64) as usize];
+        let (saddr, sport) = client_for(k, 1);
+        let f = packet::tcp(saddr, sport, s.vip, s.port, SYN, &[]);
+        let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
+        ensure!(verdict == TC_ACT_OK, "new flow (spread): verdict {verdict}");
+        spread.push(ns as f64);
+    }
+    let new_flow_p90 = percentile(&mut new_flow.clone(), 0.9);
+
+    // (b) established: the A↔B cycle; first packets create the two flows.
+    let payload = [0u8; 64];
+    let to_a = packet::tcp(CLIENT, 50_000, CYCLE_A, 80, ACK, &payload);
+    let to_b = packet::tcp(CLIENT, 50_000, CYCLE_B, 81, ACK, &payload);
+    for f in [&to_a, &to_b] {
+        let (verdict, _) = l.run(PROG_TC_INGRESS, f, 1)?;
+        ensure!(verdict == TC_ACT_OK, "cycle setup: verdict {verdict}");
+    }
+    let before = l.counter(Counter::EstablishedFlow)?;
+    let established = repeated(l, PROG_TC_INGRESS, &to_a, e)?;
+    let took = l.counter(Counter::EstablishedFlow)? - before;
+    if took != u64::from(e.calls) * u64::from(e.repeat) {
+        bail!(
+            "established: {took} of {} runs took the established path",
+            e.calls * e.repeat
+        );
+    }
+    // (c) replies: B:81 → client matches flow A's REPLY entry, and so on around the cycle.
+    let reply = packet::tcp(CYCLE_B, 81, CLIENT, 50_000, ACK, &payload);
+    let before = l.counter(Counter::ReplyTranslated)?;
+    let reply_ns = repeated(l, PROG_TC_EGRESS, &reply, e)?;
+    let took = l.counter(Counter::ReplyTranslated)? - before;
+    if took != u64::from(e.calls) * u64::from(e.repeat) {
+        bail!(
+            "reply: {took} of {} runs were reverse-NATed",
+            e.calls * e.repeat
+        );
+    }
+    // (d) not a Service.
+    let other = packet::tcp(CLIENT, 50_001, NOT_A_SERVICE, 8080, ACK, &payload);
+    let no_service = repeated(l, PROG_TC_INGRESS, &other, e)?;
+    let mut single = Vec::with_capacity(e.new_flows as usize);
+    for _ in 0..e.new_flows {
+        let (verdict, ns) = l.run(PROG_TC_INGRESS, &other, 1)?;
+        ensure!(verdict == TC_ACT_OK, "not a Service: verdict {verdict}");
+        single.push(ns as f64);
+    }
+
+    Ok(PacketCosts {
+        new_flow: median(&mut new_flow),
+        new_flow_p90,
+        new_flow_spread: median(&mut spread),
+        established,
+        reply: reply_ns,
+        no_service,
+        single_floor: median(&mut single),
+    })
+}
+
+/// Median over `calls` test runs of the mean ns per repetition.
+fn repeated(l: &Loaded, prog: &str, frame: &[u8], e: Effort) -> Result<f64> {
+    let mut v = Vec::with_capacity(e.calls as usize);
+    for _ in 0..e.calls {
+        let (verdict, ns) = l.run(prog, frame, e.repeat)?;
+        ensure!(verdict == TC_ACT_OK, "{prog}: verdict {verdict}");
+        v.push(ns as f64);
+    }
+    Ok(median(&mut v))
+}
+
+/// A distinct client (address, port) per run `k`; `lane` keeps the two new-flow sets apart.
+fn client_for(k: u32, lane: u8) -> (Ipv4Addr, u16) {
+    let addr = Ipv4Addr::new(10, 244, 250 + lane, (k / 60_000) as u8 + 1);
+    (addr, 1024 + (k % 60_000) as u16)
+}
+
+/// One endpoint of one Service changes address, `reps` times (alternating between two
+/// addresses); each time translate + plan + apply on the full snapshot. Median total.
+fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(SyncTimes, Duration)> {
+    let mut snap = workload::snapshot(specs);
+    let idx = specs.len() / 2;
+    let mut runs = Vec::new();
+    for r in 0..reps.max(1) {
+        let mut s = specs[idx].clone();
+        s.endpoints[0] = if r % 2 == 0 {
+            Ipv4Addr::new(10, 244, 255, 200)
+        } else {
+            specs[idx].endpoints[0]
+        };
+        snap.endpoint_slices[idx] = workload::slice(&s);
+        let t = l.sync(&snap)?;
+        ensure!(
+            (1..=2 * workload::ENDPOINTS_PER_SERVICE + 8).contains(&t.ops),
+            "an endpoint change made {} map operations",
+            t.ops
+        );
+        runs.push(t);
+    }
+    runs.sort_by_key(SyncTimes::total);
+    let mid = runs[runs.len() / 2];
+    Ok((mid, mid.total()))
+}

@@ -1,0 +1,321 @@
+//! `xtask-bench`: the measuring side of `cargo xtask bench` (built with `--features bench`, in
+//! release unless `--smoke`). `cargo xtask bench` builds it and runs `xtask-bench run`; the
+//! hidden `serve` and `loadgen` subcommands run inside network namespaces.
+
+mod e2e;
+mod inproc;
+mod loadgen;
+mod packet;
+mod report;
+mod stats;
+mod svg;
+mod workload;
+
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{Value, json};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "xtask-bench",
+    about = "kube-proxy-ebpf benchmarks (run by cargo xtask bench)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the benchmark set and write results.json, results.md and the SVG plots.
+    Run(RunArgs),
+    /// HTTP server for backend pods (runs inside a pod namespace).
+    #[command(hide = true)]
+    Serve(loadgen::ServeArgs),
+    /// Short-connection load generator (runs inside the client namespace).
+    #[command(hide = true)]
+    Loadgen(loadgen::LoadArgs),
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Size {
+    Smoke,
+    Quick,
+    #[default]
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Part {
+    Datapath,
+    Control,
+    E2e,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    #[arg(long, value_enum, default_value = "full")]
+    size: Size,
+    /// Only these parts (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Part>,
+    /// The agent binary (`kube-proxy-ebpf`).
+    #[arg(long)]
+    agent_bin: PathBuf,
+    /// Where to write results.json, results.md and the plots.
+    #[arg(long)]
+    out_dir: PathBuf,
+    /// The command line to print in the report.
+    #[arg(long, default_value = "cargo xtask bench")]
+    command_line: String,
+}
+
+/// Sizes and effort per level.
+pub struct Plan {
+    pub datapath: Vec<usize>,
+    pub control: Vec<usize>,
+    pub e2e: Vec<usize>,
+    pub restore: Vec<usize>,
+    pub rss: Vec<usize>,
+    pub effort: inproc::Effort,
+    pub e2e_cfg: e2e::Config,
+}
+
+fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
+    let bench_bin = std::env::current_exe().context("locating the bench binary")?;
+    let cfg = |backends, duration_ms, iperf_secs, timeout_s| e2e::Config {
+        bench_bin: bench_bin.clone(),
+        agent_bin: agent_bin.clone(),
+        backends,
+        concurrency: 8,
+        duration_ms,
+        max_conns: 500_000,
+        iperf_secs,
+        program_timeout: Duration::from_secs(timeout_s),
+    };
+    Ok(match size {
+        Size::Smoke => Plan {
+            datapath: vec![1, 10],
+            control: vec![10],
+            e2e: vec![10],
+            restore: vec![10],
+            rss: vec![10],
+            effort: inproc::Effort {
+                new_flows: 200,
+                calls: 3,
+                repeat: 1_000,
+                changes: 3,
+            },
+            e2e_cfg: cfg(2, 1_000, 1, 60),
+        },
+        Size::Quick => Plan {
+            datapath: vec![1, 1_000, 10_000],
+            control: vec![1_000, 5_000, 10_000],
+            e2e: vec![1, 1_000],
+            restore: vec![1_000, 10_000],
+            rss: vec![1_000, 10_000],
+            effort: inproc::Effort {
+                new_flows: 5_000,
+                calls: 21,
+                repeat: 10_000,
+                changes: 11,
+            },
+            e2e_cfg: cfg(10, 3_000, 3, 60),
+        },
+        Size::Full => Plan {
+            datapath: vec![1, 100, 1_000, 10_000, 100_000],
+            control: vec![1_000, 5_000, 10_000, 50_000],
+            e2e: vec![1, 1_000, 10_000],
+            restore: vec![1_000, 10_000, 50_000],
+            rss: vec![1_000, 5_000, 10_000, 50_000],
+            effort: inproc::Effort {
+                new_flows: 20_000,
+                calls: 51,
+                repeat: 10_000,
+                changes: 21,
+            },
+            e2e_cfg: cfg(10, 5_000, 5, 180),
+        },
+    })
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::Serve(args) => loadgen::serve(&args),
+        Command::Loadgen(args) => loadgen::loadgen(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn step(name: &str) -> Instant {
+    eprintln!("\n==> {name}");
+    Instant::now()
+}
+
+fn run(args: RunArgs) -> Result<()> {
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the bench needs root (eBPF load, network namespaces)");
+    }
+    proxy_testenv::ensure_bpffs()?;
+    let started = Instant::now();
+    let p = plan(args.size, args.agent_bin.clone())?;
+    let want = |part| args.only.is_empty() || args.only.contains(&part);
+    let mut results = report::Results {
+        size: Some(args.size),
+        command_line: args.command_line.clone(),
+        machine: report::machine(),
+        ..Default::default()
+    };
+
+    // 1 + 4 (in-process): one load per size, filled through translate → plan → apply.
+    if want(Part::Datapath) || want(Part::Control) {
+        let mut sizes: Vec<usize> = Vec::new();
+        if want(Part::Datapath) {
+            sizes.extend(&p.datapath);
+        }
+        if want(Part::Control) {
+            sizes.extend(&p.control);
+        }
+        sizes.sort_unstable();
+        sizes.dedup();
+        for n in sizes {
+            let t = step(&format!("in-process: {n} Services × 10 endpoints"));
+            let packets = want(Part::Datapath) && p.datapath.contains(&n);
+            let change = want(Part::Control) && p.control.contains(&n);
+            let r = inproc::measure(n, packets, change, p.effort)
+                .with_context(|| format!("in-process measurement at {n} Services"))?;
+            eprintln!(
+                "  full sync {:.1} ms ({} ops){}{} [{:.1}s]",
+                inproc::ms(r.full_sync.total()),
+                r.full_sync.ops,
+                r.packets
+                    .map(|c| format!(
+                        "; ns/packet new {:.0} est {:.0} reply {:.0} none {:.0}",
+                        c.new_flow, c.established, c.reply, c.no_service
+                    ))
+                    .unwrap_or_default(),
+                r.change
+                    .map(|(_, d)| format!("; endpoint change {:.2} ms", inproc::ms(d)))
+                    .unwrap_or_default(),
+                t.elapsed().as_secs_f64()
+            );
+            results.inproc.push(r);
+        }
+        if want(Part::Datapath) {
+            results.datapath_sizes = p.datapath.clone();
+        }
+        if want(Part::Control) {
+            results.control_sizes = p.control.clone();
+        }
+    }
+
+    let have_iptables = which("iptables-restore");
+    let have_nft = which("nft");
+    results.iptables_version = tool_version("iptables", &["--version"]);
+    results.nft_version = tool_version("nft", &["--version"]);
+
+    // 4: baselines' programming time and the agent's footprint.
+    if want(Part::Control) {
+        for &n in &p.restore {
+            for mode in [e2e::Mode::Iptables, e2e::Mode::Nftables] {
+                if (mode == e2e::Mode::Iptables && !have_iptables)
+                    || (mode == e2e::Mode::Nftables && !have_nft)
+                {
+                    continue;
+                }
+                let t = step(&format!("{} restore: {n} Services", mode.name()));
+                let r = e2e::restore_time(&p.e2e_cfg, mode, n)?;
+                let v = match r {
+                    e2e::Programmed::Done(ms) => {
+                        eprintln!("  {ms:.0} ms");
+                        json!({ "mode": mode.name(), "services": n, "ms": ms })
+                    }
+                    e2e::Programmed::TimedOut => {
+                        eprintln!("  > {:?}", p.e2e_cfg.program_timeout);
+                        json!({ "mode": mode.name(), "services": n, "ms": null,
+                                "timed_out_after_s": p.e2e_cfg.program_timeout.as_secs() })
+                    }
+                };
+                let _ = t;
+                results.restore.push(v);
+            }
+        }
+        for &n in &p.rss {
+            let t = step(&format!(
+                "agent binary: {n} Services (first sync, peak RSS)"
+            ));
+            let v = e2e::agent_footprint(&p.e2e_cfg, n)?;
+            eprintln!("  {v} [{:.1}s]", t.elapsed().as_secs_f64());
+            results.agent.push(v);
+        }
+    }
+
+    // 2 + 3: end to end, ours and the baselines.
+    if want(Part::E2e) {
+        for &n in &p.e2e {
+            for mode in e2e::Mode::ALL {
+                if (mode == e2e::Mode::Iptables && !have_iptables)
+                    || (mode == e2e::Mode::Nftables && !have_nft)
+                {
+                    continue;
+                }
+                let t = step(&format!("end to end: {} at {n} Services", mode.name()));
+                let r = e2e::run(&p.e2e_cfg, mode, n)
+                    .with_context(|| format!("end to end: {} at {n} Services", mode.name()))?;
+                report::print_run(&r);
+                eprintln!("  [{:.1}s]", t.elapsed().as_secs_f64());
+                results.e2e.push(r);
+            }
+        }
+    }
+
+    results.seconds = started.elapsed().as_secs_f64();
+    std::fs::create_dir_all(&args.out_dir)?;
+    let json_path = args.out_dir.join("results.json");
+    std::fs::write(
+        &json_path,
+        serde_json::to_string_pretty(&results.to_json())?,
+    )?;
+    let md = results.markdown();
+    std::fs::write(args.out_dir.join("results.md"), &md)?;
+    for (name, svg) in results.plots() {
+        std::fs::write(args.out_dir.join(name), svg)?;
+    }
+    println!("{md}");
+    eprintln!(
+        "bench: wrote {} (+ results.md, *.svg) in {:.0}s",
+        json_path.display(),
+        results.seconds
+    );
+    Ok(())
+}
+
+fn which(tool: &str) -> bool {
+    std::process::Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn tool_version(tool: &str, args: &[&str]) -> Value {
+    std::process::Command::new(tool)
+        .args(args)
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .into()
+}

@@ -1,0 +1,481 @@
+//! Results: JSON, Markdown tables (every figure with its ratio against the baseline measured in
+//! the same run) and SVG plots.
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use super::{
+    Size,
+    e2e::{Mode, Run},
+    inproc::{self, PACKET_KINDS, SizeResult},
+    loadgen::LoadResult,
+    svg::{Chart, Series, line_chart},
+};
+
+#[derive(Default)]
+pub struct Results {
+    pub size: Option<Size>,
+    pub command_line: String,
+    pub machine: Value,
+    pub seconds: f64,
+    pub datapath_sizes: Vec<usize>,
+    pub control_sizes: Vec<usize>,
+    pub inproc: Vec<SizeResult>,
+    pub restore: Vec<Value>,
+    pub agent: Vec<Value>,
+    pub e2e: Vec<Run>,
+    pub iptables_version: Value,
+    pub nft_version: Value,
+}
+
+pub fn machine() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let nproc = std::thread::available_parallelism().map_or(0, usize::from);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    let mem_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0);
+    json!({ "nproc": nproc, "cpu_model": model, "kernel": kernel,
+            "mem_gib": (mem_kib as f64 / 1024.0 / 1024.0 * 10.0).round() / 10.0 })
+}
+
+fn f(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "–".into()
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b != 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "–".into()
+    }
+}
+
+fn with_ratio(v: f64, base: f64, digits: usize) -> String {
+    format!("{} ({})", f(v, digits), ratio(v, base))
+}
+
+fn n_fmt(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+pub fn print_run(r: &Run) {
+    if let Some(s) = &r.skipped {
+        eprintln!("  skipped: {s}");
+        return;
+    }
+    let l = |x: &Option<LoadResult>| {
+        x.as_ref().map_or("–".into(), |x| {
+            format!(
+                "{:.0} conn/s p50 {} µs p99 {} µs errors {} slow {}",
+                x.conns_per_s, x.p50_us, x.p99_us, x.errors, x.slow_1s
+            )
+        })
+    };
+    eprintln!(
+        "  programmed in {:.0} ms; direct {}; VIP {}; iperf3 direct {:.2} Gbit/s VIP {:.2} Gbit/s",
+        r.program_ms.unwrap_or(f64::NAN),
+        l(&r.direct),
+        l(&r.vip),
+        r.iperf_direct_gbps.unwrap_or(f64::NAN),
+        r.iperf_vip_gbps.unwrap_or(f64::NAN)
+    );
+}
+
+impl Results {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "size": format!("{:?}", self.size.unwrap_or_default()).to_lowercase(),
+            "command": self.command_line,
+            "machine": self.machine,
+            "iptables": self.iptables_version,
+            "nft": self.nft_version,
+            "seconds": self.seconds,
+            "in_process": self.inproc.iter().map(SizeResult::to_json).collect::<Vec<_>>(),
+            "netfilter_restore": self.restore,
+            "agent_binary": self.agent,
+            "end_to_end": self.e2e.iter().map(Run::to_json).collect::<Vec<_>>(),
+        })
+    }
+
+    fn dp(&self) -> Vec<(usize, inproc::PacketCosts)> {
+        self.inproc
+            .iter()
+            .filter(|r| self.datapath_sizes.contains(&r.services))
+            .filter_map(|r| r.packets.map(|p| (r.services, p)))
+            .collect()
+    }
+
+    fn cp(&self) -> Vec<&SizeResult> {
+        self.inproc
+            .iter()
+            .filter(|r| self.control_sizes.contains(&r.services))
+            .collect()
+    }
+
+    fn restore_ms(&self, mode: Mode, n: usize) -> (Option<f64>, Option<u64>) {
+        self.restore
+            .iter()
+            .find(|v| v["mode"] == mode.name() && v["services"] == n)
+            .map_or((None, None), |v| {
+                (v["ms"].as_f64(), v["timed_out_after_s"].as_u64())
+            })
+    }
+
+    fn e2e_run(&self, mode: Mode, n: usize) -> Option<&Run> {
+        self.e2e
+            .iter()
+            .find(|r| r.mode == mode && r.services == n && r.skipped.is_none())
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let m = &self.machine;
+        let _ = writeln!(
+            s,
+            "Machine: {} × {} ({} GiB), kernel {}; {}; {}. Command: `{}` ({:.0} s).\n",
+            m["nproc"],
+            m["cpu_model"].as_str().unwrap_or("?"),
+            m["mem_gib"],
+            m["kernel"].as_str().unwrap_or("?"),
+            self.iptables_version.as_str().unwrap_or("iptables: absent"),
+            self.nft_version.as_str().unwrap_or("nft: absent"),
+            self.command_line,
+            self.seconds
+        );
+
+        let dp = self.dp();
+        if let Some((_, base)) = dp.first() {
+            let _ = writeln!(
+                s,
+                "### Datapath: ns per packet (BPF_PROG_TEST_RUN, median), ratio vs {} Service\n",
+                dp[0].0
+            );
+            let _ = write!(s, "| Services × 10 endpoints |");
+            for (_, title) in PACKET_KINDS {
+                let _ = write!(s, " {title} |");
+            }
+            let _ = write!(s, "\n|---:|");
+            for _ in PACKET_KINDS {
+                s.push_str("---:|");
+            }
+            s.push('\n');
+            for (n, c) in &dp {
+                let _ = write!(s, "| {} |", n_fmt(*n));
+                for (k, _) in PACKET_KINDS {
+                    let _ = write!(s, " {} |", with_ratio(c.get(k), base.get(k), 0));
+                }
+                s.push('\n');
+            }
+            s.push('\n');
+        }
+
+        let cp = self.cp();
+        if !cp.is_empty() {
+            let _ = writeln!(
+                s,
+                "### Control plane in process: snapshot → programmed maps (ms)\n\n\
+                 | Services × 10 endpoints | translate | plan | apply (map writes) | first full sync | map ops | one endpoint change (p50, translate+plan+apply) |\n\
+                 |---:|---:|---:|---:|---:|---:|---:|"
+            );
+            for r in &cp {
+                let fs = r.full_sync;
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | **{}** | {} | {} |",
+                    n_fmt(r.services),
+                    f(inproc::ms(fs.translate), 1),
+                    f(inproc::ms(fs.plan), 1),
+                    f(inproc::ms(fs.apply), 1),
+                    f(inproc::ms(fs.total()), 1),
+                    n_fmt(fs.ops),
+                    r.change.map_or("–".into(), |(parts, total)| format!(
+                        "{} ({} + {} + {})",
+                        f(inproc::ms(total), 2),
+                        f(inproc::ms(parts.translate), 2),
+                        f(inproc::ms(parts.plan), 2),
+                        f(inproc::ms(parts.apply), 3)
+                    )),
+                );
+            }
+            s.push('\n');
+        }
+
+        if !self.restore.is_empty() {
+            let _ = writeln!(
+                s,
+                "### Programming time vs kube-proxy's rule sets (same Services, ms; ratio = baseline / ours)\n\n\
+                 | Services × 10 endpoints | ours: in-process full sync | ours: agent start → first sync (incl. YAML) | iptables-restore | nft -f |\n\
+                 |---:|---:|---:|---:|---:|"
+            );
+            let mut sizes: Vec<usize> = self
+                .restore
+                .iter()
+                .filter_map(|v| v["services"].as_u64().map(|n| n as usize))
+                .collect();
+            sizes.dedup();
+            for n in sizes {
+                let ours = self
+                    .inproc
+                    .iter()
+                    .find(|r| r.services == n)
+                    .map_or(f64::NAN, |r| inproc::ms(r.full_sync.total()));
+                let agent = self
+                    .agent
+                    .iter()
+                    .find(|v| v["services"] == n)
+                    .and_then(|v| v["start_to_first_sync_ms"].as_f64())
+                    .unwrap_or(f64::NAN);
+                let cell = |mode| match self.restore_ms(mode, n) {
+                    (Some(ms), _) => format!("{} ({} of ours)", f(ms, 0), ratio(ms, ours)),
+                    (None, Some(t)) => format!("> {t} s (timed out)"),
+                    _ => "–".into(),
+                };
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} |",
+                    n_fmt(n),
+                    f(ours, 1),
+                    f(agent, 0),
+                    cell(Mode::Iptables),
+                    cell(Mode::Nftables)
+                );
+            }
+            s.push('\n');
+        }
+
+        if !self.agent.is_empty() {
+            let _ = writeln!(
+                s,
+                "### Agent binary on a manifest folder (peak RSS after the first sync)\n\n\
+                 | Services × 10 endpoints | start → first sync (ms) | VmHWM (MiB) | VmRSS (MiB) | frontends programmed | problems |\n\
+                 |---:|---:|---:|---:|---:|---:|"
+            );
+            for v in &self.agent {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    n_fmt(v["services"].as_u64().unwrap_or(0) as usize),
+                    f(v["start_to_first_sync_ms"].as_f64().unwrap_or(f64::NAN), 0),
+                    f(v["vm_hwm_mib"].as_f64().unwrap_or(f64::NAN), 1),
+                    f(v["vm_rss_mib"].as_f64().unwrap_or(f64::NAN), 1),
+                    v["frontends_programmed"],
+                    v["problems"]
+                );
+            }
+            s.push('\n');
+        }
+
+        if !self.e2e.is_empty() {
+            let _ = writeln!(
+                s,
+                "### End to end: short connections (one HTTP request each, latency incl. handshake) and iperf3\n\n\
+                 | Services | dataplane | direct conn/s | VIP conn/s (VIP/direct) | p50 µs direct / VIP | p99 µs direct / VIP | errors (slow ≥0.9 s) | iperf3 Gbit/s direct | iperf3 VIP (VIP/direct) | programmed in (ms) |\n\
+                 |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+            );
+            for r in &self.e2e {
+                if let Some(why) = &r.skipped {
+                    let _ = writeln!(
+                        s,
+                        "| {} | {} | skipped: {} | | | | | | | |",
+                        n_fmt(r.services),
+                        r.mode.name(),
+                        why.lines().next().unwrap_or_default()
+                    );
+                    continue;
+                }
+                let (Some(d), Some(v)) = (&r.direct, &r.vip) else {
+                    continue;
+                };
+                let id = r.iperf_direct_gbps.unwrap_or(f64::NAN);
+                let iv = r.iperf_vip_gbps.unwrap_or(f64::NAN);
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} / {} | {} / {} | {} ({}) | {} | {} | {} |",
+                    n_fmt(r.services),
+                    r.mode.name(),
+                    f(d.conns_per_s, 0),
+                    with_ratio(v.conns_per_s, d.conns_per_s, 0),
+                    d.p50_us,
+                    v.p50_us,
+                    d.p99_us,
+                    v.p99_us,
+                    d.errors + v.errors,
+                    d.slow_1s + v.slow_1s,
+                    f(id, 2),
+                    with_ratio(iv, id, 2),
+                    f(r.program_ms.unwrap_or(f64::NAN), 0),
+                );
+            }
+            s.push('\n');
+            let _ = writeln!(
+                s,
+                "### End to end through the VIP: ours vs kube-proxy's rule sets (ratio = ours / baseline; latency: lower is better)\n\n\
+                 | Services | metric | kube-proxy-ebpf | iptables | nftables | ours/iptables | ours/nftables |\n\
+                 |---:|---|---:|---:|---:|---:|---:|"
+            );
+            let mut sizes: Vec<usize> = self.e2e.iter().map(|r| r.services).collect();
+            sizes.dedup();
+            type Metric = fn(&Run) -> Option<f64>;
+            let metrics: [(&str, Metric, usize); 4] = [
+                ("VIP conn/s", |r| r.vip.as_ref().map(|v| v.conns_per_s), 0),
+                ("VIP p50 µs", |r| r.vip.as_ref().map(|v| v.p50_us as f64), 0),
+                ("VIP p99 µs", |r| r.vip.as_ref().map(|v| v.p99_us as f64), 0),
+                ("iperf3 VIP Gbit/s", |r| r.iperf_vip_gbps, 2),
+            ];
+            for n in sizes {
+                for (name, get, digits) in metrics {
+                    let val = |mode| self.e2e_run(mode, n).and_then(get).unwrap_or(f64::NAN);
+                    let (o, i, nf) = (val(Mode::Ebpf), val(Mode::Iptables), val(Mode::Nftables));
+                    let _ = writeln!(
+                        s,
+                        "| {} | {name} | {} | {} | {} | {} | {} |",
+                        n_fmt(n),
+                        f(o, digits),
+                        f(i, digits),
+                        f(nf, digits),
+                        ratio(o, i),
+                        ratio(o, nf)
+                    );
+                }
+            }
+            s.push('\n');
+        }
+        s
+    }
+
+    pub fn plots(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        let dp = self.dp();
+        if !dp.is_empty() {
+            let series = PACKET_KINDS
+                .iter()
+                .map(|(k, title)| Series {
+                    name: (*title).to_owned(),
+                    points: dp.iter().map(|(n, c)| (*n as f64, c.get(k))).collect(),
+                })
+                .collect::<Vec<_>>();
+            out.push((
+                "datapath-ns-per-packet.svg",
+                line_chart(
+                    &Chart {
+                        title: "Datapath cost per packet vs number of Services",
+                        x_label: "Services × 10 endpoints",
+                        y_label: "ns per packet (median)",
+                        log_x: true,
+                        log_y: false,
+                        y_from_zero: true,
+                    },
+                    &series,
+                ),
+            ));
+        }
+        let cp = self.cp();
+        if !cp.is_empty() {
+            let mut series = vec![Series {
+                name: "ours: full sync".into(),
+                points: cp
+                    .iter()
+                    .map(|r| (r.services as f64, inproc::ms(r.full_sync.total())))
+                    .collect(),
+            }];
+            series.push(Series {
+                name: "ours: endpoint change".into(),
+                points: cp
+                    .iter()
+                    .filter_map(|r| r.change.map(|(_, d)| (r.services as f64, inproc::ms(d))))
+                    .collect(),
+            });
+            for mode in [Mode::Iptables, Mode::Nftables] {
+                series.push(Series {
+                    name: match mode {
+                        Mode::Iptables => "iptables-restore".into(),
+                        _ => "nft -f".into(),
+                    },
+                    points: self
+                        .restore
+                        .iter()
+                        .filter(|v| v["mode"] == mode.name())
+                        .filter_map(|v| Some((v["services"].as_f64()?, v["ms"].as_f64()?)))
+                        .collect(),
+                });
+            }
+            out.push((
+                "control-plane-ms.svg",
+                line_chart(
+                    &Chart {
+                        title: "Programming time vs number of Services",
+                        x_label: "Services × 10 endpoints",
+                        y_label: "ms (log)",
+                        log_x: true,
+                        log_y: true,
+                        y_from_zero: false,
+                    },
+                    &series,
+                ),
+            ));
+        }
+        if !self.e2e.is_empty() {
+            let mut series = Vec::new();
+            for mode in Mode::ALL {
+                let runs: Vec<&Run> = self
+                    .e2e
+                    .iter()
+                    .filter(|r| r.mode == mode && r.skipped.is_none())
+                    .collect();
+                series.push(Series {
+                    name: format!("{} VIP/direct", mode.name()),
+                    points: runs
+                        .iter()
+                        .filter_map(|r| {
+                            Some((
+                                r.services.max(1) as f64,
+                                r.vip.as_ref()?.conns_per_s / r.direct.as_ref()?.conns_per_s,
+                            ))
+                        })
+                        .collect(),
+                });
+            }
+            out.push((
+                "e2e-vip-vs-direct.svg",
+                line_chart(
+                    &Chart {
+                        title: "Short-connection rate through the VIP / straight to the pods",
+                        x_label: "Services × 10 endpoints",
+                        y_label: "VIP conn/s ÷ direct conn/s",
+                        log_x: true,
+                        log_y: false,
+                        y_from_zero: true,
+                    },
+                    &series,
+                ),
+            ));
+        }
+        out
+    }
+}

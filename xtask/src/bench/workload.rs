@@ -1,0 +1,349 @@
+//! The Services a bench run programs, and the same set in every form it is fed to: a
+//! [`Snapshot`] (in-process pipeline), a manifest folder (the agent binary), an iptables-restore
+//! file (kube-proxy iptables mode) and an nft file (kube-proxy nftables mode).
+//!
+//! Generated Service `i`: ClusterIP 10.96.4.0 + i, port 80/TCP, 10 endpoints. Endpoint addresses
+//! come from 10.244.0.1–10.244.234.96 (6,000 Services × 10 per block) and each block of 6,000
+//! Services uses its own target port (8080 + block), so every endpoint (addr, port) is unique, as
+//! pods are in a real cluster. Real pods of the end-to-end topology live in 10.244.255.0/24, never
+//! generated.
+
+use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr, path::Path};
+
+use anyhow::{Context as _, Result};
+use k8s_openapi::{
+    api::{
+        core::v1::{Service, ServicePort, ServiceSpec},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
+};
+use kube_proxy_ebpf::snapshot::Snapshot;
+
+pub const NAMESPACE: &str = "bench";
+pub const ENDPOINTS_PER_SERVICE: usize = 10;
+const BLOCK: usize = 6_000;
+/// Pod CIDR as kube-proxy's `--cluster-cidr` (masquerade rules exempt it).
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+
+/// One single-port TCP ClusterIP Service and its ready endpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SvcSpec {
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    pub target_port: u16,
+    pub endpoints: Vec<Ipv4Addr>,
+}
+
+impl SvcSpec {
+    pub fn new(name: &str, vip: Ipv4Addr, port: u16, target_port: u16, eps: &[Ipv4Addr]) -> Self {
+        Self {
+            name: name.to_owned(),
+            vip,
+            port,
+            target_port,
+            endpoints: eps.to_vec(),
+        }
+    }
+}
+
+/// `n` generated Services, 10 endpoints each.
+pub fn generated(n: usize) -> Vec<SvcSpec> {
+    (0..n)
+        .map(|i| {
+            let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 4, 0)) + i as u32);
+            let block = i / BLOCK;
+            let base = u32::from(Ipv4Addr::new(10, 244, 0, 1)) + ((i % BLOCK) * 10) as u32;
+            let endpoints = (0..ENDPOINTS_PER_SERVICE as u32)
+                .map(|j| Ipv4Addr::from(base + j))
+                .collect();
+            SvcSpec {
+                name: format!("svc-{i}"),
+                vip,
+                port: 80,
+                target_port: 8080 + block as u16,
+                endpoints,
+            }
+        })
+        .collect()
+}
+
+/// The Services as a source snapshot (what translate reads).
+pub fn snapshot(specs: &[SvcSpec]) -> Snapshot {
+    let mut snap = Snapshot::default();
+    for s in specs {
+        snap.services.push(service(s));
+        snap.endpoint_slices.push(slice(s));
+    }
+    snap
+}
+
+pub fn service(s: &SvcSpec) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(s.name.clone()),
+            namespace: Some(NAMESPACE.to_owned()),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".to_owned()),
+            cluster_ip: Some(s.vip.to_string()),
+            cluster_ips: Some(vec![s.vip.to_string()]),
+            ports: Some(vec![ServicePort {
+                port: i32::from(s.port),
+                target_port: Some(IntOrString::Int(i32::from(s.target_port))),
+                protocol: Some("TCP".to_owned()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+pub fn slice(s: &SvcSpec) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(format!("{}-slice", s.name)),
+            namespace: Some(NAMESPACE.to_owned()),
+            labels: Some(BTreeMap::from([(
+                "kubernetes.io/service-name".to_owned(),
+                s.name.clone(),
+            )])),
+            ..Default::default()
+        },
+        address_type: "IPv4".to_owned(),
+        ports: Some(vec![EndpointPort {
+            name: Some(String::new()),
+            port: Some(i32::from(s.target_port)),
+            protocol: Some("TCP".to_owned()),
+            ..Default::default()
+        }]),
+        endpoints: Some(
+            s.endpoints
+                .iter()
+                .map(|ip| Endpoint {
+                    addresses: vec![ip.to_string()],
+                    conditions: Some(EndpointConditions {
+                        ready: Some(true),
+                        serving: Some(true),
+                        terminating: Some(false),
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// Writes the Services as multi-document YAML files of 1,000 Services each into `dir`.
+pub fn write_manifests(dir: &Path, specs: &[SvcSpec]) -> Result<()> {
+    for (n, chunk) in specs.chunks(1_000).enumerate() {
+        let mut y = String::with_capacity(chunk.len() * 1_200);
+        for s in chunk {
+            let _ = write!(
+                y,
+                "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {NAMESPACE}\n\
+                 spec:\n  type: ClusterIP\n  clusterIP: {vip}\n  clusterIPs: [\"{vip}\"]\n  ports:\n    \
+                 - port: {port}\n      targetPort: {tp}\n      protocol: TCP\n\
+                 ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-slice\n  \
+                 namespace: {NAMESPACE}\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n\
+                 ports:\n  - name: \"\"\n    port: {tp}\n    protocol: TCP\nendpoints:\n",
+                name = s.name,
+                vip = s.vip,
+                port = s.port,
+                tp = s.target_port,
+            );
+            for ip in &s.endpoints {
+                let _ = writeln!(
+                    y,
+                    "  - addresses: [\"{ip}\"]\n    conditions: {{ready: true, serving: true, terminating: false}}"
+                );
+            }
+        }
+        let path = dir.join(format!("services-{n:04}.yaml"));
+        std::fs::write(&path, y).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// kube-proxy's short hash for chain names: 64-bit FNV-1a → base32 (kube-proxy uses SHA-256 →
+/// base32; only the shape matters here).
+fn short_hash(s: &str, len: usize) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let mut out = String::with_capacity(len);
+    let mut x = h;
+    for i in 0..len {
+        if i == 12 {
+            x = h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15;
+        }
+        out.push(ALPHABET[(x & 31) as usize] as char);
+        x >>= 5;
+    }
+    out
+}
+
+/// The nat table kube-proxy's iptables mode writes for these Services (ClusterIP part: portals
+/// in PREROUTING/OUTPUT → linear KUBE-SERVICES → KUBE-SVC-* with `statistic random` → KUBE-SEP-*
+/// with DNAT; masquerade marking as upstream). For `iptables-restore`.
+pub fn iptables_restore(specs: &[SvcSpec]) -> String {
+    let mut chains = String::new();
+    let mut rules = String::new();
+    chains.push_str("*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n");
+    chains.push_str(":KUBE-SERVICES - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-NODEPORTS - [0:0]\n");
+    rules.push_str(
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
+         -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
+         -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
+         -A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n\
+         -A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n",
+    );
+    let mut svc_rules = String::new();
+    let mut sep_rules = String::new();
+    for s in specs {
+        let spn = format!("{NAMESPACE}/{}", s.name);
+        let svc_chain = format!("KUBE-SVC-{}", short_hash(&format!("{spn}:tcp"), 16));
+        let _ = writeln!(chains, ":{svc_chain} - [0:0]");
+        let _ = writeln!(
+            rules,
+            "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{spn} cluster IP\" -m tcp --dport {} -j {svc_chain}",
+            s.vip, s.port
+        );
+        let _ = writeln!(
+            svc_rules,
+            "-A {svc_chain} ! -s {CLUSTER_CIDR} -d {}/32 -p tcp -m comment --comment \"{spn} cluster IP\" -m tcp --dport {} -j KUBE-MARK-MASQ",
+            s.vip, s.port
+        );
+        let n = s.endpoints.len();
+        for (i, ep) in s.endpoints.iter().enumerate() {
+            let sep = format!(
+                "KUBE-SEP-{}",
+                short_hash(&format!("{spn}:tcp:{ep}:{}", s.target_port), 16)
+            );
+            let _ = writeln!(chains, ":{sep} - [0:0]");
+            let to = format!("{ep}:{}", s.target_port);
+            if i + 1 < n {
+                let p = 1.0 / (n - i) as f64;
+                let _ = writeln!(
+                    svc_rules,
+                    "-A {svc_chain} -m comment --comment \"{spn} -> {to}\" -m statistic --mode random --probability {p:.10} -j {sep}"
+                );
+            } else {
+                let _ = writeln!(
+                    svc_rules,
+                    "-A {svc_chain} -m comment --comment \"{spn} -> {to}\" -j {sep}"
+                );
+            }
+            let _ = writeln!(
+                sep_rules,
+                "-A {sep} -s {ep}/32 -m comment --comment \"{spn}\" -j KUBE-MARK-MASQ\n\
+                 -A {sep} -p tcp -m comment --comment \"{spn}\" -m tcp -j DNAT --to-destination {to}"
+            );
+        }
+    }
+    rules.push_str(
+        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n",
+    );
+    chains + &rules + &svc_rules + &sep_rules + "COMMIT\n"
+}
+
+/// The `table ip kube-proxy` kube-proxy's nftables mode writes for these Services (ClusterIP
+/// part: `service-ips` verdict map → per-service chain with `numgen random mod N vmap` →
+/// endpoint chains with `dnat to`; masquerade marking as upstream). For `nft -f`.
+pub fn nft_ruleset(specs: &[SvcSpec]) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "add table ip kube-proxy { comment \"rules for kube-proxy\" ; }\n\
+         add chain ip kube-proxy mark-for-masquerade\n\
+         add rule ip kube-proxy mark-for-masquerade mark set mark or 0x4000\n\
+         add chain ip kube-proxy masquerading\n\
+         add rule ip kube-proxy masquerading mark and 0x4000 == 0 return\n\
+         add rule ip kube-proxy masquerading mark set mark xor 0x4000\n\
+         add rule ip kube-proxy masquerading masquerade fully-random\n\
+         add chain ip kube-proxy services\n\
+         add chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -100 ; }\n\
+         add rule ip kube-proxy nat-prerouting jump services\n\
+         add chain ip kube-proxy nat-output { type nat hook output priority -100 ; }\n\
+         add rule ip kube-proxy nat-output jump services\n\
+         add chain ip kube-proxy nat-postrouting { type nat hook postrouting priority 100 ; }\n\
+         add rule ip kube-proxy nat-postrouting jump masquerading\n\
+         add map ip kube-proxy service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; comment \"ClusterIP, ExternalIP and LoadBalancer IP traffic\" ; }\n\
+         add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips\n",
+    );
+    for s in specs {
+        let spn = format!("{NAMESPACE}/{}/tcp/p{}", s.name, s.port);
+        let chain = format!("service-{}-{spn}", short_hash(&spn, 8));
+        let _ = writeln!(out, "add chain ip kube-proxy {chain}");
+        let _ = writeln!(
+            out,
+            "add rule ip kube-proxy {chain} ip daddr {} tcp dport {} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade",
+            s.vip, s.port
+        );
+        let mut vmap = Vec::with_capacity(s.endpoints.len());
+        for (i, ep) in s.endpoints.iter().enumerate() {
+            let epn = format!("{spn}__{ep}/{}", s.target_port);
+            let ep_chain = format!("endpoint-{}-{epn}", short_hash(&epn, 8));
+            let _ = writeln!(out, "add chain ip kube-proxy {ep_chain}");
+            let _ = writeln!(
+                out,
+                "add rule ip kube-proxy {ep_chain} ip saddr {ep} jump mark-for-masquerade"
+            );
+            let _ = writeln!(
+                out,
+                "add rule ip kube-proxy {ep_chain} meta l4proto tcp dnat to {ep}:{}",
+                s.target_port
+            );
+            vmap.push(format!("{i} : goto {ep_chain}"));
+        }
+        if !vmap.is_empty() {
+            let _ = writeln!(
+                out,
+                "add rule ip kube-proxy {chain} numgen random mod {} vmap {{ {} }}",
+                vmap.len(),
+                vmap.join(" , ")
+            );
+        }
+        let _ = writeln!(
+            out,
+            "add element ip kube-proxy service-ips {{ {} . tcp . {} : goto {chain} }}",
+            s.vip, s.port
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_are_unique_and_avoid_the_real_pods() {
+        let specs = generated(20_000);
+        let mut seen = std::collections::HashSet::new();
+        for s in &specs {
+            assert_eq!(s.endpoints.len(), ENDPOINTS_PER_SERVICE);
+            for ep in &s.endpoints {
+                assert!(seen.insert((*ep, s.target_port)), "{ep}:{}", s.target_port);
+                assert_eq!(ep.octets()[..2], [10, 244]);
+                assert!(ep.octets()[2] < 255);
+            }
+        }
+    }
+
+    #[test]
+    fn iptables_probabilities_follow_kube_proxy() {
+        let text = iptables_restore(&generated(1));
+        assert!(text.contains("--probability 0.1000000000 "));
+        assert!(text.contains("--probability 0.5000000000 "));
+        assert_eq!(text.matches("-j DNAT").count(), 10);
+        assert!(text.ends_with("COMMIT\n"));
+    }
+}
