@@ -40,6 +40,18 @@ enum Command {
     /// Short-connection load generator (runs inside the client namespace).
     #[command(hide = true)]
     Loadgen(loadgen::LoadArgs),
+    /// Print the baseline rule set the bench loads for `n` generated Services (to inspect it).
+    Rules {
+        #[arg(value_enum)]
+        mode: RulesMode,
+        services: usize,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum RulesMode {
+    Iptables,
+    Nftables,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -150,6 +162,17 @@ fn main() -> std::process::ExitCode {
         Command::Run(args) => run(args),
         Command::Serve(args) => loadgen::serve(&args),
         Command::Loadgen(args) => loadgen::loadgen(&args),
+        Command::Rules { mode, services } => {
+            let specs = workload::generated(services);
+            print!(
+                "{}",
+                match mode {
+                    RulesMode::Iptables => workload::iptables_restore(&specs),
+                    RulesMode::Nftables => workload::nft_ruleset(&specs),
+                }
+            );
+            Ok(())
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
