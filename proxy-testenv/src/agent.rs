@@ -33,7 +33,8 @@ pub struct Agent {
     proc: Option<Proc>,
     bin: PathBuf,
     node_ns: PathBuf,
-    manifests: PathBuf,
+    /// `--manifests DIR` or `--kubeconfig FILE`, plus any extra flags.
+    source_args: Vec<std::ffi::OsString>,
     pin_dir: PathBuf,
     status_file: PathBuf,
     log: PathBuf,
@@ -50,11 +51,39 @@ impl Agent {
         pin_dir: &Path,
         work_dir: &Path,
     ) -> Result<Self> {
+        let args = ["--manifests".as_ref(), manifests.as_os_str()];
+        Self::start_with(bin, node, &args, pin_dir, work_dir)
+    }
+
+    /// Starts the agent on the Kubernetes API described by `kubeconfig` (e.g. a
+    /// [`crate::FakeApiServer`] listening in the node namespace), with `extra` flags.
+    pub fn start_kube(
+        bin: &Path,
+        node: &NetNs,
+        kubeconfig: &Path,
+        extra: &[&str],
+        pin_dir: &Path,
+        work_dir: &Path,
+    ) -> Result<Self> {
+        let mut args = vec!["--kubeconfig".as_ref(), kubeconfig.as_os_str()];
+        args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
+        Self::start_with(bin, node, &args, pin_dir, work_dir)
+    }
+
+    /// Starts the agent with the given source flags (`--manifests DIR`, `--kubeconfig FILE`,
+    /// `--master URL`, ...).
+    pub fn start_with(
+        bin: &Path,
+        node: &NetNs,
+        source_args: &[&std::ffi::OsStr],
+        pin_dir: &Path,
+        work_dir: &Path,
+    ) -> Result<Self> {
         let mut agent = Self {
             proc: None,
             bin: bin.to_path_buf(),
             node_ns: node.path(),
-            manifests: manifests.to_path_buf(),
+            source_args: source_args.iter().map(|a| a.to_os_string()).collect(),
             pin_dir: pin_dir.to_path_buf(),
             status_file: work_dir.join("agent-status.json"),
             log: work_dir.join("agent.log"),
@@ -75,8 +104,7 @@ impl Agent {
         cmd.arg(format!("--net={}", self.node_ns.display()))
             .arg(&self.bin)
             .arg("run")
-            .arg("--manifests")
-            .arg(&self.manifests)
+            .args(&self.source_args)
             .arg("--pin-dir")
             .arg(&self.pin_dir)
             .arg("--pod-interfaces")
@@ -179,6 +207,11 @@ impl Agent {
         self.proc
             .as_mut()
             .is_some_and(|p| matches!(p.try_wait(), Ok(None)))
+    }
+
+    /// The agent's PID (nsenter execs it, so this is the agent itself), if running.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
     }
 
     pub fn log_path(&self) -> &Path {

@@ -10,6 +10,7 @@
 
 mod agent;
 mod bpffs;
+pub mod fake_apiserver;
 mod manifests;
 mod netns;
 mod process;
@@ -20,6 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use agent::{Agent, AgentStatus, cli};
 pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
+pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort};
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};

@@ -28,18 +28,20 @@ use crate::{
         maps::{Conntrack, ServiceMaps},
         netlink,
     },
-    diff, manifests,
+    diff,
+    kube::{Connection, KubeSource},
     model::Problem,
     programmed::{Capacities, MapOp, Programmed},
     snapshot::Snapshot,
+    source::{ManifestSource, Source},
     status::{self, Status},
     translate::{self, NodeContext},
 };
 
-/// How often the manifest folder is checked for changes.
-const MANIFEST_POLL: Duration = Duration::from_millis(200);
 /// How often idle conntrack entries are swept (the LRU also evicts under pressure).
 const CONNTRACK_GC_PERIOD: Duration = Duration::from_secs(30);
+/// How often the wait for the sources' initial lists is logged.
+const READY_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// Retry delay after a failed sync.
 const SYNC_RETRY: Duration = Duration::from_secs(1);
 
@@ -175,6 +177,19 @@ impl Agent {
         }
         self.write_status();
         Ok(())
+    }
+
+    /// Reads the source's current state and syncs it (the node's zone included).
+    pub fn sync_from(&mut self, source: &Source) -> Result<(), ApplyError> {
+        let started = Instant::now();
+        let state = source.state();
+        let read_us = started.elapsed().as_micros() as u64;
+        if state.zone != self.node.zone {
+            info!(zone = ?state.zone, "node zone changed");
+            self.node.zone = state.zone;
+        }
+        debug!(read_us, "source state read");
+        self.sync(&state.snapshot, state.problems)
     }
 
     /// Logs problems not reported before (one line each, not one per sync).
@@ -382,11 +397,6 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
     }
 }
 
-fn load_manifests(dir: &std::path::Path) -> (Snapshot, Vec<Problem>) {
-    let load = manifests::load_dir(dir);
-    (load.snapshot, load.problems)
-}
-
 /// `kube-proxy-ebpf run`.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let pins = PinLayout::new(&args.pins.pin_dir);
@@ -402,19 +412,52 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         patterns_str = format!("{patterns_str},{}", args.devices);
     }
     let patterns = Patterns::parse(&patterns_str);
-    info!(node = %node.node_name, manifests = %args.manifests.display(), interfaces = %patterns_str, "starting");
+    let source_name = match &args.manifests {
+        Some(dir) => format!("manifests {}", dir.display()),
+        None => "kubernetes api".to_owned(),
+    };
+    info!(node = %node.node_name, source = %source_name, interfaces = %patterns_str, "starting");
 
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut source = match &args.manifests {
+        Some(dir) => Source::Manifests(ManifestSource::new(dir.clone())),
+        None => {
+            let connection = Connection {
+                kubeconfig: args.kubeconfig.clone(),
+                master: args.master.clone(),
+            };
+            let client = connection.client().await?;
+            Source::Kube(KubeSource::start(client, &node.node_name))
+        }
+    };
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns)?;
     agent.status_file = args.status_file.clone();
     agent.serve_telemetry(&args);
 
-    // The source's initial list, then a sync, then attach: programs only ever see maps that
-    // already carry the current state.
-    let mut fingerprint = manifests::fingerprint(&args.manifests);
-    let (mut snapshot, mut problems) = load_manifests(&args.manifests);
+    // The sources' initial lists, then a sync, then attach: programs only ever see maps that
+    // already carry the current state, and an empty store is never programmed over a live one.
+    let waiting = Instant::now();
+    loop {
+        tokio::select! {
+            () = source.wait_ready() => break,
+            _ = sigterm.recv() => return Ok(()),
+            _ = sigint.recv() => return Ok(()),
+            () = tokio::time::sleep(READY_LOG_INTERVAL) => {
+                warn!(waited_s = waiting.elapsed().as_secs(), "still waiting for the initial lists of Services, EndpointSlices and the Node; dataplane unchanged");
+            }
+        }
+    }
+    info!(
+        took_ms = waiting.elapsed().as_millis() as u64,
+        "initial state complete"
+    );
+    // Wake-ups from the initial lists are covered by this first sync: drop them (before reading
+    // the state, so a change after this point still wakes the loop).
+    let _ = futures::FutureExt::now_or_never(source.changed());
     let mut dirty = false;
     let mut last_sync = Instant::now();
-    if let Err(e) = agent.sync(&snapshot, problems.clone()) {
+    if let Err(e) = agent.sync_from(&source) {
         error!("initial sync: {e}; retrying");
         dirty = true;
     }
@@ -422,40 +465,38 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     agent.reconcile_interfaces();
     info!("ready");
 
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut poll = tokio::time::interval(MANIFEST_POLL);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);
+    // Like kube-proxy's BoundedFrequencyRunner: a change syncs at once unless the last sync was
+    // less than minSyncPeriod ago (then when that has passed, with all changes since coalesced);
+    // without changes a full sync still runs every syncPeriod.
     let mut next_allowed = last_sync + args.min_sync_period;
-
     loop {
+        let due = if dirty {
+            next_allowed
+        } else {
+            last_sync + args.sync_period
+        };
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             Some(()) = links.recv() => agent.reconcile_interfaces(),
             _ = gc.tick() => agent.gc_conntrack(),
-            _ = poll.tick() => {
-                let now_fp = manifests::fingerprint(&args.manifests);
-                if now_fp != fingerprint {
-                    fingerprint = now_fp;
-                    (snapshot, problems) = load_manifests(&args.manifests);
-                    dirty = true;
-                    agent.queued();
-                }
+            () = source.changed() => {
+                dirty = true;
+                agent.queued();
+            }
+            () = tokio::time::sleep_until(due.into()) => {
                 let now = Instant::now();
-                let due = (dirty && now >= next_allowed) || now.duration_since(last_sync) >= args.sync_period;
-                if due {
-                    last_sync = now;
-                    match agent.sync(&snapshot, problems.clone()) {
-                        Ok(()) => {
-                            dirty = false;
-                            next_allowed = now + args.min_sync_period;
-                        }
-                        Err(e) => {
-                            error!("sync failed: {e}; retrying in {SYNC_RETRY:?}");
-                            next_allowed = now + SYNC_RETRY;
-                        }
+                last_sync = now;
+                match agent.sync_from(&source) {
+                    Ok(()) => {
+                        dirty = false;
+                        next_allowed = now + args.min_sync_period;
+                    }
+                    Err(e) => {
+                        error!("sync failed: {e}; retrying in {SYNC_RETRY:?}");
+                        dirty = true;
+                        next_allowed = now + SYNC_RETRY;
                     }
                 }
             }

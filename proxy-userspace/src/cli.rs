@@ -42,9 +42,16 @@ pub struct PinArgs {
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// Standalone mode: a folder of Service/EndpointSlice manifests (YAML/JSON, multi-document),
-    /// reloaded within a second of any change.
-    #[arg(long, env = "KPE_MANIFESTS")]
-    pub manifests: PathBuf,
+    /// reloaded within a second of any change. Without it the Kubernetes API is watched.
+    #[arg(long, env = "KPE_MANIFESTS", conflicts_with_all = ["kubeconfig", "master"])]
+    pub manifests: Option<PathBuf>,
+    /// Path to a kubeconfig file (default: KUBECONFIG, ~/.kube/config, then the in-cluster
+    /// service account).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The API server's URL; overrides the one in the kubeconfig.
+    #[arg(long)]
+    pub master: Option<String>,
     #[command(flatten)]
     pub pins: PinArgs,
     /// Pod-facing interfaces to attach to (comma-separated globs); interfaces created later are

@@ -1,0 +1,253 @@
+//! The Kubernetes API source: reflectors on Services, EndpointSlices and this node's Node.
+//!
+//! Each reflector (kube-runtime `watcher` + store) lists, then watches; on a dropped watch it
+//! resumes from its resourceVersion, on 410 Gone it relists, and between failed attempts it backs
+//! off (the watcher's default backoff). The store applies a relist atomically at its end
+//! (`InitDone`), so a sync never reads a half-listed or reset store: while the API server is
+//! unreachable the stores keep their last state and the dataplane is left as it is. Objects
+//! deleted during an outage vanish from the store at the relist and from the maps by the diff.
+//!
+//! Objects are pruned ([`prune`]) before they enter the stores.
+
+pub mod prune;
+
+use std::{
+    fmt::Debug,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        WatchStreamExt as _,
+        reflector::{self, Store},
+        watcher,
+    },
+};
+use serde::de::DeserializeOwned;
+use tokio::{sync::Notify, task::JoinHandle};
+use tracing::{debug, info, warn};
+
+use crate::snapshot::Snapshot;
+
+/// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
+/// sent to us.
+pub const SERVICE_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// How often a failing reflector logs at warn level (every error is logged at debug).
+const ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading kubeconfig {path}: {source}; check --kubeconfig")]
+    Kubeconfig {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
+    #[error(
+        "no Kubernetes API configuration found ({0}); pass --kubeconfig, --master or --manifests, \
+         or run in a pod with a service account"
+    )]
+    Infer(#[from] kube::config::InferConfigError),
+    #[error("--master {url:?} is not a URL: {reason}")]
+    Master { url: String, reason: String },
+    #[error("creating the Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How to reach the API server (kube-proxy's `--kubeconfig` and `--master`).
+#[derive(Clone, Debug, Default)]
+pub struct Connection {
+    /// A kubeconfig file; without it `KUBECONFIG`, `~/.kube/config` or the in-cluster service
+    /// account are tried (unless `master` is given alone).
+    pub kubeconfig: Option<PathBuf>,
+    /// Overrides the server URL of the kubeconfig.
+    pub master: Option<String>,
+}
+
+impl Connection {
+    pub async fn client(&self) -> Result<Client> {
+        let master = match &self.master {
+            Some(url) => Some(url.parse::<http::Uri>().map_err(|e| Error::Master {
+                url: url.clone(),
+                reason: e.to_string(),
+            })?),
+            None => None,
+        };
+        let mut config = match (&self.kubeconfig, &master) {
+            (Some(path), _) => {
+                let kubeconfig =
+                    Kubeconfig::read_from(path).map_err(|source| Error::Kubeconfig {
+                        path: path.clone(),
+                        source,
+                    })?;
+                Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|source| Error::Kubeconfig {
+                        path: path.clone(),
+                        source,
+                    })?
+            }
+            (None, Some(url)) => Config::new(url.clone()),
+            (None, None) => Config::infer().await?,
+        };
+        if let Some(url) = master {
+            config.cluster_url = url;
+        }
+        // Watches are long polls; the read timeout must not cut them (the watcher sets its own
+        // server-side timeout and resumes).
+        config.read_timeout = None;
+        Ok(Client::try_from(config)?)
+    }
+}
+
+/// The three reflectors and what they know.
+pub struct KubeSource {
+    services: Store<Service>,
+    slices: Store<EndpointSlice>,
+    node: Store<Node>,
+    changed: Arc<Notify>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KubeSource {
+    /// Starts the reflectors. Returns at once; see [`KubeSource::wait_ready`].
+    pub fn start(client: Client, node_name: &str) -> Self {
+        let changed = Arc::new(Notify::new());
+        let (services, t1) = reflect(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
+            prune::service,
+            changed.clone(),
+        );
+        let (slices, t2) = reflect(
+            Api::<EndpointSlice>::all(client.clone()),
+            watcher::Config::default(),
+            prune::endpoint_slice,
+            changed.clone(),
+        );
+        let (node, t3) = reflect(
+            Api::<Node>::all(client),
+            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+            prune::node,
+            changed.clone(),
+        );
+        Self {
+            services,
+            slices,
+            node,
+            changed,
+            tasks: vec![t1, t2, t3],
+        }
+    }
+
+    /// Resolves once every reflector has completed its initial list.
+    pub async fn wait_ready(&self) {
+        // The writers live as long as their tasks, which run until `self` is dropped.
+        let _ = self.services.wait_until_ready().await;
+        let _ = self.slices.wait_until_ready().await;
+        let _ = self.node.wait_until_ready().await;
+    }
+
+    /// Resolves when a store changed since the last call (changes coalesce into one wake-up).
+    /// Cancel-safe: a change seen while nobody waits is kept for the next call.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// The stores' current content as a snapshot (objects are copied: translate wants owned
+    /// objects, and the stores keep changing).
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            services: self
+                .services
+                .state()
+                .iter()
+                .map(|s| (**s).clone())
+                .collect(),
+            endpoint_slices: self.slices.state().iter().map(|s| (**s).clone()).collect(),
+        }
+    }
+
+    /// This node's `topology.kubernetes.io/zone` label (None until the Node is seen).
+    pub fn zone(&self) -> Option<String> {
+        self.node.state().first().and_then(|n| {
+            n.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(prune::LABEL_ZONE))
+                .cloned()
+        })
+    }
+
+    /// Object counts (Services, EndpointSlices), for logs.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.services.len(), self.slices.len())
+    }
+}
+
+impl Drop for KubeSource {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// One reflector task: watcher (with backoff) → prune → store; wakes `changed` after every
+/// event that changed the store (Apply, Delete, end of a (re)list).
+fn reflect<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    prune: fn(&mut K),
+    changed: Arc<Notify>,
+) -> (Store<K>, JoinHandle<()>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    let (reader, writer) = reflector::store::<K>();
+    let kind = K::kind(&()).into_owned();
+    let stream = watcher(api, config).default_backoff().modify(prune);
+    let task = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
+        let mut failing = false;
+        let mut last_warn: Option<Instant> = None;
+        let mut lists = 0u64;
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => changed.notify_one(),
+                Ok(watcher::Event::InitDone) => {
+                    lists += 1;
+                    if std::mem::take(&mut failing) || lists > 1 {
+                        info!(%kind, "relisted; converging by diff");
+                    } else {
+                        debug!(%kind, "initial list done");
+                    }
+                    changed.notify_one();
+                }
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Err(e) => {
+                    failing = true;
+                    if last_warn.is_none_or(|t| t.elapsed() >= ERROR_LOG_INTERVAL) {
+                        warn!(%kind, "watch failed, retrying with backoff; dataplane unchanged: {e}");
+                        last_warn = Some(Instant::now());
+                    } else {
+                        debug!(%kind, "watch failed: {e}");
+                    }
+                }
+            }
+        }
+    });
+    (reader, task)
+}

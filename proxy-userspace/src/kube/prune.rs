@@ -1,0 +1,152 @@
+//! Pruning: the reflector stores keep only what `translate` reads, so a big cluster costs little
+//! memory (managedFields alone are often half of an object).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+
+use crate::{endpoints::LABEL_SERVICE_NAME, translate};
+
+/// Annotation carrying when the endpoints changed (for network programming latency).
+pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str =
+    "endpoints.kubernetes.io/last-change-trigger-time";
+/// The Node label holding the node's zone.
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+
+/// Service annotations that survive pruning (read by `translate`).
+const SERVICE_ANNOTATIONS: [&str; 2] = [
+    translate::ANNOTATION_TOPOLOGY_MODE,
+    translate::ANNOTATION_TOPOLOGY_AWARE_HINTS,
+];
+/// Service labels that survive pruning (read by `translate`).
+const SERVICE_LABELS: [&str; 1] = [translate::LABEL_SERVICE_PROXY_NAME];
+const SLICE_ANNOTATIONS: [&str; 1] = [ANNOTATION_LAST_CHANGE_TRIGGER_TIME];
+const SLICE_LABELS: [&str; 1] = [LABEL_SERVICE_NAME];
+const NODE_LABELS: [&str; 1] = [LABEL_ZONE];
+
+/// Keeps name, namespace, resourceVersion and the listed labels and annotations.
+fn prune_meta(meta: &mut ObjectMeta, labels: &[&str], annotations: &[&str]) {
+    let keep = |map: &mut Option<BTreeMap<String, String>>, keys: &[&str]| {
+        if let Some(m) = map {
+            m.retain(|k, _| keys.contains(&k.as_str()));
+            if m.is_empty() {
+                *map = None;
+            }
+        }
+    };
+    keep(&mut meta.labels, labels);
+    keep(&mut meta.annotations, annotations);
+    meta.managed_fields = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    meta.generate_name = None;
+    meta.uid = None;
+    meta.creation_timestamp = None;
+    meta.generation = None;
+}
+
+pub fn service(svc: &mut Service) {
+    prune_meta(&mut svc.metadata, &SERVICE_LABELS, &SERVICE_ANNOTATIONS);
+    if let Some(spec) = &mut svc.spec {
+        // The pod selector is the EndpointSlice controller's business, not the proxy's.
+        spec.selector = None;
+    }
+    if let Some(status) = &mut svc.status {
+        status.conditions = None;
+    }
+}
+
+pub fn endpoint_slice(slice: &mut EndpointSlice) {
+    prune_meta(&mut slice.metadata, &SLICE_LABELS, &SLICE_ANNOTATIONS);
+    for ep in slice.endpoints.iter_mut().flatten() {
+        ep.target_ref = None;
+        ep.deprecated_topology = None;
+        ep.hostname = None;
+    }
+}
+
+/// A Node keeps only its name and zone label: the rest (status, images, conditions) is large and
+/// changes every few seconds.
+pub fn node(node: &mut Node) {
+    prune_meta(&mut node.metadata, &NODE_LABELS, &[]);
+    node.spec = None;
+    node.status = None;
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn pruning_keeps_what_translate_reads() {
+        let mut svc: Service = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "demo", "uid": "u", "resourceVersion": "7",
+                "labels": {"app": "web", "service.kubernetes.io/service-proxy-name": "x"},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}",
+                                "service.kubernetes.io/topology-mode": "Auto"},
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+            "spec": {"clusterIP": "10.96.0.10", "selector": {"app": "web"},
+                     "ports": [{"port": 80, "targetPort": 8080}]}
+        }))
+        .expect("service");
+        service(&mut svc);
+        let v = serde_json::to_value(&svc).expect("json");
+        assert_eq!(
+            v["metadata"],
+            json!({"name": "web", "namespace": "demo", "resourceVersion": "7",
+                   "labels": {"service.kubernetes.io/service-proxy-name": "x"},
+                   "annotations": {"service.kubernetes.io/topology-mode": "Auto"}})
+        );
+        assert_eq!(v["spec"]["clusterIP"], "10.96.0.10");
+        assert!(v["spec"].get("selector").is_none());
+
+        let mut slice: EndpointSlice = serde_json::from_value(json!({
+            "addressType": "IPv4",
+            "metadata": {"name": "web-abc", "namespace": "demo",
+                "labels": {"kubernetes.io/service-name": "web", "endpointslice.kubernetes.io/managed-by": "x"},
+                "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2026-01-01T00:00:00Z", "other": "y"}},
+            "endpoints": [{"addresses": ["10.0.0.1"], "nodeName": "n1", "zone": "a",
+                           "targetRef": {"kind": "Pod", "name": "web-1"},
+                           "hints": {"forZones": [{"name": "a"}]},
+                           "conditions": {"ready": true}}],
+            "ports": [{"port": 8080}]
+        }))
+        .expect("slice");
+        endpoint_slice(&mut slice);
+        let v = serde_json::to_value(&slice).expect("json");
+        assert_eq!(
+            v["metadata"]["labels"],
+            json!({"kubernetes.io/service-name": "web"})
+        );
+        assert_eq!(
+            v["metadata"]["annotations"],
+            json!({"endpoints.kubernetes.io/last-change-trigger-time": "2026-01-01T00:00:00Z"})
+        );
+        assert_eq!(
+            v["endpoints"][0],
+            json!({"addresses": ["10.0.0.1"], "nodeName": "n1", "zone": "a",
+                   "hints": {"forZones": [{"name": "a"}]}, "conditions": {"ready": true}})
+        );
+
+        let mut n: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a", "kubernetes.io/os": "linux"}},
+            "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.1"}]}
+        }))
+        .expect("node");
+        node(&mut n);
+        let v = serde_json::to_value(&n).expect("json");
+        assert_eq!(
+            v,
+            json!({"apiVersion": "v1", "kind": "Node",
+                   "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a"}}})
+        );
+    }
+}

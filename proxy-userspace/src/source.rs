@@ -1,0 +1,94 @@
+//! Where the Services come from: the Kubernetes API or a manifest folder. Both give the sync loop
+//! the same three things: "the initial state is complete", "something changed", and the current
+//! [`Snapshot`] with the problems found reading it.
+
+use std::{path::PathBuf, time::Duration};
+
+use tokio::time::{Interval, MissedTickBehavior};
+
+use crate::{kube::KubeSource, manifests, model::Problem, snapshot::Snapshot};
+
+/// How often the manifest folder is checked for changes.
+pub const MANIFEST_POLL: Duration = Duration::from_millis(200);
+
+/// What a source knows at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct SourceState {
+    pub snapshot: Snapshot,
+    pub problems: Vec<Problem>,
+    /// This node's zone, when the source knows it (the Node's `topology.kubernetes.io/zone`).
+    pub zone: Option<String>,
+}
+
+pub enum Source {
+    Manifests(ManifestSource),
+    Kube(KubeSource),
+}
+
+impl Source {
+    /// Resolves once the source's initial state is complete (the manifest folder: at once).
+    pub async fn wait_ready(&self) {
+        match self {
+            Source::Manifests(_) => {}
+            Source::Kube(k) => k.wait_ready().await,
+        }
+    }
+
+    /// Resolves when the state may have changed since the last call. Cancel-safe.
+    pub async fn changed(&mut self) {
+        match self {
+            Source::Manifests(m) => m.changed().await,
+            Source::Kube(k) => k.changed().await,
+        }
+    }
+
+    /// The current state (read in full: the sync is level-triggered).
+    pub fn state(&self) -> SourceState {
+        match self {
+            Source::Manifests(m) => {
+                let load = manifests::load_dir(&m.dir);
+                SourceState {
+                    snapshot: load.snapshot,
+                    problems: load.problems,
+                    zone: None,
+                }
+            }
+            Source::Kube(k) => SourceState {
+                snapshot: k.snapshot(),
+                problems: Vec::new(),
+                zone: k.zone(),
+            },
+        }
+    }
+}
+
+/// The manifest folder, polled for changes (names, sizes, modification times).
+pub struct ManifestSource {
+    dir: PathBuf,
+    fingerprint: u64,
+    poll: Interval,
+}
+
+impl ManifestSource {
+    pub fn new(dir: PathBuf) -> Self {
+        let fingerprint = manifests::fingerprint(&dir);
+        let mut poll = tokio::time::interval(MANIFEST_POLL);
+        poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Self {
+            dir,
+            fingerprint,
+            poll,
+        }
+    }
+
+    async fn changed(&mut self) {
+        loop {
+            self.poll.tick().await;
+            let now = manifests::fingerprint(&self.dir);
+            if now != self.fingerprint {
+                self.fingerprint = now;
+                return;
+            }
+        }
+    }
+}
