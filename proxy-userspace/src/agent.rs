@@ -126,7 +126,6 @@ impl Agent {
         mut problems: Vec<Problem>,
     ) -> Result<(), ApplyError> {
         let started = Instant::now();
-        let changes = self.changes.diff(snapshot);
         let translation = translate::translate(snapshot, &self.node);
         problems.extend(translation.problems);
         let plan = diff::plan(&translation.desired, &self.programmed, &self.capacities);
@@ -144,7 +143,7 @@ impl Agent {
             .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
         for op in &plan.ops {
             if let Err(source) = self.maps.apply(op) {
-                self.sync_failed(&changes);
+                self.sync_failed(snapshot);
                 return Err(ApplyError {
                     op: *op,
                     source: Box::new(source),
@@ -159,7 +158,7 @@ impl Agent {
         self.status.frontends = self.programmed.frontend_count();
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
-        self.sync_applied(started.elapsed(), changes, snapshot, &translation.desired, &problems);
+        self.sync_applied(started.elapsed(), snapshot, &translation.desired, &problems);
         let level_changed = !plan.ops.is_empty();
         if level_changed {
             info!(
@@ -276,7 +275,8 @@ impl Agent {
     }
 
     /// A source reported a change that waits for the next sync (health clock, queued timestamp).
-    pub fn queued(&self) {
+    pub fn queued(&mut self) {
+        self.changes.mark_queued();
         let now = std::time::SystemTime::now();
         self.health.queued_at(now);
         self.metrics.queued(now);
@@ -302,8 +302,8 @@ impl Agent {
         }
     }
 
-    fn sync_failed(&self, changes: &crate::metrics::Changes) {
-        self.metrics.sync_failed(changes);
+    fn sync_failed(&mut self, snapshot: &Snapshot) {
+        self.metrics.sync_failed(&self.changes.diff(snapshot));
         // A failed sync is a change still waiting: /healthz turns 503 if it keeps failing.
         self.health.queued();
     }
@@ -311,14 +311,20 @@ impl Agent {
     fn sync_applied(
         &mut self,
         took: Duration,
-        changes: crate::metrics::Changes,
         snapshot: &Snapshot,
         desired: &crate::model::DesiredState,
         problems: &[Problem],
     ) {
         let now = std::time::SystemTime::now();
-        self.metrics.sync_applied(took, &changes, now);
-        self.changes.commit(changes);
+        // After the map writes, so the comparison does not delay them.
+        if self.changes.needs_diff() {
+            let changes = self.changes.diff(snapshot);
+            self.metrics.sync_applied(took, &changes, now);
+            self.changes.commit(changes);
+        } else {
+            self.metrics
+                .sync_applied(took, &crate::metrics::Changes::default(), now);
+        }
         let (internal, external) = crate::metrics::no_local_endpoints(snapshot, desired);
         self.metrics.set_no_local_endpoints(internal, external);
         self.metrics.set_sync_problems(problems.len());
