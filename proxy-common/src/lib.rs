@@ -79,4 +79,6 @@ mod pod {
     unsafe impl aya::Pod for crate::CtKey {}
     unsafe impl aya::Pod for crate::CtValue {}
     unsafe impl aya::Pod for crate::DatapathConfig {}
+    unsafe impl aya::Pod for crate::SnatValue {}
+    unsafe impl aya::Pod for crate::NodeInfo {}
 }

@@ -11,14 +11,18 @@ pub const MAP_BACKENDS: &str = "BACKENDS_V1";
 pub const MAP_REVNAT: &str = "REVNAT_V1";
 pub const MAP_CONNTRACK: &str = "CONNTRACK_V1";
 pub const MAP_STATS: &str = "STATS_V1";
+pub const MAP_SNAT: &str = "SNAT_V1";
+pub const MAP_NODE: &str = "NODE_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 5] = [
+pub const ALL_MAPS: [&str; 7] = [
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,
     MAP_CONNTRACK,
     MAP_STATS,
+    MAP_SNAT,
+    MAP_NODE,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -27,6 +31,8 @@ pub const SERVICES_CAPACITY: u32 = 262_144;
 pub const BACKENDS_CAPACITY: u32 = 131_072;
 pub const REVNAT_CAPACITY: u32 = 65_536;
 pub const CONNTRACK_CAPACITY: u32 = 262_144;
+/// Two entries per SNATed flow (out and in).
+pub const SNAT_CAPACITY: u32 = 131_072;
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -77,6 +83,12 @@ impl ServiceKey {
 pub mod service_flags {
     /// Reserved for session affinity (ClientIP).
     pub const AFFINITY: u16 = 1 << 0;
+    /// A NodePort, externalIP or LoadBalancer frontend: with externalTrafficPolicy Cluster, flows
+    /// to a backend on another node are SNATed to the node's address (`NODE_V1`).
+    pub const EXTERNAL: u16 = 1 << 1;
+    /// externalTrafficPolicy Local: never SNAT (the backend sees the client), and no backends
+    /// means drop, not reject (the load balancer's health check steers clients away).
+    pub const EXTERNAL_LOCAL: u16 = 1 << 2;
 }
 
 /// Value of a `SERVICES` entry. For slot 0 (frontend): `count`, `rev_nat_id`, `flags`,
@@ -94,6 +106,14 @@ pub struct ServiceValue {
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 16);
 
 impl ServiceValue {
+    /// A frontend entry with `service_flags` bits.
+    pub const fn frontend_with_flags(count: u16, rev_nat_id: u32, flags: u16) -> Self {
+        Self {
+            flags,
+            ..Self::frontend(count, rev_nat_id)
+        }
+    }
+
     pub const fn frontend(count: u16, rev_nat_id: u32) -> Self {
         Self {
             backend_id: 0,
@@ -201,3 +221,44 @@ pub struct CtValue {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<CtValue>() == 40);
+
+/// Node ports used as SNAT source ports (above Linux's default ephemeral range 32768-60999, so
+/// the node's own connections rarely share a tuple with a SNATed flow).
+pub const SNAT_PORT_MIN: u16 = 61_000;
+pub const SNAT_PORT_MAX: u16 = 65_535;
+/// How many ports a new flow tries before it is dropped (`drop_snat_ports_exhausted`).
+pub const SNAT_PROBES: u32 = 32;
+
+/// `SNAT_V1` (LRU hash) key: a `CtKey`-shaped tuple.
+/// - `ct_dir::ORIGINAL` ("out"): the forwarded packet after DNAT, client → backend, as tc egress
+///   sees it; the value is the node address and port it leaves with.
+/// - `ct_dir::REPLY` ("in"): the backend's reply, backend → node address:port, as tc ingress sees
+///   it; the value is the client address and port it goes back to. Its key is what port
+///   allocation must keep unique: (node addr, port, proto, backend addr/port).
+pub type SnatKey = CtKey;
+
+/// `SNAT_V1` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SnatValue {
+    /// CLOCK_MONOTONIC ns of the last packet through this entry.
+    pub last_seen_ns: u64,
+    /// Translated address/port (out: node address/port; in: client address/port).
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    /// `ct_state::*` (CLOSING after a FIN/RST: expires on the transitory timeout).
+    pub state: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<SnatValue>() == 16);
+
+/// `NODE_V1` (array, one entry at index 0): dynamic facts about the node, written by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NodeInfo {
+    /// Source address for SNATed flows (0.0.0.0 = none known: such flows go out unSNATed and are
+    /// counted as `snat_no_node_addr`).
+    pub snat_addr: [u8; 4],
+    pub flags: u32,
+}
+const _: () = assert!(core::mem::size_of::<NodeInfo>() == 8);

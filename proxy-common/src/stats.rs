@@ -68,6 +68,18 @@ counters! {
     FragmentPassed = "fragment_passed",
     /// Egress packet without a reply conntrack entry (passed untouched).
     ReplyNotTracked = "reply_not_tracked",
+    /// A new external flow to a remote backend got a node source port (SNAT entries written).
+    SnatNew = "snat_new",
+    /// A forwarded packet SNATed to the node on egress.
+    SnatTranslated = "snat_translated",
+    /// A reply to a SNATed flow translated back to the client on ingress.
+    SnatReplyTranslated = "snat_reply_translated",
+    /// An external flow to a remote backend sent without SNAT: the node has no SNAT address yet.
+    SnatNoNodeAddr = "snat_no_node_addr",
+    /// Dropped: externalTrafficPolicy Local and no endpoint on this node (not rejected).
+    DropNoLocalEndpoints = "drop_no_local_endpoints",
+    /// Dropped: no free SNAT port for the flow's backend within the probe limit.
+    DropSnatPortsExhausted = "drop_snat_ports_exhausted",
 }
 
 /// Number of entries in the stats array.

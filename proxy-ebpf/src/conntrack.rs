@@ -81,7 +81,19 @@ fn timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8) -> u64 {
 /// Has the entry been idle for longer than its timeout?
 #[inline(always)]
 pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bool {
-    now_ns.saturating_sub(ct.last_seen_ns) > timeout_ns(cfg, proto, ct.state)
+    idle_expired(ct.last_seen_ns, proto, ct.state, now_ns, cfg)
+}
+
+/// Has a flow last seen at `last_seen_ns`, in `state`, been idle for longer than its timeout?
+#[inline(always)]
+pub fn idle_expired(
+    last_seen_ns: u64,
+    proto: u8,
+    state: u8,
+    now_ns: u64,
+    cfg: &DatapathConfig,
+) -> bool {
+    now_ns.saturating_sub(last_seen_ns) > timeout_ns(cfg, proto, state)
 }
 
 /// State of a flow after a client packet (ORIGINAL direction).

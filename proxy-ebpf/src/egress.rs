@@ -6,7 +6,7 @@ use proxy_common::{Counter, ct_state};
 use crate::{
     Action, Drop, conntrack, maps, nat,
     packet::{self, Parsed},
-    stats,
+    snat, stats,
 };
 
 #[inline(always)]
@@ -27,11 +27,19 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
     if p.has_ip_options() {
         stats::count(Counter::IpOptions);
     }
+    let now = maps::now_ns();
     let Some(entry) = maps::ct_entry(&conntrack::reply_key(&p)) else {
-        return Ok(Action::pass(Counter::ReplyNotTracked));
+        // Not a reply: maybe an external flow forwarded to a remote backend, to SNAT.
+        let Some(out) = maps::snat_entry(&snat::out_key_of_forwarded(&p)) else {
+            return Ok(Action::pass(Counter::ReplyNotTracked));
+        };
+        let Some(node) = snat::forwarded(&p, out, now)? else {
+            return Ok(Action::pass(Counter::ReplyNotTracked));
+        };
+        nat::snat_reply(ctx, &p, node.addr, node.port)?;
+        return Ok(Action::pass(Counter::SnatTranslated));
     };
     let ct = entry.get();
-    let now = maps::now_ns();
     let state = conntrack::next_reply_state(&p, ct.state);
     entry.touch(now, state);
     // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too, and

@@ -4,6 +4,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, ServiceKey, ct_state,
     hash::{flow_hash, pick_slot},
+    service_flags,
 };
 
 use crate::{
@@ -11,7 +12,7 @@ use crate::{
     conntrack::{self, NewFlow},
     maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
-    reject, stats,
+    reject, snat, stats,
 };
 
 /// Why a packet goes through the new-flow path although it had a conntrack entry.
@@ -76,6 +77,17 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         }
         old = Some(ct);
     }
+    if old.is_none()
+        && snat::may_be_reply(&p)
+        && let Some(entry) = maps::snat_entry(&snat::in_key_of_reply(&p))
+    {
+        // A remote backend's reply to a SNATed flow: back to the client; tc egress toward the
+        // client then reverse-DNATs it like any reply.
+        let client = entry.get();
+        entry.touch(now, conntrack::next_reply_state(&p, client.state));
+        nat::dnat(ctx, &p, client.addr, client.port)?;
+        return Ok(Action::pass(Counter::SnatReplyTranslated));
+    }
     new_flow(ctx, &p, &key, now, old.as_ref(), replacing)
 }
 
@@ -102,6 +114,10 @@ fn new_flow(
         if let Some(old) = old {
             conntrack::remove(key, old);
         }
+        if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 {
+            // Like kube-proxy: no local endpoint for eTP=Local external traffic is a drop.
+            return Err(Drop::NoLocalEndpoints);
+        }
         let verdict = reject::icmp_port_unreachable(ctx, p)?;
         return Ok(Action::redirect(verdict, Counter::NoEndpointsRejected));
     };
@@ -116,6 +132,16 @@ fn new_flow(
         rev_nat_id: frontend.rev_nat_id,
         now_ns: now,
     };
+    if snat::needed(&frontend, &backend) {
+        let f = snat::Flow {
+            client: p.saddr,
+            client_port: p.sport,
+            backend: backend.addr,
+            backend_port: backend.port,
+            proto: p.proto,
+        };
+        snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now)?;
+    }
     conntrack::create(p, &flow, old)?;
     nat::dnat(ctx, p, backend.addr, backend.port)?;
     Ok(Action::pass(

@@ -11,6 +11,7 @@ mod maps;
 mod nat;
 mod packet;
 mod reject;
+mod snat;
 mod stats;
 
 use aya_ebpf::{
@@ -59,6 +60,10 @@ pub(crate) enum Drop {
     RejectFailed,
     /// A checksum or store helper failed while rewriting.
     RewriteFailed,
+    /// externalTrafficPolicy Local and no endpoint on this node.
+    NoLocalEndpoints,
+    /// No free SNAT port for the flow's backend.
+    SnatPortsExhausted,
 }
 
 impl Drop {
@@ -70,6 +75,8 @@ impl Drop {
             Drop::NoBackend => Counter::DropNoBackend,
             Drop::RejectFailed => Counter::DropRejectFailed,
             Drop::RewriteFailed => Counter::DropRewriteFailed,
+            Drop::NoLocalEndpoints => Counter::DropNoLocalEndpoints,
+            Drop::SnatPortsExhausted => Counter::DropSnatPortsExhausted,
         }
     }
 }
@@ -96,7 +103,8 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     verdict(ingress::try_tc_ingress(&ctx))
 }
 
-/// Toward the client: reverse NAT of replies (backend → frontend).
+/// Toward the client: reverse NAT of replies (backend → frontend); toward a remote backend: SNAT
+/// of external flows to the node.
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     stats::count(Counter::EgressPackets);

@@ -5,15 +5,16 @@
 //! the `MAP_*` consts in proxy-common; the const asserts at the bottom keep them in step.
 
 use aya_ebpf::{
-    bindings::BPF_ANY,
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     helpers::bpf_ktime_get_ns,
     macros::btf_map,
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, REVNAT_CAPACITY, RevNat,
-    SERVICES_CAPACITY, ServiceKey, ServiceValue,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo,
+    REVNAT_CAPACITY, RevNat, SERVICES_CAPACITY, SNAT_CAPACITY, ServiceKey, ServiceValue, SnatKey,
+    SnatValue,
 };
 
 #[btf_map]
@@ -31,6 +32,12 @@ static REVNAT_V1: HashMap<u32, RevNat, { REVNAT_CAPACITY as usize }> = HashMap::
 #[btf_map]
 static CONNTRACK_V1: LruHashMap<CtKey, CtValue, { CONNTRACK_CAPACITY as usize }> =
     LruHashMap::new();
+
+#[btf_map]
+static SNAT_V1: LruHashMap<SnatKey, SnatValue, { SNAT_CAPACITY as usize }> = LruHashMap::new();
+
+#[btf_map]
+static NODE_V1: Array<NodeInfo, 1> = Array::new();
 
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
@@ -118,6 +125,64 @@ pub fn ct_remove(key: &CtKey) {
     let _ = CONNTRACK_V1.remove(key);
 }
 
+/// A copy of the node facts (`NODE_V1[0]`).
+#[inline(always)]
+pub fn node() -> Option<NodeInfo> {
+    let ptr = NODE_V1.get_ptr(0)?;
+    // SAFETY: array slots are preallocated; the pointer is valid and the value copied at once.
+    Some(unsafe { *ptr })
+}
+
+/// A SNAT entry found by a lookup, to read and to refresh in place.
+pub struct SnatEntry {
+    ptr: *mut SnatValue,
+}
+
+impl SnatEntry {
+    /// A copy of the entry.
+    #[inline(always)]
+    pub fn get(&self) -> SnatValue {
+        // SAFETY: as in `CtEntry::get`: from a lookup in this run, no SNAT_V1 writes since.
+        unsafe { *self.ptr }
+    }
+
+    /// Record a packet: last-seen time and state.
+    #[inline(always)]
+    pub fn touch(&self, now_ns: u64, state: u8) {
+        // SAFETY: as in `CtEntry::touch`.
+        unsafe {
+            (*self.ptr).last_seen_ns = now_ns;
+            if (*self.ptr).state != state {
+                (*self.ptr).state = state;
+            }
+        }
+    }
+}
+
+/// Look up a SNAT entry.
+#[inline(always)]
+pub fn snat_entry(key: &SnatKey) -> Option<SnatEntry> {
+    SNAT_V1.get_ptr_mut(key).map(|ptr| SnatEntry { ptr })
+}
+
+/// Insert a SNAT entry only if the key is free (the atomic claim of a port).
+#[inline(always)]
+pub fn snat_claim(key: &SnatKey, value: &SnatValue) -> Result<(), i32> {
+    SNAT_V1.insert(key, value, BPF_NOEXIST as u64)
+}
+
+/// Insert or overwrite a SNAT entry.
+#[inline(always)]
+pub fn snat_insert(key: &SnatKey, value: &SnatValue) -> Result<(), i32> {
+    SNAT_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// Remove a SNAT entry (absent is fine).
+#[inline(always)]
+pub fn snat_remove(key: &SnatKey) {
+    let _ = SNAT_V1.remove(key);
+}
+
 /// Add `n` to this CPU's counter `index` (out-of-range indices are ignored).
 #[inline(always)]
 pub fn stats_add(index: u32, n: u64) {
@@ -149,3 +214,5 @@ const _: () = assert!(same(MAP_BACKENDS, "BACKENDS_V1"));
 const _: () = assert!(same(MAP_REVNAT, "REVNAT_V1"));
 const _: () = assert!(same(MAP_CONNTRACK, "CONNTRACK_V1"));
 const _: () = assert!(same(MAP_STATS, "STATS_V1"));
+const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
+const _: () = assert!(same(MAP_NODE, "NODE_V1"));

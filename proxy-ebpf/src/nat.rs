@@ -31,7 +31,8 @@ pub fn dnat(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result
     )
 }
 
-/// Reverse NAT of a reply: source → frontend.
+/// Source rewrite: reverse NAT of a reply (source → frontend), or SNAT of a forwarded external
+/// flow (source → node address and port).
 #[inline(always)]
 pub fn snat_reply(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<(), Drop> {
     rewrite(

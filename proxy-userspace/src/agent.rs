@@ -71,6 +71,8 @@ pub struct Agent {
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     health: std::sync::Arc<crate::health::HealthState>,
     changes: crate::metrics::ChangeTracker,
+    /// Node addresses (NodePorts, SNAT) and health-check node ports.
+    external: crate::node_addrs::External,
 }
 
 impl Agent {
@@ -87,6 +89,7 @@ impl Agent {
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes)?;
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
+        let external = crate::node_addrs::External::new(&mut ebpf)?;
         let programmed = maps.read_programmed()?;
         if adopting {
             info!(
@@ -115,6 +118,7 @@ impl Agent {
             metrics,
             health: Default::default(),
             changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
+            external,
         })
     }
 
@@ -126,7 +130,9 @@ impl Agent {
         mut problems: Vec<Problem>,
     ) -> Result<(), ApplyError> {
         let started = Instant::now();
-        let translation = translate::translate(snapshot, &self.node);
+        self.external.refresh();
+        let translation =
+            translate::translate_for_node(snapshot, &self.node, self.external.nodeport_addrs());
         problems.extend(translation.problems);
         let plan = diff::plan(&translation.desired, &self.programmed, &self.capacities);
         for (frontend, reason) in &plan.skipped {
@@ -154,6 +160,7 @@ impl Agent {
         if removed_backends {
             self.gc_conntrack();
         }
+        self.external.apply(&translation.health_checks);
         self.status.syncs += 1;
         self.status.frontends = self.programmed.frontend_count();
         self.status.backends = self.programmed.backends.len();
@@ -439,6 +446,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns)?;
     agent.status_file = args.status_file.clone();
+    agent
+        .external
+        .configure(args.nodeport_addresses.clone(), Patterns::parse(&args.devices));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that
@@ -485,7 +495,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
-            Some(()) = links.recv() => agent.reconcile_interfaces(),
+            Some(()) = links.recv() => {
+                agent.reconcile_interfaces();
+                // An address event: NodePort frontends and the SNAT address follow.
+                if agent.external.refresh() {
+                    dirty = true;
+                }
+            }
             _ = gc.tick() => agent.gc_conntrack(),
             () = source.changed() => {
                 dirty = true;

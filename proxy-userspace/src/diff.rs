@@ -120,7 +120,11 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
         put_if_changed(
             &mut ops,
             a.key,
-            ServiceValue::frontend(a.count(), a.rev_nat_id),
+            ServiceValue::frontend_with_flags(
+                a.count(),
+                a.rev_nat_id,
+                encode::frontend_flags(a.df),
+            ),
         );
     }
     let counts: HashMap<ServiceKey, u16> = accepted.iter().map(|a| (a.key, a.count())).collect();
@@ -460,6 +464,8 @@ mod tests {
         };
         DesiredFrontend {
             service,
+            kind: crate::model::FrontendKind::ClusterIp,
+            external_local: false,
             backends,
             retained,
         }

@@ -3,9 +3,9 @@
 
 use std::net::Ipv4Addr;
 
-use proxy_common::{Backend, RevNat, SCOPE_EXTERNAL, ServiceKey, backend_flags};
+use proxy_common::{Backend, RevNat, SCOPE_EXTERNAL, ServiceKey, backend_flags, service_flags};
 
-use crate::model::{DesiredBackend, EndpointAddr, Frontend, Protocol};
+use crate::model::{DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol};
 
 /// The `SERVICES` key of one slot of a frontend (slot 0 = the frontend entry).
 pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
@@ -29,6 +29,18 @@ pub fn decode_service_key(key: &ServiceKey) -> Option<(Frontend, u16)> {
         protocol: Protocol::from_number(key.proto)?,
     };
     Some((frontend, key.slot))
+}
+
+/// `service_flags` bits of a frontend entry.
+pub fn frontend_flags(df: &DesiredFrontend) -> u16 {
+    let mut flags = 0;
+    if df.kind.is_external() {
+        flags |= service_flags::EXTERNAL;
+        if df.external_local {
+            flags |= service_flags::EXTERNAL_LOCAL;
+        }
+    }
+    flags
 }
 
 /// `backend_flags` bits for a backend's conditions.

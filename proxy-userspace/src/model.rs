@@ -95,10 +95,36 @@ impl fmt::Display for ServicePortName {
     }
 }
 
+/// Which address of a Service a frontend is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendKind {
+    /// spec.clusterIP(s): cluster-internal traffic.
+    #[default]
+    ClusterIp,
+    /// spec.ports[].nodePort on one of the node's NodePort addresses.
+    NodePort,
+    /// spec.externalIPs.
+    ExternalIp,
+    /// status.loadBalancer.ingress[].ip (ipMode VIP).
+    LoadBalancer,
+}
+
+impl FrontendKind {
+    /// NodePort, externalIP and LoadBalancer frontends carry external traffic
+    /// (externalTrafficPolicy applies).
+    pub const fn is_external(self) -> bool {
+        !matches!(self, FrontendKind::ClusterIp)
+    }
+}
+
 /// What one frontend should do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DesiredFrontend {
     pub service: ServicePortName,
+    pub kind: FrontendKind,
+    /// An external frontend with externalTrafficPolicy Local: backends are this node's only,
+    /// never SNATed, and none means drop.
+    pub external_local: bool,
     /// Backends that receive new flows, sorted and without duplicates. Empty = reject new flows.
     pub backends: Vec<DesiredBackend>,
     /// Backends that receive no new flows but must stay in BACKENDS so established flows to them

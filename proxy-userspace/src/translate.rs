@@ -5,13 +5,18 @@
 //! ([`crate::endpoints`]) and categorised ([`crate::topology`]). A bad object is reported as a
 //! [`Problem`] and skipped; everything else is still programmed.
 
-use std::{collections::btree_map::Entry, net::IpAddr};
+use std::{
+    collections::btree_map::Entry,
+    net::{IpAddr, Ipv4Addr},
+};
 
 use k8s_openapi::api::core::v1::Service;
 
 use crate::{
     endpoints::{SNAPSHOT_SOURCE, SliceIndex},
-    model::{DesiredFrontend, DesiredState, Frontend, Problem, Protocol, ServicePortName},
+    model::{
+        DesiredFrontend, DesiredState, Frontend, FrontendKind, Problem, Protocol, ServicePortName,
+    },
     snapshot::Snapshot,
     topology::{self, Policy},
 };
@@ -41,6 +46,19 @@ pub struct Translation {
     /// Deliberate, expected skips worth telling the user once (e.g. the IPv6 half of a
     /// dual-stack Service): not errors.
     pub notes: Vec<Problem>,
+    /// Health-check node ports to serve (externalTrafficPolicy Local LoadBalancer Services),
+    /// sorted by port.
+    pub health_checks: Vec<HealthCheck>,
+}
+
+/// A `spec.healthCheckNodePort` and what it reports (upstream `pkg/proxy/healthcheck`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub namespace: String,
+    pub name: String,
+    pub port: u16,
+    /// Endpoints on this node that receive external traffic (the most over the Service's ports).
+    pub local_endpoints: usize,
 }
 
 /// Why (part of) a Service is not programmed.
@@ -60,8 +78,19 @@ enum ServiceError {
     FrontendTaken { frontend: Frontend, owner: String },
 }
 
-/// Turn a snapshot into the desired state for this node.
+/// Turn a snapshot into the desired state for this node, without NodePort frontends (no node
+/// addresses known); see [`translate_for_node`].
 pub fn translate(snapshot: &Snapshot, node: &NodeContext) -> Translation {
+    translate_for_node(snapshot, node, &[])
+}
+
+/// Turn a snapshot into the desired state for this node; NodePorts answer on `nodeport_addrs`
+/// (the node's addresses selected by `--nodeport-addresses`).
+pub fn translate_for_node(
+    snapshot: &Snapshot,
+    node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
+) -> Translation {
     let mut out = Translation::default();
     let slices = SliceIndex::new(
         &snapshot.endpoint_slices,
@@ -84,7 +113,7 @@ pub fn translate(snapshot: &Snapshot, node: &NodeContext) -> Translation {
         if !handled(svc) {
             continue;
         }
-        let frontends = match service_frontends(svc, &slices, node) {
+        let frontends = match service_frontends(svc, &slices, node, nodeport_addrs) {
             Ok(f) => f,
             Err(e) => {
                 report(&mut out.problems, e.to_string());
@@ -97,10 +126,12 @@ pub fn translate(snapshot: &Snapshot, node: &NodeContext) -> Translation {
         if let Some(note) = frontends.note {
             report(&mut out.notes, note);
         }
-        if let Err(e) = claim(&mut out.desired, frontends.frontends) {
-            report(&mut out.problems, e.to_string());
+        match claim(&mut out.desired, frontends.frontends) {
+            Ok(()) => out.health_checks.extend(frontends.health_check),
+            Err(e) => report(&mut out.problems, e.to_string()),
         }
     }
+    out.health_checks.sort_by_key(|h| h.port);
     out
 }
 
@@ -158,12 +189,42 @@ struct ServiceFrontends {
     port_problems: Vec<ServiceError>,
     /// IPv6 cluster IPs left out.
     note: Option<String>,
+    health_check: Option<HealthCheck>,
+}
+
+/// spec.externalIPs and status.loadBalancer.ingress[].ip (unless ipMode is Proxy: the load
+/// balancer then proxies and sends to the node, not to the VIP). IPv4 only; unparsable or IPv6
+/// addresses are left out (upstream logs and ignores them too).
+fn external_addrs(svc: &Service) -> Vec<(FrontendKind, Ipv4Addr)> {
+    let v4 = |ip: &str| match ip.parse::<IpAddr>() {
+        Ok(IpAddr::V4(a)) => Some(a),
+        _ => None,
+    };
+    let external_ips = svc
+        .spec
+        .iter()
+        .flat_map(|s| s.external_ips.iter().flatten())
+        .filter_map(|ip| v4(ip))
+        .map(|a| (FrontendKind::ExternalIp, a));
+    let lb = svc
+        .status
+        .iter()
+        .flat_map(|s| s.load_balancer.iter())
+        .flat_map(|lb| lb.ingress.iter().flatten())
+        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|i| i.ip.as_deref().and_then(v4))
+        .map(|a| (FrontendKind::LoadBalancer, a));
+    let mut all: Vec<_> = external_ips.chain(lb).collect();
+    all.sort();
+    all.dedup_by_key(|(_, a)| *a);
+    all
 }
 
 fn service_frontends(
     svc: &Service,
     slices: &SliceIndex,
     node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
 ) -> Result<ServiceFrontends, ServiceError> {
     let namespace = svc.metadata.namespace.as_deref().unwrap_or("default");
     let name = svc.metadata.name.as_deref().unwrap_or_default();
@@ -184,6 +245,21 @@ fn service_frontends(
     });
 
     let policy = policy(svc);
+    let spec = svc.spec.as_ref();
+    let service_type = spec.and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP");
+    let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
+    let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
+    // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream.
+    let external_policy = Policy {
+        local_only: external_local,
+        topology_aware: policy.topology_aware && !external_local,
+    };
+    let external = external_addrs(svc);
+    let health_check_port = spec
+        .and_then(|s| s.health_check_node_port)
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0 && external_local && service_type == "LoadBalancer");
+    let mut local_endpoints = 0usize;
     let mut port_problems = Vec::new();
     let mut frontends = Vec::new();
     let mut seen_ports = Vec::new();
@@ -233,16 +309,58 @@ fn service_frontends(
             };
             let df = DesiredFrontend {
                 service: service.clone(),
+                kind: FrontendKind::ClusterIp,
+                external_local: false,
+                backends: chosen.selected.clone(),
+                retained: chosen.retained.clone(),
+            };
+            frontends.push((frontend, df));
+        }
+
+        let node_port = sp
+            .node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0 && node_ports);
+        let mut external_frontends: Vec<(FrontendKind, Ipv4Addr, u16)> = external
+            .iter()
+            .map(|(kind, addr)| (*kind, *addr, port))
+            .collect();
+        if let Some(np) = node_port {
+            external_frontends.extend(
+                nodeport_addrs
+                    .iter()
+                    .map(|a| (FrontendKind::NodePort, *a, np)),
+            );
+        }
+        let chosen = topology::categorize(&endpoints, external_policy, node.zone.as_deref());
+        local_endpoints = local_endpoints.max(chosen.selected.iter().filter(|b| b.local).count());
+        for (kind, addr, port) in external_frontends {
+            let frontend = Frontend {
+                addr,
+                port,
+                protocol,
+            };
+            let df = DesiredFrontend {
+                service: service.clone(),
+                kind,
+                external_local,
                 backends: chosen.selected.clone(),
                 retained: chosen.retained.clone(),
             };
             frontends.push((frontend, df));
         }
     }
+    let health_check = health_check_port.map(|port| HealthCheck {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        port,
+        local_endpoints,
+    });
     Ok(ServiceFrontends {
         frontends,
         port_problems,
         note,
+        health_check,
     })
 }
 
@@ -1067,5 +1185,267 @@ mod tests {
         );
         let web = t.desired.frontends.values().next().expect("web");
         assert_eq!(web.service.to_string(), "demo/web:http");
+    }
+
+    // ----- NodePort, externalIPs, LoadBalancer, externalTrafficPolicy, health-check node port.
+
+    const NODE_ADDRS: [Ipv4Addr; 2] = [Ipv4Addr::new(192, 168, 50, 10), Ipv4Addr::new(10, 0, 0, 5)];
+
+    fn translate_node(services: Vec<Service>, slices: Vec<EndpointSlice>) -> Translation {
+        let snapshot = Snapshot {
+            services,
+            endpoint_slices: slices,
+        };
+        let node = NodeContext {
+            node_name: NODE.into(),
+            zone: Some(ZONE.into()),
+        };
+        translate_for_node(&snapshot, &node, &NODE_ADDRS)
+    }
+
+    /// Frontend → (kind, eTP local, selected backends).
+    fn frontends(t: &Translation) -> Vec<(String, FrontendKind, bool, Vec<String>)> {
+        t.desired
+            .frontends
+            .iter()
+            .map(|(fe, df)| {
+                (
+                    fe.to_string(),
+                    df.kind,
+                    df.external_local,
+                    df.backends.iter().map(show).collect(),
+                )
+            })
+            .collect()
+    }
+
+    fn external_service(name: &str, spec: Value, status: Value) -> Service {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "demo"},
+            "spec": spec,
+            "status": status,
+        }))
+        .expect("Service fixture")
+    }
+
+    fn local_and_remote_slice(service: &str) -> EndpointSlice {
+        slice(
+            service,
+            &format!("{service}-1"),
+            json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![
+                ep("10.244.1.11", NODE, (Some(true), Some(true), Some(false))),
+                ready("10.244.2.11"),
+            ],
+        )
+    }
+
+    #[test]
+    fn node_port_gets_a_frontend_on_every_node_port_address() {
+        let svc = external_service(
+            "np",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.50",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}]}),
+            json!({}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("np")]);
+        let both = vec![
+            "10.244.1.11:8080 L".to_owned(),
+            "10.244.2.11:8080".to_owned(),
+        ];
+        assert_eq!(
+            frontends(&t),
+            vec![
+                (
+                    "10.0.0.5:30080/TCP".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "10.96.0.50:80/TCP".into(),
+                    FrontendKind::ClusterIp,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "192.168.50.10:30080/TCP".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both
+                ),
+            ]
+        );
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        assert!(
+            t.health_checks.is_empty(),
+            "no health check for eTP=Cluster"
+        );
+    }
+
+    #[test]
+    fn node_port_field_ignored_on_cluster_ip_services_and_without_node_addresses() {
+        let svc = external_service(
+            "cip",
+            json!({"type": "ClusterIP", "clusterIP": "10.96.0.51",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30081}]}),
+            json!({}),
+        );
+        let t = translate_node(vec![svc.clone()], vec![local_and_remote_slice("cip")]);
+        assert_eq!(t.desired.frontends.len(), 1, "ClusterIP only");
+        let np = external_service(
+            "np",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.52",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30082}]}),
+            json!({}),
+        );
+        let snapshot = Snapshot {
+            services: vec![np],
+            endpoint_slices: vec![local_and_remote_slice("np")],
+        };
+        let t = translate(&snapshot, &NodeContext::default());
+        assert_eq!(
+            t.desired.frontends.len(),
+            1,
+            "no node addresses: no NodePorts"
+        );
+    }
+
+    #[test]
+    fn external_ips_and_load_balancer_ips_unless_ip_mode_proxy() {
+        let svc = external_service(
+            "lb",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.53",
+                   "externalIPs": ["192.168.60.10", "fd00::1", "not-an-ip"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30083}]}),
+            json!({"loadBalancer": {"ingress": [
+                {"ip": "192.168.70.10"},
+                {"ip": "192.168.70.11", "ipMode": "VIP"},
+                {"ip": "192.168.70.12", "ipMode": "Proxy"},
+                {"hostname": "lb.example.com"},
+            ]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("lb")]);
+        let kinds: Vec<(String, FrontendKind)> = frontends(&t)
+            .into_iter()
+            .map(|(fe, kind, _, _)| (fe, kind))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("10.0.0.5:30083/TCP".into(), FrontendKind::NodePort),
+                ("10.96.0.53:80/TCP".into(), FrontendKind::ClusterIp),
+                ("192.168.50.10:30083/TCP".into(), FrontendKind::NodePort),
+                ("192.168.60.10:80/TCP".into(), FrontendKind::ExternalIp),
+                ("192.168.70.10:80/TCP".into(), FrontendKind::LoadBalancer),
+                ("192.168.70.11:80/TCP".into(), FrontendKind::LoadBalancer),
+            ]
+        );
+    }
+
+    #[test]
+    fn external_traffic_policy_local_selects_this_nodes_endpoints_for_external_frontends_only() {
+        let svc = external_service(
+            "local",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.54",
+                   "externalTrafficPolicy": "Local", "healthCheckNodePort": 32000,
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30084}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.20"}]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("local")]);
+        let local = vec!["10.244.1.11:8080 L".to_owned()];
+        let both = vec![
+            "10.244.1.11:8080 L".to_owned(),
+            "10.244.2.11:8080".to_owned(),
+        ];
+        assert_eq!(
+            frontends(&t),
+            vec![
+                (
+                    "10.0.0.5:30084/TCP".into(),
+                    FrontendKind::NodePort,
+                    true,
+                    local.clone()
+                ),
+                (
+                    "10.96.0.54:80/TCP".into(),
+                    FrontendKind::ClusterIp,
+                    false,
+                    both
+                ),
+                (
+                    "192.168.50.10:30084/TCP".into(),
+                    FrontendKind::NodePort,
+                    true,
+                    local.clone()
+                ),
+                (
+                    "192.168.70.20:80/TCP".into(),
+                    FrontendKind::LoadBalancer,
+                    true,
+                    local
+                ),
+            ]
+        );
+        assert_eq!(
+            t.health_checks,
+            vec![HealthCheck {
+                namespace: "demo".into(),
+                name: "local".into(),
+                port: 32000,
+                local_endpoints: 1,
+            }]
+        );
+    }
+
+    #[test]
+    fn etp_local_without_local_endpoints_has_empty_external_frontends_and_a_zero_health_check() {
+        let svc = external_service(
+            "elsewhere",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.55",
+                   "externalTrafficPolicy": "Local", "healthCheckNodePort": 32001,
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30085}]}),
+            json!({}),
+        );
+        let remote_only = slice(
+            "elsewhere",
+            "elsewhere-1",
+            json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![ready("10.244.2.11")],
+        );
+        let t = translate_node(vec![svc], vec![remote_only]);
+        for (fe, kind, local, backends) in frontends(&t) {
+            if kind == FrontendKind::ClusterIp {
+                assert_eq!(backends.len(), 1, "{fe}: ClusterIP keeps cluster endpoints");
+            } else {
+                assert!(local && backends.is_empty(), "{fe}: {backends:?}");
+            }
+        }
+        assert_eq!(t.health_checks.len(), 1);
+        assert_eq!(t.health_checks[0].local_endpoints, 0);
+    }
+
+    #[test]
+    fn frontend_flags_follow_kind_and_policy() {
+        use proxy_common::service_flags;
+        let svc = external_service(
+            "local",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.56", "externalTrafficPolicy": "Local",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30086}]}),
+            json!({}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("local")]);
+        let flags: Vec<u16> = t
+            .desired
+            .frontends
+            .values()
+            .map(crate::encode::frontend_flags)
+            .collect();
+        let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
+        assert_eq!(flags, vec![ext_local, 0, ext_local]);
+        assert!(
+            t.health_checks.is_empty(),
+            "NodePort type has no health check"
+        );
     }
 }

@@ -11,17 +11,18 @@ use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use common_packet::{CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, ipv6_frame, tcp_flags::*};
 use kube_proxy_ebpf::ebpf_object::EBPF_OBJECT;
 use proxy_common::{
     Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_SERVICES, MAP_STATS, PROG_TC_EGRESS, PROG_TC_INGRESS, ServiceKey, ServiceValue, ct_dir,
-    ct_state,
+    MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SnatKey, SnatValue, backend_flags,
+    ct_dir, ct_state,
     hash::{flow_hash, pick_slot},
-    proto,
+    proto, service_flags,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -134,6 +135,45 @@ impl Datapath {
     fn conntrack(&mut self) -> HashMap<&mut MapData, CtKey, CtValue> {
         HashMap::try_from(self.bpf.map_mut(MAP_CONNTRACK).expect("CONNTRACK map"))
             .expect("CONNTRACK type")
+    }
+
+    fn snat(&mut self) -> HashMap<&mut MapData, SnatKey, SnatValue> {
+        HashMap::try_from(self.bpf.map_mut(MAP_SNAT).expect("SNAT map")).expect("SNAT type")
+    }
+
+    fn set_node_addr(&mut self, addr: Ipv4Addr) {
+        let mut node: Array<&mut MapData, NodeInfo> =
+            Array::try_from(self.bpf.map_mut(MAP_NODE).expect("NODE map")).expect("NODE type");
+        let info = NodeInfo {
+            snat_addr: addr.octets(),
+            flags: 0,
+        };
+        node.set(0, info, 0).expect("write NODE");
+    }
+
+    /// A frontend with `service_flags` and raw backends (ids from 200 up).
+    fn set_frontend(
+        &mut self,
+        addr: Ipv4Addr,
+        port: u16,
+        proto: u8,
+        flags: u16,
+        backends: &[(u32, Backend)],
+    ) {
+        let key = ServiceKey::new(addr.octets(), port.to_be_bytes(), proto, 0);
+        for (i, (id, b)) in backends.iter().enumerate() {
+            self.backends().insert(*id, *b, 0).expect("insert backend");
+            self.services()
+                .insert(key.with_slot(i as u16 + 1), ServiceValue::slot(*id), 0)
+                .expect("insert slot");
+        }
+        self.services()
+            .insert(
+                key,
+                ServiceValue::frontend_with_flags(backends.len() as u16, 50, flags),
+                0,
+            )
+            .expect("insert frontend");
     }
 
     fn set_backend(&mut self, id: u32, proto: u8) {
@@ -1460,5 +1500,429 @@ fn per_packet_cost() {
         established.as_nanos(),
         reply_cost.as_nanos(),
         not_service.as_nanos()
+    );
+}
+
+/// The node's address on the external device, the NodePort, an external client, backends.
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 10);
+const NODE_PORT: u16 = 30080;
+const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
+const REMOTE_BE: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 20);
+const LOCAL_BE: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
+
+fn raw_backend(addr: Ipv4Addr, port: u16, proto: u8, flags: u8) -> Backend {
+    Backend {
+        addr: addr.octets(),
+        port: port.to_be_bytes(),
+        proto,
+        flags,
+    }
+}
+
+/// NodePort frontends: NODE_IP:30080/TCP and /UDP (eTP=Cluster, one remote backend),
+/// NODE_IP:30081/TCP (eTP=Cluster, one local backend), NODE_IP:30082/TCP (eTP=Local, none).
+fn nodeport_datapath() -> Datapath {
+    let mut dp = Datapath::load();
+    let ext = service_flags::EXTERNAL;
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT,
+        proto::TCP,
+        ext,
+        &[(200, raw_backend(REMOTE_BE, 8080, proto::TCP, 0))],
+    );
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT,
+        proto::UDP,
+        ext,
+        &[(201, raw_backend(REMOTE_BE, 5353, proto::UDP, 0))],
+    );
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT + 1,
+        proto::TCP,
+        ext,
+        &[(
+            202,
+            raw_backend(LOCAL_BE, 8080, proto::TCP, backend_flags::LOCAL),
+        )],
+    );
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT + 2,
+        proto::TCP,
+        ext | service_flags::EXTERNAL_LOCAL,
+        &[],
+    );
+    dp
+}
+
+fn with_src(p: &Pkt, addr: Ipv4Addr, port: u16) -> Pkt {
+    let mut q = p.clone();
+    q.saddr = addr;
+    set_ports(&mut q, port, p.dport());
+    q
+}
+
+fn with_dst(p: &Pkt, addr: Ipv4Addr, port: u16) -> Pkt {
+    let mut q = p.clone();
+    q.daddr = addr;
+    set_ports(&mut q, p.sport(), port);
+    q
+}
+
+fn snat_out_key(client: &Pkt, backend: Ipv4Addr, bport: u16) -> SnatKey {
+    SnatKey {
+        saddr: client.saddr.octets(),
+        daddr: backend.octets(),
+        sport: client.sport().to_be_bytes(),
+        dport: bport.to_be_bytes(),
+        proto: client.proto(),
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+fn snat_in_key(backend: Ipv4Addr, bport: u16, node_port: u16, proto: u8) -> SnatKey {
+    SnatKey {
+        saddr: backend.octets(),
+        daddr: NODE_IP.octets(),
+        sport: bport.to_be_bytes(),
+        dport: node_port.to_be_bytes(),
+        proto,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// Where the datapath's port probe starts for a flow (the same pure hash).
+fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
+    let range = u64::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+    let h = flow_hash(
+        client.saddr.octets(),
+        backend.octets(),
+        client.sport().to_be_bytes(),
+        bport.to_be_bytes(),
+        client.proto(),
+    );
+    SNAT_PORT_MIN + ((u64::from(h) * range) >> 32) as u16
+}
+
+#[test]
+fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
+    let mut dp = nodeport_datapath();
+    let syn = Pkt::tcp(EXT_CLIENT, 40_000, NODE_IP, NODE_PORT, SYN);
+
+    // Before the agent wrote the node's address: DNAT only, counted.
+    let fwd = with_dst(&syn, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "nodeport SYN, no node address yet: DNAT, no SNAT",
+        syn.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNoNodeAddr, 1)],
+    ));
+    dp.check(egress(
+        "forwarded SYN without SNAT entry passes untouched",
+        fwd.bytes(),
+        TC_ACT_OK,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+    assert_eq!(
+        dp.snat().keys().count(),
+        0,
+        "no SNAT entries without an address"
+    );
+
+    dp.set_node_addr(NODE_IP);
+    let syn = Pkt::tcp(EXT_CLIENT, 40_001, NODE_IP, NODE_PORT, SYN);
+    let fwd = with_dst(&syn, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "nodeport SYN to a remote backend: DNAT + SNAT port allocated",
+        syn.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let out = dp
+        .snat()
+        .get(&snat_out_key(&syn, REMOTE_BE, 8080), 0)
+        .expect("SNAT out entry");
+    let nat_port = u16::from_be_bytes(out.port);
+    assert_eq!(out.addr, NODE_IP.octets(), "SNAT to the node address");
+    assert_eq!(
+        nat_port,
+        snat_probe_start(&syn, REMOTE_BE, 8080),
+        "first probe free"
+    );
+    let back = dp
+        .snat()
+        .get(&snat_in_key(REMOTE_BE, 8080, nat_port, proto::TCP), 0)
+        .expect("SNAT in entry");
+    assert_eq!(
+        (back.addr, back.port),
+        (EXT_CLIENT.octets(), 40_001u16.to_be_bytes())
+    );
+
+    dp.check(egress(
+        "forwarded SYN leaves with the node's address and port",
+        fwd.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&fwd, NODE_IP, nat_port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, nat_port, SYN | ACK);
+    let unsnat = with_dst(&synack, EXT_CLIENT, 40_001);
+    dp.check(ingress(
+        "the remote backend's SYN-ACK goes back to the client (destination restored)",
+        synack.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(unsnat.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the client: source becomes the NodePort",
+        unsnat.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let ack = Pkt::tcp(EXT_CLIENT, 40_001, NODE_IP, NODE_PORT, ACK).payload(b"GET /");
+    let ack_fwd = with_dst(&ack, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "established: DNAT from conntrack",
+        ack.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(ack_fwd.clone()),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    dp.check(egress(
+        "established: same SNAT port",
+        ack_fwd.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&ack_fwd, NODE_IP, nat_port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+
+    // A port taken by a live flow of another client to the same backend is skipped.
+    let other = Pkt::tcp(EXT_CLIENT, 40_002, NODE_IP, NODE_PORT, SYN);
+    let start = snat_probe_start(&other, REMOTE_BE, 8080);
+    let squatter = SnatValue {
+        last_seen_ns: u64::MAX / 2,
+        addr: [192, 168, 50, 200],
+        port: 1234u16.to_be_bytes(),
+        state: ct_state::ESTABLISHED,
+        _pad: 0,
+    };
+    dp.snat()
+        .insert(snat_in_key(REMOTE_BE, 8080, start, proto::TCP), squatter, 0)
+        .expect("occupy the first probe");
+    dp.check(ingress(
+        "second client: its first port is taken, the next one is used",
+        other.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_dst(&other, REMOTE_BE, 8080)),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let got = dp
+        .snat()
+        .get(&snat_out_key(&other, REMOTE_BE, 8080), 0)
+        .expect("second out entry");
+    let want = if start == SNAT_PORT_MAX {
+        SNAT_PORT_MIN
+    } else {
+        start + 1
+    };
+    assert_eq!(
+        u16::from_be_bytes(got.port),
+        want,
+        "probe moved past the taken port"
+    );
+    assert_eq!(
+        dp.snat()
+            .get(&snat_in_key(REMOTE_BE, 8080, start, proto::TCP), 0)
+            .expect("squatter kept")
+            .addr,
+        [192, 168, 50, 200],
+        "the live flow's entry is untouched"
+    );
+
+    // UDP: the same path.
+    let dgram = Pkt::udp(EXT_CLIENT, 5000, NODE_IP, NODE_PORT).payload(b"ping");
+    let dfwd = with_dst(&dgram, REMOTE_BE, 5353);
+    dp.check(ingress(
+        "UDP nodeport to a remote backend: DNAT + SNAT",
+        dgram.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(dfwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let uport = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&dgram, REMOTE_BE, 5353), 0)
+            .expect("UDP out entry")
+            .port,
+    );
+    dp.check(egress(
+        "UDP forwarded: SNAT",
+        dfwd.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&dfwd, NODE_IP, uport)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let dreply = Pkt::udp(REMOTE_BE, 5353, NODE_IP, uport).payload(b"pong");
+    let dback = with_dst(&dreply, EXT_CLIENT, 5000);
+    dp.check(ingress(
+        "UDP reply: back to the client",
+        dreply.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(dback.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "UDP reply: from the NodePort",
+        dback.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&dback, NODE_IP, NODE_PORT)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+
+    // A packet to a SNAT-range port that is no flow's passes.
+    let stray = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, 65_000, ACK);
+    if dp
+        .snat()
+        .get(&snat_in_key(REMOTE_BE, 8080, 65_000, proto::TCP), 0)
+        .is_err()
+    {
+        dp.check(ingress(
+            "stray packet to a free SNAT port passes",
+            stray.bytes(),
+            TC_ACT_OK,
+            Expect::Unchanged,
+            &[(Counter::NotService, 1)],
+        ));
+    }
+}
+
+#[test]
+fn nodeport_local_backend_and_etp_local_without_endpoints() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let syn = Pkt::tcp(EXT_CLIENT, 41_000, NODE_IP, NODE_PORT + 1, SYN);
+    let fwd = with_dst(&syn, LOCAL_BE, 8080);
+    dp.check(ingress(
+        "nodeport to a local backend: DNAT only, the backend sees the client",
+        syn.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1)],
+    ));
+    dp.check(egress(
+        "toward the local backend: no SNAT",
+        fwd.bytes(),
+        TC_ACT_OK,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+    assert_eq!(
+        dp.snat().keys().count(),
+        0,
+        "no SNAT entries for local backends"
+    );
+    let reply = fwd.reversed();
+    dp.check(egress(
+        "local backend's reply toward the client: from the NodePort",
+        reply.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&reply, NODE_IP, NODE_PORT + 1)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let syn = Pkt::tcp(EXT_CLIENT, 41_001, NODE_IP, NODE_PORT + 2, SYN);
+    dp.check(ingress(
+        "eTP=Local without local endpoints: dropped, not rejected",
+        syn.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoLocalEndpoints, 1)],
+    ));
+    assert_eq!(dp.ct_len(), 2, "only the first flow is tracked");
+}
+
+/// Per-packet cost of the NodePort path with SNAT (medians of single runs, never asserted), next
+/// to the ClusterIP path measured the same way.
+#[test]
+fn per_packet_cost_nodeport_snat() {
+    let mut dp = nodeport_datapath().with_services();
+    dp.set_node_addr(NODE_IP);
+    const RUNS: u16 = 2_000;
+    let single = |dp: &Datapath, prog: &str, pkt: &[u8]| {
+        let (verdict, _, d) = dp.run_timed(prog, pkt, 1);
+        assert_eq!(verdict, TC_ACT_OK, "{prog} verdict");
+        d
+    };
+    let new: Vec<Duration> = (0..RUNS)
+        .map(|i| {
+            let p = Pkt::tcp(EXT_CLIENT, 10_000 + i, NODE_IP, NODE_PORT, SYN);
+            single(&dp, PROG_TC_INGRESS, &p.bytes())
+        })
+        .collect();
+    let snat_new = dp.counter(Counter::SnatNew);
+    assert_eq!(snat_new, u64::from(RUNS), "every new flow was SNATed");
+
+    let syn = Pkt::tcp(EXT_CLIENT, 10_000, NODE_IP, NODE_PORT, SYN);
+    let nat_port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&syn, REMOTE_BE, 8080), 0)
+            .expect("out entry")
+            .port,
+    );
+    let ack = Pkt::tcp(EXT_CLIENT, 10_000, NODE_IP, NODE_PORT, ACK).payload(&[0; 64]);
+    let fwd = with_dst(&ack, REMOTE_BE, 8080).bytes();
+    let reply = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, nat_port, ACK).payload(&[0; 64]);
+    let unsnat = with_dst(&reply, EXT_CLIENT, 10_000).bytes();
+    let (ack, reply) = (ack.bytes(), reply.bytes());
+    let mut established = Vec::new();
+    let mut replies = Vec::new();
+    for _ in 0..RUNS {
+        established.push(single(&dp, PROG_TC_INGRESS, &ack) + single(&dp, PROG_TC_EGRESS, &fwd));
+        replies.push(single(&dp, PROG_TC_INGRESS, &reply) + single(&dp, PROG_TC_EGRESS, &unsnat));
+    }
+    assert_eq!(dp.counter(Counter::SnatTranslated), u64::from(RUNS));
+    assert_eq!(dp.counter(Counter::SnatReplyTranslated), u64::from(RUNS));
+
+    // ClusterIP, same method: new flows, established ingress + untracked egress, reply egress.
+    let cluster_new: Vec<Duration> = (0..RUNS)
+        .map(|i| {
+            let p = Pkt::tcp(CLIENT, 10_000 + i, VIP, 80, SYN);
+            single(&dp, PROG_TC_INGRESS, &p.bytes())
+        })
+        .collect();
+    let c_ack = Pkt::tcp(CLIENT, 10_000, VIP, 80, ACK).payload(&[0; 64]);
+    let c_id = expected_pick(&c_ack, &[1, 2]);
+    let c_fwd = dnated(&c_ack, c_id).bytes();
+    let c_reply = reply_from(&c_ack, c_id).bytes();
+    let c_ack = c_ack.bytes();
+    let mut cluster_established = Vec::new();
+    let mut cluster_reply = Vec::new();
+    for _ in 0..RUNS {
+        cluster_established
+            .push(single(&dp, PROG_TC_INGRESS, &c_ack) + single(&dp, PROG_TC_EGRESS, &c_fwd));
+        cluster_reply.push(single(&dp, PROG_TC_EGRESS, &c_reply));
+    }
+    println!(
+        "per-packet cost: nodeport_snat_new_ns={} nodeport_snat_established_ns={} nodeport_snat_reply_ns={} \
+         (single-run medians; established = ingress DNAT + egress SNAT, reply = ingress un-SNAT + egress reverse DNAT)",
+        median(new),
+        median(established),
+        median(replies)
+    );
+    println!(
+        "per-packet cost, same method: clusterip_new_ns={} clusterip_established_ns={} clusterip_reply_ns={} \
+         (established = ingress DNAT + egress untracked lookup, reply = egress reverse DNAT)",
+        median(cluster_new),
+        median(cluster_established),
+        median(cluster_reply)
     );
 }

@@ -4,10 +4,10 @@
 
 use std::path::Path;
 
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    Backend, COUNTER_COUNT, CtKey, CtValue, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
-    MAP_STATS, RevNat, ServiceKey, ServiceValue,
+    Backend, COUNTER_COUNT, CtKey, CtValue, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT,
+    MAP_SERVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -132,6 +132,23 @@ impl Conntrack {
 
     pub fn remove(&mut self, key: &CtKey) {
         let _ = self.map.remove(key);
+    }
+}
+
+/// `NODE_V1`: the node facts the datapath reads (the SNAT address).
+pub struct NodeMap {
+    map: Array<MapData, NodeInfo>,
+}
+
+impl NodeMap {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: Array::try_from(take(ebpf, MAP_NODE)?).map_err(map_err(MAP_NODE))?,
+        })
+    }
+
+    pub fn write(&mut self, info: &NodeInfo) -> Result<()> {
+        self.map.set(0, info, 0).map_err(map_err(MAP_NODE))
     }
 }
 

@@ -1,11 +1,13 @@
 //! Wakes the agent when interfaces appear or go (RTMGRP_LINK), so new pods get the programs within
-//! milliseconds. Messages are not parsed: any link event triggers a rescan, which is cheap.
+//! milliseconds, and when IPv4 addresses change (RTMGRP_IPV4_IFADDR: NodePort addresses, SNAT
+//! address). Messages are not parsed: any event triggers a rescan, which is cheap.
 
 use std::{io, os::fd::FromRawFd as _, thread};
 
 use tokio::sync::mpsc;
 
 const RTMGRP_LINK: u32 = 1;
+const RTMGRP_IPV4_IFADDR: u32 = 0x10;
 
 /// Starts a thread that sends `()` on every batch of link events. The thread ends when the
 /// receiver is dropped (on the next event).
@@ -24,7 +26,7 @@ pub fn watch_links() -> io::Result<mpsc::Receiver<()>> {
         let file = std::fs::File::from_raw_fd(fd);
         let mut addr: libc::sockaddr_nl = std::mem::zeroed();
         addr.nl_family = libc::AF_NETLINK as u16;
-        addr.nl_groups = RTMGRP_LINK;
+        addr.nl_groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR;
         let rc = libc::bind(
             fd,
             (&addr as *const libc::sockaddr_nl).cast(),

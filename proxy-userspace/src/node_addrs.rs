@@ -1,0 +1,262 @@
+//! The node's IPv4 addresses: which ones NodePorts answer on (`--nodeport-addresses`), and which
+//! one SNATed external flows leave with. Listing (getifaddrs, in the agent's network namespace)
+//! is the IO edge; the selection is pure.
+
+use std::{ffi::CStr, io, net::Ipv4Addr};
+
+use proxy_common::NodeInfo;
+use tracing::{error, info};
+
+use crate::{
+    config::{Cidr, NodePortAddresses},
+    dataplane::{self, interfaces::Patterns, maps::NodeMap},
+    healthcheck::HealthCheckServers,
+    translate::HealthCheck,
+};
+
+/// One IPv4 address of an interface of this network namespace.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct IfAddr {
+    pub ifname: String,
+    pub addr: Ipv4Addr,
+}
+
+/// What the agent derives from the node's addresses.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeAddrs {
+    /// Where NodePorts answer, sorted, no duplicates.
+    pub nodeport: Vec<Ipv4Addr>,
+    /// Source address of SNATed external flows.
+    pub snat: Option<Ipv4Addr>,
+}
+
+/// The agent's north-south state: node addresses (NodePort frontends, the SNAT address in
+/// `NODE_V1`) and the health-check node ports.
+pub struct External {
+    node_map: NodeMap,
+    nodeport_cfg: NodePortAddresses,
+    devices: Patterns,
+    addrs: NodeAddrs,
+    written: Option<NodeInfo>,
+    health_checks: HealthCheckServers,
+}
+
+impl External {
+    pub fn new(ebpf: &mut aya::Ebpf) -> dataplane::Result<Self> {
+        Ok(Self {
+            node_map: NodeMap::from_ebpf(ebpf)?,
+            nodeport_cfg: NodePortAddresses::default(),
+            devices: Patterns::default(),
+            addrs: NodeAddrs::default(),
+            written: None,
+            health_checks: HealthCheckServers::default(),
+        })
+    }
+
+    /// Sets `--nodeport-addresses` and `--devices`, and lists the addresses.
+    pub fn configure(&mut self, nodeport: NodePortAddresses, devices: Patterns) {
+        self.nodeport_cfg = nodeport;
+        self.devices = devices;
+        self.refresh();
+    }
+
+    /// Lists the node's addresses again; true when the selection changed (a sync is due).
+    pub fn refresh(&mut self) -> bool {
+        let all = match list() {
+            Ok(a) => a,
+            Err(e) => {
+                error!("listing the node's addresses failed: {e}; keeping the previous ones");
+                return false;
+            }
+        };
+        let addrs = select(&all, &self.nodeport_cfg, &self.devices);
+        if addrs == self.addrs {
+            return false;
+        }
+        info!(nodeport = ?addrs.nodeport, snat = ?addrs.snat, "node addresses");
+        self.addrs = addrs;
+        true
+    }
+
+    /// Where NodePorts answer.
+    pub fn nodeport_addrs(&self) -> &[Ipv4Addr] {
+        &self.addrs.nodeport
+    }
+
+    /// After a sync: the SNAT address into `NODE_V1`, health-check servers to `checks`.
+    pub fn apply(&mut self, checks: &[HealthCheck]) {
+        let info = NodeInfo {
+            snat_addr: self.addrs.snat.map_or([0; 4], |a| a.octets()),
+            flags: 0,
+        };
+        if self.written != Some(info) {
+            match self.node_map.write(&info) {
+                Ok(()) => self.written = Some(info),
+                Err(e) => error!("writing the node's SNAT address: {e}; retrying on the next sync"),
+            }
+        }
+        self.health_checks.update(checks, true);
+    }
+}
+
+/// Every IPv4 address of this network namespace's interfaces, sorted.
+pub fn list() -> io::Result<Vec<IfAddr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free with freeifaddrs below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_addr is non-null and points at a sockaddr of at least its family's size.
+        let family = unsafe { (*ifa.ifa_addr).sa_family };
+        if i32::from(family) != libc::AF_INET {
+            continue;
+        }
+        // SAFETY: an AF_INET address is a sockaddr_in.
+        let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+        let ifname = unsafe { CStr::from_ptr(ifa.ifa_name) }
+            .to_string_lossy()
+            .into_owned();
+        out.push(IfAddr {
+            ifname,
+            addr: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+        });
+    }
+    // SAFETY: `head` came from a successful getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// Pure: NodePort addresses and the SNAT address from the node's addresses.
+///
+/// - `All` (empty list): every address except loopback (upstream's nftables mode never serves
+///   NodePorts on localhost either).
+/// - `Primary`: the addresses of the external devices (`--devices`); without devices, the first
+///   non-loopback address. (Upstream takes the Node object's InternalIPs; standalone mode has none.)
+/// - CIDRs: the addresses inside any of them.
+///
+/// The SNAT address is the first NodePort address on an external device, else the first address
+/// on an external device, else the first NodePort address.
+pub fn select(addrs: &[IfAddr], cfg: &NodePortAddresses, devices: &Patterns) -> NodeAddrs {
+    let usable = |a: &&IfAddr| !a.addr.is_loopback() && !a.addr.is_unspecified();
+    let on_device = |a: &&IfAddr| !devices.is_empty() && devices.matches(&a.ifname);
+    let mut nodeport: Vec<Ipv4Addr> = match cfg {
+        NodePortAddresses::All => addrs.iter().filter(usable).map(|a| a.addr).collect(),
+        NodePortAddresses::Primary => {
+            let on_devices: Vec<Ipv4Addr> = addrs
+                .iter()
+                .filter(usable)
+                .filter(on_device)
+                .map(|a| a.addr)
+                .collect();
+            if on_devices.is_empty() {
+                addrs
+                    .iter()
+                    .find(usable)
+                    .map(|a| a.addr)
+                    .into_iter()
+                    .collect()
+            } else {
+                on_devices
+            }
+        }
+        NodePortAddresses::Cidrs(cidrs) => addrs
+            .iter()
+            .filter(usable)
+            .filter(|a| cidrs.iter().any(|c: &Cidr| c.contains(a.addr.into())))
+            .map(|a| a.addr)
+            .collect(),
+    };
+    nodeport.sort();
+    nodeport.dedup();
+    let snat = addrs
+        .iter()
+        .filter(usable)
+        .filter(on_device)
+        .find(|a| nodeport.contains(&a.addr))
+        .or_else(|| addrs.iter().filter(usable).find(on_device))
+        .map(|a| a.addr)
+        .or_else(|| nodeport.first().copied());
+    NodeAddrs { nodeport, snat }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addrs() -> Vec<IfAddr> {
+        [
+            ("lo", [127, 0, 0, 1]),
+            ("lo", [169, 254, 1, 1]),
+            ("eth0", [192, 168, 50, 10]),
+            ("eth1", [10, 0, 0, 5]),
+        ]
+        .into_iter()
+        .map(|(n, a)| IfAddr {
+            ifname: n.into(),
+            addr: Ipv4Addr::from(a),
+        })
+        .collect()
+    }
+
+    fn ip(a: [u8; 4]) -> Ipv4Addr {
+        Ipv4Addr::from(a)
+    }
+
+    #[test]
+    fn all_means_every_non_loopback_address() {
+        let got = select(&addrs(), &NodePortAddresses::All, &Patterns::parse("eth0"));
+        assert_eq!(
+            got.nodeport,
+            vec![
+                ip([10, 0, 0, 5]),
+                ip([169, 254, 1, 1]),
+                ip([192, 168, 50, 10])
+            ]
+        );
+        assert_eq!(
+            got.snat,
+            Some(ip([192, 168, 50, 10])),
+            "the device's address"
+        );
+    }
+
+    #[test]
+    fn primary_is_the_devices_addresses() {
+        let got = select(
+            &addrs(),
+            &NodePortAddresses::Primary,
+            &Patterns::parse("eth*"),
+        );
+        assert_eq!(
+            got.nodeport,
+            vec![ip([10, 0, 0, 5]), ip([192, 168, 50, 10])]
+        );
+        let none = select(&addrs(), &NodePortAddresses::Primary, &Patterns::default());
+        assert_eq!(none.nodeport, vec![ip([169, 254, 1, 1])]);
+        assert_eq!(none.snat, Some(ip([169, 254, 1, 1])));
+    }
+
+    #[test]
+    fn cidrs_filter_and_snat_prefers_a_nodeport_address_on_a_device() {
+        let cfg = NodePortAddresses::from_list(&["10.0.0.0/8"]).unwrap();
+        let got = select(&addrs(), &cfg, &Patterns::parse("eth*"));
+        assert_eq!(got.nodeport, vec![ip([10, 0, 0, 5])]);
+        assert_eq!(got.snat, Some(ip([10, 0, 0, 5])));
+        let nothing = NodePortAddresses::from_list(&["172.16.0.0/12"]).unwrap();
+        let got = select(&addrs(), &nothing, &Patterns::parse("eth0"));
+        assert!(got.nodeport.is_empty());
+        assert_eq!(got.snat, Some(ip([192, 168, 50, 10])));
+    }
+}
