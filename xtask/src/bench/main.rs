@@ -307,6 +307,7 @@ fn run(args: RunArgs) -> Result<()> {
     }
 
     results.seconds = started.elapsed().as_secs_f64();
+    results.loadavg_at_end = report::loadavg();
     std::fs::create_dir_all(&args.out_dir)?;
     let json_path = args.out_dir.join("results.json");
     std::fs::write(

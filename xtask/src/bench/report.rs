@@ -27,6 +27,7 @@ pub struct Results {
     pub e2e: Vec<Run>,
     pub iptables_version: Value,
     pub nft_version: Value,
+    pub loadavg_at_end: f64,
 }
 
 pub fn machine() -> Value {
@@ -49,7 +50,16 @@ pub fn machine() -> Value {
         .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         .unwrap_or(0);
     json!({ "nproc": nproc, "cpu_model": model, "kernel": kernel,
-            "mem_gib": (mem_kib as f64 / 1024.0 / 1024.0 * 10.0).round() / 10.0 })
+            "mem_gib": (mem_kib as f64 / 1024.0 / 1024.0 * 10.0).round() / 10.0,
+            "loadavg_at_start": loadavg() })
+}
+
+/// The 1-minute load average (the machine is shared: other work shows up here).
+pub fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
 }
 
 fn f(v: f64, digits: usize) -> String {
@@ -84,6 +94,19 @@ fn n_fmt(n: usize) -> String {
     out
 }
 
+/// Legend names for the datapath plot.
+fn short_kind(k: &str) -> &str {
+    match k {
+        "new_flow" => "new flow, one Service",
+        "new_flow_spread" => "new flow, spread",
+        "established" => "established",
+        "reply" => "reply (egress)",
+        "no_service" => "not a Service",
+        "single_floor" => "1-run method floor",
+        other => other,
+    }
+}
+
 pub fn print_run(r: &Run) {
     if let Some(s) = &r.skipped {
         eprintln!("  skipped: {s}");
@@ -116,6 +139,7 @@ impl Results {
             "iptables": self.iptables_version,
             "nft": self.nft_version,
             "seconds": self.seconds,
+            "loadavg_at_end": self.loadavg_at_end,
             "in_process": self.inproc.iter().map(SizeResult::to_json).collect::<Vec<_>>(),
             "netfilter_restore": self.restore,
             "agent_binary": self.agent,
@@ -158,7 +182,8 @@ impl Results {
         let m = &self.machine;
         let _ = writeln!(
             s,
-            "Machine: {} × {} ({} GiB), kernel {}; {}; {}. Command: `{}` ({:.0} s).\n",
+            "Machine: {} × {} ({} GiB), kernel {}; {}; {}. Command: `{}` ({:.0} s). \
+             1-min load average at start {}, at end {} (shared machine: other work competes).\n",
             m["nproc"],
             m["cpu_model"].as_str().unwrap_or("?"),
             m["mem_gib"],
@@ -166,7 +191,9 @@ impl Results {
             self.iptables_version.as_str().unwrap_or("iptables: absent"),
             self.nft_version.as_str().unwrap_or("nft: absent"),
             self.command_line,
-            self.seconds
+            self.seconds,
+            m["loadavg_at_start"],
+            self.loadavg_at_end
         );
 
         let dp = self.dp();
@@ -375,8 +402,8 @@ impl Results {
         if !dp.is_empty() {
             let series = PACKET_KINDS
                 .iter()
-                .map(|(k, title)| Series {
-                    name: (*title).to_owned(),
+                .map(|(k, _)| Series {
+                    name: short_kind(k).to_owned(),
                     points: dp.iter().map(|(n, c)| (*n as f64, c.get(k))).collect(),
                 })
                 .collect::<Vec<_>>();
