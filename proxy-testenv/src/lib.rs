@@ -12,6 +12,7 @@ mod agent;
 mod bpffs;
 pub mod fake_apiserver;
 mod manifests;
+mod multinode;
 mod netns;
 mod process;
 mod tempdir;
@@ -23,6 +24,9 @@ pub use agent::{Agent, AgentStatus, cli};
 pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
 pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort};
+pub use multinode::{
+    EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
+};
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};
 pub use tempdir::TempDir;

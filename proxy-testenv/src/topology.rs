@@ -67,7 +67,8 @@ class Http(socketserver.BaseRequestHandler):
                     return
                 data += chunk
             body = (name + "\n").encode()
-            head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+            peer = "%s:%d" % self.client_address
+            head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Client-Addr: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (peer, len(body))
             s.sendall(head.encode() + body)
         except OSError:
             pass
@@ -115,6 +116,16 @@ except OSError as e:
     r = "error:" + errno.errorcode.get(e.errno, str(e.errno))
 print(r, int((time.monotonic() - t) * 1000))
 "#;
+
+/// The UDP client script (`python3 -c SCRIPT ip port payload`), for other topologies.
+pub(crate) fn udp_client_py() -> &'static str {
+    UDP_CLIENT_PY
+}
+
+/// The TCP connect script (`python3 -c SCRIPT ip port timeout_s`), for other topologies.
+pub(crate) fn connect_py() -> &'static str {
+    CONNECT_PY
+}
 
 /// A pod: a namespace with `eth0`, its host-side veth in the node namespace, and servers.
 #[derive(Debug)]

@@ -11,6 +11,7 @@ const PRIVILEGED: &[(&str, &str)] = &[
     ("proxy-testenv", "topology"),
     ("proxy-userspace", "datapath"),
     ("proxy-userspace", "netns"),
+    ("proxy-userspace", "northsouth"),
     ("proxy-userspace", "kube_api"),
 ];
 

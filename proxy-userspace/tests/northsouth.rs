@@ -1,0 +1,294 @@
+//! Privileged north-south tests: an external client on a "wire" reaches Services through two
+//! nodes, each running the agent standalone with `--devices ext0` (see `proxy_testenv::MultiNode`):
+//! NodePort, externalIPs and LoadBalancer IPs; externalTrafficPolicy Cluster (SNAT to the node for
+//! a backend on the other node) and Local (client IP preserved, no answer on a node without local
+//! endpoints); health-check node ports.
+//!
+//! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
+//! Everything lives in network namespaces the test creates; RAII guards remove them.
+
+use std::{net::Ipv4Addr, path::Path, time::Duration};
+
+use proxy_testenv::{
+    Agent, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES,
+    PinDir, require_privileged,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+const NODE_A: usize = 0;
+const NODE_B: usize = 1;
+/// Backends: on node B only (eTP=Cluster via node A must SNAT), and one on each node.
+const B_WEB: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 11);
+const B_LOCAL: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 12);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 70, 10);
+const HC_PORT: u16 = 32_000;
+
+/// Field order is drop order: agents first, then pins, manifests, namespaces.
+struct Env {
+    agents: Vec<Agent>,
+    _pins: Vec<PinDir>,
+    _manifests: ManifestDir,
+    net: MultiNode,
+}
+
+impl Env {
+    /// Both nodes with backends on node B, `yaml` written, both agents synced and attached.
+    fn start(yaml: &str) -> Self {
+        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+        let mut net = MultiNode::new().expect("creating the two-node topology");
+        net.add_backend(NODE_B, "b-web", B_WEB)
+            .expect("backend b-web");
+        net.add_backend(NODE_B, "b-loc", B_LOCAL)
+            .expect("backend b-loc");
+        let manifests = ManifestDir::new().expect("manifest dir");
+        std::fs::write(manifests.path().join("services.yaml"), yaml).expect("writing manifests");
+        let mut agents = Vec::new();
+        let mut pins = Vec::new();
+        for i in [NODE_A, NODE_B] {
+            let node = net.node(i);
+            let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
+            let args: Vec<&std::ffi::OsStr> = [
+                "--manifests".as_ref(),
+                manifests.path().as_os_str(),
+                "--devices".as_ref(),
+                EXT_DEVICE.as_ref(),
+                "--hostname-override".as_ref(),
+                NODE_NAMES[i].as_ref(),
+            ]
+            .to_vec();
+            let mut agent = Agent::start_with(
+                Path::new(BIN),
+                node.node(),
+                &args,
+                pin.path(),
+                node.tmp().path(),
+            )
+            .expect("starting the agent");
+            agent
+                .wait_synced(1, Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("node {i}: {e:#}"));
+            let mut want: Vec<String> = node.pods().map(|p| p.host_if.clone()).collect();
+            want.push(EXT_DEVICE.to_owned());
+            agent
+                .wait_status(Duration::from_secs(10), |s| {
+                    want.iter().all(|w| s.interfaces.contains(w))
+                })
+                .unwrap_or_else(|e| panic!("node {i}: agent did not attach to {want:?}: {e:#}"));
+            agents.push(agent);
+            pins.push(pin);
+        }
+        Self {
+            agents,
+            _pins: pins,
+            _manifests: manifests,
+            net,
+        }
+    }
+
+    /// Panics with the message and both agents' log tails.
+    fn fail(&self, msg: &str) -> ! {
+        panic!(
+            "{msg}\n--- node A agent log (tail) ---\n{}\n--- node B agent log (tail) ---\n{}",
+            self.agents[NODE_A].log_tail(),
+            self.agents[NODE_B].log_tail()
+        )
+    }
+
+    fn get(&self, url: &str) -> proxy_testenv::HttpReply {
+        self.net
+            .http_get(url)
+            .unwrap_or_else(|e| self.fail(&format!("GET {url}: {e:#}")))
+    }
+
+    /// A datapath counter of node `i` (`kube-proxy-ebpf dump stats`).
+    fn counter(&self, i: usize, name: &str) -> u64 {
+        let agent = &self.agents[i];
+        let pin_dir = agent.pin_dir().to_string_lossy().into_owned();
+        let out = agent
+            .cli(&["dump", "stats", "--pin-dir", &pin_dir])
+            .unwrap_or_else(|e| self.fail(&format!("dump stats: {e:#}")));
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(name)).then(|| f.last()?.parse().ok())?
+            })
+            .unwrap_or_else(|| self.fail(&format!("no counter {name} in:\n{text}")))
+    }
+}
+
+/// A Service manifest plus its EndpointSlice with endpoints `(ip, node)`.
+fn service(name: &str, spec: &str, status: &str, endpoints: &[(Ipv4Addr, &str)]) -> String {
+    let mut y = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: demo\nspec:\n{spec}\n"
+    );
+    if !status.is_empty() {
+        y.push_str(&format!("status:\n{status}\n"));
+    }
+    y.push_str(&format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  \
+         namespace: demo\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n\
+         ports:\n  - name: http\n    port: 8080\n    protocol: TCP\n  - name: dns\n    port: 5353\n    \
+         protocol: UDP\nendpoints:\n"
+    ));
+    for (ip, node) in endpoints {
+        y.push_str(&format!(
+            "  - addresses: [\"{ip}\"]\n    nodeName: {node}\n    conditions: {{ready: true, serving: true, terminating: false}}\n"
+        ));
+    }
+    y.push_str("---\n");
+    y
+}
+
+fn cluster_policy_yaml() -> String {
+    service(
+        "np-cluster",
+        "  type: NodePort\n  clusterIP: 10.96.1.10\n  externalIPs: [\"192.168.60.10\"]\n  ports:\n  \
+         - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  \
+         - {name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}",
+        "",
+        &[(B_WEB, NODE_NAMES[NODE_B])],
+    )
+}
+
+fn local_policy_yaml() -> String {
+    service(
+        "lb-local",
+        "  type: LoadBalancer\n  clusterIP: 10.96.1.20\n  externalTrafficPolicy: Local\n  \
+         healthCheckNodePort: 32000\n  ports:\n  \
+         - {name: http, port: 80, targetPort: 8080, nodePort: 30081, protocol: TCP}",
+        "  loadBalancer:\n    ingress:\n    - ip: 192.168.70.10",
+        &[(B_LOCAL, NODE_NAMES[NODE_B])],
+    )
+}
+
+fn snat_port(env: &Env, addr: &str, via: Ipv4Addr) -> u16 {
+    let (ip, port) = addr
+        .split_once(':')
+        .unwrap_or_else(|| env.fail(&format!("backend saw {addr:?}")));
+    if ip != via.to_string() {
+        env.fail(&format!(
+            "backend saw the client as {addr}, expected node {via} (SNAT)"
+        ));
+    }
+    let port: u16 = port.parse().unwrap_or(0);
+    if !(61_000..=65_535).contains(&port) {
+        env.fail(&format!("SNAT port {port} outside 61000-65535"));
+    }
+    port
+}
+
+#[test]
+fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
+    require_privileged!();
+    let env = Env::start(&cluster_policy_yaml());
+    let [a, b] = NODE_IPS;
+
+    // NodePort on node A, backend on node B: SNAT to node A, replies back through A.
+    for _ in 0..3 {
+        let r = env.get(&format!("http://{a}:30080/"));
+        if r.code != 200 || r.body != "b-web" {
+            env.fail(&format!("NodePort via node A: {r:?}"));
+        }
+        snat_port(&env, &r.client_addr, a);
+    }
+
+    // The same NodePort on node B: the backend is local there, no SNAT.
+    let r = env.get(&format!("http://{b}:30080/"));
+    if r.body != "b-web" || !r.client_addr.starts_with(&format!("{EXT_CLIENT_IP}:")) {
+        env.fail(&format!(
+            "NodePort via node B (local backend) must keep the client address: {r:?}"
+        ));
+    }
+
+    // externalIPs, routed to node A by the client's router: same SNAT path.
+    env.net
+        .route_via_node("192.168.60.0/24", NODE_A)
+        .expect("route to the external IP");
+    let r = env.get(&format!("http://{EXTERNAL_IP}/"));
+    if r.body != "b-web" {
+        env.fail(&format!("externalIP via node A: {r:?}"));
+    }
+    snat_port(&env, &r.client_addr, a);
+
+    // UDP NodePort on node A: the reply comes from the NodePort.
+    for i in 0..3 {
+        let payload = format!("ping-{i}");
+        let reply = env
+            .net
+            .udp_request(a, 30053, &payload)
+            .unwrap_or_else(|e| env.fail(&format!("UDP NodePort via node A: {e:#}")));
+        if reply.from.ip() != &a || reply.from.port() != 30053 {
+            env.fail(&format!(
+                "UDP reply from {}, expected {a}:30053",
+                reply.from
+            ));
+        }
+        if reply.body != format!("b-web:{payload}") {
+            env.fail(&format!("UDP reply body {:?}", reply.body));
+        }
+    }
+    let snat = env.counter(NODE_A, "snat_new");
+    if snat < 5 {
+        env.fail(&format!(
+            "node A counted {snat} SNATed flows, expected >= 5"
+        ));
+    }
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
+    require_privileged!();
+    let env = Env::start(&local_policy_yaml());
+    let [a, b] = NODE_IPS;
+
+    // Node B has the endpoint: the backend sees the real client.
+    let r = env.get(&format!("http://{b}:30081/"));
+    if r.body != "b-loc" || !r.client_addr.starts_with(&format!("{EXT_CLIENT_IP}:")) {
+        env.fail(&format!(
+            "eTP=Local via node B must keep the client IP: {r:?}"
+        ));
+    }
+
+    // Node A has none: no answer at all (dropped, not refused), and counted.
+    let (outcome, took) = env
+        .net
+        .tcp_connect(a, 30081, Duration::from_secs(2))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    if outcome != ConnectOutcome::TimedOut {
+        env.fail(&format!(
+            "eTP=Local via node A without local endpoints: {outcome:?} after {took:?}, expected a timeout"
+        ));
+    }
+    let dropped = env.counter(NODE_A, "drop_no_local_endpoints");
+    if dropped == 0 {
+        env.fail("node A did not count the dropped SYNs");
+    }
+
+    // Health-check node port: 503 on A, 200 with weight 1 on B.
+    let hc_a = env.get(&format!("http://{a}:{HC_PORT}/"));
+    if hc_a.code != 503 || hc_a.weight != "0" {
+        env.fail(&format!("health check on node A: {hc_a:?}"));
+    }
+    let hc_b = env.get(&format!("http://{b}:{HC_PORT}/"));
+    if hc_b.code != 200 || hc_b.weight != "1" {
+        env.fail(&format!("health check on node B: {hc_b:?}"));
+    }
+    let body: serde_json::Value = serde_json::from_str(&hc_b.body)
+        .unwrap_or_else(|e| env.fail(&format!("health check body {:?}: {e}", hc_b.body)));
+    assert_eq!(
+        body,
+        serde_json::json!({"service": {"namespace": "demo", "name": "lb-local"},
+                           "localEndpoints": 1, "serviceProxyHealthy": true})
+    );
+
+    // The LoadBalancer IP, sent to the healthy node: served, client IP preserved.
+    env.net
+        .route_via_node("192.168.70.0/24", NODE_B)
+        .expect("route to the LB IP");
+    let r = env.get(&format!("http://{LB_IP}/"));
+    if r.body != "b-loc" || !r.client_addr.starts_with(&format!("{EXT_CLIENT_IP}:")) {
+        env.fail(&format!("LoadBalancer IP via node B: {r:?}"));
+    }
+}
