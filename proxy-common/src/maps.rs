@@ -226,6 +226,10 @@ const _: () = assert!(core::mem::size_of::<CtValue>() == 40);
 /// the node's own connections rarely share a tuple with a SNATed flow).
 pub const SNAT_PORT_MIN: u16 = 61_000;
 pub const SNAT_PORT_MAX: u16 = 65_535;
+/// Source of hairpin flows (a pod sent to a Service and was picked as its own backend): the pod
+/// cannot accept a packet from its own address, so such flows are SNATed to this link-local
+/// address (pods reach it through their default route to the node).
+pub const HAIRPIN_SNAT_ADDR: [u8; 4] = [169, 254, 0, 1];
 /// How many ports a new flow tries before it is dropped (`drop_snat_ports_exhausted`).
 pub const SNAT_PROBES: u32 = 32;
 

@@ -80,6 +80,8 @@ counters! {
     DropNoLocalEndpoints = "drop_no_local_endpoints",
     /// Dropped: no free SNAT port for the flow's backend within the probe limit.
     DropSnatPortsExhausted = "drop_snat_ports_exhausted",
+    /// A hairpin flow (client picked as its own backend) SNATed to the link-local address.
+    HairpinSnat = "hairpin_snat",
 }
 
 /// Number of entries in the stats array.

@@ -132,7 +132,7 @@ fn new_flow(
         rev_nat_id: frontend.rev_nat_id,
         now_ns: now,
     };
-    if snat::needed(&frontend, &backend) {
+    if snat::needed(p.saddr, &frontend, &backend) {
         let f = snat::Flow {
             client: p.saddr,
             client_port: p.sport,

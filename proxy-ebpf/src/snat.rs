@@ -8,14 +8,18 @@
 //! the usual reverse DNAT. Neither rewrite makes the kernel see one of its own addresses as a
 //! source on input (which it drops as martian).
 //!
+//! Hairpin flows (a pod sent to a Service and was picked as its own backend) take the same path
+//! with the link-local `HAIRPIN_SNAT_ADDR` as source: the pod could not accept a packet from its
+//! own address, and answers the link-local address through its default route to the node.
+//!
 //! Ports are allocated per (node address, backend address/port, protocol): a bounded probe from a
 //! flow-hash start claims a free `in` key with `BPF_NOEXIST` (atomic across CPUs), or reclaims one
 //! whose flow has been idle past its conntrack timeout. Both entries live in an LRU map, refreshed
 //! by the flow's packets.
 
 use proxy_common::{
-    Backend, Counter, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ServiceValue, SnatKey, SnatValue,
-    backend_flags, ct_dir, ct_state, hash::flow_hash, service_flags,
+    Backend, Counter, HAIRPIN_SNAT_ADDR, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ServiceValue,
+    SnatKey, SnatValue, backend_flags, ct_dir, ct_state, hash::flow_hash, service_flags,
 };
 
 use crate::{
@@ -27,12 +31,14 @@ use crate::{
 
 const PORT_RANGE: u32 = (SNAT_PORT_MAX - SNAT_PORT_MIN) as u32 + 1;
 
-/// Does a new flow from this frontend to this backend need SNAT?
+/// Does a new flow from this client to this frontend's backend need SNAT? External flows to a
+/// remote backend (eTP=Cluster), and hairpin flows (the client is the backend).
 #[inline(always)]
-pub fn needed(frontend: &ServiceValue, backend: &Backend) -> bool {
-    frontend.flags & service_flags::EXTERNAL != 0
+pub fn needed(client: [u8; 4], frontend: &ServiceValue, backend: &Backend) -> bool {
+    (frontend.flags & service_flags::EXTERNAL != 0
         && frontend.flags & service_flags::EXTERNAL_LOCAL == 0
-        && backend.flags & backend_flags::LOCAL == 0
+        && backend.flags & backend_flags::LOCAL == 0)
+        || client == backend.addr
 }
 
 /// Can this packet be a reply to a SNATed flow (destination port in the SNAT range)?
@@ -118,21 +124,31 @@ pub fn out_key_of_forwarded(p: &Packet) -> SnatKey {
     Flow::of_forwarded(p).out_key()
 }
 
-/// Give a flow a node address and port (reusing its entries if they are still its own).
+/// The source address a flow is SNATed to: the hairpin address when the client is its own
+/// backend, else the node's SNAT address (`None` while the agent has not written one).
+#[inline(always)]
+fn source_addr(f: &Flow) -> Option<[u8; 4]> {
+    if f.client == f.backend {
+        return Some(HAIRPIN_SNAT_ADDR);
+    }
+    match maps::node() {
+        Some(n) if n.snat_addr != [0; 4] => Some(n.snat_addr),
+        _ => None,
+    }
+}
+
+/// Give a flow a source address and port (reusing its entries if they are still its own).
 /// `Ok(None)`: the node has no SNAT address yet (counted; the flow goes out unSNATed).
 #[inline(always)]
 pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop> {
-    let node = match maps::node() {
-        Some(n) if n.snat_addr != [0; 4] => n,
-        _ => {
-            stats::count(Counter::SnatNoNodeAddr);
-            return Ok(None);
-        }
+    let Some(source) = source_addr(f) else {
+        stats::count(Counter::SnatNoNodeAddr);
+        return Ok(None);
     };
     let out_key = f.out_key();
     if let Some(out) = maps::snat_entry(&out_key) {
         let v = out.get();
-        if v.addr == node.snat_addr
+        if v.addr == source
             && let Some(own) = f.own_in_entry(&v)
         {
             own.touch(now, state);
@@ -157,7 +173,7 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
             off -= PORT_RANGE;
         }
         let port = ((SNAT_PORT_MIN as u32 + off) as u16).to_be_bytes();
-        let in_key = f.in_key(node.snat_addr, port);
+        let in_key = f.in_key(source, port);
         let claimed = maps::snat_claim(&in_key, &client).is_ok()
             || match maps::snat_entry(&in_key) {
                 Some(taken) => {
@@ -170,7 +186,7 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
             };
         if claimed {
             let out = SnatValue {
-                addr: node.snat_addr,
+                addr: source,
                 port,
                 ..client
             };
@@ -178,7 +194,11 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
                 maps::snat_remove(&in_key);
                 return Err(Drop::ConntrackFull);
             }
-            stats::count(Counter::SnatNew);
+            stats::count(if source == HAIRPIN_SNAT_ADDR {
+                Counter::HairpinSnat
+            } else {
+                Counter::SnatNew
+            });
             return Ok(Some(out));
         }
         i += 1;

@@ -17,10 +17,10 @@ use aya::{
 use common_packet::{CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, ipv6_frame, tcp_flags::*};
 use kube_proxy_ebpf::ebpf_object::EBPF_OBJECT;
 use proxy_common::{
-    Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue, SnatKey, SnatValue, backend_flags,
-    ct_dir, ct_state,
+    Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, HAIRPIN_SNAT_ADDR,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo,
+    PROG_TC_EGRESS, PROG_TC_INGRESS, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue,
+    SnatKey, SnatValue, backend_flags, ct_dir, ct_state,
     hash::{flow_hash, pick_slot},
     proto, service_flags,
 };
@@ -1848,6 +1848,61 @@ fn nodeport_local_backend_and_etp_local_without_endpoints() {
         &[(Counter::DropNoLocalEndpoints, 1)],
     ));
     assert_eq!(dp.ct_len(), 2, "only the first flow is tracked");
+}
+
+#[test]
+fn hairpin_flow_is_snated_to_the_link_local_address() {
+    let mut dp = Datapath::load();
+    let vip = Ipv4Addr::new(10, 96, 0, 77);
+    dp.set_frontend(
+        vip,
+        80,
+        proto::TCP,
+        0,
+        &[(
+            210,
+            raw_backend(CLIENT, 8080, proto::TCP, backend_flags::LOCAL),
+        )],
+    );
+    let hairpin = Ipv4Addr::from(HAIRPIN_SNAT_ADDR);
+    let syn = Pkt::tcp(CLIENT, 42_000, vip, 80, SYN);
+    let fwd = with_dst(&syn, CLIENT, 8080);
+    dp.check(ingress(
+        "pod to its own Service, picked as its own backend: DNAT + hairpin SNAT port",
+        syn.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::HairpinSnat, 1)],
+    ));
+    let out = dp
+        .snat()
+        .get(&snat_out_key(&syn, CLIENT, 8080), 0)
+        .expect("hairpin out entry");
+    assert_eq!(out.addr, HAIRPIN_SNAT_ADDR, "hairpin source");
+    let port = u16::from_be_bytes(out.port);
+    dp.check(egress(
+        "back toward the pod: source becomes the link-local address",
+        fwd.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&fwd, hairpin, port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(CLIENT, 8080, hairpin, port, SYN | ACK);
+    let back = with_dst(&synack, CLIENT, 42_000);
+    dp.check(ingress(
+        "the pod answers the link-local address: destination restored",
+        synack.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(back.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the pod as client: from the VIP",
+        back.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&back, vip, 80)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
 }
 
 /// Per-packet cost of the NodePort path with SNAT (medians of single runs, never asserted), next

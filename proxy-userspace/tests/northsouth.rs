@@ -101,6 +101,41 @@ impl Env {
             .unwrap_or_else(|e| self.fail(&format!("GET {url}: {e:#}")))
     }
 
+    /// One HTTP GET from a pod of node `i`: (body, the source address the backend saw).
+    fn pod_get(&self, i: usize, pod: &str, url: &str) -> proxy_testenv::HttpReply {
+        let pod = self
+            .net
+            .node(i)
+            .pod(pod)
+            .unwrap_or_else(|e| self.fail(&format!("{e:#}")));
+        let out = pod
+            .ns()
+            .output(
+                &[
+                    "curl",
+                    "-s",
+                    "--max-time",
+                    "3",
+                    "-w",
+                    "\x1e%{http_code}\x1e%header{x-client-addr}",
+                    url,
+                ],
+                Duration::from_secs(10),
+            )
+            .unwrap_or_else(|e| self.fail(&format!("curl {url}: {e:#}")));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let mut f = stdout.split('\x1e');
+        let body = f.next().unwrap_or_default().trim().to_owned();
+        let code = f.next().unwrap_or_default().parse().unwrap_or(0);
+        let client_addr = f.next().unwrap_or_default().trim().to_owned();
+        proxy_testenv::HttpReply {
+            code,
+            body,
+            client_addr,
+            weight: String::new(),
+        }
+    }
+
     /// A datapath counter of node `i` (`kube-proxy-ebpf dump stats`).
     fn counter(&self, i: usize, name: &str) -> u64 {
         let agent = &self.agents[i];
@@ -152,6 +187,17 @@ fn cluster_policy_yaml() -> String {
     )
 }
 
+/// A ClusterIP whose only endpoint is the pod `b-web` itself (hairpin).
+fn hairpin_yaml() -> String {
+    service(
+        "hairpin",
+        "  type: ClusterIP\n  clusterIP: 10.96.1.30\n  ports:\n  \
+         - {name: http, port: 80, targetPort: 8080, protocol: TCP}",
+        "",
+        &[(B_WEB, NODE_NAMES[NODE_B])],
+    )
+}
+
 fn local_policy_yaml() -> String {
     service(
         "lb-local",
@@ -182,7 +228,7 @@ fn snat_port(env: &Env, addr: &str, via: Ipv4Addr) -> u16 {
 #[test]
 fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
     require_privileged!();
-    let env = Env::start(&cluster_policy_yaml());
+    let env = Env::start(&(cluster_policy_yaml() + &hairpin_yaml()));
     let [a, b] = NODE_IPS;
 
     // NodePort on node A, backend on node B: SNAT to node A, replies back through A.
@@ -229,6 +275,27 @@ fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
             env.fail(&format!("UDP reply body {:?}", reply.body));
         }
     }
+    // NodePort from a pod: on its own node (local backend, no SNAT) and on the other node
+    // (remote backend: SNAT to node A, the reply crosses both nodes back to the pod).
+    let from_pod = |url: &str| env.pod_get(NODE_B, "b-loc", url);
+    let r = from_pod(&format!("http://{b}:30080/"));
+    if r.body != "b-web" || !r.client_addr.starts_with("10.244.2.12:") {
+        env.fail(&format!("NodePort of its own node from pod b-loc: {r:?}"));
+    }
+    let r = from_pod(&format!("http://{a}:30080/"));
+    if r.body != "b-web" {
+        env.fail(&format!("NodePort of node A from pod b-loc: {r:?}"));
+    }
+    snat_port(&env, &r.client_addr, a);
+
+    // Hairpin: b-web reaches a Service whose only endpoint is itself.
+    let r = env.pod_get(NODE_B, "b-web", "http://10.96.1.30/");
+    if r.body != "b-web" || !r.client_addr.starts_with("169.254.0.1:") {
+        env.fail(&format!(
+            "hairpin: {r:?}, expected b-web seeing itself as 169.254.0.1"
+        ));
+    }
+
     let snat = env.counter(NODE_A, "snat_new");
     if snat < 5 {
         env.fail(&format!(
