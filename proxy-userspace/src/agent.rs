@@ -147,15 +147,16 @@ impl Agent {
             .ops
             .iter()
             .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
-        for op in &plan.ops {
-            if let Err(source) = self.maps.apply(op) {
-                self.sync_failed(snapshot);
-                return Err(ApplyError {
-                    op: *op,
-                    source: Box::new(source),
-                });
-            }
+        let (applied, failure) = self.maps.apply_all(&plan.ops);
+        for op in &plan.ops[..applied] {
             self.programmed.apply(op);
+        }
+        if let Some(source) = failure {
+            self.sync_failed(snapshot);
+            return Err(ApplyError {
+                op: plan.ops[applied],
+                source: Box::new(source),
+            });
         }
         if removed_backends {
             self.gc_conntrack();

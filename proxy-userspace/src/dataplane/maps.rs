@@ -2,15 +2,15 @@
 //! carries out `MapOp`s, reads the maps back into a `Programmed` shadow (adoption at start-up),
 //! and reads conntrack and stats for `dump`, metrics and garbage collection.
 
-use std::path::Path;
+use std::{os::fd::AsFd as _, path::Path};
 
-use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend, COUNTER_COUNT, CtKey, CtValue, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT,
     MAP_SERVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue,
 };
 
-use super::{Error, Result, bpffs::PinLayout};
+use super::{Error, Result, batch, bpffs::PinLayout};
 use crate::programmed::{MapOp, Programmed};
 
 fn map_err(name: &'static str) -> impl Fn(aya::maps::MapError) -> Error {
@@ -79,6 +79,11 @@ impl ServiceMaps {
     pub fn apply(&mut self, op: &MapOp) -> Result<()> {
         let ignore_missing = |r: Result<(), aya::maps::MapError>, name| match r {
             Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Ok(())
+            }
             r => r.map_err(map_err(name)),
         };
         match op {
@@ -98,6 +103,101 @@ impl ServiceMaps {
             MapOp::DeleteRevNat { id } => ignore_missing(self.rev_nats.remove(id), MAP_REVNAT),
             MapOp::DeleteBackend { id } => ignore_missing(self.backends.remove(id), MAP_BACKENDS),
         }
+    }
+
+    /// Carries out `ops` in order, batching each run of same-kind writes into one syscall
+    /// (the plan's phases keep same-kind writes together, and order within a run does not
+    /// matter). Returns how many ops took effect, and the error that stopped the rest.
+    pub fn apply_all(&mut self, ops: &[MapOp]) -> (usize, Option<Error>) {
+        let mut done = 0;
+        while done < ops.len() {
+            let run = run_len(&ops[done..]);
+            let (n, err) = self.apply_run(&ops[done..done + run]);
+            done += n;
+            if let Some(e) = err {
+                return (done, Some(e));
+            }
+        }
+        (done, None)
+    }
+
+    /// One run of same-kind ops. On a batch error, finishes the run one op at a time so a
+    /// missing key on delete is tolerated and a real failure names its op.
+    fn apply_run(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+        let outcome = match run[0] {
+            MapOp::PutBackend { .. } => {
+                let (k, v): (Vec<u32>, Vec<Backend>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutBackend { id, backend } => Some((*id, *backend)),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(self.backends.map().fd().as_fd(), &k, &v)
+            }
+            MapOp::PutRevNat { .. } => {
+                let (k, v): (Vec<u32>, Vec<RevNat>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutRevNat { id, rev_nat } => Some((*id, *rev_nat)),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(self.rev_nats.map().fd().as_fd(), &k, &v)
+            }
+            MapOp::PutService { .. } => {
+                let (k, v): (Vec<ServiceKey>, Vec<ServiceValue>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutService { key, value } => Some((*key, *value)),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(self.services.map().fd().as_fd(), &k, &v)
+            }
+            MapOp::DeleteService { .. } => {
+                let k: Vec<ServiceKey> = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::DeleteService { key } => Some(*key),
+                        _ => None,
+                    })
+                    .collect();
+                batch::delete(self.services.map().fd().as_fd(), &k)
+            }
+            MapOp::DeleteRevNat { .. } => {
+                let k: Vec<u32> = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::DeleteRevNat { id } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                batch::delete(self.rev_nats.map().fd().as_fd(), &k)
+            }
+            MapOp::DeleteBackend { .. } => {
+                let k: Vec<u32> = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::DeleteBackend { id } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                batch::delete(self.backends.map().fd().as_fd(), &k)
+            }
+        };
+        if outcome.error.is_none() {
+            return (run.len(), None);
+        }
+        // Finish the rest singly: tolerates missing keys, pinpoints a real failure.
+        let mut done = outcome.done.min(run.len());
+        for op in &run[done..] {
+            if let Err(e) = self.apply(op) {
+                return (done, Some(e));
+            }
+            done += 1;
+        }
+        (done, None)
     }
 
     /// Backend by id (for conntrack garbage collection).
@@ -195,4 +295,12 @@ pub(crate) fn remove_if_exists(path: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         r => r,
     }
+}
+
+/// Length of the leading run of ops of the same kind (same map, same put/delete).
+fn run_len(ops: &[MapOp]) -> usize {
+    let kind = std::mem::discriminant(&ops[0]);
+    ops.iter()
+        .take_while(|op| std::mem::discriminant(*op) == kind)
+        .count()
 }

@@ -3,6 +3,7 @@
 //! restarts), and the netlink watch for interfaces that appear later.
 
 pub mod attach;
+pub mod batch;
 pub mod bpffs;
 pub mod clock;
 pub mod interfaces;
