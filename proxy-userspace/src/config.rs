@@ -750,6 +750,10 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
     if from_file("hostname_override") && file.hostname_override.is_some() {
         args.hostname_override.clone_from(&file.hostname_override);
     }
+    // clientConnection.kubeconfig; ignored in standalone mode (--manifests), where no API is read.
+    if from_file("kubeconfig") && args.manifests.is_none() && file.kubeconfig.is_some() {
+        args.kubeconfig.clone_from(&file.kubeconfig);
+    }
     validate(args)
 }
 
@@ -765,10 +769,6 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
             tracing::info!("{n}");
         }
         apply(args, &parsed.config, explicit)?;
-        if let Some(kubeconfig) = &parsed.config.kubeconfig {
-            // Applied by the Kubernetes source's connection settings when --kubeconfig is absent.
-            tracing::debug!(kubeconfig = %kubeconfig.display(), "clientConnection.kubeconfig from the file");
-        }
     } else {
         validate(args)?;
     }
@@ -1180,7 +1180,13 @@ winkernel:
     }
 
     fn run_args(argv: &[&str]) -> (RunArgs, BTreeSet<String>) {
-        let mut full = vec!["kube-proxy-ebpf", "run", "--manifests", "/m"];
+        let mut full = vec!["--manifests", "/m"];
+        full.extend_from_slice(argv);
+        run_args_kube(&full)
+    }
+
+    fn run_args_kube(argv: &[&str]) -> (RunArgs, BTreeSet<String>) {
+        let mut full = vec!["kube-proxy-ebpf", "run"];
         full.extend_from_slice(argv);
         let matches = Cli::command()
             .try_get_matches_from(full)
@@ -1198,16 +1204,32 @@ winkernel:
             "healthzBindAddress: 127.0.0.1:1\nmetricsBindAddress: 127.0.0.1:2\n\
              hostnameOverride: from-file\nnodePortAddresses: [primary]\n\
              iptables:\n  syncPeriod: 20s\n  minSyncPeriod: 2s\n\
-             conntrack:\n  udpTimeout: 7s\n  tcpEstablishedTimeout: 1h\n",
+             conntrack:\n  udpTimeout: 7s\n  tcpEstablishedTimeout: 1h\n\
+             clientConnection:\n  kubeconfig: /file/kubeconfig\n",
         )
         .config;
 
-        // Nothing on the command line: the file wins over every default.
+        // Kubernetes mode, nothing else on the command line: the file wins over every default.
+        let (mut args, explicit) = run_args_kube(&[]);
+        apply(&mut args, &file, &explicit).expect("apply");
+        assert_eq!(
+            args.kubeconfig.as_deref(),
+            Some(Path::new("/file/kubeconfig"))
+        );
+        let (mut args, explicit) = run_args_kube(&["--kubeconfig", "/flag/kubeconfig"]);
+        apply(&mut args, &file, &explicit).expect("apply");
+        assert_eq!(
+            args.kubeconfig.as_deref(),
+            Some(Path::new("/flag/kubeconfig"))
+        );
+
+        // Standalone mode, nothing else on the command line.
         let (mut args, explicit) = run_args(&[]);
         apply(&mut args, &file, &explicit).expect("apply");
         assert_eq!(args.healthz_bind_address.to_string(), "127.0.0.1:1");
         assert_eq!(args.metrics_bind_address.to_string(), "127.0.0.1:2");
         assert_eq!(args.hostname_override.as_deref(), Some("from-file"));
+        assert_eq!(args.kubeconfig, None, "no API in standalone mode");
         assert_eq!(args.nodeport_addresses, NodePortAddresses::Primary);
         assert_eq!(args.sync_period, Duration::from_secs(20));
         assert_eq!(args.min_sync_period, Duration::from_secs(2));

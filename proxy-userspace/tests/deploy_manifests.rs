@@ -1,0 +1,374 @@
+//! Unprivileged: every YAML document under deploy/ (examples included) parses into its
+//! k8s-openapi type by kind without losing a field (a misspelt field fails here, not in a
+//! cluster), the ConfigMap's KubeProxyConfiguration passes this proxy's own parser without a
+//! warning, and the DaemonSet's command line parses with the agent's own CLI.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use clap::Parser as _;
+use k8s_openapi::{
+    api::{
+        apps::v1::DaemonSet,
+        core::v1::{ConfigMap, Service, ServiceAccount},
+        discovery::v1::EndpointSlice,
+        rbac::v1::{ClusterRole, ClusterRoleBinding},
+    },
+    serde::{Serialize, de::DeserializeOwned},
+};
+use kube_proxy_ebpf::{
+    cli::{Cli, Command},
+    config,
+};
+use serde::Deserialize as _;
+use serde_yaml::Value;
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| e.expect("dir entry").path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            yaml_files(&p, out);
+        } else if matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")) {
+            out.push(p);
+        }
+    }
+}
+
+/// Every field of `original` must survive a round trip through the typed object; returns the
+/// paths that did not (k8s-openapi silently ignores unknown fields).
+fn lost_fields(original: &Value, typed: &Value, path: &str, lost: &mut Vec<String>) {
+    match (original, typed) {
+        (Value::Mapping(o), Value::Mapping(t)) => {
+            for (k, v) in o {
+                let key = k.as_str().unwrap_or("?");
+                let p = format!("{path}.{key}");
+                match t.get(k) {
+                    Some(tv) => lost_fields(v, tv, &p, lost),
+                    // Empty values may be dropped by serialization without meaning anything.
+                    None if is_empty(v) => {}
+                    None => lost.push(p),
+                }
+            }
+        }
+        (Value::Sequence(o), Value::Sequence(t)) => {
+            for (i, (ov, tv)) in o.iter().zip(t).enumerate() {
+                lost_fields(ov, tv, &format!("{path}[{i}]"), lost);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Mapping(m) => m.is_empty(),
+        Value::Sequence(s) => s.is_empty(),
+        _ => false,
+    }
+}
+
+/// Parses one document as `T` and checks nothing was dropped.
+fn typed<T: DeserializeOwned + Serialize>(doc: &Value, at: &str) -> T {
+    let obj: T = serde_yaml::from_value(doc.clone())
+        .unwrap_or_else(|e| panic!("{at}: does not parse as its kind: {e}"));
+    let back = serde_yaml::to_value(&obj).expect("serialize");
+    let mut lost = Vec::new();
+    lost_fields(doc, &back, "", &mut lost);
+    assert!(
+        lost.is_empty(),
+        "{at}: fields not part of the API (typos?): {lost:?}"
+    );
+    obj
+}
+
+#[derive(Default)]
+struct Objects {
+    daemonsets: BTreeMap<String, DaemonSet>,
+    service_accounts: Vec<ServiceAccount>,
+    cluster_roles: Vec<ClusterRole>,
+    bindings: Vec<ClusterRoleBinding>,
+    config_maps: Vec<ConfigMap>,
+    services: usize,
+    slices: usize,
+}
+
+fn load_all() -> Objects {
+    let mut files = Vec::new();
+    yaml_files(&deploy_dir(), &mut files);
+    assert!(!files.is_empty(), "no YAML under deploy/");
+    let mut objects = Objects::default();
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("read");
+        for (i, de) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+            let at = format!("{} document {i}", file.display());
+            let doc = Value::deserialize(de).unwrap_or_else(|e| panic!("{at}: not YAML: {e}"));
+            if doc.is_null() {
+                continue;
+            }
+            let api_version = doc.get("apiVersion").and_then(Value::as_str);
+            let kind = doc.get("kind").and_then(Value::as_str);
+            match (api_version, kind) {
+                (Some("apps/v1"), Some("DaemonSet")) => {
+                    let ds: DaemonSet = typed(&doc, &at);
+                    let name = ds.metadata.name.clone().expect("DaemonSet name");
+                    objects.daemonsets.insert(name, ds);
+                }
+                (Some("v1"), Some("ServiceAccount")) => {
+                    objects.service_accounts.push(typed(&doc, &at))
+                }
+                (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRole")) => {
+                    objects.cluster_roles.push(typed(&doc, &at))
+                }
+                (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRoleBinding")) => {
+                    objects.bindings.push(typed(&doc, &at))
+                }
+                (Some("v1"), Some("ConfigMap")) => objects.config_maps.push(typed(&doc, &at)),
+                (Some("v1"), Some("Service")) => {
+                    typed::<Service>(&doc, &at);
+                    objects.services += 1;
+                }
+                (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => {
+                    typed::<EndpointSlice>(&doc, &at);
+                    objects.slices += 1;
+                }
+                other => panic!("{at}: unexpected apiVersion/kind {other:?}"),
+            }
+        }
+    }
+    objects
+}
+
+#[test]
+fn every_document_parses_as_its_kind() {
+    let o = load_all();
+    assert!(o.daemonsets.contains_key("kube-proxy-ebpf"));
+    assert!(o.daemonsets.contains_key("kube-proxy-ebpf-cleanup"));
+    assert_eq!(o.service_accounts.len(), 1);
+    assert_eq!(o.cluster_roles.len(), 1);
+    assert_eq!(o.bindings.len(), 1);
+    assert_eq!(o.config_maps.len(), 1);
+    assert!(o.services > 0 && o.slices > 0, "deploy/examples included");
+}
+
+#[test]
+fn lost_field_check_catches_typos() {
+    let doc: Value = serde_yaml::from_str(
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: x\n  namspace: y\n",
+    )
+    .expect("yaml");
+    let r = std::panic::catch_unwind(|| typed::<ServiceAccount>(&doc, "typo"));
+    assert!(r.is_err(), "a misspelt field must fail");
+}
+
+fn config_text(o: &Objects) -> String {
+    let cm = &o.config_maps[0];
+    assert_eq!(cm.metadata.name.as_deref(), Some("kube-proxy-ebpf"));
+    assert_eq!(cm.metadata.namespace.as_deref(), Some("kube-system"));
+    cm.data
+        .as_ref()
+        .and_then(|d| d.get("config.yaml"))
+        .expect("ConfigMap data config.yaml")
+        .clone()
+}
+
+#[test]
+fn configmap_holds_a_clean_kube_proxy_configuration() {
+    let o = load_all();
+    let parsed = config::parse("deploy/configmap.yaml config.yaml", &config_text(&o))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(parsed.warnings.is_empty(), "{:?}", parsed.warnings);
+    let c = parsed.config;
+    assert_eq!(
+        c.healthz_bind_address.map(|b| b.to_string()).as_deref(),
+        Some("0.0.0.0:10256")
+    );
+    assert_eq!(
+        c.metrics_bind_address.map(|b| b.to_string()).as_deref(),
+        Some("127.0.0.1:10249")
+    );
+    assert!(c.sync_period.is_some() && c.min_sync_period.is_some());
+}
+
+#[test]
+fn daemonset_replaces_kube_proxy() {
+    let o = load_all();
+    let ds = &o.daemonsets["kube-proxy-ebpf"];
+    assert_eq!(ds.metadata.namespace.as_deref(), Some("kube-system"));
+    let pod = ds.spec.template.spec.as_ref().expect("pod spec");
+    assert_eq!(pod.host_network, Some(true));
+    assert_eq!(pod.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-node-critical")
+    );
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        o.service_accounts[0].metadata.name.as_deref()
+    );
+    let tolerations = pod.tolerations.as_ref().expect("tolerations");
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()),
+        "tolerates every taint, like kube-proxy"
+    );
+    let c = &pod.containers[0];
+    let node_name = c
+        .env
+        .as_ref()
+        .and_then(|e| e.iter().find(|v| v.name == "NODE_NAME"))
+        .and_then(|v| v.value_from.as_ref())
+        .and_then(|f| f.field_ref.as_ref())
+        .map(|f| f.field_path.as_str());
+    assert_eq!(node_name, Some("spec.nodeName"));
+
+    // The command line is one the agent accepts, and reads the mounted ConfigMap.
+    let argv: Vec<String> = c
+        .command
+        .iter()
+        .flatten()
+        .chain(c.args.iter().flatten())
+        .map(|a| a.replace("$(NODE_NAME)", "node-1"))
+        .collect();
+    let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+    let Command::Run(run) = cli.command else {
+        panic!("{argv:?} is not `run`")
+    };
+    let config_path = run.config.expect("--config");
+    let mounts = c.volume_mounts.as_ref().expect("mounts");
+    let config_mount = mounts
+        .iter()
+        .find(|m| config_path.starts_with(&m.mount_path))
+        .expect("--config file is on a mounted volume");
+    let volumes = pod.volumes.as_ref().expect("volumes");
+    let config_volume = volumes
+        .iter()
+        .find(|v| v.name == config_mount.name)
+        .and_then(|v| v.config_map.as_ref())
+        .expect("--config's volume is a ConfigMap");
+    assert_eq!(
+        config_volume.name,
+        o.config_maps[0].metadata.name.clone().unwrap_or_default()
+    );
+    assert!(config_path.ends_with("config.yaml"));
+    assert_eq!(run.hostname_override.as_deref(), Some("node-1"));
+
+    // bpffs from the host, so pins outlive the pod.
+    let bpf_mount = mounts
+        .iter()
+        .find(|m| m.mount_path == "/sys/fs/bpf")
+        .expect("bpffs mount");
+    let bpf_volume = volumes
+        .iter()
+        .find(|v| v.name == bpf_mount.name)
+        .and_then(|v| v.host_path.as_ref())
+        .expect("bpffs is a hostPath");
+    assert_eq!(bpf_volume.path, "/sys/fs/bpf");
+
+    // Probes on the health port, the right paths.
+    let probe = |p: Option<&k8s_openapi::api::core::v1::Probe>| {
+        let get = p.and_then(|p| p.http_get.as_ref()).expect("httpGet probe");
+        (
+            get.path.clone().unwrap_or_default(),
+            serde_json::to_value(&get.port).expect("port"),
+        )
+    };
+    assert_eq!(
+        probe(c.liveness_probe.as_ref()),
+        ("/livez".into(), serde_json::json!(10256))
+    );
+    assert_eq!(
+        probe(c.readiness_probe.as_ref()),
+        ("/healthz".into(), serde_json::json!(10256))
+    );
+
+    // Capabilities: not privileged, only what the agent needs.
+    let sc = c.security_context.as_ref().expect("securityContext");
+    assert_ne!(sc.privileged, Some(true), "the agent is not privileged");
+    let caps = sc.capabilities.as_ref().expect("capabilities");
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+    let mut add = caps.add.clone().unwrap_or_default();
+    add.sort();
+    assert_eq!(add, ["BPF", "NET_ADMIN", "PERFMON"]);
+    assert!(
+        c.resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .is_some()
+    );
+}
+
+#[test]
+fn cleanup_daemonset_runs_the_cleanup_command() {
+    let o = load_all();
+    let pod = o.daemonsets["kube-proxy-ebpf-cleanup"]
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .expect("pod spec");
+    let init = &pod.init_containers.as_ref().expect("init containers")[0];
+    let argv: Vec<String> = init.command.clone().unwrap_or_default();
+    let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+    assert!(matches!(cli.command, Command::Cleanup(_)), "{argv:?}");
+}
+
+#[test]
+fn rbac_is_least_privilege() {
+    let o = load_all();
+    let role = &o.cluster_roles[0];
+    let mut granted: Vec<(String, String, String)> = Vec::new();
+    for rule in role.rules.iter().flatten() {
+        for group in rule.api_groups.iter().flatten() {
+            for resource in rule.resources.iter().flatten() {
+                for verb in &rule.verbs {
+                    granted.push((group.clone(), resource.clone(), verb.clone()));
+                }
+            }
+        }
+    }
+    let allowed = |g: &str, r: &str, v: &str| match (g, r) {
+        ("", "services" | "nodes") | ("discovery.k8s.io", "endpointslices") => {
+            matches!(v, "get" | "list" | "watch")
+        }
+        ("" | "events.k8s.io", "events") => matches!(v, "create" | "patch" | "update"),
+        _ => false,
+    };
+    for (g, r, v) in &granted {
+        assert!(allowed(g, r, v), "ClusterRole grants {v} on {g}/{r}");
+    }
+    for (g, r, v) in [
+        ("", "services", "watch"),
+        ("", "nodes", "get"),
+        ("discovery.k8s.io", "endpointslices", "list"),
+        ("events.k8s.io", "events", "create"),
+    ] {
+        assert!(
+            granted.contains(&(g.into(), r.into(), v.into())),
+            "missing {v} on {g}/{r}"
+        );
+    }
+    let b = &o.bindings[0];
+    assert_eq!(
+        b.role_ref.name,
+        role.metadata.name.clone().unwrap_or_default()
+    );
+    let subject = &b.subjects.as_ref().expect("subjects")[0];
+    assert_eq!(subject.kind, "ServiceAccount");
+    assert_eq!(
+        Some(subject.name.as_str()),
+        o.service_accounts[0].metadata.name.as_deref()
+    );
+    assert_eq!(subject.namespace.as_deref(), Some("kube-system"));
+}
