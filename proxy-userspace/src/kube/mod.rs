@@ -2,7 +2,8 @@
 //!
 //! Each reflector (kube-runtime `watcher` + store) lists, then watches; on a dropped watch it
 //! resumes from its resourceVersion, on 410 Gone it relists, and between failed attempts it backs
-//! off (the watcher's default backoff). The store applies a relist atomically at its end
+//! off (exponential from 0.5 s, capped at 5 s, with jitter: an API server back from an outage
+//! is noticed within seconds, not the default's 30 s). The store applies a relist atomically at its end
 //! (`InitDone`), so a sync never reads a half-listed or reset store: while the API server is
 //! unreachable the stores keep their last state and the dataplane is left as it is. Objects
 //! deleted during an outage vanish from the store at the relist and from the maps by the diff.
@@ -29,6 +30,7 @@ use kube::{
     runtime::{
         WatchStreamExt as _,
         reflector::{self, Store},
+        utils::{Backoff, ResetTimerBackoff},
         watcher,
     },
 };
@@ -205,6 +207,53 @@ impl Drop for KubeSource {
     }
 }
 
+/// Exponential backoff between failed list/watch attempts: 0.5 s doubling to a 5 s cap, each delay
+/// jittered down by up to 25% so many agents do not retry in lockstep after an API outage.
+#[derive(Clone, Debug)]
+pub struct CappedBackoff {
+    next: Duration,
+    seed: u64,
+}
+
+impl CappedBackoff {
+    const MIN: Duration = Duration::from_millis(500);
+    const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for CappedBackoff {
+    fn default() -> Self {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1;
+        Self {
+            next: Self::MIN,
+            seed,
+        }
+    }
+}
+
+impl Iterator for CappedBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        // xorshift64: cheap jitter, no extra dependency.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let jitter = 1.0 - (self.seed % 1000) as f64 / 4000.0;
+        Some(delay.mul_f64(jitter))
+    }
+}
+
+impl Backoff for CappedBackoff {
+    fn reset(&mut self) {
+        self.next = Self::MIN;
+    }
+}
+
 /// One reflector task: watcher (with backoff) → prune → store; wakes `changed` after every
 /// event that changed the store (Apply, Delete, end of a (re)list).
 fn reflect<K>(
@@ -218,7 +267,12 @@ where
 {
     let (reader, writer) = reflector::store::<K>();
     let kind = K::kind(&()).into_owned();
-    let stream = watcher(api, config).default_backoff().modify(prune);
+    let stream = watcher(api, config)
+        .backoff(ResetTimerBackoff::new(
+            CappedBackoff::default(),
+            Duration::from_secs(60),
+        ))
+        .modify(prune);
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
         let mut failing = false;
@@ -250,4 +304,26 @@ where
         }
     });
     (reader, task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_a_five_second_cap_with_bounded_jitter_and_resets() {
+        let mut b = CappedBackoff::default();
+        let delays: Vec<Duration> = b.by_ref().take(8).collect();
+        let nominal = [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 5.0];
+        for (d, n) in delays.iter().zip(nominal) {
+            let s = d.as_secs_f64();
+            assert!(
+                s <= n && s >= n * 0.75,
+                "delay {s} s outside [{}, {n}]",
+                n * 0.75
+            );
+        }
+        b.reset();
+        assert!(b.next().expect("endless") <= Duration::from_millis(500));
+    }
 }
