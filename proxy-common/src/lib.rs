@@ -81,4 +81,5 @@ mod pod {
     unsafe impl aya::Pod for crate::DatapathConfig {}
     unsafe impl aya::Pod for crate::SnatValue {}
     unsafe impl aya::Pod for crate::NodeInfo {}
+    unsafe impl aya::Pod for crate::SourceRangeKey {}
 }

@@ -13,9 +13,10 @@ pub const MAP_CONNTRACK: &str = "CONNTRACK_V1";
 pub const MAP_STATS: &str = "STATS_V1";
 pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
+pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 7] = [
+pub const ALL_MAPS: [&str; 8] = [
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,
@@ -23,6 +24,7 @@ pub const ALL_MAPS: [&str; 7] = [
     MAP_STATS,
     MAP_SNAT,
     MAP_NODE,
+    MAP_SOURCE_RANGES,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -33,6 +35,8 @@ pub const REVNAT_CAPACITY: u32 = 65_536;
 pub const CONNTRACK_CAPACITY: u32 = 262_144;
 /// Two entries per SNATed flow (out and in).
 pub const SNAT_CAPACITY: u32 = 131_072;
+/// loadBalancerSourceRanges prefixes, over all LoadBalancer frontends.
+pub const SOURCE_RANGES_CAPACITY: u32 = 16_384;
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -89,6 +93,9 @@ pub mod service_flags {
     /// externalTrafficPolicy Local: never SNAT (the backend sees the client), and no backends
     /// means drop, not reject (the load balancer's health check steers clients away).
     pub const EXTERNAL_LOCAL: u16 = 1 << 2;
+    /// A LoadBalancer frontend with loadBalancerSourceRanges: new flows from sources outside
+    /// its prefixes in `SRCRANGES_V1` are dropped.
+    pub const SOURCE_RANGES: u16 = 1 << 3;
 }
 
 /// Value of a `SERVICES` entry. For slot 0 (frontend): `count`, `rev_nat_id`, `flags`,
@@ -266,3 +273,21 @@ pub struct NodeInfo {
     pub flags: u32,
 }
 const _: () = assert!(core::mem::size_of::<NodeInfo>() == 8);
+
+/// Bits of [`SourceRangeKey`] that name the frontend (matched exactly); the source prefix length
+/// is added to them to make the LPM prefix length.
+pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 64;
+
+/// `SRCRANGES_V1` (LPM trie) key data, after the kernel's `u32` prefix length: the frontend
+/// (exact) then the client's source address (prefix). An entry allows its prefix for its
+/// frontend; the value is unused (1). Lookups use prefix length 96.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct SourceRangeKey {
+    pub frontend_addr: [u8; 4],
+    pub frontend_port: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+    pub source: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 12);

@@ -82,6 +82,8 @@ counters! {
     DropSnatPortsExhausted = "drop_snat_ports_exhausted",
     /// A hairpin flow (client picked as its own backend) SNATed to the link-local address.
     HairpinSnat = "hairpin_snat",
+    /// Dropped: a new flow to a LoadBalancer IP from outside its loadBalancerSourceRanges.
+    DropSourceRange = "drop_source_range",
 }
 
 /// Number of entries in the stats array.

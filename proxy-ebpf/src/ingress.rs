@@ -2,7 +2,7 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, CtKey, CtValue, ServiceKey, ct_state,
+    Counter, CtKey, CtValue, ServiceKey, SourceRangeKey, ct_state,
     hash::{flow_hash, pick_slot},
     service_flags,
 };
@@ -109,6 +109,20 @@ fn new_flow(
         }
         return Ok(Action::pass(Counter::NotService));
     };
+    if frontend.flags & service_flags::SOURCE_RANGES != 0
+        && !maps::source_in_range(SourceRangeKey {
+            frontend_addr: p.daddr,
+            frontend_port: p.dport,
+            proto: p.proto,
+            _pad: 0,
+            source: p.saddr,
+        })
+    {
+        if let Some(old) = old {
+            conntrack::remove(key, old);
+        }
+        return Err(Drop::SourceRange);
+    }
     let hash = flow_hash(p.saddr, p.daddr, p.sport, p.dport, p.proto);
     let Some(slot) = pick_slot(hash, frontend.count) else {
         if let Some(old) = old {

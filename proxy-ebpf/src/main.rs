@@ -64,6 +64,8 @@ pub(crate) enum Drop {
     NoLocalEndpoints,
     /// No free SNAT port for the flow's backend.
     SnatPortsExhausted,
+    /// A new flow to a LoadBalancer IP from outside its loadBalancerSourceRanges.
+    SourceRange,
 }
 
 impl Drop {
@@ -77,6 +79,7 @@ impl Drop {
             Drop::RewriteFailed => Counter::DropRewriteFailed,
             Drop::NoLocalEndpoints => Counter::DropNoLocalEndpoints,
             Drop::SnatPortsExhausted => Counter::DropSnatPortsExhausted,
+            Drop::SourceRange => Counter::DropSourceRange,
         }
     }
 }

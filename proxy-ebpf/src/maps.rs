@@ -6,15 +6,16 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
     helpers::bpf_ktime_get_ns,
     macros::btf_map,
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo,
-    REVNAT_CAPACITY, RevNat, SERVICES_CAPACITY, SNAT_CAPACITY, ServiceKey, ServiceValue, SnatKey,
-    SnatValue,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES,
+    MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SERVICES_CAPACITY, SNAT_CAPACITY,
+    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey,
+    SnatValue, SourceRangeKey,
 };
 
 #[btf_map]
@@ -38,6 +39,10 @@ static SNAT_V1: LruHashMap<SnatKey, SnatValue, { SNAT_CAPACITY as usize }> = Lru
 
 #[btf_map]
 static NODE_V1: Array<NodeInfo, 1> = Array::new();
+
+#[btf_map]
+static SRCRANGES_V1: LpmTrie<SourceRangeKey, u32, { SOURCE_RANGES_CAPACITY as usize }> =
+    LpmTrie::new();
 
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
@@ -133,6 +138,16 @@ pub fn node() -> Option<NodeInfo> {
     Some(unsafe { *ptr })
 }
 
+/// Is the source of `key` inside one of its frontend's loadBalancerSourceRanges?
+#[inline(always)]
+pub fn source_in_range(key: SourceRangeKey) -> bool {
+    let key = Key {
+        prefix_len: SOURCE_RANGE_FRONTEND_BITS + 32,
+        data: key,
+    };
+    SRCRANGES_V1.get(&key).is_some()
+}
+
 /// A SNAT entry found by a lookup, to read and to refresh in place.
 pub struct SnatEntry {
     ptr: *mut SnatValue,
@@ -216,3 +231,4 @@ const _: () = assert!(same(MAP_CONNTRACK, "CONNTRACK_V1"));
 const _: () = assert!(same(MAP_STATS, "STATS_V1"));
 const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
+const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));

@@ -161,7 +161,8 @@ impl Agent {
         if removed_backends {
             self.gc_conntrack();
         }
-        self.external.apply(&translation.health_checks);
+        self.external
+            .apply(&translation.desired, &translation.health_checks);
         self.status.syncs += 1;
         self.status.frontends = self.programmed.frontend_count();
         self.status.backends = self.programmed.backends.len();

@@ -466,6 +466,7 @@ mod tests {
             service,
             kind: crate::model::FrontendKind::ClusterIp,
             external_local: false,
+            source_ranges: Vec::new(),
             backends,
             retained,
         }

@@ -3,7 +3,10 @@
 
 use std::net::Ipv4Addr;
 
-use proxy_common::{Backend, RevNat, SCOPE_EXTERNAL, ServiceKey, backend_flags, service_flags};
+use proxy_common::{
+    Backend, RevNat, SCOPE_EXTERNAL, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey,
+    backend_flags, service_flags,
+};
 
 use crate::model::{DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol};
 
@@ -40,7 +43,29 @@ pub fn frontend_flags(df: &DesiredFrontend) -> u16 {
             flags |= service_flags::EXTERNAL_LOCAL;
         }
     }
+    if !df.source_ranges.is_empty() {
+        flags |= service_flags::SOURCE_RANGES;
+    }
     flags
+}
+
+/// The `SRCRANGES_V1` entries (LPM prefix length, key data) allowing a frontend's source ranges.
+pub fn source_range_keys(frontend: &Frontend, df: &DesiredFrontend) -> Vec<(u32, SourceRangeKey)> {
+    df.source_ranges
+        .iter()
+        .map(|(net, len)| {
+            (
+                SOURCE_RANGE_FRONTEND_BITS + u32::from(*len),
+                SourceRangeKey {
+                    frontend_addr: frontend.addr.octets(),
+                    frontend_port: frontend.port.to_be_bytes(),
+                    proto: frontend.protocol.number(),
+                    _pad: 0,
+                    source: net.octets(),
+                },
+            )
+        })
+        .collect()
 }
 
 /// `backend_flags` bits for a backend's conditions.

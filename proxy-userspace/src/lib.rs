@@ -19,6 +19,7 @@ pub mod model;
 pub mod node_addrs;
 pub mod programmed;
 pub mod snapshot;
+pub mod source_ranges;
 pub mod source;
 pub mod status;
 pub mod topology;

@@ -125,6 +125,9 @@ pub struct DesiredFrontend {
     /// An external frontend with externalTrafficPolicy Local: backends are this node's only,
     /// never SNATed, and none means drop.
     pub external_local: bool,
+    /// loadBalancerSourceRanges of a LoadBalancer frontend (IPv4 network, prefix length), sorted;
+    /// empty = any source.
+    pub source_ranges: Vec<(Ipv4Addr, u8)>,
     /// Backends that receive new flows, sorted and without duplicates. Empty = reject new flows.
     pub backends: Vec<DesiredBackend>,
     /// Backends that receive no new flows but must stay in BACKENDS so established flows to them

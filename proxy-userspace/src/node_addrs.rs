@@ -11,6 +11,8 @@ use crate::{
     config::{Cidr, NodePortAddresses},
     dataplane::{self, interfaces::Patterns, maps::NodeMap},
     healthcheck::HealthCheckServers,
+    source_ranges::{self, SourceRanges},
+    model::DesiredState,
     translate::HealthCheck,
 };
 
@@ -31,7 +33,7 @@ pub struct NodeAddrs {
 }
 
 /// The agent's north-south state: node addresses (NodePort frontends, the SNAT address in
-/// `NODE_V1`) and the health-check node ports.
+/// `NODE_V1`), loadBalancerSourceRanges (`SRCRANGES_V1`) and the health-check node ports.
 pub struct External {
     node_map: NodeMap,
     nodeport_cfg: NodePortAddresses,
@@ -39,6 +41,7 @@ pub struct External {
     addrs: NodeAddrs,
     written: Option<NodeInfo>,
     health_checks: HealthCheckServers,
+    source_ranges: SourceRanges,
 }
 
 impl External {
@@ -50,6 +53,7 @@ impl External {
             addrs: NodeAddrs::default(),
             written: None,
             health_checks: HealthCheckServers::default(),
+            source_ranges: SourceRanges::from_ebpf(ebpf)?,
         })
     }
 
@@ -83,8 +87,9 @@ impl External {
         &self.addrs.nodeport
     }
 
-    /// After a sync: the SNAT address into `NODE_V1`, health-check servers to `checks`.
-    pub fn apply(&mut self, checks: &[HealthCheck]) {
+    /// After a sync: the SNAT address into `NODE_V1`, the source ranges into `SRCRANGES_V1`,
+    /// health-check servers to the translation's.
+    pub fn apply(&mut self, desired: &DesiredState, checks: &[HealthCheck]) {
         let info = NodeInfo {
             snat_addr: self.addrs.snat.map_or([0; 4], |a| a.octets()),
             flags: 0,
@@ -95,6 +100,7 @@ impl External {
                 Err(e) => error!("writing the node's SNAT address: {e}; retrying on the next sync"),
             }
         }
+        self.source_ranges.sync(&source_ranges::wanted(desired));
         self.health_checks.update(checks, true);
     }
 }

@@ -23,6 +23,9 @@ use crate::{
 
 /// Label marking a Service as owned by another proxy.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Legacy annotation for loadBalancerSourceRanges (comma-separated), used when the field is empty.
+pub const ANNOTATION_LB_SOURCE_RANGES: &str =
+    "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Annotation enabling topology-aware routing (value `Auto`).
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 /// The annotation's pre-1.27 name, still honoured upstream.
@@ -74,6 +77,10 @@ enum ServiceError {
     Sctp { name: String },
     #[error("port {port}/{protocol} is listed twice; Service skipped")]
     DuplicatePort { port: u16, protocol: Protocol },
+    #[error(
+        "loadBalancerSourceRanges entry {0:?} is not a CIDR; entry ignored (the other ranges apply)"
+    )]
+    BadSourceRange(String),
     #[error("frontend {frontend} is already used by Service {owner}; Service skipped")]
     FrontendTaken { frontend: Frontend, owner: String },
 }
@@ -220,6 +227,47 @@ fn external_addrs(svc: &Service) -> Vec<(FrontendKind, Ipv4Addr)> {
     all
 }
 
+/// loadBalancerSourceRanges (or the legacy annotation) as IPv4 networks, host bits cleared;
+/// IPv6 ranges are left out (they apply to IPv6 frontends), unparsable ones reported.
+fn source_ranges(svc: &Service) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
+    let field: Vec<String> = svc
+        .spec
+        .iter()
+        .flat_map(|s| s.load_balancer_source_ranges.iter().flatten())
+        .cloned()
+        .collect();
+    let items = if field.is_empty() {
+        svc.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_LB_SOURCE_RANGES))
+            .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
+            .unwrap_or_default()
+    } else {
+        field
+    };
+    let mut ranges = Vec::new();
+    let mut bad = Vec::new();
+    for item in items.iter().filter(|s| !s.is_empty()) {
+        match item.parse::<crate::config::Cidr>() {
+            Ok(crate::config::Cidr {
+                addr: IpAddr::V4(a),
+                prefix_len,
+            }) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(prefix_len))
+                    .unwrap_or(0);
+                ranges.push((Ipv4Addr::from(u32::from(a) & mask), prefix_len));
+            }
+            Ok(_) => {}
+            Err(_) => bad.push(ServiceError::BadSourceRange(item.clone())),
+        }
+    }
+    ranges.sort();
+    ranges.dedup();
+    (ranges, bad)
+}
+
 fn service_frontends(
     svc: &Service,
     slices: &SliceIndex,
@@ -260,7 +308,8 @@ fn service_frontends(
         .and_then(|p| u16::try_from(p).ok())
         .filter(|p| *p != 0 && external_local && service_type == "LoadBalancer");
     let mut local_endpoints = 0usize;
-    let mut port_problems = Vec::new();
+    let (lb_source_ranges, bad_ranges) = source_ranges(svc);
+    let mut port_problems = bad_ranges;
     let mut frontends = Vec::new();
     let mut seen_ports = Vec::new();
     for sp in svc.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
@@ -311,6 +360,7 @@ fn service_frontends(
                 service: service.clone(),
                 kind: FrontendKind::ClusterIp,
                 external_local: false,
+                source_ranges: Vec::new(),
                 backends: chosen.selected.clone(),
                 retained: chosen.retained.clone(),
             };
@@ -344,6 +394,11 @@ fn service_frontends(
                 service: service.clone(),
                 kind,
                 external_local,
+                source_ranges: if kind == FrontendKind::LoadBalancer {
+                    lb_source_ranges.clone()
+                } else {
+                    Vec::new()
+                },
                 backends: chosen.selected.clone(),
                 retained: chosen.retained.clone(),
             };
@@ -1446,6 +1501,60 @@ mod tests {
         assert!(
             t.health_checks.is_empty(),
             "NodePort type has no health check"
+        );
+    }
+
+    #[test]
+    fn load_balancer_source_ranges_apply_to_load_balancer_ips_only() {
+        let svc = external_service(
+            "ranges",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.57",
+                   "loadBalancerSourceRanges": ["192.168.50.100/30", "fd00::/8", "bogus"],
+                   "externalIPs": ["192.168.60.11"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30087}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.30"}]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("ranges")]);
+        for (fe, df) in &t.desired.frontends {
+            let want = if df.kind == FrontendKind::LoadBalancer {
+                vec![(Ipv4Addr::new(192, 168, 50, 100), 30)]
+            } else {
+                vec![]
+            };
+            assert_eq!(df.source_ranges, want, "{fe}");
+            let flagged =
+                crate::encode::frontend_flags(df) & proxy_common::service_flags::SOURCE_RANGES;
+            assert_eq!(flagged != 0, !want.is_empty(), "{fe}");
+        }
+        assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
+        assert!(
+            t.problems[0].reason.contains("\"bogus\""),
+            "{:?}",
+            t.problems
+        );
+
+        let annotated: Service = serde_json::from_value(json!({
+            "metadata": {"name": "ann", "namespace": "demo", "annotations":
+                {ANNOTATION_LB_SOURCE_RANGES: "10.1.2.3/8, 172.16.0.0/12"}},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.58",
+                     "ports": [{"name": "http", "port": 80, "nodePort": 30088}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "192.168.70.31"}]}},
+        }))
+        .unwrap();
+        let t = translate_node(vec![annotated], vec![local_and_remote_slice("ann")]);
+        let lb = t
+            .desired
+            .frontends
+            .values()
+            .find(|df| df.kind == FrontendKind::LoadBalancer)
+            .expect("LB frontend");
+        assert_eq!(
+            lb.source_ranges,
+            vec![
+                (Ipv4Addr::new(10, 0, 0, 0), 8),
+                (Ipv4Addr::new(172, 16, 0, 0), 12)
+            ],
+            "annotation used, host bits cleared"
         );
     }
 }

@@ -11,16 +11,20 @@ use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{
+        Array, HashMap, MapData, PerCpuArray,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use common_packet::{CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, ipv6_frame, tcp_flags::*};
 use kube_proxy_ebpf::ebpf_object::EBPF_OBJECT;
 use proxy_common::{
     Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, HAIRPIN_SNAT_ADDR,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo,
-    PROG_TC_EGRESS, PROG_TC_INGRESS, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceKey, ServiceValue,
-    SnatKey, SnatValue, backend_flags, ct_dir, ct_state,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS,
+    NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey,
+    backend_flags, ct_dir, ct_state,
     hash::{flow_hash, pick_slot},
     proto, service_flags,
 };
@@ -1902,6 +1906,61 @@ fn hairpin_flow_is_snated_to_the_link_local_address() {
         TC_ACT_OK,
         Expect::Packet(with_src(&back, vip, 80)),
         &[(Counter::ReplyTranslated, 1)],
+    ));
+}
+
+#[test]
+fn load_balancer_source_ranges_drop_new_flows_from_outside() {
+    let mut dp = Datapath::load();
+    let lb = Ipv4Addr::new(192, 168, 70, 10);
+    dp.set_frontend(
+        lb,
+        80,
+        proto::TCP,
+        service_flags::EXTERNAL | service_flags::SOURCE_RANGES,
+        &[(
+            220,
+            raw_backend(LOCAL_BE, 8080, proto::TCP, backend_flags::LOCAL),
+        )],
+    );
+    {
+        let mut ranges: LpmTrie<&mut MapData, SourceRangeKey, u32> =
+            LpmTrie::try_from(dp.bpf.map_mut(MAP_SOURCE_RANGES).expect("SRCRANGES map"))
+                .expect("SRCRANGES type");
+        let key = SourceRangeKey {
+            frontend_addr: lb.octets(),
+            frontend_port: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            _pad: 0,
+            source: [192, 168, 50, 96],
+        };
+        ranges
+            .insert(&Key::new(SOURCE_RANGE_FRONTEND_BITS + 29, key), 1, 0)
+            .expect("insert range");
+    }
+    let inside = Pkt::tcp(EXT_CLIENT, 43_000, lb, 80, SYN);
+    dp.check(ingress(
+        "LB IP from inside loadBalancerSourceRanges (192.168.50.96/29): DNAT",
+        inside.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_dst(&inside, LOCAL_BE, 8080)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let outside = Pkt::tcp(Ipv4Addr::new(192, 168, 50, 104), 43_000, lb, 80, SYN);
+    dp.check(ingress(
+        "LB IP from outside the ranges: dropped and counted",
+        outside.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropSourceRange, 1)],
+    ));
+    let other_port = Pkt::tcp(EXT_CLIENT, 43_001, lb, 81, SYN);
+    dp.check(ingress(
+        "ranges belong to their frontend: another port of the address is no Service here",
+        other_port.bytes(),
+        TC_ACT_OK,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1)],
     ));
 }
 

@@ -202,9 +202,20 @@ fn local_policy_yaml() -> String {
     service(
         "lb-local",
         "  type: LoadBalancer\n  clusterIP: 10.96.1.20\n  externalTrafficPolicy: Local\n  \
-         healthCheckNodePort: 32000\n  ports:\n  \
+         healthCheckNodePort: 32000\n  loadBalancerSourceRanges: [\"192.168.50.96/29\"]\n  ports:\n  \
          - {name: http, port: 80, targetPort: 8080, nodePort: 30081, protocol: TCP}",
         "  loadBalancer:\n    ingress:\n    - ip: 192.168.70.10",
+        &[(B_LOCAL, NODE_NAMES[NODE_B])],
+    )
+}
+
+/// A LoadBalancer Service whose source ranges exclude the external client.
+fn denied_yaml() -> String {
+    service(
+        "lb-denied",
+        "  type: LoadBalancer\n  clusterIP: 10.96.1.21\n  loadBalancerSourceRanges: [\"10.0.0.0/8\"]\n  \
+         ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30082, protocol: TCP}",
+        "  loadBalancer:\n    ingress:\n    - ip: 192.168.70.11",
         &[(B_LOCAL, NODE_NAMES[NODE_B])],
     )
 }
@@ -307,7 +318,7 @@ fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
 #[test]
 fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
     require_privileged!();
-    let env = Env::start(&local_policy_yaml());
+    let env = Env::start(&(local_policy_yaml() + &denied_yaml()));
     let [a, b] = NODE_IPS;
 
     // Node B has the endpoint: the backend sees the real client.
@@ -357,5 +368,26 @@ fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
     let r = env.get(&format!("http://{LB_IP}/"));
     if r.body != "b-loc" || !r.client_addr.starts_with(&format!("{EXT_CLIENT_IP}:")) {
         env.fail(&format!("LoadBalancer IP via node B: {r:?}"));
+    }
+
+    // loadBalancerSourceRanges: the client (192.168.50.100) is inside lb-local's
+    // 192.168.50.96/29 (served above) and outside lb-denied's 10.0.0.0/8: no answer, counted.
+    let denied = Ipv4Addr::new(192, 168, 70, 11);
+    let (outcome, took) = env
+        .net
+        .tcp_connect(denied, 80, Duration::from_secs(2))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    if outcome != ConnectOutcome::TimedOut {
+        env.fail(&format!(
+            "LB IP outside loadBalancerSourceRanges: {outcome:?} after {took:?}, expected a timeout"
+        ));
+    }
+    if env.counter(NODE_B, "drop_source_range") == 0 {
+        env.fail("node B did not count the source-range drops");
+    }
+    // Its NodePort is not filtered (like upstream, ranges apply to the LoadBalancer IP).
+    let r = env.get(&format!("http://{b}:30082/"));
+    if r.body != "b-loc" {
+        env.fail(&format!("NodePort of lb-denied: {r:?}"));
     }
 }
