@@ -196,6 +196,7 @@ impl Agent {
             info!(zone = ?state.zone, "node zone changed");
             self.node.zone = state.zone;
         }
+        self.health.set_node_eligible(state.node_eligible);
         debug!(read_us, "source state read");
         self.sync(&state.snapshot, state.problems)
     }

@@ -18,6 +18,8 @@ pub struct SourceState {
     pub problems: Vec<Problem>,
     /// This node's zone, when the source knows it (the Node's `topology.kubernetes.io/zone`).
     pub zone: Option<String>,
+    /// Whether this node may receive traffic (/healthz); always true without a Node object.
+    pub node_eligible: bool,
 }
 
 pub enum Source {
@@ -51,12 +53,14 @@ impl Source {
                     snapshot: load.snapshot,
                     problems: load.problems,
                     zone: None,
+                    node_eligible: true,
                 }
             }
             Source::Kube(k) => SourceState {
                 snapshot: k.snapshot(),
                 problems: Vec::new(),
                 zone: k.zone(),
+                node_eligible: k.node_eligible(),
             },
         }
     }

@@ -193,6 +193,15 @@ impl KubeSource {
         })
     }
 
+    /// Is this node eligible for traffic (/healthz)? Not when its Node is being deleted or carries
+    /// the cluster autoscaler's deletion taint; eligible while the Node has not been seen.
+    pub fn node_eligible(&self) -> bool {
+        self.node
+            .state()
+            .first()
+            .is_none_or(|n| crate::health::node_eligible(n))
+    }
+
     /// Object counts (Services, EndpointSlices), for logs.
     pub fn counts(&self) -> (usize, usize) {
         (self.services.len(), self.slices.len())

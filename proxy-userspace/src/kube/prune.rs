@@ -71,11 +71,23 @@ pub fn endpoint_slice(slice: &mut EndpointSlice) {
     }
 }
 
-/// A Node keeps only its name and zone label: the rest (status, images, conditions) is large and
+/// A Node keeps its name, zone label, deletion timestamp and the autoscaler's deletion taint
+/// (what /healthz's node eligibility reads): the rest (status, images, conditions) is large and
 /// changes every few seconds.
 pub fn node(node: &mut Node) {
     prune_meta(&mut node.metadata, &NODE_LABELS, &[]);
-    node.spec = None;
+    let taints = node.spec.take().and_then(|s| s.taints).map(|t| {
+        t.into_iter()
+            .filter(|t| t.key == crate::health::TAINT_TO_BE_DELETED)
+            .collect::<Vec<_>>()
+    });
+    node.spec =
+        taints
+            .filter(|t| !t.is_empty())
+            .map(|taints| k8s_openapi::api::core::v1::NodeSpec {
+                taints: Some(taints),
+                ..Default::default()
+            });
     node.status = None;
 }
 
@@ -148,5 +160,32 @@ mod tests {
             json!({"apiVersion": "v1", "kind": "Node",
                    "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a"}}})
         );
+    }
+
+    #[test]
+    fn node_pruning_keeps_what_health_eligibility_reads() {
+        let mut n: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"podCIDR": "10.244.1.0/24", "taints": [
+                {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"},
+                {"key": "ToBeDeletedByClusterAutoscaler", "value": "1", "effect": "NoSchedule"}]}
+        }))
+        .expect("node");
+        node(&mut n);
+        let spec = n.spec.as_ref().expect("taint kept");
+        assert_eq!(spec.pod_cidr, None);
+        let taints = spec.taints.as_ref().expect("taints");
+        assert_eq!(taints.len(), 1);
+        assert_eq!(taints[0].key, "ToBeDeletedByClusterAutoscaler");
+        assert!(n.metadata.deletion_timestamp.is_some());
+        assert!(!crate::health::node_eligible(&n));
+
+        let mut plain: Node =
+            serde_json::from_value(json!({"metadata": {"name": "n2"}, "spec": {"taints": [
+                {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}]}}))
+            .expect("node");
+        node(&mut plain);
+        assert!(plain.spec.is_none(), "unrelated taints are dropped");
+        assert!(crate::health::node_eligible(&plain));
     }
 }
