@@ -84,6 +84,8 @@ counters! {
     HairpinSnat = "hairpin_snat",
     /// Dropped: a new flow to a LoadBalancer IP from outside its loadBalancerSourceRanges.
     DropSourceRange = "drop_source_range",
+    /// An ICMP error about a translated flow rewritten (outer and quoted headers).
+    IcmpErrorTranslated = "icmp_error_translated",
 }
 
 /// Number of entries in the stats array.

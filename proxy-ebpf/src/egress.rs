@@ -4,7 +4,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{Counter, ct_state};
 
 use crate::{
-    Action, Drop, conntrack, maps, nat,
+    Action, Drop, conntrack, icmp, maps, nat,
     packet::{self, Parsed},
     snat, stats,
 };
@@ -14,6 +14,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
     let p = match packet::parse(ctx) {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
+        Parsed::IcmpError(e) => return icmp::reply(ctx, &e),
         Parsed::Pass(Counter::NotService) => return Ok(Action::pass(Counter::ReplyNotTracked)),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
         // A fragmented reply cannot be translated consistently (the later fragments carry no

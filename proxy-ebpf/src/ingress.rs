@@ -10,7 +10,7 @@ use proxy_common::{
 use crate::{
     Action, Drop,
     conntrack::{self, NewFlow},
-    maps, nat,
+    icmp, maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
     reject, snat, stats,
 };
@@ -31,6 +31,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
     let p = match packet::parse(ctx) {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
+        Parsed::IcmpError(e) => return icmp::snat_reply(ctx, &e),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed::Untranslatable {
             daddr,

@@ -6,6 +6,7 @@
 
 mod conntrack;
 mod egress;
+mod icmp;
 mod ingress;
 mod maps;
 mod nat;

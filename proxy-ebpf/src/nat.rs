@@ -88,3 +88,43 @@ fn rewrite(
     }
     Ok(())
 }
+
+/// Replace 4 bytes at `off` (an IPv4 address in an IPv4 header) and fix the 16-bit checksum of
+/// that header at `csum_off` (no pseudo-header involved: used for outer addresses of ICMP errors
+/// and for the IPv4 header quoted inside them).
+#[inline(always)]
+pub fn replace_ip_addr(
+    ctx: &TcContext,
+    off: usize,
+    csum_off: usize,
+    old: [u8; 4],
+    new: [u8; 4],
+) -> Result<(), Drop> {
+    if old == new {
+        return Ok(());
+    }
+    let from = u32::from_ne_bytes(old) as u64;
+    let to = u32::from_ne_bytes(new) as u64;
+    ctx.l3_csum_replace(csum_off, from, to, 4)
+        .map_err(|_| Drop::RewriteFailed)?;
+    ctx.store(off, &new, 0).map_err(|_| Drop::RewriteFailed)
+}
+
+/// Replace a port quoted inside an ICMP error and fix the ICMP checksum at `icmp_csum_off`.
+#[inline(always)]
+pub fn replace_quoted_port(
+    ctx: &TcContext,
+    off: usize,
+    icmp_csum_off: usize,
+    old: [u8; 2],
+    new: [u8; 2],
+) -> Result<(), Drop> {
+    if old == new {
+        return Ok(());
+    }
+    let from = u16::from_ne_bytes(old) as u64;
+    let to = u16::from_ne_bytes(new) as u64;
+    ctx.l4_csum_replace(icmp_csum_off, from, to, 2)
+        .map_err(|_| Drop::RewriteFailed)?;
+    ctx.store(off, &new, 0).map_err(|_| Drop::RewriteFailed)
+}

@@ -105,8 +105,65 @@ impl Packet {
     }
 }
 
+/// ICMP header length (type, code, checksum, 4 bytes rest-of-header).
+pub const ICMP_HLEN: usize = 8;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+
+/// An ICMP error (destination unreachable, time exceeded) quoting a TCP/UDP packet. Addresses and
+/// ports in network order; offsets are frame offsets.
+#[derive(Clone, Copy)]
+pub struct IcmpError {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    /// Offset of the quoted IPv4 header.
+    pub inner_off: usize,
+    pub inner_hlen: usize,
+    pub inner_saddr: [u8; 4],
+    pub inner_daddr: [u8; 4],
+    pub inner_proto: u8,
+    pub inner_sport: [u8; 2],
+    pub inner_dport: [u8; 2],
+}
+
+impl IcmpError {
+    /// Offset of the ICMP checksum.
+    #[inline(always)]
+    pub const fn icmp_csum_off(&self) -> usize {
+        self.inner_off - ICMP_HLEN + 2
+    }
+
+    /// Offset of the quoted IPv4 header's checksum.
+    #[inline(always)]
+    pub const fn inner_csum_off(&self) -> usize {
+        self.inner_off + 10
+    }
+
+    #[inline(always)]
+    pub const fn inner_saddr_off(&self) -> usize {
+        self.inner_off + 12
+    }
+
+    #[inline(always)]
+    pub const fn inner_daddr_off(&self) -> usize {
+        self.inner_off + 16
+    }
+
+    #[inline(always)]
+    pub const fn inner_sport_off(&self) -> usize {
+        self.inner_off + self.inner_hlen
+    }
+
+    #[inline(always)]
+    pub const fn inner_dport_off(&self) -> usize {
+        self.inner_off + self.inner_hlen + 2
+    }
+}
+
 /// What [`parse`] found.
 pub enum Parsed {
+    /// An ICMP error quoting a TCP/UDP packet (candidate for reverse translation).
+    IcmpError(IcmpError),
     /// Not IPv4 (ARP, IPv6, runt frames).
     NotIpv4,
     /// IPv4 that is passed untouched; the counter says why.
@@ -179,12 +236,15 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         return Parsed::Pass(Counter::FragmentPassed);
     }
     let proto = ip[9];
-    if proto != proto::TCP && proto != proto::UDP {
-        return Parsed::Pass(Counter::NotService);
-    }
     let saddr = [ip[12], ip[13], ip[14], ip[15]];
     let daddr = [ip[16], ip[17], ip[18], ip[19]];
     let l4_off = ETH_HLEN + ip_hlen;
+    if proto == proto::ICMP {
+        return parse_icmp_error(ctx, l4_off, saddr, daddr);
+    }
+    if proto != proto::TCP && proto != proto::UDP {
+        return Parsed::Pass(Counter::NotService);
+    }
     // The ports are the first 4 bytes of both TCP and UDP; without them nothing can be matched.
     let Some(ports) = read::<4>(ctx, l4_off) else {
         return Parsed::Pass(Counter::MalformedPassed);
@@ -235,6 +295,45 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         return untranslatable(Drop::Malformed);
     }
     Parsed::Packet(packet)
+}
+
+/// An ICMP destination-unreachable or time-exceeded message quoting TCP/UDP over IPv4 (at least
+/// the ports); anything else is passed untouched.
+#[inline(always)]
+fn parse_icmp_error(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4]) -> Parsed {
+    let not_error = Parsed::Pass(Counter::NotService);
+    let Some(icmp) = read::<4>(ctx, l4_off) else {
+        return not_error;
+    };
+    if icmp[0] != ICMP_DEST_UNREACH && icmp[0] != ICMP_TIME_EXCEEDED {
+        return not_error;
+    }
+    let inner_off = l4_off + ICMP_HLEN;
+    let Some(inner) = read::<IPV4_HLEN>(ctx, inner_off) else {
+        return not_error;
+    };
+    let inner_hlen = ((inner[0] & 0x0f) as usize) * 4;
+    let inner_proto = inner[9];
+    if inner[0] >> 4 != 4
+        || inner_hlen < IPV4_HLEN
+        || (inner_proto != proto::TCP && inner_proto != proto::UDP)
+    {
+        return not_error;
+    }
+    let Some(ports) = read::<4>(ctx, inner_off + inner_hlen) else {
+        return not_error;
+    };
+    Parsed::IcmpError(IcmpError {
+        saddr,
+        daddr,
+        inner_off,
+        inner_hlen,
+        inner_saddr: [inner[12], inner[13], inner[14], inner[15]],
+        inner_daddr: [inner[16], inner[17], inner[18], inner[19]],
+        inner_proto,
+        inner_sport: [ports[0], ports[1]],
+        inner_dport: [ports[2], ports[3]],
+    })
 }
 
 /// The source and destination MAC addresses (bytes 0..12 of the frame).

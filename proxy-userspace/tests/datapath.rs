@@ -1964,6 +1964,122 @@ fn load_balancer_source_ranges_drop_new_flows_from_outside() {
     ));
 }
 
+/// An ICMP port unreachable from `src` to `dst` quoting the whole IPv4 packet of `quoted`.
+fn icmp_error(src: Ipv4Addr, dst: Ipv4Addr, quoted: &Pkt) -> Vec<u8> {
+    let q = quoted.bytes();
+    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(&q[14..]);
+    let c = proxy_common::csum::fold(proxy_common::csum::sum(&icmp, 0)).to_be_bytes();
+    icmp[2..4].copy_from_slice(&c);
+    let len = (20 + icmp.len()) as u16;
+    let mut ip = vec![0x45, 0xc0, 0, 0, 0, 0, 0, 0, 64, proto::ICMP, 0, 0];
+    ip[2..4].copy_from_slice(&len.to_be_bytes());
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.octets());
+    let c = proxy_common::csum::ipv4_header(&ip).to_be_bytes();
+    ip[10..12].copy_from_slice(&c);
+    let mut frame = eth(HOST_MAC, CLIENT_MAC, 0x0800);
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&icmp);
+    frame
+}
+
+/// Runs `prog` over an ICMP error and checks: verdict OK, one `icmp_error_translated`, valid
+/// outer/ICMP/quoted-IPv4 checksums, and the outer and quoted addresses/ports.
+fn check_icmp_translation(
+    dp: &Datapath,
+    what: &str,
+    prog: &str,
+    input: &[u8],
+    outer: (Ipv4Addr, Ipv4Addr),
+    quoted: ((Ipv4Addr, u16), (Ipv4Addr, u16)),
+) -> Vec<u8> {
+    let before = dp.counter(Counter::IcmpErrorTranslated);
+    let (verdict, out) = dp.run(prog, input);
+    assert_eq!(verdict, TC_ACT_OK, "{what}: verdict");
+    assert_eq!(
+        dp.counter(Counter::IcmpErrorTranslated) - before,
+        1,
+        "{what}: counted"
+    );
+    let d = Decoded::parse(&out);
+    assert!(d.ip_csum_ok(), "{what}: outer IPv4 checksum");
+    assert!(d.l4_csum_ok(), "{what}: ICMP checksum");
+    assert_eq!((d.saddr, d.daddr), outer, "{what}: outer addresses");
+    let inner = &d.l4[8..];
+    assert_eq!(
+        proxy_common::csum::ipv4_header(&inner[..20]),
+        0,
+        "{what}: quoted IPv4 checksum"
+    );
+    let addr = |o: usize| Ipv4Addr::new(inner[o], inner[o + 1], inner[o + 2], inner[o + 3]);
+    let port = |o: usize| u16::from_be_bytes([inner[20 + o], inner[21 + o]]);
+    assert_eq!(
+        ((addr(12), port(0)), (addr(16), port(2))),
+        quoted,
+        "{what}: quoted source and destination"
+    );
+    assert_eq!(out.len(), input.len(), "{what}: length unchanged");
+    out
+}
+
+#[test]
+fn icmp_errors_about_translated_flows_are_reverse_translated() {
+    // ClusterIP: the backend's port unreachable to the client comes from the VIP and quotes it.
+    let dp = Datapath::load().with_services();
+    let dgram = Pkt::udp(CLIENT, 5000, VIP, 53).payload(b"query");
+    let id = expected_pick(&dgram, &[11, 12]);
+    dp.run(PROG_TC_INGRESS, &dgram.bytes());
+    let (be, be_port) = backend_addr(id);
+    let err = icmp_error(be, CLIENT, &dnated(&dgram, id));
+    check_icmp_translation(
+        &dp,
+        "ClusterIP: ICMP from the backend toward the client",
+        PROG_TC_EGRESS,
+        &err,
+        (VIP, CLIENT),
+        ((CLIENT, 5000), (VIP, 53)),
+    );
+    let stray = icmp_error(be, CLIENT, &Pkt::udp(CLIENT, 5001, be, be_port));
+    let (verdict, out) = dp.run(PROG_TC_EGRESS, &stray);
+    assert_eq!(
+        (verdict, out),
+        (TC_ACT_OK, stray.clone()),
+        "an error about no tracked flow passes"
+    );
+
+    // NodePort with SNAT: the remote backend's error reaches node A (ingress), goes on to the
+    // client quoting client → backend, and leaves (egress) from the NodePort quoting it.
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let dgram = Pkt::udp(EXT_CLIENT, 5000, NODE_IP, NODE_PORT).payload(b"ping");
+    dp.run(PROG_TC_INGRESS, &dgram.bytes());
+    let port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&dgram, REMOTE_BE, 5353), 0)
+            .expect("out entry")
+            .port,
+    );
+    let quoted = Pkt::udp(NODE_IP, port, REMOTE_BE, 5353).payload(b"ping");
+    let err = icmp_error(REMOTE_BE, NODE_IP, &quoted);
+    let mid = check_icmp_translation(
+        &dp,
+        "SNAT: ICMP from the remote backend, ingress on node A",
+        PROG_TC_INGRESS,
+        &err,
+        (REMOTE_BE, EXT_CLIENT),
+        ((EXT_CLIENT, 5000), (REMOTE_BE, 5353)),
+    );
+    check_icmp_translation(
+        &dp,
+        "SNAT: the same error, egress toward the client",
+        PROG_TC_EGRESS,
+        &mid,
+        (NODE_IP, EXT_CLIENT),
+        ((EXT_CLIENT, 5000), (NODE_IP, NODE_PORT)),
+    );
+}
+
 /// Per-packet cost of the NodePort path with SNAT (medians of single runs, never asserted), next
 /// to the ClusterIP path measured the same way.
 #[test]

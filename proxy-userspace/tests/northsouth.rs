@@ -14,6 +14,22 @@ use proxy_testenv::{
     PinDir, require_privileged,
 };
 
+/// Connected UDP socket: send one datagram, print "refused" if an ICMP port unreachable comes
+/// back (ECONNREFUSED), "timeout" or "reply" otherwise.
+const UDP_REFUSED_PY: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+s.connect((sys.argv[1], int(sys.argv[2])))
+s.send(b"hello")
+try:
+    s.recv(100)
+    print("reply")
+except ConnectionRefusedError:
+    print("refused")
+except socket.timeout:
+    print("timeout")
+"#;
 const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
 const NODE_A: usize = 0;
 const NODE_B: usize = 1;
@@ -165,7 +181,7 @@ fn service(name: &str, spec: &str, status: &str, endpoints: &[(Ipv4Addr, &str)])
         "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  \
          namespace: demo\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n\
          ports:\n  - name: http\n    port: 8080\n    protocol: TCP\n  - name: dns\n    port: 5353\n    \
-         protocol: UDP\nendpoints:\n"
+         protocol: UDP\n  - name: closed\n    port: 5999\n    protocol: UDP\nendpoints:\n"
     ));
     for (ip, node) in endpoints {
         y.push_str(&format!(
@@ -181,7 +197,8 @@ fn cluster_policy_yaml() -> String {
         "np-cluster",
         "  type: NodePort\n  clusterIP: 10.96.1.10\n  externalIPs: [\"192.168.60.10\"]\n  ports:\n  \
          - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  \
-         - {name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}",
+         - {name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}\n  \
+         - {name: closed, port: 54, targetPort: 5999, nodePort: 30054, protocol: UDP}",
         "",
         &[(B_WEB, NODE_NAMES[NODE_B])],
     )
@@ -305,6 +322,27 @@ fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
         env.fail(&format!(
             "hairpin: {r:?}, expected b-web seeing itself as 169.254.0.1"
         ));
+    }
+
+    // UDP to a port nobody listens on at the backend (on node B): its ICMP port unreachable is
+    // translated back through node A's SNAT and NodePort, so the client's socket sees "refused".
+    let refused = env
+        .net
+        .client()
+        .output(
+            &["python3", "-c", UDP_REFUSED_PY, &a.to_string(), "30054"],
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("UDP refused helper: {e:#}")));
+    let said = String::from_utf8_lossy(&refused.stdout).trim().to_owned();
+    if said != "refused" {
+        env.fail(&format!(
+            "UDP to a closed backend port via node A: {said:?}, expected the ICMP error to reach the client (stderr {})",
+            String::from_utf8_lossy(&refused.stderr)
+        ));
+    }
+    if env.counter(NODE_A, "icmp_error_translated") < 2 {
+        env.fail("node A did not count the ICMP error translations (ingress + egress)");
     }
 
     let snat = env.counter(NODE_A, "snat_new");
