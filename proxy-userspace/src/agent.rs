@@ -351,9 +351,8 @@ impl Agent {
 }
 
 fn telemetry_for(pins: &PinLayout, sizes: &MapSizes) -> std::sync::Arc<crate::metrics::Metrics> {
-    let metrics = crate::metrics::Metrics::with_datapath(crate::metrics::pinned_stats_reader(
-        pins.clone(),
-    ));
+    let metrics =
+        crate::metrics::Metrics::with_datapath(crate::metrics::pinned_stats_reader(pins.clone()));
     for (map, capacity) in [
         ("services", sizes.services),
         ("backends", sizes.backends),
@@ -449,9 +448,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns)?;
     agent.status_file = args.status_file.clone();
-    agent
-        .external
-        .configure(args.nodeport_addresses.clone(), Patterns::parse(&args.devices));
+    agent.external.configure(
+        args.nodeport_addresses.clone(),
+        Patterns::parse(&args.devices),
+    );
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that

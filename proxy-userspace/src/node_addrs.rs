@@ -11,8 +11,8 @@ use crate::{
     config::{Cidr, NodePortAddresses},
     dataplane::{self, interfaces::Patterns, maps::NodeMap},
     healthcheck::HealthCheckServers,
-    source_ranges::{self, SourceRanges},
     model::DesiredState,
+    source_ranges::{self, SourceRanges},
     translate::HealthCheck,
 };
 
