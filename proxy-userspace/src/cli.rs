@@ -119,6 +119,8 @@ pub enum DumpWhat {
     Backends,
     Conntrack,
     Stats,
+    /// SNAT entries of external (NodePort/externalIP/LB, eTP=Cluster) and hairpin flows.
+    Snat,
 }
 
 /// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).

@@ -2,14 +2,14 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
-use proxy_common::{Counter, CtKey, CtValue, backend_flags, ct_dir, ct_state};
+use proxy_common::{Counter, CtKey, CtValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_state};
 
 use crate::{
     cli::DumpWhat,
     dataplane::{
         bpffs::PinLayout,
         clock::monotonic_ns,
-        maps::{Conntrack, ServiceMaps, Stats},
+        maps::{Conntrack, ServiceMaps, Snat, Stats},
     },
     encode,
     model::Protocol,
@@ -30,6 +30,7 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
             conntrack_table(&Conntrack::open_pinned(pins)?.entries(), monotonic_ns())
         }
         DumpWhat::Stats => stats_table(&Stats::open_pinned(pins)?.read()?),
+        DumpWhat::Snat => snat_table(&Snat::open_pinned(pins)?.entries(), monotonic_ns()),
     })
 }
 
@@ -168,6 +169,39 @@ pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
     out
 }
 
+/// SNAT entries: `out` (client → backend leaves as node:port) and `in` (backend → node:port goes
+/// back to the client).
+pub fn snat_table(entries: &[(SnatKey, SnatValue)], now_ns: u64) -> String {
+    let mut rows: Vec<_> = entries.iter().collect();
+    rows.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
+    let mut out = format!(
+        "{:<5} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}\n",
+        "DIR", "PROTO", "SOURCE", "DESTINATION", "NAT", "STATE", "IDLE_S"
+    );
+    for (k, v) in rows {
+        let ep =
+            |a: [u8; 4], p: [u8; 2]| format!("{}:{}", Ipv4Addr::from(a), u16::from_be_bytes(p));
+        let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
+            ("out", format!("src → {}", ep(v.addr, v.port)))
+        } else {
+            ("in", format!("dst → {}", ep(v.addr, v.port)))
+        };
+        let idle = now_ns.saturating_sub(v.last_seen_ns) / 1_000_000_000;
+        let _ = writeln!(
+            out,
+            "{:<5} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}",
+            dir,
+            proto_name(k.proto),
+            ep(k.saddr, k.sport),
+            ep(k.daddr, k.dport),
+            nat,
+            state_name(k.proto, v.state),
+            idle
+        );
+    }
+    out
+}
+
 pub fn stats_table(values: &[u64]) -> String {
     let mut out = format!("{:<28} {:>14}\n", "COUNTER", "PACKETS");
     for (c, v) in Counter::ALL.iter().zip(values) {
@@ -236,5 +270,51 @@ mod tests {
         for c in Counter::ALL {
             assert!(t.contains(c.name()), "{t}");
         }
+    }
+
+    #[test]
+    fn snat_table_shows_both_directions() {
+        let out_key = SnatKey {
+            saddr: [192, 168, 50, 100],
+            daddr: [10, 244, 2, 11],
+            sport: 40_000u16.to_be_bytes(),
+            dport: 8080u16.to_be_bytes(),
+            proto: 6,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let in_key = SnatKey {
+            saddr: [10, 244, 2, 11],
+            daddr: [192, 168, 50, 10],
+            sport: 8080u16.to_be_bytes(),
+            dport: 61_234u16.to_be_bytes(),
+            dir: ct_dir::REPLY,
+            ..out_key
+        };
+        let v = |addr, port: u16| SnatValue {
+            last_seen_ns: 0,
+            addr,
+            port: port.to_be_bytes(),
+            state: ct_state::ESTABLISHED,
+            _pad: 0,
+        };
+        let table = snat_table(
+            &[
+                (in_key, v([192, 168, 50, 100], 40_000)),
+                (out_key, v([192, 168, 50, 10], 61_234)),
+            ],
+            5_000_000_000,
+        );
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 3, "{table}");
+        assert!(
+            lines[1].starts_with("out") && lines[1].contains("src → 192.168.50.10:61234"),
+            "{table}"
+        );
+        assert!(
+            lines[2].starts_with("in") && lines[2].contains("dst → 192.168.50.100:40000"),
+            "{table}"
+        );
+        assert!(lines[1].contains("established"), "{table}");
     }
 }

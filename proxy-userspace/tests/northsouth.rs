@@ -345,6 +345,41 @@ fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
         env.fail("node A did not count the ICMP error translations (ingress + egress)");
     }
 
+    // A new address on node A: the agent sees the netlink event and serves NodePorts on it.
+    let added = Ipv4Addr::new(192, 168, 50, 20);
+    env.net
+        .node(NODE_A)
+        .node()
+        .exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{added}/24"),
+            "dev",
+            EXT_DEVICE,
+        ])
+        .unwrap_or_else(|e| env.fail(&format!("adding {added}: {e:#}")));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match env.net.http_get(&format!("http://{added}:30080/")) {
+            Ok(r) if r.body == "b-web" => break,
+            other if std::time::Instant::now() >= deadline => env.fail(&format!(
+                "NodePort on the new address {added} not served within 5 s: {other:?}"
+            )),
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+
+    // `dump snat` shows the flows' node ports.
+    let pin_dir = env.agents[NODE_A].pin_dir().to_string_lossy().into_owned();
+    let dump = env.agents[NODE_A]
+        .cli(&["dump", "snat", "--pin-dir", &pin_dir])
+        .unwrap_or_else(|e| env.fail(&format!("dump snat: {e:#}")));
+    let table = String::from_utf8_lossy(&dump.stdout);
+    if !table.contains(&format!("src → {a}:")) {
+        env.fail(&format!("dump snat lists no SNATed flow:\n{table}"));
+    }
+
     let snat = env.counter(NODE_A, "snat_new");
     if snat < 5 {
         env.fail(&format!(

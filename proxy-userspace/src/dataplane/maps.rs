@@ -7,7 +7,8 @@ use std::{os::fd::AsFd as _, path::Path};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend, COUNTER_COUNT, CtKey, CtValue, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT,
-    MAP_SERVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue,
+    MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatKey,
+    SnatValue,
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
@@ -232,6 +233,25 @@ impl Conntrack {
 
     pub fn remove(&mut self, key: &CtKey) {
         let _ = self.map.remove(key);
+    }
+}
+
+/// `SNAT_V1` (LRU), read for `dump snat`.
+pub struct Snat {
+    map: HashMap<MapData, SnatKey, SnatValue>,
+}
+
+impl Snat {
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SNAT)?))
+                .map_err(map_err(MAP_SNAT))?,
+        })
+    }
+
+    /// All entries (a racing LRU eviction just drops an entry from the listing).
+    pub fn entries(&self) -> Vec<(SnatKey, SnatValue)> {
+        self.map.iter().filter_map(Result::ok).collect()
     }
 }
 
