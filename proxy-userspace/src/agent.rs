@@ -28,14 +28,15 @@ use crate::{
         maps::{Conntrack, ServiceMaps},
         netlink,
     },
-    diff,
+    incremental::Planner,
     kube::{Connection, KubeSource},
     model::Problem,
     programmed::{Capacities, MapOp, Programmed},
     snapshot::Snapshot,
     source::{ManifestSource, Source},
     status::{self, Status},
-    translate::{self, NodeContext},
+    translate::NodeContext,
+    translate_cache::TranslateCache,
 };
 
 /// How often idle conntrack entries are swept (the LRU also evicts under pressure).
@@ -59,6 +60,11 @@ pub struct Agent {
     maps: ServiceMaps,
     conntrack: Conntrack,
     programmed: Programmed,
+    /// Indexes over `programmed` and what changed since the last plan (every op applied to
+    /// `programmed` goes through it first).
+    planner: Planner,
+    /// The desired state, translated again only for the Services that changed.
+    cache: TranslateCache,
     attacher: Attacher,
     capacities: Capacities,
     config: DatapathConfig,
@@ -106,6 +112,8 @@ impl Agent {
             ebpf,
             maps,
             conntrack,
+            planner: Planner::new(&programmed),
+            cache: TranslateCache::new(),
             programmed,
             attacher: Attacher::new(pins),
             capacities: sizes.capacities(),
@@ -122,19 +130,31 @@ impl Agent {
         })
     }
 
-    /// One full sync: translate the snapshot, plan against the shadow, apply in order.
-    /// Stops at the first failed write: the plan's order keeps every prefix consistent.
+    /// One sync: translate the Services that changed, plan the frontends that changed against
+    /// the shadow, apply in order. `full`: translate every Service and plan every frontend (the
+    /// periodic level-triggered pass; it gives the same result). Stops at the first failed
+    /// write: the plan's order keeps every prefix consistent.
     pub fn sync(
         &mut self,
         snapshot: &Snapshot,
         mut problems: Vec<Problem>,
+        full: bool,
     ) -> Result<(), ApplyError> {
         let started = Instant::now();
         self.external.refresh();
-        let translation =
-            translate::translate_for_node(snapshot, &self.node, self.external.nodeport_addrs());
-        problems.extend(translation.problems);
-        let plan = diff::plan(&translation.desired, &self.programmed, &self.capacities);
+        let changes = self
+            .cache
+            .update(snapshot, &self.node, self.external.nodeport_addrs(), full);
+        let desired = self.cache.desired();
+        for c in &changes {
+            let new = desired.frontends.get(&c.frontend);
+            self.planner
+                .desired_changed(c.frontend, c.old.as_ref(), new);
+        }
+        problems.extend(self.cache.problems());
+        let plan = self
+            .planner
+            .plan(desired, &self.programmed, &self.capacities, full);
         for (frontend, reason) in &plan.skipped {
             problems.push(Problem {
                 source: "dataplane".into(),
@@ -149,29 +169,34 @@ impl Agent {
             .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         for op in &plan.ops[..applied] {
+            self.planner.observe(&self.programmed, op);
             self.programmed.apply(op);
         }
         if let Some(source) = failure {
+            self.planner.failed();
             self.sync_failed(snapshot);
             return Err(ApplyError {
                 op: plan.ops[applied],
                 source: Box::new(source),
             });
         }
+        self.planner.applied(&plan);
         if removed_backends {
             self.gc_conntrack();
         }
         self.external
-            .apply(&translation.desired, &translation.health_checks);
+            .apply(self.cache.desired(), &self.cache.health_checks());
         self.status.syncs += 1;
-        self.status.frontends = self.programmed.frontend_count();
+        self.status.frontends = self.planner.frontend_count();
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
-        self.sync_applied(started.elapsed(), snapshot, &translation.desired, &problems);
+        self.sync_applied(started.elapsed(), snapshot, &problems);
         let level_changed = !plan.ops.is_empty();
         if level_changed {
             info!(
                 ops = plan.ops.len(),
+                full,
+                changed_frontends = changes.len(),
                 frontends = self.status.frontends,
                 backends = self.status.backends,
                 took_us = started.elapsed().as_micros() as u64,
@@ -187,8 +212,9 @@ impl Agent {
         Ok(())
     }
 
-    /// Reads the source's current state and syncs it (the node's zone included).
-    pub fn sync_from(&mut self, source: &Source) -> Result<(), ApplyError> {
+    /// Reads the source's current state and syncs it (the node's zone included); `full` as in
+    /// [`Agent::sync`].
+    pub fn sync_from(&mut self, source: &Source, full: bool) -> Result<(), ApplyError> {
         let started = Instant::now();
         let state = source.state();
         let read_us = started.elapsed().as_micros() as u64;
@@ -198,7 +224,7 @@ impl Agent {
         }
         self.health.set_node_eligible(state.node_eligible);
         debug!(read_us, "source state read");
-        self.sync(&state.snapshot, state.problems)
+        self.sync(&state.snapshot, state.problems, full)
     }
 
     /// Logs problems not reported before (one line each, not one per sync).
@@ -318,13 +344,7 @@ impl Agent {
         self.health.queued();
     }
 
-    fn sync_applied(
-        &mut self,
-        took: Duration,
-        snapshot: &Snapshot,
-        desired: &crate::model::DesiredState,
-        problems: &[Problem],
-    ) {
+    fn sync_applied(&mut self, took: Duration, snapshot: &Snapshot, problems: &[Problem]) {
         let now = std::time::SystemTime::now();
         // After the map writes, so the comparison does not delay them.
         if self.changes.needs_diff() {
@@ -335,7 +355,8 @@ impl Agent {
             self.metrics
                 .sync_applied(took, &crate::metrics::Changes::default(), now);
         }
-        let (internal, external) = crate::metrics::no_local_endpoints(snapshot, desired);
+        let (internal, external) =
+            crate::metrics::no_local_endpoints(snapshot, self.cache.desired());
         self.metrics.set_no_local_endpoints(internal, external);
         self.metrics.set_sync_problems(problems.len());
         let p = &self.programmed;
@@ -476,7 +497,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = futures::FutureExt::now_or_never(source.changed());
     let mut dirty = false;
     let mut last_sync = Instant::now();
-    if let Err(e) = agent.sync_from(&source) {
+    let mut last_full = last_sync;
+    if let Err(e) = agent.sync_from(&source, true) {
         error!("initial sync: {e}; retrying");
         dirty = true;
     }
@@ -513,8 +535,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             () = tokio::time::sleep_until(due.into()) => {
                 let now = Instant::now();
                 last_sync = now;
-                match agent.sync_from(&source) {
+                // The periodic full pass: when nothing is queued, and at least every syncPeriod
+                // even while changes keep coming.
+                let full = !dirty || now >= last_full + args.sync_period;
+                match agent.sync_from(&source, full) {
                     Ok(()) => {
+                        if full {
+                            last_full = now;
+                        }
                         dirty = false;
                         next_allowed = now + args.min_sync_period;
                     }

@@ -1000,4 +1000,117 @@ mod tests {
             ]
         );
     }
+
+    /// A few frontends of `prev` change: endpoints come and go, flags flip, frontends are
+    /// added and removed.
+    fn mutate(prev: &DesiredState, rng: &mut Rng) -> DesiredState {
+        let mut d = prev.clone();
+        for _ in 0..=rng.below(3) {
+            let f = rng.below(14);
+            let mut fr = fe(f);
+            if rng.below(4) == 0 {
+                fr.protocol = Protocol::Udp;
+            }
+            match rng.below(5) {
+                0 => {
+                    d.frontends.remove(&fr);
+                }
+                _ => {
+                    let df = d
+                        .frontends
+                        .entry(fr)
+                        .or_insert_with(|| dfe(f, vec![], vec![]));
+                    let b = rng.below(20);
+                    let backend = DesiredBackend {
+                        local: rng.below(2) == 0,
+                        terminating: rng.below(4) == 0,
+                        ..be(b)
+                    };
+                    let present =
+                        |v: &Vec<DesiredBackend>| v.iter().any(|x| x.endpoint == backend.endpoint);
+                    if present(&df.backends) || present(&df.retained) {
+                        df.backends.retain(|x| x.endpoint != backend.endpoint);
+                        df.retained.retain(|x| x.endpoint != backend.endpoint);
+                        if rng.below(2) == 0 {
+                            df.backends.push(backend); // same endpoint, other flags
+                        }
+                    } else if rng.below(4) == 0 {
+                        df.retained.push(DesiredBackend {
+                            terminating: true,
+                            ..backend
+                        });
+                    } else {
+                        df.backends.push(backend);
+                    }
+                    df.backends.sort();
+                    df.retained.sort();
+                }
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn incremental_plan_equals_full_plan_over_random_transitions() {
+        use crate::incremental::Planner;
+        let small = Capacities {
+            services: 40,
+            backends: 14,
+            rev_nats: 7,
+        };
+        let mut incremental = 0;
+        let mut steps = 0;
+        for seed in 1..=80u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xa5a5);
+            let caps = if seed.is_multiple_of(4) { small } else { CAPS };
+            let mut full_p = Programmed::default();
+            let mut inc_p = Programmed::default();
+            let mut planner = Planner::new(&inc_p);
+            let mut prev = DesiredState::default();
+            for step in 0..40 {
+                let d = match rng.below(8) {
+                    0 => random_state(&mut rng),
+                    1 => DesiredState::default(),
+                    _ => mutate(&prev, &mut rng),
+                };
+                let keys: std::collections::BTreeSet<Frontend> = prev
+                    .frontends
+                    .keys()
+                    .chain(d.frontends.keys())
+                    .copied()
+                    .collect();
+                for f in keys {
+                    let (old, new) = (prev.frontends.get(&f), d.frontends.get(&f));
+                    if old != new {
+                        planner.desired_changed(f, old, new);
+                    }
+                }
+                let full = plan(&d, &full_p, &caps);
+                if let Some(inc) = planner.plan_changes(&d, &inc_p, &caps) {
+                    incremental += 1;
+                    assert_eq!(inc, full, "seed {seed} step {step}");
+                }
+                let inc = planner.plan(&d, &inc_p, &caps, false);
+                assert_eq!(inc, full, "seed {seed} step {step}");
+                apply_checked(&mut full_p, &full.ops);
+                for op in &inc.ops {
+                    planner.observe(&inc_p, op);
+                    inc_p.apply(op);
+                    assert_consistent(&inc_p, op);
+                }
+                planner.applied(&inc);
+                assert_eq!(inc_p, full_p, "seed {seed} step {step}");
+                assert_eq!(planner.frontend_count(), inc_p.frontend_count());
+                // The indexes kept up to date equal indexes rebuilt from the maps.
+                let rebuilt = Planner::new(&inc_p);
+                assert!(planner.same_indexes(&rebuilt), "seed {seed} step {step}");
+                prev = d;
+                steps += 1;
+            }
+        }
+        assert!(
+            incremental * 2 > steps,
+            "the incremental path ran in only {incremental} of {steps} steps"
+        );
+    }
 }

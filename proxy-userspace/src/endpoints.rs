@@ -73,7 +73,11 @@ pub struct SliceIndex {
 impl SliceIndex {
     /// Parse and group `slices`. Bad endpoint addresses and ports are reported in `problems` (once
     /// per slice) and skipped.
-    pub fn new(slices: &[EndpointSlice], node_name: &str, problems: &mut Vec<Problem>) -> Self {
+    pub fn new<'a>(
+        slices: impl IntoIterator<Item = &'a EndpointSlice>,
+        node_name: &str,
+        problems: &mut Vec<Problem>,
+    ) -> Self {
         let mut by_service: HashMap<_, Vec<_>> = HashMap::new();
         for slice in slices {
             if slice.address_type != ADDRESS_TYPE_IPV4 {

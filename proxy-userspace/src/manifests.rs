@@ -14,6 +14,7 @@ use std::{
     hash::{DefaultHasher, Hash, Hasher},
     io,
     path::{Path, PathBuf},
+    sync::Arc,
     time::UNIX_EPOCH,
 };
 
@@ -151,12 +152,12 @@ impl Loader {
         match (api_version.as_str(), kind.as_str()) {
             (Service::API_VERSION, Service::KIND) => {
                 if let Some(svc) = self.object::<Service>(path, label, value) {
-                    self.out.snapshot.services.push(svc);
+                    self.out.snapshot.services.push(Arc::new(svc));
                 }
             }
             (EndpointSlice::API_VERSION, EndpointSlice::KIND) => {
                 if let Some(slice) = self.object::<EndpointSlice>(path, label, value) {
-                    self.out.snapshot.endpoint_slices.push(slice);
+                    self.out.snapshot.endpoint_slices.push(Arc::new(slice));
                 }
             }
             ("v1", "List" | "ServiceList") | ("discovery.k8s.io/v1", "EndpointSliceList") => {

@@ -507,13 +507,14 @@ fn object_key(meta: &ObjectMeta) -> ObjectKey {
     )
 }
 
-fn fingerprints<T>(objects: &[T]) -> HashMap<ObjectKey, u64>
+fn fingerprints<T>(objects: &[Arc<T>]) -> HashMap<ObjectKey, u64>
 where
     T: Metadata<Ty = ObjectMeta> + Serialize,
 {
     objects
         .iter()
         .map(|o| {
+            let o = &**o;
             let meta = o.metadata();
             let mut h = DefaultHasher::new();
             match (&meta.resource_version, &meta.uid) {
@@ -563,7 +564,7 @@ pub fn no_local_endpoints(snapshot: &Snapshot, desired: &DesiredState) -> (u64, 
     let local: HashSet<(&str, &str)> = snapshot
         .services
         .iter()
-        .filter(|s: &&Service| {
+        .filter(|s: &&Arc<Service>| {
             s.spec
                 .as_ref()
                 .and_then(|s| s.internal_traffic_policy.as_deref())
@@ -582,7 +583,7 @@ pub fn no_local_endpoints(snapshot: &Snapshot, desired: &DesiredState) -> (u64, 
     let with_endpoints: HashSet<(&str, &str)> = snapshot
         .endpoint_slices
         .iter()
-        .filter(|s: &&EndpointSlice| s.endpoints.as_ref().is_some_and(|e| !e.is_empty()))
+        .filter(|s: &&Arc<EndpointSlice>| s.endpoints.as_ref().is_some_and(|e| !e.is_empty()))
         .filter_map(|s| {
             let svc = s.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
             Some((s.metadata.namespace.as_deref()?, svc.as_str()))
@@ -639,16 +640,16 @@ mod tests {
     fn changes_are_counted_between_applied_syncs() {
         let start = at("2025-01-01T00:00:00Z");
         let mut t = ChangeTracker::new(start);
-        let mut snap = Snapshot {
-            services: vec![
+        let mut snap = Snapshot::new(
+            vec![
                 service("a", "10.96.0.1", None, None),
                 service("b", "10.96.0.2", None, Some("7")),
             ],
-            endpoint_slices: vec![
+            vec![
                 slice("a-1", "a", "n1", Some("2024-12-31T23:00:00Z")),
                 slice("b-1", "b", "n1", Some("2025-01-01T00:00:01Z")),
             ],
-        };
+        );
         let c = t.diff(&snap);
         assert_eq!(
             (c.services, c.endpoint_slices),
@@ -670,8 +671,8 @@ mod tests {
             (0, 0, 0)
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
-        snap.services[1] = service("b", "10.96.0.2", None, Some("8"));
-        snap.endpoint_slices[0] = slice("a-1", "a", "n2", Some("2025-01-01T00:00:05Z"));
+        snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")));
+        snap.endpoint_slices[0] = Arc::new(slice("a-1", "a", "n2", Some("2025-01-01T00:00:05Z")));
         snap.endpoint_slices.pop();
         let c = t.diff(&snap);
         assert_eq!((c.services, c.endpoint_slices), (1, 2));
@@ -680,19 +681,19 @@ mod tests {
 
     #[test]
     fn no_local_endpoints_counts_local_policy_ports_served_elsewhere() {
-        let snap = Snapshot {
-            services: vec![
+        let snap = Snapshot::new(
+            vec![
                 service("local-elsewhere", "10.96.0.1", Some("Local"), None),
                 service("local-here", "10.96.0.2", Some("Local"), None),
                 service("local-none", "10.96.0.3", Some("Local"), None),
                 service("cluster", "10.96.0.4", None, None),
             ],
-            endpoint_slices: vec![
+            vec![
                 slice("e-1", "local-elsewhere", "other", None),
                 slice("h-1", "local-here", "me", None),
                 slice("c-1", "cluster", "other", None),
             ],
-        };
+        );
         let node = NodeContext {
             node_name: "me".into(),
             zone: None,

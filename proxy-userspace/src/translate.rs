@@ -100,46 +100,84 @@ pub fn translate_for_node(
 ) -> Translation {
     let mut out = Translation::default();
     let slices = SliceIndex::new(
-        &snapshot.endpoint_slices,
+        snapshot.endpoint_slices.iter().map(|s| &**s),
         &node.node_name,
         &mut out.problems,
     );
     // Sorted so that when two Services claim one frontend, the same one wins whatever order the
     // source listed them in.
-    let mut services: Vec<&Service> = snapshot.services.iter().collect();
+    let mut services: Vec<&Service> = snapshot.services.iter().map(|s| &**s).collect();
     services.sort_by_key(|s| (&s.metadata.namespace, &s.metadata.name));
     for svc in services {
-        let object = format!("Service {}", namespaced_name(svc));
-        let report = |list: &mut Vec<Problem>, reason: String| {
-            list.push(Problem {
-                source: SNAPSHOT_SOURCE.to_owned(),
-                object: object.clone(),
-                reason,
-            })
-        };
-        if !handled(svc) {
+        let Some(t) = translate_service(svc, &slices, node, nodeport_addrs) else {
             continue;
-        }
-        let frontends = match service_frontends(svc, &slices, node, nodeport_addrs) {
-            Ok(f) => f,
-            Err(e) => {
-                report(&mut out.problems, e.to_string());
-                continue;
-            }
         };
-        for e in frontends.port_problems {
-            report(&mut out.problems, e.to_string());
-        }
-        if let Some(note) = frontends.note {
-            report(&mut out.notes, note);
-        }
-        match claim(&mut out.desired, frontends.frontends) {
-            Ok(()) => out.health_checks.extend(frontends.health_check),
-            Err(e) => report(&mut out.problems, e.to_string()),
+        out.problems.extend(t.problems);
+        out.notes.extend(t.notes);
+        match claim(&mut out.desired, t.frontends) {
+            Ok(()) => out.health_checks.extend(t.health_check),
+            Err(e) => out.problems.push(service_problem(svc, e.to_string())),
         }
     }
     out.health_checks.sort_by_key(|h| h.port);
     out
+}
+
+/// One Service's part of a translation, before the frontend claims between Services.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceTranslation {
+    /// The frontends the Service asks for, in Service port order; all or none of them are
+    /// claimed. Empty when the Service is skipped.
+    pub frontends: Vec<(Frontend, DesiredFrontend)>,
+    pub problems: Vec<Problem>,
+    pub notes: Vec<Problem>,
+    /// Served only if the frontends are claimed.
+    pub health_check: Option<HealthCheck>,
+}
+
+/// Translate one Service with the endpoints of `slices` (which may hold only this Service's
+/// slices). `None`: the Service is not for this proxy (ExternalName, headless, another proxy's).
+pub fn translate_service(
+    svc: &Service,
+    slices: &SliceIndex,
+    node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
+) -> Option<ServiceTranslation> {
+    if !handled(svc) {
+        return None;
+    }
+    let mut out = ServiceTranslation::default();
+    match service_frontends(svc, slices, node, nodeport_addrs) {
+        Ok(f) => {
+            for e in f.port_problems {
+                out.problems.push(service_problem(svc, e.to_string()));
+            }
+            if let Some(note) = f.note {
+                out.notes.push(service_problem(svc, note));
+            }
+            out.frontends = f.frontends;
+            out.health_check = f.health_check;
+        }
+        Err(e) => out.problems.push(service_problem(svc, e.to_string())),
+    }
+    Some(out)
+}
+
+/// The problem reported when a Service cannot claim `frontend` because `owner` (namespace/name)
+/// holds it.
+pub fn frontend_taken(svc: &Service, frontend: Frontend, owner: String) -> Problem {
+    service_problem(
+        svc,
+        ServiceError::FrontendTaken { frontend, owner }.to_string(),
+    )
+}
+
+fn service_problem(svc: &Service, reason: String) -> Problem {
+    Problem {
+        source: SNAPSHOT_SOURCE.to_owned(),
+        object: format!("Service {}", namespaced_name(svc)),
+        reason,
+    }
 }
 
 /// Insert all of one Service's frontends, or none if any is already taken.
@@ -553,10 +591,7 @@ mod tests {
     }
 
     fn run(case: Case<'_>) -> Translation {
-        let snapshot = Snapshot {
-            services: case.services,
-            endpoint_slices: case.slices,
-        };
+        let snapshot = Snapshot::new(case.services, case.slices);
         let node = NodeContext {
             node_name: NODE.into(),
             zone: Some(ZONE.into()),
@@ -1247,10 +1282,7 @@ mod tests {
     const NODE_ADDRS: [Ipv4Addr; 2] = [Ipv4Addr::new(192, 168, 50, 10), Ipv4Addr::new(10, 0, 0, 5)];
 
     fn translate_node(services: Vec<Service>, slices: Vec<EndpointSlice>) -> Translation {
-        let snapshot = Snapshot {
-            services,
-            endpoint_slices: slices,
-        };
+        let snapshot = Snapshot::new(services, slices);
         let node = NodeContext {
             node_name: NODE.into(),
             zone: Some(ZONE.into()),
@@ -1354,10 +1386,7 @@ mod tests {
                    "ports": [{"name": "http", "port": 80, "nodePort": 30082}]}),
             json!({}),
         );
-        let snapshot = Snapshot {
-            services: vec![np],
-            endpoint_slices: vec![local_and_remote_slice("np")],
-        };
+        let snapshot = Snapshot::new(vec![np], vec![local_and_remote_slice("np")]);
         let t = translate(&snapshot, &NodeContext::default());
         assert_eq!(
             t.desired.frontends.len(),

@@ -813,7 +813,9 @@ fn kube_scale_numbers() {
 #[ignore = "numbers; run in release"]
 fn pipeline_cost_at_10000_services() {
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-    use kube_proxy_ebpf::{diff, programmed::Programmed};
+    use kube_proxy_ebpf::{
+        diff, incremental::Planner, programmed::Programmed, translate_cache::TranslateCache,
+    };
     const SERVICES: usize = 10_000;
     let services: Vec<Service> = (0..SERVICES)
         .map(|i| {
@@ -849,8 +851,8 @@ fn pipeline_cost_at_10000_services() {
     for round in 0..3 {
         let t = Instant::now();
         let snapshot = kube_proxy_ebpf::snapshot::Snapshot {
-            services: arcs.0.iter().map(|s| (**s).clone()).collect(),
-            endpoint_slices: arcs.1.iter().map(|s| (**s).clone()).collect(),
+            services: arcs.0.clone(),
+            endpoint_slices: arcs.1.clone(),
         };
         let copy = t.elapsed();
         let t = Instant::now();
@@ -865,8 +867,75 @@ fn pipeline_cost_at_10000_services() {
         }
         let apply_t = t.elapsed();
         eprintln!(
-            "NUMBERS round {round}: copy {copy:?}, translate {translate_t:?}, plan {plan_t:?} ({} ops), shadow apply {apply_t:?}",
+            "NUMBERS full round {round}: snapshot (shared objects) {copy:?}, translate {translate_t:?}, plan {plan_t:?} ({} ops), shadow apply {apply_t:?}",
             plan.ops.len()
         );
     }
+
+    // The agent's path: the translation cache and the incremental planner, first a full pass,
+    // then one endpoint change at a time.
+    let mut programmed = Programmed::default();
+    let mut planner = Planner::new(&programmed);
+    let mut cache = TranslateCache::new();
+    let mut snapshot = kube_proxy_ebpf::snapshot::Snapshot {
+        services: arcs.0.clone(),
+        endpoint_slices: arcs.1.clone(),
+    };
+    let mut sync = |snapshot: &kube_proxy_ebpf::snapshot::Snapshot, full: bool| {
+        let t = Instant::now();
+        let changes = cache.update(snapshot, &node, &[], full);
+        for c in &changes {
+            let new = cache.desired().frontends.get(&c.frontend);
+            planner.desired_changed(c.frontend, c.old.as_ref(), new);
+        }
+        let translate_t = t.elapsed();
+        let t = Instant::now();
+        let plan = planner.plan(cache.desired(), &programmed, &caps, full);
+        let plan_t = t.elapsed();
+        let t = Instant::now();
+        for op in &plan.ops {
+            planner.observe(&programmed, op);
+            programmed.apply(op);
+        }
+        planner.applied(&plan);
+        (translate_t, plan_t, t.elapsed(), plan.ops.len())
+    };
+    let (tr, pl, ap, ops) = sync(&snapshot, true);
+    eprintln!(
+        "NUMBERS incremental path, first (full) sync: translate {tr:?}, plan {pl:?} ({ops} ops), shadow apply {ap:?}"
+    );
+    let mut totals = Vec::new();
+    for n in 0..20 {
+        let i = (n * 97) % SERVICES;
+        let want = if n % 2 == 0 { 11 } else { 10 };
+        let mut s: EndpointSlice =
+            serde_json::from_value(slice(&format!("svc-{i}"), "a", &scale_endpoints(i, want)))
+                .expect("slice");
+        kube_proxy_ebpf::kube::prune::endpoint_slice(&mut s);
+        snapshot.endpoint_slices[i] = std::sync::Arc::new(s);
+        let t = Instant::now();
+        let shared = kube_proxy_ebpf::snapshot::Snapshot {
+            services: snapshot.services.clone(),
+            endpoint_slices: snapshot.endpoint_slices.clone(),
+        };
+        let copy = t.elapsed();
+        let (tr, pl, ap, ops) = sync(&shared, false);
+        totals.push(copy + tr + pl + ap);
+        if n < 3 {
+            eprintln!(
+                "NUMBERS incremental endpoint change {n}: snapshot {copy:?}, translate {tr:?}, plan {pl:?} ({ops} ops), shadow apply {ap:?}"
+            );
+        }
+    }
+    totals.sort();
+    eprintln!(
+        "NUMBERS incremental endpoint change, median of {}: {:?}",
+        totals.len(),
+        totals[totals.len() / 2]
+    );
+    let (tr, pl, ap, ops) = sync(&snapshot, true);
+    eprintln!(
+        "NUMBERS incremental path, periodic full pass: translate {tr:?}, plan {pl:?} ({ops} ops, must be 0), shadow apply {ap:?}"
+    );
+    assert_eq!(ops, 0, "the full pass finds nothing left to do");
 }

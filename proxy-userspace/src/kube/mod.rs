@@ -168,17 +168,13 @@ impl KubeSource {
         self.changed.notified().await;
     }
 
-    /// The stores' current content as a snapshot (objects are copied: translate wants owned
-    /// objects, and the stores keep changing).
+    /// The stores' current content as a snapshot. Objects are shared with the stores, not
+    /// copied: the store replaces an object's `Arc` when it changes, so an unchanged object keeps
+    /// the same `Arc` across snapshots.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            services: self
-                .services
-                .state()
-                .iter()
-                .map(|s| (**s).clone())
-                .collect(),
-            endpoint_slices: self.slices.state().iter().map(|s| (**s).clone()).collect(),
+            services: self.services.state(),
+            endpoint_slices: self.slices.state(),
         }
     }
 

@@ -17,10 +17,11 @@ use kube_proxy_ebpf::{
         loader::{MapSizes, program_mut},
         maps::{ServiceMaps, Stats},
     },
-    diff,
     ebpf_object::EBPF_OBJECT,
+    incremental::Planner,
     programmed::Programmed,
-    translate::{self, NodeContext},
+    translate::NodeContext,
+    translate_cache::TranslateCache,
 };
 use proxy_common::{
     CONFIG_GLOBAL, Counter, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
@@ -92,6 +93,8 @@ struct Loaded {
     maps: ServiceMaps,
     stats: Stats,
     programmed: Programmed,
+    planner: Planner,
+    cache: TranslateCache,
     caps: kube_proxy_ebpf::programmed::Capacities,
     node: NodeContext,
 }
@@ -133,6 +136,8 @@ impl Loaded {
             maps,
             stats,
             programmed: Programmed::default(),
+            planner: Planner::new(&Programmed::default()),
+            cache: TranslateCache::new(),
             caps: sizes.capacities(),
             node: NodeContext {
                 node_name: "bench-node".into(),
@@ -141,18 +146,32 @@ impl Loaded {
         })
     }
 
-    /// One sync through the agent's pipeline, timed by part.
-    fn sync(&mut self, snap: &kube_proxy_ebpf::snapshot::Snapshot) -> Result<SyncTimes> {
+    /// One sync through the agent's pipeline (translation cache, incremental planner; `full`:
+    /// everything translated and planned, as the agent's first and periodic syncs), timed by
+    /// part.
+    fn sync(
+        &mut self,
+        snap: &kube_proxy_ebpf::snapshot::Snapshot,
+        full: bool,
+    ) -> Result<SyncTimes> {
         let t = Instant::now();
-        let translation = translate::translate(snap, &self.node);
+        let changes = self.cache.update(snap, &self.node, &[], full);
+        for c in &changes {
+            let new = self.cache.desired().frontends.get(&c.frontend);
+            self.planner
+                .desired_changed(c.frontend, c.old.as_ref(), new);
+        }
         let translate = t.elapsed();
+        let problems = self.cache.problems();
         ensure!(
-            translation.problems.is_empty(),
+            problems.is_empty(),
             "generated Services have problems: {:?}",
-            translation.problems.first()
+            problems.first()
         );
         let t = Instant::now();
-        let plan = diff::plan(&translation.desired, &self.programmed, &self.caps);
+        let plan = self
+            .planner
+            .plan(self.cache.desired(), &self.programmed, &self.caps, full);
         let plan_t = t.elapsed();
         ensure!(
             plan.skipped.is_empty(),
@@ -160,10 +179,16 @@ impl Loaded {
             plan.skipped.first()
         );
         let t = Instant::now();
-        for op in &plan.ops {
-            self.maps.apply(op)?;
+        // As the agent: same-kind runs of ops in batched map calls.
+        let (applied, failure) = self.maps.apply_all(&plan.ops);
+        for op in &plan.ops[..applied] {
+            self.planner.observe(&self.programmed, op);
             self.programmed.apply(op);
         }
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        self.planner.applied(&plan);
         Ok(SyncTimes {
             translate,
             plan: plan_t,
@@ -280,7 +305,7 @@ pub fn measure(n: usize, packets: bool, change: bool, effort: Effort) -> Result<
     specs.push(SvcSpec::new("cycle-b", CYCLE_B, 81, 80, &[CYCLE_A]));
     let snap = workload::snapshot(&specs);
     let mut l = Loaded::new(n)?;
-    let full_sync = l.sync(&snap)?;
+    let full_sync = l.sync(&snap, true)?;
     let mut result = SizeResult {
         services: n,
         full_sync,
@@ -389,7 +414,8 @@ fn client_for(k: u32, lane: u8) -> (Ipv4Addr, u16) {
 }
 
 /// One endpoint of one Service changes address, `reps` times (alternating between two
-/// addresses); each time translate + plan + apply on the full snapshot. Median total.
+/// addresses); each time a change-triggered sync of the whole snapshot (the cache translates
+/// the changed Service, the planner plans its frontends). Median total.
 fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(SyncTimes, Duration)> {
     let mut snap = workload::snapshot(specs);
     let idx = specs.len() / 2;
@@ -401,8 +427,8 @@ fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(Sync
         } else {
             specs[idx].endpoints[0]
         };
-        snap.endpoint_slices[idx] = workload::slice(&s);
-        let t = l.sync(&snap)?;
+        snap.endpoint_slices[idx] = std::sync::Arc::new(workload::slice(&s));
+        let t = l.sync(&snap, false)?;
         ensure!(
             (1..=2 * workload::ENDPOINTS_PER_SERVICE + 8).contains(&t.ops),
             "an endpoint change made {} map operations",

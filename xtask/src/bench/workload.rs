@@ -73,8 +73,8 @@ pub fn generated(n: usize) -> Vec<SvcSpec> {
 pub fn snapshot(specs: &[SvcSpec]) -> Snapshot {
     let mut snap = Snapshot::default();
     for s in specs {
-        snap.services.push(service(s));
-        snap.endpoint_slices.push(slice(s));
+        snap.services.push(std::sync::Arc::new(service(s)));
+        snap.endpoint_slices.push(std::sync::Arc::new(slice(s)));
     }
     snap
 }

@@ -1,0 +1,582 @@
+//! Incremental translation: the desired state kept between syncs, with only the Services whose
+//! objects changed translated again.
+//!
+//! Pure (no IO). Each sync hands in the whole [`Snapshot`] (level-triggered: nothing depends on
+//! watch events), and the cache finds what changed by comparing it with the previous one: an
+//! object whose `Arc` is the same as last time is unchanged (the Kubernetes stores replace the
+//! `Arc` of an object that changes); a new `Arc` is compared by value (the manifest source parses
+//! every object again). A Service is translated again when the Service or one of its
+//! EndpointSlices (the `kubernetes.io/service-name` label) changed, and every Service when the
+//! node's context (name, zone, NodePort addresses) changed.
+//!
+//! Frontend claims between Services follow [`translate::translate_for_node`]: in
+//! namespace/name order, a Service gets all its frontends or, if one is already taken, none.
+//! When a changed Service shares a frontend with others, the claims of that whole group
+//! (Services linked by shared frontends) are decided again, in the same order. The result is
+//! equal to a full translation of the same snapshot (tested below).
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet, btree_map::Entry},
+    net::Ipv4Addr,
+    sync::Arc,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use crate::{
+    endpoints::{LABEL_SERVICE_NAME, SliceIndex},
+    model::{DesiredFrontend, DesiredState, Frontend, Problem},
+    snapshot::Snapshot,
+    translate::{self, HealthCheck, NodeContext, ServiceTranslation},
+};
+
+/// A Service's namespace and name (also the key EndpointSlices join on).
+pub type ServiceName = (String, String);
+
+/// A frontend whose desired value changed in an update, with the value it had before (`None`:
+/// it did not exist). The new value is in [`TranslateCache::desired`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendChange {
+    pub frontend: Frontend,
+    pub old: Option<DesiredFrontend>,
+}
+
+/// The translation of the last snapshot, kept per Service.
+#[derive(Debug, Default)]
+pub struct TranslateCache {
+    node: Option<(NodeContext, Vec<Ipv4Addr>)>,
+    /// The objects of the last snapshot.
+    seen_services: Seen<Service>,
+    seen_slices: Seen<EndpointSlice>,
+    services: HashMap<ServiceName, Arc<Service>>,
+    /// EndpointSlices by the Service they name, then by slice name.
+    slices: HashMap<ServiceName, BTreeMap<String, Arc<EndpointSlice>>>,
+    /// Problems found in each Service's slices.
+    slice_problems: HashMap<ServiceName, Vec<Problem>>,
+    /// Handled Services' translations.
+    translations: HashMap<ServiceName, ServiceTranslation>,
+    /// Services asking for each frontend (claimed or not; usually one).
+    candidates: HashMap<Frontend, Vec<ServiceName>>,
+    /// The Service holding each claimed frontend, and the frontends each Service holds.
+    owners: HashMap<Frontend, ServiceName>,
+    claimed: HashMap<ServiceName, Vec<Frontend>>,
+    /// Services that could not claim their frontends, with the reason.
+    claim_problems: HashMap<ServiceName, Problem>,
+    health_checks: BTreeMap<ServiceName, HealthCheck>,
+    desired: DesiredState,
+}
+
+impl TranslateCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The desired state of the last update.
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// Problems of the last update (as [`translate::Translation::problems`], in another order).
+    pub fn problems(&self) -> Vec<Problem> {
+        let slices = self.slice_problems.values().flatten();
+        let services = self.translations.values().flat_map(|t| &t.problems);
+        slices
+            .chain(services)
+            .chain(self.claim_problems.values())
+            .cloned()
+            .collect()
+    }
+
+    /// Notes of the last update (as [`translate::Translation::notes`], in another order).
+    pub fn notes(&self) -> Vec<Problem> {
+        self.translations
+            .values()
+            .flat_map(|t| t.notes.iter().cloned())
+            .collect()
+    }
+
+    /// Health-check node ports, sorted by port (as [`translate::Translation::health_checks`]).
+    pub fn health_checks(&self) -> Vec<HealthCheck> {
+        let mut v: Vec<HealthCheck> = self.health_checks.values().cloned().collect();
+        v.sort_by_key(|h| h.port);
+        v
+    }
+
+    /// Bring the desired state up to `snapshot`. `everything`: translate every Service again
+    /// (the periodic full sync). Returns the frontends whose desired value changed, sorted.
+    pub fn update(
+        &mut self,
+        snapshot: &Snapshot,
+        node: &NodeContext,
+        nodeport_addrs: &[Ipv4Addr],
+        everything: bool,
+    ) -> Vec<FrontendChange> {
+        let mut dirty = self.changed_services(snapshot);
+        let context = (node.clone(), nodeport_addrs.to_vec());
+        if everything || self.node.as_ref() != Some(&context) {
+            dirty.extend(self.services.keys().cloned());
+            dirty.extend(self.slices.keys().cloned());
+            dirty.extend(self.translations.keys().cloned());
+            dirty.extend(self.slice_problems.keys().cloned());
+            self.node = Some(context);
+        }
+        if dirty.is_empty() {
+            return Vec::new();
+        }
+        // Translate the changed Services again.
+        for name in &dirty {
+            let mut problems = Vec::new();
+            let slices = self.slices.get(name);
+            let index = SliceIndex::new(
+                slices.into_iter().flat_map(|s| s.values().map(|s| &**s)),
+                &node.node_name,
+                &mut problems,
+            );
+            if problems.is_empty() {
+                self.slice_problems.remove(name);
+            } else {
+                self.slice_problems.insert(name.clone(), problems);
+            }
+            let new = self
+                .services
+                .get(name)
+                .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
+            let old = match new {
+                Some(t) => self.translations.insert(name.clone(), t),
+                None => self.translations.remove(name),
+            };
+            for (f, _) in old.iter().flat_map(|t| &t.frontends) {
+                if let Some(c) = self.candidates.get_mut(f) {
+                    c.retain(|n| n != name);
+                    if c.is_empty() {
+                        self.candidates.remove(f);
+                    }
+                }
+            }
+            for (f, _) in self
+                .translations
+                .get(name)
+                .iter()
+                .flat_map(|t| &t.frontends)
+            {
+                let c = self.candidates.entry(*f).or_default();
+                if !c.contains(name) {
+                    c.push(name.clone());
+                }
+            }
+        }
+        // Everything sharing a frontend with a changed Service (before or after) is claimed
+        // again, in namespace/name order.
+        let mut group: BTreeSet<ServiceName> = dirty.iter().cloned().collect();
+        let mut queue: Vec<ServiceName> = dirty.into_iter().collect();
+        while let Some(name) = queue.pop() {
+            let owned = self.claimed.get(&name).into_iter().flatten().copied();
+            let wanted = self
+                .translations
+                .get(&name)
+                .into_iter()
+                .flat_map(|t| t.frontends.iter().map(|(f, _)| *f));
+            let mut linked = Vec::new();
+            for f in wanted.chain(owned) {
+                let others = self.candidates.get(&f).into_iter().flatten();
+                linked.extend(others.chain(self.owners.get(&f)).cloned());
+            }
+            for other in linked {
+                if group.insert(other.clone()) {
+                    queue.push(other);
+                }
+            }
+        }
+        self.claim(&group)
+    }
+
+    /// Services whose Service object or EndpointSlices differ from the last snapshot.
+    fn changed_services(&mut self, snapshot: &Snapshot) -> HashSet<ServiceName> {
+        let mut dirty = HashSet::new();
+
+        let (fresh, gone) = self.seen_services.split(&snapshot.services);
+        let mut fresh: HashMap<ServiceName, Arc<Service>> = fresh
+            .into_iter()
+            .filter_map(|s| Some((service_name(&s)?, s)))
+            .collect();
+        let touched: BTreeSet<ServiceName> = gone
+            .iter()
+            .filter_map(|s| service_name(s))
+            .chain(fresh.keys().cloned())
+            .collect();
+        for name in touched {
+            let old = match fresh.remove(&name) {
+                Some(new) => self.services.insert(name.clone(), new),
+                None => self.services.remove(&name),
+            };
+            if old.as_ref() != self.services.get(&name) {
+                dirty.insert(name);
+            }
+        }
+
+        let (fresh, gone) = self.seen_slices.split(&snapshot.endpoint_slices);
+        let mut fresh: HashMap<(ServiceName, String), Arc<EndpointSlice>> = fresh
+            .into_iter()
+            .filter_map(|s| Some((slice_key(&s)?, s)))
+            .collect();
+        let touched: BTreeSet<(ServiceName, String)> = gone
+            .iter()
+            .filter_map(|s| slice_key(s))
+            .chain(fresh.keys().cloned())
+            .collect();
+        for (service, slice) in touched {
+            let new = fresh.remove(&(service.clone(), slice.clone()));
+            let group = self.slices.entry(service.clone()).or_default();
+            let old = match &new {
+                Some(new) => group.insert(slice, new.clone()),
+                None => group.remove(&slice),
+            };
+            if group.is_empty() {
+                self.slices.remove(&service);
+            }
+            if old != new {
+                dirty.insert(service);
+            }
+        }
+        dirty
+    }
+
+    /// Decide the claims of `group` again (no Service outside it shares a frontend with one in
+    /// it) and record which frontends changed.
+    fn claim(&mut self, group: &BTreeSet<ServiceName>) -> Vec<FrontendChange> {
+        let mut before: BTreeMap<Frontend, Option<DesiredFrontend>> = BTreeMap::new();
+        // Release everything the group holds.
+        for name in group {
+            self.claim_problems.remove(name);
+            self.health_checks.remove(name);
+            for f in self.claimed.remove(name).unwrap_or_default() {
+                self.owners.remove(&f);
+                let old = self.desired.frontends.remove(&f);
+                before.entry(f).or_insert(old);
+            }
+        }
+        for name in group {
+            let Some(t) = self.translations.get(name) else {
+                continue;
+            };
+            let taken = t
+                .frontends
+                .iter()
+                .find_map(|(f, _)| self.owners.get(f).map(|o| (*f, o)));
+            if let Some((frontend, owner)) = taken {
+                let Some(svc) = self.services.get(name) else {
+                    continue;
+                };
+                let problem =
+                    translate::frontend_taken(svc, frontend, format!("{}/{}", owner.0, owner.1));
+                self.claim_problems.insert(name.clone(), problem);
+                continue;
+            }
+            let mut claimed = Vec::with_capacity(t.frontends.len());
+            for (f, df) in &t.frontends {
+                if let Entry::Vacant(v) = self.desired.frontends.entry(*f) {
+                    v.insert(df.clone());
+                    self.owners.insert(*f, name.clone());
+                    before.entry(*f).or_insert(None);
+                    claimed.push(*f);
+                }
+            }
+            self.claimed.insert(name.clone(), claimed);
+            if let Some(hc) = &t.health_check {
+                self.health_checks.insert(name.clone(), hc.clone());
+            }
+        }
+        before
+            .into_iter()
+            .filter(|(f, old)| old.as_ref() != self.desired.frontends.get(f))
+            .map(|(frontend, old)| FrontendChange { frontend, old })
+            .collect()
+    }
+}
+
+/// The objects of the last snapshot by address, each with the last generation it was seen in.
+/// The `Arc`s are held, so an address is never reused by another object while it is here.
+#[derive(Debug)]
+struct Seen<K> {
+    objects: HashMap<usize, (Arc<K>, u64)>,
+    generation: u64,
+}
+
+impl<K> Default for Seen<K> {
+    fn default() -> Self {
+        Self {
+            objects: HashMap::new(),
+            generation: 0,
+        }
+    }
+}
+
+impl<K> Seen<K> {
+    /// Split `now` (distinct objects, as every source lists them) into objects not seen last
+    /// time (new or changed) and objects that left (changed or removed), and remember `now`.
+    /// No allocation when nothing changed.
+    fn split(&mut self, now: &[Arc<K>]) -> (Vec<Arc<K>>, Vec<Arc<K>>) {
+        self.generation += 1;
+        let generation = self.generation;
+        let mut fresh = Vec::new();
+        for o in now {
+            let addr = Arc::as_ptr(o) as usize;
+            match self.objects.get_mut(&addr) {
+                Some(seen) => seen.1 = generation,
+                None => {
+                    fresh.push(o.clone());
+                    self.objects.insert(addr, (o.clone(), generation));
+                }
+            }
+        }
+        let mut gone = Vec::new();
+        if self.objects.len() > now.len() {
+            self.objects.retain(|_, (o, g)| {
+                if *g != generation {
+                    gone.push(o.clone());
+                }
+                *g == generation
+            });
+        }
+        (fresh, gone)
+    }
+}
+
+fn service_name(svc: &Service) -> Option<ServiceName> {
+    let name = svc.metadata.name.clone()?;
+    let namespace = svc
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    Some((namespace, name))
+}
+
+/// The Service a slice belongs to and the slice's name; `None` for slices not managed for a
+/// Service (translate ignores them too).
+fn slice_key(slice: &EndpointSlice) -> Option<(ServiceName, String)> {
+    let meta = &slice.metadata;
+    let service = meta.labels.as_ref()?.get(LABEL_SERVICE_NAME)?.clone();
+    let name = meta.name.clone()?;
+    let namespace = meta
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    Some(((namespace, service), name))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::model::FrontendKind;
+
+    /// xorshift64*: deterministic "random" snapshots without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u32) -> u32 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % u64::from(n)) as u32
+        }
+    }
+
+    /// A Service drawn from a small space, so that frontends collide across Services.
+    fn random_service(rng: &mut Rng, i: u32) -> Service {
+        let ip = match rng.below(10) {
+            0 => "not-an-ip".to_owned(),
+            1 => "None".to_owned(),
+            _ => format!("10.96.0.{}", rng.below(6) + 1),
+        };
+        let mut ports = vec![json!({"name": "http", "port": 80 + rng.below(2), "protocol": "TCP"})];
+        if rng.below(3) == 0 {
+            ports.push(json!({"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}));
+        }
+        let mut spec = json!({"clusterIP": ip, "ports": ports});
+        if rng.below(4) == 0 {
+            spec["type"] = json!("NodePort");
+        }
+        if rng.below(4) == 0 {
+            spec["externalIPs"] = json!([format!("192.0.2.{}", rng.below(3) + 1)]);
+        }
+        if rng.below(4) == 0 {
+            spec["internalTrafficPolicy"] = json!("Local");
+        }
+        if rng.below(5) == 0 {
+            spec["type"] = json!("LoadBalancer");
+            spec["externalTrafficPolicy"] = json!("Local");
+            spec["healthCheckNodePort"] = json!(32000 + rng.below(3));
+        }
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("svc-{i}"), "namespace": if i.is_multiple_of(3) { "a" } else { "b" }},
+            "spec": spec,
+        }))
+        .expect("Service fixture")
+    }
+
+    fn random_slice(rng: &mut Rng, i: u32, part: u32) -> EndpointSlice {
+        let endpoints: Vec<Value> = (0..rng.below(4))
+            .map(|_| {
+                let addr = if rng.below(12) == 0 {
+                    "bad".to_owned()
+                } else {
+                    format!("10.244.0.{}", rng.below(8) + 1)
+                };
+                json!({"addresses": [addr],
+                       "nodeName": if rng.below(2) == 0 { "node-a" } else { "node-b" },
+                       "conditions": {"ready": rng.below(3) != 0, "serving": true,
+                                      "terminating": rng.below(3) == 0},
+                       "hints": {"forZones": [{"name": if rng.below(2) == 0 { "zone-a" } else { "zone-b" }}]}})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("svc-{i}-{part}"),
+                         "namespace": if i.is_multiple_of(3) { "a" } else { "b" },
+                         "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080 + rng.below(2), "protocol": "TCP"},
+                      {"name": "dns", "port": 5353, "protocol": "UDP"}],
+            "endpoints": endpoints,
+        }))
+        .expect("EndpointSlice fixture")
+    }
+
+    fn sorted(mut v: Vec<Problem>) -> Vec<String> {
+        let mut s: Vec<String> = v.drain(..).map(|p| p.to_string()).collect();
+        s.sort();
+        s
+    }
+
+    #[test]
+    fn cache_equals_full_translation_over_random_changes() {
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut slices: BTreeMap<(u32, u32), Arc<EndpointSlice>> = BTreeMap::new();
+            let mut node = NodeContext {
+                node_name: "node-a".into(),
+                zone: Some("zone-a".into()),
+            };
+            let mut addrs = vec![Ipv4Addr::new(192, 168, 1, 1)];
+            let mut cache = TranslateCache::new();
+            let mut prev = DesiredState::default();
+            for step in 0..40 {
+                for _ in 0..=rng.below(4) {
+                    let i = rng.below(10);
+                    match rng.below(7) {
+                        0 => {
+                            services.remove(&i);
+                        }
+                        1 | 2 => {
+                            services.insert(i, Arc::new(random_service(&mut rng, i)));
+                        }
+                        3 => {
+                            slices.remove(&(i, rng.below(2)));
+                        }
+                        4 => {
+                            // A new Arc holding an equal object (the manifest source).
+                            if let Some(s) = services.get(&i) {
+                                let copy = Arc::new((**s).clone());
+                                services.insert(i, copy);
+                            }
+                        }
+                        _ => {
+                            let part = rng.below(2);
+                            slices.insert((i, part), Arc::new(random_slice(&mut rng, i, part)));
+                        }
+                    }
+                }
+                if rng.below(10) == 0 {
+                    node.zone = Some(
+                        if rng.below(2) == 0 {
+                            "zone-a"
+                        } else {
+                            "zone-b"
+                        }
+                        .into(),
+                    );
+                }
+                if rng.below(10) == 0 {
+                    addrs = vec![Ipv4Addr::new(192, 168, 1, 1 + rng.below(2) as u8)];
+                }
+                let snapshot = Snapshot {
+                    services: services.values().cloned().collect(),
+                    endpoint_slices: slices.values().cloned().collect(),
+                };
+                let want = translate::translate_for_node(&snapshot, &node, &addrs);
+                let changes = cache.update(&snapshot, &node, &addrs, rng.below(10) == 0);
+                let at = format!("seed {seed} step {step}");
+                assert_eq!(cache.desired(), &want.desired, "{at}");
+                assert_eq!(sorted(cache.problems()), sorted(want.problems), "{at}");
+                assert_eq!(sorted(cache.notes()), sorted(want.notes), "{at}");
+                assert_eq!(cache.health_checks(), want.health_checks, "{at}");
+                // The reported changes are exactly the frontends that differ, with their old
+                // values.
+                let mut expected: Vec<FrontendChange> = prev
+                    .frontends
+                    .keys()
+                    .chain(want.desired.frontends.keys())
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .filter(|f| prev.frontends.get(f) != want.desired.frontends.get(f))
+                    .map(|f| FrontendChange {
+                        frontend: *f,
+                        old: prev.frontends.get(f).cloned(),
+                    })
+                    .collect();
+                expected.sort_by_key(|c| c.frontend);
+                assert_eq!(changes, expected, "{at}");
+                prev = want.desired;
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_changed_service_is_translated_again() {
+        let mut rng = Rng(7);
+        let services: Vec<Arc<Service>> = (0..50)
+            .map(|i| {
+                let mut s = random_service(&mut rng, i);
+                s.spec.as_mut().expect("spec").cluster_ip = Some(format!("10.97.0.{}", i + 1));
+                Arc::new(s)
+            })
+            .collect();
+        let mut snapshot = Snapshot {
+            services,
+            endpoint_slices: (0..50)
+                .map(|i| Arc::new(random_slice(&mut rng, i, 0)))
+                .collect(),
+        };
+        let node = NodeContext::default();
+        let mut cache = TranslateCache::new();
+        cache.update(&snapshot, &node, &[], false);
+        assert_eq!(
+            cache.update(&snapshot, &node, &[], false),
+            [],
+            "nothing changed"
+        );
+        let slice = &snapshot.endpoint_slices[7];
+        let mut changed = (**slice).clone();
+        changed.endpoints = Some(Vec::new());
+        snapshot.endpoint_slices[7] = Arc::new(changed);
+        let changes = cache.update(&snapshot, &node, &[], false);
+        assert!(
+            changes.iter().all(|c| cache
+                .desired()
+                .frontends
+                .get(&c.frontend)
+                .is_some_and(|d| d.service.name == "svc-7")),
+            "{changes:?}"
+        );
+        assert!(
+            cache
+                .desired()
+                .frontends
+                .values()
+                .any(|d| d.kind == FrontendKind::ClusterIp)
+        );
+    }
+}
