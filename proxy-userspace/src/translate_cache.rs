@@ -113,11 +113,17 @@ impl TranslateCache {
     ) -> Vec<FrontendChange> {
         let mut dirty = self.changed_services(snapshot);
         let context = (node.clone(), nodeport_addrs.to_vec());
-        if everything || self.node.as_ref() != Some(&context) {
-            dirty.extend(self.services.keys().cloned());
-            dirty.extend(self.slices.keys().cloned());
-            dirty.extend(self.translations.keys().cloned());
-            dirty.extend(self.slice_problems.keys().cloned());
+        let all = everything || self.node.as_ref() != Some(&context);
+        if all {
+            let keys = (self.services.keys())
+                .chain(self.slices.keys())
+                .chain(self.translations.keys())
+                .chain(self.slice_problems.keys());
+            for name in keys {
+                if !dirty.contains(name) {
+                    dirty.insert(name.clone());
+                }
+            }
             self.node = Some(context);
         }
         if dirty.is_empty() {
@@ -167,8 +173,12 @@ impl TranslateCache {
         }
         // Everything sharing a frontend with a changed Service (before or after) is claimed
         // again, in namespace/name order.
-        let mut group: BTreeSet<ServiceName> = dirty.iter().cloned().collect();
-        let mut queue: Vec<ServiceName> = dirty.into_iter().collect();
+        let mut group: BTreeSet<ServiceName> = dirty.into_iter().collect();
+        let mut queue: Vec<ServiceName> = if all {
+            Vec::new() // every Service is in the group already
+        } else {
+            group.iter().cloned().collect()
+        };
         while let Some(name) = queue.pop() {
             let owned = self.claimed.get(&name).into_iter().flatten().copied();
             let wanted = self
@@ -179,7 +189,8 @@ impl TranslateCache {
             let mut linked = Vec::new();
             for f in wanted.chain(owned) {
                 let others = self.candidates.get(&f).into_iter().flatten();
-                linked.extend(others.chain(self.owners.get(&f)).cloned());
+                let others = others.chain(self.owners.get(&f));
+                linked.extend(others.filter(|o| !group.contains(*o)).cloned());
             }
             for other in linked {
                 if group.insert(other.clone()) {
