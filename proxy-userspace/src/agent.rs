@@ -88,12 +88,14 @@ impl Agent {
         config: DatapathConfig,
         node: NodeContext,
         patterns: Patterns,
+        sizes: MapSizes,
     ) -> anyhow::Result<Self> {
-        let sizes = MapSizes::default();
         let metrics = telemetry_for(&pins, &sizes);
         let adopting = pins.has_maps();
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes)?;
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
+        // Adopted maps keep the size they were created with: plan against what they hold.
+        let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
         let external = crate::node_addrs::External::new(&mut ebpf)?;
         let programmed = maps.read_programmed()?;
@@ -116,7 +118,7 @@ impl Agent {
             cache: TranslateCache::new(),
             programmed,
             attacher: Attacher::new(pins),
-            capacities: sizes.capacities(),
+            capacities,
             config,
             node,
             patterns,
@@ -481,7 +483,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             Source::Kube(KubeSource::start(client, &node.node_name))
         }
     };
-    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns)?;
+    let sizes = MapSizes {
+        services: args.map_entries_services,
+        backends: args.map_entries_backends,
+        rev_nats: args.map_entries_revnat,
+        conntrack: args.map_entries_conntrack,
+    };
+    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes)?;
     agent.status_file = args.status_file.clone();
     agent.external.configure(
         args.nodeport_addresses.clone(),

@@ -86,6 +86,19 @@ pub struct RunArgs {
     /// Idle timeout of UDP flows.
     #[arg(long, value_parser = parse_duration, default_value = "2m")]
     pub conntrack_udp_timeout: Duration,
+    /// Capacity of the SERVICES map in entries (one per frontend plus one per backend slot),
+    /// used when the maps are first created; adopted pinned maps keep their size.
+    #[arg(long, env = "KPE_MAP_SERVICES", default_value_t = proxy_common::SERVICES_CAPACITY)]
+    pub map_entries_services: u32,
+    /// Capacity of the BACKENDS map (distinct endpoint address/port/protocol).
+    #[arg(long, env = "KPE_MAP_BACKENDS", default_value_t = proxy_common::BACKENDS_CAPACITY)]
+    pub map_entries_backends: u32,
+    /// Capacity of the REVNAT map (frontends).
+    #[arg(long, env = "KPE_MAP_REVNAT", default_value_t = proxy_common::REVNAT_CAPACITY)]
+    pub map_entries_revnat: u32,
+    /// Capacity of the CONNTRACK LRU map (two entries per flow).
+    #[arg(long, env = "KPE_MAP_CONNTRACK", default_value_t = proxy_common::CONNTRACK_CAPACITY)]
+    pub map_entries_conntrack: u32,
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
@@ -183,12 +196,16 @@ mod tests {
             "veth-*",
             "--min-sync-period",
             "100ms",
+            "--map-entries-services",
+            "1100000",
         ])
         .expect("parse");
         let Command::Run(run) = cli.command else {
             panic!("not run")
         };
         assert_eq!(run.min_sync_period, Duration::from_millis(100));
+        assert_eq!(run.map_entries_services, 1_100_000);
+        assert_eq!(run.map_entries_backends, proxy_common::BACKENDS_CAPACITY);
         assert_eq!(run.pins.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
     }
 }

@@ -106,6 +106,16 @@ impl ServiceMaps {
         }
     }
 
+    /// The maps' real capacities (max_entries), which for adopted maps may differ from the flags.
+    pub fn capacities(&self) -> Result<crate::programmed::Capacities> {
+        let max = |m: &MapData, name| m.info().map(|i| i.max_entries()).map_err(map_err(name));
+        Ok(crate::programmed::Capacities {
+            services: max(self.services.map(), MAP_SERVICES)?,
+            backends: max(self.backends.map(), MAP_BACKENDS)?,
+            rev_nats: max(self.rev_nats.map(), MAP_REVNAT)?,
+        })
+    }
+
     /// Carries out `ops` in order, batching each run of same-kind writes into one syscall
     /// (the plan's phases keep same-kind writes together, and order within a run does not
     /// matter). Returns how many ops took effect, and the error that stopped the rest.
