@@ -135,66 +135,47 @@ impl ServiceMaps {
     /// One run of same-kind ops. On a batch error, finishes the run one op at a time so a
     /// missing key on delete is tolerated and a real failure names its op.
     fn apply_run(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+        // A run holds one variant only (see `run_len`), so each arm's pattern matches every op.
+        macro_rules! puts {
+            ($map:expr, $pat:pat => $kv:expr) => {{
+                let (k, v): (Vec<_>, Vec<_>) = run
+                    .iter()
+                    .filter_map(|op| match *op {
+                        $pat => Some($kv),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update($map.map().fd().as_fd(), &k, &v)
+            }};
+        }
+        macro_rules! deletes {
+            ($map:expr, $pat:pat => $k:expr) => {{
+                let k: Vec<_> = run
+                    .iter()
+                    .filter_map(|op| match *op {
+                        $pat => Some($k),
+                        _ => None,
+                    })
+                    .collect();
+                batch::delete($map.map().fd().as_fd(), &k)
+            }};
+        }
         let outcome = match run[0] {
             MapOp::PutBackend { .. } => {
-                let (k, v): (Vec<u32>, Vec<Backend>) = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::PutBackend { id, backend } => Some((*id, *backend)),
-                        _ => None,
-                    })
-                    .unzip();
-                batch::update(self.backends.map().fd().as_fd(), &k, &v)
+                puts!(self.backends, MapOp::PutBackend { id, backend } => (id, backend))
             }
             MapOp::PutRevNat { .. } => {
-                let (k, v): (Vec<u32>, Vec<RevNat>) = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::PutRevNat { id, rev_nat } => Some((*id, *rev_nat)),
-                        _ => None,
-                    })
-                    .unzip();
-                batch::update(self.rev_nats.map().fd().as_fd(), &k, &v)
+                puts!(self.rev_nats, MapOp::PutRevNat { id, rev_nat } => (id, rev_nat))
             }
             MapOp::PutService { .. } => {
-                let (k, v): (Vec<ServiceKey>, Vec<ServiceValue>) = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::PutService { key, value } => Some((*key, *value)),
-                        _ => None,
-                    })
-                    .unzip();
-                batch::update(self.services.map().fd().as_fd(), &k, &v)
+                puts!(self.services, MapOp::PutService { key, value } => (key, value))
             }
             MapOp::DeleteService { .. } => {
-                let k: Vec<ServiceKey> = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::DeleteService { key } => Some(*key),
-                        _ => None,
-                    })
-                    .collect();
-                batch::delete(self.services.map().fd().as_fd(), &k)
+                deletes!(self.services, MapOp::DeleteService { key } => key)
             }
-            MapOp::DeleteRevNat { .. } => {
-                let k: Vec<u32> = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::DeleteRevNat { id } => Some(*id),
-                        _ => None,
-                    })
-                    .collect();
-                batch::delete(self.rev_nats.map().fd().as_fd(), &k)
-            }
+            MapOp::DeleteRevNat { .. } => deletes!(self.rev_nats, MapOp::DeleteRevNat { id } => id),
             MapOp::DeleteBackend { .. } => {
-                let k: Vec<u32> = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::DeleteBackend { id } => Some(*id),
-                        _ => None,
-                    })
-                    .collect();
-                batch::delete(self.backends.map().fd().as_fd(), &k)
+                deletes!(self.backends, MapOp::DeleteBackend { id } => id)
             }
         };
         if outcome.error.is_none() {
