@@ -12,18 +12,14 @@
 //! default route; nothing is created in the root namespace. Drop removes the client and the wire
 //! first, then the nodes (each with its pods).
 
-use std::{
-    net::{Ipv4Addr, SocketAddrV4},
-    process::Command,
-    time::Duration,
-};
+use std::{net::Ipv4Addr, process::Command, time::Duration};
 
 use anyhow::{Context as _, Result, bail, ensure};
 
 use crate::{
     netns::{EXEC_TIMEOUT, NetNs},
     process::{describe, run_ok},
-    topology::{ConnectOutcome, Topology, UdpReply, connect_py, udp_client_py},
+    topology::{ConnectOutcome, Topology, UdpReply, connect_py, udp_request_from},
 };
 
 /// The external device of each node (the agent's `--devices`).
@@ -201,36 +197,7 @@ impl MultiNode {
 
     /// One UDP datagram from the external client; the reply within 2 s.
     pub fn udp_request(&self, ip: Ipv4Addr, port: u16, payload: &str) -> Result<UdpReply> {
-        let out = self.client.output(
-            &[
-                "python3",
-                "-c",
-                udp_client_py(),
-                &ip.to_string(),
-                &port.to_string(),
-                payload,
-            ],
-            Duration::from_secs(10),
-        )?;
-        if !out.status.success() {
-            bail!(
-                "no UDP reply from {ip}:{port}: {}",
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or_default()
-            );
-        }
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let (from, body) = stdout
-            .split_once('\n')
-            .context("UDP client printed no source")?;
-        Ok(UdpReply {
-            from: from
-                .parse::<SocketAddrV4>()
-                .with_context(|| format!("bad source {from:?}"))?,
-            body: body.to_owned(),
-        })
+        udp_request_from(&self.client, ip, port, payload)
     }
 
     /// One TCP connect from the external client: outcome and time taken.

@@ -118,8 +118,43 @@ print(r, int((time.monotonic() - t) * 1000))
 "#;
 
 /// The UDP client script (`python3 -c SCRIPT ip port payload`), for other topologies.
-pub(crate) fn udp_client_py() -> &'static str {
-    UDP_CLIENT_PY
+/// One UDP datagram from a namespace and the reply within 2 s (shared by both topologies).
+pub(crate) fn udp_request_from(
+    ns: &NetNs,
+    ip: Ipv4Addr,
+    port: u16,
+    payload: &str,
+) -> Result<UdpReply> {
+    let out = ns.output(
+        &[
+            "python3",
+            "-c",
+            UDP_CLIENT_PY,
+            &ip.to_string(),
+            &port.to_string(),
+            payload,
+        ],
+        Duration::from_secs(10),
+    )?;
+    if !out.status.success() {
+        bail!(
+            "no UDP reply from {ip}:{port}: {}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or_default()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (from, body) = stdout
+        .split_once('\n')
+        .context("UDP client printed no source")?;
+    Ok(UdpReply {
+        from: from
+            .parse()
+            .with_context(|| format!("bad source {from:?}"))?,
+        body: body.to_owned(),
+    })
 }
 
 /// The TCP connect script (`python3 -c SCRIPT ip port timeout_s`), for other topologies.
@@ -415,36 +450,7 @@ impl Topology {
 
     /// Sends one UDP datagram from the client pod and waits up to 2 s for the reply.
     pub fn udp_request(&self, ip: Ipv4Addr, port: u16, payload: &str) -> Result<UdpReply> {
-        let out = self.client()?.ns.output(
-            &[
-                "python3",
-                "-c",
-                UDP_CLIENT_PY,
-                &ip.to_string(),
-                &port.to_string(),
-                payload,
-            ],
-            Duration::from_secs(10),
-        )?;
-        if !out.status.success() {
-            bail!(
-                "no UDP reply from {ip}:{port}: {}",
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or_default()
-            );
-        }
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let (from, body) = stdout
-            .split_once('\n')
-            .context("UDP client printed no source")?;
-        Ok(UdpReply {
-            from: from
-                .parse()
-                .with_context(|| format!("bad source {from:?}"))?,
-            body: body.to_owned(),
-        })
+        udp_request_from(&self.client()?.ns, ip, port, payload)
     }
 
     /// One TCP connect from the client pod; the outcome and how long it took.
