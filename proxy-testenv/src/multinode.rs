@@ -19,7 +19,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use crate::{
     netns::{EXEC_TIMEOUT, NetNs},
     process::{describe, run_ok},
-    topology::{ConnectOutcome, Topology, UdpReply, connect_py, udp_request_from},
+    topology::{ConnectOutcome, Topology, UdpReply, tcp_connect_from, udp_request_from},
 };
 
 /// The external device of each node (the agent's `--devices`).
@@ -207,31 +207,7 @@ impl MultiNode {
         port: u16,
         timeout: Duration,
     ) -> Result<(ConnectOutcome, Duration)> {
-        let secs = format!("{:.3}", timeout.as_secs_f64());
-        let out = self.client.output(
-            &[
-                "python3",
-                "-c",
-                connect_py(),
-                &ip.to_string(),
-                &port.to_string(),
-                &secs,
-            ],
-            timeout + Duration::from_secs(10),
-        )?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let (outcome, ms) = stdout
-            .trim()
-            .split_once(' ')
-            .with_context(|| format!("connect helper printed {stdout:?}"))?;
-        let elapsed = Duration::from_millis(ms.parse().context("connect helper: elapsed")?);
-        let outcome = match outcome {
-            "connected" => ConnectOutcome::Connected,
-            "refused" => ConnectOutcome::Refused,
-            "timeout" => ConnectOutcome::TimedOut,
-            other => ConnectOutcome::Error(other.trim_start_matches("error:").to_owned()),
-        };
-        Ok((outcome, elapsed))
+        tcp_connect_from(&self.client, ip, port, timeout)
     }
 }
 

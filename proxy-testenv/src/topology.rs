@@ -158,8 +158,40 @@ pub(crate) fn udp_request_from(
 }
 
 /// The TCP connect script (`python3 -c SCRIPT ip port timeout_s`), for other topologies.
-pub(crate) fn connect_py() -> &'static str {
-    CONNECT_PY
+/// One TCP connect from a namespace: the outcome and how long it took (shared by both topologies).
+pub(crate) fn tcp_connect_from(
+    ns: &NetNs,
+    ip: Ipv4Addr,
+    port: u16,
+    timeout: Duration,
+) -> Result<(ConnectOutcome, Duration)> {
+    let secs = format!("{:.3}", timeout.as_secs_f64());
+    let out = ns.output(
+        &[
+            "python3",
+            "-c",
+            CONNECT_PY,
+            &ip.to_string(),
+            &port.to_string(),
+            &secs,
+        ],
+        timeout + Duration::from_secs(10),
+    )?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (outcome, ms) = stdout.trim().split_once(' ').with_context(|| {
+        format!(
+            "connect helper printed {stdout:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    let elapsed = Duration::from_millis(ms.parse().context("connect helper: elapsed")?);
+    let outcome = match outcome {
+        "connected" => ConnectOutcome::Connected,
+        "refused" => ConnectOutcome::Refused,
+        "timeout" => ConnectOutcome::TimedOut,
+        other => ConnectOutcome::Error(other.trim_start_matches("error:").to_owned()),
+    };
+    Ok((outcome, elapsed))
 }
 
 /// A pod: a namespace with `eth0`, its host-side veth in the node namespace, and servers.
@@ -460,33 +492,7 @@ impl Topology {
         port: u16,
         timeout: Duration,
     ) -> Result<(ConnectOutcome, Duration)> {
-        let secs = format!("{:.3}", timeout.as_secs_f64());
-        let out = self.client()?.ns.output(
-            &[
-                "python3",
-                "-c",
-                CONNECT_PY,
-                &ip.to_string(),
-                &port.to_string(),
-                &secs,
-            ],
-            timeout + Duration::from_secs(10),
-        )?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let (outcome, ms) = stdout.trim().split_once(' ').with_context(|| {
-            format!(
-                "connect helper printed {stdout:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-        let elapsed = Duration::from_millis(ms.parse().context("connect helper: elapsed")?);
-        let outcome = match outcome {
-            "connected" => ConnectOutcome::Connected,
-            "refused" => ConnectOutcome::Refused,
-            "timeout" => ConnectOutcome::TimedOut,
-            other => ConnectOutcome::Error(other.trim_start_matches("error:").to_owned()),
-        };
-        Ok((outcome, elapsed))
+        tcp_connect_from(&self.client()?.ns, ip, port, timeout)
     }
 
     /// True when a TCP connect from the client is refused within 1 s (RST or ICMP port

@@ -135,71 +135,105 @@ fn state_name(proto: u8, state: u8) -> &'static str {
     }
 }
 
-pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
-    let mut rows: Vec<_> = entries.iter().collect();
-    rows.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
+fn endpoint(addr: [u8; 4], port: [u8; 2]) -> String {
+    format!("{}:{}", Ipv4Addr::from(addr), u16::from_be_bytes(port))
+}
+
+/// One translated flow entry, as both flow tables print it.
+struct FlowRow {
+    dir: &'static str,
+    proto: u8,
+    src: String,
+    dst: String,
+    nat: String,
+    state: u8,
+    idle_s: u64,
+}
+
+/// A table of flow rows (conntrack, SNAT), in the given order, with one header line.
+fn flow_table(rows: Vec<FlowRow>) -> String {
     let mut out = format!(
-        "{:<8} {:<5} {:<22} {:<22} {:<22} {:<12} {:>8}\n",
+        "{:<6} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}\n",
         "DIR", "PROTO", "SOURCE", "DESTINATION", "NAT", "STATE", "IDLE_S"
     );
-    for (k, v) in rows {
-        let ep =
-            |a: [u8; 4], p: [u8; 2]| format!("{}:{}", Ipv4Addr::from(a), u16::from_be_bytes(p));
-        let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
-            ("orig", format!("→ {}", ep(v.backend_addr, v.backend_port)))
-        } else {
-            (
-                "reply",
-                format!("← {}", ep(v.frontend_addr, v.frontend_port)),
-            )
-        };
-        let idle = now_ns.saturating_sub(v.last_seen_ns) / 1_000_000_000;
+    for r in rows {
         let _ = writeln!(
             out,
-            "{:<8} {:<5} {:<22} {:<22} {:<22} {:<12} {:>8}",
-            dir,
-            proto_name(k.proto),
-            ep(k.saddr, k.sport),
-            ep(k.daddr, k.dport),
-            nat,
-            state_name(k.proto, v.state),
-            idle
+            "{:<6} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}",
+            r.dir,
+            proto_name(r.proto),
+            r.src,
+            r.dst,
+            r.nat,
+            state_name(r.proto, r.state),
+            r.idle_s
         );
     }
     out
 }
 
+fn idle_s(now_ns: u64, last_seen_ns: u64) -> u64 {
+    now_ns.saturating_sub(last_seen_ns) / 1_000_000_000
+}
+
+pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
+    let mut entries: Vec<_> = entries.iter().collect();
+    entries.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
+    flow_table(
+        entries
+            .into_iter()
+            .map(|(k, v)| {
+                let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
+                    (
+                        "orig",
+                        format!("→ {}", endpoint(v.backend_addr, v.backend_port)),
+                    )
+                } else {
+                    (
+                        "reply",
+                        format!("← {}", endpoint(v.frontend_addr, v.frontend_port)),
+                    )
+                };
+                FlowRow {
+                    dir,
+                    proto: k.proto,
+                    src: endpoint(k.saddr, k.sport),
+                    dst: endpoint(k.daddr, k.dport),
+                    nat,
+                    state: v.state,
+                    idle_s: idle_s(now_ns, v.last_seen_ns),
+                }
+            })
+            .collect(),
+    )
+}
+
 /// SNAT entries: `out` (client → backend leaves as node:port) and `in` (backend → node:port goes
 /// back to the client).
 pub fn snat_table(entries: &[(SnatKey, SnatValue)], now_ns: u64) -> String {
-    let mut rows: Vec<_> = entries.iter().collect();
-    rows.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
-    let mut out = format!(
-        "{:<5} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}\n",
-        "DIR", "PROTO", "SOURCE", "DESTINATION", "NAT", "STATE", "IDLE_S"
-    );
-    for (k, v) in rows {
-        let ep =
-            |a: [u8; 4], p: [u8; 2]| format!("{}:{}", Ipv4Addr::from(a), u16::from_be_bytes(p));
-        let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
-            ("out", format!("src → {}", ep(v.addr, v.port)))
-        } else {
-            ("in", format!("dst → {}", ep(v.addr, v.port)))
-        };
-        let idle = now_ns.saturating_sub(v.last_seen_ns) / 1_000_000_000;
-        let _ = writeln!(
-            out,
-            "{:<5} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}",
-            dir,
-            proto_name(k.proto),
-            ep(k.saddr, k.sport),
-            ep(k.daddr, k.dport),
-            nat,
-            state_name(k.proto, v.state),
-            idle
-        );
-    }
-    out
+    let mut entries: Vec<_> = entries.iter().collect();
+    entries.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
+    flow_table(
+        entries
+            .into_iter()
+            .map(|(k, v)| {
+                let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
+                    ("out", format!("src → {}", endpoint(v.addr, v.port)))
+                } else {
+                    ("in", format!("dst → {}", endpoint(v.addr, v.port)))
+                };
+                FlowRow {
+                    dir,
+                    proto: k.proto,
+                    src: endpoint(k.saddr, k.sport),
+                    dst: endpoint(k.daddr, k.dport),
+                    nat,
+                    state: v.state,
+                    idle_s: idle_s(now_ns, v.last_seen_ns),
+                }
+            })
+            .collect(),
+    )
 }
 
 pub fn stats_table(values: &[u64]) -> String {
@@ -260,6 +294,67 @@ mod tests {
         assert!(
             t.contains("10.96.0.30:80") && t.contains("(none: rejected)"),
             "{t}"
+        );
+    }
+
+    #[test]
+    fn conntrack_table_shows_original_then_reply_with_their_translation() {
+        let key = |saddr, sport: u16, daddr, dport: u16, dir| CtKey {
+            saddr,
+            daddr,
+            sport: sport.to_be_bytes(),
+            dport: dport.to_be_bytes(),
+            proto: proto::TCP,
+            dir,
+            _pad: [0; 2],
+        };
+        let value = CtValue {
+            last_seen_ns: 1_000_000_000,
+            frontend_addr: [10, 96, 0, 10],
+            frontend_port: 80u16.to_be_bytes(),
+            backend_addr: [10, 244, 1, 11],
+            backend_port: 8080u16.to_be_bytes(),
+            state: ct_state::ESTABLISHED,
+            ..Default::default()
+        };
+        let table = conntrack_table(
+            &[
+                (
+                    key(
+                        [10, 244, 1, 11],
+                        8080,
+                        [10, 244, 1, 2],
+                        40000,
+                        ct_dir::REPLY,
+                    ),
+                    value,
+                ),
+                (
+                    key(
+                        [10, 244, 1, 2],
+                        40000,
+                        [10, 96, 0, 10],
+                        80,
+                        ct_dir::ORIGINAL,
+                    ),
+                    value,
+                ),
+            ],
+            4_000_000_000,
+        );
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 3, "{table}");
+        assert!(
+            lines[1].starts_with("orig") && lines[1].contains("→ 10.244.1.11:8080"),
+            "{table}"
+        );
+        assert!(
+            lines[2].starts_with("reply") && lines[2].contains("← 10.96.0.10:80"),
+            "{table}"
+        );
+        assert!(
+            lines[1].contains("established") && lines[1].trim_end().ends_with('3'),
+            "{table}"
         );
     }
 
