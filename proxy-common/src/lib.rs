@@ -31,6 +31,25 @@ pub mod proto {
 /// Program names (the `#[classifier]` function names in proxy-ebpf).
 pub const PROG_TC_INGRESS: &str = "tc_ingress";
 pub const PROG_TC_EGRESS: &str = "tc_egress";
+/// The cgroup socket hooks (`#[cgroup_sock_addr]` function names) that translate Services for
+/// sockets of the node's own network namespace.
+pub const PROG_SOCK_CONNECT4: &str = "sock_connect4";
+pub const PROG_SOCK_SENDMSG4: &str = "sock_sendmsg4";
+pub const PROG_SOCK_RECVMSG4: &str = "sock_recvmsg4";
+pub const PROG_SOCK_GETPEERNAME4: &str = "sock_getpeername4";
+
+/// Load-time facts for the cgroup socket hooks (a global, like [`DatapathConfig`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SockLbConfig {
+    /// Network namespace cookie (`SO_NETNS_COOKIE`) of the node's namespace: sockets of any other
+    /// namespace (pods, whose traffic tc translates) are left alone. 0 = translate nothing.
+    pub netns_cookie: u64,
+}
+const _: () = assert!(core::mem::size_of::<SockLbConfig>() == 8);
+
+/// Name of the global holding [`SockLbConfig`] in the eBPF object.
+pub const SOCK_LB_GLOBAL: &str = "SOCK_LB";
 
 /// The datapath's load-time configuration: a global (`.rodata`) set by the agent with
 /// `EbpfLoader::set_global(CONFIG_GLOBAL, ...)`, so the packet path reads it without a map lookup.
@@ -82,4 +101,6 @@ mod pod {
     unsafe impl aya::Pod for crate::SnatValue {}
     unsafe impl aya::Pod for crate::NodeInfo {}
     unsafe impl aya::Pod for crate::SourceRangeKey {}
+    unsafe impl aya::Pod for crate::SockRevKey {}
+    unsafe impl aya::Pod for crate::SockLbConfig {}
 }

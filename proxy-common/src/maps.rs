@@ -14,9 +14,10 @@ pub const MAP_STATS: &str = "STATS_V1";
 pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
+pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 8] = [
+pub const ALL_MAPS: [&str; 9] = [
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,
@@ -25,6 +26,7 @@ pub const ALL_MAPS: [&str; 8] = [
     MAP_SNAT,
     MAP_NODE,
     MAP_SOURCE_RANGES,
+    MAP_SOCK_REVNAT,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -37,6 +39,9 @@ pub const CONNTRACK_CAPACITY: u32 = 262_144;
 pub const SNAT_CAPACITY: u32 = 131_072;
 /// loadBalancerSourceRanges prefixes, over all LoadBalancer frontends.
 pub const SOURCE_RANGES_CAPACITY: u32 = 16_384;
+/// Sockets of the node's own network namespace translated at connect()/sendmsg(): one entry per
+/// (socket, backend), LRU-evicted (socket cookies are never reused, so old entries are inert).
+pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -291,3 +296,21 @@ pub struct SourceRangeKey {
     pub source: [u8; 4],
 }
 const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 12);
+
+/// `SOCKREV_V1` (LRU hash) key: a socket of the node's own network namespace that the cgroup
+/// socket hooks translated, and the backend it was sent to. getpeername()/recvmsg() on that socket
+/// look it up to show the frontend instead of the backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockRevKey {
+    /// `bpf_get_socket_cookie()`: unique per socket for the kernel's lifetime.
+    pub cookie: u64,
+    pub backend_addr: [u8; 4],
+    pub backend_port: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<SockRevKey>() == 16);
+
+/// `SOCKREV_V1` value: the frontend the application asked for.
+pub type SockRevValue = RevNat;

@@ -86,6 +86,16 @@ counters! {
     DropSourceRange = "drop_source_range",
     /// An ICMP error about a translated flow rewritten (outer and quoted headers).
     IcmpErrorTranslated = "icmp_error_translated",
+    /// A connect()/sendmsg() of the node's own namespace to a Service sent to a backend.
+    SockTranslated = "sock_translated",
+    /// getpeername()/recvmsg() of such a socket shown the Service instead of the backend.
+    SockReverseTranslated = "sock_reverse_translated",
+    /// A connect()/sendmsg() of the node's own namespace to a Service without endpoints:
+    /// refused with ECONNREFUSED.
+    SockNoEndpointsRefused = "sock_no_endpoints_refused",
+    /// A translated socket's frontend could not be recorded: getpeername()/recvmsg() on it show
+    /// the backend.
+    SockRevNatFailed = "sock_revnat_failed",
 }
 
 /// Number of entries in the stats array.

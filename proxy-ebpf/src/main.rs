@@ -1,5 +1,5 @@
 //! tc programs of kube-proxy-ebpf: ClusterIP DNAT with conntrack on ingress, reverse NAT on
-//! egress. The entries only run the flow (`ingress`/`egress`), turn its result into one verdict
+//! egress; cgroup socket hooks for clients in the node's own namespace (`sock`). The entries only run the flow (`ingress`/`egress`), turn its result into one verdict
 //! and count why; everything else lives in the modules below (see STYLE.md, "module cut").
 #![no_std]
 #![no_main]
@@ -13,12 +13,13 @@ mod nat;
 mod packet;
 mod reject;
 mod snat;
+mod sock;
 mod stats;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    macros::classifier,
-    programs::TcContext,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
 };
 use proxy_common::Counter;
 
@@ -113,6 +114,30 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 pub fn tc_egress(ctx: TcContext) -> i32 {
     stats::count(Counter::EgressPackets);
     verdict(egress::try_tc_egress(&ctx))
+}
+
+/// connect() of a socket in the node's own namespace: a Service address becomes a backend.
+#[cgroup_sock_addr(connect4)]
+pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// sendmsg() of an unconnected UDP socket in the node's namespace: as connect().
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// recvmsg() on a translated UDP socket: the datagram's source shows as the Service.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+/// getpeername() on a translated socket: the peer shows as the Service.
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 #[cfg(not(test))]

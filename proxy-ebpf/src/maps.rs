@@ -12,10 +12,11 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES,
-    MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SERVICES_CAPACITY, SNAT_CAPACITY,
-    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey,
-    SnatValue, SourceRangeKey,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
+    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SERVICES_CAPACITY,
+    SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY,
+    ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
+    SourceRangeKey,
 };
 
 #[btf_map]
@@ -45,6 +46,10 @@ static SRCRANGES_V1: LpmTrie<SourceRangeKey, u32, { SOURCE_RANGES_CAPACITY as us
     LpmTrie::new();
 
 #[btf_map]
+static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
 
 /// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
@@ -57,6 +62,17 @@ pub fn config() -> DatapathConfig {
     // SAFETY: CONFIG is a plain, initialised, immutable static; the volatile read only stops the
     // compiler from folding the default, because the loader rewrites `.rodata` before loading.
     unsafe { core::ptr::read_volatile(&CONFIG) }
+}
+
+/// Load-time facts of the socket hooks (`.rodata`), set by the agent like `CONFIG`.
+#[unsafe(no_mangle)]
+static SOCK_LB: SockLbConfig = SockLbConfig { netns_cookie: 0 };
+
+/// The socket hooks' load-time facts.
+#[inline(always)]
+pub fn sock_lb_config() -> SockLbConfig {
+    // SAFETY: as in `config`.
+    unsafe { core::ptr::read_volatile(&SOCK_LB) }
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock of `CtValue::last_seen_ns`).
@@ -198,6 +214,20 @@ pub fn snat_remove(key: &SnatKey) {
     let _ = SNAT_V1.remove(key);
 }
 
+/// Remember which frontend a translated socket asked for (overwrites: the newest wins).
+#[inline(always)]
+pub fn sock_rev_insert(key: &SockRevKey, value: &SockRevValue) -> Result<(), i32> {
+    SOCKREV_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// The frontend a translated socket asked for, if it is one.
+#[inline(always)]
+pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
+    let ptr = SOCKREV_V1.get_ptr(key)?;
+    // SAFETY: as in `service`: valid pointer, copied out immediately.
+    Some(unsafe { *ptr })
+}
+
 /// Add `n` to this CPU's counter `index` (out-of-range indices are ignored).
 #[inline(always)]
 pub fn stats_add(index: u32, n: u64) {
@@ -232,3 +262,4 @@ const _: () = assert!(same(MAP_STATS, "STATS_V1"));
 const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
+const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));

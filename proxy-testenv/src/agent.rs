@@ -11,6 +11,7 @@ use anyhow::{Context as _, Result, bail};
 use serde::Deserialize;
 
 use crate::{
+    cgroup::Cgroup,
     netns::NetNs,
     process::{Proc, describe, run_with_timeout, tail},
 };
@@ -39,6 +40,9 @@ pub struct Agent {
     status_file: PathBuf,
     log: PathBuf,
     pod_interfaces: String,
+    /// The agent's own cgroup for its socket hooks (`--socket-lb-cgroup`): clients run in it
+    /// ([`Agent::host`]) reach Services from the node's namespace. Dropped after the process.
+    cgroup: Cgroup,
 }
 
 impl Agent {
@@ -79,7 +83,15 @@ impl Agent {
         pin_dir: &Path,
         work_dir: &Path,
     ) -> Result<Self> {
+        let cgroup_name = format!(
+            "kpe-test-{}",
+            pin_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(crate::unique_prefix)
+        );
         let mut agent = Self {
+            cgroup: Cgroup::new(&cgroup_name)?,
             proc: None,
             bin: bin.to_path_buf(),
             node_ns: node.path(),
@@ -110,7 +122,9 @@ impl Agent {
             .arg("--pod-interfaces")
             .arg(&self.pod_interfaces)
             .arg("--status-file")
-            .arg(&self.status_file);
+            .arg(&self.status_file)
+            .arg("--socket-lb-cgroup")
+            .arg(self.cgroup.path());
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
@@ -124,6 +138,12 @@ impl Agent {
         }
         self.proc = Some(Proc::spawn(cmd, Some(&self.log))?);
         Ok(())
+    }
+
+    /// The node's own processes as the socket hooks see them: commands in the node namespace and
+    /// the agent's cgroup.
+    pub fn host<'a>(&'a self, node: &'a NetNs) -> crate::InCgroup<'a> {
+        self.cgroup.in_ns(node)
     }
 
     /// The current status file, `None` before the first sync of this run.
@@ -225,6 +245,19 @@ impl Agent {
     /// The last 4 KiB of the agent log.
     pub fn log_tail(&self) -> String {
         tail(&self.log, 4096)
+    }
+
+    /// A datapath counter, summed over CPUs (`dump stats` of this agent's pins).
+    pub fn counter(&self, name: &str) -> Result<u64> {
+        let pin_dir = self.pin_dir.to_string_lossy().into_owned();
+        let out = self.cli(&["dump", "stats", "--pin-dir", &pin_dir])?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(name)).then(|| f.last()?.parse().ok())?
+            })
+            .with_context(|| format!("no counter {name} in `dump stats`:\n{text}"))
     }
 
     /// Runs `kube-proxy-ebpf <args>` (dump, cleanup) in the node's network namespace.

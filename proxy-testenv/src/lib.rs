@@ -1,8 +1,8 @@
 //! Test environments for kube-proxy-ebpf's privileged tests and `cargo xtask demo`.
 //!
 //! Everything here is an RAII guard: network namespaces ([`NetNs`]), child processes ([`Proc`]),
-//! bpffs pin directories ([`PinDir`]), temporary directories ([`TempDir`]), the one-node
-//! [`Topology`] and the [`Agent`]. `Drop` cleans up even when a test panics.
+//! bpffs pin directories ([`PinDir`]), temporary directories ([`TempDir`]), cgroups for the
+//! socket hooks ([`Cgroup`]), the one-node [`Topology`] and the [`Agent`]. `Drop` cleans up even when a test panics.
 //!
 //! Network safety: every namespace is created here with a unique prefix; the "node" is a
 //! namespace too; nothing is created or attached in the root network namespace and no namespace
@@ -10,6 +10,7 @@
 
 mod agent;
 mod bpffs;
+mod cgroup;
 pub mod fake_apiserver;
 mod manifests;
 mod multinode;
@@ -22,6 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use agent::{Agent, AgentStatus, cli};
 pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
+pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer};
 pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort};
 pub use multinode::{
@@ -31,8 +33,8 @@ pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};
 pub use tempdir::TempDir;
 pub use topology::{
-    BACKENDS, CLIENT_IP, ConnectOutcome, CurlReply, GATEWAY, HTTP_PORT, IPERF_PORT, IperfRun,
-    IperfSummary, Pod, Topology, UDP_PORT, UdpReply,
+    BACKENDS, CLIENT_IP, ConnectOutcome, CurlReply, Exec, GATEWAY, HTTP_PORT, IPERF_PORT, IperfRun,
+    IperfSummary, Pod, Topology, UDP_PORT, UdpReply, tcp_connect_from, udp_request_from,
 };
 
 /// Environment variable that `cargo xtask test` sets to run the privileged test targets.

@@ -117,10 +117,23 @@ except OSError as e:
 print(r, int((time.monotonic() - t) * 1000))
 "#;
 
-/// The UDP client script (`python3 -c SCRIPT ip port payload`), for other topologies.
-/// One UDP datagram from a namespace and the reply within 2 s (shared by both topologies).
-pub(crate) fn udp_request_from(
-    ns: &NetNs,
+/// Where a short client command runs: a namespace, or a namespace and a cgroup
+/// ([`crate::InCgroup`]: the node's own processes as the socket hooks see them).
+pub trait Exec {
+    /// Runs `args` to completion (killed after `timeout`); any exit status is returned.
+    fn output(&self, args: &[&str], timeout: Duration) -> Result<std::process::Output>;
+}
+
+impl Exec for NetNs {
+    fn output(&self, args: &[&str], timeout: Duration) -> Result<std::process::Output> {
+        NetNs::output(self, args, timeout)
+    }
+}
+
+/// One UDP datagram (`sendto`, unconnected) and the reply within 2 s; the reply's source as
+/// `recvfrom` reported it.
+pub fn udp_request_from(
+    ns: &impl Exec,
     ip: Ipv4Addr,
     port: u16,
     payload: &str,
@@ -157,10 +170,9 @@ pub(crate) fn udp_request_from(
     })
 }
 
-/// The TCP connect script (`python3 -c SCRIPT ip port timeout_s`), for other topologies.
-/// One TCP connect from a namespace: the outcome and how long it took (shared by both topologies).
-pub(crate) fn tcp_connect_from(
-    ns: &NetNs,
+/// One TCP connect: the outcome and how long it took.
+pub fn tcp_connect_from(
+    ns: &impl Exec,
     ip: Ipv4Addr,
     port: u16,
     timeout: Duration,

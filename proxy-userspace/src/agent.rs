@@ -12,7 +12,7 @@ use std::{
 };
 
 use aya::Ebpf;
-use proxy_common::{CtKey, CtValue, DatapathConfig, ct_state, proto};
+use proxy_common::{CtKey, CtValue, DatapathConfig, SockLbConfig, ct_state, proto};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
 
@@ -26,7 +26,7 @@ use crate::{
         interfaces::{self, Patterns},
         loader::{self, MapSizes},
         maps::{Conntrack, ServiceMaps},
-        netlink,
+        netlink, sock_lb,
     },
     incremental::Planner,
     kube::{Connection, KubeSource},
@@ -66,6 +66,7 @@ pub struct Agent {
     /// The desired state, translated again only for the Services that changed.
     cache: TranslateCache,
     attacher: Attacher,
+    pins: PinLayout,
     capacities: Capacities,
     config: DatapathConfig,
     node: NodeContext,
@@ -89,10 +90,11 @@ impl Agent {
         node: NodeContext,
         patterns: Patterns,
         sizes: MapSizes,
+        sock_lb: SockLbConfig,
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins, &sizes);
         let adopting = pins.has_maps();
-        let mut ebpf = loader::load_pinned(&pins, &config, &sizes)?;
+        let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
@@ -117,7 +119,8 @@ impl Agent {
             planner: Planner::new(&programmed),
             cache: TranslateCache::new(),
             programmed,
-            attacher: Attacher::new(pins),
+            attacher: Attacher::new(pins.clone()),
+            pins,
             capacities,
             config,
             node,
@@ -271,6 +274,26 @@ impl Agent {
             self.status.interfaces = interfaces;
             self.write_status();
         }
+    }
+
+    /// Attaches the socket hooks to `cgroup` (adopting pinned links), or releases them (`None`).
+    pub fn attach_socket_lb(&mut self, cgroup: Option<&std::path::Path>) -> anyhow::Result<()> {
+        let report = sock_lb::reconcile(&mut self.ebpf, &self.pins, cgroup)?;
+        if report.released > 0 {
+            info!(
+                links = report.released,
+                "released socket hooks of another cgroup"
+            );
+        }
+        if let Some(cgroup) = cgroup {
+            info!(
+                cgroup = %cgroup.display(),
+                attached = ?report.attached,
+                adopted = ?report.adopted,
+                "socket hooks: Services reachable from the node's own processes"
+            );
+        }
+        Ok(())
     }
 
     /// Removes idle-expired flows, and UDP flows whose backend is gone (like kube-proxy's UDP
@@ -489,7 +512,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         rev_nats: args.map_entries_revnat,
         conntrack: args.map_entries_conntrack,
     };
-    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes)?;
+    let sock_cgroup = args.socket_lb_cgroup.resolve()?;
+    let sock_lb = match &sock_cgroup {
+        None => SockLbConfig::default(),
+        Some(_) => SockLbConfig {
+            netns_cookie: sock_lb::own_netns_cookie()
+                .map_err(|e| anyhow::anyhow!("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}; pass --socket-lb-cgroup none to run without socket hooks"))?,
+        },
+    };
+    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes, sock_lb)?;
     agent.status_file = args.status_file.clone();
     agent.external.configure(
         args.nodeport_addresses.clone(),
@@ -526,6 +557,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let mut links = netlink::watch_links()?;
     agent.reconcile_interfaces();
+    if let Err(e) = agent.attach_socket_lb(sock_cgroup.as_deref()) {
+        error!("socket hooks: {e:#}; the node's own processes cannot reach Services");
+    }
     info!("ready");
 
     let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);

@@ -115,6 +115,12 @@ pub struct RunArgs {
     /// Node addresses NodePorts answer on: comma-separated CIDRs, `primary`, or empty for all.
     #[arg(long, value_parser = crate::config::parse_nodeport_addresses, default_value = "")]
     pub nodeport_addresses: crate::config::NodePortAddresses,
+    /// cgroup v2 directory whose processes reach Services from the node's own network namespace
+    /// (cgroup socket hooks translate their connect()/sendmsg()): `auto` = the first cgroup2 mount
+    /// (the host's root when the host's cgroup fs is mounted), a directory, or `none` (then the
+    /// node's own processes cannot reach ClusterIPs or its NodePorts).
+    #[arg(long, env = "KPE_SOCKET_LB_CGROUP", default_value = "auto")]
+    pub socket_lb_cgroup: crate::dataplane::sock_lb::SockLbCgroup,
 }
 
 #[derive(Debug, clap::Args)]

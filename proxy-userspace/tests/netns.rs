@@ -16,7 +16,7 @@ use std::{
 
 use proxy_testenv::{
     Agent, BACKENDS, ConnectOutcome, CurlReply, ManifestDir, PinDir, ServicePort, Topology,
-    require_privileged,
+    http_get_with_peer, require_privileged, tcp_connect_from, udp_request_from,
 };
 
 const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -180,6 +180,98 @@ fn service_without_endpoints_refuses_quickly() {
         .curl(&format!("http://{WEB}/"))
         .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
     env.check(reply.remote_ip == WEB.to_string(), || format!("{reply:?}"));
+}
+
+/// Processes of the node's own namespace (host network) have no tc hook on their way out: the
+/// cgroup socket hooks translate at connect()/sendmsg(), and getpeername()/recvfrom() show the
+/// Service. Only members of the agent's cgroup are translated.
+#[test]
+fn node_processes_reach_clusterips_through_the_socket_hooks() {
+    require_privileged!();
+    let env = Env::start(|m| {
+        web(m, &all_backends());
+        m.write_service(
+            "demo",
+            "echo",
+            ECHO,
+            &[ServicePort::udp(53, 5353)],
+            &all_backends(),
+        )
+        .expect("writing demo/echo");
+        m.write_service("demo", "empty", EMPTY, &[ServicePort::tcp(80, 8080)], &[])
+            .expect("writing demo/empty");
+    });
+    let host = env.agent.host(env.topo.node());
+
+    let mut tcp: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..30 {
+        let view = http_get_with_peer(&host, WEB, 80)
+            .unwrap_or_else(|e| env.fail(&format!("host HTTP request {i} to {WEB}:80: {e:#}")));
+        env.check(view.peer == format!("{WEB}:80"), || {
+            format!(
+                "getpeername() on the host's socket said {}, want {WEB}:80",
+                view.peer
+            )
+        });
+        env.check(
+            !view.client_addr.is_empty() && !view.client_addr.starts_with("10.96."),
+            || format!("backend saw client {:?}", view.client_addr),
+        );
+        *tcp.entry(view.body).or_insert(0) += 1;
+    }
+    eprintln!("host TCP distribution over 30 connections: {tcp:?}");
+    env.check(
+        tcp.len() >= 2 && tcp.keys().all(|b| BACKENDS.iter().any(|(n, _)| n == b)),
+        || format!("host connections reached {tcp:?}, want at least two of the backends"),
+    );
+
+    let mut udp: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..15 {
+        let payload = format!("host{i}");
+        let reply = udp_request_from(&host, ECHO, 53, &payload)
+            .unwrap_or_else(|e| env.fail(&format!("host UDP request {i} to {ECHO}:53: {e:#}")));
+        env.check(*reply.from.ip() == ECHO && reply.from.port() == 53, || {
+            format!(
+                "recvfrom() on the host's socket said {}, want {ECHO}:53",
+                reply.from
+            )
+        });
+        let (backend, echoed) = reply.body.split_once(':').unwrap_or_default();
+        env.check(echoed == payload, || format!("UDP echo {:?}", reply.body));
+        *udp.entry(backend.to_owned()).or_insert(0) += 1;
+    }
+    eprintln!("host UDP distribution over 15 datagrams: {udp:?}");
+
+    let (outcome, elapsed) = tcp_connect_from(&host, EMPTY, 80, Duration::from_secs(3))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    env.check(outcome == ConnectOutcome::Refused && elapsed < Duration::from_secs(1), || {
+        format!("host connect to a Service without endpoints: {outcome:?} after {elapsed:?}, want refused within 1 s")
+    });
+
+    // The same namespace outside the agent's cgroup is not translated (the node has no route
+    // to the Service range): the hooks stay inside the cgroup they were given.
+    let (outcome, _) = tcp_connect_from(env.topo.node(), WEB, 80, Duration::from_secs(1))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    env.check(outcome != ConnectOutcome::Connected, || {
+        "a node process outside the agent's cgroup reached the ClusterIP".to_owned()
+    });
+
+    let counter = |name: &str| {
+        env.agent
+            .counter(name)
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
+    };
+    let (translated, reversed, refused) = (
+        counter("sock_translated"),
+        counter("sock_reverse_translated"),
+        counter("sock_no_endpoints_refused"),
+    );
+    eprintln!(
+        "sock_translated={translated} sock_reverse_translated={reversed} sock_no_endpoints_refused={refused}"
+    );
+    env.check(translated >= 45 && reversed >= 45 && refused >= 1, || {
+        format!("socket hook counters {translated}/{reversed}/{refused}, want ≥45/≥45/≥1")
+    });
 }
 
 #[test]

@@ -229,7 +229,7 @@ pub fn release_all(pins: &PinLayout) -> std::io::Result<usize> {
     let mut n = 0;
     if let Ok(dir) = std::fs::read_dir(pins.links_dir()) {
         for e in dir.flatten() {
-            if let Err(err) = detach_pinned_link(&e.path()) {
+            if let Err(err) = super::link_sys::detach_pinned_link(&e.path()) {
                 tracing::warn!(link = %e.path().display(), "explicit detach failed ({err}); removing the pin detaches it");
             }
             std::fs::remove_file(e.path())?;
@@ -237,58 +237,6 @@ pub fn release_all(pins: &PinLayout) -> std::io::Result<usize> {
         }
     }
     Ok(n)
-}
-
-/// BPF_OBJ_GET on the pin, then BPF_LINK_DETACH (aya has no call for it; the layouts are the
-/// kernel's `union bpf_attr` members `obj_get` and `link_detach`).
-fn detach_pinned_link(path: &std::path::Path) -> std::io::Result<()> {
-    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_LINK_DETACH: libc::c_long = 34;
-    #[repr(C)]
-    struct ObjGet {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-    }
-    let c_path =
-        std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    let get = ObjGet {
-        pathname: c_path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: 0,
-    };
-    // SAFETY: `get` is a valid obj_get attr whose pathname outlives the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &get as *const ObjGet,
-            size_of::<ObjGet>(),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the kernel returned a new fd that we own.
-    let link = unsafe { std::fs::File::from_raw_fd(fd as i32) };
-    let link_fd: u32 = {
-        use std::os::fd::AsRawFd as _;
-        link.as_raw_fd() as u32
-    };
-    // SAFETY: link_detach attr is one u32 (the link fd), valid for the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_DETACH,
-            &link_fd as *const u32,
-            size_of::<u32>(),
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 #[cfg(test)]

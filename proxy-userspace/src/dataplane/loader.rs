@@ -5,7 +5,7 @@ use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY,
-    SERVICES_CAPACITY,
+    SERVICES_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -41,14 +41,21 @@ impl MapSizes {
     }
 }
 
-/// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) both
-/// programs. Nothing is attached yet.
-pub fn load_pinned(pins: &PinLayout, config: &DatapathConfig, sizes: &MapSizes) -> Result<Ebpf> {
+/// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) every
+/// program. Nothing is attached yet.
+pub fn load_pinned(
+    pins: &PinLayout,
+    config: &DatapathConfig,
+    sizes: &MapSizes,
+    sock_lb: &SockLbConfig,
+) -> Result<Ebpf> {
     pins.create()?;
     let paths: Vec<(&'static str, std::path::PathBuf)> =
         ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
     let mut loader = EbpfLoader::new();
-    loader.override_global(CONFIG_GLOBAL, config, true);
+    loader
+        .override_global(CONFIG_GLOBAL, config, true)
+        .override_global(SOCK_LB_GLOBAL, sock_lb, true);
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
@@ -58,11 +65,7 @@ pub fn load_pinned(pins: &PinLayout, config: &DatapathConfig, sizes: &MapSizes) 
         .map_max_entries(MAP_REVNAT, sizes.rev_nats)
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
-    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
-        program_mut(&mut ebpf, name)?
-            .load()
-            .map_err(|source| Error::Program { name, source })?;
-    }
+    load_programs(&mut ebpf)?;
     Ok(ebpf)
 }
 
@@ -71,12 +74,32 @@ pub fn load_unpinned(config: &DatapathConfig) -> Result<Ebpf> {
     let mut ebpf = EbpfLoader::new()
         .override_global(CONFIG_GLOBAL, config, true)
         .load(EBPF_OBJECT)?;
+    load_programs(&mut ebpf)?;
+    Ok(ebpf)
+}
+
+/// Loads (verifies) the tc programs and the socket hooks of an opened object. The socket hooks
+/// stay inert (netns cookie 0) unless `SOCK_LB_GLOBAL` was set before loading.
+pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
-        program_mut(&mut ebpf, name)?
+        program_mut(ebpf, name)?
             .load()
             .map_err(|source| Error::Program { name, source })?;
     }
-    Ok(ebpf)
+    for hook in super::sock_lb::SockHook::ALL {
+        let name = hook.program();
+        let prog: &mut aya::programs::CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or(Error::Missing {
+                what: "program",
+                name,
+            })?
+            .try_into()
+            .map_err(|source| Error::Program { name, source })?;
+        prog.load()
+            .map_err(|source| Error::Program { name, source })?;
+    }
+    Ok(())
 }
 
 /// One of our tc programs.

@@ -7,9 +7,11 @@ pub mod batch;
 pub mod bpffs;
 pub mod clock;
 pub mod interfaces;
+pub mod link_sys;
 pub mod loader;
 pub mod maps;
 pub mod netlink;
+pub mod sock_lb;
 
 use std::{io, path::PathBuf};
 

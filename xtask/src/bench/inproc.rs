@@ -80,11 +80,7 @@ fn load(sizes: &MapSizes) -> Result<Ebpf> {
     let mut ebpf = loader
         .load(EBPF_OBJECT)
         .context("loading the eBPF object (root needed)")?;
-    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
-        program_mut(&mut ebpf, name)?
-            .load()
-            .with_context(|| format!("verifying {name}"))?;
-    }
+    loader::load_programs(&mut ebpf).context("verifying the programs")?;
     Ok(ebpf)
 }
 

@@ -1,0 +1,174 @@
+//! cgroup socket hooks: Services for clients in the node's own network namespace (the host's
+//! processes, hostNetwork pods). Their packets leave through the routing table without crossing a
+//! tc ingress hook, so the translation happens once per socket instead, at connect() (and at each
+//! sendmsg() of an unconnected UDP socket), like cilium's socket LB: the socket then talks to the
+//! backend directly, with no per-packet NAT and no conntrack entry. getpeername() and recvmsg()
+//! show the frontend again, through `SOCKREV_V1`.
+//!
+//! Only sockets of the node's namespace are touched (netns cookie from the load-time
+//! `SockLbConfig`): pods keep their tc path, so a flow is never translated twice, and a cgroup
+//! that also holds processes of other namespaces is unaffected for them.
+//!
+//! Frontend choice for the node as a client follows kube-proxy: the node's own traffic is
+//! in-cluster traffic, so an externalTrafficPolicy Local frontend sends it to the Service's
+//! cluster-wide endpoints (the `SCOPE_INTERNAL` entry) when the agent wrote one. A Service
+//! without endpoints is refused with ECONNREFUSED (kube-proxy rejects with port unreachable,
+//! which a TCP client sees as the same error).
+
+use aya_ebpf::{
+    EbpfContext as _,
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    Counter, RevNat, SCOPE_INTERNAL, ServiceKey, ServiceValue, SockRevKey, SourceRangeKey,
+    hash::pick_slot, proto, service_flags,
+};
+
+use crate::{maps, stats};
+
+/// A cgroup sock_addr program's "go on" verdict (0 fails the syscall).
+const ALLOW: i32 = 1;
+const DENY: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+/// connect() and sendmsg(): a Service address becomes one of its backends.
+#[inline(always)]
+pub fn translate(ctx: &SockAddrContext) -> i32 {
+    if !in_node_netns(ctx) {
+        return ALLOW;
+    }
+    // SAFETY: the kernel hands a valid `bpf_sock_addr`; the verifier admits these 4-byte reads.
+    let (protocol, ip4, port) = unsafe {
+        let sa = &*ctx.sock_addr;
+        (sa.protocol, sa.user_ip4, sa.user_port)
+    };
+    let proto = match protocol {
+        p if p == u32::from(proto::TCP) => proto::TCP,
+        p if p == u32::from(proto::UDP) => proto::UDP,
+        _ => return ALLOW,
+    };
+    // user_ip4/user_port hold sin_addr/sin_port as loaded from memory: network order bytes.
+    let addr = ip4.to_ne_bytes();
+    let port = (port as u16).to_ne_bytes();
+    let Some((key, frontend)) = frontend_for_node(ServiceKey::new(addr, port, proto, 0)) else {
+        return ALLOW;
+    };
+    if frontend.flags & service_flags::SOURCE_RANGES != 0 && !node_in_source_ranges(&key) {
+        stats::count(Counter::DropSourceRange);
+        return refuse();
+    }
+    // SAFETY: bpf_get_prandom_u32 takes no arguments.
+    let Some(slot) = pick_slot(unsafe { bpf_get_prandom_u32() }, frontend.count) else {
+        stats::count(Counter::SockNoEndpointsRefused);
+        return refuse();
+    };
+    let Some(backend) =
+        maps::service(&key.with_slot(slot)).and_then(|s| maps::backend(s.backend_id))
+    else {
+        stats::count(Counter::DropNoBackend);
+        return refuse();
+    };
+    let rev = SockRevKey {
+        // SAFETY: the helper reads the socket behind a valid sock_addr context.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        backend_addr: backend.addr,
+        backend_port: backend.port,
+        proto,
+        _pad: 0,
+    };
+    let frontend_addr = RevNat {
+        addr,
+        port,
+        _pad: [0; 2],
+    };
+    if maps::sock_rev_insert(&rev, &frontend_addr).is_err() {
+        // The connection still works; only getpeername()/recvmsg() show the backend.
+        stats::count(Counter::SockRevNatFailed);
+    }
+    // SAFETY: connect4/sendmsg4 may write user_ip4/user_port (4-byte stores).
+    unsafe {
+        let sa = &mut *ctx.sock_addr;
+        sa.user_ip4 = u32::from_ne_bytes(backend.addr);
+        sa.user_port = u32::from(u16::from_ne_bytes(backend.port));
+    }
+    stats::count(Counter::SockTranslated);
+    ALLOW
+}
+
+/// getpeername() and recvmsg(): a backend address the socket was sent to shows as the frontend.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: as in `translate`.
+    let (protocol, ip4, port) = unsafe {
+        let sa = &*ctx.sock_addr;
+        (sa.protocol, sa.user_ip4, sa.user_port)
+    };
+    let key = SockRevKey {
+        // SAFETY: as in `translate`.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        backend_addr: ip4.to_ne_bytes(),
+        backend_port: (port as u16).to_ne_bytes(),
+        proto: protocol as u8,
+        _pad: 0,
+    };
+    // Only translated sockets have entries (cookies are unique), so no netns check is needed.
+    if let Some(frontend) = maps::sock_rev(&key) {
+        // SAFETY: recvmsg4/getpeername4 may write user_ip4/user_port (4-byte stores).
+        unsafe {
+            let sa = &mut *ctx.sock_addr;
+            sa.user_ip4 = u32::from_ne_bytes(frontend.addr);
+            sa.user_port = u32::from(u16::from_ne_bytes(frontend.port));
+        }
+        stats::count(Counter::SockReverseTranslated);
+    }
+    ALLOW
+}
+
+#[inline(always)]
+fn in_node_netns(ctx: &SockAddrContext) -> bool {
+    let node = maps::sock_lb_config().netns_cookie;
+    // SAFETY: the helper reads the netns of the socket behind a valid sock_addr context.
+    node != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == node
+}
+
+/// The frontend entry serving the node itself: for an externalTrafficPolicy Local frontend, its
+/// in-cluster (cluster-wide endpoints) entry when there is one.
+#[inline(always)]
+fn frontend_for_node(key: ServiceKey) -> Option<(ServiceKey, ServiceValue)> {
+    let frontend = maps::service(&key)?;
+    if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 {
+        let internal = ServiceKey {
+            scope: SCOPE_INTERNAL,
+            ..key
+        };
+        if let Some(v) = maps::service(&internal) {
+            return Some((internal, v));
+        }
+    }
+    Some((key, frontend))
+}
+
+/// loadBalancerSourceRanges for the node as a client: allowed when a range holds the node's
+/// address (kube-proxy likewise lets the node through only if its IP is in a range).
+#[inline(always)]
+fn node_in_source_ranges(key: &ServiceKey) -> bool {
+    let Some(node) = maps::node() else {
+        return false;
+    };
+    maps::source_in_range(SourceRangeKey {
+        frontend_addr: key.addr,
+        frontend_port: key.port,
+        proto: key.proto,
+        _pad: 0,
+        source: node.snat_addr,
+    })
+}
+
+/// Fail the connect()/sendmsg() with ECONNREFUSED (a bare DENY would be EPERM).
+#[inline(always)]
+fn refuse() -> i32 {
+    // SAFETY: bpf_set_retval only sets the syscall's return value (allowed in connect4/sendmsg4).
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    DENY
+}
