@@ -11,7 +11,7 @@ use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use proxy_testenv::{
     Agent, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES,
-    PinDir, require_privileged,
+    PinDir, http_get_with_peer, require_privileged, udp_request_from,
 };
 
 /// Connected UDP socket: send one datagram, print "refused" if an ICMP port unreachable comes
@@ -462,5 +462,50 @@ fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
     let r = env.get(&format!("http://{b}:30082/"));
     if r.body != "b-loc" {
         env.fail(&format!("NodePort of lb-denied: {r:?}"));
+    }
+}
+
+/// The node's own processes (host network) reach its NodePorts and ClusterIPs through the socket
+/// hooks: connect() goes straight to the backend (on the other node here), getpeername() and
+/// recvfrom() show the Service. An externalTrafficPolicy Local NodePort is in-cluster traffic
+/// for the node itself, so it reaches the Service's endpoints on other nodes too (kube-proxy).
+#[test]
+fn node_processes_reach_their_own_nodeports_and_clusterips() {
+    require_privileged!();
+    let env = Env::start(&(cluster_policy_yaml() + &local_policy_yaml()));
+    let [a, _] = NODE_IPS;
+    let host_a = env.agents[NODE_A].host(env.net.node(NODE_A).node());
+
+    for (ip, port, what) in [
+        (a, 30080, "NodePort on node A's own address"),
+        (Ipv4Addr::new(10, 96, 1, 10), 80, "ClusterIP"),
+        (EXTERNAL_IP, 80, "externalIP"),
+    ] {
+        let view = http_get_with_peer(&host_a, ip, port)
+            .unwrap_or_else(|e| env.fail(&format!("{what} from node A's host: {e:#}")));
+        if view.body != "b-web" || view.peer != format!("{ip}:{port}") {
+            env.fail(&format!("{what} from node A's host: {view:?}"));
+        }
+        // Straight from node A's address to the backend on node B: no SNAT port involved.
+        if !view.client_addr.starts_with(&format!("{a}:")) {
+            env.fail(&format!("{what}: backend saw {:?}, want node A", view.client_addr));
+        }
+    }
+
+    let reply = udp_request_from(&host_a, a, 30053, "host-ping")
+        .unwrap_or_else(|e| env.fail(&format!("UDP NodePort from node A's host: {e:#}")));
+    if reply.from.ip() != &a || reply.from.port() != 30053 || reply.body != "b-web:host-ping" {
+        env.fail(&format!("UDP NodePort from node A's host: {reply:?}"));
+    }
+
+    // eTP=Local, no endpoint on node A: external clients get nothing (tested above), the node
+    // itself is served by the endpoint on node B.
+    let view = http_get_with_peer(&host_a, a, 30081)
+        .unwrap_or_else(|e| env.fail(&format!("eTP=Local NodePort from node A's host: {e:#}")));
+    if view.body != "b-loc" || view.peer != format!("{a}:30081") {
+        env.fail(&format!("eTP=Local NodePort from node A's host: {view:?}"));
+    }
+    if env.agents[NODE_A].counter("sock_translated").unwrap_or(0) < 5 {
+        env.fail("node A did not count the socket translations");
     }
 }
