@@ -276,6 +276,22 @@ fn daemonset_replaces_kube_proxy() {
         .expect("bpffs is a hostPath");
     assert_eq!(bpf_volume.path, "/sys/fs/bpf");
 
+    // Socket hooks on the host's cgroup v2 root (not the container's private cgroup namespace).
+    let kube_proxy_ebpf::dataplane::sock_lb::SockLbCgroup::Path(cgroup) = &run.socket_lb_cgroup
+    else {
+        panic!("--socket-lb-cgroup must name the mounted host cgroup, not auto/none")
+    };
+    let cgroup_mount = mounts
+        .iter()
+        .find(|m| cgroup.starts_with(&m.mount_path))
+        .expect("--socket-lb-cgroup is on a mounted volume");
+    let cgroup_volume = volumes
+        .iter()
+        .find(|v| v.name == cgroup_mount.name)
+        .and_then(|v| v.host_path.as_ref())
+        .expect("the cgroup volume is a hostPath");
+    assert_eq!(cgroup_volume.path, "/sys/fs/cgroup");
+
     // Probes on the health port, the right paths.
     let probe = |p: Option<&k8s_openapi::api::core::v1::Probe>| {
         let get = p.and_then(|p| p.http_get.as_ref()).expect("httpGet probe");

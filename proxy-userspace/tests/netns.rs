@@ -418,6 +418,18 @@ fn agent_restart_keeps_a_long_transfer_and_requests_alive() {
     env.check(failures.is_empty() && ok > 0, || {
         format!("requests during the restart: {ok} ok, failures {failures:?}")
     });
+    // The restarted agent swapped its programs into the pinned cgroup links, and they translate.
+    let adopted = "adopted=[Connect4, Sendmsg4, Recvmsg4, Getpeername4]";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !env.agent.log_tail().contains(adopted) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    env.check(env.agent.log_tail().contains(adopted), || {
+        format!("no `{adopted}` in the restarted agent's log")
+    });
+    let view = http_get_with_peer(&env.agent.host(env.topo.node()), WEB, 80)
+        .unwrap_or_else(|e| env.fail(&format!("node process after the restart: {e:#}")));
+    env.check(view.peer == format!("{WEB}:80"), || format!("{view:?}"));
 }
 
 #[test]
@@ -430,10 +442,16 @@ fn cleanup_removes_pins_and_detaches() {
     env.check(env.pins.exists(), || "the agent pinned nothing".to_owned());
     env.agent.stop().expect("stopping the agent");
 
-    // Still forwarding from pins with no agent running.
+    // Still forwarding from pins with no agent running, for pods and the node's own processes.
     env.topo
         .curl(&format!("http://{WEB}/"))
         .unwrap_or_else(|e| env.fail(&format!("no forwarding after SIGTERM: {e:#}")));
+    let host = env.agent.host(env.topo.node());
+    http_get_with_peer(&host, WEB, 80).unwrap_or_else(|e| {
+        env.fail(&format!(
+            "node process: no translation after SIGTERM: {e:#}"
+        ))
+    });
 
     let pin = env.pins.path().to_string_lossy().into_owned();
     let out = env
@@ -460,6 +478,12 @@ fn cleanup_removes_pins_and_detaches() {
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default();
         format!("the VIP still answers right after cleanup: {after:?}\nbpftool link show:\n{links}")
+    });
+    // The socket hooks are gone too: the node's process is no longer translated.
+    let (outcome, _) = tcp_connect_from(&host, WEB, 80, Duration::from_secs(1))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    env.check(outcome != ConnectOutcome::Connected, || {
+        "a node process still reaches the ClusterIP after cleanup".to_owned()
     });
     // Pods still reach each other directly: cleanup detached without breaking the veths.
     let direct = env.topo.curl(&format!("http://{}:8080/", BACKENDS[0].1));

@@ -488,7 +488,10 @@ fn node_processes_reach_their_own_nodeports_and_clusterips() {
         }
         // Straight from node A's address to the backend on node B: no SNAT port involved.
         if !view.client_addr.starts_with(&format!("{a}:")) {
-            env.fail(&format!("{what}: backend saw {:?}, want node A", view.client_addr));
+            env.fail(&format!(
+                "{what}: backend saw {:?}, want node A",
+                view.client_addr
+            ));
         }
     }
 
