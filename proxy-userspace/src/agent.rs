@@ -99,7 +99,8 @@ impl Agent {
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
-        let external = crate::node_addrs::External::new(&mut ebpf)?;
+        let health: std::sync::Arc<crate::health::HealthState> = Default::default();
+        let external = crate::node_addrs::External::new(&mut ebpf, health.clone())?;
         let programmed = maps.read_programmed()?;
         if adopting {
             info!(
@@ -129,7 +130,7 @@ impl Agent {
             status_file: None,
             reported: BTreeSet::new(),
             metrics,
-            health: Default::default(),
+            health,
             changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
             external,
         })

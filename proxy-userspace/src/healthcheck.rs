@@ -5,12 +5,15 @@
 //! One small HTTP/1.1 server per port on all addresses; every request (any path) is answered with
 //! `{"service":{"namespace":NS,"name":NAME},"localEndpoints":N,"serviceProxyHealthy":BOOL}` and
 //! `X-Load-Balancing-Endpoint-Weight: N`, status 200 iff N > 0 and the proxy is healthy, else 503.
+//! "Healthy" is evaluated per request, as upstream does: the same freshness rule as /healthz (no
+//! change left unprogrammed for longer than twice syncPeriod), so a stuck agent stops attracting
+//! load-balancer traffic.
 
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use tokio::{
@@ -19,15 +22,14 @@ use tokio::{
 };
 use tracing::{debug, error, info};
 
-use crate::translate::HealthCheck;
+use crate::{health::HealthState, translate::HealthCheck};
 
-/// What one port reports.
+/// What one port reports (the proxy's health is added when a request comes).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Report {
     namespace: String,
     name: String,
     local_endpoints: usize,
-    healthy: bool,
 }
 
 struct Server {
@@ -45,12 +47,22 @@ impl Drop for Server {
 #[derive(Default)]
 pub struct HealthCheckServers {
     servers: BTreeMap<u16, Server>,
+    /// The proxy's health (/healthz's state); none known = healthy.
+    proxy: Arc<HealthState>,
 }
 
 impl HealthCheckServers {
+    /// Servers answering with `proxy`'s health (the agent's /healthz state).
+    pub fn new(proxy: Arc<HealthState>) -> Self {
+        Self {
+            servers: BTreeMap::new(),
+            proxy,
+        }
+    }
+
     /// Serves exactly `checks` (starting and stopping servers), with the current counts.
     /// Outside a tokio runtime (tests, benchmarks) nothing is served.
-    pub fn update(&mut self, checks: &[HealthCheck], healthy: bool) {
+    pub fn update(&mut self, checks: &[HealthCheck]) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
@@ -67,7 +79,6 @@ impl HealthCheckServers {
                 namespace: check.namespace.clone(),
                 name: check.name.clone(),
                 local_endpoints: check.local_endpoints,
-                healthy,
             };
             if let Some(s) = self.servers.get(&port) {
                 let mut current = s.report.lock().unwrap_or_else(|e| e.into_inner());
@@ -95,7 +106,7 @@ impl HealthCheckServers {
             };
             info!(port, service = %format!("{}/{}", check.namespace, check.name), "serving health-check node port");
             let report = Arc::new(Mutex::new(report));
-            let task = tokio::spawn(serve(listener, report.clone()));
+            let task = tokio::spawn(serve(listener, report.clone(), self.proxy.clone()));
             self.servers.insert(port, Server { report, task });
         }
     }
@@ -106,7 +117,7 @@ impl HealthCheckServers {
     }
 }
 
-async fn serve(listener: TcpListener, report: Arc<Mutex<Report>>) {
+async fn serve(listener: TcpListener, report: Arc<Mutex<Report>>, proxy: Arc<HealthState>) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -116,15 +127,16 @@ async fn serve(listener: TcpListener, report: Arc<Mutex<Report>>) {
                 continue;
             }
         };
-        let report = report.clone();
+        let (report, proxy) = (report.clone(), proxy.clone());
         tokio::spawn(async move {
             // The answer does not depend on the request; read its head (bounded in size and
             // time) so closing does not reset the connection, then answer.
             let _ = tokio::time::timeout(Duration::from_secs(5), read_head(&stream)).await;
             let r = report.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let healthy = proxy.health_at(SystemTime::now()).healthy;
             let _ = tokio::time::timeout(
                 Duration::from_secs(5),
-                write_all(&stream, response(&r).as_bytes()),
+                write_all(&stream, response(&r, healthy).as_bytes()),
             )
             .await;
         });
@@ -163,15 +175,15 @@ async fn write_all(stream: &TcpStream, mut bytes: &[u8]) {
     }
 }
 
-/// The full HTTP response for a report.
-fn response(r: &Report) -> String {
+/// The full HTTP response for a report and the proxy's health.
+fn response(r: &Report, healthy: bool) -> String {
     let body = serde_json::json!({
         "service": {"namespace": r.namespace, "name": r.name},
         "localEndpoints": r.local_endpoints,
-        "serviceProxyHealthy": r.healthy,
+        "serviceProxyHealthy": healthy,
     })
     .to_string();
-    let status = if r.local_endpoints > 0 && r.healthy {
+    let status = if r.local_endpoints > 0 && healthy {
         "200 OK"
     } else {
         "503 Service Unavailable"
@@ -187,18 +199,17 @@ fn response(r: &Report) -> String {
 mod tests {
     use super::*;
 
-    fn report(n: usize, healthy: bool) -> Report {
+    fn report(n: usize) -> Report {
         Report {
             namespace: "demo".into(),
             name: "web".into(),
             local_endpoints: n,
-            healthy,
         }
     }
 
     #[test]
     fn status_and_body_follow_upstream() {
-        let ok = response(&report(2, true));
+        let ok = response(&report(2), true);
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
         assert!(
             ok.contains("X-Load-Balancing-Endpoint-Weight: 2\r\n"),
@@ -210,8 +221,10 @@ mod tests {
             v,
             serde_json::json!({"service":{"namespace":"demo","name":"web"},"localEndpoints":2,"serviceProxyHealthy":true})
         );
-        assert!(response(&report(0, true)).starts_with("HTTP/1.1 503 "));
-        assert!(response(&report(3, false)).starts_with("HTTP/1.1 503 "));
+        assert!(response(&report(0), true).starts_with("HTTP/1.1 503 "));
+        let stuck = response(&report(3), false);
+        assert!(stuck.starts_with("HTTP/1.1 503 "), "{stuck}");
+        assert!(stuck.contains("\"serviceProxyHealthy\":false"), "{stuck}");
     }
 
     /// A blocking GET (the server runs on the test's multi-thread runtime).
@@ -239,14 +252,23 @@ mod tests {
             port,
             local_endpoints: n,
         };
-        let mut servers = HealthCheckServers::default();
-        servers.update(&[check(0)], true);
+        let proxy = Arc::new(HealthState::new(Duration::from_secs(60)));
+        let mut servers = HealthCheckServers::new(proxy.clone());
+        servers.update(&[check(0)]);
         assert_eq!(servers.ports(), vec![port]);
         let fetch = || tokio::task::spawn_blocking(move || get(port));
         assert!(fetch().await.unwrap().starts_with("HTTP/1.1 503 "));
-        servers.update(&[check(1)], true);
+        servers.update(&[check(1)]);
         assert!(fetch().await.unwrap().starts_with("HTTP/1.1 200 "));
-        servers.update(&[], true);
+        // A change queued longer than the health timeout ago and never programmed: the proxy is
+        // stuck, the node stops attracting load-balancer traffic although it has an endpoint.
+        proxy.queued_at(SystemTime::now() - Duration::from_secs(120));
+        let stuck = fetch().await.unwrap();
+        assert!(stuck.starts_with("HTTP/1.1 503 "), "{stuck}");
+        assert!(stuck.contains("\"serviceProxyHealthy\":false"), "{stuck}");
+        proxy.updated();
+        assert!(fetch().await.unwrap().starts_with("HTTP/1.1 200 "));
+        servers.update(&[]);
         assert!(servers.ports().is_empty());
     }
 }

@@ -45,14 +45,18 @@ pub struct External {
 }
 
 impl External {
-    pub fn new(ebpf: &mut aya::Ebpf) -> dataplane::Result<Self> {
+    /// `proxy`: the agent's health (/healthz state), reported by the health-check node ports.
+    pub fn new(
+        ebpf: &mut aya::Ebpf,
+        proxy: std::sync::Arc<crate::health::HealthState>,
+    ) -> dataplane::Result<Self> {
         Ok(Self {
             node_map: NodeMap::from_ebpf(ebpf)?,
             nodeport_cfg: NodePortAddresses::default(),
             devices: Patterns::default(),
             addrs: NodeAddrs::default(),
             written: None,
-            health_checks: HealthCheckServers::default(),
+            health_checks: HealthCheckServers::new(proxy),
             source_ranges: SourceRanges::from_ebpf(ebpf)?,
         })
     }
@@ -101,7 +105,7 @@ impl External {
             }
         }
         self.source_ranges.sync(&source_ranges::wanted(desired));
-        self.health_checks.update(checks, true);
+        self.health_checks.update(checks);
     }
 }
 
