@@ -1,16 +1,16 @@
-//! `cargo xtask demo`: the agent standalone on deploy/examples in a one-node topology of network
-//! namespaces, with traffic through each example Service. Needs root. Everything it creates is
-//! an RAII guard (namespaces, processes, pin dir, temp dirs), removed on exit or failure.
+//! `cargo xtask demo`: the agent standalone on deploy/examples in a two-node topology of network
+//! namespaces ([`MultiNode`]: node-a with the client and backend pods, node-b with none, a wire and
+//! an external client), with traffic through each example Service: ClusterIPs from the client pod,
+//! and `demo/web`'s NodePort from the external client through both nodes. Needs root. Everything
+//! it creates is an RAII guard (namespaces, processes, pin dirs), removed on exit or failure.
 
-use std::{
-    collections::BTreeMap,
-    net::Ipv4Addr,
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::Ipv4Addr, path::Path, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
-use proxy_testenv::{Agent, BACKENDS, ConnectOutcome, ManifestDir, PinDir, ServicePort, Topology};
+use proxy_testenv::{
+    Agent, BACKENDS, CLIENT_IP, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, MultiNode, NODE_IPS,
+    NODE_NAMES, PinDir,
+};
 
 use crate::util::{is_root, workspace_root};
 
@@ -18,8 +18,16 @@ const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const ECHO: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 const BULK: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
+/// demo/web's `nodePort` in deploy/examples/services.yaml.
+const WEB_NODE_PORT: u16 = 30080;
 const HTTP_REQUESTS: usize = 300;
 const UDP_REQUESTS: usize = 30;
+/// node-a holds the client and every backend pod; node-b has no pods.
+const NODE_A: usize = 0;
+const NODE_B: usize = 1;
+
+/// Answers per backend: (HTTP over the ClusterIP, UDP, NodePort).
+type Answered = BTreeMap<String, (usize, usize, usize)>;
 
 pub fn run() -> Result<()> {
     if !is_root() {
@@ -29,35 +37,32 @@ pub fn run() -> Result<()> {
     let bin = crate::build_ebpf::run()?;
     proxy_testenv::ensure_bpffs()?;
 
-    let (manifests, _generated) = manifests()?;
+    let manifests = manifests()?;
     eprintln!("\n==> topology");
-    let mut topo = Topology::new().context("creating the demo topology")?;
-    topo.start_iperf3_server("be1")?;
+    let mut net = MultiNode::new().context("creating the demo topology")?;
+    net.node_mut(NODE_A).add_pod("client", CLIENT_IP)?;
+    for (name, ip) in BACKENDS {
+        net.add_backend(NODE_A, name, ip)?;
+    }
+    net.node_mut(NODE_A).start_iperf3_server("be1")?;
+    let (a, b) = (net.node(NODE_A).prefix(), net.node(NODE_B).prefix());
     eprintln!(
-        "namespaces {}-{{node,client,be1,be2,be3}}; client 10.244.1.2, backends 10.244.1.11-13",
-        topo.prefix()
+        "node-a {a}-node ({} on {EXT_DEVICE}): pods {a}-{{client,be1,be2,be3}}, client \
+         {CLIENT_IP}, backends 10.244.1.11-13\nnode-b {b}-node ({} on {EXT_DEVICE}): no pods\n\
+         external client {a}-ext ({EXT_CLIENT_IP}) on the wire {a}-wire",
+        NODE_IPS[NODE_A], NODE_IPS[NODE_B]
     );
-    let pins = PinDir::new(&format!("{}-demo", topo.prefix()))?;
-    eprintln!("\n==> agent on {}", manifests.display());
-    let mut agent = Agent::start(
-        &bin,
-        topo.node(),
-        &manifests,
-        pins.path(),
-        topo.tmp().path(),
-    )?;
-    let status = agent.wait_synced(1, Duration::from_secs(30))?;
-    eprintln!(
-        "agent synced: {} frontends, {} backends, interfaces {:?}, {} problems",
-        status.frontends, status.backends, status.interfaces, status.problems
-    );
-    // Interfaces are attached after the first sync; wait until all pods' veths are in.
-    let status = agent
-        .wait_status(Duration::from_secs(10), |s| s.interfaces.len() >= 4)
-        .unwrap_or(status);
-    eprintln!("attached to {:?}", status.interfaces);
+    let pins = [NODE_A, NODE_B]
+        .map(|i| PinDir::new(&format!("{}-demo", net.node(i).prefix())))
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+    let mut agents = Vec::new();
+    for i in [NODE_A, NODE_B] {
+        agents.push(start_agent(&bin, &net, i, &manifests, pins[i].path())?);
+    }
+    let topo = net.node(NODE_A);
 
-    let mut answered: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut answered = Answered::new();
     let mut failed = 0usize;
     let mut requests = 0usize;
 
@@ -96,6 +101,21 @@ pub fn run() -> Result<()> {
         }
     }
 
+    eprintln!(
+        "\n==> NodePort {WEB_NODE_PORT} (demo/web) from the external client {EXT_CLIENT_IP}, \
+         through each node"
+    );
+    for i in [NODE_A, NODE_B] {
+        requests += 1;
+        match nodeport_request(&net, i) {
+            Ok(backend) => answered.entry(backend).or_default().2 += 1,
+            Err(e) => {
+                failed += 1;
+                println!("nodeport via {}: FAILED: {e:#}", NODE_NAMES[i]);
+            }
+        }
+    }
+
     eprintln!("\n==> TCP connect to {EMPTY}:80 (demo/empty, no endpoints)");
     let (outcome, elapsed) = topo.tcp_connect(EMPTY, 80, Duration::from_secs(3))?;
     let verdict = match &outcome {
@@ -121,25 +141,23 @@ pub fn run() -> Result<()> {
 
     println!("\nper-backend distribution:");
     println!(
-        "  {:<8} {:>15} {:>8} {:>6}",
-        "backend", "address", "http", "udp"
+        "  {:<8} {:>15} {:>8} {:>6} {:>9}",
+        "backend", "address", "http", "udp", "nodeport"
     );
     for (name, ip) in BACKENDS {
-        let (http, udp) = answered.get(name).copied().unwrap_or_default();
-        println!("  {name:<8} {ip:>15} {http:>8} {udp:>6}");
+        let (http, udp, np) = answered.get(name).copied().unwrap_or_default();
+        println!("  {name:<8} {ip:>15} {http:>8} {udp:>6} {np:>9}");
     }
-    for (name, (http, udp)) in answered
+    for (name, (http, udp, np)) in answered
         .iter()
         .filter(|(n, _)| !BACKENDS.iter().any(|(b, _)| b == n))
     {
-        println!("  {name:<8} {:>15} {http:>8} {udp:>6}", "?");
+        println!("  {name:<8} {:>15} {http:>8} {udp:>6} {np:>9}", "?");
     }
 
-    println!(
-        "\nkube-proxy-ebpf dump services --pin-dir {}:",
-        pins.path().display()
-    );
-    let pin = pins.path().to_string_lossy().into_owned();
+    let agent = &agents[NODE_A];
+    let pin = agent.pin_dir().to_string_lossy().into_owned();
+    println!("\nkube-proxy-ebpf dump services --pin-dir {pin} (node-a):");
     match agent.cli(&["dump", "services", "--pin-dir", &pin]) {
         Ok(out) => {
             print!("{}", String::from_utf8_lossy(&out.stdout));
@@ -154,14 +172,22 @@ pub fn run() -> Result<()> {
     }
 
     let backends = answered.len();
-    agent.stop().context("stopping the agent")?;
-    // Remove links and maps before the namespaces go (the guards would also do it).
-    let cleanup = agent.cli(&["cleanup", "--pin-dir", &pin])?;
-    if !cleanup.status.success() {
-        eprintln!(
-            "cleanup: {}",
-            String::from_utf8_lossy(&cleanup.stderr).trim()
-        );
+    if failed > 0 {
+        for (agent, node) in agents.iter().zip(NODE_NAMES) {
+            eprintln!("--- {node} agent log (tail) ---\n{}", agent.log_tail());
+        }
+    }
+    for agent in &mut agents {
+        agent.stop().context("stopping the agent")?;
+        // Remove links and maps before the namespaces go (the guards would also do it).
+        let pin = agent.pin_dir().to_string_lossy().into_owned();
+        let cleanup = agent.cli(&["cleanup", "--pin-dir", &pin])?;
+        if !cleanup.status.success() {
+            eprintln!(
+                "cleanup: {}",
+                String::from_utf8_lossy(&cleanup.stderr).trim()
+            );
+        }
     }
     println!("demo: {requests} requests, {backends} backends answered, {failed} failed");
     if failed > 0 || backends < 3 {
@@ -170,29 +196,100 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// deploy/examples when it has manifests; otherwise the same Services written to a temp dir.
-fn manifests() -> Result<(PathBuf, Option<ManifestDir>)> {
-    let examples = workspace_root().join("deploy/examples");
-    if has_yaml(&examples) {
-        return Ok((examples, None));
-    }
+/// Starts the agent on node `i` (`--devices ext0 --hostname-override node-a|node-b`) and waits
+/// until it has synced and attached to the node's pods and its external device.
+fn start_agent(
+    bin: &Path,
+    net: &MultiNode,
+    i: usize,
+    manifests: &Path,
+    pin_dir: &Path,
+) -> Result<Agent> {
+    let node = net.node(i);
+    let name = NODE_NAMES[i];
     eprintln!(
-        "note: {} has no manifests yet; writing the example Services to a temp dir",
-        examples.display()
+        "\n==> agent on {name} (--manifests {})",
+        manifests.display()
     );
-    let dir = ManifestDir::new()?;
-    let be: Vec<Ipv4Addr> = BACKENDS.iter().map(|(_, ip)| *ip).collect();
-    dir.write_service("demo", "web", WEB, &[ServicePort::tcp(80, 8080)], &be)?;
-    dir.write_service("demo", "echo", ECHO, &[ServicePort::udp(53, 5353)], &be)?;
-    dir.write_service("demo", "empty", EMPTY, &[ServicePort::tcp(80, 8080)], &[])?;
-    dir.write_service(
-        "demo",
-        "bulk",
-        BULK,
-        &[ServicePort::tcp(5201, 5201)],
-        &be[..1],
-    )?;
-    Ok((dir.path().to_path_buf(), Some(dir)))
+    let args = [
+        "--manifests".as_ref(),
+        manifests.as_os_str(),
+        "--devices".as_ref(),
+        EXT_DEVICE.as_ref(),
+        "--hostname-override".as_ref(),
+        name.as_ref(),
+    ];
+    let mut agent = Agent::start_with(bin, node.node(), &args, pin_dir, node.tmp().path())?;
+    let status = agent
+        .wait_synced(1, Duration::from_secs(30))
+        .with_context(|| format!("agent on {name}"))?;
+    eprintln!(
+        "agent synced: {} frontends, {} backends, {} problems",
+        status.frontends, status.backends, status.problems
+    );
+    // Interfaces are attached after the first sync; wait until the pods' veths and ext0 are in.
+    let mut want: Vec<String> = node.pods().map(|p| p.host_if.clone()).collect();
+    want.push(EXT_DEVICE.to_owned());
+    let status = agent
+        .wait_status(Duration::from_secs(10), |s| {
+            want.iter().all(|w| s.interfaces.contains(w))
+        })
+        .with_context(|| {
+            format!(
+                "agent on {name} did not attach to {want:?}; log tail:\n{}",
+                agent.log_tail()
+            )
+        })?;
+    eprintln!("attached to {:?}", status.interfaces);
+    Ok(agent)
+}
+
+/// One HTTP GET from the external client to demo/web's NodePort on node `i`; prints it and
+/// returns the backend that answered. Node-a has the endpoints: the backend must see the client
+/// itself. Node-b has none (eTP=Cluster): the backend must see node-b's address (SNAT).
+fn nodeport_request(net: &MultiNode, i: usize) -> Result<String> {
+    let node_ip = NODE_IPS[i];
+    let url = format!("http://{node_ip}:{WEB_NODE_PORT}/");
+    let r = net.http_get(&url)?;
+    if r.code != 200 || !BACKENDS.iter().any(|(name, _)| *name == r.body) {
+        bail!(
+            "GET {url}: HTTP {} from {:?}, expected 200 from be1-3",
+            r.code,
+            r.body
+        );
+    }
+    let seen = r.client_addr.split_once(':').map_or("", |(ip, _)| ip);
+    let (want, why) = if i == NODE_A {
+        (EXT_CLIENT_IP, "client IP kept: local endpoint")
+    } else {
+        (node_ip, "SNAT to node-b: endpoints on node-a only")
+    };
+    if seen != want.to_string() {
+        bail!(
+            "GET {url}: {} saw the client as {:?}, expected {want} ({why})",
+            r.body,
+            r.client_addr
+        );
+    }
+    let on = if i == NODE_A { "" } else { " on node-a" };
+    println!(
+        "nodeport: external client {EXT_CLIENT_IP} → {node_ip}:{WEB_NODE_PORT} ({}) → answered by \
+         {}{on} (HTTP {}); backend saw {} ({why})",
+        NODE_NAMES[i], r.body, r.code, r.client_addr
+    );
+    Ok(r.body)
+}
+
+/// deploy/examples, which the demo runs on (demo/web's NodePort included).
+fn manifests() -> Result<std::path::PathBuf> {
+    let examples = workspace_root().join("deploy/examples");
+    if !has_yaml(&examples) {
+        bail!(
+            "{} has no manifests: the demo runs the agent on them",
+            examples.display()
+        );
+    }
+    Ok(examples)
 }
 
 fn has_yaml(dir: &Path) -> bool {

@@ -35,8 +35,9 @@ enum Command {
         #[arg(long)]
         no_setup: bool,
     },
-    /// Build, make a one-node topology of network namespaces, run the agent on deploy/examples
-    /// and send traffic through the Services. Needs root.
+    /// Build, make a two-node topology of network namespaces with an external client, run the
+    /// agent on deploy/examples on both nodes and send traffic through the Services (ClusterIPs
+    /// from a pod, a NodePort from the external client). Needs root.
     Demo,
     /// Benchmarks: datapath ns/packet vs Services, control-plane times, agent RSS, end-to-end
     /// rate/latency/throughput vs kube-proxy's iptables and nftables rule sets. Needs root.
