@@ -26,8 +26,8 @@ const UDP_REQUESTS: usize = 30;
 const NODE_A: usize = 0;
 const NODE_B: usize = 1;
 
-/// Answers per backend: (HTTP over the ClusterIP, UDP, NodePort).
-type Answered = BTreeMap<String, (usize, usize, usize)>;
+/// Answers per backend: (HTTP over the ClusterIP, UDP, NodePort, from a node's own process).
+type Answered = BTreeMap<String, (usize, usize, usize, usize)>;
 
 pub fn run() -> Result<()> {
     if !is_root() {
@@ -116,6 +116,37 @@ pub fn run() -> Result<()> {
         }
     }
 
+    eprintln!(
+        "\n==> a process of node-b itself (host network: cgroup socket hooks, no tc hook on its \
+         way out) to demo/web's ClusterIP and its NodePorts"
+    );
+    let host_b = agents[NODE_B].host(net.node(NODE_B).node());
+    for (ip, port) in [
+        (WEB, 80),
+        (NODE_IPS[NODE_B], WEB_NODE_PORT),
+        (NODE_IPS[NODE_A], WEB_NODE_PORT),
+    ] {
+        requests += 1;
+        match proxy_testenv::http_get_with_peer(&host_b, ip, port) {
+            Ok(v) if v.peer == format!("{ip}:{port}") => {
+                println!(
+                    "host: node-b process → {ip}:{port} → answered by {} (HTTP 200); \
+                     getpeername() = {}, backend saw {}",
+                    v.body, v.peer, v.client_addr
+                );
+                answered.entry(v.body).or_default().3 += 1;
+            }
+            Ok(v) => {
+                failed += 1;
+                println!("host: node-b process → {ip}:{port}: FAILED: peer {v:?}");
+            }
+            Err(e) => {
+                failed += 1;
+                println!("host: node-b process → {ip}:{port}: FAILED: {e:#}");
+            }
+        }
+    }
+
     eprintln!("\n==> TCP connect to {EMPTY}:80 (demo/empty, no endpoints)");
     let (outcome, elapsed) = topo.tcp_connect(EMPTY, 80, Duration::from_secs(3))?;
     let verdict = match &outcome {
@@ -141,18 +172,21 @@ pub fn run() -> Result<()> {
 
     println!("\nper-backend distribution:");
     println!(
-        "  {:<8} {:>15} {:>8} {:>6} {:>9}",
-        "backend", "address", "http", "udp", "nodeport"
+        "  {:<8} {:>15} {:>8} {:>6} {:>9} {:>5}",
+        "backend", "address", "http", "udp", "nodeport", "host"
     );
     for (name, ip) in BACKENDS {
-        let (http, udp, np) = answered.get(name).copied().unwrap_or_default();
-        println!("  {name:<8} {ip:>15} {http:>8} {udp:>6} {np:>9}");
+        let (http, udp, np, host) = answered.get(name).copied().unwrap_or_default();
+        println!("  {name:<8} {ip:>15} {http:>8} {udp:>6} {np:>9} {host:>5}");
     }
-    for (name, (http, udp, np)) in answered
+    for (name, (http, udp, np, host)) in answered
         .iter()
         .filter(|(n, _)| !BACKENDS.iter().any(|(b, _)| b == n))
     {
-        println!("  {name:<8} {:>15} {http:>8} {udp:>6} {np:>9}", "?");
+        println!(
+            "  {name:<8} {:>15} {http:>8} {udp:>6} {np:>9} {host:>5}",
+            "?"
+        );
     }
 
     let agent = &agents[NODE_A];
