@@ -15,7 +15,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use proxy_testenv::{Agent, ManifestDir, NetNs, PinDir, Proc, Topology};
+use proxy_testenv::{Agent, Exec, ManifestDir, NetNs, PinDir, Proc, Topology};
 use serde_json::{Value, json};
 
 use super::{
@@ -78,6 +78,11 @@ pub struct Run {
     pub vip: Option<LoadResult>,
     pub iperf_direct_gbps: Option<f64>,
     pub iperf_vip_gbps: Option<f64>,
+    /// The same short connections from a process of the node itself (host network): straight to
+    /// the pods, and through the VIP (our socket hooks; netfilter's OUTPUT chain for the
+    /// baselines).
+    pub host_direct: Option<LoadResult>,
+    pub host_vip: Option<LoadResult>,
 }
 
 impl Run {
@@ -88,6 +93,8 @@ impl Run {
             "direct": self.direct.as_ref().map(LoadResult::to_json),
             "vip": self.vip.as_ref().map(LoadResult::to_json),
             "iperf_direct_gbps": self.iperf_direct_gbps, "iperf_vip_gbps": self.iperf_vip_gbps,
+            "host_direct": self.host_direct.as_ref().map(LoadResult::to_json),
+            "host_vip": self.host_vip.as_ref().map(LoadResult::to_json),
         })
     }
 }
@@ -169,12 +176,34 @@ impl Env {
     }
 
     fn load(&self, cfg: &Config, targets: &[SocketAddrV4], duration_ms: u64) -> Result<LoadResult> {
+        load_from(self.client()?, cfg, targets, duration_ms)
+    }
+
+    fn iperf(&self, ip: Ipv4Addr, secs: u32) -> Result<f64> {
+        let s = self.topo.iperf3_client(ip, IPERF_PORT, secs)?.wait()?;
+        ensure!(
+            s.success,
+            "iperf3 to {ip} failed: {}",
+            s.error.unwrap_or_default()
+        );
+        Ok(s.bits_per_second / 1e9)
+    }
+}
+
+/// The bench's load generator run by `exec` (a pod, or the node's own namespace).
+fn load_from(
+    exec: &impl Exec,
+    cfg: &Config,
+    targets: &[SocketAddrV4],
+    duration_ms: u64,
+) -> Result<LoadResult> {
+    {
         let list = targets
             .iter()
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let out = self.client()?.output(
+        let out = exec.output(
             &[
                 path_str(&cfg.bench_bin)?,
                 "loadgen",
@@ -197,16 +226,6 @@ impl Env {
         let v: Value = serde_json::from_slice(&out.stdout).context("loadgen output")?;
         LoadResult::from_json(&v)
     }
-
-    fn iperf(&self, ip: Ipv4Addr, secs: u32) -> Result<f64> {
-        let s = self.topo.iperf3_client(ip, IPERF_PORT, secs)?.wait()?;
-        ensure!(
-            s.success,
-            "iperf3 to {ip} failed: {}",
-            s.error.unwrap_or_default()
-        );
-        Ok(s.bits_per_second / 1e9)
-    }
 }
 
 /// Measures one mode at one size in a fresh topology.
@@ -222,6 +241,8 @@ pub fn run(cfg: &Config, mode: Mode, n: usize) -> Result<Run> {
         vip: None,
         iperf_direct_gbps: None,
         iperf_vip_gbps: None,
+        host_direct: None,
+        host_vip: None,
     };
     // Guards that must outlive the measurement.
     let mut _agent: Option<(Agent, PinDir, ManifestDir)> = None;
@@ -275,6 +296,34 @@ pub fn run(cfg: &Config, mode: Mode, n: usize) -> Result<Run> {
     out.iperf_direct_gbps = Some(env.iperf(env.backends[0], cfg.iperf_secs)?);
     env.port_range(62_000, 63_999)?;
     out.iperf_vip_gbps = Some(env.iperf(IPERF_VIP, cfg.iperf_secs)?);
+
+    // From the node itself: our socket hooks translate only members of the agent's cgroup;
+    // netfilter's OUTPUT chain translates every process of the node namespace.
+    let node = env.topo.node();
+    if mode != Mode::Ebpf {
+        // OUTPUT-chain DNAT happens after the route lookup, so netfilter needs some route for the
+        // Service range (a real node has its default route); the client pod's veth, inside the
+        // test's namespaces, serves. Our socket hooks translate before any route lookup.
+        node.exec(&["ip", "route", "add", "10.96.0.0/16", "dev", "veth-client"])?;
+    }
+    let port_range =
+        |lo: u16, hi: u16| node.sysctl("net.ipv4.ip_local_port_range", &format!("{lo} {hi}"));
+    let host_load = |targets: &[SocketAddrV4], ms: u64| match &_agent {
+        Some((agent, ..)) => load_from(&agent.host(node), cfg, targets, ms),
+        None => load_from(node, cfg, targets, ms),
+    };
+    port_range(20_000, 20_999)?;
+    let check = host_load(&vip, 500)?;
+    ensure!(
+        check.ok > 0 && check.errors == 0,
+        "{} at {n}: requests from the node through the VIP fail: {:?}",
+        mode.name(),
+        check.first_error
+    );
+    port_range(21_000, 39_999)?;
+    out.host_direct = Some(host_load(&direct, cfg.duration_ms)?);
+    port_range(40_000, 59_999)?;
+    out.host_vip = Some(host_load(&vip, cfg.duration_ms)?);
     Ok(out)
 }
 

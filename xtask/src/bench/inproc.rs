@@ -14,7 +14,7 @@ use aya::{
 };
 use kube_proxy_ebpf::{
     dataplane::{
-        loader::{MapSizes, program_mut},
+        loader::{self, MapSizes},
         maps::{ServiceMaps, Stats},
     },
     ebpf_object::EBPF_OBJECT,

@@ -128,6 +128,11 @@ pub fn print_run(r: &Run) {
         r.iperf_direct_gbps.unwrap_or(f64::NAN),
         r.iperf_vip_gbps.unwrap_or(f64::NAN)
     );
+    eprintln!(
+        "  from the node itself: direct {}; VIP {}",
+        l(&r.host_direct),
+        l(&r.host_vip)
+    );
 }
 
 impl Results {
@@ -362,6 +367,32 @@ impl Results {
             s.push('\n');
             let _ = writeln!(
                 s,
+                "### End to end from a process of the node itself (host network; ours: cgroup socket hooks, baselines: the OUTPUT chain)\n\n\
+                 | Services | dataplane | direct conn/s | VIP conn/s (VIP/direct) | p50 µs direct / VIP | p99 µs direct / VIP | errors (slow ≥0.9 s) |\n\
+                 |---:|---|---:|---:|---:|---:|---:|"
+            );
+            for r in &self.e2e {
+                let (Some(d), Some(v)) = (&r.host_direct, &r.host_vip) else {
+                    continue;
+                };
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} / {} | {} / {} | {} ({}) |",
+                    n_fmt(r.services),
+                    r.mode.name(),
+                    f(d.conns_per_s, 0),
+                    with_ratio(v.conns_per_s, d.conns_per_s, 0),
+                    d.p50_us,
+                    v.p50_us,
+                    d.p99_us,
+                    v.p99_us,
+                    d.errors + v.errors,
+                    d.slow_1s + v.slow_1s,
+                );
+            }
+            s.push('\n');
+            let _ = writeln!(
+                s,
                 "### End to end through the VIP: ours vs kube-proxy's rule sets (ratio = ours / baseline; latency: lower is better)\n\n\
                  | Services | metric | kube-proxy-ebpf | iptables | nftables | ours/iptables | ours/nftables |\n\
                  |---:|---|---:|---:|---:|---:|---:|"
@@ -369,11 +400,26 @@ impl Results {
             let mut sizes: Vec<usize> = self.e2e.iter().map(|r| r.services).collect();
             sizes.dedup();
             type Metric = fn(&Run) -> Option<f64>;
-            let metrics: [(&str, Metric, usize); 4] = [
+            let metrics: [(&str, Metric, usize); 7] = [
                 ("VIP conn/s", |r| r.vip.as_ref().map(|v| v.conns_per_s), 0),
                 ("VIP p50 µs", |r| r.vip.as_ref().map(|v| v.p50_us as f64), 0),
                 ("VIP p99 µs", |r| r.vip.as_ref().map(|v| v.p99_us as f64), 0),
                 ("iperf3 VIP Gbit/s", |r| r.iperf_vip_gbps, 2),
+                (
+                    "from the node: VIP conn/s",
+                    |r| r.host_vip.as_ref().map(|v| v.conns_per_s),
+                    0,
+                ),
+                (
+                    "from the node: VIP p50 µs",
+                    |r| r.host_vip.as_ref().map(|v| v.p50_us as f64),
+                    0,
+                ),
+                (
+                    "from the node: VIP p99 µs",
+                    |r| r.host_vip.as_ref().map(|v| v.p99_us as f64),
+                    0,
+                ),
             ];
             for n in sizes {
                 for (name, get, digits) in metrics {
