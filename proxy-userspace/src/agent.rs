@@ -12,7 +12,7 @@ use std::{
 };
 
 use aya::Ebpf;
-use proxy_common::{CtKey, CtValue, DatapathConfig, ct_state, proto};
+use proxy_common::{CtKey, CtValue, DatapathConfig, SNAT_CAPACITY, proto, timeouts::idle_expired};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
 
@@ -25,7 +25,7 @@ use crate::{
         clock::monotonic_ns,
         interfaces::{self, Patterns},
         loader::{self, MapSizes},
-        maps::{Conntrack, ServiceMaps},
+        maps::{Conntrack, ServiceMaps, Snat},
         netlink,
     },
     incremental::Planner,
@@ -39,7 +39,7 @@ use crate::{
     translate_cache::TranslateCache,
 };
 
-/// How often idle conntrack entries are swept (the LRU also evicts under pressure).
+/// How often idle conntrack and SNAT entries are swept (the LRU also evicts under pressure).
 const CONNTRACK_GC_PERIOD: Duration = Duration::from_secs(30);
 /// How often the wait for the sources' initial lists is logged.
 const READY_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -59,6 +59,7 @@ pub struct Agent {
     ebpf: Ebpf,
     maps: ServiceMaps,
     conntrack: Conntrack,
+    snat: Snat,
     programmed: Programmed,
     /// Indexes over `programmed` and what changed since the last plan (every op applied to
     /// `programmed` goes through it first).
@@ -97,6 +98,7 @@ impl Agent {
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
+        let snat = Snat::from_ebpf(&mut ebpf)?;
         let external = crate::node_addrs::External::new(&mut ebpf)?;
         let programmed = maps.read_programmed()?;
         if adopting {
@@ -114,6 +116,7 @@ impl Agent {
             ebpf,
             maps,
             conntrack,
+            snat,
             planner: Planner::new(&programmed),
             cache: TranslateCache::new(),
             programmed,
@@ -294,6 +297,21 @@ impl Agent {
             .set_map_entries("conntrack", (total - removed) as u64);
     }
 
+    /// Removes the SNAT entries of flows idle past their timeout, both of each pair (see
+    /// [`crate::snat_gc`]), so a flow that vanished without FIN/RST stops holding its node port.
+    pub fn gc_snat(&mut self) {
+        let done = crate::snat_gc::collect(&mut self.snat, monotonic_ns(), &self.config);
+        if done.removed > 0 {
+            debug!(
+                removed = done.removed,
+                flows = done.flows,
+                orphans = done.orphans,
+                "SNAT garbage collected"
+            );
+        }
+        self.metrics.set_map_entries("snat", done.remaining as u64);
+    }
+
     fn write_status(&self) {
         if let Some(path) = &self.status_file
             && let Err(e) = status::write(path, &self.status)
@@ -384,6 +402,7 @@ fn telemetry_for(pins: &PinLayout, sizes: &MapSizes) -> std::sync::Arc<crate::me
         ("backends", sizes.backends),
         ("rev_nat", sizes.rev_nats),
         ("conntrack", sizes.conntrack),
+        ("snat", SNAT_CAPACITY),
     ] {
         metrics.set_map(map, 0, capacity.into());
     }
@@ -409,13 +428,7 @@ pub fn flow_is_dead(
     config: &DatapathConfig,
     programmed: &Programmed,
 ) -> bool {
-    let timeout_s = match (key.proto, value.state) {
-        (proto::TCP, ct_state::ESTABLISHED) => config.tcp_established_timeout_s,
-        (proto::TCP, _) => config.tcp_transitory_timeout_s,
-        _ => config.udp_timeout_s,
-    };
-    let idle_ns = now_ns.saturating_sub(value.last_seen_ns);
-    if idle_ns > u64::from(timeout_s) * 1_000_000_000 {
+    if idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, config) {
         return true;
     }
     let backend_alive = programmed
@@ -549,7 +562,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     dirty = true;
                 }
             }
-            _ = gc.tick() => agent.gc_conntrack(),
+            _ = gc.tick() => {
+                agent.gc_conntrack();
+                agent.gc_snat();
+            }
             () = source.changed() => {
                 dirty = true;
                 agent.queued();
@@ -583,7 +599,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{Backend, ct_dir};
+    use proxy_common::{Backend, ct_dir, ct_state};
 
     use super::*;
 
