@@ -3,13 +3,15 @@
 //! Rules (see STYLE.md): every map key/value is `#[repr(C)]`, `Copy`, made of integers and byte
 //! arrays only, with explicit padding and a size assert. Addresses and ports are network-order
 //! byte arrays; only the agent's map layer converts them from `Ipv4Addr`/`u16`. Pure functions
-//! used by both sides (flow hash, backend pick, checksums) live here so the host can test them.
+//! used by both sides (flow hash, backend pick, checksums, idle timeouts) live here so the host
+//! can test them.
 #![cfg_attr(not(test), no_std)]
 
 pub mod csum;
 pub mod hash;
 pub mod maps;
 pub mod stats;
+pub mod timeouts;
 
 pub use maps::*;
 pub use stats::{COUNTER_COUNT, Counter};

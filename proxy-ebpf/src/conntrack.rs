@@ -4,14 +4,15 @@
 //! ORIGINAL, keyed as the client's packets arrive (client → frontend), and REPLY, keyed as the
 //! backend's replies leave (backend → client). Ingress looks up ORIGINAL, egress REPLY.
 
-use proxy_common::{Backend, CtKey, CtValue, DatapathConfig, ct_dir, ct_state, proto};
+/// Has a flow been idle past its timeout? One rule in proxy-common, shared with the agent's
+/// conntrack and SNAT garbage collection.
+pub use proxy_common::timeouts::idle_expired;
+use proxy_common::{Backend, CtKey, CtValue, DatapathConfig, ct_dir, ct_state};
 
 use crate::{
     Drop, maps,
     packet::{Packet, tcp_flags},
 };
-
-const NS_PER_S: u64 = 1_000_000_000;
 
 /// The ORIGINAL key of the packet as it arrived.
 #[inline(always)]
@@ -65,35 +66,10 @@ pub fn original_key_of_reply(p: &Packet, ct: &CtValue) -> CtKey {
     }
 }
 
-/// Idle timeout of an entry, by protocol and state.
-#[inline(always)]
-fn timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8) -> u64 {
-    let seconds = if proto == proto::UDP {
-        cfg.udp_timeout_s
-    } else if state == ct_state::ESTABLISHED {
-        cfg.tcp_established_timeout_s
-    } else {
-        cfg.tcp_transitory_timeout_s
-    };
-    seconds as u64 * NS_PER_S
-}
-
 /// Has the entry been idle for longer than its timeout?
 #[inline(always)]
 pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bool {
     idle_expired(ct.last_seen_ns, proto, ct.state, now_ns, cfg)
-}
-
-/// Has a flow last seen at `last_seen_ns`, in `state`, been idle for longer than its timeout?
-#[inline(always)]
-pub fn idle_expired(
-    last_seen_ns: u64,
-    proto: u8,
-    state: u8,
-    now_ns: u64,
-    cfg: &DatapathConfig,
-) -> bool {
-    now_ns.saturating_sub(last_seen_ns) > timeout_ns(cfg, proto, state)
 }
 
 /// State of a flow after a client packet (ORIGINAL direction).

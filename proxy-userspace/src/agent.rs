@@ -12,7 +12,9 @@ use std::{
 };
 
 use aya::Ebpf;
-use proxy_common::{CtKey, CtValue, DatapathConfig, SockLbConfig, ct_state, proto};
+use proxy_common::{
+    CtKey, CtValue, DatapathConfig, SNAT_CAPACITY, SockLbConfig, proto, timeouts::idle_expired,
+};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
 
@@ -25,7 +27,7 @@ use crate::{
         clock::monotonic_ns,
         interfaces::{self, Patterns},
         loader::{self, MapSizes},
-        maps::{Conntrack, ServiceMaps},
+        maps::{Conntrack, ServiceMaps, Snat},
         netlink, sock_lb,
     },
     incremental::Planner,
@@ -39,7 +41,7 @@ use crate::{
     translate_cache::TranslateCache,
 };
 
-/// How often idle conntrack entries are swept (the LRU also evicts under pressure).
+/// How often idle conntrack and SNAT entries are swept (the LRU also evicts under pressure).
 const CONNTRACK_GC_PERIOD: Duration = Duration::from_secs(30);
 /// How often the wait for the sources' initial lists is logged.
 const READY_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -59,6 +61,7 @@ pub struct Agent {
     ebpf: Ebpf,
     maps: ServiceMaps,
     conntrack: Conntrack,
+    snat: Snat,
     programmed: Programmed,
     /// Indexes over `programmed` and what changed since the last plan (every op applied to
     /// `programmed` goes through it first).
@@ -99,6 +102,7 @@ impl Agent {
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
+        let snat = Snat::from_ebpf(&mut ebpf)?;
         let health: std::sync::Arc<crate::health::HealthState> = Default::default();
         let external = crate::node_addrs::External::new(&mut ebpf, health.clone())?;
         let programmed = maps.read_programmed()?;
@@ -117,6 +121,7 @@ impl Agent {
             ebpf,
             maps,
             conntrack,
+            snat,
             planner: Planner::new(&programmed),
             cache: TranslateCache::new(),
             programmed,
@@ -318,6 +323,21 @@ impl Agent {
             .set_map_entries("conntrack", (total - removed) as u64);
     }
 
+    /// Removes the SNAT entries of flows idle past their timeout, both of each pair (see
+    /// [`crate::snat_gc`]), so a flow that vanished without FIN/RST stops holding its node port.
+    pub fn gc_snat(&mut self) {
+        let done = crate::snat_gc::collect(&mut self.snat, monotonic_ns(), &self.config);
+        if done.removed > 0 {
+            debug!(
+                removed = done.removed,
+                flows = done.flows,
+                orphans = done.orphans,
+                "SNAT garbage collected"
+            );
+        }
+        self.metrics.set_map_entries("snat", done.remaining as u64);
+    }
+
     fn write_status(&self) {
         if let Some(path) = &self.status_file
             && let Err(e) = status::write(path, &self.status)
@@ -408,6 +428,7 @@ fn telemetry_for(pins: &PinLayout, sizes: &MapSizes) -> std::sync::Arc<crate::me
         ("backends", sizes.backends),
         ("rev_nat", sizes.rev_nats),
         ("conntrack", sizes.conntrack),
+        ("snat", SNAT_CAPACITY),
     ] {
         metrics.set_map(map, 0, capacity.into());
     }
@@ -433,13 +454,7 @@ pub fn flow_is_dead(
     config: &DatapathConfig,
     programmed: &Programmed,
 ) -> bool {
-    let timeout_s = match (key.proto, value.state) {
-        (proto::TCP, ct_state::ESTABLISHED) => config.tcp_established_timeout_s,
-        (proto::TCP, _) => config.tcp_transitory_timeout_s,
-        _ => config.udp_timeout_s,
-    };
-    let idle_ns = now_ns.saturating_sub(value.last_seen_ns);
-    if idle_ns > u64::from(timeout_s) * 1_000_000_000 {
+    if idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, config) {
         return true;
     }
     let backend_alive = programmed
@@ -584,7 +599,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                     dirty = true;
                 }
             }
-            _ = gc.tick() => agent.gc_conntrack(),
+            _ = gc.tick() => {
+                agent.gc_conntrack();
+                agent.gc_snat();
+            }
             () = source.changed() => {
                 dirty = true;
                 agent.queued();
@@ -618,7 +636,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{Backend, ct_dir};
+    use proxy_common::{Backend, ct_dir, ct_state};
 
     use super::*;
 

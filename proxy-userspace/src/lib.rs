@@ -20,6 +20,7 @@ pub mod model;
 pub mod node_addrs;
 pub mod programmed;
 pub mod snapshot;
+pub mod snat_gc;
 pub mod source;
 pub mod source_ranges;
 pub mod status;

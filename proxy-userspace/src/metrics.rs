@@ -217,7 +217,7 @@ impl Metrics {
         let map_entries = Family::<Labels, Gauge>::default();
         r.register(
             "kube_proxy_ebpf_map_entries",
-            "Entries in each BPF map (conntrack: as of the last garbage collection)",
+            "Entries in each BPF map (conntrack, snat: as of the last garbage collection)",
             map_entries.clone(),
         );
         let map_capacity = Family::<Labels, Gauge>::default();

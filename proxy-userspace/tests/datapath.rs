@@ -18,7 +18,11 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use common_packet::{CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, ipv6_frame, tcp_flags::*};
-use kube_proxy_ebpf::ebpf_object::EBPF_OBJECT;
+use kube_proxy_ebpf::{
+    dataplane::{clock::monotonic_ns, maps::Snat},
+    ebpf_object::EBPF_OBJECT,
+    snat_gc::{self, Collected},
+};
 use proxy_common::{
     Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, HAIRPIN_SNAT_ADDR,
     MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS,
@@ -1526,7 +1530,12 @@ fn raw_backend(addr: Ipv4Addr, port: u16, proto: u8, flags: u8) -> Backend {
 /// NodePort frontends: NODE_IP:30080/TCP and /UDP (eTP=Cluster, one remote backend),
 /// NODE_IP:30081/TCP (eTP=Cluster, one local backend), NODE_IP:30082/TCP (eTP=Local, none).
 fn nodeport_datapath() -> Datapath {
-    let mut dp = Datapath::load();
+    nodeport_datapath_with(DatapathConfig::DEFAULT)
+}
+
+/// [`nodeport_datapath`] with other timeouts.
+fn nodeport_datapath_with(cfg: DatapathConfig) -> Datapath {
+    let mut dp = Datapath::load_with(cfg);
     let ext = service_flags::EXTERNAL;
     dp.set_frontend(
         NODE_IP,
@@ -1808,6 +1817,78 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
             &[(Counter::NotService, 1)],
         ));
     }
+}
+
+/// The agent's SNAT garbage collection over pairs the datapath allocated itself: it finds each
+/// flow's partner entry as the datapath keyed it, removes both entries of a flow idle past its
+/// timeout, and keeps a flow only the backend still talks on (its replies refresh `in` only),
+/// which keeps translating.
+#[test]
+fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
+    proxy_testenv::require_privileged!();
+    let cfg = DatapathConfig {
+        tcp_established_timeout_s: 100,
+        tcp_transitory_timeout_s: 10,
+        udp_timeout_s: 5,
+        flags: 0,
+    };
+    let mut dp = nodeport_datapath_with(cfg);
+    dp.set_node_addr(NODE_IP);
+    let idle = Pkt::tcp(EXT_CLIENT, 41_000, NODE_IP, NODE_PORT, SYN);
+    let busy = Pkt::tcp(EXT_CLIENT, 41_001, NODE_IP, NODE_PORT, SYN);
+    let streaming = Pkt::udp(EXT_CLIENT, 41_002, NODE_IP, NODE_PORT).payload(b"subscribe");
+    let mut pairs = Vec::new();
+    for (pkt, bport) in [(&idle, 8080), (&busy, 8080), (&streaming, 5353)] {
+        let (verdict, _) = dp.run(PROG_TC_INGRESS, &pkt.bytes());
+        assert_eq!(verdict, TC_ACT_OK, "new nodeport flow");
+        let out_key = snat_out_key(pkt, REMOTE_BE, bport);
+        let out = dp.snat().get(&out_key, 0).expect("SNAT out entry");
+        let in_key = snat_in_key(REMOTE_BE, bport, u16::from_be_bytes(out.port), pkt.proto());
+        let inn = dp.snat().get(&in_key, 0).expect("SNAT in entry");
+        assert!(snat_gc::is_pair(&out_key, &out, &in_key, &inn));
+        assert_eq!(snat_gc::in_key_of_out(&out_key, &out), in_key);
+        assert_eq!(snat_gc::out_key_of_in(&in_key, &inn), out_key);
+        pairs.push((out_key, in_key));
+    }
+    assert_eq!(dp.snat().keys().count(), 6);
+
+    // Age entries as if time had passed: the whole `idle` flow, and the `streaming` flow's
+    // `out` entry only (the client went quiet, the backend keeps sending).
+    let now = monotonic_ns();
+    assert!(now > 1_000_000_000_000, "test needs an uptime above 1000 s");
+    let aged = now - 200_000_000_000;
+    for key in [pairs[0].0, pairs[0].1, pairs[2].0] {
+        let mut v = dp.snat().get(&key, 0).expect("entry to age");
+        v.last_seen_ns = aged;
+        dp.snat().insert(key, v, 0).expect("age entry");
+    }
+
+    let mut snat = Snat::from_ebpf(&mut dp.bpf).expect("SNAT map");
+    let done = snat_gc::collect(&mut snat, monotonic_ns(), &cfg);
+    assert_eq!(
+        done,
+        Collected {
+            flows: 1,
+            orphans: 0,
+            removed: 2,
+            remaining: 4,
+        }
+    );
+    assert!(snat.get(&pairs[0].0).is_none(), "idle flow's out entry");
+    assert!(snat.get(&pairs[0].1).is_none(), "idle flow's in entry");
+    for key in [pairs[1].0, pairs[1].1, pairs[2].0, pairs[2].1] {
+        assert!(snat.get(&key).is_some(), "live entry {key:?} kept");
+    }
+
+    let uport = u16::from_be_bytes(pairs[2].1.dport);
+    let reply = Pkt::udp(REMOTE_BE, 5353, NODE_IP, uport).payload(b"update");
+    dp.check(ingress(
+        "the backend's next datagram still goes back to the client",
+        reply.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_dst(&reply, EXT_CLIENT, 41_002)),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
 }
 
 #[test]

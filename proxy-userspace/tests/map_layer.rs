@@ -1,21 +1,31 @@
 //! Privileged: the map layer against real kernel maps (unpinned load). Batched writes must leave
 //! exactly what the plan says, in any mix of puts and deletes, including deletes of keys that are
-//! already gone.
+//! already gone. SNAT garbage collection must remove exactly the dead flows' entries.
 //!
 //! Run by `sudo cargo xtask test` (KPE_PRIVILEGED=1); skipped otherwise.
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
 
 use kube_proxy_ebpf::{
-    dataplane::{loader, maps::ServiceMaps},
+    dataplane::{
+        clock::monotonic_ns,
+        loader,
+        maps::{ServiceMaps, Snat},
+    },
     diff,
     model::{
         DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend, FrontendKind,
         Protocol, ServicePortName,
     },
     programmed::{Capacities, MapOp, Programmed},
+    snat_gc::{self, Collected},
 };
-use proxy_common::{DatapathConfig, ServiceKey};
+use proxy_common::{
+    DatapathConfig, HAIRPIN_SNAT_ADDR, ServiceKey, SnatKey, SnatValue, ct_dir, ct_state, proto,
+};
 use proxy_testenv::require_privileged;
 
 fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
@@ -116,5 +126,177 @@ fn batched_apply_leaves_exactly_the_plan_in_the_kernel_maps() {
     assert!(
         !read.services.contains_key(&present),
         "present key was not deleted"
+    );
+}
+
+const S: u64 = 1_000_000_000;
+const NODE: [u8; 4] = [192, 168, 50, 10];
+const BACKEND: [u8; 4] = [10, 244, 2, 20];
+
+/// One flow's entries as the datapath writes them: `client`:`cport` → BACKEND:8080 leaves as
+/// `node`:`nport`. Both last seen at `last_seen_ns`, in `state`.
+struct Flow {
+    out: (SnatKey, SnatValue),
+    inn: (SnatKey, SnatValue),
+}
+
+impl Flow {
+    fn new(
+        client: [u8; 4],
+        cport: u16,
+        node: [u8; 4],
+        nport: u16,
+        proto: u8,
+        state: u8,
+        last_seen_ns: u64,
+    ) -> Self {
+        let value = |addr, port: u16| SnatValue {
+            last_seen_ns,
+            addr,
+            port: port.to_be_bytes(),
+            state,
+            _pad: 0,
+        };
+        let out = SnatKey {
+            saddr: client,
+            daddr: BACKEND,
+            sport: cport.to_be_bytes(),
+            dport: 8080u16.to_be_bytes(),
+            proto,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let inn = SnatKey {
+            saddr: BACKEND,
+            daddr: node,
+            sport: 8080u16.to_be_bytes(),
+            dport: nport.to_be_bytes(),
+            proto,
+            dir: ct_dir::REPLY,
+            _pad: [0; 2],
+        };
+        Self {
+            out: (out, value(node, nport)),
+            inn: (inn, value(client, cport)),
+        }
+    }
+
+    fn tcp(cport: u16, nport: u16, state: u8, last_seen_ns: u64) -> Self {
+        Self::new(
+            [203, 0, 113, 7],
+            cport,
+            NODE,
+            nport,
+            proto::TCP,
+            state,
+            last_seen_ns,
+        )
+    }
+
+    fn write(&self, snat: &mut Snat) {
+        for (k, v) in [self.out, self.inn] {
+            snat.insert(&k, &v).expect("write SNAT entry");
+        }
+    }
+
+    fn keys(&self) -> [SnatKey; 2] {
+        [self.out.0, self.inn.0]
+    }
+}
+
+#[test]
+fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
+    require_privileged!();
+    let cfg = DatapathConfig {
+        tcp_established_timeout_s: 100,
+        tcp_transitory_timeout_s: 10,
+        udp_timeout_s: 5,
+        flags: 0,
+    };
+    let mut ebpf = loader::load_unpinned(&cfg).expect("load");
+    let mut snat = Snat::from_ebpf(&mut ebpf).expect("SNAT map");
+    // Timestamps relative to the real CLOCK_MONOTONIC, the clock the datapath writes.
+    let now = monotonic_ns();
+    assert!(now > 1_000 * S, "test needs an uptime above 1000 s");
+    let ago = |s: u64| now - s * S;
+
+    let stale = Flow::tcp(40_001, 61_001, ct_state::ESTABLISHED, ago(200));
+    let live = Flow::tcp(40_002, 61_002, ct_state::ESTABLISHED, ago(50));
+    let stale_udp = Flow::new(
+        [203, 0, 113, 8],
+        5000,
+        NODE,
+        61_003,
+        proto::UDP,
+        ct_state::UDP,
+        ago(6),
+    );
+    let stale_hairpin = Flow::new(
+        BACKEND,
+        33_000,
+        HAIRPIN_SNAT_ADDR,
+        61_004,
+        proto::TCP,
+        ct_state::SYN_SENT,
+        ago(11),
+    );
+    // Only the backend still sends: its replies refresh `in` only, the flow lives.
+    let mut reply_only = Flow::tcp(40_005, 61_005, ct_state::ESTABLISHED, ago(1_000));
+    reply_only.inn.1.last_seen_ns = ago(1);
+    // A silent flow whose node port the datapath reclaimed for a new flow to the same backend:
+    // its `out` entry goes, the new flow's `in` entry stays.
+    let silent = Flow::tcp(40_006, 61_006, ct_state::ESTABLISHED, ago(500));
+    let reclaimer = Flow::tcp(40_007, 61_006, ct_state::SYN_SENT, ago(1));
+    for f in [
+        &stale,
+        &live,
+        &stale_udp,
+        &stale_hairpin,
+        &reply_only,
+        &silent,
+        &reclaimer,
+    ] {
+        f.write(&mut snat);
+    }
+    assert_eq!(
+        snat.entries().len(),
+        13,
+        "the reclaimer overwrote the silent flow's in entry"
+    );
+
+    let done = snat_gc::collect(&mut snat, monotonic_ns(), &cfg);
+
+    let left: BTreeSet<_> = snat
+        .entries()
+        .into_iter()
+        .map(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport, k.proto))
+        .collect();
+    let want: BTreeSet<_> = [&live, &reply_only, &reclaimer]
+        .into_iter()
+        .flat_map(Flow::keys)
+        .map(|k| (k.dir, k.saddr, k.sport, k.daddr, k.dport, k.proto))
+        .collect();
+    assert_eq!(left, want, "exactly the live flows' entries are left");
+    assert_eq!(
+        done,
+        Collected {
+            flows: 3,
+            orphans: 1,
+            removed: 7,
+            remaining: 6,
+        }
+    );
+    for (k, v) in [live.out, live.inn] {
+        assert_eq!(snat.get(&k), Some(v), "a live entry is left as it was");
+    }
+
+    // A second pass finds nothing.
+    let again = snat_gc::collect(&mut snat, monotonic_ns(), &cfg);
+    assert_eq!(
+        again,
+        Collected {
+            remaining: 6,
+            ..Collected::default()
+        }
     );
 }

@@ -227,12 +227,18 @@ impl Conntrack {
     }
 }
 
-/// `SNAT_V1` (LRU), read for `dump snat`.
+/// `SNAT_V1` (LRU): read for `dump snat`, swept by the agent's SNAT garbage collection.
 pub struct Snat {
     map: HashMap<MapData, SnatKey, SnatValue>,
 }
 
 impl Snat {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, MAP_SNAT)?).map_err(map_err(MAP_SNAT))?,
+        })
+    }
+
     pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
         Ok(Self {
             map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SNAT)?))
@@ -243,6 +249,21 @@ impl Snat {
     /// All entries (a racing LRU eviction just drops an entry from the listing).
     pub fn entries(&self) -> Vec<(SnatKey, SnatValue)> {
         self.map.iter().filter_map(Result::ok).collect()
+    }
+
+    /// One entry as it is now (`None` if gone).
+    pub fn get(&self, key: &SnatKey) -> Option<SnatValue> {
+        self.map.get(key, 0).ok()
+    }
+
+    /// Writes one entry (tests and tools; the datapath allocates SNAT entries itself).
+    pub fn insert(&mut self, key: &SnatKey, value: &SnatValue) -> Result<()> {
+        self.map.insert(key, value, 0).map_err(map_err(MAP_SNAT))
+    }
+
+    /// Removes one entry (already gone is fine).
+    pub fn remove(&mut self, key: &SnatKey) {
+        let _ = self.map.remove(key);
     }
 }
 

@@ -1,0 +1,374 @@
+//! SNAT garbage collection: removes the `SNAT_V1` entries of flows that went idle past their
+//! timeout (vanished without FIN/RST, or closed), so they stop holding their node port and stop
+//! showing in `dump snat`. The LRU still evicts under pressure; the datapath still reclaims an
+//! idle port when it probes.
+//!
+//! A SNATed flow has two entries (proxy-ebpf `snat.rs`): `out` (client → backend, value: node
+//! address:port) and `in` (backend → node address:port, value: client address:port). Both are
+//! refreshed by the client's forwarded packets, but the backend's replies refresh only `in`, so
+//! `in` carries the flow's last activity. A flow is dead by the datapath's own reclaim rule: its
+//! `in` entry is idle past its timeout (`proxy_common::timeouts::idle_expired`, by protocol and
+//! the `in` entry's state). A dead flow loses both entries; an `out` entry whose `in` entry is
+//! alive is kept however old its own timestamp. An entry without its partner (the partner was
+//! evicted, or the port was reclaimed by another flow) is removed when it is itself idle past
+//! its timeout, and never takes the other flow's entry with it.
+
+use std::collections::HashMap;
+
+use proxy_common::{DatapathConfig, SnatKey, SnatValue, ct_dir, timeouts::idle_expired};
+
+use crate::dataplane::maps::Snat;
+
+/// The `in` key of a flow from its `out` entry (proxy-ebpf `Flow::in_key`): the backend's reply
+/// to the node address and port the flow was given.
+pub fn in_key_of_out(out_key: &SnatKey, out: &SnatValue) -> SnatKey {
+    SnatKey {
+        saddr: out_key.daddr,
+        daddr: out.addr,
+        sport: out_key.dport,
+        dport: out.port,
+        proto: out_key.proto,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// The `out` key of a flow from its `in` entry (proxy-ebpf `Flow::out_key`): the client's
+/// forwarded packet to the backend.
+pub fn out_key_of_in(in_key: &SnatKey, inn: &SnatValue) -> SnatKey {
+    SnatKey {
+        saddr: inn.addr,
+        daddr: in_key.saddr,
+        sport: inn.port,
+        dport: in_key.sport,
+        proto: in_key.proto,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+/// Are these one flow's two entries? Each must name the other (proxy-ebpf `own_in_entry`): an
+/// `in` entry reclaimed by another flow no longer points back at the old `out` entry.
+pub fn is_pair(out_key: &SnatKey, out: &SnatValue, in_key: &SnatKey, inn: &SnatValue) -> bool {
+    out_key.dir == ct_dir::ORIGINAL
+        && in_key.dir == ct_dir::REPLY
+        && in_key_of_out(out_key, out) == *in_key
+        && out_key_of_in(in_key, inn) == *out_key
+}
+
+/// Is this entry idle past its flow's timeout?
+fn idle(key: &SnatKey, value: &SnatValue, now_ns: u64, cfg: &DatapathConfig) -> bool {
+    idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, cfg)
+}
+
+/// What one pass removes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Sweep {
+    /// Dead flows, as (`in` key, `out` key): the `in` entry is idle past its timeout.
+    pub flows: Vec<(SnatKey, SnatKey)>,
+    /// Entries without their partner, idle past their own timeout.
+    pub orphans: Vec<SnatKey>,
+}
+
+/// Pure: which entries of `entries` (one listing of the map) are dead at `now_ns`. O(entries).
+pub fn sweep(entries: &[(SnatKey, SnatValue)], now_ns: u64, cfg: &DatapathConfig) -> Sweep {
+    let index: HashMap<SnatKey, SnatValue> = entries.iter().copied().collect();
+    let mut out = Sweep::default();
+    for (key, value) in entries {
+        match key.dir {
+            ct_dir::REPLY => {
+                if !idle(key, value, now_ns, cfg) {
+                    continue;
+                }
+                let out_key = out_key_of_in(key, value);
+                match index.get(&out_key) {
+                    Some(o) if is_pair(&out_key, o, key, value) => out.flows.push((*key, out_key)),
+                    _ => out.orphans.push(*key),
+                }
+            }
+            ct_dir::ORIGINAL => {
+                let in_key = in_key_of_out(key, value);
+                let paired = index
+                    .get(&in_key)
+                    .is_some_and(|i| is_pair(key, value, &in_key, i));
+                // A paired `out` entry lives and dies with its `in` entry (above).
+                if !paired && idle(key, value, now_ns, cfg) {
+                    out.orphans.push(*key);
+                }
+            }
+            // Not written by the datapath: left to the LRU.
+            _ => {}
+        }
+    }
+    out
+}
+
+/// What a garbage collection did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Collected {
+    /// Dead flows removed (two entries each, or one if the `out` entry changed meanwhile).
+    pub flows: usize,
+    /// Entries without a partner removed.
+    pub orphans: usize,
+    /// Entries removed in all.
+    pub removed: usize,
+    /// Entries left (as of the listing, less those removed).
+    pub remaining: usize,
+}
+
+/// Lists `SNAT_V1`, removes what [`sweep`] calls dead. Each removal first reads its entry again
+/// and checks it is still dead: a packet may have refreshed the flow since the listing, or the
+/// datapath may have reclaimed the port for a new flow (its fresh `in` entry is kept).
+pub fn collect(snat: &mut Snat, now_ns: u64, cfg: &DatapathConfig) -> Collected {
+    let entries = snat.entries();
+    let total = entries.len();
+    let sweep = sweep(&entries, now_ns, cfg);
+    let mut done = Collected::default();
+    for (in_key, out_key) in sweep.flows {
+        let Some(inn) = snat.get(&in_key) else {
+            continue;
+        };
+        if !idle(&in_key, &inn, now_ns, cfg) {
+            continue;
+        }
+        snat.remove(&in_key);
+        done.removed += 1;
+        done.flows += 1;
+        // Unless the flow was given another port meanwhile (its `out` entry then names another
+        // `in` entry, which is alive).
+        if snat
+            .get(&out_key)
+            .is_some_and(|out| in_key_of_out(&out_key, &out) == in_key)
+        {
+            snat.remove(&out_key);
+            done.removed += 1;
+        }
+    }
+    for key in sweep.orphans {
+        if snat.get(&key).is_some_and(|v| idle(&key, &v, now_ns, cfg)) {
+            snat.remove(&key);
+            done.removed += 1;
+            done.orphans += 1;
+        }
+    }
+    done.remaining = total.saturating_sub(done.removed);
+    done
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{HAIRPIN_SNAT_ADDR, ct_state, proto};
+
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+    const NOW: u64 = 10_000 * S;
+    const CFG: DatapathConfig = DatapathConfig {
+        tcp_established_timeout_s: 100,
+        tcp_transitory_timeout_s: 10,
+        udp_timeout_s: 5,
+        flags: 0,
+    };
+    const NODE: [u8; 4] = [192, 168, 50, 10];
+    const BACKEND: [u8; 4] = [10, 244, 2, 20];
+
+    /// One flow's two entries as the datapath writes them: client:cport → BACKEND:8080 leaves
+    /// as `node`:`nport`; both last seen `idle_s` ago in `state`.
+    fn pair(
+        client: [u8; 4],
+        cport: u16,
+        node: [u8; 4],
+        nport: u16,
+        proto: u8,
+        state: u8,
+        idle_s: u64,
+    ) -> [(SnatKey, SnatValue); 2] {
+        let last_seen_ns = NOW - idle_s * S;
+        let out_key = SnatKey {
+            saddr: client,
+            daddr: BACKEND,
+            sport: cport.to_be_bytes(),
+            dport: 8080u16.to_be_bytes(),
+            proto,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let in_key = SnatKey {
+            saddr: BACKEND,
+            daddr: node,
+            sport: 8080u16.to_be_bytes(),
+            dport: nport.to_be_bytes(),
+            proto,
+            dir: ct_dir::REPLY,
+            _pad: [0; 2],
+        };
+        let v = |addr, port: u16| SnatValue {
+            last_seen_ns,
+            addr,
+            port: port.to_be_bytes(),
+            state,
+            _pad: 0,
+        };
+        [(out_key, v(node, nport)), (in_key, v(client, cport))]
+    }
+
+    fn tcp(cport: u16, nport: u16, state: u8, idle_s: u64) -> [(SnatKey, SnatValue); 2] {
+        pair(
+            [203, 0, 113, 7],
+            cport,
+            NODE,
+            nport,
+            proto::TCP,
+            state,
+            idle_s,
+        )
+    }
+
+    fn udp(cport: u16, nport: u16, idle_s: u64) -> [(SnatKey, SnatValue); 2] {
+        pair(
+            [203, 0, 113, 7],
+            cport,
+            NODE,
+            nport,
+            proto::UDP,
+            ct_state::UDP,
+            idle_s,
+        )
+    }
+
+    fn dead_flows(entries: &[(SnatKey, SnatValue)]) -> Vec<(SnatKey, SnatKey)> {
+        let s = sweep(entries, NOW, &CFG);
+        assert!(s.orphans.is_empty(), "no orphans expected: {s:?}");
+        s.flows
+    }
+
+    #[test]
+    fn pair_keys_derive_from_each_other() {
+        for [(ok, ov), (ik, iv)] in [
+            tcp(40_001, 61_234, ct_state::ESTABLISHED, 0),
+            udp(5353, 65_535, 0),
+            // Hairpin: the client is its own backend, SNATed to the link-local address.
+            pair(
+                BACKEND,
+                33_000,
+                HAIRPIN_SNAT_ADDR,
+                61_000,
+                proto::TCP,
+                ct_state::SYN_SENT,
+                0,
+            ),
+        ] {
+            assert_eq!(in_key_of_out(&ok, &ov), ik);
+            assert_eq!(out_key_of_in(&ik, &iv), ok);
+            assert!(is_pair(&ok, &ov, &ik, &iv));
+            assert!(!is_pair(&ik, &iv, &ok, &ov), "directions swapped");
+        }
+    }
+
+    #[test]
+    fn an_in_entry_reclaimed_by_another_flow_is_not_a_pair() {
+        let [(ok, ov), (ik, _)] = tcp(40_001, 61_234, ct_state::ESTABLISHED, 0);
+        let [_, (_, other_client)] = tcp(40_002, 61_234, ct_state::ESTABLISHED, 0);
+        assert_eq!(in_key_of_out(&ok, &ov), ik, "same node port and backend");
+        assert!(!is_pair(&ok, &ov, &ik, &other_client));
+    }
+
+    #[test]
+    fn flows_die_by_state_timeout() {
+        for (what, flow, dead) in [
+            (
+                "established, 50 s of 100",
+                tcp(1, 61_001, ct_state::ESTABLISHED, 50),
+                false,
+            ),
+            (
+                "established, 101 s of 100",
+                tcp(2, 61_002, ct_state::ESTABLISHED, 101),
+                true,
+            ),
+            (
+                "opening, 11 s of 10",
+                tcp(3, 61_003, ct_state::SYN_SENT, 11),
+                true,
+            ),
+            (
+                "opening, 9 s of 10",
+                tcp(4, 61_004, ct_state::SYN_SENT, 9),
+                false,
+            ),
+            (
+                "closing, 11 s of 10",
+                tcp(5, 61_005, ct_state::CLOSING, 11),
+                true,
+            ),
+            ("udp, 6 s of 5", udp(6, 61_006, 6), true),
+            ("udp, 4 s of 5", udp(7, 61_007, 4), false),
+        ] {
+            let got = dead_flows(&flow);
+            let want = if dead {
+                vec![(flow[1].0, flow[0].0)]
+            } else {
+                vec![]
+            };
+            assert_eq!(got, want, "{what}");
+        }
+    }
+
+    #[test]
+    fn the_in_entry_decides_replies_keep_a_flow_alive() {
+        // Only the backend sends (replies refresh `in` only): the old `out` entry stays.
+        let mut flow = tcp(1, 61_001, ct_state::ESTABLISHED, 1_000);
+        flow[1].1.last_seen_ns = NOW - S;
+        assert_eq!(dead_flows(&flow), vec![]);
+        // The backend's FIN made `in` CLOSING while `out` is still ESTABLISHED: the transitory
+        // timeout applies, as when the datapath reclaims the port.
+        let mut flow = tcp(2, 61_002, ct_state::ESTABLISHED, 11);
+        flow[1].1.state = ct_state::CLOSING;
+        assert_eq!(dead_flows(&flow), vec![(flow[1].0, flow[0].0)]);
+    }
+
+    #[test]
+    fn a_dead_out_entry_never_takes_a_live_flow_s_in_entry() {
+        // Flow A went silent; the datapath reclaimed its node port for flow B (same backend).
+        let [a_out, _] = tcp(1, 61_001, ct_state::ESTABLISHED, 1_000);
+        let b = tcp(2, 61_001, ct_state::ESTABLISHED, 0);
+        let s = sweep(&[a_out, b[0], b[1]], NOW, &CFG);
+        assert_eq!(s.flows, vec![]);
+        assert_eq!(s.orphans, vec![a_out.0], "only A's out entry");
+    }
+
+    #[test]
+    fn orphans_expire_on_their_own_timestamp() {
+        let [out_old, in_old] = udp(1, 61_001, 6);
+        let [out_new, in_new] = udp(2, 61_002, 1);
+        let s = sweep(&[out_old, in_new], NOW, &CFG);
+        assert_eq!(s.orphans, vec![out_old.0]);
+        let s = sweep(&[in_old, out_new], NOW, &CFG);
+        assert_eq!(s.orphans, vec![in_old.0]);
+        assert_eq!(s.flows, vec![]);
+    }
+
+    #[test]
+    fn a_mixed_table_is_swept_in_one_pass() {
+        let mut entries = Vec::new();
+        let mut want_flows = Vec::new();
+        for i in 0..100u16 {
+            let dead = i % 3 == 0;
+            let f = tcp(
+                10_000 + i,
+                61_000 + i,
+                ct_state::ESTABLISHED,
+                if dead { 200 } else { 1 },
+            );
+            if dead {
+                want_flows.push((f[1].0, f[0].0));
+            }
+            entries.extend(f);
+        }
+        entries.reverse();
+        let mut s = sweep(&entries, NOW, &CFG);
+        s.flows.sort_by_key(|(k, _)| k.dport);
+        assert_eq!(s.flows, want_flows);
+        assert!(s.orphans.is_empty());
+    }
+}
