@@ -21,11 +21,7 @@ use proxy_testenv::require_privileged;
 fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
     let mut frontends = BTreeMap::new();
     for s in 0..services {
-        let frontend = Frontend {
-            addr: Ipv4Addr::from(0x0a60_0000 + s),
-            port: 80,
-            protocol: Protocol::Tcp,
-        };
+        let frontend = Frontend::new(Ipv4Addr::from(0x0a60_0000 + s), 80, Protocol::Tcp);
         let backends = (0..backends_each)
             .map(|b| DesiredBackend {
                 endpoint: EndpointAddr {
