@@ -25,7 +25,7 @@ pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
 pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort};
 pub use multinode::{
-    EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
+    CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};

@@ -145,6 +145,16 @@ pub enum DetectLocalMode {
     InterfaceNamePrefix,
 }
 
+impl std::fmt::Display for DetectLocalMode {
+    /// Upstream's spelling (`ClusterCIDR`, ...).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.to_possible_value() {
+            Some(v) => f.write_str(v.get_name()),
+            None => write!(f, "{self:?}"),
+        }
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct DumpArgs {
     /// What to print.

@@ -263,7 +263,7 @@ pub fn in_cluster_prefixes(
     let mut messages = Vec::new();
     if mode != DetectLocalMode::ClusterCidr {
         messages.push(format!(
-            "detectLocalMode {mode:?} is not implemented: no client counts as in-cluster, so pods \
+            "detectLocalMode {mode} is not implemented: no client counts as in-cluster, so pods \
              reach externalTrafficPolicy Local frontends like external clients (dropped on nodes \
              without a local endpoint); use ClusterCIDR with --cluster-cidr"
         ));
@@ -844,7 +844,7 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
         udp_timeout = ?args.conntrack_udp_timeout,
         tcp_established_timeout = ?args.conntrack_tcp_established_timeout,
         cluster_cidr = ?args.cluster_cidr.iter().map(ToString::to_string).collect::<Vec<_>>(),
-        detect_local_mode = ?args.detect_local_mode,
+        detect_local_mode = %args.detect_local_mode,
         "settings"
     );
     Ok(())
@@ -1430,7 +1430,10 @@ winkernel:
         assert_eq!(args.detect_local_mode, DetectLocalMode::InterfaceNamePrefix);
         let (v4, messages) = in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
         assert!(v4.is_empty(), "only ClusterCIDR is implemented");
-        assert!(messages[0].contains("not implemented"), "{messages:?}");
+        assert!(
+            messages[0].starts_with("detectLocalMode InterfaceNamePrefix is not implemented"),
+            "{messages:?}"
+        );
     }
 
     #[test]
