@@ -66,8 +66,56 @@ pub struct DatapathConfig {
     pub udp_timeout_s: u32,
     /// Feature switches, `config_flags::*`.
     pub flags: u32,
+    /// Sources that are "in the cluster" (kube-proxy's detectLocalMode ClusterCIDR): they reach
+    /// an externalTrafficPolicy Local frontend through its `SCOPE_INTERNAL` entry.
+    pub cluster_cidrs: ClusterCidrs,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 16);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 52);
+
+/// Most cluster CIDRs the datapath checks (kube-proxy takes one per IP family; IPv4 only here).
+pub const MAX_CLUSTER_CIDRS: usize = 4;
+
+/// An IPv4 prefix as the datapath matches it: network-order address (host bits clear) and mask.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Ipv4Prefix {
+    pub addr: [u8; 4],
+    pub mask: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<Ipv4Prefix>() == 8);
+
+/// The configured cluster CIDRs; `count == 0` means no source is detected as in-cluster (also
+/// kube-proxy's behaviour for detectLocalMode ClusterCIDR without a clusterCIDR).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ClusterCidrs {
+    /// How many of `prefixes` are set (at most `MAX_CLUSTER_CIDRS`).
+    pub count: u32,
+    pub prefixes: [Ipv4Prefix; MAX_CLUSTER_CIDRS],
+}
+const _: () = assert!(core::mem::size_of::<ClusterCidrs>() == 36);
+
+impl ClusterCidrs {
+    /// No cluster CIDR: nothing is in-cluster.
+    pub const NONE: Self = Self {
+        count: 0,
+        prefixes: [Ipv4Prefix {
+            addr: [0; 4],
+            mask: [0; 4],
+        }; MAX_CLUSTER_CIDRS],
+    };
+
+    /// Is `addr` (network order) inside one of the prefixes? Bounded by `MAX_CLUSTER_CIDRS`.
+    #[inline(always)]
+    pub fn contains(&self, addr: [u8; 4]) -> bool {
+        // Byte-wise AND and compare: the same in either byte order, so no swap is needed.
+        let a = u32::from_ne_bytes(addr);
+        self.prefixes
+            .iter()
+            .take(self.count as usize)
+            .any(|p| a & u32::from_ne_bytes(p.mask) == u32::from_ne_bytes(p.addr))
+    }
+}
 
 /// Name of the global holding [`DatapathConfig`] in the eBPF object.
 pub const CONFIG_GLOBAL: &str = "CONFIG";
@@ -80,6 +128,7 @@ impl DatapathConfig {
         tcp_transitory_timeout_s: 120,
         udp_timeout_s: 120,
         flags: 0,
+        cluster_cidrs: ClusterCidrs::NONE,
     };
 }
 
@@ -105,4 +154,45 @@ mod pod {
     unsafe impl aya::Pod for crate::SourceRangeKey {}
     unsafe impl aya::Pod for crate::SockRevKey {}
     unsafe impl aya::Pod for crate::SockLbConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prefix(addr: [u8; 4], len: u32) -> Ipv4Prefix {
+        let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0).to_be_bytes();
+        Ipv4Prefix { addr, mask }
+    }
+
+    #[test]
+    fn cluster_cidrs_match_sources_inside_their_prefixes_only() {
+        let mut c = ClusterCidrs::NONE;
+        assert!(
+            !c.contains([10, 244, 1, 5]),
+            "no CIDR: nothing is in-cluster"
+        );
+        c.prefixes[0] = prefix([10, 244, 0, 0], 16);
+        c.prefixes[1] = prefix([100, 64, 8, 0], 22);
+        assert!(!c.contains([10, 244, 1, 5]), "count 0 ignores set prefixes");
+        c.count = 2;
+        for (addr, inside) in [
+            ([10, 244, 1, 5], true),
+            ([10, 244, 255, 255], true),
+            ([10, 245, 0, 1], false),
+            ([100, 64, 11, 200], true),
+            ([100, 64, 12, 1], false),
+            ([192, 168, 50, 100], false),
+        ] {
+            assert_eq!(c.contains(addr), inside, "{addr:?}");
+        }
+        c.prefixes[2] = prefix([0, 0, 0, 0], 0);
+        c.count = 3;
+        assert!(c.contains([192, 168, 50, 100]), "/0 matches everything");
+        c.count = u32::MAX;
+        assert!(
+            c.contains([8, 8, 8, 8]),
+            "a count above the array is bounded, not a panic"
+        );
+    }
 }

@@ -47,10 +47,17 @@ pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
 /// number of map entries one Service can take).
 pub const MAX_BACKENDS_PER_SERVICE: u16 = 16_384;
 
-/// Service key scope: which traffic a frontend serves. Only `SCOPE_EXTERNAL` (all traffic) is
-/// used today; the field exists so traffic policies can split internal/external later without a
-/// layout change.
+/// Service key scope: which traffic a frontend entry serves.
+///
+/// `SCOPE_EXTERNAL`: every frontend has this entry, and it serves all traffic unless an
+/// in-cluster entry takes over.
 pub const SCOPE_EXTERNAL: u8 = 0;
+/// `SCOPE_INTERNAL`: only for an external frontend (NodePort/externalIP/LoadBalancer IP) with
+/// externalTrafficPolicy Local (`EXTERNAL_LOCAL`): the same address/port/protocol with the
+/// Service's cluster-wide endpoints, used for clients inside the cluster (sources in the
+/// clusterCIDR, the node itself) instead of the local-only entry. kube-proxy's "short-circuit"
+/// (KUBE-EXT-*: pod and node traffic jumps to KUBE-SVC-*). Its frontend flags are `EXTERNAL`
+/// without `EXTERNAL_LOCAL`, so remote backends are SNATed to the node.
 pub const SCOPE_INTERNAL: u8 = 1;
 
 #[repr(C)]

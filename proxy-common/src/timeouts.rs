@@ -42,7 +42,7 @@ mod tests {
         tcp_established_timeout_s: 100,
         tcp_transitory_timeout_s: 10,
         udp_timeout_s: 5,
-        flags: 0,
+        ..DatapathConfig::DEFAULT
     };
 
     #[test]

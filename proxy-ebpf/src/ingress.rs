@@ -102,8 +102,11 @@ fn new_flow(
     old: Option<&CtValue>,
     replacing: Replacing,
 ) -> Result<Action, Drop> {
-    let frontend_key = ServiceKey::new(p.daddr, p.dport, p.proto, 0);
-    let Some(frontend) = maps::service(&frontend_key) else {
+    // Clients inside the cluster reach an eTP=Local frontend through its in-cluster entry.
+    let external_key = ServiceKey::new(p.daddr, p.dport, p.proto, 0);
+    let Some((frontend_key, frontend)) =
+        maps::frontend_for(&external_key, || maps::in_cluster(p.saddr))
+    else {
         if let Some(old) = old {
             // The Service itself is gone: its flow is over.
             conntrack::remove(key, old);

@@ -13,10 +13,10 @@ use aya_ebpf::{
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
     MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SERVICES_CAPACITY,
-    SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY,
-    ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
-    SourceRangeKey,
+    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
+    SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
+    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
+    SockRevValue, SourceRangeKey, service_flags,
 };
 
 #[btf_map]
@@ -73,6 +73,36 @@ static SOCK_LB: SockLbConfig = SockLbConfig { netns_cookie: 0 };
 pub fn sock_lb_config() -> SockLbConfig {
     // SAFETY: as in `config`.
     unsafe { core::ptr::read_volatile(&SOCK_LB) }
+}
+
+/// Is `addr` (a client) inside the cluster, i.e. in one of the configured cluster CIDRs?
+#[inline(always)]
+pub fn in_cluster(addr: [u8; 4]) -> bool {
+    // SAFETY: as in `config`; only the cluster CIDRs are read.
+    let cidrs = unsafe { core::ptr::read_volatile(&CONFIG.cluster_cidrs) };
+    cidrs.contains(addr)
+}
+
+/// The frontend entry (slot-0 key and value) a new flow to `key` (slot 0, `SCOPE_EXTERNAL`) uses.
+/// For an externalTrafficPolicy Local frontend and a client inside the cluster (`in_cluster`,
+/// asked only then) that is its `SCOPE_INTERNAL` entry with the Service's cluster-wide endpoints
+/// (kube-proxy's short-circuit), when the agent wrote one; otherwise the entry at `key`.
+#[inline(always)]
+pub fn frontend_for(
+    key: &ServiceKey,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<(ServiceKey, ServiceValue)> {
+    let frontend = service(key)?;
+    if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 && in_cluster() {
+        let internal = ServiceKey {
+            scope: SCOPE_INTERNAL,
+            ..*key
+        };
+        if let Some(value) = service(&internal) {
+            return Some((internal, value));
+        }
+    }
+    Some((*key, frontend))
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock of `CtValue::last_seen_ns`).

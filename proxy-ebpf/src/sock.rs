@@ -21,8 +21,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Counter, RevNat, SCOPE_INTERNAL, ServiceKey, ServiceValue, SockRevKey, SourceRangeKey,
-    hash::pick_slot, proto, service_flags,
+    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, hash::pick_slot, proto, service_flags,
 };
 
 use crate::{maps, stats};
@@ -51,7 +50,9 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     // user_ip4/user_port hold sin_addr/sin_port as loaded from memory: network order bytes.
     let addr = ip4.to_ne_bytes();
     let port = (port as u16).to_ne_bytes();
-    let Some((key, frontend)) = frontend_for_node(ServiceKey::new(addr, port, proto, 0)) else {
+    // The node's own traffic is in-cluster traffic.
+    let Some((key, frontend)) = maps::frontend_for(&ServiceKey::new(addr, port, proto, 0), || true)
+    else {
         return ALLOW;
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0 && !node_in_source_ranges(&key) {
@@ -130,23 +131,6 @@ fn in_node_netns(ctx: &SockAddrContext) -> bool {
     let node = maps::sock_lb_config().netns_cookie;
     // SAFETY: the helper reads the netns of the socket behind a valid sock_addr context.
     node != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == node
-}
-
-/// The frontend entry serving the node itself: for an externalTrafficPolicy Local frontend, its
-/// in-cluster (cluster-wide endpoints) entry when there is one.
-#[inline(always)]
-fn frontend_for_node(key: ServiceKey) -> Option<(ServiceKey, ServiceValue)> {
-    let frontend = maps::service(&key)?;
-    if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 {
-        let internal = ServiceKey {
-            scope: SCOPE_INTERNAL,
-            ..key
-        };
-        if let Some(v) = maps::service(&internal) {
-            return Some((internal, v));
-        }
-    }
-    Some((key, frontend))
 }
 
 /// loadBalancerSourceRanges for the node as a client: allowed when a range holds the node's

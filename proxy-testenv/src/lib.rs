@@ -27,7 +27,7 @@ pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer};
 pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort};
 pub use multinode::{
-    EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
+    CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};

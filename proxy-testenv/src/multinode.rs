@@ -32,6 +32,8 @@ pub const NODE_IPS: [Ipv4Addr; 2] = [
 pub const EXT_CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 /// Pod CIDR of node i is 10.244.(i+1).0/24.
 pub const POD_CIDRS: [&str; 2] = ["10.244.1.0/24", "10.244.2.0/24"];
+/// The cluster CIDR both pod CIDRs come from (the agents' `--cluster-cidr`).
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
 /// Node names for `--hostname-override` and EndpointSlice `nodeName`.
 pub const NODE_NAMES: [&str; 2] = ["node-a", "node-b"];
 

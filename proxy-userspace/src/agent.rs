@@ -480,11 +480,22 @@ fn node_name(args: &RunArgs) -> String {
 
 fn datapath_config(args: &RunArgs) -> DatapathConfig {
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+    let (prefixes, messages) =
+        crate::config::in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
+    for m in &messages {
+        warn!("{m}");
+    }
+    if prefixes.is_empty() {
+        info!(
+            "no cluster CIDR: pods reach externalTrafficPolicy Local frontends like external clients"
+        );
+    }
     DatapathConfig {
         tcp_established_timeout_s: secs(args.conntrack_tcp_established_timeout),
         tcp_transitory_timeout_s: secs(args.conntrack_tcp_transitory_timeout),
         udp_timeout_s: secs(args.conntrack_udp_timeout),
         flags: 0,
+        cluster_cidrs: crate::encode::cluster_cidrs(&prefixes).0,
     }
 }
 
@@ -682,6 +693,7 @@ mod tests {
             tcp_transitory_timeout_s: 10,
             udp_timeout_s: 5,
             flags: 0,
+            ..DatapathConfig::DEFAULT
         };
         let p = programmed_with_backend_1();
         let s = 1_000_000_000u64;

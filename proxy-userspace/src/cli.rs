@@ -121,6 +121,44 @@ pub struct RunArgs {
     /// node's own processes cannot reach ClusterIPs or its NodePorts).
     #[arg(long, env = "KPE_SOCKET_LB_CGROUP", default_value = "auto")]
     pub socket_lb_cgroup: crate::dataplane::sock_lb::SockLbCgroup,
+    /// The cluster's pod CIDRs, comma-separated (kube-proxy's clusterCIDR). With
+    /// --detect-local-mode ClusterCIDR, clients inside them (and the node) reach
+    /// externalTrafficPolicy Local NodePorts, externalIPs and LoadBalancer IPs through the
+    /// Service's cluster-wide endpoints, like upstream's short-circuit. IPv4, at most 4.
+    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
+    pub cluster_cidr: Vec<crate::config::Cidr>,
+    /// How in-cluster clients are told apart (kube-proxy's detectLocalMode). Only ClusterCIDR
+    /// is implemented; with the others no client counts as in-cluster.
+    #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]
+    pub detect_local_mode: DetectLocalMode,
+}
+
+/// kube-proxy's detectLocalMode values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum DetectLocalMode {
+    /// Sources inside --cluster-cidr (upstream's default).
+    #[default]
+    #[value(name = "ClusterCIDR")]
+    ClusterCidr,
+    /// Sources inside the Node's spec.podCIDRs (not implemented here).
+    #[value(name = "NodeCIDR")]
+    NodeCidr,
+    /// Packets arriving on the pod bridge (not implemented here).
+    #[value(name = "BridgeInterface")]
+    BridgeInterface,
+    /// Packets arriving on interfaces with a name prefix (not implemented here).
+    #[value(name = "InterfaceNamePrefix")]
+    InterfaceNamePrefix,
+}
+
+impl std::fmt::Display for DetectLocalMode {
+    /// Upstream's spelling (`ClusterCIDR`, ...).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.to_possible_value() {
+            Some(v) => f.write_str(v.get_name()),
+            None => write!(f, "{self:?}"),
+        }
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -213,5 +251,32 @@ mod tests {
         assert_eq!(run.map_entries_services, 1_100_000);
         assert_eq!(run.map_entries_backends, proxy_common::BACKENDS_CAPACITY);
         assert_eq!(run.pins.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
+        assert!(run.cluster_cidr.is_empty());
+        assert_eq!(run.detect_local_mode, DetectLocalMode::ClusterCidr);
+    }
+
+    #[test]
+    fn cluster_cidr_is_a_comma_separated_list_like_upstream() {
+        let cli = Cli::try_parse_from([
+            "kube-proxy-ebpf",
+            "run",
+            "--manifests",
+            "/m",
+            "--cluster-cidr",
+            "10.244.0.0/16,100.64.0.0/10",
+            "--detect-local-mode",
+            "NodeCIDR",
+        ])
+        .expect("parse");
+        let Command::Run(run) = cli.command else {
+            panic!("not run")
+        };
+        let cidrs: Vec<String> = run.cluster_cidr.iter().map(ToString::to_string).collect();
+        assert_eq!(cidrs, ["10.244.0.0/16", "100.64.0.0/10"]);
+        assert_eq!(run.detect_local_mode, DetectLocalMode::NodeCidr);
+        assert!(
+            Cli::try_parse_from(["kube-proxy-ebpf", "run", "--cluster-cidr", "10.244.0.0"])
+                .is_err()
+        );
     }
 }

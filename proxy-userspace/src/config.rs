@@ -25,7 +25,7 @@ use std::{
 use clap::parser::{ArgMatches, ValueSource};
 use serde_yaml::Value;
 
-use crate::cli::{RunArgs, parse_duration};
+use crate::cli::{DetectLocalMode, RunArgs, parse_duration};
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const KIND: &str = "KubeProxyConfiguration";
@@ -199,6 +199,11 @@ impl fmt::Display for NodePortAddresses {
     }
 }
 
+/// clap value parser for one `--cluster-cidr` item.
+pub fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    Cidr::from_str(s)
+}
+
 /// clap value parser for `--nodeport-addresses` (comma-separated).
 pub fn parse_nodeport_addresses(s: &str) -> Result<NodePortAddresses, String> {
     NodePortAddresses::from_list(&s.split(',').collect::<Vec<_>>())
@@ -226,13 +231,63 @@ impl Mode {
     }
 }
 
-/// How upstream tells traffic from local pods (used for masquerading decisions).
+/// How upstream tells traffic from local pods (masquerading, and the short-circuit of
+/// externalTrafficPolicy Local frontends for in-cluster clients).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DetectLocal {
     ClusterCidr,
     NodeCidr,
     BridgeInterface(String),
     InterfaceNamePrefix(String),
+}
+
+impl DetectLocal {
+    /// The mode, without its interface setting.
+    pub fn mode(&self) -> DetectLocalMode {
+        match self {
+            Self::ClusterCidr => DetectLocalMode::ClusterCidr,
+            Self::NodeCidr => DetectLocalMode::NodeCidr,
+            Self::BridgeInterface(_) => DetectLocalMode::BridgeInterface,
+            Self::InterfaceNamePrefix(_) => DetectLocalMode::InterfaceNamePrefix,
+        }
+    }
+}
+
+/// The IPv4 prefixes the datapath treats as in-cluster sources, and what to tell the operator.
+/// Upstream: detectLocalMode ClusterCIDR without a clusterCIDR detects nothing (no
+/// short-circuit); this proxy implements only the ClusterCIDR mode, the others detect nothing.
+pub fn in_cluster_prefixes(
+    mode: DetectLocalMode,
+    cidrs: &[Cidr],
+) -> (Vec<(std::net::Ipv4Addr, u8)>, Vec<String>) {
+    let mut messages = Vec::new();
+    if mode != DetectLocalMode::ClusterCidr {
+        messages.push(format!(
+            "detectLocalMode {mode} is not implemented: no client counts as in-cluster, so pods \
+             reach externalTrafficPolicy Local frontends like external clients (dropped on nodes \
+             without a local endpoint); use ClusterCIDR with --cluster-cidr"
+        ));
+        return (Vec::new(), messages);
+    }
+    let v4: Vec<(std::net::Ipv4Addr, u8)> = cidrs
+        .iter()
+        .filter_map(|c| match c.addr {
+            IpAddr::V4(a) => Some((a, c.prefix_len)),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
+    if v4.len() > proxy_common::MAX_CLUSTER_CIDRS {
+        messages.push(format!(
+            "clusterCIDR: only the first {} IPv4 prefixes are used to tell in-cluster clients",
+            proxy_common::MAX_CLUSTER_CIDRS
+        ));
+    }
+    (
+        v4.into_iter()
+            .take(proxy_common::MAX_CLUSTER_CIDRS)
+            .collect(),
+        messages,
+    )
 }
 
 /// What a KubeProxyConfiguration file sets. `None`/empty: not set (the flag or its default
@@ -653,7 +708,7 @@ impl Walker<'_> {
         let c = &self.out.config;
         if c.detect_local.is_some() || !c.cluster_cidrs.is_empty() {
             self.out.notes.push(format!(
-                "{}: detectLocalMode/clusterCIDR: accepted; this proxy does not masquerade ClusterIP traffic, so they do not change what it does yet",
+                "{}: detectLocalMode/clusterCIDR: tell in-cluster clients of externalTrafficPolicy Local frontends (ClusterCIDR mode only); ClusterIP traffic is never masqueraded here",
                 self.file
             ));
         }
@@ -747,6 +802,14 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
         &mut args.conntrack_tcp_established_timeout,
         &file.conntrack_tcp_established_timeout,
     );
+    if from_file("cluster_cidr") && !file.cluster_cidrs.is_empty() {
+        args.cluster_cidr.clone_from(&file.cluster_cidrs);
+    }
+    if from_file("detect_local_mode")
+        && let Some(d) = &file.detect_local
+    {
+        args.detect_local_mode = d.mode();
+    }
     if from_file("hostname_override") && file.hostname_override.is_some() {
         args.hostname_override.clone_from(&file.hostname_override);
     }
@@ -780,6 +843,8 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
         min_sync_period = ?args.min_sync_period,
         udp_timeout = ?args.conntrack_udp_timeout,
         tcp_established_timeout = ?args.conntrack_tcp_established_timeout,
+        cluster_cidr = ?args.cluster_cidr.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        detect_local_mode = %args.detect_local_mode,
         "settings"
     );
     Ok(())
@@ -1329,5 +1394,61 @@ winkernel:
             Ok(NodePortAddresses::Primary)
         );
         assert!(parse_nodeport_addresses("primary,all").is_err());
+    }
+
+    #[test]
+    fn cluster_cidr_and_detect_local_mode_come_from_the_file_unless_flagged() {
+        let file =
+            parse_ok("clusterCIDR: 10.244.0.0/16,fd00:10:244::/56\ndetectLocalMode: ClusterCIDR\n")
+                .config;
+        let (mut args, explicit) = run_args(&[]);
+        apply(&mut args, &file, &explicit).expect("apply");
+        let (v4, messages) = in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
+        assert_eq!(
+            v4,
+            [(std::net::Ipv4Addr::new(10, 244, 0, 0), 16)],
+            "IPv6 left out"
+        );
+        assert!(messages.is_empty(), "{messages:?}");
+
+        let (mut args, explicit) = run_args(&["--cluster-cidr", "100.64.0.0/10"]);
+        apply(&mut args, &file, &explicit).expect("apply");
+        let (v4, _) = in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
+        assert_eq!(
+            v4,
+            [(std::net::Ipv4Addr::new(100, 64, 0, 0), 10)],
+            "the flag wins"
+        );
+
+        let other = parse_ok(
+            "clusterCIDR: 10.244.0.0/16\ndetectLocalMode: InterfaceNamePrefix\n\
+             detectLocal:\n  interfaceNamePrefix: veth\n",
+        )
+        .config;
+        let (mut args, explicit) = run_args(&[]);
+        apply(&mut args, &other, &explicit).expect("apply");
+        assert_eq!(args.detect_local_mode, DetectLocalMode::InterfaceNamePrefix);
+        let (v4, messages) = in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
+        assert!(v4.is_empty(), "only ClusterCIDR is implemented");
+        assert!(
+            messages[0].starts_with("detectLocalMode InterfaceNamePrefix is not implemented"),
+            "{messages:?}"
+        );
+    }
+
+    #[test]
+    fn cluster_cidr_mode_without_cidrs_detects_nothing_like_upstream() {
+        let (args, _) = run_args(&[]);
+        assert_eq!(args.detect_local_mode, DetectLocalMode::ClusterCidr);
+        assert_eq!(
+            in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr),
+            (vec![], vec![])
+        );
+        let many: Vec<Cidr> = (0..6)
+            .map(|i| format!("10.{i}.0.0/16").parse().unwrap())
+            .collect();
+        let (v4, messages) = in_cluster_prefixes(DetectLocalMode::ClusterCidr, &many);
+        assert_eq!(v4.len(), proxy_common::MAX_CLUSTER_CIDRS);
+        assert_eq!(messages.len(), 1, "{messages:?}");
     }
 }

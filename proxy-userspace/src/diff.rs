@@ -423,11 +423,7 @@ mod tests {
 
     fn fe(i: u32) -> Frontend {
         let [_, _, a, b] = i.to_be_bytes();
-        Frontend {
-            addr: Ipv4Addr::new(10, 96, a, b),
-            port: 80,
-            protocol: Protocol::Tcp,
-        }
+        Frontend::new(Ipv4Addr::new(10, 96, a, b), 80, Protocol::Tcp)
     }
 
     fn be(i: u32) -> DesiredBackend {
@@ -469,6 +465,20 @@ mod tests {
             source_ranges: Vec::new(),
             backends,
             retained,
+        }
+    }
+
+    /// An external frontend's desired value (NodePort; `external_local`: eTP=Local).
+    fn node_port(
+        i: u32,
+        backends: Vec<DesiredBackend>,
+        retained: Vec<DesiredBackend>,
+        external_local: bool,
+    ) -> DesiredFrontend {
+        DesiredFrontend {
+            kind: crate::model::FrontendKind::NodePort,
+            external_local,
+            ..dfe(i, backends, retained)
         }
     }
 
@@ -808,7 +818,16 @@ mod tests {
             if rng.below(4) == 0 {
                 fr.protocol = Protocol::Udp;
             }
-            frontends.insert(fr, dfe(f, backends, retained));
+            if rng.below(3) == 0 {
+                // An eTP=Local NodePort: local backends outside, all of them for in-cluster
+                // clients (the in-cluster entry).
+                let local: Vec<DesiredBackend> =
+                    backends.iter().copied().filter(|b| b.local).collect();
+                frontends.insert(fr.in_cluster(), node_port(f, backends, vec![], false));
+                frontends.insert(fr, node_port(f, local, retained, true));
+            } else {
+                frontends.insert(fr, dfe(f, backends, retained));
+            }
         }
         // Shared backends must agree on flags for the round trip to be exact.
         let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::new();
@@ -1011,15 +1030,24 @@ mod tests {
             if rng.below(4) == 0 {
                 fr.protocol = Protocol::Udp;
             }
+            // eTP=Local changes: the in-cluster entry of a frontend comes, goes or changes on
+            // its own (the frontend itself changes in other steps).
+            let in_cluster = rng.below(4) == 0;
+            if in_cluster {
+                fr = fr.in_cluster();
+            }
             match rng.below(5) {
                 0 => {
                     d.frontends.remove(&fr);
                 }
                 _ => {
-                    let df = d
-                        .frontends
-                        .entry(fr)
-                        .or_insert_with(|| dfe(f, vec![], vec![]));
+                    let df = d.frontends.entry(fr).or_insert_with(|| {
+                        if in_cluster {
+                            node_port(f, vec![], vec![], false)
+                        } else {
+                            dfe(f, vec![], vec![])
+                        }
+                    });
                     let b = rng.below(20);
                     let backend = DesiredBackend {
                         local: rng.below(2) == 0,
@@ -1112,5 +1140,101 @@ mod tests {
             incremental * 2 > steps,
             "the incremental path ran in only {incremental} of {steps} steps"
         );
+    }
+
+    #[test]
+    fn etp_local_programs_in_cluster_entries_and_switching_to_cluster_removes_them() {
+        use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+        use proxy_common::{SCOPE_INTERNAL, service_flags};
+        use serde_json::json;
+
+        use crate::{
+            snapshot::Snapshot,
+            translate::{NodeContext, translate_for_node},
+        };
+
+        let node_addr = Ipv4Addr::new(192, 168, 50, 10);
+        let node = NodeContext {
+            node_name: "node-a".into(),
+            zone: None,
+        };
+        let slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "demo",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": ["10.244.1.11"], "nodeName": "node-a", "conditions": {"ready": true}},
+                {"addresses": ["10.244.2.11"], "nodeName": "node-b", "conditions": {"ready": true}},
+            ],
+        }))
+        .expect("slice");
+        let desired = |etp: &str| {
+            let svc: Service = serde_json::from_value(json!({
+                "metadata": {"name": "web", "namespace": "demo"},
+                "spec": {"type": "NodePort", "clusterIP": "10.96.0.10",
+                         "externalTrafficPolicy": etp,
+                         "ports": [{"name": "http", "port": 80, "nodePort": 30080}]},
+            }))
+            .expect("service");
+            let snapshot = Snapshot::new(vec![svc], vec![slice.clone()]);
+            translate_for_node(&snapshot, &node, &[node_addr]).desired
+        };
+        let ep = |a: u8, b: u8, local: bool| DesiredBackend {
+            endpoint: EndpointAddr {
+                addr: Ipv4Addr::new(10, 244, a, b),
+                port: 8080,
+                protocol: Protocol::Tcp,
+            },
+            terminating: false,
+            local,
+        };
+        let both = vec![ep(1, 11, true), ep(2, 11, false)];
+        let np = Frontend::new(node_addr, 30080, Protocol::Tcp);
+        let (outer_key, inner_key) = (
+            encode::service_key(&np, 0),
+            encode::service_key(&np.in_cluster(), 0),
+        );
+
+        let mut p = Programmed::default();
+        sync(&desired("Local"), &mut p);
+        let carried_now = carried(&p);
+        assert_eq!(carried_now[&np], [ep(1, 11, true)], "outside: local only");
+        assert_eq!(
+            carried_now[&np.in_cluster()],
+            both,
+            "in-cluster: every endpoint"
+        );
+        let (outer, inner) = (p.services[&outer_key], p.services[&inner_key]);
+        assert_eq!(
+            outer.flags,
+            service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL
+        );
+        assert_eq!(
+            inner.flags,
+            service_flags::EXTERNAL,
+            "remote backends SNATed"
+        );
+        assert_ne!(outer.rev_nat_id, inner.rev_nat_id, "its own rev-NAT entry");
+        assert_eq!(p.rev_nats[&inner.rev_nat_id], encode::rev_nat(&np));
+        assert_eq!(
+            p.frontend_count(),
+            3,
+            "ClusterIP, NodePort, its in-cluster entry"
+        );
+
+        let plan = sync(&desired("Cluster"), &mut p);
+        assert!(
+            !p.services.keys().any(|k| k.scope == SCOPE_INTERNAL),
+            "eTP=Cluster has no in-cluster entry: {:?}",
+            plan.ops
+        );
+        assert!(plan.ops.contains(&MapOp::DeleteService { key: inner_key }));
+        assert!(plan.ops.contains(&MapOp::DeleteRevNat {
+            id: inner.rev_nat_id
+        }));
+        assert_eq!(carried(&p)[&np], both);
+        assert_eq!(p.services[&outer_key].flags, service_flags::EXTERNAL);
+        assert_eq!(p.frontend_count(), 2);
     }
 }

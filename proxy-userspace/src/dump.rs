@@ -12,7 +12,7 @@ use crate::{
         maps::{Conntrack, ServiceMaps, Snat, Stats},
     },
     encode,
-    model::Protocol,
+    model::{Protocol, Scope},
     programmed::Programmed,
 };
 
@@ -82,7 +82,7 @@ pub fn services_table(p: &Programmed) -> String {
         frontends.insert(fe, (value.rev_nat_id, value.count, backends));
     }
     let mut out = format!(
-        "{:<24} {:<6} {:>6} {:>8}  {}\n",
+        "{:<34} {:<6} {:>6} {:>8}  {}\n",
         "FRONTEND", "PROTO", "REVNAT", "BACKENDS", "TARGETS"
     );
     for (fe, (rev, count, backends)) in &frontends {
@@ -93,8 +93,11 @@ pub fn services_table(p: &Programmed) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<24} {:<6} {:>6} {:>8}  {}",
-            format!("{}:{}", fe.addr, fe.port),
+            "{:<34} {:<6} {:>6} {:>8}  {}",
+            match fe.scope {
+                Scope::AllClients => format!("{}:{}", fe.addr, fe.port),
+                Scope::InCluster => format!("{}:{} (in-cluster)", fe.addr, fe.port),
+            },
             fe.protocol,
             rev,
             count,
@@ -285,8 +288,20 @@ mod tests {
         );
         let empty = ServiceKey::new([10, 96, 0, 30], 80u16.to_be_bytes(), proto::TCP, 0);
         p.services.insert(empty, ServiceValue::frontend(0, 2));
+        // The in-cluster entry of an eTP=Local frontend: same address, own row.
+        let inner = ServiceKey {
+            scope: proxy_common::SCOPE_INTERNAL,
+            ..fe
+        };
+        p.services.insert(inner, ServiceValue::frontend(1, 3));
+        p.services.insert(inner.with_slot(1), ServiceValue::slot(8));
         let t = services_table(&p);
         assert!(t.contains("10.96.0.10:80"), "{t}");
+        let row = t
+            .lines()
+            .find(|l| l.starts_with("10.96.0.10:80 (in-cluster)"))
+            .unwrap_or_else(|| panic!("no in-cluster row in\n{t}"));
+        assert!(row.ends_with("  10.244.1.12:8080 (#8)"), "{row}");
         assert!(
             t.contains("10.244.1.11:8080 (#7), 10.244.1.12:8080 (#8)"),
             "{t}"

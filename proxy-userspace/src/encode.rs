@@ -4,34 +4,59 @@
 use std::net::Ipv4Addr;
 
 use proxy_common::{
-    Backend, RevNat, SCOPE_EXTERNAL, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey,
-    backend_flags, service_flags,
+    Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey, backend_flags, service_flags,
 };
 
-use crate::model::{DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol};
+use crate::model::{DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol, Scope};
 
 /// The `SERVICES` key of one slot of a frontend (slot 0 = the frontend entry).
 pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
-    ServiceKey::new(
-        frontend.addr.octets(),
-        frontend.port.to_be_bytes(),
-        frontend.protocol.number(),
-        slot,
-    )
+    ServiceKey {
+        scope: match frontend.scope {
+            Scope::AllClients => SCOPE_EXTERNAL,
+            Scope::InCluster => SCOPE_INTERNAL,
+        },
+        ..ServiceKey::new(
+            frontend.addr.octets(),
+            frontend.port.to_be_bytes(),
+            frontend.protocol.number(),
+            slot,
+        )
+    }
 }
 
 /// The frontend a `SERVICES` key belongs to; `None` for a protocol or scope this agent does not
 /// write.
 pub fn decode_service_key(key: &ServiceKey) -> Option<(Frontend, u16)> {
-    if key.scope != SCOPE_EXTERNAL {
-        return None;
-    }
+    let scope = match key.scope {
+        SCOPE_EXTERNAL => Scope::AllClients,
+        SCOPE_INTERNAL => Scope::InCluster,
+        _ => return None,
+    };
     let frontend = Frontend {
         addr: Ipv4Addr::from(key.addr),
         port: u16::from_be_bytes(key.port),
         protocol: Protocol::from_number(key.proto)?,
+        scope,
     };
     Some((frontend, key.slot))
+}
+
+/// The datapath's cluster CIDRs from (network, prefix length) pairs: host bits cleared, at most
+/// `MAX_CLUSTER_CIDRS` (the rest are returned for the caller to report).
+pub fn cluster_cidrs(cidrs: &[(Ipv4Addr, u8)]) -> (ClusterCidrs, &[(Ipv4Addr, u8)]) {
+    let mut out = ClusterCidrs::NONE;
+    let used = cidrs.len().min(MAX_CLUSTER_CIDRS);
+    for (slot, (net, len)) in out.prefixes.iter_mut().zip(&cidrs[..used]) {
+        let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
+        *slot = Ipv4Prefix {
+            addr: (u32::from(*net) & mask).to_be_bytes(),
+            mask: mask.to_be_bytes(),
+        };
+    }
+    out.count = used as u32;
+    (out, &cidrs[used..])
 }
 
 /// `service_flags` bits of a frontend entry.
@@ -126,11 +151,7 @@ pub fn decode_rev_nat(r: &RevNat) -> (Ipv4Addr, u16) {
 mod tests {
     use super::*;
 
-    const FE: Frontend = Frontend {
-        addr: Ipv4Addr::new(10, 96, 0, 10),
-        port: 0x1f90,
-        protocol: Protocol::Tcp,
-    };
+    const FE: Frontend = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 0x1f90, Protocol::Tcp);
 
     #[test]
     fn service_key_is_network_order() {
@@ -152,6 +173,50 @@ mod tests {
         let mut key = service_key(&FE, 0);
         key.proto = 132;
         assert_eq!(decode_service_key(&key), None, "SCTP is not ours");
+    }
+
+    #[test]
+    fn in_cluster_frontend_is_the_same_key_with_the_internal_scope() {
+        let fe = FE.in_cluster();
+        let key = service_key(&fe, 2);
+        assert_eq!(key.scope, SCOPE_INTERNAL);
+        assert_eq!(
+            ServiceKey {
+                scope: SCOPE_EXTERNAL,
+                ..key
+            },
+            service_key(&FE, 2)
+        );
+        assert_eq!(decode_service_key(&key), Some((fe, 2)));
+        let mut key = service_key(&FE, 0);
+        key.scope = 7;
+        assert_eq!(decode_service_key(&key), None, "unknown scope is not ours");
+    }
+
+    #[test]
+    fn cluster_cidrs_are_masked_network_order_and_bounded() {
+        let many: Vec<(Ipv4Addr, u8)> = (0..6)
+            .map(|i| (Ipv4Addr::new(10, 244 + i, 3, 4), 16))
+            .collect();
+        let (c, rest) = cluster_cidrs(&many);
+        assert_eq!(c.count, 4);
+        assert_eq!(rest, &many[4..]);
+        assert_eq!(
+            c.prefixes[0],
+            Ipv4Prefix {
+                addr: [10, 244, 0, 0],
+                mask: [255, 255, 0, 0]
+            }
+        );
+        assert!(c.contains([10, 247, 9, 9]));
+        assert!(
+            !c.contains([10, 248, 9, 9]),
+            "the fifth prefix was left out"
+        );
+        let everything = [(Ipv4Addr::new(1, 2, 3, 4), 0)];
+        let (c, rest) = cluster_cidrs(&everything);
+        assert_eq!((c.count, c.prefixes[0].mask, rest.len()), (1, [0; 4], 0));
+        assert_eq!(cluster_cidrs(&[]).0, ClusterCidrs::NONE);
     }
 
     #[test]

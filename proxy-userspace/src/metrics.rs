@@ -590,10 +590,12 @@ pub fn no_local_endpoints(snapshot: &Snapshot, desired: &DesiredState) -> (u64, 
         })
         .filter(|k| local.contains(k))
         .collect();
+    // ClusterIP frontends only: internalTrafficPolicy does not shape external frontends (nor
+    // the in-cluster entries of eTP=Local ones).
     let ports: HashSet<_> = desired
         .frontends
         .values()
-        .filter(|f| f.backends.is_empty())
+        .filter(|f| !f.kind.is_external() && f.backends.is_empty())
         .map(|f| &f.service)
         .filter(|s| with_endpoints.contains(&(s.namespace.as_str(), s.name.as_str())))
         .collect();

@@ -37,17 +37,55 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// Where clients send: a Service's ClusterIP (later also external/LB/node addresses) and port.
+/// Which clients a frontend entry serves (`ServiceKey::scope`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scope {
+    /// Every client (`SCOPE_EXTERNAL`); every frontend has this entry.
+    #[default]
+    AllClients,
+    /// Clients inside the cluster (`SCOPE_INTERNAL`), only beside an external frontend with
+    /// externalTrafficPolicy Local: the Service's cluster-wide endpoints, so pods and the node
+    /// reach it even without a local endpoint (kube-proxy's short-circuit).
+    InCluster,
+}
+
+/// Where clients send: a Service's ClusterIP, externalIP, LoadBalancer IP or node address, and
+/// port; `scope` tells the in-cluster entry of an eTP=Local external frontend from the frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frontend {
     pub addr: Ipv4Addr,
     pub port: u16,
     pub protocol: Protocol,
+    pub scope: Scope,
+}
+
+impl Frontend {
+    /// The frontend every client uses.
+    pub const fn new(addr: Ipv4Addr, port: u16, protocol: Protocol) -> Self {
+        Self {
+            addr,
+            port,
+            protocol,
+            scope: Scope::AllClients,
+        }
+    }
+
+    /// The same address, port and protocol for in-cluster clients.
+    pub const fn in_cluster(self) -> Self {
+        Self {
+            scope: Scope::InCluster,
+            ..self
+        }
+    }
 }
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
+        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)?;
+        match self.scope {
+            Scope::AllClients => Ok(()),
+            Scope::InCluster => f.write_str(" (in-cluster)"),
+        }
     }
 }
 
@@ -123,7 +161,8 @@ pub struct DesiredFrontend {
     pub service: ServicePortName,
     pub kind: FrontendKind,
     /// An external frontend with externalTrafficPolicy Local: backends are this node's only,
-    /// never SNATed, and none means drop.
+    /// never SNATed, and none means drop. False for its in-cluster entry ([`Scope::InCluster`]),
+    /// which carries the cluster-wide endpoints and SNATs remote ones like eTP=Cluster.
     pub external_local: bool,
     /// loadBalancerSourceRanges of a LoadBalancer frontend (IPv4 network, prefix length), sorted;
     /// empty = any source.

@@ -167,7 +167,7 @@ mod tests {
         tcp_established_timeout_s: 100,
         tcp_transitory_timeout_s: 10,
         udp_timeout_s: 5,
-        flags: 0,
+        ..DatapathConfig::DEFAULT
     };
     const NODE: [u8; 4] = [192, 168, 50, 10];
     const BACKEND: [u8; 4] = [10, 244, 2, 20];

@@ -85,11 +85,7 @@ mod tests {
     #[test]
     fn wanted_entries_follow_the_frontends_ranges() {
         let mut desired = DesiredState::default();
-        let fe = Frontend {
-            addr: Ipv4Addr::new(192, 168, 70, 10),
-            port: 80,
-            protocol: Protocol::Tcp,
-        };
+        let fe = Frontend::new(Ipv4Addr::new(192, 168, 70, 10), 80, Protocol::Tcp);
         desired.frontends.insert(
             fe,
             DesiredFrontend {

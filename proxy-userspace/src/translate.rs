@@ -335,10 +335,19 @@ fn service_frontends(
     let service_type = spec.and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP");
     let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
     let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
-    // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream.
-    let external_policy = Policy {
-        local_only: external_local,
-        topology_aware: policy.topology_aware && !external_local,
+    // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream;
+    // so do in-cluster clients of an eTP=Local frontend (internalTrafficPolicy does not apply).
+    let cluster_external_policy = Policy {
+        local_only: false,
+        topology_aware: policy.topology_aware,
+    };
+    let external_policy = if external_local {
+        Policy {
+            local_only: true,
+            topology_aware: false,
+        }
+    } else {
+        cluster_external_policy
     };
     let external = external_addrs(svc);
     let health_check_port = spec
@@ -389,11 +398,7 @@ fn service_frontends(
             port_name,
         };
         for addr in &addrs {
-            let frontend = Frontend {
-                addr: *addr,
-                port,
-                protocol,
-            };
+            let frontend = Frontend::new(*addr, port, protocol);
             let df = DesiredFrontend {
                 service: service.clone(),
                 kind: FrontendKind::ClusterIp,
@@ -422,12 +427,13 @@ fn service_frontends(
         }
         let chosen = topology::categorize(&endpoints, external_policy, node.zone.as_deref());
         local_endpoints = local_endpoints.max(chosen.selected.iter().filter(|b| b.local).count());
+        // eTP=Local: clients inside the cluster get the cluster-wide endpoints instead (what
+        // eTP=Cluster would select), through an in-cluster entry beside each external frontend.
+        let in_cluster = external_local.then(|| {
+            topology::categorize(&endpoints, cluster_external_policy, node.zone.as_deref())
+        });
         for (kind, addr, port) in external_frontends {
-            let frontend = Frontend {
-                addr,
-                port,
-                protocol,
-            };
+            let frontend = Frontend::new(addr, port, protocol);
             let df = DesiredFrontend {
                 service: service.clone(),
                 kind,
@@ -440,7 +446,15 @@ fn service_frontends(
                 backends: chosen.selected.clone(),
                 retained: chosen.retained.clone(),
             };
+            // Same source ranges: they apply before the datapath chooses the entry.
+            let internal = in_cluster.as_ref().map(|cluster| DesiredFrontend {
+                external_local: false,
+                backends: cluster.selected.clone(),
+                retained: cluster.retained.clone(),
+                ..df.clone()
+            });
             frontends.push((frontend, df));
+            frontends.extend(internal.map(|df| (frontend.in_cluster(), df)));
         }
     }
     let health_check = health_check_port.map(|port| HealthCheck {
@@ -1442,6 +1456,7 @@ mod tests {
             "10.244.1.11:8080 L".to_owned(),
             "10.244.2.11:8080".to_owned(),
         ];
+        // Each external frontend has an in-cluster entry with the cluster-wide endpoints.
         assert_eq!(
             frontends(&t),
             vec![
@@ -1452,10 +1467,16 @@ mod tests {
                     local.clone()
                 ),
                 (
+                    "10.0.0.5:30084/TCP (in-cluster)".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both.clone()
+                ),
+                (
                     "10.96.0.54:80/TCP".into(),
                     FrontendKind::ClusterIp,
                     false,
-                    both
+                    both.clone()
                 ),
                 (
                     "192.168.50.10:30084/TCP".into(),
@@ -1464,10 +1485,22 @@ mod tests {
                     local.clone()
                 ),
                 (
+                    "192.168.50.10:30084/TCP (in-cluster)".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both.clone()
+                ),
+                (
                     "192.168.70.20:80/TCP".into(),
                     FrontendKind::LoadBalancer,
                     true,
                     local
+                ),
+                (
+                    "192.168.70.20:80/TCP (in-cluster)".into(),
+                    FrontendKind::LoadBalancer,
+                    false,
+                    both
                 ),
             ]
         );
@@ -1498,11 +1531,20 @@ mod tests {
             vec![ready("10.244.2.11")],
         );
         let t = translate_node(vec![svc], vec![remote_only]);
-        for (fe, kind, local, backends) in frontends(&t) {
-            if kind == FrontendKind::ClusterIp {
+        for (fe, df) in &t.desired.frontends {
+            let backends = &df.backends;
+            if df.kind == FrontendKind::ClusterIp {
                 assert_eq!(backends.len(), 1, "{fe}: ClusterIP keeps cluster endpoints");
+            } else if fe.scope == crate::model::Scope::InCluster {
+                assert!(
+                    !df.external_local && backends.len() == 1,
+                    "{fe}: {backends:?}"
+                );
             } else {
-                assert!(local && backends.is_empty(), "{fe}: {backends:?}");
+                assert!(
+                    df.external_local && backends.is_empty(),
+                    "{fe}: {backends:?}"
+                );
             }
         }
         assert_eq!(t.health_checks.len(), 1);
@@ -1526,7 +1568,10 @@ mod tests {
             .map(crate::encode::frontend_flags)
             .collect();
         let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
-        assert_eq!(flags, vec![ext_local, 0, ext_local]);
+        // Node address 1 (+ its in-cluster entry), the ClusterIP, node address 2 (+ in-cluster):
+        // in-cluster entries are external (remote backends SNATed) but not eTP=Local.
+        let ext = service_flags::EXTERNAL;
+        assert_eq!(flags, vec![ext_local, ext, 0, ext_local, ext]);
         assert!(
             t.health_checks.is_empty(),
             "NodePort type has no health check"
@@ -1584,6 +1629,85 @@ mod tests {
                 (Ipv4Addr::new(172, 16, 0, 0), 12)
             ],
             "annotation used, host bits cleared"
+        );
+    }
+
+    #[test]
+    fn in_cluster_entries_select_like_etp_cluster_whatever_the_internal_policy() {
+        // iTP=Local narrows the ClusterIP to this node; eTP=Local narrows external clients to
+        // this node; in-cluster clients of the external frontends get every ready endpoint, with
+        // the terminating fallback when none is ready (upstream's cluster endpoints).
+        let svc = external_service(
+            "both-local",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.59",
+                   "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30089}]}),
+            json!({}),
+        );
+        let t = translate_node(
+            vec![svc.clone()],
+            vec![local_and_remote_slice("both-local")],
+        );
+        let got: Vec<(String, Vec<String>)> = frontends(&t)
+            .into_iter()
+            .filter(|(fe, ..)| fe.starts_with("10."))
+            .map(|(fe, _, _, b)| (fe, b))
+            .collect();
+        let local = vec!["10.244.1.11:8080 L".to_owned()];
+        let both = vec![
+            "10.244.1.11:8080 L".to_owned(),
+            "10.244.2.11:8080".to_owned(),
+        ];
+        assert_eq!(
+            got,
+            vec![
+                ("10.0.0.5:30089/TCP".into(), local.clone()),
+                ("10.0.0.5:30089/TCP (in-cluster)".into(), both),
+                ("10.96.0.59:80/TCP".into(), local),
+            ]
+        );
+
+        let terminating_only = slice(
+            "both-local",
+            "both-local-1",
+            json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![
+                terminating("10.244.2.12", true),
+                terminating("10.244.2.13", false),
+            ],
+        );
+        let t = translate_node(vec![svc], vec![terminating_only]);
+        let fe = Frontend::new(NODE_ADDRS[0], 30089, Protocol::Tcp).in_cluster();
+        let df = &t.desired.frontends[&fe];
+        assert_eq!(
+            df.backends.iter().map(show).collect::<Vec<_>>(),
+            ["10.244.2.12:8080 T"],
+            "terminating fallback: serving ones only"
+        );
+    }
+
+    #[test]
+    fn in_cluster_entries_keep_the_load_balancer_source_ranges() {
+        let svc = external_service(
+            "lb-local",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.60",
+                   "externalTrafficPolicy": "Local",
+                   "loadBalancerSourceRanges": ["10.244.0.0/16"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30090}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.40"}]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("lb-local")]);
+        let lb = Frontend::new(Ipv4Addr::new(192, 168, 70, 40), 80, Protocol::Tcp);
+        let (outer, inner) = (
+            &t.desired.frontends[&lb],
+            &t.desired.frontends[&lb.in_cluster()],
+        );
+        assert_eq!(inner.source_ranges, outer.source_ranges);
+        assert_eq!(inner.kind, FrontendKind::LoadBalancer);
+        use proxy_common::service_flags::{EXTERNAL, SOURCE_RANGES};
+        assert_eq!(
+            crate::encode::frontend_flags(inner),
+            EXTERNAL | SOURCE_RANGES
         );
     }
 }

@@ -24,11 +24,11 @@ use kube_proxy_ebpf::{
     snat_gc::{self, Collected},
 };
 use proxy_common::{
-    Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, HAIRPIN_SNAT_ADDR,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS,
-    NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey,
-    backend_flags, ct_dir, ct_state,
+    Backend, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig,
+    HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT,
+    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey,
+    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_state,
     hash::{flow_hash, pick_slot},
     proto, service_flags,
 };
@@ -169,6 +169,31 @@ impl Datapath {
         backends: &[(u32, Backend)],
     ) {
         let key = ServiceKey::new(addr.octets(), port.to_be_bytes(), proto, 0);
+        self.set_frontend_entry(key, 50, flags, backends);
+    }
+
+    /// The in-cluster (`SCOPE_INTERNAL`) entry of an eTP=Local frontend, with rev-NAT id 51.
+    fn set_in_cluster_frontend(
+        &mut self,
+        addr: Ipv4Addr,
+        port: u16,
+        proto: u8,
+        backends: &[(u32, Backend)],
+    ) {
+        let key = ServiceKey {
+            scope: SCOPE_INTERNAL,
+            ..ServiceKey::new(addr.octets(), port.to_be_bytes(), proto, 0)
+        };
+        self.set_frontend_entry(key, 51, service_flags::EXTERNAL, backends);
+    }
+
+    fn set_frontend_entry(
+        &mut self,
+        key: ServiceKey,
+        rev_nat_id: u32,
+        flags: u16,
+        backends: &[(u32, Backend)],
+    ) {
         for (i, (id, b)) in backends.iter().enumerate() {
             self.backends().insert(*id, *b, 0).expect("insert backend");
             self.services()
@@ -178,7 +203,7 @@ impl Datapath {
         self.services()
             .insert(
                 key,
-                ServiceValue::frontend_with_flags(backends.len() as u16, 50, flags),
+                ServiceValue::frontend_with_flags(backends.len() as u16, rev_nat_id, flags),
                 0,
             )
             .expect("insert frontend");
@@ -1830,7 +1855,7 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
         tcp_established_timeout_s: 100,
         tcp_transitory_timeout_s: 10,
         udp_timeout_s: 5,
-        flags: 0,
+        ..DatapathConfig::DEFAULT
     };
     let mut dp = nodeport_datapath_with(cfg);
     dp.set_node_addr(NODE_IP);
@@ -1933,6 +1958,133 @@ fn nodeport_local_backend_and_etp_local_without_endpoints() {
         &[(Counter::DropNoLocalEndpoints, 1)],
     ));
     assert_eq!(dp.ct_len(), 2, "only the first flow is tracked");
+}
+
+/// A pod on this node (inside the cluster CIDR 10.244.0.0/16).
+const POD_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 30);
+
+/// `nodeport_datapath` loaded with the cluster CIDR 10.244.0.0/16 (or none), plus the
+/// in-cluster entry of the eTP=Local NodePort NODE_IP:30082/TCP: one remote backend.
+fn etp_local_datapath(cluster_cidr: bool) -> Datapath {
+    let mut cfg = DatapathConfig::DEFAULT;
+    if cluster_cidr {
+        cfg.cluster_cidrs = ClusterCidrs {
+            count: 1,
+            ..ClusterCidrs::NONE
+        };
+        cfg.cluster_cidrs.prefixes[0] = Ipv4Prefix {
+            addr: [10, 244, 0, 0],
+            mask: [255, 255, 0, 0],
+        };
+    }
+    let mut dp = Datapath::load_with(cfg);
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT + 2,
+        proto::TCP,
+        service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL,
+        &[],
+    );
+    dp.set_in_cluster_frontend(
+        NODE_IP,
+        NODE_PORT + 2,
+        proto::TCP,
+        &[(203, raw_backend(REMOTE_BE, 8080, proto::TCP, 0))],
+    );
+    dp.set_node_addr(NODE_IP);
+    dp
+}
+
+#[test]
+fn etp_local_in_cluster_clients_use_the_cluster_endpoints_outside_clients_are_dropped() {
+    let mut dp = etp_local_datapath(true);
+    let port = NODE_PORT + 2;
+
+    let syn = Pkt::tcp(POD_CLIENT, 42_000, NODE_IP, port, SYN);
+    let fwd = with_dst(&syn, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "pod → eTP=Local NodePort without local endpoints: DNAT to the cluster endpoint + SNAT",
+        syn.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let ct = dp.ct(&original_key(&syn)).expect("conntrack entry");
+    assert_eq!(ct.rev_nat_id, 51, "the in-cluster entry's rev-NAT id");
+    assert_eq!(
+        (ct.frontend_addr, ct.frontend_port),
+        (NODE_IP.octets(), port.to_be_bytes()),
+        "replies appear to come from the NodePort"
+    );
+    let nat_port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&syn, REMOTE_BE, 8080), 0)
+            .expect("SNAT out entry")
+            .port,
+    );
+    dp.check(egress(
+        "toward the remote backend: SNAT to the node",
+        fwd.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&fwd, NODE_IP, nat_port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, nat_port, SYN | ACK);
+    let unsnat = with_dst(&synack, POD_CLIENT, 42_000);
+    dp.check(ingress(
+        "the backend's SYN-ACK: back to the pod",
+        synack.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(unsnat.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the pod: from the NodePort",
+        unsnat.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_src(&unsnat, NODE_IP, port)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let ack = Pkt::tcp(POD_CLIENT, 42_000, NODE_IP, port, ACK);
+    dp.check(ingress(
+        "established: DNAT from conntrack",
+        ack.bytes(),
+        TC_ACT_OK,
+        Expect::Packet(with_dst(&ack, REMOTE_BE, 8080)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+
+    let outside = Pkt::tcp(EXT_CLIENT, 42_001, NODE_IP, port, SYN);
+    dp.check(ingress(
+        "external client → the same NodePort: dropped (no local endpoint)",
+        outside.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoLocalEndpoints, 1)],
+    ));
+    let other_cidr = Pkt::tcp(Ipv4Addr::new(10, 245, 0, 1), 42_002, NODE_IP, port, SYN);
+    dp.check(ingress(
+        "a source just outside the cluster CIDR is external",
+        other_cidr.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoLocalEndpoints, 1)],
+    ));
+}
+
+#[test]
+fn etp_local_without_a_cluster_cidr_treats_pods_as_external() {
+    // Upstream: detectLocalMode ClusterCIDR without clusterCIDR detects no local traffic.
+    let mut dp = etp_local_datapath(false);
+    let syn = Pkt::tcp(POD_CLIENT, 42_100, NODE_IP, NODE_PORT + 2, SYN);
+    dp.check(ingress(
+        "pod → eTP=Local NodePort, no cluster CIDR configured: dropped",
+        syn.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoLocalEndpoints, 1)],
+    ));
+    assert_eq!(dp.ct_len(), 0);
 }
 
 #[test]

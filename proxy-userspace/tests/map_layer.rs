@@ -31,11 +31,7 @@ use proxy_testenv::require_privileged;
 fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
     let mut frontends = BTreeMap::new();
     for s in 0..services {
-        let frontend = Frontend {
-            addr: Ipv4Addr::from(0x0a60_0000 + s),
-            port: 80,
-            protocol: Protocol::Tcp,
-        };
+        let frontend = Frontend::new(Ipv4Addr::from(0x0a60_0000 + s), 80, Protocol::Tcp);
         let backends = (0..backends_each)
             .map(|b| DesiredBackend {
                 endpoint: EndpointAddr {
@@ -211,7 +207,7 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
         tcp_established_timeout_s: 100,
         tcp_transitory_timeout_s: 10,
         udp_timeout_s: 5,
-        flags: 0,
+        ..DatapathConfig::DEFAULT
     };
     let mut ebpf = loader::load_unpinned(&cfg).expect("load");
     let mut snat = Snat::from_ebpf(&mut ebpf).expect("SNAT map");

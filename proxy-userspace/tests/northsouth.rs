@@ -2,7 +2,8 @@
 //! nodes, each running the agent standalone with `--devices ext0` (see `proxy_testenv::MultiNode`):
 //! NodePort, externalIPs and LoadBalancer IPs; externalTrafficPolicy Cluster (SNAT to the node for
 //! a backend on the other node) and Local (client IP preserved, no answer on a node without local
-//! endpoints); health-check node ports.
+//! endpoints, while pods, inside the cluster CIDR, reach the Service's other endpoints);
+//! health-check node ports.
 //!
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! Everything lives in network namespaces the test creates; RAII guards remove them.
@@ -10,8 +11,8 @@
 use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use proxy_testenv::{
-    Agent, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES,
-    PinDir, http_get_with_peer, require_privileged, udp_request_from,
+    Agent, CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, ManifestDir, MultiNode,
+    NODE_IPS, NODE_NAMES, PinDir, http_get_with_peer, require_privileged, udp_request_from,
 };
 
 /// Connected UDP socket: send one datagram, print "refused" if an ICMP port unreachable comes
@@ -36,6 +37,8 @@ const NODE_B: usize = 1;
 /// Backends: on node B only (eTP=Cluster via node A must SNAT), and one on each node.
 const B_WEB: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 11);
 const B_LOCAL: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 12);
+/// A pod on node A, endpoint of no Service: an in-cluster client there.
+const A_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 21);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 70, 10);
 const HC_PORT: u16 = 32_000;
@@ -57,6 +60,8 @@ impl Env {
             .expect("backend b-web");
         net.add_backend(NODE_B, "b-loc", B_LOCAL)
             .expect("backend b-loc");
+        net.add_backend(NODE_A, "a-cli", A_CLIENT)
+            .expect("pod a-cli");
         let manifests = ManifestDir::new().expect("manifest dir");
         std::fs::write(manifests.path().join("services.yaml"), yaml).expect("writing manifests");
         let mut agents = Vec::new();
@@ -71,6 +76,8 @@ impl Env {
                 EXT_DEVICE.as_ref(),
                 "--hostname-override".as_ref(),
                 NODE_NAMES[i].as_ref(),
+                "--cluster-cidr".as_ref(),
+                CLUSTER_CIDR.as_ref(),
             ]
             .to_vec();
             let mut agent = Agent::start_with(
@@ -415,6 +422,41 @@ fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
     let dropped = env.counter(NODE_A, "drop_no_local_endpoints");
     if dropped == 0 {
         env.fail("node A did not count the dropped SYNs");
+    }
+
+    // A pod on node A is inside the cluster CIDR: like upstream's short-circuit it reaches the
+    // Service's endpoint on node B through the same NodePort (SNATed to node A on the way).
+    let r = env.pod_get(NODE_A, "a-cli", &format!("http://{a}:30081/"));
+    if r.code != 200 || r.body != "b-loc" {
+        env.fail(&format!(
+            "eTP=Local NodePort of node A from its pod a-cli (endpoint only on node B): {r:?}"
+        ));
+    }
+    snat_port(&env, &r.client_addr, a);
+    // The external client still gets no answer there.
+    let (outcome, _) = env
+        .net
+        .tcp_connect(a, 30081, Duration::from_secs(2))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    if outcome != ConnectOutcome::TimedOut {
+        env.fail(&format!(
+            "eTP=Local via node A from outside after the pod's request: {outcome:?}, expected a timeout"
+        ));
+    }
+    // `dump services` shows the in-cluster entry beside the NodePort.
+    let pin_dir = env.agents[NODE_A].pin_dir().to_string_lossy().into_owned();
+    let dump = env.agents[NODE_A]
+        .cli(&["dump", "services", "--pin-dir", &pin_dir])
+        .unwrap_or_else(|e| env.fail(&format!("dump services: {e:#}")));
+    let table = String::from_utf8_lossy(&dump.stdout);
+    let row = format!("{a}:30081 (in-cluster)");
+    if !table
+        .lines()
+        .any(|l| l.starts_with(&row) && l.contains(&B_LOCAL.to_string()))
+    {
+        env.fail(&format!(
+            "dump services has no row {row:?} → {B_LOCAL}:\n{table}"
+        ));
     }
 
     // Health-check node port: 503 on A, 200 with weight 1 on B.
