@@ -161,18 +161,9 @@ impl Env {
 
     /// A datapath counter of node `i` (`kube-proxy-ebpf dump stats`).
     fn counter(&self, i: usize, name: &str) -> u64 {
-        let agent = &self.agents[i];
-        let pin_dir = agent.pin_dir().to_string_lossy().into_owned();
-        let out = agent
-            .cli(&["dump", "stats", "--pin-dir", &pin_dir])
-            .unwrap_or_else(|e| self.fail(&format!("dump stats: {e:#}")));
-        let text = String::from_utf8_lossy(&out.stdout);
-        text.lines()
-            .find_map(|l| {
-                let mut f = l.split_whitespace();
-                (f.next() == Some(name)).then(|| f.last()?.parse().ok())?
-            })
-            .unwrap_or_else(|| self.fail(&format!("no counter {name} in:\n{text}")))
+        self.agents[i]
+            .counter(name)
+            .unwrap_or_else(|e| self.fail(&format!("{e:#}")))
     }
 }
 
@@ -550,7 +541,7 @@ fn node_processes_reach_their_own_nodeports_and_clusterips() {
     if view.body != "b-loc" || view.peer != format!("{a}:30081") {
         env.fail(&format!("eTP=Local NodePort from node A's host: {view:?}"));
     }
-    if env.agents[NODE_A].counter("sock_translated").unwrap_or(0) < 5 {
+    if env.counter(NODE_A, "sock_translated") < 5 {
         env.fail("node A did not count the socket translations");
     }
 }

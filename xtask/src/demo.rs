@@ -252,6 +252,8 @@ fn start_agent(
         EXT_DEVICE.as_ref(),
         "--hostname-override".as_ref(),
         name.as_ref(),
+        "--cluster-cidr".as_ref(),
+        proxy_testenv::CLUSTER_CIDR.as_ref(),
     ];
     let mut agent = Agent::start_with(bin, node.node(), &args, pin_dir, node.tmp().path())?;
     let status = agent
