@@ -37,19 +37,10 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     if !in_node_netns(ctx) {
         return ALLOW;
     }
-    // SAFETY: the kernel hands a valid `bpf_sock_addr`; the verifier admits these 4-byte reads.
-    let (protocol, ip4, port) = unsafe {
-        let sa = &*ctx.sock_addr;
-        (sa.protocol, sa.user_ip4, sa.user_port)
-    };
-    let proto = match protocol {
-        p if p == u32::from(proto::TCP) => proto::TCP,
-        p if p == u32::from(proto::UDP) => proto::UDP,
-        _ => return ALLOW,
-    };
-    // user_ip4/user_port hold sin_addr/sin_port as loaded from memory: network order bytes.
-    let addr = ip4.to_ne_bytes();
-    let port = (port as u16).to_ne_bytes();
+    let (proto, addr, port) = user_addr(ctx);
+    if proto != proto::TCP && proto != proto::UDP {
+        return ALLOW;
+    }
     // The node's own traffic is in-cluster traffic.
     let Some((key, frontend)) = maps::frontend_for(&ServiceKey::new(addr, port, proto, 0), || true)
     else {
@@ -70,14 +61,7 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         stats::count(Counter::DropNoBackend);
         return refuse();
     };
-    let rev = SockRevKey {
-        // SAFETY: the helper reads the socket behind a valid sock_addr context.
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        backend_addr: backend.addr,
-        backend_port: backend.port,
-        proto,
-        _pad: 0,
-    };
+    let rev = rev_key(ctx, proto, backend.addr, backend.port);
     let frontend_addr = RevNat {
         addr,
         port,
@@ -87,12 +71,7 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         // The connection still works; only getpeername()/recvmsg() show the backend.
         stats::count(Counter::SockRevNatFailed);
     }
-    // SAFETY: connect4/sendmsg4 may write user_ip4/user_port (4-byte stores).
-    unsafe {
-        let sa = &mut *ctx.sock_addr;
-        sa.user_ip4 = u32::from_ne_bytes(backend.addr);
-        sa.user_port = u32::from(u16::from_ne_bytes(backend.port));
-    }
+    set_user_addr(ctx, backend.addr, backend.port);
     stats::count(Counter::SockTranslated);
     ALLOW
 }
@@ -100,30 +79,56 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
 /// getpeername() and recvmsg(): a backend address the socket was sent to shows as the frontend.
 #[inline(always)]
 pub fn reverse(ctx: &SockAddrContext) -> i32 {
-    // SAFETY: as in `translate`.
+    let (proto, addr, port) = user_addr(ctx);
+    let key = rev_key(ctx, proto, addr, port);
+    // Only translated sockets have entries (cookies are unique), so no netns check is needed.
+    if let Some(frontend) = maps::sock_rev(&key) {
+        set_user_addr(ctx, frontend.addr, frontend.port);
+        stats::count(Counter::SockReverseTranslated);
+    }
+    ALLOW
+}
+
+/// This socket and a backend it was sent to (the `SOCKREV_V1` key).
+#[inline(always)]
+fn rev_key(ctx: &SockAddrContext, proto: u8, addr: [u8; 4], port: [u8; 2]) -> SockRevKey {
+    SockRevKey {
+        // SAFETY: the helper reads the socket behind a valid sock_addr context.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        backend_addr: addr,
+        backend_port: port,
+        proto,
+        _pad: 0,
+    }
+}
+
+/// The socket's protocol and the address the syscall names (`user_ip4`/`user_port` hold
+/// sin_addr/sin_port as loaded from memory: network-order bytes).
+#[inline(always)]
+fn user_addr(ctx: &SockAddrContext) -> (u8, [u8; 4], [u8; 2]) {
+    // SAFETY: the kernel hands a valid `bpf_sock_addr`; the verifier admits these 4-byte reads
+    // in every sock_addr hook.
     let (protocol, ip4, port) = unsafe {
         let sa = &*ctx.sock_addr;
         (sa.protocol, sa.user_ip4, sa.user_port)
     };
-    let key = SockRevKey {
-        // SAFETY: as in `translate`.
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        backend_addr: ip4.to_ne_bytes(),
-        backend_port: (port as u16).to_ne_bytes(),
-        proto: protocol as u8,
-        _pad: 0,
-    };
-    // Only translated sockets have entries (cookies are unique), so no netns check is needed.
-    if let Some(frontend) = maps::sock_rev(&key) {
-        // SAFETY: recvmsg4/getpeername4 may write user_ip4/user_port (4-byte stores).
-        unsafe {
-            let sa = &mut *ctx.sock_addr;
-            sa.user_ip4 = u32::from_ne_bytes(frontend.addr);
-            sa.user_port = u32::from(u16::from_ne_bytes(frontend.port));
-        }
-        stats::count(Counter::SockReverseTranslated);
+    (
+        protocol as u8,
+        ip4.to_ne_bytes(),
+        (port as u16).to_ne_bytes(),
+    )
+}
+
+/// Rewrites the address the syscall names (connect/sendmsg: where to; recvmsg/getpeername: what
+/// the application is told).
+#[inline(always)]
+fn set_user_addr(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) {
+    // SAFETY: the four hooks may write user_ip4/user_port (4-byte stores).
+    unsafe {
+        let sa = &mut *ctx.sock_addr;
+        sa.user_ip4 = u32::from_ne_bytes(addr);
+        sa.user_port = u32::from(u16::from_ne_bytes(port));
     }
-    ALLOW
 }
 
 #[inline(always)]

@@ -105,6 +105,19 @@ fn web(manifests: &ManifestDir, backends: &[Ipv4Addr]) {
         .expect("writing demo/web");
 }
 
+/// demo/echo: UDP 53 → every backend's echo server on 5353.
+fn echo(manifests: &ManifestDir) {
+    manifests
+        .write_service(
+            "demo",
+            "echo",
+            ECHO,
+            &[ServicePort::udp(53, 5353)],
+            &all_backends(),
+        )
+        .expect("writing demo/echo");
+}
+
 fn all_backends() -> Vec<Ipv4Addr> {
     BACKENDS.iter().map(|(_, ip)| *ip).collect()
 }
@@ -114,14 +127,7 @@ fn clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
     require_privileged!();
     let env = Env::start(|m| {
         web(m, &all_backends());
-        m.write_service(
-            "demo",
-            "echo",
-            ECHO,
-            &[ServicePort::udp(53, 5353)],
-            &all_backends(),
-        )
-        .expect("writing demo/echo");
+        echo(m);
     });
 
     let counts = env.web_distribution(300);
@@ -190,14 +196,7 @@ fn node_processes_reach_clusterips_through_the_socket_hooks() {
     require_privileged!();
     let env = Env::start(|m| {
         web(m, &all_backends());
-        m.write_service(
-            "demo",
-            "echo",
-            ECHO,
-            &[ServicePort::udp(53, 5353)],
-            &all_backends(),
-        )
-        .expect("writing demo/echo");
+        echo(m);
         m.write_service("demo", "empty", EMPTY, &[ServicePort::tcp(80, 8080)], &[])
             .expect("writing demo/empty");
     });

@@ -88,15 +88,8 @@ pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     }
     for hook in super::sock_lb::SockHook::ALL {
         let name = hook.program();
-        let prog: &mut aya::programs::CgroupSockAddr = ebpf
-            .program_mut(name)
-            .ok_or(Error::Missing {
-                what: "program",
-                name,
-            })?
-            .try_into()
-            .map_err(|source| Error::Program { name, source })?;
-        prog.load()
+        sock_program_mut(ebpf, name)?
+            .load()
             .map_err(|source| Error::Program { name, source })?;
     }
     Ok(())
@@ -104,6 +97,19 @@ pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
 
 /// One of our tc programs.
 pub fn program_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier> {
+    let prog = ebpf.program_mut(name).ok_or(Error::Missing {
+        what: "program",
+        name,
+    })?;
+    prog.try_into()
+        .map_err(|source| Error::Program { name, source })
+}
+
+/// One of our cgroup socket hooks.
+pub fn sock_program_mut<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut aya::programs::CgroupSockAddr> {
     let prog = ebpf.program_mut(name).ok_or(Error::Missing {
         what: "program",
         name,

@@ -15,13 +15,13 @@ use std::{
 
 use aya::{
     Ebpf,
-    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
+    programs::{CgroupAttachMode, links::FdLink},
 };
 use proxy_common::{
     PROG_SOCK_CONNECT4, PROG_SOCK_GETPEERNAME4, PROG_SOCK_RECVMSG4, PROG_SOCK_SENDMSG4,
 };
 
-use super::{Error, Result, bpffs::PinLayout, link_sys};
+use super::{Error, Result, bpffs::PinLayout, link_sys, loader};
 
 /// One socket hook.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -211,23 +211,13 @@ fn pinned_links(pins: &PinLayout) -> BTreeSet<CgroupLinkId> {
         .collect()
 }
 
-fn program(ebpf: &mut Ebpf, hook: SockHook) -> Result<&mut CgroupSockAddr> {
-    let name = hook.program();
-    let prog = ebpf.program_mut(name).ok_or(Error::Missing {
-        what: "program",
-        name,
-    })?;
-    prog.try_into()
-        .map_err(|source| Error::Program { name, source })
-}
-
 fn adopt(ebpf: &mut Ebpf, path: &Path, hook: SockHook) -> Result<()> {
     let io_err = |what: &str, source| Error::Io {
         what: format!("{what} {}", path.display()),
         source,
     };
     let link = link_sys::obj_get(path).map_err(|e| io_err("opening pinned link", e))?;
-    let prog = program(ebpf, hook)?;
+    let prog = loader::sock_program_mut(ebpf, hook.program())?;
     let prog_fd = prog.fd().map_err(|source| Error::Program {
         name: hook.program(),
         source,
@@ -246,7 +236,7 @@ fn attach(ebpf: &mut Ebpf, dir: &Path, path: &Path, hook: SockHook) -> Result<()
         what: format!("opening cgroup {}", dir.display()),
         source,
     })?;
-    let prog = program(ebpf, hook)?;
+    let prog = loader::sock_program_mut(ebpf, hook.program())?;
     // A bpf link (aya uses BPF_LINK_CREATE on this kernel) always joins the cgroup's program list
     // like BPF_F_ALLOW_MULTI, so other programs on the cgroup keep running; the kernel refuses any
     // explicit attach flag on a link, hence `Single` (no flags).
