@@ -46,7 +46,7 @@ const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 2);
 const NOT_A_SERVICE: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 99);
 
 /// How hard to measure.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Effort {
     /// Single runs (distinct flows) for the new-flow figures.
     pub new_flows: u32,

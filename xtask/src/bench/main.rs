@@ -40,6 +40,13 @@ enum Command {
     /// Short-connection load generator (runs inside the client namespace).
     #[command(hide = true)]
     Loadgen(loadgen::LoadArgs),
+    /// Only the first full sync (translate → plan → apply into fresh maps) at `services`,
+    /// `rounds` times, each line split by part: for iterating on the control plane's cost.
+    FirstSync {
+        services: usize,
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+    },
     /// Print the baseline rule set the bench loads for `n` generated Services (to inspect it).
     Rules {
         #[arg(value_enum)]
@@ -156,12 +163,34 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
     })
 }
 
+fn first_sync(services: usize, rounds: usize) -> Result<()> {
+    proxy_testenv::ensure_bpffs()?;
+    let mut totals = Vec::new();
+    for _ in 0..rounds.clamp(1, 100) {
+        let r = inproc::measure(services, false, false, inproc::Effort::default())?;
+        let t = r.full_sync;
+        println!(
+            "first sync at {services}: {:.1} ms (translate {:.1}, plan {:.1}, apply {:.1}; {} ops)",
+            inproc::ms(t.total()),
+            inproc::ms(t.translate),
+            inproc::ms(t.plan),
+            inproc::ms(t.apply),
+            t.ops
+        );
+        totals.push(inproc::ms(t.total()));
+    }
+    totals.sort_by(f64::total_cmp);
+    println!("median {:.1} ms", totals[totals.len() / 2]);
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Serve(args) => loadgen::serve(&args),
         Command::Loadgen(args) => loadgen::loadgen(&args),
+        Command::FirstSync { services, rounds } => first_sync(services, rounds),
         Command::Rules { mode, services } => {
             let specs = workload::generated(services);
             print!(
