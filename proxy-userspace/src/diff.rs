@@ -17,15 +17,13 @@
 //! programmed it is left exactly as it is. Space freed by this plan's removals is used on the next
 //! sync.
 
-use std::{
-    cmp::Reverse,
-    collections::{HashMap, HashSet},
-};
+use std::cmp::Reverse;
 
 use proxy_common::{Backend, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
 
 use crate::{
     encode,
+    fast_hash::{HashMap, HashSet},
     ids::IdAllocator,
     model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
     programmed::{Capacities, MapOp, Programmed},
@@ -62,11 +60,11 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     skipped.sort();
 
     let mut ops = Vec::new();
-    let mut referenced_backends: HashSet<u32> = HashSet::new();
-    let mut referenced_rev_nats: HashSet<u32> = HashSet::new();
+    let mut referenced_backends: HashSet<u32> = HashSet::default();
+    let mut referenced_rev_nats: HashSet<u32> = HashSet::default();
 
     // Phase 1: backends (flags merged across the frontends sharing them), then rev-NAT entries.
-    let mut backends: HashMap<u32, Backend> = HashMap::new();
+    let mut backends: HashMap<u32, Backend> = HashMap::default();
     for a in &accepted {
         for b in a.df.backends.iter().chain(&a.df.retained) {
             let Some(&id) = backend_ids.get(&b.endpoint) else {
@@ -253,7 +251,7 @@ struct Admission<'a> {
 
 impl<'a> Admission<'a> {
     fn new(programmed: &'a Programmed, caps: &'a Capacities) -> Self {
-        let mut backend_ids: HashMap<EndpointAddr, u32> = HashMap::new();
+        let mut backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
         for (&id, b) in &programmed.backends {
             if let Some(ep) = encode::decode_endpoint(b) {
                 backend_ids
@@ -284,7 +282,7 @@ impl<'a> Admission<'a> {
             backend_ids,
             backend_alloc: IdAllocator::new(used_backend_ids),
             rev_nat_alloc: IdAllocator::new(used_rev_nat_ids),
-            rev_nat_claims: HashMap::new(),
+            rev_nat_claims: HashMap::default(),
             accepted: Vec::new(),
             kept: Vec::new(),
             skipped: Vec::new(),
@@ -830,7 +828,7 @@ mod tests {
             }
         }
         // Shared backends must agree on flags for the round trip to be exact.
-        let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::new();
+        let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::default();
         for df in frontends.values_mut() {
             for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
                 let (t, l) = *flags.entry(b.endpoint).or_insert((b.terminating, b.local));

@@ -6,14 +6,14 @@
 //! number is where that slice's endpoints listen, which is how a named targetPort resolves per
 //! endpoint.
 
-use std::{
-    collections::{BTreeSet, HashMap},
-    net::Ipv4Addr,
-};
+use std::{collections::BTreeSet, net::Ipv4Addr};
 
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
-use crate::model::{EndpointAddr, Problem, Protocol};
+use crate::{
+    fast_hash::HashMap,
+    model::{EndpointAddr, Problem, Protocol},
+};
 
 /// Label naming the Service an EndpointSlice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -78,7 +78,7 @@ impl SliceIndex {
         node_name: &str,
         problems: &mut Vec<Problem>,
     ) -> Self {
-        let mut by_service: HashMap<_, Vec<_>> = HashMap::new();
+        let mut by_service: HashMap<_, Vec<_>> = HashMap::default();
         for slice in slices {
             if slice.address_type != ADDRESS_TYPE_IPV4 {
                 continue;
@@ -121,7 +121,7 @@ impl SliceIndex {
         else {
             return Vec::new();
         };
-        let mut out: HashMap<EndpointAddr, EndpointInfo> = HashMap::new();
+        let mut out: HashMap<EndpointAddr, EndpointInfo> = HashMap::default();
         for (_, slice) in slices {
             let Some(port) = slice
                 .ports

@@ -3,7 +3,7 @@
 //! The allocator holds no state across syncs: `diff` seeds it with the ids the maps already
 //! use, so ids are derived from what is programmed and cannot drift from it.
 
-use std::collections::HashSet;
+use crate::fast_hash::HashSet;
 
 /// Hands out the smallest ids ≥ 1 not in a given used set, in increasing order.
 #[derive(Clone, Debug, Default)]

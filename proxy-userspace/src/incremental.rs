@@ -13,7 +13,7 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet},
 };
 
 use proxy_common::{MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
@@ -21,6 +21,7 @@ use proxy_common::{MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
 use crate::{
     diff::{self, Plan},
     encode,
+    fast_hash::{HashMap, HashSet},
     model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
     programmed::{Capacities, MapOp, Programmed},
 };
@@ -127,16 +128,16 @@ impl Planner {
     /// Indexes for what `programmed` holds, with an empty desired state.
     pub fn new(programmed: &Programmed) -> Self {
         let mut p = Self {
-            endpoint_ids: HashMap::new(),
-            irregular_backends: HashSet::new(),
-            slot_refs: HashMap::new(),
-            rev_nat_refs: HashMap::new(),
+            endpoint_ids: HashMap::default(),
+            irregular_backends: HashSet::default(),
+            slot_refs: HashMap::default(),
+            rev_nat_refs: HashMap::default(),
             free_backend_ids: FreeIds::default(),
             free_rev_nat_ids: FreeIds::default(),
             frontends: 0,
-            endpoint_use: HashMap::new(),
+            endpoint_use: HashMap::default(),
             pending: BTreeSet::new(),
-            touched: HashSet::new(),
+            touched: HashSet::default(),
             needs_full: true,
         };
         let mut empty = Programmed::default();
@@ -399,7 +400,7 @@ impl Planner {
         let mut used_services = programmed.services.len() as u64;
         let mut used_backends = programmed.backends.len() as u64;
         let mut used_rev_nats = programmed.rev_nats.len() as u64;
-        let mut new_backend_ids: HashMap<EndpointAddr, u32> = HashMap::new();
+        let mut new_backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
         let mut backend_alloc = self.free_backend_ids.iter();
         let mut rev_nat_alloc = self.free_rev_nat_ids.iter();
         let mut accepted = Vec::new();

@@ -9,6 +9,7 @@ pub mod dump;
 pub mod ebpf_object;
 pub mod encode;
 pub mod endpoints;
+pub mod fast_hash;
 pub mod health;
 pub mod healthcheck;
 pub mod ids;

@@ -4,9 +4,9 @@
 //! the maps by applying every operation to both. `diff` compares it with the desired state; ids
 //! are derived from it, so no other allocator state exists to drift.
 
-use std::collections::HashMap;
-
 use proxy_common::{Backend, RevNat, ServiceKey, ServiceValue};
+
+use crate::fast_hash::HashMap;
 
 /// One write to one map. `diff` emits them in an order that keeps the datapath consistent at
 /// every step: backends → rev-NAT → slots → frontends; shrinking in reverse.

@@ -16,7 +16,7 @@
 //! equal to a full translation of the same snapshot (tested below).
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet, btree_map::Entry},
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
     net::Ipv4Addr,
     sync::Arc,
 };
@@ -25,6 +25,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
     endpoints::{LABEL_SERVICE_NAME, SliceIndex},
+    fast_hash::{HashMap, HashSet},
     model::{DesiredFrontend, DesiredState, Frontend, Problem},
     snapshot::Snapshot,
     translate::{self, HealthCheck, NodeContext, ServiceTranslation},
@@ -203,7 +204,7 @@ impl TranslateCache {
 
     /// Services whose Service object or EndpointSlices differ from the last snapshot.
     fn changed_services(&mut self, snapshot: &Snapshot) -> HashSet<ServiceName> {
-        let mut dirty = HashSet::new();
+        let mut dirty = HashSet::default();
 
         let (fresh, gone) = self.seen_services.split(&snapshot.services);
         let mut fresh: HashMap<ServiceName, Arc<Service>> = fresh
@@ -316,7 +317,7 @@ struct Seen<K> {
 impl<K> Default for Seen<K> {
     fn default() -> Self {
         Self {
-            objects: HashMap::new(),
+            objects: HashMap::default(),
             generation: 0,
         }
     }
