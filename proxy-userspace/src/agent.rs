@@ -157,11 +157,7 @@ impl Agent {
             .cache
             .update(snapshot, &self.node, self.external.nodeport_addrs(), full);
         let desired = self.cache.desired();
-        for c in &changes {
-            let new = desired.frontends.get(&c.frontend);
-            self.planner
-                .desired_changed(c.frontend, c.old.as_ref(), new);
-        }
+        self.planner.desired_changes(&changes, desired);
         problems.extend(self.cache.problems());
         let plan = self
             .planner

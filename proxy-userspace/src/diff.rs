@@ -412,7 +412,7 @@ impl<'a> Admission<'a> {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::BTreeMap, net::Ipv4Addr};
+    use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
 
     use proxy_common::backend_flags;
 
@@ -484,7 +484,10 @@ mod tests {
     fn state(frontends: &[(u32, &[u32])]) -> DesiredState {
         let frontends = frontends
             .iter()
-            .map(|(i, bs)| (fe(*i), dfe(*i, bs.iter().map(|b| be(*b)).collect(), vec![])))
+            .map(|(i, bs)| {
+                let df = dfe(*i, bs.iter().map(|b| be(*b)).collect(), vec![]);
+                (fe(*i), Arc::new(df))
+            })
             .collect();
         DesiredState { frontends }
     }
@@ -666,7 +669,7 @@ mod tests {
         let mut p = Programmed::default();
         sync(&state(&[(1, &[1, 2])]), &mut p);
         let mut d = state(&[(1, &[1, 2])]);
-        let df = d.frontends.get_mut(&fe(1)).expect("fe");
+        let df = Arc::make_mut(d.frontends.get_mut(&fe(1)).expect("fe"));
         df.backends[1].terminating = true;
         df.backends[1].local = true;
         let plan = sync(&d, &mut p);
@@ -732,8 +735,8 @@ mod tests {
     #[test]
     fn shared_backend_flags_merge_local_any_terminating_all() {
         let mut d = state(&[(1, &[1]), (2, &[1])]);
-        d.frontends.get_mut(&fe(1)).expect("fe").backends[0].terminating = true;
-        d.frontends.get_mut(&fe(2)).expect("fe").backends[0].local = true;
+        Arc::make_mut(d.frontends.get_mut(&fe(1)).expect("fe")).backends[0].terminating = true;
+        Arc::make_mut(d.frontends.get_mut(&fe(2)).expect("fe")).backends[0].local = true;
         let plan = plan(&d, &Programmed::default(), &CAPS);
         let MapOp::PutBackend { backend, .. } = plan.ops[0] else {
             panic!("{:?}", plan.ops)
@@ -747,7 +750,7 @@ mod tests {
         sync(&state(&[(1, &[1, 2])]), &mut p);
         let mut d = state(&[(1, &[1])]);
         d.frontends
-            .insert(fe(1), dfe(1, vec![be(1)], vec![term(2)]));
+            .insert(fe(1), dfe(1, vec![be(1)], vec![term(2)]).into());
         let plan = sync(&d, &mut p);
         let mut flagged = encode::backend(&be(2));
         flagged.flags = backend_flags::TERMINATING;
@@ -821,15 +824,19 @@ mod tests {
                 // clients (the in-cluster entry).
                 let local: Vec<DesiredBackend> =
                     backends.iter().copied().filter(|b| b.local).collect();
-                frontends.insert(fr.in_cluster(), node_port(f, backends, vec![], false));
-                frontends.insert(fr, node_port(f, local, retained, true));
+                frontends.insert(
+                    fr.in_cluster(),
+                    node_port(f, backends, vec![], false).into(),
+                );
+                frontends.insert(fr, node_port(f, local, retained, true).into());
             } else {
-                frontends.insert(fr, dfe(f, backends, retained));
+                frontends.insert(fr, dfe(f, backends, retained).into());
             }
         }
         // Shared backends must agree on flags for the round trip to be exact.
         let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::default();
         for df in frontends.values_mut() {
+            let df = Arc::make_mut(df);
             for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
                 let (t, l) = *flags.entry(b.endpoint).or_insert((b.terminating, b.local));
                 b.terminating = t;
@@ -964,7 +971,7 @@ mod tests {
         let mut d = DesiredState::default();
         for f in 0..n {
             d.frontends
-                .insert(fe(f), dfe(f, vec![be(2 * f), be(2 * f + 1)], vec![]));
+                .insert(fe(f), dfe(f, vec![be(2 * f), be(2 * f + 1)], vec![]).into());
         }
         let mut p = Programmed::default();
         for op in &plan(&d, &p, &CAPS).ops {
@@ -974,7 +981,7 @@ mod tests {
         // Service 4321 loses one endpoint and gains another.
         let f = 4321;
         d.frontends
-            .insert(fe(f), dfe(f, vec![be(2 * f), be(3 * n)], vec![]));
+            .insert(fe(f), dfe(f, vec![be(2 * f), be(3 * n)], vec![]).into());
         let plan = plan(&d, &p, &CAPS);
         let old_id = p
             .backends
@@ -1041,11 +1048,12 @@ mod tests {
                 _ => {
                     let df = d.frontends.entry(fr).or_insert_with(|| {
                         if in_cluster {
-                            node_port(f, vec![], vec![], false)
+                            node_port(f, vec![], vec![], false).into()
                         } else {
-                            dfe(f, vec![], vec![])
+                            dfe(f, vec![], vec![]).into()
                         }
                     });
+                    let df = Arc::make_mut(df);
                     let b = rng.below(20);
                     let backend = DesiredBackend {
                         local: rng.below(2) == 0,
@@ -1108,7 +1116,7 @@ mod tests {
                 for f in keys {
                     let (old, new) = (prev.frontends.get(&f), d.frontends.get(&f));
                     if old != new {
-                        planner.desired_changed(f, old, new);
+                        planner.desired_changed(f, old.map(|d| &**d), new.map(|d| &**d));
                     }
                 }
                 let full = plan(&d, &full_p, &caps);

@@ -24,6 +24,7 @@ use crate::{
     fast_hash::{HashMap, HashSet},
     model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
     programmed::{Capacities, MapOp, Programmed},
+    translate_cache::FrontendChange,
 };
 
 /// Free ids of one id space (1..=u32::MAX), as disjoint inclusive ranges keyed by their start.
@@ -180,6 +181,14 @@ impl Planner {
     /// Number of frontend entries (slot 0) programmed.
     pub fn frontend_count(&self) -> usize {
         self.frontends
+    }
+
+    /// The translation cache's changes of one update, against the desired state after it.
+    pub fn desired_changes(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+        for c in changes {
+            let new = desired.frontends.get(&c.frontend).map(|d| &**d);
+            self.desired_changed(c.frontend, c.old.as_deref(), new);
+        }
     }
 
     /// A frontend's desired value changed from `old` to `new` (as the desired state now says).

@@ -1,7 +1,7 @@
 //! The desired state: what the maps should carry, in host types (no byte order, no ids).
 //! `translate` produces it from Services/EndpointSlices; `diff` turns it into map operations.
 
-use std::{collections::BTreeMap, fmt, net::Ipv4Addr};
+use std::{collections::BTreeMap, fmt, net::Ipv4Addr, sync::Arc};
 
 /// L4 protocol of a Service port. SCTP is not supported by the datapath (translate reports it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -177,7 +177,8 @@ pub struct DesiredFrontend {
 /// Everything the maps should carry.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
-    pub frontends: BTreeMap<Frontend, DesiredFrontend>,
+    /// Shared with the translation cache's per-Service results (one copy of each frontend).
+    pub frontends: BTreeMap<Frontend, Arc<DesiredFrontend>>,
 }
 
 /// A problem with one input object: reported (log, later Events/metrics) and skipped; every other

@@ -99,7 +99,8 @@ mod tests {
                 source_ranges: vec![(Ipv4Addr::new(10, 0, 0, 0), 8)],
                 backends: vec![],
                 retained: vec![],
-            },
+            }
+            .into(),
         );
         let w = wanted(&desired);
         assert_eq!(

@@ -8,6 +8,7 @@
 use std::{
     collections::btree_map::Entry,
     net::{IpAddr, Ipv4Addr},
+    sync::Arc,
 };
 
 use k8s_openapi::api::core::v1::Service;
@@ -128,7 +129,7 @@ pub fn translate_for_node(
 pub struct ServiceTranslation {
     /// The frontends the Service asks for, in Service port order; all or none of them are
     /// claimed. Empty when the Service is skipped.
-    pub frontends: Vec<(Frontend, DesiredFrontend)>,
+    pub frontends: Vec<(Frontend, Arc<DesiredFrontend>)>,
     pub problems: Vec<Problem>,
     pub notes: Vec<Problem>,
     /// Served only if the frontends are claimed.
@@ -155,7 +156,11 @@ pub fn translate_service(
             if let Some(note) = f.note {
                 out.notes.push(service_problem(svc, note));
             }
-            out.frontends = f.frontends;
+            out.frontends = f
+                .frontends
+                .into_iter()
+                .map(|(frontend, df)| (frontend, Arc::new(df)))
+                .collect();
             out.health_check = f.health_check;
         }
         Err(e) => out.problems.push(service_problem(svc, e.to_string())),
@@ -183,7 +188,7 @@ fn service_problem(svc: &Service, reason: String) -> Problem {
 /// Insert all of one Service's frontends, or none if any is already taken.
 fn claim(
     desired: &mut DesiredState,
-    frontends: Vec<(Frontend, DesiredFrontend)>,
+    frontends: Vec<(Frontend, Arc<DesiredFrontend>)>,
 ) -> Result<(), ServiceError> {
     for (frontend, _) in &frontends {
         if let Some(owner) = desired.frontends.get(frontend) {
@@ -1565,7 +1570,7 @@ mod tests {
             .desired
             .frontends
             .values()
-            .map(crate::encode::frontend_flags)
+            .map(|d| crate::encode::frontend_flags(d))
             .collect();
         let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
         // Node address 1 (+ its in-cluster entry), the ClusterIP, node address 2 (+ in-cluster):

@@ -39,7 +39,7 @@ pub type ServiceName = (String, String);
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendChange {
     pub frontend: Frontend,
-    pub old: Option<DesiredFrontend>,
+    pub old: Option<Arc<DesiredFrontend>>,
 }
 
 /// The translation of the last snapshot, kept per Service.
@@ -256,7 +256,7 @@ impl TranslateCache {
     /// Decide the claims of `group` again (no Service outside it shares a frontend with one in
     /// it) and record which frontends changed.
     fn claim(&mut self, group: &BTreeSet<ServiceName>) -> Vec<FrontendChange> {
-        let mut before: BTreeMap<Frontend, Option<DesiredFrontend>> = BTreeMap::new();
+        let mut before: BTreeMap<Frontend, Option<Arc<DesiredFrontend>>> = BTreeMap::new();
         // Release everything the group holds.
         for name in group {
             self.claim_problems.remove(name);

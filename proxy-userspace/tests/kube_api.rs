@@ -884,10 +884,7 @@ fn pipeline_cost_at_10000_services() {
     let mut sync = |snapshot: &kube_proxy_ebpf::snapshot::Snapshot, full: bool| {
         let t = Instant::now();
         let changes = cache.update(snapshot, &node, &[], full);
-        for c in &changes {
-            let new = cache.desired().frontends.get(&c.frontend);
-            planner.desired_changed(c.frontend, c.old.as_ref(), new);
-        }
+        planner.desired_changes(&changes, cache.desired());
         let translate_t = t.elapsed();
         let t = Instant::now();
         let plan = planner.plan(cache.desired(), &programmed, &caps, full);

@@ -57,7 +57,8 @@ fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
                 source_ranges: Vec::new(),
                 backends,
                 retained: vec![],
-            },
+            }
+            .into(),
         );
     }
     DesiredState { frontends }

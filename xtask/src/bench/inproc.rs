@@ -152,11 +152,7 @@ impl Loaded {
     ) -> Result<SyncTimes> {
         let t = Instant::now();
         let changes = self.cache.update(snap, &self.node, &[], full);
-        for c in &changes {
-            let new = self.cache.desired().frontends.get(&c.frontend);
-            self.planner
-                .desired_changed(c.frontend, c.old.as_ref(), new);
-        }
+        self.planner.desired_changes(&changes, self.cache.desired());
         let translate = t.elapsed();
         let problems = self.cache.problems();
         ensure!(
