@@ -233,7 +233,7 @@ impl Agent {
             self.node.zone = state.zone;
         }
         self.health.set_node_eligible(state.node_eligible);
-        debug!(read_us, "source state read");
+        debug!(read_us, rss_mib = rss_mib(), "source state read");
         self.sync(&state.snapshot, state.problems, full)
     }
 
@@ -442,6 +442,17 @@ fn release_free_heap() {
     }
 }
 
+/// This process's resident memory in MiB (`VmRSS`), for the start-up log; 0 if unreadable.
+fn rss_mib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib / 1024)
+}
+
 /// Pure: should the agent drop this conntrack entry?
 pub fn flow_is_dead(
     key: &CtKey,
@@ -545,6 +556,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes, sock_lb)?;
     agent.status_file = args.status_file.clone();
+    info!(rss_mib = rss_mib(), "datapath loaded");
     agent.external.configure(
         args.nodeport_addresses.clone(),
         Patterns::parse(&args.devices),
@@ -566,6 +578,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     info!(
         took_ms = waiting.elapsed().as_millis() as u64,
+        rss_mib = rss_mib(),
         "initial state complete"
     );
     // Wake-ups from the initial lists are covered by this first sync: drop them (before reading
@@ -583,7 +596,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Err(e) = agent.attach_socket_lb(sock_cgroup.as_deref()) {
         error!("socket hooks: {e:#}; the node's own processes cannot reach Services");
     }
-    info!("ready");
+    info!(rss_mib = rss_mib(), "ready");
 
     let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);
     // Like kube-proxy's BoundedFrequencyRunner: a change syncs at once unless the last sync was

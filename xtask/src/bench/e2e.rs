@@ -462,6 +462,18 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     };
     let hwm = kib("VmHWM:").context("no VmHWM")?;
     let rss = kib("VmRSS:").context("no VmRSS")?;
+    // The agent logs its RSS at each start-up stage: where the footprint comes from.
+    std::thread::sleep(Duration::from_millis(200));
+    for line in agent
+        .log_tail()
+        .lines()
+        .filter(|l| l.contains("rss_mib") && !l.contains("DEBUG"))
+    {
+        eprintln!(
+            "  agent: {}",
+            line.split_once("  INFO ").map_or(line, |(_, l)| l)
+        );
+    }
     drop(agent);
     Ok(json!({
         "services": n,

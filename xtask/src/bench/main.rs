@@ -47,6 +47,13 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         rounds: usize,
     },
+    /// Only the agent binary's footprint on a manifest folder of `services` (start → first sync,
+    /// VmHWM), as the control part measures it.
+    Footprint {
+        services: usize,
+        #[arg(long)]
+        agent_bin: PathBuf,
+    },
     /// Print the baseline rule set the bench loads for `n` generated Services (to inspect it).
     Rules {
         #[arg(value_enum)]
@@ -191,6 +198,15 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => loadgen::serve(&args),
         Command::Loadgen(args) => loadgen::loadgen(&args),
         Command::FirstSync { services, rounds } => first_sync(services, rounds),
+        Command::Footprint {
+            services,
+            agent_bin,
+        } => plan(Size::Quick, agent_bin).and_then(|p| {
+            proxy_testenv::ensure_bpffs()?;
+            let v = e2e::agent_footprint(&p.e2e_cfg, services)?;
+            println!("{v}");
+            Ok(())
+        }),
         Command::Rules { mode, services } => {
             let specs = workload::generated(services);
             print!(
