@@ -90,13 +90,14 @@ fn batched_apply_leaves_exactly_the_plan_in_the_kernel_maps() {
     let mut maps = ServiceMaps::from_ebpf(&mut ebpf).expect("maps");
     let mut shadow = Programmed::default();
 
-    let grown = sync(&mut maps, &mut shadow, &state(500, 10, 0));
+    // 1,000 × 10: the backend and slot runs are large enough to be written by two threads.
+    let grown = sync(&mut maps, &mut shadow, &state(1_000, 10, 0));
     assert_eq!(
         grown,
-        500 * 10 + 500 * 11 + 500,
+        1_000 * 10 + 1_000 * 11 + 1_000,
         "backends + slots/frontends + rev-NATs"
     );
-    assert_eq!(shadow.frontend_count(), 500);
+    assert_eq!(shadow.frontend_count(), 1_000);
 
     // Shrink and move: half the Services go, the rest get other backends (puts + deletes).
     sync(&mut maps, &mut shadow, &state(250, 4, 3));

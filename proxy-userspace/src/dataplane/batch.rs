@@ -92,6 +92,42 @@ pub fn update<K: aya::Pod, V: aya::Pod>(
     )
 }
 
+/// Below this many elements a batch is written by the calling thread alone (a thread costs tens
+/// of µs; incremental syncs write a handful of entries).
+const PARALLEL_MIN: usize = 8_192;
+
+/// [`update`] split over two threads when large: the kernel's hash-map update takes only a
+/// per-bucket lock, so two CPUs write a first sync's 100,000s of entries nearly twice as fast.
+/// Only for runs whose order does not matter. `done` keeps `update`'s meaning: every element
+/// before it was written (a failed first half reports where it stopped; the second half may have
+/// been written too, which a retry of the rest repeats harmlessly).
+pub fn update_parallel<K: aya::Pod + Sync, V: aya::Pod + Sync>(
+    fd: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> BatchOutcome {
+    if keys.len() < PARALLEL_MIN {
+        return update(fd, keys, values);
+    }
+    let mid = keys.len() / 2;
+    let (first, second) = std::thread::scope(|s| {
+        let second = s.spawn(|| update(fd, &keys[mid..], &values[mid..]));
+        let first = update(fd, &keys[..mid], &values[..mid]);
+        (first, second.join())
+    });
+    let second = second.unwrap_or_else(|_| BatchOutcome {
+        done: 0,
+        error: Some(std::io::Error::other("batch thread panicked")),
+    });
+    if first.error.is_some() {
+        return first;
+    }
+    BatchOutcome {
+        done: mid + second.done,
+        error: second.error,
+    }
+}
+
 /// Deletes `keys`. The kernel stops at the first missing key (ENOENT) and reports how far it got.
 pub fn delete<K: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> BatchOutcome {
     if keys.is_empty() {

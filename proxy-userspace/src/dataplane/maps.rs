@@ -145,7 +145,7 @@ impl ServiceMaps {
                         _ => None,
                     })
                     .unzip();
-                batch::update($map.map().fd().as_fd(), &k, &v)
+                batch::update_parallel($map.map().fd().as_fd(), &k, &v)
             }};
         }
         macro_rules! deletes {
@@ -167,9 +167,7 @@ impl ServiceMaps {
             MapOp::PutRevNat { .. } => {
                 puts!(self.rev_nats, MapOp::PutRevNat { id, rev_nat } => (id, rev_nat))
             }
-            MapOp::PutService { .. } => {
-                puts!(self.services, MapOp::PutService { key, value } => (key, value))
-            }
+            MapOp::PutService { .. } => self.put_services(run),
             MapOp::DeleteService { .. } => {
                 deletes!(self.services, MapOp::DeleteService { key } => key)
             }
@@ -190,6 +188,33 @@ impl ServiceMaps {
             done += 1;
         }
         (done, None)
+    }
+
+    /// A run of SERVICES writes. A full plan writes every slot (phase 2) before every frontend
+    /// (phase 3); then each part is written in parallel, slots first, so no frontend is ever
+    /// visible before its slots. Any other shape is written in order by one batch call.
+    fn put_services(&self, run: &[MapOp]) -> batch::BatchOutcome {
+        let (k, v): (Vec<ServiceKey>, Vec<ServiceValue>) = run
+            .iter()
+            .filter_map(|op| match *op {
+                MapOp::PutService { key, value } => Some((key, value)),
+                _ => None,
+            })
+            .unzip();
+        let fd = self.services.map().fd().as_fd();
+        let slots = k.iter().take_while(|key| key.slot != 0).count();
+        if !k[slots..].iter().all(|key| key.slot == 0) {
+            return batch::update(fd, &k, &v);
+        }
+        let first = batch::update_parallel(fd, &k[..slots], &v[..slots]);
+        if first.error.is_some() {
+            return first;
+        }
+        let second = batch::update_parallel(fd, &k[slots..], &v[slots..]);
+        batch::BatchOutcome {
+            done: slots + second.done,
+            error: second.error,
+        }
     }
 
     /// Backend by id (for conntrack garbage collection).
