@@ -206,47 +206,47 @@ impl TranslateCache {
     fn changed_services(&mut self, snapshot: &Snapshot) -> HashSet<ServiceName> {
         let mut dirty = HashSet::default();
 
+        // Fresh objects replace what their name held; a gone object's name is removed only if
+        // no fresh object took it. Order does not matter here (hash sets, no sorting).
         let (fresh, gone) = self.seen_services.split(&snapshot.services);
-        let mut fresh: HashMap<ServiceName, Arc<Service>> = fresh
+        let fresh: HashMap<ServiceName, Arc<Service>> = fresh
             .into_iter()
             .filter_map(|s| Some((service_name(&s)?, s)))
             .collect();
-        let touched: BTreeSet<ServiceName> = gone
-            .iter()
-            .filter_map(|s| service_name(s))
-            .chain(fresh.keys().cloned())
-            .collect();
-        for name in touched {
-            let old = match fresh.remove(&name) {
-                Some(new) => self.services.insert(name.clone(), new),
-                None => self.services.remove(&name),
-            };
-            if old.as_ref() != self.services.get(&name) {
+        for name in gone.iter().filter_map(|s| service_name(s)) {
+            if !fresh.contains_key(&name) && self.services.remove(&name).is_some() {
+                dirty.insert(name);
+            }
+        }
+        for (name, new) in fresh {
+            if replaced(self.services.insert(name.clone(), new.clone()), &new) {
                 dirty.insert(name);
             }
         }
 
         let (fresh, gone) = self.seen_slices.split(&snapshot.endpoint_slices);
-        let mut fresh: HashMap<(ServiceName, String), Arc<EndpointSlice>> = fresh
+        let fresh: HashMap<(ServiceName, String), Arc<EndpointSlice>> = fresh
             .into_iter()
             .filter_map(|s| Some((slice_key(&s)?, s)))
             .collect();
-        let touched: BTreeSet<(ServiceName, String)> = gone
-            .iter()
-            .filter_map(|s| slice_key(s))
-            .chain(fresh.keys().cloned())
-            .collect();
-        for (service, slice) in touched {
-            let new = fresh.remove(&(service.clone(), slice.clone()));
-            let group = self.slices.entry(service.clone()).or_default();
-            let old = match &new {
-                Some(new) => group.insert(slice, new.clone()),
-                None => group.remove(&slice),
-            };
-            if group.is_empty() {
-                self.slices.remove(&service);
+        for key in gone.iter().filter_map(|s| slice_key(s)) {
+            if fresh.contains_key(&key) {
+                continue;
             }
-            if old != new {
+            let (service, slice) = key;
+            let Some(group) = self.slices.get_mut(&service) else {
+                continue;
+            };
+            if group.remove(&slice).is_some() {
+                if group.is_empty() {
+                    self.slices.remove(&service);
+                }
+                dirty.insert(service);
+            }
+        }
+        for ((service, slice), new) in fresh {
+            let group = self.slices.entry(service.clone()).or_default();
+            if replaced(group.insert(slice, new.clone()), &new) {
                 dirty.insert(service);
             }
         }
@@ -352,6 +352,12 @@ impl<K> Seen<K> {
         }
         (fresh, gone)
     }
+}
+
+/// Did inserting `new` change what the key held (`old`: what the insert returned)? The same `Arc`
+/// is unchanged; another one is compared by value (the manifest source parses objects anew).
+fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
+    old.is_none_or(|old| !Arc::ptr_eq(&old, new) && *old != **new)
 }
 
 fn service_name(svc: &Service) -> Option<ServiceName> {
