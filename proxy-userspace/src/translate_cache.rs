@@ -130,24 +130,15 @@ impl TranslateCache {
         if dirty.is_empty() {
             return Vec::new();
         }
-        // Translate the changed Services again.
-        for name in &dirty {
-            let mut problems = Vec::new();
-            let slices = self.slices.get(name);
-            let index = SliceIndex::new(
-                slices.into_iter().flat_map(|s| s.values().map(|s| &**s)),
-                &node.node_name,
-                &mut problems,
-            );
+        // Translate the changed Services again (pure; two threads when there are many).
+        let dirty: Vec<ServiceName> = dirty.into_iter().collect();
+        let translated = self.translate_each(&dirty, node, nodeport_addrs);
+        for (name, (problems, new)) in dirty.iter().zip(translated) {
             if problems.is_empty() {
                 self.slice_problems.remove(name);
             } else {
                 self.slice_problems.insert(name.clone(), problems);
             }
-            let new = self
-                .services
-                .get(name)
-                .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
             let old = match new {
                 Some(t) => self.translations.insert(name.clone(), t),
                 None => self.translations.remove(name),
@@ -200,6 +191,45 @@ impl TranslateCache {
             }
         }
         self.claim(&group)
+    }
+
+    /// Each Service's slice problems and translation, in `names` order. A first sync's thousands
+    /// of Services are split over two threads (each Service's translation is independent).
+    fn translate_each(
+        &self,
+        names: &[ServiceName],
+        node: &NodeContext,
+        nodeport_addrs: &[Ipv4Addr],
+    ) -> Vec<(Vec<Problem>, Option<ServiceTranslation>)> {
+        const PARALLEL_MIN: usize = 2_048;
+        let one = |name: &ServiceName| {
+            let mut problems = Vec::new();
+            let slices = self.slices.get(name);
+            let index = SliceIndex::new(
+                slices.into_iter().flat_map(|s| s.values().map(|s| &**s)),
+                &node.node_name,
+                &mut problems,
+            );
+            let translation = self
+                .services
+                .get(name)
+                .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
+            (problems, translation)
+        };
+        if names.len() < PARALLEL_MIN {
+            return names.iter().map(one).collect();
+        }
+        let (first, second) = names.split_at(names.len() / 2);
+        std::thread::scope(|s| {
+            let second = s.spawn(|| second.iter().map(one).collect::<Vec<_>>());
+            let mut out: Vec<_> = first.iter().map(one).collect();
+            out.extend(
+                second
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            );
+            out
+        })
     }
 
     /// Services whose Service object or EndpointSlices differ from the last snapshot.
@@ -550,6 +580,35 @@ mod tests {
                 prev = want.desired;
             }
         }
+    }
+
+    /// Thousands of Services are translated on two threads: the result must not depend on it
+    /// (the fixtures share a few addresses, so most Services lose their claims, in name order).
+    #[test]
+    fn a_large_first_sync_equals_the_full_translation() {
+        let mut rng = Rng(99);
+        let n = 3_000;
+        let snapshot = Snapshot {
+            services: (0..n)
+                .map(|i| Arc::new(random_service(&mut rng, i)))
+                .collect(),
+            endpoint_slices: (0..n)
+                .flat_map(|i| [0, 1].map(|part| (i, part)))
+                .map(|(i, part)| Arc::new(random_slice(&mut rng, i, part)))
+                .collect(),
+        };
+        let node = NodeContext {
+            node_name: "node-a".into(),
+            zone: Some("zone-a".into()),
+        };
+        let addrs = [Ipv4Addr::new(192, 168, 1, 1)];
+        let want = translate::translate_for_node(&snapshot, &node, &addrs);
+        let mut cache = TranslateCache::new();
+        let changes = cache.update(&snapshot, &node, &addrs, true);
+        assert!(want.problems.len() > 1_000, "claims contended");
+        assert_eq!(cache.desired(), &want.desired);
+        assert_eq!(sorted(cache.problems()), sorted(want.problems));
+        assert_eq!(changes.len(), want.desired.frontends.len());
     }
 
     #[test]
