@@ -1,6 +1,7 @@
 //! Privileged: the map layer against real kernel maps (unpinned load). Batched writes must leave
 //! exactly what the plan says, in any mix of puts and deletes, including deletes of keys that are
-//! already gone. SNAT garbage collection must remove exactly the dead flows' entries.
+//! already gone. SNAT garbage collection must remove exactly the dead flows' entries. A pinned
+//! stats array from an agent with fewer counters is replaced at load.
 //!
 //! Run by `sudo cargo xtask test` (KPE_PRIVILEGED=1); skipped otherwise.
 
@@ -297,4 +298,55 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
             ..Collected::default()
         }
     );
+}
+
+/// An agent with more datapath counters than the one that pinned the maps replaces the pinned
+/// STATS array (adopting it would silently drop the new counters); the other maps are adopted.
+#[test]
+fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
+    require_privileged!();
+    use kube_proxy_ebpf::{
+        dataplane::{bpffs::PinLayout, loader::MapSizes},
+        ebpf_object::EBPF_OBJECT,
+    };
+    use proxy_common::{COUNTER_COUNT, MAP_SERVICES, MAP_STATS, SockLbConfig};
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let dir = proxy_testenv::PinDir::new(&format!("{}-stats", proxy_testenv::unique_prefix()))
+        .expect("pin dir");
+    let pins = PinLayout::new(dir.path());
+    pins.create().expect("pin directories");
+    let max_entries = |name: &str| {
+        aya::maps::MapData::from_pin(pins.map(name))
+            .expect("pinned map")
+            .info()
+            .expect("map info")
+            .max_entries()
+    };
+    // An "older agent": its STATS array has 10 counters.
+    let mut old = aya::EbpfLoader::new();
+    old.map_pin_path(MAP_STATS, pins.map(MAP_STATS))
+        .map_pin_path(MAP_SERVICES, pins.map(MAP_SERVICES))
+        .map_max_entries(MAP_STATS, 10);
+    drop(old.load(EBPF_OBJECT).expect("old load"));
+    assert_eq!(max_entries(MAP_STATS), 10);
+    let services_id = aya::maps::MapData::from_pin(pins.map(MAP_SERVICES))
+        .and_then(|m| m.info())
+        .expect("services")
+        .id();
+
+    let ebpf = loader::load_pinned(
+        &pins,
+        &DatapathConfig::DEFAULT,
+        &MapSizes::default(),
+        &SockLbConfig::default(),
+    )
+    .expect("load");
+    assert_eq!(max_entries(MAP_STATS), COUNTER_COUNT);
+    let adopted = aya::maps::MapData::from_pin(pins.map(MAP_SERVICES))
+        .and_then(|m| m.info())
+        .expect("services")
+        .id();
+    assert_eq!(adopted, services_id, "SERVICES_V1 is adopted, not replaced");
+    drop(ebpf);
 }

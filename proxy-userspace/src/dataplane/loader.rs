@@ -3,9 +3,9 @@
 
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::{
-    ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
-    MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY,
-    SERVICES_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig,
+    ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, COUNTER_COUNT, DatapathConfig,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, PROG_TC_EGRESS,
+    PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -50,6 +50,7 @@ pub fn load_pinned(
     sock_lb: &SockLbConfig,
 ) -> Result<Ebpf> {
     pins.create()?;
+    replace_outgrown_stats(pins);
     let paths: Vec<(&'static str, std::path::PathBuf)> =
         ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
     let mut loader = EbpfLoader::new();
@@ -67,6 +68,30 @@ pub fn load_pinned(
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
     Ok(ebpf)
+}
+
+/// A pinned STATS array from an older agent with fewer counters than this one is unpinned, so
+/// the load creates one with room for every counter (the adopted one would silently drop the new
+/// counters). Counters restart from zero then; nothing else is affected (the old programs keep
+/// their map until their links get the new programs).
+fn replace_outgrown_stats(pins: &PinLayout) {
+    let path = pins.map(MAP_STATS);
+    let Ok(map) = aya::maps::MapData::from_pin(&path) else {
+        return;
+    };
+    let Ok(entries) = map.info().map(|i| i.max_entries()) else {
+        return;
+    };
+    if entries < COUNTER_COUNT {
+        tracing::info!(
+            pinned = entries,
+            counters = COUNTER_COUNT,
+            "pinned {MAP_STATS} has fewer counters than this agent: replacing it (counters restart)"
+        );
+        if let Err(e) = std::fs::remove_file(&path) {
+            tracing::warn!(path = %path.display(), "cannot unpin the old stats map: {e}");
+        }
+    }
 }
 
 /// Loads the object without pins (fresh private maps): for tests and benchmarks.
