@@ -186,6 +186,16 @@ impl Agent {
         }
     }
 
+    /// Waits for the first sync (30 s), then until `interfaces` all carry the programs (10 s;
+    /// the agent attaches after its first sync). Either failure names what was missing.
+    pub fn wait_attached(&mut self, interfaces: &[String]) -> Result<AgentStatus> {
+        self.wait_synced(1, Duration::from_secs(30))?;
+        self.wait_status(Duration::from_secs(10), |s| {
+            interfaces.iter().all(|w| s.interfaces.contains(w))
+        })
+        .with_context(|| format!("agent did not attach to {interfaces:?}"))
+    }
+
     /// Waits until the status satisfies `pred` (e.g. a backend count after a manifest change).
     pub fn wait_status(
         &mut self,

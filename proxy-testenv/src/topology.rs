@@ -310,6 +310,11 @@ impl Topology {
             .with_context(|| format!("no pod {name} in the topology"))
     }
 
+    /// The pods' host-side interfaces (what the agent attaches to with `--pod-interfaces veth-*`).
+    pub fn pod_interfaces(&self) -> Vec<String> {
+        self.pods().map(|p| p.host_if.clone()).collect()
+    }
+
     pub fn pods(&self) -> impl Iterator<Item = &Pod> {
         self.pods.values()
     }

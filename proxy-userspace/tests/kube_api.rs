@@ -361,14 +361,8 @@ impl Env {
         )
         .expect("starting the agent");
         agent
-            .wait_synced(1, Duration::from_secs(30))
+            .wait_attached(&topo.pod_interfaces())
             .unwrap_or_else(|e| panic!("{e:#}"));
-        let want: Vec<String> = topo.pods().map(|p| p.host_if.clone()).collect();
-        agent
-            .wait_status(Duration::from_secs(10), |s| {
-                want.iter().all(|w| s.interfaces.contains(w))
-            })
-            .unwrap_or_else(|e| panic!("agent did not attach to {want:?}: {e:#}"));
         Self {
             agent,
             api,

@@ -88,16 +88,11 @@ impl Env {
                 node.tmp().path(),
             )
             .expect("starting the agent");
-            agent
-                .wait_synced(1, Duration::from_secs(30))
-                .unwrap_or_else(|e| panic!("node {i}: {e:#}"));
-            let mut want: Vec<String> = node.pods().map(|p| p.host_if.clone()).collect();
+            let mut want = node.pod_interfaces();
             want.push(EXT_DEVICE.to_owned());
             agent
-                .wait_status(Duration::from_secs(10), |s| {
-                    want.iter().all(|w| s.interfaces.contains(w))
-                })
-                .unwrap_or_else(|e| panic!("node {i}: agent did not attach to {want:?}: {e:#}"));
+                .wait_attached(&want)
+                .unwrap_or_else(|e| panic!("node {i}: {e:#}"));
             agents.push(agent);
             pins.push(pin);
         }

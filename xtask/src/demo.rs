@@ -256,26 +256,16 @@ fn start_agent(
         proxy_testenv::CLUSTER_CIDR.as_ref(),
     ];
     let mut agent = Agent::start_with(bin, node.node(), &args, pin_dir, node.tmp().path())?;
+    // Interfaces are attached after the first sync: wait for the pods' veths and ext0.
+    let mut want = node.pod_interfaces();
+    want.push(EXT_DEVICE.to_owned());
     let status = agent
-        .wait_synced(1, Duration::from_secs(30))
-        .with_context(|| format!("agent on {name}"))?;
+        .wait_attached(&want)
+        .with_context(|| format!("agent on {name}; log tail:\n{}", agent.log_tail()))?;
     eprintln!(
         "agent synced: {} frontends, {} backends, {} problems",
         status.frontends, status.backends, status.problems
     );
-    // Interfaces are attached after the first sync; wait until the pods' veths and ext0 are in.
-    let mut want: Vec<String> = node.pods().map(|p| p.host_if.clone()).collect();
-    want.push(EXT_DEVICE.to_owned());
-    let status = agent
-        .wait_status(Duration::from_secs(10), |s| {
-            want.iter().all(|w| s.interfaces.contains(w))
-        })
-        .with_context(|| {
-            format!(
-                "agent on {name} did not attach to {want:?}; log tail:\n{}",
-                agent.log_tail()
-            )
-        })?;
     eprintln!("attached to {:?}", status.interfaces);
     Ok(agent)
 }

@@ -122,12 +122,7 @@ pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
 
 /// One of our tc programs.
 pub fn program_mut<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier> {
-    let prog = ebpf.program_mut(name).ok_or(Error::Missing {
-        what: "program",
-        name,
-    })?;
-    prog.try_into()
-        .map_err(|source| Error::Program { name, source })
+    typed_program_mut(ebpf, name)
 }
 
 /// One of our cgroup socket hooks.
@@ -135,6 +130,13 @@ pub fn sock_program_mut<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut aya::programs::CgroupSockAddr> {
+    typed_program_mut(ebpf, name)
+}
+
+fn typed_program_mut<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
     let prog = ebpf.program_mut(name).ok_or(Error::Missing {
         what: "program",
         name,
