@@ -26,7 +26,7 @@ use k8s_openapi::{
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::{model::Problem, snapshot::Snapshot};
+use crate::{endpoints::SliceData, model::Problem, snapshot::Snapshot};
 
 /// File name endings read from the folder.
 const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
@@ -157,6 +157,7 @@ impl Loader {
             }
             (EndpointSlice::API_VERSION, EndpointSlice::KIND) => {
                 if let Some(slice) = self.object::<EndpointSlice>(path, label, value) {
+                    let slice = SliceData::from(&slice);
                     self.out.snapshot.endpoint_slices.push(Arc::new(slice));
                 }
             }
@@ -370,14 +371,15 @@ mod tests {
                          IPv4\nendpoints:\n- addresses: [10.0.0.1]\n";
 
     fn names(load: &ManifestLoad) -> Vec<String> {
-        let svcs = load.snapshot.services.iter().map(|s| &s.metadata);
-        let slices = load.snapshot.endpoint_slices.iter().map(|s| &s.metadata);
+        let svcs =
+            (load.snapshot.services.iter()).map(|s| (&s.metadata.namespace, &s.metadata.name));
+        let slices = (load.snapshot.endpoint_slices.iter()).map(|s| (&s.namespace, &s.name));
         svcs.chain(slices)
-            .map(|m| {
+            .map(|(namespace, name)| {
                 format!(
                     "{}/{}",
-                    m.namespace.as_deref().unwrap_or("-"),
-                    m.name.as_deref().unwrap_or("-")
+                    namespace.as_deref().unwrap_or("-"),
+                    name.as_deref().unwrap_or("-")
                 )
             })
             .collect()

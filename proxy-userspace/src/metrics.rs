@@ -25,9 +25,7 @@ use std::{
 
 use hyper::{StatusCode, header};
 use k8s_openapi::{
-    Metadata,
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    Metadata, api::core::v1::Service, apimachinery::pkg::apis::meta::v1::ObjectMeta,
     jiff::Timestamp,
 };
 use prometheus_client::{
@@ -48,7 +46,7 @@ use tracing::debug;
 
 use crate::{
     dataplane::{bpffs::PinLayout, maps::Stats},
-    endpoints::LABEL_SERVICE_NAME,
+    endpoints::SliceData,
     health,
     model::DesiredState,
     snapshot::Snapshot,
@@ -436,8 +434,9 @@ struct Seen {
 /// Remembers a fingerprint of every Service and EndpointSlice of the last applied sync, so each
 /// sync can count what changed without relying on watch events. Fingerprint: the
 /// resourceVersion when the object has one (API objects), else a hash of its JSON (manifests;
-/// about 5 µs per object, so it is only computed when a change was queued, see
-/// [`ChangeTracker::needs_diff`]).
+/// about 5 µs per object, so a Service's is only computed when a change was queued, see
+/// [`ChangeTracker::needs_diff`]; an EndpointSlice's is computed once, when the source converts
+/// it to [`SliceData`], which keeps it).
 #[derive(Debug)]
 pub struct ChangeTracker {
     started: SystemTime,
@@ -469,7 +468,9 @@ impl ChangeTracker {
     /// What `snapshot` changes relative to the last committed one (does not commit).
     pub fn diff(&self, snapshot: &Snapshot) -> Changes {
         let services = fingerprints(&snapshot.services);
-        let slices = fingerprints(&snapshot.endpoint_slices);
+        let slices: HashMap<ObjectKey, u64> = (snapshot.endpoint_slices.iter())
+            .map(|s| (slice_key(s), s.fingerprint))
+            .collect();
         let changed = |now: &HashMap<ObjectKey, u64>, before: &HashMap<ObjectKey, u64>| {
             let added_or_changed = now.iter().filter(|(k, v)| before.get(*k) != Some(*v));
             let removed = before.keys().filter(|k| !now.contains_key(*k)).count() as u64;
@@ -479,10 +480,10 @@ impl ChangeTracker {
             .endpoint_slices
             .iter()
             .filter(|s| {
-                let key = object_key(s.metadata());
+                let key = slice_key(s);
                 slices.get(&key) != self.seen.slices.get(&key)
             })
-            .filter_map(|s| trigger_time(s.metadata()))
+            .filter_map(|s| s.trigger_time)
             .filter(|t| *t > self.started)
             .collect();
         Changes {
@@ -500,6 +501,13 @@ impl ChangeTracker {
     }
 }
 
+fn slice_key(slice: &SliceData) -> ObjectKey {
+    (
+        slice.namespace.clone().unwrap_or_default(),
+        slice.name.clone().unwrap_or_default(),
+    )
+}
+
 fn object_key(meta: &ObjectMeta) -> ObjectKey {
     (
         meta.namespace.clone().unwrap_or_default(),
@@ -513,20 +521,26 @@ where
 {
     objects
         .iter()
-        .map(|o| {
-            let o = &**o;
-            let meta = o.metadata();
-            let mut h = DefaultHasher::new();
-            match (&meta.resource_version, &meta.uid) {
-                (Some(rv), uid) => (rv, uid).hash(&mut h),
-                (None, _) => {
-                    // Streamed into the hasher: no buffer per object.
-                    let _ = serde_json::to_writer(HashWriter(&mut h), o);
-                }
-            }
-            (object_key(meta), h.finish())
-        })
+        .map(|o| (object_key(o.metadata()), fingerprint(&**o)))
         .collect()
+}
+
+/// What identifies this version of an object: its resourceVersion (and uid) when it has one,
+/// else a hash of its JSON.
+pub(crate) fn fingerprint<T>(o: &T) -> u64
+where
+    T: Metadata<Ty = ObjectMeta> + Serialize,
+{
+    let meta = o.metadata();
+    let mut h = DefaultHasher::new();
+    match (&meta.resource_version, &meta.uid) {
+        (Some(rv), uid) => (rv, uid).hash(&mut h),
+        (None, _) => {
+            // Streamed into the hasher: no buffer per object.
+            let _ = serde_json::to_writer(HashWriter(&mut h), o);
+        }
+    }
+    h.finish()
 }
 
 /// `io::Write` into a `Hasher`.
@@ -543,7 +557,7 @@ impl std::io::Write for HashWriter<'_> {
     }
 }
 
-fn trigger_time(meta: &ObjectMeta) -> Option<SystemTime> {
+pub(crate) fn trigger_time(meta: &ObjectMeta) -> Option<SystemTime> {
     let raw = meta.annotations.as_ref()?.get(ANNOTATION_TRIGGER_TIME)?;
     let ts: Timestamp = raw.parse().ok()?;
     system_time(ts)
@@ -583,11 +597,8 @@ pub fn no_local_endpoints(snapshot: &Snapshot, desired: &DesiredState) -> (u64, 
     let with_endpoints: HashSet<(&str, &str)> = snapshot
         .endpoint_slices
         .iter()
-        .filter(|s: &&Arc<EndpointSlice>| s.endpoints.as_ref().is_some_and(|e| !e.is_empty()))
-        .filter_map(|s| {
-            let svc = s.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
-            Some((s.metadata.namespace.as_deref()?, svc.as_str()))
-        })
+        .filter(|s| s.has_endpoints)
+        .filter_map(|s| Some((s.namespace.as_deref()?, s.service_name.as_deref()?)))
         .filter(|k| local.contains(k))
         .collect();
     // ClusterIP frontends only: internalTrafficPolicy does not shape external frontends (nor
@@ -621,7 +632,12 @@ mod tests {
         .expect("service")
     }
 
-    fn slice(name: &str, svc: &str, node: &str, trigger: Option<&str>) -> EndpointSlice {
+    fn slice(
+        name: &str,
+        svc: &str,
+        node: &str,
+        trigger: Option<&str>,
+    ) -> k8s_openapi::api::discovery::v1::EndpointSlice {
         serde_json::from_value(json!({
             "metadata": {"namespace": "default", "name": name,
                          "labels": {"kubernetes.io/service-name": svc},
@@ -674,7 +690,12 @@ mod tests {
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
         snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")));
-        snap.endpoint_slices[0] = Arc::new(slice("a-1", "a", "n2", Some("2025-01-01T00:00:05Z")));
+        snap.endpoint_slices[0] = Arc::new(SliceData::from(&slice(
+            "a-1",
+            "a",
+            "n2",
+            Some("2025-01-01T00:00:05Z"),
+        )));
         snap.endpoint_slices.pop();
         let c = t.diff(&snap);
         assert_eq!((c.services, c.endpoint_slices), (1, 2));

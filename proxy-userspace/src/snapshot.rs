@@ -4,6 +4,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
+use crate::endpoints::SliceData;
+
 /// All Services and EndpointSlices a source knows at one moment. `translate` reads only this, so
 /// both sources feed the same pure code. Every object has a name and a namespace (sources fill
 /// in `default` where a manifest leaves it out).
@@ -15,15 +17,19 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub services: Vec<Arc<Service>>,
-    pub endpoint_slices: Vec<Arc<EndpointSlice>>,
+    /// EndpointSlices as kept by the sources (parsed on arrival, see [`SliceData`]).
+    pub endpoint_slices: Vec<Arc<SliceData>>,
 }
 
 impl Snapshot {
-    /// A snapshot owning the given objects.
+    /// A snapshot owning the given objects (the slices converted as the sources do).
     pub fn new(services: Vec<Service>, endpoint_slices: Vec<EndpointSlice>) -> Self {
         Self {
             services: services.into_iter().map(Arc::new).collect(),
-            endpoint_slices: endpoint_slices.into_iter().map(Arc::new).collect(),
+            endpoint_slices: endpoint_slices
+                .iter()
+                .map(|s| Arc::new(SliceData::from(s)))
+                .collect(),
         }
     }
 }

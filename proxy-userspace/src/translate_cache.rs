@@ -21,10 +21,10 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::core::v1::Service;
 
 use crate::{
-    endpoints::{LABEL_SERVICE_NAME, SliceIndex},
+    endpoints::{SliceData, SliceIndex},
     fast_hash::{HashMap, HashSet},
     model::{DesiredFrontend, DesiredState, Frontend, Problem},
     snapshot::Snapshot,
@@ -48,10 +48,10 @@ pub struct TranslateCache {
     node: Option<(NodeContext, Vec<Ipv4Addr>)>,
     /// The objects of the last snapshot.
     seen_services: Seen<Service>,
-    seen_slices: Seen<EndpointSlice>,
+    seen_slices: Seen<SliceData>,
     services: HashMap<ServiceName, Arc<Service>>,
     /// EndpointSlices by the Service they name, then by slice name.
-    slices: HashMap<ServiceName, BTreeMap<String, Arc<EndpointSlice>>>,
+    slices: HashMap<ServiceName, BTreeMap<String, Arc<SliceData>>>,
     /// Problems found in each Service's slices.
     slice_problems: HashMap<ServiceName, Vec<Problem>>,
     /// Handled Services' translations.
@@ -255,7 +255,7 @@ impl TranslateCache {
         }
 
         let (fresh, gone) = self.seen_slices.split(&snapshot.endpoint_slices);
-        let fresh: HashMap<(ServiceName, String), Arc<EndpointSlice>> = fresh
+        let fresh: HashMap<(ServiceName, String), Arc<SliceData>> = fresh
             .into_iter()
             .filter_map(|s| Some((slice_key(&s)?, s)))
             .collect();
@@ -402,11 +402,10 @@ fn service_name(svc: &Service) -> Option<ServiceName> {
 
 /// The Service a slice belongs to and the slice's name; `None` for slices not managed for a
 /// Service (translate ignores them too).
-fn slice_key(slice: &EndpointSlice) -> Option<(ServiceName, String)> {
-    let meta = &slice.metadata;
-    let service = meta.labels.as_ref()?.get(LABEL_SERVICE_NAME)?.clone();
-    let name = meta.name.clone()?;
-    let namespace = meta
+fn slice_key(slice: &SliceData) -> Option<(ServiceName, String)> {
+    let service = slice.service_name.clone()?;
+    let name = slice.name.clone()?;
+    let namespace = slice
         .namespace
         .clone()
         .unwrap_or_else(|| "default".to_owned());
@@ -415,6 +414,7 @@ fn slice_key(slice: &EndpointSlice) -> Option<(ServiceName, String)> {
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
     use serde_json::{Value, json};
 
     use super::*;
@@ -465,7 +465,11 @@ mod tests {
         .expect("Service fixture")
     }
 
-    fn random_slice(rng: &mut Rng, i: u32, part: u32) -> EndpointSlice {
+    fn random_slice(rng: &mut Rng, i: u32, part: u32) -> SliceData {
+        SliceData::from(&random_api_slice(rng, i, part))
+    }
+
+    fn random_api_slice(rng: &mut Rng, i: u32, part: u32) -> EndpointSlice {
         let endpoints: Vec<Value> = (0..rng.below(4))
             .map(|_| {
                 let addr = if rng.below(12) == 0 {
@@ -503,7 +507,7 @@ mod tests {
         for seed in 1..=40u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
-            let mut slices: BTreeMap<(u32, u32), Arc<EndpointSlice>> = BTreeMap::new();
+            let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
             let mut node = NodeContext {
                 node_name: "node-a".into(),
                 zone: Some("zone-a".into()),
@@ -621,10 +625,12 @@ mod tests {
                 Arc::new(s)
             })
             .collect();
+        let api_slices: Vec<EndpointSlice> =
+            (0..50).map(|i| random_api_slice(&mut rng, i, 0)).collect();
         let mut snapshot = Snapshot {
             services,
-            endpoint_slices: (0..50)
-                .map(|i| Arc::new(random_slice(&mut rng, i, 0)))
+            endpoint_slices: (api_slices.iter())
+                .map(|s| Arc::new(SliceData::from(s)))
                 .collect(),
         };
         let node = NodeContext::default();
@@ -635,10 +641,9 @@ mod tests {
             [],
             "nothing changed"
         );
-        let slice = &snapshot.endpoint_slices[7];
-        let mut changed = (**slice).clone();
+        let mut changed = api_slices[7].clone();
         changed.endpoints = Some(Vec::new());
-        snapshot.endpoint_slices[7] = Arc::new(changed);
+        snapshot.endpoint_slices[7] = Arc::new(SliceData::from(&changed));
         let changes = cache.update(&snapshot, &node, &[], false);
         assert!(
             changes.iter().all(|c| cache

@@ -808,7 +808,8 @@ fn kube_scale_numbers() {
 fn pipeline_cost_at_10000_services() {
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
     use kube_proxy_ebpf::{
-        diff, incremental::Planner, programmed::Programmed, translate_cache::TranslateCache,
+        diff, endpoints::SliceData, incremental::Planner, programmed::Programmed,
+        translate_cache::TranslateCache,
     };
     const SERVICES: usize = 10_000;
     let services: Vec<Service> = (0..SERVICES)
@@ -829,12 +830,11 @@ fn pipeline_cost_at_10000_services() {
             s
         })
         .collect();
-    let arcs: (
-        Vec<std::sync::Arc<Service>>,
-        Vec<std::sync::Arc<EndpointSlice>>,
-    ) = (
+    let arcs: (Vec<std::sync::Arc<Service>>, Vec<std::sync::Arc<SliceData>>) = (
         services.iter().cloned().map(std::sync::Arc::new).collect(),
-        slices.iter().cloned().map(std::sync::Arc::new).collect(),
+        (slices.iter())
+            .map(|s| std::sync::Arc::new(SliceData::from(s)))
+            .collect(),
     );
     let node = NodeContext {
         node_name: NODE.into(),
@@ -903,7 +903,7 @@ fn pipeline_cost_at_10000_services() {
             serde_json::from_value(slice(&format!("svc-{i}"), "a", &scale_endpoints(i, want)))
                 .expect("slice");
         kube_proxy_ebpf::kube::prune::endpoint_slice(&mut s);
-        snapshot.endpoint_slices[i] = std::sync::Arc::new(s);
+        snapshot.endpoint_slices[i] = std::sync::Arc::new(SliceData::from(&s));
         let t = Instant::now();
         let shared = kube_proxy_ebpf::snapshot::Snapshot {
             services: snapshot.services.clone(),

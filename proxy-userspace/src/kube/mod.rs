@@ -8,7 +8,8 @@
 //! unreachable the stores keep their last state and the dataplane is left as it is. Objects
 //! deleted during an outage vanish from the store at the relist and from the maps by the diff.
 //!
-//! Objects are pruned ([`prune`]) before they enter the stores.
+//! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
+//! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
 
 pub mod prune;
 
@@ -29,7 +30,7 @@ use kube::{
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{
         WatchStreamExt as _,
-        reflector::{self, Store},
+        reflector::{self, Lookup, Store},
         utils::{Backoff, ResetTimerBackoff},
         watcher,
     },
@@ -38,7 +39,7 @@ use serde::de::DeserializeOwned;
 use tokio::{sync::Notify, task::JoinHandle};
 use tracing::{debug, info, warn};
 
-use crate::snapshot::Snapshot;
+use crate::{endpoints::SliceData, snapshot::Snapshot};
 
 /// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
 /// sent to us.
@@ -117,7 +118,7 @@ impl Connection {
 /// The three reflectors and what they know.
 pub struct KubeSource {
     services: Store<Service>,
-    slices: Store<EndpointSlice>,
+    slices: Store<SliceData>,
     node: Store<Node>,
     changed: Arc<Notify>,
     tasks: Vec<JoinHandle<()>>,
@@ -130,19 +131,28 @@ impl KubeSource {
         let (services, t1) = reflect(
             Api::<Service>::all(client.clone()),
             watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
-            prune::service,
+            |mut svc| {
+                prune::service(&mut svc);
+                svc
+            },
             changed.clone(),
         );
         let (slices, t2) = reflect(
             Api::<EndpointSlice>::all(client.clone()),
             watcher::Config::default(),
-            prune::endpoint_slice,
+            |mut slice| {
+                prune::endpoint_slice(&mut slice);
+                SliceData::from(&slice)
+            },
             changed.clone(),
         );
         let (node, t3) = reflect(
             Api::<Node>::all(client),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-            prune::node,
+            |mut node| {
+                prune::node(&mut node);
+                node
+            },
             changed.clone(),
         );
         Self {
@@ -259,25 +269,27 @@ impl Backoff for CappedBackoff {
     }
 }
 
-/// One reflector task: watcher (with backoff) → prune → store; wakes `changed` after every
-/// event that changed the store (Apply, Delete, end of a (re)list).
-fn reflect<K>(
+/// One reflector task: watcher (with backoff) → `keep` (prune, and convert to what the store
+/// holds) → store; wakes `changed` after every event that changed the store (Apply, Delete, end
+/// of a (re)list).
+fn reflect<K, T>(
     api: Api<K>,
     config: watcher::Config,
-    prune: fn(&mut K),
+    keep: fn(K) -> T,
     changed: Arc<Notify>,
-) -> (Store<K>, JoinHandle<()>)
+) -> (Store<T>, JoinHandle<()>)
 where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    T: Lookup<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
-    let (reader, writer) = reflector::store::<K>();
+    let (reader, writer) = reflector::store::<T>();
     let kind = K::kind(&()).into_owned();
     let stream = watcher(api, config)
         .backoff(ResetTimerBackoff::new(
             CappedBackoff::default(),
             Duration::from_secs(60),
         ))
-        .modify(prune);
+        .map(move |event| event.map(|event| convert_event(event, keep)));
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
         let mut failing = false;
@@ -309,6 +321,18 @@ where
         }
     });
     (reader, task)
+}
+
+/// `event` with its object(s) passed through `f` (markers unchanged, so a relist still swaps
+/// in atomically at `InitDone`).
+fn convert_event<K, T>(event: watcher::Event<K>, f: fn(K) -> T) -> watcher::Event<T> {
+    match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(f(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(f(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(f(o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
 }
 
 #[cfg(test)]

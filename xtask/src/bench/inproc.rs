@@ -419,7 +419,9 @@ fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(Sync
         } else {
             specs[idx].endpoints[0]
         };
-        snap.endpoint_slices[idx] = std::sync::Arc::new(workload::slice(&s));
+        snap.endpoint_slices[idx] = std::sync::Arc::new(
+            kube_proxy_ebpf::endpoints::SliceData::from(&workload::slice(&s)),
+        );
         let t = l.sync(&snap, false)?;
         ensure!(
             (1..=2 * workload::ENDPOINTS_PER_SERVICE + 8).contains(&t.ops),

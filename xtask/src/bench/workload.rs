@@ -18,7 +18,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
-use kube_proxy_ebpf::snapshot::Snapshot;
+use kube_proxy_ebpf::{endpoints::SliceData, snapshot::Snapshot};
 
 pub const NAMESPACE: &str = "bench";
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
@@ -69,12 +69,13 @@ pub fn generated(n: usize) -> Vec<SvcSpec> {
         .collect()
 }
 
-/// The Services as a source snapshot (what translate reads).
+/// The Services as a source snapshot (what translate reads; slices converted as the sources do).
 pub fn snapshot(specs: &[SvcSpec]) -> Snapshot {
     let mut snap = Snapshot::default();
     for s in specs {
         snap.services.push(std::sync::Arc::new(service(s)));
-        snap.endpoint_slices.push(std::sync::Arc::new(slice(s)));
+        snap.endpoint_slices
+            .push(std::sync::Arc::new(SliceData::from(&slice(s))));
     }
     snap
 }
