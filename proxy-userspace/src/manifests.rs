@@ -124,12 +124,14 @@ impl Loader {
             Err(e) => return self.problem(path, "file", format!("cannot read: {e}")),
         };
         let is_json = path.extension().is_some_and(|e| e == "json");
-        let documents = if is_json {
-            json_documents(&text)
+        // One document at a time: only one parsed document is alive at once (a big folder's
+        // peak memory is its objects, not every document's JSON tree).
+        let documents: Box<dyn Iterator<Item = Result<Value, String>>> = if is_json {
+            Box::new(json_documents(&text).into_iter())
         } else {
-            yaml_documents(&text)
+            Box::new(yaml_documents(&text))
         };
-        for (n, doc) in documents.into_iter().enumerate() {
+        for (n, doc) in documents.enumerate() {
             let label = format!("document {}", n + 1);
             match doc {
                 Ok(Value::Null) => {} // an empty document (e.g. a trailing `---`)
@@ -268,35 +270,50 @@ impl HasMeta for EndpointSlice {
 /// Split a YAML stream into documents and parse each on its own, so that a syntax error in one
 /// document does not hide the others (libyaml stops a stream at its first error). Documents
 /// start at lines beginning with `---`, which YAML reserves for that at column 0.
-fn yaml_documents(text: &str) -> Vec<Result<Value, String>> {
-    let mut chunks: Vec<(usize, String)> = vec![(1, String::new())];
-    for (i, line) in text.lines().enumerate() {
+fn yaml_documents(text: &str) -> impl Iterator<Item = Result<Value, String>> + '_ {
+    // (first line number, byte offset) of each document.
+    let mut starts: Vec<(usize, usize)> = vec![(1, 0)];
+    let mut offset = 0;
+    for (i, line) in text.split_inclusive('\n').enumerate() {
         let is_marker = line
+            .trim_end_matches(['\n', '\r'])
             .strip_prefix("---")
             .is_some_and(|rest| rest.is_empty() || rest.starts_with(' ') || rest.starts_with('\t'));
-        if is_marker {
-            chunks.push((i + 1, String::new()));
+        // A marker on the first line starts the first document (no empty one before it).
+        if is_marker && offset > 0 {
+            starts.push((i + 1, offset));
         }
-        if let Some((_, chunk)) = chunks.last_mut() {
-            chunk.push_str(line);
-            chunk.push('\n');
-        }
+        offset += line.len();
     }
+    let ends: Vec<usize> = starts
+        .iter()
+        .skip(1)
+        .map(|(_, o)| *o)
+        .chain([text.len()])
+        .collect();
+    let mut chunks: Vec<(usize, &str)> = starts
+        .iter()
+        .zip(ends)
+        .map(|((line, start), end)| (*line, &text[*start..end]))
+        .collect();
     // Text before the first marker only counts as a document if it holds something.
     if chunks.len() > 1 && chunks.first().is_some_and(|(_, c)| is_blank_yaml(c)) {
         chunks.remove(0);
     }
-    chunks
-        .into_iter()
-        .map(|(line, chunk)| {
-            if is_blank_yaml(&chunk) {
-                return Ok(Value::Null);
+    chunks.into_iter().map(|(line, chunk)| {
+        if is_blank_yaml(chunk) {
+            return Ok(Value::Null);
+        }
+        serde_yaml::from_str::<Value>(chunk).map_err(|_| {
+            // Parse again behind blank lines so the error's line numbers are the file's (only
+            // on the rare bad document: padding every document costs a quadratic amount).
+            let padded = "\n".repeat(line - 1) + chunk;
+            match serde_yaml::from_str::<Value>(&padded) {
+                Err(e) => format!("invalid YAML: {e}"),
+                Ok(_) => "invalid YAML".to_owned(),
             }
-            // Blank lines in front keep the parser's line numbers those of the file.
-            let padded = "\n".repeat(line - 1) + &chunk;
-            serde_yaml::from_str::<Value>(&padded).map_err(|e| format!("invalid YAML: {e}"))
         })
-        .collect()
+    })
 }
 
 /// Only blank lines, comments and document markers.
