@@ -431,11 +431,21 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     let dir = ManifestDir::new()?;
     workload::write_manifests(dir.path(), &specs)?;
     let pins = PinDir::new(&format!("{}-rss", topo.prefix()))?;
+    // Maps sized for n (the defaults hold about 24,000 Services × 10 endpoints).
+    let sizes = super::inproc::sizes_for(n);
+    let flags = [
+        ("--map-entries-services", sizes.services),
+        ("--map-entries-backends", sizes.backends),
+        ("--map-entries-revnat", sizes.rev_nats),
+    ]
+    .map(|(flag, v)| [flag.to_owned(), v.to_string()]);
+    let mut args: Vec<&std::ffi::OsStr> = vec!["--manifests".as_ref(), dir.path().as_os_str()];
+    args.extend(flags.iter().flatten().map(std::ffi::OsStr::new));
     let started = Instant::now();
-    let mut agent = Agent::start(
+    let mut agent = Agent::start_with(
         &cfg.agent_bin,
         topo.node(),
-        dir.path(),
+        &args,
         pins.path(),
         topo.tmp().path(),
     )?;
