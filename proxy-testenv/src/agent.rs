@@ -252,6 +252,18 @@ impl Agent {
         &self.pin_dir
     }
 
+    /// Panics with `msg` and the tail of the agent's log (what a failed test wants to show).
+    pub fn fail(&self, msg: &str) -> ! {
+        panic!("{msg}\n--- agent log (tail) ---\n{}", self.log_tail())
+    }
+
+    /// [`Agent::fail`] with the message from `msg` unless `cond` holds.
+    pub fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
+        if !cond {
+            self.fail(&msg());
+        }
+    }
+
     /// The last 4 KiB of the agent log.
     pub fn log_tail(&self) -> String {
         tail(&self.log, 4096)

@@ -371,14 +371,13 @@ impl Env {
         }
     }
 
+    /// Panics with the message and the agent's log tail.
     fn fail(&self, msg: &str) -> ! {
-        panic!("{msg}\n--- agent log (tail) ---\n{}", self.agent.log_tail())
+        self.agent.fail(msg)
     }
 
     fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
-        if !cond {
-            self.fail(&msg());
-        }
+        self.agent.check(cond, msg)
     }
 
     /// Waits until the pinned map's frontend `vip:80` has `count` slots (None: absent).
