@@ -56,8 +56,9 @@ pub const SCOPE_EXTERNAL: u8 = 0;
 /// externalTrafficPolicy Local (`EXTERNAL_LOCAL`): the same address/port/protocol with the
 /// Service's cluster-wide endpoints, used for clients inside the cluster (sources in the
 /// clusterCIDR, the node itself) instead of the local-only entry. kube-proxy's "short-circuit"
-/// (KUBE-EXT-*: pod and node traffic jumps to KUBE-SVC-*). Its frontend flags are `EXTERNAL`
-/// without `EXTERNAL_LOCAL`, so remote backends are SNATed to the node.
+/// (KUBE-EXT-*: pod and node traffic jumps to KUBE-SVC-*). It carries no `EXTERNAL` flag: like
+/// upstream, which does not masquerade pod traffic there, it is handled like a ClusterIP (the
+/// backend sees the pod; the node's own connections come from the node's address anyway).
 pub const SCOPE_INTERNAL: u8 = 1;
 
 #[repr(C)]

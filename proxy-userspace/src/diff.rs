@@ -121,7 +121,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             ServiceValue::frontend_with_flags(
                 a.count(),
                 a.rev_nat_id,
-                encode::frontend_flags(a.df),
+                encode::frontend_flags(&a.frontend, a.df),
             ),
         );
     }
@@ -1216,11 +1216,7 @@ mod tests {
             outer.flags,
             service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL
         );
-        assert_eq!(
-            inner.flags,
-            service_flags::EXTERNAL,
-            "remote backends SNATed"
-        );
+        assert_eq!(inner.flags, 0, "in-cluster: no SNAT, like a ClusterIP");
         assert_ne!(outer.rev_nat_id, inner.rev_nat_id, "its own rev-NAT entry");
         assert_eq!(p.rev_nats[&inner.rev_nat_id], encode::rev_nat(&np));
         assert_eq!(

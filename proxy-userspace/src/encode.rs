@@ -60,9 +60,12 @@ pub fn cluster_cidrs(cidrs: &[(Ipv4Addr, u8)]) -> (ClusterCidrs, &[(Ipv4Addr, u8
 }
 
 /// `service_flags` bits of a frontend entry.
-pub fn frontend_flags(df: &DesiredFrontend) -> u16 {
+pub fn frontend_flags(frontend: &Frontend, df: &DesiredFrontend) -> u16 {
     let mut flags = 0;
-    if df.kind.is_external() {
+    // An in-cluster entry (pods and the node reaching an eTP=Local external frontend) carries
+    // in-cluster traffic: like upstream, which sends it to KUBE-SVC without masquerading, it is
+    // treated as a ClusterIP (no SNAT to the node: the backend sees the pod).
+    if df.kind.is_external() && frontend.scope == Scope::AllClients {
         flags |= service_flags::EXTERNAL;
         if df.external_local {
             flags |= service_flags::EXTERNAL_LOCAL;

@@ -536,12 +536,16 @@ impl Planner {
         // Phase 3: frontend entries; removed frontends.
         let mut removed_slots = Vec::new();
         let mut dead_rev_nats = Vec::new();
-        for (_, key, df, entry, rev_nat_id, slot_ids) in &accepted {
+        for (fe, key, df, entry, rev_nat_id, slot_ids) in &accepted {
             let count = u16::try_from(slot_ids.len()).unwrap_or(u16::MAX);
             put_if_changed(
                 &mut ops,
                 *key,
-                ServiceValue::frontend_with_flags(count, *rev_nat_id, encode::frontend_flags(df)),
+                ServiceValue::frontend_with_flags(
+                    count,
+                    *rev_nat_id,
+                    encode::frontend_flags(fe, df),
+                ),
             );
             if let Some(v) = entry {
                 removed_slots.extend(

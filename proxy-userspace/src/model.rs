@@ -162,7 +162,7 @@ pub struct DesiredFrontend {
     pub kind: FrontendKind,
     /// An external frontend with externalTrafficPolicy Local: backends are this node's only,
     /// never SNATed, and none means drop. False for its in-cluster entry ([`Scope::InCluster`]),
-    /// which carries the cluster-wide endpoints and SNATs remote ones like eTP=Cluster.
+    /// which carries the cluster-wide endpoints like a ClusterIP (no SNAT).
     pub external_local: bool,
     /// loadBalancerSourceRanges of a LoadBalancer frontend (IPv4 network, prefix length), sorted;
     /// empty = any source.

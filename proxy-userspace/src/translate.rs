@@ -1569,14 +1569,13 @@ mod tests {
         let flags: Vec<u16> = t
             .desired
             .frontends
-            .values()
-            .map(|d| crate::encode::frontend_flags(d))
+            .iter()
+            .map(|(fe, d)| crate::encode::frontend_flags(fe, d))
             .collect();
         let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
         // Node address 1 (+ its in-cluster entry), the ClusterIP, node address 2 (+ in-cluster):
-        // in-cluster entries are external (remote backends SNATed) but not eTP=Local.
-        let ext = service_flags::EXTERNAL;
-        assert_eq!(flags, vec![ext_local, ext, 0, ext_local, ext]);
+        // in-cluster entries carry in-cluster traffic like a ClusterIP (no SNAT, no drop).
+        assert_eq!(flags, vec![ext_local, 0, 0, ext_local, 0]);
         assert!(
             t.health_checks.is_empty(),
             "NodePort type has no health check"
@@ -1602,7 +1601,7 @@ mod tests {
             };
             assert_eq!(df.source_ranges, want, "{fe}");
             let flagged =
-                crate::encode::frontend_flags(df) & proxy_common::service_flags::SOURCE_RANGES;
+                crate::encode::frontend_flags(fe, df) & proxy_common::service_flags::SOURCE_RANGES;
             assert_eq!(flagged != 0, !want.is_empty(), "{fe}");
         }
         assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
@@ -1709,10 +1708,10 @@ mod tests {
         );
         assert_eq!(inner.source_ranges, outer.source_ranges);
         assert_eq!(inner.kind, FrontendKind::LoadBalancer);
-        use proxy_common::service_flags::{EXTERNAL, SOURCE_RANGES};
+        use proxy_common::service_flags::SOURCE_RANGES;
         assert_eq!(
-            crate::encode::frontend_flags(inner),
-            EXTERNAL | SOURCE_RANGES
+            crate::encode::frontend_flags(&lb.in_cluster(), inner),
+            SOURCE_RANGES
         );
     }
 }
