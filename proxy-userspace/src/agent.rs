@@ -175,6 +175,7 @@ impl Agent {
             .iter()
             .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
         let (applied, failure) = self.maps.apply_all(&plan.ops);
+        self.programmed.reserve_for(&plan.ops[..applied]);
         for op in &plan.ops[..applied] {
             self.planner.observe(&self.programmed, op);
             self.programmed.apply(op);

@@ -59,7 +59,17 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     accepted.sort_by_key(|a| a.frontend);
     skipped.sort();
 
-    let mut ops = Vec::new();
+    // Room for the most ops the phases below can write (every entry put, every programmed entry
+    // deleted), so the vector never doubles: at 50,000 Services a doubling held ~100 MB at once.
+    // Untouched capacity costs address space, not memory.
+    let most = accepted
+        .iter()
+        .map(|a| 2 + a.slot_ids.len() + a.df.backends.len() + a.df.retained.len())
+        .sum::<usize>()
+        + programmed.services.len()
+        + programmed.backends.len()
+        + programmed.rev_nats.len();
+    let mut ops = Vec::with_capacity(most);
     let mut referenced_backends: HashSet<u32> = HashSet::default();
     let mut referenced_rev_nats: HashSet<u32> = HashSet::default();
 

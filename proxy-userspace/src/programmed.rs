@@ -68,6 +68,24 @@ impl Programmed {
         }
     }
 
+    /// Makes room for the entries `ops` puts, before they are applied one by one: a first sync's
+    /// hundreds of thousands of puts then never grow a table by doubling (which held the old and
+    /// the new table at once).
+    pub fn reserve_for(&mut self, ops: &[MapOp]) {
+        let (mut services, mut backends, mut rev_nats) = (0, 0, 0);
+        for op in ops {
+            match op {
+                MapOp::PutService { .. } => services += 1,
+                MapOp::PutBackend { .. } => backends += 1,
+                MapOp::PutRevNat { .. } => rev_nats += 1,
+                _ => {}
+            }
+        }
+        self.services.reserve(services);
+        self.backends.reserve(backends);
+        self.rev_nats.reserve(rev_nats);
+    }
+
     /// Number of frontends (slot-0 entries).
     pub fn frontend_count(&self) -> usize {
         self.services.keys().filter(|k| k.slot == 0).count()

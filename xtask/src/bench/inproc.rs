@@ -173,6 +173,7 @@ impl Loaded {
         let t = Instant::now();
         // As the agent: same-kind runs of ops in batched map calls.
         let (applied, failure) = self.maps.apply_all(&plan.ops);
+        self.programmed.reserve_for(&plan.ops[..applied]);
         for op in &plan.ops[..applied] {
             self.planner.observe(&self.programmed, op);
             self.programmed.apply(op);
