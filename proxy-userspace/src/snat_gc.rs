@@ -47,6 +47,44 @@ pub fn out_key_of_in(in_key: &SnatKey, inn: &SnatValue) -> SnatKey {
     }
 }
 
+/// One SNATed flow's addresses (ip, port): the client, the backend it was sent to, and the node
+/// address:port it leaves with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowAddrs {
+    pub client: ([u8; 4], u16),
+    pub backend: ([u8; 4], u16),
+    pub node: ([u8; 4], u16),
+    pub proto: u8,
+}
+
+impl FlowAddrs {
+    /// The flow's `out` and `in` entries as the datapath writes them (for tools and tests that
+    /// write entries by hand), both last seen at `last_seen_ns` in `state`.
+    pub fn entries(&self, state: u8, last_seen_ns: u64) -> [(SnatKey, SnatValue); 2] {
+        let value = |(addr, port): ([u8; 4], u16)| SnatValue {
+            last_seen_ns,
+            addr,
+            port: port.to_be_bytes(),
+            state,
+            _pad: 0,
+        };
+        let out_key = SnatKey {
+            saddr: self.client.0,
+            daddr: self.backend.0,
+            sport: self.client.1.to_be_bytes(),
+            dport: self.backend.1.to_be_bytes(),
+            proto: self.proto,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let out = value(self.node);
+        [
+            (out_key, out),
+            (in_key_of_out(&out_key, &out), value(self.client)),
+        ]
+    }
+}
+
 /// Are these one flow's two entries? Each must name the other (proxy-ebpf `own_in_entry`): an
 /// `in` entry reclaimed by another flow no longer points back at the old `out` entry.
 pub fn is_pair(out_key: &SnatKey, out: &SnatValue, in_key: &SnatKey, inn: &SnatValue) -> bool {
@@ -183,33 +221,13 @@ mod tests {
         state: u8,
         idle_s: u64,
     ) -> [(SnatKey, SnatValue); 2] {
-        let last_seen_ns = NOW - idle_s * S;
-        let out_key = SnatKey {
-            saddr: client,
-            daddr: BACKEND,
-            sport: cport.to_be_bytes(),
-            dport: 8080u16.to_be_bytes(),
+        FlowAddrs {
+            client: (client, cport),
+            backend: (BACKEND, 8080),
+            node: (node, nport),
             proto,
-            dir: ct_dir::ORIGINAL,
-            _pad: [0; 2],
-        };
-        let in_key = SnatKey {
-            saddr: BACKEND,
-            daddr: node,
-            sport: 8080u16.to_be_bytes(),
-            dport: nport.to_be_bytes(),
-            proto,
-            dir: ct_dir::REPLY,
-            _pad: [0; 2],
-        };
-        let v = |addr, port: u16| SnatValue {
-            last_seen_ns,
-            addr,
-            port: port.to_be_bytes(),
-            state,
-            _pad: 0,
-        };
-        [(out_key, v(node, nport)), (in_key, v(client, cport))]
+        }
+        .entries(state, NOW - idle_s * S)
     }
 
     fn tcp(cport: u16, nport: u16, state: u8, idle_s: u64) -> [(SnatKey, SnatValue); 2] {

@@ -25,7 +25,7 @@ use kube_proxy_ebpf::{
     snat_gc::{self, Collected},
 };
 use proxy_common::{
-    DatapathConfig, HAIRPIN_SNAT_ADDR, ServiceKey, SnatKey, SnatValue, ct_dir, ct_state, proto,
+    DatapathConfig, HAIRPIN_SNAT_ADDR, ServiceKey, SnatKey, SnatValue, ct_state, proto,
 };
 use proxy_testenv::require_privileged;
 
@@ -149,35 +149,14 @@ impl Flow {
         state: u8,
         last_seen_ns: u64,
     ) -> Self {
-        let value = |addr, port: u16| SnatValue {
-            last_seen_ns,
-            addr,
-            port: port.to_be_bytes(),
-            state,
-            _pad: 0,
-        };
-        let out = SnatKey {
-            saddr: client,
-            daddr: BACKEND,
-            sport: cport.to_be_bytes(),
-            dport: 8080u16.to_be_bytes(),
+        let [out, inn] = snat_gc::FlowAddrs {
+            client: (client, cport),
+            backend: (BACKEND, 8080),
+            node: (node, nport),
             proto,
-            dir: ct_dir::ORIGINAL,
-            _pad: [0; 2],
-        };
-        let inn = SnatKey {
-            saddr: BACKEND,
-            daddr: node,
-            sport: 8080u16.to_be_bytes(),
-            dport: nport.to_be_bytes(),
-            proto,
-            dir: ct_dir::REPLY,
-            _pad: [0; 2],
-        };
-        Self {
-            out: (out, value(node, nport)),
-            inn: (inn, value(client, cport)),
         }
+        .entries(state, last_seen_ns);
+        Self { out, inn }
     }
 
     fn tcp(cport: u16, nport: u16, state: u8, last_seen_ns: u64) -> Self {
