@@ -129,30 +129,57 @@ pub fn backend(id: u32) -> Option<Backend> {
     Some(unsafe { *ptr })
 }
 
-/// A conntrack entry found by a lookup, to read and to refresh in place.
-pub struct CtEntry {
-    ptr: *mut CtValue,
+/// A value refreshed in place by every packet of its flow: a last-seen time and a state.
+pub trait Stamped: Copy {
+    /// Where the two fields of the value at `ptr` are.
+    ///
+    /// # Safety
+    /// `ptr` must point at a live value (from a map lookup in this program run).
+    unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8);
 }
 
-impl CtEntry {
+impl Stamped for CtValue {
+    unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8) {
+        // SAFETY: the caller guarantees `ptr` is live; only field addresses are taken.
+        unsafe { (&raw mut (*ptr).last_seen_ns, &raw mut (*ptr).state) }
+    }
+}
+
+impl Stamped for SnatValue {
+    unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8) {
+        // SAFETY: as for `CtValue`.
+        unsafe { (&raw mut (*ptr).last_seen_ns, &raw mut (*ptr).state) }
+    }
+}
+
+/// A conntrack or SNAT entry found by a lookup, to read and to refresh in place.
+pub struct FlowEntry<V> {
+    ptr: *mut V,
+}
+
+pub type CtEntry = FlowEntry<CtValue>;
+pub type SnatEntry = FlowEntry<SnatValue>;
+
+impl<V: Stamped> FlowEntry<V> {
     /// A copy of the entry.
     #[inline(always)]
-    pub fn get(&self) -> CtValue {
+    pub fn get(&self) -> V {
         // SAFETY: `ptr` came from a successful lookup in this program run and nothing has been
-        // inserted into or removed from CONNTRACK since (callers drop the handle before writing).
+        // inserted into or removed from its map since (callers drop the handle before writing).
         // Other CPUs may update last_seen/state concurrently; a torn read of those is harmless.
         unsafe { *self.ptr }
     }
 
-    /// Record a packet: last-seen time and (TCP) state.
+    /// Record a packet: last-seen time and state.
     #[inline(always)]
     pub fn touch(&self, now_ns: u64, state: u8) {
         // SAFETY: as in `get`. Single-field stores; concurrent writers store the same kind of
         // value (a recent timestamp, a state), so a lost update costs nothing.
         unsafe {
-            (*self.ptr).last_seen_ns = now_ns;
-            if (*self.ptr).state != state {
-                (*self.ptr).state = state;
+            let (last_seen, current) = V::stamp_fields(self.ptr);
+            *last_seen = now_ns;
+            if *current != state {
+                *current = state;
             }
         }
     }
@@ -161,7 +188,7 @@ impl CtEntry {
 /// Look up a conntrack entry.
 #[inline(always)]
 pub fn ct_entry(key: &CtKey) -> Option<CtEntry> {
-    CONNTRACK_V1.get_ptr_mut(key).map(|ptr| CtEntry { ptr })
+    CONNTRACK_V1.get_ptr_mut(key).map(|ptr| FlowEntry { ptr })
 }
 
 /// Insert or overwrite a conntrack entry.
@@ -194,36 +221,10 @@ pub fn source_in_range(key: SourceRangeKey) -> bool {
     SRCRANGES_V1.get(&key).is_some()
 }
 
-/// A SNAT entry found by a lookup, to read and to refresh in place.
-pub struct SnatEntry {
-    ptr: *mut SnatValue,
-}
-
-impl SnatEntry {
-    /// A copy of the entry.
-    #[inline(always)]
-    pub fn get(&self) -> SnatValue {
-        // SAFETY: as in `CtEntry::get`: from a lookup in this run, no SNAT_V1 writes since.
-        unsafe { *self.ptr }
-    }
-
-    /// Record a packet: last-seen time and state.
-    #[inline(always)]
-    pub fn touch(&self, now_ns: u64, state: u8) {
-        // SAFETY: as in `CtEntry::touch`.
-        unsafe {
-            (*self.ptr).last_seen_ns = now_ns;
-            if (*self.ptr).state != state {
-                (*self.ptr).state = state;
-            }
-        }
-    }
-}
-
 /// Look up a SNAT entry.
 #[inline(always)]
 pub fn snat_entry(key: &SnatKey) -> Option<SnatEntry> {
-    SNAT_V1.get_ptr_mut(key).map(|ptr| SnatEntry { ptr })
+    SNAT_V1.get_ptr_mut(key).map(|ptr| FlowEntry { ptr })
 }
 
 /// Insert a SNAT entry only if the key is free (the atomic claim of a port).
