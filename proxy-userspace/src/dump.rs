@@ -153,6 +153,28 @@ struct FlowRow {
     idle_s: u64,
 }
 
+impl FlowRow {
+    /// The row of one entry keyed by a flow tuple (conntrack and SNAT keys share the shape).
+    fn new(
+        k: &CtKey,
+        dir: &'static str,
+        nat: String,
+        state: u8,
+        last_seen_ns: u64,
+        now: u64,
+    ) -> Self {
+        Self {
+            dir,
+            proto: k.proto,
+            src: endpoint(k.saddr, k.sport),
+            dst: endpoint(k.daddr, k.dport),
+            nat,
+            state,
+            idle_s: idle_s(now, last_seen_ns),
+        }
+    }
+}
+
 /// A table of flow rows (conntrack, SNAT), in the given order, with one header line.
 fn flow_table(rows: Vec<FlowRow>) -> String {
     let mut out = format!(
@@ -197,15 +219,7 @@ pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
                         format!("← {}", endpoint(v.frontend_addr, v.frontend_port)),
                     )
                 };
-                FlowRow {
-                    dir,
-                    proto: k.proto,
-                    src: endpoint(k.saddr, k.sport),
-                    dst: endpoint(k.daddr, k.dport),
-                    nat,
-                    state: v.state,
-                    idle_s: idle_s(now_ns, v.last_seen_ns),
-                }
+                FlowRow::new(k, dir, nat, v.state, v.last_seen_ns, now_ns)
             })
             .collect(),
     )
@@ -225,15 +239,7 @@ pub fn snat_table(entries: &[(SnatKey, SnatValue)], now_ns: u64) -> String {
                 } else {
                     ("in", format!("dst → {}", endpoint(v.addr, v.port)))
                 };
-                FlowRow {
-                    dir,
-                    proto: k.proto,
-                    src: endpoint(k.saddr, k.sport),
-                    dst: endpoint(k.daddr, k.dport),
-                    nat,
-                    state: v.state,
-                    idle_s: idle_s(now_ns, v.last_seen_ns),
-                }
+                FlowRow::new(k, dir, nat, v.state, v.last_seen_ns, now_ns)
             })
             .collect(),
     )
