@@ -69,8 +69,13 @@ pub struct DatapathConfig {
     /// Sources that are "in the cluster" (kube-proxy's detectLocalMode ClusterCIDR): they reach
     /// an externalTrafficPolicy Local frontend through its `SCOPE_INTERNAL` entry.
     pub cluster_cidrs: ClusterCidrs,
+    /// Idle timeout of a UDP flow once the backend has answered (netfilter's
+    /// `udpStreamTimeout`), seconds; `udp_timeout_s` applies before that.
+    pub udp_stream_timeout_s: u32,
+    /// Seed of the flow hash: random per node (set at load), so no outsider can steer flows.
+    pub hash_seed: u32,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 52);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 60);
 
 /// Most cluster CIDRs the datapath checks (kube-proxy takes one per IP family; IPv4 only here).
 pub const MAX_CLUSTER_CIDRS: usize = 4;
@@ -129,6 +134,8 @@ impl DatapathConfig {
         udp_timeout_s: 120,
         flags: 0,
         cluster_cidrs: ClusterCidrs::NONE,
+        udp_stream_timeout_s: 120,
+        hash_seed: 0,
     };
 }
 

@@ -237,10 +237,24 @@ pub struct CtValue {
     pub backend_port: [u8; 2],
     /// `ct_state::*`.
     pub state: u8,
+    /// `ct_flags::*`.
     pub flags: u8,
-    pub _pad: [u8; 2],
+    /// With `ct_flags::SPORT_NAT`: the source port the client's packets carry after translation
+    /// (the reply tuple's destination port), chosen because the client's own port would have
+    /// given this flow the reply tuple of another live flow. Zero otherwise.
+    pub nat_sport: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<CtValue>() == 40);
+
+/// Conntrack entry flags (`CtValue::flags`).
+pub mod ct_flags {
+    /// The backend has answered at least once (UDP: the flow is a stream, with netfilter's
+    /// `udpStreamTimeout` instead of `udpTimeout`).
+    pub const SEEN_REPLY: u8 = 1 << 0;
+    /// The flow's source port is translated too (`CtValue::nat_sport`): a reply-tuple clash was
+    /// resolved like netfilter does, by giving the new flow another source port.
+    pub const SPORT_NAT: u8 = 1 << 1;
+}
 
 /// Node ports used as SNAT source ports (above Linux's default ephemeral range 32768-60999, so
 /// the node's own connections rarely share a tuple with a SNATed flow).

@@ -132,7 +132,7 @@ pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Res
         backend_port: flow.backend.port,
         state: next_state(p, ct_state::UDP),
         flags: 0,
-        _pad: [0; 2],
+        nat_sport: [0; 2],
     };
     if let Some(old) = replaced
         && (old.backend_addr != flow.backend.addr || old.backend_port != flow.backend.port)

@@ -17,7 +17,7 @@ mod sock;
 mod stats;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
@@ -32,10 +32,12 @@ pub(crate) struct Action {
 }
 
 impl Action {
-    /// Hand the packet (rewritten or not) on to the kernel.
+    /// Hand the packet (rewritten or not) on: `TC_ACT_UNSPEC` is TCX_NEXT, so the programs and
+    /// legacy clsact filters after ours on the same hook still run (TC_ACT_OK would end the
+    /// chain); after the last one the kernel carries the packet on as with OK.
     pub(crate) const fn pass(counter: Counter) -> Self {
         Self {
-            verdict: TC_ACT_OK,
+            verdict: TC_ACT_UNSPEC,
             counter,
         }
     }

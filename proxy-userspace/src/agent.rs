@@ -504,6 +504,7 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
         udp_timeout_s: secs(args.conntrack_udp_timeout),
         flags: 0,
         cluster_cidrs: crate::encode::cluster_cidrs(&prefixes).0,
+        ..DatapathConfig::DEFAULT
     }
 }
 

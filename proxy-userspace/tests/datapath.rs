@@ -33,7 +33,8 @@ use proxy_common::{
     proto, service_flags,
 };
 
-const TC_ACT_OK: u32 = 0;
+/// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
+const TC_NEXT: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 
@@ -633,7 +634,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(ingress(
         "SYN to VIP:80 is DNATed to the picked backend",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn, id)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -655,7 +656,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(egress(
         "SYN-ACK from the backend is reverse-NATed to VIP:80",
         synack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(rev_natted(&synack, &syn)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -664,7 +665,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(ingress(
         "handshake ACK follows the flow",
         ack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&ack, id)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -688,7 +689,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(ingress(
         "data after the backend set grew keeps its backend",
         data.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&data, id)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -697,7 +698,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(egress(
         "reply from the backend is reverse-NATed",
         reply.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(rev_natted(&reply, &data)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -706,7 +707,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(egress(
         "a reply with no conntrack entry passes unchanged",
         stranger.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Unchanged,
         &[(Counter::ReplyNotTracked, 1)],
     ));
@@ -715,7 +716,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(egress(
         "a reply with IP options is reverse-NATed, options kept",
         direct.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(direct_out),
         &[(Counter::ReplyTranslated, 1), (Counter::IpOptions, 1)],
     ));
@@ -728,7 +729,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(egress(
         "FIN from the backend is reverse-NATed",
         fin.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(rev_natted(&fin, &data)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -749,7 +750,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     dp.check(ingress(
         "SYN reusing a closed tuple is picked anew",
         again.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&again, new_id)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -777,7 +778,7 @@ fn tcp_without_conntrack_follows_the_hash() {
     dp.check(ingress(
         "mid-flow ACK without an entry",
         ack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&ack, id)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -793,7 +794,7 @@ fn tcp_without_conntrack_follows_the_hash() {
     dp.check(ingress(
         "client RST is forwarded",
         rst.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&rst, id)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -815,7 +816,7 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     dp.check(ingress(
         "UDP datagram to VIP:53 is DNATed",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, id)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -823,7 +824,7 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     dp.check(ingress(
         "second datagram of the flow",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, id)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -831,7 +832,7 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     dp.check(egress(
         "UDP reply is reverse-NATed",
         r.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(rev_natted(&r, &q)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -842,7 +843,7 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     let out = dp.check(ingress(
         "UDP with checksum 0 is DNATed, checksum stays 0",
         z.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&z, zid)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -855,7 +856,7 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     let out = dp.check(egress(
         "UDP reply with checksum 0",
         zr.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(rev_natted(&zr, &z)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -874,7 +875,7 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     let (verdict, out) = dp.run(PROG_TC_INGRESS, &padded);
     assert_eq!(
         (verdict, out),
-        (TC_ACT_OK, want),
+        (TC_NEXT, want),
         "padded minimum-size frame is DNATed, padding kept"
     );
 }
@@ -936,7 +937,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "UDP flow created",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, dead)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -953,7 +954,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "UDP to a removed backend is reselected",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, live)),
         &[(Counter::StaleBackendReselected, 1)],
     ));
@@ -977,7 +978,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "TCP flow created",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn, dead)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -985,7 +986,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "TCP established",
         ack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&ack, dead)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -1026,7 +1027,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "TCP flow recreated",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn, live)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -1054,7 +1055,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "SYN flow to backend 3",
         syn2.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn2, 3)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -1064,7 +1065,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "SYN retransmit after its backend went away is picked anew",
         syn2.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn2, 4)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -1106,7 +1107,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "UDP flow on the remaining backend",
         q2.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q2, only)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -1125,7 +1126,7 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     dp.check(ingress(
         "backend id now names another address → reselected",
         q2.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(want),
         &[(Counter::StaleBackendReselected, 1)],
     ));
@@ -1144,7 +1145,7 @@ fn idle_expired_entries_are_replaced() {
     dp.check(ingress(
         "UDP flow created",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, first)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -1152,7 +1153,7 @@ fn idle_expired_entries_are_replaced() {
     dp.check(ingress(
         "fresh entry is used",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, first)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -1176,7 +1177,7 @@ fn idle_expired_entries_are_replaced() {
     dp.check(ingress(
         "expired entry is replaced by a new pick",
         q.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&q, other)),
         &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
     ));
@@ -1196,7 +1197,7 @@ fn idle_expired_entries_are_replaced() {
     dp.check(ingress(
         "SYN",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn, id)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -1204,7 +1205,7 @@ fn idle_expired_entries_are_replaced() {
     dp.check(ingress(
         "SYN retransmit after the timeout",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&syn, id)),
         &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
     ));
@@ -1262,8 +1263,8 @@ fn odd_and_malformed_packets_table() {
     icmp_echo[9] = proto::ICMP;
     let icmp_echo = raw_ipv4(&icmp_echo, &[8, 0, 0xf7, 0xff, 0, 0, 0, 0]);
 
-    // Rows: passed untouched (TC_ACT_OK) or dropped (TC_ACT_SHOT), each with its one counter.
-    let pass = |what, input, counter| (what, input, TC_ACT_OK, Expect::Unchanged, counter);
+    // Rows: passed untouched (TC_NEXT) or dropped (TC_ACT_SHOT), each with its one counter.
+    let pass = |what, input, counter| (what, input, TC_NEXT, Expect::Unchanged, counter);
     let shot = |what, input, counter| (what, input, TC_ACT_SHOT, Expect::Dropped, counter);
     let short_ip = raw_ipv4(&syn_vip[14..24], &[]);
     let tot_beyond_vip = set_tot_len(&syn_vip, 1500);
@@ -1350,7 +1351,7 @@ fn odd_and_malformed_packets_table() {
     dp.check(ingress(
         "SYN with IP options is DNATed, options preserved",
         with_opts.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&with_opts, id)),
         &[(Counter::NewFlow, 1), (Counter::IpOptions, 1)],
     ));
@@ -1359,7 +1360,7 @@ fn odd_and_malformed_packets_table() {
     dp.check(ingress(
         "UDP with 40 bytes of IP options (IHL 15)",
         max_opts.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dnated(&max_opts, id)),
         &[(Counter::NewFlow, 1), (Counter::IpOptions, 1)],
     ));
@@ -1405,7 +1406,7 @@ fn odd_and_malformed_packets_table() {
         dp.check(egress(
             what,
             input,
-            TC_ACT_OK,
+            TC_NEXT,
             Expect::Unchanged,
             &[(counter, 1)],
         ));
@@ -1425,7 +1426,7 @@ fn counters_sum_over_cpus_and_name_every_outcome() {
             PROG_TC_INGRESS,
             &Pkt::tcp(CLIENT, 37_000 + port, VIP, 80, SYN).bytes(),
         );
-        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(verdict, TC_NEXT);
     }
     dp.run(PROG_TC_INGRESS, &arp_frame());
     dp.run(PROG_TC_INGRESS, &Pkt::udp(CLIENT, 1, VIP_EMPTY, 53).bytes());
@@ -1457,7 +1458,7 @@ fn per_packet_cost() {
                 &Pkt::tcp(CLIENT, 10_000 + i, VIP, 80, SYN).bytes(),
                 1,
             );
-            assert_eq!(verdict, TC_ACT_OK, "new flow verdict");
+            assert_eq!(verdict, TC_NEXT, "new flow verdict");
             d
         })
         .collect();
@@ -1490,7 +1491,7 @@ fn per_packet_cost() {
     let to_b = Pkt::tcp(CLIENT, 50_000, b, 81, ACK).payload(&[0; 64]);
     for p in [&to_a, &to_b] {
         let (verdict, out) = dp.run(PROG_TC_INGRESS, &p.bytes());
-        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(verdict, TC_NEXT);
         assert!(
             Decoded::parse(&out).l4_csum_ok(),
             "cycle setup keeps checksums valid"
@@ -1658,14 +1659,14 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "nodeport SYN, no node address yet: DNAT, no SNAT",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(fwd.clone()),
         &[(Counter::NewFlow, 1), (Counter::SnatNoNodeAddr, 1)],
     ));
     dp.check(egress(
         "forwarded SYN without SNAT entry passes untouched",
         fwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Unchanged,
         &[(Counter::ReplyNotTracked, 1)],
     ));
@@ -1681,7 +1682,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "nodeport SYN to a remote backend: DNAT + SNAT port allocated",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(fwd.clone()),
         &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
     ));
@@ -1708,7 +1709,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(egress(
         "forwarded SYN leaves with the node's address and port",
         fwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&fwd, NODE_IP, nat_port)),
         &[(Counter::SnatTranslated, 1)],
     ));
@@ -1717,14 +1718,14 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "the remote backend's SYN-ACK goes back to the client (destination restored)",
         synack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(unsnat.clone()),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
     dp.check(egress(
         "toward the client: source becomes the NodePort",
         unsnat.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -1733,14 +1734,14 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "established: DNAT from conntrack",
         ack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(ack_fwd.clone()),
         &[(Counter::EstablishedFlow, 1)],
     ));
     dp.check(egress(
         "established: same SNAT port",
         ack_fwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&ack_fwd, NODE_IP, nat_port)),
         &[(Counter::SnatTranslated, 1)],
     ));
@@ -1761,7 +1762,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "second client: its first port is taken, the next one is used",
         other.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_dst(&other, REMOTE_BE, 8080)),
         &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
     ));
@@ -1794,7 +1795,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "UDP nodeport to a remote backend: DNAT + SNAT",
         dgram.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dfwd.clone()),
         &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
     ));
@@ -1807,7 +1808,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(egress(
         "UDP forwarded: SNAT",
         dfwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&dfwd, NODE_IP, uport)),
         &[(Counter::SnatTranslated, 1)],
     ));
@@ -1816,14 +1817,14 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     dp.check(ingress(
         "UDP reply: back to the client",
         dreply.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(dback.clone()),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
     dp.check(egress(
         "UDP reply: from the NodePort",
         dback.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&dback, NODE_IP, NODE_PORT)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -1838,7 +1839,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         dp.check(ingress(
             "stray packet to a free SNAT port passes",
             stray.bytes(),
-            TC_ACT_OK,
+            TC_NEXT,
             Expect::Unchanged,
             &[(Counter::NotService, 1)],
         ));
@@ -1866,7 +1867,7 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
     let mut pairs = Vec::new();
     for (pkt, bport) in [(&idle, 8080), (&busy, 8080), (&streaming, 5353)] {
         let (verdict, _) = dp.run(PROG_TC_INGRESS, &pkt.bytes());
-        assert_eq!(verdict, TC_ACT_OK, "new nodeport flow");
+        assert_eq!(verdict, TC_NEXT, "new nodeport flow");
         let out_key = snat_out_key(pkt, REMOTE_BE, bport);
         let out = dp.snat().get(&out_key, 0).expect("SNAT out entry");
         let in_key = snat_in_key(REMOTE_BE, bport, u16::from_be_bytes(out.port), pkt.proto());
@@ -1880,9 +1881,15 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
 
     // Age entries as if time had passed: the whole `idle` flow, and the `streaming` flow's
     // `out` entry only (the client went quiet, the backend keeps sending).
-    let now = monotonic_ns();
-    assert!(now > 1_000_000_000_000, "test needs an uptime above 1000 s");
+    // The GC runs with a clock 1,000 s past the datapath's (CLOCK_MONOTONIC), so the test does
+    // not depend on the machine's uptime: every entry is re-stamped relative to it.
+    let now = monotonic_ns() + 1_000_000_000_000;
     let aged = now - 200_000_000_000;
+    for key in dp.snat().keys().map(|k| k.expect("SNAT key")).collect::<Vec<_>>() {
+        let mut v = dp.snat().get(&key, 0).expect("entry to stamp");
+        v.last_seen_ns = now - 1_000_000_000;
+        dp.snat().insert(key, v, 0).expect("stamp entry");
+    }
     for key in [pairs[0].0, pairs[0].1, pairs[2].0] {
         let mut v = dp.snat().get(&key, 0).expect("entry to age");
         v.last_seen_ns = aged;
@@ -1890,7 +1897,7 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
     }
 
     let mut snat = Snat::from_ebpf(&mut dp.bpf).expect("SNAT map");
-    let done = snat_gc::collect(&mut snat, monotonic_ns(), &cfg);
+    let done = snat_gc::collect(&mut snat, now, &cfg);
     assert_eq!(
         done,
         Collected {
@@ -1911,7 +1918,7 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
     dp.check(ingress(
         "the backend's next datagram still goes back to the client",
         reply.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_dst(&reply, EXT_CLIENT, 41_002)),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
@@ -1926,14 +1933,14 @@ fn nodeport_local_backend_and_etp_local_without_endpoints() {
     dp.check(ingress(
         "nodeport to a local backend: DNAT only, the backend sees the client",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(fwd.clone()),
         &[(Counter::NewFlow, 1)],
     ));
     dp.check(egress(
         "toward the local backend: no SNAT",
         fwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Unchanged,
         &[(Counter::ReplyNotTracked, 1)],
     ));
@@ -1946,7 +1953,7 @@ fn nodeport_local_backend_and_etp_local_without_endpoints() {
     dp.check(egress(
         "local backend's reply toward the client: from the NodePort",
         reply.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&reply, NODE_IP, NODE_PORT + 1)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -2006,7 +2013,7 @@ fn etp_local_in_cluster_clients_use_the_cluster_endpoints_outside_clients_are_dr
     dp.check(ingress(
         "pod → eTP=Local NodePort without local endpoints: DNAT to the cluster endpoint, no SNAT",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(fwd.clone()),
         &[(Counter::NewFlow, 1)],
     ));
@@ -2020,7 +2027,7 @@ fn etp_local_in_cluster_clients_use_the_cluster_endpoints_outside_clients_are_dr
     dp.check(egress(
         "toward the remote backend: the pod's own address, like upstream (no masquerade)",
         fwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(fwd.clone()),
         &[(Counter::ReplyNotTracked, 1)],
     ));
@@ -2030,7 +2037,7 @@ fn etp_local_in_cluster_clients_use_the_cluster_endpoints_outside_clients_are_dr
     dp.check(egress(
         "toward the pod: from the NodePort",
         synack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&synack, NODE_IP, port)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -2038,7 +2045,7 @@ fn etp_local_in_cluster_clients_use_the_cluster_endpoints_outside_clients_are_dr
     dp.check(ingress(
         "established: DNAT from conntrack",
         ack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_dst(&ack, REMOTE_BE, 8080)),
         &[(Counter::EstablishedFlow, 1)],
     ));
@@ -2096,7 +2103,7 @@ fn hairpin_flow_is_snated_to_the_link_local_address() {
     dp.check(ingress(
         "pod to its own Service, picked as its own backend: DNAT + hairpin SNAT port",
         syn.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(fwd.clone()),
         &[(Counter::NewFlow, 1), (Counter::HairpinSnat, 1)],
     ));
@@ -2109,7 +2116,7 @@ fn hairpin_flow_is_snated_to_the_link_local_address() {
     dp.check(egress(
         "back toward the pod: source becomes the link-local address",
         fwd.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&fwd, hairpin, port)),
         &[(Counter::SnatTranslated, 1)],
     ));
@@ -2118,14 +2125,14 @@ fn hairpin_flow_is_snated_to_the_link_local_address() {
     dp.check(ingress(
         "the pod answers the link-local address: destination restored",
         synack.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(back.clone()),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
     dp.check(egress(
         "toward the pod as client: from the VIP",
         back.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_src(&back, vip, 80)),
         &[(Counter::ReplyTranslated, 1)],
     ));
@@ -2164,7 +2171,7 @@ fn load_balancer_source_ranges_drop_new_flows_from_outside() {
     dp.check(ingress(
         "LB IP from inside loadBalancerSourceRanges (192.168.50.96/29): DNAT",
         inside.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Packet(with_dst(&inside, LOCAL_BE, 8080)),
         &[(Counter::NewFlow, 1)],
     ));
@@ -2180,7 +2187,7 @@ fn load_balancer_source_ranges_drop_new_flows_from_outside() {
     dp.check(ingress(
         "ranges belong to their frontend: another port of the address is no Service here",
         other_port.bytes(),
-        TC_ACT_OK,
+        TC_NEXT,
         Expect::Unchanged,
         &[(Counter::NotService, 1)],
     ));
@@ -2218,7 +2225,7 @@ fn check_icmp_translation(
 ) -> Vec<u8> {
     let before = dp.counter(Counter::IcmpErrorTranslated);
     let (verdict, out) = dp.run(prog, input);
-    assert_eq!(verdict, TC_ACT_OK, "{what}: verdict");
+    assert_eq!(verdict, TC_NEXT, "{what}: verdict");
     assert_eq!(
         dp.counter(Counter::IcmpErrorTranslated) - before,
         1,
@@ -2266,7 +2273,7 @@ fn icmp_errors_about_translated_flows_are_reverse_translated() {
     let (verdict, out) = dp.run(PROG_TC_EGRESS, &stray);
     assert_eq!(
         (verdict, out),
-        (TC_ACT_OK, stray.clone()),
+        (TC_NEXT, stray.clone()),
         "an error about no tracked flow passes"
     );
 
@@ -2311,7 +2318,7 @@ fn per_packet_cost_nodeport_snat() {
     const RUNS: u16 = 2_000;
     let single = |dp: &Datapath, prog: &str, pkt: &[u8]| {
         let (verdict, _, d) = dp.run_timed(prog, pkt, 1);
-        assert_eq!(verdict, TC_ACT_OK, "{prog} verdict");
+        assert_eq!(verdict, TC_NEXT, "{prog} verdict");
         d
     };
     let new: Vec<Duration> = (0..RUNS)

@@ -193,9 +193,9 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
     };
     let mut ebpf = loader::load_unpinned(&cfg).expect("load");
     let mut snat = Snat::from_ebpf(&mut ebpf).expect("SNAT map");
-    // Timestamps relative to the real CLOCK_MONOTONIC, the clock the datapath writes.
-    let now = monotonic_ns();
-    assert!(now > 1_000 * S, "test needs an uptime above 1000 s");
+    // The GC's clock, set 10,000 s past the real CLOCK_MONOTONIC (the clock the datapath
+    // writes), so "1,000 s ago" exists on a machine that booted a minute ago.
+    let now = monotonic_ns() + 10_000 * S;
     let ago = |s: u64| now - s * S;
 
     let stale = Flow::tcp(40_001, 61_001, ct_state::ESTABLISHED, ago(200));
@@ -242,7 +242,7 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
         "the reclaimer overwrote the silent flow's in entry"
     );
 
-    let done = snat_gc::collect(&mut snat, monotonic_ns(), &cfg);
+    let done = snat_gc::collect(&mut snat, now, &cfg);
 
     let left: BTreeSet<_> = snat
         .entries()
@@ -269,7 +269,7 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
     }
 
     // A second pass finds nothing.
-    let again = snat_gc::collect(&mut snat, monotonic_ns(), &cfg);
+    let again = snat_gc::collect(&mut snat, now, &cfg);
     assert_eq!(
         again,
         Collected {

@@ -120,6 +120,8 @@ pub fn run(no_setup: bool) -> Result<()> {
             "privileged tests",
             cargo()
                 .arg("test")
+                // One failing test binary must not hide the others' results.
+                .arg("--no-fail-fast")
                 .args(&privileged)
                 .args(["--", "--test-threads=1"])
                 .env(proxy_testenv::PRIVILEGED_ENV, "1"),

@@ -35,7 +35,8 @@ use super::{
     workload::{self, SvcSpec},
 };
 
-const TC_ACT_OK: u32 = 0;
+/// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
+const TC_NEXT: u32 = u32::MAX;
 
 /// Two Services that translate into each other (A:80 → B:81, B:81 → A:80): BPF_PROG_TEST_RUN's
 /// `repeat` reruns the program on its own output, so every repetition is a real
@@ -321,7 +322,7 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
         let (saddr, sport) = client_for(k, 0);
         let f = packet::tcp(saddr, sport, target.vip, target.port, SYN, &[]);
         let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
-        ensure!(verdict == TC_ACT_OK, "new flow: verdict {verdict}");
+        ensure!(verdict == TC_NEXT, "new flow: verdict {verdict}");
         new_flow.push(ns as f64);
     }
     // (a') new flows spread over all Services (cache misses of a big map).
@@ -335,7 +336,7 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
         let (saddr, sport) = client_for(k, 1);
         let f = packet::tcp(saddr, sport, s.vip, s.port, SYN, &[]);
         let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
-        ensure!(verdict == TC_ACT_OK, "new flow (spread): verdict {verdict}");
+        ensure!(verdict == TC_NEXT, "new flow (spread): verdict {verdict}");
         spread.push(ns as f64);
     }
     let new_flow_p90 = percentile(&mut new_flow.clone(), 0.9);
@@ -346,7 +347,7 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
     let to_b = packet::tcp(CLIENT, 50_000, CYCLE_B, 81, ACK, &payload);
     for f in [&to_a, &to_b] {
         let (verdict, _) = l.run(PROG_TC_INGRESS, f, 1)?;
-        ensure!(verdict == TC_ACT_OK, "cycle setup: verdict {verdict}");
+        ensure!(verdict == TC_NEXT, "cycle setup: verdict {verdict}");
     }
     let before = l.counter(Counter::EstablishedFlow)?;
     let established = repeated(l, PROG_TC_INGRESS, &to_a, e)?;
@@ -374,7 +375,7 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
     let mut single = Vec::with_capacity(e.new_flows as usize);
     for _ in 0..e.new_flows {
         let (verdict, ns) = l.run(PROG_TC_INGRESS, &other, 1)?;
-        ensure!(verdict == TC_ACT_OK, "not a Service: verdict {verdict}");
+        ensure!(verdict == TC_NEXT, "not a Service: verdict {verdict}");
         single.push(ns as f64);
     }
 
@@ -394,7 +395,7 @@ fn repeated(l: &Loaded, prog: &str, frame: &[u8], e: Effort) -> Result<f64> {
     let mut v = Vec::with_capacity(e.calls as usize);
     for _ in 0..e.calls {
         let (verdict, ns) = l.run(prog, frame, e.repeat)?;
-        ensure!(verdict == TC_ACT_OK, "{prog}: verdict {verdict}");
+        ensure!(verdict == TC_NEXT, "{prog}: verdict {verdict}");
         v.push(ns as f64);
     }
     Ok(median(&mut v))
