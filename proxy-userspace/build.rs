@@ -34,5 +34,16 @@ fn main() -> anyhow::Result<()> {
         root_dir,
         ..Default::default()
     };
+    // aya-build watches the eBPF crate only; the object also compiles proxy-common (the ABI),
+    // whose change must rebuild it too.
+    let common_dir = std::path::Path::new(root_dir).join("../proxy-common");
+    println!(
+        "cargo:rerun-if-changed={}",
+        common_dir.join("src").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        common_dir.join("Cargo.toml").display()
+    );
     aya_build::build_ebpf([ebpf_package], Toolchain::default())
 }

@@ -1885,7 +1885,12 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
     // not depend on the machine's uptime: every entry is re-stamped relative to it.
     let now = monotonic_ns() + 1_000_000_000_000;
     let aged = now - 200_000_000_000;
-    for key in dp.snat().keys().map(|k| k.expect("SNAT key")).collect::<Vec<_>>() {
+    for key in dp
+        .snat()
+        .keys()
+        .map(|k| k.expect("SNAT key"))
+        .collect::<Vec<_>>()
+    {
         let mut v = dp.snat().get(&key, 0).expect("entry to stamp");
         v.last_seen_ns = now - 1_000_000_000;
         dp.snat().insert(key, v, 0).expect("stamp entry");
