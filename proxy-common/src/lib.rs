@@ -33,6 +33,32 @@ pub mod proto {
 /// Program names (the `#[classifier]` function names in proxy-ebpf).
 pub const PROG_TC_INGRESS: &str = "tc_ingress";
 pub const PROG_TC_EGRESS: &str = "tc_egress";
+/// The new-flow half of tc ingress, tail-called from `tc_ingress` (a program of its own so each
+/// half has the whole 512-byte BPF stack). Never attached.
+pub const PROG_TC_INGRESS_NEW: &str = "tc_ingress_new";
+/// Name of the program array holding `PROG_TC_INGRESS_NEW` (per object, never pinned: each
+/// loaded object tail-calls its own program).
+pub const MAP_TAIL_CALLS: &str = "TAILCALLS";
+/// Index of `PROG_TC_INGRESS_NEW` in `MAP_TAIL_CALLS`.
+pub const TAIL_CALL_NEW_FLOW: u32 = 0;
+/// The direct-flow part of ingress (a packet to no Service), tail-called from the new-flow
+/// program. Never attached.
+pub const PROG_TC_INGRESS_DIRECT: &str = "tc_ingress_direct";
+/// Index of `PROG_TC_INGRESS_DIRECT` in `MAP_TAIL_CALLS`.
+pub const TAIL_CALL_DIRECT_FLOW: u32 = 1;
+/// The reject part of ingress (ICMP port unreachable for a Service without endpoints),
+/// tail-called from the new-flow program. Never attached.
+pub const PROG_TC_INGRESS_REJECT: &str = "tc_ingress_reject";
+/// Index of `PROG_TC_INGRESS_REJECT` in `MAP_TAIL_CALLS`.
+pub const TAIL_CALL_REJECT: u32 = 2;
+/// Entries of `MAP_TAIL_CALLS`.
+pub const TAIL_CALL_COUNT: u32 = 3;
+/// The tail-called programs with their `MAP_TAIL_CALLS` index.
+pub const TAIL_CALLS: [(&str, u32); 3] = [
+    (PROG_TC_INGRESS_NEW, TAIL_CALL_NEW_FLOW),
+    (PROG_TC_INGRESS_DIRECT, TAIL_CALL_DIRECT_FLOW),
+    (PROG_TC_INGRESS_REJECT, TAIL_CALL_REJECT),
+];
 /// The cgroup socket hooks (`#[cgroup_sock_addr]` function names) that translate Services for
 /// sockets of the node's own network namespace.
 pub const PROG_SOCK_CONNECT4: &str = "sock_connect4";

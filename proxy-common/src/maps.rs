@@ -239,9 +239,10 @@ pub struct CtValue {
     pub state: u8,
     /// `ct_flags::*`.
     pub flags: u8,
-    /// With `ct_flags::SPORT_NAT`: the source port the client's packets carry after translation
-    /// (the reply tuple's destination port), chosen because the client's own port would have
-    /// given this flow the reply tuple of another live flow. Zero otherwise.
+    /// With `ct_flags::SPORT_NAT` (a reply-tuple clash resolved by a new source port): in the
+    /// ORIGINAL entry, the source port the client's packets leave with (= the REPLY key's
+    /// destination port); in the REPLY entry, the client's own port, which replies go back to.
+    /// Zero otherwise.
     pub nat_sport: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<CtValue>() == 40);
@@ -254,7 +255,19 @@ pub mod ct_flags {
     /// The flow's source port is translated too (`CtValue::nat_sport`): a reply-tuple clash was
     /// resolved like netfilter does, by giving the new flow another source port.
     pub const SPORT_NAT: u8 = 1 << 1;
+    /// A flow straight to an address that is no Service frontend (a pod reached directly): no
+    /// address translation. Tracked only as an ORIGINAL entry (`frontend_* == backend_*`,
+    /// `backend_id` 0), so that no translated flow is given its reply tuple; with `SPORT_NAT`
+    /// (it started while a translated flow held its reply tuple) it has a REPLY entry too.
+    pub const DIRECT: u8 = 1 << 2;
 }
+
+/// Source ports a flow may be moved to when its reply tuple clashes (netfilter's range for
+/// ports ≥ 1024).
+pub const CLASH_PORT_MIN: u16 = 1_024;
+pub const CLASH_PORT_MAX: u16 = 65_535;
+/// How many ports a clashing flow tries before it is dropped (`drop_reply_tuple_exhausted`).
+pub const CLASH_PROBES: u32 = 16;
 
 /// Node ports used as SNAT source ports (above Linux's default ephemeral range 32768-60999, so
 /// the node's own connections rarely share a tuple with a SNATed flow).
@@ -336,3 +349,19 @@ const _: () = assert!(core::mem::size_of::<SockRevKey>() == 16);
 
 /// `SOCKREV_V1` value: the frontend the application asked for.
 pub type SockRevValue = RevNat;
+
+/// Per-CPU scratch handed from `tc_ingress` to the new-flow program it tail-calls (same CPU, same
+/// packet: nothing runs in between): the conntrack entry the new flow replaces, if any.
+/// Never pinned, never read by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PendingFlow {
+    /// The replaced entry (meaningful when `has_old` is 1).
+    pub old: CtValue,
+    /// 1 if `old` is set.
+    pub has_old: u8,
+    /// Why the flow is new although it had an entry (`ingress::Replacing` as u8).
+    pub replacing: u8,
+    pub _pad: [u8; 6],
+}
+const _: () = assert!(core::mem::size_of::<PendingFlow>() == 48);

@@ -96,6 +96,23 @@ counters! {
     /// A translated socket's frontend could not be recorded: getpeername()/recvmsg() on it show
     /// the backend.
     SockRevNatFailed = "sock_revnat_failed",
+    /// A new flow whose reply tuple a live flow already held got another source port
+    /// (netfilter's clash resolution); its replies go back to the client's own port.
+    ReplyTupleRemapped = "reply_tuple_remapped",
+    /// A flow held a reply tuple that an idle-expired flow still claimed: the old flow's entries
+    /// were removed.
+    ReplyTupleReclaimed = "reply_tuple_reclaimed",
+    /// Dropped: a new flow's reply tuple clashed and no free source port was found.
+    DropReplyTupleExhausted = "drop_reply_tuple_exhausted",
+    /// A packet of a flow straight to a pod (no Service), tracked so that no translated flow
+    /// takes its reply tuple.
+    DirectFlow = "direct_flow",
+    /// A conntrack entry of a live flow that had been evicted (LRU) was written again from the
+    /// other one.
+    ConntrackRestored = "conntrack_restored",
+    /// Dropped: the new-flow program could not be tail-called (not loaded into the program
+    /// array); a packet to a Service must not leave untranslated.
+    DropTailCall = "drop_tail_call",
 }
 
 /// Number of entries in the stats array.

@@ -1,17 +1,29 @@
 //! Conntrack: keys, idle timeouts, TCP state and the ORIGINAL/REPLY entry pair.
 //!
-//! Every translated flow has two entries in `CONNTRACK_V1` with the same value:
-//! ORIGINAL, keyed as the client's packets arrive (client → frontend), and REPLY, keyed as the
-//! backend's replies leave (backend → client). Ingress looks up ORIGINAL, egress REPLY.
+//! Every translated flow has two entries in `CONNTRACK_V1`: ORIGINAL, keyed as the client's
+//! packets arrive (client → frontend), and REPLY, keyed as the backend's replies leave
+//! (backend → client). Ingress looks up ORIGINAL, egress REPLY; each refreshes (and, if LRU
+//! evicted it, writes again) the other, so a live flow survives the loss of either entry.
+//!
+//! Reply tuples are unique, as netfilter keeps them: a new flow whose REPLY key is held by
+//! another live flow (one client port reaching the same backend through two frontends, or
+//! through a frontend and directly) is given another source port (`ct_flags::SPORT_NAT`), and
+//! its replies are put back to the client's own port. Flows straight to a pod are tracked as
+//! `ct_flags::DIRECT` ORIGINAL entries so that a later translated flow sees their tuple as taken.
+//! A flow only ever removes entries that are its own.
 
 /// Has a flow been idle past its timeout? One rule in proxy-common, shared with the agent's
 /// conntrack and SNAT garbage collection.
 pub use proxy_common::timeouts::idle_expired;
-use proxy_common::{Backend, CtKey, CtValue, DatapathConfig, ct_dir, ct_state};
+use proxy_common::{
+    Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, CtKey, CtValue, DatapathConfig,
+    ct_dir, ct_flags, ct_state, hash::flow_hash,
+};
 
 use crate::{
     Drop, maps,
     packet::{Packet, tcp_flags},
+    stats,
 };
 
 /// The ORIGINAL key of the packet as it arrived.
@@ -37,33 +49,89 @@ pub fn reply_key(p: &Packet) -> CtKey {
     }
 }
 
-/// The REPLY key of a flow from its client and backend.
+/// The REPLY key a flow from `client` (its ORIGINAL key) to a backend has when the client's
+/// packets leave with source port `client_port`.
 #[inline(always)]
-fn reply_key_of(client: &CtKey, backend_addr: [u8; 4], backend_port: [u8; 2]) -> CtKey {
+fn reply_key_with(
+    client: &CtKey,
+    backend_addr: [u8; 4],
+    backend_port: [u8; 2],
+    client_port: [u8; 2],
+) -> CtKey {
     CtKey {
         saddr: backend_addr,
         daddr: client.saddr,
         sport: backend_port,
-        dport: client.sport,
+        dport: client_port,
         proto: client.proto,
         dir: ct_dir::REPLY,
         _pad: [0; 2],
     }
 }
 
-/// The ORIGINAL key of the flow a reply belongs to: client = the reply's destination, frontend
-/// from the entry.
+/// The source port the client's packets of a flow leave with (`ct` an ORIGINAL value).
 #[inline(always)]
-pub fn original_key_of_reply(p: &Packet, ct: &CtValue) -> CtKey {
+pub fn translated_sport(original: &CtKey, ct: &CtValue) -> [u8; 2] {
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        ct.nat_sport
+    } else {
+        original.sport
+    }
+}
+
+/// The REPLY key of the flow whose ORIGINAL key and value these are.
+#[inline(always)]
+pub fn reply_key_of(original: &CtKey, ct: &CtValue) -> CtKey {
+    reply_key_with(
+        original,
+        ct.backend_addr,
+        ct.backend_port,
+        translated_sport(original, ct),
+    )
+}
+
+/// The client's own port of a reply (`ct` the REPLY value): the reply's destination port, or the
+/// port a clash moved the flow away from.
+#[inline(always)]
+pub fn client_port_of_reply(reply_dport: [u8; 2], ct: &CtValue) -> [u8; 2] {
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        ct.nat_sport
+    } else {
+        reply_dport
+    }
+}
+
+/// The ORIGINAL key of the flow whose REPLY key and value these are.
+#[inline(always)]
+pub fn original_key_of(reply: &CtKey, ct: &CtValue) -> CtKey {
     CtKey {
-        saddr: p.daddr,
+        saddr: reply.daddr,
         daddr: ct.frontend_addr,
-        sport: p.dport,
+        sport: client_port_of_reply(reply.dport, ct),
         dport: ct.frontend_port,
-        proto: p.proto,
+        proto: reply.proto,
         dir: ct_dir::ORIGINAL,
         _pad: [0; 2],
     }
+}
+
+/// The ORIGINAL value of a flow from its REPLY value and the reply tuple's destination port (the
+/// two differ only in `nat_sport`).
+#[inline(always)]
+pub fn original_value_of(reply_dport: [u8; 2], ct: &CtValue) -> CtValue {
+    let mut v = *ct;
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        v.nat_sport = reply_dport;
+    }
+    v
+}
+
+/// Is this REPLY entry the one of the flow with this ORIGINAL key?
+#[inline(always)]
+fn owns_reply(original: &CtKey, reply: &CtValue) -> bool {
+    reply.frontend_addr == original.daddr
+        && reply.frontend_port == original.dport
+        && (reply.flags & ct_flags::SPORT_NAT == 0 || reply.nat_sport == original.sport)
 }
 
 /// Has the entry been idle for longer than its timeout?
@@ -108,6 +176,35 @@ pub fn backend_valid(ct: &CtValue) -> bool {
     }
 }
 
+/// Ingress, a packet of a known flow: refresh its REPLY entry too (so LRU keeps both while
+/// either side sends), and write it again if it was evicted.
+#[inline(always)]
+pub fn refresh_reply(original: &CtKey, ct: &CtValue, now_ns: u64, state: u8) {
+    if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
+        return; // A plain direct flow has no REPLY entry.
+    }
+    let key = reply_key_of(original, ct);
+    match maps::ct_entry(&key) {
+        Some(reply) => {
+            if reply.get().last_seen_ns < now_ns {
+                reply.touch(now_ns, state);
+            }
+        }
+        None => {
+            let mut value = *ct;
+            if ct.flags & ct_flags::SPORT_NAT != 0 {
+                value.nat_sport = original.sport;
+            }
+            value.last_seen_ns = now_ns;
+            value.state = state;
+            // Only if the tuple is still free: never overwrite another flow's entry.
+            if maps::ct_insert_new(&key, &value).is_ok() {
+                stats::count(Counter::ConntrackRestored);
+            }
+        }
+    }
+}
+
 /// A new flow's translation.
 pub struct NewFlow<'a> {
     pub original: &'a CtKey,
@@ -117,10 +214,116 @@ pub struct NewFlow<'a> {
     pub now_ns: u64,
 }
 
-/// Write both entries of a new flow (overwriting an expired or stale pair), and drop the REPLY
-/// entry of the replaced flow if it pointed elsewhere.
+/// Is the reply tuple `reply` (for a flow to `backend` from the ORIGINAL key's client, leaving
+/// with source port `reply.dport`) held by another live flow? An entry of an idle-expired flow
+/// is removed (with its ORIGINAL entry) and does not count.
 #[inline(always)]
-pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Result<(), Drop> {
+fn reply_tuple_taken(original: &CtKey, reply: &CtKey, now: u64) -> bool {
+    let cfg = maps::config_ref();
+    if let Some(entry) = maps::ct_entry(reply) {
+        let held = entry.peek();
+        if owns_reply(original, held) {
+            return false; // Our own entry from an earlier pick: overwritten.
+        }
+        let other = original_key_of(reply, held);
+        let held_live = !expired(held, reply.proto, now, cfg);
+        let other_live = match maps::ct_entry(&other) {
+            Some(o) => !expired(o.peek(), reply.proto, now, cfg),
+            None => false,
+        };
+        if other_live || held_live {
+            return true;
+        }
+        // Both entries idle: that flow is over, its tuple free again.
+        maps::ct_remove(&other);
+        maps::ct_remove(reply);
+        stats::count(Counter::ReplyTupleReclaimed);
+    }
+    // A direct flow from the same client port to the backend holds the tuple too.
+    let direct = CtKey {
+        saddr: original.saddr,
+        daddr: reply.saddr,
+        sport: reply.dport,
+        dport: reply.sport,
+        proto: original.proto,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    };
+    if direct == *original {
+        return false; // The flow itself (a direct flow being tracked).
+    }
+    match maps::ct_entry(&direct) {
+        Some(d) => {
+            let d = d.peek();
+            d.flags & ct_flags::DIRECT != 0
+                && d.flags & ct_flags::SPORT_NAT == 0
+                && !expired(d, original.proto, now, cfg)
+        }
+        None => false,
+    }
+}
+
+/// `choose_sport`: keep the client's own port.
+const KEEP_SPORT: u32 = 0;
+/// `choose_sport`: every probed port is taken.
+const NO_SPORT: u32 = 1 << 16;
+
+/// The source port a new flow's packets leave with: [`KEEP_SPORT`] for the client's own, a port
+/// (host order) if the reply tuple clashed and a bounded probe from a flow-hash start found a free
+/// one, [`NO_SPORT`] if none.
+#[inline(always)]
+fn choose_sport(original: &CtKey, backend: &Backend, now: u64) -> u32 {
+    let mut candidate = reply_key_with(original, backend.addr, backend.port, original.sport);
+    if !reply_tuple_taken(original, &candidate, now) {
+        return KEEP_SPORT;
+    }
+    const RANGE: u32 = (CLASH_PORT_MAX - CLASH_PORT_MIN) as u32 + 1;
+    let hash = flow_hash(
+        original.saddr,
+        original.daddr,
+        original.sport,
+        original.dport,
+        original.proto,
+    );
+    let start = ((hash as u64 * RANGE as u64) >> 32) as u32;
+    let mut i = 0;
+    while i < CLASH_PROBES {
+        let mut off = start + i;
+        if off >= RANGE {
+            off -= RANGE;
+        }
+        let port = CLASH_PORT_MIN as u32 + off;
+        candidate.dport = (port as u16).to_be_bytes();
+        if candidate.dport != original.sport && !reply_tuple_taken(original, &candidate, now) {
+            return port;
+        }
+        i += 1;
+    }
+    NO_SPORT
+}
+
+/// [`choose_sport`] as the flags and `nat_sport` of a new entry.
+#[inline(always)]
+fn clash_resolution(original: &CtKey, backend: &Backend, now: u64) -> Result<(u8, [u8; 2]), Drop> {
+    match choose_sport(original, backend, now) {
+        KEEP_SPORT => Ok((0, [0; 2])),
+        NO_SPORT => Err(Drop::ReplyTupleExhausted),
+        port => {
+            stats::count(Counter::ReplyTupleRemapped);
+            Ok((ct_flags::SPORT_NAT, (port as u16).to_be_bytes()))
+        }
+    }
+}
+
+/// Write both entries of a new flow (replacing an expired or stale pair of the same ORIGINAL
+/// key), with a source port that keeps its reply tuple unique. Returns the ORIGINAL value (its
+/// `translated_sport` is what the packet must leave with).
+#[inline(always)]
+pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Result<CtValue, Drop> {
+    if let Some(old) = replaced {
+        remove(flow.original, old);
+    }
+    let (flags, nat_sport) = clash_resolution(flow.original, flow.backend, flow.now_ns)?;
     let value = CtValue {
         last_seen_ns: flow.now_ns,
         created_ns: flow.now_ns,
@@ -131,30 +334,84 @@ pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Res
         frontend_port: p.dport,
         backend_port: flow.backend.port,
         state: next_state(p, ct_state::UDP),
-        flags: 0,
-        nat_sport: [0; 2],
+        flags,
+        nat_sport,
     };
-    if let Some(old) = replaced
-        && (old.backend_addr != flow.backend.addr || old.backend_port != flow.backend.port)
-    {
-        maps::ct_remove(&reply_key_of(
-            flow.original,
-            old.backend_addr,
-            old.backend_port,
-        ));
-    }
-    let reply = reply_key_of(flow.original, flow.backend.addr, flow.backend.port);
-    maps::ct_insert(flow.original, &value).map_err(|_| Drop::ConntrackFull)?;
-    if maps::ct_insert(&reply, &value).is_err() {
-        maps::ct_remove(flow.original);
-        return Err(Drop::ConntrackFull);
-    }
-    Ok(())
+    insert_pair(flow.original, value)
 }
 
-/// Forget a flow (both entries).
+/// Write a flow's ORIGINAL and REPLY entries; returns the ORIGINAL value.
+#[inline(always)]
+fn insert_pair(original: &CtKey, mut value: CtValue) -> Result<CtValue, Drop> {
+    let reply = reply_key_of(original, &value);
+    maps::ct_insert(original, &value).map_err(|_| Drop::ConntrackFull)?;
+    let sport = value.nat_sport;
+    if value.flags & ct_flags::SPORT_NAT != 0 {
+        value.nat_sport = original.sport;
+    }
+    if maps::ct_insert(&reply, &value).is_err() {
+        maps::ct_remove(original);
+        return Err(Drop::ConntrackFull);
+    }
+    value.nat_sport = sport;
+    Ok(value)
+}
+
+/// A packet straight to an address that is no Service frontend, on ingress: track the flow so
+/// that no translated flow takes its reply tuple, and, if a live translated flow already holds
+/// it, move this flow to another source port. `Some(port)`: rewrite the source port to it.
+#[inline(always)]
+pub fn direct_flow(p: &Packet, key: &CtKey, now: u64) -> Result<Option<[u8; 2]>, Drop> {
+    if p.is_tcp() && !p.is_syn() {
+        // Only a connection's first packet starts tracking (mid-stream packets of flows that
+        // began before the agent, or without a SYN we saw, stay untracked). The caller checks
+        // this already; kept here so the rule lives with the function.
+        return Ok(None);
+    }
+    if !p.is_tcp() && maps::ct_entry(&reply_key(p)).is_some() {
+        // A UDP reply of a translated flow from a remote backend, on its way to the client.
+        return Ok(None);
+    }
+    let itself = Backend {
+        addr: p.daddr,
+        port: p.dport,
+        proto: p.proto,
+        flags: 0,
+    };
+    let (flags, nat_sport) = clash_resolution(key, &itself, now)?;
+    let value = CtValue {
+        last_seen_ns: now,
+        created_ns: now,
+        backend_id: 0,
+        rev_nat_id: 0,
+        frontend_addr: p.daddr,
+        backend_addr: p.daddr,
+        frontend_port: p.dport,
+        backend_port: p.dport,
+        state: next_state(p, ct_state::UDP),
+        flags: ct_flags::DIRECT | flags,
+        nat_sport,
+    };
+    if flags != 0 {
+        insert_pair(key, value)?;
+        return Ok(Some(nat_sport));
+    }
+    // Losing the marker (map full) only loses clash protection for this flow: pass it on.
+    let _ = maps::ct_insert(key, &value);
+    Ok(None)
+}
+
+/// Forget a flow: its ORIGINAL entry, and its REPLY entry if that is still its own.
 #[inline(always)]
 pub fn remove(original: &CtKey, ct: &CtValue) {
     maps::ct_remove(original);
-    maps::ct_remove(&reply_key_of(original, ct.backend_addr, ct.backend_port));
+    if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
+        return;
+    }
+    let reply = reply_key_of(original, ct);
+    if let Some(entry) = maps::ct_entry(&reply)
+        && owns_reply(original, entry.peek())
+    {
+        maps::ct_remove(&reply);
+    }
 }

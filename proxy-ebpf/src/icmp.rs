@@ -13,7 +13,7 @@
 //! may be cut off, and receivers do not verify it).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, CtKey, SnatKey, ct_dir};
+use proxy_common::{Counter, CtKey, SnatKey, ct_dir, ct_flags};
 
 use crate::{
     Action, Drop, maps, nat,
@@ -51,6 +51,16 @@ pub fn reply(ctx: &TcContext, e: &IcmpError) -> Result<Action, Drop> {
         e.inner_dport,
         ct.frontend_port,
     )?;
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        // The flow left with another source port (reply-tuple clash): quote the client's own.
+        nat::replace_quoted_port(
+            ctx,
+            e.inner_sport_off(),
+            e.icmp_csum_off(),
+            e.inner_sport,
+            ct.nat_sport,
+        )?;
+    }
     nat::replace_ip_addr(ctx, IP_SADDR_OFF, IP_CSUM_OFF, e.saddr, ct.frontend_addr)?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
 }

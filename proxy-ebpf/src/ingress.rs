@@ -2,7 +2,8 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, CtKey, CtValue, ServiceKey, SourceRangeKey, ct_state,
+    Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
+    TAIL_CALL_REJECT, ct_flags, ct_state,
     hash::{flow_hash, pick_slot},
     service_flags,
 };
@@ -17,6 +18,7 @@ use crate::{
 
 /// Why a packet goes through the new-flow path although it had a conntrack entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 enum Replacing {
     /// No entry: a new flow.
     Nothing,
@@ -54,15 +56,29 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
     let mut replacing = Replacing::Nothing;
     if let Some(entry) = maps::ct_entry(&key) {
         let ct = entry.get();
-        if conntrack::expired(&ct, p.proto, now, &maps::config()) {
+        if conntrack::expired(&ct, p.proto, now, maps::config_ref()) {
             stats::count(Counter::ConntrackExpired);
             replacing = Replacing::Old;
         } else if p.is_syn() && ct.state == ct_state::CLOSING {
             // A new connection on the tuple of a closed one: choose again, like netfilter does.
             replacing = Replacing::Old;
+        } else if ct.flags & ct_flags::DIRECT != 0 {
+            // Straight to a pod: no address translation; a source port only after a clash.
+            let state = conntrack::next_state(&p, ct.state);
+            entry.touch(now, state);
+            if ct.flags & ct_flags::SPORT_NAT != 0 {
+                conntrack::refresh_reply(&key, &ct, now, state);
+                nat::source_port(ctx, &p, ct.nat_sport)?;
+            }
+            return Ok(Action::pass(Counter::DirectFlow));
         } else if conntrack::backend_valid(&ct) {
-            entry.touch(now, conntrack::next_state(&p, ct.state));
+            let state = conntrack::next_state(&p, ct.state);
+            entry.touch(now, state);
+            conntrack::refresh_reply(&key, &ct, now, state);
             nat::dnat(ctx, &p, ct.backend_addr, ct.backend_port)?;
+            if ct.flags & ct_flags::SPORT_NAT != 0 {
+                nat::source_port(ctx, &p, ct.nat_sport)?;
+            }
             return Ok(Action::pass(Counter::EstablishedFlow));
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone: never send to the dead address, reset.
@@ -89,7 +105,67 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         nat::dnat(ctx, &p, client.addr, client.port)?;
         return Ok(Action::pass(Counter::SnatReplyTranslated));
     }
-    new_flow(ctx, &p, &key, now, old.as_ref(), replacing)
+    // The rest runs in the new-flow program (its own 512-byte stack).
+    let pending = PendingFlow {
+        old: old.unwrap_or_default(),
+        has_old: old.is_some() as u8,
+        replacing: replacing as u8,
+        _pad: [0; 6],
+    };
+    maps::tail_call_new_flow(ctx, &pending);
+    Err(Drop::TailCall)
+}
+
+/// The new-flow program, tail-called by `tc_ingress` for a packet without a usable conntrack
+/// entry: parses the packet again (cheaper than handing it over) and takes the replaced entry
+/// from the per-CPU scratch.
+#[inline(always)]
+pub fn try_new_flow(ctx: &TcContext) -> Result<Action, Drop> {
+    let Parsed::Packet(p) = packet::parse(ctx) else {
+        return Err(Drop::TailCall); // tc_ingress only tail-calls for translatable packets.
+    };
+    let pending = maps::pending_flow().ok_or(Drop::TailCall)?;
+    let replacing = match pending.replacing {
+        x if x == Replacing::Old as u8 => Replacing::Old,
+        x if x == Replacing::Stale as u8 => Replacing::Stale,
+        _ => Replacing::Nothing,
+    };
+    let old = (pending.has_old != 0).then_some(&pending.old);
+    new_flow(
+        ctx,
+        &p,
+        &conntrack::original_key(&p),
+        maps::now_ns(),
+        old,
+        replacing,
+    )
+}
+
+/// The direct-flow program, tail-called by the new-flow program for a packet to no Service: see
+/// [`conntrack::direct_flow`].
+#[inline(always)]
+pub fn try_direct_flow(ctx: &TcContext) -> Result<Action, Drop> {
+    let Parsed::Packet(p) = packet::parse(ctx) else {
+        return Err(Drop::TailCall);
+    };
+    match conntrack::direct_flow(&p, &conntrack::original_key(&p), maps::now_ns())? {
+        Some(sport) => {
+            nat::source_port(ctx, &p, sport)?;
+            Ok(Action::pass(Counter::DirectFlow))
+        }
+        None => Ok(Action::pass(Counter::NotService)),
+    }
+}
+
+/// The reject program, tail-called by the new-flow program for a new flow to a Service without
+/// endpoints: ICMP port unreachable, sent back out.
+#[inline(always)]
+pub fn try_reject(ctx: &TcContext) -> Result<Action, Drop> {
+    let Parsed::Packet(p) = packet::parse(ctx) else {
+        return Err(Drop::TailCall);
+    };
+    let verdict = reject::icmp_port_unreachable(ctx, &p)?;
+    Ok(Action::redirect(verdict, Counter::NoEndpointsRejected))
 }
 
 /// Service lookup, backend pick, conntrack entries, DNAT.
@@ -108,8 +184,15 @@ fn new_flow(
         maps::frontend_for(&external_key, || maps::in_cluster(p.saddr))
     else {
         if let Some(old) = old {
-            // The Service itself is gone: its flow is over.
+            // The Service itself is gone (or a direct flow's entry expired): that flow is over.
             conntrack::remove(key, old);
+        }
+        // Straight to a pod (or anywhere else): tracked so its reply tuple stays its own, in a
+        // program of its own (stack). Only a connection's first packet (TCP SYN) or a UDP
+        // datagram starts tracking.
+        if !p.is_tcp() || p.is_syn() {
+            maps::tail_call(ctx, TAIL_CALL_DIRECT_FLOW);
+            return Err(Drop::TailCall);
         }
         return Ok(Action::pass(Counter::NotService));
     };
@@ -136,8 +219,9 @@ fn new_flow(
             // Like kube-proxy: no local endpoint for eTP=Local external traffic is a drop.
             return Err(Drop::NoLocalEndpoints);
         }
-        let verdict = reject::icmp_port_unreachable(ctx, p)?;
-        return Ok(Action::redirect(verdict, Counter::NoEndpointsRejected));
+        // The answer is built in a program of its own (stack).
+        maps::tail_call(ctx, TAIL_CALL_REJECT);
+        return Err(Drop::TailCall);
     };
     let backend_id = maps::service(&frontend_key.with_slot(slot))
         .ok_or(Drop::NoBackend)?
@@ -150,18 +234,26 @@ fn new_flow(
         rev_nat_id: frontend.rev_nat_id,
         now_ns: now,
     };
+    let ct = conntrack::create(p, &flow, old)?;
+    // The port the client's packets leave with: its own, or another if its reply tuple clashed.
+    let sport = conntrack::translated_sport(key, &ct);
     if snat::needed(p.saddr, &frontend, &backend) {
         let f = snat::Flow {
             client: p.saddr,
-            client_port: p.sport,
+            client_port: sport,
             backend: backend.addr,
             backend_port: backend.port,
             proto: p.proto,
         };
-        snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now)?;
+        if let Err(drop) = snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now) {
+            conntrack::remove(key, &ct);
+            return Err(drop);
+        }
     }
-    conntrack::create(p, &flow, old)?;
     nat::dnat(ctx, p, backend.addr, backend.port)?;
+    if sport != p.sport {
+        nat::source_port(ctx, p, sport)?;
+    }
     Ok(Action::pass(
         if replacing == Replacing::Stale && !p.is_tcp() {
             Counter::StaleBackendReselected

@@ -70,6 +70,10 @@ pub(crate) enum Drop {
     SnatPortsExhausted,
     /// A new flow to a LoadBalancer IP from outside its loadBalancerSourceRanges.
     SourceRange,
+    /// A new flow's reply tuple clashed with a live flow's and no free source port was found.
+    ReplyTupleExhausted,
+    /// The new-flow program could not be tail-called.
+    TailCall,
 }
 
 impl Drop {
@@ -84,6 +88,8 @@ impl Drop {
             Drop::NoLocalEndpoints => Counter::DropNoLocalEndpoints,
             Drop::SnatPortsExhausted => Counter::DropSnatPortsExhausted,
             Drop::SourceRange => Counter::DropSourceRange,
+            Drop::ReplyTupleExhausted => Counter::DropReplyTupleExhausted,
+            Drop::TailCall => Counter::DropTailCall,
         }
     }
 }
@@ -108,6 +114,29 @@ fn verdict(result: Result<Action, Drop>) -> i32 {
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     stats::count(Counter::IngressPackets);
     verdict(ingress::try_tc_ingress(&ctx))
+}
+
+/// The new-flow half of ingress (service lookup, pick, conntrack entries, DNAT), tail-called by
+/// `tc_ingress`; never attached. A program of its own so that each half has the whole 512-byte
+/// stack.
+#[classifier]
+pub fn tc_ingress_new(ctx: TcContext) -> i32 {
+    verdict(ingress::try_new_flow(&ctx))
+}
+
+/// A packet to no Service, tail-called by `tc_ingress_new`: tracked so that no translated flow
+/// takes its reply tuple (and moved to another source port if one already holds it). Never
+/// attached.
+#[classifier]
+pub fn tc_ingress_direct(ctx: TcContext) -> i32 {
+    verdict(ingress::try_direct_flow(&ctx))
+}
+
+/// A new flow to a Service without endpoints, tail-called by `tc_ingress_new`: answered with
+/// ICMP port unreachable. Never attached.
+#[classifier]
+pub fn tc_ingress_reject(ctx: TcContext) -> i32 {
+    verdict(ingress::try_reject(&ctx))
 }
 
 /// Toward the client: reverse NAT of replies (backend → frontend); toward a remote backend: SNAT

@@ -6,17 +6,18 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, lpm_trie::Key},
     helpers::bpf_ktime_get_ns,
     macros::btf_map,
+    programs::TcContext,
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
     MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
+    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PendingFlow, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
     SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
     SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
-    SockRevValue, SourceRangeKey, service_flags,
+    SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW, service_flags,
 };
 
 #[btf_map]
@@ -52,16 +53,54 @@ static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY a
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
 
+/// The new-flow and direct-flow programs (`TAIL_CALL_*`), filled by the agent after loading.
+#[btf_map]
+static TAILCALLS: ProgramArray<{ proxy_common::TAIL_CALL_COUNT as usize }> = ProgramArray::new();
+
+/// What `tc_ingress` hands to the new-flow program (one per CPU).
+#[btf_map]
+static PENDING: PerCpuArray<PendingFlow, 1> = PerCpuArray::new();
+
+/// Jump to the new-flow program; returns only if it is not there.
+#[inline(always)]
+pub fn tail_call_new_flow(ctx: &TcContext, pending: &PendingFlow) {
+    if let Some(ptr) = PENDING.get_ptr_mut(0) {
+        // SAFETY: a per-CPU array slot, owned by this CPU while the program runs.
+        unsafe { *ptr = *pending };
+    }
+    // SAFETY: the program array holds only our own tc program at this index (the agent writes
+    // it); on failure the call returns and the caller drops the packet.
+    unsafe { TAILCALLS.tail_call(ctx, TAIL_CALL_NEW_FLOW) }
+}
+
+/// Jump to another part of ingress (`TAIL_CALL_*`); returns only if it is not there.
+#[inline(always)]
+pub fn tail_call(ctx: &TcContext, index: u32) {
+    // SAFETY: as in `tail_call_new_flow`.
+    unsafe { TAILCALLS.tail_call(ctx, index) }
+}
+
+/// What the tail-calling `tc_ingress` left for this packet, in place (no copy on the stack).
+#[inline(always)]
+pub fn pending_flow() -> Option<&'static PendingFlow> {
+    let ptr = PENDING.get_ptr(0)?;
+    // SAFETY: a per-CPU array slot: preallocated, never freed, and only this CPU's program run
+    // (which cannot be preempted) writes it; the reference is used within this run.
+    Some(unsafe { &*ptr })
+}
+
 /// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
 #[unsafe(no_mangle)]
 static CONFIG: DatapathConfig = DatapathConfig::DEFAULT;
 
-/// The load-time configuration.
+/// The load-time configuration, by reference (no 60-byte copy on the 512-byte BPF stack).
 #[inline(always)]
-pub fn config() -> DatapathConfig {
-    // SAFETY: CONFIG is a plain, initialised, immutable static; the volatile read only stops the
-    // compiler from folding the default, because the loader rewrites `.rodata` before loading.
-    unsafe { core::ptr::read_volatile(&CONFIG) }
+pub fn config_ref() -> &'static DatapathConfig {
+    let ptr: *const DatapathConfig = &CONFIG;
+    // SAFETY: reading a local through a valid pointer. The volatile read hides from the compiler
+    // that the pointer is CONFIG's, so it cannot fold the default into the field reads (the loader
+    // rewrites `.rodata` before loading); CONFIG itself is immutable and lives forever.
+    unsafe { &*core::ptr::read_volatile(&ptr) }
 }
 
 /// Load-time facts of the socket hooks (`.rodata`), set by the agent like `CONFIG`.
@@ -170,6 +209,14 @@ impl<V: Stamped> FlowEntry<V> {
         unsafe { *self.ptr }
     }
 
+    /// The entry in place, for reading a few fields without a copy on the stack.
+    #[inline(always)]
+    pub fn peek(&self) -> &V {
+        // SAFETY: as in `get`; the reference does not outlive the handle, which callers drop
+        // before writing to the map.
+        unsafe { &*self.ptr }
+    }
+
     /// Record a packet: last-seen time and state.
     #[inline(always)]
     pub fn touch(&self, now_ns: u64, state: u8) {
@@ -195,6 +242,12 @@ pub fn ct_entry(key: &CtKey) -> Option<CtEntry> {
 #[inline(always)]
 pub fn ct_insert(key: &CtKey, value: &CtValue) -> Result<(), i32> {
     CONNTRACK_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// Insert a conntrack entry only if its key is free (never overwrites another flow's entry).
+#[inline(always)]
+pub fn ct_insert_new(key: &CtKey, value: &CtValue) -> Result<(), i32> {
+    CONNTRACK_V1.insert(key, value, BPF_NOEXIST as u64)
 }
 
 /// Remove a conntrack entry (absent is fine).
@@ -294,3 +347,4 @@ const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
+const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS"));

@@ -47,6 +47,36 @@ pub fn snat_reply(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> 
     )
 }
 
+/// Source port only (a reply-tuple clash moved the flow to another port).
+#[inline(always)]
+pub fn source_port(ctx: &TcContext, p: &Packet, port: [u8; 2]) -> Result<(), Drop> {
+    rewrite(
+        ctx,
+        p,
+        IP_SADDR_OFF,
+        p.saddr,
+        p.saddr,
+        p.l4_off(),
+        p.sport,
+        port,
+    )
+}
+
+/// Destination port only (a reply going back to the client's own port after a clash).
+#[inline(always)]
+pub fn dest_port(ctx: &TcContext, p: &Packet, port: [u8; 2]) -> Result<(), Drop> {
+    rewrite(
+        ctx,
+        p,
+        IP_DADDR_OFF,
+        p.daddr,
+        p.daddr,
+        p.l4_off() + 2,
+        p.dport,
+        port,
+    )
+}
+
 #[expect(
     clippy::too_many_arguments,
     reason = "one address and one port, each old/new at an offset"

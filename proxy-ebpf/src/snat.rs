@@ -156,7 +156,7 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
             return Ok(Some(v));
         }
     }
-    let cfg = maps::config();
+    let cfg = maps::config_ref();
     let client = SnatValue {
         last_seen_ns: now,
         addr: f.client,
@@ -178,7 +178,7 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
             || match maps::snat_entry(&in_key) {
                 Some(taken) => {
                     let old = taken.get();
-                    conntrack::idle_expired(old.last_seen_ns, f.proto, old.state, now, &cfg)
+                    conntrack::idle_expired(old.last_seen_ns, f.proto, old.state, now, cfg)
                         && maps::snat_insert(&in_key, &client).is_ok()
                 }
                 // Evicted between the claim and the lookup: take it.

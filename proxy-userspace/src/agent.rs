@@ -13,7 +13,8 @@ use std::{
 
 use aya::Ebpf;
 use proxy_common::{
-    CtKey, CtValue, DatapathConfig, SNAT_CAPACITY, SockLbConfig, proto, timeouts::idle_expired,
+    CtKey, CtValue, DatapathConfig, SNAT_CAPACITY, SockLbConfig, ct_flags, proto,
+    timeouts::idle_expired,
 };
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
@@ -464,6 +465,9 @@ pub fn flow_is_dead(
 ) -> bool {
     if idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, config) {
         return true;
+    }
+    if value.flags & ct_flags::DIRECT != 0 {
+        return false; // A flow straight to a pod: no backend to outlive.
     }
     let backend_alive = programmed
         .backends

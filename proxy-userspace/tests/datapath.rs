@@ -19,16 +19,17 @@ use aya::{
 };
 use common_packet::{CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, ipv6_frame, tcp_flags::*};
 use kube_proxy_ebpf::{
-    dataplane::{clock::monotonic_ns, maps::Snat},
+    dataplane::{clock::monotonic_ns, loader, maps::Snat},
     ebpf_object::EBPF_OBJECT,
     snat_gc::{self, Collected},
 };
 use proxy_common::{
-    Backend, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig,
-    HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey,
-    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_state,
+    Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
+    DatapathConfig, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE,
+    MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS,
+    PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
+    ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags,
+    ct_state,
     hash::{flow_hash, pick_slot},
     proto, service_flags,
 };
@@ -82,15 +83,10 @@ impl Datapath {
         let mut bpf = loader.load(EBPF_OBJECT).unwrap_or_else(|e| {
             panic!("loading the embedded eBPF object failed (run as root?): {e:#?}")
         });
-        for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
-            let prog: &mut SchedClassifier = bpf
-                .program_mut(name)
-                .unwrap_or_else(|| panic!("program {name} missing from the object"))
-                .try_into()
-                .unwrap_or_else(|e| panic!("program {name} is not a classifier: {e}"));
-            prog.load()
-                .unwrap_or_else(|e| panic!("verifier rejected {name}: {e:#?}"));
-        }
+        // Every program, and the new-flow program in tc_ingress's tail-call array, as the agent
+        // loads them.
+        loader::load_programs(&mut bpf)
+            .unwrap_or_else(|e| panic!("verifier rejected a program: {e:#?}"));
         Self { bpf }
     }
 
@@ -1339,10 +1335,25 @@ fn odd_and_malformed_packets_table() {
     for (what, input, verdict, expect, counter) in table {
         dp.check(ingress(what, input, verdict, expect, &[(counter, 1)]));
     }
+    // Connections straight to non-Service addresses are tracked as DIRECT markers (so that no
+    // translated flow takes their reply tuple): one ORIGINAL entry each, without translation.
+    let entries: Vec<(CtKey, CtValue)> = dp
+        .conntrack()
+        .iter()
+        .map(|e| e.expect("conntrack entry"))
+        .collect();
+    assert!(
+        entries.iter().all(|(k, v)| v.flags == ct_flags::DIRECT
+            && k.dir == ct_dir::ORIGINAL
+            && v.backend_addr == k.daddr
+            && v.backend_port == k.dport),
+        "the odd packets created only untranslated direct-flow markers: {entries:?}"
+    );
     assert_eq!(
-        dp.ct_len(),
-        0,
-        "none of the odd packets created conntrack entries"
+        entries.len(),
+        3,
+        "markers for the TCP SYN to another address, the SYN to a VIP port without a Service and \
+         the UDP datagram to a TCP-only port: {entries:?}"
     );
 
     // IP options: parsed past, preserved, still DNATed.
@@ -2389,4 +2400,325 @@ fn per_packet_cost_nodeport_snat() {
         median(cluster_established),
         median(cluster_reply)
     );
+}
+
+/// A second ClusterIP whose Services select the same pods as `VIP`'s.
+const VIP2: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+const VIP2_TCP_REVNAT: u32 = 5;
+const VIP2_UDP_REVNAT: u32 = 6;
+
+/// The source port the datapath moves a clashing flow to when the first probe is free: the
+/// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX` (proxy-ebpf `conntrack::choose_sport`).
+fn clash_port(p: &Pkt) -> u16 {
+    let range = u64::from(CLASH_PORT_MAX - CLASH_PORT_MIN) + 1;
+    let hash = flow_hash(
+        p.saddr.octets(),
+        p.daddr.octets(),
+        p.sport().to_be_bytes(),
+        p.dport().to_be_bytes(),
+        p.proto(),
+    );
+    CLASH_PORT_MIN + ((u64::from(hash) * range) >> 32) as u16
+}
+
+fn with_dport(p: &Pkt, port: u16) -> Pkt {
+    let mut q = p.clone();
+    set_ports(&mut q, p.sport(), port);
+    q
+}
+
+fn with_sport(p: &Pkt, port: u16) -> Pkt {
+    let mut q = p.clone();
+    set_ports(&mut q, port, p.dport());
+    q
+}
+
+fn two_frontends_one_backend() -> Datapath {
+    let mut dp = Datapath::load();
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1]);
+    dp.set_service(VIP2, 80, proto::TCP, VIP2_TCP_REVNAT, &[1]);
+    dp.set_service(VIP, 53, proto::UDP, UDP_REVNAT, &[11]);
+    dp.set_service(VIP2, 53, proto::UDP, VIP2_UDP_REVNAT, &[11]);
+    dp
+}
+
+#[test]
+fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples() {
+    let mut dp = two_frontends_one_backend();
+    let a = Pkt::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    dp.check(ingress(
+        "first flow: DNAT, the client's own port",
+        a.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&a, 1)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let b = Pkt::tcp(CLIENT, 40_000, VIP2, 80, SYN);
+    let moved = clash_port(&b);
+    dp.check(ingress(
+        "same client port, other VIP, same backend: DNAT and another source port",
+        b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&dnated(&b, 1), moved)),
+        &[(Counter::NewFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    ));
+    let ct = dp.ct(&original_key(&b)).expect("second flow's ORIGINAL");
+    assert_eq!(ct.flags & ct_flags::SPORT_NAT, ct_flags::SPORT_NAT);
+    assert_eq!(u16::from_be_bytes(ct.nat_sport), moved);
+    let first = dp
+        .ct(&reply_key(&a, 1))
+        .expect("first flow's REPLY untouched");
+    assert_eq!(
+        first.frontend_addr,
+        VIP.octets(),
+        "first flow's REPLY still its own"
+    );
+
+    // Each backend reply goes to its own flow: source = its VIP, destination = the client port.
+    let reply_b = with_dport(&reply_from(&b, 1), moved);
+    dp.check(egress(
+        "reply on the moved port: from VIP2:80, back to the client's own port",
+        reply_b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dport(&rev_natted(&reply_b, &b), 40_000)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let reply_a = reply_from(&a, 1);
+    dp.check(egress(
+        "reply on the client's port: from VIP:80",
+        reply_a.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&reply_a, &a)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let ack_b = Pkt::tcp(CLIENT, 40_000, VIP2, 80, ACK);
+    dp.check(ingress(
+        "the second flow's next packet keeps the moved port",
+        ack_b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&dnated(&ack_b, 1), moved)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+
+    // Ending the second flow never removes the first one's entries.
+    let rst_b = Pkt::tcp(CLIENT, 40_000, VIP2, 80, RST | ACK);
+    dp.run(PROG_TC_INGRESS, &rst_b.bytes());
+    dp.set_service(VIP2, 80, proto::TCP, VIP2_TCP_REVNAT, &[]);
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt::tcp(CLIENT, 40_000, VIP2, 80, SYN).bytes(),
+    );
+    assert!(
+        dp.ct(&reply_key(&a, 1))
+            .is_some_and(|v| v.frontend_addr == VIP.octets()),
+        "the first flow's REPLY entry survives the second flow's end"
+    );
+    dp.check(egress(
+        "the first flow still answers from VIP:80",
+        reply_a.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&reply_a, &a)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+}
+
+#[test]
+fn udp_datagrams_alternating_between_two_vips_come_back_from_the_right_one() {
+    let mut dp = two_frontends_one_backend();
+    let q1 = Pkt::udp(CLIENT, 41_000, VIP, 53).payload(b"q1");
+    let q2 = Pkt::udp(CLIENT, 41_000, VIP2, 53).payload(b"q2");
+    let moved = clash_port(&q2);
+    for round in 0..3 {
+        dp.check(ingress(
+            "to VIP",
+            q1.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&q1, 11)),
+            &[(
+                if round == 0 {
+                    Counter::NewFlow
+                } else {
+                    Counter::EstablishedFlow
+                },
+                1,
+            )],
+        ));
+        let counters: &[(Counter, u64)] = if round == 0 {
+            &[(Counter::NewFlow, 1), (Counter::ReplyTupleRemapped, 1)]
+        } else {
+            &[(Counter::EstablishedFlow, 1)]
+        };
+        dp.check(ingress(
+            "to VIP2: moved to another port",
+            q2.bytes(),
+            TC_NEXT,
+            Expect::Packet(with_sport(&dnated(&q2, 11), moved)),
+            counters,
+        ));
+        let r1 = reply_from(&q1, 11).payload(b"a1");
+        dp.check(egress(
+            "answer to VIP's query: from VIP",
+            r1.bytes(),
+            TC_NEXT,
+            Expect::Packet(rev_natted(&r1, &q1)),
+            &[(Counter::ReplyTranslated, 1)],
+        ));
+        let r2 = with_dport(&reply_from(&q2, 11).payload(b"a2"), moved);
+        dp.check(egress(
+            "answer to VIP2's query: from VIP2, to the client's port",
+            r2.bytes(),
+            TC_NEXT,
+            Expect::Packet(with_dport(&rev_natted(&r2, &q2), 41_000)),
+            &[(Counter::ReplyTranslated, 1)],
+        ));
+    }
+}
+
+#[test]
+fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
+    let mut dp = two_frontends_one_backend();
+    let (pod, pod_port) = backend_addr(1);
+    // VIP first, then straight to the pod from the same port.
+    let v = Pkt::tcp(CLIENT, 42_000, VIP, 80, SYN);
+    dp.check(ingress(
+        "VIP flow",
+        v.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&v, 1)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let d = Pkt::tcp(CLIENT, 42_000, pod, pod_port, SYN);
+    let moved = clash_port(&d);
+    dp.check(ingress(
+        "direct flow on the VIP flow's reply tuple: only its source port moves",
+        d.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&d, moved)),
+        &[(Counter::DirectFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    ));
+    let d_reply = with_dport(&d.reversed(), moved);
+    dp.check(egress(
+        "the pod's answer to the direct flow: from the pod, to the client's port",
+        d_reply.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dport(&d_reply, 42_000)),
+        &[(Counter::DirectFlow, 1)],
+    ));
+    let v_reply = reply_from(&v, 1);
+    dp.check(egress(
+        "the VIP flow's answer: from the VIP",
+        v_reply.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&v_reply, &v)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+
+    // Straight to the pod first, then through the VIP from the same port.
+    let d2 = Pkt::tcp(CLIENT, 42_100, pod, pod_port, SYN);
+    dp.check(ingress(
+        "direct flow: tracked, untouched",
+        d2.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1)],
+    ));
+    let v2 = Pkt::tcp(CLIENT, 42_100, VIP, 80, SYN);
+    let moved2 = clash_port(&v2);
+    dp.check(ingress(
+        "VIP flow on the direct flow's tuple: DNAT and another source port",
+        v2.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&dnated(&v2, 1), moved2)),
+        &[(Counter::NewFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    ));
+    let d2_reply = d2.reversed();
+    dp.check(egress(
+        "the pod's answer to the direct flow passes untranslated",
+        d2_reply.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+}
+
+#[test]
+fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() {
+    let cfg = DatapathConfig {
+        tcp_transitory_timeout_s: 1,
+        ..DatapathConfig::DEFAULT
+    };
+    let mut dp = Datapath::load_with(cfg);
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1]);
+    let (pod, pod_port) = backend_addr(1);
+    let v = Pkt::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &v.bytes());
+    // The VIP flow ended long ago (both entries idle past the 1 s timeout).
+    for key in [original_key(&v), reply_key(&v, 1)] {
+        let mut e = dp.ct(&key).expect("entry");
+        e.last_seen_ns = 0;
+        e.state = ct_state::CLOSING;
+        dp.conntrack().insert(key, e, 0).expect("age entry");
+    }
+    let d = Pkt::tcp(CLIENT, 43_000, pod, pod_port, SYN);
+    dp.check(ingress(
+        "a new direct connection on a dead flow's tuple keeps its port",
+        d.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1), (Counter::ReplyTupleReclaimed, 1)],
+    ));
+    assert!(
+        dp.ct(&original_key(&v)).is_none(),
+        "dead flow's ORIGINAL gone"
+    );
+    assert!(dp.ct(&reply_key(&v, 1)).is_none(), "dead flow's REPLY gone");
+    dp.check(egress(
+        "the pod's answer is not rewritten to the VIP",
+        d.reversed().bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+
+    // A live flow survives the eviction of either entry.
+    let live = Pkt::tcp(CLIENT, 43_100, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &live.bytes());
+    dp.conntrack()
+        .remove(&reply_key(&live, 1))
+        .expect("evict REPLY");
+    let ack = Pkt::tcp(CLIENT, 43_100, VIP, 80, ACK);
+    dp.check(ingress(
+        "a packet whose REPLY entry was evicted writes it again",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&ack, 1)),
+        &[
+            (Counter::EstablishedFlow, 1),
+            (Counter::ConntrackRestored, 1),
+        ],
+    ));
+    let reply = reply_from(&live, 1);
+    dp.conntrack()
+        .remove(&original_key(&live))
+        .expect("evict ORIGINAL");
+    dp.check(egress(
+        "a reply whose ORIGINAL entry was evicted is translated and writes it again",
+        reply.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&reply, &live)),
+        &[
+            (Counter::ReplyTranslated, 1),
+            (Counter::ConntrackRestored, 1),
+        ],
+    ));
+    // The Service changes: without the restored ORIGINAL, the client's next packet would be a
+    // new flow to whatever the Service holds now.
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1, 2, 3, 4]);
+    dp.check(ingress(
+        "the client's next packet keeps its backend",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&ack, 1)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
 }

@@ -4,8 +4,9 @@
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, COUNTER_COUNT, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, PROG_TC_EGRESS,
-    PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, MAP_TAIL_CALLS,
+    PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SOCK_LB_GLOBAL,
+    SockLbConfig, TAIL_CALLS,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -106,16 +107,54 @@ pub fn load_unpinned(config: &DatapathConfig) -> Result<Ebpf> {
 /// Loads (verifies) the tc programs and the socket hooks of an opened object. The socket hooks
 /// stay inert (netns cookie 0) unless `SOCK_LB_GLOBAL` was set before loading.
 pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
-    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS] {
+    let tail_called = TAIL_CALLS.iter().map(|&(name, _)| name);
+    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS]
+        .into_iter()
+        .chain(tail_called)
+    {
         program_mut(ebpf, name)?
             .load()
             .map_err(|source| Error::Program { name, source })?;
     }
+    link_tail_calls(ebpf)?;
     for hook in super::sock_lb::SockHook::ALL {
         let name = hook.program();
         sock_program_mut(ebpf, name)?
             .load()
             .map_err(|source| Error::Program { name, source })?;
+    }
+    Ok(())
+}
+
+/// Puts the tail-called parts of ingress into this object's program array, where `tc_ingress`
+/// and `tc_ingress_new` jump to them (until then packets that need them are dropped, counted as
+/// `drop_tail_call`).
+fn link_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
+    let mut fds = Vec::with_capacity(TAIL_CALLS.len());
+    for (name, index) in TAIL_CALLS {
+        let fd = program_mut(ebpf, name)?
+            .fd()
+            .map_err(|source| Error::Program { name, source })?
+            .try_clone()
+            .map_err(|source| Error::Io {
+                what: format!("duplicating the fd of program {name}"),
+                source,
+            })?;
+        fds.push((index, fd));
+    }
+    let map = ebpf.map_mut(MAP_TAIL_CALLS).ok_or(Error::Missing {
+        what: "map",
+        name: MAP_TAIL_CALLS,
+    })?;
+    let mut array = aya::maps::ProgramArray::try_from(map).map_err(|source| Error::Map {
+        name: MAP_TAIL_CALLS,
+        source,
+    })?;
+    for (index, fd) in &fds {
+        array.set(*index, fd, 0).map_err(|source| Error::Map {
+            name: MAP_TAIL_CALLS,
+            source,
+        })?;
     }
     Ok(())
 }
