@@ -36,9 +36,10 @@ pub const PROG_TC_EGRESS: &str = "tc_egress";
 /// The new-flow half of tc ingress, tail-called from `tc_ingress` (a program of its own so each
 /// half has the whole 512-byte BPF stack). Never attached.
 pub const PROG_TC_INGRESS_NEW: &str = "tc_ingress_new";
-/// Name of the program array holding `PROG_TC_INGRESS_NEW` (per object, never pinned: each
-/// loaded object tail-calls its own program).
-pub const MAP_TAIL_CALLS: &str = "TAILCALLS";
+/// Name of the program array holding the tail-called parts of ingress. Pinned like the other
+/// maps: the kernel empties a program array when its last user-space reference goes, which would
+/// stop new flows once the agent exits; a restarted agent writes its own programs into it.
+pub const MAP_TAIL_CALLS: &str = "TAILCALLS_V1";
 /// Index of `PROG_TC_INGRESS_NEW` in `MAP_TAIL_CALLS`.
 pub const TAIL_CALL_NEW_FLOW: u32 = 0;
 /// The direct-flow part of ingress (a packet to no Service), tail-called from the new-flow

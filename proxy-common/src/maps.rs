@@ -17,7 +17,8 @@ pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 9] = [
+pub const ALL_MAPS: [&str; 10] = [
+    crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,

@@ -176,6 +176,18 @@ pub fn backend_valid(ct: &CtValue) -> bool {
     }
 }
 
+/// log2 of the window (≈1.07 s) within which a busy flow's REPLY entry is checked once.
+const REPLY_CHECK_SHIFT: u32 = 30;
+
+/// Should this packet of a known flow check (and refresh) its REPLY entry? When its state
+/// changes (a FIN/RST reaches the REPLY entry too), and on its first packet in each ≈1 s
+/// window: an evicted REPLY entry is back within a second of traffic, while a busy flow's packets
+/// mostly skip the lookup (the established path stays one conntrack lookup).
+#[inline(always)]
+pub fn reply_check_due(ct: &CtValue, now_ns: u64, state: u8) -> bool {
+    state != ct.state || (now_ns ^ ct.last_seen_ns) >> REPLY_CHECK_SHIFT != 0
+}
+
 /// Ingress, a packet of a known flow: refresh its REPLY entry too (so LRU keeps both while
 /// either side sends), and write it again if it was evicted.
 #[inline(always)]
@@ -185,11 +197,7 @@ pub fn refresh_reply(original: &CtKey, ct: &CtValue, now_ns: u64, state: u8) {
     }
     let key = reply_key_of(original, ct);
     match maps::ct_entry(&key) {
-        Some(reply) => {
-            if reply.get().last_seen_ns < now_ns {
-                reply.touch(now_ns, state);
-            }
-        }
+        Some(reply) => reply.touch(now_ns, state),
         None => {
             let mut value = *ct;
             if ct.flags & ct_flags::SPORT_NAT != 0 {

@@ -67,14 +67,18 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
             let state = conntrack::next_state(&p, ct.state);
             entry.touch(now, state);
             if ct.flags & ct_flags::SPORT_NAT != 0 {
-                conntrack::refresh_reply(&key, &ct, now, state);
+                if conntrack::reply_check_due(&ct, now, state) {
+                    conntrack::refresh_reply(&key, &ct, now, state);
+                }
                 nat::source_port(ctx, &p, ct.nat_sport)?;
             }
             return Ok(Action::pass(Counter::DirectFlow));
         } else if conntrack::backend_valid(&ct) {
             let state = conntrack::next_state(&p, ct.state);
             entry.touch(now, state);
-            conntrack::refresh_reply(&key, &ct, now, state);
+            if conntrack::reply_check_due(&ct, now, state) {
+                conntrack::refresh_reply(&key, &ct, now, state);
+            }
             nat::dnat(ctx, &p, ct.backend_addr, ct.backend_port)?;
             if ct.flags & ct_flags::SPORT_NAT != 0 {
                 nat::source_port(ctx, &p, ct.nat_sport)?;
@@ -104,6 +108,18 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         entry.touch(now, conntrack::next_reply_state(&p, client.state));
         nat::dnat(ctx, &p, client.addr, client.port)?;
         return Ok(Action::pass(Counter::SnatReplyTranslated));
+    }
+    if maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_none() {
+        // To no Service: mid-connection TCP passes right here; a connection's first packet or a
+        // UDP datagram is tracked by the direct-flow program (its reply tuple stays its own).
+        if let Some(old) = &old {
+            conntrack::remove(&key, old); // A direct flow's entry that expired, or a gone Service.
+        }
+        if p.is_tcp() && !p.is_syn() {
+            return Ok(Action::pass(Counter::NotService));
+        }
+        maps::tail_call(ctx, TAIL_CALL_DIRECT_FLOW);
+        return Err(Drop::TailCall);
     }
     // The rest runs in the new-flow program (its own 512-byte stack).
     let pending = PendingFlow {

@@ -55,7 +55,7 @@ static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new
 
 /// The new-flow and direct-flow programs (`TAIL_CALL_*`), filled by the agent after loading.
 #[btf_map]
-static TAILCALLS: ProgramArray<{ proxy_common::TAIL_CALL_COUNT as usize }> = ProgramArray::new();
+static TAILCALLS_V1: ProgramArray<{ proxy_common::TAIL_CALL_COUNT as usize }> = ProgramArray::new();
 
 /// What `tc_ingress` hands to the new-flow program (one per CPU).
 #[btf_map]
@@ -70,14 +70,14 @@ pub fn tail_call_new_flow(ctx: &TcContext, pending: &PendingFlow) {
     }
     // SAFETY: the program array holds only our own tc program at this index (the agent writes
     // it); on failure the call returns and the caller drops the packet.
-    unsafe { TAILCALLS.tail_call(ctx, TAIL_CALL_NEW_FLOW) }
+    unsafe { TAILCALLS_V1.tail_call(ctx, TAIL_CALL_NEW_FLOW) }
 }
 
 /// Jump to another part of ingress (`TAIL_CALL_*`); returns only if it is not there.
 #[inline(always)]
 pub fn tail_call(ctx: &TcContext, index: u32) {
     // SAFETY: as in `tail_call_new_flow`.
-    unsafe { TAILCALLS.tail_call(ctx, index) }
+    unsafe { TAILCALLS_V1.tail_call(ctx, index) }
 }
 
 /// What the tail-calling `tc_ingress` left for this packet, in place (no copy on the stack).
@@ -347,4 +347,4 @@ const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
-const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS"));
+const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS_V1"));

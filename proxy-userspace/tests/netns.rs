@@ -482,3 +482,148 @@ fn cleanup_removes_pins_and_detaches() {
         format!("direct pod traffic broken after cleanup: {direct:?}")
     });
 }
+
+/// Two ClusterIPs whose Services select the same single pod (be1): TCP 80 → 8080, UDP 53 → 5353.
+const TWIN_A: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 50);
+const TWIN_B: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 51);
+
+/// Reply-tuple clashes, from the client pod, with fixed source ports (what the kernel's port
+/// allocator does under load): prints one `case ok bad` line per case.
+const CLASH_PY: &str = r#"
+import socket, sys
+a, b, pod = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def bound(kind, port):
+    s = socket.socket(socket.AF_INET, kind)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.settimeout(3)
+    return s
+
+def get(s):
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.startswith(b"HTTP/1.1 200")
+
+# 1. One UDP socket alternating between the two VIPs: every answer from the VIP asked.
+u = bound(socket.SOCK_DGRAM, 45000)
+ok = bad = 0
+for i in range(40):
+    dst = (a if i % 2 == 0 else b, 53)
+    u.sendto(b"q%d" % i, dst)
+    try:
+        data, src = u.recvfrom(65535)
+        if src == dst and data.endswith(b":q%d" % i):
+            ok += 1
+        else:
+            bad += 1
+    except socket.timeout:
+        bad += 1
+print("udp_two_vips", ok, bad)
+
+# 2. Two TCP connections from one source port to the two VIPs, both open at once.
+ok = bad = 0
+for round in range(5):
+    port = 46000 + round
+    try:
+        s1 = bound(socket.SOCK_STREAM, port); s1.connect((a, 80))
+        s2 = bound(socket.SOCK_STREAM, port); s2.connect((b, 80))
+        for s in (s1, s2):
+            ok, bad = (ok + 1, bad) if get(s) else (ok, bad + 1)
+    except OSError:
+        bad += 1
+print("tcp_two_vips", ok, bad)
+
+# 3. A VIP connection and a connection straight to the pod from one source port, both open.
+ok = bad = 0
+for round in range(5):
+    port = 47000 + round
+    try:
+        s1 = bound(socket.SOCK_STREAM, port); s1.connect((a, 80))
+        s2 = bound(socket.SOCK_STREAM, port); s2.connect((pod, 8080))
+        for s in (s2, s1):
+            ok, bad = (ok + 1, bad) if get(s) else (ok, bad + 1)
+    except OSError:
+        bad += 1
+print("tcp_vip_and_direct", ok, bad)
+
+# 4. Short connections through a VIP, then straight to the pod from the same ports (the closed
+#    VIP flows must not capture the pod's answers).
+for port in range(48000, 48030):
+    s = bound(socket.SOCK_STREAM, port); s.connect((a, 80)); get(s); s.close()
+ok = bad = 0
+for port in range(48000, 48030):
+    try:
+        s = bound(socket.SOCK_STREAM, port); s.connect((pod, 8080))
+        ok, bad = (ok + 1, bad) if get(s) else (ok, bad + 1)
+        s.close()
+    except OSError:
+        bad += 1
+print("direct_after_vip", ok, bad)
+"#;
+
+#[test]
+fn one_client_port_to_one_pod_through_two_vips_and_directly_keeps_every_reply_its_own() {
+    require_privileged!();
+    let be1 = BACKENDS[0].1;
+    let env = Env::start(|m| {
+        for (name, vip) in [("twin-a", TWIN_A), ("twin-b", TWIN_B)] {
+            m.write_service(
+                "demo",
+                name,
+                vip,
+                &[ServicePort::tcp(80, 8080), ServicePort::udp(53, 5353)],
+                &[be1],
+            )
+            .expect("writing a twin Service");
+        }
+    });
+    let client = env.topo.pod("client").expect("client pod");
+    let out = client
+        .ns()
+        .output(
+            &[
+                "python3",
+                "-c",
+                CLASH_PY,
+                &TWIN_A.to_string(),
+                &TWIN_B.to_string(),
+                &be1.to_string(),
+            ],
+            Duration::from_secs(120),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("clash client: {e:#}")));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let result = |case: &str| -> (u32, u32) {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(case))
+            .unwrap_or_else(|| env.fail(&format!("no result for {case}: {stdout}")));
+        let mut f = line.split_whitespace().skip(1).map(|n| n.parse().unwrap());
+        (f.next().unwrap(), f.next().unwrap())
+    };
+    for (case, want) in [
+        ("udp_two_vips", 40),
+        ("tcp_two_vips", 10),
+        ("tcp_vip_and_direct", 10),
+        ("direct_after_vip", 30),
+    ] {
+        let (ok, bad) = result(case);
+        env.check(ok == want && bad == 0, || {
+            format!("{case}: {ok} of {want} answered by the right peer, {bad} wrong or lost")
+        });
+    }
+    let remapped = env
+        .agent
+        .counter("reply_tuple_remapped")
+        .unwrap_or_else(|e| env.fail(&format!("reading counters: {e:#}")));
+    env.check(remapped >= 10, || {
+        format!("reply_tuple_remapped = {remapped}: the clashes were not resolved by a new port")
+    });
+}
