@@ -2,7 +2,7 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, CtKey, CtValue, ServiceKey, SourceRangeKey, ct_state,
+    Counter, CtKey, CtValue, ServiceKey, SourceRangeKey, ct_state, frag_hook,
     hash::{flow_hash, pick_slot},
     service_flags,
 };
@@ -10,7 +10,7 @@ use proxy_common::{
 use crate::{
     Action, Drop,
     conntrack::{self, NewFlow},
-    icmp, maps, nat,
+    frag, icmp, maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
     reject, snat, stats,
 };
@@ -30,6 +30,7 @@ enum Replacing {
 pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
     let p = match packet::parse(ctx) {
         Parsed::Packet(p) => p,
+        Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::INGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
         Parsed::IcmpError(e) => return icmp::snat_reply(ctx, &e),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
@@ -45,6 +46,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
             };
         }
     };
+    frag::first_seen(ctx, &p, frag_hook::INGRESS);
     if p.has_ip_options() {
         stats::count(Counter::IpOptions);
     }

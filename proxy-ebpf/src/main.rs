@@ -6,6 +6,7 @@
 
 mod conntrack;
 mod egress;
+mod frag;
 mod icmp;
 mod ingress;
 mod maps;
@@ -52,7 +53,7 @@ impl Action {
 /// the verdict is always `TC_ACT_SHOT`.
 #[derive(Clone, Copy)]
 pub(crate) enum Drop {
-    /// First fragment of a packet to a Service.
+    /// A later fragment of a datagram whose first fragment was dropped or answered.
     Fragment,
     /// Truncated or inconsistent TCP/UDP/IPv4 header on a packet to a Service.
     Malformed,
@@ -107,7 +108,7 @@ fn verdict(result: Result<Action, Drop>) -> i32 {
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     stats::count(Counter::IngressPackets);
-    verdict(ingress::try_tc_ingress(&ctx))
+    verdict(frag::first_done(&ctx, ingress::try_tc_ingress(&ctx)))
 }
 
 /// Toward the client: reverse NAT of replies (backend → frontend); toward a remote backend: SNAT
@@ -115,7 +116,7 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     stats::count(Counter::EgressPackets);
-    verdict(egress::try_tc_egress(&ctx))
+    verdict(frag::first_done(&ctx, egress::try_tc_egress(&ctx)))
 }
 
 /// connect() of a socket in the node's own namespace: a Service address becomes a backend.
