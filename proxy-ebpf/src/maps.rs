@@ -324,6 +324,10 @@ impl FragScratch {
 
     /// Write the record to `FRAGMENTS_V1` (overwriting: the IP id was reused), from the scratch
     /// memory itself.
+    #[expect(
+        clippy::needless_borrows_for_generic_args,
+        reason = "by value, the key and value would be copied to the stack: the update must read them in place"
+    )]
     #[inline(always)]
     pub fn commit(&self) -> Result<(), i32> {
         // SAFETY: as in `get`; the references into the slot live only during the update call.

@@ -227,6 +227,22 @@ fn udp_datagrams_larger_than_the_mtu_cross_a_clusterip_both_ways() {
     env.check(translated >= 30, || {
         format!("fragment_translated={translated}, want at least 30")
     });
+    // The pinned records, as `dump fragments` shows them: the requests' DNAT at ingress.
+    let pin = env.pins.path().to_string_lossy().into_owned();
+    let dump = env
+        .agent
+        .cli(&["dump", "fragments", "--pin-dir", &pin])
+        .unwrap_or_else(|e| env.fail(&format!("dump fragments: {e:#}")));
+    let table = String::from_utf8_lossy(&dump.stdout);
+    let client_ip = client.ip.to_string();
+    env.check(
+        table.lines().any(|l| {
+            l.starts_with("ingress")
+                && l.contains(&format!("{ECHO}"))
+                && l.contains(&format!("as {client_ip} → 10.244.1.1"))
+        }),
+        || format!("dump fragments shows no DNATed request:\n{table}"),
+    );
 }
 
 #[test]

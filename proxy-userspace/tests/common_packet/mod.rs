@@ -269,7 +269,7 @@ impl Pkt {
 /// the L4 header, every fragment has MF set but the last, DF clear, and its own header checksum.
 pub fn fragments(frame: &[u8], chunk: usize) -> Vec<Vec<u8>> {
     assert!(
-        chunk > 0 && chunk % 8 == 0,
+        chunk > 0 && chunk.is_multiple_of(8),
         "fragment size {chunk} not a multiple of 8"
     );
     let ihl = ((frame[ETH_HLEN] & 0x0f) as usize) * 4;
