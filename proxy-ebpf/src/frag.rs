@@ -13,6 +13,12 @@
 //! no L4 header, and the first fragment's incremental L4 checksum update already accounts for the
 //! new pseudo-header of the whole datagram.
 //!
+//! The first fragment's record is written in two steps around the hook's usual flow, so that
+//! nothing of it stays live on tc ingress's stack (its frame is at LLVM's 512-byte limit):
+//! [`first_seen`], after parsing, writes it as "dropped" from a per-CPU scratch slot and marks
+//! the slot pending; [`first_done`], in the program entry after the flow, updates it with the
+//! addresses the packet leaves with if it was passed on, and clears the mark in every case.
+//!
 //! A later fragment that arrives before its first fragment (or whose record was evicted, lost to
 //! a failed update, or is older than the kernel's 30 s reassembly timeout) cannot be matched:
 //! buffering is not possible here, so it is passed untouched and counted as `fragment_unmatched`,

@@ -1736,6 +1736,68 @@ fn fragmented_datagrams_through_a_snated_nodeport_are_translated() {
         4,
         "one record per datagram and hook"
     );
+
+    // A TCP datagram cut in fragments, to an eTP=Local NodePort without local endpoints: its
+    // first fragment is dropped (not answered), and so are the later ones.
+    let tcp = Pkt::tcp(EXT_CLIENT, 5200, NODE_IP, NODE_PORT + 2, ACK)
+        .frag(0)
+        .ip_id(0x0808)
+        .payload(&[7; 3000]);
+    let frags = fragments(&tcp.bytes(), FRAG_CHUNK);
+    dp.check(ingress(
+        "TCP first fragment, eTP=Local without local endpoints",
+        frags[0].clone(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(DropNoLocalEndpoints, 1)],
+    ));
+    for f in &frags[1..] {
+        dp.check(ingress(
+            "later TCP fragment of the dropped datagram",
+            f.clone(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &[(DropFragment, 1)],
+        ));
+    }
+}
+
+/// Prints what a later fragment costs (record lookup + two address rewrites). Never asserts on
+/// timing.
+#[test]
+fn per_fragment_cost() {
+    let mut dp = Datapath::load().with_services();
+    // BPF_PROG_TEST_RUN repeats on its own output: two records that translate into each other
+    // (CLIENT → A becomes CLIENT → B and back) make every repetition a real translation.
+    let a = Ipv4Addr::new(10, 96, 1, 1);
+    let b = Ipv4Addr::new(10, 96, 1, 2);
+    let dgram = |dst| big(Pkt::udp(CLIENT, 50_000, dst, 53), 0x0909);
+    for (from, to) in [(a, b), (b, a)] {
+        let rec = FragValue {
+            created_ns: monotonic_ns(),
+            saddr: CLIENT.octets(),
+            daddr: to.octets(),
+            action: frag_action::TRANSLATE,
+            _pad: [0; 7],
+        };
+        dp.fragments()
+            .insert(frag_key(&dgram(from), frag_hook::INGRESS), rec, 0)
+            .expect("write a fragment record");
+    }
+    let later = fragments(&dgram(a).bytes(), FRAG_CHUNK)[1].clone();
+    let before = dp.counter(Counter::FragmentTranslated);
+    let (verdict, out, cost) = dp.run_timed(PROG_TC_INGRESS, &later, 100_000);
+    assert_eq!(verdict, TC_NEXT);
+    assert_eq!(
+        dp.counter(Counter::FragmentTranslated) - before,
+        100_000,
+        "every repetition was translated"
+    );
+    assert!(
+        Decoded::parse(&out).ip_csum_ok(),
+        "100,000 rewrites keep the IPv4 checksum valid"
+    );
+    println!("per-fragment cost: later_fragment_ns={}", cost.as_nanos());
 }
 
 #[test]
