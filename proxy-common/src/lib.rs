@@ -188,6 +188,8 @@ mod pod {
     unsafe impl aya::Pod for crate::SourceRangeKey {}
     unsafe impl aya::Pod for crate::SockRevKey {}
     unsafe impl aya::Pod for crate::SockLbConfig {}
+    unsafe impl aya::Pod for crate::FragKey {}
+    unsafe impl aya::Pod for crate::FragValue {}
 }
 
 #[cfg(test)]

@@ -15,9 +15,13 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
+/// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
+/// reads it and a new program may start with a fresh one.
+pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 10] = [
+pub const ALL_MAPS: [&str; 11] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -28,6 +32,7 @@ pub const ALL_MAPS: [&str; 10] = [
     MAP_NODE,
     MAP_SOURCE_RANGES,
     MAP_SOCK_REVNAT,
+    MAP_FRAGMENTS,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -43,6 +48,9 @@ pub const SOURCE_RANGES_CAPACITY: u32 = 16_384;
 /// Sockets of the node's own network namespace translated at connect()/sendmsg(): one entry per
 /// (socket, backend), LRU-evicted (socket cookies are never reused, so old entries are inert).
 pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
+/// Fragmented datagrams in flight whose first fragment was seen (per hook), LRU-evicted: like
+/// cilium's `CILIUM_IPV4_FRAG_MAP_MAX_ENTRIES`.
+pub const FRAGMENTS_CAPACITY: u32 = 8_192;
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -366,3 +374,70 @@ pub struct PendingFlow {
     pub _pad: [u8; 6],
 }
 const _: () = assert!(core::mem::size_of::<PendingFlow>() == 48);
+/// Which tc hook saw a fragment (`FragKey::hook`). A datagram crosses an ingress and an egress
+/// hook of the node with the same addresses at both (a reply is not translated where it enters),
+/// so each hook records what it did under its own key.
+pub mod frag_hook {
+    pub const INGRESS: u8 = 0;
+    pub const EGRESS: u8 = 1;
+}
+
+/// `FRAGMENTS_V1` (LRU hash) key: one fragmented datagram as its fragments arrive at a hook
+/// (before translation) — the IPv4 reassembly key {saddr, daddr, id, proto} plus the hook.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    /// IPv4 identification field (network order).
+    pub id: [u8; 2],
+    /// `proto::TCP`/`proto::UDP`.
+    pub proto: u8,
+    /// `frag_hook::*`.
+    pub hook: u8,
+}
+const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
+
+/// What the first fragment of a datagram got, and so what its later fragments get
+/// (`FragValue::action`).
+pub mod frag_action {
+    /// Passed untouched (not a Service, not a tracked reply): later fragments pass too.
+    pub const PASS: u8 = 0;
+    /// Translated: later fragments get the same IPv4 source and destination.
+    pub const TRANSLATE: u8 = 1;
+    /// Dropped, or answered in its place (ICMP error, RST): later fragments are dropped.
+    pub const DROP: u8 = 2;
+}
+
+/// How long after its first fragment a datagram's later fragments are matched: the kernel's
+/// reassembly timeout (`net.ipv4.ipfrag_time`, 30 s), so a recycled IP id cannot inherit an old
+/// datagram's translation through an entry LRU has not evicted yet.
+pub const FRAGMENT_TIMEOUT_NS: u64 = 30_000_000_000;
+
+/// `FRAGMENTS_V1` value: the first fragment's outcome, written when it passed the hook.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FragValue {
+    /// CLOCK_MONOTONIC ns when the first fragment passed.
+    pub created_ns: u64,
+    /// IPv4 source and destination the first fragment left the hook with.
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    /// `frag_action::*`.
+    pub action: u8,
+    pub _pad: [u8; 7],
+}
+const _: () = assert!(core::mem::size_of::<FragValue>() == 24);
+
+/// `FRAGSCRATCH` value: a `FRAGMENTS_V1` entry being written, built in per-CPU map memory rather
+/// than on the 512-byte BPF stack, which tc ingress has nearly used up.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FragRecord {
+    pub key: FragKey,
+    /// 1 from the first fragment's record to its update in the same program run, else 0.
+    pub pending: u8,
+    pub _pad: [u8; 3],
+    pub value: FragValue,
+}
+const _: () = assert!(core::mem::size_of::<FragRecord>() == 40);

@@ -49,7 +49,8 @@ counters! {
     NoEndpointsRejected = "no_endpoints_rejected",
     /// IPv4 header with options (parsed past, allowed).
     IpOptions = "ip_options",
-    /// Dropped: the first fragment of a packet to a Service (later fragments carry no ports).
+    /// Dropped: a later fragment of a datagram whose first fragment was dropped or answered in
+    /// its place (ICMP error, RST).
     DropFragment = "drop_fragment",
     /// Dropped: truncated or malformed header on a packet to a Service.
     DropMalformed = "drop_malformed",
@@ -64,7 +65,8 @@ counters! {
     /// IPv4 with a bad header (version, IHL, lengths) or a truncated TCP/UDP header that is not
     /// addressed to a Service, or seen on egress: passed untouched (the kernel's own checks apply).
     MalformedPassed = "malformed_passed",
-    /// A non-first fragment (ingress), or any fragment on egress: passed untouched.
+    /// A later fragment of a datagram whose first fragment was passed untouched (not a Service,
+    /// not a tracked reply), or a later fragment of neither TCP nor UDP: passed untouched.
     FragmentPassed = "fragment_passed",
     /// Egress packet without a reply conntrack entry (passed untouched).
     ReplyNotTracked = "reply_not_tracked",
@@ -113,6 +115,14 @@ counters! {
     /// Dropped: the new-flow program could not be tail-called (not loaded into the program
     /// array); a packet to a Service must not leave untranslated.
     DropTailCall = "drop_tail_call",
+    /// A later fragment given the IPv4 addresses its datagram's first fragment was translated to.
+    FragmentTranslated = "fragment_translated",
+    /// A later fragment whose first fragment this hook has not seen (out of order, lost, evicted,
+    /// or more than 30 s ago): passed untouched.
+    FragmentUnmatched = "fragment_unmatched",
+    /// A first fragment whose outcome could not be recorded (map update failed): its later
+    /// fragments will be unmatched.
+    FragmentNotRecorded = "fragment_not_recorded",
 }
 
 /// Number of entries in the stats array.

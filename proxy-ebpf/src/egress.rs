@@ -1,10 +1,10 @@
 //! tc egress: reverse NAT of replies (backend → frontend) for flows in conntrack.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_flags, ct_state};
+use proxy_common::{Counter, ct_flags, ct_state, frag_hook};
 
 use crate::{
-    Action, Drop, conntrack, icmp, maps, nat,
+    Action, Drop, conntrack, frag, icmp, maps, nat,
     packet::{self, Parsed},
     snat, stats,
 };
@@ -13,18 +13,14 @@ use crate::{
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
     let p = match packet::parse(ctx) {
         Parsed::Packet(p) => p,
+        Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::EGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
         Parsed::IcmpError(e) => return icmp::reply(ctx, &e),
         Parsed::Pass(Counter::NotService) => return Ok(Action::pass(Counter::ReplyNotTracked)),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
-        // A fragmented reply cannot be translated consistently (the later fragments carry no
-        // ports and keep the backend's address); it is passed as it is.
-        Parsed::Untranslatable {
-            reason: Drop::Fragment,
-            ..
-        } => return Ok(Action::pass(Counter::FragmentPassed)),
         Parsed::Untranslatable { .. } => return Ok(Action::pass(Counter::MalformedPassed)),
     };
+    frag::first_seen(ctx, &p, frag_hook::EGRESS);
     if p.has_ip_options() {
         stats::count(Counter::IpOptions);
     }

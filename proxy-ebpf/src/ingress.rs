@@ -3,7 +3,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
-    TAIL_CALL_REJECT, ct_flags, ct_state,
+    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook,
     hash::{flow_hash, pick_slot},
     service_flags,
 };
@@ -11,7 +11,7 @@ use proxy_common::{
 use crate::{
     Action, Drop,
     conntrack::{self, NewFlow},
-    icmp, maps, nat,
+    frag, icmp, maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
     reject, snat, stats,
 };
@@ -32,6 +32,7 @@ enum Replacing {
 pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
     let p = match packet::parse(ctx) {
         Parsed::Packet(p) => p,
+        Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::INGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
         Parsed::IcmpError(e) => return icmp::snat_reply(ctx, &e),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
@@ -47,6 +48,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
             };
         }
     };
+    frag::first_seen(ctx, &p, frag_hook::INGRESS);
     if p.has_ip_options() {
         stats::count(Counter::IpOptions);
     }

@@ -6,6 +6,7 @@
 
 mod conntrack;
 mod egress;
+mod frag;
 mod icmp;
 mod ingress;
 mod maps;
@@ -52,7 +53,7 @@ impl Action {
 /// the verdict is always `TC_ACT_SHOT`.
 #[derive(Clone, Copy)]
 pub(crate) enum Drop {
-    /// First fragment of a packet to a Service.
+    /// A later fragment of a datagram whose first fragment was dropped or answered.
     Fragment,
     /// Truncated or inconsistent TCP/UDP/IPv4 header on a packet to a Service.
     Malformed,
@@ -113,7 +114,7 @@ fn verdict(result: Result<Action, Drop>) -> i32 {
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     stats::count(Counter::IngressPackets);
-    verdict(ingress::try_tc_ingress(&ctx))
+    verdict(frag::first_done(&ctx, ingress::try_tc_ingress(&ctx)))
 }
 
 /// The new-flow half of ingress (service lookup, pick, conntrack entries, DNAT), tail-called by
@@ -121,7 +122,8 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 /// stack.
 #[classifier]
 pub fn tc_ingress_new(ctx: TcContext) -> i32 {
-    verdict(ingress::try_new_flow(&ctx))
+    // A first fragment's outcome is recorded by the program that ends its run.
+    verdict(frag::first_done(&ctx, ingress::try_new_flow(&ctx)))
 }
 
 /// A packet to no Service, tail-called by `tc_ingress_new`: tracked so that no translated flow
@@ -129,14 +131,16 @@ pub fn tc_ingress_new(ctx: TcContext) -> i32 {
 /// attached.
 #[classifier]
 pub fn tc_ingress_direct(ctx: TcContext) -> i32 {
-    verdict(ingress::try_direct_flow(&ctx))
+    // A first fragment's outcome is recorded by the program that ends its run.
+    verdict(frag::first_done(&ctx, ingress::try_direct_flow(&ctx)))
 }
 
 /// A new flow to a Service without endpoints, tail-called by `tc_ingress_new`: answered with
 /// ICMP port unreachable. Never attached.
 #[classifier]
 pub fn tc_ingress_reject(ctx: TcContext) -> i32 {
-    verdict(ingress::try_reject(&ctx))
+    // A first fragment's outcome is recorded by the program that ends its run.
+    verdict(frag::first_done(&ctx, ingress::try_reject(&ctx)))
 }
 
 /// Toward the client: reverse NAT of replies (backend → frontend); toward a remote backend: SNAT
@@ -144,7 +148,7 @@ pub fn tc_ingress_reject(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     stats::count(Counter::EgressPackets);
-    verdict(egress::try_tc_egress(&ctx))
+    verdict(frag::first_done(&ctx, egress::try_tc_egress(&ctx)))
 }
 
 /// connect() of a socket in the node's own namespace: a Service address becomes a backend.

@@ -13,7 +13,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
+    FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
     MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PendingFlow, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
     SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
     SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
@@ -49,6 +50,15 @@ static SRCRANGES_V1: LpmTrie<SourceRangeKey, u32, { SOURCE_RANGES_CAPACITY as us
 #[btf_map]
 static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY as usize }> =
     LruHashMap::new();
+
+/// Fragmented datagrams whose first fragment passed a hook: what its later fragments get.
+#[btf_map]
+static FRAGMENTS_V1: LruHashMap<FragKey, FragValue, { FRAGMENTS_CAPACITY as usize }> =
+    LruHashMap::new();
+
+/// Where a `FRAGMENTS_V1` entry is built before it is written (see `FragRecord`).
+#[btf_map]
+static FRAGSCRATCH: PerCpuArray<FragRecord, 1> = PerCpuArray::new();
 
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
@@ -312,6 +322,72 @@ pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
     Some(unsafe { *ptr })
 }
 
+/// A copy of what the first fragment of a datagram got at a hook.
+#[inline(always)]
+pub fn fragment(key: &FragKey) -> Option<FragValue> {
+    let ptr = FRAGMENTS_V1.get_ptr(key)?;
+    // SAFETY: as in `service`: valid pointer, copied out immediately.
+    Some(unsafe { *ptr })
+}
+
+/// This CPU's scratch record: a `FRAGMENTS_V1` entry built in map memory, off the stack.
+pub struct FragScratch {
+    ptr: *mut FragRecord,
+}
+
+/// This CPU's scratch record.
+#[inline(always)]
+pub fn frag_scratch() -> Option<FragScratch> {
+    FRAGSCRATCH.get_ptr_mut(0).map(|ptr| FragScratch { ptr })
+}
+
+impl FragScratch {
+    /// A copy of the record.
+    #[inline(always)]
+    pub fn get(&self) -> FragRecord {
+        // SAFETY: per-CPU array slots are preallocated and owned by this CPU while the program
+        // runs (as in `stats_add`), so nothing else reads or writes it meanwhile.
+        unsafe { *self.ptr }
+    }
+
+    /// Set the key and value, and mark the record pending.
+    #[inline(always)]
+    pub fn set(&self, key: FragKey, value: FragValue) {
+        // SAFETY: as in `get`.
+        unsafe {
+            (*self.ptr).key = key;
+            (*self.ptr).value = value;
+            (*self.ptr).pending = 1;
+        }
+    }
+
+    /// Clear the pending mark.
+    #[inline(always)]
+    pub fn clear_pending(&self) {
+        // SAFETY: as in `get`.
+        unsafe { (*self.ptr).pending = 0 }
+    }
+
+    /// Set the value only.
+    #[inline(always)]
+    pub fn set_value(&self, value: FragValue) {
+        // SAFETY: as in `get`.
+        unsafe { (*self.ptr).value = value }
+    }
+
+    /// Write the record to `FRAGMENTS_V1` (overwriting: the IP id was reused), from the scratch
+    /// memory itself.
+    #[expect(
+        clippy::needless_borrows_for_generic_args,
+        reason = "by value, the key and value would be copied to the stack: the update must read them in place"
+    )]
+    #[inline(always)]
+    pub fn commit(&self) -> Result<(), i32> {
+        // SAFETY: as in `get`; the references into the slot live only during the update call.
+        unsafe { FRAGMENTS_V1.insert(&(*self.ptr).key, &(*self.ptr).value, BPF_ANY as u64) }
+    }
+}
+
 /// Add `n` to this CPU's counter `index` (out-of-range indices are ignored).
 #[inline(always)]
 pub fn stats_add(index: u32, n: u64) {
@@ -348,3 +424,5 @@ const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
 const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS_V1"));
+const _: () = assert!(same(MAP_FRAGMENTS, "FRAGMENTS_V1"));
+const _: () = assert!(same(MAP_FRAG_SCRATCH, "FRAGSCRATCH"));

@@ -10,13 +10,20 @@
 //! - IPv4 options: parsed past (the L4 offset comes from IHL) and preserved;
 //! - bad IPv4 header (version, IHL < 5, header beyond the data) → passed untouched: nothing can
 //!   be trusted in it, and the kernel's `ip_rcv` drops it anyway;
-//! - non-first fragments (offset ≠ 0) → passed untouched: they carry no ports, so they cannot be
-//!   matched to a Service or a flow; with the first fragment dropped (below) they never reassemble
-//!   into a packet that bypassed the translation;
-//! - first fragment (MF set, offset 0), truncated TCP/UDP header, or IPv4 lengths that do not fit
-//!   the packet, when at least the ports can be read → [`Parsed::Untranslatable`]: the caller drops
-//!   it if it is addressed to a Service frontend (a translated first fragment would separate it
-//!   from its untranslated tail) and passes it otherwise;
+//! - IP fragments (tc sees them as they are: nothing reassembles before tc ingress, and tc egress
+//!   runs after the stack fragmented): the first fragment (MF set, offset 0) carries the TCP/UDP
+//!   header and is a [`Packet`] like any other ([`first_fragment_id`] tells it apart). It is
+//!   translated as usual — its L4 checksum is updated incrementally, which stays right for the
+//!   reassembled datagram — and the hook then records what it did in `FRAGMENTS_V1` (LRU, bounded,
+//!   keyed by {saddr, daddr, IP id, proto, hook} as the fragments arrive; see `frag.rs`). A later
+//!   TCP/UDP fragment (offset ≠ 0) → [`Parsed::Fragment`]: it carries no ports, so it gets what
+//!   the record says — the same IPv4 source and destination (IPv4 checksum only), passed, or
+//!   dropped. A later fragment whose first fragment was not seen first at this hook (out of
+//!   order, lost, evicted, older than 30 s) cannot be buffered here: it is passed untouched and
+//!   counted (`fragment_unmatched`). Later fragments of other protocols are passed untouched;
+//! - truncated TCP/UDP header, or IPv4 lengths that do not fit the packet, when at least the
+//!   ports can be read → [`Parsed::Untranslatable`]: the caller drops it if it is addressed to a
+//!   Service frontend and passes it otherwise;
 //! - protocols other than TCP and UDP → passed untouched.
 
 use core::mem::size_of;
@@ -160,6 +167,16 @@ impl IcmpError {
     }
 }
 
+/// A later fragment (offset ≠ 0) of a TCP/UDP datagram: no L4 header, only the IPv4 fields that
+/// name its datagram. Addresses in network order.
+#[derive(Clone, Copy)]
+pub struct Fragment {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub id: [u8; 2],
+    pub proto: u8,
+}
+
 /// What [`parse`] found.
 pub enum Parsed {
     /// An ICMP error quoting a TCP/UDP packet (candidate for reverse translation).
@@ -176,8 +193,10 @@ pub enum Parsed {
         proto: u8,
         reason: Drop,
     },
-    /// A translatable TCP/UDP packet.
+    /// A translatable TCP/UDP packet (possibly the first fragment of a datagram).
     Packet(Packet),
+    /// A later fragment of a TCP/UDP datagram.
+    Fragment(Fragment),
 }
 
 /// A pointer to a `T` at `offset` in the packet, if the whole `T` lies inside the linear data.
@@ -232,12 +251,20 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         return Parsed::Pass(Counter::MalformedPassed);
     }
     let frag = u16::from_be_bytes([ip[6], ip[7]]);
-    if frag & IP_OFFSET_MASK != 0 {
-        return Parsed::Pass(Counter::FragmentPassed);
-    }
     let proto = ip[9];
     let saddr = [ip[12], ip[13], ip[14], ip[15]];
     let daddr = [ip[16], ip[17], ip[18], ip[19]];
+    if frag & IP_OFFSET_MASK != 0 {
+        if proto != proto::TCP && proto != proto::UDP {
+            return Parsed::Pass(Counter::FragmentPassed);
+        }
+        return Parsed::Fragment(Fragment {
+            saddr,
+            daddr,
+            id: [ip[4], ip[5]],
+            proto,
+        });
+    }
     let l4_off = ETH_HLEN + ip_hlen;
     if proto == proto::ICMP {
         return parse_icmp_error(ctx, l4_off, saddr, daddr);
@@ -262,9 +289,6 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     let l3_len = (ctx.len() as usize).saturating_sub(ETH_HLEN);
     if tot_len < ip_hlen || tot_len > l3_len {
         return untranslatable(Drop::Malformed);
-    }
-    if frag & IP_MF != 0 {
-        return untranslatable(Drop::Fragment);
     }
     let l4_len = tot_len - ip_hlen;
     let mut packet = Packet {
@@ -334,6 +358,22 @@ fn parse_icmp_error(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 
         inner_sport: [ports[0], ports[1]],
         inner_dport: [ports[2], ports[3]],
     })
+}
+
+/// The IPv4 identification field if the packet is the first fragment of a datagram (MF set,
+/// offset 0), read from the packet as it is now.
+#[inline(always)]
+pub fn first_fragment_id(ctx: &TcContext) -> Option<[u8; 2]> {
+    let f = read::<4>(ctx, ETH_HLEN + 4)?;
+    let frag = u16::from_be_bytes([f[2], f[3]]);
+    (frag & IP_MF != 0 && frag & IP_OFFSET_MASK == 0).then_some([f[0], f[1]])
+}
+
+/// The IPv4 source and destination addresses as the packet holds them now (after rewrites).
+#[inline(always)]
+pub fn ip_addrs(ctx: &TcContext) -> Option<([u8; 4], [u8; 4])> {
+    let a = read::<8>(ctx, IP_SADDR_OFF)?;
+    Some(([a[0], a[1], a[2], a[3]], [a[4], a[5], a[6], a[7]]))
 }
 
 /// The source and destination MAC addresses (bytes 0..12 of the frame).

@@ -41,7 +41,8 @@ pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
 ];
 /// HTTP port of the backend servers.
 pub const HTTP_PORT: u16 = 8080;
-/// UDP echo port of the backend servers.
+/// UDP echo port of the backend servers (`<pod name>:<payload>`; a payload `big:N` is answered
+/// with N bytes `x` instead).
 pub const UDP_PORT: u16 = 5353;
 /// iperf3 server port.
 pub const IPERF_PORT: u16 = 5201;
@@ -80,6 +81,9 @@ class Udp(socketserver.ThreadingUDPServer):
 class Echo(socketserver.BaseRequestHandler):
     def handle(self):
         data, sock = self.request
+        if data.startswith(b"big:") and data[4:].isdigit():
+            # "big:N": answer N bytes (a small request, a reply larger than the MTU).
+            data = b"x" * min(int(data[4:]), 60000)
         sock.sendto(name.encode() + b":" + data, self.client_address)
 
 tcp = Tcp(("0.0.0.0", 8080), Http)

@@ -178,6 +178,9 @@ pub enum DumpWhat {
     Stats,
     /// SNAT entries of external (NodePort/externalIP/LB, eTP=Cluster) and hairpin flows.
     Snat,
+    /// Fragmented datagrams whose first fragment passed a hook, and what their later fragments
+    /// get.
+    Fragments,
 }
 
 /// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).

@@ -2,14 +2,17 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
-use proxy_common::{Counter, CtKey, CtValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_state};
+use proxy_common::{
+    Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue, backend_flags, ct_dir,
+    ct_state, frag_action, frag_hook,
+};
 
 use crate::{
     cli::DumpWhat,
     dataplane::{
         bpffs::PinLayout,
         clock::monotonic_ns,
-        maps::{Conntrack, ServiceMaps, Snat, Stats},
+        maps::{Conntrack, Fragments, ServiceMaps, Snat, Stats},
     },
     encode,
     model::{Protocol, Scope},
@@ -31,6 +34,9 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
         }
         DumpWhat::Stats => stats_table(&Stats::open_pinned(pins)?.read()?),
         DumpWhat::Snat => snat_table(&Snat::open_pinned(pins)?.entries(), monotonic_ns()),
+        DumpWhat::Fragments => {
+            fragments_table(&Fragments::open_pinned(pins)?.entries(), monotonic_ns())
+        }
     })
 }
 
@@ -245,6 +251,45 @@ pub fn snat_table(entries: &[(SnatKey, SnatValue)], now_ns: u64) -> String {
     )
 }
 
+/// Fragment records: a datagram as its fragments arrive at a hook, and what its later fragments
+/// get (the addresses they leave with, passed, or dropped).
+pub fn fragments_table(entries: &[(FragKey, FragValue)], now_ns: u64) -> String {
+    let mut entries: Vec<_> = entries.iter().collect();
+    entries.sort_by_key(|(k, _)| (k.hook, k.saddr, k.daddr, k.id));
+    let mut out = format!(
+        "{:<7} {:<5} {:<15} {:<15} {:>6} {:<36} {:>6}\n",
+        "HOOK", "PROTO", "SOURCE", "DESTINATION", "IP_ID", "LATER FRAGMENTS", "AGE_S"
+    );
+    for (k, v) in entries {
+        let hook = if k.hook == frag_hook::INGRESS {
+            "ingress"
+        } else {
+            "egress"
+        };
+        let action = match v.action {
+            frag_action::TRANSLATE => format!(
+                "as {} → {}",
+                Ipv4Addr::from(v.saddr),
+                Ipv4Addr::from(v.daddr)
+            ),
+            frag_action::DROP => "dropped".to_owned(),
+            _ => "passed".to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<7} {:<5} {:<15} {:<15} {:>6} {:<36} {:>6}",
+            hook,
+            proto_name(k.proto),
+            Ipv4Addr::from(k.saddr).to_string(),
+            Ipv4Addr::from(k.daddr).to_string(),
+            u16::from_be_bytes(k.id),
+            action,
+            idle_s(now_ns, v.created_ns)
+        );
+    }
+    out
+}
+
 pub fn stats_table(values: &[u64]) -> String {
     let mut out = format!("{:<28} {:>14}\n", "COUNTER", "PACKETS");
     for (c, v) in Counter::ALL.iter().zip(values) {
@@ -386,6 +431,59 @@ mod tests {
         for c in Counter::ALL {
             assert!(t.contains(c.name()), "{t}");
         }
+    }
+
+    #[test]
+    fn fragments_table_shows_what_later_fragments_get() {
+        let key = |hook, id: u16| FragKey {
+            saddr: [10, 244, 1, 2],
+            daddr: [10, 96, 0, 10],
+            id: id.to_be_bytes(),
+            proto: 17,
+            hook,
+        };
+        let v = |action, daddr| FragValue {
+            created_ns: 1_000_000_000,
+            saddr: [10, 244, 1, 2],
+            daddr,
+            action,
+            _pad: [0; 7],
+        };
+        let table = fragments_table(
+            &[
+                (
+                    key(frag_hook::EGRESS, 7),
+                    v(frag_action::PASS, [10, 96, 0, 10]),
+                ),
+                (
+                    key(frag_hook::INGRESS, 513),
+                    v(frag_action::TRANSLATE, [10, 244, 1, 11]),
+                ),
+                (
+                    key(frag_hook::INGRESS, 9),
+                    v(frag_action::DROP, [10, 96, 0, 10]),
+                ),
+            ],
+            4_000_000_000,
+        );
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4, "{table}");
+        assert!(
+            lines[1].starts_with("ingress") && lines[1].contains("     9 dropped"),
+            "{table}"
+        );
+        assert!(
+            lines[2].starts_with("ingress")
+                && lines[2].contains("UDP")
+                && lines[2]
+                    .contains("10.244.1.2      10.96.0.10         513 as 10.244.1.2 → 10.244.1.11")
+                && lines[2].trim_end().ends_with(" 3"),
+            "{table}"
+        );
+        assert!(
+            lines[3].starts_with("egress") && lines[3].contains("passed"),
+            "{table}"
+        );
     }
 
     #[test]

@@ -17,7 +17,10 @@ use aya::{
     },
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
-use common_packet::{CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, ipv6_frame, tcp_flags::*};
+use common_packet::{
+    CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, fragments, ipv6_frame, reassemble,
+    tcp_flags::*,
+};
 use kube_proxy_ebpf::{
     dataplane::{clock::monotonic_ns, loader, maps::Snat},
     ebpf_object::EBPF_OBJECT,
@@ -25,11 +28,11 @@ use kube_proxy_ebpf::{
 };
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
-    DatapathConfig, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE,
-    MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS,
-    PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
-    ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags,
-    ct_state,
+    DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo,
+    PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey,
+    backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{flow_hash, pick_slot},
     proto, service_flags,
 };
@@ -144,6 +147,16 @@ impl Datapath {
 
     fn snat(&mut self) -> HashMap<&mut MapData, SnatKey, SnatValue> {
         HashMap::try_from(self.bpf.map_mut(MAP_SNAT).expect("SNAT map")).expect("SNAT type")
+    }
+
+    fn fragments(&mut self) -> HashMap<&mut MapData, FragKey, FragValue> {
+        HashMap::try_from(self.bpf.map_mut(MAP_FRAGMENTS).expect("FRAGMENTS map"))
+            .expect("FRAGMENTS type")
+    }
+
+    /// The fragment record of `pkt`'s datagram at `hook`, as its fragments arrive there.
+    fn frag_record(&mut self, pkt: &Pkt, hook: u8) -> Option<FragValue> {
+        self.fragments().get(&frag_key(pkt, hook), 0).ok()
     }
 
     fn set_node_addr(&mut self, addr: Ipv4Addr) {
@@ -316,6 +329,13 @@ impl Datapath {
                     "{what}: output packet differs from the expected {p:?}"
                 );
             }
+            Expect::Fragment(bytes) => {
+                assert!(
+                    Decoded::parse(&out).ip_csum_ok(),
+                    "{what}: IPv4 header checksum invalid"
+                );
+                assert_eq!(&out, bytes, "{what}: output fragment differs");
+            }
             Expect::IcmpUnreachable => check_icmp_unreachable(what, &step.input, &out),
             Expect::Rst { seq, ack, flags } => {
                 check_rst(what, &step.input, &out, *seq, *ack, *flags)
@@ -349,6 +369,8 @@ enum Expect {
     Dropped,
     /// Output == this packet, byte for byte (checksums included), and its checksums verify.
     Packet(Pkt),
+    /// Output == these bytes (an IP fragment: only its IPv4 checksum can be verified alone).
+    Fragment(Vec<u8>),
     /// A well-formed ICMP port unreachable answering the input.
     IcmpUnreachable,
     /// A TCP RST answering the input.
@@ -1243,10 +1265,6 @@ fn odd_and_malformed_packets_table() {
         h[2..4].copy_from_slice(&22u16.to_be_bytes());
         raw_ipv4(&h, &[0x8c, 0xa0])
     };
-    let first_frag_vip = Pkt::udp(CLIENT, 36_001, VIP, 53)
-        .frag(0x2000)
-        .payload(&[1; 64])
-        .bytes();
     let first_frag_other = Pkt::udp(CLIENT, 36_001, OTHER, 53)
         .frag(0x2000)
         .payload(&[1; 64])
@@ -1312,12 +1330,11 @@ fn odd_and_malformed_packets_table() {
             only_two_l4_bytes,
             MalformedPassed,
         ),
-        shot("first fragment to a Service", first_frag_vip, DropFragment),
         pass("first fragment elsewhere", first_frag_other, NotService),
         pass(
-            "non-first fragment to a VIP",
+            "later fragment to a VIP, its first fragment never seen",
             later_frag_vip,
-            FragmentPassed,
+            FragmentUnmatched,
         ),
         pass("ICMP echo to a VIP", icmp_echo, NotService),
         pass("TCP to a non-VIP address", syn_other.clone(), NotService),
@@ -1351,9 +1368,9 @@ fn odd_and_malformed_packets_table() {
     );
     assert_eq!(
         entries.len(),
-        3,
-        "markers for the TCP SYN to another address, the SYN to a VIP port without a Service and \
-         the UDP datagram to a TCP-only port: {entries:?}"
+        4,
+        "markers for the TCP SYN to another address, the SYN to a VIP port without a Service, the \
+         UDP datagram to a TCP-only port and the first fragment to another address: {entries:?}"
     );
 
     // IP options: parsed past, preserved, still DNATed.
@@ -1391,12 +1408,12 @@ fn odd_and_malformed_packets_table() {
             Counter::MalformedPassed,
         ),
         (
-            "first fragment on egress",
+            "first fragment on egress, not a reply",
             Pkt::udp(VIP, 53, CLIENT, 36_001).frag(0x2000).bytes(),
-            Counter::FragmentPassed,
+            Counter::ReplyNotTracked,
         ),
         (
-            "later fragment on egress",
+            "later fragment on egress of that passed datagram",
             Pkt::udp(VIP, 53, CLIENT, 36_001).frag(185).bytes(),
             Counter::FragmentPassed,
         ),
@@ -1422,6 +1439,375 @@ fn odd_and_malformed_packets_table() {
             &[(counter, 1)],
         ));
     }
+}
+
+fn frag_key(pkt: &Pkt, hook: u8) -> FragKey {
+    FragKey {
+        saddr: pkt.saddr.octets(),
+        daddr: pkt.daddr.octets(),
+        id: pkt.ip_id.to_be_bytes(),
+        proto: pkt.proto(),
+        hook,
+    }
+}
+
+/// A UDP datagram of 4,000 payload bytes (DF clear): three fragments at MTU 1500.
+fn big(p: Pkt, ip_id: u16) -> Pkt {
+    let payload: Vec<u8> = (0..4000u32).map(|i| (i * 7) as u8).collect();
+    p.frag(0).ip_id(ip_id).payload(&payload)
+}
+
+/// IPv4 payload bytes per fragment at MTU 1500 (20-byte header).
+const FRAG_CHUNK: usize = 1480;
+
+/// Runs the fragments of `input` (as the sender's stack cut it at MTU 1500) through `prog`: the
+/// first one must count `first`, every later one `later`, each output must be the same fragment
+/// of `want`, and the outputs must reassemble into `want` with a valid UDP checksum.
+fn check_datagram(
+    dp: &mut Datapath,
+    prog: &'static str,
+    what: &str,
+    input: &Pkt,
+    want: &Pkt,
+    first: &[(Counter, u64)],
+    later: Counter,
+) {
+    let frags = fragments(&input.bytes(), FRAG_CHUNK);
+    let wanted = fragments(&want.bytes(), FRAG_CHUNK);
+    assert_eq!(
+        frags.len(),
+        3,
+        "{what}: a 4,000-byte datagram is 3 fragments"
+    );
+    let mut outs = Vec::new();
+    for (i, (frag, w)) in frags.into_iter().zip(wanted).enumerate() {
+        let what = format!("{what}: fragment {}", i + 1);
+        let later = [(later, 1)];
+        outs.push(dp.check(Step {
+            what: &what,
+            prog,
+            input: frag,
+            verdict: TC_NEXT,
+            expect: Expect::Fragment(w),
+            counts: if i == 0 { first } else { &later },
+        }));
+    }
+    let whole = reassemble(&outs);
+    assert!(
+        Decoded::parse(&whole).l4_csum_ok(),
+        "{what}: the reassembled datagram's UDP checksum is invalid"
+    );
+    assert_eq!(whole, want.bytes(), "{what}: reassembled datagram");
+}
+
+/// A fragment record names the addresses its later fragments get.
+fn assert_record(dp: &mut Datapath, what: &str, pkt: &Pkt, hook: u8, action: u8, to: &Pkt) {
+    let rec = dp
+        .frag_record(pkt, hook)
+        .unwrap_or_else(|| panic!("{what}: no fragment record"));
+    assert_eq!(
+        (rec.action, rec.saddr, rec.daddr),
+        (action, to.saddr.octets(), to.daddr.octets()),
+        "{what}: fragment record"
+    );
+    assert!(rec.created_ns > 0, "{what}: record time {rec:?}");
+}
+
+#[test]
+fn fragmented_datagrams_to_and_from_a_clusterip_are_translated() {
+    let mut dp = Datapath::load().with_services();
+    use Counter::*;
+
+    let req = big(Pkt::udp(CLIENT, 36_100, VIP, 53), 0x0101);
+    let id = expected_pick(&req, &[11, 12]);
+    let fwd = dnated(&req, id);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS,
+        "request to the ClusterIP",
+        &req,
+        &fwd,
+        &[(NewFlow, 1)],
+        FragmentTranslated,
+    );
+    assert_record(
+        &mut dp,
+        "request",
+        &req,
+        frag_hook::INGRESS,
+        frag_action::TRANSLATE,
+        &fwd,
+    );
+    assert_flow(&mut dp, "request", &req, id, UDP_REVNAT, ct_state::UDP);
+    // On its way to the backend it leaves through the backend's veth: not a reply, passed.
+    check_datagram(
+        &mut dp,
+        PROG_TC_EGRESS,
+        "request leaving toward the backend",
+        &fwd,
+        &fwd,
+        &[(ReplyNotTracked, 1)],
+        FragmentPassed,
+    );
+
+    // The 4,000-byte answer: into the node through the backend's veth (ingress: not a Service,
+    // passed, recorded as such), out through the client's (egress: reverse NAT). Same addresses
+    // at both hooks, one record each.
+    let reply = big(reply_from(&req, id), 0x0202);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS,
+        "reply entering from the backend",
+        &reply,
+        &reply,
+        &[(NotService, 1)],
+        FragmentPassed,
+    );
+    let back = rev_natted(&reply, &req);
+    check_datagram(
+        &mut dp,
+        PROG_TC_EGRESS,
+        "reply toward the client",
+        &reply,
+        &back,
+        &[(ReplyTranslated, 1)],
+        FragmentTranslated,
+    );
+    assert_record(
+        &mut dp,
+        "reply at ingress",
+        &reply,
+        frag_hook::INGRESS,
+        frag_action::PASS,
+        &reply,
+    );
+    assert_record(
+        &mut dp,
+        "reply at egress",
+        &reply,
+        frag_hook::EGRESS,
+        frag_action::TRANSLATE,
+        &back,
+    );
+
+    // A later fragment before its first one: nothing to match, passed untouched and counted; the
+    // rest of the datagram is still translated.
+    let ooo = big(Pkt::udp(CLIENT, 36_101, VIP, 53), 0x0303);
+    let frags = fragments(&ooo.bytes(), FRAG_CHUNK);
+    let id = expected_pick(&ooo, &[11, 12]);
+    let want = fragments(&dnated(&ooo, id).bytes(), FRAG_CHUNK);
+    dp.check(ingress(
+        "second fragment before the first",
+        frags[1].clone(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(FragmentUnmatched, 1)],
+    ));
+    dp.check(ingress(
+        "then the first fragment",
+        frags[0].clone(),
+        TC_NEXT,
+        Expect::Fragment(want[0].clone()),
+        &[(NewFlow, 1)],
+    ));
+    dp.check(ingress(
+        "then the third",
+        frags[2].clone(),
+        TC_NEXT,
+        Expect::Fragment(want[2].clone()),
+        &[(FragmentTranslated, 1)],
+    ));
+    // The same IP id between other addresses, or at the other hook, is another datagram.
+    let mut other_src = frags[2].clone();
+    other_src[14 + 15] ^= 1;
+    let other_src = {
+        let mut f = other_src;
+        f[24..26].copy_from_slice(&[0, 0]);
+        let c = proxy_common::csum::ipv4_header(&f[14..34]);
+        f[24..26].copy_from_slice(&c.to_be_bytes());
+        f
+    };
+    dp.check(ingress(
+        "same IP id from another source",
+        other_src,
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(FragmentUnmatched, 1)],
+    ));
+    dp.check(egress(
+        "same datagram's fragment at the other hook",
+        frags[2].clone(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(FragmentUnmatched, 1)],
+    ));
+
+    // A Service without endpoints answers the first fragment with ICMP port unreachable; the
+    // later fragments are dropped rather than sent on to the VIP.
+    let rej = big(Pkt::udp(CLIENT, 36_102, VIP_EMPTY, 53), 0x0404);
+    let frags = fragments(&rej.bytes(), FRAG_CHUNK);
+    dp.check(ingress(
+        "first fragment to a Service without endpoints",
+        frags[0].clone(),
+        TC_ACT_REDIRECT,
+        Expect::IcmpUnreachable,
+        &[(NoEndpointsRejected, 1)],
+    ));
+    for f in &frags[1..] {
+        dp.check(ingress(
+            "later fragment of the rejected datagram",
+            f.clone(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &[(DropFragment, 1)],
+        ));
+    }
+    assert_eq!(
+        dp.frag_record(&rej, frag_hook::INGRESS).map(|r| r.action),
+        Some(frag_action::DROP)
+    );
+
+    // A record is matched only within the 30 s reassembly window after its first fragment.
+    let stale = big(Pkt::udp(CLIENT, 36_103, VIP, 53), 0x0505);
+    let record = FragValue {
+        created_ns: monotonic_ns() + 3_600_000_000_000,
+        saddr: CLIENT.octets(),
+        daddr: OTHER.octets(),
+        action: frag_action::TRANSLATE,
+        _pad: [0; 7],
+    };
+    dp.fragments()
+        .insert(frag_key(&stale, frag_hook::INGRESS), record, 0)
+        .expect("write a record outside the window");
+    dp.check(ingress(
+        "later fragment outside its record's window",
+        fragments(&stale.bytes(), FRAG_CHUNK)[1].clone(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(FragmentUnmatched, 1)],
+    ));
+}
+
+#[test]
+fn fragmented_datagrams_through_a_snated_nodeport_are_translated() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    use Counter::*;
+
+    let req = big(Pkt::udp(EXT_CLIENT, 5100, NODE_IP, NODE_PORT), 0x0606);
+    let fwd = with_dst(&req, REMOTE_BE, 5353);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS,
+        "NodePort request",
+        &req,
+        &fwd,
+        &[(NewFlow, 1), (SnatNew, 1)],
+        FragmentTranslated,
+    );
+    let nat_port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&req, REMOTE_BE, 5353), 0)
+            .expect("SNAT out entry")
+            .port,
+    );
+    let snated = with_src(&fwd, NODE_IP, nat_port);
+    check_datagram(
+        &mut dp,
+        PROG_TC_EGRESS,
+        "NodePort request forwarded to the remote backend",
+        &fwd,
+        &snated,
+        &[(SnatTranslated, 1)],
+        FragmentTranslated,
+    );
+    let reply = big(Pkt::udp(REMOTE_BE, 5353, NODE_IP, nat_port), 0x0707);
+    let unsnated = with_dst(&reply, EXT_CLIENT, 5100);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS,
+        "reply arriving from the remote backend (un-SNAT)",
+        &reply,
+        &unsnated,
+        &[(SnatReplyTranslated, 1)],
+        FragmentTranslated,
+    );
+    check_datagram(
+        &mut dp,
+        PROG_TC_EGRESS,
+        "reply toward the client (from the NodePort)",
+        &unsnated,
+        &with_src(&unsnated, NODE_IP, NODE_PORT),
+        &[(ReplyTranslated, 1)],
+        FragmentTranslated,
+    );
+    assert_eq!(
+        dp.fragments().keys().count(),
+        4,
+        "one record per datagram and hook"
+    );
+
+    // A TCP datagram cut in fragments, to an eTP=Local NodePort without local endpoints: its
+    // first fragment is dropped (not answered), and so are the later ones.
+    let tcp = Pkt::tcp(EXT_CLIENT, 5200, NODE_IP, NODE_PORT + 2, ACK)
+        .frag(0)
+        .ip_id(0x0808)
+        .payload(&[7; 3000]);
+    let frags = fragments(&tcp.bytes(), FRAG_CHUNK);
+    dp.check(ingress(
+        "TCP first fragment, eTP=Local without local endpoints",
+        frags[0].clone(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(DropNoLocalEndpoints, 1)],
+    ));
+    for f in &frags[1..] {
+        dp.check(ingress(
+            "later TCP fragment of the dropped datagram",
+            f.clone(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &[(DropFragment, 1)],
+        ));
+    }
+}
+
+/// Prints what a later fragment costs (record lookup + two address rewrites). Never asserts on
+/// timing.
+#[test]
+fn per_fragment_cost() {
+    let mut dp = Datapath::load().with_services();
+    // BPF_PROG_TEST_RUN repeats on its own output: two records that translate into each other
+    // (CLIENT → A becomes CLIENT → B and back) make every repetition a real translation.
+    let a = Ipv4Addr::new(10, 96, 1, 1);
+    let b = Ipv4Addr::new(10, 96, 1, 2);
+    let dgram = |dst| big(Pkt::udp(CLIENT, 50_000, dst, 53), 0x0909);
+    for (from, to) in [(a, b), (b, a)] {
+        let rec = FragValue {
+            created_ns: monotonic_ns(),
+            saddr: CLIENT.octets(),
+            daddr: to.octets(),
+            action: frag_action::TRANSLATE,
+            _pad: [0; 7],
+        };
+        dp.fragments()
+            .insert(frag_key(&dgram(from), frag_hook::INGRESS), rec, 0)
+            .expect("write a fragment record");
+    }
+    let later = fragments(&dgram(a).bytes(), FRAG_CHUNK)[1].clone();
+    let before = dp.counter(Counter::FragmentTranslated);
+    let (verdict, out, cost) = dp.run_timed(PROG_TC_INGRESS, &later, 100_000);
+    assert_eq!(verdict, TC_NEXT);
+    assert_eq!(
+        dp.counter(Counter::FragmentTranslated) - before,
+        100_000,
+        "every repetition was translated"
+    );
+    assert!(
+        Decoded::parse(&out).ip_csum_ok(),
+        "100,000 rewrites keep the IPv4 checksum valid"
+    );
+    println!("per-fragment cost: later_fragment_ns={}", cost.as_nanos());
 }
 
 #[test]

@@ -156,6 +156,95 @@ fn clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
     });
 }
 
+/// UDP datagrams larger than the MTU (1500 on every veth here) travel as three fragments each
+/// way: 4,000-byte requests (echoed back as 4,000-byte replies) and small requests with
+/// 4,000-byte replies, through a ClusterIP. Every one must be answered, from the VIP.
+#[test]
+fn udp_datagrams_larger_than_the_mtu_cross_a_clusterip_both_ways() {
+    require_privileged!();
+    let env = Env::start(echo);
+    let client = env
+        .topo
+        .pod("client")
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    let mtu = client
+        .ns()
+        .exec(&["cat", "/sys/class/net/eth0/mtu"])
+        .unwrap_or_else(|e| env.fail(&format!("reading the MTU: {e:#}")));
+    env.check(mtu.trim() == "1500", || {
+        format!("client MTU {mtu:?}, want 1500")
+    });
+
+    let big_request = "r".repeat(4000);
+    let mut answered = [0; 2];
+    for i in 0..5 {
+        for (kind, payload, want_len) in [(0, big_request.as_str(), 4000), (1, "big:4000", 4000)] {
+            match env.topo.udp_request(ECHO, 53, payload) {
+                Ok(reply) => {
+                    let (_, body) = reply.body.split_once(':').unwrap_or_default();
+                    env.check(*reply.from.ip() == ECHO && reply.from.port() == 53, || {
+                        format!(
+                            "request {i}: reply from {} instead of {ECHO}:53",
+                            reply.from
+                        )
+                    });
+                    env.check(body.len() == want_len, || {
+                        format!(
+                            "request {i}: {}-byte reply body, want {want_len}",
+                            body.len()
+                        )
+                    });
+                    if kind == 0 {
+                        env.check(body == big_request, || {
+                            format!("request {i}: the echo differs from the request")
+                        });
+                    }
+                    answered[kind] += 1;
+                }
+                Err(e) => eprintln!("{}-byte request {i}: {e:#}", payload.len()),
+            }
+        }
+    }
+    let counter = |name: &str| {
+        env.agent
+            .counter(name)
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
+    };
+    let (translated, unmatched) = (
+        counter("fragment_translated"),
+        counter("fragment_unmatched"),
+    );
+    eprintln!(
+        "4,000-byte requests answered: {}/5; small requests with 4,000-byte replies answered: {}/5; \
+         fragment_translated={translated} fragment_unmatched={unmatched}",
+        answered[0], answered[1]
+    );
+    env.check(answered == [5, 5], || {
+        format!("answered {answered:?} of [5, 5] (fragment_unmatched={unmatched})")
+    });
+    // Two later fragments per big datagram, each translated once: 5 big requests (DNAT on
+    // ingress) and 10 big replies (reverse NAT on egress).
+    env.check(translated >= 30, || {
+        format!("fragment_translated={translated}, want at least 30")
+    });
+    // The pinned records, as `dump fragments` shows them: the requests' DNAT at ingress.
+    let pin = env.pins.path().to_string_lossy().into_owned();
+    let dump = env
+        .agent
+        .cli(&["dump", "fragments", "--pin-dir", &pin])
+        .unwrap_or_else(|e| env.fail(&format!("dump fragments: {e:#}")));
+    let table = String::from_utf8_lossy(&dump.stdout);
+    let client_ip = client.ip.to_string();
+    env.check(
+        table.lines().any(|l| {
+            l.starts_with("ingress")
+                && l.contains(&format!("{ECHO}"))
+                && l.contains(&format!("as {client_ip} → 10.244.1.1"))
+        }),
+        || format!("dump fragments shows no DNATed request:\n{table}"),
+    );
+}
+
 #[test]
 fn service_without_endpoints_refuses_quickly() {
     require_privileged!();

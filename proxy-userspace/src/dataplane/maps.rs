@@ -6,9 +6,9 @@ use std::{os::fd::AsFd as _, path::Path};
 
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
-    Backend, COUNTER_COUNT, CtKey, CtValue, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT,
-    MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatKey,
-    SnatValue,
+    Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, RevNat,
+    ServiceKey, ServiceValue, SnatKey, SnatValue,
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
@@ -289,6 +289,25 @@ impl Snat {
     /// Removes one entry (already gone is fine).
     pub fn remove(&mut self, key: &SnatKey) {
         let _ = self.map.remove(key);
+    }
+}
+
+/// `FRAGMENTS_V1` (LRU): read for `dump fragments` (the datapath alone writes it).
+pub struct Fragments {
+    map: HashMap<MapData, FragKey, FragValue>,
+}
+
+impl Fragments {
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_FRAGMENTS)?))
+                .map_err(map_err(MAP_FRAGMENTS))?,
+        })
+    }
+
+    /// All entries (a racing LRU eviction just drops an entry from the listing).
+    pub fn entries(&self) -> Vec<(FragKey, FragValue)> {
+        self.map.iter().filter_map(Result::ok).collect()
     }
 }
 

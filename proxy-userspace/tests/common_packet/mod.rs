@@ -56,6 +56,8 @@ pub struct Pkt {
     pub ip_options: Vec<u8>,
     /// Raw flags+fragment offset field.
     pub frag: u16,
+    /// IPv4 identification field.
+    pub ip_id: u16,
     pub ttl: u8,
     pub payload: Vec<u8>,
 }
@@ -96,6 +98,7 @@ impl Pkt {
             l4,
             ip_options: Vec::new(),
             frag: 0x4000,
+            ip_id: 0x1234,
             ttl: 64,
             payload: b"hello, service".to_vec(),
         }
@@ -113,6 +116,11 @@ impl Pkt {
 
     pub fn frag(mut self, frag: u16) -> Self {
         self.frag = frag;
+        self
+    }
+
+    pub fn ip_id(mut self, id: u16) -> Self {
+        self.ip_id = id;
         self
     }
 
@@ -240,7 +248,7 @@ impl Pkt {
         let tot_len = (ihl + l4.len()) as u16;
         let mut ip = vec![(4 << 4) | (ihl / 4) as u8, 0];
         ip.extend_from_slice(&tot_len.to_be_bytes());
-        ip.extend_from_slice(&[0x12, 0x34]);
+        ip.extend_from_slice(&self.ip_id.to_be_bytes());
         ip.extend_from_slice(&self.frag.to_be_bytes());
         ip.extend_from_slice(&[self.ttl, self.proto(), 0, 0]);
         ip.extend_from_slice(&saddr);
@@ -254,6 +262,66 @@ impl Pkt {
         frame.extend_from_slice(&l4);
         frame
     }
+}
+
+/// Splits an Ethernet + IPv4 frame into fragments carrying `chunk` bytes of the IPv4 payload
+/// each (a multiple of 8; the last one the rest), as `ip_fragment` does: the first fragment holds
+/// the L4 header, every fragment has MF set but the last, DF clear, and its own header checksum.
+pub fn fragments(frame: &[u8], chunk: usize) -> Vec<Vec<u8>> {
+    assert!(
+        chunk > 0 && chunk.is_multiple_of(8),
+        "fragment size {chunk} not a multiple of 8"
+    );
+    let ihl = ((frame[ETH_HLEN] & 0x0f) as usize) * 4;
+    let header = &frame[ETH_HLEN..ETH_HLEN + ihl];
+    let payload = &frame[ETH_HLEN + ihl..];
+    payload
+        .chunks(chunk)
+        .enumerate()
+        .map(|(i, part)| {
+            let last = (i + 1) * chunk >= payload.len();
+            let mut ip = header.to_vec();
+            ip[2..4].copy_from_slice(&((ihl + part.len()) as u16).to_be_bytes());
+            let field = ((i * chunk / 8) as u16) | if last { 0 } else { 0x2000 };
+            ip[6..8].copy_from_slice(&field.to_be_bytes());
+            ip[10..12].copy_from_slice(&[0, 0]);
+            let c = csum::ipv4_header(&ip);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            let mut f = frame[..ETH_HLEN].to_vec();
+            f.extend_from_slice(&ip);
+            f.extend_from_slice(part);
+            f
+        })
+        .collect()
+}
+
+/// Reassembles fragments (given in offset order) into one frame, the first fragment's Ethernet
+/// and IPv4 header with the fragment field cleared, as the receiver's stack would see the
+/// datagram.
+pub fn reassemble(frags: &[Vec<u8>]) -> Vec<u8> {
+    let first = &frags[0];
+    let ihl = ((first[ETH_HLEN] & 0x0f) as usize) * 4;
+    let mut payload = Vec::new();
+    for f in frags {
+        let fihl = ((f[ETH_HLEN] & 0x0f) as usize) * 4;
+        let field = u16::from_be_bytes([f[ETH_HLEN + 6], f[ETH_HLEN + 7]]);
+        assert_eq!(
+            ((field & 0x1fff) as usize) * 8,
+            payload.len(),
+            "fragments out of order or with a gap"
+        );
+        payload.extend_from_slice(&f[ETH_HLEN + fihl..]);
+    }
+    let mut ip = first[ETH_HLEN..ETH_HLEN + ihl].to_vec();
+    ip[2..4].copy_from_slice(&((ihl + payload.len()) as u16).to_be_bytes());
+    ip[6..8].copy_from_slice(&[0, 0]);
+    ip[10..12].copy_from_slice(&[0, 0]);
+    let c = csum::ipv4_header(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut frame = first[..ETH_HLEN].to_vec();
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&payload);
+    frame
 }
 
 pub fn eth(dst: [u8; 6], src: [u8; 6], ethertype: u16) -> Vec<u8> {
