@@ -168,6 +168,13 @@ impl fmt::Display for FrontendKind {
 }
 
 impl FrontendKind {
+    pub const ALL: [FrontendKind; 4] = [
+        FrontendKind::ClusterIp,
+        FrontendKind::NodePort,
+        FrontendKind::ExternalIp,
+        FrontendKind::LoadBalancer,
+    ];
+
     /// A label value for metrics (no spaces).
     pub const fn label(self) -> &'static str {
         match self {
