@@ -256,9 +256,18 @@ pub fn conflict_problem(c: &FrontendConflict) -> Problem {
         source: SNAPSHOT_SOURCE.to_owned(),
         object: format!("Service {}/{}", c.loser.namespace, c.loser.name),
         reason: format!(
-            "frontend {} ({} of port {:?}) is held by Service {} as its {} ({}); this frontend \
-             is skipped, the Service's other frontends are programmed",
-            c.frontend, c.loser_kind, c.loser.port_name, c.winner, c.winner_kind, c.rule
+            "frontend {} ({}{}) is held by Service {} as its {} ({}); this frontend is skipped, \
+             the Service's other frontends are programmed",
+            c.frontend,
+            c.loser_kind,
+            if c.loser.port_name.is_empty() {
+                String::new()
+            } else {
+                format!(" of port {:?}", c.loser.port_name)
+            },
+            c.winner,
+            c.winner_kind,
+            c.rule
         ),
     }
 }
