@@ -485,7 +485,11 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
                     namespace,
                     body: body.clone(),
                 });
-            let code = if method == "POST" { "201 Created" } else { "200 OK" };
+            let code = if method == "POST" {
+                "201 Created"
+            } else {
+                "200 OK"
+            };
             write_response(&mut out, code, &body)?;
             continue;
         }

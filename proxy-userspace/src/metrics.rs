@@ -885,7 +885,11 @@ mod tests {
         );
         metrics.set_frontend_conflicts(&translation.conflicts);
         let text = metrics.encode_text();
-        for (kind, want) in [("external_ip", 1.0), ("cluster_ip", 0.0), ("node_port", 0.0)] {
+        for (kind, want) in [
+            ("external_ip", 1.0),
+            ("cluster_ip", 0.0),
+            ("node_port", 0.0),
+        ] {
             let series = format!("kube_proxy_ebpf_frontend_conflicts{{kind=\"{kind}\"}}");
             assert_eq!(sample(&text, &series), Some(want), "{series} in\n{text}");
         }

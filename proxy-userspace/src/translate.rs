@@ -1959,9 +1959,11 @@ mod tests {
             }
             assert_eq!(
                 problem_texts(&t),
-                ["Service a/intruder: frontend 10.96.0.10:53/UDP (externalIP of port \"dns\") is \
+                [
+                    "Service a/intruder: frontend 10.96.0.10:53/UDP (externalIP of port \"dns\") is \
                   held by Service kube-system/kube-dns:dns as its clusterIP (a clusterIP always \
-                  wins); this frontend is skipped, the Service's other frontends are programmed"]
+                  wins); this frontend is skipped, the Service's other frontends are programmed"
+                ]
             );
             assert_eq!(
                 t.conflicts,
@@ -2020,7 +2022,12 @@ mod tests {
             ),
             (None, None, "a/first", ClaimRule::NameOrder),
             // Without a timestamp (a manifest) a Service counts as newer than any with one.
-            (None, Some("2026-01-01T00:00:00Z"), "z/second", ClaimRule::Older),
+            (
+                None,
+                Some("2026-01-01T00:00:00Z"),
+                "z/second",
+                ClaimRule::Older,
+            ),
         ];
         for (first_ts, second_ts, want, rule) in cases {
             let t = translate_node(
@@ -2037,7 +2044,10 @@ mod tests {
             assert_eq!(t.conflicts.len(), 1, "{at}");
             assert_eq!(t.conflicts[0].rule, rule, "{at}");
             assert_ne!(
-                format!("{}/{}", t.conflicts[0].loser.namespace, t.conflicts[0].loser.name),
+                format!(
+                    "{}/{}",
+                    t.conflicts[0].loser.namespace, t.conflicts[0].loser.name
+                ),
                 want,
                 "{at}"
             );
@@ -2136,10 +2146,16 @@ mod tests {
         );
         // The eTP=Cluster Service is older: no in-cluster entry remains for 192.0.2.9:80.
         let t = translate_node(
-            vec![local("local", "2026-02-01T00:00:00Z", "10.96.0.4"), cluster.clone()],
+            vec![
+                local("local", "2026-02-01T00:00:00Z", "10.96.0.4"),
+                cluster.clone(),
+            ],
             vec![],
         );
-        assert_eq!(holder(&t, "192.0.2.9:80/TCP").expect("held").0, "demo/cluster");
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP").expect("held").0,
+            "demo/cluster"
+        );
         assert!(
             holder(&t, "192.0.2.9:80/TCP (in-cluster)").is_none(),
             "{:?}",
@@ -2150,7 +2166,10 @@ mod tests {
             vec![local("local", "2025-12-01T00:00:00Z", "10.96.0.4"), cluster],
             vec![],
         );
-        assert_eq!(holder(&t, "192.0.2.9:80/TCP").expect("held").0, "demo/local");
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP").expect("held").0,
+            "demo/local"
+        );
         assert_eq!(
             holder(&t, "192.0.2.9:80/TCP (in-cluster)").expect("held").0,
             "demo/local"

@@ -80,7 +80,11 @@ impl TranslateCache {
     pub fn problems(&self) -> Vec<Problem> {
         let slices = self.slice_problems.values().flatten();
         let services = self.translations.values().flat_map(|t| &t.problems);
-        let conflicts = self.conflicts.values().flatten().map(translate::conflict_problem);
+        let conflicts = self
+            .conflicts
+            .values()
+            .flatten()
+            .map(translate::conflict_problem);
         slices.chain(services).cloned().chain(conflicts).collect()
     }
 
@@ -406,7 +410,8 @@ mod tests {
         if rng.below(3) == 0 {
             // A nodePort 53 on the node address clashes with externalIP 192.168.1.1's port 53.
             let node_port = if rng.below(3) == 0 { 53 } else { 30053 };
-            ports.push(json!({"name": "dns", "port": 53, "protocol": "UDP", "nodePort": node_port}));
+            ports
+                .push(json!({"name": "dns", "port": 53, "protocol": "UDP", "nodePort": node_port}));
         }
         let mut spec = json!({"clusterIP": ip, "ports": ports});
         if rng.below(4) == 0 {
@@ -429,11 +434,11 @@ mod tests {
             spec["externalTrafficPolicy"] = json!("Local");
             spec["healthCheckNodePort"] = json!(32000 + rng.below(3));
         }
-        let mut metadata =
-            json!({"name": format!("svc-{i}"), "namespace": if i.is_multiple_of(3) { "a" } else { "b" }});
+        let mut metadata = json!({"name": format!("svc-{i}"), "namespace": if i.is_multiple_of(3) { "a" } else { "b" }});
         // Few distinct ages, so ties (and Services without one) are common.
         if rng.below(4) != 0 {
-            metadata["creationTimestamp"] = json!(format!("2026-01-0{}T00:00:00Z", rng.below(3) + 1));
+            metadata["creationTimestamp"] =
+                json!(format!("2026-01-0{}T00:00:00Z", rng.below(3) + 1));
         }
         serde_json::from_value(json!({"metadata": metadata, "spec": spec}))
             .expect("Service fixture")
@@ -686,15 +691,25 @@ mod tests {
         assert_eq!(h.as_deref(), Some("b/old"), "older wins against name order");
         assert_eq!(conflicts, 1);
         let (h, changes, conflicts) = step(vec![new.clone()]);
-        assert_eq!(h.as_deref(), Some("a/new"), "the winner deleted: the loser takes it");
+        assert_eq!(
+            h.as_deref(),
+            Some("a/new"),
+            "the winner deleted: the loser takes it"
+        );
         assert_eq!(conflicts, 0);
         assert!(
-            changes.iter().any(|c| c.frontend == ext
-                && c.old.as_ref().is_some_and(|o| o.service.name == "old")),
+            changes
+                .iter()
+                .any(|c| c.frontend == ext
+                    && c.old.as_ref().is_some_and(|o| o.service.name == "old")),
             "{changes:?}"
         );
         let (h, changes, conflicts) = step(vec![new.clone(), oldest.clone()]);
-        assert_eq!(h.as_deref(), Some("c/oldest"), "an older Service takes it over");
+        assert_eq!(
+            h.as_deref(),
+            Some("c/oldest"),
+            "an older Service takes it over"
+        );
         assert_eq!(conflicts, 1);
         assert!(changes.iter().any(|c| c.frontend == ext), "{changes:?}");
         // The loser changes (its endpoints or spec): the frontend stays with the winner.

@@ -255,11 +255,23 @@ fn check_conflict_event(e: &proxy_testenv::fake_apiserver::RecordedEvent) -> Res
         (b["type"].as_str().unwrap_or_default(), "Warning"),
         (b["reason"].as_str().unwrap_or_default(), "FrontendConflict"),
         (b["action"].as_str().unwrap_or_default(), "SkipFrontend"),
-        (b["reportingController"].as_str().unwrap_or_default(), "kube-proxy-ebpf"),
+        (
+            b["reportingController"].as_str().unwrap_or_default(),
+            "kube-proxy-ebpf",
+        ),
         (b["reportingInstance"].as_str().unwrap_or_default(), NODE),
-        (b["regarding"]["kind"].as_str().unwrap_or_default(), "Service"),
-        (b["regarding"]["name"].as_str().unwrap_or_default(), "intruder"),
-        (b["regarding"]["uid"].as_str().unwrap_or_default(), "uid-intruder"),
+        (
+            b["regarding"]["kind"].as_str().unwrap_or_default(),
+            "Service",
+        ),
+        (
+            b["regarding"]["name"].as_str().unwrap_or_default(),
+            "intruder",
+        ),
+        (
+            b["regarding"]["uid"].as_str().unwrap_or_default(),
+            "uid-intruder",
+        ),
         (b["related"]["name"].as_str().unwrap_or_default(), "web"),
         (b["related"]["uid"].as_str().unwrap_or_default(), "uid-web"),
     ];
@@ -295,7 +307,11 @@ async fn a_frontend_conflict_becomes_one_event_on_the_losing_service() {
         assert_eq!(t.conflicts.len(), 1, "{:?}", t.conflicts);
         assert_eq!(t.conflicts[0].loser.name, "intruder");
         assert_eq!(
-            t.desired.frontends.values().filter(|d| d.service.name == "web").count(),
+            t.desired
+                .frontends
+                .values()
+                .filter(|d| d.service.name == "web")
+                .count(),
             1,
             "WEB:80 stays web's ClusterIP"
         );

@@ -509,7 +509,11 @@ fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
             &[ServicePort::udp(53, 5353)],
             &[be2],
         )
-        .replacen("spec:\n", &format!("spec:\n  externalIPs: [\"{DNS}\"]\n"), 1);
+        .replacen(
+            "spec:\n",
+            &format!("spec:\n  externalIPs: [\"{DNS}\"]\n"),
+            1,
+        );
         std::fs::write(m.path().join("a-intruder.yaml"), yaml).expect("writing a/intruder");
     });
 
@@ -525,7 +529,10 @@ fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
             });
             let (backend, echoed) = reply.body.split_once(':').unwrap_or_default();
             env.check(backend == want && echoed == payload, || {
-                format!("query {i} to {vip}:53 answered {:?}, want {want}", reply.body)
+                format!(
+                    "query {i} to {vip}:53 answered {:?}, want {want}",
+                    reply.body
+                )
             });
         }
     }
@@ -540,9 +547,10 @@ fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
         .lines()
         .find(|l| l.contains(&format!("{DNS}:53")))
         .unwrap_or_else(|| env.fail(&format!("{DNS}:53 not in dump services:\n{dump}")));
-    env.check(line.contains(&be1.to_string()) && !line.contains(&be2.to_string()), || {
-        format!("dump services shows {line:?}, want kube-dns's backend {be1} only")
-    });
+    env.check(
+        line.contains(&be1.to_string()) && !line.contains(&be2.to_string()),
+        || format!("dump services shows {line:?}, want kube-dns's backend {be1} only"),
+    );
 
     let log = std::fs::read_to_string(env.agent.log_path()).unwrap_or_default();
     env.check(
@@ -557,7 +565,13 @@ fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
         .topo
         .node()
         .output(
-            &["curl", "-sS", "--max-time", "3", "http://127.0.0.1:10249/metrics"],
+            &[
+                "curl",
+                "-sS",
+                "--max-time",
+                "3",
+                "http://127.0.0.1:10249/metrics",
+            ],
             Duration::from_secs(5),
         )
         .unwrap_or_else(|e| env.fail(&format!("scraping /metrics: {e:#}")));

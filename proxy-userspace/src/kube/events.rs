@@ -46,11 +46,7 @@ pub struct ConflictEvents {
 impl ConflictEvents {
     /// The Events for the conflicts in `now` that were not there at the last call, one per
     /// (loser, winner) pair; Services are looked up in `snapshot` for their uid.
-    pub fn appeared(
-        &mut self,
-        now: &[FrontendConflict],
-        snapshot: &Snapshot,
-    ) -> Vec<ServiceEvent> {
+    pub fn appeared(&mut self, now: &[FrontendConflict], snapshot: &Snapshot) -> Vec<ServiceEvent> {
         let now: BTreeSet<FrontendConflict> = now.iter().cloned().collect();
         let mut pairs: BTreeMap<(ServiceKey, ServiceKey), Vec<String>> = BTreeMap::new();
         for c in now.difference(&self.published) {
@@ -95,7 +91,11 @@ fn service_key(s: &crate::model::ServicePortName) -> ServiceKey {
 }
 
 fn key_of(svc: &Service) -> Option<ServiceKey> {
-    let namespace = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    let namespace = svc
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
     Some((namespace, svc.metadata.name.clone()?))
 }
 
@@ -223,14 +223,22 @@ mod tests {
         assert!(e.note.contains("10.96.0.10:53/UDP"), "{}", e.note);
         assert!(e.note.contains("10.96.0.10:54/UDP"), "{}", e.note);
 
-        assert_eq!(events.appeared(&two_ports, &snapshot), [], "no Event per sync");
+        assert_eq!(
+            events.appeared(&two_ports, &snapshot),
+            [],
+            "no Event per sync"
+        );
         assert_eq!(
             events.appeared(&two_ports[..1], &snapshot),
             [],
             "one conflict gone"
         );
         let back = events.appeared(&two_ports, &snapshot);
-        assert_eq!(back.len(), 1, "a conflict that comes back is published again");
+        assert_eq!(
+            back.len(),
+            1,
+            "a conflict that comes back is published again"
+        );
         assert!(back[0].note.contains(":54/UDP") && !back[0].note.contains(":53/UDP"));
         assert_eq!(events.appeared(&[], &snapshot), []);
     }
