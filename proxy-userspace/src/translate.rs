@@ -11,7 +11,7 @@
 //! reported as a Problem); its other frontends are programmed.
 
 use std::{
-    collections::{BTreeMap, HashMap, hash_map::Entry},
+    collections::{HashMap, hash_map::Entry},
     net::{IpAddr, Ipv4Addr},
     sync::Arc,
 };
@@ -118,21 +118,18 @@ pub fn translate_for_node(
     services.sort_by_key(|s| (&s.metadata.namespace, &s.metadata.name));
     let mut translations = Vec::with_capacity(services.len());
     for svc in services {
-        let Some(t) = translate_service(svc, &slices, node, nodeport_addrs) else {
+        let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
             continue;
         };
-        out.problems.extend(t.problems.iter().cloned());
-        out.notes.extend(t.notes.iter().cloned());
-        out.health_checks.extend(t.health_check.clone());
+        out.problems.append(&mut t.problems);
+        out.notes.append(&mut t.notes);
+        out.health_checks.extend(t.health_check.take());
         translations.push(t);
     }
-    let mut claims: BTreeMap<Frontend, Vec<Claim<'_>>> = BTreeMap::new();
-    for t in &translations {
-        for claim in t.claims() {
-            claims.entry(claim.frontend).or_default().push(claim);
-        }
-    }
-    for list in claims.values() {
+    // Grouped by frontend (a stable sort: claimants stay in name order within a group).
+    let mut claims: Vec<Claim<'_>> = translations.iter().flat_map(|t| t.claims()).collect();
+    claims.sort_by_key(|c| c.frontend);
+    for list in claims.chunk_by(|a, b| a.frontend == b.frontend) {
         let Some((winner, conflicts)) = resolve(list) else {
             continue;
         };
@@ -309,13 +306,26 @@ pub fn translate_service(
 /// ClusterIP entry is kept, else the first; a dropped external entry takes its in-cluster entry
 /// along.
 fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, DesiredFrontend)> {
+    // The usual case, cheaply: no address:port/protocol twice (a few frontends: compared
+    // pairwise without allocating; many: sorted).
+    let keys = || (frontends.iter().map(|(f, _)| *f)).filter(|f| f.scope == Scope::AllClients);
+    let unique = if frontends.len() <= 16 {
+        keys()
+            .enumerate()
+            .all(|(i, a)| keys().skip(i + 1).all(|b| a != b))
+    } else {
+        let mut sorted: Vec<Frontend> = keys().collect();
+        sorted.sort_unstable();
+        sorted.windows(2).all(|w| w[0] != w[1])
+    };
+    if unique {
+        return frontends;
+    }
     let mut kept: HashMap<Frontend, usize> = HashMap::with_capacity(frontends.len());
-    let mut all_clients = 0;
     for (i, (f, df)) in frontends.iter().enumerate() {
         if f.scope != Scope::AllClients {
             continue;
         }
-        all_clients += 1;
         match kept.entry(*f) {
             Entry::Vacant(v) => {
                 v.insert(i);
@@ -327,9 +337,6 @@ fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, Desi
                 }
             }
         }
-    }
-    if kept.len() == all_clients {
-        return frontends;
     }
     frontends
         .into_iter()

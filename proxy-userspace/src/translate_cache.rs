@@ -16,18 +16,14 @@
 //! later takes it over. The result is equal to a full translation of the same snapshot (tested
 //! below).
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
-    sync::Arc,
-};
+use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
 
 use k8s_openapi::api::core::v1::Service;
 
 use crate::{
     endpoints::{SliceData, SliceIndex},
     fast_hash::{HashMap, HashSet},
-    model::{DesiredFrontend, DesiredState, Frontend, FrontendConflict, Problem},
+    model::{DesiredFrontend, DesiredState, Frontend, FrontendConflict, Problem, Scope},
     snapshot::Snapshot,
     translate::{self, HealthCheck, NodeContext, ServiceTranslation},
 };
@@ -141,7 +137,7 @@ impl TranslateCache {
         let dirty: Vec<ServiceName> = dirty.into_iter().collect();
         let translated = self.translate_each(&dirty, node, nodeport_addrs);
         // Every frontend a changed Service asks for, or asked for before, is settled again.
-        let mut contested: BTreeSet<Frontend> = BTreeSet::new();
+        let mut contested: Vec<Frontend> = Vec::new();
         for (name, (problems, new)) in dirty.iter().zip(translated) {
             if problems.is_empty() {
                 self.slice_problems.remove(name);
@@ -157,7 +153,7 @@ impl TranslateCache {
                 None => self.translations.remove(name),
             };
             for claim in old.iter().flat_map(|t| t.claims()) {
-                contested.insert(claim.frontend);
+                contested.push(claim.frontend);
                 if let Some(c) = self.candidates.get_mut(&claim.frontend) {
                     c.retain(|(n, _)| n != name);
                     if c.is_empty() {
@@ -170,7 +166,7 @@ impl TranslateCache {
             };
             for (i, (f, _)) in t.frontends.iter().enumerate() {
                 if t.claim_at(i).is_some() {
-                    contested.insert(*f);
+                    contested.push(*f);
                     self.candidates
                         .entry(*f)
                         .or_default()
@@ -178,7 +174,10 @@ impl TranslateCache {
                 }
             }
         }
-        // (A full pass re-translates every Service, so every frontend is settled again.)
+        // (A full pass re-translates every Service, so every frontend is settled again.) Sorted,
+        // so the changes come out sorted.
+        contested.sort_unstable();
+        contested.dedup();
         self.settle(&contested)
     }
 
@@ -274,31 +273,38 @@ impl TranslateCache {
 
     /// Settle each of `frontends` (all-clients scope) again between the Services asking for it,
     /// and record which entries changed.
-    fn settle(&mut self, frontends: &BTreeSet<Frontend>) -> Vec<FrontendChange> {
+    fn settle(&mut self, frontends: &[Frontend]) -> Vec<FrontendChange> {
         let mut changes = Vec::new();
+        let mut claims: Vec<translate::Claim<'_>> = Vec::new();
         for &frontend in frontends {
-            let old = [frontend, frontend.in_cluster()].map(|f| self.desired.frontends.remove(&f));
+            claims.clear();
+            claims.extend(
+                (self.candidates.get(&frontend))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(name, i)| self.translations.get(name)?.claim_at(*i)),
+            );
+            // [all clients, in-cluster]
+            let mut new: [Option<Arc<DesiredFrontend>>; 2] = [None, None];
             self.conflicts.remove(&frontend);
-            let claims: Vec<translate::Claim<'_>> = (self.candidates.get(&frontend))
-                .into_iter()
-                .flatten()
-                .filter_map(|(name, i)| self.translations.get(name)?.claim_at(*i))
-                .collect();
             if let Some((winner, conflicts)) = translate::resolve(&claims) {
                 for (f, df) in claims[winner].entries {
-                    self.desired.frontends.insert(*f, df.clone());
+                    new[usize::from(f.scope == Scope::InCluster)] = Some(df.clone());
                 }
                 if !conflicts.is_empty() {
                     self.conflicts.insert(frontend, conflicts);
                 }
             }
-            for (f, old) in [frontend, frontend.in_cluster()].into_iter().zip(old) {
+            for (f, new) in [frontend, frontend.in_cluster()].into_iter().zip(new) {
+                let old = match new {
+                    Some(df) => self.desired.frontends.insert(f, df),
+                    None => self.desired.frontends.remove(&f),
+                };
                 if old.as_ref() != self.desired.frontends.get(&f) {
                     changes.push(FrontendChange { frontend: f, old });
                 }
             }
         }
-        changes.sort_by_key(|c| c.frontend);
         changes
     }
 }
@@ -553,7 +559,7 @@ mod tests {
                     .frontends
                     .keys()
                     .chain(want.desired.frontends.keys())
-                    .collect::<BTreeSet<_>>()
+                    .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()
                     .filter(|f| prev.frontends.get(f) != want.desired.frontends.get(f))
                     .map(|f| FrontendChange {
