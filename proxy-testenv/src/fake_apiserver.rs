@@ -6,8 +6,11 @@
 //! `labelSelector` (`k`, `!k`, `k=v`, `k!=v`), `fieldSelector` (`metadata.name`,
 //! `metadata.namespace`), `limit`/`continue` paging, `resourceVersion`, `timeoutSeconds`,
 //! BOOKMARK events when `allowWatchBookmarks=true`, and "410 Gone" (an ERROR event with code 410,
-//! "too old resource version") for watches from a compacted resourceVersion. Plain HTTP/1.1 on
-//! 127.0.0.1, one thread per connection (std only: small and quick to build).
+//! "too old resource version") for watches from a compacted resourceVersion. Events
+//! (events.k8s.io/v1) can be created (`POST .../namespaces/{ns}/events`) and patched (`PATCH
+//! .../events/{name}`, a series update); they are recorded for the test ([`FakeApiServer::events`])
+//! and not served back. Plain HTTP/1.1 on 127.0.0.1, one thread per connection (std only: small
+//! and quick to build).
 //!
 //! The test drives it through [`FakeApiServer`]: create/update/delete objects (JSON values),
 //! drop every connection mid-stream, expire watches (410), stop (connections refused) and start
@@ -19,7 +22,7 @@
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
     fs::File,
-    io::{self, BufRead as _, BufReader, Write as _},
+    io::{self, BufRead as _, BufReader, Read as _, Write as _},
     net::{Shutdown, TcpListener, TcpStream},
     os::fd::AsRawFd as _,
     path::{Path, PathBuf},
@@ -109,8 +112,22 @@ struct Shared {
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
     requests: Mutex<Vec<String>>,
+    /// Events created and patched, in arrival order.
+    events: Mutex<Vec<RecordedEvent>>,
     bookmark_interval: Duration,
 }
+
+/// An Event the client created or patched.
+#[derive(Clone, Debug)]
+pub struct RecordedEvent {
+    /// `POST` (created) or `PATCH` (a series update of an earlier one).
+    pub method: String,
+    pub namespace: String,
+    pub body: Value,
+}
+
+/// The events.k8s.io/v1 collection of a namespace.
+const EVENTS_PREFIX: &str = "/apis/events.k8s.io/v1/namespaces/";
 
 impl Shared {
     fn state(&self) -> MutexGuard<'_, State> {
@@ -142,6 +159,7 @@ impl FakeApiServer {
                 conns: Mutex::new(HashMap::new()),
                 next_conn: AtomicU64::new(0),
                 requests: Mutex::new(Vec::new()),
+                events: Mutex::new(Vec::new()),
                 bookmark_interval: Duration::from_secs(2),
             }),
             netns: netns.map(Path::to_path_buf),
@@ -323,6 +341,15 @@ impl FakeApiServer {
             .clone()
     }
 
+    /// Events created (`POST`) and patched (`PATCH`) so far, oldest first.
+    pub fn events(&self) -> Vec<RecordedEvent> {
+        self.shared
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// How many list (non-watch) requests were served for `kind`.
     pub fn list_count(&self, kind: Kind) -> usize {
         self.requests()
@@ -412,7 +439,8 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
             return Ok(());
         }
         let request_line = line.trim_end().to_owned();
-        // Headers: read and ignore (GET only, no body).
+        // Headers: only Content-Length matters (the body of an Event POST or PATCH).
+        let mut content_length = 0usize;
         loop {
             let mut h = String::new();
             if reader.read_line(&mut h)? == 0 {
@@ -421,7 +449,14 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
             if h.trim_end().is_empty() {
                 break;
             }
+            if let Some((name, value)) = h.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                content_length = value.trim().parse().unwrap_or(0);
+            }
         }
+        let mut body = vec![0u8; content_length.min(1 << 20)];
+        reader.read_exact(&mut body)?;
         shared
             .requests
             .lock()
@@ -435,6 +470,29 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
             kind: Kind::from_path(path),
             query: parse_query(query),
         };
+        if let Some(namespace) = event_namespace(method, path) {
+            let Ok(body) = serde_json::from_slice::<Value>(&body) else {
+                let status = status_json(400, "BadRequest", "body is not JSON");
+                write_response(&mut out, "400 Bad Request", &status)?;
+                continue;
+            };
+            shared
+                .events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(RecordedEvent {
+                    method: method.to_owned(),
+                    namespace,
+                    body: body.clone(),
+                });
+            let code = if method == "POST" {
+                "201 Created"
+            } else {
+                "200 OK"
+            };
+            write_response(&mut out, code, &body)?;
+            continue;
+        }
         match (method, req.kind) {
             ("GET", Some(kind)) if req.query.get("watch").is_some_and(|w| w == "true") => {
                 return serve_watch(&mut out, shared, kind, &req);
@@ -445,6 +503,17 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
                 write_response(&mut out, "404 Not Found", &body)?;
             }
         }
+    }
+}
+
+/// The namespace of an Event create (`POST <prefix>{ns}/events`) or patch (`PATCH
+/// <prefix>{ns}/events/{name}`); `None` for any other request.
+fn event_namespace(method: &str, path: &str) -> Option<String> {
+    let rest = path.strip_prefix(EVENTS_PREFIX)?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    match (method, parts.as_slice()) {
+        ("POST", [ns, "events"]) | ("PATCH", [ns, "events", _]) => Some((*ns).to_owned()),
+        _ => None,
     }
 }
 

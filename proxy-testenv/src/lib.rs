@@ -25,7 +25,7 @@ pub use agent::{Agent, AgentStatus, cli};
 pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
 pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer};
 pub use fake_apiserver::FakeApiServer;
-pub use manifests::{ManifestDir, Protocol, ServicePort};
+pub use manifests::{ManifestDir, Protocol, ServicePort, service_yaml};
 pub use multinode::{
     CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
 };

@@ -32,7 +32,10 @@ use crate::{
         netlink, sock_lb,
     },
     incremental::Planner,
-    kube::{Connection, KubeSource},
+    kube::{
+        Connection, KubeSource,
+        events::{ConflictEvents, EventSink},
+    },
     model::Problem,
     programmed::{Capacities, MapOp, Programmed},
     snapshot::Snapshot,
@@ -78,6 +81,9 @@ pub struct Agent {
     status: Status,
     status_file: Option<PathBuf>,
     reported: BTreeSet<String>,
+    /// Kubernetes mode: Events on Services that lose a frontend, one per conflict appearance.
+    events: Option<EventSink>,
+    conflict_events: ConflictEvents,
     /// Telemetry: /metrics and /healthz state, and what changed between applied syncs.
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     health: std::sync::Arc<crate::health::HealthState>,
@@ -135,6 +141,8 @@ impl Agent {
             status: Status::default(),
             status_file: None,
             reported: BTreeSet::new(),
+            events: None,
+            conflict_events: ConflictEvents::default(),
             metrics,
             health,
             changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
@@ -171,6 +179,7 @@ impl Agent {
             });
         }
         self.report_problems(&problems);
+        self.report_conflicts(snapshot);
         let removed_backends = plan
             .ops
             .iter()
@@ -246,6 +255,17 @@ impl Agent {
             error!("skipped: {p}");
         }
         self.reported = now;
+    }
+
+    /// Frontend conflicts: the metric, and an Event on each Service that newly lost a frontend
+    /// (Kubernetes mode; the Problem is logged by [`Agent::report_problems`]).
+    fn report_conflicts(&mut self, snapshot: &Snapshot) {
+        let conflicts = self.cache.conflicts();
+        self.metrics.set_frontend_conflicts(&conflicts);
+        let appeared = self.conflict_events.appeared(&conflicts, snapshot);
+        if let Some(sink) = &self.events {
+            sink.send(appeared);
+        }
     }
 
     /// Attaches to every matching interface (new ones included), releases gone ones.
@@ -535,6 +555,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
+    let mut events = None;
     let mut source = match &args.manifests {
         Some(dir) => Source::Manifests(ManifestSource::new(dir.clone())),
         None => {
@@ -543,6 +564,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 master: args.master.clone(),
             };
             let client = connection.client().await?;
+            events = Some(EventSink::start(client.clone(), &node.node_name));
             Source::Kube(KubeSource::start(client, &node.node_name))
         }
     };
@@ -562,6 +584,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes, sock_lb)?;
     agent.status_file = args.status_file.clone();
+    agent.events = events;
     info!(rss_mib = rss_mib(), "datapath loaded");
     agent.external.configure(
         args.nodeport_addresses.clone(),

@@ -48,7 +48,7 @@ use crate::{
     dataplane::{bpffs::PinLayout, maps::Stats},
     endpoints::SliceData,
     health,
-    model::DesiredState,
+    model::{DesiredState, FrontendConflict, FrontendKind},
     snapshot::Snapshot,
 };
 
@@ -78,6 +78,7 @@ pub struct Metrics {
     map_entries: Family<Labels, Gauge>,
     map_capacity: Family<Labels, Gauge>,
     sync_problems: Gauge,
+    frontend_conflicts: Family<Labels, Gauge>,
 }
 
 impl fmt::Debug for Metrics {
@@ -230,6 +231,18 @@ impl Metrics {
             "Objects (or parts of them) the last sync skipped: invalid input or maps full",
             sync_problems.clone(),
         );
+        let frontend_conflicts = Family::<Labels, Gauge>::default();
+        r.register(
+            "kube_proxy_ebpf_frontend_conflicts",
+            "Frontends not programmed for a Service because another Service holds them, by the \
+             kind of the skipped frontend",
+            frontend_conflicts.clone(),
+        );
+        for kind in FrontendKind::ALL {
+            frontend_conflicts
+                .get_or_create(&vec![("kind", kind.label().to_owned())])
+                .set(0);
+        }
         if let Some(reader) = datapath {
             r.register_collector(Box::new(DatapathCollector(reader)));
         }
@@ -254,6 +267,7 @@ impl Metrics {
             map_entries,
             map_capacity,
             sync_problems,
+            frontend_conflicts,
         }
     }
 
@@ -319,6 +333,16 @@ impl Metrics {
 
     pub fn set_sync_problems(&self, n: usize) {
         self.sync_problems.set(gauge(n as u64));
+    }
+
+    /// The last sync's frontend conflicts (each is one skipped frontend of the losing Service).
+    pub fn set_frontend_conflicts(&self, conflicts: &[FrontendConflict]) {
+        for kind in FrontendKind::ALL {
+            let n = conflicts.iter().filter(|c| c.loser_kind == kind).count();
+            self.frontend_conflicts
+                .get_or_create(&vec![("kind", kind.label().to_owned())])
+                .set(gauge(n as u64));
+        }
     }
 
     pub fn healthz_answered(&self, code: u16) {
@@ -839,5 +863,38 @@ mod tests {
         assert!(om.trim_end().ends_with("# EOF"), "{om}");
         assert_eq!(http_get(addr, "/other", "*/*").await.0, 404);
         server.abort();
+    }
+
+    #[test]
+    fn frontend_conflicts_are_counted_by_the_skipped_frontends_kind() {
+        let metrics = Metrics::new();
+        let translation = translate::translate(
+            &Snapshot::new(
+                vec![
+                    service("dns", "10.96.0.10", None, None),
+                    serde_json::from_value(serde_json::json!({
+                        "metadata": {"name": "intruder", "namespace": "a"},
+                        "spec": {"clusterIP": "10.96.0.11", "externalIPs": ["10.96.0.10"],
+                                 "ports": [{"name": "http", "port": 80}]}
+                    }))
+                    .expect("Service"),
+                ],
+                vec![],
+            ),
+            &NodeContext::default(),
+        );
+        metrics.set_frontend_conflicts(&translation.conflicts);
+        let text = metrics.encode_text();
+        for (kind, want) in [
+            ("external_ip", 1.0),
+            ("cluster_ip", 0.0),
+            ("node_port", 0.0),
+        ] {
+            let series = format!("kube_proxy_ebpf_frontend_conflicts{{kind=\"{kind}\"}}");
+            assert_eq!(sample(&text, &series), Some(want), "{series} in\n{text}");
+        }
+        metrics.set_frontend_conflicts(&[]);
+        let series = "kube_proxy_ebpf_frontend_conflicts{kind=\"external_ip\"}";
+        assert_eq!(sample(&metrics.encode_text(), series), Some(0.0));
     }
 }

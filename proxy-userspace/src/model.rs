@@ -77,6 +77,15 @@ impl Frontend {
             ..self
         }
     }
+
+    /// The same address, port and protocol for every client: what Services claim (an in-cluster
+    /// entry belongs to whoever holds this one).
+    pub const fn all_clients(self) -> Self {
+        Self {
+            scope: Scope::AllClients,
+            ..self
+        }
+    }
 }
 
 impl fmt::Display for Frontend {
@@ -147,7 +156,35 @@ pub enum FrontendKind {
     LoadBalancer,
 }
 
+impl fmt::Display for FrontendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FrontendKind::ClusterIp => "clusterIP",
+            FrontendKind::NodePort => "nodePort",
+            FrontendKind::ExternalIp => "externalIP",
+            FrontendKind::LoadBalancer => "loadBalancer IP",
+        })
+    }
+}
+
 impl FrontendKind {
+    pub const ALL: [FrontendKind; 4] = [
+        FrontendKind::ClusterIp,
+        FrontendKind::NodePort,
+        FrontendKind::ExternalIp,
+        FrontendKind::LoadBalancer,
+    ];
+
+    /// A label value for metrics (no spaces).
+    pub const fn label(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "cluster_ip",
+            FrontendKind::NodePort => "node_port",
+            FrontendKind::ExternalIp => "external_ip",
+            FrontendKind::LoadBalancer => "load_balancer",
+        }
+    }
+
     /// NodePort, externalIP and LoadBalancer frontends carry external traffic
     /// (externalTrafficPolicy applies).
     pub const fn is_external(self) -> bool {
@@ -179,6 +216,45 @@ pub struct DesiredFrontend {
 pub struct DesiredState {
     /// Shared with the translation cache's per-Service results (one copy of each frontend).
     pub frontends: BTreeMap<Frontend, Arc<DesiredFrontend>>,
+}
+
+/// Two Services ask for one frontend (address, port, protocol): `winner` holds it, `loser` goes
+/// without it; the loser's other frontends are programmed. Reported as a [`Problem`], a metric
+/// and (Kubernetes) an Event on the loser.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FrontendConflict {
+    /// The contested frontend (scope [`Scope::AllClients`]; its in-cluster entry goes along).
+    pub frontend: Frontend,
+    pub loser: ServicePortName,
+    pub loser_kind: FrontendKind,
+    pub winner: ServicePortName,
+    pub winner_kind: FrontendKind,
+    /// Why the winner won.
+    pub rule: ClaimRule,
+}
+
+/// Which rule settled a [`FrontendConflict`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ClaimRule {
+    /// A ClusterIP beats every other kind of frontend (the allocator keeps ClusterIPs unique, so
+    /// an externalIP, LoadBalancer IP or NodePort equal to one is the intruder).
+    ClusterIpFirst,
+    /// The Service with the older `metadata.creationTimestamp` wins.
+    Older,
+    /// Same creationTimestamp (or none, as in manifests): the first by namespace/name wins.
+    NameOrder,
+}
+
+impl fmt::Display for ClaimRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ClaimRule::ClusterIpFirst => "a clusterIP always wins",
+            ClaimRule::Older => "the older Service (creationTimestamp) wins",
+            ClaimRule::NameOrder => {
+                "same creationTimestamp (or none): the first by namespace/name wins"
+            }
+        })
+    }
 }
 
 /// A problem with one input object: reported (log, later Events/metrics) and skipped; every other

@@ -4,19 +4,25 @@
 //! Service kinds, frontends per Service port × ClusterIP, endpoints joined from EndpointSlices
 //! ([`crate::endpoints`]) and categorised ([`crate::topology`]). A bad object is reported as a
 //! [`Problem`] and skipped; everything else is still programmed.
+//!
+//! Frontends asked for by more than one Service are settled one frontend at a time
+//! ([`resolve`]): a ClusterIP beats any other kind, then the older Service wins, then
+//! namespace/name order. The loser goes without that frontend only (a [`FrontendConflict`],
+//! reported as a Problem); its other frontends are programmed.
 
 use std::{
-    collections::btree_map::Entry,
+    collections::{HashMap, hash_map::Entry},
     net::{IpAddr, Ipv4Addr},
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
 
 use crate::{
     endpoints::{SNAPSHOT_SOURCE, SliceIndex},
     model::{
-        DesiredFrontend, DesiredState, Frontend, FrontendKind, Problem, Protocol, ServicePortName,
+        ClaimRule, DesiredFrontend, DesiredState, Frontend, FrontendConflict, FrontendKind,
+        Problem, Protocol, Scope, ServicePortName,
     },
     snapshot::Snapshot,
     topology::{self, Policy},
@@ -53,6 +59,9 @@ pub struct Translation {
     /// Health-check node ports to serve (externalTrafficPolicy Local LoadBalancer Services),
     /// sorted by port.
     pub health_checks: Vec<HealthCheck>,
+    /// Frontends two or more Services asked for, one per losing claim, sorted (each is also in
+    /// `problems`).
+    pub conflicts: Vec<FrontendConflict>,
 }
 
 /// A `spec.healthCheckNodePort` and what it reports (upstream `pkg/proxy/healthcheck`).
@@ -82,8 +91,6 @@ enum ServiceError {
         "loadBalancerSourceRanges entry {0:?} is not a CIDR; entry ignored (the other ranges apply)"
     )]
     BadSourceRange(String),
-    #[error("frontend {frontend} is already used by Service {owner}; Service skipped")]
-    FrontendTaken { frontend: Frontend, owner: String },
 }
 
 /// Turn a snapshot into the desired state for this node, without NodePort frontends (no node
@@ -105,21 +112,34 @@ pub fn translate_for_node(
         &node.node_name,
         &mut out.problems,
     );
-    // Sorted so that when two Services claim one frontend, the same one wins whatever order the
-    // source listed them in.
+    // Sorted so that health checks sharing a port come in the same order whatever order the
+    // source listed the Services in (claims do not depend on it: see `resolve`).
     let mut services: Vec<&Service> = snapshot.services.iter().map(|s| &**s).collect();
     services.sort_by_key(|s| (&s.metadata.namespace, &s.metadata.name));
+    let mut translations = Vec::with_capacity(services.len());
     for svc in services {
-        let Some(t) = translate_service(svc, &slices, node, nodeport_addrs) else {
+        let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
             continue;
         };
-        out.problems.extend(t.problems);
-        out.notes.extend(t.notes);
-        match claim(&mut out.desired, t.frontends) {
-            Ok(()) => out.health_checks.extend(t.health_check),
-            Err(e) => out.problems.push(service_problem(svc, e.to_string())),
-        }
+        out.problems.append(&mut t.problems);
+        out.notes.append(&mut t.notes);
+        out.health_checks.extend(t.health_check.take());
+        translations.push(t);
     }
+    // Grouped by frontend (a stable sort: claimants stay in name order within a group).
+    let mut claims: Vec<Claim<'_>> = translations.iter().flat_map(|t| t.claims()).collect();
+    claims.sort_by_key(|c| c.frontend);
+    for list in claims.chunk_by(|a, b| a.frontend == b.frontend) {
+        let Some((winner, conflicts)) = resolve(list) else {
+            continue;
+        };
+        for (frontend, df) in list[winner].entries {
+            out.desired.frontends.insert(*frontend, df.clone());
+        }
+        out.problems.extend(conflicts.iter().map(conflict_problem));
+        out.conflicts.extend(conflicts);
+    }
+    out.conflicts.sort();
     out.health_checks.sort_by_key(|h| h.port);
     out
 }
@@ -127,13 +147,126 @@ pub fn translate_for_node(
 /// One Service's part of a translation, before the frontend claims between Services.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceTranslation {
-    /// The frontends the Service asks for, in Service port order; all or none of them are
-    /// claimed. Empty when the Service is skipped.
+    /// The frontends the Service asks for, in Service port order, each address:port/protocol
+    /// once (an in-cluster entry right after its all-clients entry). Each is claimed on its own
+    /// ([`resolve`]). Empty when the Service is skipped.
     pub frontends: Vec<(Frontend, Arc<DesiredFrontend>)>,
     pub problems: Vec<Problem>,
     pub notes: Vec<Problem>,
-    /// Served only if the frontends are claimed.
+    /// The Service's `metadata.creationTimestamp` (the older Service wins a contested frontend).
+    pub created: Option<Timestamp>,
+    /// Served whatever the claims: it reports the Service's local endpoints.
     pub health_check: Option<HealthCheck>,
+}
+
+impl ServiceTranslation {
+    /// The Service's claims, one per address:port/protocol it asks for.
+    pub fn claims(&self) -> impl Iterator<Item = Claim<'_>> {
+        (0..self.frontends.len()).filter_map(|i| self.claim_at(i))
+    }
+
+    /// The claim whose all-clients entry is `frontends[entry]` (`None` for an in-cluster entry
+    /// or an index out of range).
+    pub fn claim_at(&self, entry: usize) -> Option<Claim<'_>> {
+        let (frontend, desired) = self.frontends.get(entry)?;
+        if frontend.scope != Scope::AllClients {
+            return None;
+        }
+        let with_in_cluster = self
+            .frontends
+            .get(entry + 1)
+            .is_some_and(|(f, _)| *f == frontend.in_cluster());
+        let end = entry + 1 + usize::from(with_in_cluster);
+        Some(Claim {
+            frontend: *frontend,
+            desired,
+            created: self.created,
+            entries: self.frontends.get(entry..end)?,
+        })
+    }
+}
+
+/// One Service's claim on a frontend (address, port, protocol, for every client).
+#[derive(Clone, Copy, Debug)]
+pub struct Claim<'a> {
+    pub frontend: Frontend,
+    desired: &'a DesiredFrontend,
+    created: Option<Timestamp>,
+    /// What the claim programs if it wins: the frontend, and for an externalTrafficPolicy Local
+    /// external frontend the in-cluster entry beside it.
+    pub entries: &'a [(Frontend, Arc<DesiredFrontend>)],
+}
+
+impl Claim<'_> {
+    /// Lower wins: a ClusterIP first, then the older Service (one without a creationTimestamp,
+    /// as in manifests, after every one with), then namespace/name.
+    fn rank(&self) -> (bool, bool, Option<Timestamp>, &str, &str) {
+        let service = &self.desired.service;
+        (
+            self.desired.kind != FrontendKind::ClusterIp,
+            self.created.is_none(),
+            self.created,
+            &service.namespace,
+            &service.name,
+        )
+    }
+}
+
+/// Settles one frontend between the Services claiming it, in any order: the winning claim's
+/// position in `claims`, and a conflict for each other claim. `None` when `claims` is empty.
+/// Pure and per frontend, so the full and the incremental translation agree.
+pub fn resolve(claims: &[Claim<'_>]) -> Option<(usize, Vec<FrontendConflict>)> {
+    let (winner, w) = claims
+        .iter()
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.rank().cmp(&b.rank()))?;
+    let conflicts = claims
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != winner)
+        .map(|(_, l)| {
+            let rule = if (w.desired.kind == FrontendKind::ClusterIp)
+                != (l.desired.kind == FrontendKind::ClusterIp)
+            {
+                ClaimRule::ClusterIpFirst
+            } else if w.created != l.created {
+                ClaimRule::Older
+            } else {
+                ClaimRule::NameOrder
+            };
+            FrontendConflict {
+                frontend: w.frontend,
+                loser: l.desired.service.clone(),
+                loser_kind: l.desired.kind,
+                winner: w.desired.service.clone(),
+                winner_kind: w.desired.kind,
+                rule,
+            }
+        })
+        .collect();
+    Some((winner, conflicts))
+}
+
+/// The problem reported for the loser of a conflict.
+pub fn conflict_problem(c: &FrontendConflict) -> Problem {
+    Problem {
+        source: SNAPSHOT_SOURCE.to_owned(),
+        object: format!("Service {}/{}", c.loser.namespace, c.loser.name),
+        reason: format!(
+            "frontend {} ({}{}) is held by Service {} as its {} ({}); this frontend is skipped, \
+             the Service's other frontends are programmed",
+            c.frontend,
+            c.loser_kind,
+            if c.loser.port_name.is_empty() {
+                String::new()
+            } else {
+                format!(" of port {:?}", c.loser.port_name)
+            },
+            c.winner,
+            c.winner_kind,
+            c.rule
+        ),
+    }
 }
 
 /// Translate one Service with the endpoints of `slices` (which may hold only this Service's
@@ -156,8 +289,7 @@ pub fn translate_service(
             if let Some(note) = f.note {
                 out.notes.push(service_problem(svc, note));
             }
-            out.frontends = f
-                .frontends
+            out.frontends = dedup_own(f.frontends)
                 .into_iter()
                 .map(|(frontend, df)| (frontend, Arc::new(df)))
                 .collect();
@@ -165,16 +297,58 @@ pub fn translate_service(
         }
         Err(e) => out.problems.push(service_problem(svc, e.to_string())),
     }
+    out.created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
     Some(out)
 }
 
-/// The problem reported when a Service cannot claim `frontend` because `owner` (namespace/name)
-/// holds it.
-pub fn frontend_taken(svc: &Service, frontend: Frontend, owner: String) -> Problem {
-    service_problem(
-        svc,
-        ServiceError::FrontendTaken { frontend, owner }.to_string(),
-    )
+/// One Service asking twice for one address:port/protocol (an externalIP equal to its own
+/// ClusterIP, a NodePort equal to another port on an externalIP that is a node address): its
+/// ClusterIP entry is kept, else the first; a dropped external entry takes its in-cluster entry
+/// along.
+fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, DesiredFrontend)> {
+    // The usual case, cheaply: no address:port/protocol twice (a few frontends: compared
+    // pairwise without allocating; many: sorted).
+    let keys = || (frontends.iter().map(|(f, _)| *f)).filter(|f| f.scope == Scope::AllClients);
+    let unique = if frontends.len() <= 16 {
+        keys()
+            .enumerate()
+            .all(|(i, a)| keys().skip(i + 1).all(|b| a != b))
+    } else {
+        let mut sorted: Vec<Frontend> = keys().collect();
+        sorted.sort_unstable();
+        sorted.windows(2).all(|w| w[0] != w[1])
+    };
+    if unique {
+        return frontends;
+    }
+    let mut kept: HashMap<Frontend, usize> = HashMap::with_capacity(frontends.len());
+    for (i, (f, df)) in frontends.iter().enumerate() {
+        if f.scope != Scope::AllClients {
+            continue;
+        }
+        match kept.entry(*f) {
+            Entry::Vacant(v) => {
+                v.insert(i);
+            }
+            Entry::Occupied(mut o) => {
+                let first = frontends.get(*o.get()).map(|(_, d)| d.kind);
+                if df.kind == FrontendKind::ClusterIp && first != Some(FrontendKind::ClusterIp) {
+                    o.insert(i);
+                }
+            }
+        }
+    }
+    frontends
+        .into_iter()
+        .enumerate()
+        .filter(|(i, (f, _))| match f.scope {
+            Scope::AllClients => kept.get(f) == Some(i),
+            Scope::InCluster => i
+                .checked_sub(1)
+                .is_some_and(|prev| kept.get(&f.all_clients()) == Some(&prev)),
+        })
+        .map(|(_, e)| e)
+        .collect()
 }
 
 fn service_problem(svc: &Service, reason: String) -> Problem {
@@ -183,28 +357,6 @@ fn service_problem(svc: &Service, reason: String) -> Problem {
         object: format!("Service {}", namespaced_name(svc)),
         reason,
     }
-}
-
-/// Insert all of one Service's frontends, or none if any is already taken.
-fn claim(
-    desired: &mut DesiredState,
-    frontends: Vec<(Frontend, Arc<DesiredFrontend>)>,
-) -> Result<(), ServiceError> {
-    for (frontend, _) in &frontends {
-        if let Some(owner) = desired.frontends.get(frontend) {
-            let owner = format!("{}/{}", owner.service.namespace, owner.service.name);
-            return Err(ServiceError::FrontendTaken {
-                frontend: *frontend,
-                owner,
-            });
-        }
-    }
-    for (frontend, df) in frontends {
-        if let Entry::Vacant(v) = desired.frontends.entry(frontend) {
-            v.insert(df);
-        }
-    }
-    Ok(())
 }
 
 /// Whether this proxy programs the Service at all (upstream skips these silently).
@@ -1208,7 +1360,7 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_frontend_reported_and_later_service_skipped_whatever_the_input_order() {
+    fn duplicate_cluster_ip_ports_go_to_the_first_by_name_whatever_the_input_order() {
         for order in [["a", "b"], ["b", "a"]] {
             let services = order
                 .iter()
@@ -1230,7 +1382,10 @@ mod tests {
                     },
                 ],
                 problems: &[
-                    "Service demo/b: frontend 10.96.0.10:80/TCP is already used by Service demo/a",
+                    "Service demo/b: frontend 10.96.0.10:80/TCP (clusterIP of port \"http\") is \
+                     held by Service demo/a:http as its clusterIP (same creationTimestamp",
+                    "Service demo/b: frontend 10.96.0.10:81/TCP (clusterIP of port \"x\") is \
+                     held by Service demo/a:x as its clusterIP",
                 ],
                 notes: 0,
             });
@@ -1713,5 +1868,342 @@ mod tests {
             crate::encode::frontend_flags(&lb.in_cluster(), inner),
             SOURCE_RANGES
         );
+    }
+
+    /// A Service in `namespace` created at `created` (RFC 3339; None: no creationTimestamp).
+    fn service_at(namespace: &str, name: &str, created: Option<&str>, spec: Value) -> Service {
+        let mut metadata = json!({"name": name, "namespace": namespace});
+        if let Some(t) = created {
+            metadata["creationTimestamp"] = json!(t);
+        }
+        service_meta(metadata, spec)
+    }
+
+    fn dns_slice(namespace: &str, service: &str, addr: &str) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("{service}-1"), "namespace": namespace,
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "ports": [{"name": "dns", "port": 5353, "protocol": "UDP"},
+                      {"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [ready(addr)],
+        }))
+        .expect("EndpointSlice fixture")
+    }
+
+    /// Who holds a frontend: (namespace/name, kind, backends).
+    fn holder(t: &Translation, frontend: &str) -> Option<(String, FrontendKind, Vec<String>)> {
+        let (_, df) = t
+            .desired
+            .frontends
+            .iter()
+            .find(|(f, _)| f.to_string() == frontend)?;
+        let name = format!("{}/{}", df.service.namespace, df.service.name);
+        Some((name, df.kind, df.backends.iter().map(show).collect()))
+    }
+
+    fn problem_texts(t: &Translation) -> Vec<String> {
+        t.problems
+            .iter()
+            .map(|p| format!("{}: {}", p.object, p.reason))
+            .collect()
+    }
+
+    /// The measured take-over: a Service in namespace `a` (first by name, and older) with
+    /// `externalIPs: [<kube-dns's ClusterIP>]` on 53/UDP. The ClusterIP stays kube-dns's; the
+    /// intruder loses only that frontend (its own ClusterIP and its other port's externalIP are
+    /// programmed), with one problem naming both Services.
+    #[test]
+    fn a_cluster_ip_beats_an_older_services_external_ip() {
+        let kube_dns = service_at(
+            "kube-system",
+            "kube-dns",
+            Some("2026-06-01T00:00:00Z"),
+            json!({"clusterIP": "10.96.0.10",
+                   "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}),
+        );
+        let intruder = service_at(
+            "a",
+            "intruder",
+            Some("2026-01-01T00:00:00Z"),
+            json!({"clusterIP": "10.96.7.7", "externalIPs": ["10.96.0.10"],
+                   "ports": [{"name": "dns", "port": 53, "protocol": "UDP"},
+                             {"name": "http", "port": 80, "protocol": "TCP"}]}),
+        );
+        for services in [
+            vec![kube_dns.clone(), intruder.clone()],
+            vec![intruder.clone(), kube_dns.clone()],
+        ] {
+            let t = translate_node(
+                services,
+                vec![
+                    dns_slice("kube-system", "kube-dns", "10.244.0.53"),
+                    dns_slice("a", "intruder", "10.244.0.66"),
+                ],
+            );
+            assert_eq!(
+                holder(&t, "10.96.0.10:53/UDP"),
+                Some((
+                    "kube-system/kube-dns".into(),
+                    FrontendKind::ClusterIp,
+                    vec!["10.244.0.53:5353".into()]
+                ))
+            );
+            assert_eq!(
+                holder(&t, "10.96.0.10:80/TCP"),
+                Some((
+                    "a/intruder".into(),
+                    FrontendKind::ExternalIp,
+                    vec!["10.244.0.66:8080".into()]
+                )),
+                "the intruder's other externalIP frontend is programmed"
+            );
+            for own in ["10.96.7.7:53/UDP", "10.96.7.7:80/TCP"] {
+                assert!(
+                    holder(&t, own).is_some_and(|h| h.0 == "a/intruder"),
+                    "{own}"
+                );
+            }
+            assert_eq!(
+                problem_texts(&t),
+                [
+                    "Service a/intruder: frontend 10.96.0.10:53/UDP (externalIP of port \"dns\") is \
+                  held by Service kube-system/kube-dns:dns as its clusterIP (a clusterIP always \
+                  wins); this frontend is skipped, the Service's other frontends are programmed"
+                ]
+            );
+            assert_eq!(
+                t.conflicts,
+                [FrontendConflict {
+                    frontend: Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 53, Protocol::Udp),
+                    loser: ServicePortName {
+                        namespace: "a".into(),
+                        name: "intruder".into(),
+                        port_name: "dns".into()
+                    },
+                    loser_kind: FrontendKind::ExternalIp,
+                    winner: ServicePortName {
+                        namespace: "kube-system".into(),
+                        name: "kube-dns".into(),
+                        port_name: "dns".into()
+                    },
+                    winner_kind: FrontendKind::ClusterIp,
+                    rule: ClaimRule::ClusterIpFirst,
+                }]
+            );
+        }
+    }
+
+    /// Between externalIPs the older Service wins, whatever the names; same timestamp (or none):
+    /// the first by namespace/name.
+    #[test]
+    fn the_older_service_wins_an_external_ip_then_name_order() {
+        let ext = |ns: &str, name: &str, created: Option<&str>, cluster_ip: &str| {
+            service_at(
+                ns,
+                name,
+                created,
+                json!({"clusterIP": cluster_ip, "externalIPs": ["192.0.2.1"],
+                       "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}),
+            )
+        };
+        let cases = [
+            // (first Service's timestamp, second's, expected holder, rule)
+            (
+                Some("2026-02-01T00:00:00Z"),
+                Some("2026-01-01T00:00:00Z"),
+                "z/second",
+                ClaimRule::Older,
+            ),
+            (
+                Some("2026-01-01T00:00:00Z"),
+                Some("2026-02-01T00:00:00Z"),
+                "a/first",
+                ClaimRule::Older,
+            ),
+            (
+                Some("2026-01-01T00:00:00Z"),
+                Some("2026-01-01T00:00:00Z"),
+                "a/first",
+                ClaimRule::NameOrder,
+            ),
+            (None, None, "a/first", ClaimRule::NameOrder),
+            // Without a timestamp (a manifest) a Service counts as newer than any with one.
+            (
+                None,
+                Some("2026-01-01T00:00:00Z"),
+                "z/second",
+                ClaimRule::Older,
+            ),
+        ];
+        for (first_ts, second_ts, want, rule) in cases {
+            let t = translate_node(
+                vec![
+                    ext("z", "second", second_ts, "10.96.0.2"),
+                    ext("a", "first", first_ts, "10.96.0.1"),
+                ],
+                vec![],
+            );
+            let at = format!("{first_ts:?} {second_ts:?}");
+            let got = holder(&t, "192.0.2.1:80/TCP").expect("held");
+            assert_eq!(got.0, want, "{at}");
+            assert_eq!(got.1, FrontendKind::ExternalIp, "{at}");
+            assert_eq!(t.conflicts.len(), 1, "{at}");
+            assert_eq!(t.conflicts[0].rule, rule, "{at}");
+            assert_ne!(
+                format!(
+                    "{}/{}",
+                    t.conflicts[0].loser.namespace, t.conflicts[0].loser.name
+                ),
+                want,
+                "{at}"
+            );
+            // Both ClusterIPs are programmed.
+            assert!(holder(&t, "10.96.0.1:80/TCP").is_some(), "{at}");
+            assert!(holder(&t, "10.96.0.2:80/TCP").is_some(), "{at}");
+        }
+    }
+
+    /// Two ClusterIPs equal (manifests can say so): the older Service wins, port by port.
+    #[test]
+    fn equal_cluster_ips_go_to_the_older_service() {
+        let t = translate_node(
+            vec![
+                service_at(
+                    "demo",
+                    "a",
+                    Some("2026-03-01T00:00:00Z"),
+                    json!({"clusterIP": "10.96.0.10",
+                           "ports": [{"name": "http", "port": 80}, {"name": "x", "port": 81}]}),
+                ),
+                service_at(
+                    "demo",
+                    "b",
+                    Some("2026-01-01T00:00:00Z"),
+                    json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]}),
+                ),
+            ],
+            vec![],
+        );
+        assert_eq!(holder(&t, "10.96.0.10:80/TCP").expect("held").0, "demo/b");
+        assert_eq!(
+            holder(&t, "10.96.0.10:81/TCP").expect("held").0,
+            "demo/a",
+            "the loser keeps the port nobody else claims"
+        );
+        assert_eq!(t.conflicts.len(), 1);
+        assert_eq!(t.conflicts[0].rule, ClaimRule::Older);
+        assert_eq!(t.conflicts[0].loser.name, "a");
+    }
+
+    /// Two NodePorts equal (manifests can say so): the older Service wins on every node
+    /// address; the loser keeps its ClusterIP.
+    #[test]
+    fn equal_node_ports_go_to_the_older_service_on_every_node_address() {
+        let np = |name: &str, created: &str, cluster_ip: &str| {
+            service_at(
+                "demo",
+                name,
+                Some(created),
+                json!({"type": "NodePort", "clusterIP": cluster_ip,
+                       "ports": [{"name": "http", "port": 80, "nodePort": 30080}]}),
+            )
+        };
+        let t = translate_node(
+            vec![
+                np("a", "2026-05-01T00:00:00Z", "10.96.0.1"),
+                np("b", "2026-04-01T00:00:00Z", "10.96.0.2"),
+            ],
+            vec![],
+        );
+        for addr in NODE_ADDRS {
+            let f = format!("{addr}:30080/TCP");
+            assert_eq!(
+                holder(&t, &f).map(|h| (h.0, h.1)),
+                Some(("demo/b".into(), FrontendKind::NodePort)),
+                "{f}"
+            );
+        }
+        assert_eq!(holder(&t, "10.96.0.1:80/TCP").expect("held").0, "demo/a");
+        assert_eq!(t.conflicts.len(), NODE_ADDRS.len());
+        assert!(t.conflicts.iter().all(|c| c.loser.name == "a"));
+        assert_eq!(t.problems.len(), NODE_ADDRS.len());
+    }
+
+    /// A losing externalTrafficPolicy Local frontend takes its in-cluster entry along; a
+    /// winning one keeps it.
+    #[test]
+    fn the_in_cluster_entry_follows_its_frontends_winner() {
+        let local = |name: &str, created: &str, cluster_ip: &str| {
+            service_at(
+                "demo",
+                name,
+                Some(created),
+                json!({"type": "LoadBalancer", "clusterIP": cluster_ip,
+                       "externalTrafficPolicy": "Local", "externalIPs": ["192.0.2.9"],
+                       "ports": [{"name": "http", "port": 80}]}),
+            )
+        };
+        let cluster = service_at(
+            "demo",
+            "cluster",
+            Some("2026-01-01T00:00:00Z"),
+            json!({"clusterIP": "10.96.0.3", "externalIPs": ["192.0.2.9"],
+                   "ports": [{"name": "http", "port": 80}]}),
+        );
+        // The eTP=Cluster Service is older: no in-cluster entry remains for 192.0.2.9:80.
+        let t = translate_node(
+            vec![
+                local("local", "2026-02-01T00:00:00Z", "10.96.0.4"),
+                cluster.clone(),
+            ],
+            vec![],
+        );
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP").expect("held").0,
+            "demo/cluster"
+        );
+        assert!(
+            holder(&t, "192.0.2.9:80/TCP (in-cluster)").is_none(),
+            "{:?}",
+            t.desired.frontends.keys().collect::<Vec<_>>()
+        );
+        // The eTP=Local Service is older: its frontend and its in-cluster entry.
+        let t = translate_node(
+            vec![local("local", "2025-12-01T00:00:00Z", "10.96.0.4"), cluster],
+            vec![],
+        );
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP").expect("held").0,
+            "demo/local"
+        );
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP (in-cluster)").expect("held").0,
+            "demo/local"
+        );
+    }
+
+    /// A Service whose externalIP is its own ClusterIP asks for one frontend twice: the
+    /// ClusterIP entry is kept, and nothing is reported.
+    #[test]
+    fn an_external_ip_equal_to_the_services_own_cluster_ip_keeps_the_cluster_ip_entry() {
+        let t = translate_node(
+            vec![service_at(
+                "demo",
+                "self",
+                None,
+                json!({"clusterIP": "10.96.0.8", "externalIPs": ["10.96.0.8"],
+                       "externalTrafficPolicy": "Local", "type": "LoadBalancer",
+                       "ports": [{"name": "http", "port": 80}]}),
+            )],
+            vec![],
+        );
+        assert_eq!(
+            holder(&t, "10.96.0.8:80/TCP").map(|h| h.1),
+            Some(FrontendKind::ClusterIp)
+        );
+        assert!(holder(&t, "10.96.0.8:80/TCP (in-cluster)").is_none());
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        assert!(t.conflicts.is_empty());
     }
 }

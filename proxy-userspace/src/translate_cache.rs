@@ -9,24 +9,21 @@
 //! EndpointSlices (the `kubernetes.io/service-name` label) changed, and every Service when the
 //! node's context (name, zone, NodePort addresses) changed.
 //!
-//! Frontend claims between Services follow [`translate::translate_for_node`]: in
-//! namespace/name order, a Service gets all its frontends or, if one is already taken, none.
-//! When a changed Service shares a frontend with others, the claims of that whole group
-//! (Services linked by shared frontends) are decided again, in the same order. The result is
-//! equal to a full translation of the same snapshot (tested below).
+//! Frontend claims between Services are settled per frontend by [`translate::resolve`], as in
+//! [`translate::translate_for_node`]: every frontend a changed Service asks for (or asked for
+//! before) is settled again between all the Services asking for it, so a frontend its winner
+//! no longer wants goes to the next claimant at the same sync, and an older Service appearing
+//! later takes it over. The result is equal to a full translation of the same snapshot (tested
+//! below).
 
-use std::{
-    collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    net::Ipv4Addr,
-    sync::Arc,
-};
+use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
 
 use k8s_openapi::api::core::v1::Service;
 
 use crate::{
     endpoints::{SliceData, SliceIndex},
     fast_hash::{HashMap, HashSet},
-    model::{DesiredFrontend, DesiredState, Frontend, Problem},
+    model::{DesiredFrontend, DesiredState, Frontend, FrontendConflict, Problem, Scope},
     snapshot::Snapshot,
     translate::{self, HealthCheck, NodeContext, ServiceTranslation},
 };
@@ -56,13 +53,11 @@ pub struct TranslateCache {
     slice_problems: HashMap<ServiceName, Vec<Problem>>,
     /// Handled Services' translations.
     translations: HashMap<ServiceName, ServiceTranslation>,
-    /// Services asking for each frontend (claimed or not; usually one).
-    candidates: HashMap<Frontend, Vec<ServiceName>>,
-    /// The Service holding each claimed frontend, and the frontends each Service holds.
-    owners: HashMap<Frontend, ServiceName>,
-    claimed: HashMap<ServiceName, Vec<Frontend>>,
-    /// Services that could not claim their frontends, with the reason.
-    claim_problems: HashMap<ServiceName, Problem>,
+    /// Services asking for each frontend (all-clients scope; usually one), with the index of
+    /// its entry in the Service's translation.
+    candidates: HashMap<Frontend, Vec<(ServiceName, usize)>>,
+    /// The frontends that more than one Service asks for, with the losing claims.
+    conflicts: HashMap<Frontend, Vec<FrontendConflict>>,
     health_checks: BTreeMap<ServiceName, HealthCheck>,
     desired: DesiredState,
 }
@@ -81,11 +76,19 @@ impl TranslateCache {
     pub fn problems(&self) -> Vec<Problem> {
         let slices = self.slice_problems.values().flatten();
         let services = self.translations.values().flat_map(|t| &t.problems);
-        slices
-            .chain(services)
-            .chain(self.claim_problems.values())
-            .cloned()
-            .collect()
+        let conflicts = self
+            .conflicts
+            .values()
+            .flatten()
+            .map(translate::conflict_problem);
+        slices.chain(services).cloned().chain(conflicts).collect()
+    }
+
+    /// Frontend conflicts of the last update, sorted (as [`translate::Translation::conflicts`]).
+    pub fn conflicts(&self) -> Vec<FrontendConflict> {
+        let mut v: Vec<FrontendConflict> = self.conflicts.values().flatten().cloned().collect();
+        v.sort();
+        v
     }
 
     /// Notes of the last update (as [`translate::Translation::notes`], in another order).
@@ -133,64 +136,49 @@ impl TranslateCache {
         // Translate the changed Services again (pure; two threads when there are many).
         let dirty: Vec<ServiceName> = dirty.into_iter().collect();
         let translated = self.translate_each(&dirty, node, nodeport_addrs);
+        // Every frontend a changed Service asks for, or asked for before, is settled again.
+        let mut contested: Vec<Frontend> = Vec::new();
         for (name, (problems, new)) in dirty.iter().zip(translated) {
             if problems.is_empty() {
                 self.slice_problems.remove(name);
             } else {
                 self.slice_problems.insert(name.clone(), problems);
             }
+            match new.as_ref().and_then(|t| t.health_check.clone()) {
+                Some(hc) => self.health_checks.insert(name.clone(), hc),
+                None => self.health_checks.remove(name),
+            };
             let old = match new {
                 Some(t) => self.translations.insert(name.clone(), t),
                 None => self.translations.remove(name),
             };
-            for (f, _) in old.iter().flat_map(|t| &t.frontends) {
-                if let Some(c) = self.candidates.get_mut(f) {
-                    c.retain(|n| n != name);
+            for claim in old.iter().flat_map(|t| t.claims()) {
+                contested.push(claim.frontend);
+                if let Some(c) = self.candidates.get_mut(&claim.frontend) {
+                    c.retain(|(n, _)| n != name);
                     if c.is_empty() {
-                        self.candidates.remove(f);
+                        self.candidates.remove(&claim.frontend);
                     }
                 }
             }
-            for (f, _) in self
-                .translations
-                .get(name)
-                .iter()
-                .flat_map(|t| &t.frontends)
-            {
-                let c = self.candidates.entry(*f).or_default();
-                if !c.contains(name) {
-                    c.push(name.clone());
+            let Some(t) = self.translations.get(name) else {
+                continue;
+            };
+            for (i, (f, _)) in t.frontends.iter().enumerate() {
+                if t.claim_at(i).is_some() {
+                    contested.push(*f);
+                    self.candidates
+                        .entry(*f)
+                        .or_default()
+                        .push((name.clone(), i));
                 }
             }
         }
-        // Everything sharing a frontend with a changed Service (before or after) is claimed
-        // again, in namespace/name order.
-        let mut group: BTreeSet<ServiceName> = dirty.into_iter().collect();
-        let mut queue: Vec<ServiceName> = if all {
-            Vec::new() // every Service is in the group already
-        } else {
-            group.iter().cloned().collect()
-        };
-        while let Some(name) = queue.pop() {
-            let owned = self.claimed.get(&name).into_iter().flatten().copied();
-            let wanted = self
-                .translations
-                .get(&name)
-                .into_iter()
-                .flat_map(|t| t.frontends.iter().map(|(f, _)| *f));
-            let mut linked = Vec::new();
-            for f in wanted.chain(owned) {
-                let others = self.candidates.get(&f).into_iter().flatten();
-                let others = others.chain(self.owners.get(&f));
-                linked.extend(others.filter(|o| !group.contains(*o)).cloned());
-            }
-            for other in linked {
-                if group.insert(other.clone()) {
-                    queue.push(other);
-                }
-            }
-        }
-        self.claim(&group)
+        // (A full pass re-translates every Service, so every frontend is settled again.) Sorted,
+        // so the changes come out sorted.
+        contested.sort_unstable();
+        contested.dedup();
+        self.settle(&contested)
     }
 
     /// Each Service's slice problems and translation, in `names` order. A first sync's thousands
@@ -283,56 +271,41 @@ impl TranslateCache {
         dirty
     }
 
-    /// Decide the claims of `group` again (no Service outside it shares a frontend with one in
-    /// it) and record which frontends changed.
-    fn claim(&mut self, group: &BTreeSet<ServiceName>) -> Vec<FrontendChange> {
-        let mut before: BTreeMap<Frontend, Option<Arc<DesiredFrontend>>> = BTreeMap::new();
-        // Release everything the group holds.
-        for name in group {
-            self.claim_problems.remove(name);
-            self.health_checks.remove(name);
-            for f in self.claimed.remove(name).unwrap_or_default() {
-                self.owners.remove(&f);
-                let old = self.desired.frontends.remove(&f);
-                before.entry(f).or_insert(old);
-            }
-        }
-        for name in group {
-            let Some(t) = self.translations.get(name) else {
-                continue;
-            };
-            let taken = t
-                .frontends
-                .iter()
-                .find_map(|(f, _)| self.owners.get(f).map(|o| (*f, o)));
-            if let Some((frontend, owner)) = taken {
-                let Some(svc) = self.services.get(name) else {
-                    continue;
-                };
-                let problem =
-                    translate::frontend_taken(svc, frontend, format!("{}/{}", owner.0, owner.1));
-                self.claim_problems.insert(name.clone(), problem);
-                continue;
-            }
-            let mut claimed = Vec::with_capacity(t.frontends.len());
-            for (f, df) in &t.frontends {
-                if let Entry::Vacant(v) = self.desired.frontends.entry(*f) {
-                    v.insert(df.clone());
-                    self.owners.insert(*f, name.clone());
-                    before.entry(*f).or_insert(None);
-                    claimed.push(*f);
+    /// Settle each of `frontends` (all-clients scope) again between the Services asking for it,
+    /// and record which entries changed.
+    fn settle(&mut self, frontends: &[Frontend]) -> Vec<FrontendChange> {
+        let mut changes = Vec::new();
+        let mut claims: Vec<translate::Claim<'_>> = Vec::new();
+        for &frontend in frontends {
+            claims.clear();
+            claims.extend(
+                (self.candidates.get(&frontend))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(name, i)| self.translations.get(name)?.claim_at(*i)),
+            );
+            // [all clients, in-cluster]
+            let mut new: [Option<Arc<DesiredFrontend>>; 2] = [None, None];
+            self.conflicts.remove(&frontend);
+            if let Some((winner, conflicts)) = translate::resolve(&claims) {
+                for (f, df) in claims[winner].entries {
+                    new[usize::from(f.scope == Scope::InCluster)] = Some(df.clone());
+                }
+                if !conflicts.is_empty() {
+                    self.conflicts.insert(frontend, conflicts);
                 }
             }
-            self.claimed.insert(name.clone(), claimed);
-            if let Some(hc) = &t.health_check {
-                self.health_checks.insert(name.clone(), hc.clone());
+            for (f, new) in [frontend, frontend.in_cluster()].into_iter().zip(new) {
+                let old = match new {
+                    Some(df) => self.desired.frontends.insert(f, df),
+                    None => self.desired.frontends.remove(&f),
+                };
+                if old.as_ref() != self.desired.frontends.get(&f) {
+                    changes.push(FrontendChange { frontend: f, old });
+                }
             }
         }
-        before
-            .into_iter()
-            .filter(|(f, old)| old.as_ref() != self.desired.frontends.get(f))
-            .map(|(frontend, old)| FrontendChange { frontend, old })
-            .collect()
+        changes
     }
 }
 
@@ -441,14 +414,23 @@ mod tests {
         };
         let mut ports = vec![json!({"name": "http", "port": 80 + rng.below(2), "protocol": "TCP"})];
         if rng.below(3) == 0 {
-            ports.push(json!({"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}));
+            // A nodePort 53 on the node address clashes with externalIP 192.168.1.1's port 53.
+            let node_port = if rng.below(3) == 0 { 53 } else { 30053 };
+            ports
+                .push(json!({"name": "dns", "port": 53, "protocol": "UDP", "nodePort": node_port}));
         }
         let mut spec = json!({"clusterIP": ip, "ports": ports});
         if rng.below(4) == 0 {
             spec["type"] = json!("NodePort");
         }
         if rng.below(4) == 0 {
-            spec["externalIPs"] = json!([format!("192.0.2.{}", rng.below(3) + 1)]);
+            // Other Services' externalIPs, ClusterIPs, or a node address.
+            let ip = match rng.below(4) {
+                0 => format!("10.96.0.{}", rng.below(6) + 1),
+                1 => "192.168.1.1".to_owned(),
+                _ => format!("192.0.2.{}", rng.below(3) + 1),
+            };
+            spec["externalIPs"] = json!([ip]);
         }
         if rng.below(4) == 0 {
             spec["internalTrafficPolicy"] = json!("Local");
@@ -458,11 +440,14 @@ mod tests {
             spec["externalTrafficPolicy"] = json!("Local");
             spec["healthCheckNodePort"] = json!(32000 + rng.below(3));
         }
-        serde_json::from_value(json!({
-            "metadata": {"name": format!("svc-{i}"), "namespace": if i.is_multiple_of(3) { "a" } else { "b" }},
-            "spec": spec,
-        }))
-        .expect("Service fixture")
+        let mut metadata = json!({"name": format!("svc-{i}"), "namespace": if i.is_multiple_of(3) { "a" } else { "b" }});
+        // Few distinct ages, so ties (and Services without one) are common.
+        if rng.below(4) != 0 {
+            metadata["creationTimestamp"] =
+                json!(format!("2026-01-0{}T00:00:00Z", rng.below(3) + 1));
+        }
+        serde_json::from_value(json!({"metadata": metadata, "spec": spec}))
+            .expect("Service fixture")
     }
 
     fn random_slice(rng: &mut Rng, i: u32, part: u32) -> SliceData {
@@ -515,7 +500,9 @@ mod tests {
             let mut addrs = vec![Ipv4Addr::new(192, 168, 1, 1)];
             let mut cache = TranslateCache::new();
             let mut prev = DesiredState::default();
+            let mut contended = 0;
             for step in 0..40 {
+                contended += usize::from(!cache.conflicts().is_empty());
                 for _ in 0..=rng.below(4) {
                     let i = rng.below(10);
                     match rng.below(7) {
@@ -565,13 +552,14 @@ mod tests {
                 assert_eq!(sorted(cache.problems()), sorted(want.problems), "{at}");
                 assert_eq!(sorted(cache.notes()), sorted(want.notes), "{at}");
                 assert_eq!(cache.health_checks(), want.health_checks, "{at}");
+                assert_eq!(cache.conflicts(), want.conflicts, "{at}");
                 // The reported changes are exactly the frontends that differ, with their old
                 // values.
                 let mut expected: Vec<FrontendChange> = prev
                     .frontends
                     .keys()
                     .chain(want.desired.frontends.keys())
-                    .collect::<BTreeSet<_>>()
+                    .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()
                     .filter(|f| prev.frontends.get(f) != want.desired.frontends.get(f))
                     .map(|f| FrontendChange {
@@ -583,6 +571,7 @@ mod tests {
                 assert_eq!(changes, expected, "{at}");
                 prev = want.desired;
             }
+            assert!(contended > 0, "seed {seed}: frontends contended");
         }
     }
 
@@ -660,5 +649,83 @@ mod tests {
                 .values()
                 .any(|d| d.kind == FrontendKind::ClusterIp)
         );
+    }
+
+    fn named(namespace: &str, name: &str, created: &str, spec: Value) -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+                "spec": spec,
+            }))
+            .expect("Service fixture"),
+        )
+    }
+
+    fn holder(cache: &TranslateCache, frontend: Frontend) -> Option<String> {
+        let df = cache.desired().frontends.get(&frontend)?;
+        Some(format!("{}/{}", df.service.namespace, df.service.name))
+    }
+
+    /// The winner of a frontend goes away: the loser's frontend (skipped until then) is
+    /// programmed at that sync; an older Service appearing later takes it over. Each step equals
+    /// the full translation.
+    #[test]
+    fn a_skipped_frontend_follows_the_winner_incrementally() {
+        let ext = Frontend::new(Ipv4Addr::new(192, 0, 2, 1), 80, crate::model::Protocol::Tcp);
+        let spec = |cluster_ip: &str| {
+            json!({"clusterIP": cluster_ip, "externalIPs": ["192.0.2.1"],
+                   "ports": [{"name": "http", "port": 80}]})
+        };
+        let old = named("b", "old", "2026-01-01T00:00:00Z", spec("10.96.0.1"));
+        let new = named("a", "new", "2026-02-01T00:00:00Z", spec("10.96.0.2"));
+        let oldest = named("c", "oldest", "2025-01-01T00:00:00Z", spec("10.96.0.3"));
+        let node = NodeContext::default();
+        let mut cache = TranslateCache::new();
+        let mut step = |services: Vec<Arc<Service>>| {
+            let snapshot = Snapshot {
+                services,
+                endpoint_slices: Vec::new(),
+            };
+            let changes = cache.update(&snapshot, &node, &[], false);
+            let want = translate::translate_for_node(&snapshot, &node, &[]);
+            assert_eq!(cache.desired(), &want.desired);
+            assert_eq!(cache.conflicts(), want.conflicts);
+            assert_eq!(sorted(cache.problems()), sorted(want.problems));
+            (holder(&cache, ext), changes, cache.conflicts().len())
+        };
+        let (h, _, conflicts) = step(vec![new.clone(), old.clone()]);
+        assert_eq!(h.as_deref(), Some("b/old"), "older wins against name order");
+        assert_eq!(conflicts, 1);
+        let (h, changes, conflicts) = step(vec![new.clone()]);
+        assert_eq!(
+            h.as_deref(),
+            Some("a/new"),
+            "the winner deleted: the loser takes it"
+        );
+        assert_eq!(conflicts, 0);
+        assert!(
+            changes
+                .iter()
+                .any(|c| c.frontend == ext
+                    && c.old.as_ref().is_some_and(|o| o.service.name == "old")),
+            "{changes:?}"
+        );
+        let (h, changes, conflicts) = step(vec![new.clone(), oldest.clone()]);
+        assert_eq!(
+            h.as_deref(),
+            Some("c/oldest"),
+            "an older Service takes it over"
+        );
+        assert_eq!(conflicts, 1);
+        assert!(changes.iter().any(|c| c.frontend == ext), "{changes:?}");
+        // The loser changes (its endpoints or spec): the frontend stays with the winner.
+        let mut changed = (*new).clone();
+        changed.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        let (h, changes, _) = step(vec![Arc::new(changed), oldest]);
+        assert_eq!(h.as_deref(), Some("c/oldest"));
+        assert!(changes.iter().all(|c| c.frontend != ext), "{changes:?}");
+        // The loser's ClusterIP stayed programmed throughout.
+        let cip = Frontend::new(Ipv4Addr::new(10, 96, 0, 2), 80, crate::model::Protocol::Tcp);
+        assert_eq!(holder(&cache, cip).as_deref(), Some("a/new"));
     }
 }

@@ -136,19 +136,23 @@ async fn wait_frontends(
     }
 }
 
-async fn connect(server: &FakeApiServer) -> Source {
+async fn client_for(server: &FakeApiServer) -> kube::Client {
     let dir = std::env::temp_dir().join(format!("kpe-kube-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let kubeconfig = server
         .write_kubeconfig(&dir.join(format!("kubeconfig-{}", server.port())))
         .expect("kubeconfig");
-    let client = Connection {
+    Connection {
         kubeconfig: Some(kubeconfig),
         master: None,
     }
     .client()
     .await
-    .expect("client");
+    .expect("client")
+}
+
+async fn connect(server: &FakeApiServer) -> Source {
+    let client = client_for(server).await;
     let source = Source::Kube(KubeSource::start(client, NODE));
     tokio::time::timeout(Duration::from_secs(10), source.wait_ready())
         .await
@@ -227,6 +231,102 @@ async fn reflectors_list_watch_filter_and_prune() {
         assert!(Instant::now() < deadline, "zone label change not seen");
         let _ = tokio::time::timeout(Duration::from_millis(100), source.changed()).await;
     }
+}
+
+/// Two Services claiming one frontend, as the API server holds them: `web` (ClusterIP WEB, the
+/// newer) and `intruder` (older, externalIPs [WEB]); both with a uid and a creationTimestamp.
+fn clashing_services() -> Vec<Value> {
+    let mut web = service("web", WEB, 80);
+    web["metadata"]["uid"] = json!("uid-web");
+    web["metadata"]["creationTimestamp"] = json!("2026-06-01T00:00:00Z");
+    let mut intruder = service("intruder", OTHER, 80);
+    intruder["metadata"]["uid"] = json!("uid-intruder");
+    intruder["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    intruder["spec"]["externalIPs"] = json!([WEB.to_string()]);
+    vec![web, intruder]
+}
+
+/// Checks the Event the agent (or the sink) created about `clashing_services`' conflict.
+fn check_conflict_event(e: &proxy_testenv::fake_apiserver::RecordedEvent) -> Result<(), String> {
+    let b = &e.body;
+    let fields = [
+        (e.method.as_str(), "POST"),
+        (e.namespace.as_str(), "demo"),
+        (b["type"].as_str().unwrap_or_default(), "Warning"),
+        (b["reason"].as_str().unwrap_or_default(), "FrontendConflict"),
+        (b["action"].as_str().unwrap_or_default(), "SkipFrontend"),
+        (
+            b["reportingController"].as_str().unwrap_or_default(),
+            "kube-proxy-ebpf",
+        ),
+        (b["reportingInstance"].as_str().unwrap_or_default(), NODE),
+        (
+            b["regarding"]["kind"].as_str().unwrap_or_default(),
+            "Service",
+        ),
+        (
+            b["regarding"]["name"].as_str().unwrap_or_default(),
+            "intruder",
+        ),
+        (
+            b["regarding"]["uid"].as_str().unwrap_or_default(),
+            "uid-intruder",
+        ),
+        (b["related"]["name"].as_str().unwrap_or_default(), "web"),
+        (b["related"]["uid"].as_str().unwrap_or_default(), "uid-web"),
+    ];
+    for (got, want) in fields {
+        if got != want {
+            return Err(format!("{got:?} instead of {want:?} in {b:#}"));
+        }
+    }
+    let note = b["note"].as_str().unwrap_or_default();
+    if !note.contains(&format!("frontend {WEB}:80/TCP (externalIP")) || !note.contains("clusterIP")
+    {
+        return Err(format!("note {note:?}"));
+    }
+    Ok(())
+}
+
+/// The Event path without the datapath: the reflectors keep the Services' creationTimestamp and
+/// uid, the translation finds the conflict, and kube-rs's Recorder creates one Event on the
+/// losing Service (the fake server records it); nothing new while the conflict lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_conflict_becomes_one_event_on_the_losing_service() {
+    use kube_proxy_ebpf::kube::events::{ConflictEvents, EventSink};
+
+    let server = FakeApiServer::start().expect("fake API server");
+    server.apply(node("zone-a")).expect("node");
+    server.apply_all(clashing_services()).expect("services");
+    let source = connect(&server).await;
+    let sink = EventSink::start(client_for(&server).await, NODE);
+    let mut published = ConflictEvents::default();
+    for _ in 0..3 {
+        let state = source.state();
+        let t = translate::translate(&state.snapshot, &NodeContext::default());
+        assert_eq!(t.conflicts.len(), 1, "{:?}", t.conflicts);
+        assert_eq!(t.conflicts[0].loser.name, "intruder");
+        assert_eq!(
+            t.desired
+                .frontends
+                .values()
+                .filter(|d| d.service.name == "web")
+                .count(),
+            1,
+            "WEB:80 stays web's ClusterIP"
+        );
+        sink.send(published.appeared(&t.conflicts, &state.snapshot));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.events().is_empty() {
+        assert!(Instant::now() < deadline, "no Event within 5 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Give a second (wrong) Event time to arrive before counting.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let events = server.events();
+    assert_eq!(events.len(), 1, "{events:#?}");
+    check_conflict_event(&events[0]).unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -563,6 +663,75 @@ fn malformed_objects_are_reported_and_the_rest_keep_working() {
     let c = env.distribution(NEW, 5);
     env.check(Env::names(&c) == ["be3"], || {
         format!("fixed Service: {c:?}")
+    });
+}
+
+/// A Service whose externalIP is another Service's ClusterIP (and is older, and first by name)
+/// does not get that ClusterIP's traffic; the loser gets one Warning Event (not one per sync),
+/// keeps its own ClusterIP, and takes the frontend when the winner is deleted; when the winner
+/// comes back it takes the frontend back and the conflict is published again.
+#[test]
+fn a_service_cannot_take_another_s_cluster_ip_and_gets_one_event() {
+    require_privileged!();
+    let ips = backend_ips();
+    let mut objects = clashing_services();
+    objects.push(slice("web", "a", &ready(&ips[..1])));
+    objects.push(slice("intruder", "a", &ready(&ips[1..2])));
+    let mut env = Env::start(objects);
+    env.wait_frontend(WEB, Some(1), Duration::from_secs(5));
+    let c = env.distribution(WEB, 10);
+    env.check(Env::names(&c) == ["be1"], || {
+        format!("the ClusterIP stays web's: {c:?}")
+    });
+    let c = env.distribution(OTHER, 5);
+    env.check(Env::names(&c) == ["be2"], || {
+        format!("the intruder keeps its own ClusterIP: {c:?}")
+    });
+    wait_for(Duration::from_secs(5), "the conflict's Event", || {
+        !env.api.events().is_empty()
+    })
+    .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    let first = env.api.events();
+    check_conflict_event(&first[0]).unwrap_or_else(|e| env.fail(&e));
+
+    // More syncs while the conflict lasts: no further Event.
+    let syncs = env.agent.status().ok().flatten().unwrap_or_default().syncs;
+    env.api
+        .apply(slice("web", "b", &ready(&ips[2..])))
+        .expect("slice b");
+    env.wait_frontend(WEB, Some(2), Duration::from_secs(5));
+    env.agent
+        .wait_synced(syncs + 1, Duration::from_secs(5))
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    thread::sleep(Duration::from_millis(300));
+    let events = env.api.events();
+    env.check(events.len() == 1, || {
+        format!("one Event per conflict, not per sync: {events:#?}")
+    });
+
+    // The winner deleted: the intruder's externalIP frontend is programmed at the next sync.
+    env.api.delete(Kind::Service, "demo", "web");
+    env.wait_frontend(WEB, Some(1), Duration::from_secs(5));
+    let c = env.distribution(WEB, 10);
+    env.check(Env::names(&c) == ["be2"], || {
+        format!("the externalIP frontend after the winner left: {c:?}")
+    });
+
+    // The winner back: it takes its ClusterIP back; the conflict appears again and is
+    // published again (kube-rs's Recorder sends it as a series update of the first Event).
+    env.api.apply(clashing_services().remove(0)).expect("web");
+    env.wait_frontend(WEB, Some(2), Duration::from_secs(5));
+    let c = env.distribution(WEB, 20);
+    env.check(Env::names(&c) == ["be1", "be3"], || {
+        format!("web's ClusterIP again: {c:?}")
+    });
+    wait_for(Duration::from_secs(5), "the second Event", || {
+        env.api.events().len() >= 2
+    })
+    .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    let events = env.api.events();
+    env.check(events.len() == 2 && events[1].method == "PATCH", || {
+        format!("the reappeared conflict: {events:#?}")
     });
 }
 

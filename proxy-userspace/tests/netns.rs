@@ -716,3 +716,104 @@ fn one_client_port_to_one_pod_through_two_vips_and_directly_keeps_every_reply_it
         format!("reply_tuple_remapped = {remapped}: the clashes were not resolved by a new port")
     });
 }
+
+/// The measured take-over (issue 9 item 6): a Service in namespace `a` (first by name) whose
+/// externalIP is kube-dns's ClusterIP on 53/UDP. The ClusterIP must stay kube-dns's: every query
+/// to it is answered by kube-dns's backend; the intruder keeps its own ClusterIP; the clash is
+/// reported in the log and counted in /metrics.
+#[test]
+fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
+    require_privileged!();
+    const DNS: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+    const INTRUDER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+    let (be1, be2) = (BACKENDS[0].1, BACKENDS[1].1);
+    let env = Env::start(|m| {
+        m.write_service(
+            "kube-system",
+            "kube-dns",
+            DNS,
+            &[ServicePort::udp(53, 5353)],
+            &[be1],
+        )
+        .expect("writing kube-system/kube-dns");
+        let yaml = proxy_testenv::service_yaml(
+            "a",
+            "intruder",
+            INTRUDER,
+            &[ServicePort::udp(53, 5353)],
+            &[be2],
+        )
+        .replacen(
+            "spec:\n",
+            &format!("spec:\n  externalIPs: [\"{DNS}\"]\n"),
+            1,
+        );
+        std::fs::write(m.path().join("a-intruder.yaml"), yaml).expect("writing a/intruder");
+    });
+
+    for (vip, want) in [(DNS, BACKENDS[0].0), (INTRUDER, BACKENDS[1].0)] {
+        for i in 0..5 {
+            let payload = format!("q{i}");
+            let reply = env
+                .topo
+                .udp_request(vip, 53, &payload)
+                .unwrap_or_else(|e| env.fail(&format!("query {i} to {vip}:53: {e:#}")));
+            env.check(*reply.from.ip() == vip && reply.from.port() == 53, || {
+                format!("reply from {} instead of {vip}:53", reply.from)
+            });
+            let (backend, echoed) = reply.body.split_once(':').unwrap_or_default();
+            env.check(backend == want && echoed == payload, || {
+                format!(
+                    "query {i} to {vip}:53 answered {:?}, want {want}",
+                    reply.body
+                )
+            });
+        }
+    }
+
+    let pin_dir = env.agent.pin_dir().to_string_lossy().into_owned();
+    let dump = env
+        .agent
+        .cli(&["dump", "services", "--pin-dir", &pin_dir])
+        .unwrap_or_else(|e| env.fail(&format!("dump services: {e:#}")));
+    let dump = String::from_utf8_lossy(&dump.stdout).into_owned();
+    let line = dump
+        .lines()
+        .find(|l| l.contains(&format!("{DNS}:53")))
+        .unwrap_or_else(|| env.fail(&format!("{DNS}:53 not in dump services:\n{dump}")));
+    env.check(
+        line.contains(&be1.to_string()) && !line.contains(&be2.to_string()),
+        || format!("dump services shows {line:?}, want kube-dns's backend {be1} only"),
+    );
+
+    let log = std::fs::read_to_string(env.agent.log_path()).unwrap_or_default();
+    env.check(
+        log.lines().any(|l| {
+            l.contains("Service a/intruder")
+                && l.contains(&format!("frontend {DNS}:53/UDP (externalIP"))
+                && l.contains("kube-system/kube-dns")
+        }),
+        || "the clash is not reported in the agent's log".to_owned(),
+    );
+    let metrics = env
+        .topo
+        .node()
+        .output(
+            &[
+                "curl",
+                "-sS",
+                "--max-time",
+                "3",
+                "http://127.0.0.1:10249/metrics",
+            ],
+            Duration::from_secs(5),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("scraping /metrics: {e:#}")));
+    let metrics = String::from_utf8_lossy(&metrics.stdout).into_owned();
+    env.check(
+        metrics
+            .lines()
+            .any(|l| l == "kube_proxy_ebpf_frontend_conflicts{kind=\"external_ip\"} 1"),
+        || format!("conflict not counted in /metrics:\n{metrics}"),
+    );
+}

@@ -11,6 +11,7 @@
 //! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
 //! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
 
+pub mod events;
 pub mod prune;
 
 use std::{

@@ -51,8 +51,14 @@ fn prune_meta(meta: &mut ObjectMeta, labels: &[&str], annotations: &[&str]) {
     meta.generation = None;
 }
 
+/// A Service also keeps its creationTimestamp (the older Service wins a contested frontend) and
+/// uid (the Event about a lost frontend refers to it).
 pub fn service(svc: &mut Service) {
+    let created = svc.metadata.creation_timestamp.take();
+    let uid = svc.metadata.uid.take();
     prune_meta(&mut svc.metadata, &SERVICE_LABELS, &SERVICE_ANNOTATIONS);
+    svc.metadata.creation_timestamp = created;
+    svc.metadata.uid = uid;
     if let Some(spec) = &mut svc.spec {
         // The pod selector is the EndpointSlice controller's business, not the proxy's.
         spec.selector = None;
@@ -101,6 +107,7 @@ mod tests {
     fn pruning_keeps_what_translate_reads() {
         let mut svc: Service = serde_json::from_value(json!({
             "metadata": {"name": "web", "namespace": "demo", "uid": "u", "resourceVersion": "7",
+                "creationTimestamp": "2026-01-02T03:04:05Z", "generation": 3,
                 "labels": {"app": "web", "service.kubernetes.io/service-proxy-name": "x"},
                 "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}",
                                 "service.kubernetes.io/topology-mode": "Auto"},
@@ -113,7 +120,8 @@ mod tests {
         let v = serde_json::to_value(&svc).expect("json");
         assert_eq!(
             v["metadata"],
-            json!({"name": "web", "namespace": "demo", "resourceVersion": "7",
+            json!({"name": "web", "namespace": "demo", "resourceVersion": "7", "uid": "u",
+                   "creationTimestamp": "2026-01-02T03:04:05Z",
                    "labels": {"service.kubernetes.io/service-proxy-name": "x"},
                    "annotations": {"service.kubernetes.io/topology-mode": "Auto"}})
         );
