@@ -7,10 +7,14 @@
 /// Has a flow been idle past its timeout? One rule in proxy-common, shared with the agent's
 /// conntrack and SNAT garbage collection.
 pub use proxy_common::timeouts::idle_expired;
-use proxy_common::{Backend, CtKey, CtValue, DatapathConfig, ct_dir, ct_state};
+use proxy_common::{
+    Backend, CtKey, CtValue, DatapathConfig, ct_dir, ct_flags, ct_state,
+    flow_state::{self, Segment},
+};
 
 use crate::{
-    Drop, maps,
+    Drop,
+    maps::{self, CtEntry},
     packet::{Packet, tcp_flags},
 };
 
@@ -69,33 +73,51 @@ pub fn original_key_of_reply(p: &Packet, ct: &CtValue) -> CtKey {
 /// Has the entry been idle for longer than its timeout?
 #[inline(always)]
 pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bool {
-    idle_expired(ct.last_seen_ns, proto, ct.state, now_ns, cfg)
+    idle_expired(ct.last_seen_ns, proto, ct.state, ct.flags, now_ns, cfg)
+}
+
+/// The TCP flags of a packet that move its flow's state (`None` for UDP).
+#[inline(always)]
+fn segment(p: &Packet) -> Option<Segment> {
+    p.is_tcp().then_some(Segment {
+        syn: p.tcp_flags & tcp_flags::SYN != 0,
+        fin: p.tcp_flags & tcp_flags::FIN != 0,
+        rst: p.tcp_flags & tcp_flags::RST != 0,
+    })
 }
 
 /// State of a flow after a client packet (ORIGINAL direction).
 #[inline(always)]
 pub fn next_state(p: &Packet, state: u8) -> u8 {
-    if !p.is_tcp() {
-        ct_state::UDP
-    } else if p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
-        ct_state::CLOSING
-    } else if p.tcp_flags & tcp_flags::SYN != 0 {
-        ct_state::SYN_SENT
-    } else if state == ct_state::SYN_SENT || state == ct_state::UDP {
-        // The handshake's ACK, or the first packet we see of a flow (state 0 = no state yet).
-        ct_state::ESTABLISHED
-    } else {
-        state
-    }
+    flow_state::after_client(state, segment(p))
 }
 
 /// State of a flow after a backend packet (REPLY direction): only FIN/RST change it.
 #[inline(always)]
 pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
-    if p.is_tcp() && p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
-        ct_state::CLOSING
-    } else {
-        state
+    flow_state::after_backend(state, segment(p))
+}
+
+/// A backend packet of a tracked flow passes (egress): both entries are refreshed with the
+/// flow's new state (the ORIGINAL entry's, which also saw the client's FIN, moved by this
+/// packet) and marked `SEEN_REPLY` (a UDP flow is a stream from now on). `original` is the
+/// flow's ORIGINAL entry if it is still there.
+#[inline(always)]
+pub fn reply_passed(
+    p: &Packet,
+    reply: &CtEntry,
+    reply_ct: &CtValue,
+    original: Option<CtEntry>,
+    now: u64,
+) {
+    let base = match &original {
+        Some(o) => o.get().state,
+        None => reply_ct.state,
+    };
+    let state = next_reply_state(p, base);
+    reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
+    if let Some(o) = original {
+        o.touch_flags(now, state, ct_flags::SEEN_REPLY);
     }
 }
 

@@ -1,7 +1,7 @@
 //! tc egress: reverse NAT of replies (backend → frontend) for flows in conntrack.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_state};
+use proxy_common::Counter;
 
 use crate::{
     Action, Drop, conntrack, icmp, maps, nat,
@@ -41,18 +41,10 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
         return Ok(Action::pass(Counter::SnatTranslated));
     };
     let ct = entry.get();
-    let state = conntrack::next_reply_state(&p, ct.state);
-    entry.touch(now, state);
-    // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too, and
-    // carry a FIN/RST from the backend over to it.
-    if let Some(original) = maps::ct_entry(&conntrack::original_key_of_reply(&p, &ct)) {
-        let orig_state = if state == ct_state::CLOSING {
-            ct_state::CLOSING
-        } else {
-            original.get().state
-        };
-        original.touch(now, orig_state);
-    }
+    // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too, carry
+    // a FIN/RST from the backend over to it, and mark both as answered.
+    let original = maps::ct_entry(&conntrack::original_key_of_reply(&p, &ct));
+    conntrack::reply_passed(&p, &entry, &ct, original, now);
     nat::snat_reply(ctx, &p, ct.frontend_addr, ct.frontend_port)?;
     Ok(Action::pass(Counter::ReplyTranslated))
 }

@@ -85,7 +85,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         // A remote backend's reply to a SNATed flow: back to the client; tc egress toward the
         // client then reverse-DNATs it like any reply.
         let client = entry.get();
-        entry.touch(now, conntrack::next_reply_state(&p, client.state));
+        snat::reply_passed(&p, &entry, &client, now);
         nat::dnat(ctx, &p, client.addr, client.port)?;
         return Ok(Action::pass(Counter::SnatReplyTranslated));
     }

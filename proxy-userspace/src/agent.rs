@@ -462,7 +462,14 @@ pub fn flow_is_dead(
     config: &DatapathConfig,
     programmed: &Programmed,
 ) -> bool {
-    if idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, config) {
+    if idle_expired(
+        value.last_seen_ns,
+        key.proto,
+        value.state,
+        value.flags,
+        now_ns,
+        config,
+    ) {
         return true;
     }
     let backend_alive = programmed
@@ -498,10 +505,13 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
             "no cluster CIDR: pods reach externalTrafficPolicy Local frontends like external clients"
         );
     }
+    let t = crate::config::conntrack_timeouts(args);
     DatapathConfig {
-        tcp_established_timeout_s: secs(args.conntrack_tcp_established_timeout),
+        tcp_established_timeout_s: secs(t.tcp_established),
+        tcp_close_wait_timeout_s: secs(t.tcp_close_wait),
         tcp_transitory_timeout_s: secs(args.conntrack_tcp_transitory_timeout),
-        udp_timeout_s: secs(args.conntrack_udp_timeout),
+        udp_timeout_s: secs(t.udp),
+        udp_stream_timeout_s: secs(t.udp_stream),
         flags: 0,
         cluster_cidrs: crate::encode::cluster_cidrs(&prefixes).0,
         ..DatapathConfig::DEFAULT
@@ -723,6 +733,18 @@ mod tests {
         assert!(!flow_is_dead(&k, &v, now, &cfg, &p), "udp, 4 s idle of 5");
         let (k, v) = flow(proto::UDP, ct_state::UDP, 1, now - 6 * s);
         assert!(flow_is_dead(&k, &v, now, &cfg, &p), "udp, 6 s idle of 5");
+        // Answered UDP flows hold the stream timeout (the datapath's one rule).
+        let (k, mut v) = flow(proto::UDP, ct_state::UDP, 1, now - 6 * s);
+        v.flags = proxy_common::ct_flags::SEEN_REPLY;
+        assert!(
+            !flow_is_dead(&k, &v, now, &cfg, &p),
+            "udp stream, 6 s idle of 120"
+        );
+        let (k, v) = flow(proto::TCP, ct_state::FIN_REPLY, 1, now - 50 * s);
+        assert!(
+            !flow_is_dead(&k, &v, now, &cfg, &p),
+            "half-closed, 50 s idle of 3600"
+        );
     }
 
     #[test]

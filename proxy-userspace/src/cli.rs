@@ -77,15 +77,23 @@ pub struct RunArgs {
     /// Longest time between two full syncs.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     pub sync_period: Duration,
-    /// Idle timeout of established TCP flows.
-    #[arg(long, value_parser = parse_duration, default_value = "24h")]
+    /// Idle timeout of established TCP flows (kube-proxy's `--conntrack-tcp-timeout-established`,
+    /// also accepted; 0 = the kernel's 5 days).
+    #[arg(long, alias = "conntrack-tcp-timeout-established", value_parser = parse_duration, default_value = "24h")]
     pub conntrack_tcp_established_timeout: Duration,
-    /// Idle timeout of TCP flows being opened or closed.
+    /// Idle timeout of half-closed TCP flows (a FIN from one side only; 0 = the kernel's 60 s).
+    #[arg(long, value_parser = parse_duration, default_value = "1h")]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+    /// Idle timeout of TCP flows being opened (SYN) or closed (FIN from both sides, or RST).
     #[arg(long, value_parser = parse_duration, default_value = "2m")]
     pub conntrack_tcp_transitory_timeout: Duration,
-    /// Idle timeout of UDP flows.
-    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    /// Idle timeout of UDP flows the backend has not answered (one-shot datagrams; 0 = the
+    /// kernel's 30 s).
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
     pub conntrack_udp_timeout: Duration,
+    /// Idle timeout of UDP flows once the backend has answered (0 = the kernel's 120 s).
+    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    pub conntrack_udp_timeout_stream: Duration,
     /// Capacity of the SERVICES map in entries (one per frontend plus one per backend slot),
     /// used when the maps are first created; adopted pinned maps keep their size.
     #[arg(long, env = "KPE_MAP_SERVICES", default_value_t = proxy_common::SERVICES_CAPACITY)]

@@ -850,6 +850,38 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
     Ok(())
 }
 
+/// The kernel's own conntrack timeouts, which kube-proxy leaves in place when a
+/// `KubeProxyConfiguration.conntrack` timeout is 0 (this proxy then uses them, as netfilter
+/// would): `nf_conntrack_tcp_timeout_established`, `_tcp_timeout_close_wait`, `_udp_timeout`,
+/// `_udp_timeout_stream`.
+pub const KERNEL_TCP_ESTABLISHED: Duration = Duration::from_secs(5 * 86_400);
+pub const KERNEL_TCP_CLOSE_WAIT: Duration = Duration::from_secs(60);
+pub const KERNEL_UDP: Duration = Duration::from_secs(30);
+pub const KERNEL_UDP_STREAM: Duration = Duration::from_secs(120);
+
+/// The conntrack timeouts in effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackTimeouts {
+    pub tcp_established: Duration,
+    pub tcp_close_wait: Duration,
+    pub udp: Duration,
+    pub udp_stream: Duration,
+}
+
+/// Pure: the timeouts of the merged settings, 0 meaning "the kernel's value" like upstream.
+pub fn conntrack_timeouts(args: &RunArgs) -> ConntrackTimeouts {
+    let or = |d: Duration, kernel: Duration| if d.is_zero() { kernel } else { d };
+    ConntrackTimeouts {
+        tcp_established: or(
+            args.conntrack_tcp_established_timeout,
+            KERNEL_TCP_ESTABLISHED,
+        ),
+        tcp_close_wait: or(args.conntrack_tcp_timeout_close_wait, KERNEL_TCP_CLOSE_WAIT),
+        udp: or(args.conntrack_udp_timeout, KERNEL_UDP),
+        udp_stream: or(args.conntrack_udp_timeout_stream, KERNEL_UDP_STREAM),
+    }
+}
+
 /// Checks that hold whatever the settings came from.
 pub fn validate(args: &RunArgs) -> Result<()> {
     if args.sync_period.is_zero() {
