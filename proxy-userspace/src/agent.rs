@@ -12,9 +12,7 @@ use std::{
 };
 
 use aya::Ebpf;
-use proxy_common::{
-    CtKey, CtValue, DatapathConfig, SNAT_CAPACITY, SockLbConfig, proto, timeouts::idle_expired,
-};
+use proxy_common::{CtKey, CtValue, DatapathConfig, SockLbConfig, proto, timeouts::idle_expired};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
 
@@ -83,6 +81,8 @@ pub struct Agent {
     changes: crate::metrics::ChangeTracker,
     /// Node addresses (NodePorts, SNAT) and health-check node ports.
     external: crate::node_addrs::External,
+    /// Map occupancy (metrics, and a warning before a map is full).
+    occupancy: crate::occupancy::Occupancy,
 }
 
 impl Agent {
@@ -95,9 +95,10 @@ impl Agent {
         sizes: MapSizes,
         sock_lb: SockLbConfig,
     ) -> anyhow::Result<Self> {
-        let metrics = telemetry_for(&pins, &sizes);
+        let metrics = telemetry_for(&pins);
         let adopting = pins.has_maps();
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
+        let occupancy = crate::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
@@ -138,6 +139,7 @@ impl Agent {
             health,
             changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
             external,
+            occupancy,
         })
     }
 
@@ -316,8 +318,14 @@ impl Agent {
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }
-        self.metrics
-            .set_map_entries("conntrack", (total - removed) as u64);
+        self.occupancy
+            .report(&self.metrics, "conntrack", (total - removed) as u64);
+    }
+
+    /// Counts the maps no other pass lists (source ranges, socket reverse NAT) for the
+    /// occupancy metrics; bounded by their capacity. Run with the garbage collection.
+    pub fn sample_maps(&mut self) {
+        self.occupancy.sample(&self.metrics);
     }
 
     /// Removes the SNAT entries of flows idle past their timeout, both of each pair (see
@@ -332,7 +340,8 @@ impl Agent {
                 "SNAT garbage collected"
             );
         }
-        self.metrics.set_map_entries("snat", done.remaining as u64);
+        self.occupancy
+            .report(&self.metrics, "snat", done.remaining as u64);
     }
 
     fn write_status(&self) {
@@ -411,25 +420,17 @@ impl Agent {
             ("backends", p.backends.len()),
             ("rev_nat", p.rev_nats.len()),
         ] {
-            self.metrics.set_map_entries(map, n as u64);
+            self.occupancy.report(&self.metrics, map, n as u64);
         }
         self.health.updated_at(now);
     }
 }
 
-fn telemetry_for(pins: &PinLayout, sizes: &MapSizes) -> std::sync::Arc<crate::metrics::Metrics> {
-    let metrics =
-        crate::metrics::Metrics::with_datapath(crate::metrics::pinned_stats_reader(pins.clone()));
-    for (map, capacity) in [
-        ("services", sizes.services),
-        ("backends", sizes.backends),
-        ("rev_nat", sizes.rev_nats),
-        ("conntrack", sizes.conntrack),
-        ("snat", SNAT_CAPACITY),
-    ] {
-        metrics.set_map(map, 0, capacity.into());
-    }
-    std::sync::Arc::new(metrics)
+/// The metrics; map capacities are filled in by [`crate::occupancy::Occupancy::open`].
+fn telemetry_for(pins: &PinLayout) -> std::sync::Arc<crate::metrics::Metrics> {
+    std::sync::Arc::new(crate::metrics::Metrics::with_datapath(
+        crate::metrics::pinned_stats_reader(pins.clone()),
+    ))
 }
 
 /// A full pass (and the initial lists before it) allocates and frees about the size of the whole
@@ -552,12 +553,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             Source::Kube(KubeSource::start(client, &node.node_name))
         }
     };
-    let sizes = MapSizes {
-        services: args.map_entries_services,
-        backends: args.map_entries_backends,
-        rev_nats: args.map_entries_revnat,
-        conntrack: args.map_entries_conntrack,
-    };
+    let cpus = crate::sizing::online_cpus();
+    let sizes = crate::sizing::map_sizes(&args, cpus);
+    let flow_maps = crate::sizing::flow_maps(&args, cpus);
+    info!(
+        cpus,
+        max_per_core = args.conntrack_max_per_core,
+        min = args.conntrack_min,
+        conntrack_entries = flow_maps.conntrack,
+        conntrack_from = ?flow_maps.conntrack_basis,
+        snat_entries = flow_maps.snat,
+        snat_from = ?flow_maps.snat_basis,
+        "flow map sizes (two entries per flow; used when the maps are created)"
+    );
     let sock_cgroup = args.socket_lb_cgroup.resolve()?;
     let sock_lb = match &sock_cgroup {
         None => SockLbConfig::default(),
@@ -634,6 +642,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = gc.tick() => {
                 agent.gc_conntrack();
                 agent.gc_snat();
+                agent.sample_maps();
             }
             () = source.changed() => {
                 dirty = true;

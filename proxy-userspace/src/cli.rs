@@ -104,9 +104,22 @@ pub struct RunArgs {
     /// Capacity of the REVNAT map (frontends).
     #[arg(long, env = "KPE_MAP_REVNAT", default_value_t = proxy_common::REVNAT_CAPACITY)]
     pub map_entries_revnat: u32,
-    /// Capacity of the CONNTRACK LRU map (two entries per flow).
-    #[arg(long, env = "KPE_MAP_CONNTRACK", default_value_t = proxy_common::CONNTRACK_CAPACITY)]
-    pub map_entries_conntrack: u32,
+    /// Flows tracked per CPU (kube-proxy's `conntrack.maxPerCore`): the CONNTRACK and SNAT maps
+    /// are sized for max(this × CPUs, --conntrack-min) flows, two entries per flow each. 0 = the
+    /// built-in 131072 flows.
+    #[arg(long, default_value_t = crate::sizing::DEFAULT_MAX_PER_CORE)]
+    pub conntrack_max_per_core: u32,
+    /// The least number of flows tracked, whatever the CPU count (kube-proxy's `conntrack.min`).
+    #[arg(long, default_value_t = crate::sizing::DEFAULT_MIN)]
+    pub conntrack_min: u32,
+    /// Capacity of the CONNTRACK LRU map in entries (two per flow), used when the map is first
+    /// created; given, it wins over --conntrack-max-per-core/--conntrack-min.
+    #[arg(long, env = "KPE_MAP_CONNTRACK")]
+    pub map_entries_conntrack: Option<u32>,
+    /// Capacity of the SNAT LRU map in entries (two per SNATed flow), used when the map is
+    /// first created; given, it wins over --conntrack-max-per-core/--conntrack-min.
+    #[arg(long, env = "KPE_MAP_SNAT")]
+    pub map_entries_snat: Option<u32>,
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
