@@ -98,6 +98,23 @@ pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
     flow_state::after_backend(state, segment(p))
 }
 
+/// A client packet of a tracked flow passes (ingress): its ORIGINAL entry (`entry`, keyed
+/// `original`) is refreshed and moved by the packet. When the packet closes the flow (a RST, or
+/// the client's FIN after the backend's) the REPLY entry is closed too, since the backend may
+/// never send again to carry the state over (one more lookup, on that packet only).
+#[inline(always)]
+pub fn client_passed(p: &Packet, original: &CtKey, entry: &CtEntry, ct: &CtValue, now: u64) {
+    let state = next_state(p, ct.state);
+    entry.touch(now, state);
+    if state == ct_state::CLOSING
+        && ct.state != ct_state::CLOSING
+        && let Some(reply) =
+            maps::ct_entry(&reply_key_of(original, ct.backend_addr, ct.backend_port))
+    {
+        reply.touch(now, ct_state::CLOSING);
+    }
+}
+
 /// A backend packet of a tracked flow passes (egress): both entries are refreshed with the
 /// flow's new state (the ORIGINAL entry's, which also saw the client's FIN, moved by this
 /// packet) and marked `SEEN_REPLY` (a UDP flow is a stream from now on). `original` is the

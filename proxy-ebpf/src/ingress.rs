@@ -61,7 +61,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
             // A new connection on the tuple of a closed one: choose again, like netfilter does.
             replacing = Replacing::Old;
         } else if conntrack::backend_valid(&ct) {
-            entry.touch(now, conntrack::next_state(&p, ct.state));
+            conntrack::client_passed(&p, &key, &entry, &ct, now);
             nat::dnat(ctx, &p, ct.backend_addr, ct.backend_port)?;
             return Ok(Action::pass(Counter::EstablishedFlow));
         } else if p.is_tcp() && !p.is_syn() {

@@ -1388,6 +1388,48 @@ fn half_closed_tcp_flows_hold_the_close_wait_timeout_closed_ones_do_not() {
         dp.ct(&original_key(&closed)).expect("entry").state,
         ct_state::CLOSING
     );
+    // The backend closes first and the client answers with a RST: no backend packet follows to
+    // carry the state over, so the client's RST closes the REPLY entry too.
+    let reset = Pkt::tcp(CLIENT, 37_002, VIP, 80, ACK);
+    let rid = expected_pick(&reset, &[1, 2]);
+    dp.check(ingress(
+        "third flow",
+        reset.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&reset, rid)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let mut rfin = reply_from(&reset, rid);
+    if let common_packet::L4::Tcp { flags, .. } = &mut rfin.l4 {
+        *flags = FIN | ACK;
+    }
+    dp.check(egress(
+        "the backend's FIN",
+        rfin.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&rfin, &reset)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    assert_eq!(
+        dp.ct(&reply_key(&reset, rid)).expect("REPLY").state,
+        ct_state::FIN_REPLY
+    );
+    let rst = Pkt::tcp(CLIENT, 37_002, VIP, 80, RST);
+    dp.check(ingress(
+        "the client's RST",
+        rst.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&rst, rid)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    for key in [original_key(&reset), reply_key(&reset, rid)] {
+        assert_eq!(
+            dp.ct(&key).expect("entry").state,
+            ct_state::CLOSING,
+            "{key:?} closed by the client's RST"
+        );
+    }
+
     for q in [&half, &closed] {
         let key = original_key(q);
         let mut v = dp.ct(&key).expect("ORIGINAL entry");
