@@ -8,6 +8,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod csum;
+pub mod flow_state;
 pub mod hash;
 pub mod maps;
 pub mod stats;
@@ -87,9 +88,11 @@ pub const SOCK_LB_GLOBAL: &str = "SOCK_LB";
 pub struct DatapathConfig {
     /// Idle timeout of an established TCP flow, seconds.
     pub tcp_established_timeout_s: u32,
-    /// Idle timeout of a TCP flow that is opening or closing (SYN seen, FIN/RST seen), seconds.
+    /// Idle timeout of a TCP flow that is opening (SYN seen) or closed (FIN from both sides, or
+    /// RST), seconds.
     pub tcp_transitory_timeout_s: u32,
-    /// Idle timeout of a UDP flow, seconds.
+    /// Idle timeout of a UDP flow the backend has not answered yet (netfilter's `udpTimeout`:
+    /// one-shot datagrams), seconds.
     pub udp_timeout_s: u32,
     /// Feature switches, `config_flags::*`.
     pub flags: u32,
@@ -101,8 +104,11 @@ pub struct DatapathConfig {
     pub udp_stream_timeout_s: u32,
     /// Seed of the flow hash: random per node (set at load), so no outsider can steer flows.
     pub hash_seed: u32,
+    /// Idle timeout of a half-closed TCP flow (a FIN from one side only: the other may still
+    /// send), seconds: kube-proxy's `tcpCloseWaitTimeout`.
+    pub tcp_close_wait_timeout_s: u32,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 60);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
 
 /// Most cluster CIDRs the datapath checks (kube-proxy takes one per IP family; IPv4 only here).
 pub const MAX_CLUSTER_CIDRS: usize = 4;
@@ -153,16 +159,19 @@ impl ClusterCidrs {
 pub const CONFIG_GLOBAL: &str = "CONFIG";
 
 impl DatapathConfig {
-    /// Defaults: TCP established 24 h (kube-proxy's `conntrack.tcpEstablishedTimeout`), TCP
-    /// opening/closing 2 min, UDP 2 min (the kernel's assured-stream UDP timeout).
+    /// Defaults, kube-proxy's (`KubeProxyConfiguration.conntrack`) where it sets one, else the
+    /// kernel's: TCP established 24 h, half-closed 1 h (`tcpCloseWaitTimeout`), opening/closed
+    /// 2 min (netfilter's SYN_SENT and TIME_WAIT); UDP 30 s until the backend answers, 2 min
+    /// after (the kernel's `nf_conntrack_udp_timeout` / `_stream`, which kube-proxy leaves).
     pub const DEFAULT: Self = Self {
         tcp_established_timeout_s: 86_400,
         tcp_transitory_timeout_s: 120,
-        udp_timeout_s: 120,
+        udp_timeout_s: 30,
         flags: 0,
         cluster_cidrs: ClusterCidrs::NONE,
         udp_stream_timeout_s: 120,
         hash_seed: 0,
+        tcp_close_wait_timeout_s: 3_600,
     };
 }
 

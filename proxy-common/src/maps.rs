@@ -215,7 +215,8 @@ pub struct CtKey {
 }
 const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 
-/// TCP/UDP flow states (`CtValue::state`).
+/// TCP/UDP flow states (`CtValue::state`, `SnatValue::state`). Transitions:
+/// [`crate::flow_state`].
 pub mod ct_state {
     /// UDP flow (no states).
     pub const UDP: u8 = 0;
@@ -223,8 +224,13 @@ pub mod ct_state {
     pub const SYN_SENT: u8 = 1;
     /// TCP: handshake finished.
     pub const ESTABLISHED: u8 = 2;
-    /// TCP: FIN or RST seen in either direction.
+    /// TCP: closed: a FIN seen from both sides, or a RST (transitory timeout).
     pub const CLOSING: u8 = 3;
+    /// TCP: half-closed by the client (its FIN seen, none from the backend yet): the backend
+    /// may still send (netfilter's FIN_WAIT/CLOSE_WAIT, kube-proxy's `tcpCloseWaitTimeout`).
+    pub const FIN_ORIGINAL: u8 = 4;
+    /// TCP: half-closed by the backend (its FIN seen, none from the client yet).
+    pub const FIN_REPLY: u8 = 5;
 }
 
 /// `CONNTRACK` value. ORIGINAL entries: `backend_*` is where the flow is sent, `frontend_*` the
@@ -308,7 +314,9 @@ pub struct SnatValue {
     pub port: [u8; 2],
     /// `ct_state::*` (CLOSING after a FIN/RST: expires on the transitory timeout).
     pub state: u8,
-    pub _pad: u8,
+    /// `ct_flags::SEEN_REPLY` once the backend has answered (the `in` entry and the `out` entry
+    /// get it with the first reply); other bits unused.
+    pub flags: u8,
 }
 const _: () = assert!(core::mem::size_of::<SnatValue>() == 16);
 

@@ -1,18 +1,28 @@
 //! Flow idle timeouts: the one rule both the datapath (conntrack replacement, SNAT port reclaim)
 //! and the agent's garbage collection (conntrack, SNAT) use to call a flow idle.
 
-use crate::{DatapathConfig, ct_state, proto};
+use crate::{DatapathConfig, ct_flags, ct_state, proto};
 
 const NS_PER_S: u64 = 1_000_000_000;
 
-/// Idle timeout of a flow, by protocol and state: TCP ESTABLISHED → established timeout, other
-/// TCP states (opening, closing) → transitory timeout, UDP (and anything else) → UDP timeout.
+/// Idle timeout of a flow, by protocol, state and entry flags, like netfilter's:
+/// - UDP (and anything but TCP): `udp_timeout_s` until the backend has answered, then
+///   `udp_stream_timeout_s` (`ct_flags::SEEN_REPLY`);
+/// - TCP ESTABLISHED: `tcp_established_timeout_s`; half-closed (`FIN_ORIGINAL`/`FIN_REPLY`):
+///   `tcp_close_wait_timeout_s`; opening (SYN_SENT, no state yet) or closed (CLOSING):
+///   `tcp_transitory_timeout_s`.
 #[inline(always)]
-pub fn idle_timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8) -> u64 {
+pub fn idle_timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8, flags: u8) -> u64 {
     let seconds = if proto != proto::TCP {
-        cfg.udp_timeout_s
+        if flags & ct_flags::SEEN_REPLY != 0 {
+            cfg.udp_stream_timeout_s
+        } else {
+            cfg.udp_timeout_s
+        }
     } else if state == ct_state::ESTABLISHED {
         cfg.tcp_established_timeout_s
+    } else if state == ct_state::FIN_ORIGINAL || state == ct_state::FIN_REPLY {
+        cfg.tcp_close_wait_timeout_s
     } else {
         cfg.tcp_transitory_timeout_s
     };
@@ -20,17 +30,19 @@ pub fn idle_timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8) -> u64 {
     seconds as u64 * NS_PER_S
 }
 
-/// Has a flow last seen at `last_seen_ns` (CLOCK_MONOTONIC), in `state`, been idle for longer
-/// than its timeout at `now_ns`? A `last_seen_ns` in the future counts as not idle.
+/// Has a flow last seen at `last_seen_ns` (CLOCK_MONOTONIC), in `state` with entry `flags`,
+/// been idle for longer than its timeout at `now_ns`? A `last_seen_ns` in the future counts as
+/// not idle.
 #[inline(always)]
 pub fn idle_expired(
     last_seen_ns: u64,
     proto: u8,
     state: u8,
+    flags: u8,
     now_ns: u64,
     cfg: &DatapathConfig,
 ) -> bool {
-    now_ns.saturating_sub(last_seen_ns) > idle_timeout_ns(cfg, proto, state)
+    now_ns.saturating_sub(last_seen_ns) > idle_timeout_ns(cfg, proto, state, flags)
 }
 
 #[cfg(test)]
@@ -41,41 +53,84 @@ mod tests {
     const CFG: DatapathConfig = DatapathConfig {
         tcp_established_timeout_s: 100,
         tcp_transitory_timeout_s: 10,
+        tcp_close_wait_timeout_s: 50,
         udp_timeout_s: 5,
+        udp_stream_timeout_s: 20,
         ..DatapathConfig::DEFAULT
     };
+    const NONE: u8 = 0;
+    const REPLIED: u8 = ct_flags::SEEN_REPLY;
 
     #[test]
-    fn timeout_by_protocol_and_state() {
-        let t = |p, s| idle_timeout_ns(&CFG, p, s);
-        assert_eq!(t(proto::TCP, ct_state::ESTABLISHED), 100 * S);
-        assert_eq!(t(proto::TCP, ct_state::SYN_SENT), 10 * S);
-        assert_eq!(t(proto::TCP, ct_state::CLOSING), 10 * S);
+    fn timeout_by_protocol_state_and_flags() {
+        let t = |p, s, f| idle_timeout_ns(&CFG, p, s, f);
+        assert_eq!(t(proto::TCP, ct_state::ESTABLISHED, NONE), 100 * S);
         assert_eq!(
-            t(proto::TCP, ct_state::UDP),
+            t(proto::TCP, ct_state::ESTABLISHED, REPLIED),
+            100 * S,
+            "TCP ignores SEEN_REPLY"
+        );
+        assert_eq!(t(proto::TCP, ct_state::SYN_SENT, NONE), 10 * S);
+        assert_eq!(t(proto::TCP, ct_state::CLOSING, NONE), 10 * S);
+        assert_eq!(t(proto::TCP, ct_state::FIN_ORIGINAL, NONE), 50 * S);
+        assert_eq!(t(proto::TCP, ct_state::FIN_REPLY, REPLIED), 50 * S);
+        assert_eq!(
+            t(proto::TCP, ct_state::UDP, NONE),
             10 * S,
             "TCP without state yet"
         );
-        assert_eq!(t(proto::UDP, ct_state::UDP), 5 * S);
+        assert_eq!(t(proto::UDP, ct_state::UDP, NONE), 5 * S, "one-shot UDP");
+        assert_eq!(t(proto::UDP, ct_state::UDP, REPLIED), 20 * S, "UDP stream");
         assert_eq!(
-            t(proto::UDP, ct_state::ESTABLISHED),
+            t(proto::UDP, ct_state::ESTABLISHED, NONE),
             5 * S,
             "UDP ignores state"
         );
+        assert_eq!(
+            t(proto::UDP, ct_state::UDP, REPLIED | ct_flags::SPORT_NAT),
+            20 * S,
+            "other flags do not matter"
+        );
+        assert_eq!(
+            t(proto::ICMP, ct_state::UDP, REPLIED),
+            20 * S,
+            "anything but TCP is UDP-like"
+        );
+    }
+
+    #[test]
+    fn the_defaults_are_kube_proxy_s_and_the_kernel_s() {
+        let d = DatapathConfig::DEFAULT;
+        let t = |p, s, f| idle_timeout_ns(&d, p, s, f) / S;
+        assert_eq!(t(proto::UDP, ct_state::UDP, NONE), 30, "nf udp_timeout");
+        assert_eq!(t(proto::UDP, ct_state::UDP, REPLIED), 120, "nf stream");
+        assert_eq!(t(proto::TCP, ct_state::ESTABLISHED, NONE), 86_400);
+        assert_eq!(t(proto::TCP, ct_state::FIN_REPLY, NONE), 3_600);
+        assert_eq!(t(proto::TCP, ct_state::CLOSING, NONE), 120);
     }
 
     #[test]
     fn expired_only_strictly_past_the_timeout() {
         let now = 1_000 * S;
-        let e = |idle, p, s| idle_expired(now - idle, p, s, now, &CFG);
-        assert!(!e(100 * S, proto::TCP, ct_state::ESTABLISHED), "exactly at");
-        assert!(e(100 * S + 1, proto::TCP, ct_state::ESTABLISHED));
-        assert!(!e(50 * S, proto::TCP, ct_state::ESTABLISHED));
-        assert!(e(50 * S, proto::TCP, ct_state::SYN_SENT));
-        assert!(!e(4 * S, proto::UDP, ct_state::UDP));
-        assert!(e(6 * S, proto::UDP, ct_state::UDP));
+        let e = |idle, p, s, f| idle_expired(now - idle, p, s, f, now, &CFG);
+        assert!(!e(100 * S, proto::TCP, ct_state::ESTABLISHED, NONE), "at");
+        assert!(e(100 * S + 1, proto::TCP, ct_state::ESTABLISHED, NONE));
+        assert!(!e(50 * S, proto::TCP, ct_state::ESTABLISHED, NONE));
+        assert!(e(50 * S, proto::TCP, ct_state::SYN_SENT, NONE));
+        assert!(!e(50 * S, proto::TCP, ct_state::FIN_ORIGINAL, NONE));
+        assert!(e(51 * S, proto::TCP, ct_state::FIN_ORIGINAL, NONE));
+        assert!(!e(4 * S, proto::UDP, ct_state::UDP, NONE));
         assert!(
-            !idle_expired(now + S, proto::UDP, ct_state::UDP, now, &CFG),
+            e(6 * S, proto::UDP, ct_state::UDP, NONE),
+            "one-shot: 6 s of 5"
+        );
+        assert!(
+            !e(6 * S, proto::UDP, ct_state::UDP, REPLIED),
+            "stream: 6 s of 20"
+        );
+        assert!(e(21 * S, proto::UDP, ct_state::UDP, REPLIED));
+        assert!(
+            !idle_expired(now + S, proto::UDP, ct_state::UDP, NONE, now, &CFG),
             "last seen after now (clock read before a packet's touch)"
         );
         let max = DatapathConfig {
@@ -83,10 +138,17 @@ mod tests {
             ..CFG
         };
         assert_eq!(
-            idle_timeout_ns(&max, proto::UDP, ct_state::UDP),
+            idle_timeout_ns(&max, proto::UDP, ct_state::UDP, NONE),
             u64::from(u32::MAX) * S,
             "the largest timeout does not overflow"
         );
-        assert!(idle_expired(0, proto::UDP, ct_state::UDP, u64::MAX, &max));
+        assert!(idle_expired(
+            0,
+            proto::UDP,
+            ct_state::UDP,
+            NONE,
+            u64::MAX,
+            &max
+        ));
     }
 }

@@ -17,11 +17,14 @@
 pub use proxy_common::timeouts::idle_expired;
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, CtKey, CtValue, DatapathConfig,
-    ct_dir, ct_flags, ct_state, hash::flow_hash,
+    ct_dir, ct_flags, ct_state,
+    flow_state::{self, Segment},
+    hash::flow_hash,
 };
 
 use crate::{
-    Drop, maps,
+    Drop,
+    maps::{self, CtEntry},
     packet::{Packet, tcp_flags},
     stats,
 };
@@ -137,33 +140,69 @@ fn owns_reply(original: &CtKey, reply: &CtValue) -> bool {
 /// Has the entry been idle for longer than its timeout?
 #[inline(always)]
 pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bool {
-    idle_expired(ct.last_seen_ns, proto, ct.state, now_ns, cfg)
+    idle_expired(ct.last_seen_ns, proto, ct.state, ct.flags, now_ns, cfg)
+}
+
+/// The TCP flags of a packet that move its flow's state (`None` for UDP).
+#[inline(always)]
+fn segment(p: &Packet) -> Option<Segment> {
+    p.is_tcp().then_some(Segment {
+        syn: p.tcp_flags & tcp_flags::SYN != 0,
+        fin: p.tcp_flags & tcp_flags::FIN != 0,
+        rst: p.tcp_flags & tcp_flags::RST != 0,
+    })
 }
 
 /// State of a flow after a client packet (ORIGINAL direction).
 #[inline(always)]
 pub fn next_state(p: &Packet, state: u8) -> u8 {
-    if !p.is_tcp() {
-        ct_state::UDP
-    } else if p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
-        ct_state::CLOSING
-    } else if p.tcp_flags & tcp_flags::SYN != 0 {
-        ct_state::SYN_SENT
-    } else if state == ct_state::SYN_SENT || state == ct_state::UDP {
-        // The handshake's ACK, or the first packet we see of a flow (state 0 = no state yet).
-        ct_state::ESTABLISHED
-    } else {
-        state
-    }
+    flow_state::after_client(state, segment(p))
 }
 
 /// State of a flow after a backend packet (REPLY direction): only FIN/RST change it.
 #[inline(always)]
 pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
-    if p.is_tcp() && p.tcp_flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
-        ct_state::CLOSING
-    } else {
-        state
+    flow_state::after_backend(state, segment(p))
+}
+
+/// A client packet of a tracked flow passes (ingress): its ORIGINAL entry (`entry`, keyed
+/// `original`) is refreshed and moved by the packet; the REPLY entry too when the state changes
+/// (a RST or the client's FIN must reach it: the backend may never send again to carry it over)
+/// and once per ≈1 s window (see [`reply_check_due`]), written again if LRU evicted it.
+#[inline(always)]
+pub fn client_passed(p: &Packet, original: &CtKey, entry: &CtEntry, ct: &CtValue, now: u64) {
+    let state = next_state(p, ct.state);
+    entry.touch(now, state);
+    if reply_check_due(ct, now, state) {
+        refresh_reply(original, ct, now, state);
+    }
+}
+
+/// A backend packet of a tracked flow passes (egress): both entries are refreshed with the
+/// flow's new state (the ORIGINAL entry's, which also saw the client's FIN, moved by this
+/// packet) and marked `SEEN_REPLY` (a UDP flow is a stream from now on). An ORIGINAL entry that
+/// LRU evicted is written again (only if its key is free), so the client's next packet keeps
+/// this backend.
+#[inline(always)]
+pub fn reply_passed(p: &Packet, reply: &CtEntry, reply_ct: &CtValue, now: u64) {
+    let original_key = original_key_of(&reply_key(p), reply_ct);
+    match maps::ct_entry(&original_key) {
+        Some(o) => {
+            let state = next_reply_state(p, o.get().state);
+            reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
+            o.touch_flags(now, state, ct_flags::SEEN_REPLY);
+        }
+        None => {
+            let state = next_reply_state(p, reply_ct.state);
+            reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
+            let mut value = original_value_of(p.dport, reply_ct);
+            value.last_seen_ns = now;
+            value.state = state;
+            value.flags |= ct_flags::SEEN_REPLY;
+            if maps::ct_insert_new(&original_key, &value).is_ok() {
+                stats::count(Counter::ConntrackRestored);
+            }
+        }
     }
 }
 

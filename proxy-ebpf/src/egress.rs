@@ -1,7 +1,7 @@
 //! tc egress: reverse NAT of replies (backend → frontend) for flows in conntrack.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_flags, ct_state, frag_hook};
+use proxy_common::{Counter, ct_flags, frag_hook};
 
 use crate::{
     Action, Drop, conntrack, frag, icmp, maps, nat,
@@ -37,31 +37,10 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
         return Ok(Action::pass(Counter::SnatTranslated));
     };
     let ct = entry.get();
-    let state = conntrack::next_reply_state(&p, ct.state);
-    entry.touch(now, state);
-    // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too, and
-    // carry a FIN/RST from the backend over to it; write it again if LRU evicted it, so the
-    // client's next packet keeps this backend.
-    let reply_key = conntrack::reply_key(&p);
-    let original_key = conntrack::original_key_of(&reply_key, &ct);
-    match maps::ct_entry(&original_key) {
-        Some(original) => {
-            let orig_state = if state == ct_state::CLOSING {
-                ct_state::CLOSING
-            } else {
-                original.get().state
-            };
-            original.touch(now, orig_state);
-        }
-        None => {
-            let mut value = conntrack::original_value_of(p.dport, &ct);
-            value.last_seen_ns = now;
-            value.state = state;
-            if maps::ct_insert_new(&original_key, &value).is_ok() {
-                stats::count(Counter::ConntrackRestored);
-            }
-        }
-    }
+    // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too (or
+    // write it again if it was evicted), carry a FIN/RST from the backend over to it, and mark
+    // both as answered.
+    conntrack::reply_passed(&p, &entry, &ct, now);
     nat::snat_reply(ctx, &p, ct.frontend_addr, ct.frontend_port)?;
     if ct.flags & ct_flags::SPORT_NAT != 0 {
         nat::dest_port(ctx, &p, ct.nat_sport)?;

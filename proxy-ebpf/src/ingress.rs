@@ -66,21 +66,13 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
             replacing = Replacing::Old;
         } else if ct.flags & ct_flags::DIRECT != 0 {
             // Straight to a pod: no address translation; a source port only after a clash.
-            let state = conntrack::next_state(&p, ct.state);
-            entry.touch(now, state);
+            conntrack::client_passed(&p, &key, &entry, &ct, now);
             if ct.flags & ct_flags::SPORT_NAT != 0 {
-                if conntrack::reply_check_due(&ct, now, state) {
-                    conntrack::refresh_reply(&key, &ct, now, state);
-                }
                 nat::source_port(ctx, &p, ct.nat_sport)?;
             }
             return Ok(Action::pass(Counter::DirectFlow));
         } else if conntrack::backend_valid(&ct) {
-            let state = conntrack::next_state(&p, ct.state);
-            entry.touch(now, state);
-            if conntrack::reply_check_due(&ct, now, state) {
-                conntrack::refresh_reply(&key, &ct, now, state);
-            }
+            conntrack::client_passed(&p, &key, &entry, &ct, now);
             nat::dnat(ctx, &p, ct.backend_addr, ct.backend_port)?;
             if ct.flags & ct_flags::SPORT_NAT != 0 {
                 nat::source_port(ctx, &p, ct.nat_sport)?;
@@ -107,7 +99,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         // A remote backend's reply to a SNATed flow: back to the client; tc egress toward the
         // client then reverse-DNATs it like any reply.
         let client = entry.get();
-        entry.touch(now, conntrack::next_reply_state(&p, client.state));
+        snat::reply_passed(&p, &entry, &client, now);
         nat::dnat(ctx, &p, client.addr, client.port)?;
         return Ok(Action::pass(Counter::SnatReplyTranslated));
     }

@@ -185,6 +185,12 @@ pub trait Stamped: Copy {
     /// # Safety
     /// `ptr` must point at a live value (from a map lookup in this program run).
     unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8);
+
+    /// Where the `flags` field (`ct_flags::*`) of the value at `ptr` is.
+    ///
+    /// # Safety
+    /// As for `stamp_fields`.
+    unsafe fn flags_field(ptr: *mut Self) -> *mut u8;
 }
 
 impl Stamped for CtValue {
@@ -192,12 +198,22 @@ impl Stamped for CtValue {
         // SAFETY: the caller guarantees `ptr` is live; only field addresses are taken.
         unsafe { (&raw mut (*ptr).last_seen_ns, &raw mut (*ptr).state) }
     }
+
+    unsafe fn flags_field(ptr: *mut Self) -> *mut u8 {
+        // SAFETY: as in `stamp_fields`.
+        unsafe { &raw mut (*ptr).flags }
+    }
 }
 
 impl Stamped for SnatValue {
     unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8) {
         // SAFETY: as for `CtValue`.
         unsafe { (&raw mut (*ptr).last_seen_ns, &raw mut (*ptr).state) }
+    }
+
+    unsafe fn flags_field(ptr: *mut Self) -> *mut u8 {
+        // SAFETY: as for `CtValue`.
+        unsafe { &raw mut (*ptr).flags }
     }
 }
 
@@ -239,6 +255,33 @@ impl<V: Stamped> FlowEntry<V> {
                 *current = state;
             }
         }
+    }
+
+    /// Record a packet (as `touch`) and set the `flags` bits `set` (`ct_flags::*`).
+    #[inline(always)]
+    pub fn touch_flags(&self, now_ns: u64, state: u8, set: u8) {
+        self.touch(now_ns, state);
+        self.set_flags(set);
+    }
+
+    /// Set the `flags` bits `set` (`ct_flags::*`), leaving the others.
+    #[inline(always)]
+    pub fn set_flags(&self, set: u8) {
+        // SAFETY: as in `touch`. Bits are only ever added after the entry was written, so a
+        // lost update between two CPUs setting the same bit costs nothing.
+        unsafe {
+            let flags = V::flags_field(self.ptr);
+            if *flags & set != set {
+                *flags |= set;
+            }
+        }
+    }
+
+    /// Are all the `flags` bits `bits` set?
+    #[inline(always)]
+    pub fn has_flags(&self, bits: u8) -> bool {
+        // SAFETY: as in `get`; a one-byte read.
+        unsafe { *V::flags_field(self.ptr) & bits == bits }
     }
 }
 

@@ -19,7 +19,7 @@
 
 use proxy_common::{
     Backend, Counter, HAIRPIN_SNAT_ADDR, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ServiceValue,
-    SnatKey, SnatValue, backend_flags, ct_dir, ct_state, hash::flow_hash, service_flags,
+    SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, hash::flow_hash, service_flags,
 };
 
 use crate::{
@@ -162,7 +162,7 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
         addr: f.client,
         port: f.client_port,
         state,
-        _pad: 0,
+        flags: 0,
     };
     let hash = flow_hash(f.client, f.backend, f.client_port, f.backend_port, f.proto);
     let start = ((hash as u64 * PORT_RANGE as u64) >> 32) as u32;
@@ -178,8 +178,14 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
             || match maps::snat_entry(&in_key) {
                 Some(taken) => {
                     let old = taken.get();
-                    conntrack::idle_expired(old.last_seen_ns, f.proto, old.state, now, cfg)
-                        && maps::snat_insert(&in_key, &client).is_ok()
+                    conntrack::idle_expired(
+                        old.last_seen_ns,
+                        f.proto,
+                        old.state,
+                        old.flags,
+                        now,
+                        cfg,
+                    ) && maps::snat_insert(&in_key, &client).is_ok()
                 }
                 // Evicted between the claim and the lookup: take it.
                 None => maps::snat_insert(&in_key, &client).is_ok(),
@@ -214,14 +220,35 @@ pub fn forwarded(p: &Packet, out: SnatEntry, now: u64) -> Result<Option<SnatValu
     let state = conntrack::next_state(p, v.state);
     let f = Flow::of_forwarded(p);
     if let Some(own) = f.own_in_entry(&v) {
-        let in_state = if own.get().state == ct_state::CLOSING {
-            ct_state::CLOSING
-        } else {
-            state
-        };
-        own.touch(now, in_state);
+        // The `in` entry carries the flow (it also saw the backend's FIN): move its own state.
+        own.touch(now, conntrack::next_state(p, own.get().state));
         out.touch(now, state);
         return Ok(Some(v));
     }
     allocate(&f, state, now)
+}
+
+/// Ingress: a remote backend's reply to a SNATed flow passes through its `in` entry: refreshed,
+/// moved by the backend's FIN/RST, and marked `SEEN_REPLY` (with the flow's `out` entry, on the
+/// first reply only: one more lookup per flow).
+#[inline(always)]
+pub fn reply_passed(p: &Packet, inn: &SnatEntry, client: &SnatValue, now: u64) {
+    let first = !inn.has_flags(ct_flags::SEEN_REPLY);
+    inn.touch_flags(
+        now,
+        conntrack::next_reply_state(p, client.state),
+        ct_flags::SEEN_REPLY,
+    );
+    if first {
+        let f = Flow {
+            client: client.addr,
+            client_port: client.port,
+            backend: p.saddr,
+            backend_port: p.sport,
+            proto: p.proto,
+        };
+        if let Some(out) = maps::snat_entry(&f.out_key()) {
+            out.set_flags(ct_flags::SEEN_REPLY);
+        }
+    }
 }

@@ -13,8 +13,7 @@ use std::{
 
 use aya::Ebpf;
 use proxy_common::{
-    CtKey, CtValue, DatapathConfig, SNAT_CAPACITY, SockLbConfig, ct_flags, proto,
-    timeouts::idle_expired,
+    CtKey, CtValue, DatapathConfig, SockLbConfig, ct_flags, proto, timeouts::idle_expired,
 };
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
@@ -90,6 +89,8 @@ pub struct Agent {
     changes: crate::metrics::ChangeTracker,
     /// Node addresses (NodePorts, SNAT) and health-check node ports.
     external: crate::node_addrs::External,
+    /// Map occupancy (metrics, and a warning before a map is full).
+    occupancy: crate::occupancy::Occupancy,
 }
 
 impl Agent {
@@ -102,9 +103,10 @@ impl Agent {
         sizes: MapSizes,
         sock_lb: SockLbConfig,
     ) -> anyhow::Result<Self> {
-        let metrics = telemetry_for(&pins, &sizes);
+        let metrics = telemetry_for(&pins);
         let adopting = pins.has_maps();
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
+        let occupancy = crate::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
@@ -147,6 +149,7 @@ impl Agent {
             health,
             changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
             external,
+            occupancy,
         })
     }
 
@@ -337,8 +340,14 @@ impl Agent {
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }
-        self.metrics
-            .set_map_entries("conntrack", (total - removed) as u64);
+        self.occupancy
+            .report(&self.metrics, "conntrack", (total - removed) as u64);
+    }
+
+    /// Counts the maps no other pass lists (source ranges, socket reverse NAT) for the
+    /// occupancy metrics; bounded by their capacity. Run with the garbage collection.
+    pub fn sample_maps(&mut self) {
+        self.occupancy.sample(&self.metrics);
     }
 
     /// Removes the SNAT entries of flows idle past their timeout, both of each pair (see
@@ -353,7 +362,8 @@ impl Agent {
                 "SNAT garbage collected"
             );
         }
-        self.metrics.set_map_entries("snat", done.remaining as u64);
+        self.occupancy
+            .report(&self.metrics, "snat", done.remaining as u64);
     }
 
     fn write_status(&self) {
@@ -432,25 +442,17 @@ impl Agent {
             ("backends", p.backends.len()),
             ("rev_nat", p.rev_nats.len()),
         ] {
-            self.metrics.set_map_entries(map, n as u64);
+            self.occupancy.report(&self.metrics, map, n as u64);
         }
         self.health.updated_at(now);
     }
 }
 
-fn telemetry_for(pins: &PinLayout, sizes: &MapSizes) -> std::sync::Arc<crate::metrics::Metrics> {
-    let metrics =
-        crate::metrics::Metrics::with_datapath(crate::metrics::pinned_stats_reader(pins.clone()));
-    for (map, capacity) in [
-        ("services", sizes.services),
-        ("backends", sizes.backends),
-        ("rev_nat", sizes.rev_nats),
-        ("conntrack", sizes.conntrack),
-        ("snat", SNAT_CAPACITY),
-    ] {
-        metrics.set_map(map, 0, capacity.into());
-    }
-    std::sync::Arc::new(metrics)
+/// The metrics; map capacities are filled in by [`crate::occupancy::Occupancy::open`].
+fn telemetry_for(pins: &PinLayout) -> std::sync::Arc<crate::metrics::Metrics> {
+    std::sync::Arc::new(crate::metrics::Metrics::with_datapath(
+        crate::metrics::pinned_stats_reader(pins.clone()),
+    ))
 }
 
 /// A full pass (and the initial lists before it) allocates and frees about the size of the whole
@@ -483,7 +485,14 @@ pub fn flow_is_dead(
     config: &DatapathConfig,
     programmed: &Programmed,
 ) -> bool {
-    if idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, config) {
+    if idle_expired(
+        value.last_seen_ns,
+        key.proto,
+        value.state,
+        value.flags,
+        now_ns,
+        config,
+    ) {
         return true;
     }
     if value.flags & ct_flags::DIRECT != 0 {
@@ -522,10 +531,13 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
             "no cluster CIDR: pods reach externalTrafficPolicy Local frontends like external clients"
         );
     }
+    let t = crate::config::conntrack_timeouts(args);
     DatapathConfig {
-        tcp_established_timeout_s: secs(args.conntrack_tcp_established_timeout),
+        tcp_established_timeout_s: secs(t.tcp_established),
+        tcp_close_wait_timeout_s: secs(t.tcp_close_wait),
         tcp_transitory_timeout_s: secs(args.conntrack_tcp_transitory_timeout),
-        udp_timeout_s: secs(args.conntrack_udp_timeout),
+        udp_timeout_s: secs(t.udp),
+        udp_stream_timeout_s: secs(t.udp_stream),
         flags: 0,
         cluster_cidrs: crate::encode::cluster_cidrs(&prefixes).0,
         ..DatapathConfig::DEFAULT
@@ -568,12 +580,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             Source::Kube(KubeSource::start(client, &node.node_name))
         }
     };
-    let sizes = MapSizes {
-        services: args.map_entries_services,
-        backends: args.map_entries_backends,
-        rev_nats: args.map_entries_revnat,
-        conntrack: args.map_entries_conntrack,
-    };
+    let cpus = crate::sizing::online_cpus();
+    let sizes = crate::sizing::map_sizes(&args, cpus);
+    let flow_maps = crate::sizing::flow_maps(&args, cpus);
+    info!(
+        cpus,
+        max_per_core = args.conntrack_max_per_core,
+        min = args.conntrack_min,
+        conntrack_entries = flow_maps.conntrack,
+        conntrack_from = ?flow_maps.conntrack_basis,
+        snat_entries = flow_maps.snat,
+        snat_from = ?flow_maps.snat_basis,
+        "flow map sizes (two entries per flow; used when the maps are created)"
+    );
     let sock_cgroup = args.socket_lb_cgroup.resolve()?;
     let sock_lb = match &sock_cgroup {
         None => SockLbConfig::default(),
@@ -651,6 +670,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = gc.tick() => {
                 agent.gc_conntrack();
                 agent.gc_snat();
+                agent.sample_maps();
             }
             () = source.changed() => {
                 dirty = true;
@@ -750,6 +770,18 @@ mod tests {
         assert!(!flow_is_dead(&k, &v, now, &cfg, &p), "udp, 4 s idle of 5");
         let (k, v) = flow(proto::UDP, ct_state::UDP, 1, now - 6 * s);
         assert!(flow_is_dead(&k, &v, now, &cfg, &p), "udp, 6 s idle of 5");
+        // Answered UDP flows hold the stream timeout (the datapath's one rule).
+        let (k, mut v) = flow(proto::UDP, ct_state::UDP, 1, now - 6 * s);
+        v.flags = proxy_common::ct_flags::SEEN_REPLY;
+        assert!(
+            !flow_is_dead(&k, &v, now, &cfg, &p),
+            "udp stream, 6 s idle of 120"
+        );
+        let (k, v) = flow(proto::TCP, ct_state::FIN_REPLY, 1, now - 50 * s);
+        assert!(
+            !flow_is_dead(&k, &v, now, &cfg, &p),
+            "half-closed, 50 s idle of 3600"
+        );
     }
 
     #[test]

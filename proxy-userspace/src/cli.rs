@@ -77,15 +77,23 @@ pub struct RunArgs {
     /// Longest time between two full syncs.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     pub sync_period: Duration,
-    /// Idle timeout of established TCP flows.
-    #[arg(long, value_parser = parse_duration, default_value = "24h")]
+    /// Idle timeout of established TCP flows (kube-proxy's `--conntrack-tcp-timeout-established`,
+    /// also accepted; 0 = the kernel's 5 days).
+    #[arg(long, alias = "conntrack-tcp-timeout-established", value_parser = parse_duration, default_value = "24h")]
     pub conntrack_tcp_established_timeout: Duration,
-    /// Idle timeout of TCP flows being opened or closed.
+    /// Idle timeout of half-closed TCP flows (a FIN from one side only; 0 = the kernel's 60 s).
+    #[arg(long, value_parser = parse_duration, default_value = "1h")]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+    /// Idle timeout of TCP flows being opened (SYN) or closed (FIN from both sides, or RST).
     #[arg(long, value_parser = parse_duration, default_value = "2m")]
     pub conntrack_tcp_transitory_timeout: Duration,
-    /// Idle timeout of UDP flows.
-    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    /// Idle timeout of UDP flows the backend has not answered (one-shot datagrams; 0 = the
+    /// kernel's 30 s).
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
     pub conntrack_udp_timeout: Duration,
+    /// Idle timeout of UDP flows once the backend has answered (0 = the kernel's 120 s).
+    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    pub conntrack_udp_timeout_stream: Duration,
     /// Capacity of the SERVICES map in entries (one per frontend plus one per backend slot),
     /// used when the maps are first created; adopted pinned maps keep their size.
     #[arg(long, env = "KPE_MAP_SERVICES", default_value_t = proxy_common::SERVICES_CAPACITY)]
@@ -96,9 +104,22 @@ pub struct RunArgs {
     /// Capacity of the REVNAT map (frontends).
     #[arg(long, env = "KPE_MAP_REVNAT", default_value_t = proxy_common::REVNAT_CAPACITY)]
     pub map_entries_revnat: u32,
-    /// Capacity of the CONNTRACK LRU map (two entries per flow).
-    #[arg(long, env = "KPE_MAP_CONNTRACK", default_value_t = proxy_common::CONNTRACK_CAPACITY)]
-    pub map_entries_conntrack: u32,
+    /// Flows tracked per CPU (kube-proxy's `conntrack.maxPerCore`): the CONNTRACK and SNAT maps
+    /// are sized for max(this × CPUs, --conntrack-min) flows, two entries per flow each. 0 = the
+    /// built-in 131072 flows.
+    #[arg(long, default_value_t = crate::sizing::DEFAULT_MAX_PER_CORE)]
+    pub conntrack_max_per_core: u32,
+    /// The least number of flows tracked, whatever the CPU count (kube-proxy's `conntrack.min`).
+    #[arg(long, default_value_t = crate::sizing::DEFAULT_MIN)]
+    pub conntrack_min: u32,
+    /// Capacity of the CONNTRACK LRU map in entries (two per flow), used when the map is first
+    /// created; given, it wins over --conntrack-max-per-core/--conntrack-min.
+    #[arg(long, env = "KPE_MAP_CONNTRACK")]
+    pub map_entries_conntrack: Option<u32>,
+    /// Capacity of the SNAT LRU map in entries (two per SNATed flow), used when the map is
+    /// first created; given, it wins over --conntrack-max-per-core/--conntrack-min.
+    #[arg(long, env = "KPE_MAP_SNAT")]
+    pub map_entries_snat: Option<u32>,
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,

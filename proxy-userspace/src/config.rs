@@ -304,8 +304,14 @@ pub struct FileConfig {
     pub mode: Mode,
     pub sync_period: Option<Duration>,
     pub min_sync_period: Option<Duration>,
+    /// Conntrack timeouts: `Some(0)` is kept (upstream: "leave the kernel's value").
     pub conntrack_udp_timeout: Option<Duration>,
+    pub conntrack_udp_stream_timeout: Option<Duration>,
     pub conntrack_tcp_established_timeout: Option<Duration>,
+    pub conntrack_tcp_close_wait_timeout: Option<Duration>,
+    /// `conntrack.maxPerCore` / `conntrack.min`: the flow table's size (see [`crate::sizing`]).
+    pub conntrack_max_per_core: Option<u32>,
+    pub conntrack_min: Option<u32>,
     pub detect_local: Option<DetectLocal>,
 }
 
@@ -368,16 +374,7 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
             "udpTimeout",
         ],
     ),
-    (
-        "conntrack",
-        &[
-            "maxPerCore",
-            "min",
-            "tcpCloseWaitTimeout",
-            "tcpBeLiberal",
-            "udpStreamTimeout",
-        ],
-    ),
+    ("conntrack", &["tcpBeLiberal"]),
 ];
 
 fn unsupported(block: &str, field: &str) -> bool {
@@ -448,11 +445,29 @@ impl Walker<'_> {
 
     /// A Go duration string; `null`, `""` and zero read as unset (upstream's defaulting).
     fn duration(&self, field: &str, v: &Value) -> Result<Option<Duration>> {
+        Ok(self.duration_or_zero(field, v)?.filter(|d| !d.is_zero()))
+    }
+
+    /// A Go duration string; `null` and `""` read as unset, zero is kept.
+    fn duration_or_zero(&self, field: &str, v: &Value) -> Result<Option<Duration>> {
         let Some(s) = self.string(field, v)? else {
             return Ok(None);
         };
-        let d = parse_duration(&s).map_err(|e| self.err(field, e))?;
-        Ok((!d.is_zero()).then_some(d))
+        parse_duration(&s).map(Some).map_err(|e| self.err(field, e))
+    }
+
+    /// An int32 that must not be negative; `null` reads as unset.
+    fn count(&self, field: &str, v: &Value) -> Result<Option<u32>> {
+        match v {
+            Value::Null => Ok(None),
+            Value::Number(n) => n
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|n| i32::try_from(*n).is_ok())
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("{n} is not a count from 0 to 2147483647"))),
+            _ => Err(self.err(field, format!("expected a number, found {}", show(v)))),
+        }
     }
 
     fn string_list(&self, field: &str, v: &Value) -> Result<Vec<String>> {
@@ -642,13 +657,25 @@ impl Walker<'_> {
                     for (k, v) in self.mapping(key, v)? {
                         let field = format!("conntrack.{k}");
                         match k.as_str() {
-                            "udpTimeout" => {
-                                self.out.config.conntrack_udp_timeout = self.duration(&field, v)?
+                            "udpTimeout"
+                            | "udpStreamTimeout"
+                            | "tcpEstablishedTimeout"
+                            | "tcpCloseWaitTimeout" => {
+                                let d = self.duration_or_zero(&field, v)?;
+                                let c = &mut self.out.config;
+                                *match k.as_str() {
+                                    "udpTimeout" => &mut c.conntrack_udp_timeout,
+                                    "udpStreamTimeout" => &mut c.conntrack_udp_stream_timeout,
+                                    "tcpEstablishedTimeout" => {
+                                        &mut c.conntrack_tcp_established_timeout
+                                    }
+                                    _ => &mut c.conntrack_tcp_close_wait_timeout,
+                                } = d;
                             }
-                            "tcpEstablishedTimeout" => {
-                                self.out.config.conntrack_tcp_established_timeout =
-                                    self.duration(&field, v)?
+                            "maxPerCore" => {
+                                self.out.config.conntrack_max_per_core = self.count(&field, v)?
                             }
+                            "min" => self.out.config.conntrack_min = self.count(&field, v)?,
                             _ => self.other("conntrack", &k, v),
                         }
                     }
@@ -802,6 +829,26 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
         &mut args.conntrack_tcp_established_timeout,
         &file.conntrack_tcp_established_timeout,
     );
+    set(
+        from_file("conntrack_udp_timeout_stream"),
+        &mut args.conntrack_udp_timeout_stream,
+        &file.conntrack_udp_stream_timeout,
+    );
+    set(
+        from_file("conntrack_tcp_timeout_close_wait"),
+        &mut args.conntrack_tcp_timeout_close_wait,
+        &file.conntrack_tcp_close_wait_timeout,
+    );
+    set(
+        from_file("conntrack_max_per_core"),
+        &mut args.conntrack_max_per_core,
+        &file.conntrack_max_per_core,
+    );
+    set(
+        from_file("conntrack_min"),
+        &mut args.conntrack_min,
+        &file.conntrack_min,
+    );
     if from_file("cluster_cidr") && !file.cluster_cidrs.is_empty() {
         args.cluster_cidr.clone_from(&file.cluster_cidrs);
     }
@@ -835,19 +882,56 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
     } else {
         validate(args)?;
     }
+    let timeouts = conntrack_timeouts(args);
     tracing::info!(
         healthz = %args.healthz_bind_address,
         metrics = %args.metrics_bind_address,
         nodeport_addresses = %args.nodeport_addresses,
         sync_period = ?args.sync_period,
         min_sync_period = ?args.min_sync_period,
-        udp_timeout = ?args.conntrack_udp_timeout,
-        tcp_established_timeout = ?args.conntrack_tcp_established_timeout,
+        udp_timeout = ?timeouts.udp,
+        udp_stream_timeout = ?timeouts.udp_stream,
+        tcp_established_timeout = ?timeouts.tcp_established,
+        tcp_close_wait_timeout = ?timeouts.tcp_close_wait,
+        conntrack_max_per_core = args.conntrack_max_per_core,
+        conntrack_min = args.conntrack_min,
         cluster_cidr = ?args.cluster_cidr.iter().map(ToString::to_string).collect::<Vec<_>>(),
         detect_local_mode = %args.detect_local_mode,
         "settings"
     );
     Ok(())
+}
+
+/// The kernel's own conntrack timeouts, which kube-proxy leaves in place when a
+/// `KubeProxyConfiguration.conntrack` timeout is 0 (this proxy then uses them, as netfilter
+/// would): `nf_conntrack_tcp_timeout_established`, `_tcp_timeout_close_wait`, `_udp_timeout`,
+/// `_udp_timeout_stream`.
+pub const KERNEL_TCP_ESTABLISHED: Duration = Duration::from_secs(5 * 86_400);
+pub const KERNEL_TCP_CLOSE_WAIT: Duration = Duration::from_secs(60);
+pub const KERNEL_UDP: Duration = Duration::from_secs(30);
+pub const KERNEL_UDP_STREAM: Duration = Duration::from_secs(120);
+
+/// The conntrack timeouts in effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackTimeouts {
+    pub tcp_established: Duration,
+    pub tcp_close_wait: Duration,
+    pub udp: Duration,
+    pub udp_stream: Duration,
+}
+
+/// Pure: the timeouts of the merged settings, 0 meaning "the kernel's value" like upstream.
+pub fn conntrack_timeouts(args: &RunArgs) -> ConntrackTimeouts {
+    let or = |d: Duration, kernel: Duration| if d.is_zero() { kernel } else { d };
+    ConntrackTimeouts {
+        tcp_established: or(
+            args.conntrack_tcp_established_timeout,
+            KERNEL_TCP_ESTABLISHED,
+        ),
+        tcp_close_wait: or(args.conntrack_tcp_timeout_close_wait, KERNEL_TCP_CLOSE_WAIT),
+        udp: or(args.conntrack_udp_timeout, KERNEL_UDP),
+        udp_stream: or(args.conntrack_udp_timeout_stream, KERNEL_UDP_STREAM),
+    }
 }
 
 /// Checks that hold whatever the settings came from.
@@ -992,6 +1076,23 @@ mod tests {
                 },
             },
             Case {
+                body: "conntrack:\n  udpStreamTimeout: 3m\n  tcpCloseWaitTimeout: 10m\n  maxPerCore: 65536\n  min: 1000",
+                check: |c| {
+                    c.conntrack_udp_stream_timeout == secs(180)
+                        && c.conntrack_tcp_close_wait_timeout == secs(600)
+                        && c.conntrack_max_per_core == Some(65_536)
+                        && c.conntrack_min == Some(1_000)
+                },
+            },
+            Case {
+                body: "conntrack:\n  udpTimeout: 0s\n  tcpEstablishedTimeout: 0s\n  maxPerCore: null",
+                check: |c| {
+                    c.conntrack_udp_timeout == Some(Duration::ZERO)
+                        && c.conntrack_tcp_established_timeout == Some(Duration::ZERO)
+                        && c.conntrack_max_per_core.is_none()
+                },
+            },
+            Case {
                 body: "detectLocalMode: ClusterCIDR\nclusterCIDR: 10.244.0.0/16",
                 check: |c| c.detect_local == Some(DetectLocal::ClusterCidr),
             },
@@ -1070,6 +1171,14 @@ mod tests {
                 "config.yaml: detectLocal.bridgeInterface: required",
             ),
             ("conntrack: 5", "config.yaml: conntrack: expected a mapping"),
+            (
+                "conntrack:\n  maxPerCore: -1",
+                "config.yaml: conntrack.maxPerCore: -1 is not a count",
+            ),
+            (
+                "conntrack:\n  min: \"lots\"",
+                "config.yaml: conntrack.min: expected a number",
+            ),
         ];
         for (body, want) in cases {
             let got = parse_err(body);
@@ -1133,9 +1242,10 @@ mod tests {
                 &["config.yaml: featureGates: set to"],
             ),
             (
-                "conntrack:\n  maxPerCore: 65536",
-                &["config.yaml: conntrack.maxPerCore: set to 65536"],
+                "conntrack:\n  tcpBeLiberal: true",
+                &["config.yaml: conntrack.tcpBeLiberal: set to true"],
             ),
+            ("conntrack:\n  maxPerCore: 65536\n  min: 0", &[]),
             // Another mode's block: ignored upstream too, so quiet; but typos still warn.
             ("ipvs:\n  scheduler: rr\n  strictARP: true", &[]),
             (
@@ -1334,6 +1444,58 @@ winkernel:
             "from the file"
         );
         assert_eq!(args.conntrack_udp_timeout, Duration::from_secs(9));
+    }
+
+    #[test]
+    fn conntrack_timeouts_default_to_upstream_and_zero_means_the_kernel_s() {
+        let (args, _) = run_args(&[]);
+        assert_eq!(
+            conntrack_timeouts(&args),
+            ConntrackTimeouts {
+                tcp_established: Duration::from_secs(86_400),
+                tcp_close_wait: Duration::from_secs(3_600),
+                udp: Duration::from_secs(30),
+                udp_stream: Duration::from_secs(120),
+            },
+            "upstream's defaults (24h, 1h) and the kernel's UDP timeouts (30 s, 120 s)"
+        );
+        let zeros = parse_ok(
+            "conntrack:\n  udpTimeout: 0s\n  udpStreamTimeout: 0s\n  \
+             tcpEstablishedTimeout: 0s\n  tcpCloseWaitTimeout: 0s\n",
+        )
+        .config;
+        let (mut args, explicit) = run_args(&[]);
+        apply(&mut args, &zeros, &explicit).expect("apply");
+        assert_eq!(
+            conntrack_timeouts(&args),
+            ConntrackTimeouts {
+                tcp_established: KERNEL_TCP_ESTABLISHED,
+                tcp_close_wait: KERNEL_TCP_CLOSE_WAIT,
+                udp: KERNEL_UDP,
+                udp_stream: KERNEL_UDP_STREAM,
+            },
+            "0 leaves the kernel's value, as upstream"
+        );
+        let set = parse_ok(
+            "conntrack:\n  udpTimeout: 10s\n  udpStreamTimeout: 5m\n  tcpCloseWaitTimeout: 20m\n",
+        )
+        .config;
+        let (mut args, explicit) = run_args(&[
+            "--conntrack-udp-timeout-stream",
+            "7m",
+            "--conntrack-tcp-timeout-established",
+            "2h",
+        ]);
+        apply(&mut args, &set, &explicit).expect("apply");
+        let t = conntrack_timeouts(&args);
+        assert_eq!(t.udp, Duration::from_secs(10), "from the file");
+        assert_eq!(t.udp_stream, Duration::from_secs(420), "the flag wins");
+        assert_eq!(t.tcp_close_wait, Duration::from_secs(1_200));
+        assert_eq!(
+            t.tcp_established,
+            Duration::from_secs(7_200),
+            "kube-proxy's flag name is accepted"
+        );
     }
 
     #[test]

@@ -140,6 +140,8 @@ fn state_name(proto: u8, state: u8) -> &'static str {
         (_, ct_state::SYN_SENT) => "syn_sent",
         (_, ct_state::ESTABLISHED) => "established",
         (_, ct_state::CLOSING) => "closing",
+        (_, ct_state::FIN_ORIGINAL) => "fin_client",
+        (_, ct_state::FIN_REPLY) => "fin_backend",
         _ => "?",
     }
 }
@@ -510,7 +512,7 @@ mod tests {
             addr,
             port: port.to_be_bytes(),
             state: ct_state::ESTABLISHED,
-            _pad: 0,
+            flags: 0,
         };
         let table = snat_table(
             &[

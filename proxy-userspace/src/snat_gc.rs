@@ -66,7 +66,7 @@ impl FlowAddrs {
             addr,
             port: port.to_be_bytes(),
             state,
-            _pad: 0,
+            flags: 0,
         };
         let out_key = SnatKey {
             saddr: self.client.0,
@@ -96,7 +96,14 @@ pub fn is_pair(out_key: &SnatKey, out: &SnatValue, in_key: &SnatKey, inn: &SnatV
 
 /// Is this entry idle past its flow's timeout?
 fn idle(key: &SnatKey, value: &SnatValue, now_ns: u64, cfg: &DatapathConfig) -> bool {
-    idle_expired(value.last_seen_ns, key.proto, value.state, now_ns, cfg)
+    idle_expired(
+        value.last_seen_ns,
+        key.proto,
+        value.state,
+        value.flags,
+        now_ns,
+        cfg,
+    )
 }
 
 /// What one pass removes.
@@ -204,7 +211,9 @@ mod tests {
     const CFG: DatapathConfig = DatapathConfig {
         tcp_established_timeout_s: 100,
         tcp_transitory_timeout_s: 10,
+        tcp_close_wait_timeout_s: 50,
         udp_timeout_s: 5,
+        udp_stream_timeout_s: 20,
         ..DatapathConfig::DEFAULT
     };
     const NODE: [u8; 4] = [192, 168, 50, 10];
@@ -252,6 +261,14 @@ mod tests {
             ct_state::UDP,
             idle_s,
         )
+    }
+
+    /// The pair after the backend's first reply (the datapath marks both entries).
+    fn answered(mut pair: [(SnatKey, SnatValue); 2]) -> [(SnatKey, SnatValue); 2] {
+        for (_, v) in &mut pair {
+            v.flags |= proxy_common::ct_flags::SEEN_REPLY;
+        }
+        pair
     }
 
     fn dead_flows(entries: &[(SnatKey, SnatValue)]) -> Vec<(SnatKey, SnatKey)> {
@@ -321,6 +338,21 @@ mod tests {
             ),
             ("udp, 6 s of 5", udp(6, 61_006, 6), true),
             ("udp, 4 s of 5", udp(7, 61_007, 4), false),
+            (
+                "answered udp, 6 s of 20",
+                answered(udp(8, 61_008, 6)),
+                false,
+            ),
+            (
+                "answered udp, 21 s of 20",
+                answered(udp(9, 61_009, 21)),
+                true,
+            ),
+            (
+                "half-closed, 11 s of 50",
+                tcp(10, 61_010, ct_state::FIN_ORIGINAL, 11),
+                false,
+            ),
         ] {
             let got = dead_flows(&flow);
             let want = if dead {

@@ -751,15 +751,43 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
         Expect::Packet(rev_natted(&fin, &data)),
         &[(Counter::ReplyTranslated, 1)],
     ));
+    // The backend's FIN half-closes the flow (kube-proxy's tcpCloseWaitTimeout applies): the
+    // client may still send.
     assert_eq!(
         dp.ct(&reply_key(&syn, id)).unwrap().state,
-        ct_state::CLOSING,
-        "FIN on egress closes the REPLY entry"
+        ct_state::FIN_REPLY,
+        "FIN on egress half-closes the REPLY entry"
     );
     assert_eq!(
         dp.ct(&original_key(&syn)).unwrap().state,
+        ct_state::FIN_REPLY,
+        "FIN on egress half-closes the ORIGINAL entry"
+    );
+    let client_fin = Pkt::tcp(CLIENT, sport, VIP, 80, FIN | ACK);
+    dp.check(ingress(
+        "the client's FIN after the backend's is still translated",
+        client_fin.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&client_fin, id)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    assert_eq!(
+        dp.ct(&original_key(&syn)).unwrap().state,
         ct_state::CLOSING,
-        "FIN on egress closes the ORIGINAL entry"
+        "FINs from both sides close the ORIGINAL entry"
+    );
+    let last_ack = reply_from(&data, id);
+    dp.check(egress(
+        "the backend's last ACK",
+        last_ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&last_ack, &data)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    assert_eq!(
+        dp.ct(&reply_key(&syn, id)).unwrap().state,
+        ct_state::CLOSING,
+        "the REPLY entry takes the ORIGINAL's state with the backend's next packet"
     );
 
     // A new connection on the closed tuple is a new flow, picked over the current backends.
@@ -1225,6 +1253,220 @@ fn idle_expired_entries_are_replaced() {
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(dnated(&syn, id)),
+        &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
+    ));
+}
+
+/// netfilter's UDP timeouts: a flow the backend never answered (one-shot datagrams) expires
+/// after `udp_timeout_s`; once a reply passed (`SEEN_REPLY` on both entries) it holds until
+/// `udp_stream_timeout_s`. Entries are aged by rewriting `last_seen_ns` (no sleeping).
+#[test]
+fn udp_one_shot_flows_expire_after_udp_timeout_answered_ones_after_the_stream_timeout() {
+    const S: u64 = 1_000_000_000;
+    let cfg = DatapathConfig {
+        udp_timeout_s: 1,
+        udp_stream_timeout_s: 3,
+        ..DatapathConfig::DEFAULT
+    };
+    let mut dp = Datapath::load_with(cfg).with_services();
+    let one_shot = Pkt::udp(CLIENT, 36_000, VIP, 53).payload(b"query");
+    let stream = Pkt::udp(CLIENT, 36_001, VIP, 53).payload(b"query");
+    let (id1, id2) = (
+        expected_pick(&one_shot, &[11, 12]),
+        expected_pick(&stream, &[11, 12]),
+    );
+    for (q, id) in [(&one_shot, id1), (&stream, id2)] {
+        dp.check(ingress(
+            "new UDP flow",
+            q.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(q, id)),
+            &[(Counter::NewFlow, 1)],
+        ));
+    }
+    let r = reply_from(&stream, id2).payload(b"answer");
+    dp.check(egress(
+        "the backend answers the second flow",
+        r.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&r, &stream)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let flags = |dp: &mut Datapath, key: CtKey| dp.ct(&key).expect("entry").flags;
+    assert_eq!(
+        flags(&mut dp, original_key(&one_shot)) & ct_flags::SEEN_REPLY,
+        0,
+        "unanswered flow: no SEEN_REPLY"
+    );
+    assert_eq!(
+        flags(&mut dp, reply_key(&one_shot, id1)) & ct_flags::SEEN_REPLY,
+        0
+    );
+    assert_ne!(
+        flags(&mut dp, original_key(&stream)) & ct_flags::SEEN_REPLY,
+        0,
+        "answered flow: SEEN_REPLY on ORIGINAL"
+    );
+    assert_ne!(
+        flags(&mut dp, reply_key(&stream, id2)) & ct_flags::SEEN_REPLY,
+        0,
+        "and on REPLY"
+    );
+
+    // Both flows idle for 2 s: past the one-shot timeout (1 s), within the stream one (3 s).
+    let age = |dp: &mut Datapath, q: &Pkt, by: u64| {
+        let key = original_key(q);
+        let mut v = dp.ct(&key).expect("ORIGINAL entry");
+        v.last_seen_ns = v.last_seen_ns.saturating_sub(by);
+        dp.conntrack().insert(key, v, 0).expect("age entry");
+    };
+    age(&mut dp, &one_shot, 2 * S);
+    age(&mut dp, &stream, 2 * S);
+    dp.check(ingress(
+        "one-shot flow after 2 s: expired, a new flow",
+        one_shot.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&one_shot, id1)),
+        &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
+    ));
+    dp.check(ingress(
+        "answered flow after 2 s: still established",
+        stream.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&stream, id2)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    // Idle for 4 s: past the stream timeout too.
+    age(&mut dp, &stream, 4 * S);
+    dp.check(ingress(
+        "answered flow after 4 s: expired",
+        stream.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&stream, id2)),
+        &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
+    ));
+    assert_eq!(
+        flags(&mut dp, original_key(&stream)) & ct_flags::SEEN_REPLY,
+        0,
+        "the replacing flow starts unanswered"
+    );
+}
+
+/// kube-proxy's tcpCloseWaitTimeout: a flow half-closed by one side holds the close-wait
+/// timeout (the other side may still send), a flow closed by both sides only the transitory one.
+#[test]
+fn half_closed_tcp_flows_hold_the_close_wait_timeout_closed_ones_do_not() {
+    const S: u64 = 1_000_000_000;
+    let cfg = DatapathConfig {
+        tcp_transitory_timeout_s: 1,
+        tcp_close_wait_timeout_s: 3,
+        ..DatapathConfig::DEFAULT
+    };
+    let mut dp = Datapath::load_with(cfg).with_services();
+    let half = Pkt::tcp(CLIENT, 37_000, VIP, 80, ACK);
+    let closed = Pkt::tcp(CLIENT, 37_001, VIP, 80, ACK);
+    for q in [&half, &closed] {
+        let id = expected_pick(q, &[1, 2]);
+        let mut fin = q.clone();
+        if let common_packet::L4::Tcp { flags, .. } = &mut fin.l4 {
+            *flags = FIN | ACK;
+        }
+        dp.check(ingress(
+            "a mid-flow segment, then the client's FIN",
+            q.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(q, id)),
+            &[(Counter::NewFlow, 1)],
+        ));
+        dp.check(ingress(
+            "client FIN",
+            fin.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&fin, id)),
+            &[(Counter::EstablishedFlow, 1)],
+        ));
+        assert_eq!(
+            dp.ct(&original_key(q)).expect("entry").state,
+            ct_state::FIN_ORIGINAL
+        );
+    }
+    let id = expected_pick(&closed, &[1, 2]);
+    let mut bfin = reply_from(&closed, id);
+    if let common_packet::L4::Tcp { flags, .. } = &mut bfin.l4 {
+        *flags = FIN | ACK;
+    }
+    dp.check(egress(
+        "the backend's FIN closes the second flow",
+        bfin.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&bfin, &closed)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    assert_eq!(
+        dp.ct(&original_key(&closed)).expect("entry").state,
+        ct_state::CLOSING
+    );
+    // The backend closes first and the client answers with a RST: no backend packet follows to
+    // carry the state over, so the client's RST closes the REPLY entry too.
+    let reset = Pkt::tcp(CLIENT, 37_002, VIP, 80, ACK);
+    let rid = expected_pick(&reset, &[1, 2]);
+    dp.check(ingress(
+        "third flow",
+        reset.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&reset, rid)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let mut rfin = reply_from(&reset, rid);
+    if let common_packet::L4::Tcp { flags, .. } = &mut rfin.l4 {
+        *flags = FIN | ACK;
+    }
+    dp.check(egress(
+        "the backend's FIN",
+        rfin.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&rfin, &reset)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    assert_eq!(
+        dp.ct(&reply_key(&reset, rid)).expect("REPLY").state,
+        ct_state::FIN_REPLY
+    );
+    let rst = Pkt::tcp(CLIENT, 37_002, VIP, 80, RST);
+    dp.check(ingress(
+        "the client's RST",
+        rst.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&rst, rid)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    for key in [original_key(&reset), reply_key(&reset, rid)] {
+        assert_eq!(
+            dp.ct(&key).expect("entry").state,
+            ct_state::CLOSING,
+            "{key:?} closed by the client's RST"
+        );
+    }
+
+    for q in [&half, &closed] {
+        let key = original_key(q);
+        let mut v = dp.ct(&key).expect("ORIGINAL entry");
+        v.last_seen_ns = v.last_seen_ns.saturating_sub(2 * S);
+        dp.conntrack().insert(key, v, 0).expect("age entry");
+    }
+    let hid = expected_pick(&half, &[1, 2]);
+    dp.check(ingress(
+        "half-closed for 2 s (close-wait 3 s): the client's ACK still reaches its backend",
+        half.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&half, hid)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    dp.check(ingress(
+        "closed for 2 s (transitory 1 s): expired",
+        closed.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&closed, id)),
         &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
     ));
 }
@@ -2151,7 +2393,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         addr: [192, 168, 50, 200],
         port: 1234u16.to_be_bytes(),
         state: ct_state::ESTABLISHED,
-        _pad: 0,
+        flags: 0,
     };
     dp.snat()
         .insert(snat_in_key(REMOTE_BE, 8080, start, proto::TCP), squatter, 0)
@@ -2211,6 +2453,24 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     ));
     let dreply = Pkt::udp(REMOTE_BE, 5353, NODE_IP, uport).payload(b"pong");
     let dback = with_dst(&dreply, EXT_CLIENT, 5000);
+    let seen = |dp: &mut Datapath| {
+        let out = dp.snat().get(&snat_out_key(&dgram, REMOTE_BE, 5353), 0);
+        let inn = dp
+            .snat()
+            .get(&snat_in_key(REMOTE_BE, 5353, uport, proto::UDP), 0);
+        let ct = dp.ct(&original_key(&dgram));
+        [
+            out.map(|v| v.flags),
+            inn.map(|v| v.flags),
+            ct.map(|v| v.flags).ok_or(aya::maps::MapError::KeyNotFound),
+        ]
+        .map(|f| f.expect("entry") & ct_flags::SEEN_REPLY != 0)
+    };
+    assert_eq!(
+        seen(&mut dp),
+        [false; 3],
+        "no reply yet: SNAT out/in, conntrack"
+    );
     dp.check(ingress(
         "UDP reply: back to the client",
         dreply.bytes(),
@@ -2218,6 +2478,11 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         Expect::Packet(dback.clone()),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
+    assert_eq!(
+        seen(&mut dp),
+        [true, true, false],
+        "the reply marks both SNAT entries answered (udpStreamTimeout)"
+    );
     dp.check(egress(
         "UDP reply: from the NodePort",
         dback.bytes(),
@@ -2225,6 +2490,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         Expect::Packet(with_src(&dback, NODE_IP, NODE_PORT)),
         &[(Counter::ReplyTranslated, 1)],
     ));
+    assert_eq!(seen(&mut dp), [true; 3], "and then the conntrack entries");
 
     // A packet to a SNAT-range port that is no flow's passes.
     let stray = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, 65_000, ACK);

@@ -329,3 +329,69 @@ fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
     assert_eq!(adopted, services_id, "SERVICES_V1 is adopted, not replaced");
     drop(ebpf);
 }
+
+/// The flow maps are created with the sizes asked for (`sizing`: maxPerCore × CPUs, or the
+/// explicit flags); a restarted agent asking for other sizes adopts the pinned maps as they are
+/// (same kernel maps, entries kept), and the occupancy metrics report their real capacity.
+#[test]
+fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
+    require_privileged!();
+    use kube_proxy_ebpf::{
+        dataplane::{bpffs::PinLayout, loader::MapSizes},
+        metrics::Metrics,
+        occupancy::Occupancy,
+    };
+    use proxy_common::{MAP_CONNTRACK, MAP_SNAT, SockLbConfig};
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let dir = proxy_testenv::PinDir::new(&format!("{}-sizes", proxy_testenv::unique_prefix()))
+        .expect("pin dir");
+    let pins = PinLayout::new(dir.path());
+    let info = |name: &str| {
+        aya::maps::MapData::from_pin(pins.map(name))
+            .and_then(|m| m.info())
+            .expect("pinned map info")
+    };
+    let first = MapSizes {
+        conntrack: 1_024,
+        snat: 2_048,
+        ..MapSizes::default()
+    };
+    let load = |sizes: &MapSizes| {
+        loader::load_pinned(
+            &pins,
+            &DatapathConfig::DEFAULT,
+            sizes,
+            &SockLbConfig::default(),
+        )
+        .expect("load")
+    };
+    let ebpf = load(&first);
+    assert_eq!(info(MAP_CONNTRACK).max_entries(), 1_024);
+    assert_eq!(info(MAP_SNAT).max_entries(), 2_048);
+    let ids = (info(MAP_CONNTRACK).id(), info(MAP_SNAT).id());
+    drop(ebpf);
+
+    let second = MapSizes {
+        conntrack: 4_096,
+        snat: 4_096,
+        ..MapSizes::default()
+    };
+    let ebpf = load(&second);
+    assert_eq!(
+        (info(MAP_CONNTRACK).id(), info(MAP_SNAT).id()),
+        ids,
+        "the same kernel maps are adopted"
+    );
+    assert_eq!(info(MAP_CONNTRACK).max_entries(), 1_024, "with their size");
+    let metrics = Metrics::new();
+    let occupancy = Occupancy::open(&pins, &second, true, &metrics);
+    assert_eq!(occupancy.capacity("conntrack"), Some(1_024));
+    assert_eq!(occupancy.capacity("snat"), Some(2_048));
+    let text = metrics.encode_text();
+    assert!(
+        text.contains("kube_proxy_ebpf_map_capacity{map=\"conntrack\"} 1024"),
+        "{text}"
+    );
+    drop(ebpf);
+}

@@ -23,6 +23,7 @@ const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const ECHO: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 const BULK: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
+const STREAM: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 60);
 const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
 
 /// Field order is drop order: the agent dies first, then pins, manifests and namespaces go.
@@ -36,15 +37,22 @@ struct Env {
 impl Env {
     /// Topology + manifests written by `services` + agent synced and attached to all pods.
     fn start(services: impl FnOnce(&ManifestDir)) -> Self {
+        Self::start_with_flags(services, &[])
+    }
+
+    /// As [`Env::start`], with extra `run` flags.
+    fn start_with_flags(services: impl FnOnce(&ManifestDir), flags: &[&str]) -> Self {
         proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
         let topo = Topology::new().expect("creating the topology");
         let manifests = ManifestDir::new().expect("manifest dir");
         services(&manifests);
         let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-        let mut agent = Agent::start(
+        let mut args = vec!["--manifests".as_ref(), manifests.path().as_os_str()];
+        args.extend(flags.iter().map(std::ffi::OsStr::new));
+        let mut agent = Agent::start_with(
             Path::new(BIN),
             topo.node(),
-            manifests.path(),
+            &args,
             pins.path(),
             topo.tmp().path(),
         )
@@ -816,4 +824,268 @@ fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
             .any(|l| l == "kube_proxy_ebpf_frontend_conflicts{kind=\"external_ip\"} 1"),
         || format!("conflict not counted in /metrics:\n{metrics}"),
     );
+}
+
+/// Sends a 251-periodic byte pattern to its one client for `seconds`, paced (16 KiB every 5 ms),
+/// then closes; prints the bytes sent. Args: port, seconds, ready file.
+const STREAM_SERVER_PY: &str = r#"
+import socket, sys, time
+port, seconds, ready = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+ls = socket.socket()
+ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("0.0.0.0", port))
+ls.listen(1)
+open(ready, "w").write("ready\n")
+conn, _ = ls.accept()
+chunk = bytes(i % 251 for i in range(251 * 64))
+sent, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    conn.sendall(chunk)
+    sent += len(chunk)
+    time.sleep(0.005)
+conn.shutdown(socket.SHUT_WR)
+print("sent", sent, flush=True)
+"#;
+
+/// Receives the stream until EOF, checks every byte against the pattern and the longest gap
+/// between two reads; prints one JSON line. Args: ip, port, recv timeout (s).
+const STREAM_CLIENT_PY: &str = r#"
+import json, socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+s.settimeout(float(sys.argv[3]))
+big = bytes(i % 251 for i in range(251 * 300))
+total, gap, last, bad, err, eof = 0, 0.0, time.monotonic(), None, None, False
+try:
+    while True:
+        data = s.recv(65536)
+        now = time.monotonic()
+        gap, last = max(gap, now - last), now
+        if not data:
+            eof = True
+            break
+        o = total % 251
+        if bad is None and data != big[o:o + len(data)]:
+            bad = total + next(j for j in range(len(data)) if data[j] != big[o + j])
+        total += len(data)
+except Exception as e:
+    err = repr(e)
+print(json.dumps({"bytes": total, "max_gap_ms": int(gap * 1000), "mismatch": bad, "error": err, "eof": eof}))
+"#;
+
+/// One datagram from each of `n` distinct source ports (first..first+n), spread over `seconds`.
+/// Args: ip, port, first source port, n, seconds.
+const UDP_FLOOD_PY: &str = r#"
+import socket, sys, time
+ip, port, first, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+for i in range(n):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", first + i))
+    s.sendto(b"one-shot %d" % i, (ip, port))
+    s.close()
+    time.sleep(seconds / n)
+print("sent", n)
+"#;
+
+/// Conntrack under pressure: with CONNTRACK and SNAT sized to 1,024 entries (512 flows) by
+/// `--conntrack-max-per-core 1 --conntrack-min 512` (kube-proxy's maxPerCore × CPUs, floor min,
+/// two entries per flow), a long TCP stream through a ClusterIP keeps flowing, every byte intact and without a stall,
+/// while twice the map's capacity of one-shot UDP flows (2,048 datagrams from distinct source
+/// ports) passes through a UDP ClusterIP, so the LRU evicts entries all along.
+#[test]
+fn a_long_tcp_stream_keeps_flowing_while_twice_the_conntrack_capacity_of_udp_flows_passes() {
+    require_privileged!();
+    const CAPACITY: u32 = 1_024;
+    const STREAM_PORT: u16 = 9000;
+    const STREAM_SECONDS: u32 = 8;
+    const UDP_FLOWS: u32 = 2 * CAPACITY;
+    let min_flows = (CAPACITY / 2).to_string();
+    let env = Env::start_with_flags(
+        |m| {
+            echo(m);
+            m.write_service(
+                "demo",
+                "stream",
+                STREAM,
+                &[ServicePort::tcp(STREAM_PORT, STREAM_PORT)],
+                &[BACKENDS[0].1],
+            )
+            .expect("writing demo/stream");
+        },
+        // max(1 × CPUs, 512) = 512 flows on any machine of up to 512 CPUs.
+        &[
+            "--conntrack-max-per-core",
+            "1",
+            "--conntrack-min",
+            &min_flows,
+        ],
+    );
+    for map in [proxy_common::MAP_CONNTRACK, proxy_common::MAP_SNAT] {
+        let show = std::process::Command::new("bpftool")
+            .args(["-j", "map", "show", "pinned"])
+            .arg(env.pins.path().join(map))
+            .output()
+            .expect("bpftool map show");
+        let info: serde_json::Value = serde_json::from_slice(&show.stdout)
+            .unwrap_or_else(|e| env.fail(&format!("bpftool output: {e}: {show:?}")));
+        env.check(info["max_entries"] == u64::from(CAPACITY), || {
+            format!("{map} was not sized to 2 entries × 512 flows: {info}")
+        });
+    }
+
+    let tmp = env.topo.tmp();
+    let (server_py, client_py, flood_py) = (
+        tmp.join("stream_server.py"),
+        tmp.join("stream_client.py"),
+        tmp.join("udp_flood.py"),
+    );
+    for (path, text) in [
+        (&server_py, STREAM_SERVER_PY),
+        (&client_py, STREAM_CLIENT_PY),
+        (&flood_py, UDP_FLOOD_PY),
+    ] {
+        std::fs::write(path, text).expect("writing a helper script");
+    }
+    let ready = tmp.join("stream.ready");
+    let server_log = tmp.join("stream-server.log");
+    let path = |p: &Path| p.to_str().expect("utf-8 path").to_owned();
+    let be1 = env.topo.pod(BACKENDS[0].0).expect("be1");
+    let _server = be1
+        .ns()
+        .spawn(
+            &[
+                "python3",
+                &path(&server_py),
+                &STREAM_PORT.to_string(),
+                &STREAM_SECONDS.to_string(),
+                &path(&ready),
+            ],
+            Some(&server_log),
+        )
+        .expect("stream server");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ready.exists() {
+        env.check(Instant::now() < deadline, || {
+            "the stream server did not start within 10 s".to_owned()
+        });
+        thread::sleep(Duration::from_millis(20));
+    }
+    let new_flows_before = env.agent.counter("new_flow").unwrap_or(0);
+
+    let client = env.topo.pod("client").expect("client pod").ns();
+    let (stream, flood) = thread::scope(|s| {
+        let stream = s.spawn(|| {
+            client.output(
+                &[
+                    "python3",
+                    &path(&client_py),
+                    &STREAM.to_string(),
+                    &STREAM_PORT.to_string(),
+                    "5",
+                ],
+                Duration::from_secs(u64::from(STREAM_SECONDS) + 20),
+            )
+        });
+        // The flood starts once the stream runs and ends before it does.
+        thread::sleep(Duration::from_millis(1000));
+        let flood = client.output(
+            &[
+                "python3",
+                &path(&flood_py),
+                &ECHO.to_string(),
+                "53",
+                "20000",
+                &UDP_FLOWS.to_string(),
+                "4",
+            ],
+            Duration::from_secs(30),
+        );
+        (stream.join().expect("stream thread"), flood)
+    });
+    let flood = flood.unwrap_or_else(|e| env.fail(&format!("UDP flood: {e:#}")));
+    env.check(flood.status.success(), || {
+        format!(
+            "UDP flood failed: {}",
+            String::from_utf8_lossy(&flood.stderr)
+        )
+    });
+    let stream = stream.unwrap_or_else(|e| env.fail(&format!("stream client: {e:#}")));
+    let report: serde_json::Value = serde_json::from_slice(&stream.stdout).unwrap_or_else(|e| {
+        env.fail(&format!(
+            "stream client printed no report ({e}): {} {}",
+            String::from_utf8_lossy(&stream.stdout),
+            String::from_utf8_lossy(&stream.stderr)
+        ))
+    });
+    let sent: u64 = std::fs::read_to_string(&server_log)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("sent ")?.trim().parse().ok())
+        .unwrap_or(0);
+    let new_flows = env.agent.counter("new_flow").unwrap_or(0) - new_flows_before;
+    eprintln!(
+        "stream: {report} (server sent {sent} bytes); {new_flows} new flows through a conntrack map of {CAPACITY} entries"
+    );
+    env.check(new_flows >= u64::from(UDP_FLOWS), || {
+        format!("only {new_flows} new flows: the UDP flood did not reach the datapath")
+    });
+    env.check(
+        report["error"].is_null() && report["eof"] == true && report["mismatch"].is_null(),
+        || format!("the TCP stream broke under conntrack pressure: {report}"),
+    );
+    env.check(sent > 0 && report["bytes"] == sent, || {
+        format!(
+            "the client received {} of the {sent} bytes sent",
+            report["bytes"]
+        )
+    });
+    // A broken translation shows as TCP retransmission timeouts (≥ 1 s, doubling).
+    env.check(
+        report["max_gap_ms"].as_u64().unwrap_or(u64::MAX) < 3_000,
+        || format!("the TCP stream stalled under conntrack pressure: {report}"),
+    );
+    // Every sized map's occupancy is exported with its real capacity.
+    let scrape = env
+        .topo
+        .node()
+        .output(
+            &[
+                "curl",
+                "-s",
+                "--max-time",
+                "3",
+                "http://127.0.0.1:10249/metrics",
+            ],
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("scraping /metrics: {e:#}")));
+    let metrics = String::from_utf8_lossy(&scrape.stdout);
+    for (map, capacity) in [
+        ("services", None),
+        ("backends", None),
+        ("rev_nat", None),
+        ("source_ranges", None),
+        ("conntrack", Some(CAPACITY)),
+        ("snat", Some(CAPACITY)),
+        ("sock_rev", None),
+    ] {
+        let value = |series: &str| {
+            metrics.lines().find_map(|l| {
+                l.strip_prefix(&format!("{series}{{map=\"{map}\"}} "))?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+        };
+        let cap = value("kube_proxy_ebpf_map_capacity");
+        env.check(
+            cap.is_some_and(|c| c > 0.0) && value("kube_proxy_ebpf_map_entries").is_some(),
+            || format!("no occupancy metrics for {map}:\n{metrics}"),
+        );
+        if let Some(want) = capacity {
+            env.check(cap == Some(f64::from(want)), || {
+                format!("{map} capacity {cap:?}, want {want}")
+            });
+        }
+    }
 }

@@ -4,21 +4,24 @@
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, COUNTER_COUNT, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, MAP_TAIL_CALLS,
-    PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SOCK_LB_GLOBAL,
-    SockLbConfig, TAIL_CALLS,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_STATS, MAP_TAIL_CALLS,
+    PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY,
+    SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
 use crate::{ebpf_object::EBPF_OBJECT, programmed::Capacities};
 
-/// Map sizes used when the maps are first created (adopted maps keep their size).
+/// Map sizes used when the maps are first created (adopted maps keep their size: aya opens an
+/// existing pin as it is). The agent derives the flow maps' from `conntrack.maxPerCore`
+/// (`crate::sizing`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapSizes {
     pub services: u32,
     pub backends: u32,
     pub rev_nats: u32,
     pub conntrack: u32,
+    pub snat: u32,
 }
 
 impl Default for MapSizes {
@@ -28,6 +31,7 @@ impl Default for MapSizes {
             backends: BACKENDS_CAPACITY,
             rev_nats: REVNAT_CAPACITY,
             conntrack: CONNTRACK_CAPACITY,
+            snat: SNAT_CAPACITY,
         }
     }
 }
@@ -65,7 +69,8 @@ pub fn load_pinned(
         .map_max_entries(MAP_SERVICES, sizes.services)
         .map_max_entries(MAP_BACKENDS, sizes.backends)
         .map_max_entries(MAP_REVNAT, sizes.rev_nats)
-        .map_max_entries(MAP_CONNTRACK, sizes.conntrack);
+        .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
+        .map_max_entries(MAP_SNAT, sizes.snat);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
     Ok(ebpf)

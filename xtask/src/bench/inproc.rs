@@ -66,6 +66,7 @@ pub fn sizes_for(n: usize) -> MapSizes {
         backends: n * 10 + 1024,
         rev_nats: n + 1024,
         conntrack: proxy_common::CONNTRACK_CAPACITY,
+        snat: proxy_common::SNAT_CAPACITY,
     }
 }
 
