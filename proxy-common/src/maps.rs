@@ -15,9 +15,10 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 9] = [
+pub const ALL_MAPS: [&str; 10] = [
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,
@@ -27,6 +28,7 @@ pub const ALL_MAPS: [&str; 9] = [
     MAP_NODE,
     MAP_SOURCE_RANGES,
     MAP_SOCK_REVNAT,
+    MAP_SNAT_DEVICES,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -42,6 +44,8 @@ pub const SOURCE_RANGES_CAPACITY: u32 = 16_384;
 /// Sockets of the node's own network namespace translated at connect()/sendmsg(): one entry per
 /// (socket, backend), LRU-evicted (socket cookies are never reused, so old entries are inert).
 pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
+/// Tunnel devices with their own SNAT source address (one entry per attached tunnel device).
+pub const SNAT_DEVICES_CAPACITY: u32 = 256;
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -300,6 +304,18 @@ pub struct NodeInfo {
     pub flags: u32,
 }
 const _: () = assert!(core::mem::size_of::<NodeInfo>() == 8);
+
+/// `SNATDEV_V1` (hash, key: ifindex as `u32`) value: the source address of SNATed flows that leave
+/// through this device, like MASQUERADE's choice of the outgoing device's address. The agent
+/// writes one entry per attached tunnel device that has an IPv4 address (flannel.1,
+/// vxlan.calico, ...): the backend's replies then come back through the tunnel, which strict
+/// reverse-path filtering requires. Devices without an entry use `NodeInfo::snat_addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SnatDevice {
+    pub addr: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<SnatDevice>() == 4);
 
 /// Bits of [`SourceRangeKey`] that name the frontend (matched exactly); the source prefix length
 /// is added to them to make the LPM prefix length.

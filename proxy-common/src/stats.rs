@@ -96,6 +96,9 @@ counters! {
     /// A translated socket's frontend could not be recorded: getpeername()/recvmsg() on it show
     /// the backend.
     SockRevNatFailed = "sock_revnat_failed",
+    /// A SNATed flow left through a tunnel device with its own address (`SNATDEV_V1`): its node
+    /// port moved from the node's SNAT address to that device's (once per flow).
+    SnatDeviceSource = "snat_device_source",
 }
 
 /// Number of entries in the stats array.

@@ -158,7 +158,7 @@ fn new_flow(
             backend_port: backend.port,
             proto: p.proto,
         };
-        snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now)?;
+        snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now, None)?;
     }
     conntrack::create(p, &flow, old)?;
     nat::dnat(ctx, p, backend.addr, backend.port)?;
