@@ -269,6 +269,24 @@ mod tests {
         assert_eq!(run.pins.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
         assert!(run.cluster_cidr.is_empty());
         assert_eq!(run.detect_local_mode, DetectLocalMode::ClusterCidr);
+        assert_eq!(
+            run.tunnel_devices,
+            TunnelDevices::Auto,
+            "tunnels by default"
+        );
+        let cli = Cli::try_parse_from([
+            "kube-proxy-ebpf",
+            "run",
+            "--manifests",
+            "/m",
+            "--tunnel-devices",
+            "none",
+        ])
+        .expect("parse");
+        let Command::Run(run) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(run.tunnel_devices, TunnelDevices::None);
     }
 
     #[test]
