@@ -194,6 +194,7 @@ mod pod {
     unsafe impl aya::Pod for crate::DatapathConfig {}
     unsafe impl aya::Pod for crate::SnatValue {}
     unsafe impl aya::Pod for crate::NodeInfo {}
+    unsafe impl aya::Pod for crate::SnatDevice {}
     unsafe impl aya::Pod for crate::SourceRangeKey {}
     unsafe impl aya::Pod for crate::SockRevKey {}
     unsafe impl aya::Pod for crate::SockLbConfig {}

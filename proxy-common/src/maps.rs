@@ -15,13 +15,14 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 /// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
 /// reads it and a new program may start with a fresh one.
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 11] = [
+pub const ALL_MAPS: [&str; 12] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -33,6 +34,7 @@ pub const ALL_MAPS: [&str; 11] = [
     MAP_SOURCE_RANGES,
     MAP_SOCK_REVNAT,
     MAP_FRAGMENTS,
+    MAP_SNAT_DEVICES,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -51,6 +53,8 @@ pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
 /// Fragmented datagrams in flight whose first fragment was seen (per hook), LRU-evicted: like
 /// cilium's `CILIUM_IPV4_FRAG_MAP_MAX_ENTRIES`.
 pub const FRAGMENTS_CAPACITY: u32 = 8_192;
+/// Tunnel devices with their own SNAT source address (one entry per attached tunnel device).
+pub const SNAT_DEVICES_CAPACITY: u32 = 256;
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -330,6 +334,18 @@ pub struct NodeInfo {
     pub flags: u32,
 }
 const _: () = assert!(core::mem::size_of::<NodeInfo>() == 8);
+
+/// `SNATDEV_V1` (hash, key: ifindex as `u32`) value: the source address of SNATed flows that leave
+/// through this device, like MASQUERADE's choice of the outgoing device's address. The agent
+/// writes one entry per attached tunnel device that has an IPv4 address (flannel.1,
+/// vxlan.calico, ...): the backend's replies then come back through the tunnel, which strict
+/// reverse-path filtering requires. Devices without an entry use `NodeInfo::snat_addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SnatDevice {
+    pub addr: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<SnatDevice>() == 4);
 
 /// Bits of [`SourceRangeKey`] that name the frontend (matched exactly); the source prefix length
 /// is added to them to make the LPM prefix length.

@@ -123,6 +123,9 @@ counters! {
     /// A first fragment whose outcome could not be recorded (map update failed): its later
     /// fragments will be unmatched.
     FragmentNotRecorded = "fragment_not_recorded",
+    /// A SNATed flow left through a tunnel device with its own address (`SNATDEV_V1`): its node
+    /// port moved from the node's SNAT address to that device's (once per flow).
+    SnatDeviceSource = "snat_device_source",
 }
 
 /// Number of entries in the stats array.

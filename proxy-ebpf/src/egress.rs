@@ -30,7 +30,8 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
         let Some(out) = maps::snat_entry(&snat::out_key_of_forwarded(&p)) else {
             return Ok(Action::pass(Counter::ReplyNotTracked));
         };
-        let Some(node) = snat::forwarded(&p, out, now)? else {
+        let device = maps::snat_device_addr(packet::ifindex(ctx));
+        let Some(node) = snat::forwarded(&p, out, now, device)? else {
             return Ok(Action::pass(Counter::ReplyNotTracked));
         };
         nat::snat_reply(ctx, &p, node.addr, node.port)?;

@@ -255,7 +255,7 @@ fn new_flow(
             backend_port: backend.port,
             proto: p.proto,
         };
-        if let Err(drop) = snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now) {
+        if let Err(drop) = snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now, None) {
             conntrack::remove(key, &ct);
             return Err(drop);
         }

@@ -14,11 +14,12 @@ use aya_ebpf::{
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
     FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PendingFlow, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
-    SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
-    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
-    SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW, service_flags,
+    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
+    MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PendingFlow,
+    REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY,
+    SNAT_DEVICES_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
+    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig,
+    SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW, service_flags,
 };
 
 #[btf_map]
@@ -42,6 +43,9 @@ static SNAT_V1: LruHashMap<SnatKey, SnatValue, { SNAT_CAPACITY as usize }> = Lru
 
 #[btf_map]
 static NODE_V1: Array<NodeInfo, 1> = Array::new();
+
+#[btf_map]
+static SNATDEV_V1: HashMap<u32, SnatDevice, { SNAT_DEVICES_CAPACITY as usize }> = HashMap::new();
 
 #[btf_map]
 static SRCRANGES_V1: LpmTrie<SourceRangeKey, u32, { SOURCE_RANGES_CAPACITY as usize }> =
@@ -317,6 +321,14 @@ pub fn node() -> Option<NodeInfo> {
     Some(unsafe { *ptr })
 }
 
+/// The SNAT source address of flows leaving through interface `ifindex`, if it has its own.
+#[inline(always)]
+pub fn snat_device_addr(ifindex: u32) -> Option<[u8; 4]> {
+    let ptr = SNATDEV_V1.get_ptr(ifindex)?;
+    // SAFETY: as in `service`: valid pointer, copied out immediately.
+    Some(unsafe { (*ptr).addr })
+}
+
 /// Is the source of `key` inside one of its frontend's loadBalancerSourceRanges?
 #[inline(always)]
 pub fn source_in_range(key: SourceRangeKey) -> bool {
@@ -469,3 +481,4 @@ const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
 const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS_V1"));
 const _: () = assert!(same(MAP_FRAGMENTS, "FRAGMENTS_V1"));
 const _: () = assert!(same(MAP_FRAG_SCRATCH, "FRAGSCRATCH"));
+const _: () = assert!(same(MAP_SNAT_DEVICES, "SNATDEV_V1"));

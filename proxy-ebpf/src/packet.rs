@@ -419,6 +419,13 @@ pub fn adjust_after_eth(ctx: &TcContext, diff: i32) -> Result<(), i64> {
     ctx.adjust_room(diff, BPF_ADJ_ROOM_MAC, 0)
 }
 
+/// The interface the program runs on (ingress: arrived on; egress: leaves by).
+#[inline(always)]
+pub fn ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: reading `ifindex` from the program's own, valid `__sk_buff` context.
+    unsafe { (*skb(ctx)).ifindex }
+}
+
 /// Send the packet back out of the interface it arrived on.
 #[inline(always)]
 pub fn redirect_back(ctx: &TcContext) -> i32 {

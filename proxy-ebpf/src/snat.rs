@@ -8,6 +8,13 @@
 //! the usual reverse DNAT. Neither rewrite makes the kernel see one of its own addresses as a
 //! source on input (which it drops as martian).
 //!
+//! Also like MASQUERADE, the source is the address of the device the flow leaves by when that is
+//! a tunnel device with an address of its own (`SNATDEV_V1`, written by the agent for the tunnel
+//! devices it attaches to: flannel.1, vxlan.calico, ...): the backend then answers through the
+//! tunnel, where strict reverse-path filtering expects packets from the remote pod CIDR. Ingress
+//! runs before routing, so it allocates on the node's SNAT address; the first packet out through
+//! such a device moves the flow's port to the device's address (the node port is given back).
+//!
 //! Hairpin flows (a pod sent to a Service and was picked as its own backend) take the same path
 //! with the link-local `HAIRPIN_SNAT_ADDR` as source: the pod could not accept a packet from its
 //! own address, and answers the link-local address through its default route to the node.
@@ -125,11 +132,15 @@ pub fn out_key_of_forwarded(p: &Packet) -> SnatKey {
 }
 
 /// The source address a flow is SNATed to: the hairpin address when the client is its own
-/// backend, else the node's SNAT address (`None` while the agent has not written one).
+/// backend, else `device` (the address of the tunnel device it leaves by, when that device has
+/// one), else the node's SNAT address (`None` while the agent has not written one).
 #[inline(always)]
-fn source_addr(f: &Flow) -> Option<[u8; 4]> {
+fn source_addr(f: &Flow, device: Option<[u8; 4]>) -> Option<[u8; 4]> {
     if f.client == f.backend {
         return Some(HAIRPIN_SNAT_ADDR);
+    }
+    if device.is_some() {
+        return device;
     }
     match maps::node() {
         Some(n) if n.snat_addr != [0; 4] => Some(n.snat_addr),
@@ -137,23 +148,35 @@ fn source_addr(f: &Flow) -> Option<[u8; 4]> {
     }
 }
 
-/// Give a flow a source address and port (reusing its entries if they are still its own).
-/// `Ok(None)`: the node has no SNAT address yet (counted; the flow goes out unSNATed).
+/// Give a flow a source address and port (reusing its entries if they are still its own and on
+/// that address; a port it holds on another address is given back). `device`: the SNAT address
+/// of the device the flow leaves by (egress), `None` for the node's (ingress, or a device without
+/// its own). `Ok(None)`: the node has no SNAT address yet (counted; the flow goes out unSNATed).
 #[inline(always)]
-pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop> {
-    let Some(source) = source_addr(f) else {
+pub fn allocate(
+    f: &Flow,
+    state: u8,
+    now: u64,
+    device: Option<[u8; 4]>,
+) -> Result<Option<SnatValue>, Drop> {
+    let Some(source) = source_addr(f, device) else {
         stats::count(Counter::SnatNoNodeAddr);
         return Ok(None);
     };
     let out_key = f.out_key();
+    let mut moved = false;
     if let Some(out) = maps::snat_entry(&out_key) {
         let v = out.get();
-        if v.addr == source
-            && let Some(own) = f.own_in_entry(&v)
-        {
-            own.touch(now, state);
-            out.touch(now, state);
-            return Ok(Some(v));
+        if let Some(own) = f.own_in_entry(&v) {
+            if v.addr == source {
+                own.touch(now, state);
+                out.touch(now, state);
+                return Ok(Some(v));
+            }
+            // Its port on another address (ingress allocates on the node's address before
+            // routing picks a tunnel device): free it for other flows.
+            maps::snat_remove(&f.in_key(v.addr, v.port));
+            moved = device.is_some();
         }
     }
     let cfg = maps::config_ref();
@@ -202,6 +225,8 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
             }
             stats::count(if source == HAIRPIN_SNAT_ADDR {
                 Counter::HairpinSnat
+            } else if moved {
+                Counter::SnatDeviceSource
             } else {
                 Counter::SnatNew
             });
@@ -213,19 +238,27 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
 }
 
 /// Egress: the node address and port of a forwarded packet whose flow has an `out` entry, its
-/// entries refreshed (and re-allocated if its port was reclaimed after a long silence).
+/// entries refreshed (and re-allocated if its port was reclaimed after a long silence, or if it
+/// leaves through a tunnel device whose own address `device` it does not have yet).
 #[inline(always)]
-pub fn forwarded(p: &Packet, out: SnatEntry, now: u64) -> Result<Option<SnatValue>, Drop> {
+pub fn forwarded(
+    p: &Packet,
+    out: SnatEntry,
+    now: u64,
+    device: Option<[u8; 4]>,
+) -> Result<Option<SnatValue>, Drop> {
     let v = out.get();
     let state = conntrack::next_state(p, v.state);
     let f = Flow::of_forwarded(p);
-    if let Some(own) = f.own_in_entry(&v) {
+    if device.is_none_or(|d| d == v.addr)
+        && let Some(own) = f.own_in_entry(&v)
+    {
         // The `in` entry carries the flow (it also saw the backend's FIN): move its own state.
         own.touch(now, conntrack::next_state(p, own.get().state));
         out.touch(now, state);
         return Ok(Some(v));
     }
-    allocate(&f, state, now)
+    allocate(&f, state, now, device)
 }
 
 /// Ingress: a remote backend's reply to a SNATed flow passes through its `in` entry: refreshed,

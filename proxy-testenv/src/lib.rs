@@ -28,6 +28,7 @@ pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort, service_yaml};
 pub use multinode::{
     CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
+    VXLAN_DEVICE, VXLAN_IPS,
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};

@@ -36,6 +36,11 @@ pub const POD_CIDRS: [&str; 2] = ["10.244.1.0/24", "10.244.2.0/24"];
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
 /// Node names for `--hostname-override` and EndpointSlice `nodeName`.
 pub const NODE_NAMES: [&str; 2] = ["node-a", "node-b"];
+/// The overlay device of [`MultiNode::with_vxlan`] (flannel's `flannel.1`, Calico's
+/// `vxlan.calico`): not matched by the agents' `--devices` or pod patterns.
+pub const VXLAN_DEVICE: &str = "vxlan0";
+/// The overlay device's address on node i, flannel-style: the pod CIDR's network address, /32.
+pub const VXLAN_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 244, 1, 0), Ipv4Addr::new(10, 244, 2, 0)];
 
 /// An HTTP answer as the external client saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,6 +116,65 @@ impl MultiNode {
             wire,
             nodes,
         })
+    }
+
+    /// Like [`MultiNode::new`], but pod traffic between the nodes is carried by a VXLAN device
+    /// (`vxlan0`, VNI 42, UDP 4789 over `ext0`, point to point), as flannel's vxlan backend does:
+    /// `vxlan0` holds the pod CIDR's network address (/32) and the other node's pod CIDR is routed
+    /// `via` the other end's address `onlink`. Strict rp_filter on `vxlan0` too.
+    pub fn with_vxlan() -> Result<Self> {
+        let net = Self::new()?;
+        for (i, node) in net.nodes.iter().enumerate() {
+            let n = node.node().name();
+            let other = 1 - i;
+            ip_n(
+                n,
+                &[
+                    "link",
+                    "add",
+                    VXLAN_DEVICE,
+                    "type",
+                    "vxlan",
+                    "id",
+                    "42",
+                    "local",
+                    &NODE_IPS[i].to_string(),
+                    "remote",
+                    &NODE_IPS[other].to_string(),
+                    "dstport",
+                    "4789",
+                    "dev",
+                    EXT_DEVICE,
+                ],
+            )?;
+            ip_n(
+                n,
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/32", VXLAN_IPS[i]),
+                    "dev",
+                    VXLAN_DEVICE,
+                ],
+            )?;
+            ip_n(n, &["link", "set", VXLAN_DEVICE, "up"])?;
+            ip_n(
+                n,
+                &[
+                    "route",
+                    "replace",
+                    POD_CIDRS[other],
+                    "via",
+                    &VXLAN_IPS[other].to_string(),
+                    "dev",
+                    VXLAN_DEVICE,
+                    "onlink",
+                ],
+            )?;
+            node.node()
+                .sysctl(&format!("net.ipv4.conf.{VXLAN_DEVICE}.rp_filter"), "1")?;
+        }
+        Ok(net)
     }
 
     /// Node 0 (A) or 1 (B).

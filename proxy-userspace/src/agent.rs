@@ -26,6 +26,7 @@ use crate::{
         bpffs::PinLayout,
         clock::monotonic_ns,
         interfaces::{self, Patterns},
+        links,
         loader::{self, MapSizes},
         maps::{Conntrack, ServiceMaps, Snat},
         netlink, sock_lb,
@@ -77,6 +78,10 @@ pub struct Agent {
     config: DatapathConfig,
     node: NodeContext,
     patterns: Patterns,
+    /// `--tunnel-devices auto`: attach to tunnel devices found by link kind too.
+    tunnel_devices: bool,
+    /// L3 tunnel devices already reported as not attached (reported once each).
+    unattached_tunnels: BTreeSet<String>,
     status: Status,
     status_file: Option<PathBuf>,
     reported: BTreeSet<String>,
@@ -140,6 +145,8 @@ impl Agent {
             config,
             node,
             patterns,
+            tunnel_devices: true,
+            unattached_tunnels: BTreeSet::new(),
             status: Status::default(),
             status_file: None,
             reported: BTreeSet::new(),
@@ -271,9 +278,10 @@ impl Agent {
         }
     }
 
-    /// Attaches to every matching interface (new ones included), releases gone ones.
+    /// Attaches to every matching interface and (`--tunnel-devices auto`) every Ethernet-framed
+    /// tunnel device, new ones included; releases gone ones.
     pub fn reconcile_interfaces(&mut self) {
-        let wanted = match interfaces::list() {
+        let mut wanted = match interfaces::list() {
             Ok(all) => all
                 .into_iter()
                 .filter(|i| self.patterns.matches(&i.name))
@@ -283,7 +291,20 @@ impl Agent {
                 return;
             }
         };
+        let tunnels = self.tunnels();
+        for t in &tunnels {
+            if !wanted.iter().any(|i| i.index == t.index) {
+                wanted.push(t.clone());
+            }
+        }
         let report = self.attacher.reconcile(&mut self.ebpf, &wanted);
+        let attached = self.attacher.interfaces();
+        self.external.set_tunnels(
+            tunnels
+                .into_iter()
+                .filter(|t| attached.contains(&t.name))
+                .collect(),
+        );
         for l in &report.attached {
             info!(interface = %l.ifname, hook = %l.hook, "attached");
         }
@@ -301,6 +322,31 @@ impl Agent {
             self.status.interfaces = interfaces;
             self.write_status();
         }
+    }
+
+    /// The tunnel devices to attach to (`--tunnel-devices auto`), by link kind. L3 tunnels (no
+    /// Ethernet header: ipip, gre, wireguard) are reported once and left alone: the programs parse
+    /// Ethernet frames only.
+    fn tunnels(&mut self) -> Vec<interfaces::Interface> {
+        if !self.tunnel_devices {
+            return Vec::new();
+        }
+        let links = match links::dump() {
+            Ok(l) => l,
+            Err(e) => {
+                error!("listing link kinds (RTM_GETLINK) failed: {e}; tunnel devices not attached");
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        for t in links::tunnels(&links) {
+            if t.ethernet {
+                out.push(t.interface);
+            } else if self.unattached_tunnels.insert(t.interface.name.clone()) {
+                warn!(interface = %t.interface.name, kind = %t.kind, "L3 tunnel device not attached (the programs parse Ethernet frames only): external flows to remote backends routed through it leave unSNATed");
+            }
+        }
+        out
     }
 
     /// Attaches the socket hooks to `cgroup` (adopting pinned links), or releases them (`None`).
@@ -604,6 +650,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes, sock_lb)?;
     agent.status_file = args.status_file.clone();
     agent.events = events;
+    agent.tunnel_devices = args.tunnel_devices == crate::cli::TunnelDevices::Auto;
     info!(rss_mib = rss_mib(), "datapath loaded");
     agent.external.configure(
         args.nodeport_addresses.clone(),

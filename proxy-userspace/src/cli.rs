@@ -65,6 +65,12 @@ pub struct RunArgs {
     /// The node's external devices to attach to (comma-separated globs).
     #[arg(long, env = "KPE_DEVICES", default_value = "")]
     pub devices: String,
+    /// Tunnel devices carrying pod traffic between nodes (flannel.1, vxlan.calico, geneve...):
+    /// `auto` also attaches to every vxlan, geneve and gretap device of the namespace, found by
+    /// link kind as they appear, and SNATs forwarded external flows leaving through one to its own
+    /// address; `none` attaches only to what --devices and --pod-interfaces name.
+    #[arg(long, env = "KPE_TUNNEL_DEVICES", value_enum, default_value_t = TunnelDevices::Auto)]
+    pub tunnel_devices: TunnelDevices,
     /// Name of this node (decides which endpoints are local).
     #[arg(long, env = "NODE_NAME")]
     pub hostname_override: Option<String>,
@@ -152,6 +158,16 @@ pub struct RunArgs {
     /// is implemented; with the others no client counts as in-cluster.
     #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]
     pub detect_local_mode: DetectLocalMode,
+}
+
+/// `--tunnel-devices`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum TunnelDevices {
+    /// Attach to every Ethernet-framed tunnel device (vxlan, geneve, gretap).
+    #[default]
+    Auto,
+    /// Attach only to the interfaces the patterns name.
+    None,
 }
 
 /// kube-proxy's detectLocalMode values.
@@ -277,6 +293,24 @@ mod tests {
         assert_eq!(run.pins.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
         assert!(run.cluster_cidr.is_empty());
         assert_eq!(run.detect_local_mode, DetectLocalMode::ClusterCidr);
+        assert_eq!(
+            run.tunnel_devices,
+            TunnelDevices::Auto,
+            "tunnels by default"
+        );
+        let cli = Cli::try_parse_from([
+            "kube-proxy-ebpf",
+            "run",
+            "--manifests",
+            "/m",
+            "--tunnel-devices",
+            "none",
+        ])
+        .expect("parse");
+        let Command::Run(run) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(run.tunnel_devices, TunnelDevices::None);
     }
 
     #[test]

@@ -2,14 +2,18 @@
 //! one SNATed external flows leave with. Listing (getifaddrs, in the agent's network namespace)
 //! is the IO edge; the selection is pure.
 
-use std::{ffi::CStr, io, net::Ipv4Addr};
+use std::{collections::BTreeMap, ffi::CStr, io, net::Ipv4Addr};
 
 use proxy_common::NodeInfo;
 use tracing::{error, info};
 
 use crate::{
     config::{Cidr, NodePortAddresses},
-    dataplane::{self, interfaces::Patterns, maps::NodeMap},
+    dataplane::{
+        self,
+        interfaces::{Interface, Patterns},
+        maps::{NodeMap, SnatDeviceMap},
+    },
     healthcheck::HealthCheckServers,
     model::DesiredState,
     source_ranges::{self, SourceRanges},
@@ -42,6 +46,11 @@ pub struct External {
     written: Option<NodeInfo>,
     health_checks: HealthCheckServers,
     source_ranges: SourceRanges,
+    /// The attached tunnel devices and the SNAT source address of each (`SNATDEV_V1`).
+    snat_devices: SnatDeviceMap,
+    tunnels: Vec<Interface>,
+    all: Vec<IfAddr>,
+    devices_written: Option<BTreeMap<u32, [u8; 4]>>,
 }
 
 impl External {
@@ -58,6 +67,10 @@ impl External {
             written: None,
             health_checks: HealthCheckServers::new(proxy),
             source_ranges: SourceRanges::from_ebpf(ebpf)?,
+            snat_devices: SnatDeviceMap::from_ebpf(ebpf)?,
+            tunnels: Vec::new(),
+            all: Vec::new(),
+            devices_written: None,
         })
     }
 
@@ -78,12 +91,42 @@ impl External {
             }
         };
         let addrs = select(&all, &self.nodeport_cfg, &self.devices);
+        self.all = all;
+        self.write_snat_devices();
         if addrs == self.addrs {
             return false;
         }
         info!(nodeport = ?addrs.nodeport, snat = ?addrs.snat, "node addresses");
         self.addrs = addrs;
         true
+    }
+
+    /// The tunnel devices the programs are attached to: flows leaving through one of them are
+    /// SNATed to its own address (if it has one).
+    pub fn set_tunnels(&mut self, tunnels: Vec<Interface>) {
+        if tunnels != self.tunnels {
+            self.tunnels = tunnels;
+            self.write_snat_devices();
+        }
+    }
+
+    fn write_snat_devices(&mut self) {
+        let wanted = tunnel_snat_addrs(&self.all, &self.tunnels);
+        if self.devices_written.as_ref() == Some(&wanted) {
+            return;
+        }
+        match self.snat_devices.sync(&wanted) {
+            Ok(()) => {
+                info!(devices = ?self.tunnels.iter().filter(|t| wanted.contains_key(&t.index)).map(|t| &t.name).collect::<Vec<_>>(), "SNAT source of flows leaving through tunnel devices: their own address");
+                self.devices_written = Some(wanted);
+            }
+            Err(e) => {
+                self.devices_written = None;
+                error!(
+                    "writing the tunnel devices' SNAT addresses: {e}; retrying on the next change"
+                );
+            }
+        }
     }
 
     /// Where NodePorts answer.
@@ -201,6 +244,21 @@ pub fn select(addrs: &[IfAddr], cfg: &NodePortAddresses, devices: &Patterns) -> 
     NodeAddrs { nodeport, snat }
 }
 
+/// Pure: the SNAT source address of each tunnel device, MASQUERADE's choice: an address of the
+/// device itself (the first one listed; loopback and 0.0.0.0 never). Devices without one are left
+/// out and use the node's SNAT address.
+pub fn tunnel_snat_addrs(addrs: &[IfAddr], tunnels: &[Interface]) -> BTreeMap<u32, [u8; 4]> {
+    tunnels
+        .iter()
+        .filter_map(|t| {
+            let a = addrs.iter().find(|a| {
+                a.ifname == t.name && !a.addr.is_loopback() && !a.addr.is_unspecified()
+            })?;
+            Some((t.index, a.addr.octets()))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,6 +280,30 @@ mod tests {
 
     fn ip(a: [u8; 4]) -> Ipv4Addr {
         Ipv4Addr::from(a)
+    }
+
+    #[test]
+    fn a_tunnel_device_snats_to_its_own_address_if_it_has_one() {
+        let mut all = addrs();
+        all.push(IfAddr {
+            ifname: "flannel.1".into(),
+            addr: ip([10, 244, 1, 0]),
+        });
+        let tunnels = [
+            Interface {
+                index: 7,
+                name: "flannel.1".into(),
+            },
+            Interface {
+                index: 8,
+                name: "geneve0".into(),
+            },
+        ];
+        assert_eq!(
+            tunnel_snat_addrs(&all, &tunnels),
+            BTreeMap::from([(7, [10, 244, 1, 0])]),
+            "geneve0 has no address: it keeps the node's"
+        );
     }
 
     #[test]

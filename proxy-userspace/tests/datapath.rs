@@ -29,10 +29,10 @@ use kube_proxy_ebpf::{
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
     DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo,
-    PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey,
-    backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
+    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES,
+    MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey,
+    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{flow_hash, pick_slot},
     proto, service_flags,
 };
@@ -2286,6 +2286,115 @@ fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
         client.proto(),
     );
     SNAT_PORT_MIN + ((u64::from(h) * range) >> 32) as u16
+}
+
+/// A forwarded flow leaving through a tunnel device with an address of its own (`SNATDEV_V1`)
+/// takes that address as source, like MASQUERADE (BPF_PROG_TEST_RUN runs on the loopback
+/// device, ifindex 1, which stands for the tunnel here). Ingress allocated on the node's address
+/// before routing; the first packet out moves the port to the device's address and frees the
+/// node's; the backend's reply to the device's address is translated back to the client.
+#[test]
+fn forwarded_flow_through_a_tunnel_device_is_snated_to_the_device_address() {
+    const TUNNEL_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 0);
+    const TEST_RUN_IFINDEX: u32 = 1;
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let mut devices: HashMap<&mut MapData, u32, SnatDevice> =
+        HashMap::try_from(dp.bpf.map_mut(MAP_SNAT_DEVICES).expect("SNATDEV map"))
+            .expect("SNATDEV type");
+    devices
+        .insert(
+            TEST_RUN_IFINDEX,
+            SnatDevice {
+                addr: TUNNEL_IP.octets(),
+            },
+            0,
+        )
+        .expect("write SNATDEV");
+
+    let syn = Pkt::tcp(EXT_CLIENT, 40_010, NODE_IP, NODE_PORT, SYN);
+    let fwd = with_dst(&syn, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "nodeport SYN to a remote backend: DNAT, port allocated on the node's address",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let out = dp
+        .snat()
+        .get(&snat_out_key(&syn, REMOTE_BE, 8080), 0)
+        .expect("SNAT out entry");
+    assert_eq!(out.addr, NODE_IP.octets());
+    let node_port = u16::from_be_bytes(out.port);
+
+    // The device's address is another `in` key space: the first probe is free there too.
+    let port = snat_probe_start(&syn, REMOTE_BE, 8080);
+    dp.check(egress(
+        "forwarded SYN out through the tunnel: source is the device's address",
+        fwd.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&fwd, TUNNEL_IP, port)),
+        &[(Counter::SnatTranslated, 1), (Counter::SnatDeviceSource, 1)],
+    ));
+    let out = dp
+        .snat()
+        .get(&snat_out_key(&syn, REMOTE_BE, 8080), 0)
+        .expect("SNAT out entry");
+    assert_eq!(
+        (out.addr, u16::from_be_bytes(out.port)),
+        (TUNNEL_IP.octets(), port),
+        "out entry moved to the device's address"
+    );
+    let in_key = |addr: Ipv4Addr, port: u16| SnatKey {
+        daddr: addr.octets(),
+        ..snat_in_key(REMOTE_BE, 8080, port, proto::TCP)
+    };
+    assert!(
+        dp.snat().get(&in_key(NODE_IP, node_port), 0).is_err(),
+        "the node address's port is given back"
+    );
+    let back = dp
+        .snat()
+        .get(&in_key(TUNNEL_IP, port), 0)
+        .expect("in entry on the device's address");
+    assert_eq!(
+        (back.addr, back.port),
+        (EXT_CLIENT.octets(), 40_010u16.to_be_bytes())
+    );
+
+    let ack = Pkt::tcp(EXT_CLIENT, 40_010, NODE_IP, NODE_PORT, ACK).payload(b"GET /");
+    let ack_fwd = with_dst(&ack, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "established: DNAT from conntrack",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(ack_fwd.clone()),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    dp.check(egress(
+        "established: same device address and port, nothing moves",
+        ack_fwd.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&ack_fwd, TUNNEL_IP, port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(REMOTE_BE, 8080, TUNNEL_IP, port, SYN | ACK);
+    let unsnat = with_dst(&synack, EXT_CLIENT, 40_010);
+    dp.check(ingress(
+        "the backend's reply to the device's address goes back to the client",
+        synack.bytes(),
+        TC_NEXT,
+        Expect::Packet(unsnat.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the client: source becomes the NodePort",
+        unsnat.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
 }
 
 #[test]

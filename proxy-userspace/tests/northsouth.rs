@@ -12,7 +12,8 @@ use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use proxy_testenv::{
     Agent, CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, ManifestDir, MultiNode,
-    NODE_IPS, NODE_NAMES, PinDir, http_get_with_peer, require_privileged, udp_request_from,
+    NODE_IPS, NODE_NAMES, PinDir, VXLAN_DEVICE, VXLAN_IPS, http_get_with_peer, require_privileged,
+    udp_request_from,
 };
 
 /// Connected UDP socket: send one datagram, print "refused" if an ICMP port unreachable comes
@@ -54,8 +55,15 @@ struct Env {
 impl Env {
     /// Both nodes with backends on node B, `yaml` written, both agents synced and attached.
     fn start(yaml: &str) -> Self {
+        Self::start_in(
+            MultiNode::new().expect("creating the two-node topology"),
+            yaml,
+        )
+    }
+
+    /// As [`Env::start`] on `net`.
+    fn start_in(mut net: MultiNode, yaml: &str) -> Self {
         proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let mut net = MultiNode::new().expect("creating the two-node topology");
         net.add_backend(NODE_B, "b-web", B_WEB)
             .expect("backend b-web");
         net.add_backend(NODE_B, "b-loc", B_LOCAL)
@@ -377,6 +385,125 @@ fn external_traffic_policy_cluster_snats_to_the_node_for_remote_backends() {
     if snat < 5 {
         env.fail(&format!(
             "node A counted {snat} SNATed flows, expected >= 5"
+        ));
+    }
+}
+/// Pod traffic between the nodes crosses a VXLAN device (flannel-style `vxlan0`, see
+/// `MultiNode::with_vxlan`) that `--devices` does not name: the agent attaches to it because it is
+/// a tunnel, and a NodePort flow forwarded from node A to the backend on node B is SNATed where
+/// it leaves, to `vxlan0`'s address (MASQUERADE's choice), so the backend's replies come back
+/// through the tunnel (strict rp_filter on every device) and are translated back to the client.
+#[test]
+fn external_traffic_policy_cluster_snats_flows_leaving_through_a_vxlan_overlay() {
+    require_privileged!();
+    let env = Env::start_in(
+        MultiNode::with_vxlan().expect("creating the two-node topology with a vxlan overlay"),
+        &cluster_policy_yaml(),
+    );
+    let [a, _] = NODE_IPS;
+    let mut agent_a_status = None;
+    for i in [NODE_A, NODE_B] {
+        let status = env.agents[i].status().ok().flatten();
+        if !status
+            .as_ref()
+            .is_some_and(|s| s.interfaces.iter().any(|n| n == VXLAN_DEVICE))
+        {
+            eprintln!(
+                "node {i}: {VXLAN_DEVICE} not attached (interfaces {:?})",
+                status.as_ref().map(|s| &s.interfaces)
+            );
+        }
+        if i == NODE_A {
+            agent_a_status = status;
+        }
+    }
+
+    // External client → NodePort of node A (no endpoints there) → backend on node B, 5 times.
+    let mut answered = Vec::new();
+    let mut failures = Vec::new();
+    for _ in 0..5 {
+        match env.net.http_get(&format!("http://{a}:30080/")) {
+            Ok(r) if r.code == 200 && r.body == "b-web" => answered.push(r),
+            Ok(r) => failures.push(format!("{r:?}")),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    eprintln!(
+        "overlay NodePort via node A: {} of 5 answered",
+        answered.len()
+    );
+    if answered.len() != 5 {
+        env.fail(&format!(
+            "NodePort of node A over the vxlan overlay: {} of 5 requests answered; failures: {failures:?}",
+            answered.len()
+        ));
+    }
+    for r in &answered {
+        snat_port(&env, &r.client_addr, VXLAN_IPS[NODE_A]);
+    }
+
+    // UDP NodePort the same way: the reply comes from the NodePort.
+    for i in 0..3 {
+        let payload = format!("ping-{i}");
+        let reply = env
+            .net
+            .udp_request(a, 30053, &payload)
+            .unwrap_or_else(|e| env.fail(&format!("UDP NodePort via node A over vxlan: {e:#}")));
+        if reply.from.ip() != &a
+            || reply.from.port() != 30053
+            || reply.body != format!("b-web:{payload}")
+        {
+            env.fail(&format!("UDP NodePort via node A over vxlan: {reply:?}"));
+        }
+    }
+
+    // The ICMP port unreachable of the closed backend port comes back through the tunnel too.
+    let refused = env
+        .net
+        .client()
+        .output(
+            &["python3", "-c", UDP_REFUSED_PY, &a.to_string(), "30054"],
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("UDP refused helper: {e:#}")));
+    let said = String::from_utf8_lossy(&refused.stdout).trim().to_owned();
+    if said != "refused" {
+        env.fail(&format!(
+            "UDP to a closed backend port via node A over vxlan: {said:?}, expected refused"
+        ));
+    }
+
+    // A pod of node B to the NodePort on node A's vxlan0 address (a NodePort address: all of
+    // them answer by default): in through node A's vxlan0 ingress, forwarded back to node B over
+    // the tunnel; the reply, un-SNATed on vxlan0 ingress, leaves through vxlan0 again, where
+    // egress reverse-translates it to the NodePort. (Node A's ext0 address is not used here: the
+    // request would arrive on ext0 from a pod address routed over vxlan0, which strict rp_filter
+    // drops before any program matters; flannel masquerades such pod traffic on the client node.)
+    let tunnel_a = VXLAN_IPS[NODE_A];
+    let r = env.pod_get(NODE_B, "b-loc", &format!("http://{tunnel_a}:30080/"));
+    if r.body != "b-web" {
+        env.fail(&format!(
+            "NodePort on node A's vxlan0 address from pod b-loc: {r:?}"
+        ));
+    }
+    snat_port(&env, &r.client_addr, VXLAN_IPS[NODE_A]);
+
+    // A pod of node A reaches the ClusterIP's backend on node B over the tunnel, unSNATed.
+    let r = env.pod_get(NODE_A, "a-cli", "http://10.96.1.10/");
+    if r.body != "b-web" || !r.client_addr.starts_with(&format!("{A_CLIENT}:")) {
+        env.fail(&format!("ClusterIP from pod a-cli over vxlan: {r:?}"));
+    }
+    let interfaces = agent_a_status.map(|s| s.interfaces).unwrap_or_default();
+    if !interfaces.iter().any(|n| n == VXLAN_DEVICE) {
+        env.fail(&format!(
+            "node A's agent is not attached to {VXLAN_DEVICE}: {interfaces:?}"
+        ));
+    }
+    // Every forwarded flow moved its node port to vxlan0's address once (5+1 TCP, 3+1 UDP).
+    let moved = env.counter(NODE_A, "snat_device_source");
+    if moved < 10 {
+        env.fail(&format!(
+            "node A moved {moved} flows to {VXLAN_DEVICE}'s address, expected >= 10"
         ));
     }
 }

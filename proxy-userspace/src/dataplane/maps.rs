@@ -7,8 +7,8 @@ use std::{os::fd::AsFd as _, path::Path};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, RevNat,
-    ServiceKey, ServiceValue, SnatKey, SnatValue,
+    MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS,
+    NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
@@ -325,6 +325,43 @@ impl NodeMap {
 
     pub fn write(&mut self, info: &NodeInfo) -> Result<()> {
         self.map.set(0, info, 0).map_err(map_err(MAP_NODE))
+    }
+}
+
+/// `SNATDEV_V1`: ifindex → SNAT source address of flows leaving through that (tunnel) device.
+pub struct SnatDeviceMap {
+    map: HashMap<MapData, u32, SnatDevice>,
+}
+
+impl SnatDeviceMap {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, MAP_SNAT_DEVICES)?)
+                .map_err(map_err(MAP_SNAT_DEVICES))?,
+        })
+    }
+
+    /// Makes the map equal to `wanted` (ifindex → address): writes new and changed entries, then
+    /// removes the others (an adopted map may hold entries of devices that are gone).
+    pub fn sync(&mut self, wanted: &std::collections::BTreeMap<u32, [u8; 4]>) -> Result<()> {
+        for (ifindex, addr) in wanted {
+            let value = SnatDevice { addr: *addr };
+            if self.map.get(ifindex, 0).ok() != Some(value) {
+                self.map
+                    .insert(ifindex, value, 0)
+                    .map_err(map_err(MAP_SNAT_DEVICES))?;
+            }
+        }
+        let stale: Vec<u32> = self
+            .map
+            .keys()
+            .filter_map(std::result::Result::ok)
+            .filter(|k| !wanted.contains_key(k))
+            .collect();
+        for k in stale {
+            self.map.remove(&k).map_err(map_err(MAP_SNAT_DEVICES))?;
+        }
+        Ok(())
     }
 }
 

@@ -8,6 +8,7 @@ pub mod bpffs;
 pub mod clock;
 pub mod interfaces;
 pub mod link_sys;
+pub mod links;
 pub mod loader;
 pub mod maps;
 pub mod netlink;

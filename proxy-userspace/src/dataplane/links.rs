@@ -1,0 +1,295 @@
+//! Tunnel devices of this network namespace (flannel.1, vxlan.calico, tunl0, wg0, ...), found by
+//! link kind (`IFLA_INFO_KIND`) in an `RTM_GETLINK` dump. Flows that leave through a tunnel must
+//! be translated there too (SNAT of forwarded external flows), so the agent attaches to them
+//! without their being named in `--devices`. Parsing the dump is pure; the socket is the IO edge.
+
+use std::{io, os::fd::FromRawFd as _};
+
+use super::interfaces::Interface;
+
+/// Link kinds that are tunnels carrying Ethernet frames: the programs' parser (Ethernet + IPv4)
+/// applies inside them as on any Ethernet device.
+pub const ETHERNET_TUNNEL_KINDS: [&str; 4] = ["vxlan", "geneve", "gretap", "ip6gretap"];
+/// Link kinds that are tunnels carrying bare IP packets (no Ethernet header): not attached yet.
+pub const L3_TUNNEL_KINDS: [&str; 6] = ["ipip", "gre", "ip6gre", "sit", "ip6tnl", "wireguard"];
+
+/// `ARPHRD_ETHER`: the device's frames start with an Ethernet header.
+const ARPHRD_ETHER: u16 = 1;
+const NLMSG_HDRLEN: usize = 16;
+const IFINFOMSG_LEN: usize = 16;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const RTM_NEWLINK: u16 = 16;
+const RTM_GETLINK: u16 = 18;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_DUMP: u16 = 0x300;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_INFO_KIND: u16 = 1;
+const NLA_TYPE_MASK: u16 = 0x3fff;
+/// Bound on the dump's datagrams (each holds many links): a namespace with more is cut short.
+const MAX_DUMP_READS: usize = 4096;
+
+/// One interface and what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    /// `IFLA_INFO_KIND` (`vxlan`, `veth`, ...); `None` for physical devices and loopback.
+    pub kind: Option<String>,
+    /// `ifi_type` (`ARPHRD_*`).
+    pub hw_type: u16,
+}
+
+/// A tunnel device, and whether the programs can be attached to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tunnel {
+    pub interface: Interface,
+    pub kind: String,
+    /// Frames start with an Ethernet header (vxlan, geneve, gretap): attachable. L3 tunnels
+    /// (ipip, gre, wireguard) hand the programs bare IPv4 packets, which they do not parse yet.
+    pub ethernet: bool,
+}
+
+/// Pure: the tunnel devices among `links`.
+pub fn tunnels(links: &[Link]) -> Vec<Tunnel> {
+    links
+        .iter()
+        .filter_map(|l| {
+            let kind = l.kind.as_deref()?;
+            let known = ETHERNET_TUNNEL_KINDS.contains(&kind) || L3_TUNNEL_KINDS.contains(&kind);
+            known.then(|| Tunnel {
+                interface: Interface {
+                    index: l.index,
+                    name: l.name.clone(),
+                },
+                kind: kind.to_owned(),
+                ethernet: l.hw_type == ARPHRD_ETHER,
+            })
+        })
+        .collect()
+}
+
+/// Every interface of this network namespace with its kind (`RTM_GETLINK` dump).
+pub fn dump() -> io::Result<Vec<Link>> {
+    // SAFETY: plain socket(2); the fd is owned by the File created right after and closed with it.
+    let mut file = unsafe {
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        );
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        std::fs::File::from_raw_fd(fd)
+    };
+    use std::io::{Read as _, Write as _};
+    file.write_all(&dump_request(1))?;
+    let mut links = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    for _ in 0..MAX_DUMP_READS {
+        let n = file.read(&mut buf)?;
+        match parse_dump(&buf[..n], &mut links) {
+            Ok(true) => return Ok(links),
+            Ok(false) => {}
+            Err(errno) => return Err(io::Error::from_raw_os_error(errno)),
+        }
+    }
+    Ok(links)
+}
+
+/// The `RTM_GETLINK` dump request (nlmsghdr + ifinfomsg for AF_UNSPEC).
+fn dump_request(seq: u32) -> Vec<u8> {
+    let len = (NLMSG_HDRLEN + IFINFOMSG_LEN) as u32;
+    let mut m = Vec::with_capacity(len as usize);
+    m.extend_from_slice(&len.to_ne_bytes());
+    m.extend_from_slice(&RTM_GETLINK.to_ne_bytes());
+    m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&[0u8; IFINFOMSG_LEN]);
+    m
+}
+
+fn u16_at(b: &[u8], off: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(b.get(off..off + 2)?.try_into().ok()?))
+}
+
+fn u32_at(b: &[u8], off: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(b.get(off..off + 4)?.try_into().ok()?))
+}
+
+/// Netlink attributes (`rtattr`/`nlattr`: len, type, payload, padded to 4) as (type, payload).
+fn attrs(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        let len = u16_at(b, 0)? as usize;
+        let ty = u16_at(b, 2)? & NLA_TYPE_MASK;
+        if len < 4 || len > b.len() {
+            return None;
+        }
+        let payload = &b[4..len];
+        b = b.get(len.next_multiple_of(4)..).unwrap_or_default();
+        Some((ty, payload))
+    })
+}
+
+fn c_string(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
+/// Pure: appends the links of one datagram of the dump. `Ok(true)` at the end of the dump,
+/// `Err(errno)` if the kernel answered with an error.
+fn parse_dump(mut b: &[u8], out: &mut Vec<Link>) -> Result<bool, i32> {
+    while b.len() >= NLMSG_HDRLEN {
+        let Some(len) = u32_at(b, 0).map(|l| l as usize) else {
+            break;
+        };
+        let ty = u16_at(b, 4).unwrap_or_default();
+        if len < NLMSG_HDRLEN || len > b.len() {
+            break;
+        }
+        let msg = &b[NLMSG_HDRLEN..len];
+        match ty {
+            NLMSG_DONE => return Ok(true),
+            NLMSG_ERROR => {
+                let errno = u32_at(msg, 0).map_or(0, |e| e as i32);
+                if errno != 0 {
+                    return Err(-errno);
+                }
+                return Ok(true);
+            }
+            RTM_NEWLINK if msg.len() >= IFINFOMSG_LEN => {
+                let hw_type = u16_at(msg, 2).unwrap_or_default();
+                let index = u32_at(msg, 4).unwrap_or_default();
+                let mut link = Link {
+                    index,
+                    name: String::new(),
+                    kind: None,
+                    hw_type,
+                };
+                for (ty, payload) in attrs(&msg[IFINFOMSG_LEN..]) {
+                    match ty {
+                        IFLA_IFNAME => link.name = c_string(payload),
+                        IFLA_LINKINFO => {
+                            link.kind = attrs(payload)
+                                .find(|(t, _)| *t == IFLA_INFO_KIND)
+                                .map(|(_, k)| c_string(k));
+                        }
+                        _ => {}
+                    }
+                }
+                if index != 0 && !link.name.is_empty() {
+                    out.push(link);
+                }
+            }
+            _ => {}
+        }
+        b = b.get(len.next_multiple_of(4)..).unwrap_or_default();
+    }
+    Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attr(ty: u16, payload: &[u8]) -> Vec<u8> {
+        let mut a = Vec::new();
+        a.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
+        a.extend_from_slice(&ty.to_ne_bytes());
+        a.extend_from_slice(payload);
+        while a.len() % 4 != 0 {
+            a.push(0);
+        }
+        a
+    }
+
+    fn newlink(index: u32, hw_type: u16, name: &str, kind: Option<&str>) -> Vec<u8> {
+        let mut body = vec![0u8; IFINFOMSG_LEN];
+        body[2..4].copy_from_slice(&hw_type.to_ne_bytes());
+        body[4..8].copy_from_slice(&index.to_ne_bytes());
+        body.extend(attr(IFLA_IFNAME, format!("{name}\0").as_bytes()));
+        if let Some(kind) = kind {
+            // Nested: IFLA_INFO_KIND, then an IFLA_INFO_DATA the parser skips.
+            let mut info = attr(IFLA_INFO_KIND, format!("{kind}\0").as_bytes());
+            info.extend(attr(2, &[1, 2, 3, 4, 5]));
+            body.extend(attr(IFLA_LINKINFO | 0x8000, &info));
+        }
+        body.extend(attr(4, &1500u32.to_ne_bytes()));
+        message(RTM_NEWLINK, &body)
+    }
+
+    fn message(ty: u16, body: &[u8]) -> Vec<u8> {
+        let mut m = Vec::new();
+        m.extend_from_slice(&((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes());
+        m.extend_from_slice(&ty.to_ne_bytes());
+        m.extend_from_slice(&0x2u16.to_ne_bytes());
+        m.extend_from_slice(&[0u8; 8]);
+        m.extend_from_slice(body);
+        m
+    }
+
+    #[test]
+    fn a_dump_gives_names_kinds_and_hardware_types() {
+        let mut datagram = newlink(1, 772, "lo", None);
+        datagram.extend(newlink(2, 1, "ext0", Some("veth")));
+        datagram.extend(newlink(7, 1, "flannel.1", Some("vxlan")));
+        datagram.extend(newlink(8, 768, "tunl0", Some("ipip")));
+        datagram.extend(newlink(9, 65534, "wg0", Some("wireguard")));
+        let mut links = Vec::new();
+        assert_eq!(parse_dump(&datagram, &mut links), Ok(false));
+        assert_eq!(
+            parse_dump(&message(NLMSG_DONE, &[0; 4]), &mut links),
+            Ok(true)
+        );
+        let names: Vec<_> = links
+            .iter()
+            .map(|l| (l.index, l.name.as_str(), l.kind.as_deref(), l.hw_type))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                (1, "lo", None, 772),
+                (2, "ext0", Some("veth"), 1),
+                (7, "flannel.1", Some("vxlan"), 1),
+                (8, "tunl0", Some("ipip"), 768),
+                (9, "wg0", Some("wireguard"), 65534),
+            ]
+        );
+        let t = tunnels(&links);
+        let summary: Vec<_> = t
+            .iter()
+            .map(|t| (t.interface.name.as_str(), t.kind.as_str(), t.ethernet))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                ("flannel.1", "vxlan", true),
+                ("tunl0", "ipip", false),
+                ("wg0", "wireguard", false),
+            ]
+        );
+    }
+
+    #[test]
+    fn errors_and_truncated_messages_end_the_parse() {
+        let mut links = Vec::new();
+        let mut err = (-libc::EPERM).to_ne_bytes().to_vec();
+        err.extend([0u8; 16]);
+        assert_eq!(
+            parse_dump(&message(NLMSG_ERROR, &err), &mut links),
+            Err(libc::EPERM)
+        );
+        let whole = newlink(3, 1, "vxlan0", Some("vxlan"));
+        assert_eq!(parse_dump(&whole[..whole.len() - 8], &mut links), Ok(false));
+        assert!(links.is_empty(), "a truncated message is not half-read");
+    }
+
+    #[test]
+    fn dumps_this_namespace() {
+        let links = dump().expect("RTM_GETLINK dump");
+        assert!(links.iter().any(|l| l.name == "lo"), "{links:?}");
+    }
+}
