@@ -336,3 +336,23 @@ const _: () = assert!(core::mem::size_of::<SockRevKey>() == 16);
 
 /// `SOCKREV_V1` value: the frontend the application asked for.
 pub type SockRevValue = RevNat;
+
+/// Name of the test-only tap's map (see [`crate::PROG_TC_TAP`]). Not pinned, not in
+/// [`ALL_MAPS`]: the agent never attaches the tap, so its copy stays empty.
+pub const MAP_TAP: &str = "TAP_V1";
+/// Distinct 5-tuples one tap counts (the chaining tests send a few flows).
+pub const TAP_CAPACITY: u32 = 256;
+
+/// `TAP_V1` (per-CPU hash, value `u64` packets) key: the 5-tuple of a TCP/UDP packet as the tap
+/// saw it, network order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct TapKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<TapKey>() == 16);

@@ -15,6 +15,7 @@ mod reject;
 mod snat;
 mod sock;
 mod stats;
+mod tap;
 
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -116,6 +117,14 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 pub fn tc_egress(ctx: TcContext) -> i32 {
     stats::count(Counter::EgressPackets);
     verdict(egress::try_tc_egress(&ctx))
+}
+
+/// Test-only, never attached by the agent: counts the TCP/UDP packets it sees (`tap`) and hands
+/// every packet on with TCX_NEXT. The chaining tests attach it before and after our programs.
+#[classifier]
+pub fn tc_tap(ctx: TcContext) -> i32 {
+    tap::count(&ctx);
+    TC_ACT_UNSPEC
 }
 
 /// connect() of a socket in the node's own namespace: a Service address becomes a backend.

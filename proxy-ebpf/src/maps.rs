@@ -6,17 +6,17 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, lpm_trie::Key},
     helpers::bpf_ktime_get_ns,
     macros::btf_map,
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
     MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
+    MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
     SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
     SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
-    SockRevValue, SourceRangeKey, service_flags,
+    SockRevValue, SourceRangeKey, TAP_CAPACITY, TapKey, service_flags,
 };
 
 #[btf_map]
@@ -51,6 +51,10 @@ static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY a
 
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
+
+/// The test-only tap's counts (`tc_tap`); empty in the agent, which never attaches the tap.
+#[btf_map]
+static TAP_V1: PerCpuHashMap<TapKey, u64, { TAP_CAPACITY as usize }> = PerCpuHashMap::new();
 
 /// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
 #[unsafe(no_mangle)]
@@ -269,6 +273,24 @@ pub fn stats_add(index: u32, n: u64) {
     }
 }
 
+/// One more packet seen by the tap for `key` on this CPU (dropped silently when the map is full).
+#[inline(always)]
+pub fn tap_count(key: &TapKey) {
+    let bump = |ptr: *mut u64| {
+        // SAFETY: a per-CPU hash value belongs to this CPU while the program runs (as in
+        // `stats_add`); the pointer comes from a successful lookup.
+        unsafe { *ptr = (*ptr).wrapping_add(1) }
+    };
+    if let Some(ptr) = TAP_V1.get_ptr_mut(key) {
+        bump(ptr);
+    } else if TAP_V1.insert(key, 1u64, BPF_NOEXIST as u64).is_err() {
+        // Another CPU inserted the key first: count into its entry.
+        if let Some(ptr) = TAP_V1.get_ptr_mut(key) {
+            bump(ptr);
+        }
+    }
+}
+
 const fn same(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
@@ -294,3 +316,4 @@ const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
+const _: () = assert!(same(MAP_TAP, "TAP_V1"));
