@@ -15,9 +15,13 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+/// `SEED_V1` (array, one `u32` at index 0): the node's flow hash seed, drawn at random by the
+/// first agent and pinned so a restarted agent loads its programs with the same one. The datapath
+/// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
+pub const MAP_SEED: &str = "SEED_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 9] = [
+pub const ALL_MAPS: [&str; 10] = [
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,
@@ -27,6 +31,7 @@ pub const ALL_MAPS: [&str; 9] = [
     MAP_NODE,
     MAP_SOURCE_RANGES,
     MAP_SOCK_REVNAT,
+    MAP_SEED,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time

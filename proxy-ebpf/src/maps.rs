@@ -12,11 +12,12 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
-    SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
-    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
-    SockRevValue, SourceRangeKey, TAP_CAPACITY, TapKey, service_flags,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT,
+    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, NodeInfo, REVNAT_CAPACITY, RevNat,
+    SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY,
+    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey,
+    SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAP_CAPACITY, TapKey,
+    service_flags,
 };
 
 #[btf_map]
@@ -52,6 +53,10 @@ static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY a
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
 
+/// The node's flow hash seed, kept for the next agent (see `MAP_SEED`); the programs never read it.
+#[btf_map]
+static SEED_V1: Array<u32, 1> = Array::new();
+
 /// The test-only tap's counts (`tc_tap`); empty in the agent, which never attaches the tap.
 #[btf_map]
 static TAP_V1: PerCpuHashMap<TapKey, u64, { TAP_CAPACITY as usize }> = PerCpuHashMap::new();
@@ -77,6 +82,13 @@ static SOCK_LB: SockLbConfig = SockLbConfig { netns_cookie: 0 };
 pub fn sock_lb_config() -> SockLbConfig {
     // SAFETY: as in `config`.
     unsafe { core::ptr::read_volatile(&SOCK_LB) }
+}
+
+/// The node's flow hash seed (only this field of the config is read).
+#[inline(always)]
+pub fn hash_seed() -> u32 {
+    // SAFETY: as in `config`; only the seed is read.
+    unsafe { core::ptr::read_volatile(&CONFIG.hash_seed) }
 }
 
 /// Is `addr` (a client) inside the cluster, i.e. in one of the configured cluster CIDRs?
@@ -317,3 +329,4 @@ const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
 const _: () = assert!(same(MAP_TAP, "TAP_V1"));
+const _: () = assert!(same(MAP_SEED, "SEED_V1"));

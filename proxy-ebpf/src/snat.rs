@@ -164,7 +164,14 @@ pub fn allocate(f: &Flow, state: u8, now: u64) -> Result<Option<SnatValue>, Drop
         state,
         _pad: 0,
     };
-    let hash = flow_hash(f.client, f.backend, f.client_port, f.backend_port, f.proto);
+    let hash = flow_hash(
+        maps::hash_seed(),
+        f.client,
+        f.backend,
+        f.client_port,
+        f.backend_port,
+        f.proto,
+    );
     let start = ((hash as u64 * PORT_RANGE as u64) >> 32) as u32;
     let mut i = 0;
     while i < SNAT_PROBES {

@@ -97,6 +97,10 @@ impl Agent {
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins, &sizes);
         let adopting = pins.has_maps();
+        let config = DatapathConfig {
+            hash_seed: loader::node_seed(&pins)?,
+            ..config
+        };
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.

@@ -480,9 +480,15 @@ fn check_rst(what: &str, input: &[u8], out: &[u8], seq: u32, ack: u32, flags: u8
     );
 }
 
-/// The backend id the datapath must pick for a new flow (same pure functions).
+/// The backend id the datapath must pick for a new flow (same pure functions), seed 0.
 fn expected_pick(pkt: &Pkt, ids: &[u32]) -> u32 {
+    expected_pick_seeded(0, pkt, ids)
+}
+
+/// As [`expected_pick`] under the flow hash seed `seed`.
+fn expected_pick_seeded(seed: u32, pkt: &Pkt, ids: &[u32]) -> u32 {
     let hash = flow_hash(
+        seed,
         pkt.saddr.octets(),
         pkt.daddr.octets(),
         pkt.sport().to_be_bytes(),
@@ -621,6 +627,36 @@ fn port_that_moves(base: &Pkt, before: &[u32], after: &[u32]) -> u16 {
             expected_pick(&p, before) != expected_pick(&p, after)
         })
         .expect("some port changes backend when the set grows")
+}
+
+/// The backend of a new flow comes from the flow hash keyed by the load-time `hash_seed` (random
+/// per node in the agent): under two seeds the same 64 SYNs go where each seed says, and the two
+/// seeds disagree on some of them (a seed the datapath ignored would match only one).
+#[test]
+fn the_load_time_hash_seed_keys_the_backend_pick() {
+    let mut moved = 0;
+    for seed in [0x1234_5678u32, 0xdead_beef] {
+        let mut dp = Datapath::load_with(DatapathConfig {
+            hash_seed: seed,
+            ..DatapathConfig::DEFAULT
+        });
+        dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1, 2, 3, 4]);
+        for port in 40_000..40_064u16 {
+            let syn = Pkt::tcp(CLIENT, port, VIP, 80, SYN);
+            let want = expected_pick_seeded(seed, &syn, &[1, 2, 3, 4]);
+            let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+            assert_eq!(verdict, TC_NEXT, "seed {seed:#x} port {port}: verdict");
+            assert_eq!(
+                Decoded::parse(&out).daddr,
+                backend_addr(want).0,
+                "seed {seed:#x} port {port}: backend"
+            );
+            if want != expected_pick_seeded(0, &syn, &[1, 2, 3, 4]) {
+                moved += 1;
+            }
+        }
+    }
+    assert!(moved > 32, "only {moved} of 128 picks depend on the seed");
 }
 
 #[test]
@@ -1640,6 +1676,7 @@ fn snat_in_key(backend: Ipv4Addr, bport: u16, node_port: u16, proto: u8) -> Snat
 fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
     let range = u64::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
     let h = flow_hash(
+        0,
         client.saddr.octets(),
         backend.octets(),
         client.sport().to_be_bytes(),

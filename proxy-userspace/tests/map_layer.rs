@@ -329,3 +329,51 @@ fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
     assert_eq!(adopted, services_id, "SERVICES_V1 is adopted, not replaced");
     drop(ebpf);
 }
+
+/// The flow hash seed is random per node and kept across agent restarts: the first load draws a
+/// nonzero seed and pins it in `SEED_V1`, a restarted agent (same pin dir) gets the same seed, and
+/// another node (another pin dir) gets another one.
+#[test]
+fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
+    require_privileged!();
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes};
+    use proxy_common::{MAP_SEED, SockLbConfig};
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let prefix = proxy_testenv::unique_prefix();
+    let node = |name: &str| {
+        let dir = proxy_testenv::PinDir::new(&format!("{prefix}-{name}")).expect("pin dir");
+        let pins = PinLayout::new(dir.path());
+        (dir, pins)
+    };
+    let start = |pins: &PinLayout| {
+        let seed = loader::node_seed(pins).expect("seed");
+        let config = DatapathConfig {
+            hash_seed: seed,
+            ..DatapathConfig::DEFAULT
+        };
+        let sizes = MapSizes {
+            services: 64,
+            backends: 64,
+            rev_nats: 64,
+            conntrack: 64,
+        };
+        drop(loader::load_pinned(pins, &config, &sizes, &SockLbConfig::default()).expect("load"));
+        seed
+    };
+    let pinned = |pins: &PinLayout| -> u32 {
+        let data = aya::maps::MapData::from_pin(pins.map(MAP_SEED)).expect("pinned SEED_V1");
+        let map: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(data)).expect("array");
+        map.get(&0, 0).expect("seed entry")
+    };
+    let (_a_dir, a) = node("seed-a");
+    let (_b_dir, b) = node("seed-b");
+    let first = start(&a);
+    assert_ne!(first, 0, "the seed is drawn, not the default 0");
+    assert_eq!(pinned(&a), first, "the seed is pinned for the next agent");
+    assert_eq!(start(&a), first, "a restarted agent keeps the node's seed");
+    let other = start(&b);
+    assert_ne!(other, first, "another node draws its own seed");
+    assert_eq!(pinned(&b), other);
+}

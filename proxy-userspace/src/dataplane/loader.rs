@@ -1,10 +1,10 @@
 //! Loads the embedded eBPF object. Maps are pinned by name under the pin directory: an existing
 //! pin is adopted (same kernel map, contents kept), a missing one is created and pinned.
 
-use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use aya::{Ebpf, EbpfLoader, maps::Array, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, COUNTER_COUNT, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_STATS, PROG_TC_EGRESS,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_STATS, PROG_TC_EGRESS,
     PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig,
 };
 
@@ -42,7 +42,8 @@ impl MapSizes {
 }
 
 /// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) every
-/// program. Nothing is attached yet.
+/// program. Nothing is attached yet. `config.hash_seed` (from [`node_seed`]) is recorded in the
+/// pinned `SEED_V1` for the next agent.
 pub fn load_pinned(
     pins: &PinLayout,
     config: &DatapathConfig,
@@ -67,7 +68,47 @@ pub fn load_pinned(
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
+    let map_err = |source| Error::Map {
+        name: MAP_SEED,
+        source,
+    };
+    let mut seed: Array<_, u32> =
+        Array::try_from(ebpf.map_mut(MAP_SEED).ok_or(Error::Missing {
+            what: "map",
+            name: MAP_SEED,
+        })?)
+        .map_err(map_err)?;
+    seed.set(0, config.hash_seed, 0).map_err(map_err)?;
     Ok(ebpf)
+}
+
+/// The node's flow hash seed: the one an earlier agent pinned in `SEED_V1`, else a fresh random
+/// nonzero one (which [`load_pinned`] then pins). Kept across restarts rather than drawn anew:
+/// conntrack keeps every flow's backend anyway, but a flow whose entry was evicted (LRU) is
+/// hashed again, and the same seed sends it where it went before while the backend set is
+/// unchanged. Per node, not per cluster: nodes pick
+/// independently already (their backend slots are their own).
+pub fn node_seed(pins: &PinLayout) -> Result<u32> {
+    if let Some(seed) = pinned_seed(pins) {
+        return Ok(seed);
+    }
+    let io_err = |source| Error::Io {
+        what: "reading /dev/urandom for the flow hash seed".into(),
+        source,
+    };
+    let mut bytes = [0u8; 4];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .map_err(io_err)?;
+    // 0 is the unseeded default (tests); one value in 2^32 is not worth a second draw.
+    Ok(u32::from_ne_bytes(bytes).max(1))
+}
+
+/// The seed in a pinned `SEED_V1`, when there is one holding a nonzero seed.
+fn pinned_seed(pins: &PinLayout) -> Option<u32> {
+    let data = aya::maps::MapData::from_pin(pins.map(MAP_SEED)).ok()?;
+    let map: Array<_, u32> = Array::try_from(aya::maps::Map::Array(data)).ok()?;
+    map.get(&0, 0).ok().filter(|&s| s != 0)
 }
 
 /// A pinned STATS array from an older agent with fewer counters than this one is unpinned, so
