@@ -518,6 +518,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.cleanup {
         return crate::cleanup::cleanup(&pins);
     }
+    crate::port_range::check_node()?;
     let node = NodeContext {
         node_name: node_name(&args),
         zone: None,

@@ -19,6 +19,7 @@ pub mod manifests;
 pub mod metrics;
 pub mod model;
 pub mod node_addrs;
+pub mod port_range;
 pub mod programmed;
 pub mod snapshot;
 pub mod snat_gc;
