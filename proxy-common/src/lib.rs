@@ -10,6 +10,7 @@
 pub mod csum;
 pub mod hash;
 pub mod maps;
+pub mod ratelimit;
 pub mod stats;
 pub mod timeouts;
 
@@ -166,6 +167,7 @@ mod pod {
     unsafe impl aya::Pod for crate::SockRevKey {}
     unsafe impl aya::Pod for crate::SockLbConfig {}
     unsafe impl aya::Pod for crate::TapKey {}
+    unsafe impl aya::Pod for crate::RejectBucket {}
 }
 
 #[cfg(test)]

@@ -361,3 +361,19 @@ pub struct TapKey {
     pub _pad: [u8; 3],
 }
 const _: () = assert!(core::mem::size_of::<TapKey>() == 16);
+
+/// Name of the per-CPU token buckets limiting the ICMP errors and TCP RSTs the datapath generates
+/// (not pinned: a restart starts with full buckets).
+pub const MAP_REJECT_LIMIT: &str = "REJECTRL_V1";
+
+/// `REJECTRL_V1` (per-CPU array, one entry) value: one CPU's token bucket, kept as credit in
+/// nanoseconds (see `ratelimit`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RejectBucket {
+    /// Earned and unspent time, capped at the burst.
+    pub credit_ns: u64,
+    /// CLOCK_MONOTONIC of the last update (0 = never: the bucket starts full).
+    pub last_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<RejectBucket>() == 16);

@@ -96,6 +96,9 @@ counters! {
     /// A translated socket's frontend could not be recorded: getpeername()/recvmsg() on it show
     /// the backend.
     SockRevNatFailed = "sock_revnat_failed",
+    /// Dropped: an ICMP error or TCP RST was due but this CPU's answer budget (`ratelimit`) was
+    /// spent.
+    DropRejectRateLimited = "drop_reject_rate_limited",
 }
 
 /// Number of entries in the stats array.

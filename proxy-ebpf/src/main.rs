@@ -63,6 +63,8 @@ pub(crate) enum Drop {
     NoBackend,
     /// The ICMP error or TCP RST could not be built.
     RejectFailed,
+    /// An ICMP error or TCP RST was due, over this CPU's answer budget.
+    RejectRateLimited,
     /// A checksum or store helper failed while rewriting.
     RewriteFailed,
     /// externalTrafficPolicy Local and no endpoint on this node.
@@ -81,6 +83,7 @@ impl Drop {
             Drop::ConntrackFull => Counter::DropConntrackFull,
             Drop::NoBackend => Counter::DropNoBackend,
             Drop::RejectFailed => Counter::DropRejectFailed,
+            Drop::RejectRateLimited => Counter::DropRejectRateLimited,
             Drop::RewriteFailed => Counter::DropRewriteFailed,
             Drop::NoLocalEndpoints => Counter::DropNoLocalEndpoints,
             Drop::SnatPortsExhausted => Counter::DropSnatPortsExhausted,

@@ -12,9 +12,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT,
-    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, NodeInfo, REVNAT_CAPACITY, RevNat,
-    SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED, MAP_SERVICES,
+    MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, NodeInfo, REVNAT_CAPACITY,
+    RejectBucket, RevNat, SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY,
     SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey,
     SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAP_CAPACITY, TapKey,
     service_flags,
@@ -52,6 +52,10 @@ static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY a
 
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
+
+/// This CPU's budget of generated answers (ICMP errors, RSTs), `proxy_common::ratelimit`.
+#[btf_map]
+static REJECTRL_V1: PerCpuArray<RejectBucket, 1> = PerCpuArray::new();
 
 /// The node's flow hash seed, kept for the next agent (see `MAP_SEED`); the programs never read it.
 #[btf_map]
@@ -285,6 +289,22 @@ pub fn stats_add(index: u32, n: u64) {
     }
 }
 
+/// May this CPU generate one more answer now? Takes its cost from the CPU's bucket if so.
+#[inline(always)]
+pub fn reject_allowed(now_ns: u64) -> bool {
+    let Some(ptr) = REJECTRL_V1.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: per-CPU array slot of this CPU, preallocated; no other program instance touches it
+    // while this one runs (as in `stats_add`). Copied, updated and written back.
+    unsafe {
+        let mut bucket = *ptr;
+        let allowed = proxy_common::ratelimit::take(&mut bucket, now_ns);
+        *ptr = bucket;
+        allowed
+    }
+}
+
 /// One more packet seen by the tap for `key` on this CPU (dropped silently when the map is full).
 #[inline(always)]
 pub fn tap_count(key: &TapKey) {
@@ -330,3 +350,4 @@ const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
 const _: () = assert!(same(MAP_TAP, "TAP_V1"));
 const _: () = assert!(same(MAP_SEED, "SEED_V1"));
+const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));

@@ -916,6 +916,43 @@ fn udp_flow_is_dnated_and_reverse_natted() {
     );
 }
 
+/// Generated answers are rate-limited per CPU (`proxy_common::ratelimit`): a flood of SYNs to a
+/// Service without endpoints gets at most the burst plus the rate's worth for the time it took
+/// (per CPU the test thread ran on) as ICMP errors; the rest is dropped and counted. Bounds, not
+/// timings: the elapsed time only widens the allowance.
+#[test]
+fn generated_answers_are_rate_limited() {
+    use proxy_common::ratelimit::{REJECT_BURST, REJECT_COST_NS};
+    let dp = Datapath::load().with_services();
+    let syn = Pkt::tcp(CLIENT, 40_000, VIP_EMPTY, 80, SYN).bytes();
+    let started = std::time::Instant::now();
+    let (mut answered, mut dropped, mut sent) = (0u64, 0u64, 0u64);
+    while dropped < 20 && sent < 20_000 {
+        match dp.run(PROG_TC_INGRESS, &syn).0 {
+            TC_ACT_REDIRECT => answered += 1,
+            TC_ACT_SHOT => dropped += 1,
+            other => panic!("verdict {other} for a SYN to a Service without endpoints"),
+        }
+        sent += 1;
+    }
+    let elapsed = started.elapsed().as_nanos() as u64;
+    let cpus = aya::util::nr_cpus().expect("CPU count") as u64;
+    let allowance = cpus * (REJECT_BURST + elapsed / REJECT_COST_NS + 1);
+    eprintln!(
+        "{sent} SYNs in {elapsed} ns: {answered} answered, {dropped} dropped (allowance {allowance})"
+    );
+    assert!(
+        dropped >= 20,
+        "nothing over the limit after {sent} SYNs ({answered} answered)"
+    );
+    assert!(
+        (REJECT_BURST..=allowance).contains(&answered),
+        "{answered} answers, want the burst {REJECT_BURST} up to {allowance}"
+    );
+    assert_eq!(dp.counter(Counter::DropRejectRateLimited), dropped);
+    assert_eq!(dp.counter(Counter::NoEndpointsRejected), answered);
+}
+
 #[test]
 fn service_without_endpoints_answers_icmp_port_unreachable() {
     let mut dp = Datapath::load().with_services();
