@@ -137,7 +137,7 @@ pub fn tcp_reset(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
     let (seq, ack, flags) = if p.tcp_flags & tcp_flags::ACK != 0 {
         (p.tcp_ack, [0; 4], tcp_flags::RST)
     } else {
-        let mut len = p.tcp_payload_len as u32;
+        let mut len = p.tcp_payload_len;
         if p.tcp_flags & tcp_flags::SYN != 0 {
             len += 1;
         }
