@@ -602,120 +602,147 @@ fn tcp_packets(tap: &Tap, from: Endpoint, to: Endpoint) -> u64 {
         .sum()
 }
 
+/// The six copies of the tap on the client's host veth.
+struct ChainTaps {
+    front_in: Tap,
+    front_out: Tap,
+    earlier_in: Tap,
+    earlier_out: Tap,
+    legacy_in: Tap,
+    legacy_out: Tap,
+}
+
+impl ChainTaps {
+    /// What each saw (cumulative): requests to the VIP / to a backend, replies from a backend /
+    /// from the VIP.
+    fn seen(&self) -> [(&'static str, u64); 12] {
+        let vip = (Some(WEB), 80);
+        let backend = (None, 8080);
+        let client = (Some(proxy_testenv::CLIENT_IP), 0);
+        [
+            (
+                "ingress, in front, to the VIP",
+                tcp_packets(&self.front_in, client, vip),
+            ),
+            (
+                "ingress, in front, to a backend",
+                tcp_packets(&self.front_in, client, backend),
+            ),
+            (
+                "ingress, earlier TCX program, to the VIP",
+                tcp_packets(&self.earlier_in, client, vip),
+            ),
+            (
+                "ingress, earlier TCX program, to a backend",
+                tcp_packets(&self.earlier_in, client, backend),
+            ),
+            (
+                "ingress, legacy filter, to the VIP",
+                tcp_packets(&self.legacy_in, client, vip),
+            ),
+            (
+                "ingress, legacy filter, to a backend",
+                tcp_packets(&self.legacy_in, client, backend),
+            ),
+            (
+                "egress, in front, from a backend",
+                tcp_packets(&self.front_out, backend, client),
+            ),
+            (
+                "egress, in front, from the VIP",
+                tcp_packets(&self.front_out, vip, client),
+            ),
+            (
+                "egress, earlier TCX program, from a backend",
+                tcp_packets(&self.earlier_out, backend, client),
+            ),
+            (
+                "egress, earlier TCX program, from the VIP",
+                tcp_packets(&self.earlier_out, vip, client),
+            ),
+            (
+                "egress, legacy filter, from a backend",
+                tcp_packets(&self.legacy_out, backend, client),
+            ),
+            (
+                "egress, legacy filter, from the VIP",
+                tcp_packets(&self.legacy_out, vip, client),
+            ),
+        ]
+    }
+
+    /// 20 requests through the VIP (all answered from it), then: every program saw every packet,
+    /// untranslated in front of ours, translated behind; and at least `min_requests` requests.
+    fn check(&self, env: &Env, when: &str, min_requests: u64) -> u64 {
+        let counts = env.web_distribution(20);
+        eprintln!("{when}: 20 requests through {WEB}: {counts:?}");
+        let want = |t: &[(&str, u64); 12]| {
+            let (requests, replies) = (t[0].1, t[6].1);
+            [
+                requests, 0, 0, requests, 0, requests, replies, 0, 0, replies, 0, replies,
+            ]
+        };
+        // The last ACKs of a connection can trail curl's exit by a moment: wait (bounded) until
+        // the observers agree before judging.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut seen = self.seen();
+        while seen.map(|(_, n)| n) != want(&seen) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(100));
+            seen = self.seen();
+        }
+        eprintln!("{when}: packets seen by the other programs: {seen:#?}");
+        let (requests, replies) = (seen[0].1, seen[6].1);
+        env.check(requests >= min_requests && replies >= 20 * 2, || {
+            format!(
+                "{when}: the program in front saw {requests} request and {replies} reply packets"
+            )
+        });
+        env.check(seen.map(|(_, n)| n) == want(&seen), || {
+            format!("{when}: every program on the hooks must see every packet, translated behind ours (want {:?}): {seen:#?}", want(&seen))
+        });
+        requests
+    }
+}
+
 /// Another program on the same hook (a CNI's, a policy agent's, a legacy tc filter such as the
 /// bandwidth plugin's) keeps working beside ours: on the client's host veth, a TCX program that
 /// was there before the agent (appended, as Cilium attaches), a legacy clsact filter, and a TCX
 /// program put in front of ours after the agent started. Both hooks: ingress (requests, DNATed)
 /// and egress (replies, reverse-NATed). Every one of them sees every packet of the Service
 /// traffic — the ones in front untranslated, the ones behind translated — and the requests are
-/// still answered from the VIP. Fails if our programs ended the chain (TC_ACT_OK) or were
-/// appended behind the earlier program (it would see the VIP).
+/// still answered from the VIP; the same after an agent restart (the adopted links keep their
+/// place). Fails if our programs ended the chain (TC_ACT_OK), were appended behind the earlier
+/// program (it would see the VIP), or went back to the head on restart.
 #[test]
 fn programs_before_and_after_ours_on_the_same_hook_see_every_packet() {
     require_privileged!();
     proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
     let topo = Topology::new().expect("creating the topology");
     let client_if = topo.pod("client").expect("client pod").host_if.clone();
-    let tap = |hook, place| Tap::attach(topo.node(), &client_if, hook, place);
-    let earlier_in = tap(TcAttachType::Ingress, TapPlace::TcxLast);
-    let earlier_out = tap(TcAttachType::Egress, TapPlace::TcxLast);
-    let legacy_in = tap(TcAttachType::Ingress, TapPlace::Legacy);
-    let legacy_out = tap(TcAttachType::Egress, TapPlace::Legacy);
-    let env = Env::start_on(topo, |m| web(m, &all_backends()));
-    let tap = |hook, place| Tap::attach(env.topo.node(), &client_if, hook, place);
-    let front_in = tap(TcAttachType::Ingress, TapPlace::TcxFirst);
-    let front_out = tap(TcAttachType::Egress, TapPlace::TcxFirst);
-
-    let counts = env.web_distribution(20);
-    eprintln!("20 requests through {WEB}: {counts:?}");
-
-    let vip = (Some(WEB), 80);
-    let backend = (None, 8080);
-    let client = (Some(proxy_testenv::CLIENT_IP), 0);
-    let any_client = tcp_packets;
-    // Requests: in front of ours to the VIP; behind ours to a backend. Replies the other way.
-    let table = || {
-        [
-            (
-                "ingress, in front, to the VIP",
-                any_client(&front_in, client, vip),
-            ),
-            (
-                "ingress, in front, to a backend",
-                any_client(&front_in, client, backend),
-            ),
-            (
-                "ingress, earlier TCX program, to the VIP",
-                any_client(&earlier_in, client, vip),
-            ),
-            (
-                "ingress, earlier TCX program, to a backend",
-                any_client(&earlier_in, client, backend),
-            ),
-            (
-                "ingress, legacy filter, to the VIP",
-                any_client(&legacy_in, client, vip),
-            ),
-            (
-                "ingress, legacy filter, to a backend",
-                any_client(&legacy_in, client, backend),
-            ),
-            (
-                "egress, in front, from a backend",
-                any_client(&front_out, backend, client),
-            ),
-            (
-                "egress, in front, from the VIP",
-                any_client(&front_out, vip, client),
-            ),
-            (
-                "egress, earlier TCX program, from a backend",
-                any_client(&earlier_out, backend, client),
-            ),
-            (
-                "egress, earlier TCX program, from the VIP",
-                any_client(&earlier_out, vip, client),
-            ),
-            (
-                "egress, legacy filter, from a backend",
-                any_client(&legacy_out, backend, client),
-            ),
-            (
-                "egress, legacy filter, from the VIP",
-                any_client(&legacy_out, vip, client),
-            ),
-        ]
-    };
-    let want = |t: &[(&str, u64); 12]| {
-        let (requests, replies) = (t[0].1, t[6].1);
-        [
-            requests, 0, 0, requests, 0, requests, replies, 0, 0, replies, 0, replies,
-        ]
-    };
-    // The last ACKs of a connection can trail curl's exit by a moment: wait (bounded) until the
-    // observers agree before judging.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let mut seen = table();
-    while seen.map(|(_, n)| n) != want(&seen) && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(100));
-        seen = table();
-    }
-    eprintln!("packets seen by the other programs: {seen:#?}");
-    let (requests, replies) = (seen[0].1, seen[6].1);
-    env.check(requests >= 20 * 3 && replies >= 20 * 2, || {
-        format!("the program in front saw {requests} request and {replies} reply packets for 20 HTTP requests")
-    });
-    env.check(seen.map(|(_, n)| n) == want(&seen), || {
-        format!("every program on the hooks must see every packet, translated behind ours (want {:?}): {seen:#?}", want(&seen))
-    });
-    drop((
-        front_in,
-        front_out,
+    let tap = |ns: &proxy_testenv::NetNs, hook, place| Tap::attach(ns, &client_if, hook, place);
+    let earlier_in = tap(topo.node(), TcAttachType::Ingress, TapPlace::TcxLast);
+    let earlier_out = tap(topo.node(), TcAttachType::Egress, TapPlace::TcxLast);
+    let legacy_in = tap(topo.node(), TcAttachType::Ingress, TapPlace::Legacy);
+    let legacy_out = tap(topo.node(), TcAttachType::Egress, TapPlace::Legacy);
+    let mut env = Env::start_on(topo, |m| web(m, &all_backends()));
+    let taps = ChainTaps {
+        front_in: tap(env.topo.node(), TcAttachType::Ingress, TapPlace::TcxFirst),
+        front_out: tap(env.topo.node(), TcAttachType::Egress, TapPlace::TcxFirst),
         earlier_in,
         earlier_out,
         legacy_in,
         legacy_out,
-    ));
+    };
+    let requests = taps.check(&env, "first agent", 20 * 3);
+
+    env.agent
+        .restart()
+        .unwrap_or_else(|e| env.fail(&format!("restart: {e:#}")));
+    env.agent
+        .wait_attached(&env.topo.pod_interfaces())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    taps.check(&env, "restarted agent", requests + 20 * 3);
+    drop(taps);
 }
 
 /// A node whose ephemeral port range overlaps the SNAT ports (61000–65535) is refused at start,
