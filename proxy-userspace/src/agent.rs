@@ -96,7 +96,8 @@ impl Agent {
         sock_lb: SockLbConfig,
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins, &sizes);
-        let adopting = pins.has_maps();
+        // An agent ran before if its Services are pinned (an older one pinned no SEED_V1).
+        let adopting = pins.map(proxy_common::MAP_SERVICES).exists();
         let config = DatapathConfig {
             hash_seed: loader::node_seed(&pins)?,
             ..config
