@@ -1,7 +1,7 @@
 //! Flow hash and backend pick: pure, so the datapath and host tests compute the same thing.
 
-/// Seed mixed into every flow hash (changing it reshuffles which backend a new flow gets).
-const FLOW_HASH_SEED: u32 = 0x9e37_79b9;
+/// Constant mixed with the per-node seed (so seed 0, the default of tests, is not murmur3's 0).
+const FLOW_HASH_BASE: u32 = 0x9e37_79b9;
 
 #[inline(always)]
 const fn mix(h: u32, word: u32) -> u32 {
@@ -25,9 +25,14 @@ const fn fmix(mut h: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-/// Hash of a flow's 5-tuple as it arrives (addresses and ports in network order).
+/// Hash of a flow's 5-tuple as it arrives (addresses and ports in network order), keyed by the
+/// node's `seed` (`DatapathConfig::hash_seed`, random per node): without the seed nobody can tell
+/// which backend or SNAT port a 5-tuple gets, so nobody can aim flows at one backend. (murmur3 is
+/// not a cryptographic PRF: a 32-bit seed resists guessing, not an attacker who observes many
+/// picks and searches the seed offline.)
 #[inline(always)]
 pub const fn flow_hash(
+    seed: u32,
     saddr: [u8; 4],
     daddr: [u8; 4],
     sport: [u8; 2],
@@ -38,7 +43,7 @@ pub const fn flow_hash(
         | ((sport[1] as u32) << 16)
         | ((dport[0] as u32) << 8)
         | dport[1] as u32;
-    let mut h = FLOW_HASH_SEED ^ proto as u32;
+    let mut h = FLOW_HASH_BASE ^ seed ^ proto as u32;
     h = mix(h, u32::from_be_bytes(saddr));
     h = mix(h, u32::from_be_bytes(daddr));
     h = mix(h, ports);
@@ -61,30 +66,116 @@ mod tests {
 
     #[test]
     fn same_tuple_same_hash_and_any_field_changes_it() {
-        let base = flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6);
+        let base = flow_hash(
+            0,
+            [10, 244, 1, 2],
+            [10, 96, 0, 10],
+            [0x9c, 0x40],
+            [0, 80],
+            6,
+        );
         assert_eq!(
             base,
-            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6)
+            flow_hash(
+                0,
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                [0x9c, 0x40],
+                [0, 80],
+                6
+            )
         );
         assert_ne!(
             base,
-            flow_hash([10, 244, 1, 3], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 6)
+            flow_hash(
+                0,
+                [10, 244, 1, 3],
+                [10, 96, 0, 10],
+                [0x9c, 0x40],
+                [0, 80],
+                6
+            )
         );
         assert_ne!(
             base,
-            flow_hash([10, 244, 1, 2], [10, 96, 0, 11], [0x9c, 0x40], [0, 80], 6)
+            flow_hash(
+                0,
+                [10, 244, 1, 2],
+                [10, 96, 0, 11],
+                [0x9c, 0x40],
+                [0, 80],
+                6
+            )
         );
         assert_ne!(
             base,
-            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x41], [0, 80], 6)
+            flow_hash(
+                0,
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                [0x9c, 0x41],
+                [0, 80],
+                6
+            )
         );
         assert_ne!(
             base,
-            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 81], 6)
+            flow_hash(
+                0,
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                [0x9c, 0x40],
+                [0, 81],
+                6
+            )
         );
         assert_ne!(
             base,
-            flow_hash([10, 244, 1, 2], [10, 96, 0, 10], [0x9c, 0x40], [0, 80], 17)
+            flow_hash(
+                0,
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                [0x9c, 0x40],
+                [0, 80],
+                17
+            )
+        );
+    }
+
+    #[test]
+    fn the_seed_changes_the_hash_and_the_pick() {
+        let tuple = |seed| {
+            flow_hash(
+                seed,
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                [0x9c, 0x40],
+                [0, 80],
+                6,
+            )
+        };
+        assert_eq!(tuple(7), tuple(7));
+        assert_ne!(tuple(0), tuple(1));
+        assert_ne!(tuple(1), tuple(0x8000_0000));
+        // Over 1,000 client ports, two seeds send about 7/8 of the flows to different backends
+        // of 8 (independent picks agree 1/8 of the time).
+        let pick = |seed, port: u16| {
+            let h = flow_hash(
+                seed,
+                [10, 244, 1, 2],
+                [10, 96, 0, 10],
+                port.to_be_bytes(),
+                [0, 80],
+                6,
+            );
+            pick_slot(h, 8)
+        };
+        let same = (30_000u16..31_000)
+            .filter(|&p| pick(0x1234_5678, p) == pick(0x9abc_def0, p))
+            .count();
+        assert!(
+            (60..=190).contains(&same),
+            "{same} of 1000 picks equal under two seeds"
         );
     }
 
@@ -108,6 +199,7 @@ mod tests {
         let mut hits = [0u32; 3];
         for port in 20_000u16..50_000 {
             let h = flow_hash(
+                0,
                 [10, 244, 1, 2],
                 [10, 96, 0, 10],
                 port.to_be_bytes(),

@@ -11,6 +11,7 @@ pub mod csum;
 pub mod flow_state;
 pub mod hash;
 pub mod maps;
+pub mod ratelimit;
 pub mod stats;
 pub mod timeouts;
 
@@ -67,6 +68,10 @@ pub const PROG_SOCK_CONNECT4: &str = "sock_connect4";
 pub const PROG_SOCK_SENDMSG4: &str = "sock_sendmsg4";
 pub const PROG_SOCK_RECVMSG4: &str = "sock_recvmsg4";
 pub const PROG_SOCK_GETPEERNAME4: &str = "sock_getpeername4";
+/// Test-only classifier: counts the TCP/UDP packets it sees by 5-tuple (`TAP_V1`) and hands them
+/// on (TCX_NEXT). The agent never loads or attaches it; the chaining tests attach it before and
+/// after the agent's programs to show that both see every packet.
+pub const PROG_TC_TAP: &str = "tc_tap";
 
 /// Load-time facts for the cgroup socket hooks (a global, like [`DatapathConfig`]).
 #[repr(C)]
@@ -200,6 +205,8 @@ mod pod {
     unsafe impl aya::Pod for crate::SockLbConfig {}
     unsafe impl aya::Pod for crate::FragKey {}
     unsafe impl aya::Pod for crate::FragValue {}
+    unsafe impl aya::Pod for crate::TapKey {}
+    unsafe impl aya::Pod for crate::RejectBucket {}
 }
 
 #[cfg(test)]

@@ -15,6 +15,10 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+/// `SEED_V1` (array, one `u32` at index 0): the node's flow hash seed, drawn at random by the
+/// first agent and pinned so a restarted agent loads its programs with the same one. The datapath
+/// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
+pub const MAP_SEED: &str = "SEED_V1";
 pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 /// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
@@ -22,7 +26,7 @@ pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 12] = [
+pub const ALL_MAPS: [&str; 13] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -35,6 +39,7 @@ pub const ALL_MAPS: [&str; 12] = [
     MAP_SOCK_REVNAT,
     MAP_FRAGMENTS,
     MAP_SNAT_DEVICES,
+    MAP_SEED,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -465,3 +470,38 @@ pub struct FragRecord {
     pub value: FragValue,
 }
 const _: () = assert!(core::mem::size_of::<FragRecord>() == 40);
+/// Name of the test-only tap's map (see [`crate::PROG_TC_TAP`]). Not pinned, not in
+/// [`ALL_MAPS`]: the agent never attaches the tap, so its copy stays empty.
+pub const MAP_TAP: &str = "TAP_V1";
+/// Distinct 5-tuples one tap counts (the chaining tests send a few flows).
+pub const TAP_CAPACITY: u32 = 256;
+
+/// `TAP_V1` (per-CPU hash, value `u64` packets) key: the 5-tuple of a TCP/UDP packet as the tap
+/// saw it, network order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct TapKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<TapKey>() == 16);
+
+/// Name of the per-CPU token buckets limiting the ICMP errors and TCP RSTs the datapath generates
+/// (not pinned: a restart starts with full buckets).
+pub const MAP_REJECT_LIMIT: &str = "REJECTRL_V1";
+
+/// `REJECTRL_V1` (per-CPU array, one entry) value: one CPU's token bucket, kept as credit in
+/// nanoseconds (see `ratelimit`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RejectBucket {
+    /// Earned and unspent time, capped at the burst.
+    pub credit_ns: u64,
+    /// CLOCK_MONOTONIC of the last update (0 = never: the bucket starts full).
+    pub last_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<RejectBucket>() == 16);

@@ -126,6 +126,9 @@ counters! {
     /// A SNATed flow left through a tunnel device with its own address (`SNATDEV_V1`): its node
     /// port moved from the node's SNAT address to that device's (once per flow).
     SnatDeviceSource = "snat_device_source",
+    /// Dropped: an ICMP error or TCP RST was due but this CPU's answer budget (`ratelimit`) was
+    /// spent.
+    DropRejectRateLimited = "drop_reject_rate_limited",
 }
 
 /// Number of entries in the stats array.

@@ -326,6 +326,7 @@ fn choose_sport(original: &CtKey, backend: &Backend, now: u64) -> u32 {
     }
     const RANGE: u32 = (CLASH_PORT_MAX - CLASH_PORT_MIN) as u32 + 1;
     let hash = flow_hash(
+        maps::hash_seed(),
         original.saddr,
         original.daddr,
         original.sport,

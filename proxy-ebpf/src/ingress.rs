@@ -220,7 +220,14 @@ fn new_flow(
         }
         return Err(Drop::SourceRange);
     }
-    let hash = flow_hash(p.saddr, p.daddr, p.sport, p.dport, p.proto);
+    let hash = flow_hash(
+        maps::hash_seed(),
+        p.saddr,
+        p.daddr,
+        p.sport,
+        p.dport,
+        p.proto,
+    );
     let Some(slot) = pick_slot(hash, frontend.count) else {
         if let Some(old) = old {
             conntrack::remove(key, old);

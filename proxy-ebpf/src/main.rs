@@ -16,6 +16,7 @@ mod reject;
 mod snat;
 mod sock;
 mod stats;
+mod tap;
 
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -63,6 +64,8 @@ pub(crate) enum Drop {
     NoBackend,
     /// The ICMP error or TCP RST could not be built.
     RejectFailed,
+    /// An ICMP error or TCP RST was due, over this CPU's answer budget.
+    RejectRateLimited,
     /// A checksum or store helper failed while rewriting.
     RewriteFailed,
     /// externalTrafficPolicy Local and no endpoint on this node.
@@ -85,6 +88,7 @@ impl Drop {
             Drop::ConntrackFull => Counter::DropConntrackFull,
             Drop::NoBackend => Counter::DropNoBackend,
             Drop::RejectFailed => Counter::DropRejectFailed,
+            Drop::RejectRateLimited => Counter::DropRejectRateLimited,
             Drop::RewriteFailed => Counter::DropRewriteFailed,
             Drop::NoLocalEndpoints => Counter::DropNoLocalEndpoints,
             Drop::SnatPortsExhausted => Counter::DropSnatPortsExhausted,
@@ -149,6 +153,14 @@ pub fn tc_ingress_reject(ctx: TcContext) -> i32 {
 pub fn tc_egress(ctx: TcContext) -> i32 {
     stats::count(Counter::EgressPackets);
     verdict(frag::first_done(&ctx, egress::try_tc_egress(&ctx)))
+}
+
+/// Test-only, never attached by the agent: counts the TCP/UDP packets it sees (`tap`) and hands
+/// every packet on with TCX_NEXT. The chaining tests attach it before and after our programs.
+#[classifier]
+pub fn tc_tap(ctx: TcContext) -> i32 {
+    tap::count(&ctx);
+    TC_ACT_UNSPEC
 }
 
 /// connect() of a socket in the node's own namespace: a Service address becomes a backend.

@@ -6,7 +6,10 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, lpm_trie::Key},
+    btf_maps::{
+        Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray,
+        lpm_trie::Key,
+    },
     helpers::bpf_ktime_get_ns,
     macros::btf_map,
     programs::TcContext,
@@ -14,12 +17,13 @@ use aya_ebpf::{
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
     FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
-    MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PendingFlow,
-    REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY,
-    SNAT_DEVICES_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
-    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig,
-    SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW, service_flags,
+    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED,
+    MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS,
+    MAP_TAP, NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL,
+    SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY, SOCK_REVNAT_CAPACITY,
+    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice,
+    SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW,
+    TAP_CAPACITY, TapKey, service_flags,
 };
 
 #[btf_map]
@@ -102,6 +106,17 @@ pub fn pending_flow() -> Option<&'static PendingFlow> {
     // (which cannot be preempted) writes it; the reference is used within this run.
     Some(unsafe { &*ptr })
 }
+/// This CPU's budget of generated answers (ICMP errors, RSTs), `proxy_common::ratelimit`.
+#[btf_map]
+static REJECTRL_V1: PerCpuArray<RejectBucket, 1> = PerCpuArray::new();
+
+/// The node's flow hash seed, kept for the next agent (see `MAP_SEED`); the programs never read it.
+#[btf_map]
+static SEED_V1: Array<u32, 1> = Array::new();
+
+/// The test-only tap's counts (`tc_tap`); empty in the agent, which never attaches the tap.
+#[btf_map]
+static TAP_V1: PerCpuHashMap<TapKey, u64, { TAP_CAPACITY as usize }> = PerCpuHashMap::new();
 
 /// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
 #[unsafe(no_mangle)]
@@ -126,6 +141,13 @@ static SOCK_LB: SockLbConfig = SockLbConfig { netns_cookie: 0 };
 pub fn sock_lb_config() -> SockLbConfig {
     // SAFETY: as in `config`.
     unsafe { core::ptr::read_volatile(&SOCK_LB) }
+}
+
+/// The node's flow hash seed (only this field of the config is read).
+#[inline(always)]
+pub fn hash_seed() -> u32 {
+    // SAFETY: as in `config`; only the seed is read.
+    unsafe { core::ptr::read_volatile(&CONFIG.hash_seed) }
 }
 
 /// Is `addr` (a client) inside the cluster, i.e. in one of the configured cluster CIDRs?
@@ -453,6 +475,40 @@ pub fn stats_add(index: u32, n: u64) {
     }
 }
 
+/// May this CPU generate one more answer now? Takes its cost from the CPU's bucket if so.
+#[inline(always)]
+pub fn reject_allowed(now_ns: u64) -> bool {
+    let Some(ptr) = REJECTRL_V1.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: per-CPU array slot of this CPU, preallocated; no other program instance touches it
+    // while this one runs (as in `stats_add`). Copied, updated and written back.
+    unsafe {
+        let mut bucket = *ptr;
+        let allowed = proxy_common::ratelimit::take(&mut bucket, now_ns);
+        *ptr = bucket;
+        allowed
+    }
+}
+
+/// One more packet seen by the tap for `key` on this CPU (dropped silently when the map is full).
+#[inline(always)]
+pub fn tap_count(key: &TapKey) {
+    let bump = |ptr: *mut u64| {
+        // SAFETY: a per-CPU hash value belongs to this CPU while the program runs (as in
+        // `stats_add`); the pointer comes from a successful lookup.
+        unsafe { *ptr = (*ptr).wrapping_add(1) }
+    };
+    if let Some(ptr) = TAP_V1.get_ptr_mut(key) {
+        bump(ptr);
+    } else if TAP_V1.insert(key, 1u64, BPF_NOEXIST as u64).is_err() {
+        // Another CPU inserted the key first: count into its entry.
+        if let Some(ptr) = TAP_V1.get_ptr_mut(key) {
+            bump(ptr);
+        }
+    }
+}
+
 const fn same(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
@@ -482,3 +538,6 @@ const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS_V1"));
 const _: () = assert!(same(MAP_FRAGMENTS, "FRAGMENTS_V1"));
 const _: () = assert!(same(MAP_FRAG_SCRATCH, "FRAGSCRATCH"));
 const _: () = assert!(same(MAP_SNAT_DEVICES, "SNATDEV_V1"));
+const _: () = assert!(same(MAP_TAP, "TAP_V1"));
+const _: () = assert!(same(MAP_SEED, "SEED_V1"));
+const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));

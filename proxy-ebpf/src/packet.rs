@@ -24,7 +24,8 @@
 //! - truncated TCP/UDP header, or IPv4 lengths that do not fit the packet, when at least the
 //!   ports can be read → [`Parsed::Untranslatable`]: the caller drops it if it is addressed to a
 //!   Service frontend and passes it otherwise;
-//! - protocols other than TCP and UDP → passed untouched.
+//! - protocols other than TCP and UDP → passed untouched;
+//! - IPv4 total length 0 on a GSO packet (BIG TCP) → the length is the skb's, translated as usual.
 
 use core::mem::size_of;
 
@@ -78,8 +79,8 @@ pub struct Packet {
     /// TCP sequence and acknowledgement numbers (zero for UDP), for building a RST.
     pub tcp_seq: [u8; 4],
     pub tcp_ack: [u8; 4],
-    /// TCP payload length from the IPv4 total length (0 for UDP).
-    pub tcp_payload_len: u16,
+    /// TCP payload length from the IPv4 total length (0 for UDP); beyond 64 KiB for BIG TCP.
+    pub tcp_payload_len: u32,
 }
 
 impl Packet {
@@ -285,8 +286,8 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         reason,
     };
 
-    let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
     let l3_len = (ctx.len() as usize).saturating_sub(ETH_HLEN);
+    let tot_len = ip_total_len(ctx, &ip, l3_len);
     if tot_len < ip_hlen || tot_len > l3_len {
         return untranslatable(Drop::Malformed);
     }
@@ -314,11 +315,23 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         packet.tcp_seq = [tcp[4], tcp[5], tcp[6], tcp[7]];
         packet.tcp_ack = [tcp[8], tcp[9], tcp[10], tcp[11]];
         packet.tcp_flags = tcp[13];
-        packet.tcp_payload_len = (l4_len - doff) as u16;
+        packet.tcp_payload_len = (l4_len - doff) as u32;
     } else if l4_len < UDP_HLEN || read::<UDP_HLEN>(ctx, l4_off).is_none() {
         return untranslatable(Drop::Malformed);
     }
     Parsed::Packet(packet)
+}
+
+/// The IPv4 total length. A GSO packet with total length 0 is IPv4 BIG TCP (Linux ≥ 6.3, GSO/GRO
+/// beyond 64 KiB, where the 16-bit field cannot hold the length): its length is the skb's, `l3_len`.
+#[inline(always)]
+fn ip_total_len(ctx: &TcContext, ip: &[u8; IPV4_HLEN], l3_len: usize) -> usize {
+    let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    // SAFETY: reading `gso_size` from the program's own, valid `__sk_buff` context.
+    if tot_len == 0 && unsafe { (*skb(ctx)).gso_size } != 0 {
+        return l3_len;
+    }
+    tot_len
 }
 
 /// An ICMP destination-unreachable or time-exceeded message quoting TCP/UDP over IPv4 (at least

@@ -1,6 +1,8 @@
 //! Answers built in place from the offending packet and sent back out of the interface it came
 //! in on: ICMP port unreachable (Service without endpoints) and TCP RST (flow whose backend is
 //! gone). Both swap the MACs and the addresses, so the client sees them come from the frontend.
+//! Both are rate-limited per CPU (`proxy_common::ratelimit`): over the budget the packet is
+//! dropped instead (`Drop::RejectRateLimited`).
 //!
 //! Checksums are computed in full here (the packets are new), over values copied to the stack or
 //! summed from the packet before its shape changes; sums are in native byte order throughout and
@@ -10,7 +12,7 @@ use aya_ebpf::{bindings::BPF_F_RECOMPUTE_CSUM, programs::TcContext};
 use proxy_common::proto;
 
 use crate::{
-    Drop,
+    Drop, maps,
     packet::{self, ETH_HLEN, IPV4_HLEN, Packet, TCP_HLEN, tcp_flags},
 };
 
@@ -80,10 +82,21 @@ fn store<const N: usize>(ctx: &TcContext, offset: usize, bytes: &[u8; N]) -> Res
         .map_err(|_| Drop::RejectFailed)
 }
 
+/// One more generated answer fits this CPU's budget (taken now), else the packet is dropped.
+#[inline(always)]
+fn within_budget() -> Result<(), Drop> {
+    if maps::reject_allowed(maps::now_ns()) {
+        Ok(())
+    } else {
+        Err(Drop::RejectRateLimited)
+    }
+}
+
 /// Turn the packet into an ICMP port unreachable from the frontend to the client, quoting the
 /// original IPv4 header (with options) and the first 8 bytes of its TCP/UDP header.
 #[inline(always)]
 pub fn icmp_port_unreachable(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
+    within_budget()?;
     let macs = packet::macs(ctx).ok_or(Drop::RejectFailed)?;
     let mut quoted = p.ip_hlen + QUOTED_L4;
     if packet::set_len(ctx, ETH_HLEN + quoted).is_err() {
@@ -119,11 +132,12 @@ pub fn icmp_port_unreachable(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
 /// Turn a TCP packet into a RST from the frontend to the client (RFC 793 reset generation).
 #[inline(always)]
 pub fn tcp_reset(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
+    within_budget()?;
     let macs = packet::macs(ctx).ok_or(Drop::RejectFailed)?;
     let (seq, ack, flags) = if p.tcp_flags & tcp_flags::ACK != 0 {
         (p.tcp_ack, [0; 4], tcp_flags::RST)
     } else {
-        let mut len = p.tcp_payload_len as u32;
+        let mut len = p.tcp_payload_len;
         if p.tcp_flags & tcp_flags::SYN != 0 {
             len += 1;
         }

@@ -187,7 +187,14 @@ pub fn allocate(
         state,
         flags: 0,
     };
-    let hash = flow_hash(f.client, f.backend, f.client_port, f.backend_port, f.proto);
+    let hash = flow_hash(
+        maps::hash_seed(),
+        f.client,
+        f.backend,
+        f.client_port,
+        f.backend_port,
+        f.proto,
+    );
     let start = ((hash as u64 * PORT_RANGE as u64) >> 32) as u32;
     let mut i = 0;
     while i < SNAT_PROBES {

@@ -109,7 +109,12 @@ impl Agent {
         sock_lb: SockLbConfig,
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins);
-        let adopting = pins.has_maps();
+        // An agent ran before if its Services are pinned (an older one pinned no SEED_V1).
+        let adopting = pins.map(proxy_common::MAP_SERVICES).exists();
+        let config = DatapathConfig {
+            hash_seed: loader::node_seed(&pins)?,
+            ..config
+        };
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
         let occupancy = crate::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
@@ -596,6 +601,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.cleanup {
         return crate::cleanup::cleanup(&pins);
     }
+    crate::port_range::check_node()?;
     let node = NodeContext {
         node_name: node_name(&args),
         zone: None,

@@ -2,12 +2,18 @@
 //! LoadBalancer Services), like upstream `pkg/proxy/healthcheck`: a load balancer asks every node
 //! and sends only to nodes answering 200, i.e. those with local endpoints.
 //!
-//! One small HTTP/1.1 server per port on all addresses; every request (any path) is answered with
+//! One small HTTP/1.1 server per port, listening on the NodePort addresses only (like upstream
+//! with `nodePortAddresses` set; never on 0.0.0.0, so loopback and addresses outside
+//! `--nodeport-addresses` do not expose it); every request (any path) is answered with
 //! `{"service":{"namespace":NS,"name":NAME},"localEndpoints":N,"serviceProxyHealthy":BOOL}` and
 //! `X-Load-Balancing-Endpoint-Weight: N`, status 200 iff N > 0 and the proxy is healthy, else 503.
 //! "Healthy" is evaluated per request, as upstream does: the same freshness rule as /healthz (no
 //! change left unprogrammed for longer than twice syncPeriod), so a stuck agent stops attracting
 //! load-balancer traffic.
+//!
+//! Bounded: at most [`MAX_CONNECTIONS`] connections per port are served at once (more are closed
+//! at once, unanswered), and each one gets [`READ_TIMEOUT`] to send its request head and
+//! [`WRITE_TIMEOUT`] to take the answer, so idle or slow clients cannot pile up tasks and sockets.
 
 use std::{
     collections::BTreeMap,
@@ -18,6 +24,7 @@ use std::{
 
 use tokio::{
     net::{TcpListener, TcpStream},
+    sync::Semaphore,
     task::JoinHandle,
 };
 use tracing::{debug, error, info};
@@ -32,14 +39,32 @@ struct Report {
     local_endpoints: usize,
 }
 
+/// Connections one health-check port serves at the same time.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Time a client has to send its request head (the answer does not depend on it).
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time a client has to take the answer.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
 struct Server {
     report: Arc<Mutex<Report>>,
-    task: JoinHandle<()>,
+    /// The addresses listened on (the NodePort addresses when the server started).
+    addrs: Vec<Ipv4Addr>,
+    /// One accept loop per address.
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    fn is_finished(&self) -> bool {
+        self.tasks.iter().any(|t| t.is_finished())
+    }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.task.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }
 
@@ -60,15 +85,16 @@ impl HealthCheckServers {
         }
     }
 
-    /// Serves exactly `checks` (starting and stopping servers), with the current counts.
+    /// Serves exactly `checks` (starting and stopping servers), with the current counts, on
+    /// `addrs` (the NodePort addresses; a server whose addresses changed is started again).
     /// Outside a tokio runtime (tests, benchmarks) nothing is served.
-    pub fn update(&mut self, checks: &[HealthCheck]) {
+    pub fn update(&mut self, checks: &[HealthCheck], addrs: &[Ipv4Addr]) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
         let wanted: BTreeMap<u16, &HealthCheck> = checks.iter().map(|c| (c.port, c)).collect();
         self.servers.retain(|port, s| {
-            let keep = wanted.contains_key(port) && !s.task.is_finished();
+            let keep = wanted.contains_key(port) && !s.is_finished() && s.addrs == addrs;
             if !keep {
                 info!(port, "health-check node port closed");
             }
@@ -92,22 +118,50 @@ impl HealthCheckServers {
                 }
                 continue;
             }
-            let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, port));
+            let service = format!("{}/{}", check.namespace, check.name);
+            if addrs.is_empty() {
+                error!(port, %service, "health-check node port: no NodePort address to listen on; retrying on the next sync");
+                continue;
+            }
             // Bind synchronously so a taken port is reported now and retried on the next sync.
-            let listener = match std::net::TcpListener::bind(addr).and_then(|l| {
-                l.set_nonblocking(true)?;
-                TcpListener::from_std(l)
-            }) {
+            let listeners: Result<Vec<TcpListener>, _> = addrs
+                .iter()
+                .map(|&a| {
+                    std::net::TcpListener::bind(SocketAddr::from((a, port))).and_then(|l| {
+                        l.set_nonblocking(true)?;
+                        TcpListener::from_std(l)
+                    })
+                })
+                .collect();
+            let listeners = match listeners {
                 Ok(l) => l,
                 Err(e) => {
-                    error!(port, service = %format!("{}/{}", check.namespace, check.name), "health-check node port: bind failed: {e}; retrying on the next sync");
+                    error!(port, %service, "health-check node port: bind failed: {e}; retrying on the next sync");
                     continue;
                 }
             };
-            info!(port, service = %format!("{}/{}", check.namespace, check.name), "serving health-check node port");
+            info!(port, %service, ?addrs, "serving health-check node port");
             let report = Arc::new(Mutex::new(report));
-            let task = tokio::spawn(serve(listener, report.clone(), self.proxy.clone()));
-            self.servers.insert(port, Server { report, task });
+            let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+            let tasks = listeners
+                .into_iter()
+                .map(|l| {
+                    tokio::spawn(serve(
+                        l,
+                        report.clone(),
+                        self.proxy.clone(),
+                        permits.clone(),
+                    ))
+                })
+                .collect();
+            self.servers.insert(
+                port,
+                Server {
+                    report,
+                    addrs: addrs.to_vec(),
+                    tasks,
+                },
+            );
         }
     }
 
@@ -117,9 +171,14 @@ impl HealthCheckServers {
     }
 }
 
-async fn serve(listener: TcpListener, report: Arc<Mutex<Report>>, proxy: Arc<HealthState>) {
+async fn serve(
+    listener: TcpListener,
+    report: Arc<Mutex<Report>>,
+    proxy: Arc<HealthState>,
+    permits: Arc<Semaphore>,
+) {
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 debug!("health-check accept: {e}");
@@ -127,15 +186,21 @@ async fn serve(listener: TcpListener, report: Arc<Mutex<Report>>, proxy: Arc<Hea
                 continue;
             }
         };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            debug!(%peer, "health-check node port: {MAX_CONNECTIONS} connections open; closing this one");
+            drop(stream);
+            continue;
+        };
         let (report, proxy) = (report.clone(), proxy.clone());
         tokio::spawn(async move {
+            let _permit = permit;
             // The answer does not depend on the request; read its head (bounded in size and
             // time) so closing does not reset the connection, then answer.
-            let _ = tokio::time::timeout(Duration::from_secs(5), read_head(&stream)).await;
+            let _ = tokio::time::timeout(READ_TIMEOUT, read_head(&stream)).await;
             let r = report.lock().unwrap_or_else(|e| e.into_inner()).clone();
             let healthy = proxy.health_at(SystemTime::now()).healthy;
             let _ = tokio::time::timeout(
-                Duration::from_secs(5),
+                WRITE_TIMEOUT,
                 write_all(&stream, response(&r, healthy).as_bytes()),
             )
             .await;
@@ -229,36 +294,138 @@ mod tests {
 
     /// A blocking GET (the server runs on the test's multi-thread runtime).
     fn get(port: u16) -> String {
+        get_from(Ipv4Addr::LOCALHOST, port).unwrap()
+    }
+
+    fn get_from(addr: Ipv4Addr, port: u16) -> std::io::Result<String> {
         use std::io::{Read as _, Write as _};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut s = std::net::TcpStream::connect((addr, port))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")?;
         let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
+        s.read_to_string(&mut out)?;
+        Ok(out)
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn check(port: u16, n: usize) -> HealthCheck {
+        HealthCheck {
+            namespace: "demo".into(),
+            name: "web".into(),
+            port,
+            local_endpoints: n,
+        }
+    }
+
+    /// Listening on the NodePort addresses only: 127.0.0.2 (also loopback, so reachable on a
+    /// wildcard socket) is refused while 127.0.0.1 answers; a new address set moves the server.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn listens_on_the_nodeport_addresses_only() {
+        let port = free_port();
+        let (one, two) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
+        let mut servers =
+            HealthCheckServers::new(Arc::new(HealthState::new(Duration::from_secs(60))));
+        servers.update(&[check(port, 1)], &[one]);
+        let fetch = |a| tokio::task::spawn_blocking(move || get_from(a, port));
+        assert!(
+            fetch(one)
+                .await
+                .unwrap()
+                .unwrap()
+                .starts_with("HTTP/1.1 200 ")
+        );
+        let refused = fetch(two).await.unwrap();
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
+            "{two} is not a NodePort address: {refused:?}"
+        );
+        servers.update(&[check(port, 1)], &[two]);
+        assert!(
+            fetch(two)
+                .await
+                .unwrap()
+                .unwrap()
+                .starts_with("HTTP/1.1 200 ")
+        );
+        assert!(fetch(one).await.unwrap().is_err(), "moved off {one}");
+        servers.update(&[check(port, 1)], &[]);
+        assert!(
+            servers.ports().is_empty(),
+            "no NodePort address: nothing served"
+        );
+    }
+
+    /// At most MAX_CONNECTIONS connections are served at once: with that many idle clients
+    /// holding the port, one more is closed unanswered; once they leave, requests are answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_connections_are_bounded() {
+        use std::io::Read as _;
+        let port = free_port();
+        let mut servers =
+            HealthCheckServers::new(Arc::new(HealthState::new(Duration::from_secs(60))));
+        servers.update(&[check(port, 1)], &[Ipv4Addr::LOCALHOST]);
+        let (idle, extra) = tokio::task::spawn_blocking(move || {
+            let idle: Vec<std::net::TcpStream> = (0..MAX_CONNECTIONS)
+                .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+                .collect();
+            // The server takes the idle ones in accept order, so the next one is over the limit
+            // once it is accepted: it is closed without an answer (EOF or reset, no bytes).
+            let mut extra = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            extra
+                .set_read_timeout(Some(Duration::from_secs(4)))
+                .unwrap();
+            let mut buf = Vec::new();
+            let got = extra.read_to_end(&mut buf);
+            (idle, (got.map_err(|e| e.kind()), buf))
+        })
+        .await
+        .unwrap();
+        assert!(
+            extra.1.is_empty()
+                && matches!(extra.0, Ok(_) | Err(std::io::ErrorKind::ConnectionReset)),
+            "the connection over the limit must be closed unanswered: {extra:?}"
+        );
+        drop(idle);
+        // The idle clients' tasks see EOF and give their permits back.
+        let mut answered = false;
+        for _ in 0..50 {
+            let reply = tokio::task::spawn_blocking(move || get_from(Ipv4Addr::LOCALHOST, port))
+                .await
+                .unwrap();
+            if reply.is_ok_and(|r| r.starts_with("HTTP/1.1 200 ")) {
+                answered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            answered,
+            "requests are answered again once the idle clients left"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serves_and_follows_updates_over_tcp() {
         // Port 0 is not a valid health-check port; pick a free one first.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let check = |n| HealthCheck {
-            namespace: "demo".into(),
-            name: "web".into(),
-            port,
-            local_endpoints: n,
-        };
+        let port = free_port();
+        let check = |n| check(port, n);
         let proxy = Arc::new(HealthState::new(Duration::from_secs(60)));
         let mut servers = HealthCheckServers::new(proxy.clone());
-        servers.update(&[check(0)]);
+        let local = [Ipv4Addr::LOCALHOST];
+        servers.update(&[check(0)], &local);
         assert_eq!(servers.ports(), vec![port]);
         let fetch = || tokio::task::spawn_blocking(move || get(port));
         assert!(fetch().await.unwrap().starts_with("HTTP/1.1 503 "));
-        servers.update(&[check(1)]);
+        servers.update(&[check(1)], &local);
         assert!(fetch().await.unwrap().starts_with("HTTP/1.1 200 "));
         // A change queued longer than the health timeout ago and never programmed: the proxy is
         // stuck, the node stops attracting load-balancer traffic although it has an endpoint.
@@ -268,7 +435,7 @@ mod tests {
         assert!(stuck.contains("\"serviceProxyHealthy\":false"), "{stuck}");
         proxy.updated();
         assert!(fetch().await.unwrap().starts_with("HTTP/1.1 200 "));
-        servers.update(&[]);
+        servers.update(&[], &local);
         assert!(servers.ports().is_empty());
     }
 }

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod model;
 pub mod node_addrs;
 pub mod occupancy;
+pub mod port_range;
 pub mod programmed;
 pub mod sizing;
 pub mod snapshot;

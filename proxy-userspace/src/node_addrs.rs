@@ -148,7 +148,7 @@ impl External {
             }
         }
         self.source_ranges.sync(&source_ranges::wanted(desired));
-        self.health_checks.update(checks);
+        self.health_checks.update(checks, &self.addrs.nodeport);
     }
 }
 

@@ -125,6 +125,29 @@ impl Datapath {
         Ok((result.return_value, out, result.duration))
     }
 
+    /// One run of `prog` over `input` as a GSO packet (`__sk_buff` gso_size/gso_segs set, as the
+    /// kernel hands a GRO/GSO aggregate to tc): (verdict, output frame).
+    fn run_gso(&self, prog: &str, input: &[u8], gso_size: u32, gso_segs: u32) -> (u32, Vec<u8>) {
+        // struct __sk_buff (uapi, 192 bytes): gso_segs at 164, gso_size at 176; every other field
+        // zero, as BPF_PROG_TEST_RUN requires.
+        let mut ctx = [0u8; 192];
+        ctx[164..168].copy_from_slice(&gso_segs.to_ne_bytes());
+        ctx[176..180].copy_from_slice(&gso_size.to_ne_bytes());
+        let mut out = vec![0u8; input.len() + 256];
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            ..Default::default()
+        };
+        let result = self
+            .prog(prog)
+            .test_run(opts)
+            .unwrap_or_else(|e| panic!("GSO BPF_PROG_TEST_RUN of {prog}: {e:#?}"));
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
     fn run(&self, prog: &str, input: &[u8]) -> (u32, Vec<u8>) {
         let (verdict, out, _) = self.run_timed(prog, input, 1);
         (verdict, out)
@@ -498,9 +521,15 @@ fn check_rst(what: &str, input: &[u8], out: &[u8], seq: u32, ack: u32, flags: u8
     );
 }
 
-/// The backend id the datapath must pick for a new flow (same pure functions).
+/// The backend id the datapath must pick for a new flow (same pure functions), seed 0.
 fn expected_pick(pkt: &Pkt, ids: &[u32]) -> u32 {
+    expected_pick_seeded(0, pkt, ids)
+}
+
+/// As [`expected_pick`] under the flow hash seed `seed`.
+fn expected_pick_seeded(seed: u32, pkt: &Pkt, ids: &[u32]) -> u32 {
     let hash = flow_hash(
+        seed,
         pkt.saddr.octets(),
         pkt.daddr.octets(),
         pkt.sport().to_be_bytes(),
@@ -639,6 +668,36 @@ fn port_that_moves(base: &Pkt, before: &[u32], after: &[u32]) -> u16 {
             expected_pick(&p, before) != expected_pick(&p, after)
         })
         .expect("some port changes backend when the set grows")
+}
+
+/// The backend of a new flow comes from the flow hash keyed by the load-time `hash_seed` (random
+/// per node in the agent): under two seeds the same 64 SYNs go where each seed says, and the two
+/// seeds disagree on some of them (a seed the datapath ignored would match only one).
+#[test]
+fn the_load_time_hash_seed_keys_the_backend_pick() {
+    let mut moved = 0;
+    for seed in [0x1234_5678u32, 0xdead_beef] {
+        let mut dp = Datapath::load_with(DatapathConfig {
+            hash_seed: seed,
+            ..DatapathConfig::DEFAULT
+        });
+        dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1, 2, 3, 4]);
+        for port in 40_000..40_064u16 {
+            let syn = Pkt::tcp(CLIENT, port, VIP, 80, SYN);
+            let want = expected_pick_seeded(seed, &syn, &[1, 2, 3, 4]);
+            let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+            assert_eq!(verdict, TC_NEXT, "seed {seed:#x} port {port}: verdict");
+            assert_eq!(
+                Decoded::parse(&out).daddr,
+                backend_addr(want).0,
+                "seed {seed:#x} port {port}: backend"
+            );
+            if want != expected_pick_seeded(0, &syn, &[1, 2, 3, 4]) {
+                moved += 1;
+            }
+        }
+    }
+    assert!(moved > 32, "only {moved} of 128 picks depend on the seed");
 }
 
 #[test]
@@ -924,6 +983,91 @@ fn udp_flow_is_dnated_and_reverse_natted() {
         (TC_NEXT, want),
         "padded minimum-size frame is DNATed, padding kept"
     );
+}
+
+/// IPv4 BIG TCP (Linux ≥ 6.3): a GSO aggregate beyond 64 KiB carries IPv4 total length 0 and
+/// its length in the skb. Such packets of a flow are DNATed on ingress and reverse-NATed on
+/// egress like any other (they were dropped as malformed), bytes equal to the same packets with a
+/// real total length, translated, then given total length 0.
+#[test]
+fn ipv4_big_tcp_packets_are_translated() {
+    /// The frame with IPv4 total length 0 and its header checksum recomputed.
+    fn big(frame: Vec<u8>) -> Vec<u8> {
+        let mut f = frame;
+        f[14 + 2..14 + 4].copy_from_slice(&[0, 0]);
+        f[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+        let c = proxy_common::csum::ipv4_header(&f[14..14 + 20]).to_be_bytes();
+        f[14 + 10..14 + 12].copy_from_slice(&c);
+        f
+    }
+    let dp = Datapath::load().with_services();
+    let syn = Pkt::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    let id = expected_pick(&syn, &[1, 2]);
+    let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+    assert_eq!((verdict, out), (TC_NEXT, dnated(&syn, id).bytes()), "SYN");
+
+    let data = Pkt::tcp(CLIENT, 41_000, VIP, 80, PSH | ACK).payload(&[0x5a; 2_000]);
+    let (verdict, out) = dp.run_gso(PROG_TC_INGRESS, &big(data.bytes()), 1_000, 2);
+    assert_eq!(verdict, TC_NEXT, "BIG TCP data to the VIP: verdict");
+    assert_eq!(
+        out,
+        big(dnated(&data, id).bytes()),
+        "BIG TCP data to the VIP is DNATed to backend {id}"
+    );
+    assert_eq!(dp.counter(Counter::EstablishedFlow), 1);
+    assert_eq!(dp.counter(Counter::DropMalformed), 0);
+
+    let reply = reply_from(&data, id);
+    let (verdict, out) = dp.run_gso(PROG_TC_EGRESS, &big(reply.bytes()), 1_000, 2);
+    assert_eq!(verdict, TC_NEXT, "BIG TCP reply: verdict");
+    assert_eq!(
+        out,
+        big(rev_natted(&reply, &data).bytes()),
+        "BIG TCP reply from the backend comes from the VIP"
+    );
+    assert_eq!(dp.counter(Counter::ReplyTranslated), 1);
+
+    // Total length 0 without GSO is still malformed: dropped when addressed to a Service.
+    let (verdict, _) = dp.run(PROG_TC_INGRESS, &big(data.bytes()));
+    assert_eq!(verdict, TC_ACT_SHOT, "total length 0 on a non-GSO packet");
+    assert_eq!(dp.counter(Counter::DropMalformed), 1);
+}
+
+/// Generated answers are rate-limited per CPU (`proxy_common::ratelimit`): a flood of SYNs to a
+/// Service without endpoints gets at most the burst plus the rate's worth for the time it took
+/// (per CPU the test thread ran on) as ICMP errors; the rest is dropped and counted. Bounds, not
+/// timings: the elapsed time only widens the allowance.
+#[test]
+fn generated_answers_are_rate_limited() {
+    use proxy_common::ratelimit::{REJECT_BURST, REJECT_COST_NS};
+    let dp = Datapath::load().with_services();
+    let syn = Pkt::tcp(CLIENT, 40_000, VIP_EMPTY, 80, SYN).bytes();
+    let started = std::time::Instant::now();
+    let (mut answered, mut dropped, mut sent) = (0u64, 0u64, 0u64);
+    while dropped < 20 && sent < 20_000 {
+        match dp.run(PROG_TC_INGRESS, &syn).0 {
+            TC_ACT_REDIRECT => answered += 1,
+            TC_ACT_SHOT => dropped += 1,
+            other => panic!("verdict {other} for a SYN to a Service without endpoints"),
+        }
+        sent += 1;
+    }
+    let elapsed = started.elapsed().as_nanos() as u64;
+    let cpus = aya::util::nr_cpus().expect("CPU count") as u64;
+    let allowance = cpus * (REJECT_BURST + elapsed / REJECT_COST_NS + 1);
+    eprintln!(
+        "{sent} SYNs in {elapsed} ns: {answered} answered, {dropped} dropped (allowance {allowance})"
+    );
+    assert!(
+        dropped >= 20,
+        "nothing over the limit after {sent} SYNs ({answered} answered)"
+    );
+    assert!(
+        (REJECT_BURST..=allowance).contains(&answered),
+        "{answered} answers, want the burst {REJECT_BURST} up to {allowance}"
+    );
+    assert_eq!(dp.counter(Counter::DropRejectRateLimited), dropped);
+    assert_eq!(dp.counter(Counter::NoEndpointsRejected), answered);
 }
 
 #[test]
@@ -2279,6 +2423,7 @@ fn snat_in_key(backend: Ipv4Addr, bport: u16, node_port: u16, proto: u8) -> Snat
 fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
     let range = u64::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
     let h = flow_hash(
+        0,
         client.saddr.octets(),
         backend.octets(),
         client.sport().to_be_bytes(),
@@ -3173,6 +3318,7 @@ const VIP2_UDP_REVNAT: u32 = 6;
 fn clash_port(p: &Pkt) -> u16 {
     let range = u64::from(CLASH_PORT_MAX - CLASH_PORT_MIN) + 1;
     let hash = flow_hash(
+        DatapathConfig::DEFAULT.hash_seed,
         p.saddr.octets(),
         p.daddr.octets(),
         p.sport().to_be_bytes(),

@@ -1,7 +1,8 @@
 //! Privileged: the map layer against real kernel maps (unpinned load). Batched writes must leave
 //! exactly what the plan says, in any mix of puts and deletes, including deletes of keys that are
 //! already gone. SNAT garbage collection must remove exactly the dead flows' entries. A pinned
-//! stats array from an agent with fewer counters is replaced at load.
+//! stats array from an agent with fewer counters, or any pinned map of another shape, is replaced
+//! at load; the flow hash seed is pinned and kept.
 //!
 //! Run by `sudo cargo xtask test` (KPE_PRIVILEGED=1); skipped otherwise.
 
@@ -394,4 +395,154 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
         "{text}"
     );
     drop(ebpf);
+}
+
+/// The flow hash seed is random per node and kept across agent restarts: the first load draws a
+/// nonzero seed and pins it in `SEED_V1`, a restarted agent (same pin dir) gets the same seed, and
+/// another node (another pin dir) gets another one.
+#[test]
+fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
+    require_privileged!();
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes};
+    use proxy_common::{MAP_SEED, SockLbConfig};
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let prefix = proxy_testenv::unique_prefix();
+    let node = |name: &str| {
+        let dir = proxy_testenv::PinDir::new(&format!("{prefix}-{name}")).expect("pin dir");
+        let pins = PinLayout::new(dir.path());
+        (dir, pins)
+    };
+    let start = |pins: &PinLayout| {
+        let seed = loader::node_seed(pins).expect("seed");
+        let config = DatapathConfig {
+            hash_seed: seed,
+            ..DatapathConfig::DEFAULT
+        };
+        let sizes = MapSizes {
+            services: 64,
+            backends: 64,
+            rev_nats: 64,
+            conntrack: 64,
+            snat: 64,
+        };
+        drop(loader::load_pinned(pins, &config, &sizes, &SockLbConfig::default()).expect("load"));
+        seed
+    };
+    let pinned = |pins: &PinLayout| -> u32 {
+        let data = aya::maps::MapData::from_pin(pins.map(MAP_SEED)).expect("pinned SEED_V1");
+        let map: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(data)).expect("array");
+        map.get(&0, 0).expect("seed entry")
+    };
+    let (_a_dir, a) = node("seed-a");
+    let (_b_dir, b) = node("seed-b");
+    let first = start(&a);
+    assert_ne!(first, 0, "the seed is drawn, not the default 0");
+    assert_eq!(pinned(&a), first, "the seed is pinned for the next agent");
+    assert_eq!(start(&a), first, "a restarted agent keeps the node's seed");
+    let other = start(&b);
+    assert_ne!(other, first, "another node draws its own seed");
+    assert_eq!(pinned(&b), other);
+}
+
+/// A pinned map under one of our names but of another shape (another type, key or value size:
+/// another layout, another tool) is replaced at load, with a map of the object's shape; the
+/// well-shaped pins are adopted (same kernel map).
+#[test]
+fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
+    require_privileged!();
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes};
+    use proxy_common::{MAP_BACKENDS, MAP_SERVICES, SockLbConfig};
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let dir = proxy_testenv::PinDir::new(&format!("{}-shape", proxy_testenv::unique_prefix()))
+        .expect("pin dir");
+    let pins = PinLayout::new(dir.path());
+    let sizes = MapSizes {
+        services: 64,
+        backends: 64,
+        rev_nats: 64,
+        conntrack: 64,
+        snat: 64,
+    };
+    let load = || {
+        drop(
+            loader::load_pinned(
+                &pins,
+                &DatapathConfig::DEFAULT,
+                &sizes,
+                &SockLbConfig::default(),
+            )
+            .expect("load"),
+        )
+    };
+    let info = |name: &str| {
+        aya::maps::MapData::from_pin(pins.map(name))
+            .and_then(|m| m.info())
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    load();
+    let ids = |skip: &[&str]| -> Vec<(&str, u32)> {
+        proxy_common::ALL_MAPS
+            .iter()
+            .filter(|n| !skip.contains(n))
+            .map(|&n| (n, info(n).id()))
+            .collect()
+    };
+    let others = ids(&[MAP_SERVICES, MAP_BACKENDS]);
+    load();
+    assert_eq!(
+        ids(&[MAP_SERVICES, MAP_BACKENDS]),
+        others,
+        "a restart adopts every well-shaped pin"
+    );
+    // Same names, other shapes: SERVICES with an 8-byte key, BACKENDS an array.
+    for (name, spec) in [
+        (
+            MAP_SERVICES,
+            ["hash", "key", "8", "value", "16", "entries", "64"],
+        ),
+        (
+            MAP_BACKENDS,
+            ["array", "key", "4", "value", "8", "entries", "64"],
+        ),
+    ] {
+        let path = pins.map(name);
+        std::fs::remove_file(&path).expect("unpin");
+        let out = std::process::Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&path)
+            .arg("type")
+            .args(spec)
+            .args(["name", name])
+            .output()
+            .expect("bpftool");
+        assert!(
+            out.status.success(),
+            "bpftool map create {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let wrong_services = info(MAP_SERVICES).id();
+    assert_eq!(info(MAP_SERVICES).key_size(), 8);
+
+    load();
+    let services = info(MAP_SERVICES);
+    assert_ne!(
+        services.id(),
+        wrong_services,
+        "the 8-byte-key SERVICES_V1 was adopted"
+    );
+    assert_eq!((services.key_size(), services.value_size()), (12, 16));
+    assert_eq!(
+        info(MAP_BACKENDS).map_type().expect("type"),
+        aya::maps::MapType::Hash,
+        "the array BACKENDS_V1 was adopted"
+    );
+    assert_eq!(
+        ids(&[MAP_SERVICES, MAP_BACKENDS]),
+        others,
+        "the well-shaped pins are adopted, not replaced"
+    );
 }

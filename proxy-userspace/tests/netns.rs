@@ -14,6 +14,14 @@ use std::{
     time::{Duration, Instant},
 };
 
+use aya::{
+    maps::PerCpuHashMap,
+    programs::{
+        LinkOrder, SchedClassifier, TcAttachType,
+        tc::{NlOptions, TcAttachOptions},
+    },
+};
+use proxy_common::TapKey;
 use proxy_testenv::{
     Agent, BACKENDS, ConnectOutcome, CurlReply, ManifestDir, PinDir, ServicePort, Topology,
     http_get_with_peer, require_privileged, tcp_connect_from, udp_request_from,
@@ -44,6 +52,20 @@ impl Env {
     fn start_with_flags(services: impl FnOnce(&ManifestDir), flags: &[&str]) -> Self {
         proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
         let topo = Topology::new().expect("creating the topology");
+        Self::start_on_with_flags(topo, services, flags)
+    }
+
+    /// As [`Env::start`] on a topology the test prepared (programs already on its interfaces).
+    fn start_on(topo: Topology, services: impl FnOnce(&ManifestDir)) -> Self {
+        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+        Self::start_on_with_flags(topo, services, &[])
+    }
+
+    fn start_on_with_flags(
+        topo: Topology,
+        services: impl FnOnce(&ManifestDir),
+        flags: &[&str],
+    ) -> Self {
         let manifests = ManifestDir::new().expect("manifest dir");
         services(&manifests);
         let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
@@ -1088,4 +1110,284 @@ fn a_long_tcp_stream_keeps_flowing_while_twice_the_conntrack_capacity_of_udp_flo
             });
         }
     }
+}
+
+/// Where the test-only tap (`tc_tap`) sits on a hook.
+#[derive(Clone, Copy, Debug)]
+enum TapPlace {
+    /// A TCX program in front of every other one.
+    TcxFirst,
+    /// A TCX program behind every other one.
+    TcxLast,
+    /// A legacy clsact filter (cls_bpf, direct action): runs after all TCX programs.
+    Legacy,
+}
+
+/// One attached copy of the tap: its own object (own `TAP_V1`), detached on drop.
+struct Tap {
+    ebpf: aya::Ebpf,
+    what: String,
+}
+
+impl Tap {
+    /// Loads a fresh copy of the object (every other map shrunk to one entry: only the tap runs)
+    /// and attaches its `tc_tap` to `ifname` in `node`, from a thread that entered the namespace.
+    fn attach(
+        node: &proxy_testenv::NetNs,
+        ifname: &str,
+        hook: TcAttachType,
+        place: TapPlace,
+    ) -> Self {
+        let what = format!("tap {place:?} on {ifname} {hook:?}");
+        let ns_path = node.path();
+        let ifname = ifname.to_owned();
+        let attached = thread::scope(|scope| {
+            scope
+                .spawn(|| -> Result<aya::Ebpf, String> {
+                    let ns = std::fs::File::open(&ns_path).map_err(|e| e.to_string())?;
+                    // SAFETY: setns(2) on a valid fd; moves only this scoped thread.
+                    if unsafe {
+                        libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET)
+                    } != 0
+                    {
+                        return Err(std::io::Error::last_os_error().to_string());
+                    }
+                    let mut loader = aya::EbpfLoader::new();
+                    for map in proxy_common::ALL_MAPS {
+                        loader.map_max_entries(map, 1);
+                    }
+                    let mut ebpf = loader
+                        .load(kube_proxy_ebpf::ebpf_object::EBPF_OBJECT)
+                        .map_err(|e| format!("loading the object: {e}"))?;
+                    let prog: &mut SchedClassifier = ebpf
+                        .program_mut(proxy_common::PROG_TC_TAP)
+                        .ok_or("no tc_tap program")?
+                        .try_into()
+                        .map_err(|e| format!("{e}"))?;
+                    prog.load().map_err(|e| format!("loading tc_tap: {e}"))?;
+                    let options = match place {
+                        TapPlace::TcxFirst => TcAttachOptions::TcxOrder(LinkOrder::first()),
+                        TapPlace::TcxLast => TcAttachOptions::TcxOrder(LinkOrder::last()),
+                        TapPlace::Legacy => {
+                            // EEXIST when the other direction created it already.
+                            let _ = aya::programs::tc::qdisc_add_clsact(&ifname);
+                            TcAttachOptions::Netlink(NlOptions::default())
+                        }
+                    };
+                    prog.attach_with_options(&ifname, hook, options)
+                        .map_err(|e| format!("attaching: {e}"))?;
+                    Ok(ebpf)
+                })
+                .join()
+                .expect("tap attach thread panicked")
+        });
+        let ebpf = attached.unwrap_or_else(|e| panic!("{what}: {e}"));
+        Self { ebpf, what }
+    }
+
+    /// Packets seen so far, per 5-tuple (summed over CPUs).
+    fn counts(&self) -> BTreeMap<TapKey, u64> {
+        let map: PerCpuHashMap<_, TapKey, u64> = PerCpuHashMap::try_from(
+            self.ebpf
+                .map(proxy_common::MAP_TAP)
+                .unwrap_or_else(|| panic!("{}: no TAP_V1 map", self.what)),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", self.what));
+        map.iter()
+            .map(|entry| {
+                let (key, values) = entry.unwrap_or_else(|e| panic!("{}: {e}", self.what));
+                (key, values.iter().sum())
+            })
+            .collect()
+    }
+}
+
+/// An endpoint pattern: an address (`None` = any) and a port (0 = any).
+type Endpoint = (Option<Ipv4Addr>, u16);
+
+/// TCP packets `from` → `to` a tap saw.
+fn tcp_packets(tap: &Tap, from: Endpoint, to: Endpoint) -> u64 {
+    let matches = |addr: [u8; 4], port: [u8; 2], (a, p): Endpoint| {
+        a.is_none_or(|a| a.octets() == addr) && (p == 0 || port == p.to_be_bytes())
+    };
+    tap.counts()
+        .into_iter()
+        .filter(|(k, _)| {
+            k.proto == 6 && matches(k.saddr, k.sport, from) && matches(k.daddr, k.dport, to)
+        })
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// The six copies of the tap on the client's host veth.
+struct ChainTaps {
+    front_in: Tap,
+    front_out: Tap,
+    earlier_in: Tap,
+    earlier_out: Tap,
+    legacy_in: Tap,
+    legacy_out: Tap,
+}
+
+impl ChainTaps {
+    /// What each saw (cumulative): requests to the VIP / to a backend, replies from a backend /
+    /// from the VIP.
+    fn seen(&self) -> [(&'static str, u64); 12] {
+        let vip = (Some(WEB), 80);
+        let backend = (None, 8080);
+        let client = (Some(proxy_testenv::CLIENT_IP), 0);
+        [
+            (
+                "ingress, in front, to the VIP",
+                tcp_packets(&self.front_in, client, vip),
+            ),
+            (
+                "ingress, in front, to a backend",
+                tcp_packets(&self.front_in, client, backend),
+            ),
+            (
+                "ingress, earlier TCX program, to the VIP",
+                tcp_packets(&self.earlier_in, client, vip),
+            ),
+            (
+                "ingress, earlier TCX program, to a backend",
+                tcp_packets(&self.earlier_in, client, backend),
+            ),
+            (
+                "ingress, legacy filter, to the VIP",
+                tcp_packets(&self.legacy_in, client, vip),
+            ),
+            (
+                "ingress, legacy filter, to a backend",
+                tcp_packets(&self.legacy_in, client, backend),
+            ),
+            (
+                "egress, in front, from a backend",
+                tcp_packets(&self.front_out, backend, client),
+            ),
+            (
+                "egress, in front, from the VIP",
+                tcp_packets(&self.front_out, vip, client),
+            ),
+            (
+                "egress, earlier TCX program, from a backend",
+                tcp_packets(&self.earlier_out, backend, client),
+            ),
+            (
+                "egress, earlier TCX program, from the VIP",
+                tcp_packets(&self.earlier_out, vip, client),
+            ),
+            (
+                "egress, legacy filter, from a backend",
+                tcp_packets(&self.legacy_out, backend, client),
+            ),
+            (
+                "egress, legacy filter, from the VIP",
+                tcp_packets(&self.legacy_out, vip, client),
+            ),
+        ]
+    }
+
+    /// 20 requests through the VIP (all answered from it), then: every program saw every packet,
+    /// untranslated in front of ours, translated behind; and at least `min_requests` requests.
+    fn check(&self, env: &Env, when: &str, min_requests: u64) -> u64 {
+        let counts = env.web_distribution(20);
+        eprintln!("{when}: 20 requests through {WEB}: {counts:?}");
+        let want = |t: &[(&str, u64); 12]| {
+            let (requests, replies) = (t[0].1, t[6].1);
+            [
+                requests, 0, 0, requests, 0, requests, replies, 0, 0, replies, 0, replies,
+            ]
+        };
+        // The last ACKs of a connection can trail curl's exit by a moment: wait (bounded) until
+        // the observers agree before judging.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut seen = self.seen();
+        while seen.map(|(_, n)| n) != want(&seen) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(100));
+            seen = self.seen();
+        }
+        eprintln!("{when}: packets seen by the other programs: {seen:#?}");
+        let (requests, replies) = (seen[0].1, seen[6].1);
+        env.check(requests >= min_requests && replies >= 20 * 2, || {
+            format!(
+                "{when}: the program in front saw {requests} request and {replies} reply packets"
+            )
+        });
+        env.check(seen.map(|(_, n)| n) == want(&seen), || {
+            format!("{when}: every program on the hooks must see every packet, translated behind ours (want {:?}): {seen:#?}", want(&seen))
+        });
+        requests
+    }
+}
+
+/// Another program on the same hook (a CNI's, a policy agent's, a legacy tc filter such as the
+/// bandwidth plugin's) keeps working beside ours: on the client's host veth, a TCX program that
+/// was there before the agent (appended, as Cilium attaches), a legacy clsact filter, and a TCX
+/// program put in front of ours after the agent started. Both hooks: ingress (requests, DNATed)
+/// and egress (replies, reverse-NATed). Every one of them sees every packet of the Service
+/// traffic — the ones in front untranslated, the ones behind translated — and the requests are
+/// still answered from the VIP; the same after an agent restart (the adopted links keep their
+/// place). Fails if our programs ended the chain (TC_ACT_OK), were appended behind the earlier
+/// program (it would see the VIP), or went back to the head on restart.
+#[test]
+fn programs_before_and_after_ours_on_the_same_hook_see_every_packet() {
+    require_privileged!();
+    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+    let topo = Topology::new().expect("creating the topology");
+    let client_if = topo.pod("client").expect("client pod").host_if.clone();
+    let tap = |ns: &proxy_testenv::NetNs, hook, place| Tap::attach(ns, &client_if, hook, place);
+    let earlier_in = tap(topo.node(), TcAttachType::Ingress, TapPlace::TcxLast);
+    let earlier_out = tap(topo.node(), TcAttachType::Egress, TapPlace::TcxLast);
+    let legacy_in = tap(topo.node(), TcAttachType::Ingress, TapPlace::Legacy);
+    let legacy_out = tap(topo.node(), TcAttachType::Egress, TapPlace::Legacy);
+    let mut env = Env::start_on(topo, |m| web(m, &all_backends()));
+    let taps = ChainTaps {
+        front_in: tap(env.topo.node(), TcAttachType::Ingress, TapPlace::TcxFirst),
+        front_out: tap(env.topo.node(), TcAttachType::Egress, TapPlace::TcxFirst),
+        earlier_in,
+        earlier_out,
+        legacy_in,
+        legacy_out,
+    };
+    let requests = taps.check(&env, "first agent", 20 * 3);
+
+    env.agent
+        .restart()
+        .unwrap_or_else(|e| env.fail(&format!("restart: {e:#}")));
+    env.agent
+        .wait_attached(&env.topo.pod_interfaces())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    taps.check(&env, "restarted agent", requests + 20 * 3);
+    drop(taps);
+}
+
+/// A node whose ephemeral port range overlaps the SNAT ports (61000–65535) is refused at start,
+/// with an error naming the sysctl and both ranges; the default range (32768–60999) starts.
+#[test]
+fn an_ephemeral_port_range_overlapping_the_snat_ports_refuses_to_start() {
+    require_privileged!();
+    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+    let topo = Topology::bare().expect("node namespace");
+    topo.node()
+        .sysctl("net.ipv4.ip_local_port_range", "32768 65535")
+        .expect("widening the port range");
+    let manifests = ManifestDir::new().expect("manifest dir");
+    let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
+    let mut cmd = topo.node().nsenter(&[BIN, "run"]);
+    cmd.arg("--manifests")
+        .arg(manifests.path())
+        .arg("--pin-dir")
+        .arg(pins.path())
+        .args(["--socket-lb-cgroup", "none"]);
+    let out = proxy_testenv::run_with_timeout(cmd, Duration::from_secs(20)).expect("agent run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the agent started: {stderr}");
+    for part in ["net.ipv4.ip_local_port_range", "32768-65535", "61000-65535"] {
+        assert!(stderr.contains(part), "error lacks {part:?}: {stderr}");
+    }
+    assert!(
+        !pins.path().join(proxy_common::MAP_SERVICES).exists(),
+        "nothing may be loaded before the check"
+    );
 }

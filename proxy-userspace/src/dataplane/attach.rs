@@ -16,6 +16,18 @@ use proxy_common::{PROG_TC_EGRESS, PROG_TC_INGRESS};
 
 use super::{Error, Result, bpffs::PinLayout, interfaces::Interface, loader::program_mut};
 
+/// Where a new link goes in the interface's TCX chain: first. Our programs hand every packet they
+/// neither drop nor redirect on with TCX_NEXT, so the programs after ours (a CNI's, a policy
+/// agent's, and all legacy clsact filters, which run after every TCX program) see each packet,
+/// already translated: a pod's packet to a Service carries its backend's address, as netfilter's
+/// DNAT gives it to everything after PREROUTING, and a reply carries the Service's address.
+/// Appending instead would put us behind programs that end the chain (Cilium appends with
+/// `link.Tail()` and returns TC_ACT_OK/redirect), which would silently disable every Service.
+/// A program attached later in front of ours sees untranslated packets; ours still runs when it
+/// returns TCX_NEXT. Adopting a pinned link on restart swaps the program in place, so the
+/// position is kept.
+const CHAIN_POSITION: LinkOrder = LinkOrder::first();
+
 /// Which hook of an interface.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Hook {
@@ -206,7 +218,7 @@ impl Attacher {
             .attach_with_options(
                 &id.ifname,
                 id.hook.attach_type(),
-                TcAttachOptions::TcxOrder(LinkOrder::default()),
+                TcAttachOptions::TcxOrder(CHAIN_POSITION),
             )
             .map_err(attach_err)?;
         let link = prog.take_link(link_id).map_err(attach_err)?;

@@ -1,12 +1,12 @@
 //! Loads the embedded eBPF object. Maps are pinned by name under the pin directory: an existing
 //! pin is adopted (same kernel map, contents kept), a missing one is created and pinned.
 
-use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use aya::{Ebpf, EbpfLoader, maps::Array, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, COUNTER_COUNT, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_STATS, MAP_TAIL_CALLS,
-    PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY,
-    SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
+    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT, MAP_STATS,
+    MAP_TAIL_CALLS, PROG_TC_EGRESS, PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY,
+    SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -47,7 +47,8 @@ impl MapSizes {
 }
 
 /// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) every
-/// program. Nothing is attached yet.
+/// program. Nothing is attached yet. `config.hash_seed` (from [`node_seed`]) is recorded in the
+/// pinned `SEED_V1` for the next agent.
 pub fn load_pinned(
     pins: &PinLayout,
     config: &DatapathConfig,
@@ -55,7 +56,7 @@ pub fn load_pinned(
     sock_lb: &SockLbConfig,
 ) -> Result<Ebpf> {
     pins.create()?;
-    replace_outgrown_stats(pins);
+    replace_mismatched_pins(pins)?;
     let paths: Vec<(&'static str, std::path::PathBuf)> =
         ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
     let mut loader = EbpfLoader::new();
@@ -73,31 +74,158 @@ pub fn load_pinned(
         .map_max_entries(MAP_SNAT, sizes.snat);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
+    let map_err = |source| Error::Map {
+        name: MAP_SEED,
+        source,
+    };
+    let mut seed: Array<_, u32> =
+        Array::try_from(ebpf.map_mut(MAP_SEED).ok_or(Error::Missing {
+            what: "map",
+            name: MAP_SEED,
+        })?)
+        .map_err(map_err)?;
+    seed.set(0, config.hash_seed, 0).map_err(map_err)?;
     Ok(ebpf)
 }
 
-/// A pinned STATS array from an older agent with fewer counters than this one is unpinned, so
-/// the load creates one with room for every counter (the adopted one would silently drop the new
-/// counters). Counters restart from zero then; nothing else is affected (the old programs keep
-/// their map until their links get the new programs).
-fn replace_outgrown_stats(pins: &PinLayout) {
-    let path = pins.map(MAP_STATS);
-    let Ok(map) = aya::maps::MapData::from_pin(&path) else {
-        return;
-    };
-    let Ok(entries) = map.info().map(|i| i.max_entries()) else {
-        return;
-    };
-    if entries < COUNTER_COUNT {
-        tracing::info!(
-            pinned = entries,
-            counters = COUNTER_COUNT,
-            "pinned {MAP_STATS} has fewer counters than this agent: replacing it (counters restart)"
-        );
-        if let Err(e) = std::fs::remove_file(&path) {
-            tracing::warn!(path = %path.display(), "cannot unpin the old stats map: {e}");
-        }
+/// The node's flow hash seed: the one an earlier agent pinned in `SEED_V1`, else a fresh random
+/// nonzero one (which [`load_pinned`] then pins). Kept across restarts rather than drawn anew:
+/// conntrack keeps every flow's backend anyway, but a flow whose entry was evicted (LRU) is
+/// hashed again, and the same seed sends it where it went before while the backend set is
+/// unchanged. Per node, not per cluster: nodes pick
+/// independently already (their backend slots are their own).
+pub fn node_seed(pins: &PinLayout) -> Result<u32> {
+    if let Some(seed) = pinned_seed(pins) {
+        return Ok(seed);
     }
+    let io_err = |source| Error::Io {
+        what: "reading /dev/urandom for the flow hash seed".into(),
+        source,
+    };
+    let mut bytes = [0u8; 4];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .map_err(io_err)?;
+    // 0 is the unseeded default (tests); one value in 2^32 is not worth a second draw.
+    Ok(u32::from_ne_bytes(bytes).max(1))
+}
+
+/// The seed in a pinned `SEED_V1`, when there is one holding a nonzero seed.
+fn pinned_seed(pins: &PinLayout) -> Option<u32> {
+    let data = aya::maps::MapData::from_pin(pins.map(MAP_SEED)).ok()?;
+    let map: Array<_, u32> = Array::try_from(aya::maps::Map::Array(data)).ok()?;
+    map.get(&0, 0).ok().filter(|&s| s != 0)
+}
+
+/// What a map must be for the datapath to use it: kernel map type, key and value sizes, flags and
+/// entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapShape {
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+    pub flags: u32,
+}
+
+impl std::fmt::Display for MapShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "type {} key {} B value {} B {} entries flags {:#x}",
+            self.map_type, self.key_size, self.value_size, self.max_entries, self.flags
+        )
+    }
+}
+
+const BPF_MAP_TYPE_ARRAY: u32 = aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_ARRAY as u32;
+const BPF_MAP_TYPE_PERCPU_ARRAY: u32 =
+    aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_PERCPU_ARRAY as u32;
+
+/// Pure: why a pinned map shaped `pinned` cannot be adopted where the object declares `want`, or
+/// `None` to adopt it. Type, key size, value size and flags must be equal. Entries: hash maps
+/// keep the size they were created with (`--map-entries-*` applies to new maps only); an array
+/// is indexed by the datapath, so it needs at least the object's entries (a STATS array from an
+/// agent with fewer counters would silently drop the new ones).
+pub fn pin_mismatch(want: &MapShape, pinned: &MapShape) -> Option<&'static str> {
+    if pinned.map_type != want.map_type {
+        Some("map type")
+    } else if pinned.key_size != want.key_size {
+        Some("key size")
+    } else if pinned.value_size != want.value_size {
+        Some("value size")
+    } else if pinned.flags != want.flags {
+        Some("flags")
+    } else if matches!(
+        want.map_type,
+        BPF_MAP_TYPE_ARRAY | BPF_MAP_TYPE_PERCPU_ARRAY
+    ) && pinned.max_entries < want.max_entries
+    {
+        Some("fewer entries")
+    } else {
+        None
+    }
+}
+
+/// The shapes the embedded object declares for the pinned maps.
+fn object_shapes() -> Result<Vec<(&'static str, MapShape)>> {
+    let obj = aya_obj::Object::parse(EBPF_OBJECT).map_err(|e| Error::Io {
+        what: "parsing the embedded eBPF object".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    ALL_MAPS
+        .iter()
+        .map(|&name| {
+            let m = obj
+                .maps
+                .get(name)
+                .ok_or(Error::Missing { what: "map", name })?;
+            Ok((
+                name,
+                MapShape {
+                    map_type: m.map_type(),
+                    key_size: m.key_size(),
+                    value_size: m.value_size(),
+                    max_entries: m.max_entries(),
+                    flags: m.map_flags(),
+                },
+            ))
+        })
+        .collect()
+}
+
+/// A pinned map another layout left under one of our names (an older agent whose ABI changed
+/// without a new `_V` name, another tool, a corrupted upgrade) is unpinned, so the load creates
+/// one this datapath can use, instead of adopting a map the programs would misread. Logged with
+/// both shapes; its entries are lost (the old programs keep it until their links get the new
+/// ones). The same rule replaces a STATS array from an agent with fewer counters.
+fn replace_mismatched_pins(pins: &PinLayout) -> Result<()> {
+    for (name, want) in object_shapes()? {
+        let path = pins.map(name);
+        let Ok(info) = aya::maps::MapData::from_pin(&path).and_then(|m| m.info()) else {
+            continue;
+        };
+        let pinned = MapShape {
+            map_type: info.map_type().map_or(u32::MAX, |t| t as u32),
+            key_size: info.key_size(),
+            value_size: info.value_size(),
+            max_entries: info.max_entries(),
+            flags: info.map_flags(),
+        };
+        let Some(why) = pin_mismatch(&want, &pinned) else {
+            continue;
+        };
+        tracing::warn!(
+            map = name,
+            path = %path.display(),
+            "pinned map differs in {why} ({pinned}; this agent needs {want}): replacing it, its entries are lost"
+        );
+        std::fs::remove_file(&path).map_err(|source| Error::Io {
+            what: format!("unpinning the mismatched {}", path.display()),
+            source,
+        })?;
+    }
+    Ok(())
 }
 
 /// Loads the object without pins (fresh private maps): for tests and benchmarks.
@@ -187,4 +315,73 @@ where
     })?;
     prog.try_into()
         .map_err(|source| Error::Program { name, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HASH: u32 = aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_HASH as u32;
+
+    fn shape(map_type: u32, max_entries: u32) -> MapShape {
+        MapShape {
+            map_type,
+            key_size: 12,
+            value_size: 16,
+            max_entries,
+            flags: 0,
+        }
+    }
+
+    #[test]
+    fn pinned_maps_are_adopted_only_with_the_same_shape() {
+        let want = shape(HASH, 1024);
+        assert_eq!(pin_mismatch(&want, &want), None);
+        assert_eq!(
+            pin_mismatch(&want, &shape(HASH, 10)),
+            None,
+            "hash maps keep their size"
+        );
+        for (pinned, why) in [
+            (shape(BPF_MAP_TYPE_ARRAY, 1024), "map type"),
+            (
+                MapShape {
+                    key_size: 8,
+                    ..want
+                },
+                "key size",
+            ),
+            (
+                MapShape {
+                    value_size: 8,
+                    ..want
+                },
+                "value size",
+            ),
+            (MapShape { flags: 1, ..want }, "flags"),
+        ] {
+            assert_eq!(pin_mismatch(&want, &pinned), Some(why), "{pinned}");
+        }
+        let stats = shape(BPF_MAP_TYPE_PERCPU_ARRAY, 34);
+        assert_eq!(
+            pin_mismatch(&stats, &shape(BPF_MAP_TYPE_PERCPU_ARRAY, 10)),
+            Some("fewer entries")
+        );
+        assert_eq!(
+            pin_mismatch(&stats, &shape(BPF_MAP_TYPE_PERCPU_ARRAY, 40)),
+            None,
+            "an array with more entries serves"
+        );
+    }
+
+    #[test]
+    fn the_object_declares_every_pinned_map() {
+        let shapes = object_shapes().expect("shapes");
+        assert_eq!(shapes.len(), ALL_MAPS.len());
+        let services = shapes.iter().find(|(n, _)| *n == MAP_SERVICES).unwrap().1;
+        assert_eq!(
+            (services.map_type, services.key_size, services.value_size),
+            (HASH, 12, 16)
+        );
+    }
 }
