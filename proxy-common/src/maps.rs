@@ -103,12 +103,18 @@ pub mod service_flags {
     /// A NodePort, externalIP or LoadBalancer frontend: with externalTrafficPolicy Cluster, flows
     /// to a backend on another node are SNATed to the node's address (`NODE_V1`).
     pub const EXTERNAL: u16 = 1 << 1;
-    /// externalTrafficPolicy Local: never SNAT (the backend sees the client), and no backends
-    /// means drop, not reject (the load balancer's health check steers clients away).
+    /// externalTrafficPolicy Local: never SNAT (the backend sees the client).
     pub const EXTERNAL_LOCAL: u16 = 1 << 2;
     /// A LoadBalancer frontend with loadBalancerSourceRanges: new flows from sources outside
     /// its prefixes in `SRCRANGES_V1` are dropped.
     pub const SOURCE_RANGES: u16 = 1 << 3;
+    /// No backends (`count == 0`) means drop, not reject: a Local traffic policy (internal for a
+    /// ClusterIP, external for a NodePort/externalIP/LoadBalancer frontend) whose Service has
+    /// usable endpoints on other nodes but none here (upstream's "drop" filter verdict; the load
+    /// balancer's health check steers external clients away). Without it, `count == 0` means no
+    /// usable endpoint anywhere and new flows are rejected (ICMP port unreachable), for every
+    /// policy. The agent sets it only while the frontend has no backends.
+    pub const DROP_WHEN_EMPTY: u16 = 1 << 4;
 }
 
 /// Value of a `SERVICES` entry. For slot 0 (frontend): `count`, `rev_nat_id`, `flags`,
@@ -117,7 +123,8 @@ pub mod service_flags {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct ServiceValue {
     pub backend_id: u32,
-    /// Number of backend slots (frontend entry only). 0 = no endpoints: the datapath rejects.
+    /// Number of backend slots (frontend entry only). 0 = no endpoints: the datapath rejects (or
+    /// drops, with `service_flags::DROP_WHEN_EMPTY`).
     pub count: u16,
     pub flags: u16,
     pub rev_nat_id: u32,

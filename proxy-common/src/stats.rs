@@ -76,7 +76,9 @@ counters! {
     SnatReplyTranslated = "snat_reply_translated",
     /// An external flow to a remote backend sent without SNAT: the node has no SNAT address yet.
     SnatNoNodeAddr = "snat_no_node_addr",
-    /// Dropped: externalTrafficPolicy Local and no endpoint on this node (not rejected).
+    /// Dropped (or, in the socket hooks, connect()/sendmsg() failed with ETIMEDOUT): a Local
+    /// traffic policy (internal or external) with endpoints on other nodes but none on this one
+    /// (`service_flags::DROP_WHEN_EMPTY`; not rejected).
     DropNoLocalEndpoints = "drop_no_local_endpoints",
     /// Dropped: no free SNAT port for the flow's backend within the probe limit.
     DropSnatPortsExhausted = "drop_snat_ports_exhausted",

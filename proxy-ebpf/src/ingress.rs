@@ -132,8 +132,9 @@ fn new_flow(
         if let Some(old) = old {
             conntrack::remove(key, old);
         }
-        if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 {
-            // Like kube-proxy: no local endpoint for eTP=Local external traffic is a drop.
+        if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
+            // Like kube-proxy: a Local policy with endpoints only on other nodes drops; no
+            // usable endpoint anywhere rejects (below).
             return Err(Drop::NoLocalEndpoints);
         }
         let verdict = reject::icmp_port_unreachable(ctx, p)?;

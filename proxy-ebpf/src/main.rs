@@ -64,7 +64,7 @@ pub(crate) enum Drop {
     RejectFailed,
     /// A checksum or store helper failed while rewriting.
     RewriteFailed,
-    /// externalTrafficPolicy Local and no endpoint on this node.
+    /// A Local traffic policy with endpoints on other nodes and none on this one.
     NoLocalEndpoints,
     /// No free SNAT port for the flow's backend.
     SnatPortsExhausted,

@@ -21,6 +21,18 @@ pub struct Categorized {
     /// Serving and terminating but not selected: kept so established flows finish. Sorted,
     /// disjoint from `selected`.
     pub retained: Vec<DesiredBackend>,
+    /// The Service port has a usable endpoint somewhere in the cluster (upstream
+    /// `hasAnyEndpoints`): ready, or serving and terminating, on any node. With a Local policy
+    /// and nothing `selected`, this tells "drop" (served elsewhere) from "reject" (nowhere).
+    pub usable_anywhere: bool,
+}
+
+impl Categorized {
+    /// Nothing selected but usable endpoints elsewhere: with a Local policy, new flows are
+    /// dropped (upstream), not rejected.
+    pub fn drops(&self) -> bool {
+        self.selected.is_empty() && self.usable_anywhere
+    }
 }
 
 /// Pick the endpoints for one Service port.
@@ -65,7 +77,18 @@ pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>
         .collect();
     retained.sort();
     retained.dedup();
-    Categorized { selected, retained }
+    let usable_anywhere = if policy.local_only {
+        endpoints
+            .iter()
+            .any(|ep| ep.ready || (ep.serving && ep.terminating))
+    } else {
+        !selected.is_empty()
+    };
+    Categorized {
+        selected,
+        retained,
+        usable_anywhere,
+    }
 }
 
 /// Upstream `topologyModeFromHints`: zone hints are used only if every ready endpoint carries

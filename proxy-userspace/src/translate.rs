@@ -408,6 +408,7 @@ fn service_frontends(
                 service: service.clone(),
                 kind: FrontendKind::ClusterIp,
                 external_local: false,
+                drop_when_empty: policy.local_only && chosen.drops(),
                 source_ranges: Vec::new(),
                 backends: chosen.selected.clone(),
                 retained: chosen.retained.clone(),
@@ -443,6 +444,7 @@ fn service_frontends(
                 service: service.clone(),
                 kind,
                 external_local,
+                drop_when_empty: external_local && chosen.drops(),
                 source_ranges: if kind == FrontendKind::LoadBalancer {
                     lb_source_ranges.clone()
                 } else {
@@ -454,6 +456,7 @@ fn service_frontends(
             // Same source ranges: they apply before the datapath chooses the entry.
             let internal = in_cluster.as_ref().map(|cluster| DesiredFrontend {
                 external_local: false,
+                drop_when_empty: false,
                 backends: cluster.selected.clone(),
                 retained: cluster.retained.clone(),
                 ..df.clone()
@@ -1580,6 +1583,78 @@ mod tests {
             t.health_checks.is_empty(),
             "NodePort type has no health check"
         );
+    }
+
+    /// Upstream's verdicts without a usable endpoint: no usable endpoint anywhere rejects for
+    /// every policy; a Local policy (internal or external) served only by other nodes drops.
+    #[test]
+    fn no_endpoint_verdicts_drop_only_when_a_local_policy_is_served_elsewhere() {
+        use proxy_common::service_flags::{DROP_WHEN_EMPTY, EXTERNAL, EXTERNAL_LOCAL};
+        let http = || json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
+        let itp = |name: &str, ip: &str| {
+            external_service(
+                name,
+                json!({"clusterIP": ip, "internalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80}]}),
+                json!({}),
+            )
+        };
+        let etp = |name: &str, ip: &str, np: i32| {
+            external_service(
+                name,
+                json!({"type": "NodePort", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80, "nodePort": np}]}),
+                json!({}),
+            )
+        };
+        let not_serving = ep(
+            "10.244.2.13",
+            "node-b",
+            (Some(false), Some(false), Some(true)),
+        );
+        let t = translate_node(
+            vec![
+                itp("itp-elsewhere", "10.96.1.1"),
+                itp("itp-nowhere", "10.96.1.2"),
+                etp("etp-elsewhere", "10.96.1.3", 30101),
+                etp("etp-nowhere", "10.96.1.4", 30102),
+                etp("etp-draining-elsewhere", "10.96.1.5", 30103),
+            ],
+            vec![
+                slice("itp-elsewhere", "a", http(), vec![ready("10.244.2.11")]),
+                slice("itp-nowhere", "b", http(), vec![not_serving.clone()]),
+                slice("etp-elsewhere", "c", http(), vec![ready("10.244.2.12")]),
+                slice("etp-nowhere", "d", http(), vec![not_serving]),
+                slice(
+                    "etp-draining-elsewhere",
+                    "e",
+                    http(),
+                    vec![terminating("10.244.2.14", true)],
+                ),
+            ],
+        );
+        let flags = |frontend: &str| {
+            let (fe, df) = t
+                .desired
+                .frontends
+                .iter()
+                .find(|(fe, _)| fe.to_string() == frontend)
+                .unwrap_or_else(|| panic!("no frontend {frontend}"));
+            crate::encode::frontend_flags(fe, df)
+        };
+        let ext = EXTERNAL | EXTERNAL_LOCAL;
+        for (frontend, want) in [
+            ("10.96.1.1:80/TCP", DROP_WHEN_EMPTY),
+            ("10.96.1.2:80/TCP", 0),
+            ("192.168.50.10:30101/TCP", ext | DROP_WHEN_EMPTY),
+            ("192.168.50.10:30101/TCP (in-cluster)", 0),
+            ("10.96.1.3:80/TCP", 0),
+            ("192.168.50.10:30102/TCP", ext),
+            ("192.168.50.10:30102/TCP (in-cluster)", 0),
+            ("192.168.50.10:30103/TCP", ext | DROP_WHEN_EMPTY),
+        ] {
+            assert_eq!(flags(frontend), want, "{frontend}");
+        }
     }
 
     #[test]

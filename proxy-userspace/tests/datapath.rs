@@ -1555,7 +1555,8 @@ fn raw_backend(addr: Ipv4Addr, port: u16, proto: u8, flags: u8) -> Backend {
 }
 
 /// NodePort frontends: NODE_IP:30080/TCP and /UDP (eTP=Cluster, one remote backend),
-/// NODE_IP:30081/TCP (eTP=Cluster, one local backend), NODE_IP:30082/TCP (eTP=Local, none).
+/// NODE_IP:30081/TCP (eTP=Cluster, one local backend), NODE_IP:30082/TCP (eTP=Local, none here,
+/// some on other nodes: `DROP_WHEN_EMPTY`).
 fn nodeport_datapath() -> Datapath {
     nodeport_datapath_with(DatapathConfig::DEFAULT)
 }
@@ -1592,7 +1593,7 @@ fn nodeport_datapath_with(cfg: DatapathConfig) -> Datapath {
         NODE_IP,
         NODE_PORT + 2,
         proto::TCP,
-        ext | service_flags::EXTERNAL_LOCAL,
+        ext | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY,
         &[],
     );
     dp
@@ -1995,7 +1996,7 @@ fn etp_local_datapath(cluster_cidr: bool) -> Datapath {
         NODE_IP,
         NODE_PORT + 2,
         proto::TCP,
-        service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL,
+        service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY,
         &[],
     );
     dp.set_in_cluster_frontend(
@@ -2086,6 +2087,70 @@ fn etp_local_without_a_cluster_cidr_treats_pods_as_external() {
         &[(Counter::DropNoLocalEndpoints, 1)],
     ));
     assert_eq!(dp.ct_len(), 0);
+}
+
+/// Upstream's verdicts when a frontend has no backends: no usable endpoint anywhere is rejected
+/// whatever the policy (eTP=Local included); a Local policy whose endpoints are all on other
+/// nodes (the agent sets `DROP_WHEN_EMPTY`) is dropped (iTP=Local ClusterIP included).
+#[test]
+fn no_backends_rejected_unless_a_local_policy_is_served_elsewhere() {
+    let mut dp = Datapath::load();
+    dp.set_node_addr(NODE_IP);
+    let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
+    // eTP=Local NodePort, no endpoint on any node.
+    dp.set_frontend(NODE_IP, NODE_PORT + 3, proto::TCP, ext_local, &[]);
+    dp.set_frontend(NODE_IP, NODE_PORT + 3, proto::UDP, ext_local, &[]);
+    // iTP=Local ClusterIP with endpoints on other nodes only.
+    let itp_vip = Ipv4Addr::new(10, 96, 0, 88);
+    dp.set_frontend(itp_vip, 80, proto::TCP, service_flags::DROP_WHEN_EMPTY, &[]);
+    dp.set_frontend(itp_vip, 53, proto::UDP, service_flags::DROP_WHEN_EMPTY, &[]);
+    // iTP=Local ClusterIP with no endpoint anywhere.
+    let empty_vip = Ipv4Addr::new(10, 96, 0, 89);
+    dp.set_frontend(empty_vip, 80, proto::TCP, 0, &[]);
+
+    let rejected = [(Counter::NoEndpointsRejected, 1)];
+    for (what, pkt) in [
+        (
+            "eTP=Local NodePort, no endpoints anywhere: TCP rejected",
+            Pkt::tcp(EXT_CLIENT, 43_000, NODE_IP, NODE_PORT + 3, SYN),
+        ),
+        (
+            "eTP=Local NodePort, no endpoints anywhere: UDP rejected",
+            Pkt::udp(EXT_CLIENT, 43_001, NODE_IP, NODE_PORT + 3),
+        ),
+        (
+            "iTP=Local ClusterIP, no endpoints anywhere: rejected",
+            Pkt::tcp(POD_CLIENT, 43_002, empty_vip, 80, SYN),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_REDIRECT,
+            Expect::IcmpUnreachable,
+            &rejected,
+        ));
+    }
+    let dropped = [(Counter::DropNoLocalEndpoints, 1)];
+    for (what, pkt) in [
+        (
+            "iTP=Local ClusterIP served by other nodes only: TCP dropped",
+            Pkt::tcp(POD_CLIENT, 43_003, itp_vip, 80, SYN),
+        ),
+        (
+            "iTP=Local ClusterIP served by other nodes only: UDP dropped",
+            Pkt::udp(POD_CLIENT, 43_004, itp_vip, 53),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &dropped,
+        ));
+    }
+    assert_eq!(dp.ct_len(), 0, "no verdict here creates conntrack entries");
 }
 
 #[test]
