@@ -11,12 +11,12 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL,
-    SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
-    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey,
-    SockRevValue, SourceRangeKey, service_flags,
+    BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
+    DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
+    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAX_CLUSTER_CIDRS, NodeInfo, REVNAT_CAPACITY,
+    RevNat, SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY,
+    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey,
+    SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, service_flags,
 };
 
 #[btf_map]
@@ -78,9 +78,26 @@ pub fn sock_lb_config() -> SockLbConfig {
 /// Is `addr` (a client) inside the cluster, i.e. in one of the configured cluster CIDRs?
 #[inline(always)]
 pub fn in_cluster(addr: [u8; 4]) -> bool {
-    // SAFETY: as in `config`; only the cluster CIDRs are read.
-    let cidrs = unsafe { core::ptr::read_volatile(&CONFIG.cluster_cidrs) };
-    cidrs.contains(addr)
+    in_prefixes(&CONFIG.cluster_cidrs, addr)
+}
+
+/// Is `addr` in one of a load-time prefix list's prefixes? Read one field at a time, so the list
+/// is never copied to the (512-byte) stack, wherever it is inlined.
+#[inline(always)]
+fn in_prefixes(list: &'static ClusterCidrs, addr: [u8; 4]) -> bool {
+    // SAFETY: as in `config`: a field of the initialised, immutable CONFIG static.
+    let count = unsafe { core::ptr::read_volatile(&list.count) } as usize;
+    let mut i = 0;
+    while i < MAX_CLUSTER_CIDRS && i < count {
+        if let Some(prefix) = list.prefixes.get(i) {
+            // SAFETY: as above.
+            if unsafe { core::ptr::read_volatile(prefix) }.contains(addr) {
+                return true;
+            }
+        }
+        i += 1;
+    }
+    false
 }
 
 /// The frontend entry (slot-0 key and value) a new flow to `key` (slot 0, `SCOPE_EXTERNAL`) uses.

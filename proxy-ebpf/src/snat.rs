@@ -1,6 +1,7 @@
 //! SNAT to the node for external traffic (NodePort, externalIP, LoadBalancer frontends with
 //! externalTrafficPolicy Cluster) sent to a backend on another node, so that the backend's replies
-//! come back through this node and can be reverse-translated.
+//! come back through this node and can be reverse-translated; and, like kube-proxy's masquerade,
+//! for such traffic from outside the cluster CIDRs to a local backend too.
 //!
 //! Like netfilter's MASQUERADE it sits after routing: tc ingress DNATs (conntrack) and allocates
 //! the node port, tc egress rewrites the forwarded packet's source to the node; a reply arriving on
@@ -31,13 +32,15 @@ use crate::{
 
 const PORT_RANGE: u32 = (SNAT_PORT_MAX - SNAT_PORT_MIN) as u32 + 1;
 
-/// Does a new flow from this client to this frontend's backend need SNAT? External flows to a
-/// remote backend (eTP=Cluster), and hairpin flows (the client is the backend).
+/// Does a new flow from this client to this frontend's backend need SNAT? External flows with
+/// eTP=Cluster: to a remote backend always; to a local one when the client is outside the
+/// cluster CIDRs (kube-proxy masquerades every flow to such a frontend; pods keep their address
+/// here, the backend can answer them directly). And hairpin flows (the client is the backend).
 #[inline(always)]
 pub fn needed(client: [u8; 4], frontend: &ServiceValue, backend: &Backend) -> bool {
     (frontend.flags & service_flags::EXTERNAL != 0
         && frontend.flags & service_flags::EXTERNAL_LOCAL == 0
-        && backend.flags & backend_flags::LOCAL == 0)
+        && (backend.flags & backend_flags::LOCAL == 0 || !maps::in_cluster(client)))
         || client == backend.addr
 }
 

@@ -1930,48 +1930,105 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
     ));
 }
 
+/// eTP=Cluster: like kube-proxy (which masquerades every flow to an external destination of
+/// such a Service), an external client's flow is SNATed to the node even when the backend is
+/// local; a pod inside the cluster CIDR keeps its address.
 #[test]
-fn nodeport_local_backend_and_etp_local_without_endpoints() {
-    let mut dp = nodeport_datapath();
+fn nodeport_local_backend_is_masqueraded_for_external_clients_only() {
+    let mut dp = nodeport_datapath_with(cluster_cidr_config());
     dp.set_node_addr(NODE_IP);
     let syn = Pkt::tcp(EXT_CLIENT, 41_000, NODE_IP, NODE_PORT + 1, SYN);
     let fwd = with_dst(&syn, LOCAL_BE, 8080);
     dp.check(ingress(
-        "nodeport to a local backend: DNAT only, the backend sees the client",
+        "external client → nodeport with a local backend: DNAT + SNAT port allocated",
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let out = dp
+        .snat()
+        .get(&snat_out_key(&syn, LOCAL_BE, 8080), 0)
+        .expect("SNAT out entry for the local backend");
+    let nat_port = u16::from_be_bytes(out.port);
+    assert_eq!(out.addr, NODE_IP.octets(), "SNAT to the node address");
+    dp.check(egress(
+        "toward the local backend: the node's address and port (the backend sees the node)",
+        fwd.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&fwd, NODE_IP, nat_port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(LOCAL_BE, 8080, NODE_IP, nat_port, SYN | ACK);
+    let unsnat = with_dst(&synack, EXT_CLIENT, 41_000);
+    dp.check(ingress(
+        "the local backend's SYN-ACK goes back to the client (destination restored)",
+        synack.bytes(),
+        TC_NEXT,
+        Expect::Packet(unsnat.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the client: from the NodePort",
+        unsnat.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT + 1)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+
+    let pod_syn = Pkt::tcp(POD_CLIENT, 41_001, NODE_IP, NODE_PORT + 1, SYN);
+    let pod_fwd = with_dst(&pod_syn, LOCAL_BE, 8080);
+    dp.check(ingress(
+        "pod in the cluster CIDR → the same nodeport: DNAT only",
+        pod_syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(pod_fwd.clone()),
         &[(Counter::NewFlow, 1)],
     ));
     dp.check(egress(
-        "toward the local backend: no SNAT",
-        fwd.bytes(),
+        "toward the local backend: the pod keeps its address",
+        pod_fwd.bytes(),
         TC_NEXT,
         Expect::Unchanged,
         &[(Counter::ReplyNotTracked, 1)],
     ));
-    assert_eq!(
-        dp.snat().keys().count(),
-        0,
-        "no SNAT entries for local backends"
-    );
-    let reply = fwd.reversed();
+    let reply = pod_fwd.reversed();
     dp.check(egress(
-        "local backend's reply toward the client: from the NodePort",
+        "local backend's reply toward the pod: from the NodePort",
         reply.bytes(),
         TC_NEXT,
         Expect::Packet(with_src(&reply, NODE_IP, NODE_PORT + 1)),
         &[(Counter::ReplyTranslated, 1)],
     ));
-    let syn = Pkt::tcp(EXT_CLIENT, 41_001, NODE_IP, NODE_PORT + 2, SYN);
+    assert_eq!(
+        dp.snat().keys().count(),
+        2,
+        "one SNAT pair: the external client's flow only"
+    );
+
+    let syn = Pkt::tcp(EXT_CLIENT, 41_002, NODE_IP, NODE_PORT + 2, SYN);
     dp.check(ingress(
-        "eTP=Local without local endpoints: dropped, not rejected",
+        "eTP=Local without local endpoints (some elsewhere): dropped, not rejected",
         syn.bytes(),
         TC_ACT_SHOT,
         Expect::Dropped,
         &[(Counter::DropNoLocalEndpoints, 1)],
     ));
-    assert_eq!(dp.ct_len(), 2, "only the first flow is tracked");
+    assert_eq!(dp.ct_len(), 4, "only the two nodeport flows are tracked");
+}
+
+/// The datapath's configuration with the cluster CIDR 10.244.0.0/16.
+fn cluster_cidr_config() -> DatapathConfig {
+    let mut cfg = DatapathConfig::DEFAULT;
+    cfg.cluster_cidrs = ClusterCidrs {
+        count: 1,
+        ..ClusterCidrs::NONE
+    };
+    cfg.cluster_cidrs.prefixes[0] = Ipv4Prefix {
+        addr: [10, 244, 0, 0],
+        mask: [255, 255, 0, 0],
+    };
+    cfg
 }
 
 /// A pod on this node (inside the cluster CIDR 10.244.0.0/16).
@@ -1980,18 +2037,11 @@ const POD_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 30);
 /// `nodeport_datapath` loaded with the cluster CIDR 10.244.0.0/16 (or none), plus the
 /// in-cluster entry of the eTP=Local NodePort NODE_IP:30082/TCP: one remote backend.
 fn etp_local_datapath(cluster_cidr: bool) -> Datapath {
-    let mut cfg = DatapathConfig::DEFAULT;
-    if cluster_cidr {
-        cfg.cluster_cidrs = ClusterCidrs {
-            count: 1,
-            ..ClusterCidrs::NONE
-        };
-        cfg.cluster_cidrs.prefixes[0] = Ipv4Prefix {
-            addr: [10, 244, 0, 0],
-            mask: [255, 255, 0, 0],
-        };
-    }
-    let mut dp = Datapath::load_with(cfg);
+    let mut dp = Datapath::load_with(if cluster_cidr {
+        cluster_cidr_config()
+    } else {
+        DatapathConfig::DEFAULT
+    });
     dp.set_frontend(
         NODE_IP,
         NODE_PORT + 2,
@@ -2243,7 +2293,8 @@ fn load_balancer_source_ranges_drop_new_flows_from_outside() {
         inside.bytes(),
         TC_NEXT,
         Expect::Packet(with_dst(&inside, LOCAL_BE, 8080)),
-        &[(Counter::NewFlow, 1)],
+        // eTP=Cluster from outside the cluster: masquerade wanted, no node address written here.
+        &[(Counter::NewFlow, 1), (Counter::SnatNoNodeAddr, 1)],
     ));
     let outside = Pkt::tcp(Ipv4Addr::new(192, 168, 50, 104), 43_000, lb, 80, SYN);
     dp.check(ingress(
