@@ -61,7 +61,8 @@ pub struct HealthCheck {
     pub namespace: String,
     pub name: String,
     pub port: u16,
-    /// Endpoints on this node that receive external traffic (the most over the Service's ports).
+    /// This node's ready endpoints, summed over the Service's ports (upstream
+    /// `LocalReadyEndpoints`; serving-terminating ones do not count).
     pub local_endpoints: usize,
 }
 
@@ -432,7 +433,10 @@ fn service_frontends(
             );
         }
         let chosen = topology::categorize(&endpoints, external_policy, node.zone.as_deref());
-        local_endpoints = local_endpoints.max(chosen.selected.iter().filter(|b| b.local).count());
+        // Upstream `LocalReadyEndpoints`: ready local endpoints, summed over the Service's ports.
+        // Terminating ones never count, so a draining node fails its health check while its
+        // terminating pods still serve the fallback.
+        local_endpoints += endpoints.iter().filter(|e| e.local && e.ready).count();
         // eTP=Local: clients inside the cluster get the cluster-wide endpoints instead (what
         // eTP=Cluster would select), through an in-cluster entry beside each external frontend.
         let in_cluster = external_local.then(|| {
@@ -1520,6 +1524,68 @@ mod tests {
                 port: 32000,
                 local_endpoints: 1,
             }]
+        );
+    }
+
+    /// Upstream's `localEndpoints`: this node's ready endpoints summed over the Service's ports;
+    /// a draining node (only terminating local endpoints, still serving the fallback) reports 0.
+    #[test]
+    fn health_check_counts_ready_local_endpoints_summed_over_ports() {
+        let svc = |name: &str, ip: &str, hc: i32| {
+            external_service(
+                name,
+                json!({"type": "LoadBalancer", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                       "healthCheckNodePort": hc,
+                       "ports": [{"name": "http", "port": 80, "nodePort": hc - 2000},
+                                 {"name": "dns", "port": 53, "protocol": "UDP",
+                                  "nodePort": hc - 1999}]}),
+                json!({}),
+            )
+        };
+        let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"},
+                           {"name": "dns", "port": 5353, "protocol": "UDP"}]);
+        let local_ready = |a: &str| ep(a, NODE, (Some(true), Some(true), Some(false)));
+        let local_draining = |a: &str| ep(a, NODE, (Some(false), Some(true), Some(true)));
+        let t = translate_node(
+            vec![
+                svc("serving", "10.96.2.1", 32100),
+                svc("draining", "10.96.2.2", 32200),
+            ],
+            vec![
+                slice(
+                    "serving",
+                    "serving-1",
+                    ports.clone(),
+                    vec![
+                        local_ready("10.244.1.21"),
+                        local_ready("10.244.1.22"),
+                        local_draining("10.244.1.23"),
+                        ready("10.244.2.21"),
+                    ],
+                ),
+                slice(
+                    "draining",
+                    "draining-1",
+                    ports,
+                    vec![local_draining("10.244.1.31"), ready("10.244.2.31")],
+                ),
+            ],
+        );
+        let counts: Vec<(&str, u16, usize)> = t
+            .health_checks
+            .iter()
+            .map(|h| (h.name.as_str(), h.port, h.local_endpoints))
+            .collect();
+        assert_eq!(counts, vec![("serving", 32100, 4), ("draining", 32200, 0)]);
+        // The draining node's terminating pod still serves eTP=Local traffic (the fallback).
+        let np = Frontend::new(NODE_ADDRS[0], 30200, Protocol::Tcp);
+        assert_eq!(
+            t.desired.frontends[&np]
+                .backends
+                .iter()
+                .map(show)
+                .collect::<Vec<_>>(),
+            vec!["10.244.1.31:8080 T L".to_owned()]
         );
     }
 
