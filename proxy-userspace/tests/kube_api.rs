@@ -577,6 +577,7 @@ fn api_outage_keeps_traffic_flowing_and_changes_apply_after_it() {
         slice("other", "a", &ready(&ips[..1])),
     ]);
     env.wait_frontend(OTHER, Some(1), Duration::from_secs(5));
+    let log_before = agent_log(&env.agent);
     env.api.stop();
     let down = Instant::now();
     // Changes made in the server's store while the agent cannot see them; history compacted
@@ -617,6 +618,47 @@ fn api_outage_keeps_traffic_flowing_and_changes_apply_after_it() {
     env.check(Env::names(&c) == ["be2"], || format!("new Service: {c:?}"));
     let c = env.distribution(WEB, 30);
     env.check(c.len() == 3, || format!("web after the outage: {c:?}"));
+
+    // Like kube-proxy, which logs nothing at its default level through such an outage: the
+    // outage once when it starts, its end once when every watch is back, no line per retry.
+    let log = agent_log(&env.agent);
+    let during = log.get(log_before.len()..).unwrap_or_default();
+    let warnings: Vec<&str> = during
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    let outage: Vec<&str> = during
+        .lines()
+        .filter(|l| l.contains("API server unreachable"))
+        .collect();
+    let recovered: Vec<&str> = during
+        .lines()
+        .filter(|l| l.contains("API server reachable again"))
+        .collect();
+    eprintln!(
+        "log during the outage and after: {} WARN/ERROR lines, {} outage, {} recovery",
+        warnings.len(),
+        outage.len(),
+        recovered.len()
+    );
+    env.check(
+        warnings.len() == 1 && outage.len() == 1 && recovered.len() == 1,
+        || {
+            format!(
+                "want exactly one warning (the outage) and one recovery line, got:\n{}",
+                during
+                    .lines()
+                    .filter(|l| !l.contains(" DEBUG ") && !l.contains(" TRACE "))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            )
+        },
+    );
+}
+
+/// The agent's log so far, without colour codes.
+fn agent_log(agent: &Agent) -> String {
+    strip_ansi(&std::fs::read_to_string(agent.log_path()).unwrap_or_default())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,13 +10,19 @@
 //!
 //! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
 //! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
+//!
+//! An API outage (connection errors, 5xx, 429) is logged once when the first reflector meets it
+//! and once when the API server answers again ([`Reachability`]), not per retry: kube-proxy logs
+//! nothing at its default level through an outage, and the dataplane is unaffected by one. A 410
+//! Gone (history compacted, relist) is the normal path: debug only. Other errors (403 after an
+//! RBAC change, say) keep a warning per reflector every 10 s.
 
 pub mod prune;
 
 use std::{
     fmt::Debug,
     path::PathBuf,
-    sync::Arc,
+    sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -121,6 +127,7 @@ pub struct KubeSource {
     slices: Store<SliceData>,
     node: Store<Node>,
     changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -128,6 +135,7 @@ impl KubeSource {
     /// Starts the reflectors. Returns at once; see [`KubeSource::wait_ready`].
     pub fn start(client: Client, node_name: &str) -> Self {
         let changed = Arc::new(Notify::new());
+        let reachability = Arc::new(Reachability::new(client.clone()));
         let (services, t1) = reflect(
             Api::<Service>::all(client.clone()),
             watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
@@ -136,6 +144,7 @@ impl KubeSource {
                 svc
             },
             changed.clone(),
+            reachability.clone(),
         );
         let (slices, t2) = reflect(
             Api::<EndpointSlice>::all(client.clone()),
@@ -145,6 +154,7 @@ impl KubeSource {
                 SliceData::from(&slice)
             },
             changed.clone(),
+            reachability.clone(),
         );
         let (node, t3) = reflect(
             Api::<Node>::all(client),
@@ -154,12 +164,14 @@ impl KubeSource {
                 node
             },
             changed.clone(),
+            reachability.clone(),
         );
         Self {
             services,
             slices,
             node,
             changed,
+            reachability,
             tasks: vec![t1, t2, t3],
         }
     }
@@ -219,6 +231,108 @@ impl Drop for KubeSource {
         for t in &self.tasks {
             t.abort();
         }
+        self.reachability.stop();
+    }
+}
+
+/// Is this watch error the API server being unreachable or overloaded (connection refused or
+/// reset, TLS or timeout, 5xx, 429), as opposed to a request it refuses (403, 404, ...)?
+fn unavailable(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(status) => unavailable_code(status.code),
+            _ => true,
+        },
+        watcher::Error::WatchError(status) => unavailable_code(status.code),
+        watcher::Error::NoResourceVersion => false,
+    }
+}
+
+fn unavailable_code(code: u16) -> bool {
+    code >= 500 || code == 429
+}
+
+/// Whether the API server answers, shared by the reflectors: the first reflector to meet an
+/// outage logs it (once) and starts a probe (`GET /version` with the reflectors' backoff), which
+/// logs the recovery (once) when the server answers anything again. A reflector that resumes
+/// its watch without a relist emits no event, so the reflectors alone could not tell that a
+/// quiet cluster's API server is back.
+struct Reachability {
+    client: Client,
+    outage: Mutex<Outage>,
+}
+
+impl Debug for Reachability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reachability")
+            .field("outage", &self.outage)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Outage {
+    /// When the outage being reported started (`None`: the API server answers).
+    since: Option<Instant>,
+    probe: Option<JoinHandle<()>>,
+}
+
+impl Reachability {
+    fn new(client: Client) -> Self {
+        Self {
+            client,
+            outage: Mutex::new(Outage::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Outage> {
+        // Plain field writes: a panic while holding the lock cannot leave it inconsistent.
+        self.outage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A reflector of `kind` could not reach the API server.
+    fn failed(self: &Arc<Self>, kind: &str, e: &watcher::Error) {
+        let mut outage = self.lock();
+        if outage.since.is_some() {
+            debug!(%kind, "API server still unreachable: {e}");
+            return;
+        }
+        warn!(
+            %kind,
+            "API server unreachable: {e}; the dataplane keeps its last state, the watches retry \
+             with backoff (logged again when it answers)"
+        );
+        outage.since = Some(Instant::now());
+        let this = self.clone();
+        outage.probe = Some(tokio::spawn(async move { this.probe().await }));
+    }
+
+    /// Polls the API server until it answers, then ends the outage.
+    async fn probe(&self) {
+        let mut backoff = CappedBackoff::default();
+        loop {
+            tokio::time::sleep(backoff.next().unwrap_or(CappedBackoff::MAX)).await;
+            match self.client.apiserver_version().await {
+                Ok(_) => break,
+                Err(kube::Error::Api(status)) if !unavailable_code(status.code) => break,
+                Err(e) => debug!("API server probe: {e}"),
+            }
+        }
+        let mut outage = self.lock();
+        let down = outage.since.take().map(|t| t.elapsed()).unwrap_or_default();
+        outage.probe = None;
+        info!(
+            down_s = down.as_secs(),
+            "API server reachable again; the watches resume and converge by diff"
+        );
+    }
+
+    fn stop(&self) {
+        if let Some(probe) = self.lock().probe.take() {
+            probe.abort();
+        }
     }
 }
 
@@ -277,6 +391,7 @@ fn reflect<K, T>(
     config: watcher::Config,
     keep: fn(K) -> T,
     changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
 ) -> (Store<T>, JoinHandle<()>)
 where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -301,13 +416,22 @@ where
                 Ok(watcher::Event::InitDone) => {
                     lists += 1;
                     if std::mem::take(&mut failing) || lists > 1 {
-                        info!(%kind, "relisted; converging by diff");
+                        // The outage itself is reported by `Reachability`, once.
+                        debug!(%kind, "relisted; converging by diff");
                     } else {
                         debug!(%kind, "initial list done");
                     }
                     changed.notify_one();
                 }
                 Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Err(e) if unavailable(&e) => {
+                    failing = true;
+                    reachability.failed(&kind, &e);
+                }
+                // 410 Gone: the history was compacted; the watcher relists (the normal path).
+                Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                    debug!(%kind, "resourceVersion expired, relisting: {status}");
+                }
                 Err(e) => {
                     failing = true;
                     if last_warn.is_none_or(|t| t.elapsed() >= ERROR_LOG_INTERVAL) {
