@@ -343,17 +343,9 @@ fn service_frontends(
     let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
     // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream;
     // so do in-cluster clients of an eTP=Local frontend (internalTrafficPolicy does not apply).
-    let cluster_external_policy = Policy {
-        local_only: false,
-        topology_aware: policy.topology_aware,
-    };
-    let external_policy = if external_local {
-        Policy {
-            local_only: true,
-            topology_aware: false,
-        }
-    } else {
-        cluster_external_policy
+    let cluster_external_policy = Policy { local_only: false };
+    let external_policy = Policy {
+        local_only: external_local,
     };
     let external = external_addrs(svc);
     let health_check_port = spec
@@ -483,26 +475,13 @@ fn service_frontends(
     })
 }
 
-/// The Service's endpoint-selection policy for ClusterIP traffic.
+/// The Service's endpoint-selection policy for ClusterIP traffic. Topology hints need no
+/// opt-in here: like upstream (since trafficDistribution went GA), they are used whenever the
+/// endpoints carry them (see [`topology::categorize`]).
 fn policy(svc: &Service) -> Policy {
     let spec = svc.spec.as_ref();
-    let local_only = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
-    let distribution = spec.and_then(|s| s.traffic_distribution.as_deref());
-    let annotations = svc.metadata.annotations.as_ref();
-    let auto = |key: &str| {
-        annotations
-            .and_then(|a| a.get(key))
-            .is_some_and(|v| v == "Auto" || v == "auto")
-    };
-    // PreferSameNode also carries zone hints; its node hints are not used yet.
-    let topology_aware = matches!(
-        distribution,
-        Some("PreferClose" | "PreferSameZone" | "PreferSameNode")
-    ) || auto(ANNOTATION_TOPOLOGY_MODE)
-        || auto(ANNOTATION_TOPOLOGY_AWARE_HINTS);
     Policy {
-        local_only,
-        topology_aware,
+        local_only: spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local"),
     }
 }
 
@@ -1091,30 +1070,18 @@ mod tests {
         });
     }
 
+    /// Upstream (trafficDistribution GA): hints are used whenever the endpoints carry them,
+    /// whether or not the Service asked for topology (annotation or trafficDistribution).
     #[test]
-    fn zone_hints_ignored_unless_the_service_asks_for_topology() {
-        let endpoints = || vec![hinted("10.0.0.1", &[ZONE]), hinted("10.0.0.2", &["zone-b"])];
+    fn zone_hints_used_without_the_service_asking() {
         run(Case {
             services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
-            slices: vec![slice("web", "web-1", http_port(8080), endpoints())],
-            want: &[Want {
-                frontend: "10.96.0.10:80/TCP",
-                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
-                retained: &[],
-            }],
-            problems: &[],
-            notes: 0,
-        });
-        // The topology-mode annotation turns them on.
-        let meta = json!({"name": "web", "namespace": "demo",
-                          "annotations": {"service.kubernetes.io/topology-mode": "Auto"}});
-        run(Case {
-            services: vec![service_meta(
-                meta,
-                json!({"clusterIP": "10.96.0.10",
-                                                     "ports": [{"name": "http", "port": 80}]}),
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![hinted("10.0.0.1", &[ZONE]), hinted("10.0.0.2", &["zone-b"])],
             )],
-            slices: vec![slice("web", "web-1", http_port(8080), endpoints())],
             want: &[Want {
                 frontend: "10.96.0.10:80/TCP",
                 selected: &["10.0.0.1:8080"],
@@ -1123,6 +1090,87 @@ mod tests {
             problems: &[],
             notes: 0,
         });
+    }
+
+    /// A ready endpoint with node hints (`forNodes`, PreferSameNode) and zone hints.
+    fn node_hinted(addr: &str, nodes: &[&str], zones: &[&str]) -> Value {
+        let mut v = hinted(addr, zones);
+        v["hints"]["forNodes"] = nodes.iter().map(|n| json!({"name": n})).collect();
+        v
+    }
+
+    /// PreferSameNode (upstream `topologyModeFromHints`): node hints win when every ready
+    /// endpoint has some and one names this node; otherwise zone hints apply as before.
+    #[test]
+    fn node_hints_preferred_when_every_ready_endpoint_has_them_and_one_names_this_node() {
+        let same_node = |name: &str| {
+            service(
+                name,
+                json!({"clusterIP": "10.96.0.10", "trafficDistribution": "PreferSameNode",
+                       "ports": [{"name": "http", "port": 80}]}),
+            )
+        };
+        let cases: [(&str, Vec<Value>, &[&str]); 4] = [
+            (
+                "every endpoint node-hinted, one for this node: that one",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-b"], &[ZONE]),
+                    node_hinted("10.0.0.3", &["node-c"], &["zone-b"]),
+                ],
+                &["10.0.0.1:8080"],
+            ),
+            (
+                "no endpoint for this node: the zone hints",
+                vec![
+                    node_hinted("10.0.0.1", &["node-b"], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-c"], &[ZONE]),
+                    node_hinted("10.0.0.3", &["node-d"], &["zone-b"]),
+                ],
+                &["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "one ready endpoint without node hints: the zone hints",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    hinted("10.0.0.2", &[ZONE]),
+                    hinted("10.0.0.3", &["zone-b"]),
+                ],
+                &["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "a not-ready endpoint's missing hints do not count",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-b"], &[ZONE]),
+                    terminating("10.0.0.4", false),
+                ],
+                &["10.0.0.1:8080"],
+            ),
+        ];
+        for (what, endpoints, selected) in cases {
+            let t = translate(
+                &Snapshot::new(
+                    vec![same_node("web")],
+                    vec![slice("web", "web-1", http_port(8080), endpoints)],
+                ),
+                &NodeContext {
+                    node_name: NODE.into(),
+                    zone: Some(ZONE.into()),
+                },
+            );
+            let got: Vec<String> = t
+                .desired
+                .frontends
+                .values()
+                .next()
+                .expect("frontend")
+                .backends
+                .iter()
+                .map(show)
+                .collect();
+            assert_eq!(got, selected, "{what}");
+        }
     }
 
     #[test]
