@@ -15,9 +15,10 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+pub const MAP_SERVICE_CIDRS: &str = "SVCCIDRS_V1";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 9] = [
+pub const ALL_MAPS: [&str; 10] = [
     MAP_SERVICES,
     MAP_BACKENDS,
     MAP_REVNAT,
@@ -27,6 +28,7 @@ pub const ALL_MAPS: [&str; 9] = [
     MAP_NODE,
     MAP_SOURCE_RANGES,
     MAP_SOCK_REVNAT,
+    MAP_SERVICE_CIDRS,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -42,6 +44,19 @@ pub const SOURCE_RANGES_CAPACITY: u32 = 16_384;
 /// Sockets of the node's own network namespace translated at connect()/sendmsg(): one entry per
 /// (socket, backend), LRU-evicted (socket cookies are never reused, so old entries are inert).
 pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
+/// Service CIDR prefixes and allocated ClusterIPs (one /32 each); an LPM trie takes memory only
+/// for the entries it holds.
+pub const SERVICE_CIDRS_CAPACITY: u32 = 131_072;
+
+/// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
+/// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream
+/// nftables' cluster-ips-check. The longest prefix wins, so a ClusterIP's /32 beats its CIDR.
+pub mod service_cidr {
+    /// Inside a Service CIDR (ServiceCIDR objects, `--service-cidr`) and no Service's: dropped.
+    pub const UNALLOCATED: u32 = 1;
+    /// An allocated ClusterIP (/32), on a port that is none of its Services': rejected.
+    pub const CLUSTER_IP: u32 = 2;
+}
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).

@@ -98,6 +98,13 @@ counters! {
     /// A translated socket's frontend could not be recorded: getpeername()/recvmsg() on it show
     /// the backend.
     SockRevNatFailed = "sock_revnat_failed",
+    /// A new flow to an allocated ClusterIP on a port that is none of its Services' (upstream
+    /// nftables' "reject traffic to invalid ports of ClusterIPs"): ICMP port unreachable (the
+    /// socket hooks: ECONNREFUSED).
+    ClusterIpPortRejected = "cluster_ip_port_rejected",
+    /// Dropped: a new flow to an address inside the Service CIDRs that no Service has (upstream
+    /// nftables' "drop traffic to unallocated ClusterIPs"; the socket hooks: ETIMEDOUT).
+    DropUnallocatedServiceIp = "drop_unallocated_service_ip",
 }
 
 /// Number of entries in the stats array.

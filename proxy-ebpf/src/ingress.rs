@@ -12,7 +12,7 @@ use crate::{
     conntrack::{self, NewFlow},
     icmp, maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
-    reject, snat, stats,
+    reject, snat, stats, svc_cidr,
 };
 
 /// Why a packet goes through the new-flow path although it had a conntrack entry.
@@ -111,7 +111,7 @@ fn new_flow(
             // The Service itself is gone: its flow is over.
             conntrack::remove(key, old);
         }
-        return Ok(Action::pass(Counter::NotService));
+        return svc_cidr::not_a_frontend(ctx, p);
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0
         && !maps::source_in_range(SourceRangeKey {

@@ -15,6 +15,7 @@ mod reject;
 mod snat;
 mod sock;
 mod stats;
+mod svc_cidr;
 
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -70,6 +71,8 @@ pub(crate) enum Drop {
     SnatPortsExhausted,
     /// A new flow to a LoadBalancer IP from outside its loadBalancerSourceRanges.
     SourceRange,
+    /// A new flow to an unallocated address inside the Service CIDRs.
+    UnallocatedServiceIp,
 }
 
 impl Drop {
@@ -84,6 +87,7 @@ impl Drop {
             Drop::NoLocalEndpoints => Counter::DropNoLocalEndpoints,
             Drop::SnatPortsExhausted => Counter::DropSnatPortsExhausted,
             Drop::SourceRange => Counter::DropSourceRange,
+            Drop::UnallocatedServiceIp => Counter::DropUnallocatedServiceIp,
         }
     }
 }

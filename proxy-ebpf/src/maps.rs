@@ -12,11 +12,12 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
-    DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
-    MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAX_CLUSTER_CIDRS, NodeInfo, REVNAT_CAPACITY,
-    RevNat, SCOPE_INTERNAL, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_REVNAT_CAPACITY,
-    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatKey,
-    SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, service_flags,
+    DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_REVNAT, MAP_SERVICE_CIDRS,
+    MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAX_CLUSTER_CIDRS,
+    NodeInfo, REVNAT_CAPACITY, RevNat, SCOPE_INTERNAL, SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY,
+    SNAT_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY,
+    ServiceKey, ServiceValue, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
+    SourceRangeKey, service_flags,
 };
 
 #[btf_map]
@@ -44,6 +45,9 @@ static NODE_V1: Array<NodeInfo, 1> = Array::new();
 #[btf_map]
 static SRCRANGES_V1: LpmTrie<SourceRangeKey, u32, { SOURCE_RANGES_CAPACITY as usize }> =
     LpmTrie::new();
+
+#[btf_map]
+static SVCCIDRS_V1: LpmTrie<[u8; 4], u32, { SERVICE_CIDRS_CAPACITY as usize }> = LpmTrie::new();
 
 #[btf_map]
 static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY as usize }> =
@@ -228,6 +232,16 @@ pub fn node() -> Option<NodeInfo> {
     Some(unsafe { *ptr })
 }
 
+/// What `addr` is in the Service address space (`service_cidr::*`), if anything.
+#[inline(always)]
+pub fn service_cidr(addr: [u8; 4]) -> Option<u32> {
+    let key = Key {
+        prefix_len: 32,
+        data: addr,
+    };
+    SVCCIDRS_V1.get(&key).copied()
+}
+
 /// Is the source of `key` inside one of its frontend's loadBalancerSourceRanges?
 #[inline(always)]
 pub fn source_in_range(key: SourceRangeKey) -> bool {
@@ -311,3 +325,4 @@ const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
+const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));

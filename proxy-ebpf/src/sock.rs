@@ -24,7 +24,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, hash::pick_slot, proto, service_flags,
+    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, hash::pick_slot, proto, service_cidr,
+    service_flags,
 };
 
 use crate::{maps, stats};
@@ -48,7 +49,19 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     // The node's own traffic is in-cluster traffic.
     let Some((key, frontend)) = maps::frontend_for(&ServiceKey::new(addr, port, proto, 0), || true)
     else {
-        return ALLOW;
+        // Like tc (and upstream's filter-output): a ClusterIP's other ports are refused, the
+        // unallocated rest of the Service CIDRs fails as a dropped SYN would end.
+        return match maps::service_cidr(addr) {
+            Some(service_cidr::CLUSTER_IP) => {
+                stats::count(Counter::ClusterIpPortRejected);
+                refuse()
+            }
+            Some(service_cidr::UNALLOCATED) => {
+                stats::count(Counter::DropUnallocatedServiceIp);
+                fail(ETIMEDOUT)
+            }
+            _ => ALLOW,
+        };
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0 && !node_in_source_ranges(&key) {
         stats::count(Counter::DropSourceRange);

@@ -571,6 +571,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.nodeport_addresses.clone(),
         Patterns::parse(&args.devices),
     );
+    agent
+        .external
+        .set_service_cidrs(crate::config::ipv4_prefixes(&args.service_cidr));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that

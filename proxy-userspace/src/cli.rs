@@ -147,6 +147,12 @@ pub struct RunArgs {
     /// Service's cluster-wide endpoints, like upstream's short-circuit. IPv4, at most 4.
     #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
     pub cluster_cidr: Vec<crate::config::Cidr>,
+    /// The Service CIDRs (comma-separated, IPv4 used): a new flow to an address inside them
+    /// that no Service has is dropped, and to a ClusterIP on a port none of its Services has,
+    /// rejected (kube-proxy nftables' behaviour). In Kubernetes mode the cluster's ServiceCIDR
+    /// objects (networking.k8s.io/v1) are added to these.
+    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
+    pub service_cidr: Vec<crate::config::Cidr>,
     /// How in-cluster clients are told apart (kube-proxy's detectLocalMode). Only ClusterCIDR
     /// is implemented; with the others no client counts as in-cluster.
     #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod model;
 pub mod node_addrs;
 pub mod programmed;
+pub mod service_cidrs;
 pub mod snapshot;
 pub mod snat_gc;
 pub mod source;

@@ -12,6 +12,7 @@ use crate::{
     dataplane::{self, interfaces::Patterns, maps::NodeMap},
     healthcheck::HealthCheckServers,
     model::DesiredState,
+    service_cidrs::{self, ServiceCidrs},
     source_ranges::{self, SourceRanges},
     translate::HealthCheck,
 };
@@ -33,7 +34,8 @@ pub struct NodeAddrs {
 }
 
 /// The agent's north-south state: node addresses (NodePort frontends, the SNAT address in
-/// `NODE_V1`), loadBalancerSourceRanges (`SRCRANGES_V1`) and the health-check node ports.
+/// `NODE_V1`), loadBalancerSourceRanges (`SRCRANGES_V1`), the Service address space
+/// (`SVCCIDRS_V1`) and the health-check node ports.
 pub struct External {
     node_map: NodeMap,
     nodeport_cfg: NodePortAddresses,
@@ -42,6 +44,9 @@ pub struct External {
     written: Option<NodeInfo>,
     health_checks: HealthCheckServers,
     source_ranges: SourceRanges,
+    service_cidrs: ServiceCidrs,
+    /// The Service CIDRs (IPv4 network, prefix length).
+    service_cidr_list: Vec<(Ipv4Addr, u8)>,
 }
 
 impl External {
@@ -58,7 +63,22 @@ impl External {
             written: None,
             health_checks: HealthCheckServers::new(proxy),
             source_ranges: SourceRanges::from_ebpf(ebpf)?,
+            service_cidrs: ServiceCidrs::from_ebpf(ebpf)?,
+            service_cidr_list: Vec::new(),
         })
+    }
+
+    /// The Service CIDRs (`--service-cidr`, or the cluster's ServiceCIDR objects); true when
+    /// they changed (a sync is due).
+    pub fn set_service_cidrs(&mut self, mut cidrs: Vec<(Ipv4Addr, u8)>) -> bool {
+        cidrs.sort();
+        cidrs.dedup();
+        if cidrs == self.service_cidr_list {
+            return false;
+        }
+        info!(service_cidrs = ?cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect::<Vec<_>>(), "Service CIDRs");
+        self.service_cidr_list = cidrs;
+        true
     }
 
     /// Sets `--nodeport-addresses` and `--devices`, and lists the addresses.
@@ -92,7 +112,8 @@ impl External {
     }
 
     /// After a sync: the SNAT address into `NODE_V1`, the source ranges into `SRCRANGES_V1`,
-    /// health-check servers to the translation's.
+    /// the ClusterIPs and Service CIDRs into `SVCCIDRS_V1`, health-check servers to the
+    /// translation's.
     pub fn apply(&mut self, desired: &DesiredState, checks: &[HealthCheck]) {
         let info = NodeInfo {
             snat_addr: self.addrs.snat.map_or([0; 4], |a| a.octets()),
@@ -105,6 +126,8 @@ impl External {
             }
         }
         self.source_ranges.sync(&source_ranges::wanted(desired));
+        self.service_cidrs
+            .sync(&service_cidrs::wanted(desired, &self.service_cidr_list));
         self.health_checks.update(checks);
     }
 }

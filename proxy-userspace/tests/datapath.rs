@@ -25,12 +25,12 @@ use kube_proxy_ebpf::{
 };
 use proxy_common::{
     Backend, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig,
-    HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICES, MAP_SNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatKey,
-    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_state,
+    HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK, MAP_NODE, MAP_SERVICE_CIDRS,
+    MAP_SERVICES, MAP_SNAT, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS,
+    PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
+    ServiceKey, ServiceValue, SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_state,
     hash::{flow_hash, pick_slot},
-    proto, service_flags,
+    proto, service_cidr, service_flags,
 };
 
 /// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
@@ -2201,6 +2201,82 @@ fn no_backends_rejected_unless_a_local_policy_is_served_elsewhere() {
         ));
     }
     assert_eq!(dp.ct_len(), 0, "no verdict here creates conntrack entries");
+}
+
+/// Upstream nftables' cluster-ips-check: a new flow to an allocated ClusterIP on a port none of
+/// its Services has is rejected; to an unallocated address inside the Service CIDRs, dropped;
+/// instead of being passed on to the node's routing (and its default route).
+#[test]
+fn service_cidr_misses_are_rejected_on_cluster_ips_and_dropped_elsewhere() {
+    let mut dp = Datapath::load().with_services();
+    {
+        let mut cidrs: LpmTrie<&mut MapData, [u8; 4], u32> =
+            LpmTrie::try_from(dp.bpf.map_mut(MAP_SERVICE_CIDRS).expect("SVCCIDRS map"))
+                .expect("SVCCIDRS type");
+        cidrs
+            .insert(&Key::new(12, [10, 96, 0, 0]), service_cidr::UNALLOCATED, 0)
+            .expect("insert the Service CIDR");
+        for vip in [VIP, VIP_EMPTY] {
+            cidrs
+                .insert(&Key::new(32, vip.octets()), service_cidr::CLUSTER_IP, 0)
+                .expect("insert a ClusterIP");
+        }
+    }
+    let rejected = [(Counter::ClusterIpPortRejected, 1)];
+    for (what, pkt) in [
+        (
+            "TCP to a ClusterIP on a port no Service has: rejected",
+            Pkt::tcp(CLIENT, 44_000, VIP, 81, SYN),
+        ),
+        (
+            "UDP to a ClusterIP on a port no Service has: rejected",
+            Pkt::udp(CLIENT, 44_001, VIP, 54),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_REDIRECT,
+            Expect::IcmpUnreachable,
+            &rejected,
+        ));
+    }
+    let dropped = [(Counter::DropUnallocatedServiceIp, 1)];
+    for (what, pkt) in [
+        (
+            "TCP to an unallocated address of the Service CIDR: dropped",
+            Pkt::tcp(CLIENT, 44_002, Ipv4Addr::new(10, 100, 3, 4), 80, SYN),
+        ),
+        (
+            "UDP to an unallocated address of the Service CIDR: dropped",
+            Pkt::udp(CLIENT, 44_003, Ipv4Addr::new(10, 96, 0, 11), 53),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &dropped,
+        ));
+    }
+    let syn = Pkt::tcp(CLIENT, 44_004, VIP, 80, SYN);
+    let id = expected_pick(&syn, &[1, 2]);
+    dp.check(ingress(
+        "the ClusterIP's Service port is translated as before",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, id)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    dp.check(ingress(
+        "outside the Service CIDRs: passed untouched",
+        Pkt::tcp(CLIENT, 44_005, Ipv4Addr::new(10, 112, 0, 1), 80, SYN).bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1)],
+    ));
+    assert_eq!(dp.ct_len(), 2, "only the Service flow is tracked");
 }
 
 #[test]

@@ -36,15 +36,22 @@ struct Env {
 impl Env {
     /// Topology + manifests written by `services` + agent synced and attached to all pods.
     fn start(services: impl FnOnce(&ManifestDir)) -> Self {
+        Self::start_with(services, &[])
+    }
+
+    /// [`Env::start`] with `extra` agent flags.
+    fn start_with(services: impl FnOnce(&ManifestDir), extra: &[&str]) -> Self {
         proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
         let topo = Topology::new().expect("creating the topology");
         let manifests = ManifestDir::new().expect("manifest dir");
         services(&manifests);
         let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-        let mut agent = Agent::start(
+        let mut args = vec!["--manifests".as_ref(), manifests.path().as_os_str()];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        let mut agent = Agent::start_with(
             Path::new(BIN),
             topo.node(),
-            manifests.path(),
+            &args,
             pins.path(),
             topo.tmp().path(),
         )
@@ -223,6 +230,58 @@ fn itp_local_served_only_elsewhere_is_dropped_not_refused() {
         .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
     env.check(dropped >= 2, || {
         format!("drop_no_local_endpoints = {dropped}, want ≥ 2 (pod SYN(s) and the host connect)")
+    });
+}
+
+/// `--service-cidr`: like kube-proxy's nftables mode, a ClusterIP's other ports are refused and
+/// the unallocated rest of the Service CIDR is dropped (not routed on), for pods (tc) and the
+/// node's own processes (socket hooks).
+#[test]
+fn service_cidr_rejects_other_ports_of_cluster_ips_and_drops_unallocated_addresses() {
+    require_privileged!();
+    const UNALLOCATED: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+    let env = Env::start_with(
+        |m| web(m, &all_backends()),
+        &["--service-cidr", "10.96.0.0/16"],
+    );
+    let host = env.agent.host(env.topo.node());
+    let timeout = Duration::from_secs(2);
+    let connect = |who: &str, ip: Ipv4Addr, port: u16| {
+        let r = if who == "pod" {
+            env.topo.tcp_connect(ip, port, timeout)
+        } else {
+            tcp_connect_from(&host, ip, port, timeout)
+        };
+        let (outcome, elapsed) = r.unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+        eprintln!("{who} connect to {ip}:{port}: {outcome:?} after {elapsed:?}");
+        (outcome, elapsed)
+    };
+    for who in ["pod", "host"] {
+        let (outcome, elapsed) = connect(who, WEB, 81);
+        env.check(outcome == ConnectOutcome::Refused && elapsed < Duration::from_secs(1), || {
+            format!("{who} → ClusterIP {WEB}:81 (no such Service port): {outcome:?} after {elapsed:?}, want refused at once")
+        });
+        let (outcome, _) = connect(who, UNALLOCATED, 80);
+        env.check(outcome == ConnectOutcome::TimedOut, || {
+            format!("{who} → unallocated {UNALLOCATED}:80: {outcome:?}, want a timeout (dropped)")
+        });
+    }
+    let reply = env
+        .topo
+        .curl(&format!("http://{WEB}/"))
+        .unwrap_or_else(|e| env.fail(&format!("the Service port itself: {e:#}")));
+    env.check(reply.remote_ip == WEB.to_string(), || format!("{reply:?}"));
+    let counter = |name: &str| {
+        env.agent
+            .counter(name)
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
+    };
+    let (rejected, dropped) = (
+        counter("cluster_ip_port_rejected"),
+        counter("drop_unallocated_service_ip"),
+    );
+    env.check(rejected >= 2 && dropped >= 2, || {
+        format!("cluster_ip_port_rejected={rejected} drop_unallocated_service_ip={dropped}, want ≥ 2 each")
     });
 }
 
