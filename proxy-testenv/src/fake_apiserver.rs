@@ -40,16 +40,23 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCidr,
 }
 
 impl Kind {
-    const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+    const ALL: [Kind; 4] = [
+        Kind::Service,
+        Kind::EndpointSlice,
+        Kind::Node,
+        Kind::ServiceCidr,
+    ];
 
     pub fn path(self) -> &'static str {
         match self {
             Kind::Service => "/api/v1/services",
             Kind::EndpointSlice => "/apis/discovery.k8s.io/v1/endpointslices",
             Kind::Node => "/api/v1/nodes",
+            Kind::ServiceCidr => "/apis/networking.k8s.io/v1/servicecidrs",
         }
     }
 
@@ -57,6 +64,7 @@ impl Kind {
         match self {
             Kind::Service | Kind::Node => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::ServiceCidr => "networking.k8s.io/v1",
         }
     }
 
@@ -65,7 +73,13 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
+    }
+
+    /// Nodes and ServiceCIDRs have no namespace.
+    fn cluster_scoped(self) -> bool {
+        matches!(self, Kind::Node | Kind::ServiceCidr)
     }
 
     fn from_kind(kind: &str) -> Option<Self> {
@@ -235,13 +249,13 @@ impl FakeApiServer {
             .as_str()
             .context("object without metadata.name")?
             .to_owned();
-        let namespace = if kind == Kind::Node {
+        let namespace = if kind.cluster_scoped() {
             String::new()
         } else {
             let ns = obj["metadata"]["namespace"].as_str().unwrap_or("default");
             ns.to_owned()
         };
-        if kind != Kind::Node {
+        if !kind.cluster_scoped() {
             obj["metadata"]["namespace"] = json!(namespace);
         }
         obj["apiVersion"] = json!(kind.api_version());
@@ -274,7 +288,7 @@ impl FakeApiServer {
 
     /// Deletes an object; false if it did not exist.
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) -> bool {
-        let ns = if kind == Kind::Node { "" } else { namespace };
+        let ns = if kind.cluster_scoped() { "" } else { namespace };
         let deleted = {
             let mut st = self.shared.state();
             match st.objects.remove(&(kind, ns.to_owned(), name.to_owned())) {
@@ -301,7 +315,7 @@ impl FakeApiServer {
 
     /// The stored object, if any.
     pub fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
-        let ns = if kind == Kind::Node { "" } else { namespace };
+        let ns = if kind.cluster_scoped() { "" } else { namespace };
         self.shared
             .state()
             .objects

@@ -234,6 +234,7 @@ impl Agent {
             self.node.zone = state.zone;
         }
         self.health.set_node_eligible(state.node_eligible);
+        self.external.set_api_service_cidrs(state.service_cidrs);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
         self.sync(&state.snapshot, state.problems, full)
     }

@@ -45,8 +45,10 @@ pub struct External {
     health_checks: HealthCheckServers,
     source_ranges: SourceRanges,
     service_cidrs: ServiceCidrs,
-    /// The Service CIDRs (IPv4 network, prefix length).
-    service_cidr_list: Vec<(Ipv4Addr, u8)>,
+    /// The Service CIDRs (IPv4 network, prefix length) of `--service-cidr`, and of the
+    /// cluster's ServiceCIDR objects; both apply.
+    service_cidr_flag: Vec<(Ipv4Addr, u8)>,
+    service_cidr_api: Vec<(Ipv4Addr, u8)>,
 }
 
 impl External {
@@ -64,21 +66,19 @@ impl External {
             health_checks: HealthCheckServers::new(proxy),
             source_ranges: SourceRanges::from_ebpf(ebpf)?,
             service_cidrs: ServiceCidrs::from_ebpf(ebpf)?,
-            service_cidr_list: Vec::new(),
+            service_cidr_flag: Vec::new(),
+            service_cidr_api: Vec::new(),
         })
     }
 
-    /// The Service CIDRs (`--service-cidr`, or the cluster's ServiceCIDR objects); true when
-    /// they changed (a sync is due).
-    pub fn set_service_cidrs(&mut self, mut cidrs: Vec<(Ipv4Addr, u8)>) -> bool {
-        cidrs.sort();
-        cidrs.dedup();
-        if cidrs == self.service_cidr_list {
-            return false;
-        }
-        info!(service_cidrs = ?cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect::<Vec<_>>(), "Service CIDRs");
-        self.service_cidr_list = cidrs;
-        true
+    /// The Service CIDRs of `--service-cidr`.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<(Ipv4Addr, u8)>) {
+        set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
+    }
+
+    /// The Service CIDRs of the cluster's ServiceCIDR objects (read at each sync).
+    pub fn set_api_service_cidrs(&mut self, cidrs: Vec<(Ipv4Addr, u8)>) {
+        set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
     }
 
     /// Sets `--nodeport-addresses` and `--devices`, and lists the addresses.
@@ -126,9 +126,26 @@ impl External {
             }
         }
         self.source_ranges.sync(&source_ranges::wanted(desired));
+        let cidrs: Vec<(Ipv4Addr, u8)> = self
+            .service_cidr_flag
+            .iter()
+            .chain(&self.service_cidr_api)
+            .copied()
+            .collect();
         self.service_cidrs
-            .sync(&service_cidrs::wanted(desired, &self.service_cidr_list));
+            .sync(&service_cidrs::wanted(desired, &cidrs));
         self.health_checks.update(checks);
+    }
+}
+
+/// Replaces a list of Service CIDRs, logging when it changed.
+fn set_cidrs(list: &mut Vec<(Ipv4Addr, u8)>, mut cidrs: Vec<(Ipv4Addr, u8)>, from: &str) {
+    cidrs.sort();
+    cidrs.dedup();
+    if cidrs != *list {
+        let shown: Vec<String> = cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect();
+        info!(service_cidrs = ?shown, "Service CIDRs from {from}");
+        *list = cidrs;
     }
 }
 

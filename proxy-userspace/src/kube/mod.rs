@@ -30,6 +30,7 @@ use futures::StreamExt as _;
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use kube::{
     Api, Client, Config,
@@ -126,6 +127,9 @@ pub struct KubeSource {
     services: Store<Service>,
     slices: Store<SliceData>,
     node: Store<Node>,
+    /// The cluster's ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+); stays empty
+    /// where the API is not served or not granted.
+    service_cidrs: Store<ServiceCIDR>,
     changed: Arc<Notify>,
     reachability: Arc<Reachability>,
     tasks: Vec<JoinHandle<()>>,
@@ -145,6 +149,7 @@ impl KubeSource {
             },
             changed.clone(),
             reachability.clone(),
+            Required::Yes,
         );
         let (slices, t2) = reflect(
             Api::<EndpointSlice>::all(client.clone()),
@@ -155,9 +160,10 @@ impl KubeSource {
             },
             changed.clone(),
             reachability.clone(),
+            Required::Yes,
         );
         let (node, t3) = reflect(
-            Api::<Node>::all(client),
+            Api::<Node>::all(client.clone()),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
             |mut node| {
                 prune::node(&mut node);
@@ -165,14 +171,29 @@ impl KubeSource {
             },
             changed.clone(),
             reachability.clone(),
+            Required::Yes,
+        );
+        let (service_cidrs, t4) = reflect(
+            Api::<ServiceCIDR>::all(client),
+            watcher::Config::default(),
+            |mut cidr| {
+                cidr.metadata.managed_fields = None;
+                cidr.metadata.annotations = None;
+                cidr.status = None;
+                cidr
+            },
+            changed.clone(),
+            reachability.clone(),
+            Required::No,
         );
         Self {
             services,
             slices,
             node,
+            service_cidrs,
             changed,
             reachability,
-            tasks: vec![t1, t2, t3],
+            tasks: vec![t1, t2, t3, t4],
         }
     }
 
@@ -198,6 +219,26 @@ impl KubeSource {
             services: self.services.state(),
             endpoint_slices: self.slices.state(),
         }
+    }
+
+    /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (`spec.cidrs`; IPv6 ones and
+    /// unparsable ones left out), sorted.
+    pub fn service_cidrs(&self) -> Vec<(std::net::Ipv4Addr, u8)> {
+        let mut out: Vec<(std::net::Ipv4Addr, u8)> = self
+            .service_cidrs
+            .state()
+            .iter()
+            .filter_map(|c| c.spec.as_ref()?.cidrs.as_ref())
+            .flatten()
+            .filter_map(|c| c.parse::<crate::config::Cidr>().ok())
+            .filter_map(|c| match c.addr {
+                std::net::IpAddr::V4(a) => Some((a, c.prefix_len)),
+                std::net::IpAddr::V6(_) => None,
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// This node's `topology.kubernetes.io/zone` label (None until the Node is seen).
@@ -383,6 +424,15 @@ impl Backoff for CappedBackoff {
     }
 }
 
+/// Whether the agent needs a resource to work at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Required {
+    Yes,
+    /// An API that older clusters do not serve (404), or that the RBAC may not grant yet (403):
+    /// said once, then the reflector stops and its store stays empty.
+    No,
+}
+
 /// One reflector task: watcher (with backoff) → `keep` (prune, and convert to what the store
 /// holds) → store; wakes `changed` after every event that changed the store (Apply, Delete, end
 /// of a (re)list).
@@ -392,6 +442,7 @@ fn reflect<K, T>(
     keep: fn(K) -> T,
     changed: Arc<Notify>,
     reachability: Arc<Reachability>,
+    required: Required,
 ) -> (Store<T>, JoinHandle<()>)
 where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -424,6 +475,16 @@ where
                     changed.notify_one();
                 }
                 Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Err(watcher::Error::InitialListFailed(kube::Error::Api(status)))
+                    if required == Required::No && matches!(status.code, 403 | 404) =>
+                {
+                    if status.code == 404 {
+                        info!(%kind, "not served by this API server (Kubernetes < 1.33?); not watched");
+                    } else {
+                        warn!(%kind, "listing is forbidden ({status}); not watched: grant list and watch on it to use it");
+                    }
+                    return;
+                }
                 Err(e) if unavailable(&e) => {
                     failing = true;
                     reachability.failed(&kind, &e);
