@@ -124,6 +124,8 @@ struct Shared {
     next_conn: AtomicU64,
     requests: Mutex<Vec<String>>,
     bookmark_interval: Duration,
+    /// Kinds answered 404 (an older API server without them).
+    unserved: Mutex<Vec<Kind>>,
 }
 
 impl Shared {
@@ -157,6 +159,7 @@ impl FakeApiServer {
                 next_conn: AtomicU64::new(0),
                 requests: Mutex::new(Vec::new()),
                 bookmark_interval: Duration::from_secs(2),
+                unserved: Mutex::new(Vec::new()),
             }),
             netns: netns.map(Path::to_path_buf),
             port: 0,
@@ -337,6 +340,16 @@ impl FakeApiServer {
             .clone()
     }
 
+    /// From now on, requests for `kind` get 404 Not Found, as from an API server that does not
+    /// serve it (e.g. ServiceCIDR before Kubernetes 1.33).
+    pub fn unserve(&self, kind: Kind) {
+        self.shared
+            .unserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(kind);
+    }
+
     /// How many list (non-watch) requests were served for `kind`.
     pub fn list_count(&self, kind: Kind) -> usize {
         self.requests()
@@ -445,8 +458,13 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
         let method = parts.next().unwrap_or_default();
         let target = parts.next().unwrap_or_default();
         let (path, query) = target.split_once('?').unwrap_or((target, ""));
+        let unserved = shared
+            .unserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let req = Request {
-            kind: Kind::from_path(path),
+            kind: Kind::from_path(path).filter(|k| !unserved.contains(k)),
             query: parse_query(query),
         };
         match (method, req.kind) {

@@ -727,6 +727,33 @@ fn service_cidr_objects_are_watched_and_unallocated_addresses_dropped() {
     wait(false);
 }
 
+/// An API server without the ServiceCIDR API (Kubernetes < 1.33): the other reflectors work,
+/// and the ServiceCIDR one asks once and stops (no retry loop, no warning per retry).
+#[tokio::test]
+async fn service_cidr_api_not_served_is_asked_once_and_left_alone() {
+    let server = FakeApiServer::start().expect("fake API server");
+    server.unserve(Kind::ServiceCidr);
+    server.apply(node("zone-a")).expect("node");
+    server.apply(service("web", WEB, 80)).expect("svc");
+    server
+        .apply(slice("web", "a", &ready(&backend_ips()[..1])))
+        .expect("slice");
+    let source = connect(&server).await;
+    assert_eq!(
+        frontends(&source),
+        BTreeMap::from([(WEB, vec![backend_ips()[0]])])
+    );
+    // Longer than the reflectors' whole backoff ladder (0.5 + 1 + 2 s).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let asked = server
+        .requests()
+        .iter()
+        .filter(|r| r.contains(Kind::ServiceCidr.path()))
+        .count();
+    assert_eq!(asked, 1, "ServiceCIDR requests: {:?}", server.requests());
+    assert!(source.state().service_cidrs.is_empty());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Numbers (printed, not asserted)
 
