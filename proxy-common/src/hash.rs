@@ -60,6 +60,39 @@ pub const fn pick_slot(hash: u32, count: u16) -> Option<u16> {
     Some((((hash as u64) * (count as u64)) >> 32) as u16 + 1)
 }
 
+/// A bounded walk over the ports `min..=max` that starts where a flow hash falls and wraps: how
+/// a new flow looks for a free port (SNAT node ports, reply-tuple clash resolution), so flows
+/// spread over the range and one flow always tries the same ports in the same order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortProbe {
+    min: u16,
+    range: u32,
+    start: u32,
+}
+
+impl PortProbe {
+    /// The walk for a flow with this hash over `min..=max` (`min <= max`).
+    #[inline(always)]
+    pub const fn new(hash: u32, min: u16, max: u16) -> Self {
+        let range = (max - min) as u32 + 1;
+        Self {
+            min,
+            range,
+            start: ((hash as u64 * range as u64) >> 32) as u32,
+        }
+    }
+
+    /// The `i`-th port of the walk (host order), for `i` below the range's size.
+    #[inline(always)]
+    pub const fn port(&self, i: u32) -> u16 {
+        let mut off = self.start + i;
+        if off >= self.range {
+            off -= self.range;
+        }
+        (self.min as u32 + off) as u16
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,6 +246,25 @@ mod tests {
                 (9_700..=10_300).contains(n),
                 "backend {i} got {n} of 30000: {hits:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_port_probe_starts_at_the_hash_and_wraps_inside_the_range() {
+        let p = PortProbe::new(u32::MAX, 61_000, 65_535);
+        assert_eq!(
+            p.port(0),
+            65_535,
+            "the top of the hash space starts at the top"
+        );
+        assert_eq!(p.port(1), 61_000, "and wraps to the bottom");
+        let q = PortProbe::new(0, 1_024, 65_535);
+        assert_eq!((q.port(0), q.port(5)), (1_024, 1_029));
+        for h in [1u32, 77, 1 << 31, u32::MAX - 3] {
+            let p = PortProbe::new(h, 1_024, 65_535);
+            for i in 0..32 {
+                assert!((1_024..=65_535).contains(&p.port(i)));
+            }
         }
     }
 }

@@ -127,6 +127,15 @@ pub struct Ipv4Prefix {
 }
 const _: () = assert!(core::mem::size_of::<Ipv4Prefix>() == 8);
 
+impl Ipv4Prefix {
+    /// Is `addr` (network order) inside the prefix?
+    #[inline(always)]
+    pub fn contains(&self, addr: [u8; 4]) -> bool {
+        // Byte-wise AND and compare: the same in either byte order, so no swap is needed.
+        u32::from_ne_bytes(addr) & u32::from_ne_bytes(self.mask) == u32::from_ne_bytes(self.addr)
+    }
+}
+
 /// The configured cluster CIDRs; `count == 0` means no source is detected as in-cluster (also
 /// kube-proxy's behaviour for detectLocalMode ClusterCIDR without a clusterCIDR).
 #[repr(C)]
@@ -151,12 +160,10 @@ impl ClusterCidrs {
     /// Is `addr` (network order) inside one of the prefixes? Bounded by `MAX_CLUSTER_CIDRS`.
     #[inline(always)]
     pub fn contains(&self, addr: [u8; 4]) -> bool {
-        // Byte-wise AND and compare: the same in either byte order, so no swap is needed.
-        let a = u32::from_ne_bytes(addr);
         self.prefixes
             .iter()
             .take(self.count as usize)
-            .any(|p| a & u32::from_ne_bytes(p.mask) == u32::from_ne_bytes(p.addr))
+            .any(|p| p.contains(addr))
     }
 }
 

@@ -19,6 +19,7 @@ pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
 /// first agent and pinned so a restarted agent loads its programs with the same one. The datapath
 /// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
 pub const MAP_SEED: &str = "SEED_V1";
+pub const MAP_SERVICE_CIDRS: &str = "SVCCIDRS_V1";
 pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 /// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
@@ -26,7 +27,7 @@ pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 13] = [
+pub const ALL_MAPS: [&str; 14] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -40,6 +41,7 @@ pub const ALL_MAPS: [&str; 13] = [
     MAP_FRAGMENTS,
     MAP_SNAT_DEVICES,
     MAP_SEED,
+    MAP_SERVICE_CIDRS,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -60,6 +62,19 @@ pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
 pub const FRAGMENTS_CAPACITY: u32 = 8_192;
 /// Tunnel devices with their own SNAT source address (one entry per attached tunnel device).
 pub const SNAT_DEVICES_CAPACITY: u32 = 256;
+/// Service CIDR prefixes and allocated ClusterIPs (one /32 each); an LPM trie takes memory only
+/// for the entries it holds.
+pub const SERVICE_CIDRS_CAPACITY: u32 = 131_072;
+
+/// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
+/// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream
+/// nftables' cluster-ips-check. The longest prefix wins, so a ClusterIP's /32 beats its CIDR.
+pub mod service_cidr {
+    /// Inside a Service CIDR (ServiceCIDR objects, `--service-cidr`) and no Service's: dropped.
+    pub const UNALLOCATED: u32 = 1;
+    /// An allocated ClusterIP (/32), on a port that is none of its Services': rejected.
+    pub const CLUSTER_IP: u32 = 2;
+}
 
 /// Largest number of backends one frontend can have (slots are u16; kept well below to bound the
 /// number of map entries one Service can take).
@@ -121,12 +136,18 @@ pub mod service_flags {
     /// A NodePort, externalIP or LoadBalancer frontend: with externalTrafficPolicy Cluster, flows
     /// to a backend on another node are SNATed to the node's address (`NODE_V1`).
     pub const EXTERNAL: u16 = 1 << 1;
-    /// externalTrafficPolicy Local: never SNAT (the backend sees the client), and no backends
-    /// means drop, not reject (the load balancer's health check steers clients away).
+    /// externalTrafficPolicy Local: never SNAT (the backend sees the client).
     pub const EXTERNAL_LOCAL: u16 = 1 << 2;
     /// A LoadBalancer frontend with loadBalancerSourceRanges: new flows from sources outside
     /// its prefixes in `SRCRANGES_V1` are dropped.
     pub const SOURCE_RANGES: u16 = 1 << 3;
+    /// No backends (`count == 0`) means drop, not reject: a Local traffic policy (internal for a
+    /// ClusterIP, external for a NodePort/externalIP/LoadBalancer frontend) whose Service has
+    /// usable endpoints on other nodes but none here (upstream's "drop" filter verdict; the load
+    /// balancer's health check steers external clients away). Without it, `count == 0` means no
+    /// usable endpoint anywhere and new flows are rejected (ICMP port unreachable), for every
+    /// policy. The agent sets it only while the frontend has no backends.
+    pub const DROP_WHEN_EMPTY: u16 = 1 << 4;
 }
 
 /// Value of a `SERVICES` entry. For slot 0 (frontend): `count`, `rev_nat_id`, `flags`,
@@ -135,7 +156,8 @@ pub mod service_flags {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct ServiceValue {
     pub backend_id: u32,
-    /// Number of backend slots (frontend entry only). 0 = no endpoints: the datapath rejects.
+    /// Number of backend slots (frontend entry only). 0 = no endpoints: the datapath rejects (or
+    /// drops, with `service_flags::DROP_WHEN_EMPTY`).
     pub count: u16,
     pub flags: u16,
     pub rev_nat_id: u32,

@@ -78,7 +78,9 @@ counters! {
     SnatReplyTranslated = "snat_reply_translated",
     /// An external flow to a remote backend sent without SNAT: the node has no SNAT address yet.
     SnatNoNodeAddr = "snat_no_node_addr",
-    /// Dropped: externalTrafficPolicy Local and no endpoint on this node (not rejected).
+    /// Dropped (or, in the socket hooks, connect()/sendmsg() failed with ETIMEDOUT): a Local
+    /// traffic policy (internal or external) with endpoints on other nodes but none on this one
+    /// (`service_flags::DROP_WHEN_EMPTY`; not rejected).
     DropNoLocalEndpoints = "drop_no_local_endpoints",
     /// Dropped: no free SNAT port for the flow's backend within the probe limit.
     DropSnatPortsExhausted = "drop_snat_ports_exhausted",
@@ -129,6 +131,13 @@ counters! {
     /// Dropped: an ICMP error or TCP RST was due but this CPU's answer budget (`ratelimit`) was
     /// spent.
     DropRejectRateLimited = "drop_reject_rate_limited",
+    /// A new flow to an allocated ClusterIP on a port that is none of its Services' (upstream
+    /// nftables' "reject traffic to invalid ports of ClusterIPs"): ICMP port unreachable (the
+    /// socket hooks: ECONNREFUSED).
+    ClusterIpPortRejected = "cluster_ip_port_rejected",
+    /// Dropped: a new flow to an address inside the Service CIDRs that no Service has (upstream
+    /// nftables' "drop traffic to unallocated ClusterIPs"; the socket hooks: ETIMEDOUT).
+    DropUnallocatedServiceIp = "drop_unallocated_service_ip",
 }
 
 /// Number of entries in the stats array.

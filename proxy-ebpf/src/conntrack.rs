@@ -19,7 +19,7 @@ use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, CtKey, CtValue, DatapathConfig,
     ct_dir, ct_flags, ct_state,
     flow_state::{self, Segment},
-    hash::flow_hash,
+    hash::{PortProbe, flow_hash},
 };
 
 use crate::{
@@ -324,7 +324,6 @@ fn choose_sport(original: &CtKey, backend: &Backend, now: u64) -> u32 {
     if !reply_tuple_taken(original, &candidate, now) {
         return KEEP_SPORT;
     }
-    const RANGE: u32 = (CLASH_PORT_MAX - CLASH_PORT_MIN) as u32 + 1;
     let hash = flow_hash(
         maps::hash_seed(),
         original.saddr,
@@ -333,14 +332,10 @@ fn choose_sport(original: &CtKey, backend: &Backend, now: u64) -> u32 {
         original.dport,
         original.proto,
     );
-    let start = ((hash as u64 * RANGE as u64) >> 32) as u32;
+    let probe = PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX);
     let mut i = 0;
     while i < CLASH_PROBES {
-        let mut off = start + i;
-        if off >= RANGE {
-            off -= RANGE;
-        }
-        let port = CLASH_PORT_MIN as u32 + off;
+        let port = probe.port(i) as u32;
         candidate.dport = (port as u16).to_be_bytes();
         if candidate.dport != original.sport && !reply_tuple_taken(original, &candidate, now) {
             return port;

@@ -13,7 +13,7 @@ use crate::{
     conntrack::{self, NewFlow},
     frag, icmp, maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
-    reject, snat, stats,
+    reject, snat, stats, svc_cidr,
 };
 
 /// Why a packet goes through the new-flow path although it had a conntrack entry.
@@ -158,6 +158,9 @@ pub fn try_direct_flow(ctx: &TcContext) -> Result<Action, Drop> {
     let Parsed::Packet(p) = packet::parse(ctx) else {
         return Err(Drop::TailCall);
     };
+    if let Some(verdict) = svc_cidr::not_a_frontend(ctx, &p) {
+        return verdict;
+    }
     match conntrack::direct_flow(&p, &conntrack::original_key(&p), maps::now_ns())? {
         Some(sport) => {
             nat::source_port(ctx, &p, sport)?;
@@ -175,7 +178,14 @@ pub fn try_reject(ctx: &TcContext) -> Result<Action, Drop> {
         return Err(Drop::TailCall);
     };
     let verdict = reject::icmp_port_unreachable(ctx, &p)?;
-    Ok(Action::redirect(verdict, Counter::NoEndpointsRejected))
+    // A Service without endpoints, or (from the direct-flow program) a ClusterIP's port that is
+    // none of its Services'.
+    let counter = if maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_some() {
+        Counter::NoEndpointsRejected
+    } else {
+        Counter::ClusterIpPortRejected
+    };
+    Ok(Action::redirect(verdict, counter))
 }
 
 /// Service lookup, backend pick, conntrack entries, DNAT.
@@ -232,8 +242,9 @@ fn new_flow(
         if let Some(old) = old {
             conntrack::remove(key, old);
         }
-        if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 {
-            // Like kube-proxy: no local endpoint for eTP=Local external traffic is a drop.
+        if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
+            // Like kube-proxy: a Local policy with endpoints only on other nodes drops; no
+            // usable endpoint anywhere rejects (below).
             return Err(Drop::NoLocalEndpoints);
         }
         // The answer is built in a program of its own (stack).

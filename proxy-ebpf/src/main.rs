@@ -16,6 +16,7 @@ mod reject;
 mod snat;
 mod sock;
 mod stats;
+mod svc_cidr;
 mod tap;
 
 use aya_ebpf::{
@@ -68,7 +69,7 @@ pub(crate) enum Drop {
     RejectRateLimited,
     /// A checksum or store helper failed while rewriting.
     RewriteFailed,
-    /// externalTrafficPolicy Local and no endpoint on this node.
+    /// A Local traffic policy with endpoints on other nodes and none on this one.
     NoLocalEndpoints,
     /// No free SNAT port for the flow's backend.
     SnatPortsExhausted,
@@ -78,6 +79,8 @@ pub(crate) enum Drop {
     ReplyTupleExhausted,
     /// The new-flow program could not be tail-called.
     TailCall,
+    /// A new flow to an unallocated address inside the Service CIDRs.
+    UnallocatedServiceIp,
 }
 
 impl Drop {
@@ -95,6 +98,7 @@ impl Drop {
             Drop::SourceRange => Counter::DropSourceRange,
             Drop::ReplyTupleExhausted => Counter::DropReplyTupleExhausted,
             Drop::TailCall => Counter::DropTailCall,
+            Drop::UnallocatedServiceIp => Counter::DropUnallocatedServiceIp,
         }
     }
 }

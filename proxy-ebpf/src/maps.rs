@@ -15,11 +15,12 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, CtKey, CtValue, DatapathConfig,
-    FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED,
-    MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS,
-    MAP_TAP, NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL,
+    BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
+    DatapathConfig, FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_BACKENDS,
+    MAP_CONNTRACK, MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT,
+    MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOCK_REVNAT,
+    MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS, NodeInfo, PendingFlow,
+    REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL, SERVICE_CIDRS_CAPACITY,
     SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY, SOCK_REVNAT_CAPACITY,
     SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice,
     SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW,
@@ -54,6 +55,9 @@ static SNATDEV_V1: HashMap<u32, SnatDevice, { SNAT_DEVICES_CAPACITY as usize }> 
 #[btf_map]
 static SRCRANGES_V1: LpmTrie<SourceRangeKey, u32, { SOURCE_RANGES_CAPACITY as usize }> =
     LpmTrie::new();
+
+#[btf_map]
+static SVCCIDRS_V1: LpmTrie<[u8; 4], u32, { SERVICE_CIDRS_CAPACITY as usize }> = LpmTrie::new();
 
 #[btf_map]
 static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY as usize }> =
@@ -153,9 +157,26 @@ pub fn hash_seed() -> u32 {
 /// Is `addr` (a client) inside the cluster, i.e. in one of the configured cluster CIDRs?
 #[inline(always)]
 pub fn in_cluster(addr: [u8; 4]) -> bool {
-    // SAFETY: as in `config`; only the cluster CIDRs are read.
-    let cidrs = unsafe { core::ptr::read_volatile(&CONFIG.cluster_cidrs) };
-    cidrs.contains(addr)
+    in_prefixes(&CONFIG.cluster_cidrs, addr)
+}
+
+/// Is `addr` in one of a load-time prefix list's prefixes? Read one field at a time, so the list
+/// is never copied to the (512-byte) stack, wherever it is inlined.
+#[inline(always)]
+fn in_prefixes(list: &'static ClusterCidrs, addr: [u8; 4]) -> bool {
+    // SAFETY: as in `config`: a field of the initialised, immutable CONFIG static.
+    let count = unsafe { core::ptr::read_volatile(&list.count) } as usize;
+    let mut i = 0;
+    while i < MAX_CLUSTER_CIDRS && i < count {
+        if let Some(prefix) = list.prefixes.get(i) {
+            // SAFETY: as above.
+            if unsafe { core::ptr::read_volatile(prefix) }.contains(addr) {
+                return true;
+            }
+        }
+        i += 1;
+    }
+    false
 }
 
 /// The frontend entry (slot-0 key and value) a new flow to `key` (slot 0, `SCOPE_EXTERNAL`) uses.
@@ -351,6 +372,16 @@ pub fn snat_device_addr(ifindex: u32) -> Option<[u8; 4]> {
     Some(unsafe { (*ptr).addr })
 }
 
+/// What `addr` is in the Service address space (`service_cidr::*`), if anything.
+#[inline(always)]
+pub fn service_cidr(addr: [u8; 4]) -> Option<u32> {
+    let key = Key {
+        prefix_len: 32,
+        data: addr,
+    };
+    SVCCIDRS_V1.get(&key).copied()
+}
+
 /// Is the source of `key` inside one of its frontend's loadBalancerSourceRanges?
 #[inline(always)]
 pub fn source_in_range(key: SourceRangeKey) -> bool {
@@ -541,3 +572,4 @@ const _: () = assert!(same(MAP_SNAT_DEVICES, "SNATDEV_V1"));
 const _: () = assert!(same(MAP_TAP, "TAP_V1"));
 const _: () = assert!(same(MAP_SEED, "SEED_V1"));
 const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));
+const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));

@@ -1,6 +1,7 @@
 //! SNAT to the node for external traffic (NodePort, externalIP, LoadBalancer frontends with
 //! externalTrafficPolicy Cluster) sent to a backend on another node, so that the backend's replies
-//! come back through this node and can be reverse-translated.
+//! come back through this node and can be reverse-translated; and, like kube-proxy's masquerade,
+//! for such traffic from outside the cluster CIDRs to a local backend too.
 //!
 //! Like netfilter's MASQUERADE it sits after routing: tc ingress DNATs (conntrack) and allocates
 //! the node port, tc egress rewrites the forwarded packet's source to the node; a reply arriving on
@@ -26,7 +27,9 @@
 
 use proxy_common::{
     Backend, Counter, HAIRPIN_SNAT_ADDR, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ServiceValue,
-    SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, hash::flow_hash, service_flags,
+    SnatKey, SnatValue, backend_flags, ct_dir, ct_flags,
+    hash::{PortProbe, flow_hash},
+    service_flags,
 };
 
 use crate::{
@@ -36,15 +39,15 @@ use crate::{
     stats,
 };
 
-const PORT_RANGE: u32 = (SNAT_PORT_MAX - SNAT_PORT_MIN) as u32 + 1;
-
-/// Does a new flow from this client to this frontend's backend need SNAT? External flows to a
-/// remote backend (eTP=Cluster), and hairpin flows (the client is the backend).
+/// Does a new flow from this client to this frontend's backend need SNAT? External flows with
+/// eTP=Cluster: to a remote backend always; to a local one when the client is outside the
+/// cluster CIDRs (kube-proxy masquerades every flow to such a frontend; pods keep their address
+/// here, the backend can answer them directly). And hairpin flows (the client is the backend).
 #[inline(always)]
 pub fn needed(client: [u8; 4], frontend: &ServiceValue, backend: &Backend) -> bool {
     (frontend.flags & service_flags::EXTERNAL != 0
         && frontend.flags & service_flags::EXTERNAL_LOCAL == 0
-        && backend.flags & backend_flags::LOCAL == 0)
+        && (backend.flags & backend_flags::LOCAL == 0 || !maps::in_cluster(client)))
         || client == backend.addr
 }
 
@@ -195,14 +198,10 @@ pub fn allocate(
         f.backend_port,
         f.proto,
     );
-    let start = ((hash as u64 * PORT_RANGE as u64) >> 32) as u32;
+    let probe = PortProbe::new(hash, SNAT_PORT_MIN, SNAT_PORT_MAX);
     let mut i = 0;
     while i < SNAT_PROBES {
-        let mut off = start + i;
-        if off >= PORT_RANGE {
-            off -= PORT_RANGE;
-        }
-        let port = ((SNAT_PORT_MIN as u32 + off) as u16).to_be_bytes();
+        let port = probe.port(i).to_be_bytes();
         let in_key = f.in_key(source, port);
         let claimed = maps::snat_claim(&in_key, &client).is_ok()
             || match maps::snat_entry(&in_key) {

@@ -13,7 +13,10 @@
 //! in-cluster traffic, so an externalTrafficPolicy Local frontend sends it to the Service's
 //! cluster-wide endpoints (the `SCOPE_INTERNAL` entry) when the agent wrote one. A Service
 //! without endpoints is refused with ECONNREFUSED (kube-proxy rejects with port unreachable,
-//! which a TCP client sees as the same error).
+//! which a TCP client sees as the same error). Where kube-proxy drops instead (an
+//! internalTrafficPolicy Local ClusterIP with endpoints only on other nodes:
+//! `DROP_WHEN_EMPTY`), connect()/sendmsg() fail at once with ETIMEDOUT, the error a dropped
+//! SYN ends in, rather than hanging through the retries or leaking the packet to the VIP.
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -21,7 +24,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, hash::pick_slot, proto, service_flags,
+    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, hash::pick_slot, proto, service_cidr,
+    service_flags,
 };
 
 use crate::{maps, stats};
@@ -30,6 +34,7 @@ use crate::{maps, stats};
 const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const ETIMEDOUT: i32 = 110;
 
 /// connect() and sendmsg(): a Service address becomes one of its backends.
 #[inline(always)]
@@ -44,7 +49,19 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     // The node's own traffic is in-cluster traffic.
     let Some((key, frontend)) = maps::frontend_for(&ServiceKey::new(addr, port, proto, 0), || true)
     else {
-        return ALLOW;
+        // Like tc (and upstream's filter-output): a ClusterIP's other ports are refused, the
+        // unallocated rest of the Service CIDRs fails as a dropped SYN would end.
+        return match maps::service_cidr(addr) {
+            Some(service_cidr::CLUSTER_IP) => {
+                stats::count(Counter::ClusterIpPortRejected);
+                refuse()
+            }
+            Some(service_cidr::UNALLOCATED) => {
+                stats::count(Counter::DropUnallocatedServiceIp);
+                fail(ETIMEDOUT)
+            }
+            _ => ALLOW,
+        };
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0 && !node_in_source_ranges(&key) {
         stats::count(Counter::DropSourceRange);
@@ -52,6 +69,12 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     }
     // SAFETY: bpf_get_prandom_u32 takes no arguments.
     let Some(slot) = pick_slot(unsafe { bpf_get_prandom_u32() }, frontend.count) else {
+        if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
+            // Where tc drops (a Local policy served only by other nodes), the socket fails as a
+            // dropped SYN would end, without the minutes of retries.
+            stats::count(Counter::DropNoLocalEndpoints);
+            return fail(ETIMEDOUT);
+        }
         stats::count(Counter::SockNoEndpointsRefused);
         return refuse();
     };
@@ -157,7 +180,13 @@ fn node_in_source_ranges(key: &ServiceKey) -> bool {
 /// Fail the connect()/sendmsg() with ECONNREFUSED (a bare DENY would be EPERM).
 #[inline(always)]
 fn refuse() -> i32 {
+    fail(ECONNREFUSED)
+}
+
+/// Fail the connect()/sendmsg() with `errno`.
+#[inline(always)]
+fn fail(errno: i32) -> i32 {
     // SAFETY: bpf_set_retval only sets the syscall's return value (allowed in connect4/sendmsg4).
-    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    unsafe { bpf_set_retval(-errno) };
     DENY
 }

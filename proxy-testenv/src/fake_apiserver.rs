@@ -43,16 +43,23 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCidr,
 }
 
 impl Kind {
-    const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+    const ALL: [Kind; 4] = [
+        Kind::Service,
+        Kind::EndpointSlice,
+        Kind::Node,
+        Kind::ServiceCidr,
+    ];
 
     pub fn path(self) -> &'static str {
         match self {
             Kind::Service => "/api/v1/services",
             Kind::EndpointSlice => "/apis/discovery.k8s.io/v1/endpointslices",
             Kind::Node => "/api/v1/nodes",
+            Kind::ServiceCidr => "/apis/networking.k8s.io/v1/servicecidrs",
         }
     }
 
@@ -60,6 +67,7 @@ impl Kind {
         match self {
             Kind::Service | Kind::Node => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::ServiceCidr => "networking.k8s.io/v1",
         }
     }
 
@@ -68,7 +76,13 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
+    }
+
+    /// Nodes and ServiceCIDRs have no namespace.
+    fn cluster_scoped(self) -> bool {
+        matches!(self, Kind::Node | Kind::ServiceCidr)
     }
 
     fn from_kind(kind: &str) -> Option<Self> {
@@ -115,6 +129,8 @@ struct Shared {
     /// Events created and patched, in arrival order.
     events: Mutex<Vec<RecordedEvent>>,
     bookmark_interval: Duration,
+    /// Kinds answered 404 (an older API server without them).
+    unserved: Mutex<Vec<Kind>>,
 }
 
 /// An Event the client created or patched.
@@ -161,6 +177,7 @@ impl FakeApiServer {
                 requests: Mutex::new(Vec::new()),
                 events: Mutex::new(Vec::new()),
                 bookmark_interval: Duration::from_secs(2),
+                unserved: Mutex::new(Vec::new()),
             }),
             netns: netns.map(Path::to_path_buf),
             port: 0,
@@ -253,13 +270,13 @@ impl FakeApiServer {
             .as_str()
             .context("object without metadata.name")?
             .to_owned();
-        let namespace = if kind == Kind::Node {
+        let namespace = if kind.cluster_scoped() {
             String::new()
         } else {
             let ns = obj["metadata"]["namespace"].as_str().unwrap_or("default");
             ns.to_owned()
         };
-        if kind != Kind::Node {
+        if !kind.cluster_scoped() {
             obj["metadata"]["namespace"] = json!(namespace);
         }
         obj["apiVersion"] = json!(kind.api_version());
@@ -292,7 +309,7 @@ impl FakeApiServer {
 
     /// Deletes an object; false if it did not exist.
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) -> bool {
-        let ns = if kind == Kind::Node { "" } else { namespace };
+        let ns = if kind.cluster_scoped() { "" } else { namespace };
         let deleted = {
             let mut st = self.shared.state();
             match st.objects.remove(&(kind, ns.to_owned(), name.to_owned())) {
@@ -319,7 +336,7 @@ impl FakeApiServer {
 
     /// The stored object, if any.
     pub fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
-        let ns = if kind == Kind::Node { "" } else { namespace };
+        let ns = if kind.cluster_scoped() { "" } else { namespace };
         self.shared
             .state()
             .objects
@@ -348,6 +365,16 @@ impl FakeApiServer {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// From now on, requests for `kind` get 404 Not Found, as from an API server that does not
+    /// serve it (e.g. ServiceCIDR before Kubernetes 1.33).
+    pub fn unserve(&self, kind: Kind) {
+        self.shared
+            .unserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(kind);
     }
 
     /// How many list (non-watch) requests were served for `kind`.
@@ -466,8 +493,13 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
         let method = parts.next().unwrap_or_default();
         let target = parts.next().unwrap_or_default();
         let (path, query) = target.split_once('?').unwrap_or((target, ""));
+        let unserved = shared
+            .unserved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let req = Request {
-            kind: Kind::from_path(path),
+            kind: Kind::from_path(path).filter(|k| !unserved.contains(k)),
             query: parse_query(query),
         };
         if let Some(namespace) = event_namespace(method, path) {

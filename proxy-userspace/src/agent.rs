@@ -183,9 +183,9 @@ impl Agent {
         let desired = self.cache.desired();
         self.planner.desired_changes(&changes, desired);
         problems.extend(self.cache.problems());
-        let plan = self
-            .planner
-            .plan(desired, &self.programmed, &self.capacities, full);
+        let (plan, kind) =
+            self.planner
+                .plan_with_kind(desired, &self.programmed, &self.capacities, full);
         for (frontend, reason) in &plan.skipped {
             problems.push(Problem {
                 source: "dataplane".into(),
@@ -223,7 +223,7 @@ impl Agent {
         self.status.frontends = self.planner.frontend_count();
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
-        self.sync_applied(started.elapsed(), snapshot, &problems);
+        self.sync_applied(started.elapsed(), kind, snapshot, &problems);
         let level_changed = !plan.ops.is_empty();
         if level_changed {
             info!(
@@ -259,6 +259,7 @@ impl Agent {
             self.node.zone = state.zone;
         }
         self.health.set_node_eligible(state.node_eligible);
+        self.external.set_api_service_cidrs(state.service_cidrs);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
         self.sync(&state.snapshot, state.problems, full)
     }
@@ -378,6 +379,7 @@ impl Agent {
     /// conntrack cleanup, so DNS clients do not keep sending to a deleted pod). TCP flows to a
     /// gone backend are answered with a RST by the datapath on their next packet.
     pub fn gc_conntrack(&mut self) {
+        let started = Instant::now();
         let now = monotonic_ns();
         let mut removed = 0usize;
         let entries = self.conntrack.entries();
@@ -393,6 +395,8 @@ impl Agent {
         }
         self.occupancy
             .report(&self.metrics, "conntrack", (total - removed) as u64);
+        self.metrics
+            .conntrack_reconciled(started.elapsed(), removed as u64);
     }
 
     /// Counts the maps no other pass lists (source ranges, socket reverse NAT) for the
@@ -472,19 +476,24 @@ impl Agent {
         self.health.queued();
     }
 
-    fn sync_applied(&mut self, took: Duration, snapshot: &Snapshot, problems: &[Problem]) {
+    fn sync_applied(
+        &mut self,
+        took: Duration,
+        kind: crate::metrics::SyncKind,
+        snapshot: &Snapshot,
+        problems: &[Problem],
+    ) {
         let now = std::time::SystemTime::now();
         // After the map writes, so the comparison does not delay them.
         if self.changes.needs_diff() {
             let changes = self.changes.diff(snapshot);
-            self.metrics.sync_applied(took, &changes, now);
+            self.metrics.sync_applied(took, kind, &changes, now);
             self.changes.commit(changes);
         } else {
             self.metrics
-                .sync_applied(took, &crate::metrics::Changes::default(), now);
+                .sync_applied(took, kind, &crate::metrics::Changes::default(), now);
         }
-        let (internal, external) =
-            crate::metrics::no_local_endpoints(snapshot, self.cache.desired());
+        let (internal, external) = crate::metrics::no_local_endpoints(self.cache.desired());
         self.metrics.set_no_local_endpoints(internal, external);
         self.metrics.set_sync_problems(problems.len());
         let p = &self.programmed;
@@ -662,6 +671,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.nodeport_addresses.clone(),
         Patterns::parse(&args.devices),
     );
+    agent
+        .external
+        .set_service_cidrs(crate::config::ipv4_prefixes(&args.service_cidr));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that

@@ -18,6 +18,26 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// The log filter: RUST_LOG (`rust_log`) if set, else the level of `-v`. Unless the filter
+    /// names kube-client itself, its client's own lines are off (ERROR
+    /// `kube_client::client::builder` per failed request, WARN `eof in poll` per broken watch:
+    /// dozens per reflector while the API server is down): the agent reports an outage once
+    /// itself, and every request error reaches it as a `Result`.
+    pub fn log_filter(&self, rust_log: Option<&str>) -> String {
+        let base = rust_log.unwrap_or(match self.verbosity {
+            0 => "info",
+            1 | 2 => "debug",
+            _ => "trace",
+        });
+        if base.contains("kube_client") {
+            base.to_owned()
+        } else {
+            format!("{base},kube_client::client=off")
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 #[expect(
     clippy::large_enum_variant,
@@ -154,6 +174,12 @@ pub struct RunArgs {
     /// Service's cluster-wide endpoints, like upstream's short-circuit. IPv4, at most 4.
     #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
     pub cluster_cidr: Vec<crate::config::Cidr>,
+    /// The Service CIDRs (comma-separated, IPv4 used): a new flow to an address inside them
+    /// that no Service has is dropped, and to a ClusterIP on a port none of its Services has,
+    /// rejected (kube-proxy nftables' behaviour). In Kubernetes mode the cluster's ServiceCIDR
+    /// objects (networking.k8s.io/v1) are added to these.
+    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
+    pub service_cidr: Vec<crate::config::Cidr>,
     /// How in-cluster clients are told apart (kube-proxy's detectLocalMode). Only ClusterCIDR
     /// is implemented; with the others no client counts as in-cluster.
     #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]
@@ -265,6 +291,21 @@ mod tests {
         assert!(parse_duration("").is_err());
         assert!(parse_duration("10").is_err());
         assert!(parse_duration("5 parsecs").is_err());
+    }
+
+    #[test]
+    fn log_filter_silences_kube_client_request_errors_unless_asked_for() {
+        let cli =
+            |v: &str| Cli::try_parse_from(["kube-proxy-ebpf", "-v", v, "cleanup"]).expect("parse");
+        let off = "kube_client::client=off";
+        assert_eq!(cli("0").log_filter(None), format!("info,{off}"));
+        assert_eq!(cli("2").log_filter(None), format!("debug,{off}"));
+        assert_eq!(cli("4").log_filter(None), format!("trace,{off}"));
+        assert_eq!(cli("0").log_filter(Some("warn")), format!("warn,{off}"));
+        assert_eq!(
+            cli("0").log_filter(Some("info,kube_client=debug")),
+            "info,kube_client=debug"
+        );
     }
 
     #[test]

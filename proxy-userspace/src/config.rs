@@ -253,6 +253,18 @@ impl DetectLocal {
     }
 }
 
+/// The IPv4 prefixes of `cidrs` (network, prefix length); IPv6 ones are left out (the
+/// datapath is IPv4-only).
+pub fn ipv4_prefixes(cidrs: &[Cidr]) -> Vec<(std::net::Ipv4Addr, u8)> {
+    cidrs
+        .iter()
+        .filter_map(|c| match c.addr {
+            IpAddr::V4(a) => Some((a, c.prefix_len)),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
+}
+
 /// The IPv4 prefixes the datapath treats as in-cluster sources, and what to tell the operator.
 /// Upstream: detectLocalMode ClusterCIDR without a clusterCIDR detects nothing (no
 /// short-circuit); this proxy implements only the ClusterCIDR mode, the others detect nothing.

@@ -470,6 +470,7 @@ mod tests {
             service,
             kind: crate::model::FrontendKind::ClusterIp,
             external_local: false,
+            drop_when_empty: false,
             source_ranges: Vec::new(),
             backends,
             retained,

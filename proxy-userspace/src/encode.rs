@@ -74,6 +74,9 @@ pub fn frontend_flags(frontend: &Frontend, df: &DesiredFrontend) -> u16 {
     if !df.source_ranges.is_empty() {
         flags |= service_flags::SOURCE_RANGES;
     }
+    if df.drop_when_empty && df.backends.is_empty() {
+        flags |= service_flags::DROP_WHEN_EMPTY;
+    }
     flags
 }
 

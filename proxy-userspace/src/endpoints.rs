@@ -41,6 +41,10 @@ pub struct EndpointInfo {
     pub terminating: bool,
     /// `hints.forZones[].name`.
     pub zone_hints: BTreeSet<String>,
+    /// `hints.forNodes` is set (PreferSameNode).
+    pub has_node_hints: bool,
+    /// `hints.forNodes[].name` names this node.
+    pub hinted_for_node: bool,
 }
 
 /// An EndpointSlice as the sources keep it: its identity, what metrics read, and its ports and
@@ -154,6 +158,8 @@ struct SliceEndpoint {
     serving: bool,
     terminating: bool,
     zone_hints: BTreeSet<String>,
+    /// `hints.forNodes[].name` (empty: no node hints).
+    node_hints: Box<[String]>,
 }
 
 /// The snapshot's IPv4 EndpointSlices grouped by Service.
@@ -245,6 +251,9 @@ impl<'a> SliceIndex<'a> {
                     serving: ep.serving,
                     terminating: ep.terminating,
                     zone_hints: ep.zone_hints.clone(),
+                    has_node_hints: !ep.node_hints.is_empty(),
+                    hinted_for_node: !node_name.is_empty()
+                        && ep.node_hints.iter().any(|n| n == node_name),
                 };
                 match out.get(&endpoint) {
                     Some(_) if !info.local => {}
@@ -324,6 +333,12 @@ fn slice_endpoint<'a>(
             .as_ref()
             .and_then(|h| h.for_zones.as_ref())
             .map(|z| z.iter().map(|z| z.name.clone()).collect())
+            .unwrap_or_default(),
+        node_hints: ep
+            .hints
+            .as_ref()
+            .and_then(|h| h.for_nodes.as_ref())
+            .map(|n| n.iter().map(|n| n.name.clone()).collect())
             .unwrap_or_default(),
     }
 }

@@ -11,13 +11,19 @@
 //!   its first queued change is overdue, and a proxy whose map writes keep failing becomes
 //!   unhealthy after 2 × syncPeriod. (Upstream does not queue on a failed sync: its periodic
 //!   retry is silent. Queuing here makes broken map writes visible; documented choice.)
-//! - `/livez`: 200 when healthy, else 503. Body `{"lastUpdated": ..., "currentTime": ...}`.
+//! - `/livez`: 200 when healthy, else 503. Body as v1.36's `ProxyHealth`:
+//!   `{"lastUpdated":..,"currentTime":..,"healthy":BOOL,"status":{"IPv4":{"lastUpdated":..,
+//!   "healthy":BOOL}}}`; `status` has one entry per IP family the proxy programs (IPv4 only
+//!   here) and is left out before the first sync, as upstream's empty map is.
 //! - `/healthz`: as `/livez`, and also 503 when the node is not eligible (the Node is being
 //!   deleted or carries the `ToBeDeletedByClusterAutoscaler` taint), so load balancers drain
-//!   the node. Body adds `"nodeEligible"`. Standalone mode has no Node: always eligible. The
-//!   Kubernetes source calls [`HealthState::set_node_eligible`] with [`node_eligible`].
-//! - Times are RFC 3339 wall-clock times like Go's `time.Time` in JSON; `lastUpdated` is
-//!   `0001-01-01T00:00:00Z` (Go's zero time) before the first sync.
+//!   the node. Body adds `"nodeEligible"` after `currentTime`; `healthy` stays the proxy's own
+//!   health. Standalone mode has no Node: always eligible. The Kubernetes source calls
+//!   [`HealthState::set_node_eligible`] with [`node_eligible`].
+//! - Times are RFC 3339 wall-clock times like Go's `time.Time` in JSON. The top-level
+//!   `lastUpdated` is the current time in a 200 answer (upstream keeps that old meaning for
+//!   compatibility), else the last sync (`0001-01-01T00:00:00Z`, Go's zero time, before the
+//!   first one); the family's `lastUpdated` is always its last sync.
 //! - Every answer counts in `kubeproxy_proxy_healthz_total{code}` / `kubeproxy_proxy_livez_total`.
 
 use std::{
@@ -166,6 +172,7 @@ fn go_time(t: Option<SystemTime>) -> String {
     }
 }
 
+/// Upstream's `ProxyHealth` (field order is the JSON's).
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct Payload {
@@ -173,6 +180,24 @@ struct Payload {
     current_time: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     node_eligible: Option<bool>,
+    healthy: bool,
+    /// Per IP family (`IPv4`); absent before the first sync.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<Status>,
+}
+
+#[derive(Serialize)]
+struct Status {
+    #[serde(rename = "IPv4")]
+    ipv4: FamilyHealth,
+}
+
+/// Upstream's `ProxierHealth`: one IP family's proxier.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FamilyHealth {
+    last_updated: String,
+    healthy: bool,
 }
 
 /// The answer to `GET path` (pure apart from counting it in `metrics`).
@@ -195,10 +220,22 @@ pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, S
     } else {
         metrics.livez_answered(code.as_u16());
     }
+    let current_time = go_time(Some(health.current_time));
     let body = Payload {
-        last_updated: go_time(health.last_updated),
-        current_time: go_time(Some(health.current_time)),
+        last_updated: if ok {
+            current_time.clone()
+        } else {
+            go_time(health.last_updated)
+        },
+        current_time,
         node_eligible,
+        healthy: health.healthy,
+        status: health.last_updated.map(|t| Status {
+            ipv4: FamilyHealth {
+                last_updated: go_time(Some(t)),
+                healthy: health.healthy,
+            },
+        }),
     };
     (code, serde_json::to_string(&body).unwrap_or_default())
 }
@@ -340,14 +377,19 @@ mod tests {
         h.updated_at(at(0));
         let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
         assert_eq!(code, StatusCode::OK);
+        // v1.36's body: a 200 says lastUpdated = now; the family carries the real sync time.
         assert_eq!(
             body,
-            r#"{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:13:21Z","nodeEligible":true}"#
+            r#"{"lastUpdated":"2023-11-14T22:13:21Z","currentTime":"2023-11-14T22:13:21Z","nodeEligible":true,"healthy":true,"status":{"IPv4":{"lastUpdated":"2023-11-14T22:13:20Z","healthy":true}}}"#
         );
         h.set_node_eligible(false);
         let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
         assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(body.contains(r#""nodeEligible":false"#), "{body}");
+        assert_eq!(
+            body,
+            r#"{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:13:21Z","nodeEligible":false,"healthy":true,"status":{"IPv4":{"lastUpdated":"2023-11-14T22:13:20Z","healthy":true}}}"#,
+            "the proxy itself is healthy; only the node is not eligible"
+        );
         let (code, body) = respond("/livez", &h.health_at(at(1)), &m);
         assert_eq!(code, StatusCode::OK);
         assert!(!body.contains("nodeEligible"), "{body}");
@@ -355,15 +397,26 @@ mod tests {
         assert_eq!(code, StatusCode::NOT_FOUND);
         let fresh = HealthState::default();
         let (_, body) = respond("/livez", &fresh.health_at(at(0)), &m);
-        assert!(
-            body.starts_with(r#"{"lastUpdated":"0001-01-01T00:00:00Z""#),
-            "{body}"
+        assert_eq!(
+            body,
+            r#"{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:13:20Z","healthy":true}"#,
+            "before the first sync: healthy, no per-family status"
+        );
+        // Overdue: 503, both levels unhealthy, lastUpdated the real last sync.
+        h.set_node_eligible(true);
+        h.queued_at(at(2));
+        let (code, body) = respond("/livez", &h.health_at(at(100)), &m);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            body,
+            r#"{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:15:00Z","healthy":false,"status":{"IPv4":{"lastUpdated":"2023-11-14T22:13:20Z","healthy":false}}}"#
         );
         let text = m.encode_text();
         for line in [
             "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
             "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
             "kubeproxy_proxy_livez_total{code=\"200\"} 2",
+            "kubeproxy_proxy_livez_total{code=\"503\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }

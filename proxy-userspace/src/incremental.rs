@@ -22,6 +22,7 @@ use crate::{
     diff::{self, Plan},
     encode,
     fast_hash::{HashMap, HashSet},
+    metrics::SyncKind,
     model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
     programmed::{Capacities, MapOp, Programmed},
     translate_cache::FrontendChange,
@@ -230,10 +231,21 @@ impl Planner {
         caps: &Capacities,
         full: bool,
     ) -> Plan {
+        self.plan_with_kind(desired, programmed, caps, full).0
+    }
+
+    /// [`Planner::plan`], and whether the full plan ran (`full`, or the shortcut declined).
+    pub fn plan_with_kind(
+        &self,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+        full: bool,
+    ) -> (Plan, SyncKind) {
         if !full && let Some(plan) = self.plan_changes(desired, programmed, caps) {
-            return plan;
+            return (plan, SyncKind::Partial);
         }
-        diff::plan(desired, programmed, caps)
+        (diff::plan(desired, programmed, caps), SyncKind::Full)
     }
 
     /// Record an operation before it is applied to `programmed` (which still holds the value it

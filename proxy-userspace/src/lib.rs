@@ -22,6 +22,7 @@ pub mod node_addrs;
 pub mod occupancy;
 pub mod port_range;
 pub mod programmed;
+pub mod service_cidrs;
 pub mod sizing;
 pub mod snapshot;
 pub mod snat_gc;

@@ -14,15 +14,9 @@ fn main() -> anyhow::Result<()> {
     // ArgMatches, not just the parsed struct: `--config` needs to know which flags were given.
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let default_level = match cli.verbosity {
-        0 => "info",
-        1 | 2 => "debug",
-        _ => "trace",
-    };
+    let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)),
-        )
+        .with_env_filter(EnvFilter::new(cli.log_filter(rust_log.as_deref())))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();

@@ -11,6 +11,21 @@
 //! - `kubeproxy_network_programming_duration_seconds`: for each changed EndpointSlice carrying
 //!   `endpoints.kubernetes.io/last-change-trigger-time` later than the agent's start (upstream
 //!   ignores older ones too), the time from that trigger to the end of the sync that applied it.
+//! - `kubeproxy_sync_{full,partial}_proxy_rules_duration_seconds` split the syncs by kind, as
+//!   upstream's iptables mode does: full = every Service translated and every frontend planned
+//!   (the first sync, every syncPeriod, after a failed write or when the incremental planner
+//!   declines); partial = only what changed. `kubeproxy_sync_proxy_rules_duration_seconds`
+//!   holds both.
+//! - `kubeproxy_conntrack_reconciler_{sync_duration_seconds,deleted_entries_total}`: upstream's
+//!   conntrack reconciler (stale UDP flows removed after a sync) is our conntrack garbage
+//!   collection (every 30 s and after a sync that removed backends): its duration, and the
+//!   conntrack entries it removed (idle ones and flows to a gone UDP backend).
+//! - The series upstream labels with `ip_family` carry `ip_family="IPv4"` (the one family this
+//!   datapath programs): sync durations (all three), network programming, last (queued)
+//!   timestamp, no-local-endpoints and the conntrack reconciler pair.
+//! - `/proxyMode` on the metrics port answers `ebpf` (upstream answers its mode, e.g.
+//!   `nftables`; no upstream mode describes this datapath, and tools that branch on the answer
+//!   should not take it for one of theirs).
 //! - Datapath counters are read from the pinned STATS map at scrape time.
 //! - The text is Prometheus' text format 0.0.4 (what upstream serves by default); a scraper that
 //!   asks for OpenMetrics gets OpenMetrics.
@@ -24,17 +39,14 @@ use std::{
 };
 
 use hyper::{StatusCode, header};
-use k8s_openapi::{
-    Metadata, api::core::v1::Service, apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    jiff::Timestamp,
-};
+use k8s_openapi::{Metadata, apimachinery::pkg::apis::meta::v1::ObjectMeta, jiff::Timestamp};
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric as _},
+    encoding::{DescriptorEncoder, EncodeMetric},
     metrics::{
-        MetricType,
+        MetricType, TypedMetric,
         counter::{ConstCounter, Counter},
-        family::Family,
+        family::{Family, MetricConstructor},
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
@@ -48,14 +60,65 @@ use crate::{
     dataplane::{bpffs::PinLayout, maps::Stats},
     endpoints::SliceData,
     health,
-    model::{DesiredState, FrontendConflict, FrontendKind},
+    model::{DesiredState, FrontendConflict, FrontendKind, Scope},
     snapshot::Snapshot,
 };
 
 /// EndpointSlice annotation: when the change that produced this slice version happened.
 pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// What `/proxyMode` answers.
+pub const PROXY_MODE: &str = "ebpf";
+/// The `ip_family` label value of the series upstream labels per family (IPv4 only here).
+pub const IP_FAMILY: &str = "IPv4";
 
 type Labels = Vec<(&'static str, String)>;
+
+fn ipv4() -> Labels {
+    vec![("ip_family", IP_FAMILY.to_owned())]
+}
+
+/// Registers `family` and returns its `ip_family="IPv4"` series (a handle on the same metric).
+fn ipv4_series<M, C>(r: &mut Registry, name: &str, help: &str, family: Family<Labels, M, C>) -> M
+where
+    M: EncodeMetric + TypedMetric + Clone + fmt::Debug + Send + Sync + 'static,
+    C: MetricConstructor<M> + fmt::Debug + Send + Sync + 'static,
+{
+    let series = family.get_or_create(&ipv4()).clone();
+    r.register(name, help, family);
+    series
+}
+
+/// Which kind of sync was applied (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncKind {
+    /// Every Service translated, every frontend planned.
+    Full,
+    /// Only the changed Services and frontends.
+    Partial,
+}
+
+fn sync_histogram() -> Histogram {
+    // Our syncs take micro- to milliseconds: 100 µs .. 52 s (upstream: 1 ms .. 16 s).
+    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+}
+
+fn network_programming_histogram() -> Histogram {
+    // Upstream's buckets (0.25 s .. 5 min), with finer ones below 0.25 s in front.
+    let buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
+        .into_iter()
+        .chain([0.25, 0.5])
+        .chain((1..=59).map(f64::from))
+        .chain((0..12).map(|i| 60.0 + 5.0 * f64::from(i)))
+        .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    Histogram::new(buckets)
+}
+
+fn conntrack_reconciler_histogram() -> Histogram {
+    // A sweep of the conntrack map: 100 µs .. 52 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+}
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
 
 /// Reads the datapath counters (summed over CPUs, indexed like `proxy_common::Counter::ALL`);
 /// `None` when the map cannot be read (then the family is left out of the scrape).
@@ -65,6 +128,10 @@ pub type DatapathReader = Box<dyn Fn() -> Option<Vec<u64>> + Send + Sync>;
 pub struct Metrics {
     registry: Registry,
     sync_duration: Histogram,
+    sync_full_duration: Histogram,
+    sync_partial_duration: Histogram,
+    conntrack_reconciler_duration: Histogram,
+    conntrack_reconciler_deleted: Counter,
     network_programming: Histogram,
     last_sync: Gauge<f64, AtomicU64>,
     last_queued: Gauge<f64, AtomicU64>,
@@ -139,37 +206,54 @@ impl Metrics {
 
     fn build(datapath: Option<DatapathReader>) -> Self {
         let mut r = Registry::default();
-        // Our syncs take micro- to milliseconds: 100 µs .. 52 s (upstream: 1 ms .. 16 s).
-        let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
-        r.register(
+        let histograms = |make: fn() -> Histogram| HistogramFamily::new_with_constructor(make);
+        let sync_duration = ipv4_series(
+            &mut r,
             "kubeproxy_sync_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds (one full translate, diff and map update)",
-            sync_duration.clone(),
+            "SyncProxyRules latency in seconds (translate, plan and map update; full and partial syncs)",
+            histograms(sync_histogram),
         );
-        // Upstream's buckets (0.25 s .. 5 min), with finer ones below 0.25 s in front.
-        let buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
-            .into_iter()
-            .chain([0.25, 0.5])
-            .chain((1..=59).map(f64::from))
-            .chain((0..12).map(|i| 60.0 + 5.0 * f64::from(i)))
-            .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
-        let network_programming = Histogram::new(buckets);
-        r.register(
+        let sync_full_duration = ipv4_series(
+            &mut r,
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            histograms(sync_histogram),
+        );
+        let sync_partial_duration = ipv4_series(
+            &mut r,
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            histograms(sync_histogram),
+        );
+        let conntrack_reconciler_duration = ipv4_series(
+            &mut r,
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds (one conntrack garbage collection)",
+            histograms(conntrack_reconciler_histogram),
+        );
+        let conntrack_reconciler_deleted = ipv4_series(
+            &mut r,
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler (garbage collection)",
+            Family::<Labels, Counter>::default(),
+        );
+        let network_programming = ipv4_series(
+            &mut r,
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds (EndpointSlice trigger time to the sync that applied it)",
-            network_programming.clone(),
+            histograms(network_programming_histogram),
         );
-        let last_sync = Gauge::<f64, AtomicU64>::default();
-        r.register(
+        let last_sync = ipv4_series(
+            &mut r,
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
-            last_sync.clone(),
+            Family::<Labels, Gauge<f64, AtomicU64>>::default(),
         );
-        let last_queued = Gauge::<f64, AtomicU64>::default();
-        r.register(
+        let last_queued = ipv4_series(
+            &mut r,
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
             "The last time a sync of proxy rules was queued",
-            last_queued.clone(),
+            Family::<Labels, Gauge<f64, AtomicU64>>::default(),
         );
         let endpoint_changes = Counter::default();
         r.register(
@@ -248,12 +332,16 @@ impl Metrics {
         }
         for policy in ["internal", "external"] {
             no_local_endpoints
-                .get_or_create(&vec![("traffic_policy", policy.to_owned())])
+                .get_or_create(&no_local_labels(policy))
                 .set(0);
         }
         Self {
             registry: r,
             sync_duration,
+            sync_full_duration,
+            sync_partial_duration,
+            conntrack_reconciler_duration,
+            conntrack_reconciler_deleted,
             network_programming,
             last_sync,
             last_queued,
@@ -283,9 +371,14 @@ impl Metrics {
             .set(gauge(changes.endpoint_slices));
     }
 
-    /// A sync took `took` and applied `changes`, finishing at `now`.
-    pub fn sync_applied(&self, took: Duration, changes: &Changes, now: SystemTime) {
+    /// A sync of `kind` took `took` and applied `changes`, finishing at `now`.
+    pub fn sync_applied(&self, took: Duration, kind: SyncKind, changes: &Changes, now: SystemTime) {
         self.sync_duration.observe(took.as_secs_f64());
+        match kind {
+            SyncKind::Full => &self.sync_full_duration,
+            SyncKind::Partial => &self.sync_partial_duration,
+        }
+        .observe(took.as_secs_f64());
         self.last_sync.set(seconds_since_epoch(now));
         self.service_changes.inc_by(changes.services);
         self.endpoint_changes.inc_by(changes.endpoint_slices);
@@ -312,9 +405,17 @@ impl Metrics {
     pub fn set_no_local_endpoints(&self, internal: u64, external: u64) {
         for (policy, n) in [("internal", internal), ("external", external)] {
             self.no_local_endpoints
-                .get_or_create(&vec![("traffic_policy", policy.to_owned())])
+                .get_or_create(&no_local_labels(policy))
                 .set(gauge(n));
         }
+    }
+
+    /// A conntrack garbage collection (upstream's conntrack reconciler) took `took` and removed
+    /// `deleted` entries.
+    pub fn conntrack_reconciled(&self, took: Duration, deleted: u64) {
+        self.conntrack_reconciler_duration
+            .observe(took.as_secs_f64());
+        self.conntrack_reconciler_deleted.inc_by(deleted);
     }
 
     pub fn set_map(&self, map: &str, entries: u64, capacity: u64) {
@@ -399,6 +500,13 @@ pub fn pinned_stats_reader(pins: PinLayout) -> DatapathReader {
     })
 }
 
+fn no_local_labels(policy: &str) -> Labels {
+    vec![
+        ("ip_family", IP_FAMILY.to_owned()),
+        ("traffic_policy", policy.to_owned()),
+    ]
+}
+
 fn gauge(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -406,12 +514,22 @@ fn gauge(n: u64) -> i64 {
 /// Serves `/metrics` on `listener` until the task is dropped.
 pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
     health::serve(listener, move |req| {
-        if req.uri().path() != "/metrics" {
-            return health::reply(
-                StatusCode::NOT_FOUND,
-                "text/plain",
-                "404 page not found\n".into(),
-            );
+        match req.uri().path() {
+            "/metrics" => {}
+            "/proxyMode" => {
+                return health::reply(
+                    StatusCode::OK,
+                    "text/plain; charset=utf-8",
+                    PROXY_MODE.into(),
+                );
+            }
+            _ => {
+                return health::reply(
+                    StatusCode::NOT_FOUND,
+                    "text/plain",
+                    "404 page not found\n".into(),
+                );
+            }
         }
         let openmetrics = req
             .headers()
@@ -594,51 +712,30 @@ fn system_time(ts: Timestamp) -> Option<SystemTime> {
     SystemTime::UNIX_EPOCH.checked_add(Duration::new(secs, nanos))
 }
 
-/// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy="internal"}`: Service
-/// ports with `internalTrafficPolicy: Local` that have endpoints somewhere but none this node
-/// can use, so their frontends carry no backends. (The external policy applies to NodePort and
-/// LoadBalancer frontends, which this datapath does not carry yet: always 0.)
-pub fn no_local_endpoints(snapshot: &Snapshot, desired: &DesiredState) -> (u64, u64) {
-    let local: HashSet<(&str, &str)> = snapshot
-        .services
-        .iter()
-        .filter(|s: &&Arc<Service>| {
-            s.spec
-                .as_ref()
-                .and_then(|s| s.internal_traffic_policy.as_deref())
-                == Some("Local")
-        })
-        .filter_map(|s| {
-            Some((
-                s.metadata.namespace.as_deref()?,
-                s.metadata.name.as_deref()?,
-            ))
-        })
-        .collect();
-    if local.is_empty() {
-        return (0, 0);
+/// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`: Service ports with a
+/// Local traffic policy that have usable endpoints somewhere but none this node can use, so
+/// their frontends drop new flows (`drop_when_empty`). `internal`: iTP=Local, seen on the
+/// ClusterIP frontends; `external`: eTP=Local, seen on the NodePort/externalIP/LoadBalancer
+/// frontends. Each Service port counts once per policy however many addresses it has.
+pub fn no_local_endpoints(desired: &DesiredState) -> (u64, u64) {
+    let mut internal = HashSet::new();
+    let mut external = HashSet::new();
+    for (fe, df) in &desired.frontends {
+        if !df.drop_when_empty || fe.scope != Scope::AllClients {
+            continue;
+        }
+        if df.kind.is_external() {
+            external.insert(&df.service);
+        } else {
+            internal.insert(&df.service);
+        }
     }
-    let with_endpoints: HashSet<(&str, &str)> = snapshot
-        .endpoint_slices
-        .iter()
-        .filter(|s| s.has_endpoints)
-        .filter_map(|s| Some((s.namespace.as_deref()?, s.service_name.as_deref()?)))
-        .filter(|k| local.contains(k))
-        .collect();
-    // ClusterIP frontends only: internalTrafficPolicy does not shape external frontends (nor
-    // the in-cluster entries of eTP=Local ones).
-    let ports: HashSet<_> = desired
-        .frontends
-        .values()
-        .filter(|f| !f.kind.is_external() && f.backends.is_empty())
-        .map(|f| &f.service)
-        .filter(|s| with_endpoints.contains(&(s.namespace.as_str(), s.name.as_str())))
-        .collect();
-    (ports.len() as u64, 0)
+    (internal.len() as u64, external.len() as u64)
 }
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::core::v1::Service;
     use serde_json::json;
 
     use super::*;
@@ -726,6 +823,17 @@ mod tests {
         assert_eq!(c.trigger_times, vec![at("2025-01-01T00:00:05Z")]);
     }
 
+    /// An externalTrafficPolicy Local NodePort Service (ClusterIP `ip`, nodePort `np`).
+    fn etp_local(name: &str, ip: &str, np: i32) -> Service {
+        serde_json::from_value(json!({
+            "metadata": {"namespace": "default", "name": name},
+            "spec": {"type": "NodePort", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                     "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                                "targetPort": 8080, "nodePort": np}]}
+        }))
+        .expect("service")
+    }
+
     #[test]
     fn no_local_endpoints_counts_local_policy_ports_served_elsewhere() {
         let snap = Snapshot::new(
@@ -734,19 +842,31 @@ mod tests {
                 service("local-here", "10.96.0.2", Some("Local"), None),
                 service("local-none", "10.96.0.3", Some("Local"), None),
                 service("cluster", "10.96.0.4", None, None),
+                etp_local("ext-elsewhere", "10.96.0.5", 30001),
+                etp_local("ext-elsewhere-2", "10.96.0.6", 30002),
+                etp_local("ext-here", "10.96.0.7", 30003),
+                etp_local("ext-none", "10.96.0.8", 30004),
             ],
             vec![
                 slice("e-1", "local-elsewhere", "other", None),
                 slice("h-1", "local-here", "me", None),
                 slice("c-1", "cluster", "other", None),
+                slice("x-1", "ext-elsewhere", "other", None),
+                slice("x-2", "ext-elsewhere-2", "other", None),
+                slice("x-3", "ext-here", "me", None),
             ],
         );
         let node = NodeContext {
             node_name: "me".into(),
             zone: None,
         };
-        let desired = translate::translate(&snap, &node).desired;
-        assert_eq!(no_local_endpoints(&snap, &desired), (1, 0));
+        // Two node addresses: a Service port counts once, not once per NodePort frontend.
+        let addrs = [
+            std::net::Ipv4Addr::new(192, 168, 50, 10),
+            std::net::Ipv4Addr::new(10, 0, 0, 5),
+        ];
+        let desired = translate::translate_for_node(&snap, &node, &addrs).desired;
+        assert_eq!(no_local_endpoints(&desired), (1, 2));
     }
 
     /// Value of the sample line `name{labels}` (exact match of the part before the value).
@@ -780,8 +900,22 @@ mod tests {
             ),
             Some(5.0)
         );
-        metrics.sync_applied(Duration::from_micros(700), &changes, now);
-        metrics.set_no_local_endpoints(2, 0);
+        metrics.sync_applied(Duration::from_micros(700), SyncKind::Full, &changes, now);
+        metrics.sync_applied(
+            Duration::from_micros(150),
+            SyncKind::Partial,
+            &Changes::default(),
+            now,
+        );
+        metrics.sync_applied(
+            Duration::from_micros(160),
+            SyncKind::Partial,
+            &Changes::default(),
+            now,
+        );
+        metrics.conntrack_reconciled(Duration::from_micros(300), 7);
+        metrics.conntrack_reconciled(Duration::from_micros(200), 0);
+        metrics.set_no_local_endpoints(2, 3);
         metrics.set_map("services", 12, 262_144);
         metrics.set_sync_problems(1);
         metrics.healthz_answered(200);
@@ -794,30 +928,60 @@ mod tests {
         assert_eq!(code, 200, "{head}");
         assert!(head.contains("text/plain; version=0.0.4"), "{head}");
         let expect = [
-            ("kubeproxy_sync_proxy_rules_duration_seconds_count", 1.0),
             (
-                "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.0008\"}",
+                "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}",
+                3.0,
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.0008\"}",
+                3.0,
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.0004\"}",
+                2.0,
+            ),
+            (
+                "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}",
                 1.0,
             ),
             (
-                "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.0004\"}",
+                "kubeproxy_sync_full_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.0004\"}",
                 0.0,
             ),
-            ("kubeproxy_network_programming_duration_seconds_count", 1.0),
             (
-                "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.05\"}",
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}",
+                2.0,
+            ),
+            (
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.0002\"}",
+                2.0,
+            ),
+            (
+                "kubeproxy_conntrack_reconciler_sync_duration_seconds_count{ip_family=\"IPv4\"}",
+                2.0,
+            ),
+            (
+                "kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv4\"}",
+                7.0,
+            ),
+            (
+                "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}",
                 1.0,
             ),
             (
-                "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.025\"}",
+                "kubeproxy_network_programming_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.05\"}",
+                1.0,
+            ),
+            (
+                "kubeproxy_network_programming_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.025\"}",
                 0.0,
             ),
             (
-                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}",
                 1_748_779_200.0,
             ),
             (
-                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"}",
                 1_748_779_199.7,
             ),
             ("kubeproxy_sync_proxy_rules_endpoint_changes_total", 5.0),
@@ -825,12 +989,12 @@ mod tests {
             ("kubeproxy_sync_proxy_rules_service_changes_total", 3.0),
             ("kubeproxy_sync_proxy_rules_service_changes_pending", 0.0),
             (
-                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}",
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"}",
                 2.0,
             ),
             (
-                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}",
-                0.0,
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"external\"}",
+                3.0,
             ),
             ("kubeproxy_proxy_healthz_total{code=\"200\"}", 1.0),
             ("kubeproxy_proxy_livez_total{code=\"503\"}", 1.0),
@@ -851,6 +1015,10 @@ mod tests {
         }
         for family in [
             "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_partial_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_conntrack_reconciler_sync_duration_seconds histogram",
+            "# TYPE kubeproxy_conntrack_reconciler_deleted_entries_total counter",
             "# TYPE kubeproxy_sync_proxy_rules_endpoint_changes_total counter",
             "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
             "# TYPE kube_proxy_ebpf_datapath_packets_total counter",
@@ -862,6 +1030,9 @@ mod tests {
         assert!(head.contains("application/openmetrics-text"), "{head}");
         assert!(om.trim_end().ends_with("# EOF"), "{om}");
         assert_eq!(http_get(addr, "/other", "*/*").await.0, 404);
+        let (code, head, mode) = http_get(addr, "/proxyMode", "*/*").await;
+        assert_eq!((code, mode.as_str()), (200, "ebpf"), "{head}");
+        assert!(head.contains("text/plain"), "{head}");
         server.abort();
     }
 

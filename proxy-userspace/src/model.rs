@@ -201,10 +201,16 @@ pub struct DesiredFrontend {
     /// never SNATed, and none means drop. False for its in-cluster entry ([`Scope::InCluster`]),
     /// which carries the cluster-wide endpoints like a ClusterIP (no SNAT).
     pub external_local: bool,
+    /// No backends here, but the Service has usable endpoints on other nodes: a Local traffic
+    /// policy (internal for a ClusterIP, external for an external frontend) leaves this node
+    /// none, so new flows are dropped rather than rejected (upstream's verdicts;
+    /// `service_flags::DROP_WHEN_EMPTY`). False whenever `backends` is non-empty.
+    pub drop_when_empty: bool,
     /// loadBalancerSourceRanges of a LoadBalancer frontend (IPv4 network, prefix length), sorted;
     /// empty = any source.
     pub source_ranges: Vec<(Ipv4Addr, u8)>,
-    /// Backends that receive new flows, sorted and without duplicates. Empty = reject new flows.
+    /// Backends that receive new flows, sorted and without duplicates. Empty = reject new flows
+    /// (drop them with `drop_when_empty`).
     pub backends: Vec<DesiredBackend>,
     /// Backends that receive no new flows but must stay in BACKENDS so established flows to them
     /// finish (serving + terminating endpoints not selected). Sorted, disjoint from `backends`.

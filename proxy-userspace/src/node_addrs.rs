@@ -16,6 +16,7 @@ use crate::{
     },
     healthcheck::HealthCheckServers,
     model::DesiredState,
+    service_cidrs::{self, ServiceCidrs},
     source_ranges::{self, SourceRanges},
     translate::HealthCheck,
 };
@@ -37,7 +38,8 @@ pub struct NodeAddrs {
 }
 
 /// The agent's north-south state: node addresses (NodePort frontends, the SNAT address in
-/// `NODE_V1`), loadBalancerSourceRanges (`SRCRANGES_V1`) and the health-check node ports.
+/// `NODE_V1`), loadBalancerSourceRanges (`SRCRANGES_V1`), the Service address space
+/// (`SVCCIDRS_V1`) and the health-check node ports.
 pub struct External {
     node_map: NodeMap,
     nodeport_cfg: NodePortAddresses,
@@ -51,6 +53,11 @@ pub struct External {
     tunnels: Vec<Interface>,
     all: Vec<IfAddr>,
     devices_written: Option<BTreeMap<u32, [u8; 4]>>,
+    service_cidrs: ServiceCidrs,
+    /// The Service CIDRs (IPv4 network, prefix length) of `--service-cidr`, and of the
+    /// cluster's ServiceCIDR objects; both apply.
+    service_cidr_flag: Vec<(Ipv4Addr, u8)>,
+    service_cidr_api: Vec<(Ipv4Addr, u8)>,
 }
 
 impl External {
@@ -71,7 +78,20 @@ impl External {
             tunnels: Vec::new(),
             all: Vec::new(),
             devices_written: None,
+            service_cidrs: ServiceCidrs::from_ebpf(ebpf)?,
+            service_cidr_flag: Vec::new(),
+            service_cidr_api: Vec::new(),
         })
+    }
+
+    /// The Service CIDRs of `--service-cidr`.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<(Ipv4Addr, u8)>) {
+        set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
+    }
+
+    /// The Service CIDRs of the cluster's ServiceCIDR objects (read at each sync).
+    pub fn set_api_service_cidrs(&mut self, cidrs: Vec<(Ipv4Addr, u8)>) {
+        set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
     }
 
     /// Sets `--nodeport-addresses` and `--devices`, and lists the addresses.
@@ -135,7 +155,8 @@ impl External {
     }
 
     /// After a sync: the SNAT address into `NODE_V1`, the source ranges into `SRCRANGES_V1`,
-    /// health-check servers to the translation's.
+    /// the ClusterIPs and Service CIDRs into `SVCCIDRS_V1`, health-check servers to the
+    /// translation's.
     pub fn apply(&mut self, desired: &DesiredState, checks: &[HealthCheck]) {
         let info = NodeInfo {
             snat_addr: self.addrs.snat.map_or([0; 4], |a| a.octets()),
@@ -148,7 +169,26 @@ impl External {
             }
         }
         self.source_ranges.sync(&source_ranges::wanted(desired));
+        let cidrs: Vec<(Ipv4Addr, u8)> = self
+            .service_cidr_flag
+            .iter()
+            .chain(&self.service_cidr_api)
+            .copied()
+            .collect();
+        self.service_cidrs
+            .sync(&service_cidrs::wanted(desired, &cidrs));
         self.health_checks.update(checks, &self.addrs.nodeport);
+    }
+}
+
+/// Replaces a list of Service CIDRs, logging when it changed.
+fn set_cidrs(list: &mut Vec<(Ipv4Addr, u8)>, mut cidrs: Vec<(Ipv4Addr, u8)>, from: &str) {
+    cidrs.sort();
+    cidrs.dedup();
+    if cidrs != *list {
+        let shown: Vec<String> = cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect();
+        info!(service_cidrs = ?shown, "Service CIDRs from {from}");
+        *list = cidrs;
     }
 }
 

@@ -20,6 +20,8 @@ pub struct SourceState {
     pub zone: Option<String>,
     /// Whether this node may receive traffic (/healthz); always true without a Node object.
     pub node_eligible: bool,
+    /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (none from manifests).
+    pub service_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
 }
 
 pub enum Source {
@@ -54,6 +56,7 @@ impl Source {
                     problems: load.problems,
                     zone: None,
                     node_eligible: true,
+                    service_cidrs: Vec::new(),
                 }
             }
             Source::Kube(k) => SourceState {
@@ -61,6 +64,7 @@ impl Source {
                 problems: Vec::new(),
                 zone: k.zone(),
                 node_eligible: k.node_eligible(),
+                service_cidrs: k.service_cidrs(),
             },
         }
     }

@@ -96,6 +96,7 @@ mod tests {
                 },
                 kind: FrontendKind::LoadBalancer,
                 external_local: false,
+                drop_when_empty: false,
                 source_ranges: vec![(Ipv4Addr::new(10, 0, 0, 0), 8)],
                 backends: vec![],
                 retained: vec![],

@@ -8,9 +8,6 @@ use crate::{endpoints::EndpointInfo, model::DesiredBackend};
 pub struct Policy {
     /// internalTrafficPolicy: Local — only this node's endpoints.
     pub local_only: bool,
-    /// The Service asked for topology-aware routing (trafficDistribution or the topology-mode
-    /// annotation), so zone hints may be used.
-    pub topology_aware: bool,
 }
 
 /// The endpoints chosen for new flows, and the ones kept only for established flows.
@@ -21,20 +18,51 @@ pub struct Categorized {
     /// Serving and terminating but not selected: kept so established flows finish. Sorted,
     /// disjoint from `selected`.
     pub retained: Vec<DesiredBackend>,
+    /// The Service port has a usable endpoint somewhere in the cluster (upstream
+    /// `hasAnyEndpoints`): ready, or serving and terminating, on any node. With a Local policy
+    /// and nothing `selected`, this tells "drop" (served elsewhere) from "reject" (nowhere).
+    pub usable_anywhere: bool,
+}
+
+impl Categorized {
+    /// Nothing selected but usable endpoints elsewhere: with a Local policy, new flows are
+    /// dropped (upstream), not rejected.
+    pub fn drops(&self) -> bool {
+        self.selected.is_empty() && self.usable_anywhere
+    }
+}
+
+/// Which topology hints narrow the cluster endpoints (upstream `topologyModeFromHints`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology<'a> {
+    /// Every ready endpoint.
+    None,
+    /// Endpoints hinted for this node (trafficDistribution PreferSameNode).
+    SameNode,
+    /// Endpoints hinted for this zone (PreferSameZone / PreferClose / topology-aware hints).
+    SameZone(&'a str),
 }
 
 /// Pick the endpoints for one Service port.
 ///
-/// Cluster policy: ready endpoints (narrowed to this zone's hints when usable); if none, the
-/// serving-and-terminating ones (same narrowing). Local policy: this node's ready endpoints; if
-/// none, this node's serving-and-terminating ones; hints are not used.
+/// Cluster policy: ready endpoints, narrowed by the hints when usable ([`topology`]); if none,
+/// the serving-and-terminating ones (no narrowing: hints are only used when some ready
+/// endpoint matches them). Local policy: this node's ready endpoints; if none, this node's
+/// serving-and-terminating ones; hints are not used.
 pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>) -> Categorized {
-    let hint_zone = zone.filter(|z| policy.topology_aware && zone_hints_usable(endpoints, z));
+    let topology = if policy.local_only {
+        Topology::None
+    } else {
+        topology(endpoints, zone)
+    };
     let in_scope = |ep: &EndpointInfo| {
         if policy.local_only {
-            ep.local
-        } else {
-            hint_zone.is_none_or(|z| ep.zone_hints.contains(z))
+            return ep.local;
+        }
+        match topology {
+            Topology::None => true,
+            Topology::SameNode => ep.hinted_for_node,
+            Topology::SameZone(z) => ep.zone_hints.contains(z),
         }
     };
     let mut selected: Vec<DesiredBackend> = endpoints
@@ -45,7 +73,7 @@ pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>
     if selected.is_empty() {
         selected = endpoints
             .iter()
-            .filter(|ep| ep.serving && ep.terminating && in_scope(ep))
+            .filter(|ep| ep.serving && ep.terminating && (!policy.local_only || ep.local))
             .map(backend)
             .collect();
     }
@@ -65,24 +93,46 @@ pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>
         .collect();
     retained.sort();
     retained.dedup();
-    Categorized { selected, retained }
+    let usable_anywhere = if policy.local_only {
+        endpoints
+            .iter()
+            .any(|ep| ep.ready || (ep.serving && ep.terminating))
+    } else {
+        !selected.is_empty()
+    };
+    Categorized {
+        selected,
+        retained,
+        usable_anywhere,
+    }
 }
 
-/// Upstream `topologyModeFromHints`: zone hints are used only if every ready endpoint carries
-/// some and at least one names this node's zone; otherwise all of them are ignored (a partial
-/// rollout of hints must not funnel traffic to the few hinted endpoints).
-fn zone_hints_usable(endpoints: &[EndpointInfo], zone: &str) -> bool {
-    if zone.is_empty() {
-        return false;
-    }
-    let mut any_for_zone = false;
+/// Upstream `topologyModeFromHints`, used whatever the Service asked for (the EndpointSlice
+/// controller only writes hints when it did): node hints if every ready endpoint carries some
+/// and one names this node; else zone hints if every ready endpoint carries some and one names
+/// this node's zone; else none (a partial rollout of hints must not funnel traffic to the few
+/// hinted endpoints).
+fn topology<'a>(endpoints: &[EndpointInfo], zone: Option<&'a str>) -> Topology<'a> {
+    let zone = zone.unwrap_or_default();
+    let mut ready = false;
+    let (mut all_node_hints, mut for_node) = (true, false);
+    let (mut all_zone_hints, mut for_zone) = (true, false);
     for ep in endpoints.iter().filter(|ep| ep.ready) {
-        if ep.zone_hints.is_empty() {
-            return false;
-        }
-        any_for_zone |= ep.zone_hints.contains(zone);
+        ready = true;
+        all_node_hints &= ep.has_node_hints;
+        for_node |= ep.hinted_for_node;
+        all_zone_hints &= !ep.zone_hints.is_empty();
+        for_zone |= !zone.is_empty() && ep.zone_hints.contains(zone);
     }
-    any_for_zone
+    if !ready {
+        Topology::None
+    } else if all_node_hints && for_node {
+        Topology::SameNode
+    } else if all_zone_hints && for_zone {
+        Topology::SameZone(zone)
+    } else {
+        Topology::None
+    }
 }
 
 fn backend(ep: &EndpointInfo) -> DesiredBackend {

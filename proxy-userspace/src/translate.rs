@@ -70,7 +70,8 @@ pub struct HealthCheck {
     pub namespace: String,
     pub name: String,
     pub port: u16,
-    /// Endpoints on this node that receive external traffic (the most over the Service's ports).
+    /// This node's ready endpoints, summed over the Service's ports (upstream
+    /// `LocalReadyEndpoints`; serving-terminating ones do not count).
     pub local_endpoints: usize,
 }
 
@@ -494,17 +495,9 @@ fn service_frontends(
     let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
     // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream;
     // so do in-cluster clients of an eTP=Local frontend (internalTrafficPolicy does not apply).
-    let cluster_external_policy = Policy {
-        local_only: false,
-        topology_aware: policy.topology_aware,
-    };
-    let external_policy = if external_local {
-        Policy {
-            local_only: true,
-            topology_aware: false,
-        }
-    } else {
-        cluster_external_policy
+    let cluster_external_policy = Policy { local_only: false };
+    let external_policy = Policy {
+        local_only: external_local,
     };
     let external = external_addrs(svc);
     let health_check_port = spec
@@ -560,6 +553,7 @@ fn service_frontends(
                 service: service.clone(),
                 kind: FrontendKind::ClusterIp,
                 external_local: false,
+                drop_when_empty: policy.local_only && chosen.drops(),
                 source_ranges: Vec::new(),
                 backends: chosen.selected.clone(),
                 retained: chosen.retained.clone(),
@@ -583,7 +577,10 @@ fn service_frontends(
             );
         }
         let chosen = topology::categorize(&endpoints, external_policy, node.zone.as_deref());
-        local_endpoints = local_endpoints.max(chosen.selected.iter().filter(|b| b.local).count());
+        // Upstream `LocalReadyEndpoints`: ready local endpoints, summed over the Service's ports.
+        // Terminating ones never count, so a draining node fails its health check while its
+        // terminating pods still serve the fallback.
+        local_endpoints += endpoints.iter().filter(|e| e.local && e.ready).count();
         // eTP=Local: clients inside the cluster get the cluster-wide endpoints instead (what
         // eTP=Cluster would select), through an in-cluster entry beside each external frontend.
         let in_cluster = external_local.then(|| {
@@ -595,6 +592,7 @@ fn service_frontends(
                 service: service.clone(),
                 kind,
                 external_local,
+                drop_when_empty: external_local && chosen.drops(),
                 source_ranges: if kind == FrontendKind::LoadBalancer {
                     lb_source_ranges.clone()
                 } else {
@@ -606,6 +604,7 @@ fn service_frontends(
             // Same source ranges: they apply before the datapath chooses the entry.
             let internal = in_cluster.as_ref().map(|cluster| DesiredFrontend {
                 external_local: false,
+                drop_when_empty: false,
                 backends: cluster.selected.clone(),
                 retained: cluster.retained.clone(),
                 ..df.clone()
@@ -628,26 +627,13 @@ fn service_frontends(
     })
 }
 
-/// The Service's endpoint-selection policy for ClusterIP traffic.
+/// The Service's endpoint-selection policy for ClusterIP traffic. Topology hints need no
+/// opt-in here: like upstream (since trafficDistribution went GA), they are used whenever the
+/// endpoints carry them (see [`topology::categorize`]).
 fn policy(svc: &Service) -> Policy {
     let spec = svc.spec.as_ref();
-    let local_only = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
-    let distribution = spec.and_then(|s| s.traffic_distribution.as_deref());
-    let annotations = svc.metadata.annotations.as_ref();
-    let auto = |key: &str| {
-        annotations
-            .and_then(|a| a.get(key))
-            .is_some_and(|v| v == "Auto" || v == "auto")
-    };
-    // PreferSameNode also carries zone hints; its node hints are not used yet.
-    let topology_aware = matches!(
-        distribution,
-        Some("PreferClose" | "PreferSameZone" | "PreferSameNode")
-    ) || auto(ANNOTATION_TOPOLOGY_MODE)
-        || auto(ANNOTATION_TOPOLOGY_AWARE_HINTS);
     Policy {
-        local_only,
-        topology_aware,
+        local_only: spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local"),
     }
 }
 
@@ -1236,30 +1222,18 @@ mod tests {
         });
     }
 
+    /// Upstream (trafficDistribution GA): hints are used whenever the endpoints carry them,
+    /// whether or not the Service asked for topology (annotation or trafficDistribution).
     #[test]
-    fn zone_hints_ignored_unless_the_service_asks_for_topology() {
-        let endpoints = || vec![hinted("10.0.0.1", &[ZONE]), hinted("10.0.0.2", &["zone-b"])];
+    fn zone_hints_used_without_the_service_asking() {
         run(Case {
             services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
-            slices: vec![slice("web", "web-1", http_port(8080), endpoints())],
-            want: &[Want {
-                frontend: "10.96.0.10:80/TCP",
-                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
-                retained: &[],
-            }],
-            problems: &[],
-            notes: 0,
-        });
-        // The topology-mode annotation turns them on.
-        let meta = json!({"name": "web", "namespace": "demo",
-                          "annotations": {"service.kubernetes.io/topology-mode": "Auto"}});
-        run(Case {
-            services: vec![service_meta(
-                meta,
-                json!({"clusterIP": "10.96.0.10",
-                                                     "ports": [{"name": "http", "port": 80}]}),
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![hinted("10.0.0.1", &[ZONE]), hinted("10.0.0.2", &["zone-b"])],
             )],
-            slices: vec![slice("web", "web-1", http_port(8080), endpoints())],
             want: &[Want {
                 frontend: "10.96.0.10:80/TCP",
                 selected: &["10.0.0.1:8080"],
@@ -1268,6 +1242,87 @@ mod tests {
             problems: &[],
             notes: 0,
         });
+    }
+
+    /// A ready endpoint with node hints (`forNodes`, PreferSameNode) and zone hints.
+    fn node_hinted(addr: &str, nodes: &[&str], zones: &[&str]) -> Value {
+        let mut v = hinted(addr, zones);
+        v["hints"]["forNodes"] = nodes.iter().map(|n| json!({"name": n})).collect();
+        v
+    }
+
+    /// PreferSameNode (upstream `topologyModeFromHints`): node hints win when every ready
+    /// endpoint has some and one names this node; otherwise zone hints apply as before.
+    #[test]
+    fn node_hints_preferred_when_every_ready_endpoint_has_them_and_one_names_this_node() {
+        let same_node = |name: &str| {
+            service(
+                name,
+                json!({"clusterIP": "10.96.0.10", "trafficDistribution": "PreferSameNode",
+                       "ports": [{"name": "http", "port": 80}]}),
+            )
+        };
+        let cases: [(&str, Vec<Value>, &[&str]); 4] = [
+            (
+                "every endpoint node-hinted, one for this node: that one",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-b"], &[ZONE]),
+                    node_hinted("10.0.0.3", &["node-c"], &["zone-b"]),
+                ],
+                &["10.0.0.1:8080"],
+            ),
+            (
+                "no endpoint for this node: the zone hints",
+                vec![
+                    node_hinted("10.0.0.1", &["node-b"], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-c"], &[ZONE]),
+                    node_hinted("10.0.0.3", &["node-d"], &["zone-b"]),
+                ],
+                &["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "one ready endpoint without node hints: the zone hints",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    hinted("10.0.0.2", &[ZONE]),
+                    hinted("10.0.0.3", &["zone-b"]),
+                ],
+                &["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "a not-ready endpoint's missing hints do not count",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-b"], &[ZONE]),
+                    terminating("10.0.0.4", false),
+                ],
+                &["10.0.0.1:8080"],
+            ),
+        ];
+        for (what, endpoints, selected) in cases {
+            let t = translate(
+                &Snapshot::new(
+                    vec![same_node("web")],
+                    vec![slice("web", "web-1", http_port(8080), endpoints)],
+                ),
+                &NodeContext {
+                    node_name: NODE.into(),
+                    zone: Some(ZONE.into()),
+                },
+            );
+            let got: Vec<String> = t
+                .desired
+                .frontends
+                .values()
+                .next()
+                .expect("frontend")
+                .backends
+                .iter()
+                .map(show)
+                .collect();
+            assert_eq!(got, selected, "{what}");
+        }
     }
 
     #[test]
@@ -1675,6 +1730,68 @@ mod tests {
         );
     }
 
+    /// Upstream's `localEndpoints`: this node's ready endpoints summed over the Service's ports;
+    /// a draining node (only terminating local endpoints, still serving the fallback) reports 0.
+    #[test]
+    fn health_check_counts_ready_local_endpoints_summed_over_ports() {
+        let svc = |name: &str, ip: &str, hc: i32| {
+            external_service(
+                name,
+                json!({"type": "LoadBalancer", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                       "healthCheckNodePort": hc,
+                       "ports": [{"name": "http", "port": 80, "nodePort": hc - 2000},
+                                 {"name": "dns", "port": 53, "protocol": "UDP",
+                                  "nodePort": hc - 1999}]}),
+                json!({}),
+            )
+        };
+        let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"},
+                           {"name": "dns", "port": 5353, "protocol": "UDP"}]);
+        let local_ready = |a: &str| ep(a, NODE, (Some(true), Some(true), Some(false)));
+        let local_draining = |a: &str| ep(a, NODE, (Some(false), Some(true), Some(true)));
+        let t = translate_node(
+            vec![
+                svc("serving", "10.96.2.1", 32100),
+                svc("draining", "10.96.2.2", 32200),
+            ],
+            vec![
+                slice(
+                    "serving",
+                    "serving-1",
+                    ports.clone(),
+                    vec![
+                        local_ready("10.244.1.21"),
+                        local_ready("10.244.1.22"),
+                        local_draining("10.244.1.23"),
+                        ready("10.244.2.21"),
+                    ],
+                ),
+                slice(
+                    "draining",
+                    "draining-1",
+                    ports,
+                    vec![local_draining("10.244.1.31"), ready("10.244.2.31")],
+                ),
+            ],
+        );
+        let counts: Vec<(&str, u16, usize)> = t
+            .health_checks
+            .iter()
+            .map(|h| (h.name.as_str(), h.port, h.local_endpoints))
+            .collect();
+        assert_eq!(counts, vec![("serving", 32100, 4), ("draining", 32200, 0)]);
+        // The draining node's terminating pod still serves eTP=Local traffic (the fallback).
+        let np = Frontend::new(NODE_ADDRS[0], 30200, Protocol::Tcp);
+        assert_eq!(
+            t.desired.frontends[&np]
+                .backends
+                .iter()
+                .map(show)
+                .collect::<Vec<_>>(),
+            vec!["10.244.1.31:8080 T L".to_owned()]
+        );
+    }
+
     #[test]
     fn etp_local_without_local_endpoints_has_empty_external_frontends_and_a_zero_health_check() {
         let svc = external_service(
@@ -1735,6 +1852,78 @@ mod tests {
             t.health_checks.is_empty(),
             "NodePort type has no health check"
         );
+    }
+
+    /// Upstream's verdicts without a usable endpoint: no usable endpoint anywhere rejects for
+    /// every policy; a Local policy (internal or external) served only by other nodes drops.
+    #[test]
+    fn no_endpoint_verdicts_drop_only_when_a_local_policy_is_served_elsewhere() {
+        use proxy_common::service_flags::{DROP_WHEN_EMPTY, EXTERNAL, EXTERNAL_LOCAL};
+        let http = || json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
+        let itp = |name: &str, ip: &str| {
+            external_service(
+                name,
+                json!({"clusterIP": ip, "internalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80}]}),
+                json!({}),
+            )
+        };
+        let etp = |name: &str, ip: &str, np: i32| {
+            external_service(
+                name,
+                json!({"type": "NodePort", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80, "nodePort": np}]}),
+                json!({}),
+            )
+        };
+        let not_serving = ep(
+            "10.244.2.13",
+            "node-b",
+            (Some(false), Some(false), Some(true)),
+        );
+        let t = translate_node(
+            vec![
+                itp("itp-elsewhere", "10.96.1.1"),
+                itp("itp-nowhere", "10.96.1.2"),
+                etp("etp-elsewhere", "10.96.1.3", 30101),
+                etp("etp-nowhere", "10.96.1.4", 30102),
+                etp("etp-draining-elsewhere", "10.96.1.5", 30103),
+            ],
+            vec![
+                slice("itp-elsewhere", "a", http(), vec![ready("10.244.2.11")]),
+                slice("itp-nowhere", "b", http(), vec![not_serving.clone()]),
+                slice("etp-elsewhere", "c", http(), vec![ready("10.244.2.12")]),
+                slice("etp-nowhere", "d", http(), vec![not_serving]),
+                slice(
+                    "etp-draining-elsewhere",
+                    "e",
+                    http(),
+                    vec![terminating("10.244.2.14", true)],
+                ),
+            ],
+        );
+        let flags = |frontend: &str| {
+            let (fe, df) = t
+                .desired
+                .frontends
+                .iter()
+                .find(|(fe, _)| fe.to_string() == frontend)
+                .unwrap_or_else(|| panic!("no frontend {frontend}"));
+            crate::encode::frontend_flags(fe, df)
+        };
+        let ext = EXTERNAL | EXTERNAL_LOCAL;
+        for (frontend, want) in [
+            ("10.96.1.1:80/TCP", DROP_WHEN_EMPTY),
+            ("10.96.1.2:80/TCP", 0),
+            ("192.168.50.10:30101/TCP", ext | DROP_WHEN_EMPTY),
+            ("192.168.50.10:30101/TCP (in-cluster)", 0),
+            ("10.96.1.3:80/TCP", 0),
+            ("192.168.50.10:30102/TCP", ext),
+            ("192.168.50.10:30102/TCP (in-cluster)", 0),
+            ("192.168.50.10:30103/TCP", ext | DROP_WHEN_EMPTY),
+        ] {
+            assert_eq!(flags(frontend), want, "{frontend}");
+        }
     }
 
     #[test]

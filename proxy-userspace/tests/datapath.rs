@@ -29,12 +29,13 @@ use kube_proxy_ebpf::{
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
     DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES,
-    MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey,
-    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
-    hash::{flow_hash, pick_slot},
-    proto, service_flags,
+    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
+    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice,
+    SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action,
+    frag_hook,
+    hash::{PortProbe, flow_hash, pick_slot},
+    proto, service_cidr, service_flags,
 };
 
 /// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
@@ -2312,12 +2313,36 @@ fn per_packet_cost() {
         100_000,
     );
 
+    // The same miss with the Service address space populated (a /12 and 10,000 ClusterIPs):
+    // the LPM lookup every new non-Service flow now makes.
+    {
+        let mut cidrs: LpmTrie<&mut MapData, [u8; 4], u32> =
+            LpmTrie::try_from(dp.bpf.map_mut(MAP_SERVICE_CIDRS).expect("SVCCIDRS map"))
+                .expect("SVCCIDRS type");
+        cidrs
+            .insert(&Key::new(12, [10, 96, 0, 0]), service_cidr::UNALLOCATED, 0)
+            .expect("insert the Service CIDR");
+        for i in 0..10_000u32 {
+            let ip = (u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i).to_be_bytes();
+            cidrs
+                .insert(&Key::new(32, ip), service_cidr::CLUSTER_IP, 0)
+                .expect("insert a ClusterIP");
+        }
+    }
+    let (_, _, not_service_cidrs) = dp.run_timed(
+        PROG_TC_INGRESS,
+        &Pkt::tcp(CLIENT, 50_001, OTHER, 80, ACK).bytes(),
+        100_000,
+    );
+
     println!(
-        "per-packet cost: new_flow_ns={} established_ns={} reply_ns={} not_service_ns={}",
+        "per-packet cost: new_flow_ns={} established_ns={} reply_ns={} not_service_ns={} \
+         not_service_with_10000_cluster_ips_ns={}",
         median(new_flow),
         established.as_nanos(),
         reply_cost.as_nanos(),
-        not_service.as_nanos()
+        not_service.as_nanos(),
+        not_service_cidrs.as_nanos()
     );
 }
 
@@ -2338,7 +2363,8 @@ fn raw_backend(addr: Ipv4Addr, port: u16, proto: u8, flags: u8) -> Backend {
 }
 
 /// NodePort frontends: NODE_IP:30080/TCP and /UDP (eTP=Cluster, one remote backend),
-/// NODE_IP:30081/TCP (eTP=Cluster, one local backend), NODE_IP:30082/TCP (eTP=Local, none).
+/// NODE_IP:30081/TCP (eTP=Cluster, one local backend), NODE_IP:30082/TCP (eTP=Local, none here,
+/// some on other nodes: `DROP_WHEN_EMPTY`).
 fn nodeport_datapath() -> Datapath {
     nodeport_datapath_with(DatapathConfig::DEFAULT)
 }
@@ -2375,7 +2401,7 @@ fn nodeport_datapath_with(cfg: DatapathConfig) -> Datapath {
         NODE_IP,
         NODE_PORT + 2,
         proto::TCP,
-        ext | service_flags::EXTERNAL_LOCAL,
+        ext | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY,
         &[],
     );
     dp
@@ -2846,48 +2872,105 @@ fn snat_gc_removes_the_datapath_s_pairs_of_idle_flows_only() {
     ));
 }
 
+/// eTP=Cluster: like kube-proxy (which masquerades every flow to an external destination of
+/// such a Service), an external client's flow is SNATed to the node even when the backend is
+/// local; a pod inside the cluster CIDR keeps its address.
 #[test]
-fn nodeport_local_backend_and_etp_local_without_endpoints() {
-    let mut dp = nodeport_datapath();
+fn nodeport_local_backend_is_masqueraded_for_external_clients_only() {
+    let mut dp = nodeport_datapath_with(cluster_cidr_config());
     dp.set_node_addr(NODE_IP);
     let syn = Pkt::tcp(EXT_CLIENT, 41_000, NODE_IP, NODE_PORT + 1, SYN);
     let fwd = with_dst(&syn, LOCAL_BE, 8080);
     dp.check(ingress(
-        "nodeport to a local backend: DNAT only, the backend sees the client",
+        "external client → nodeport with a local backend: DNAT + SNAT port allocated",
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let out = dp
+        .snat()
+        .get(&snat_out_key(&syn, LOCAL_BE, 8080), 0)
+        .expect("SNAT out entry for the local backend");
+    let nat_port = u16::from_be_bytes(out.port);
+    assert_eq!(out.addr, NODE_IP.octets(), "SNAT to the node address");
+    dp.check(egress(
+        "toward the local backend: the node's address and port (the backend sees the node)",
+        fwd.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&fwd, NODE_IP, nat_port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(LOCAL_BE, 8080, NODE_IP, nat_port, SYN | ACK);
+    let unsnat = with_dst(&synack, EXT_CLIENT, 41_000);
+    dp.check(ingress(
+        "the local backend's SYN-ACK goes back to the client (destination restored)",
+        synack.bytes(),
+        TC_NEXT,
+        Expect::Packet(unsnat.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the client: from the NodePort",
+        unsnat.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT + 1)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+
+    let pod_syn = Pkt::tcp(POD_CLIENT, 41_001, NODE_IP, NODE_PORT + 1, SYN);
+    let pod_fwd = with_dst(&pod_syn, LOCAL_BE, 8080);
+    dp.check(ingress(
+        "pod in the cluster CIDR → the same nodeport: DNAT only",
+        pod_syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(pod_fwd.clone()),
         &[(Counter::NewFlow, 1)],
     ));
     dp.check(egress(
-        "toward the local backend: no SNAT",
-        fwd.bytes(),
+        "toward the local backend: the pod keeps its address",
+        pod_fwd.bytes(),
         TC_NEXT,
         Expect::Unchanged,
         &[(Counter::ReplyNotTracked, 1)],
     ));
-    assert_eq!(
-        dp.snat().keys().count(),
-        0,
-        "no SNAT entries for local backends"
-    );
-    let reply = fwd.reversed();
+    let reply = pod_fwd.reversed();
     dp.check(egress(
-        "local backend's reply toward the client: from the NodePort",
+        "local backend's reply toward the pod: from the NodePort",
         reply.bytes(),
         TC_NEXT,
         Expect::Packet(with_src(&reply, NODE_IP, NODE_PORT + 1)),
         &[(Counter::ReplyTranslated, 1)],
     ));
-    let syn = Pkt::tcp(EXT_CLIENT, 41_001, NODE_IP, NODE_PORT + 2, SYN);
+    assert_eq!(
+        dp.snat().keys().count(),
+        2,
+        "one SNAT pair: the external client's flow only"
+    );
+
+    let syn = Pkt::tcp(EXT_CLIENT, 41_002, NODE_IP, NODE_PORT + 2, SYN);
     dp.check(ingress(
-        "eTP=Local without local endpoints: dropped, not rejected",
+        "eTP=Local without local endpoints (some elsewhere): dropped, not rejected",
         syn.bytes(),
         TC_ACT_SHOT,
         Expect::Dropped,
         &[(Counter::DropNoLocalEndpoints, 1)],
     ));
-    assert_eq!(dp.ct_len(), 2, "only the first flow is tracked");
+    assert_eq!(dp.ct_len(), 4, "only the two nodeport flows are tracked");
+}
+
+/// The datapath's configuration with the cluster CIDR 10.244.0.0/16.
+fn cluster_cidr_config() -> DatapathConfig {
+    let mut cfg = DatapathConfig::DEFAULT;
+    cfg.cluster_cidrs = ClusterCidrs {
+        count: 1,
+        ..ClusterCidrs::NONE
+    };
+    cfg.cluster_cidrs.prefixes[0] = Ipv4Prefix {
+        addr: [10, 244, 0, 0],
+        mask: [255, 255, 0, 0],
+    };
+    cfg
 }
 
 /// A pod on this node (inside the cluster CIDR 10.244.0.0/16).
@@ -2896,23 +2979,16 @@ const POD_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 30);
 /// `nodeport_datapath` loaded with the cluster CIDR 10.244.0.0/16 (or none), plus the
 /// in-cluster entry of the eTP=Local NodePort NODE_IP:30082/TCP: one remote backend.
 fn etp_local_datapath(cluster_cidr: bool) -> Datapath {
-    let mut cfg = DatapathConfig::DEFAULT;
-    if cluster_cidr {
-        cfg.cluster_cidrs = ClusterCidrs {
-            count: 1,
-            ..ClusterCidrs::NONE
-        };
-        cfg.cluster_cidrs.prefixes[0] = Ipv4Prefix {
-            addr: [10, 244, 0, 0],
-            mask: [255, 255, 0, 0],
-        };
-    }
-    let mut dp = Datapath::load_with(cfg);
+    let mut dp = Datapath::load_with(if cluster_cidr {
+        cluster_cidr_config()
+    } else {
+        DatapathConfig::DEFAULT
+    });
     dp.set_frontend(
         NODE_IP,
         NODE_PORT + 2,
         proto::TCP,
-        service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL,
+        service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY,
         &[],
     );
     dp.set_in_cluster_frontend(
@@ -3005,6 +3081,160 @@ fn etp_local_without_a_cluster_cidr_treats_pods_as_external() {
     assert_eq!(dp.ct_len(), 0);
 }
 
+/// Upstream's verdicts when a frontend has no backends: no usable endpoint anywhere is rejected
+/// whatever the policy (eTP=Local included); a Local policy whose endpoints are all on other
+/// nodes (the agent sets `DROP_WHEN_EMPTY`) is dropped (iTP=Local ClusterIP included).
+#[test]
+fn no_backends_rejected_unless_a_local_policy_is_served_elsewhere() {
+    let mut dp = Datapath::load();
+    dp.set_node_addr(NODE_IP);
+    let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
+    // eTP=Local NodePort, no endpoint on any node.
+    dp.set_frontend(NODE_IP, NODE_PORT + 3, proto::TCP, ext_local, &[]);
+    dp.set_frontend(NODE_IP, NODE_PORT + 3, proto::UDP, ext_local, &[]);
+    // iTP=Local ClusterIP with endpoints on other nodes only.
+    let itp_vip = Ipv4Addr::new(10, 96, 0, 88);
+    dp.set_frontend(itp_vip, 80, proto::TCP, service_flags::DROP_WHEN_EMPTY, &[]);
+    dp.set_frontend(itp_vip, 53, proto::UDP, service_flags::DROP_WHEN_EMPTY, &[]);
+    // iTP=Local ClusterIP with no endpoint anywhere.
+    let empty_vip = Ipv4Addr::new(10, 96, 0, 89);
+    dp.set_frontend(empty_vip, 80, proto::TCP, 0, &[]);
+
+    let rejected = [(Counter::NoEndpointsRejected, 1)];
+    for (what, pkt) in [
+        (
+            "eTP=Local NodePort, no endpoints anywhere: TCP rejected",
+            Pkt::tcp(EXT_CLIENT, 43_000, NODE_IP, NODE_PORT + 3, SYN),
+        ),
+        (
+            "eTP=Local NodePort, no endpoints anywhere: UDP rejected",
+            Pkt::udp(EXT_CLIENT, 43_001, NODE_IP, NODE_PORT + 3),
+        ),
+        (
+            "iTP=Local ClusterIP, no endpoints anywhere: rejected",
+            Pkt::tcp(POD_CLIENT, 43_002, empty_vip, 80, SYN),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_REDIRECT,
+            Expect::IcmpUnreachable,
+            &rejected,
+        ));
+    }
+    let dropped = [(Counter::DropNoLocalEndpoints, 1)];
+    for (what, pkt) in [
+        (
+            "iTP=Local ClusterIP served by other nodes only: TCP dropped",
+            Pkt::tcp(POD_CLIENT, 43_003, itp_vip, 80, SYN),
+        ),
+        (
+            "iTP=Local ClusterIP served by other nodes only: UDP dropped",
+            Pkt::udp(POD_CLIENT, 43_004, itp_vip, 53),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &dropped,
+        ));
+    }
+    assert_eq!(dp.ct_len(), 0, "no verdict here creates conntrack entries");
+}
+
+/// Upstream nftables' cluster-ips-check: a new flow to an allocated ClusterIP on a port none of
+/// its Services has is rejected; to an unallocated address inside the Service CIDRs, dropped;
+/// instead of being passed on to the node's routing (and its default route).
+#[test]
+fn service_cidr_misses_are_rejected_on_cluster_ips_and_dropped_elsewhere() {
+    let mut dp = Datapath::load().with_services();
+    {
+        let mut cidrs: LpmTrie<&mut MapData, [u8; 4], u32> =
+            LpmTrie::try_from(dp.bpf.map_mut(MAP_SERVICE_CIDRS).expect("SVCCIDRS map"))
+                .expect("SVCCIDRS type");
+        cidrs
+            .insert(&Key::new(12, [10, 96, 0, 0]), service_cidr::UNALLOCATED, 0)
+            .expect("insert the Service CIDR");
+        for vip in [VIP, VIP_EMPTY] {
+            cidrs
+                .insert(&Key::new(32, vip.octets()), service_cidr::CLUSTER_IP, 0)
+                .expect("insert a ClusterIP");
+        }
+    }
+    let rejected = [(Counter::ClusterIpPortRejected, 1)];
+    for (what, pkt) in [
+        (
+            "TCP to a ClusterIP on a port no Service has: rejected",
+            Pkt::tcp(CLIENT, 44_000, VIP, 81, SYN),
+        ),
+        (
+            "UDP to a ClusterIP on a port no Service has: rejected",
+            Pkt::udp(CLIENT, 44_001, VIP, 54),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_REDIRECT,
+            Expect::IcmpUnreachable,
+            &rejected,
+        ));
+    }
+    let dropped = [(Counter::DropUnallocatedServiceIp, 1)];
+    for (what, pkt) in [
+        (
+            "TCP to an unallocated address of the Service CIDR: dropped",
+            Pkt::tcp(CLIENT, 44_002, Ipv4Addr::new(10, 100, 3, 4), 80, SYN),
+        ),
+        (
+            "UDP to an unallocated address of the Service CIDR: dropped",
+            Pkt::udp(CLIENT, 44_003, Ipv4Addr::new(10, 96, 0, 11), 53),
+        ),
+    ] {
+        dp.check(ingress(
+            what,
+            pkt.bytes(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &dropped,
+        ));
+    }
+    let syn = Pkt::tcp(CLIENT, 44_004, VIP, 80, SYN);
+    let id = expected_pick(&syn, &[1, 2]);
+    dp.check(ingress(
+        "the ClusterIP's Service port is translated as before",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, id)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    dp.check(ingress(
+        "outside the Service CIDRs: passed untouched",
+        Pkt::tcp(CLIENT, 44_005, Ipv4Addr::new(10, 112, 0, 1), 80, SYN).bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1)],
+    ));
+    let translated = dp
+        .conntrack()
+        .iter()
+        .map(|e| e.expect("conntrack entry"))
+        .filter(|(_, v)| v.flags & ct_flags::DIRECT == 0)
+        .count();
+    assert_eq!(
+        translated, 2,
+        "only the Service flow is translated (the pass-through flow is a DIRECT marker)"
+    );
+    assert_eq!(
+        dp.ct_len(),
+        3,
+        "the two Service entries and one DIRECT marker"
+    );
+}
+
 #[test]
 fn hairpin_flow_is_snated_to_the_link_local_address() {
     let mut dp = Datapath::load();
@@ -3095,7 +3325,8 @@ fn load_balancer_source_ranges_drop_new_flows_from_outside() {
         inside.bytes(),
         TC_NEXT,
         Expect::Packet(with_dst(&inside, LOCAL_BE, 8080)),
-        &[(Counter::NewFlow, 1)],
+        // eTP=Cluster from outside the cluster: masquerade wanted, no node address written here.
+        &[(Counter::NewFlow, 1), (Counter::SnatNoNodeAddr, 1)],
     ));
     let outside = Pkt::tcp(Ipv4Addr::new(192, 168, 50, 104), 43_000, lb, 80, SYN);
     dp.check(ingress(
@@ -3316,7 +3547,6 @@ const VIP2_UDP_REVNAT: u32 = 6;
 /// The source port the datapath moves a clashing flow to when the first probe is free: the
 /// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX` (proxy-ebpf `conntrack::choose_sport`).
 fn clash_port(p: &Pkt) -> u16 {
-    let range = u64::from(CLASH_PORT_MAX - CLASH_PORT_MIN) + 1;
     let hash = flow_hash(
         DatapathConfig::DEFAULT.hash_seed,
         p.saddr.octets(),
@@ -3325,7 +3555,7 @@ fn clash_port(p: &Pkt) -> u16 {
         p.dport().to_be_bytes(),
         p.proto(),
     );
-    CLASH_PORT_MIN + ((u64::from(hash) * range) >> 32) as u16
+    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(0)
 }
 
 fn with_dport(p: &Pkt, port: u16) -> Pkt {

@@ -355,9 +355,9 @@ fn rbac_is_least_privilege() {
         }
     }
     let allowed = |g: &str, r: &str, v: &str| match (g, r) {
-        ("", "services" | "nodes") | ("discovery.k8s.io", "endpointslices") => {
-            matches!(v, "get" | "list" | "watch")
-        }
+        ("", "services" | "nodes")
+        | ("discovery.k8s.io", "endpointslices")
+        | ("networking.k8s.io", "servicecidrs") => matches!(v, "get" | "list" | "watch"),
         ("" | "events.k8s.io", "events") => matches!(v, "create" | "patch" | "update"),
         _ => false,
     };
@@ -368,6 +368,7 @@ fn rbac_is_least_privilege() {
         ("", "services", "watch"),
         ("", "nodes", "get"),
         ("discovery.k8s.io", "endpointslices", "list"),
+        ("networking.k8s.io", "servicecidrs", "watch"),
         ("events.k8s.io", "events", "create"),
     ] {
         assert!(

@@ -17,15 +17,20 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::maps::{
+    HashMap as BpfHashMap, Map, MapData,
+    lpm_trie::{Key, LpmTrie},
+};
 use kube_proxy_ebpf::{
     kube::{Connection, KubeSource},
     source::Source,
     translate::{self, NodeContext},
 };
-use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
+use proxy_common::{
+    MAP_SERVICE_CIDRS, MAP_SERVICES, ServiceKey, ServiceValue, proto, service_cidr,
+};
 use proxy_testenv::{
-    Agent, BACKENDS, CurlReply, FakeApiServer, PinDir, Topology,
+    Agent, BACKENDS, ConnectOutcome, CurlReply, FakeApiServer, PinDir, Topology,
     fake_apiserver::{Kind, wait_for},
     require_privileged,
 };
@@ -84,6 +89,11 @@ fn node(zone: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Node",
            "metadata": {"name": NODE, "labels": {"topology.kubernetes.io/zone": zone}},
            "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.1"}]}})
+}
+
+fn service_cidr(name: &str, cidr: &str) -> Value {
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+           "metadata": {"name": name}, "spec": {"cidrs": [cidr, "fd00:10:96::/112"]}})
 }
 
 fn ready(ips: &[Ipv4Addr]) -> Vec<(Ipv4Addr, Cond)> {
@@ -746,6 +756,7 @@ fn api_outage_keeps_traffic_flowing_and_changes_apply_after_it() {
         slice("other", "a", &ready(&ips[..1])),
     ]);
     env.wait_frontend(OTHER, Some(1), Duration::from_secs(5));
+    let log_before = agent_log(&env.agent);
     env.api.stop();
     let down = Instant::now();
     // Changes made in the server's store while the agent cannot see them; history compacted
@@ -786,6 +797,130 @@ fn api_outage_keeps_traffic_flowing_and_changes_apply_after_it() {
     env.check(Env::names(&c) == ["be2"], || format!("new Service: {c:?}"));
     let c = env.distribution(WEB, 30);
     env.check(c.len() == 3, || format!("web after the outage: {c:?}"));
+
+    // Like kube-proxy, which logs nothing at its default level through such an outage: the
+    // outage once when it starts, its end once when every watch is back, no line per retry.
+    let log = agent_log(&env.agent);
+    let during = log.get(log_before.len()..).unwrap_or_default();
+    let warnings: Vec<&str> = during
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    let outage: Vec<&str> = during
+        .lines()
+        .filter(|l| l.contains("API server unreachable"))
+        .collect();
+    let recovered: Vec<&str> = during
+        .lines()
+        .filter(|l| l.contains("API server reachable again"))
+        .collect();
+    eprintln!(
+        "log during the outage and after: {} WARN/ERROR lines, {} outage, {} recovery",
+        warnings.len(),
+        outage.len(),
+        recovered.len()
+    );
+    env.check(
+        warnings.len() == 1 && outage.len() == 1 && recovered.len() == 1,
+        || {
+            format!(
+                "want exactly one warning (the outage) and one recovery line, got:\n{}",
+                during
+                    .lines()
+                    .filter(|l| !l.contains(" DEBUG ") && !l.contains(" TRACE "))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            )
+        },
+    );
+}
+
+/// The agent's log so far, without colour codes.
+fn agent_log(agent: &Agent) -> String {
+    strip_ansi(&std::fs::read_to_string(agent.log_path()).unwrap_or_default())
+}
+
+/// The pinned `SVCCIDRS_V1` entries: (prefix length, address) → `service_cidr::*`.
+fn service_cidr_entries(pin_dir: &Path) -> BTreeMap<(u32, [u8; 4]), u32> {
+    let data = MapData::from_pin(pin_dir.join(MAP_SERVICE_CIDRS)).expect("pinned SVCCIDRS map");
+    let map: LpmTrie<MapData, [u8; 4], u32> =
+        LpmTrie::try_from(Map::LpmTrie(data)).expect("SVCCIDRS is an LPM trie");
+    map.iter()
+        .filter_map(Result::ok)
+        .map(|(k, v): (Key<[u8; 4]>, u32)| ((k.prefix_len(), k.data()), v))
+        .collect()
+}
+
+/// ServiceCIDR objects (networking.k8s.io/v1) are watched: their IPv4 CIDRs guard the Service
+/// address space like `--service-cidr` (unallocated addresses dropped), and follow the API.
+#[test]
+fn service_cidr_objects_are_watched_and_unallocated_addresses_dropped() {
+    require_privileged!();
+    let ips = backend_ips();
+    let env = Env::start(vec![
+        service("web", WEB, 80),
+        slice("web", "a", &ready(&ips)),
+        service_cidr("kubernetes", "10.96.0.0/16"),
+    ]);
+    let want = |cidr: bool| {
+        let mut m = BTreeMap::from([((32, WEB.octets()), service_cidr::CLUSTER_IP)]);
+        if cidr {
+            m.insert((16, [10, 96, 0, 0]), service_cidr::UNALLOCATED);
+        }
+        m
+    };
+    let wait = |cidr: bool| {
+        let started = Instant::now();
+        loop {
+            let now = service_cidr_entries(env.pins.path());
+            if now == want(cidr) {
+                return;
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                env.fail(&format!("SVCCIDRS_V1 holds {now:?}, want {:?}", want(cidr)));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait(true);
+    let (outcome, _) = env
+        .topo
+        .tcp_connect(Ipv4Addr::new(10, 96, 0, 77), 80, Duration::from_secs(2))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    env.check(outcome == ConnectOutcome::TimedOut, || {
+        format!("connect to an unallocated address of the ServiceCIDR: {outcome:?}, want dropped")
+    });
+    let c = env.distribution(WEB, 6);
+    env.check(!c.is_empty(), || "web through its ClusterIP".into());
+    env.api.delete(Kind::ServiceCidr, "", "kubernetes");
+    wait(false);
+}
+
+/// An API server without the ServiceCIDR API (Kubernetes < 1.33): the other reflectors work,
+/// and the ServiceCIDR one asks once and stops (no retry loop, no warning per retry).
+#[tokio::test]
+async fn service_cidr_api_not_served_is_asked_once_and_left_alone() {
+    let server = FakeApiServer::start().expect("fake API server");
+    server.unserve(Kind::ServiceCidr);
+    server.apply(node("zone-a")).expect("node");
+    server.apply(service("web", WEB, 80)).expect("svc");
+    server
+        .apply(slice("web", "a", &ready(&backend_ips()[..1])))
+        .expect("slice");
+    let source = connect(&server).await;
+    assert_eq!(
+        frontends(&source),
+        BTreeMap::from([(WEB, vec![backend_ips()[0]])])
+    );
+    // Longer than the reflectors' whole backoff ladder (0.5 + 1 + 2 s).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let asked = server
+        .requests()
+        .iter()
+        .filter(|r| r.contains(Kind::ServiceCidr.path()))
+        .count();
+    assert_eq!(asked, 1, "ServiceCIDR requests: {:?}", server.requests());
+    assert!(source.state().service_cidrs.is_empty());
 }
 
 // ---------------------------------------------------------------------------------------------

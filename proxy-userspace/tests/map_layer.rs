@@ -56,6 +56,7 @@ fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
                 service,
                 kind: FrontendKind::ClusterIp,
                 external_local: false,
+                drop_when_empty: false,
                 source_ranges: Vec::new(),
                 backends,
                 retained: vec![],

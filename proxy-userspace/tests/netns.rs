@@ -299,6 +299,104 @@ fn service_without_endpoints_refuses_quickly() {
     env.check(reply.remote_ip == WEB.to_string(), || format!("{reply:?}"));
 }
 
+/// internalTrafficPolicy Local with endpoints only on other nodes: upstream drops (not rejects)
+/// traffic to the ClusterIP. A pod's SYN is dropped by tc (its connect times out); a node
+/// process's connect() fails at once with ETIMEDOUT in the socket hook.
+#[test]
+fn itp_local_served_only_elsewhere_is_dropped_not_refused() {
+    require_privileged!();
+    const ITP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 50);
+    let env = Env::start(|m| {
+        web(m, &all_backends());
+        // be1 is a real server here, but its slice names another node: not usable locally.
+        let yaml = format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: itp\n  namespace: demo\n\
+             spec:\n  clusterIP: {ITP}\n  internalTrafficPolicy: Local\n  ports:\n  \
+             - port: 80\n    targetPort: 8080\n---\napiVersion: discovery.k8s.io/v1\n\
+             kind: EndpointSlice\nmetadata:\n  name: itp-1\n  namespace: demo\n  labels:\n    \
+             kubernetes.io/service-name: itp\naddressType: IPv4\nports:\n  - name: \"\"\n    \
+             port: 8080\n    protocol: TCP\nendpoints:\n  - addresses: [\"{}\"]\n    \
+             nodeName: some-other-node\n    conditions:\n      ready: true\n",
+            BACKENDS[0].1
+        );
+        std::fs::write(m.path().join("demo-itp.yaml"), yaml).expect("writing demo/itp");
+    });
+    let (outcome, elapsed) = env
+        .topo
+        .tcp_connect(ITP, 80, Duration::from_secs(2))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    eprintln!("pod connect to {ITP}:80: {outcome:?} after {elapsed:?}");
+    env.check(outcome == ConnectOutcome::TimedOut, || {
+        format!("pod connect to an iTP=Local ClusterIP served elsewhere: {outcome:?}, want a timeout (SYN dropped)")
+    });
+    let host = env.agent.host(env.topo.node());
+    let (outcome, elapsed) = tcp_connect_from(&host, ITP, 80, Duration::from_secs(3))
+        .unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+    eprintln!("host connect to {ITP}:80: {outcome:?} after {elapsed:?}");
+    env.check(outcome == ConnectOutcome::TimedOut && elapsed < Duration::from_secs(1), || {
+        format!("host connect: {outcome:?} after {elapsed:?}, want ETIMEDOUT at once from the socket hook")
+    });
+    let dropped = env
+        .agent
+        .counter("drop_no_local_endpoints")
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    env.check(dropped >= 2, || {
+        format!("drop_no_local_endpoints = {dropped}, want ≥ 2 (pod SYN(s) and the host connect)")
+    });
+}
+
+/// `--service-cidr`: like kube-proxy's nftables mode, a ClusterIP's other ports are refused and
+/// the unallocated rest of the Service CIDR is dropped (not routed on), for pods (tc) and the
+/// node's own processes (socket hooks).
+#[test]
+fn service_cidr_rejects_other_ports_of_cluster_ips_and_drops_unallocated_addresses() {
+    require_privileged!();
+    const UNALLOCATED: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+    let env = Env::start_with_flags(
+        |m| web(m, &all_backends()),
+        &["--service-cidr", "10.96.0.0/16"],
+    );
+    let host = env.agent.host(env.topo.node());
+    let timeout = Duration::from_secs(2);
+    let connect = |who: &str, ip: Ipv4Addr, port: u16| {
+        let r = if who == "pod" {
+            env.topo.tcp_connect(ip, port, timeout)
+        } else {
+            tcp_connect_from(&host, ip, port, timeout)
+        };
+        let (outcome, elapsed) = r.unwrap_or_else(|e| env.fail(&format!("connect helper: {e:#}")));
+        eprintln!("{who} connect to {ip}:{port}: {outcome:?} after {elapsed:?}");
+        (outcome, elapsed)
+    };
+    for who in ["pod", "host"] {
+        let (outcome, elapsed) = connect(who, WEB, 81);
+        env.check(outcome == ConnectOutcome::Refused && elapsed < Duration::from_secs(1), || {
+            format!("{who} → ClusterIP {WEB}:81 (no such Service port): {outcome:?} after {elapsed:?}, want refused at once")
+        });
+        let (outcome, _) = connect(who, UNALLOCATED, 80);
+        env.check(outcome == ConnectOutcome::TimedOut, || {
+            format!("{who} → unallocated {UNALLOCATED}:80: {outcome:?}, want a timeout (dropped)")
+        });
+    }
+    let reply = env
+        .topo
+        .curl(&format!("http://{WEB}/"))
+        .unwrap_or_else(|e| env.fail(&format!("the Service port itself: {e:#}")));
+    env.check(reply.remote_ip == WEB.to_string(), || format!("{reply:?}"));
+    let counter = |name: &str| {
+        env.agent
+            .counter(name)
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
+    };
+    let (rejected, dropped) = (
+        counter("cluster_ip_port_rejected"),
+        counter("drop_unallocated_service_ip"),
+    );
+    env.check(rejected >= 2 && dropped >= 2, || {
+        format!("cluster_ip_port_rejected={rejected} drop_unallocated_service_ip={dropped}, want ≥ 2 each")
+    });
+}
+
 /// Processes of the node's own namespace (host network) have no tc hook on their way out: the
 /// cgroup socket hooks translate at connect()/sendmsg(), and getpeername()/recvfrom() show the
 /// Service. Only members of the agent's cgroup are translated.

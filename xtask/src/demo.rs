@@ -271,8 +271,9 @@ fn start_agent(
 }
 
 /// One HTTP GET from the external client to demo/web's NodePort on node `i`; prints it and
-/// returns the backend that answered. Node-a has the endpoints: the backend must see the client
-/// itself. Node-b has none (eTP=Cluster): the backend must see node-b's address (SNAT).
+/// returns the backend that answered. demo/web is externalTrafficPolicy Cluster, so like
+/// kube-proxy each node masquerades the external client to its own address: node-a (which has
+/// the endpoints) as well as node-b (which forwards to node-a).
 fn nodeport_request(net: &MultiNode, i: usize) -> Result<String> {
     let node_ip = NODE_IPS[i];
     let url = format!("http://{node_ip}:{WEB_NODE_PORT}/");
@@ -286,7 +287,10 @@ fn nodeport_request(net: &MultiNode, i: usize) -> Result<String> {
     }
     let seen = r.client_addr.split_once(':').map_or("", |(ip, _)| ip);
     let (want, why) = if i == NODE_A {
-        (EXT_CLIENT_IP, "client IP kept: local endpoint")
+        (
+            node_ip,
+            "eTP=Cluster: SNAT to node-a, though the endpoint is local",
+        )
     } else {
         (node_ip, "SNAT to node-b: endpoints on node-a only")
     };

@@ -10,6 +10,12 @@
 //!
 //! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
 //! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
+//!
+//! An API outage (connection errors, 5xx, 429) is logged once when the first reflector meets it
+//! and once when the API server answers again ([`Reachability`]), not per retry: kube-proxy logs
+//! nothing at its default level through an outage, and the dataplane is unaffected by one. A 410
+//! Gone (history compacted, relist) is the normal path: debug only. Other errors (403 after an
+//! RBAC change, say) keep a warning per reflector every 10 s.
 
 pub mod events;
 pub mod prune;
@@ -17,7 +23,7 @@ pub mod prune;
 use std::{
     fmt::Debug,
     path::PathBuf,
-    sync::Arc,
+    sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -25,6 +31,7 @@ use futures::StreamExt as _;
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use kube::{
     Api, Client, Config,
@@ -121,7 +128,11 @@ pub struct KubeSource {
     services: Store<Service>,
     slices: Store<SliceData>,
     node: Store<Node>,
+    /// The cluster's ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+); stays empty
+    /// where the API is not served or not granted.
+    service_cidrs: Store<ServiceCIDR>,
     changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -129,6 +140,7 @@ impl KubeSource {
     /// Starts the reflectors. Returns at once; see [`KubeSource::wait_ready`].
     pub fn start(client: Client, node_name: &str) -> Self {
         let changed = Arc::new(Notify::new());
+        let reachability = Arc::new(Reachability::new(client.clone()));
         let (services, t1) = reflect(
             Api::<Service>::all(client.clone()),
             watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
@@ -137,6 +149,8 @@ impl KubeSource {
                 svc
             },
             changed.clone(),
+            reachability.clone(),
+            Required::Yes,
         );
         let (slices, t2) = reflect(
             Api::<EndpointSlice>::all(client.clone()),
@@ -146,22 +160,41 @@ impl KubeSource {
                 SliceData::from(&slice)
             },
             changed.clone(),
+            reachability.clone(),
+            Required::Yes,
         );
         let (node, t3) = reflect(
-            Api::<Node>::all(client),
+            Api::<Node>::all(client.clone()),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
             |mut node| {
                 prune::node(&mut node);
                 node
             },
             changed.clone(),
+            reachability.clone(),
+            Required::Yes,
+        );
+        let (service_cidrs, t4) = reflect(
+            Api::<ServiceCIDR>::all(client),
+            watcher::Config::default(),
+            |mut cidr| {
+                cidr.metadata.managed_fields = None;
+                cidr.metadata.annotations = None;
+                cidr.status = None;
+                cidr
+            },
+            changed.clone(),
+            reachability.clone(),
+            Required::No,
         );
         Self {
             services,
             slices,
             node,
+            service_cidrs,
             changed,
-            tasks: vec![t1, t2, t3],
+            reachability,
+            tasks: vec![t1, t2, t3, t4],
         }
     }
 
@@ -187,6 +220,26 @@ impl KubeSource {
             services: self.services.state(),
             endpoint_slices: self.slices.state(),
         }
+    }
+
+    /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (`spec.cidrs`; IPv6 ones and
+    /// unparsable ones left out), sorted.
+    pub fn service_cidrs(&self) -> Vec<(std::net::Ipv4Addr, u8)> {
+        let mut out: Vec<(std::net::Ipv4Addr, u8)> = self
+            .service_cidrs
+            .state()
+            .iter()
+            .filter_map(|c| c.spec.as_ref()?.cidrs.as_ref())
+            .flatten()
+            .filter_map(|c| c.parse::<crate::config::Cidr>().ok())
+            .filter_map(|c| match c.addr {
+                std::net::IpAddr::V4(a) => Some((a, c.prefix_len)),
+                std::net::IpAddr::V6(_) => None,
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// This node's `topology.kubernetes.io/zone` label (None until the Node is seen).
@@ -219,6 +272,108 @@ impl Drop for KubeSource {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
+        }
+        self.reachability.stop();
+    }
+}
+
+/// Is this watch error the API server being unreachable or overloaded (connection refused or
+/// reset, TLS or timeout, 5xx, 429), as opposed to a request it refuses (403, 404, ...)?
+fn unavailable(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(status) => unavailable_code(status.code),
+            _ => true,
+        },
+        watcher::Error::WatchError(status) => unavailable_code(status.code),
+        watcher::Error::NoResourceVersion => false,
+    }
+}
+
+fn unavailable_code(code: u16) -> bool {
+    code >= 500 || code == 429
+}
+
+/// Whether the API server answers, shared by the reflectors: the first reflector to meet an
+/// outage logs it (once) and starts a probe (`GET /version` with the reflectors' backoff), which
+/// logs the recovery (once) when the server answers anything again. A reflector that resumes
+/// its watch without a relist emits no event, so the reflectors alone could not tell that a
+/// quiet cluster's API server is back.
+struct Reachability {
+    client: Client,
+    outage: Mutex<Outage>,
+}
+
+impl Debug for Reachability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reachability")
+            .field("outage", &self.outage)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Outage {
+    /// When the outage being reported started (`None`: the API server answers).
+    since: Option<Instant>,
+    probe: Option<JoinHandle<()>>,
+}
+
+impl Reachability {
+    fn new(client: Client) -> Self {
+        Self {
+            client,
+            outage: Mutex::new(Outage::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Outage> {
+        // Plain field writes: a panic while holding the lock cannot leave it inconsistent.
+        self.outage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A reflector of `kind` could not reach the API server.
+    fn failed(self: &Arc<Self>, kind: &str, e: &watcher::Error) {
+        let mut outage = self.lock();
+        if outage.since.is_some() {
+            debug!(%kind, "API server still unreachable: {e}");
+            return;
+        }
+        warn!(
+            %kind,
+            "API server unreachable: {e}; the dataplane keeps its last state, the watches retry \
+             with backoff (logged again when it answers)"
+        );
+        outage.since = Some(Instant::now());
+        let this = self.clone();
+        outage.probe = Some(tokio::spawn(async move { this.probe().await }));
+    }
+
+    /// Polls the API server until it answers, then ends the outage.
+    async fn probe(&self) {
+        let mut backoff = CappedBackoff::default();
+        loop {
+            tokio::time::sleep(backoff.next().unwrap_or(CappedBackoff::MAX)).await;
+            match self.client.apiserver_version().await {
+                Ok(_) => break,
+                Err(kube::Error::Api(status)) if !unavailable_code(status.code) => break,
+                Err(e) => debug!("API server probe: {e}"),
+            }
+        }
+        let mut outage = self.lock();
+        let down = outage.since.take().map(|t| t.elapsed()).unwrap_or_default();
+        outage.probe = None;
+        info!(
+            down_s = down.as_secs(),
+            "API server reachable again; the watches resume and converge by diff"
+        );
+    }
+
+    fn stop(&self) {
+        if let Some(probe) = self.lock().probe.take() {
+            probe.abort();
         }
     }
 }
@@ -270,6 +425,15 @@ impl Backoff for CappedBackoff {
     }
 }
 
+/// Whether the agent needs a resource to work at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Required {
+    Yes,
+    /// An API that older clusters do not serve (404), or that the RBAC may not grant yet (403):
+    /// said once, then the reflector stops and its store stays empty.
+    No,
+}
+
 /// One reflector task: watcher (with backoff) → `keep` (prune, and convert to what the store
 /// holds) → store; wakes `changed` after every event that changed the store (Apply, Delete, end
 /// of a (re)list).
@@ -278,6 +442,8 @@ fn reflect<K, T>(
     config: watcher::Config,
     keep: fn(K) -> T,
     changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
+    required: Required,
 ) -> (Store<T>, JoinHandle<()>)
 where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -302,13 +468,32 @@ where
                 Ok(watcher::Event::InitDone) => {
                     lists += 1;
                     if std::mem::take(&mut failing) || lists > 1 {
-                        info!(%kind, "relisted; converging by diff");
+                        // The outage itself is reported by `Reachability`, once.
+                        debug!(%kind, "relisted; converging by diff");
                     } else {
                         debug!(%kind, "initial list done");
                     }
                     changed.notify_one();
                 }
                 Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Err(watcher::Error::InitialListFailed(kube::Error::Api(status)))
+                    if required == Required::No && matches!(status.code, 403 | 404) =>
+                {
+                    if status.code == 404 {
+                        info!(%kind, "not served by this API server (Kubernetes < 1.33?); not watched");
+                    } else {
+                        warn!(%kind, "listing is forbidden ({status}); not watched: grant list and watch on it to use it");
+                    }
+                    return;
+                }
+                Err(e) if unavailable(&e) => {
+                    failing = true;
+                    reachability.failed(&kind, &e);
+                }
+                // 410 Gone: the history was compacted; the watcher relists (the normal path).
+                Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                    debug!(%kind, "resourceVersion expired, relisting: {status}");
+                }
                 Err(e) => {
                     failing = true;
                     if last_warn.is_none_or(|t| t.elapsed() >= ERROR_LOG_INTERVAL) {
