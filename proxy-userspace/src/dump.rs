@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use proxy_common::{
     Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue, backend_flags, ct_dir,
-    ct_state, frag_action, frag_hook,
+    ct_flags, ct_state, frag_action, frag_hook,
 };
 
 use crate::{
@@ -217,20 +217,36 @@ pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
             .into_iter()
             .map(|(k, v)| {
                 let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
-                    (
-                        "orig",
-                        format!("→ {}", endpoint(v.backend_addr, v.backend_port)),
-                    )
+                    ("orig", ct_translation(v, ct_dir::ORIGINAL))
                 } else {
-                    (
-                        "reply",
-                        format!("← {}", endpoint(v.frontend_addr, v.frontend_port)),
-                    )
+                    ("reply", ct_translation(v, ct_dir::REPLY))
                 };
                 FlowRow::new(k, dir, nat, v.state, v.last_seen_ns, now_ns)
             })
             .collect(),
     )
+}
+
+/// What a conntrack entry does to its direction's packets: the address it rewrites (none for a
+/// flow straight to a pod, `direct`), and the client port a reply-tuple clash moved it to.
+fn ct_translation(v: &CtValue, dir: u8) -> String {
+    let moved = v.flags & ct_flags::SPORT_NAT != 0;
+    let port = u16::from_be_bytes(v.nat_sport);
+    let mut out = if v.flags & ct_flags::DIRECT != 0 {
+        "direct".to_owned()
+    } else if dir == ct_dir::ORIGINAL {
+        format!("→ {}", endpoint(v.backend_addr, v.backend_port))
+    } else {
+        format!("← {}", endpoint(v.frontend_addr, v.frontend_port))
+    };
+    if moved {
+        out.push_str(&if dir == ct_dir::ORIGINAL {
+            format!(", sport → {port}")
+        } else {
+            format!(", dport → {port}")
+        });
+    }
+    out
 }
 
 /// SNAT entries: `out` (client → backend leaves as node:port) and `in` (backend → node:port goes
@@ -422,6 +438,48 @@ mod tests {
         );
         assert!(
             lines[1].contains("established") && lines[1].trim_end().ends_with('3'),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn conntrack_table_shows_direct_flows_and_moved_client_ports() {
+        let key = |sport: u16, daddr, dport: u16, dir| CtKey {
+            saddr: [10, 244, 1, 2],
+            daddr,
+            sport: sport.to_be_bytes(),
+            dport: dport.to_be_bytes(),
+            proto: proto::TCP,
+            dir,
+            _pad: [0; 2],
+        };
+        let direct = CtValue {
+            frontend_addr: [10, 244, 1, 11],
+            frontend_port: 8080u16.to_be_bytes(),
+            backend_addr: [10, 244, 1, 11],
+            backend_port: 8080u16.to_be_bytes(),
+            flags: ct_flags::DIRECT,
+            ..Default::default()
+        };
+        let moved = CtValue {
+            frontend_addr: [10, 96, 0, 11],
+            frontend_port: 80u16.to_be_bytes(),
+            backend_addr: [10, 244, 1, 11],
+            backend_port: 8080u16.to_be_bytes(),
+            flags: ct_flags::SPORT_NAT,
+            nat_sport: 5000u16.to_be_bytes(),
+            ..Default::default()
+        };
+        let table = conntrack_table(
+            &[
+                (key(40000, [10, 244, 1, 11], 8080, ct_dir::ORIGINAL), direct),
+                (key(40000, [10, 96, 0, 11], 80, ct_dir::ORIGINAL), moved),
+            ],
+            1,
+        );
+        assert!(table.contains("direct"), "{table}");
+        assert!(
+            table.contains("→ 10.244.1.11:8080, sport → 5000"),
             "{table}"
         );
     }
