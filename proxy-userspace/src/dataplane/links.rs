@@ -1,20 +1,27 @@
 //! Tunnel devices of this network namespace (flannel.1, vxlan.calico, tunl0, wg0, ...), found by
 //! link kind (`IFLA_INFO_KIND`) in an `RTM_GETLINK` dump. Flows that leave through a tunnel must
 //! be translated there too (SNAT of forwarded external flows), so the agent attaches to them
-//! without their being named in `--devices`. Parsing the dump is pure; the socket is the IO edge.
+//! without their being named in `--devices`. The dump also tells which devices carry bare IP
+//! packets (L3 devices: ipip, gre, WireGuard), which get the `_l3` programs. Parsing the dump is
+//! pure; the socket is the IO edge.
 
-use std::{io, os::fd::FromRawFd as _};
+use std::{collections::BTreeSet, io, os::fd::FromRawFd as _};
 
 use super::interfaces::Interface;
 
 /// Link kinds that are tunnels carrying Ethernet frames: the programs' parser (Ethernet + IPv4)
-/// applies inside them as on any Ethernet device.
+/// applies inside them as on any Ethernet device (`tc_ingress`/`tc_egress`).
 pub const ETHERNET_TUNNEL_KINDS: [&str; 4] = ["vxlan", "geneve", "gretap", "ip6gretap"];
-/// Link kinds that are tunnels carrying bare IP packets (no Ethernet header): not attached yet.
+/// Link kinds that are tunnels carrying bare IP packets (no Ethernet header): attached with
+/// `tc_ingress_l3`/`tc_egress_l3`, which parse from the IPv4 header (IPv6 packets pass).
 pub const L3_TUNNEL_KINDS: [&str; 6] = ["ipip", "gre", "ip6gre", "sit", "ip6tnl", "wireguard"];
 
 /// `ARPHRD_ETHER`: the device's frames start with an Ethernet header.
 const ARPHRD_ETHER: u16 = 1;
+/// Hardware types of devices whose packets start at the IP header (no L2 header at tc):
+/// `ARPHRD_TUNNEL` (ipip), `ARPHRD_TUNNEL6` (ip6tnl), `ARPHRD_SIT`, `ARPHRD_IPGRE` (gre),
+/// `ARPHRD_IP6GRE`, `ARPHRD_NONE` (WireGuard, tun).
+const ARPHRD_L3: [u16; 6] = [768, 769, 776, 778, 823, 65534];
 const NLMSG_HDRLEN: usize = 16;
 const IFINFOMSG_LEN: usize = 16;
 const NLMSG_ERROR: u16 = 2;
@@ -41,14 +48,31 @@ pub struct Link {
     pub hw_type: u16,
 }
 
-/// A tunnel device, and whether the programs can be attached to it.
+impl Link {
+    /// The device's packets start at the IP header (ipip, gre, WireGuard): it needs the `_l3`
+    /// programs.
+    pub fn is_l3(&self) -> bool {
+        ARPHRD_L3.contains(&self.hw_type)
+    }
+}
+
+/// A tunnel device, and which programs it takes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tunnel {
     pub interface: Interface,
     pub kind: String,
-    /// Frames start with an Ethernet header (vxlan, geneve, gretap): attachable. L3 tunnels
-    /// (ipip, gre, wireguard) hand the programs bare IPv4 packets, which they do not parse yet.
+    /// Frames start with an Ethernet header (vxlan, geneve, gretap): `tc_ingress`/`tc_egress`.
+    /// Otherwise an L3 tunnel (ipip, gre, wireguard) with bare IP packets: the `_l3` programs.
     pub ethernet: bool,
+}
+
+/// Pure: the ifindexes of the L3 devices among `links` (see [`Link::is_l3`]).
+pub fn l3_devices(links: &[Link]) -> BTreeSet<u32> {
+    links
+        .iter()
+        .filter(|l| l.is_l3())
+        .map(|l| l.index)
+        .collect()
 }
 
 /// Pure: the tunnel devices among `links`.
@@ -271,6 +295,7 @@ mod tests {
                 ("wg0", "wireguard", false),
             ]
         );
+        assert_eq!(l3_devices(&links), BTreeSet::from([8, 9]));
     }
 
     #[test]
