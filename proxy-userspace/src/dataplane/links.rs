@@ -15,6 +15,9 @@ pub const ETHERNET_TUNNEL_KINDS: [&str; 4] = ["vxlan", "geneve", "gretap", "ip6g
 /// Link kinds that are tunnels carrying bare IP packets (no Ethernet header): attached with
 /// `tc_ingress_l3`/`tc_egress_l3`, which parse from the IPv4 header (IPv6 packets pass).
 pub const L3_TUNNEL_KINDS: [&str; 6] = ["ipip", "gre", "ip6gre", "sit", "ip6tnl", "wireguard"];
+/// The kind of TUN/TAP devices: a tunnel when in TUN mode (bare IP packets: wireguard-go,
+/// tailscale, OpenVPN), not in TAP mode (Ethernet: a VM's NIC, not an overlay).
+pub const TUN_KIND: &str = "tun";
 
 /// `ARPHRD_ETHER`: the device's frames start with an Ethernet header.
 const ARPHRD_ETHER: u16 = 1;
@@ -81,7 +84,9 @@ pub fn tunnels(links: &[Link]) -> Vec<Tunnel> {
         .iter()
         .filter_map(|l| {
             let kind = l.kind.as_deref()?;
-            let known = ETHERNET_TUNNEL_KINDS.contains(&kind) || L3_TUNNEL_KINDS.contains(&kind);
+            let known = ETHERNET_TUNNEL_KINDS.contains(&kind)
+                || L3_TUNNEL_KINDS.contains(&kind)
+                || (kind == TUN_KIND && l.is_l3());
             known.then(|| Tunnel {
                 interface: Interface {
                     index: l.index,
@@ -262,6 +267,8 @@ mod tests {
         datagram.extend(newlink(7, 1, "flannel.1", Some("vxlan")));
         datagram.extend(newlink(8, 768, "tunl0", Some("ipip")));
         datagram.extend(newlink(9, 65534, "wg0", Some("wireguard")));
+        datagram.extend(newlink(10, 65534, "tailscale0", Some("tun")));
+        datagram.extend(newlink(11, 1, "tap-vm1", Some("tun")));
         let mut links = Vec::new();
         assert_eq!(parse_dump(&datagram, &mut links), Ok(false));
         assert_eq!(
@@ -280,6 +287,8 @@ mod tests {
                 (7, "flannel.1", Some("vxlan"), 1),
                 (8, "tunl0", Some("ipip"), 768),
                 (9, "wg0", Some("wireguard"), 65534),
+                (10, "tailscale0", Some("tun"), 65534),
+                (11, "tap-vm1", Some("tun"), 1),
             ]
         );
         let t = tunnels(&links);
@@ -293,9 +302,10 @@ mod tests {
                 ("flannel.1", "vxlan", true),
                 ("tunl0", "ipip", false),
                 ("wg0", "wireguard", false),
+                ("tailscale0", "tun", false),
             ]
         );
-        assert_eq!(l3_devices(&links), BTreeSet::from([8, 9]));
+        assert_eq!(l3_devices(&links), BTreeSet::from([8, 9, 10]));
     }
 
     #[test]
