@@ -80,7 +80,7 @@ pub struct Agent {
     patterns: Patterns,
     /// `--tunnel-devices auto`: attach to tunnel devices found by link kind too.
     tunnel_devices: bool,
-    /// L3 tunnel devices already reported as not attached (reported once each).
+    /// Tunnel devices already named in the log (once each).
     reported_tunnels: BTreeSet<String>,
     status: Status,
     status_file: Option<PathBuf>,
