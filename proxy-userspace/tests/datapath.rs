@@ -18,8 +18,8 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use common_packet::{
-    CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, fragments, ipv6_frame, reassemble,
-    tcp_flags::*,
+    CLIENT_MAC, Decoded, ETH_HLEN, HOST_MAC, Pkt, arp_frame, eth, fragments, ipv6_frame,
+    reassemble, tcp_flags::*,
 };
 use kube_proxy_ebpf::{
     dataplane::{clock::monotonic_ns, loader, maps::Snat},
@@ -344,8 +344,7 @@ impl Datapath {
             Expect::Unchanged => assert_eq!(out, step.input, "{what}: packet must pass untouched"),
             Expect::Dropped => {}
             Expect::Packet(p) => {
-                let l3 = step.prog == PROG_TC_INGRESS_L3 || step.prog == PROG_TC_EGRESS_L3;
-                let (d, want) = if l3 {
+                let (d, want) = if is_l3(step.prog) {
                     (Decoded::parse_l3(&out), p.l3_bytes())
                 } else {
                     (Decoded::parse(&out), p.bytes())
@@ -358,10 +357,12 @@ impl Datapath {
                 );
             }
             Expect::Fragment(bytes) => {
-                assert!(
-                    Decoded::parse(&out).ip_csum_ok(),
-                    "{what}: IPv4 header checksum invalid"
-                );
+                let d = if is_l3(step.prog) {
+                    Decoded::parse_l3(&out)
+                } else {
+                    Decoded::parse(&out)
+                };
+                assert!(d.ip_csum_ok(), "{what}: IPv4 header checksum invalid");
                 assert_eq!(&out, bytes, "{what}: output fragment differs");
             }
             Expect::IcmpUnreachable => check_icmp_unreachable(what, &step.input, &out),
@@ -447,6 +448,11 @@ fn egress<'a>(
         expect,
         counts,
     }
+}
+
+/// One of the L3-device programs (packets without Ethernet header).
+fn is_l3(prog: &str) -> bool {
+    prog == PROG_TC_INGRESS_L3 || prog == PROG_TC_EGRESS_L3
 }
 
 /// A step through `tc_ingress_l3` (an L3 device: `input` without Ethernet header).
@@ -1891,8 +1897,16 @@ fn check_datagram(
     first: &[(Counter, u64)],
     later: Counter,
 ) {
-    let frags = fragments(&input.bytes(), FRAG_CHUNK);
-    let wanted = fragments(&want.bytes(), FRAG_CHUNK);
+    // On an L3 device the fragments carry no Ethernet header (put back to reassemble).
+    let l2 = if is_l3(prog) { ETH_HLEN } else { 0 };
+    let frags: Vec<_> = fragments(&input.bytes(), FRAG_CHUNK)
+        .into_iter()
+        .map(|f| f[l2..].to_vec())
+        .collect();
+    let wanted: Vec<_> = fragments(&want.bytes(), FRAG_CHUNK)
+        .into_iter()
+        .map(|f| f[l2..].to_vec())
+        .collect();
     assert_eq!(
         frags.len(),
         3,
@@ -1911,6 +1925,8 @@ fn check_datagram(
             counts: if i == 0 { first } else { &later },
         }));
     }
+    let eth_header = &want.bytes()[..l2];
+    let outs: Vec<_> = outs.iter().map(|o| [eth_header, o].concat()).collect();
     let whole = reassemble(&outs);
     assert!(
         Decoded::parse(&whole).l4_csum_ok(),
@@ -2697,6 +2713,51 @@ fn forwarded_flow_through_an_l3_tunnel_is_snated_and_its_reply_unsnated() {
         Expect::Packet(with_dst(&answer, EXT_CLIENT, 40_031)),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
+}
+
+/// Fragmented datagrams of a NodePort flow whose remote backend is reached through an L3 tunnel:
+/// the later fragments get what their first one got at each L3 hook too.
+#[test]
+fn fragmented_datagrams_through_an_l3_tunnel_are_translated() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    use Counter::*;
+    let req = big(Pkt::udp(EXT_CLIENT, 5300, NODE_IP, NODE_PORT), 0x0909);
+    let fwd = with_dst(&req, REMOTE_BE, 5353);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS,
+        "NodePort request on the external device",
+        &req,
+        &fwd,
+        &[(NewFlow, 1), (SnatNew, 1)],
+        FragmentTranslated,
+    );
+    let nat_port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&req, REMOTE_BE, 5353), 0)
+            .expect("SNAT out entry")
+            .port,
+    );
+    check_datagram(
+        &mut dp,
+        PROG_TC_EGRESS_L3,
+        "NodePort request out through the L3 tunnel (SNAT)",
+        &fwd,
+        &with_src(&fwd, NODE_IP, nat_port),
+        &[(SnatTranslated, 1)],
+        FragmentTranslated,
+    );
+    let reply = big(Pkt::udp(REMOTE_BE, 5353, NODE_IP, nat_port), 0x0a0a);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS_L3,
+        "reply arriving through the L3 tunnel (un-SNAT)",
+        &reply,
+        &with_dst(&reply, EXT_CLIENT, 5300),
+        &[(SnatReplyTranslated, 1)],
+        FragmentTranslated,
+    );
 }
 
 /// The L3-device programs run the whole flow, tail-called parts included (their own L3
