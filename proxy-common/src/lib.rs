@@ -35,6 +35,10 @@ pub mod proto {
 /// Program names (the `#[classifier]` function names in proxy-ebpf).
 pub const PROG_TC_INGRESS: &str = "tc_ingress";
 pub const PROG_TC_EGRESS: &str = "tc_egress";
+/// The same programs for L3 devices (ipip/tunl0, gre, WireGuard): their packets start at the
+/// IPv4 header (no Ethernet header). Attached to L3 tunnel devices instead of the two above.
+pub const PROG_TC_INGRESS_L3: &str = "tc_ingress_l3";
+pub const PROG_TC_EGRESS_L3: &str = "tc_egress_l3";
 /// The new-flow half of tc ingress, tail-called from `tc_ingress` (a program of its own so each
 /// half has the whole 512-byte BPF stack). Never attached.
 pub const PROG_TC_INGRESS_NEW: &str = "tc_ingress_new";
@@ -54,13 +58,26 @@ pub const TAIL_CALL_DIRECT_FLOW: u32 = 1;
 pub const PROG_TC_INGRESS_REJECT: &str = "tc_ingress_reject";
 /// Index of `PROG_TC_INGRESS_REJECT` in `MAP_TAIL_CALLS`.
 pub const TAIL_CALL_REJECT: u32 = 2;
+/// The L3-device variants of the three tail-called programs (`tc_ingress_l3` jumps to them)
+/// sit at `TAIL_CALL_L3 + ` the index of their Ethernet counterpart.
+pub const PROG_TC_INGRESS_NEW_L3: &str = "tc_ingress_new_l3";
+pub const PROG_TC_INGRESS_DIRECT_L3: &str = "tc_ingress_direct_l3";
+pub const PROG_TC_INGRESS_REJECT_L3: &str = "tc_ingress_reject_l3";
+/// Offset of the L3-device tail-called programs in `MAP_TAIL_CALLS`.
+pub const TAIL_CALL_L3: u32 = 3;
 /// Entries of `MAP_TAIL_CALLS`.
-pub const TAIL_CALL_COUNT: u32 = 3;
+pub const TAIL_CALL_COUNT: u32 = 6;
 /// The tail-called programs with their `MAP_TAIL_CALLS` index.
-pub const TAIL_CALLS: [(&str, u32); 3] = [
+pub const TAIL_CALLS: [(&str, u32); 6] = [
     (PROG_TC_INGRESS_NEW, TAIL_CALL_NEW_FLOW),
     (PROG_TC_INGRESS_DIRECT, TAIL_CALL_DIRECT_FLOW),
     (PROG_TC_INGRESS_REJECT, TAIL_CALL_REJECT),
+    (PROG_TC_INGRESS_NEW_L3, TAIL_CALL_L3 + TAIL_CALL_NEW_FLOW),
+    (
+        PROG_TC_INGRESS_DIRECT_L3,
+        TAIL_CALL_L3 + TAIL_CALL_DIRECT_FLOW,
+    ),
+    (PROG_TC_INGRESS_REJECT_L3, TAIL_CALL_L3 + TAIL_CALL_REJECT),
 ];
 /// The cgroup socket hooks (`#[cgroup_sock_addr]` function names) that translate Services for
 /// sockets of the node's own network namespace.

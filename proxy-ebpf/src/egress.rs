@@ -10,8 +10,8 @@ use crate::{
 };
 
 #[inline(always)]
-pub fn try_tc_egress(ctx: &TcContext) -> Result<Action, Drop> {
-    let p = match packet::parse(ctx) {
+pub fn try_tc_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let p = match packet::parse(ctx, l2_len) {
         Parsed::Packet(p) => p,
         Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::EGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),

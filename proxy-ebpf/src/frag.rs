@@ -33,7 +33,7 @@ use proxy_common::{Counter, FRAGMENT_TIMEOUT_NS, FragKey, FragValue, frag_action
 
 use crate::{
     Action, Drop, maps, nat,
-    packet::{self, Fragment, IP_CSUM_OFF, IP_DADDR_OFF, IP_SADDR_OFF, Packet},
+    packet::{self, Fragment, Packet},
     stats,
 };
 
@@ -54,7 +54,7 @@ fn key(saddr: [u8; 4], daddr: [u8; 4], id: [u8; 2], proto: u8, hook: u8) -> Frag
 /// kept on the stack across the translation: tc ingress has no stack left to spare.
 #[inline(always)]
 pub fn first_seen(ctx: &TcContext, p: &Packet, hook: u8) {
-    let Some(id) = packet::first_fragment_id(ctx) else {
+    let Some(id) = packet::first_fragment_id(ctx, p.l2_len) else {
         return;
     };
     let Some(scratch) = maps::frag_scratch() else {
@@ -80,11 +80,15 @@ pub fn first_seen(ctx: &TcContext, p: &Packet, hook: u8) {
 /// fragment and it was passed on (translated or not), its record gets the addresses it leaves
 /// with. A first fragment keeps its MF bit and IP id through the translation, so only packets
 /// that still carry MF look at the scratch slot; dropped and answered ones (rare) clear it.
-/// `result` is returned unchanged.
+/// `result` is returned unchanged; `l2_len` is the program entry's (`packet::parse`).
 #[inline(always)]
-pub fn first_done(ctx: &TcContext, result: Result<Action, Drop>) -> Result<Action, Drop> {
+pub fn first_done(
+    ctx: &TcContext,
+    l2_len: usize,
+    result: Result<Action, Drop>,
+) -> Result<Action, Drop> {
     let passed = matches!(&result, Ok(a) if a.verdict == TC_ACT_UNSPEC);
-    if passed && packet::first_fragment_id(ctx).is_none() {
+    if passed && packet::first_fragment_id(ctx, l2_len).is_none() {
         return result;
     }
     let Some(scratch) = maps::frag_scratch() else {
@@ -99,7 +103,7 @@ pub fn first_done(ctx: &TcContext, result: Result<Action, Drop>) -> Result<Actio
         // The DROP record written before the translation stands.
         return result;
     }
-    let Some((saddr, daddr)) = packet::ip_addrs(ctx) else {
+    let Some((saddr, daddr)) = packet::ip_addrs(ctx, l2_len) else {
         return result;
     };
     let action = if saddr == rec.key.saddr && daddr == rec.key.daddr {
@@ -132,8 +136,8 @@ pub fn later(ctx: &TcContext, f: &Fragment, hook: u8) -> Result<Action, Drop> {
     }
     match v.action {
         frag_action::TRANSLATE => {
-            nat::replace_ip_addr(ctx, IP_SADDR_OFF, IP_CSUM_OFF, f.saddr, v.saddr)?;
-            nat::replace_ip_addr(ctx, IP_DADDR_OFF, IP_CSUM_OFF, f.daddr, v.daddr)?;
+            nat::replace_ip_addr(ctx, f.saddr_off(), f.ip_csum_off(), f.saddr, v.saddr)?;
+            nat::replace_ip_addr(ctx, f.daddr_off(), f.ip_csum_off(), f.daddr, v.daddr)?;
             Ok(Action::pass(Counter::FragmentTranslated))
         }
         frag_action::DROP => Err(Drop::Fragment),

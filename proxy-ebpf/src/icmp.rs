@@ -15,10 +15,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{Counter, CtKey, SnatKey, ct_dir, ct_flags};
 
-use crate::{
-    Action, Drop, maps, nat,
-    packet::{IP_CSUM_OFF, IP_DADDR_OFF, IP_SADDR_OFF, IcmpError},
-};
+use crate::{Action, Drop, maps, nat, packet::IcmpError};
 
 /// Egress: an error about a DNATed flow, on its way to the client.
 #[inline(always)]
@@ -61,7 +58,13 @@ pub fn reply(ctx: &TcContext, e: &IcmpError) -> Result<Action, Drop> {
             ct.nat_sport,
         )?;
     }
-    nat::replace_ip_addr(ctx, IP_SADDR_OFF, IP_CSUM_OFF, e.saddr, ct.frontend_addr)?;
+    nat::replace_ip_addr(
+        ctx,
+        e.saddr_off(),
+        e.ip_csum_off(),
+        e.saddr,
+        ct.frontend_addr,
+    )?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
 }
 
@@ -98,6 +101,6 @@ pub fn snat_reply(ctx: &TcContext, e: &IcmpError) -> Result<Action, Drop> {
         e.inner_sport,
         client.port,
     )?;
-    nat::replace_ip_addr(ctx, IP_DADDR_OFF, IP_CSUM_OFF, e.daddr, client.addr)?;
+    nat::replace_ip_addr(ctx, e.daddr_off(), e.ip_csum_off(), e.daddr, client.addr)?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
 }

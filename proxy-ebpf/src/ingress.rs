@@ -29,8 +29,8 @@ enum Replacing {
 }
 
 #[inline(always)]
-pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
-    let p = match packet::parse(ctx) {
+pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let p = match packet::parse(ctx, l2_len) {
         Parsed::Packet(p) => p,
         Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::INGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
@@ -112,7 +112,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         if p.is_tcp() && !p.is_syn() {
             return Ok(Action::pass(Counter::NotService));
         }
-        maps::tail_call(ctx, TAIL_CALL_DIRECT_FLOW);
+        maps::tail_call(ctx, TAIL_CALL_DIRECT_FLOW, l2_len);
         return Err(Drop::TailCall);
     }
     // The rest runs in the new-flow program (its own 512-byte stack).
@@ -122,7 +122,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
         replacing: replacing as u8,
         _pad: [0; 6],
     };
-    maps::tail_call_new_flow(ctx, &pending);
+    maps::tail_call_new_flow(ctx, &pending, l2_len);
     Err(Drop::TailCall)
 }
 
@@ -130,8 +130,8 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Action, Drop> {
 /// entry: parses the packet again (cheaper than handing it over) and takes the replaced entry
 /// from the per-CPU scratch.
 #[inline(always)]
-pub fn try_new_flow(ctx: &TcContext) -> Result<Action, Drop> {
-    let Parsed::Packet(p) = packet::parse(ctx) else {
+pub fn try_new_flow(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed::Packet(p) = packet::parse(ctx, l2_len) else {
         return Err(Drop::TailCall); // tc_ingress only tail-calls for translatable packets.
     };
     let pending = maps::pending_flow().ok_or(Drop::TailCall)?;
@@ -154,8 +154,8 @@ pub fn try_new_flow(ctx: &TcContext) -> Result<Action, Drop> {
 /// The direct-flow program, tail-called by the new-flow program for a packet to no Service: see
 /// [`conntrack::direct_flow`].
 #[inline(always)]
-pub fn try_direct_flow(ctx: &TcContext) -> Result<Action, Drop> {
-    let Parsed::Packet(p) = packet::parse(ctx) else {
+pub fn try_direct_flow(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed::Packet(p) = packet::parse(ctx, l2_len) else {
         return Err(Drop::TailCall);
     };
     if let Some(verdict) = svc_cidr::not_a_frontend(ctx, &p) {
@@ -173,8 +173,8 @@ pub fn try_direct_flow(ctx: &TcContext) -> Result<Action, Drop> {
 /// The reject program, tail-called by the new-flow program for a new flow to a Service without
 /// endpoints: ICMP port unreachable, sent back out.
 #[inline(always)]
-pub fn try_reject(ctx: &TcContext) -> Result<Action, Drop> {
-    let Parsed::Packet(p) = packet::parse(ctx) else {
+pub fn try_reject(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed::Packet(p) = packet::parse(ctx, l2_len) else {
         return Err(Drop::TailCall);
     };
     let verdict = reject::icmp_port_unreachable(ctx, &p)?;
@@ -211,7 +211,7 @@ fn new_flow(
         // program of its own (stack). Only a connection's first packet (TCP SYN) or a UDP
         // datagram starts tracking.
         if !p.is_tcp() || p.is_syn() {
-            maps::tail_call(ctx, TAIL_CALL_DIRECT_FLOW);
+            maps::tail_call(ctx, TAIL_CALL_DIRECT_FLOW, p.l2_len);
             return Err(Drop::TailCall);
         }
         return Ok(Action::pass(Counter::NotService));
@@ -248,7 +248,7 @@ fn new_flow(
             return Err(Drop::NoLocalEndpoints);
         }
         // The answer is built in a program of its own (stack).
-        maps::tail_call(ctx, TAIL_CALL_REJECT);
+        maps::tail_call(ctx, TAIL_CALL_REJECT, p.l2_len);
         return Err(Drop::TailCall);
     };
     let backend_id = maps::service(&frontend_key.with_slot(slot))
@@ -273,7 +273,12 @@ fn new_flow(
             backend_port: backend.port,
             proto: p.proto,
         };
-        if let Err(drop) = snat::allocate(&f, conntrack::next_state(p, ct_state::UDP), now, None) {
+        if let Err(drop) = snat::allocate(
+            &f,
+            conntrack::next_state(p, ct_state::UDP),
+            now,
+            snat::NO_DEVICE,
+        ) {
             conntrack::remove(key, &ct);
             return Err(drop);
         }

@@ -24,6 +24,7 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
+use packet::{ETH_HLEN, NO_L2};
 use proxy_common::Counter;
 
 /// What happens to a packet that was not dropped: the tc verdict and the counter naming the
@@ -121,8 +122,23 @@ fn verdict(result: Result<Action, Drop>) -> i32 {
 /// Pod-facing host veths and node devices, before routing: DNAT to a backend.
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
+    ingress(&ctx, ETH_HLEN)
+}
+
+/// `tc_ingress` for L3 devices (ipip/tunl0, gre, WireGuard): packets start at the IPv4 header.
+#[classifier]
+pub fn tc_ingress_l3(ctx: TcContext) -> i32 {
+    ingress(&ctx, NO_L2)
+}
+
+#[inline(always)]
+fn ingress(ctx: &TcContext, l2_len: usize) -> i32 {
     stats::count(Counter::IngressPackets);
-    verdict(frag::first_done(&ctx, ingress::try_tc_ingress(&ctx)))
+    verdict(frag::first_done(
+        ctx,
+        l2_len,
+        ingress::try_tc_ingress(ctx, l2_len),
+    ))
 }
 
 /// The new-flow half of ingress (service lookup, pick, conntrack entries, DNAT), tail-called by
@@ -131,7 +147,21 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_ingress_new(ctx: TcContext) -> i32 {
     // A first fragment's outcome is recorded by the program that ends its run.
-    verdict(frag::first_done(&ctx, ingress::try_new_flow(&ctx)))
+    verdict(frag::first_done(
+        &ctx,
+        ETH_HLEN,
+        ingress::try_new_flow(&ctx, ETH_HLEN),
+    ))
+}
+
+/// `tc_ingress_new` for L3 devices, tail-called by `tc_ingress_l3`.
+#[classifier]
+pub fn tc_ingress_new_l3(ctx: TcContext) -> i32 {
+    verdict(frag::first_done(
+        &ctx,
+        NO_L2,
+        ingress::try_new_flow(&ctx, NO_L2),
+    ))
 }
 
 /// A packet to no Service, tail-called by `tc_ingress_new`: tracked so that no translated flow
@@ -140,7 +170,21 @@ pub fn tc_ingress_new(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_ingress_direct(ctx: TcContext) -> i32 {
     // A first fragment's outcome is recorded by the program that ends its run.
-    verdict(frag::first_done(&ctx, ingress::try_direct_flow(&ctx)))
+    verdict(frag::first_done(
+        &ctx,
+        ETH_HLEN,
+        ingress::try_direct_flow(&ctx, ETH_HLEN),
+    ))
+}
+
+/// `tc_ingress_direct` for L3 devices.
+#[classifier]
+pub fn tc_ingress_direct_l3(ctx: TcContext) -> i32 {
+    verdict(frag::first_done(
+        &ctx,
+        NO_L2,
+        ingress::try_direct_flow(&ctx, NO_L2),
+    ))
 }
 
 /// A new flow to a Service without endpoints, tail-called by `tc_ingress_new`: answered with
@@ -148,15 +192,45 @@ pub fn tc_ingress_direct(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_ingress_reject(ctx: TcContext) -> i32 {
     // A first fragment's outcome is recorded by the program that ends its run.
-    verdict(frag::first_done(&ctx, ingress::try_reject(&ctx)))
+    verdict(frag::first_done(
+        &ctx,
+        ETH_HLEN,
+        ingress::try_reject(&ctx, ETH_HLEN),
+    ))
+}
+
+/// `tc_ingress_reject` for L3 devices: no answer is built there, the packet is dropped
+/// (`reject.rs`).
+#[classifier]
+pub fn tc_ingress_reject_l3(ctx: TcContext) -> i32 {
+    verdict(frag::first_done(
+        &ctx,
+        NO_L2,
+        ingress::try_reject(&ctx, NO_L2),
+    ))
 }
 
 /// Toward the client: reverse NAT of replies (backend → frontend); toward a remote backend: SNAT
 /// of external flows to the node.
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
+    egress(&ctx, ETH_HLEN)
+}
+
+/// `tc_egress` for L3 devices (ipip/tunl0, gre, WireGuard).
+#[classifier]
+pub fn tc_egress_l3(ctx: TcContext) -> i32 {
+    egress(&ctx, NO_L2)
+}
+
+#[inline(always)]
+fn egress(ctx: &TcContext, l2_len: usize) -> i32 {
     stats::count(Counter::EgressPackets);
-    verdict(frag::first_done(&ctx, egress::try_tc_egress(&ctx)))
+    verdict(frag::first_done(
+        ctx,
+        l2_len,
+        egress::try_tc_egress(ctx, l2_len),
+    ))
 }
 
 /// Test-only, never attached by the agent: counts the TCP/UDP packets it sees (`tap`) and hands

@@ -83,23 +83,35 @@ static TAILCALLS_V1: ProgramArray<{ proxy_common::TAIL_CALL_COUNT as usize }> = 
 #[btf_map]
 static PENDING: PerCpuArray<PendingFlow, 1> = PerCpuArray::new();
 
+/// The program array index of the tail-called part `index` (`TAIL_CALL_*`) for the program
+/// entry's L2 header length: L3 devices have their own variants.
+#[inline(always)]
+const fn tail_index(index: u32, l2_len: usize) -> u32 {
+    if l2_len == crate::packet::NO_L2 {
+        proxy_common::TAIL_CALL_L3 + index
+    } else {
+        index
+    }
+}
+
 /// Jump to the new-flow program; returns only if it is not there.
 #[inline(always)]
-pub fn tail_call_new_flow(ctx: &TcContext, pending: &PendingFlow) {
+pub fn tail_call_new_flow(ctx: &TcContext, pending: &PendingFlow, l2_len: usize) {
     if let Some(ptr) = PENDING.get_ptr_mut(0) {
         // SAFETY: a per-CPU array slot, owned by this CPU while the program runs.
         unsafe { *ptr = *pending };
     }
     // SAFETY: the program array holds only our own tc program at this index (the agent writes
     // it); on failure the call returns and the caller drops the packet.
-    unsafe { TAILCALLS_V1.tail_call(ctx, TAIL_CALL_NEW_FLOW) }
+    unsafe { TAILCALLS_V1.tail_call(ctx, tail_index(TAIL_CALL_NEW_FLOW, l2_len)) }
 }
 
-/// Jump to another part of ingress (`TAIL_CALL_*`); returns only if it is not there.
+/// Jump to another part of ingress (`TAIL_CALL_*`, for the entry's L2 header length); returns
+/// only if it is not there.
 #[inline(always)]
-pub fn tail_call(ctx: &TcContext, index: u32) {
+pub fn tail_call(ctx: &TcContext, index: u32, l2_len: usize) {
     // SAFETY: as in `tail_call_new_flow`.
-    unsafe { TAILCALLS_V1.tail_call(ctx, index) }
+    unsafe { TAILCALLS_V1.tail_call(ctx, tail_index(index, l2_len)) }
 }
 
 /// What the tail-calling `tc_ingress` left for this packet, in place (no copy on the stack).
@@ -364,12 +376,16 @@ pub fn node() -> Option<NodeInfo> {
     Some(unsafe { *ptr })
 }
 
-/// The SNAT source address of flows leaving through interface `ifindex`, if it has its own.
+/// The SNAT source address of flows leaving through interface `ifindex`, or
+/// `snat::NO_DEVICE` if it has none of its own. A plain address, not an `Option`: LLVM may spill
+/// a `None`'s undefined payload, which the verifier rejects (`!read_ok`).
 #[inline(always)]
-pub fn snat_device_addr(ifindex: u32) -> Option<[u8; 4]> {
-    let ptr = SNATDEV_V1.get_ptr(ifindex)?;
-    // SAFETY: as in `service`: valid pointer, copied out immediately.
-    Some(unsafe { (*ptr).addr })
+pub fn snat_device_addr(ifindex: u32) -> [u8; 4] {
+    match SNATDEV_V1.get_ptr(ifindex) {
+        // SAFETY: as in `service`: valid pointer, copied out immediately.
+        Some(ptr) => unsafe { (*ptr).addr },
+        None => crate::snat::NO_DEVICE,
+    }
 }
 
 /// What `addr` is in the Service address space (`service_cidr::*`), if anything.

@@ -11,10 +11,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 
-use crate::{
-    Drop,
-    packet::{IP_CSUM_OFF, IP_DADDR_OFF, IP_SADDR_OFF, Packet},
-};
+use crate::{Drop, packet::Packet};
 
 /// DNAT: destination → backend.
 #[inline(always)]
@@ -22,7 +19,7 @@ pub fn dnat(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result
     rewrite(
         ctx,
         p,
-        IP_DADDR_OFF,
+        p.daddr_off(),
         p.daddr,
         addr,
         p.l4_off() + 2,
@@ -38,7 +35,7 @@ pub fn snat_reply(ctx: &TcContext, p: &Packet, addr: [u8; 4], port: [u8; 2]) -> 
     rewrite(
         ctx,
         p,
-        IP_SADDR_OFF,
+        p.saddr_off(),
         p.saddr,
         addr,
         p.l4_off(),
@@ -53,7 +50,7 @@ pub fn source_port(ctx: &TcContext, p: &Packet, port: [u8; 2]) -> Result<(), Dro
     rewrite(
         ctx,
         p,
-        IP_SADDR_OFF,
+        p.saddr_off(),
         p.saddr,
         p.saddr,
         p.l4_off(),
@@ -68,7 +65,7 @@ pub fn dest_port(ctx: &TcContext, p: &Packet, port: [u8; 2]) -> Result<(), Drop>
     rewrite(
         ctx,
         p,
-        IP_DADDR_OFF,
+        p.daddr_off(),
         p.daddr,
         p.daddr,
         p.l4_off() + 2,
@@ -103,7 +100,7 @@ fn rewrite(
         let to = u32::from_ne_bytes(new_addr) as u64;
         ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
             .map_err(|_| Drop::RewriteFailed)?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, from, to, 4)
+        ctx.l3_csum_replace(p.ip_csum_off(), from, to, 4)
             .map_err(|_| Drop::RewriteFailed)?;
         ctx.store(addr_off, &new_addr, 0)
             .map_err(|_| Drop::RewriteFailed)?;

@@ -2,7 +2,10 @@
 //! [`ptr_at`]) or changes the packet's shape (tail, room, redirect).
 //!
 //! [`parse`] reads Ethernet + IPv4 + TCP/UDP once into a [`Packet`] of copied values, with
-//! offsets taken from the IHL. The other modules rewrite through checksum/store helpers, which
+//! offsets taken from the IHL. The L2 header length is the program entry's: [`ETH_HLEN`] on
+//! Ethernet devices, [`NO_L2`] on L3 devices (ipip, gre, WireGuard: the data starts at the IPv4
+//! header). Each entry passes a constant and everything is inlined into it, so every offset is
+//! still a constant in the compiled program. The other modules rewrite through checksum/store helpers, which
 //! invalidate packet pointers; none are kept, so every read here re-checks the bounds.
 //!
 //! Policy for odd packets (what [`parse`] reports):
@@ -39,18 +42,21 @@ use proxy_common::{Counter, proto};
 
 use crate::Drop;
 
+/// L2 header length on Ethernet devices.
 pub const ETH_HLEN: usize = 14;
+/// L2 header length on L3 devices (the packet starts at the IPv4 header).
+pub const NO_L2: usize = 0;
 const ETH_P_IP: [u8; 2] = [0x08, 0x00];
 pub const IPV4_HLEN: usize = 20;
 const IPV4_MAX_HLEN: usize = 60;
 pub const TCP_HLEN: usize = 20;
 pub const UDP_HLEN: usize = 8;
-/// Offset of the IPv4 header checksum.
-pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
-/// Offsets of the IPv4 source and destination addresses.
-pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
-pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;
-/// Enough linear data for the largest IPv4 header and a TCP header without options.
+/// Offsets of the IPv4 header checksum, source and destination inside the IPv4 header.
+const IP_CSUM: usize = 10;
+const IP_SADDR: usize = 12;
+const IP_DADDR: usize = 16;
+/// Enough linear data for the largest IPv4 header and a TCP header without options (after an
+/// Ethernet header; 14 bytes more than needed on an L3 device, which is harmless).
 const PULL_LEN: u32 = (ETH_HLEN + IPV4_MAX_HLEN + TCP_HLEN) as u32;
 const IP_MF: u16 = 0x2000;
 const IP_OFFSET_MASK: u16 = 0x1fff;
@@ -66,6 +72,8 @@ pub mod tcp_flags {
 /// A TCP or UDP over IPv4 packet, parsed once. Addresses and ports in network order.
 #[derive(Clone, Copy)]
 pub struct Packet {
+    /// L2 header length: [`ETH_HLEN`] or [`NO_L2`] (a constant of the program entry).
+    pub l2_len: usize,
     /// IPv4 header length in bytes (20..=60).
     pub ip_hlen: usize,
     pub saddr: [u8; 4],
@@ -84,10 +92,28 @@ pub struct Packet {
 }
 
 impl Packet {
+    /// Offset of the IPv4 header checksum.
+    #[inline(always)]
+    pub const fn ip_csum_off(&self) -> usize {
+        self.l2_len + IP_CSUM
+    }
+
+    /// Offset of the IPv4 source address.
+    #[inline(always)]
+    pub const fn saddr_off(&self) -> usize {
+        self.l2_len + IP_SADDR
+    }
+
+    /// Offset of the IPv4 destination address.
+    #[inline(always)]
+    pub const fn daddr_off(&self) -> usize {
+        self.l2_len + IP_DADDR
+    }
+
     /// Offset of the TCP/UDP header.
     #[inline(always)]
     pub const fn l4_off(&self) -> usize {
-        ETH_HLEN + self.ip_hlen
+        self.l2_len + self.ip_hlen
     }
 
     /// Offset of the TCP/UDP checksum field.
@@ -122,6 +148,8 @@ const ICMP_TIME_EXCEEDED: u8 = 11;
 /// ports in network order; offsets are frame offsets.
 #[derive(Clone, Copy)]
 pub struct IcmpError {
+    /// L2 header length (as [`Packet::l2_len`]).
+    pub l2_len: usize,
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
     /// Offset of the quoted IPv4 header.
@@ -135,6 +163,24 @@ pub struct IcmpError {
 }
 
 impl IcmpError {
+    /// Offset of the outer IPv4 header checksum.
+    #[inline(always)]
+    pub const fn ip_csum_off(&self) -> usize {
+        self.l2_len + IP_CSUM
+    }
+
+    /// Offset of the outer IPv4 source address.
+    #[inline(always)]
+    pub const fn saddr_off(&self) -> usize {
+        self.l2_len + IP_SADDR
+    }
+
+    /// Offset of the outer IPv4 destination address.
+    #[inline(always)]
+    pub const fn daddr_off(&self) -> usize {
+        self.l2_len + IP_DADDR
+    }
+
     /// Offset of the ICMP checksum.
     #[inline(always)]
     pub const fn icmp_csum_off(&self) -> usize {
@@ -172,10 +218,32 @@ impl IcmpError {
 /// name its datagram. Addresses in network order.
 #[derive(Clone, Copy)]
 pub struct Fragment {
+    /// L2 header length (as [`Packet::l2_len`]).
+    pub l2_len: usize,
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
     pub id: [u8; 2],
     pub proto: u8,
+}
+
+impl Fragment {
+    /// Offset of the IPv4 header checksum.
+    #[inline(always)]
+    pub const fn ip_csum_off(&self) -> usize {
+        self.l2_len + IP_CSUM
+    }
+
+    /// Offset of the IPv4 source address.
+    #[inline(always)]
+    pub const fn saddr_off(&self) -> usize {
+        self.l2_len + IP_SADDR
+    }
+
+    /// Offset of the IPv4 destination address.
+    #[inline(always)]
+    pub const fn daddr_off(&self) -> usize {
+        self.l2_len + IP_DADDR
+    }
 }
 
 /// What [`parse`] found.
@@ -234,19 +302,26 @@ fn pull_headers(ctx: &TcContext) {
     }
 }
 
-/// Parse Ethernet + IPv4 + TCP/UDP once (see the module docs for the policy on odd packets).
+/// Parse Ethernet (`l2_len` [`ETH_HLEN`]) or nothing (`l2_len` [`NO_L2`], an L3 device) + IPv4
+/// + TCP/UDP once (see the module docs for the policy on odd packets).
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Parsed {
+pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
     pull_headers(ctx);
-    let Some(ethertype) = read::<2>(ctx, 12) else {
-        return Parsed::NotIpv4;
-    };
-    if ethertype != ETH_P_IP {
-        return Parsed::NotIpv4;
+    if l2_len == ETH_HLEN {
+        let Some(ethertype) = read::<2>(ctx, 12) else {
+            return Parsed::NotIpv4;
+        };
+        if ethertype != ETH_P_IP {
+            return Parsed::NotIpv4;
+        }
     }
-    let Some(ip) = read::<IPV4_HLEN>(ctx, ETH_HLEN) else {
+    let Some(ip) = read::<IPV4_HLEN>(ctx, l2_len) else {
         return Parsed::Pass(Counter::MalformedPassed);
     };
+    if l2_len == NO_L2 && ip[0] >> 4 != 4 {
+        // No EtherType on an L3 device (WireGuard and gre carry IPv6 too): the version nibble.
+        return Parsed::NotIpv4;
+    }
     let ip_hlen = ((ip[0] & 0x0f) as usize) * 4;
     if ip[0] >> 4 != 4 || ip_hlen < IPV4_HLEN {
         return Parsed::Pass(Counter::MalformedPassed);
@@ -260,15 +335,16 @@ pub fn parse(ctx: &TcContext) -> Parsed {
             return Parsed::Pass(Counter::FragmentPassed);
         }
         return Parsed::Fragment(Fragment {
+            l2_len,
             saddr,
             daddr,
             id: [ip[4], ip[5]],
             proto,
         });
     }
-    let l4_off = ETH_HLEN + ip_hlen;
+    let l4_off = l2_len + ip_hlen;
     if proto == proto::ICMP {
-        return parse_icmp_error(ctx, l4_off, saddr, daddr);
+        return parse_icmp_error(ctx, l2_len, l4_off, saddr, daddr);
     }
     if proto != proto::TCP && proto != proto::UDP {
         return Parsed::Pass(Counter::NotService);
@@ -286,13 +362,14 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         reason,
     };
 
-    let l3_len = (ctx.len() as usize).saturating_sub(ETH_HLEN);
+    let l3_len = (ctx.len() as usize).saturating_sub(l2_len);
     let tot_len = ip_total_len(ctx, &ip, l3_len);
     if tot_len < ip_hlen || tot_len > l3_len {
         return untranslatable(Drop::Malformed);
     }
     let l4_len = tot_len - ip_hlen;
     let mut packet = Packet {
+        l2_len,
         ip_hlen,
         saddr,
         daddr,
@@ -337,7 +414,13 @@ fn ip_total_len(ctx: &TcContext, ip: &[u8; IPV4_HLEN], l3_len: usize) -> usize {
 /// An ICMP destination-unreachable or time-exceeded message quoting TCP/UDP over IPv4 (at least
 /// the ports); anything else is passed untouched.
 #[inline(always)]
-fn parse_icmp_error(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4]) -> Parsed {
+fn parse_icmp_error(
+    ctx: &TcContext,
+    l2_len: usize,
+    l4_off: usize,
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+) -> Parsed {
     let not_error = Parsed::Pass(Counter::NotService);
     let Some(icmp) = read::<4>(ctx, l4_off) else {
         return not_error;
@@ -361,6 +444,7 @@ fn parse_icmp_error(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 
         return not_error;
     };
     Parsed::IcmpError(IcmpError {
+        l2_len,
         saddr,
         daddr,
         inner_off,
@@ -374,18 +458,18 @@ fn parse_icmp_error(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 
 }
 
 /// The IPv4 identification field if the packet is the first fragment of a datagram (MF set,
-/// offset 0), read from the packet as it is now.
+/// offset 0), read from the packet as it is now (`l2_len` as in [`parse`]).
 #[inline(always)]
-pub fn first_fragment_id(ctx: &TcContext) -> Option<[u8; 2]> {
-    let f = read::<4>(ctx, ETH_HLEN + 4)?;
+pub fn first_fragment_id(ctx: &TcContext, l2_len: usize) -> Option<[u8; 2]> {
+    let f = read::<4>(ctx, l2_len + 4)?;
     let frag = u16::from_be_bytes([f[2], f[3]]);
     (frag & IP_MF != 0 && frag & IP_OFFSET_MASK == 0).then_some([f[0], f[1]])
 }
 
 /// The IPv4 source and destination addresses as the packet holds them now (after rewrites).
 #[inline(always)]
-pub fn ip_addrs(ctx: &TcContext) -> Option<([u8; 4], [u8; 4])> {
-    let a = read::<8>(ctx, IP_SADDR_OFF)?;
+pub fn ip_addrs(ctx: &TcContext, l2_len: usize) -> Option<([u8; 4], [u8; 4])> {
+    let a = read::<8>(ctx, l2_len + IP_SADDR)?;
     Some(([a[0], a[1], a[2], a[3]], [a[4], a[5], a[6], a[7]]))
 }
 
@@ -398,7 +482,7 @@ pub fn macs(ctx: &TcContext) -> Option<[u8; 12]> {
 /// One's-complement partial sum (unfolded, native byte order) of `len` bytes of the IPv4 packet,
 /// from the start of its header; `len` must be a multiple of 4 and at most 80.
 #[inline(always)]
-pub fn sum_l3_prefix(ctx: &TcContext, len: usize) -> Option<u64> {
+pub fn sum_l3_prefix(ctx: &TcContext, l2_len: usize, len: usize) -> Option<u64> {
     const MAX_WORDS: usize = 20;
     let mut acc = 0u64;
     let mut i = 0;
@@ -407,7 +491,7 @@ pub fn sum_l3_prefix(ctx: &TcContext, len: usize) -> Option<u64> {
         if off >= len {
             break;
         }
-        acc += u32::from_ne_bytes(read::<4>(ctx, ETH_HLEN + off)?) as u64;
+        acc += u32::from_ne_bytes(read::<4>(ctx, l2_len + off)?) as u64;
         i += 1;
     }
     Some(acc)

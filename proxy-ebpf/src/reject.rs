@@ -1,6 +1,11 @@
 //! Answers built in place from the offending packet and sent back out of the interface it came
 //! in on: ICMP port unreachable (Service without endpoints) and TCP RST (flow whose backend is
 //! gone). Both swap the MACs and the addresses, so the client sees them come from the frontend.
+//! On an L3 device (ipip/tunl0, gre, WireGuard: no MACs) no answer is built and the packet is
+//! dropped (`Drop::RejectFailed`): sending back out of an NBMA tunnel such as tunl0 needs a route
+//! to the peer that a redirect from ingress does not have, and a Service-addressed packet that
+//! still needs an answer rarely arrives through a tunnel (pods' flows are translated on their own
+//! node).
 //! Both are rate-limited per CPU (`proxy_common::ratelimit`): over the budget the packet is
 //! dropped instead (`Drop::RejectRateLimited`).
 //!
@@ -82,6 +87,16 @@ fn store<const N: usize>(ctx: &TcContext, offset: usize, bytes: &[u8; N]) -> Res
         .map_err(|_| Drop::RejectFailed)
 }
 
+/// Answers are built on Ethernet devices only (module docs).
+#[inline(always)]
+fn ethernet(p: &Packet) -> Result<(), Drop> {
+    if p.l2_len == ETH_HLEN {
+        Ok(())
+    } else {
+        Err(Drop::RejectFailed)
+    }
+}
+
 /// One more generated answer fits this CPU's budget (taken now), else the packet is dropped.
 #[inline(always)]
 fn within_budget() -> Result<(), Drop> {
@@ -96,6 +111,7 @@ fn within_budget() -> Result<(), Drop> {
 /// original IPv4 header (with options) and the first 8 bytes of its TCP/UDP header.
 #[inline(always)]
 pub fn icmp_port_unreachable(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
+    ethernet(p)?;
     within_budget()?;
     let macs = packet::macs(ctx).ok_or(Drop::RejectFailed)?;
     let mut quoted = p.ip_hlen + QUOTED_L4;
@@ -108,7 +124,7 @@ pub fn icmp_port_unreachable(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
         quoted = p.ip_hlen + TCP_HLEN;
         packet::set_len(ctx, ETH_HLEN + quoted).map_err(|_| Drop::RejectFailed)?;
     }
-    let quoted_sum = packet::sum_l3_prefix(ctx, quoted).ok_or(Drop::RejectFailed)?;
+    let quoted_sum = packet::sum_l3_prefix(ctx, ETH_HLEN, quoted).ok_or(Drop::RejectFailed)?;
     packet::adjust_after_eth(ctx, (IPV4_HLEN + ICMP_HLEN) as i32)
         .map_err(|_| Drop::RejectFailed)?;
 
@@ -132,6 +148,7 @@ pub fn icmp_port_unreachable(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
 /// Turn a TCP packet into a RST from the frontend to the client (RFC 793 reset generation).
 #[inline(always)]
 pub fn tcp_reset(ctx: &TcContext, p: &Packet) -> Result<i32, Drop> {
+    ethernet(p)?;
     within_budget()?;
     let macs = packet::macs(ctx).ok_or(Drop::RejectFailed)?;
     let (seq, ack, flags) = if p.tcp_flags & tcp_flags::ACK != 0 {

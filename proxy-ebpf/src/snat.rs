@@ -134,16 +134,19 @@ pub fn out_key_of_forwarded(p: &Packet) -> SnatKey {
     Flow::of_forwarded(p).out_key()
 }
 
+/// `device` of a flow leaving by no device with its own SNAT address (or seen at ingress).
+pub const NO_DEVICE: [u8; 4] = [0; 4];
+
 /// The source address a flow is SNATed to: the hairpin address when the client is its own
 /// backend, else `device` (the address of the tunnel device it leaves by, when that device has
 /// one), else the node's SNAT address (`None` while the agent has not written one).
 #[inline(always)]
-fn source_addr(f: &Flow, device: Option<[u8; 4]>) -> Option<[u8; 4]> {
+fn source_addr(f: &Flow, device: [u8; 4]) -> Option<[u8; 4]> {
     if f.client == f.backend {
         return Some(HAIRPIN_SNAT_ADDR);
     }
-    if device.is_some() {
-        return device;
+    if device != NO_DEVICE {
+        return Some(device);
     }
     match maps::node() {
         Some(n) if n.snat_addr != [0; 4] => Some(n.snat_addr),
@@ -153,15 +156,10 @@ fn source_addr(f: &Flow, device: Option<[u8; 4]>) -> Option<[u8; 4]> {
 
 /// Give a flow a source address and port (reusing its entries if they are still its own and on
 /// that address; a port it holds on another address is given back). `device`: the SNAT address
-/// of the device the flow leaves by (egress), `None` for the node's (ingress, or a device without
+/// of the device the flow leaves by (egress), [`NO_DEVICE`] for the node's (ingress, or a device without
 /// its own). `Ok(None)`: the node has no SNAT address yet (counted; the flow goes out unSNATed).
 #[inline(always)]
-pub fn allocate(
-    f: &Flow,
-    state: u8,
-    now: u64,
-    device: Option<[u8; 4]>,
-) -> Result<Option<SnatValue>, Drop> {
+pub fn allocate(f: &Flow, state: u8, now: u64, device: [u8; 4]) -> Result<Option<SnatValue>, Drop> {
     let Some(source) = source_addr(f, device) else {
         stats::count(Counter::SnatNoNodeAddr);
         return Ok(None);
@@ -179,7 +177,7 @@ pub fn allocate(
             // Its port on another address (ingress allocates on the node's address before
             // routing picks a tunnel device): free it for other flows.
             maps::snat_remove(&f.in_key(v.addr, v.port));
-            moved = device.is_some();
+            moved = device != NO_DEVICE;
         }
     }
     let cfg = maps::config_ref();
@@ -251,12 +249,12 @@ pub fn forwarded(
     p: &Packet,
     out: SnatEntry,
     now: u64,
-    device: Option<[u8; 4]>,
+    device: [u8; 4],
 ) -> Result<Option<SnatValue>, Drop> {
     let v = out.get();
     let state = conntrack::next_state(p, v.state);
     let f = Flow::of_forwarded(p);
-    if device.is_none_or(|d| d == v.addr)
+    if (device == NO_DEVICE || device == v.addr)
         && let Some(own) = f.own_in_entry(&v)
     {
         // The `in` entry carries the flow (it also saw the backend's FIN): move its own state.

@@ -15,7 +15,7 @@ use crate::{Action, Drop, maps, packet::Packet};
 pub fn not_a_frontend(ctx: &TcContext, p: &Packet) -> Option<Result<Action, Drop>> {
     match maps::service_cidr(p.daddr) {
         Some(service_cidr::CLUSTER_IP) => {
-            maps::tail_call(ctx, TAIL_CALL_REJECT);
+            maps::tail_call(ctx, TAIL_CALL_REJECT, p.l2_len);
             Some(Err(Drop::TailCall))
         }
         Some(service_cidr::UNALLOCATED) => Some(Err(Drop::UnallocatedServiceIp)),

@@ -13,7 +13,7 @@ use crate::{
 
 #[inline(always)]
 pub fn count(ctx: &TcContext) {
-    if let Parsed::Packet(p) = packet::parse(ctx) {
+    if let Parsed::Packet(p) = packet::parse(ctx, packet::ETH_HLEN) {
         maps::tap_count(&TapKey {
             saddr: p.saddr,
             daddr: p.daddr,

@@ -27,8 +27,8 @@ pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer};
 pub use fake_apiserver::FakeApiServer;
 pub use manifests::{ManifestDir, Protocol, ServicePort, service_yaml};
 pub use multinode::{
-    CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, MultiNode, NODE_IPS, NODE_NAMES, POD_CIDRS,
-    VXLAN_DEVICE, VXLAN_IPS,
+    CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, L3_TUNNEL_DEVICE, L3_TUNNEL_IPS, MultiNode,
+    NODE_IPS, NODE_NAMES, POD_CIDRS, VXLAN_DEVICE, VXLAN_IPS,
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};

@@ -18,7 +18,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 
 use crate::{
     netns::{EXEC_TIMEOUT, NetNs},
-    process::{describe, run_ok},
+    process::{Proc, describe, run_ok},
     topology::{ConnectOutcome, Topology, UdpReply, tcp_connect_from, udp_request_from},
 };
 
@@ -42,6 +42,36 @@ pub const VXLAN_DEVICE: &str = "vxlan0";
 /// The overlay device's address on node i, flannel-style: the pod CIDR's network address, /32.
 pub const VXLAN_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 244, 1, 0), Ipv4Addr::new(10, 244, 2, 0)];
 
+/// The L3 tunnel device of [`MultiNode::with_l3_tunnel`] (a TUN-mode device, like wireguard-go's
+/// `wg0` or Calico's `tunl0` in what the programs see: bare IPv4 packets, no Ethernet header).
+pub const L3_TUNNEL_DEVICE: &str = "tun0";
+/// The L3 tunnel device's address on node i (Calico-style: an address of the node's pod CIDR).
+pub const L3_TUNNEL_IPS: [Ipv4Addr; 2] =
+    [Ipv4Addr::new(10, 244, 1, 1), Ipv4Addr::new(10, 244, 2, 1)];
+/// UDP port the tunnel relays exchange packets on (between the nodes' `ext0` addresses).
+const L3_TUNNEL_PORT: &str = "4790";
+/// MTU of the L3 tunnel device (1500 on the wire minus the relay's IPv4 + UDP headers, rounded).
+const L3_TUNNEL_MTU: &str = "1400";
+/// The relay behind each node's TUN device: every packet the node routes into the device goes
+/// to the other node's relay in one UDP datagram (over `ext0`, between the node addresses) and
+/// is written into that node's device, which receives it as from a point-to-point link. A
+/// userspace L3 tunnel, like wireguard-go without the cryptography. Bounded by its process guard.
+const TUN_RELAY_PY: &str = r#"
+import fcntl, os, select, socket, struct, sys
+name, local, remote, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454ca, 0x0001, 0x1000
+tun = os.open("/dev/net/tun", os.O_RDWR)
+fcntl.ioctl(tun, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((local, port))
+while True:
+    r, _, _ = select.select([tun, s], [], [])
+    if tun in r:
+        s.sendto(os.read(tun, 65535), (remote, port))
+    if s in r:
+        os.write(tun, s.recv(65535))
+"#;
+
 /// An HTTP answer as the external client saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HttpReply {
@@ -57,6 +87,8 @@ pub struct HttpReply {
 /// Two nodes + wire + external client. Field order is drop order.
 #[derive(Debug)]
 pub struct MultiNode {
+    /// The L3 tunnel's relays ([`MultiNode::with_l3_tunnel`]), killed first.
+    relays: Vec<Proc>,
     client: NetNs,
     wire: NetNs,
     nodes: [Topology; 2],
@@ -112,10 +144,85 @@ impl MultiNode {
         ip_n(client.name(), &["link", "set", "eth0", "up"])?;
         client.sysctl("net.ipv4.tcp_max_tw_buckets", "0")?;
         Ok(Self {
+            relays: Vec::new(),
             client,
             wire,
             nodes,
         })
+    }
+
+    /// Like [`MultiNode::new`], but pod traffic between the nodes is carried by an L3 tunnel
+    /// device (`tun0`: no Ethernet header, as Calico's IPIP `tunl0` or WireGuard; this kernel
+    /// has neither ipip nor wireguard, so it is a TUN device with a UDP relay between the node
+    /// addresses, like wireguard-go). `tun0` holds an address of the node's pod CIDR (/32) and
+    /// the other node's pod CIDR is routed into it. Strict rp_filter on `tun0` too.
+    pub fn with_l3_tunnel() -> Result<Self> {
+        let mut net = Self::new()?;
+        for i in 0..2 {
+            let n = net.nodes[i].node();
+            let other = 1 - i;
+            ip_n(
+                n.name(),
+                &["tuntap", "add", "dev", L3_TUNNEL_DEVICE, "mode", "tun"],
+            )?;
+            let relay = n.spawn(
+                &[
+                    "python3",
+                    "-c",
+                    TUN_RELAY_PY,
+                    L3_TUNNEL_DEVICE,
+                    &NODE_IPS[i].to_string(),
+                    &NODE_IPS[other].to_string(),
+                    L3_TUNNEL_PORT,
+                ],
+                None,
+            )?;
+            net.relays.push(relay);
+            let n = net.nodes[i].node();
+            ip_n(
+                n.name(),
+                &["link", "set", L3_TUNNEL_DEVICE, "mtu", L3_TUNNEL_MTU, "up"],
+            )?;
+            ip_n(
+                n.name(),
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/32", L3_TUNNEL_IPS[i]),
+                    "dev",
+                    L3_TUNNEL_DEVICE,
+                ],
+            )?;
+            ip_n(
+                n.name(),
+                &[
+                    "route",
+                    "replace",
+                    POD_CIDRS[other],
+                    "dev",
+                    L3_TUNNEL_DEVICE,
+                ],
+            )?;
+            n.sysctl(&format!("net.ipv4.conf.{L3_TUNNEL_DEVICE}.rp_filter"), "1")?;
+        }
+        // The device has carrier once its relay holds it open (bounded wait).
+        for i in 0..2 {
+            let n = net.nodes[i].node();
+            let mut up = false;
+            for _ in 0..100 {
+                let link = n.exec(&["ip", "link", "show", L3_TUNNEL_DEVICE])?;
+                if !link.contains("NO-CARRIER") {
+                    up = true;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            ensure!(
+                up,
+                "node {i}: {L3_TUNNEL_DEVICE} has no carrier: its relay did not attach"
+            );
+        }
+        Ok(net)
     }
 
     /// Like [`MultiNode::new`], but pod traffic between the nodes is carried by a VXLAN device

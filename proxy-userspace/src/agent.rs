@@ -80,8 +80,8 @@ pub struct Agent {
     patterns: Patterns,
     /// `--tunnel-devices auto`: attach to tunnel devices found by link kind too.
     tunnel_devices: bool,
-    /// L3 tunnel devices already reported as not attached (reported once each).
-    unattached_tunnels: BTreeSet<String>,
+    /// Tunnel devices already named in the log (once each).
+    reported_tunnels: BTreeSet<String>,
     status: Status,
     status_file: Option<PathBuf>,
     reported: BTreeSet<String>,
@@ -151,7 +151,7 @@ impl Agent {
             node,
             patterns,
             tunnel_devices: true,
-            unattached_tunnels: BTreeSet::new(),
+            reported_tunnels: BTreeSet::new(),
             status: Status::default(),
             status_file: None,
             reported: BTreeSet::new(),
@@ -284,8 +284,9 @@ impl Agent {
         }
     }
 
-    /// Attaches to every matching interface and (`--tunnel-devices auto`) every Ethernet-framed
-    /// tunnel device, new ones included; releases gone ones.
+    /// Attaches to every matching interface and (`--tunnel-devices auto`) every tunnel device,
+    /// new ones included; releases gone ones. Devices without an Ethernet header (ipip, gre,
+    /// WireGuard) get the `_l3` programs.
     pub fn reconcile_interfaces(&mut self) {
         let mut wanted = match interfaces::list() {
             Ok(all) => all
@@ -297,13 +298,23 @@ impl Agent {
                 return;
             }
         };
-        let tunnels = self.tunnels();
+        let links = match links::dump() {
+            Ok(l) => l,
+            Err(e) => {
+                error!(
+                    "listing link kinds (RTM_GETLINK) failed: {e}; tunnel devices not attached, every device taken as Ethernet"
+                );
+                Vec::new()
+            }
+        };
+        let tunnels = self.tunnels(&links);
         for t in &tunnels {
             if !wanted.iter().any(|i| i.index == t.index) {
                 wanted.push(t.clone());
             }
         }
-        let report = self.attacher.reconcile(&mut self.ebpf, &wanted);
+        let l3 = links::l3_devices(&links);
+        let report = self.attacher.reconcile(&mut self.ebpf, &wanted, &l3);
         let attached = self.attacher.interfaces();
         self.external.set_tunnels(
             tunnels
@@ -330,27 +341,18 @@ impl Agent {
         }
     }
 
-    /// The tunnel devices to attach to (`--tunnel-devices auto`), by link kind. L3 tunnels (no
-    /// Ethernet header: ipip, gre, wireguard) are reported once and left alone: the programs parse
-    /// Ethernet frames only.
-    fn tunnels(&mut self) -> Vec<interfaces::Interface> {
+    /// The tunnel devices to attach to (`--tunnel-devices auto`), by link kind: Ethernet-framed
+    /// (vxlan, geneve, gretap) and L3 ones (ipip, gre, wireguard), each named once in the log.
+    fn tunnels(&mut self, links: &[links::Link]) -> Vec<interfaces::Interface> {
         if !self.tunnel_devices {
             return Vec::new();
         }
-        let links = match links::dump() {
-            Ok(l) => l,
-            Err(e) => {
-                error!("listing link kinds (RTM_GETLINK) failed: {e}; tunnel devices not attached");
-                return Vec::new();
-            }
-        };
         let mut out = Vec::new();
-        for t in links::tunnels(&links) {
-            if t.ethernet {
-                out.push(t.interface);
-            } else if self.unattached_tunnels.insert(t.interface.name.clone()) {
-                warn!(interface = %t.interface.name, kind = %t.kind, "L3 tunnel device not attached (the programs parse Ethernet frames only): external flows to remote backends routed through it leave unSNATed");
+        for t in links::tunnels(links) {
+            if self.reported_tunnels.insert(t.interface.name.clone()) {
+                info!(interface = %t.interface.name, kind = %t.kind, l3 = !t.ethernet, "tunnel device found");
             }
+            out.push(t.interface);
         }
         out
     }

@@ -85,10 +85,11 @@ pub struct RunArgs {
     /// The node's external devices to attach to (comma-separated globs).
     #[arg(long, env = "KPE_DEVICES", default_value = "")]
     pub devices: String,
-    /// Tunnel devices carrying pod traffic between nodes (flannel.1, vxlan.calico, geneve...):
-    /// `auto` also attaches to every vxlan, geneve and gretap device of the namespace, found by
-    /// link kind as they appear, and SNATs forwarded external flows leaving through one to its own
-    /// address; `none` attaches only to what --devices and --pod-interfaces name.
+    /// Tunnel devices carrying pod traffic between nodes (flannel.1, vxlan.calico, geneve, tunl0,
+    /// wg0...): `auto` also attaches to every vxlan, geneve and gretap device and every L3 tunnel
+    /// (ipip, gre, sit, ip6tnl, wireguard, TUN-mode tun) of the namespace, found by link kind as
+    /// they appear, and SNATs forwarded external flows leaving through one to its own address;
+    /// `none` attaches only to what --devices and --pod-interfaces name.
     #[arg(long, env = "KPE_TUNNEL_DEVICES", value_enum, default_value_t = TunnelDevices::Auto)]
     pub tunnel_devices: TunnelDevices,
     /// Name of this node (decides which endpoints are local).
@@ -189,7 +190,8 @@ pub struct RunArgs {
 /// `--tunnel-devices`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum TunnelDevices {
-    /// Attach to every Ethernet-framed tunnel device (vxlan, geneve, gretap).
+    /// Attach to every tunnel device: Ethernet-framed (vxlan, geneve, gretap) and L3 (ipip, gre,
+    /// wireguard, TUN-mode tun).
     #[default]
     Auto,
     /// Attach only to the interfaces the patterns name.

@@ -18,8 +18,8 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use common_packet::{
-    CLIENT_MAC, Decoded, HOST_MAC, Pkt, arp_frame, eth, fragments, ipv6_frame, reassemble,
-    tcp_flags::*,
+    CLIENT_MAC, Decoded, ETH_HLEN, HOST_MAC, Pkt, arp_frame, eth, fragments, ipv6_frame,
+    reassemble, tcp_flags::*,
 };
 use kube_proxy_ebpf::{
     dataplane::{clock::monotonic_ns, loader, maps::Snat},
@@ -30,10 +30,10 @@ use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
     DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_FRAGMENTS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS, SCOPE_INTERNAL,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice,
-    SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action,
-    frag_hook,
+    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
+    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
+    ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SourceRangeKey, backend_flags,
+    ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
     proto, service_cidr, service_flags,
 };
@@ -344,20 +344,25 @@ impl Datapath {
             Expect::Unchanged => assert_eq!(out, step.input, "{what}: packet must pass untouched"),
             Expect::Dropped => {}
             Expect::Packet(p) => {
-                let d = Decoded::parse(&out);
+                let (d, want) = if is_l3(step.prog) {
+                    (Decoded::parse_l3(&out), p.l3_bytes())
+                } else {
+                    (Decoded::parse(&out), p.bytes())
+                };
                 assert!(d.ip_csum_ok(), "{what}: IPv4 header checksum invalid");
                 assert!(d.l4_csum_ok(), "{what}: L4 checksum invalid");
                 assert_eq!(
-                    out,
-                    p.bytes(),
+                    out, want,
                     "{what}: output packet differs from the expected {p:?}"
                 );
             }
             Expect::Fragment(bytes) => {
-                assert!(
-                    Decoded::parse(&out).ip_csum_ok(),
-                    "{what}: IPv4 header checksum invalid"
-                );
+                let d = if is_l3(step.prog) {
+                    Decoded::parse_l3(&out)
+                } else {
+                    Decoded::parse(&out)
+                };
+                assert!(d.ip_csum_ok(), "{what}: IPv4 header checksum invalid");
                 assert_eq!(&out, bytes, "{what}: output fragment differs");
             }
             Expect::IcmpUnreachable => check_icmp_unreachable(what, &step.input, &out),
@@ -368,7 +373,7 @@ impl Datapath {
         let after = self.counters();
         let mut expected: BTreeMap<&str, u64> =
             step.counts.iter().map(|(c, n)| (c.name(), *n)).collect();
-        let packets = if step.prog == PROG_TC_INGRESS {
+        let packets = if step.prog == PROG_TC_INGRESS || step.prog == PROG_TC_INGRESS_L3 {
             Counter::IngressPackets
         } else {
             Counter::EgressPackets
@@ -442,6 +447,39 @@ fn egress<'a>(
         verdict,
         expect,
         counts,
+    }
+}
+
+/// One of the L3-device programs (packets without Ethernet header).
+fn is_l3(prog: &str) -> bool {
+    prog == PROG_TC_INGRESS_L3 || prog == PROG_TC_EGRESS_L3
+}
+
+/// A step through `tc_ingress_l3` (an L3 device: `input` without Ethernet header).
+fn ingress_l3<'a>(
+    what: &'a str,
+    input: Vec<u8>,
+    verdict: u32,
+    expect: Expect,
+    counts: &'a [(Counter, u64)],
+) -> Step<'a> {
+    Step {
+        prog: PROG_TC_INGRESS_L3,
+        ..ingress(what, input, verdict, expect, counts)
+    }
+}
+
+/// A step through `tc_egress_l3`.
+fn egress_l3<'a>(
+    what: &'a str,
+    input: Vec<u8>,
+    verdict: u32,
+    expect: Expect,
+    counts: &'a [(Counter, u64)],
+) -> Step<'a> {
+    Step {
+        prog: PROG_TC_EGRESS_L3,
+        ..egress(what, input, verdict, expect, counts)
     }
 }
 
@@ -1859,8 +1897,16 @@ fn check_datagram(
     first: &[(Counter, u64)],
     later: Counter,
 ) {
-    let frags = fragments(&input.bytes(), FRAG_CHUNK);
-    let wanted = fragments(&want.bytes(), FRAG_CHUNK);
+    // On an L3 device the fragments carry no Ethernet header (put back to reassemble).
+    let l2 = if is_l3(prog) { ETH_HLEN } else { 0 };
+    let frags: Vec<_> = fragments(&input.bytes(), FRAG_CHUNK)
+        .into_iter()
+        .map(|f| f[l2..].to_vec())
+        .collect();
+    let wanted: Vec<_> = fragments(&want.bytes(), FRAG_CHUNK)
+        .into_iter()
+        .map(|f| f[l2..].to_vec())
+        .collect();
     assert_eq!(
         frags.len(),
         3,
@@ -1879,6 +1925,8 @@ fn check_datagram(
             counts: if i == 0 { first } else { &later },
         }));
     }
+    let eth_header = &want.bytes()[..l2];
+    let outs: Vec<_> = outs.iter().map(|o| [eth_header, o].concat()).collect();
     let whole = reassemble(&outs);
     assert!(
         Decoded::parse(&whole).l4_csum_ok(),
@@ -2565,6 +2613,219 @@ fn forwarded_flow_through_a_tunnel_device_is_snated_to_the_device_address() {
         TC_NEXT,
         Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT)),
         &[(Counter::ReplyTranslated, 1)],
+    ));
+}
+
+/// An eTP=Cluster NodePort flow forwarded to a remote backend through an L3 tunnel (ipip/tunl0,
+/// WireGuard: packets without Ethernet header, `tc_egress_l3`/`tc_ingress_l3`): SNATed to the
+/// device's address on the way out, its replies un-SNATed as they come back through the tunnel.
+#[test]
+fn forwarded_flow_through_an_l3_tunnel_is_snated_and_its_reply_unsnated() {
+    const TUNNEL_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+    const TEST_RUN_IFINDEX: u32 = 1;
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let mut devices: HashMap<&mut MapData, u32, SnatDevice> =
+        HashMap::try_from(dp.bpf.map_mut(MAP_SNAT_DEVICES).expect("SNATDEV map"))
+            .expect("SNATDEV type");
+    devices
+        .insert(
+            TEST_RUN_IFINDEX,
+            SnatDevice {
+                addr: TUNNEL_IP.octets(),
+            },
+            0,
+        )
+        .expect("write SNATDEV");
+
+    let syn = Pkt::tcp(EXT_CLIENT, 40_030, NODE_IP, NODE_PORT, SYN);
+    let fwd = with_dst(&syn, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "nodeport SYN on the external device: DNAT to the remote backend",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let port = snat_probe_start(&syn, REMOTE_BE, 8080);
+    dp.check(egress_l3(
+        "forwarded SYN out through the L3 tunnel: source is the device's address",
+        fwd.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&fwd, TUNNEL_IP, port)),
+        &[(Counter::SnatTranslated, 1), (Counter::SnatDeviceSource, 1)],
+    ));
+    let ack = Pkt::tcp(EXT_CLIENT, 40_030, NODE_IP, NODE_PORT, ACK).payload(b"GET /");
+    let ack_fwd = with_dst(&ack, REMOTE_BE, 8080);
+    dp.check(ingress(
+        "established: DNAT from conntrack",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(ack_fwd.clone()),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    dp.check(egress_l3(
+        "established: same device address and port",
+        ack_fwd.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&ack_fwd, TUNNEL_IP, port)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+    let synack = Pkt::tcp(REMOTE_BE, 8080, TUNNEL_IP, port, SYN | ACK);
+    let unsnat = with_dst(&synack, EXT_CLIENT, 40_030);
+    dp.check(ingress_l3(
+        "the backend's reply through the L3 tunnel goes back to the client",
+        synack.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(unsnat.clone()),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    dp.check(egress(
+        "toward the client on the external device: source becomes the NodePort",
+        unsnat.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&unsnat, NODE_IP, NODE_PORT)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+
+    let dgram = Pkt::udp(EXT_CLIENT, 40_031, NODE_IP, NODE_PORT);
+    let dgram_fwd = with_dst(&dgram, REMOTE_BE, 5353);
+    dp.check(ingress(
+        "nodeport UDP datagram: DNAT to the remote backend",
+        dgram.bytes(),
+        TC_NEXT,
+        Expect::Packet(dgram_fwd.clone()),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let uport = snat_probe_start(&dgram, REMOTE_BE, 5353);
+    dp.check(egress_l3(
+        "UDP out through the L3 tunnel: SNAT to the device's address",
+        dgram_fwd.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&dgram_fwd, TUNNEL_IP, uport)),
+        &[(Counter::SnatTranslated, 1), (Counter::SnatDeviceSource, 1)],
+    ));
+    let answer = Pkt::udp(REMOTE_BE, 5353, TUNNEL_IP, uport);
+    dp.check(ingress_l3(
+        "UDP answer through the L3 tunnel: back to the client",
+        answer.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&answer, EXT_CLIENT, 40_031)),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+}
+
+/// Fragmented datagrams of a NodePort flow whose remote backend is reached through an L3 tunnel:
+/// the later fragments get what their first one got at each L3 hook too.
+#[test]
+fn fragmented_datagrams_through_an_l3_tunnel_are_translated() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    use Counter::*;
+    let req = big(Pkt::udp(EXT_CLIENT, 5300, NODE_IP, NODE_PORT), 0x0909);
+    let fwd = with_dst(&req, REMOTE_BE, 5353);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS,
+        "NodePort request on the external device",
+        &req,
+        &fwd,
+        &[(NewFlow, 1), (SnatNew, 1)],
+        FragmentTranslated,
+    );
+    let nat_port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&req, REMOTE_BE, 5353), 0)
+            .expect("SNAT out entry")
+            .port,
+    );
+    check_datagram(
+        &mut dp,
+        PROG_TC_EGRESS_L3,
+        "NodePort request out through the L3 tunnel (SNAT)",
+        &fwd,
+        &with_src(&fwd, NODE_IP, nat_port),
+        &[(SnatTranslated, 1)],
+        FragmentTranslated,
+    );
+    let reply = big(Pkt::udp(REMOTE_BE, 5353, NODE_IP, nat_port), 0x0a0a);
+    check_datagram(
+        &mut dp,
+        PROG_TC_INGRESS_L3,
+        "reply arriving through the L3 tunnel (un-SNAT)",
+        &reply,
+        &with_dst(&reply, EXT_CLIENT, 5300),
+        &[(SnatReplyTranslated, 1)],
+        FragmentTranslated,
+    );
+}
+
+/// The L3-device programs run the whole flow, tail-called parts included (their own L3
+/// variants): a new flow to a ClusterIP, its reply, a flow to no Service, a Service without
+/// endpoints (no answer can be built without MACs: dropped), IPv6 (passed).
+#[test]
+fn l3_device_programs_translate_track_and_drop_like_the_ethernet_ones() {
+    let mut dp = Datapath::load().with_services();
+    let syn = Pkt::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    let id = expected_pick(&syn, &[1, 2]);
+    dp.check(ingress_l3(
+        "SYN to VIP:80 arriving through an L3 tunnel: DNAT (tc_ingress_new_l3)",
+        syn.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, id)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let mut synack = reply_from(&syn, id);
+    if let common_packet::L4::Tcp { flags, .. } = &mut synack.l4 {
+        *flags = SYN | ACK;
+    }
+    dp.check(egress_l3(
+        "SYN-ACK leaving through the L3 tunnel: reverse NAT to VIP:80",
+        synack.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&synack, &syn)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let ack = Pkt::tcp(CLIENT, 41_000, VIP, 80, ACK).payload(b"GET /");
+    dp.check(ingress_l3(
+        "established through the L3 tunnel",
+        ack.l3_bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&ack, id)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    let ct_before = dp.ct_len();
+    let direct = Pkt::udp(CLIENT, 41_001, OTHER, 53);
+    dp.check(ingress_l3(
+        "UDP to no Service: tracked by tc_ingress_direct_l3, untouched",
+        direct.l3_bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1)],
+    ));
+    assert!(dp.ct_len() > ct_before, "the direct flow is tracked");
+    dp.check(ingress_l3(
+        "SYN to a Service without endpoints: no MACs to answer with, dropped",
+        Pkt::tcp(CLIENT, 41_002, VIP_EMPTY, 80, SYN).l3_bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropRejectFailed, 1)],
+    ));
+    let mut ipv6 = vec![0x60, 0, 0, 0, 0, 20, 6, 64];
+    ipv6.extend([0u8; 32 + 20]);
+    dp.check(ingress_l3(
+        "IPv6 through an L3 tunnel passes",
+        ipv6.clone(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotIpv4, 1)],
+    ));
+    dp.check(egress_l3(
+        "IPv6 out through an L3 tunnel passes",
+        ipv6,
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotIpv4, 1)],
     ));
 }
 

@@ -11,9 +11,9 @@
 use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use proxy_testenv::{
-    Agent, CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, ManifestDir, MultiNode,
-    NODE_IPS, NODE_NAMES, PinDir, VXLAN_DEVICE, VXLAN_IPS, http_get_with_peer, require_privileged,
-    udp_request_from,
+    Agent, CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, L3_TUNNEL_DEVICE,
+    L3_TUNNEL_IPS, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES, PinDir, VXLAN_DEVICE, VXLAN_IPS,
+    http_get_with_peer, require_privileged, udp_request_from,
 };
 
 /// Connected UDP socket: send one datagram, print "refused" if an ICMP port unreachable comes
@@ -506,6 +506,116 @@ fn external_traffic_policy_cluster_snats_flows_leaving_through_a_vxlan_overlay()
         env.fail(&format!(
             "node A moved {moved} flows to {VXLAN_DEVICE}'s address, expected >= 10"
         ));
+    }
+}
+
+/// External client → NodePort of node A (no endpoints there) → backend on node B through an L3
+/// tunnel device (`tun0`: bare IPv4 packets, as Calico's IPIP `tunl0` or WireGuard), which the
+/// agent attaches by default with the `_l3` programs: SNATed to `tun0`'s address on the way out,
+/// the replies un-SNATed as they come back through it. TCP, UDP, the backend's ICMP error, a pod
+/// of node B to the NodePort on node A's tunnel address (a new flow on the L3 ingress), and the
+/// same again after node A's agent restarted (its pinned `tun0` links adopted with the L3
+/// programs).
+#[test]
+fn external_traffic_policy_cluster_snats_flows_leaving_through_an_l3_tunnel() {
+    require_privileged!();
+    let mut env = Env::start_in(
+        MultiNode::with_l3_tunnel().expect("creating the two-node topology with an L3 tunnel"),
+        &cluster_policy_yaml(),
+    );
+    let [a, _] = NODE_IPS;
+    for i in [NODE_A, NODE_B] {
+        if let Err(e) = env.agents[i].wait_attached(&[L3_TUNNEL_DEVICE.to_owned()]) {
+            env.fail(&format!("node {i}: {L3_TUNNEL_DEVICE} not attached: {e:#}"));
+        }
+    }
+    let tunnel_a = L3_TUNNEL_IPS[NODE_A];
+    for round in ["first agent", "restarted agent"] {
+        let mut answered = Vec::new();
+        let mut failures = Vec::new();
+        for _ in 0..5 {
+            match env.net.http_get(&format!("http://{a}:30080/")) {
+                Ok(r) if r.code == 200 && r.body == "b-web" => answered.push(r),
+                Ok(r) => failures.push(format!("{r:?}")),
+                Err(e) => failures.push(format!("{e:#}")),
+            }
+        }
+        eprintln!(
+            "{round}: NodePort via node A over {L3_TUNNEL_DEVICE}: {} of 5 answered",
+            answered.len()
+        );
+        if answered.len() != 5 {
+            env.fail(&format!(
+                "{round}: NodePort of node A over the L3 tunnel: {} of 5 requests answered; failures: {failures:?}",
+                answered.len()
+            ));
+        }
+        for r in &answered {
+            snat_port(&env, &r.client_addr, tunnel_a);
+        }
+        for i in 0..3 {
+            let payload = format!("ping-{i}");
+            let reply = env.net.udp_request(a, 30053, &payload).unwrap_or_else(|e| {
+                env.fail(&format!(
+                    "{round}: UDP NodePort via node A over tun0: {e:#}"
+                ))
+            });
+            if reply.from.ip() != &a
+                || reply.from.port() != 30053
+                || reply.body != format!("b-web:{payload}")
+            {
+                env.fail(&format!(
+                    "{round}: UDP NodePort via node A over tun0: {reply:?}"
+                ));
+            }
+        }
+        let refused = env
+            .net
+            .client()
+            .output(
+                &["python3", "-c", UDP_REFUSED_PY, &a.to_string(), "30054"],
+                Duration::from_secs(10),
+            )
+            .unwrap_or_else(|e| env.fail(&format!("UDP refused helper: {e:#}")));
+        let said = String::from_utf8_lossy(&refused.stdout).trim().to_owned();
+        if said != "refused" {
+            env.fail(&format!(
+                "{round}: UDP to a closed backend port via node A over tun0: {said:?}, expected refused"
+            ));
+        }
+        // In through node A's tun0 ingress (a new flow there), forwarded back out through tun0.
+        let r = env.pod_get(NODE_B, "b-loc", &format!("http://{tunnel_a}:30080/"));
+        if r.body != "b-web" {
+            env.fail(&format!(
+                "{round}: NodePort on node A's tun0 address from pod b-loc: {r:?}"
+            ));
+        }
+        snat_port(&env, &r.client_addr, tunnel_a);
+        let r = env.pod_get(NODE_A, "a-cli", "http://10.96.1.10/");
+        if r.body != "b-web" || !r.client_addr.starts_with(&format!("{A_CLIENT}:")) {
+            env.fail(&format!(
+                "{round}: ClusterIP from pod a-cli over tun0: {r:?}"
+            ));
+        }
+        let moved = env.counter(NODE_A, "snat_device_source");
+        eprintln!("{round}: node A moved {moved} flows to {L3_TUNNEL_DEVICE}'s address");
+        if round == "first agent" {
+            // Every forwarded flow moved its node port to tun0's address once (5+1 TCP, 3+1 UDP).
+            if moved < 10 {
+                env.fail(&format!(
+                    "node A moved {moved} flows to {L3_TUNNEL_DEVICE}'s address, expected >= 10"
+                ));
+            }
+            env.agents[NODE_A]
+                .restart()
+                .unwrap_or_else(|e| env.fail(&format!("restarting node A's agent: {e:#}")));
+            if let Err(e) = env.agents[NODE_A].wait_attached(&[
+                L3_TUNNEL_DEVICE.to_owned(),
+                proxy_testenv::EXT_DEVICE.to_owned(),
+            ]) {
+                env.fail(&format!("restarted agent of node A: {e:#}"));
+            }
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use aya::{
         tc::{SchedClassifierLink, TcAttachOptions},
     },
 };
-use proxy_common::{PROG_TC_EGRESS, PROG_TC_INGRESS};
+use proxy_common::{PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3};
 
 use super::{Error, Result, bpffs::PinLayout, interfaces::Interface, loader::program_mut};
 
@@ -38,10 +38,14 @@ pub enum Hook {
 impl Hook {
     const ALL: [Hook; 2] = [Hook::Ingress, Hook::Egress];
 
-    fn program(self) -> &'static str {
-        match self {
-            Hook::Ingress => PROG_TC_INGRESS,
-            Hook::Egress => PROG_TC_EGRESS,
+    /// The program for this hook: the `_l3` one on a device whose packets start at the IPv4
+    /// header (`l3`), the Ethernet one otherwise.
+    pub fn program(self, l3: bool) -> &'static str {
+        match (self, l3) {
+            (Hook::Ingress, false) => PROG_TC_INGRESS,
+            (Hook::Egress, false) => PROG_TC_EGRESS,
+            (Hook::Ingress, true) => PROG_TC_INGRESS_L3,
+            (Hook::Egress, true) => PROG_TC_EGRESS_L3,
         }
     }
 
@@ -133,7 +137,15 @@ impl Attacher {
     /// Makes the pinned links equal to `wanted` × {ingress, egress}: adopts pins left by an earlier
     /// agent (replacing their program atomically), attaches where none exists, and releases pins
     /// of interfaces that are gone or no longer match. Failures are per link and reported.
-    pub fn reconcile(&mut self, ebpf: &mut Ebpf, wanted: &[Interface]) -> AttachReport {
+    /// Interfaces whose index is in `l3` (no Ethernet header: ipip, gre, WireGuard) get the `_l3`
+    /// programs, attached or adopted alike (a device's hardware type never changes, and its pin
+    /// name carries the ifindex, so a pin is only ever adopted for the device it was made for).
+    pub fn reconcile(
+        &mut self,
+        ebpf: &mut Ebpf,
+        wanted: &[Interface],
+        l3: &BTreeSet<u32>,
+    ) -> AttachReport {
         let mut report = AttachReport::default();
         let wanted: BTreeSet<LinkId> = wanted
             .iter()
@@ -158,14 +170,15 @@ impl Attacher {
             if self.current.contains(id) {
                 continue;
             }
+            let program = id.hook.program(l3.contains(&id.ifindex));
             let result = if pinned.contains(id) {
-                self.adopt(ebpf, id).map(|()| report.adopted.push(id.clone())).or_else(|e| {
+                self.adopt(ebpf, id, program).map(|()| report.adopted.push(id.clone())).or_else(|e| {
                     tracing::warn!(link = %id.pin_name(), "adopting pinned link failed ({e}); attaching anew");
                     let _ = super::maps::remove_if_exists(&self.pin_path(id));
-                    self.attach(ebpf, id).map(|()| report.attached.push(id.clone()))
+                    self.attach(ebpf, id, program).map(|()| report.attached.push(id.clone()))
                 })
             } else {
-                self.attach(ebpf, id)
+                self.attach(ebpf, id, program)
                     .map(|()| report.attached.push(id.clone()))
             };
             match result {
@@ -187,7 +200,7 @@ impl Attacher {
             .collect()
     }
 
-    fn adopt(&self, ebpf: &mut Ebpf, id: &LinkId) -> Result<()> {
+    fn adopt(&self, ebpf: &mut Ebpf, id: &LinkId, program: &'static str) -> Result<()> {
         let path = self.pin_path(id);
         let link_err = |source| Error::Link {
             path: path.clone(),
@@ -195,10 +208,10 @@ impl Attacher {
         };
         let pinned = PinnedLink::from_pin(&path).map_err(link_err)?;
         let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
-        let prog = program_mut(ebpf, id.hook.program())?;
+        let prog = program_mut(ebpf, program)?;
         let attach_err = |source| Error::Attach {
             interface: id.ifname.clone(),
-            program: id.hook.program(),
+            program,
             source,
         };
         let link_id = prog.attach_to_link(link).map_err(attach_err)?;
@@ -207,11 +220,11 @@ impl Attacher {
         Ok(())
     }
 
-    fn attach(&self, ebpf: &mut Ebpf, id: &LinkId) -> Result<()> {
-        let prog = program_mut(ebpf, id.hook.program())?;
+    fn attach(&self, ebpf: &mut Ebpf, id: &LinkId, program: &'static str) -> Result<()> {
+        let prog = program_mut(ebpf, program)?;
         let attach_err = |source| Error::Attach {
             interface: id.ifname.clone(),
-            program: id.hook.program(),
+            program,
             source,
         };
         let link_id = prog

@@ -1,20 +1,30 @@
 //! Tunnel devices of this network namespace (flannel.1, vxlan.calico, tunl0, wg0, ...), found by
 //! link kind (`IFLA_INFO_KIND`) in an `RTM_GETLINK` dump. Flows that leave through a tunnel must
 //! be translated there too (SNAT of forwarded external flows), so the agent attaches to them
-//! without their being named in `--devices`. Parsing the dump is pure; the socket is the IO edge.
+//! without their being named in `--devices`. The dump also tells which devices carry bare IP
+//! packets (L3 devices: ipip, gre, WireGuard), which get the `_l3` programs. Parsing the dump is
+//! pure; the socket is the IO edge.
 
-use std::{io, os::fd::FromRawFd as _};
+use std::{collections::BTreeSet, io, os::fd::FromRawFd as _};
 
 use super::interfaces::Interface;
 
 /// Link kinds that are tunnels carrying Ethernet frames: the programs' parser (Ethernet + IPv4)
-/// applies inside them as on any Ethernet device.
+/// applies inside them as on any Ethernet device (`tc_ingress`/`tc_egress`).
 pub const ETHERNET_TUNNEL_KINDS: [&str; 4] = ["vxlan", "geneve", "gretap", "ip6gretap"];
-/// Link kinds that are tunnels carrying bare IP packets (no Ethernet header): not attached yet.
+/// Link kinds that are tunnels carrying bare IP packets (no Ethernet header): attached with
+/// `tc_ingress_l3`/`tc_egress_l3`, which parse from the IPv4 header (IPv6 packets pass).
 pub const L3_TUNNEL_KINDS: [&str; 6] = ["ipip", "gre", "ip6gre", "sit", "ip6tnl", "wireguard"];
+/// The kind of TUN/TAP devices: a tunnel when in TUN mode (bare IP packets: wireguard-go,
+/// tailscale, OpenVPN), not in TAP mode (Ethernet: a VM's NIC, not an overlay).
+pub const TUN_KIND: &str = "tun";
 
 /// `ARPHRD_ETHER`: the device's frames start with an Ethernet header.
 const ARPHRD_ETHER: u16 = 1;
+/// Hardware types of devices whose packets start at the IP header (no L2 header at tc):
+/// `ARPHRD_TUNNEL` (ipip), `ARPHRD_TUNNEL6` (ip6tnl), `ARPHRD_SIT`, `ARPHRD_IPGRE` (gre),
+/// `ARPHRD_IP6GRE`, `ARPHRD_NONE` (WireGuard, tun).
+const ARPHRD_L3: [u16; 6] = [768, 769, 776, 778, 823, 65534];
 const NLMSG_HDRLEN: usize = 16;
 const IFINFOMSG_LEN: usize = 16;
 const NLMSG_ERROR: u16 = 2;
@@ -41,14 +51,31 @@ pub struct Link {
     pub hw_type: u16,
 }
 
-/// A tunnel device, and whether the programs can be attached to it.
+impl Link {
+    /// The device's packets start at the IP header (ipip, gre, WireGuard): it needs the `_l3`
+    /// programs.
+    pub fn is_l3(&self) -> bool {
+        ARPHRD_L3.contains(&self.hw_type)
+    }
+}
+
+/// A tunnel device, and which programs it takes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tunnel {
     pub interface: Interface,
     pub kind: String,
-    /// Frames start with an Ethernet header (vxlan, geneve, gretap): attachable. L3 tunnels
-    /// (ipip, gre, wireguard) hand the programs bare IPv4 packets, which they do not parse yet.
+    /// Frames start with an Ethernet header (vxlan, geneve, gretap): `tc_ingress`/`tc_egress`.
+    /// Otherwise an L3 tunnel (ipip, gre, wireguard) with bare IP packets: the `_l3` programs.
     pub ethernet: bool,
+}
+
+/// Pure: the ifindexes of the L3 devices among `links` (see [`Link::is_l3`]).
+pub fn l3_devices(links: &[Link]) -> BTreeSet<u32> {
+    links
+        .iter()
+        .filter(|l| l.is_l3())
+        .map(|l| l.index)
+        .collect()
 }
 
 /// Pure: the tunnel devices among `links`.
@@ -57,7 +84,9 @@ pub fn tunnels(links: &[Link]) -> Vec<Tunnel> {
         .iter()
         .filter_map(|l| {
             let kind = l.kind.as_deref()?;
-            let known = ETHERNET_TUNNEL_KINDS.contains(&kind) || L3_TUNNEL_KINDS.contains(&kind);
+            let known = ETHERNET_TUNNEL_KINDS.contains(&kind)
+                || L3_TUNNEL_KINDS.contains(&kind)
+                || (kind == TUN_KIND && l.is_l3());
             known.then(|| Tunnel {
                 interface: Interface {
                     index: l.index,
@@ -238,6 +267,8 @@ mod tests {
         datagram.extend(newlink(7, 1, "flannel.1", Some("vxlan")));
         datagram.extend(newlink(8, 768, "tunl0", Some("ipip")));
         datagram.extend(newlink(9, 65534, "wg0", Some("wireguard")));
+        datagram.extend(newlink(10, 65534, "tailscale0", Some("tun")));
+        datagram.extend(newlink(11, 1, "tap-vm1", Some("tun")));
         let mut links = Vec::new();
         assert_eq!(parse_dump(&datagram, &mut links), Ok(false));
         assert_eq!(
@@ -256,6 +287,8 @@ mod tests {
                 (7, "flannel.1", Some("vxlan"), 1),
                 (8, "tunl0", Some("ipip"), 768),
                 (9, "wg0", Some("wireguard"), 65534),
+                (10, "tailscale0", Some("tun"), 65534),
+                (11, "tap-vm1", Some("tun"), 1),
             ]
         );
         let t = tunnels(&links);
@@ -269,8 +302,10 @@ mod tests {
                 ("flannel.1", "vxlan", true),
                 ("tunl0", "ipip", false),
                 ("wg0", "wireguard", false),
+                ("tailscale0", "tun", false),
             ]
         );
+        assert_eq!(l3_devices(&links), BTreeSet::from([8, 9, 10]));
     }
 
     #[test]

@@ -5,8 +5,8 @@ use aya::{Ebpf, EbpfLoader, maps::Array, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT, MAP_TAIL_CALLS, PROG_TC_EGRESS,
-    PROG_TC_INGRESS, REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL,
-    SockLbConfig, TAIL_CALLS,
+    PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, REVNAT_CAPACITY, SERVICES_CAPACITY,
+    SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -141,12 +141,15 @@ impl std::fmt::Display for MapShape {
 const BPF_MAP_TYPE_ARRAY: u32 = aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_ARRAY as u32;
 const BPF_MAP_TYPE_PERCPU_ARRAY: u32 =
     aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_PERCPU_ARRAY as u32;
+const BPF_MAP_TYPE_PROG_ARRAY: u32 =
+    aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_PROG_ARRAY as u32;
 
 /// Pure: why a pinned map shaped `pinned` cannot be adopted where the object declares `want`, or
 /// `None` to adopt it. Type, key size, value size and flags must be equal. Entries: hash maps
 /// keep the size they were created with (`--map-entries-*` applies to new maps only); an array
 /// is indexed by the datapath, so it needs at least the object's entries (a STATS array from an
-/// agent with fewer counters would silently drop the new ones).
+/// agent with fewer counters would silently drop the new ones; a program array from an agent
+/// without the L3-device programs has no slots for them).
 pub fn pin_mismatch(want: &MapShape, pinned: &MapShape) -> Option<&'static str> {
     if pinned.map_type != want.map_type {
         Some("map type")
@@ -158,7 +161,7 @@ pub fn pin_mismatch(want: &MapShape, pinned: &MapShape) -> Option<&'static str> 
         Some("flags")
     } else if matches!(
         want.map_type,
-        BPF_MAP_TYPE_ARRAY | BPF_MAP_TYPE_PERCPU_ARRAY
+        BPF_MAP_TYPE_ARRAY | BPF_MAP_TYPE_PERCPU_ARRAY | BPF_MAP_TYPE_PROG_ARRAY
     ) && pinned.max_entries < want.max_entries
     {
         Some("fewer entries")
@@ -241,9 +244,14 @@ pub fn load_unpinned(config: &DatapathConfig) -> Result<Ebpf> {
 /// stay inert (netns cookie 0) unless `SOCK_LB_GLOBAL` was set before loading.
 pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     let tail_called = TAIL_CALLS.iter().map(|&(name, _)| name);
-    for name in [PROG_TC_INGRESS, PROG_TC_EGRESS]
-        .into_iter()
-        .chain(tail_called)
+    for name in [
+        PROG_TC_INGRESS,
+        PROG_TC_EGRESS,
+        PROG_TC_INGRESS_L3,
+        PROG_TC_EGRESS_L3,
+    ]
+    .into_iter()
+    .chain(tail_called)
     {
         program_mut(ebpf, name)?
             .load()
@@ -371,6 +379,12 @@ mod tests {
             pin_mismatch(&stats, &shape(BPF_MAP_TYPE_PERCPU_ARRAY, 40)),
             None,
             "an array with more entries serves"
+        );
+        let tail_calls = shape(BPF_MAP_TYPE_PROG_ARRAY, proxy_common::TAIL_CALL_COUNT);
+        assert_eq!(
+            pin_mismatch(&tail_calls, &shape(BPF_MAP_TYPE_PROG_ARRAY, 3)),
+            Some("fewer entries"),
+            "a program array without slots for the L3-device programs is replaced"
         );
     }
 

@@ -262,6 +262,12 @@ impl Pkt {
         frame.extend_from_slice(&l4);
         frame
     }
+
+    /// The packet as an L3 device (ipip, gre, WireGuard) carries it: the same bytes without the
+    /// Ethernet header.
+    pub fn l3_bytes(&self) -> Vec<u8> {
+        self.bytes()[ETH_HLEN..].to_vec()
+    }
 }
 
 /// Splits an Ethernet + IPv4 frame into fragments carrying `chunk` bytes of the IPv4 payload
@@ -373,6 +379,13 @@ pub struct Decoded {
 }
 
 impl Decoded {
+    /// Parses a bare IPv4 packet (as an L3 device carries it), behind a made-up Ethernet header.
+    pub fn parse_l3(packet: &[u8]) -> Self {
+        let mut frame = eth(HOST_MAC, CLIENT_MAC, ETH_P_IP);
+        frame.extend_from_slice(packet);
+        Self::parse(&frame)
+    }
+
     pub fn parse(frame: &[u8]) -> Self {
         assert!(
             frame.len() >= ETH_HLEN + 20,
