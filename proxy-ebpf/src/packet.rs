@@ -69,6 +69,32 @@ pub mod tcp_flags {
     pub const ACK: u8 = 0x10;
 }
 
+/// The offsets of the (outer) IPv4 header's fields in a parsed type with an `l2_len` field: one
+/// definition for [`Packet`], [`IcmpError`] and [`Fragment`].
+macro_rules! ip_header_offsets {
+    ($t:ty) => {
+        impl $t {
+            /// Offset of the IPv4 header checksum.
+            #[inline(always)]
+            pub const fn ip_csum_off(&self) -> usize {
+                self.l2_len + IP_CSUM
+            }
+
+            /// Offset of the IPv4 source address.
+            #[inline(always)]
+            pub const fn saddr_off(&self) -> usize {
+                self.l2_len + IP_SADDR
+            }
+
+            /// Offset of the IPv4 destination address.
+            #[inline(always)]
+            pub const fn daddr_off(&self) -> usize {
+                self.l2_len + IP_DADDR
+            }
+        }
+    };
+}
+
 /// A TCP or UDP over IPv4 packet, parsed once. Addresses and ports in network order.
 #[derive(Clone, Copy)]
 pub struct Packet {
@@ -91,25 +117,9 @@ pub struct Packet {
     pub tcp_payload_len: u32,
 }
 
+ip_header_offsets!(Packet);
+
 impl Packet {
-    /// Offset of the IPv4 header checksum.
-    #[inline(always)]
-    pub const fn ip_csum_off(&self) -> usize {
-        self.l2_len + IP_CSUM
-    }
-
-    /// Offset of the IPv4 source address.
-    #[inline(always)]
-    pub const fn saddr_off(&self) -> usize {
-        self.l2_len + IP_SADDR
-    }
-
-    /// Offset of the IPv4 destination address.
-    #[inline(always)]
-    pub const fn daddr_off(&self) -> usize {
-        self.l2_len + IP_DADDR
-    }
-
     /// Offset of the TCP/UDP header.
     #[inline(always)]
     pub const fn l4_off(&self) -> usize {
@@ -162,25 +172,9 @@ pub struct IcmpError {
     pub inner_dport: [u8; 2],
 }
 
+ip_header_offsets!(IcmpError);
+
 impl IcmpError {
-    /// Offset of the outer IPv4 header checksum.
-    #[inline(always)]
-    pub const fn ip_csum_off(&self) -> usize {
-        self.l2_len + IP_CSUM
-    }
-
-    /// Offset of the outer IPv4 source address.
-    #[inline(always)]
-    pub const fn saddr_off(&self) -> usize {
-        self.l2_len + IP_SADDR
-    }
-
-    /// Offset of the outer IPv4 destination address.
-    #[inline(always)]
-    pub const fn daddr_off(&self) -> usize {
-        self.l2_len + IP_DADDR
-    }
-
     /// Offset of the ICMP checksum.
     #[inline(always)]
     pub const fn icmp_csum_off(&self) -> usize {
@@ -226,25 +220,7 @@ pub struct Fragment {
     pub proto: u8,
 }
 
-impl Fragment {
-    /// Offset of the IPv4 header checksum.
-    #[inline(always)]
-    pub const fn ip_csum_off(&self) -> usize {
-        self.l2_len + IP_CSUM
-    }
-
-    /// Offset of the IPv4 source address.
-    #[inline(always)]
-    pub const fn saddr_off(&self) -> usize {
-        self.l2_len + IP_SADDR
-    }
-
-    /// Offset of the IPv4 destination address.
-    #[inline(always)]
-    pub const fn daddr_off(&self) -> usize {
-        self.l2_len + IP_DADDR
-    }
-}
+ip_header_offsets!(Fragment);
 
 /// What [`parse`] found.
 pub enum Parsed {

@@ -254,6 +254,76 @@ fn snat_port(env: &Env, addr: &str, via: Ipv4Addr) -> u16 {
     port
 }
 
+/// Through node A's tunnel device to the backend on node B, as the overlay tests check it:
+/// 5 HTTP requests from the external client to node A's NodePort (answered, SNATed to
+/// `tunnel_a`), 3 UDP NodePort requests (answered from the NodePort), a UDP request to a closed
+/// backend port (the ICMP error comes back: refused), a pod of node B to the NodePort on
+/// `tunnel_a` (in through the tunnel's ingress, SNATed to it), and a pod of node A to the
+/// ClusterIP (unSNATed). `what` names the round and device in failures.
+fn traffic_through_node_a_tunnel(env: &Env, what: &str, tunnel_a: Ipv4Addr) {
+    let a = NODE_IPS[NODE_A];
+    let mut answered = Vec::new();
+    let mut failures = Vec::new();
+    for _ in 0..5 {
+        match env.net.http_get(&format!("http://{a}:30080/")) {
+            Ok(r) if r.code == 200 && r.body == "b-web" => answered.push(r),
+            Ok(r) => failures.push(format!("{r:?}")),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    eprintln!(
+        "{what}: NodePort via node A: {} of 5 answered",
+        answered.len()
+    );
+    if answered.len() != 5 {
+        env.fail(&format!(
+            "{what}: NodePort of node A: {} of 5 requests answered; failures: {failures:?}",
+            answered.len()
+        ));
+    }
+    for r in &answered {
+        snat_port(env, &r.client_addr, tunnel_a);
+    }
+    for i in 0..3 {
+        let payload = format!("ping-{i}");
+        let reply = env
+            .net
+            .udp_request(a, 30053, &payload)
+            .unwrap_or_else(|e| env.fail(&format!("{what}: UDP NodePort via node A: {e:#}")));
+        if reply.from.ip() != &a
+            || reply.from.port() != 30053
+            || reply.body != format!("b-web:{payload}")
+        {
+            env.fail(&format!("{what}: UDP NodePort via node A: {reply:?}"));
+        }
+    }
+    let refused = env
+        .net
+        .client()
+        .output(
+            &["python3", "-c", UDP_REFUSED_PY, &a.to_string(), "30054"],
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("UDP refused helper: {e:#}")));
+    let said = String::from_utf8_lossy(&refused.stdout).trim().to_owned();
+    if said != "refused" {
+        env.fail(&format!(
+            "{what}: UDP to a closed backend port via node A: {said:?}, expected refused"
+        ));
+    }
+    let r = env.pod_get(NODE_B, "b-loc", &format!("http://{tunnel_a}:30080/"));
+    if r.body != "b-web" {
+        env.fail(&format!(
+            "{what}: NodePort on node A's tunnel address from pod b-loc: {r:?}"
+        ));
+    }
+    snat_port(env, &r.client_addr, tunnel_a);
+    let r = env.pod_get(NODE_A, "a-cli", "http://10.96.1.10/");
+    if r.body != "b-web" || !r.client_addr.starts_with(&format!("{A_CLIENT}:")) {
+        env.fail(&format!("{what}: ClusterIP from pod a-cli: {r:?}"));
+    }
+}
+
 #[test]
 fn external_traffic_policy_cluster_snats_external_clients_to_the_node() {
     require_privileged!();
@@ -401,7 +471,6 @@ fn external_traffic_policy_cluster_snats_flows_leaving_through_a_vxlan_overlay()
         MultiNode::with_vxlan().expect("creating the two-node topology with a vxlan overlay"),
         &cluster_policy_yaml(),
     );
-    let [a, _] = NODE_IPS;
     let mut agent_a_status = None;
     for i in [NODE_A, NODE_B] {
         let status = env.agents[i].status().ok().flatten();
@@ -419,81 +488,16 @@ fn external_traffic_policy_cluster_snats_flows_leaving_through_a_vxlan_overlay()
         }
     }
 
-    // External client → NodePort of node A (no endpoints there) → backend on node B, 5 times.
-    let mut answered = Vec::new();
-    let mut failures = Vec::new();
-    for _ in 0..5 {
-        match env.net.http_get(&format!("http://{a}:30080/")) {
-            Ok(r) if r.code == 200 && r.body == "b-web" => answered.push(r),
-            Ok(r) => failures.push(format!("{r:?}")),
-            Err(e) => failures.push(format!("{e:#}")),
-        }
-    }
-    eprintln!(
-        "overlay NodePort via node A: {} of 5 answered",
-        answered.len()
-    );
-    if answered.len() != 5 {
-        env.fail(&format!(
-            "NodePort of node A over the vxlan overlay: {} of 5 requests answered; failures: {failures:?}",
-            answered.len()
-        ));
-    }
-    for r in &answered {
-        snat_port(&env, &r.client_addr, VXLAN_IPS[NODE_A]);
-    }
-
-    // UDP NodePort the same way: the reply comes from the NodePort.
-    for i in 0..3 {
-        let payload = format!("ping-{i}");
-        let reply = env
-            .net
-            .udp_request(a, 30053, &payload)
-            .unwrap_or_else(|e| env.fail(&format!("UDP NodePort via node A over vxlan: {e:#}")));
-        if reply.from.ip() != &a
-            || reply.from.port() != 30053
-            || reply.body != format!("b-web:{payload}")
-        {
-            env.fail(&format!("UDP NodePort via node A over vxlan: {reply:?}"));
-        }
-    }
-
-    // The ICMP port unreachable of the closed backend port comes back through the tunnel too.
-    let refused = env
-        .net
-        .client()
-        .output(
-            &["python3", "-c", UDP_REFUSED_PY, &a.to_string(), "30054"],
-            Duration::from_secs(10),
-        )
-        .unwrap_or_else(|e| env.fail(&format!("UDP refused helper: {e:#}")));
-    let said = String::from_utf8_lossy(&refused.stdout).trim().to_owned();
-    if said != "refused" {
-        env.fail(&format!(
-            "UDP to a closed backend port via node A over vxlan: {said:?}, expected refused"
-        ));
-    }
-
-    // A pod of node B to the NodePort on node A's vxlan0 address (a NodePort address: all of
-    // them answer by default): in through node A's vxlan0 ingress, forwarded back to node B over
-    // the tunnel; the reply, un-SNATed on vxlan0 ingress, leaves through vxlan0 again, where
-    // egress reverse-translates it to the NodePort. (Node A's ext0 address is not used here: the
-    // request would arrive on ext0 from a pod address routed over vxlan0, which strict rp_filter
-    // drops before any program matters; flannel masquerades such pod traffic on the client node.)
-    let tunnel_a = VXLAN_IPS[NODE_A];
-    let r = env.pod_get(NODE_B, "b-loc", &format!("http://{tunnel_a}:30080/"));
-    if r.body != "b-web" {
-        env.fail(&format!(
-            "NodePort on node A's vxlan0 address from pod b-loc: {r:?}"
-        ));
-    }
-    snat_port(&env, &r.client_addr, VXLAN_IPS[NODE_A]);
-
-    // A pod of node A reaches the ClusterIP's backend on node B over the tunnel, unSNATed.
-    let r = env.pod_get(NODE_A, "a-cli", "http://10.96.1.10/");
-    if r.body != "b-web" || !r.client_addr.starts_with(&format!("{A_CLIENT}:")) {
-        env.fail(&format!("ClusterIP from pod a-cli over vxlan: {r:?}"));
-    }
+    // External client → NodePort of node A (no endpoints there) → backend on node B; UDP and the
+    // backend's ICMP error the same way. A pod of node B to the NodePort on node A's vxlan0
+    // address (a NodePort address: all of them answer by default): in through node A's vxlan0
+    // ingress, forwarded back to node B over the tunnel; the reply, un-SNATed on vxlan0 ingress,
+    // leaves through vxlan0 again, where egress reverse-translates it to the NodePort. (Node A's
+    // ext0 address is not used here: the request would arrive on ext0 from a pod address routed
+    // over vxlan0, which strict rp_filter drops before any program matters; flannel masquerades
+    // such pod traffic on the client node.) A pod of node A reaches the ClusterIP's backend on
+    // node B over the tunnel, unSNATed.
+    traffic_through_node_a_tunnel(&env, "over vxlan0", VXLAN_IPS[NODE_A]);
     let interfaces = agent_a_status.map(|s| s.interfaces).unwrap_or_default();
     if !interfaces.iter().any(|n| n == VXLAN_DEVICE) {
         env.fail(&format!(
@@ -523,7 +527,6 @@ fn external_traffic_policy_cluster_snats_flows_leaving_through_an_l3_tunnel() {
         MultiNode::with_l3_tunnel().expect("creating the two-node topology with an L3 tunnel"),
         &cluster_policy_yaml(),
     );
-    let [a, _] = NODE_IPS;
     for i in [NODE_A, NODE_B] {
         if let Err(e) = env.agents[i].wait_attached(&[L3_TUNNEL_DEVICE.to_owned()]) {
             env.fail(&format!("node {i}: {L3_TUNNEL_DEVICE} not attached: {e:#}"));
@@ -531,72 +534,7 @@ fn external_traffic_policy_cluster_snats_flows_leaving_through_an_l3_tunnel() {
     }
     let tunnel_a = L3_TUNNEL_IPS[NODE_A];
     for round in ["first agent", "restarted agent"] {
-        let mut answered = Vec::new();
-        let mut failures = Vec::new();
-        for _ in 0..5 {
-            match env.net.http_get(&format!("http://{a}:30080/")) {
-                Ok(r) if r.code == 200 && r.body == "b-web" => answered.push(r),
-                Ok(r) => failures.push(format!("{r:?}")),
-                Err(e) => failures.push(format!("{e:#}")),
-            }
-        }
-        eprintln!(
-            "{round}: NodePort via node A over {L3_TUNNEL_DEVICE}: {} of 5 answered",
-            answered.len()
-        );
-        if answered.len() != 5 {
-            env.fail(&format!(
-                "{round}: NodePort of node A over the L3 tunnel: {} of 5 requests answered; failures: {failures:?}",
-                answered.len()
-            ));
-        }
-        for r in &answered {
-            snat_port(&env, &r.client_addr, tunnel_a);
-        }
-        for i in 0..3 {
-            let payload = format!("ping-{i}");
-            let reply = env.net.udp_request(a, 30053, &payload).unwrap_or_else(|e| {
-                env.fail(&format!(
-                    "{round}: UDP NodePort via node A over tun0: {e:#}"
-                ))
-            });
-            if reply.from.ip() != &a
-                || reply.from.port() != 30053
-                || reply.body != format!("b-web:{payload}")
-            {
-                env.fail(&format!(
-                    "{round}: UDP NodePort via node A over tun0: {reply:?}"
-                ));
-            }
-        }
-        let refused = env
-            .net
-            .client()
-            .output(
-                &["python3", "-c", UDP_REFUSED_PY, &a.to_string(), "30054"],
-                Duration::from_secs(10),
-            )
-            .unwrap_or_else(|e| env.fail(&format!("UDP refused helper: {e:#}")));
-        let said = String::from_utf8_lossy(&refused.stdout).trim().to_owned();
-        if said != "refused" {
-            env.fail(&format!(
-                "{round}: UDP to a closed backend port via node A over tun0: {said:?}, expected refused"
-            ));
-        }
-        // In through node A's tun0 ingress (a new flow there), forwarded back out through tun0.
-        let r = env.pod_get(NODE_B, "b-loc", &format!("http://{tunnel_a}:30080/"));
-        if r.body != "b-web" {
-            env.fail(&format!(
-                "{round}: NodePort on node A's tun0 address from pod b-loc: {r:?}"
-            ));
-        }
-        snat_port(&env, &r.client_addr, tunnel_a);
-        let r = env.pod_get(NODE_A, "a-cli", "http://10.96.1.10/");
-        if r.body != "b-web" || !r.client_addr.starts_with(&format!("{A_CLIENT}:")) {
-            env.fail(&format!(
-                "{round}: ClusterIP from pod a-cli over tun0: {r:?}"
-            ));
-        }
+        traffic_through_node_a_tunnel(&env, &format!("{round}, over tun0"), tunnel_a);
         let moved = env.counter(NODE_A, "snat_device_source");
         eprintln!("{round}: node A moved {moved} flows to {L3_TUNNEL_DEVICE}'s address");
         if round == "first agent" {
@@ -808,8 +746,8 @@ fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
 fn node_processes_reach_their_own_nodeports_and_clusterips() {
     require_privileged!();
     let env = Env::start(&(cluster_policy_yaml() + &local_policy_yaml()));
-    let [a, _] = NODE_IPS;
     let host_a = env.agents[NODE_A].host(env.net.node(NODE_A).node());
+    let [a, _] = NODE_IPS;
 
     for (ip, port, what) in [
         (a, 30080, "NodePort on node A's own address"),

@@ -5,7 +5,7 @@
 //! packets (L3 devices: ipip, gre, WireGuard), which get the `_l3` programs. Parsing the dump is
 //! pure; the socket is the IO edge.
 
-use std::{collections::BTreeSet, io, os::fd::FromRawFd as _};
+use std::{collections::BTreeSet, io};
 
 use super::interfaces::Interface;
 
@@ -101,18 +101,7 @@ pub fn tunnels(links: &[Link]) -> Vec<Tunnel> {
 
 /// Every interface of this network namespace with its kind (`RTM_GETLINK` dump).
 pub fn dump() -> io::Result<Vec<Link>> {
-    // SAFETY: plain socket(2); the fd is owned by the File created right after and closed with it.
-    let mut file = unsafe {
-        let fd = libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_ROUTE,
-        );
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        std::fs::File::from_raw_fd(fd)
-    };
+    let mut file = super::netlink::route_socket()?;
     use std::io::{Read as _, Write as _};
     file.write_all(&dump_request(1))?;
     let mut links = Vec::new();

@@ -2,19 +2,21 @@
 //! milliseconds, and when IPv4 addresses change (RTMGRP_IPV4_IFADDR: NodePort addresses, SNAT
 //! address). Messages are not parsed: any event triggers a rescan, which is cheap.
 
-use std::{io, os::fd::FromRawFd as _, thread};
+use std::{
+    io,
+    os::fd::{AsRawFd as _, FromRawFd as _},
+    thread,
+};
 
 use tokio::sync::mpsc;
 
 const RTMGRP_LINK: u32 = 1;
 const RTMGRP_IPV4_IFADDR: u32 = 0x10;
 
-/// Starts a thread that sends `()` on every batch of link events. The thread ends when the
-/// receiver is dropped (on the next event).
-pub fn watch_links() -> io::Result<mpsc::Receiver<()>> {
-    // SAFETY: plain socket(2)/bind(2) calls with a zeroed sockaddr_nl of the right size; the fd is
-    // owned by the File created right after and closed with it.
-    let file = unsafe {
+/// A NETLINK_ROUTE socket of this network namespace, owned by the returned `File`.
+pub fn route_socket() -> io::Result<std::fs::File> {
+    // SAFETY: plain socket(2); the fd is owned by the File created right after and closed with it.
+    unsafe {
         let fd = libc::socket(
             libc::AF_NETLINK,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
@@ -23,7 +25,17 @@ pub fn watch_links() -> io::Result<mpsc::Receiver<()>> {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        let file = std::fs::File::from_raw_fd(fd);
+        Ok(std::fs::File::from_raw_fd(fd))
+    }
+}
+
+/// Starts a thread that sends `()` on every batch of link events. The thread ends when the
+/// receiver is dropped (on the next event).
+pub fn watch_links() -> io::Result<mpsc::Receiver<()>> {
+    let file = route_socket()?;
+    let fd = file.as_raw_fd();
+    // SAFETY: bind(2) on our own open socket with a zeroed sockaddr_nl of the right size.
+    unsafe {
         let mut addr: libc::sockaddr_nl = std::mem::zeroed();
         addr.nl_family = libc::AF_NETLINK as u16;
         addr.nl_groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR;
@@ -35,8 +47,7 @@ pub fn watch_links() -> io::Result<mpsc::Receiver<()>> {
         if rc < 0 {
             return Err(io::Error::last_os_error());
         }
-        file
-    };
+    }
     let (tx, rx) = mpsc::channel(1);
     thread::Builder::new().name("netlink-links".into()).spawn(move || {
         use std::io::Read as _;
