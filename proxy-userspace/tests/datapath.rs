@@ -2495,7 +2495,6 @@ fn snat_in_key(backend: Ipv4Addr, bport: u16, node_port: u16, proto: u8) -> Snat
 
 /// Where the datapath's port probe starts for a flow (the same pure hash).
 fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
-    let range = u64::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
     let h = flow_hash(
         0,
         client.saddr.octets(),
@@ -2504,7 +2503,30 @@ fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
         bport.to_be_bytes(),
         client.proto(),
     );
-    SNAT_PORT_MIN + ((u64::from(h) * range) >> 32) as u16
+    PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX).port(0)
+}
+
+/// BPF_PROG_TEST_RUN runs on the loopback device (ifindex 1), which stands for a tunnel device.
+const TEST_RUN_IFINDEX: u32 = 1;
+
+/// [`nodeport_datapath`] with the node's address set and the test-run device a tunnel with its
+/// own SNAT address `tunnel_ip` (`SNATDEV_V1`).
+fn nodeport_datapath_through_tunnel(tunnel_ip: Ipv4Addr) -> Datapath {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let mut devices: HashMap<&mut MapData, u32, SnatDevice> =
+        HashMap::try_from(dp.bpf.map_mut(MAP_SNAT_DEVICES).expect("SNATDEV map"))
+            .expect("SNATDEV type");
+    devices
+        .insert(
+            TEST_RUN_IFINDEX,
+            SnatDevice {
+                addr: tunnel_ip.octets(),
+            },
+            0,
+        )
+        .expect("write SNATDEV");
+    dp
 }
 
 /// A forwarded flow leaving through a tunnel device with an address of its own (`SNATDEV_V1`)
@@ -2515,21 +2537,7 @@ fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
 #[test]
 fn forwarded_flow_through_a_tunnel_device_is_snated_to_the_device_address() {
     const TUNNEL_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 0);
-    const TEST_RUN_IFINDEX: u32 = 1;
-    let mut dp = nodeport_datapath();
-    dp.set_node_addr(NODE_IP);
-    let mut devices: HashMap<&mut MapData, u32, SnatDevice> =
-        HashMap::try_from(dp.bpf.map_mut(MAP_SNAT_DEVICES).expect("SNATDEV map"))
-            .expect("SNATDEV type");
-    devices
-        .insert(
-            TEST_RUN_IFINDEX,
-            SnatDevice {
-                addr: TUNNEL_IP.octets(),
-            },
-            0,
-        )
-        .expect("write SNATDEV");
+    let mut dp = nodeport_datapath_through_tunnel(TUNNEL_IP);
 
     let syn = Pkt::tcp(EXT_CLIENT, 40_010, NODE_IP, NODE_PORT, SYN);
     let fwd = with_dst(&syn, REMOTE_BE, 8080);
@@ -2622,21 +2630,7 @@ fn forwarded_flow_through_a_tunnel_device_is_snated_to_the_device_address() {
 #[test]
 fn forwarded_flow_through_an_l3_tunnel_is_snated_and_its_reply_unsnated() {
     const TUNNEL_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
-    const TEST_RUN_IFINDEX: u32 = 1;
-    let mut dp = nodeport_datapath();
-    dp.set_node_addr(NODE_IP);
-    let mut devices: HashMap<&mut MapData, u32, SnatDevice> =
-        HashMap::try_from(dp.bpf.map_mut(MAP_SNAT_DEVICES).expect("SNATDEV map"))
-            .expect("SNATDEV type");
-    devices
-        .insert(
-            TEST_RUN_IFINDEX,
-            SnatDevice {
-                addr: TUNNEL_IP.octets(),
-            },
-            0,
-        )
-        .expect("write SNATDEV");
+    let mut dp = nodeport_datapath_through_tunnel(TUNNEL_IP);
 
     let syn = Pkt::tcp(EXT_CLIENT, 40_030, NODE_IP, NODE_PORT, SYN);
     let fwd = with_dst(&syn, REMOTE_BE, 8080);
