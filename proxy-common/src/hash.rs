@@ -50,6 +50,14 @@ pub const fn flow_hash(
     fmix(h ^ 13)
 }
 
+/// Hash of one address (network order) for the address-hashing schedulers (`sh`: the client's,
+/// `dh`: the destination's). Unseeded, like IPVS's: every node maps an address to the same slot
+/// of the same backend set, so a client moved between nodes (ECMP) keeps its endpoint.
+#[inline(always)]
+pub const fn addr_hash(addr: [u8; 4]) -> u32 {
+    fmix(mix(FLOW_HASH_BASE, u32::from_be_bytes(addr)) ^ 4)
+}
+
 /// Backend slot (1..=count) for a hash; `None` when there are no backends.
 /// Multiply-shift instead of `%`: no division in the datapath and no modulo bias worth naming.
 #[inline(always)]
@@ -266,5 +274,21 @@ mod tests {
                 assert!((1_024..=65_535).contains(&p.port(i)));
             }
         }
+    }
+
+    #[test]
+    fn address_hash_is_stable_per_address_and_spreads_addresses() {
+        let a = [10, 244, 1, 2];
+        assert_eq!(pick_slot(addr_hash(a), 3), pick_slot(addr_hash(a), 3));
+        let mut per_slot = [0u32; 3];
+        for i in 0..3_000u32 {
+            let addr = (0x0af4_0000 + i).to_be_bytes();
+            per_slot[pick_slot(addr_hash(addr), 3).unwrap() as usize - 1] += 1;
+        }
+        // 3,000 consecutive addresses over 3 slots: each within 10% of 1,000.
+        assert!(
+            per_slot.iter().all(|n| (900..=1_100).contains(n)),
+            "{per_slot:?}"
+        );
     }
 }

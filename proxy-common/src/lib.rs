@@ -12,10 +12,12 @@ pub mod flow_state;
 pub mod hash;
 pub mod maps;
 pub mod ratelimit;
+pub mod sched;
 pub mod stats;
 pub mod timeouts;
 
 pub use maps::*;
+pub use sched::Scheduler;
 pub use stats::{COUNTER_COUNT, Counter};
 
 /// Version of the map layout. It is part of every map name, so an agent with another layout never

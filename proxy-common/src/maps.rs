@@ -131,7 +131,9 @@ impl ServiceKey {
 
 /// Service flags (`ServiceValue::flags`).
 pub mod service_flags {
-    /// Reserved for session affinity (ClientIP).
+    /// Session affinity (ClientIP): new flows of a client go to the endpoint recorded for it under
+    /// `ServiceValue::affinity_id` while it is usable here and its last use is within
+    /// `ServiceValue::affinity_timeout_s`.
     pub const AFFINITY: u16 = 1 << 0;
     /// A NodePort, externalIP or LoadBalancer frontend: with externalTrafficPolicy Cluster, flows
     /// to a backend on another node are SNATed to the node's address (`NODE_V1`).
@@ -150,8 +152,8 @@ pub mod service_flags {
     pub const DROP_WHEN_EMPTY: u16 = 1 << 4;
 }
 
-/// Value of a `SERVICES` entry. For slot 0 (frontend): `count`, `rev_nat_id`, `flags`,
-/// `affinity_timeout_s`; `backend_id` is 0. For slots ≥ 1: only `backend_id`.
+/// Value of a `SERVICES` entry. For slot 0 (frontend): everything but `backend_id` (0). For
+/// slots ≥ 1: only `backend_id`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct ServiceValue {
@@ -161,9 +163,23 @@ pub struct ServiceValue {
     pub count: u16,
     pub flags: u16,
     pub rev_nat_id: u32,
+    /// Session affinity timeout (seconds since the client's last new flow), with
+    /// `service_flags::AFFINITY`.
     pub affinity_timeout_s: u32,
+    /// Session affinity scope: one id per Service port, shared by all that port's frontends
+    /// (ClusterIP, NodePort, externalIPs, LB IPs), as kube-proxy's per-endpoint records are.
+    /// 0 without affinity.
+    pub affinity_id: u32,
+    /// Maglev lookup table of this frontend's backend set (`sched::code::MAGLEV`); 0 = none.
+    pub maglev_table: u32,
+    /// Round-robin position: datapath-owned (atomically incremented by each new flow of a
+    /// `sched::code::ROUND_ROBIN` frontend). The agent writes 0 and ignores it when comparing.
+    pub rr_next: u32,
+    /// `sched::code::*`.
+    pub scheduler: u8,
+    pub _pad: [u8; 3],
 }
-const _: () = assert!(core::mem::size_of::<ServiceValue>() == 16);
+const _: () = assert!(core::mem::size_of::<ServiceValue>() == 32);
 
 impl ServiceValue {
     /// A frontend entry with `service_flags` bits.
@@ -181,17 +197,24 @@ impl ServiceValue {
             flags: 0,
             rev_nat_id,
             affinity_timeout_s: 0,
+            affinity_id: 0,
+            maglev_table: 0,
+            rr_next: 0,
+            scheduler: crate::sched::code::RANDOM,
+            _pad: [0; 3],
         }
     }
 
     pub const fn slot(backend_id: u32) -> Self {
         Self {
             backend_id,
-            count: 0,
-            flags: 0,
-            rev_nat_id: 0,
-            affinity_timeout_s: 0,
+            ..Self::frontend(0, 0)
         }
+    }
+
+    /// The same entry as the agent compares it: without the datapath-owned `rr_next`.
+    pub const fn as_programmed(self) -> Self {
+        Self { rr_next: 0, ..self }
     }
 }
 

@@ -3,9 +3,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
-    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook,
-    hash::{flow_hash, pick_slot},
-    service_flags,
+    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, service_flags,
 };
 
 use crate::{
@@ -13,7 +11,7 @@ use crate::{
     conntrack::{self, NewFlow},
     frag, icmp, maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
-    reject, snat, stats, svc_cidr,
+    pick, reject, snat, stats, svc_cidr,
 };
 
 /// Why a packet goes through the new-flow path although it had a conntrack entry.
@@ -238,7 +236,12 @@ fn new_flow(
         p.dport,
         p.proto,
     );
-    let Some(slot) = pick_slot(hash, frontend.count) else {
+    let facts = pick::FlowFacts {
+        client: p.saddr,
+        frontend_addr: p.daddr,
+        hash,
+    };
+    let Some(backend_id) = pick::choose(&frontend_key, &frontend, &facts)? else {
         if let Some(old) = old {
             conntrack::remove(key, old);
         }
@@ -251,9 +254,6 @@ fn new_flow(
         maps::tail_call(ctx, TAIL_CALL_REJECT, p.l2_len);
         return Err(Drop::TailCall);
     };
-    let backend_id = maps::service(&frontend_key.with_slot(slot))
-        .ok_or(Drop::NoBackend)?
-        .backend_id;
     let backend = maps::backend(backend_id).ok_or(Drop::NoBackend)?;
     let flow = NewFlow {
         original: key,

@@ -12,6 +12,7 @@ mod ingress;
 mod maps;
 mod nat;
 mod packet;
+mod pick;
 mod reject;
 mod snat;
 mod sock;

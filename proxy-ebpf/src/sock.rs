@@ -24,11 +24,10 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, hash::pick_slot, proto, service_cidr,
-    service_flags,
+    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, proto, service_cidr, service_flags,
 };
 
-use crate::{maps, stats};
+use crate::{maps, pick, stats};
 
 /// A cgroup sock_addr program's "go on" verdict (0 fails the syscall).
 const ALLOW: i32 = 1;
@@ -67,8 +66,18 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         stats::count(Counter::DropSourceRange);
         return refuse();
     }
-    // SAFETY: bpf_get_prandom_u32 takes no arguments.
-    let Some(slot) = pick_slot(unsafe { bpf_get_prandom_u32() }, frontend.count) else {
+    let facts = pick::FlowFacts {
+        // The node as a client (its socket has no source address yet).
+        client: [0; 4],
+        frontend_addr: addr,
+        // SAFETY: bpf_get_prandom_u32 takes no arguments.
+        hash: unsafe { bpf_get_prandom_u32() },
+    };
+    let Ok(choice) = pick::choose(&key, &frontend, &facts) else {
+        stats::count(Counter::DropNoBackend);
+        return refuse();
+    };
+    let Some(backend_id) = choice else {
         if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
             // Where tc drops (a Local policy served only by other nodes), the socket fails as a
             // dropped SYN would end, without the minutes of retries.
@@ -78,9 +87,7 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         stats::count(Counter::SockNoEndpointsRefused);
         return refuse();
     };
-    let Some(backend) =
-        maps::service(&key.with_slot(slot)).and_then(|s| maps::backend(s.backend_id))
-    else {
+    let Some(backend) = maps::backend(backend_id) else {
         stats::count(Counter::DropNoBackend);
         return refuse();
     };

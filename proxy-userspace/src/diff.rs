@@ -128,10 +128,12 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
         put_if_changed(
             &mut ops,
             a.key,
-            ServiceValue::frontend_with_flags(
+            encode::frontend_value(
+                &a.frontend,
+                a.df,
                 a.count(),
                 a.rev_nat_id,
-                encode::frontend_flags(&a.frontend, a.df),
+                encode::FrontendRefs::default(),
             ),
         );
     }
@@ -467,6 +469,7 @@ mod tests {
             port_name: String::new(),
         };
         DesiredFrontend {
+            balancing: Default::default(),
             service,
             kind: crate::model::FrontendKind::ClusterIp,
             external_local: false,
@@ -1172,6 +1175,7 @@ mod tests {
 
         let node_addr = Ipv4Addr::new(192, 168, 50, 10);
         let node = NodeContext {
+            scheduler: Default::default(),
             node_name: "node-a".into(),
             zone: None,
         };

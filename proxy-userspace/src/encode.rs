@@ -5,7 +5,8 @@ use std::net::Ipv4Addr;
 
 use proxy_common::{
     Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, SourceRangeKey, backend_flags, service_flags,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey, backend_flags,
+    service_flags,
 };
 
 use crate::model::{DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol, Scope};
@@ -78,6 +79,36 @@ pub fn frontend_flags(frontend: &Frontend, df: &DesiredFrontend) -> u16 {
         flags |= service_flags::DROP_WHEN_EMPTY;
     }
     flags
+}
+
+/// Ids a frontend entry refers to beside its rev-NAT id, allocated by the planner.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrontendRefs {
+    /// Session affinity scope of the frontend's Service port (0 = no affinity).
+    pub affinity_id: u32,
+    /// Maglev table of the frontend's backend set (0 = none).
+    pub maglev_table: u32,
+}
+
+/// The `SERVICES` frontend entry (slot 0) of a frontend with `count` backend slots.
+pub fn frontend_value(
+    frontend: &Frontend,
+    df: &DesiredFrontend,
+    count: u16,
+    rev_nat_id: u32,
+    refs: FrontendRefs,
+) -> ServiceValue {
+    let mut flags = frontend_flags(frontend, df);
+    let mut value = ServiceValue::frontend(count, rev_nat_id);
+    if let Some(timeout) = df.balancing.affinity_timeout_s {
+        flags |= service_flags::AFFINITY;
+        value.affinity_timeout_s = timeout;
+        value.affinity_id = refs.affinity_id;
+    }
+    value.flags = flags;
+    value.scheduler = df.balancing.scheduler.code();
+    value.maglev_table = refs.maglev_table;
+    value
 }
 
 /// The `SRCRANGES_V1` entries (LPM prefix length, key data) allowing a frontend's source ranges.

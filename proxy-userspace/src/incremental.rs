@@ -553,11 +553,7 @@ impl Planner {
             put_if_changed(
                 &mut ops,
                 *key,
-                ServiceValue::frontend_with_flags(
-                    count,
-                    *rev_nat_id,
-                    encode::frontend_flags(fe, df),
-                ),
+                encode::frontend_value(fe, df, count, *rev_nat_id, encode::FrontendRefs::default()),
             );
             if let Some(v) = entry {
                 removed_slots.extend(

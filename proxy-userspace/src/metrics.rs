@@ -857,6 +857,7 @@ mod tests {
             ],
         );
         let node = NodeContext {
+            scheduler: Default::default(),
             node_name: "me".into(),
             zone: None,
         };

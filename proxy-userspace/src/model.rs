@@ -3,6 +3,8 @@
 
 use std::{collections::BTreeMap, fmt, net::Ipv4Addr, sync::Arc};
 
+pub use proxy_common::Scheduler;
+
 /// L4 protocol of a Service port. SCTP is not supported by the datapath (translate reports it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
@@ -192,11 +194,23 @@ impl FrontendKind {
     }
 }
 
+/// How a frontend chooses a backend for a new flow: the Service's scheduler (annotation, else
+/// the node's) and its session affinity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Balancing {
+    pub scheduler: Scheduler,
+    /// `sessionAffinity: ClientIP`: `sessionAffinityConfig.clientIP.timeoutSeconds`; `None` =
+    /// no affinity.
+    pub affinity_timeout_s: Option<u32>,
+}
+
 /// What one frontend should do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DesiredFrontend {
     pub service: ServicePortName,
     pub kind: FrontendKind,
+    /// Scheduler and session affinity (the same for all frontends of a Service port).
+    pub balancing: Balancing,
     /// An external frontend with externalTrafficPolicy Local: backends are this node's only,
     /// never SNATed, and none means drop. False for its in-cluster entry ([`Scope::InCluster`]),
     /// which carries the cluster-wide endpoints like a ClusterIP (no SNAT).

@@ -136,6 +136,7 @@ mod tests {
 
     fn frontend(kind: FrontendKind) -> Arc<DesiredFrontend> {
         Arc::new(DesiredFrontend {
+            balancing: Default::default(),
             service: ServicePortName {
                 namespace: "demo".into(),
                 name: "web".into(),

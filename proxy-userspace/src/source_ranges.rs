@@ -89,6 +89,7 @@ mod tests {
         desired.frontends.insert(
             fe,
             DesiredFrontend {
+                balancing: Default::default(),
                 service: ServicePortName {
                     namespace: "demo".into(),
                     name: "lb".into(),

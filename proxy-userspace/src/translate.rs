@@ -21,8 +21,8 @@ use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
 use crate::{
     endpoints::{SNAPSHOT_SOURCE, SliceIndex},
     model::{
-        ClaimRule, DesiredFrontend, DesiredState, Frontend, FrontendConflict, FrontendKind,
-        Problem, Protocol, Scope, ServicePortName,
+        Balancing, ClaimRule, DesiredFrontend, DesiredState, Frontend, FrontendConflict,
+        FrontendKind, Problem, Protocol, Scheduler, Scope, ServicePortName,
     },
     snapshot::Snapshot,
     topology::{self, Policy},
@@ -45,6 +45,9 @@ pub struct NodeContext {
     pub node_name: String,
     /// The node's `topology.kubernetes.io/zone` label, for zone hints.
     pub zone: Option<String>,
+    /// The node's scheduler (`--scheduler`, else KubeProxyConfiguration `ipvs.scheduler`) for
+    /// Services without a scheduler annotation.
+    pub scheduler: Scheduler,
 }
 
 /// What `translate` made of a snapshot.
@@ -489,6 +492,7 @@ fn service_frontends(
     });
 
     let policy = policy(svc);
+    let balancing = balancing(svc, node);
     let spec = svc.spec.as_ref();
     let service_type = spec.and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP");
     let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
@@ -552,6 +556,7 @@ fn service_frontends(
             let df = DesiredFrontend {
                 service: service.clone(),
                 kind: FrontendKind::ClusterIp,
+                balancing,
                 external_local: false,
                 drop_when_empty: policy.local_only && chosen.drops(),
                 source_ranges: Vec::new(),
@@ -591,6 +596,7 @@ fn service_frontends(
             let df = DesiredFrontend {
                 service: service.clone(),
                 kind,
+                balancing,
                 external_local,
                 drop_when_empty: external_local && chosen.drops(),
                 source_ranges: if kind == FrontendKind::LoadBalancer {
@@ -634,6 +640,14 @@ fn policy(svc: &Service) -> Policy {
     let spec = svc.spec.as_ref();
     Policy {
         local_only: spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local"),
+    }
+}
+
+/// How the Service's frontends choose backends: its scheduler and session affinity.
+fn balancing(_svc: &Service, node: &NodeContext) -> Balancing {
+    Balancing {
+        scheduler: node.scheduler,
+        affinity_timeout_s: None,
     }
 }
 
@@ -750,6 +764,7 @@ mod tests {
     fn run(case: Case<'_>) -> Translation {
         let snapshot = Snapshot::new(case.services, case.slices);
         let node = NodeContext {
+            scheduler: Default::default(),
             node_name: NODE.into(),
             zone: Some(ZONE.into()),
         };
@@ -1307,6 +1322,7 @@ mod tests {
                     vec![slice("web", "web-1", http_port(8080), endpoints)],
                 ),
                 &NodeContext {
+                    scheduler: Default::default(),
                     node_name: NODE.into(),
                     zone: Some(ZONE.into()),
                 },
@@ -1473,6 +1489,7 @@ mod tests {
         let load = crate::manifests::load_dir(&dir);
         assert_eq!(load.problems, [], "deploy/examples must load cleanly");
         let node = NodeContext {
+            scheduler: Default::default(),
             node_name: "node-a".into(),
             zone: None,
         };
@@ -1513,6 +1530,7 @@ mod tests {
     fn translate_node(services: Vec<Service>, slices: Vec<EndpointSlice>) -> Translation {
         let snapshot = Snapshot::new(services, slices);
         let node = NodeContext {
+            scheduler: Default::default(),
             node_name: NODE.into(),
             zone: Some(ZONE.into()),
         };

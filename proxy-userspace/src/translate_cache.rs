@@ -494,6 +494,7 @@ mod tests {
             let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
             let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
             let mut node = NodeContext {
+                scheduler: Default::default(),
                 node_name: "node-a".into(),
                 zone: Some("zone-a".into()),
             };
@@ -591,6 +592,7 @@ mod tests {
                 .collect(),
         };
         let node = NodeContext {
+            scheduler: Default::default(),
             node_name: "node-a".into(),
             zone: Some("zone-a".into()),
         };

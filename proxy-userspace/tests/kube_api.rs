@@ -111,6 +111,7 @@ fn backend_ips() -> Vec<Ipv4Addr> {
 fn frontends(source: &Source) -> BTreeMap<Ipv4Addr, Vec<Ipv4Addr>> {
     let state = source.state();
     let node = NodeContext {
+        scheduler: Default::default(),
         node_name: NODE.into(),
         zone: state.zone,
     };
@@ -1140,6 +1141,7 @@ fn pipeline_cost_at_10000_services() {
             .collect(),
     );
     let node = NodeContext {
+        scheduler: Default::default(),
         node_name: NODE.into(),
         zone: None,
     };

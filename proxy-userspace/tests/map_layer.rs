@@ -53,6 +53,7 @@ fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
         frontends.insert(
             frontend,
             DesiredFrontend {
+                balancing: Default::default(),
                 service,
                 kind: FrontendKind::ClusterIp,
                 external_local: false,
@@ -535,7 +536,7 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
         wrong_services,
         "the 8-byte-key SERVICES_V1 was adopted"
     );
-    assert_eq!((services.key_size(), services.value_size()), (12, 16));
+    assert_eq!((services.key_size(), services.value_size()), (12, 32));
     assert_eq!(
         info(MAP_BACKENDS).map_type().expect("type"),
         aya::maps::MapType::Hash,

@@ -395,7 +395,7 @@ mod tests {
         let services = shapes.iter().find(|(n, _)| *n == MAP_SERVICES).unwrap().1;
         assert_eq!(
             (services.map_type, services.key_size, services.value_size),
-            (HASH, 12, 16)
+            (HASH, 12, 32)
         );
     }
 }

@@ -1,0 +1,45 @@
+//! Backend choice for a new flow (tc new-flow program and the socket hooks): session affinity
+//! first, then the frontend's scheduler. The choice functions themselves are pure, in
+//! `proxy_common` (host-tested); this module only fetches what they need from the maps.
+
+use proxy_common::{
+    ServiceKey, ServiceValue,
+    hash::{addr_hash, pick_slot},
+    sched,
+};
+
+use crate::{Drop, maps};
+
+/// What the choice may look at of a new flow.
+#[derive(Clone, Copy)]
+pub struct FlowFacts {
+    /// The client's address (network order): sh hashes it, affinity is keyed by it.
+    pub client: [u8; 4],
+    /// The frontend address the client sent to (network order): dh hashes it.
+    pub frontend_addr: [u8; 4],
+    /// The flow's hash (tc: the seeded 5-tuple hash; socket hooks: a random number).
+    pub hash: u32,
+}
+
+/// The backend id for a new flow to `frontend` (found under `key`); `Ok(None)` when the frontend
+/// has no backends (the caller rejects or drops), `Err(Drop::NoBackend)` when the chosen slot
+/// vanished under a concurrent update.
+#[inline(always)]
+pub fn choose(
+    key: &ServiceKey,
+    frontend: &ServiceValue,
+    flow: &FlowFacts,
+) -> Result<Option<u32>, Drop> {
+    let slot = match frontend.scheduler {
+        // Each scheduler's arm lands with its implementation (issue 10); until then the flow
+        // hash.
+        sched::code::SOURCE_HASH => pick_slot(addr_hash(flow.client), frontend.count),
+        sched::code::DESTINATION_HASH => pick_slot(addr_hash(flow.frontend_addr), frontend.count),
+        _ => pick_slot(flow.hash, frontend.count),
+    };
+    let Some(slot) = slot else {
+        return Ok(None);
+    };
+    let slot = maps::service(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
+    Ok(Some(slot.backend_id))
+}
