@@ -22,12 +22,16 @@ pub const MAP_SEED: &str = "SEED_V1";
 pub const MAP_SERVICE_CIDRS: &str = "SVCCIDRS_V1";
 pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
+/// `AFFINITY_V1` (LRU hash): session affinity records, client → backend per Service port.
+pub const MAP_AFFINITY: &str = "AFFINITY_V1";
+/// `AFFMATCH_V1` (hash): which backends each affinity frontend may send a recorded client to.
+pub const MAP_AFFINITY_MATCH: &str = "AFFMATCH_V1";
 /// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
 /// reads it and a new program may start with a fresh one.
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 14] = [
+pub const ALL_MAPS: [&str; 16] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -42,6 +46,8 @@ pub const ALL_MAPS: [&str; 14] = [
     MAP_SNAT_DEVICES,
     MAP_SEED,
     MAP_SERVICE_CIDRS,
+    MAP_AFFINITY,
+    MAP_AFFINITY_MATCH,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -65,6 +71,12 @@ pub const SNAT_DEVICES_CAPACITY: u32 = 256;
 /// Service CIDR prefixes and allocated ClusterIPs (one /32 each); an LPM trie takes memory only
 /// for the entries it holds.
 pub const SERVICE_CIDRS_CAPACITY: u32 = 131_072;
+/// Session affinity records (client, Service port), LRU-evicted: cilium's
+/// `CILIUM_LB4_AFFINITY_MAP_MAX_ENTRIES` default. `--affinity-max-entries` at load time.
+pub const AFFINITY_CAPACITY: u32 = 65_536;
+/// Affinity match entries: at most one per backend slot of an affinity frontend, so the agent
+/// sizes this map like `SERVICES_V1` (this is the compiled-in default, equal to it).
+pub const AFFINITY_MATCH_CAPACITY: u32 = SERVICES_CAPACITY;
 
 /// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
 /// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream
@@ -550,3 +562,64 @@ pub struct RejectBucket {
     pub last_ns: u64,
 }
 const _: () = assert!(core::mem::size_of::<RejectBucket>() == 16);
+
+/// `AFFINITY_V1` (LRU hash) key: one client of one Service port with session affinity
+/// (`ServiceValue::affinity_id`, shared by all that port's frontends, like kube-proxy's records).
+/// Node processes (socket hooks) are keyed by the node's address (`NodeInfo::snat_addr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct AffinityKey {
+    pub affinity_id: u32,
+    /// Client address (network order).
+    pub client: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<AffinityKey>() == 8);
+
+/// `AFFINITY_V1` value: the client's endpoint and when it last started a flow to it. Like
+/// kube-proxy (iptables `recent --set` on each new connection), only new flows refresh it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct AffinityValue {
+    pub backend_id: u32,
+    pub _pad: u32,
+    /// CLOCK_MONOTONIC ns of the client's last new flow (the clock of `CtValue::last_seen_ns`).
+    pub last_used_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
+
+/// `AFFMATCH_V1` (hash, value `u32` 1) key: backend `backend_id` is in the slots of the frontend
+/// `frontend` (slot-0 key) with session affinity, so a record naming it may be used for new flows
+/// of that frontend (cilium's `LB4_AFFINITY_MATCH_MAP`: an O(1) "still usable here" check). The
+/// agent writes the entries before the frontend entry that needs them and removes them before the
+/// backend leaves the slots.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct AffinityMatchKey {
+    pub frontend: ServiceKey,
+    pub backend_id: u32,
+}
+const _: () = assert!(core::mem::size_of::<AffinityMatchKey>() == 16);
+
+/// Is an affinity record last used at `last_used_ns` still valid at `now_ns` for a frontend with
+/// `timeout_s`? Within the timeout inclusive (kube-proxy's `recent --seconds`); a record from
+/// the future (another CPU stamped it after this program read the clock) is valid.
+pub const fn affinity_live(last_used_ns: u64, now_ns: u64, timeout_s: u32) -> bool {
+    now_ns.saturating_sub(last_used_ns) <= timeout_s as u64 * 1_000_000_000
+}
+
+#[cfg(test)]
+mod affinity_tests {
+    use super::*;
+
+    #[test]
+    fn affinity_is_live_up_to_the_timeout_inclusive() {
+        let s = 1_000_000_000u64;
+        assert!(affinity_live(100 * s, 100 * s, 10));
+        assert!(affinity_live(100 * s, 110 * s, 10));
+        assert!(!affinity_live(100 * s, 110 * s + 1, 10));
+        assert!(affinity_live(100 * s, 90 * s, 10), "stamped after our clock read");
+        // The largest timeout (86400 s) does not overflow.
+        assert!(affinity_live(0, 86_400 * s, 86_400));
+        assert!(!affinity_live(0, 86_400 * s + 1, 86_400));
+    }
+}

@@ -138,6 +138,12 @@ counters! {
     /// Dropped: a new flow to an address inside the Service CIDRs that no Service has (upstream
     /// nftables' "drop traffic to unallocated ClusterIPs"; the socket hooks: ETIMEDOUT).
     DropUnallocatedServiceIp = "drop_unallocated_service_ip",
+    /// A new flow of a session affinity frontend sent to the client's recorded endpoint (still
+    /// usable for the frontend, last used within the timeout); its last use refreshed.
+    AffinityHit = "affinity_hit",
+    /// A new flow of a session affinity frontend without a usable record (none, expired, or its
+    /// endpoint no longer usable here): picked by the scheduler, and recorded.
+    AffinityMiss = "affinity_miss",
 }
 
 /// Number of entries in the stats array.

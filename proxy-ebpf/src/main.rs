@@ -4,6 +4,7 @@
 #![no_std]
 #![no_main]
 
+mod affinity;
 mod conntrack;
 mod egress;
 mod frag;

@@ -15,7 +15,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
+    AFFINITY_CAPACITY, AFFINITY_MATCH_CAPACITY, AffinityKey, AffinityMatchKey, AffinityValue,
+    MAP_AFFINITY, MAP_AFFINITY_MATCH, BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
     DatapathConfig, FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT,
     MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOCK_REVNAT,
@@ -62,6 +63,16 @@ static SVCCIDRS_V1: LpmTrie<[u8; 4], u32, { SERVICE_CIDRS_CAPACITY as usize }> =
 #[btf_map]
 static SOCKREV_V1: LruHashMap<SockRevKey, SockRevValue, { SOCK_REVNAT_CAPACITY as usize }> =
     LruHashMap::new();
+
+/// Session affinity records (written by the datapath, read by `dump affinity`).
+#[btf_map]
+static AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue, { AFFINITY_CAPACITY as usize }> =
+    LruHashMap::new();
+
+/// Backends each affinity frontend may send a recorded client to (written by the agent).
+#[btf_map]
+static AFFMATCH_V1: HashMap<AffinityMatchKey, u32, { AFFINITY_MATCH_CAPACITY as usize }> =
+    HashMap::new();
 
 /// Fragmented datagrams whose first fragment passed a hook: what its later fragments get.
 #[btf_map]
@@ -446,6 +457,28 @@ pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
     Some(unsafe { *ptr })
 }
 
+/// A session affinity record, in place: its backend and last use (`None` if there is none).
+#[inline(always)]
+pub fn affinity(key: &AffinityKey) -> Option<&'static mut AffinityValue> {
+    let ptr = AFFINITY_V1.get_ptr_mut(key)?;
+    // SAFETY: a live LRU value from this lookup; callers read two fields and store one
+    // (`last_used_ns`, a single 8-byte store that concurrent writers race harmlessly) before any
+    // insert into this map.
+    Some(unsafe { &mut *ptr })
+}
+
+/// Record (or overwrite) a client's endpoint.
+#[inline(always)]
+pub fn affinity_insert(key: &AffinityKey, value: &AffinityValue) -> Result<(), i32> {
+    AFFINITY_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// May a record naming `key.backend_id` be used for new flows of `key.frontend`?
+#[inline(always)]
+pub fn affinity_match(key: &AffinityMatchKey) -> bool {
+    AFFMATCH_V1.get_ptr(key).is_some()
+}
+
 /// A copy of what the first fragment of a datagram got at a hook.
 #[inline(always)]
 pub fn fragment(key: &FragKey) -> Option<FragValue> {
@@ -589,3 +622,5 @@ const _: () = assert!(same(MAP_TAP, "TAP_V1"));
 const _: () = assert!(same(MAP_SEED, "SEED_V1"));
 const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));
+const _: () = assert!(same(MAP_AFFINITY, "AFFINITY_V1"));
+const _: () = assert!(same(MAP_AFFINITY_MATCH, "AFFMATCH_V1"));

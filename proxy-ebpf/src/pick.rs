@@ -5,10 +5,10 @@
 use proxy_common::{
     ServiceKey, ServiceValue,
     hash::{addr_hash, pick_slot},
-    sched,
+    sched, service_flags,
 };
 
-use crate::{Drop, maps};
+use crate::{Drop, affinity, maps};
 
 /// What the choice may look at of a new flow.
 #[derive(Clone, Copy)]
@@ -26,6 +26,27 @@ pub struct FlowFacts {
 /// vanished under a concurrent update.
 #[inline(always)]
 pub fn choose(
+    key: &ServiceKey,
+    frontend: &ServiceValue,
+    flow: &FlowFacts,
+) -> Result<Option<u32>, Drop> {
+    if frontend.flags & service_flags::AFFINITY == 0 {
+        return schedule(key, frontend, flow);
+    }
+    let now = maps::now_ns();
+    if let Some(backend_id) = affinity::recorded(key, frontend, flow, now) {
+        return Ok(Some(backend_id));
+    }
+    let choice = schedule(key, frontend, flow)?;
+    if let Some(backend_id) = choice {
+        affinity::record(frontend, flow, backend_id, now);
+    }
+    Ok(choice)
+}
+
+/// The frontend's scheduler's pick.
+#[inline(always)]
+fn schedule(
     key: &ServiceKey,
     frontend: &ServiceValue,
     flow: &FlowFacts,

@@ -67,8 +67,11 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         return refuse();
     }
     let facts = pick::FlowFacts {
-        // The node as a client (its socket has no source address yet).
-        client: [0; 4],
+        // The node as a client: its socket has no source address yet, so the node's primary
+        // address (what a flow of the node's toward another node's NodePort would come from)
+        // stands for all of the node's processes (session affinity, sh); 0.0.0.0 before the
+        // agent knows it.
+        client: maps::node().map_or([0; 4], |n| n.snat_addr),
         frontend_addr: addr,
         // SAFETY: bpf_get_prandom_u32 takes no arguments.
         hash: unsafe { bpf_get_prandom_u32() },
