@@ -226,6 +226,9 @@ mod pod {
     unsafe impl aya::Pod for crate::SnatValue {}
     unsafe impl aya::Pod for crate::NodeInfo {}
     unsafe impl aya::Pod for crate::SnatDevice {}
+    unsafe impl aya::Pod for crate::AffinityKey {}
+    unsafe impl aya::Pod for crate::AffinityValue {}
+    unsafe impl aya::Pod for crate::AffinityMatchKey {}
     unsafe impl aya::Pod for crate::SourceRangeKey {}
     unsafe impl aya::Pod for crate::SockRevKey {}
     unsafe impl aya::Pod for crate::SockLbConfig {}

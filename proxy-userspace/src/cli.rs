@@ -131,6 +131,10 @@ pub struct RunArgs {
     /// Capacity of the REVNAT map (frontends).
     #[arg(long, env = "KPE_MAP_REVNAT", default_value_t = proxy_common::REVNAT_CAPACITY)]
     pub map_entries_revnat: u32,
+    /// Capacity of the session affinity map (AFFINITY_V1, LRU: one record per client and
+    /// ClientIP-affinity Service port; the least recently used go first when it is full).
+    #[arg(long, env = "KPE_AFFINITY_MAX_ENTRIES", default_value_t = proxy_common::AFFINITY_CAPACITY)]
+    pub affinity_max_entries: u32,
     /// Flows tracked per CPU (kube-proxy's `conntrack.maxPerCore`): the CONNTRACK and SNAT maps
     /// are sized for max(this × CPUs, --conntrack-min) flows, two entries per flow each. 0 = the
     /// built-in 131072 flows.

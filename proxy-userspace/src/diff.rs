@@ -5,8 +5,12 @@
 //! phases so that the datapath, reading the maps between any two of them, never follows a
 //! frontend to a slot that does not exist or a slot to a backend that does not exist:
 //!
+//! 0. `DeleteAffinityMatch` of affinity match entries no frontend keeps (a backend leaving an
+//!    affinity frontend, or the frontend losing affinity or going): first, so a client's record
+//!    naming that backend is a miss from then on, whatever the slots still say;
 //! 1. `PutBackend` (new or changed), `PutRevNat` (new or changed);
-//! 2. `PutService` for backend slots 1..=n that are new or changed;
+//! 2. `PutService` for backend slots 1..=n that are new or changed; then `PutAffinityMatch` for
+//!    the new match entries of affinity frontends (their backends exist by now);
 //! 3. `PutService` for frontend entries (slot 0) that are new or changed; `DeleteService` of the
 //!    frontend entry of removed frontends;
 //! 4. `DeleteService` of slots beyond the new count, and of every slot of removed frontends;
@@ -19,7 +23,9 @@
 
 use std::cmp::Reverse;
 
-use proxy_common::{Backend, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{
+    AffinityMatchKey, Backend, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue,
+};
 
 use crate::{
     encode,
@@ -64,12 +70,32 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     // Untouched capacity costs address space, not memory.
     let most = accepted
         .iter()
-        .map(|a| 2 + a.slot_ids.len() + a.df.backends.len() + a.df.retained.len())
+        .map(|a| 2 + 2 * a.slot_ids.len() + a.df.backends.len() + a.df.retained.len())
         .sum::<usize>()
         + programmed.services.len()
+        + programmed.affinity_matches.len()
         + programmed.backends.len()
         + programmed.rev_nats.len();
     let mut ops = Vec::with_capacity(most);
+
+    // Phase 0: affinity match entries nothing wants (a kept frontend keeps its own).
+    let wanted_matches: HashSet<AffinityMatchKey> = accepted
+        .iter()
+        .flat_map(|a| encode::affinity_matches(&a.key, a.df, &a.slot_ids))
+        .collect();
+    let kept_frontends: HashSet<ServiceKey> = kept.iter().map(|k| k.key).collect();
+    let mut dead_matches: Vec<AffinityMatchKey> = programmed
+        .affinity_matches
+        .iter()
+        .filter(|k| !wanted_matches.contains(k) && !kept_frontends.contains(&k.frontend))
+        .copied()
+        .collect();
+    dead_matches.sort_unstable();
+    ops.extend(
+        dead_matches
+            .into_iter()
+            .map(|key| MapOp::DeleteAffinityMatch { key }),
+    );
     let mut referenced_backends: HashSet<u32> = HashSet::default();
     let mut referenced_rev_nats: HashSet<u32> = HashSet::default();
 
@@ -122,6 +148,16 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             put_if_changed(&mut ops, a.key.with_slot(slot), ServiceValue::slot(*id));
         }
     }
+    let mut new_matches: Vec<AffinityMatchKey> = wanted_matches
+        .into_iter()
+        .filter(|k| !programmed.affinity_matches.contains(k))
+        .collect();
+    new_matches.sort_unstable();
+    ops.extend(
+        new_matches
+            .into_iter()
+            .map(|key| MapOp::PutAffinityMatch { key }),
+    );
 
     // Phase 3: frontend entries.
     for a in &accepted {
@@ -133,12 +169,11 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
                 a.df,
                 a.count(),
                 a.rev_nat_id,
-                encode::FrontendRefs::default(),
+                encode::frontend_refs(a.df),
             ),
         );
     }
     let counts: HashMap<ServiceKey, u16> = accepted.iter().map(|a| (a.key, a.count())).collect();
-    let kept_keys: HashSet<ServiceKey> = kept.iter().map(|k| k.key).collect();
     let mut removed_frontends = Vec::new();
     let mut removed_slots = Vec::new();
     for (key, value) in &programmed.services {
@@ -147,7 +182,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             if key.slot > count {
                 removed_slots.push(*key);
             }
-        } else if kept_keys.contains(&frontend) {
+        } else if kept_frontends.contains(&frontend) {
             // Left as programmed: what it points to must stay.
             if key.slot == 0 {
                 referenced_rev_nats.insert(value.rev_nat_id);
@@ -515,6 +550,15 @@ mod tests {
     /// What the datapath can reach must exist: every slot of every frontend, every backend a
     /// slot names, every rev-NAT a frontend names. Checked after every single op.
     fn assert_consistent(p: &Programmed, after: &MapOp) {
+        // An affinity match names an existing backend (one its frontend selects before or after
+        // the plan: slots are rewritten one by one, so mid-plan it may sit in none of them; the
+        // match set is exact once a plan is through, see `sync`).
+        for m in &p.affinity_matches {
+            assert!(
+                p.backends.contains_key(&m.backend_id),
+                "match {m:?} without its backend after {after:?}"
+            );
+        }
         for (key, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
             assert_ne!(v.rev_nat_id, 0);
             assert!(
@@ -582,9 +626,80 @@ mod tests {
                 assert!(kept, "retained {} not programmed", r.endpoint);
             }
         }
+        // Affinity match entries: exactly every backend slot of every affinity frontend.
+        let mut want_matches: HashSet<AffinityMatchKey> = HashSet::default();
+        for (f, df) in &d.frontends {
+            let k = encode::service_key(f, 0);
+            let count = p.services[&k].count;
+            let ids: Vec<u32> = (1..=count)
+                .map(|s| p.services[&k.with_slot(s)].backend_id)
+                .collect();
+            want_matches.extend(encode::affinity_matches(&k, df, &ids));
+            let v = p.services[&k];
+            match df.balancing.affinity_timeout_s {
+                Some(t) => {
+                    assert_eq!(v.flags & proxy_common::service_flags::AFFINITY, 1 << 0);
+                    assert_eq!(v.affinity_timeout_s, t);
+                    assert_eq!(v.affinity_id, encode::affinity_id(&df.service));
+                }
+                None => assert_eq!((v.affinity_timeout_s, v.affinity_id), (0, 0)),
+            }
+        }
+        assert_eq!(p.affinity_matches, want_matches);
         let again = super::plan(d, p, &CAPS);
         assert_eq!(again.ops, [], "plan must be idempotent");
         plan
+    }
+
+    #[test]
+    fn affinity_matches_come_with_the_slots_and_leave_before_anything_else() {
+        let with_affinity = |d: &mut DesiredState, f: u32, timeout: Option<u32>| {
+            Arc::make_mut(d.frontends.get_mut(&fe(f)).unwrap())
+                .balancing
+                .affinity_timeout_s = timeout;
+        };
+        let matched = |f: u32, id: u32| AffinityMatchKey {
+            frontend: key(f, 0),
+            backend_id: id,
+        };
+        let mut p = Programmed::default();
+        let mut d = state(&[(1, &[1, 2]), (2, &[2])]);
+        with_affinity(&mut d, 1, Some(30));
+        let first = sync(&d, &mut p);
+        let pos = |ops: &[MapOp], op: &MapOp| ops.iter().position(|o| o == op).unwrap();
+        let m1 = pos(&first.ops, &MapOp::PutAffinityMatch { key: matched(1, 1) });
+        let m2 = pos(&first.ops, &MapOp::PutAffinityMatch { key: matched(1, 2) });
+        let frontend = first
+            .ops
+            .iter()
+            .position(|o| matches!(o, MapOp::PutService { key: k, .. } if *k == key(1, 0)))
+            .unwrap();
+        let slot = pos(&first.ops, &put_slot(1, 2, 2));
+        assert!(slot < m1 && m1 < m2 && m2 < frontend, "{:?}", first.ops);
+        assert_eq!(p.affinity_matches.len(), 2, "only frontend 1 has affinity");
+        let id = p.services[&key(1, 0)].affinity_id;
+        assert_ne!(id, 0);
+
+        // Backend 1 leaves: its match goes first of all; the scope id stays.
+        let mut d2 = state(&[(1, &[2]), (2, &[2])]);
+        with_affinity(&mut d2, 1, Some(30));
+        let shrink = sync(&d2, &mut p);
+        assert_eq!(
+            shrink.ops[0],
+            MapOp::DeleteAffinityMatch { key: matched(1, 1) }
+        );
+        assert_eq!(p.services[&key(1, 0)].affinity_id, id);
+
+        // A new timeout is a frontend write only; switching affinity off removes the matches.
+        with_affinity(&mut d2, 1, Some(5));
+        let retimed = sync(&d2, &mut p);
+        assert_eq!(retimed.ops.len(), 1, "{:?}", retimed.ops);
+        with_affinity(&mut d2, 1, None);
+        let off = sync(&d2, &mut p);
+        assert_eq!(off.ops[0], MapOp::DeleteAffinityMatch { key: matched(1, 2) });
+        assert!(p.affinity_matches.is_empty());
+        sync(&DesiredState::default(), &mut p);
+        assert_eq!(p, Programmed::default());
     }
 
     fn key(f: u32, slot: u16) -> ServiceKey {
@@ -851,6 +966,9 @@ mod tests {
         let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::default();
         for df in frontends.values_mut() {
             let df = Arc::make_mut(df);
+            if rng.below(3) == 0 {
+                df.balancing.affinity_timeout_s = Some(1 + rng.below(100) as u32);
+            }
             for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
                 let (t, l) = *flags.entry(b.endpoint).or_insert((b.terminating, b.local));
                 b.terminating = t;
@@ -1068,6 +1186,13 @@ mod tests {
                         }
                     });
                     let df = Arc::make_mut(df);
+                    if rng.below(4) == 0 {
+                        // Affinity switched on or off, or its timeout changed.
+                        df.balancing.affinity_timeout_s = match rng.below(3) {
+                            0 => None,
+                            n => Some(n as u32 * 10),
+                        };
+                    }
                     let b = rng.below(20);
                     let backend = DesiredBackend {
                         local: rng.below(2) == 0,

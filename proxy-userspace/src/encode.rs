@@ -4,12 +4,14 @@
 use std::net::Ipv4Addr;
 
 use proxy_common::{
-    Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
+    AffinityMatchKey, Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
     SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey, backend_flags,
     service_flags,
 };
 
-use crate::model::{DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol, Scope};
+use crate::model::{
+    DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol, Scope, ServicePortName,
+};
 
 /// The `SERVICES` key of one slot of a frontend (slot 0 = the frontend entry).
 pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
@@ -109,6 +111,60 @@ pub fn frontend_value(
     value.scheduler = df.balancing.scheduler.code();
     value.maglev_table = refs.maglev_table;
     value
+}
+
+/// The session affinity scope of a Service port (`ServiceValue::affinity_id`): a hash of its
+/// name, never 0. Like kube-proxy's iptables `recent` lists (named by a hash of the Service port
+/// and endpoint), it is the same on every sync, after agent restarts and on every node, with no
+/// allocator state; a Service deleted and created again under the same name finds its old
+/// records, as upstream does, but only those naming a backend still in its slots (`AFFMATCH_V1`).
+/// Two Service ports whose names collide (a 1% chance that any pair does among 10,000 affinity
+/// Service ports) share a client's record only where both select its backend; otherwise a
+/// record of one is a miss for the other (each new flow of the client may then re-pick).
+pub fn affinity_id(service: &ServicePortName) -> u32 {
+    // FNV-1a (64-bit) over the three names, NUL-separated, folded to 32 bits.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in [&service.namespace, &service.name, &service.port_name] {
+        for b in part.bytes().chain([0]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let folded = (h ^ (h >> 32)) as u32;
+    folded.max(1)
+}
+
+/// The ids a frontend entry of `df` refers to that depend on it alone (the affinity scope).
+pub fn frontend_refs(df: &DesiredFrontend) -> FrontendRefs {
+    FrontendRefs {
+        affinity_id: df
+            .balancing
+            .affinity_timeout_s
+            .map_or(0, |_| affinity_id(&df.service)),
+        maglev_table: 0,
+    }
+}
+
+/// The `AFFMATCH_V1` entries of a frontend (slot-0 key `key`) with backend slots `slot_ids`:
+/// every backend of an affinity frontend, none otherwise; sorted.
+pub fn affinity_matches(
+    key: &ServiceKey,
+    df: &DesiredFrontend,
+    slot_ids: &[u32],
+) -> Vec<AffinityMatchKey> {
+    if df.balancing.affinity_timeout_s.is_none() {
+        return Vec::new();
+    }
+    let mut out: Vec<AffinityMatchKey> = slot_ids
+        .iter()
+        .map(|&backend_id| AffinityMatchKey {
+            frontend: *key,
+            backend_id,
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// The `SRCRANGES_V1` entries (LPM prefix length, key data) allowing a frontend's source ranges.
@@ -273,6 +329,26 @@ mod tests {
             assert_eq!(raw.proto, 17);
             assert_eq!(decode_backend(&raw), Some(b));
         }
+    }
+
+    #[test]
+    fn affinity_id_is_per_service_port_stable_and_never_zero() {
+        let spn = |ns: &str, name: &str, port: &str| ServicePortName {
+            namespace: ns.into(),
+            name: name.into(),
+            port_name: port.into(),
+        };
+        let a = affinity_id(&spn("demo", "web", "http"));
+        assert_eq!(a, affinity_id(&spn("demo", "web", "http")), "stable");
+        assert_ne!(a, 0);
+        // The separators keep "ab/c" and "a/bc" apart.
+        assert_ne!(a, affinity_id(&spn("demo", "web", "https")));
+        assert_ne!(a, affinity_id(&spn("demo", "webh", "ttp")));
+        assert_ne!(a, affinity_id(&spn("other", "web", "http")));
+        let distinct: std::collections::HashSet<u32> = (0..10_000)
+            .map(|i| affinity_id(&spn("ns", &format!("svc-{i}"), "")))
+            .collect();
+        assert!(distinct.len() >= 9_998, "{} distinct", distinct.len());
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
 };
 
-use proxy_common::{MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
 
 use crate::{
     diff::{self, Plan},
@@ -298,6 +298,8 @@ impl Planner {
                     self.unref_service(programmed, &key, old);
                 }
             }
+            // No index over them: a plan reads them from the shadow, per frontend.
+            MapOp::PutAffinityMatch { .. } | MapOp::DeleteAffinityMatch { .. } => {}
         }
     }
 
@@ -490,6 +492,26 @@ impl Planner {
         };
 
         let mut ops = Vec::new();
+        // Phase 0: affinity match entries of the changed frontends that go. Other frontends'
+        // are as the last plan left them: exactly their wanted ones.
+        let mut dead_matches: Vec<AffinityMatchKey> = Vec::new();
+        let mut new_matches: Vec<AffinityMatchKey> = Vec::new();
+        for (_, key, df, _, _, slot_ids) in &accepted {
+            let wanted = encode::affinity_matches(key, df, slot_ids);
+            let have = programmed.affinity_matches_of(key);
+            dead_matches.extend(have.iter().filter(|k| wanted.binary_search(k).is_err()));
+            new_matches.extend(wanted.iter().filter(|k| !programmed.affinity_matches.contains(k)));
+        }
+        for (key, _) in &removed {
+            dead_matches.extend(programmed.affinity_matches_of(key));
+        }
+        dead_matches.sort_unstable();
+        new_matches.sort_unstable();
+        ops.extend(
+            dead_matches
+                .into_iter()
+                .map(|key| MapOp::DeleteAffinityMatch { key }),
+        );
         // Phase 1: backends the changes touched, with flags merged over every frontend using
         // them; then rev-NAT entries.
         let mut puts = Vec::new();
@@ -544,6 +566,11 @@ impl Planner {
                 put_if_changed(&mut ops, key.with_slot(slot), ServiceValue::slot(*id));
             }
         }
+        ops.extend(
+            new_matches
+                .into_iter()
+                .map(|key| MapOp::PutAffinityMatch { key }),
+        );
 
         // Phase 3: frontend entries; removed frontends.
         let mut removed_slots = Vec::new();
@@ -553,7 +580,7 @@ impl Planner {
             put_if_changed(
                 &mut ops,
                 *key,
-                encode::frontend_value(fe, df, count, *rev_nat_id, encode::FrontendRefs::default()),
+                encode::frontend_value(fe, df, count, *rev_nat_id, encode::frontend_refs(df)),
             );
             if let Some(v) = entry {
                 removed_slots.extend(

@@ -4,14 +4,19 @@
 //! the maps by applying every operation to both. `diff` compares it with the desired state; ids
 //! are derived from it, so no other allocator state exists to drift.
 
-use proxy_common::{Backend, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{AffinityMatchKey, Backend, RevNat, ServiceKey, ServiceValue};
 
-use crate::fast_hash::HashMap;
+use crate::fast_hash::{HashMap, HashSet};
 
 /// One write to one map. `diff` emits them in an order that keeps the datapath consistent at
-/// every step: backends → rev-NAT → slots → frontends; shrinking in reverse.
+/// every step: backends → rev-NAT → slots → frontends; shrinking in reverse. Affinity match
+/// entries (`AFFMATCH_V1`) leave first (a record naming a backend on its way out of a frontend
+/// stops matching before anything else changes) and come with the slots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MapOp {
+    DeleteAffinityMatch {
+        key: AffinityMatchKey,
+    },
     PutBackend {
         id: u32,
         backend: Backend,
@@ -23,6 +28,9 @@ pub enum MapOp {
     PutService {
         key: ServiceKey,
         value: ServiceValue,
+    },
+    PutAffinityMatch {
+        key: AffinityMatchKey,
     },
     DeleteService {
         key: ServiceKey,
@@ -41,6 +49,8 @@ pub struct Programmed {
     pub services: HashMap<ServiceKey, ServiceValue>,
     pub backends: HashMap<u32, Backend>,
     pub rev_nats: HashMap<u32, RevNat>,
+    /// `AFFMATCH_V1`: (affinity frontend, backend id in its slots).
+    pub affinity_matches: HashSet<AffinityMatchKey>,
 }
 
 impl Programmed {
@@ -65,6 +75,12 @@ impl Programmed {
             MapOp::DeleteBackend { id } => {
                 self.backends.remove(&id);
             }
+            MapOp::PutAffinityMatch { key } => {
+                self.affinity_matches.insert(key);
+            }
+            MapOp::DeleteAffinityMatch { key } => {
+                self.affinity_matches.remove(&key);
+            }
         }
     }
 
@@ -84,6 +100,23 @@ impl Programmed {
         self.services.reserve(services);
         self.backends.reserve(backends);
         self.rev_nats.reserve(rev_nats);
+    }
+
+    /// The affinity match entries of frontend `key` (slot 0) whose backend a programmed slot of
+    /// it names (those a plan keeps in step with the slots), sorted.
+    pub fn affinity_matches_of(&self, key: &ServiceKey) -> Vec<AffinityMatchKey> {
+        let count = self.services.get(key).map_or(0, |v| v.count);
+        let mut out: Vec<AffinityMatchKey> = (1..=count)
+            .filter_map(|s| self.services.get(&key.with_slot(s)))
+            .map(|v| AffinityMatchKey {
+                frontend: *key,
+                backend_id: v.backend_id,
+            })
+            .filter(|k| self.affinity_matches.contains(k))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Number of frontends (slot-0 entries).

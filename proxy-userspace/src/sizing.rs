@@ -80,6 +80,7 @@ pub fn map_sizes(args: &RunArgs, cpus: u32) -> MapSizes {
         services: args.map_entries_services,
         backends: args.map_entries_backends,
         rev_nats: args.map_entries_revnat,
+        affinity: args.affinity_max_entries,
         conntrack: f.conntrack,
         snat: f.snat,
     }

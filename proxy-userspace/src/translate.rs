@@ -95,7 +95,17 @@ enum ServiceError {
         "loadBalancerSourceRanges entry {0:?} is not a CIDR; entry ignored (the other ranges apply)"
     )]
     BadSourceRange(String),
+    #[error(
+        "sessionAffinityConfig.clientIP.timeoutSeconds {0} is outside 1-{MAX_AFFINITY_TIMEOUT_S}; \
+         the default {DEFAULT_AFFINITY_TIMEOUT_S} s applies"
+    )]
+    BadAffinityTimeout(i32),
 }
+
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` default and maximum (upstream's validation:
+/// 0 < timeout <= 86400).
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+pub const MAX_AFFINITY_TIMEOUT_S: u32 = 86_400;
 
 /// Turn a snapshot into the desired state for this node, without NodePort frontends (no node
 /// addresses known); see [`translate_for_node`].
@@ -511,6 +521,12 @@ fn service_frontends(
     let mut local_endpoints = 0usize;
     let (lb_source_ranges, bad_ranges) = source_ranges(svc);
     let mut port_problems = bad_ranges;
+    let (affinity_timeout_s, affinity_problem) = session_affinity(svc);
+    let balancing = Balancing {
+        affinity_timeout_s,
+        ..balancing
+    };
+    port_problems.extend(affinity_problem);
     let mut frontends = Vec::new();
     let mut seen_ports = Vec::new();
     for sp in svc.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
@@ -648,6 +664,33 @@ fn balancing(_svc: &Service, node: &NodeContext) -> Balancing {
     Balancing {
         scheduler: node.scheduler,
         affinity_timeout_s: None,
+    }
+}
+
+/// `spec.sessionAffinity: ClientIP`: its timeout (`sessionAffinityConfig.clientIP.timeoutSeconds`,
+/// default 10800 s). A timeout the API server would refuse (outside 1-86400) is reported and the
+/// default used, so the Service keeps its affinity.
+fn session_affinity(svc: &Service) -> (Option<u32>, Option<ServiceError>) {
+    let Some(spec) = &svc.spec else {
+        return (None, None);
+    };
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return (None, None);
+    }
+    let configured = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds);
+    match configured {
+        None => (Some(DEFAULT_AFFINITY_TIMEOUT_S), None),
+        Some(t) => match u32::try_from(t) {
+            Ok(t) if (1..=MAX_AFFINITY_TIMEOUT_S).contains(&t) => (Some(t), None),
+            _ => (
+                Some(DEFAULT_AFFINITY_TIMEOUT_S),
+                Some(ServiceError::BadAffinityTimeout(t)),
+            ),
+        },
     }
 }
 
@@ -1941,6 +1984,62 @@ mod tests {
             ("192.168.50.10:30103/TCP", ext | DROP_WHEN_EMPTY),
         ] {
             assert_eq!(flags(frontend), want, "{frontend}");
+        }
+    }
+
+    #[test]
+    fn session_affinity_client_ip_sets_the_timeout_on_every_frontend_of_the_service() {
+        let svc = |name: &str, ip: &str, extra: Value| {
+            let mut spec = json!({"type": "NodePort", "clusterIP": ip,
+                                  "ports": [{"name": "http", "port": 80, "nodePort": 30090}]});
+            spec.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            service(name, spec)
+        };
+        let cases = [
+            ("none", json!({}), None, false),
+            ("off", json!({"sessionAffinity": "None"}), None, false),
+            ("dflt", json!({"sessionAffinity": "ClientIP"}), Some(10_800), false),
+            (
+                "short",
+                json!({"sessionAffinity": "ClientIP",
+                       "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 2}}}),
+                Some(2),
+                false,
+            ),
+            (
+                "zero",
+                json!({"sessionAffinity": "ClientIP",
+                       "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}),
+                Some(10_800),
+                true,
+            ),
+            (
+                "huge",
+                json!({"sessionAffinity": "ClientIP",
+                       "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 86_401}}}),
+                Some(10_800),
+                true,
+            ),
+        ];
+        for (name, extra, want, problem) in cases {
+            let t = translate_node(
+                vec![svc(name, "10.96.0.90", extra)],
+                vec![local_and_remote_slice(name)],
+            );
+            assert!(t.desired.frontends.len() >= 2, "{name}: ClusterIP and NodePort");
+            for (fe, df) in &t.desired.frontends {
+                assert_eq!(df.balancing.affinity_timeout_s, want, "{name} {fe}");
+            }
+            assert_eq!(t.problems.len(), usize::from(problem), "{name}: {:?}", t.problems);
+            if problem {
+                let p = &t.problems[0];
+                assert!(
+                    p.object.contains(name) && p.reason.contains("timeoutSeconds"),
+                    "{p:?}"
+                );
+            }
         }
     }
 

@@ -425,6 +425,7 @@ fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
             services: 64,
             backends: 64,
             rev_nats: 64,
+            affinity: 64,
             conntrack: 64,
             snat: 64,
         };
@@ -465,6 +466,7 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
         services: 64,
         backends: 64,
         rev_nats: 64,
+        affinity: 64,
         conntrack: 64,
         snat: 64,
     };

@@ -20,6 +20,9 @@ pub struct MapSizes {
     pub services: u32,
     pub backends: u32,
     pub rev_nats: u32,
+    /// `AFFINITY_V1` (`--affinity-max-entries`). `AFFMATCH_V1` is sized like `SERVICES_V1`: it
+    /// holds at most one entry per backend slot.
+    pub affinity: u32,
     pub conntrack: u32,
     pub snat: u32,
 }
@@ -30,6 +33,7 @@ impl Default for MapSizes {
             services: SERVICES_CAPACITY,
             backends: BACKENDS_CAPACITY,
             rev_nats: REVNAT_CAPACITY,
+            affinity: proxy_common::AFFINITY_CAPACITY,
             conntrack: CONNTRACK_CAPACITY,
             snat: SNAT_CAPACITY,
         }
@@ -70,6 +74,8 @@ pub fn load_pinned(
         .map_max_entries(MAP_SERVICES, sizes.services)
         .map_max_entries(MAP_BACKENDS, sizes.backends)
         .map_max_entries(MAP_REVNAT, sizes.rev_nats)
+        .map_max_entries(proxy_common::MAP_AFFINITY, sizes.affinity)
+        .map_max_entries(proxy_common::MAP_AFFINITY_MATCH, sizes.services)
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
         .map_max_entries(MAP_SNAT, sizes.snat);
     let mut ebpf = loader.load(EBPF_OBJECT)?;

@@ -6,7 +6,7 @@ use std::{os::fd::AsFd as _, path::Path};
 
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
-    Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
+    AffinityKey, AffinityMatchKey, AffinityValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS,
     NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
 };
@@ -27,12 +27,16 @@ fn take(ebpf: &mut aya::Ebpf, name: &'static str) -> Result<Map> {
         .ok_or(Error::Missing { what: "map", name })
 }
 
-/// SERVICES, BACKENDS and REVNAT.
+/// SERVICES, BACKENDS, REVNAT and AFFMATCH.
 pub struct ServiceMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: HashMap<MapData, u32, Backend>,
     rev_nats: HashMap<MapData, u32, RevNat>,
+    affinity_matches: HashMap<MapData, AffinityMatchKey, u32>,
 }
+
+/// The value of every `AFFMATCH_V1` entry (only the key's presence matters).
+const AFFINITY_MATCH_VALUE: u32 = 1;
 
 impl ServiceMaps {
     /// Takes the maps out of a loaded object.
@@ -43,6 +47,8 @@ impl ServiceMaps {
             backends: HashMap::try_from(take(ebpf, MAP_BACKENDS)?)
                 .map_err(map_err(MAP_BACKENDS))?,
             rev_nats: HashMap::try_from(take(ebpf, MAP_REVNAT)?).map_err(map_err(MAP_REVNAT))?,
+            affinity_matches: HashMap::try_from(take(ebpf, MAP_AFFINITY_MATCH)?)
+                .map_err(map_err(MAP_AFFINITY_MATCH))?,
         })
     }
 
@@ -55,6 +61,11 @@ impl ServiceMaps {
                 .map_err(map_err(MAP_BACKENDS))?,
             rev_nats: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_REVNAT)?))
                 .map_err(map_err(MAP_REVNAT))?,
+            affinity_matches: HashMap::try_from(Map::HashMap(open_pinned(
+                pins,
+                MAP_AFFINITY_MATCH,
+            )?))
+            .map_err(map_err(MAP_AFFINITY_MATCH))?,
         })
     }
 
@@ -72,6 +83,10 @@ impl ServiceMaps {
         for kv in self.rev_nats.iter() {
             let (k, v) = kv.map_err(map_err(MAP_REVNAT))?;
             p.rev_nats.insert(k, v);
+        }
+        for k in self.affinity_matches.keys() {
+            p.affinity_matches
+                .insert(k.map_err(map_err(MAP_AFFINITY_MATCH))?);
         }
         Ok(p)
     }
@@ -103,7 +118,25 @@ impl ServiceMaps {
             MapOp::DeleteService { key } => ignore_missing(self.services.remove(key), MAP_SERVICES),
             MapOp::DeleteRevNat { id } => ignore_missing(self.rev_nats.remove(id), MAP_REVNAT),
             MapOp::DeleteBackend { id } => ignore_missing(self.backends.remove(id), MAP_BACKENDS),
+            MapOp::PutAffinityMatch { key } => self
+                .affinity_matches
+                .insert(key, AFFINITY_MATCH_VALUE, 0)
+                .map_err(map_err(MAP_AFFINITY_MATCH)),
+            MapOp::DeleteAffinityMatch { key } => ignore_missing(
+                self.affinity_matches.remove(key),
+                MAP_AFFINITY_MATCH,
+            ),
         }
+    }
+
+    /// Every affinity match entry (for `dump affinity`: which frontends an id serves).
+    pub fn affinity_matches(&self) -> Vec<AffinityMatchKey> {
+        self.affinity_matches.keys().filter_map(|k| k.ok()).collect()
+    }
+
+    /// Every frontend entry and slot (for `dump affinity`).
+    pub fn services(&self) -> Vec<(ServiceKey, ServiceValue)> {
+        self.services.iter().filter_map(|kv| kv.ok()).collect()
     }
 
     /// The maps' real capacities (max_entries), which for adopted maps may differ from the flags.
@@ -174,6 +207,12 @@ impl ServiceMaps {
             MapOp::DeleteRevNat { .. } => deletes!(self.rev_nats, MapOp::DeleteRevNat { id } => id),
             MapOp::DeleteBackend { .. } => {
                 deletes!(self.backends, MapOp::DeleteBackend { id } => id)
+            }
+            MapOp::PutAffinityMatch { .. } => {
+                puts!(self.affinity_matches, MapOp::PutAffinityMatch { key } => (key, AFFINITY_MATCH_VALUE))
+            }
+            MapOp::DeleteAffinityMatch { .. } => {
+                deletes!(self.affinity_matches, MapOp::DeleteAffinityMatch { key } => key)
             }
         };
         if outcome.error.is_none() {
@@ -289,6 +328,40 @@ impl Snat {
     /// Removes one entry (already gone is fine).
     pub fn remove(&mut self, key: &SnatKey) {
         let _ = self.map.remove(key);
+    }
+}
+
+/// `AFFINITY_V1` (LRU): session affinity records, read for `dump affinity` (the datapath
+/// alone writes them; tests seed records).
+pub struct Affinity {
+    map: HashMap<MapData, AffinityKey, AffinityValue>,
+}
+
+impl Affinity {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, MAP_AFFINITY)?).map_err(map_err(MAP_AFFINITY))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_AFFINITY)?))
+                .map_err(map_err(MAP_AFFINITY))?,
+        })
+    }
+
+    /// Every record (entries that vanish while iterating are skipped).
+    pub fn entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        self.map.iter().filter_map(|kv| kv.ok()).collect()
+    }
+
+    pub fn get(&self, key: &AffinityKey) -> Option<AffinityValue> {
+        self.map.get(key, 0).ok()
+    }
+
+    pub fn insert(&mut self, key: &AffinityKey, value: &AffinityValue) -> Result<()> {
+        self.map.insert(key, value, 0).map_err(map_err(MAP_AFFINITY))
     }
 }
 
