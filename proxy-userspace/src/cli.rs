@@ -250,6 +250,8 @@ pub enum DumpWhat {
     /// Fragmented datagrams whose first fragment passed a hook, and what their later fragments
     /// get.
     Fragments,
+    /// Session affinity records: client → endpoint per Service port, idle time, live or expired.
+    Affinity,
 }
 
 /// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).

@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use proxy_common::{
-    Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue, backend_flags, ct_dir,
+    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue, backend_flags, ct_dir,
     ct_flags, ct_state, frag_action, frag_hook,
 };
 
@@ -12,7 +12,7 @@ use crate::{
     dataplane::{
         bpffs::PinLayout,
         clock::monotonic_ns,
-        maps::{Conntrack, Fragments, ServiceMaps, Snat, Stats},
+        maps::{Affinity, Conntrack, Fragments, ServiceMaps, Snat, Stats},
     },
     encode,
     model::{Protocol, Scope},
@@ -37,6 +37,11 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
         DumpWhat::Fragments => {
             fragments_table(&Fragments::open_pinned(pins)?.entries(), monotonic_ns())
         }
+        DumpWhat::Affinity => affinity_table(
+            &Affinity::open_pinned(pins)?.entries(),
+            &ServiceMaps::open_pinned(pins)?.read_programmed()?,
+            monotonic_ns(),
+        ),
     })
 }
 
@@ -308,6 +313,78 @@ pub fn fragments_table(entries: &[(FragKey, FragValue)], now_ns: u64) -> String 
     out
 }
 
+/// Session affinity records: per Service port (named by the frontends that share its affinity
+/// id), client → endpoint, idle time since the client's last new flow, and whether a new flow
+/// would still use it (`live`), or not (`expired`; `stale`: no frontend has that scope any more,
+/// the record ages out of the LRU).
+pub fn affinity_table(
+    records: &[(AffinityKey, AffinityValue)],
+    p: &Programmed,
+    now_ns: u64,
+) -> String {
+    // Affinity id → (its frontends, their timeout).
+    let mut scopes: BTreeMap<u32, (Vec<String>, u32)> = BTreeMap::new();
+    let mut frontends: Vec<_> = p
+        .services
+        .iter()
+        .filter(|(k, v)| k.slot == 0 && v.flags & proxy_common::service_flags::AFFINITY != 0)
+        .filter_map(|(k, v)| Some((encode::decode_service_key(k)?.0, *v)))
+        .collect();
+    frontends.sort_by_key(|(fe, _)| *fe);
+    for (fe, v) in frontends {
+        let scope = scopes.entry(v.affinity_id).or_default();
+        let name = match fe.scope {
+            Scope::AllClients => format!("{}:{}/{}", fe.addr, fe.port, fe.protocol),
+            Scope::InCluster => format!("{}:{}/{} (in-cluster)", fe.addr, fe.port, fe.protocol),
+        };
+        if !scope.0.contains(&name) {
+            scope.0.push(name);
+        }
+        scope.1 = scope.1.max(v.affinity_timeout_s);
+    }
+    let mut records: Vec<_> = records.iter().collect();
+    records.sort_by_key(|(k, _)| (k.affinity_id, k.client));
+    let mut out = format!(
+        "{:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}
+",
+        "SCOPE", "CLIENT", "ENDPOINT", "IDLE_S", "TIMEOUT_S", "STATE", "SERVICE PORT FRONTENDS"
+    );
+    for (k, v) in records {
+        let endpoint = match p.backends.get(&v.backend_id) {
+            Some(b) => format!(
+                "{}:{} (#{})",
+                Ipv4Addr::from(b.addr),
+                u16::from_be_bytes(b.port),
+                v.backend_id
+            ),
+            None => format!("#{} (gone)", v.backend_id),
+        };
+        let (frontends, timeout, state) = match scopes.get(&k.affinity_id) {
+            Some((names, timeout)) => {
+                let live = proxy_common::affinity_live(v.last_used_ns, now_ns, *timeout);
+                (
+                    names.join(", "),
+                    timeout.to_string(),
+                    if live { "live" } else { "expired" },
+                )
+            }
+            None => ("(none)".to_owned(), "-".to_owned(), "stale"),
+        };
+        let _ = writeln!(
+            out,
+            "{:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}",
+            k.affinity_id,
+            Ipv4Addr::from(k.client).to_string(),
+            endpoint,
+            idle_s(now_ns, v.last_used_ns),
+            timeout,
+            state,
+            frontends
+        );
+    }
+    out
+}
+
 pub fn stats_table(values: &[u64]) -> String {
     let mut out = format!("{:<28} {:>14}\n", "COUNTER", "PACKETS");
     for (c, v) in Counter::ALL.iter().zip(values) {
@@ -480,6 +557,78 @@ mod tests {
         assert!(table.contains("direct"), "{table}");
         assert!(
             table.contains("→ 10.244.1.11:8080, sport → 5000"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn affinity_table_names_the_scope_endpoint_idle_time_and_state() {
+        let mut p = Programmed::default();
+        let s = 1_000_000_000u64;
+        let affinity = |count, rev, timeout, id| ServiceValue {
+            affinity_timeout_s: timeout,
+            affinity_id: id,
+            ..ServiceValue::frontend_with_flags(count, rev, proxy_common::service_flags::AFFINITY)
+        };
+        let cluster_ip = ServiceKey::new([10, 96, 0, 10], 80u16.to_be_bytes(), proto::TCP, 0);
+        let node_port = ServiceKey::new([192, 168, 50, 10], 30080u16.to_be_bytes(), proto::TCP, 0);
+        p.services.insert(cluster_ip, affinity(1, 1, 60, 77));
+        p.services.insert(node_port, affinity(1, 2, 60, 77));
+        p.services
+            .insert(ServiceKey::new([10, 96, 0, 11], 53u16.to_be_bytes(), proto::UDP, 0), ServiceValue::frontend(0, 3));
+        p.backends.insert(
+            7,
+            Backend {
+                addr: [10, 244, 1, 11],
+                port: 8080u16.to_be_bytes(),
+                proto: proto::TCP,
+                flags: 0,
+            },
+        );
+        let record = |id, client, backend_id, last_used_s: u64| {
+            (
+                AffinityKey {
+                    affinity_id: id,
+                    client,
+                },
+                AffinityValue {
+                    backend_id,
+                    _pad: 0,
+                    last_used_ns: last_used_s * s,
+                },
+            )
+        };
+        let now = 1_000 * s;
+        let table = affinity_table(
+            &[
+                record(77, [10, 244, 2, 5], 7, 990),
+                record(77, [10, 244, 2, 4], 7, 900),
+                record(5, [10, 244, 2, 4], 9, 999),
+            ],
+            &p,
+            now,
+        );
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4, "{table}");
+        assert!(
+            lines[1].starts_with("5 ")
+                && lines[1].contains("#9 (gone)")
+                && lines[1].contains("stale")
+                && lines[1].contains("(none)"),
+            "{table}"
+        );
+        let frontends = "10.96.0.10:80/TCP, 192.168.50.10:30080/TCP";
+        assert!(
+            lines[2].contains("10.244.2.4")
+                && lines[2].contains("10.244.1.11:8080 (#7)")
+                && lines[2].contains("     100        60 expired")
+                && lines[2].ends_with(frontends),
+            "{table}"
+        );
+        assert!(
+            lines[3].contains("10.244.2.5")
+                && lines[3].contains("      10        60 live")
+                && lines[3].ends_with(frontends),
             "{table}"
         );
     }
