@@ -27,7 +27,8 @@ use kube_proxy_ebpf::{
     snat_gc::{self, Collected},
 };
 use proxy_common::{
-    Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
+    AffinityKey, AffinityMatchKey, AffinityValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, Backend,
+    CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
     DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_FRAGMENTS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
     MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
@@ -4113,4 +4114,289 @@ fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() 
         Expect::Packet(dnated(&ack, 1)),
         &[(Counter::EstablishedFlow, 1)],
     ));
+}
+
+// Session affinity (ClientIP): records in AFFINITY_V1 per (Service port scope, client), usable
+// while the frontend's AFFMATCH_V1 names the backend and the last use is within the timeout.
+
+/// The scope id the affinity tests give their Service port.
+const AFFINITY_ID: u32 = 9;
+
+impl Datapath {
+    fn affinity(&mut self) -> HashMap<&mut MapData, AffinityKey, AffinityValue> {
+        HashMap::try_from(self.bpf.map_mut(MAP_AFFINITY).expect("AFFINITY map"))
+            .expect("AFFINITY type")
+    }
+
+    fn affinity_matches(&mut self) -> HashMap<&mut MapData, AffinityMatchKey, u32> {
+        HashMap::try_from(
+            self.bpf
+                .map_mut(MAP_AFFINITY_MATCH)
+                .expect("AFFMATCH map"),
+        )
+        .expect("AFFMATCH type")
+    }
+
+    fn affinity_record(&mut self, client: Ipv4Addr) -> Option<AffinityValue> {
+        self.affinity().get(&affinity_key(client), 0).ok()
+    }
+
+    fn set_affinity_record(&mut self, client: Ipv4Addr, backend_id: u32, last_used_ns: u64) {
+        let value = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns,
+        };
+        self.affinity()
+            .insert(affinity_key(client), value, 0)
+            .expect("write record");
+    }
+
+    /// A frontend as the agent writes one (backends → slots → match entries → frontend), with
+    /// session affinity (`timeout_s`, scope `AFFINITY_ID`) or without (`None`); `flags` besides.
+    fn set_affinity_frontend(
+        &mut self,
+        key: ServiceKey,
+        rev_nat_id: u32,
+        flags: u16,
+        timeout_s: Option<u32>,
+        backend_ids: &[u32],
+    ) {
+        for &id in backend_ids {
+            self.set_backend(id, key.proto);
+        }
+        for (i, &id) in backend_ids.iter().enumerate() {
+            self.services()
+                .insert(key.with_slot(i as u16 + 1), ServiceValue::slot(id), 0)
+                .expect("insert slot");
+        }
+        // Match entries of backends that left go first; the new ones before the frontend.
+        let stale: Vec<AffinityMatchKey> = self
+            .affinity_matches()
+            .keys()
+            .map(|k| k.expect("match key"))
+            .filter(|k| {
+                k.frontend == key && (timeout_s.is_none() || !backend_ids.contains(&k.backend_id))
+            })
+            .collect();
+        for k in stale {
+            self.affinity_matches().remove(&k).expect("remove match");
+        }
+        let mut value =
+            ServiceValue::frontend_with_flags(backend_ids.len() as u16, rev_nat_id, flags);
+        if let Some(timeout) = timeout_s {
+            for &backend_id in backend_ids {
+                let m = AffinityMatchKey {
+                    frontend: key,
+                    backend_id,
+                };
+                self.affinity_matches().insert(m, 1, 0).expect("insert match");
+            }
+            value.flags |= service_flags::AFFINITY;
+            value.affinity_timeout_s = timeout;
+            value.affinity_id = AFFINITY_ID;
+        }
+        self.services()
+            .insert(key, value, 0)
+            .expect("insert frontend");
+    }
+
+    /// A new flow's first packet through tc ingress: the backend its conntrack entry names.
+    fn new_flow_backend(&mut self, pkt: &Pkt) -> u32 {
+        let (verdict, _) = self.run(PROG_TC_INGRESS, &pkt.bytes());
+        assert_eq!(verdict, TC_NEXT, "new flow {pkt:?} passed translated");
+        self.ct(&original_key(pkt))
+            .unwrap_or_else(|| panic!("no conntrack entry for {pkt:?}"))
+            .backend_id
+    }
+}
+
+fn affinity_key(client: Ipv4Addr) -> AffinityKey {
+    AffinityKey {
+        affinity_id: AFFINITY_ID,
+        client: client.octets(),
+    }
+}
+
+fn clusterip_key(port: u16, proto: u8) -> ServiceKey {
+    ServiceKey::new(VIP.octets(), port.to_be_bytes(), proto, 0)
+}
+
+/// The first source port from `from` whose flow the scheduler (seed 0) sends somewhere other
+/// than `not`, among `ids`.
+fn sport_picking_other_than(from: u16, not: u32, ids: &[u32], proto_: u8) -> u16 {
+    (from..from + 1_000)
+        .find(|&p| {
+            let pkt = if proto_ == proto::TCP {
+                Pkt::tcp(CLIENT, p, VIP, 80, SYN)
+            } else {
+                Pkt::udp(CLIENT, p, VIP, 53)
+            };
+            expected_pick(&pkt, ids) != not
+        })
+        .expect("a port that hashes elsewhere")
+}
+
+#[test]
+fn affinity_sends_a_client_s_new_flows_to_one_backend_tcp_and_udp_and_off_spreads() {
+    let mut dp = Datapath::load();
+    let tcp = [1, 2, 3, 4];
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(60), &tcp);
+    let before = monotonic_ns();
+    let first = Pkt::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let chosen = expected_pick(&first, &tcp);
+    dp.check(ingress(
+        "a client's first flow: the scheduler's pick, recorded",
+        first.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&first, chosen)),
+        &[(Counter::NewFlow, 1), (Counter::AffinityMiss, 1)],
+    ));
+    let record = dp.affinity_record(CLIENT).expect("record written");
+    assert_eq!(record.backend_id, chosen);
+    assert!(record.last_used_ns >= before);
+    let mut hashed_elsewhere = 0;
+    for sport in 40_001..40_021 {
+        let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
+        hashed_elsewhere += usize::from(expected_pick(&syn, &tcp) != chosen);
+        dp.check(ingress(
+            "another new flow of the client: its recorded backend",
+            syn.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&syn, chosen)),
+            &[(Counter::NewFlow, 1), (Counter::AffinityHit, 1)],
+        ));
+    }
+    assert!(
+        hashed_elsewhere > 5,
+        "the flows would have spread without affinity"
+    );
+    // Packets of a known flow do not look at the record (only new flows refresh it).
+    let stamped = dp.affinity_record(CLIENT).unwrap().last_used_ns;
+    let ack = Pkt::tcp(CLIENT, 40_000, VIP, 80, ACK);
+    dp.check(ingress(
+        "an established flow's packet",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&ack, chosen)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().last_used_ns, stamped);
+
+    // UDP: the same. (The test gives the UDP port the same scope id as the TCP one, so it uses
+    // another client, whose record the TCP flows above never touched.)
+    let udp = [11, 12];
+    dp.set_affinity_frontend(clusterip_key(53, proto::UDP), UDP_REVNAT, 0, Some(60), &udp);
+    let udp_client = Ipv4Addr::new(10, 244, 1, 3);
+    let q = with_src(&Pkt::udp(CLIENT, 0, VIP, 53), udp_client, 33_000);
+    let udp_chosen = dp.new_flow_backend(&q);
+    for sport in 33_001..33_021 {
+        let q = with_src(&Pkt::udp(CLIENT, 0, VIP, 53), udp_client, sport);
+        assert_eq!(dp.new_flow_backend(&q), udp_chosen, "UDP datagram {sport}");
+    }
+    assert_eq!(dp.counter(Counter::AffinityMiss), 2, "one miss per client");
+    assert_eq!(dp.counter(Counter::AffinityHit), 40);
+
+    // Affinity switched off (the frontend entry): the next new flows follow the scheduler again.
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, None, &tcp);
+    let mut seen = std::collections::BTreeSet::new();
+    for sport in 41_000..41_020 {
+        let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
+        let got = dp.new_flow_backend(&syn);
+        assert_eq!(got, expected_pick(&syn, &tcp), "affinity off: the hash");
+        seen.insert(got);
+    }
+    assert!(seen.len() >= 2, "affinity off spreads: {seen:?}");
+    assert_eq!(dp.counter(Counter::AffinityHit), 40, "no record looked at");
+}
+
+#[test]
+fn affinity_record_past_its_timeout_is_replaced_by_a_fresh_pick() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2, 3, 4];
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(1), &ids);
+    // A record last used at boot (0 ns): with a 1 s timeout it has expired (the kernel has been
+    // up for more than a second). Its backend is one this flow does not hash to.
+    let sport = sport_picking_other_than(42_000, 3, &ids, proto::TCP);
+    dp.set_affinity_record(CLIENT, 3, 0);
+    let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
+    let fresh = expected_pick(&syn, &ids);
+    let before = monotonic_ns();
+    dp.check(ingress(
+        "expired record: a fresh pick",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, fresh)),
+        &[(Counter::NewFlow, 1), (Counter::AffinityMiss, 1)],
+    ));
+    let record = dp.affinity_record(CLIENT).expect("record");
+    assert_eq!(record.backend_id, fresh, "the fresh pick is the new record");
+    assert!(record.last_used_ns >= before, "its last use restarted");
+
+    // A live record (just used) with a longer timeout is followed, and refreshed.
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &ids);
+    let now = monotonic_ns();
+    dp.set_affinity_record(CLIENT, 3, now);
+    let syn = Pkt::tcp(CLIENT, sport + 1_000, VIP, 80, SYN);
+    dp.check(ingress(
+        "live record: its backend",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, 3)),
+        &[(Counter::NewFlow, 1), (Counter::AffinityHit, 1)],
+    ));
+    assert!(dp.affinity_record(CLIENT).unwrap().last_used_ns >= now);
+}
+
+#[test]
+fn affinity_to_an_endpoint_that_left_the_service_picks_among_the_remaining() {
+    let mut dp = Datapath::load();
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &[1, 2, 3]);
+    let first = Pkt::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    let gone = dp.new_flow_backend(&first);
+    // The endpoint leaves the Service (its backend entry stays: another Service may use it).
+    let remaining: Vec<u32> = [1, 2, 3].into_iter().filter(|&id| id != gone).collect();
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &remaining);
+    assert!(dp.backends().get(&gone, 0).is_ok(), "the backend still exists");
+    let syn = Pkt::tcp(CLIENT, 43_001, VIP, 80, SYN);
+    let next = expected_pick(&syn, &remaining);
+    dp.check(ingress(
+        "recorded endpoint gone: a new pick among the remaining",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, next)),
+        &[(Counter::NewFlow, 1), (Counter::AffinityMiss, 1)],
+    ));
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, next);
+    for sport in 43_002..43_020 {
+        let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
+        assert_eq!(dp.new_flow_backend(&syn), next, "sticky to the new pick");
+    }
+}
+
+#[test]
+fn affinity_is_shared_by_the_frontends_of_a_service_port() {
+    let mut dp = Datapath::load();
+    dp.set_node_addr(NODE_IP);
+    // ClusterIP and NodePort of one Service port (one scope id), their slots in other orders.
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &[1, 2, 3, 4]);
+    let node_port = ServiceKey::new(NODE_IP.octets(), NODE_PORT.to_be_bytes(), proto::TCP, 0);
+    dp.set_affinity_frontend(node_port, 5, service_flags::EXTERNAL, Some(3_600), &[4, 3, 2, 1]);
+    for round in 0..8u16 {
+        let client = Ipv4Addr::new(10, 244, 9, round as u8 + 1);
+        let to_cluster_ip = with_src(&Pkt::tcp(CLIENT, 0, VIP, 80, SYN), client, 44_000);
+        let chosen = dp.new_flow_backend(&to_cluster_ip);
+        let to_node_port = with_src(
+            &Pkt::tcp(CLIENT, 0, NODE_IP, NODE_PORT, SYN),
+            client,
+            44_001,
+        );
+        assert_eq!(
+            dp.new_flow_backend(&to_node_port),
+            chosen,
+            "client {client}: through the NodePort, the backend it got through the ClusterIP"
+        );
+    }
+    assert_eq!(dp.counter(Counter::AffinityHit), 8);
+    assert_eq!(dp.counter(Counter::AffinityMiss), 8);
 }
