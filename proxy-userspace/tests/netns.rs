@@ -1489,3 +1489,212 @@ fn an_ephemeral_port_range_overlapping_the_snat_ports_refuses_to_start() {
         "nothing may be loaded before the check"
     );
 }
+
+/// demo/web with `sessionAffinity` (`None`, or `ClientIP` with an optional timeout) as a
+/// NodePort (30080 on the node's addresses; here 169.254.1.1, the pods' gateway) over all three
+/// backends.
+fn sticky_web(manifests: &ManifestDir, affinity: Option<Option<u32>>) {
+    let affinity = match affinity {
+        None => "  sessionAffinity: None\n".to_owned(),
+        Some(None) => "  sessionAffinity: ClientIP\n".to_owned(),
+        Some(Some(t)) => format!(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      \
+             timeoutSeconds: {t}\n"
+        ),
+    };
+    let yaml = proxy_testenv::service_yaml(
+        "demo",
+        "web",
+        WEB,
+        &[ServicePort::tcp(80, 8080)],
+        &all_backends(),
+    )
+    .replacen("  type: ClusterIP\n", &format!("  type: NodePort\n{affinity}"), 1)
+    .replacen("targetPort: 8080\n", "targetPort: 8080\n      nodePort: 30080\n", 1);
+    // Staged then renamed, as ManifestDir::write_service does (the agent never reads half a file).
+    let staged = manifests.root().join("demo-web.yaml.new");
+    std::fs::write(&staged, yaml).expect("writing demo/web");
+    std::fs::rename(&staged, manifests.path().join("demo-web.yaml")).expect("renaming demo/web");
+}
+
+/// `n` HTTP GETs from `ns` (source address `src` if given) in one curl process: the answering
+/// backend of each (empty for a failed request).
+fn curl_bodies(
+    ns: &proxy_testenv::NetNs,
+    src: Option<Ipv4Addr>,
+    url: &str,
+    n: usize,
+) -> Vec<String> {
+    let src = src.map(|a| a.to_string());
+    let mut args = vec!["curl", "-s", "--max-time", "3", "-H", "Connection: close"];
+    if let Some(src) = &src {
+        args.extend(["--interface", src.as_str()]);
+    }
+    args.extend(["-w", "\x1d"]);
+    args.extend(std::iter::repeat_n(url, n));
+    let out = ns
+        .output(&args, Duration::from_secs(10 + 4 * n as u64))
+        .expect("running curl");
+    String::from_utf8_lossy(&out.stdout)
+        .split('\x1d')
+        .take(n)
+        .map(|b| b.trim().to_owned())
+        .collect()
+}
+
+/// Polls `dump` (≤ 5 s) until `done` holds of its table.
+fn wait_for_dump(env: &Env, dump: &dyn Fn(&Env) -> String, what: &str, done: impl Fn(&str) -> bool) {
+    let start = Instant::now();
+    loop {
+        let table = dump(env);
+        if done(&table) {
+            return;
+        }
+        if start.elapsed() > Duration::from_secs(5) {
+            env.fail(&format!("{what}: not in dump affinity within 5 s:\n{table}"));
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One backend answered every request (and each is a backend): its name.
+fn one_backend(env: &Env, what: &str, bodies: &[String]) -> String {
+    let first = bodies.first().cloned().unwrap_or_default();
+    env.check(
+        BACKENDS.iter().any(|(n, _)| *n == first) && bodies.iter().all(|b| *b == first),
+        || format!("{what}: answered by {bodies:?}, want one backend throughout"),
+    );
+    first
+}
+
+#[test]
+fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_until_it_times_out() {
+    require_privileged!();
+    // Extra client addresses on the client pod (10 clients in all), routed back to it.
+    let extra: Vec<Ipv4Addr> = (0..9).map(|i| Ipv4Addr::new(10, 244, 1, 100 + i)).collect();
+    let topo = Topology::new().expect("topology");
+    for a in &extra {
+        let pod = topo.pod("client").unwrap();
+        pod.ns()
+            .exec(&["ip", "addr", "add", &format!("{a}/32"), "dev", "eth0"])
+            .expect("client address");
+        topo.node()
+            .exec(&["ip", "route", "add", &format!("{a}/32"), "dev", "veth-client"])
+            .expect("route to the client address");
+    }
+    let env = Env::start_on(topo, |m| sticky_web(m, Some(None)));
+    let client = env.topo.pod("client").unwrap().ns();
+    let cluster_ip = format!("http://{WEB}/");
+    let node_port = format!("http://{}:30080/", proxy_testenv::GATEWAY);
+
+    // One client: 30 requests to the ClusterIP, then 30 through the NodePort: one backend.
+    let first = one_backend(&env, "ClusterIP", &curl_bodies(client, None, &cluster_ip, 30));
+    let through_np = one_backend(&env, "NodePort", &curl_bodies(client, None, &node_port, 30));
+    env.check(through_np == first, || {
+        format!("through the NodePort {through_np}, through the ClusterIP {first}: one scope")
+    });
+
+    // The node's own processes (socket hooks): one backend too.
+    let host = env.agent.host(env.topo.node());
+    let from_node: Vec<String> = (0..15)
+        .map(|i| {
+            http_get_with_peer(&host, WEB, 80)
+                .unwrap_or_else(|e| env.fail(&format!("node request {i}: {e:#}")))
+                .body
+                .trim()
+                .to_owned()
+        })
+        .collect();
+    one_backend(&env, "node processes", &from_node);
+
+    // Ten clients: each sticky, and not all on one backend.
+    let mut per_client = BTreeMap::new();
+    for a in &extra {
+        let got = one_backend(
+            &env,
+            &format!("client {a}"),
+            &curl_bodies(client, Some(*a), &cluster_ip, 6),
+        );
+        per_client.insert(*a, got);
+    }
+    per_client.insert(proxy_testenv::CLIENT_IP, first.clone());
+    let spread: std::collections::BTreeSet<_> = per_client.values().collect();
+    eprintln!("clients → backends: {per_client:?}");
+    env.check(spread.len() >= 2, || {
+        format!("ten clients all on one backend: {per_client:?}")
+    });
+    let pin_dir = env.agent.pin_dir().to_string_lossy().into_owned();
+    let dump = |env: &Env| {
+        let out = env
+            .agent
+            .cli(&["dump", "affinity", "--pin-dir", &pin_dir])
+            .unwrap_or_else(|e| env.fail(&format!("dump affinity: {e:#}")));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let table = dump(&env);
+    let live = table.lines().filter(|l| l.contains(" live ")).count();
+    env.check(live >= 11, || {
+        format!("dump affinity should list 10 clients and the node, live:\n{table}")
+    });
+
+    // A 2 s timeout (applies to the next new flows, once the frontend entry has it).
+    sticky_web(&env.manifests, Some(Some(2)));
+    wait_for_dump(&env, &dump, "the 2 s timeout", |t| {
+        t.lines().skip(1).all(|l| l.split_whitespace().nth(5) == Some("2"))
+    });
+    let counter = |env: &Env, name: &str| {
+        env.agent
+            .counter(name)
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
+    };
+    // Within it (a round, then another at once): hits; past it, every record has expired and
+    // each client's next flow is a fresh pick (a miss) that renews its record.
+    for a in &extra {
+        curl_bodies(client, Some(*a), &cluster_ip, 1);
+    }
+    let (hits, misses) = (counter(&env, "affinity_hit"), counter(&env, "affinity_miss"));
+    for a in &extra {
+        curl_bodies(client, Some(*a), &cluster_ip, 1);
+    }
+    let (hits2, misses2) = (counter(&env, "affinity_hit"), counter(&env, "affinity_miss"));
+    env.check(hits2 - hits == 9 && misses2 == misses, || {
+        format!("within the timeout: {} hits, {} misses; want 9, 0", hits2 - hits, misses2 - misses)
+    });
+    thread::sleep(Duration::from_millis(3_100));
+    let table = dump(&env);
+    let expired = table.lines().filter(|l| l.contains(" expired ")).count();
+    env.check(expired >= 9, || format!("records past the timeout:\n{table}"));
+    for a in &extra {
+        curl_bodies(client, Some(*a), &cluster_ip, 1);
+    }
+    let (hits3, misses3) = (counter(&env, "affinity_hit"), counter(&env, "affinity_miss"));
+    env.check(misses3 - misses2 == 9 && hits3 == hits2, || {
+        format!(
+            "past the timeout: {} misses, {} hits; want 9 fresh picks, 0 hits",
+            misses3 - misses2,
+            hits3 - hits2
+        )
+    });
+    let table = dump(&env);
+    env.check(
+        extra.iter().all(|a| {
+            table
+                .lines()
+                .any(|l| l.contains(&format!(" {a} ")) && l.contains(" live "))
+        }),
+        || format!("renewed records should be live again:\n{table}"),
+    );
+
+    // Affinity off: the records are left to age out (no frontend uses their scope), and the
+    // next flows spread again.
+    sticky_web(&env.manifests, None);
+    wait_for_dump(&env, &dump, "affinity off", |t| {
+        t.lines().skip(1).all(|l| l.contains(" stale "))
+    });
+    let bodies = curl_bodies(client, None, &cluster_ip, 30);
+    let spread: std::collections::BTreeSet<_> = bodies.iter().collect();
+    env.check(
+        spread.len() >= 2 && bodies.iter().all(|b| BACKENDS.iter().any(|(n, _)| n == b)),
+        || format!("affinity off: {bodies:?}, want at least two backends"),
+    );
+}
