@@ -617,7 +617,10 @@ mod affinity_tests {
         assert!(affinity_live(100 * s, 100 * s, 10));
         assert!(affinity_live(100 * s, 110 * s, 10));
         assert!(!affinity_live(100 * s, 110 * s + 1, 10));
-        assert!(affinity_live(100 * s, 90 * s, 10), "stamped after our clock read");
+        assert!(
+            affinity_live(100 * s, 90 * s, 10),
+            "stamped after our clock read"
+        );
         // The largest timeout (86400 s) does not overflow.
         assert!(affinity_live(0, 86_400 * s, 86_400));
         assert!(!affinity_live(0, 86_400 * s + 1, 86_400));

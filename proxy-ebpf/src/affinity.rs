@@ -15,7 +15,12 @@ use crate::{maps, pick::FlowFacts, stats};
 /// if it may be used: its last use refreshed. `None`: the caller asks the scheduler and
 /// [`record`]s its pick.
 #[inline(always)]
-pub fn recorded(key: &ServiceKey, frontend: &ServiceValue, flow: &FlowFacts, now: u64) -> Option<u32> {
+pub fn recorded(
+    key: &ServiceKey,
+    frontend: &ServiceValue,
+    flow: &FlowFacts,
+    now: u64,
+) -> Option<u32> {
     let record = maps::affinity(&AffinityKey {
         affinity_id: frontend.affinity_id,
         client: flow.client,

@@ -696,7 +696,10 @@ mod tests {
         assert_eq!(retimed.ops.len(), 1, "{:?}", retimed.ops);
         with_affinity(&mut d2, 1, None);
         let off = sync(&d2, &mut p);
-        assert_eq!(off.ops[0], MapOp::DeleteAffinityMatch { key: matched(1, 2) });
+        assert_eq!(
+            off.ops[0],
+            MapOp::DeleteAffinityMatch { key: matched(1, 2) }
+        );
         assert!(p.affinity_matches.is_empty());
         sync(&DesiredState::default(), &mut p);
         assert_eq!(p, Programmed::default());
@@ -967,7 +970,7 @@ mod tests {
         for df in frontends.values_mut() {
             let df = Arc::make_mut(df);
             if rng.below(3) == 0 {
-                df.balancing.affinity_timeout_s = Some(1 + rng.below(100) as u32);
+                df.balancing.affinity_timeout_s = Some(1 + rng.below(100));
             }
             for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
                 let (t, l) = *flags.entry(b.endpoint).or_insert((b.terminating, b.local));
@@ -1190,7 +1193,7 @@ mod tests {
                         // Affinity switched on or off, or its timeout changed.
                         df.balancing.affinity_timeout_s = match rng.below(3) {
                             0 => None,
-                            n => Some(n as u32 * 10),
+                            n => Some(n * 10),
                         };
                     }
                     let b = rng.below(20);

@@ -3,8 +3,8 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use proxy_common::{
-    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue, backend_flags, ct_dir,
-    ct_flags, ct_state, frag_action, frag_hook,
+    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue,
+    backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
 };
 
 use crate::{
@@ -574,8 +574,10 @@ mod tests {
         let node_port = ServiceKey::new([192, 168, 50, 10], 30080u16.to_be_bytes(), proto::TCP, 0);
         p.services.insert(cluster_ip, affinity(1, 1, 60, 77));
         p.services.insert(node_port, affinity(1, 2, 60, 77));
-        p.services
-            .insert(ServiceKey::new([10, 96, 0, 11], 53u16.to_be_bytes(), proto::UDP, 0), ServiceValue::frontend(0, 3));
+        p.services.insert(
+            ServiceKey::new([10, 96, 0, 11], 53u16.to_be_bytes(), proto::UDP, 0),
+            ServiceValue::frontend(0, 3),
+        );
         p.backends.insert(
             7,
             Backend {

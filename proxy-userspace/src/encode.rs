@@ -4,9 +4,9 @@
 use std::net::Ipv4Addr;
 
 use proxy_common::{
-    AffinityMatchKey, Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey, backend_flags,
-    service_flags,
+    AffinityMatchKey, Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL,
+    SCOPE_INTERNAL, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+    backend_flags, service_flags,
 };
 
 use crate::model::{

@@ -500,7 +500,11 @@ impl Planner {
             let wanted = encode::affinity_matches(key, df, slot_ids);
             let have = programmed.affinity_matches_of(key);
             dead_matches.extend(have.iter().filter(|k| wanted.binary_search(k).is_err()));
-            new_matches.extend(wanted.iter().filter(|k| !programmed.affinity_matches.contains(k)));
+            new_matches.extend(
+                wanted
+                    .iter()
+                    .filter(|k| !programmed.affinity_matches.contains(k)),
+            );
         }
         for (key, _) in &removed {
             dead_matches.extend(programmed.affinity_matches_of(key));

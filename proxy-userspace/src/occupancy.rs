@@ -5,7 +5,7 @@
 //!
 //! Counts come from where they are cheap: SERVICES, BACKENDS and REVNAT from the agent's shadow
 //! after each sync; CONNTRACK and SNAT from the garbage-collection pass that lists them anyway;
-//! SRCRANGES and SOCKREV by walking their keys in that same pass (every 30 s, bounded by their
+//! SRCRANGES, SOCKREV and AFFINITY by walking their keys in that same pass (every 30 s, bounded by their
 //! capacity). Capacities are the maps' real `max_entries`, so an adopted map of another size
 //! shows what it really holds. `NODE_V1` and `STATS_V1` are arrays (always full) and left out.
 
@@ -13,8 +13,9 @@ use std::collections::BTreeSet;
 
 use aya::maps::{HashMap, LpmTrie, Map, MapData};
 use proxy_common::{
-    MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, SockRevKey, SockRevValue, SourceRangeKey,
+    AffinityKey, AffinityValue, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT,
+    MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, SockRevKey, SockRevValue,
+    SourceRangeKey,
 };
 use tracing::{info, warn};
 
@@ -39,7 +40,7 @@ pub enum Kind {
 }
 
 /// Every map with a size limit: (metric label, pinned name, kind).
-pub const MAPS: [(&str, &str, Kind); 7] = [
+pub const MAPS: [(&str, &str, Kind); 8] = [
     ("services", MAP_SERVICES, Kind::Programmed),
     ("backends", MAP_BACKENDS, Kind::Programmed),
     ("rev_nat", MAP_REVNAT, Kind::Programmed),
@@ -47,6 +48,7 @@ pub const MAPS: [(&str, &str, Kind); 7] = [
     ("conntrack", MAP_CONNTRACK, Kind::Lru),
     ("snat", MAP_SNAT, Kind::Lru),
     ("sock_rev", MAP_SOCK_REVNAT, Kind::Lru),
+    ("affinity", MAP_AFFINITY, Kind::Lru),
 ];
 
 /// A threshold crossing worth one log line.
@@ -88,6 +90,7 @@ pub struct Occupancy {
     alarms: Alarms,
     source_ranges: Option<LpmTrie<MapData, SourceRangeKey, u32>>,
     sock_rev: Option<HashMap<MapData, SockRevKey, SockRevValue>>,
+    affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
 }
 
 /// The real `max_entries` of a pinned map.
@@ -109,6 +112,7 @@ impl Occupancy {
             MAP_REVNAT => Some(sizes.rev_nats),
             MAP_CONNTRACK => Some(sizes.conntrack),
             MAP_SNAT => Some(sizes.snat),
+            MAP_AFFINITY => Some(sizes.affinity),
             _ => None,
         };
         let mut capacities = Vec::new();
@@ -144,6 +148,7 @@ impl Occupancy {
                 .and_then(|m| LpmTrie::try_from(Map::LpmTrie(m)).ok()),
             sock_rev: open(MAP_SOCK_REVNAT)
                 .and_then(|m| HashMap::try_from(Map::LruHashMap(m)).ok()),
+            affinity: open(MAP_AFFINITY).and_then(|m| HashMap::try_from(Map::LruHashMap(m)).ok()),
         }
     }
 
@@ -177,7 +182,8 @@ impl Occupancy {
                         "frontends or ranges that do not fit are skipped (raise --map-entries-*)",
                     Kind::Lru =>
                         "when full the kernel evicts its least recently used entries, live flows \
-                         among them (raise conntrack.maxPerCore / conntrack.min or --map-entries-*)",
+                         (or affinity records) among them (raise conntrack.maxPerCore / \
+                         conntrack.min, --map-entries-* or --affinity-max-entries)",
                 }
             ),
             Some(Crossing::Relieved) => info!(
@@ -188,7 +194,8 @@ impl Occupancy {
         }
     }
 
-    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV), bounded by their capacity.
+    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY), bounded by their
+    /// capacity.
     pub fn sample(&mut self, metrics: &Metrics) {
         let bound = |label| self.capacity(label).unwrap_or(0) as usize;
         let ranges = self
@@ -199,11 +206,18 @@ impl Occupancy {
             .sock_rev
             .as_ref()
             .map(|m| m.keys().take(bound("sock_rev")).count());
-        if let Some(n) = ranges {
-            self.report(metrics, "source_ranges", n as u64);
-        }
-        if let Some(n) = socks {
-            self.report(metrics, "sock_rev", n as u64);
+        let records = self
+            .affinity
+            .as_ref()
+            .map(|m| m.keys().take(bound("affinity")).count());
+        for (label, n) in [
+            ("source_ranges", ranges),
+            ("sock_rev", socks),
+            ("affinity", records),
+        ] {
+            if let Some(n) = n {
+                self.report(metrics, label, n as u64);
+            }
         }
     }
 }

@@ -2000,7 +2000,12 @@ mod tests {
         let cases = [
             ("none", json!({}), None, false),
             ("off", json!({"sessionAffinity": "None"}), None, false),
-            ("dflt", json!({"sessionAffinity": "ClientIP"}), Some(10_800), false),
+            (
+                "dflt",
+                json!({"sessionAffinity": "ClientIP"}),
+                Some(10_800),
+                false,
+            ),
             (
                 "short",
                 json!({"sessionAffinity": "ClientIP",
@@ -2028,11 +2033,19 @@ mod tests {
                 vec![svc(name, "10.96.0.90", extra)],
                 vec![local_and_remote_slice(name)],
             );
-            assert!(t.desired.frontends.len() >= 2, "{name}: ClusterIP and NodePort");
+            assert!(
+                t.desired.frontends.len() >= 2,
+                "{name}: ClusterIP and NodePort"
+            );
             for (fe, df) in &t.desired.frontends {
                 assert_eq!(df.balancing.affinity_timeout_s, want, "{name} {fe}");
             }
-            assert_eq!(t.problems.len(), usize::from(problem), "{name}: {:?}", t.problems);
+            assert_eq!(
+                t.problems.len(),
+                usize::from(problem),
+                "{name}: {:?}",
+                t.problems
+            );
             if problem {
                 let p = &t.problems[0];
                 assert!(

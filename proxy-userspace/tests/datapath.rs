@@ -27,9 +27,9 @@ use kube_proxy_ebpf::{
     snat_gc::{self, Collected},
 };
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, Backend,
-    CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
-    DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, CLASH_PORT_MAX, CLASH_PORT_MIN,
+    CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig, FragKey, FragValue,
+    HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_FRAGMENTS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
     MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
     PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
@@ -4129,12 +4129,8 @@ impl Datapath {
     }
 
     fn affinity_matches(&mut self) -> HashMap<&mut MapData, AffinityMatchKey, u32> {
-        HashMap::try_from(
-            self.bpf
-                .map_mut(MAP_AFFINITY_MATCH)
-                .expect("AFFMATCH map"),
-        )
-        .expect("AFFMATCH type")
+        HashMap::try_from(self.bpf.map_mut(MAP_AFFINITY_MATCH).expect("AFFMATCH map"))
+            .expect("AFFMATCH type")
     }
 
     fn affinity_record(&mut self, client: Ipv4Addr) -> Option<AffinityValue> {
@@ -4190,7 +4186,9 @@ impl Datapath {
                     frontend: key,
                     backend_id,
                 };
-                self.affinity_matches().insert(m, 1, 0).expect("insert match");
+                self.affinity_matches()
+                    .insert(m, 1, 0)
+                    .expect("insert match");
             }
             value.flags |= service_flags::AFFINITY;
             value.affinity_timeout_s = timeout;
@@ -4334,7 +4332,13 @@ fn affinity_record_past_its_timeout_is_replaced_by_a_fresh_pick() {
     assert!(record.last_used_ns >= before, "its last use restarted");
 
     // A live record (just used) with a longer timeout is followed, and refreshed.
-    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &ids);
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &ids,
+    );
     let now = monotonic_ns();
     dp.set_affinity_record(CLIENT, 3, now);
     let syn = Pkt::tcp(CLIENT, sport + 1_000, VIP, 80, SYN);
@@ -4351,13 +4355,28 @@ fn affinity_record_past_its_timeout_is_replaced_by_a_fresh_pick() {
 #[test]
 fn affinity_to_an_endpoint_that_left_the_service_picks_among_the_remaining() {
     let mut dp = Datapath::load();
-    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &[1, 2, 3]);
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &[1, 2, 3],
+    );
     let first = Pkt::tcp(CLIENT, 43_000, VIP, 80, SYN);
     let gone = dp.new_flow_backend(&first);
     // The endpoint leaves the Service (its backend entry stays: another Service may use it).
     let remaining: Vec<u32> = [1, 2, 3].into_iter().filter(|&id| id != gone).collect();
-    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &remaining);
-    assert!(dp.backends().get(&gone, 0).is_ok(), "the backend still exists");
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &remaining,
+    );
+    assert!(
+        dp.backends().get(&gone, 0).is_ok(),
+        "the backend still exists"
+    );
     let syn = Pkt::tcp(CLIENT, 43_001, VIP, 80, SYN);
     let next = expected_pick(&syn, &remaining);
     dp.check(ingress(
@@ -4379,9 +4398,21 @@ fn affinity_is_shared_by_the_frontends_of_a_service_port() {
     let mut dp = Datapath::load();
     dp.set_node_addr(NODE_IP);
     // ClusterIP and NodePort of one Service port (one scope id), their slots in other orders.
-    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, Some(3_600), &[1, 2, 3, 4]);
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &[1, 2, 3, 4],
+    );
     let node_port = ServiceKey::new(NODE_IP.octets(), NODE_PORT.to_be_bytes(), proto::TCP, 0);
-    dp.set_affinity_frontend(node_port, 5, service_flags::EXTERNAL, Some(3_600), &[4, 3, 2, 1]);
+    dp.set_affinity_frontend(
+        node_port,
+        5,
+        service_flags::EXTERNAL,
+        Some(3_600),
+        &[4, 3, 2, 1],
+    );
     for round in 0..8u16 {
         let client = Ipv4Addr::new(10, 244, 9, round as u8 + 1);
         let to_cluster_ip = with_src(&Pkt::tcp(CLIENT, 0, VIP, 80, SYN), client, 44_000);

@@ -1188,6 +1188,7 @@ fn a_long_tcp_stream_keeps_flowing_while_twice_the_conntrack_capacity_of_udp_flo
         ("conntrack", Some(CAPACITY)),
         ("snat", Some(CAPACITY)),
         ("sock_rev", None),
+        ("affinity", Some(proxy_common::AFFINITY_CAPACITY)),
     ] {
         let value = |series: &str| {
             metrics.lines().find_map(|l| {
@@ -1509,8 +1510,16 @@ fn sticky_web(manifests: &ManifestDir, affinity: Option<Option<u32>>) {
         &[ServicePort::tcp(80, 8080)],
         &all_backends(),
     )
-    .replacen("  type: ClusterIP\n", &format!("  type: NodePort\n{affinity}"), 1)
-    .replacen("targetPort: 8080\n", "targetPort: 8080\n      nodePort: 30080\n", 1);
+    .replacen(
+        "  type: ClusterIP\n",
+        &format!("  type: NodePort\n{affinity}"),
+        1,
+    )
+    .replacen(
+        "targetPort: 8080\n",
+        "targetPort: 8080\n      nodePort: 30080\n",
+        1,
+    );
     // Staged then renamed, as ManifestDir::write_service does (the agent never reads half a file).
     let staged = manifests.root().join("demo-web.yaml.new");
     std::fs::write(&staged, yaml).expect("writing demo/web");
@@ -1543,7 +1552,12 @@ fn curl_bodies(
 }
 
 /// Polls `dump` (≤ 5 s) until `done` holds of its table.
-fn wait_for_dump(env: &Env, dump: &dyn Fn(&Env) -> String, what: &str, done: impl Fn(&str) -> bool) {
+fn wait_for_dump(
+    env: &Env,
+    dump: &dyn Fn(&Env) -> String,
+    what: &str,
+    done: impl Fn(&str) -> bool,
+) {
     let start = Instant::now();
     loop {
         let table = dump(env);
@@ -1551,7 +1565,9 @@ fn wait_for_dump(env: &Env, dump: &dyn Fn(&Env) -> String, what: &str, done: imp
             return;
         }
         if start.elapsed() > Duration::from_secs(5) {
-            env.fail(&format!("{what}: not in dump affinity within 5 s:\n{table}"));
+            env.fail(&format!(
+                "{what}: not in dump affinity within 5 s:\n{table}"
+            ));
         }
         thread::sleep(Duration::from_millis(50));
     }
@@ -1579,7 +1595,14 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
             .exec(&["ip", "addr", "add", &format!("{a}/32"), "dev", "eth0"])
             .expect("client address");
         topo.node()
-            .exec(&["ip", "route", "add", &format!("{a}/32"), "dev", "veth-client"])
+            .exec(&[
+                "ip",
+                "route",
+                "add",
+                &format!("{a}/32"),
+                "dev",
+                "veth-client",
+            ])
             .expect("route to the client address");
     }
     let env = Env::start_on(topo, |m| sticky_web(m, Some(None)));
@@ -1588,7 +1611,11 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
     let node_port = format!("http://{}:30080/", proxy_testenv::GATEWAY);
 
     // One client: 30 requests to the ClusterIP, then 30 through the NodePort: one backend.
-    let first = one_backend(&env, "ClusterIP", &curl_bodies(client, None, &cluster_ip, 30));
+    let first = one_backend(
+        &env,
+        "ClusterIP",
+        &curl_bodies(client, None, &cluster_ip, 30),
+    );
     let through_np = one_backend(&env, "NodePort", &curl_bodies(client, None, &node_port, 30));
     env.check(through_np == first, || {
         format!("through the NodePort {through_np}, through the ClusterIP {first}: one scope")
@@ -1640,7 +1667,9 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
     // A 2 s timeout (applies to the next new flows, once the frontend entry has it).
     sticky_web(&env.manifests, Some(Some(2)));
     wait_for_dump(&env, &dump, "the 2 s timeout", |t| {
-        t.lines().skip(1).all(|l| l.split_whitespace().nth(5) == Some("2"))
+        t.lines()
+            .skip(1)
+            .all(|l| l.split_whitespace().nth(5) == Some("2"))
     });
     let counter = |env: &Env, name: &str| {
         env.agent
@@ -1652,22 +1681,37 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
     for a in &extra {
         curl_bodies(client, Some(*a), &cluster_ip, 1);
     }
-    let (hits, misses) = (counter(&env, "affinity_hit"), counter(&env, "affinity_miss"));
+    let (hits, misses) = (
+        counter(&env, "affinity_hit"),
+        counter(&env, "affinity_miss"),
+    );
     for a in &extra {
         curl_bodies(client, Some(*a), &cluster_ip, 1);
     }
-    let (hits2, misses2) = (counter(&env, "affinity_hit"), counter(&env, "affinity_miss"));
+    let (hits2, misses2) = (
+        counter(&env, "affinity_hit"),
+        counter(&env, "affinity_miss"),
+    );
     env.check(hits2 - hits == 9 && misses2 == misses, || {
-        format!("within the timeout: {} hits, {} misses; want 9, 0", hits2 - hits, misses2 - misses)
+        format!(
+            "within the timeout: {} hits, {} misses; want 9, 0",
+            hits2 - hits,
+            misses2 - misses
+        )
     });
     thread::sleep(Duration::from_millis(3_100));
     let table = dump(&env);
     let expired = table.lines().filter(|l| l.contains(" expired ")).count();
-    env.check(expired >= 9, || format!("records past the timeout:\n{table}"));
+    env.check(expired >= 9, || {
+        format!("records past the timeout:\n{table}")
+    });
     for a in &extra {
         curl_bodies(client, Some(*a), &cluster_ip, 1);
     }
-    let (hits3, misses3) = (counter(&env, "affinity_hit"), counter(&env, "affinity_miss"));
+    let (hits3, misses3) = (
+        counter(&env, "affinity_hit"),
+        counter(&env, "affinity_miss"),
+    );
     env.check(misses3 - misses2 == 9 && hits3 == hits2, || {
         format!(
             "past the timeout: {} misses, {} hits; want 9 fresh picks, 0 hits",

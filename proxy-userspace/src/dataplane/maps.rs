@@ -6,9 +6,10 @@ use std::{os::fd::AsFd as _, path::Path};
 
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS,
-    NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey,
+    FragValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAGMENTS,
+    MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat,
+    ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
@@ -122,16 +123,18 @@ impl ServiceMaps {
                 .affinity_matches
                 .insert(key, AFFINITY_MATCH_VALUE, 0)
                 .map_err(map_err(MAP_AFFINITY_MATCH)),
-            MapOp::DeleteAffinityMatch { key } => ignore_missing(
-                self.affinity_matches.remove(key),
-                MAP_AFFINITY_MATCH,
-            ),
+            MapOp::DeleteAffinityMatch { key } => {
+                ignore_missing(self.affinity_matches.remove(key), MAP_AFFINITY_MATCH)
+            }
         }
     }
 
     /// Every affinity match entry (for `dump affinity`: which frontends an id serves).
     pub fn affinity_matches(&self) -> Vec<AffinityMatchKey> {
-        self.affinity_matches.keys().filter_map(|k| k.ok()).collect()
+        self.affinity_matches
+            .keys()
+            .filter_map(|k| k.ok())
+            .collect()
     }
 
     /// Every frontend entry and slot (for `dump affinity`).
@@ -361,7 +364,9 @@ impl Affinity {
     }
 
     pub fn insert(&mut self, key: &AffinityKey, value: &AffinityValue) -> Result<()> {
-        self.map.insert(key, value, 0).map_err(map_err(MAP_AFFINITY))
+        self.map
+            .insert(key, value, 0)
+            .map_err(map_err(MAP_AFFINITY))
     }
 }
 
