@@ -4431,3 +4431,42 @@ fn affinity_is_shared_by_the_frontends_of_a_service_port() {
     assert_eq!(dp.counter(Counter::AffinityHit), 8);
     assert_eq!(dp.counter(Counter::AffinityMiss), 8);
 }
+
+/// What session affinity adds to a new flow (printed, not asserted: single-run medians over
+/// 2,000 new flows of one client, every one after the first a hit, against the same frontend
+/// without affinity). Run with `--nocapture`.
+#[test]
+fn affinity_new_flow_cost() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2, 3, 4];
+    let new_flows = |dp: &mut Datapath, base: u16| -> u128 {
+        let runs: Vec<Duration> = (0..2_000u16)
+            .map(|i| {
+                let syn = Pkt::tcp(CLIENT, base + i, VIP, 80, SYN).bytes();
+                let (verdict, _, d) = dp.run_timed(PROG_TC_INGRESS, &syn, 1);
+                assert_eq!(verdict, TC_NEXT, "new flow verdict");
+                d
+            })
+            .collect();
+        median(runs)
+    };
+    dp.set_affinity_frontend(clusterip_key(80, proto::TCP), TCP_REVNAT, 0, None, &ids);
+    let plain = new_flows(&mut dp, 10_000);
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &ids,
+    );
+    let sticky = new_flows(&mut dp, 20_000);
+    assert_eq!(
+        (
+            dp.counter(Counter::AffinityMiss),
+            dp.counter(Counter::AffinityHit)
+        ),
+        (1, 1_999),
+        "one pick, then hits"
+    );
+    println!("per-packet cost: new_flow_ns={plain} new_flow_affinity_hit_ns={sticky}");
+}
