@@ -1605,7 +1605,7 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
             ])
             .expect("route to the client address");
     }
-    let env = Env::start_on(topo, |m| sticky_web(m, Some(None)));
+    let mut env = Env::start_on(topo, |m| sticky_web(m, Some(None)));
     let client = env.topo.pod("client").unwrap().ns();
     let cluster_ip = format!("http://{WEB}/");
     let node_port = format!("http://{}:30080/", proxy_testenv::GATEWAY);
@@ -1664,6 +1664,51 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
         format!("dump affinity should list 10 clients and the node, live:\n{table}")
     });
 
+    let counter = |env: &Env, name: &str| {
+        env.agent
+            .counter(name)
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
+    };
+
+    // An agent restart keeps the records (pinned) and the match entries (adopted, the scope ids
+    // unchanged): each client's next flow is a hit, to its backend.
+    let restarted = env
+        .agent
+        .restart()
+        .and_then(|()| env.agent.wait_synced(1, Duration::from_secs(30)));
+    if let Err(e) = restarted {
+        env.fail(&format!("restarting the agent: {e:#}"));
+    }
+    let (hits, misses) = (
+        counter(&env, "affinity_hit"),
+        counter(&env, "affinity_miss"),
+    );
+    let client = env.topo.pod("client").unwrap().ns();
+    for a in &extra {
+        let got = one_backend(
+            &env,
+            &format!("client {a} after the restart"),
+            &curl_bodies(client, Some(*a), &cluster_ip, 1),
+        );
+        env.check(got == per_client[a], || {
+            format!(
+                "client {a}: {got} after the restart, {} before",
+                per_client[a]
+            )
+        });
+    }
+    let (hits2, misses2) = (
+        counter(&env, "affinity_hit"),
+        counter(&env, "affinity_miss"),
+    );
+    env.check(hits2 - hits == 9 && misses2 == misses, || {
+        format!(
+            "after the restart: {} hits, {} misses; want 9, 0",
+            hits2 - hits,
+            misses2 - misses
+        )
+    });
+
     // A 2 s timeout (applies to the next new flows, once the frontend entry has it).
     sticky_web(&env.manifests, Some(Some(2)));
     wait_for_dump(&env, &dump, "the 2 s timeout", |t| {
@@ -1671,11 +1716,6 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
             .skip(1)
             .all(|l| l.split_whitespace().nth(5) == Some("2"))
     });
-    let counter = |env: &Env, name: &str| {
-        env.agent
-            .counter(name)
-            .unwrap_or_else(|e| env.fail(&format!("{e:#}")))
-    };
     // Within it (a round, then another at once): hits; past it, every record has expired and
     // each client's next flow is a fresh pick (a miss) that renews its record.
     for a in &extra {
