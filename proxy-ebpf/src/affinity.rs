@@ -25,8 +25,8 @@ pub fn recorded(
         affinity_id: frontend.affinity_id,
         client: flow.client,
     })?;
-    let backend_id = record.backend_id;
-    if !affinity_live(record.last_used_ns, now, frontend.affinity_timeout_s)
+    let (backend_id, last_used_ns) = record.get();
+    if !affinity_live(last_used_ns, now, frontend.affinity_timeout_s)
         || !maps::affinity_match(&AffinityMatchKey {
             frontend: *key,
             backend_id,
@@ -34,7 +34,7 @@ pub fn recorded(
     {
         return None;
     }
-    record.last_used_ns = now;
+    record.touch(now);
     stats::count(Counter::AffinityHit);
     Some(backend_id)
 }

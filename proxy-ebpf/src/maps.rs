@@ -457,14 +457,36 @@ pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
     Some(unsafe { *ptr })
 }
 
-/// A session affinity record, in place: its backend and last use (`None` if there is none).
+/// A session affinity record found by a lookup, to read and to refresh in place.
+pub struct AffinityRecord {
+    ptr: *mut AffinityValue,
+}
+
+impl AffinityRecord {
+    /// The recorded backend and its last use.
+    #[inline(always)]
+    pub fn get(&self) -> (u32, u64) {
+        // SAFETY: `ptr` came from a successful lookup in this program run, and callers drop the
+        // handle before writing to the map. Other CPUs may refresh `last_used_ns` meanwhile; a
+        // torn or stale read of it only moves the expiry by that other flow's few nanoseconds.
+        unsafe { ((*self.ptr).backend_id, (*self.ptr).last_used_ns) }
+    }
+
+    /// The client started a new flow to the recorded backend now.
+    #[inline(always)]
+    pub fn touch(&self, now_ns: u64) {
+        // SAFETY: as in `get`; one 8-byte store, and concurrent writers store the same kind of
+        // value (a recent timestamp), so a lost update costs nothing.
+        unsafe { (*self.ptr).last_used_ns = now_ns }
+    }
+}
+
+/// Look up a session affinity record.
 #[inline(always)]
-pub fn affinity(key: &AffinityKey) -> Option<&'static mut AffinityValue> {
-    let ptr = AFFINITY_V1.get_ptr_mut(key)?;
-    // SAFETY: a live LRU value from this lookup; callers read two fields and store one
-    // (`last_used_ns`, a single 8-byte store that concurrent writers race harmlessly) before any
-    // insert into this map.
-    Some(unsafe { &mut *ptr })
+pub fn affinity(key: &AffinityKey) -> Option<AffinityRecord> {
+    AFFINITY_V1
+        .get_ptr_mut(key)
+        .map(|ptr| AffinityRecord { ptr })
 }
 
 /// Record (or overwrite) a client's endpoint.
