@@ -19,8 +19,8 @@ use kube_proxy_ebpf::{
     },
     diff,
     model::{
-        DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend, FrontendKind,
-        Protocol, ServicePortName,
+        Balancing, DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend,
+        FrontendKind, Protocol, ServicePortName,
     },
     programmed::{Capacities, MapOp, Programmed},
     snat_gc::{self, Collected},
@@ -53,7 +53,11 @@ fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
         frontends.insert(
             frontend,
             DesiredFrontend {
-                balancing: Default::default(),
+                // Every other Service with session affinity: AFFMATCH_V1 entries too.
+                balancing: Balancing {
+                    affinity_timeout_s: s.is_multiple_of(2).then_some(60),
+                    ..Default::default()
+                },
                 service,
                 kind: FrontendKind::ClusterIp,
                 external_local: false,
@@ -98,14 +102,16 @@ fn batched_apply_leaves_exactly_the_plan_in_the_kernel_maps() {
     let grown = sync(&mut maps, &mut shadow, &state(1_000, 10, 0));
     assert_eq!(
         grown,
-        1_000 * 10 + 1_000 * 11 + 1_000,
-        "backends + slots/frontends + rev-NATs"
+        1_000 * 10 + 1_000 * 11 + 1_000 + 500 * 10,
+        "backends + slots/frontends + rev-NATs + affinity matches"
     );
     assert_eq!(shadow.frontend_count(), 1_000);
+    assert_eq!(shadow.affinity_matches.len(), 500 * 10);
 
     // Shrink and move: half the Services go, the rest get other backends (puts + deletes).
     sync(&mut maps, &mut shadow, &state(250, 4, 3));
     assert_eq!(shadow.frontend_count(), 250);
+    assert_eq!(shadow.affinity_matches.len(), 125 * 4);
     assert_eq!(
         sync(&mut maps, &mut shadow, &state(250, 4, 3)),
         0,
