@@ -8,7 +8,7 @@ use proxy_common::{
     sched,
 };
 
-use crate::{Drop, maps};
+use crate::{Drop, maps, stats};
 
 /// What the choice may look at of a new flow.
 #[derive(Clone, Copy)]
@@ -41,5 +41,6 @@ pub fn choose(
         return Ok(None);
     };
     let slot = maps::service(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
+    stats::count_pick(frontend.scheduler);
     Ok(Some(slot.backend_id))
 }
