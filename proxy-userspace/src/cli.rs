@@ -389,14 +389,30 @@ mod tests {
             })
         };
         assert_eq!(run(&[]).expect("default"), Scheduler::Random);
-        assert_eq!(run(&["--scheduler", "rr"]).expect("rr"), Scheduler::RoundRobin);
-        assert_eq!(run(&["--scheduler", "wlc"]).expect("wlc"), Scheduler::LeastConnection);
-        assert_eq!(run(&["--scheduler", "maglev"]).expect("maglev"), Scheduler::Maglev);
-        assert_eq!(run(&["--scheduler", " dh "]).expect("dh"), Scheduler::DestinationHash);
+        assert_eq!(
+            run(&["--scheduler", "rr"]).expect("rr"),
+            Scheduler::RoundRobin
+        );
+        assert_eq!(
+            run(&["--scheduler", "wlc"]).expect("wlc"),
+            Scheduler::LeastConnection
+        );
+        assert_eq!(
+            run(&["--scheduler", "maglev"]).expect("maglev"),
+            Scheduler::Maglev
+        );
+        assert_eq!(
+            run(&["--scheduler", " dh "]).expect("dh"),
+            Scheduler::DestinationHash
+        );
         assert_eq!(run(&["--scheduler", ""]).expect("empty"), Scheduler::Random);
-        let err = run(&["--scheduler", "fastest"]).expect_err("unknown").to_string();
+        let err = run(&["--scheduler", "fastest"])
+            .expect_err("unknown")
+            .to_string();
         assert!(
-            err.contains("--scheduler") && err.contains("\"fastest\"") && err.contains("mh (maglev)"),
+            err.contains("--scheduler")
+                && err.contains("\"fastest\"")
+                && err.contains("mh (maglev)"),
             "{err}"
         );
     }

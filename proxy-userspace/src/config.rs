@@ -1092,7 +1092,9 @@ mod tests {
             },
             Case {
                 body: "mode: ipvs\nipvs:\n  syncPeriod: 9s\n  scheduler: \"\"",
-                check: |c| c.mode == Mode::Ipvs && c.sync_period == secs(9) && c.scheduler.is_none(),
+                check: |c| {
+                    c.mode == Mode::Ipvs && c.sync_period == secs(9) && c.scheduler.is_none()
+                },
             },
             Case {
                 body: "mode: ipvs\nipvs:\n  scheduler: wlc",
@@ -1503,7 +1505,11 @@ winkernel:
         assert_eq!(args.scheduler, Scheduler::SourceHash, "from the file");
         let (mut args, explicit) = run_args(&["--scheduler", "random"]);
         apply(&mut args, &file, &explicit).expect("apply");
-        assert_eq!(args.scheduler, Scheduler::Random, "the flag, even at its default");
+        assert_eq!(
+            args.scheduler,
+            Scheduler::Random,
+            "the flag, even at its default"
+        );
         let unset = parse_ok("ipvs:\n  scheduler: \"\"\n").config;
         let (mut args, explicit) = run_args(&["--scheduler", "maglev"]);
         apply(&mut args, &unset, &explicit).expect("apply");

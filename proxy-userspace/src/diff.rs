@@ -1245,7 +1245,12 @@ mod tests {
                 p.apply(op);
             }
             planner.applied(&plan);
-            assert_eq!(codes(&p), [want, want], "step {step} ({annotation:?}): {:?}", plan.ops);
+            assert_eq!(
+                codes(&p),
+                [want, want],
+                "step {step} ({annotation:?}): {:?}",
+                plan.ops
+            );
             assert_eq!(
                 cache.problems().len(),
                 usize::from(annotation == Some("bogus")),

@@ -398,7 +398,9 @@ mod tests {
         p.services.insert(inner.with_slot(1), ServiceValue::slot(8));
         let t = services_table(&p);
         assert!(
-            t.lines().next().is_some_and(|h| h.contains(" SCHED ") && h.contains(" AFFINITY ")),
+            t.lines()
+                .next()
+                .is_some_and(|h| h.contains(" SCHED ") && h.contains(" AFFINITY ")),
             "{t}"
         );
         let row = |start: &str| {
@@ -408,9 +410,18 @@ mod tests {
                 .split_whitespace()
                 .collect::<Vec<_>>()
         };
-        assert_eq!(row("10.96.0.10:80 ")[..6], ["10.96.0.10:80", "TCP", "1", "rr", "10800s", "2"]);
-        assert_eq!(row("10.96.0.10:80 (in-cluster)")[2..6], ["TCP", "3", "mh", "-"]);
-        assert_eq!(row("10.96.0.30:80")[..6], ["10.96.0.30:80", "TCP", "2", "random", "-", "0"]);
+        assert_eq!(
+            row("10.96.0.10:80 ")[..6],
+            ["10.96.0.10:80", "TCP", "1", "rr", "10800s", "2"]
+        );
+        assert_eq!(
+            row("10.96.0.10:80 (in-cluster)")[2..6],
+            ["TCP", "3", "mh", "-"]
+        );
+        assert_eq!(
+            row("10.96.0.30:80")[..6],
+            ["10.96.0.30:80", "TCP", "2", "random", "-", "0"]
+        );
         let mut unknown = Programmed::default();
         unknown.services.insert(
             empty,
@@ -419,7 +430,10 @@ mod tests {
                 ..ServiceValue::frontend(0, 2)
             },
         );
-        assert!(services_table(&unknown).contains(" ?9 "), "an unknown code is shown as such");
+        assert!(
+            services_table(&unknown).contains(" ?9 "),
+            "an unknown code is shown as such"
+        );
         let row = t
             .lines()
             .find(|l| l.starts_with("10.96.0.10:80 (in-cluster)"))

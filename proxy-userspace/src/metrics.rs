@@ -41,7 +41,6 @@ use std::{
 };
 
 use hyper::{StatusCode, header};
-use proxy_common::{Scheduler, stats::PICK_COUNTERS};
 use k8s_openapi::{Metadata, apimachinery::pkg::apis::meta::v1::ObjectMeta, jiff::Timestamp};
 use prometheus_client::{
     collector::Collector,
@@ -55,6 +54,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
+use proxy_common::{Scheduler, stats::PICK_COUNTERS};
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tracing::debug;
@@ -182,11 +182,13 @@ impl Collector for DatapathCollector {
             None,
             MetricType::Counter,
         )?;
-        for (counter, value) in proxy_common::Counter::ALL.iter().zip(values.iter().copied()) {
+        for (counter, value) in proxy_common::Counter::ALL
+            .iter()
+            .zip(values.iter().copied())
+        {
             let labels = [("counter", counter.name())];
             ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
         }
-        drop(family);
         // The same `pick_*` counters by scheduler name (what a dashboard groups by).
         let mut picks = encoder.encode_descriptor(
             "kube_proxy_ebpf_scheduler_picks",

@@ -2067,15 +2067,27 @@ mod tests {
                 .filter(|df| df.service.name == name)
                 .map(|df| df.balancing.scheduler)
                 .collect();
-            assert!(v.len() > 1, "{name}: ClusterIP and NodePort frontends: {v:?}");
+            assert!(
+                v.len() > 1,
+                "{name}: ClusterIP and NodePort frontends: {v:?}"
+            );
             v
         };
         let all = |s: Scheduler, n: &str| by_service(n).iter().all(|x| *x == s);
         assert!(all(Scheduler::SourceHash, "plain"), "node default");
-        assert!(all(Scheduler::RoundRobin, "rr"), "annotation wins, on every frontend");
-        assert!(all(Scheduler::LeastConnection, "alias"), "IPVS alias, trimmed");
+        assert!(
+            all(Scheduler::RoundRobin, "rr"),
+            "annotation wins, on every frontend"
+        );
+        assert!(
+            all(Scheduler::LeastConnection, "alias"),
+            "IPVS alias, trimmed"
+        );
         assert!(all(Scheduler::SourceHash, "blank"), "blank = not set");
-        assert!(all(Scheduler::SourceHash, "bad"), "bad: the node's, still programmed");
+        assert!(
+            all(Scheduler::SourceHash, "bad"),
+            "bad: the node's, still programmed"
+        );
         assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
         let p = &t.problems[0];
         assert_eq!(p.object, "Service demo/bad");

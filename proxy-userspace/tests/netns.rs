@@ -7,6 +7,7 @@
 
 use std::{
     collections::BTreeMap,
+    fmt::Write as _,
     net::Ipv4Addr,
     path::Path,
     sync::atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -1599,7 +1600,11 @@ fn requests_per_backend_for_each_scheduler_annotation() {
             .collect();
         let picks = env.agent.counter(counter).expect("pick counter") - picks_before;
         env.check(picks == (PER_CLIENT * clients.len()) as u64, || {
-            format!("{}: {picks} picks counted in {counter} for {} connections", s.name(), PER_CLIENT * clients.len())
+            format!(
+                "{}: {picks} picks counted in {counter} for {} connections",
+                s.name(),
+                PER_CLIENT * clients.len()
+            )
         });
         let mut total: BTreeMap<String, usize> = BTreeMap::new();
         for m in &per_client {
@@ -1607,31 +1612,37 @@ fn requests_per_backend_for_each_scheduler_annotation() {
                 *total.entry(b.clone()).or_default() += n;
             }
         }
-        let _ = std::fmt::Write::write_fmt(
-            &mut table,
-            format_args!(
-                "{:<9} | {:>3} | {:>3} | {:>3} | {per_client:?}\n",
-                s.name(),
-                total.get("be1").copied().unwrap_or(0),
-                total.get("be2").copied().unwrap_or(0),
-                total.get("be3").copied().unwrap_or(0),
-            ),
+        let n = |b: &str| total.get(b).copied().unwrap_or(0);
+        let _ = writeln!(
+            table,
+            "{:<9} | {:>3} | {:>3} | {:>3} | {per_client:?}",
+            s.name(),
+            n("be1"),
+            n("be2"),
+            n("be3"),
         );
         results.insert(*s, (total, per_client));
     }
     eprintln!("requests per backend ({PER_CLIENT} from each of {clients:?}):\n{table}");
     use proxy_common::Scheduler::{DestinationHash, Random, SourceHash};
     let (random, _) = &results[&Random];
-    env.check(random.len() >= 2, || format!("random did not spread:\n{table}"));
+    env.check(random.len() >= 2, || {
+        format!("random did not spread:\n{table}")
+    });
     let (_, sh) = &results[&SourceHash];
     env.check(sh.iter().all(|m| m.len() == 1), || {
         format!("sh sent one client to several backends:\n{table}")
     });
     let (dh, _) = &results[&DestinationHash];
-    env.check(dh.len() == 1, || format!("dh used several backends:\n{table}"));
+    env.check(dh.len() == 1, || {
+        format!("dh used several backends:\n{table}")
+    });
 
     // The annotation alone changes: the frontend follows within the manifest reload.
-    let k = schedulers.iter().position(|s| *s == Random).expect("random");
+    let k = schedulers
+        .iter()
+        .position(|s| *s == Random)
+        .expect("random");
     sched_service(&env.manifests, k, "dh");
     env.wait_scheduler(sched_vip(k), "dh");
     let mut after: BTreeMap<String, usize> = BTreeMap::new();

@@ -78,8 +78,14 @@ fn sched_specs() -> Vec<SvcSpec> {
     for (k, s) in Scheduler::ALL.into_iter().enumerate() {
         let (a, b) = sched_cycle(k);
         v.push(sched_service(k, s));
-        v.push(SvcSpec::new(&format!("sched-{}-a", s.name()), a, 80, 81, &[b]).with_scheduler(s.name()));
-        v.push(SvcSpec::new(&format!("sched-{}-b", s.name()), b, 81, 80, &[a]).with_scheduler(s.name()));
+        v.push(
+            SvcSpec::new(&format!("sched-{}-a", s.name()), a, 80, 81, &[b])
+                .with_scheduler(s.name()),
+        );
+        v.push(
+            SvcSpec::new(&format!("sched-{}-b", s.name()), b, 81, 80, &[a])
+                .with_scheduler(s.name()),
+        );
     }
     v
 }
@@ -477,7 +483,11 @@ fn scheduler_costs(l: &Loaded, e: Effort) -> Result<[SchedCosts; 6]> {
             let (saddr, sport) = client_for(i, 2);
             let f = packet::tcp(saddr, sport, target.vip, target.port, SYN, &[]);
             let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
-            ensure!(verdict == TC_NEXT, "new flow ({}): verdict {verdict}", s.name());
+            ensure!(
+                verdict == TC_NEXT,
+                "new flow ({}): verdict {verdict}",
+                s.name()
+            );
             new_flow.push(ns as f64);
         }
         let picked = l.counter(pick)? - before;
@@ -492,7 +502,11 @@ fn scheduler_costs(l: &Loaded, e: Effort) -> Result<[SchedCosts; 6]> {
         let to_b = packet::tcp(CLIENT, sport, b, 81, ACK, &payload);
         for f in [&to_a, &to_b] {
             let (verdict, _) = l.run(PROG_TC_INGRESS, f, 1)?;
-            ensure!(verdict == TC_NEXT, "cycle setup ({}): verdict {verdict}", s.name());
+            ensure!(
+                verdict == TC_NEXT,
+                "cycle setup ({}): verdict {verdict}",
+                s.name()
+            );
         }
         let before = l.counter(Counter::EstablishedFlow)?;
         let established = repeated(l, PROG_TC_INGRESS, &to_a, e)?;

@@ -116,11 +116,9 @@ fn scheduler_tables(s: &mut String, dp: &[(usize, inproc::PacketCosts)]) {
     };
     type Get = fn(&inproc::SchedCosts) -> f64;
     let kinds: [(&str, &str, Get); 2] = [
-        (
-            "new flow (SYN)",
-            "a Service of 10 endpoints",
-            |c| c.new_flow,
-        ),
+        ("new flow (SYN)", "a Service of 10 endpoints", |c| {
+            c.new_flow
+        }),
         (
             "established flow",
             "the established-flow pair of Services",
