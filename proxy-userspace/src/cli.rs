@@ -186,7 +186,7 @@ pub struct RunArgs {
     /// `kube-proxy-ebpf.io/scheduler` annotation (KubeProxyConfiguration `ipvs.scheduler`):
     /// random (the flow hash), rr, lc, sh, dh, mh, or an IPVS alias (wrr, wlc, sed, nq, lblc,
     /// lblcr, maglev). Empty = random.
-    #[arg(long, env = "KPE_SCHEDULER", value_parser = parse_scheduler, default_value = "random")]
+    #[arg(long, env = "KPE_SCHEDULER", value_name = "NAME", value_parser = parse_scheduler, default_value = "random")]
     pub scheduler: Scheduler,
     /// How in-cluster clients are told apart (kube-proxy's detectLocalMode). Only ClusterCIDR
     /// is implemented; with the others no client counts as in-cluster.
