@@ -144,10 +144,47 @@ counters! {
     /// A new flow of a session affinity frontend without a usable record (none, expired, or its
     /// endpoint no longer usable here): picked by the scheduler, and recorded.
     AffinityMiss = "affinity_miss",
+    /// A new flow's backend chosen by a frontend's scheduler, per scheduler
+    /// (`ServiceValue::scheduler`; in `sched::code` order, see [`pick_counter_index`]): random
+    /// (the flow hash).
+    PickRandom = "pick_random",
+    /// ... round robin.
+    PickRoundRobin = "pick_round_robin",
+    /// ... least connection.
+    PickLeastConnection = "pick_least_connection",
+    /// ... source hashing.
+    PickSourceHash = "pick_source_hash",
+    /// ... destination hashing.
+    PickDestinationHash = "pick_destination_hash",
+    /// ... Maglev.
+    PickMaglev = "pick_maglev",
 }
 
 /// Number of entries in the stats array.
 pub const COUNTER_COUNT: u32 = Counter::ALL.len() as u32;
+
+/// The `Pick*` counter of a frontend's scheduler code, as a stats index: the six counters are
+/// consecutive in code order. A code the datapath does not know picks by the flow hash and
+/// counts as `PickRandom`.
+#[inline(always)]
+pub const fn pick_counter_index(scheduler: u8) -> u32 {
+    let offset = if scheduler <= crate::sched::code::MAGLEV {
+        scheduler as u32
+    } else {
+        crate::sched::code::RANDOM as u32
+    };
+    Counter::PickRandom as u32 + offset
+}
+
+/// The `Pick*` counter of each scheduler, in `Scheduler::ALL` order (metrics, docs).
+pub const PICK_COUNTERS: [Counter; 6] = [
+    Counter::PickRandom,
+    Counter::PickRoundRobin,
+    Counter::PickLeastConnection,
+    Counter::PickSourceHash,
+    Counter::PickDestinationHash,
+    Counter::PickMaglev,
+];
 
 #[cfg(test)]
 mod tests {
@@ -158,5 +195,15 @@ mod tests {
         for (i, c) in Counter::ALL.iter().enumerate() {
             assert_eq!(*c as usize, i, "{} out of order", c.name());
         }
+    }
+
+    #[test]
+    fn each_scheduler_code_counts_its_own_pick_counter() {
+        for (s, c) in crate::sched::Scheduler::ALL.iter().zip(PICK_COUNTERS) {
+            assert_eq!(pick_counter_index(s.code()), c as u32, "{s:?}");
+            assert!(c.name().starts_with("pick_"), "{}", c.name());
+        }
+        assert_eq!(pick_counter_index(200), Counter::PickRandom as u32);
+        assert!(pick_counter_index(u8::MAX) < COUNTER_COUNT);
     }
 }

@@ -8,7 +8,7 @@ use proxy_common::{
     sched, service_flags,
 };
 
-use crate::{Drop, affinity, maps};
+use crate::{Drop, affinity, maps, stats};
 
 /// What the choice may look at of a new flow.
 #[derive(Clone, Copy)]
@@ -62,5 +62,6 @@ fn schedule(
         return Ok(None);
     };
     let slot = maps::service(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
+    stats::count_pick(frontend.scheduler);
     Ok(Some(slot.backend_id))
 }

@@ -95,7 +95,21 @@ impl ManifestDir {
         ports: &[ServicePort],
         endpoints: &[Ipv4Addr],
     ) -> Result<PathBuf> {
-        let yaml = service_yaml(namespace, name, cluster_ip, ports, endpoints);
+        self.write_service_annotated(namespace, name, cluster_ip, ports, endpoints, &[])
+    }
+
+    /// [`ManifestDir::write_service`] with Service annotations (key, value).
+    pub fn write_service_annotated(
+        &self,
+        namespace: &str,
+        name: &str,
+        cluster_ip: Ipv4Addr,
+        ports: &[ServicePort],
+        endpoints: &[Ipv4Addr],
+        annotations: &[(&str, &str)],
+    ) -> Result<PathBuf> {
+        let yaml =
+            service_yaml_annotated(namespace, name, cluster_ip, ports, endpoints, annotations);
         let file = format!("{namespace}-{name}.yaml");
         let staged = self.staging.join(&file);
         let target = self.dir.join(&file);
@@ -125,11 +139,32 @@ pub fn service_yaml(
     ports: &[ServicePort],
     endpoints: &[Ipv4Addr],
 ) -> String {
+    service_yaml_annotated(namespace, name, cluster_ip, ports, endpoints, &[])
+}
+
+/// [`service_yaml`] with Service annotations (values quoted as JSON strings).
+pub fn service_yaml_annotated(
+    namespace: &str,
+    name: &str,
+    cluster_ip: Ipv4Addr,
+    ports: &[ServicePort],
+    endpoints: &[Ipv4Addr],
+    annotations: &[(&str, &str)],
+) -> String {
     let mut y = String::new();
     let _ = write!(
         y,
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
-         spec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs: [\"{cluster_ip}\"]\n  ports:\n"
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
+    );
+    if !annotations.is_empty() {
+        y.push_str("  annotations:\n");
+        for (k, v) in annotations {
+            let _ = writeln!(y, "    {k}: {v:?}");
+        }
+    }
+    let _ = write!(
+        y,
+        "spec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs: [\"{cluster_ip}\"]\n  ports:\n"
     );
     for p in ports {
         let _ = write!(y, "    - ");

@@ -468,6 +468,17 @@ impl Topology {
     /// `n` sequential HTTP GETs from the client pod in one curl process (each on its own TCP
     /// connection: the servers close). One entry per request: the reply or curl's error.
     pub fn curl_many(&self, url: &str, n: usize) -> Result<Vec<Result<CurlReply, String>>> {
+        self.curl_many_from("client", url, n)
+    }
+
+    /// [`Topology::curl_many`] from the pod `pod` (e.g. a second client added with
+    /// [`Topology::add_pod`]).
+    pub fn curl_many_from(
+        &self,
+        pod: &str,
+        url: &str,
+        n: usize,
+    ) -> Result<Vec<Result<CurlReply, String>>> {
         ensure!(
             (1..=10_000).contains(&n),
             "curl_many: n={n} out of 1..=10000"
@@ -484,7 +495,7 @@ impl Topology {
         ];
         args.extend(std::iter::repeat_n(url, n));
         let timeout = Duration::from_secs(10) + Duration::from_secs(4) * n as u32;
-        let out = self.client()?.ns.output(&args, timeout)?;
+        let out = self.pod(pod)?.ns.output(&args, timeout)?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         let replies: Vec<_> = stdout
             .split('\x1d')

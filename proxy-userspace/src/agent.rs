@@ -616,8 +616,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let node = NodeContext {
         node_name: node_name(&args),
         zone: None,
-        // The node's scheduler flag / ipvs.scheduler (issue 10) goes here.
-        scheduler: Default::default(),
+        // --scheduler, else KubeProxyConfiguration ipvs.scheduler (merged by config::resolve).
+        scheduler: args.scheduler,
     };
     let mut patterns_str = args.pod_interfaces.clone();
     if !args.devices.is_empty() {

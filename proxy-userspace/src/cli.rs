@@ -3,6 +3,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use proxy_common::Scheduler;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -185,6 +186,12 @@ pub struct RunArgs {
     /// objects (networking.k8s.io/v1) are added to these.
     #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
     pub service_cidr: Vec<crate::config::Cidr>,
+    /// The node's load-balancing scheduler for Services without the
+    /// `kube-proxy-ebpf.io/scheduler` annotation (KubeProxyConfiguration `ipvs.scheduler`):
+    /// random (the flow hash), rr, lc, sh, dh, mh, or an IPVS alias (wrr, wlc, sed, nq, lblc,
+    /// lblcr, maglev). Empty = random.
+    #[arg(long, env = "KPE_SCHEDULER", value_name = "NAME", value_parser = parse_scheduler, default_value = "random")]
+    pub scheduler: Scheduler,
     /// How in-cluster clients are told apart (kube-proxy's detectLocalMode). Only ClusterCIDR
     /// is implemented; with the others no client counts as in-cluster.
     #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]
@@ -252,6 +259,21 @@ pub enum DumpWhat {
     Fragments,
     /// Session affinity records: client → endpoint per Service port, idle time, live or expired.
     Affinity,
+}
+
+/// A scheduler name (ours or an IPVS alias, [`Scheduler::parse`]); empty or blank = the
+/// default (`random`).
+pub fn parse_scheduler(s: &str) -> Result<Scheduler, String> {
+    let name = s.trim();
+    if name.is_empty() {
+        return Ok(Scheduler::default());
+    }
+    Scheduler::parse(name).ok_or_else(|| {
+        format!(
+            "unknown scheduler {name:?}: use one of {}",
+            proxy_common::sched::SCHEDULER_NAMES
+        )
+    })
 }
 
 /// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).
@@ -360,6 +382,45 @@ mod tests {
             panic!("not run")
         };
         assert_eq!(run.tunnel_devices, TunnelDevices::None);
+    }
+
+    #[test]
+    fn scheduler_flag_takes_names_and_ipvs_aliases_and_rejects_others() {
+        let run = |extra: &[&str]| {
+            let mut argv = vec!["kube-proxy-ebpf", "run", "--manifests", "/m"];
+            argv.extend(extra);
+            Cli::try_parse_from(argv).map(|cli| match cli.command {
+                Command::Run(run) => run.scheduler,
+                _ => panic!("not run"),
+            })
+        };
+        assert_eq!(run(&[]).expect("default"), Scheduler::Random);
+        assert_eq!(
+            run(&["--scheduler", "rr"]).expect("rr"),
+            Scheduler::RoundRobin
+        );
+        assert_eq!(
+            run(&["--scheduler", "wlc"]).expect("wlc"),
+            Scheduler::LeastConnection
+        );
+        assert_eq!(
+            run(&["--scheduler", "maglev"]).expect("maglev"),
+            Scheduler::Maglev
+        );
+        assert_eq!(
+            run(&["--scheduler", " dh "]).expect("dh"),
+            Scheduler::DestinationHash
+        );
+        assert_eq!(run(&["--scheduler", ""]).expect("empty"), Scheduler::Random);
+        let err = run(&["--scheduler", "fastest"])
+            .expect_err("unknown")
+            .to_string();
+        assert!(
+            err.contains("--scheduler")
+                && err.contains("\"fastest\"")
+                && err.contains("mh (maglev)"),
+            "{err}"
+        );
     }
 
     #[test]

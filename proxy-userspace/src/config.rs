@@ -23,6 +23,7 @@ use std::{
 };
 
 use clap::parser::{ArgMatches, ValueSource};
+use proxy_common::{Scheduler, sched::SCHEDULER_NAMES};
 use serde_yaml::Value;
 
 use crate::cli::{DetectLocalMode, RunArgs, parse_duration};
@@ -325,6 +326,8 @@ pub struct FileConfig {
     pub conntrack_max_per_core: Option<u32>,
     pub conntrack_min: Option<u32>,
     pub detect_local: Option<DetectLocal>,
+    /// `ipvs.scheduler`, read whatever the mode (users carry it over from IPVS mode).
+    pub scheduler: Option<Scheduler>,
 }
 
 /// A parsed file and what to tell the operator about it.
@@ -378,7 +381,6 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
     (
         "ipvs",
         &[
-            "scheduler",
             "excludeCIDRs",
             "strictARP",
             "tcpTimeout",
@@ -659,6 +661,20 @@ impl Walker<'_> {
                                     }
                                 }
                             }
+                            // Honoured in every mode: users carry it over from IPVS mode.
+                            "scheduler" if key == "ipvs" => {
+                                if let Some(name) = self.string(&field, v)? {
+                                    let sched = Scheduler::parse(&name).ok_or_else(|| {
+                                        self.err(
+                                            &field,
+                                            format!(
+                                                "unknown scheduler {name:?}: use one of {SCHEDULER_NAMES}"
+                                            ),
+                                        )
+                                    })?;
+                                    self.out.config.scheduler = Some(sched);
+                                }
+                            }
                             // Other modes' settings are ignored upstream too: stay quiet.
                             _ if !ours && unsupported(key, &k) => {}
                             _ => self.other(key, &k, v),
@@ -861,6 +877,7 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
         &mut args.conntrack_min,
         &file.conntrack_min,
     );
+    set(from_file("scheduler"), &mut args.scheduler, &file.scheduler);
     if from_file("cluster_cidr") && !file.cluster_cidrs.is_empty() {
         args.cluster_cidr.clone_from(&file.cluster_cidrs);
     }
@@ -909,6 +926,7 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
         conntrack_min = args.conntrack_min,
         cluster_cidr = ?args.cluster_cidr.iter().map(ToString::to_string).collect::<Vec<_>>(),
         detect_local_mode = %args.detect_local_mode,
+        scheduler = args.scheduler.name(),
         "settings"
     );
     Ok(())
@@ -1074,7 +1092,18 @@ mod tests {
             },
             Case {
                 body: "mode: ipvs\nipvs:\n  syncPeriod: 9s\n  scheduler: \"\"",
-                check: |c| c.mode == Mode::Ipvs && c.sync_period == secs(9),
+                check: |c| {
+                    c.mode == Mode::Ipvs && c.sync_period == secs(9) && c.scheduler.is_none()
+                },
+            },
+            Case {
+                body: "mode: ipvs\nipvs:\n  scheduler: wlc",
+                check: |c| c.scheduler == Some(Scheduler::LeastConnection),
+            },
+            // Honoured in any mode (carried over from an IPVS configuration).
+            Case {
+                body: "mode: nftables\nipvs:\n  scheduler: \" mh \"",
+                check: |c| c.scheduler == Some(Scheduler::Maglev),
             },
             Case {
                 body: "iptables:\n  syncPeriod: 0s\n  minSyncPeriod: 0s",
@@ -1173,6 +1202,14 @@ mod tests {
                 "config.yaml: nodePortAddresses: expected a list",
             ),
             ("mode: kernelspace", "config.yaml: mode: \"kernelspace\""),
+            (
+                "ipvs:\n  scheduler: fastest",
+                "config.yaml: ipvs.scheduler: unknown scheduler \"fastest\": use one of random, rr (wrr)",
+            ),
+            (
+                "mode: ipvs\nipvs:\n  scheduler: 3",
+                "config.yaml: ipvs.scheduler: expected a string",
+            ),
             ("mode: ebpf", "config.yaml: mode: \"ebpf\""),
             (
                 "detectLocalMode: Magic",
@@ -1258,7 +1295,8 @@ mod tests {
                 &["config.yaml: conntrack.tcpBeLiberal: set to true"],
             ),
             ("conntrack:\n  maxPerCore: 65536\n  min: 0", &[]),
-            // Another mode's block: ignored upstream too, so quiet; but typos still warn.
+            // Another mode's block: ignored upstream too, so quiet (its scheduler is read); but
+            // typos still warn.
             ("ipvs:\n  scheduler: rr\n  strictARP: true", &[]),
             (
                 "ipvs:\n  shceduler: rr",
@@ -1456,6 +1494,26 @@ winkernel:
             "from the file"
         );
         assert_eq!(args.conntrack_udp_timeout, Duration::from_secs(9));
+    }
+
+    #[test]
+    fn scheduler_flag_wins_over_ipvs_scheduler_which_wins_over_the_default() {
+        let file = parse_ok("ipvs:\n  scheduler: sh\n").config;
+        let (mut args, explicit) = run_args(&[]);
+        assert_eq!(args.scheduler, Scheduler::Random, "the default");
+        apply(&mut args, &file, &explicit).expect("apply");
+        assert_eq!(args.scheduler, Scheduler::SourceHash, "from the file");
+        let (mut args, explicit) = run_args(&["--scheduler", "random"]);
+        apply(&mut args, &file, &explicit).expect("apply");
+        assert_eq!(
+            args.scheduler,
+            Scheduler::Random,
+            "the flag, even at its default"
+        );
+        let unset = parse_ok("ipvs:\n  scheduler: \"\"\n").config;
+        let (mut args, explicit) = run_args(&["--scheduler", "maglev"]);
+        apply(&mut args, &unset, &explicit).expect("apply");
+        assert_eq!(args.scheduler, Scheduler::Maglev);
     }
 
     #[test]

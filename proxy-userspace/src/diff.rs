@@ -1196,6 +1196,11 @@ mod tests {
                             n => Some(n * 10),
                         };
                     }
+                    // A scheduler change alone (the annotation) must reprogram the entry.
+                    if rng.below(6) == 0 {
+                        let all = crate::model::Scheduler::ALL;
+                        df.balancing.scheduler = all[rng.below(all.len() as u32) as usize];
+                    }
                     let b = rng.below(20);
                     let backend = DesiredBackend {
                         local: rng.below(2) == 0,
@@ -1288,6 +1293,102 @@ mod tests {
             incremental * 2 > steps,
             "the incremental path ran in only {incremental} of {steps} steps"
         );
+    }
+
+    #[test]
+    fn a_scheduler_annotation_change_alone_reprograms_every_frontend_incrementally() {
+        use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+        use proxy_common::sched::code;
+        use serde_json::json;
+
+        use crate::{
+            incremental::Planner,
+            model::Scheduler,
+            snapshot::Snapshot,
+            translate::{ANNOTATION_SCHEDULER, NodeContext},
+            translate_cache::TranslateCache,
+        };
+
+        let node_addr = Ipv4Addr::new(192, 168, 50, 10);
+        let node = NodeContext {
+            scheduler: Scheduler::Random,
+            node_name: "node-a".into(),
+            zone: None,
+        };
+        let slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "demo",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": ["10.244.1.11"], "conditions": {"ready": true}},
+                          {"addresses": ["10.244.1.12"], "conditions": {"ready": true}}],
+        }))
+        .expect("slice");
+        let snapshot = |annotation: Option<&str>| {
+            let mut meta = json!({"name": "web", "namespace": "demo"});
+            if let Some(a) = annotation {
+                meta["annotations"] = json!({ANNOTATION_SCHEDULER: a});
+            }
+            let svc: Service = serde_json::from_value(json!({
+                "metadata": meta,
+                "spec": {"type": "NodePort", "clusterIP": "10.96.0.10",
+                         "ports": [{"name": "http", "port": 80, "nodePort": 30080}]},
+            }))
+            .expect("service");
+            Snapshot::new(vec![svc], vec![slice.clone()])
+        };
+        let mut cache = TranslateCache::new();
+        let mut planner = Planner::new(&Programmed::default());
+        let mut p = Programmed::default();
+        let codes = |p: &Programmed| -> Vec<u8> {
+            (p.services.iter())
+                .filter(|(k, _)| k.slot == 0)
+                .map(|(_, v)| v.scheduler)
+                .collect()
+        };
+        for (step, (annotation, want)) in [
+            (None, code::RANDOM),
+            (Some("rr"), code::ROUND_ROBIN),
+            (Some("maglev"), code::MAGLEV),
+            (Some("bogus"), code::RANDOM),
+            (Some("dh"), code::DESTINATION_HASH),
+            (None, code::RANDOM),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let changes = cache.update(&snapshot(annotation), &node, &[node_addr], false);
+            planner.desired_changes(&changes, cache.desired());
+            let plan = if step == 0 {
+                planner.plan(cache.desired(), &p, &CAPS, true)
+            } else {
+                let plan = planner
+                    .plan_changes(cache.desired(), &p, &CAPS)
+                    .unwrap_or_else(|| panic!("step {step}: the incremental planner declined"));
+                assert_eq!(plan, plan_full(cache.desired(), &p), "step {step}");
+                plan
+            };
+            for op in &plan.ops {
+                planner.observe(&p, op);
+                p.apply(op);
+            }
+            planner.applied(&plan);
+            assert_eq!(
+                codes(&p),
+                [want, want],
+                "step {step} ({annotation:?}): {:?}",
+                plan.ops
+            );
+            assert_eq!(
+                cache.problems().len(),
+                usize::from(annotation == Some("bogus")),
+                "step {step}"
+            );
+        }
+    }
+
+    fn plan_full(d: &DesiredState, p: &Programmed) -> Plan {
+        plan(d, p, &CAPS)
     }
 
     #[test]

@@ -3,8 +3,9 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use proxy_common::{
-    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, SnatKey, SnatValue,
-    backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
+    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, Scheduler,
+    ServiceValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, ct_state, frag_action,
+    frag_hook, service_flags,
 };
 
 use crate::{
@@ -64,9 +65,23 @@ fn flags_text(flags: u8) -> String {
     }
 }
 
-/// One row per frontend: its backends in slot order.
+/// A frontend entry's scheduler name (`?<code>` for a code this build does not know).
+fn scheduler_text(code: u8) -> String {
+    Scheduler::from_code(code).map_or_else(|| format!("?{code}"), |s| s.name().to_owned())
+}
+
+/// A frontend entry's session affinity timeout (`-` without affinity).
+fn affinity_text(v: &ServiceValue) -> String {
+    if v.flags & service_flags::AFFINITY != 0 {
+        format!("{}s", v.affinity_timeout_s)
+    } else {
+        "-".into()
+    }
+}
+
+/// One row per frontend: its scheduler, session affinity timeout and backends in slot order.
 pub fn services_table(p: &Programmed) -> String {
-    let mut frontends: BTreeMap<_, (u32, u16, Vec<String>)> = BTreeMap::new();
+    let mut frontends: BTreeMap<_, (ServiceValue, Vec<String>)> = BTreeMap::new();
     for (key, value) in &p.services {
         if key.slot != 0 {
             continue;
@@ -90,13 +105,13 @@ pub fn services_table(p: &Programmed) -> String {
                 None => format!("slot {slot} (missing)"),
             })
             .collect();
-        frontends.insert(fe, (value.rev_nat_id, value.count, backends));
+        frontends.insert(fe, (*value, backends));
     }
     let mut out = format!(
-        "{:<34} {:<6} {:>6} {:>8}  {}\n",
-        "FRONTEND", "PROTO", "REVNAT", "BACKENDS", "TARGETS"
+        "{:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}\n",
+        "FRONTEND", "PROTO", "REVNAT", "SCHED", "AFFINITY", "BACKENDS", "TARGETS"
     );
-    for (fe, (rev, count, backends)) in &frontends {
+    for (fe, (value, backends)) in &frontends {
         let targets = if backends.is_empty() {
             "(none: rejected)".to_string()
         } else {
@@ -104,14 +119,16 @@ pub fn services_table(p: &Programmed) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<34} {:<6} {:>6} {:>8}  {}",
+            "{:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}",
             match fe.scope {
                 Scope::AllClients => format!("{}:{}", fe.addr, fe.port),
                 Scope::InCluster => format!("{}:{} (in-cluster)", fe.addr, fe.port),
             },
             fe.protocol,
-            rev,
-            count,
+            value.rev_nat_id,
+            scheduler_text(value.scheduler),
+            affinity_text(value),
+            value.count,
             targets
         );
     }
@@ -395,7 +412,7 @@ pub fn stats_table(values: &[u64]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{Backend, RevNat, ServiceKey, ServiceValue, proto};
+    use proxy_common::{Backend, RevNat, ServiceKey, proto, sched};
 
     use super::*;
 
@@ -403,7 +420,15 @@ mod tests {
     fn services_table_lists_backends_in_slot_order_and_marks_rejecting_frontends() {
         let mut p = Programmed::default();
         let fe = ServiceKey::new([10, 96, 0, 10], 80u16.to_be_bytes(), proto::TCP, 0);
-        p.services.insert(fe, ServiceValue::frontend(2, 1));
+        p.services.insert(
+            fe,
+            ServiceValue {
+                scheduler: sched::code::ROUND_ROBIN,
+                affinity_timeout_s: 10_800,
+                affinity_id: 1,
+                ..ServiceValue::frontend_with_flags(2, 1, service_flags::AFFINITY)
+            },
+        );
         p.services.insert(fe.with_slot(1), ServiceValue::slot(7));
         p.services.insert(fe.with_slot(2), ServiceValue::slot(8));
         p.backends.insert(
@@ -439,10 +464,54 @@ mod tests {
             scope: proxy_common::SCOPE_INTERNAL,
             ..fe
         };
-        p.services.insert(inner, ServiceValue::frontend(1, 3));
+        p.services.insert(
+            inner,
+            ServiceValue {
+                scheduler: sched::code::MAGLEV,
+                // A timeout without the flag is not affinity.
+                affinity_timeout_s: 60,
+                ..ServiceValue::frontend(1, 3)
+            },
+        );
         p.services.insert(inner.with_slot(1), ServiceValue::slot(8));
         let t = services_table(&p);
-        assert!(t.contains("10.96.0.10:80"), "{t}");
+        assert!(
+            t.lines()
+                .next()
+                .is_some_and(|h| h.contains(" SCHED ") && h.contains(" AFFINITY ")),
+            "{t}"
+        );
+        let row = |start: &str| {
+            t.lines()
+                .find(|l| l.starts_with(start))
+                .unwrap_or_else(|| panic!("no row {start} in\n{t}"))
+                .split_whitespace()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            row("10.96.0.10:80 ")[..6],
+            ["10.96.0.10:80", "TCP", "1", "rr", "10800s", "2"]
+        );
+        assert_eq!(
+            row("10.96.0.10:80 (in-cluster)")[2..6],
+            ["TCP", "3", "mh", "-"]
+        );
+        assert_eq!(
+            row("10.96.0.30:80")[..6],
+            ["10.96.0.30:80", "TCP", "2", "random", "-", "0"]
+        );
+        let mut unknown = Programmed::default();
+        unknown.services.insert(
+            empty,
+            ServiceValue {
+                scheduler: 9,
+                ..ServiceValue::frontend(0, 2)
+            },
+        );
+        assert!(
+            services_table(&unknown).contains(" ?9 "),
+            "an unknown code is shown as such"
+        );
         let row = t
             .lines()
             .find(|l| l.starts_with("10.96.0.10:80 (in-cluster)"))

@@ -26,7 +26,9 @@
 //! - `/proxyMode` on the metrics port answers `ebpf` (upstream answers its mode, e.g.
 //!   `nftables`; no upstream mode describes this datapath, and tools that branch on the answer
 //!   should not take it for one of theirs).
-//! - Datapath counters are read from the pinned STATS map at scrape time.
+//! - Datapath counters are read from the pinned STATS map at scrape time
+//!   (`kube_proxy_ebpf_datapath_packets_total{counter=...}`); the `pick_*` ones are also served by
+//!   scheduler name as `kube_proxy_ebpf_scheduler_picks_total{scheduler="rr"}`.
 //! - The text is Prometheus' text format 0.0.4 (what upstream serves by default); a scraper that
 //!   asks for OpenMetrics gets OpenMetrics.
 
@@ -52,6 +54,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
+use proxy_common::{Scheduler, stats::PICK_COUNTERS};
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tracing::debug;
@@ -179,9 +182,26 @@ impl Collector for DatapathCollector {
             None,
             MetricType::Counter,
         )?;
-        for (counter, value) in proxy_common::Counter::ALL.iter().zip(values) {
+        for (counter, value) in proxy_common::Counter::ALL
+            .iter()
+            .zip(values.iter().copied())
+        {
             let labels = [("counter", counter.name())];
             ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+        }
+        // The same `pick_*` counters by scheduler name (what a dashboard groups by).
+        let mut picks = encoder.encode_descriptor(
+            "kube_proxy_ebpf_scheduler_picks",
+            "New flows whose backend the frontend's scheduler chose (tc and socket hooks), by scheduler, summed over CPUs.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (scheduler, counter) in Scheduler::ALL.iter().zip(PICK_COUNTERS) {
+            let Some(value) = values.get(counter as usize).copied() else {
+                continue;
+            };
+            let labels = [("scheduler", scheduler.name())];
+            ConstCounter::new(value).encode(picks.encode_family(&labels)?)?;
         }
         Ok(())
     }
@@ -1010,6 +1030,18 @@ mod tests {
                 "kube_proxy_ebpf_datapath_packets_total{counter=\"new_flow\"}",
                 40.0,
             ),
+            (
+                "kube_proxy_ebpf_datapath_packets_total{counter=\"pick_round_robin\"}",
+                proxy_common::Counter::PickRoundRobin as u32 as f64 * 10.0,
+            ),
+            (
+                "kube_proxy_ebpf_scheduler_picks_total{scheduler=\"random\"}",
+                proxy_common::Counter::PickRandom as u32 as f64 * 10.0,
+            ),
+            (
+                "kube_proxy_ebpf_scheduler_picks_total{scheduler=\"mh\"}",
+                proxy_common::Counter::PickMaglev as u32 as f64 * 10.0,
+            ),
         ];
         for (series, want) in expect {
             assert_eq!(sample(&text, series), Some(want), "{series} in\n{text}");
@@ -1023,6 +1055,7 @@ mod tests {
             "# TYPE kubeproxy_sync_proxy_rules_endpoint_changes_total counter",
             "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
             "# TYPE kube_proxy_ebpf_datapath_packets_total counter",
+            "# TYPE kube_proxy_ebpf_scheduler_picks_total counter",
         ] {
             assert!(text.lines().any(|l| l == family), "{family} in\n{text}");
         }

@@ -37,6 +37,9 @@ pub const ANNOTATION_LB_SOURCE_RANGES: &str =
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 /// The annotation's pre-1.27 name, still honoured upstream.
 pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// Annotation choosing the Service's load-balancing scheduler (a name [`Scheduler::parse`]
+/// takes: ours or an IPVS alias); wins over the node's `--scheduler` / `ipvs.scheduler`.
+pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
 
 /// Facts about the node this agent runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -100,6 +103,13 @@ enum ServiceError {
          the default {DEFAULT_AFFINITY_TIMEOUT_S} s applies"
     )]
     BadAffinityTimeout(i32),
+    #[error(
+        "annotation {ANNOTATION_SCHEDULER} {value:?} is not a scheduler (use one of {names}); \
+         the node's scheduler {node} applies",
+        names = proxy_common::sched::SCHEDULER_NAMES,
+        node = node.name()
+    )]
+    BadScheduler { value: String, node: Scheduler },
 }
 
 /// `sessionAffinityConfig.clientIP.timeoutSeconds` default and maximum (upstream's validation:
@@ -401,7 +411,8 @@ fn cluster_ip_strings(svc: &Service) -> Vec<&str> {
 
 struct ServiceFrontends {
     frontends: Vec<(Frontend, DesiredFrontend)>,
-    /// Ports skipped without skipping the Service (SCTP).
+    /// Problems that do not skip the Service (SCTP ports, bad source ranges, a bad scheduler
+    /// annotation).
     port_problems: Vec<ServiceError>,
     /// IPv6 cluster IPs left out.
     note: Option<String>,
@@ -502,7 +513,8 @@ fn service_frontends(
     });
 
     let policy = policy(svc);
-    let balancing = balancing(svc, node);
+    let mut balancing_problems = Vec::new();
+    let balancing = balancing(svc, node, &mut balancing_problems);
     let spec = svc.spec.as_ref();
     let service_type = spec.and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP");
     let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
@@ -520,7 +532,8 @@ fn service_frontends(
         .filter(|p| *p != 0 && external_local && service_type == "LoadBalancer");
     let mut local_endpoints = 0usize;
     let (lb_source_ranges, bad_ranges) = source_ranges(svc);
-    let mut port_problems = bad_ranges;
+    let mut port_problems = balancing_problems;
+    port_problems.extend(bad_ranges);
     let (affinity_timeout_s, affinity_problem) = session_affinity(svc);
     let balancing = Balancing {
         affinity_timeout_s,
@@ -659,10 +672,11 @@ fn policy(svc: &Service) -> Policy {
     }
 }
 
-/// How the Service's frontends choose backends: its scheduler and session affinity.
-fn balancing(_svc: &Service, node: &NodeContext) -> Balancing {
+/// How the Service's frontends choose backends: its scheduler and session affinity. A bad
+/// setting is reported in `problems` and the default applies (the Service is still programmed).
+fn balancing(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Balancing {
     Balancing {
-        scheduler: node.scheduler,
+        scheduler: scheduler(svc, node, problems),
         affinity_timeout_s: None,
     }
 }
@@ -692,6 +706,27 @@ fn session_affinity(svc: &Service) -> (Option<u32>, Option<ServiceError>) {
             ),
         },
     }
+}
+
+/// The `kube-proxy-ebpf.io/scheduler` annotation (trimmed; empty = not set), else the node's.
+fn scheduler(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Scheduler {
+    let value = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_SCHEDULER))
+        .map(|v| v.trim())
+        .filter(|v| !v.is_empty());
+    let Some(value) = value else {
+        return node.scheduler;
+    };
+    Scheduler::parse(value).unwrap_or_else(|| {
+        problems.push(ServiceError::BadScheduler {
+            value: value.to_owned(),
+            node: node.scheduler,
+        });
+        node.scheduler
+    })
 }
 
 fn namespaced_name(svc: &Service) -> String {
@@ -2107,6 +2142,73 @@ mod tests {
                 (Ipv4Addr::new(172, 16, 0, 0), 12)
             ],
             "annotation used, host bits cleared"
+        );
+    }
+
+    #[test]
+    fn scheduler_annotation_wins_over_the_node_and_a_bad_one_keeps_the_node_s() {
+        let svc = |name: &str, ip: &str, node_port: i32, annotation: Option<&str>| {
+            let mut meta = json!({"name": name, "namespace": "demo"});
+            if let Some(a) = annotation {
+                meta["annotations"] = json!({ANNOTATION_SCHEDULER: a});
+            }
+            service_meta(
+                meta,
+                json!({"type": "NodePort", "clusterIP": ip,
+                       "ports": [{"name": "http", "port": 80, "nodePort": node_port}]}),
+            )
+        };
+        let services = vec![
+            svc("plain", "10.96.0.61", 30091, None),
+            svc("rr", "10.96.0.62", 30092, Some("rr")),
+            svc("alias", "10.96.0.63", 30093, Some(" wlc ")),
+            svc("blank", "10.96.0.64", 30094, Some("  ")),
+            svc("bad", "10.96.0.65", 30095, Some("fastest")),
+        ];
+        let slices = ["plain", "rr", "alias", "blank", "bad"]
+            .map(local_and_remote_slice)
+            .to_vec();
+        let node = NodeContext {
+            scheduler: Scheduler::SourceHash,
+            node_name: NODE.into(),
+            zone: None,
+        };
+        let t = translate_for_node(&Snapshot::new(services, slices), &node, &NODE_ADDRS);
+        let by_service = |name: &str| -> Vec<Scheduler> {
+            let v: Vec<Scheduler> = (t.desired.frontends.values())
+                .filter(|df| df.service.name == name)
+                .map(|df| df.balancing.scheduler)
+                .collect();
+            assert!(
+                v.len() > 1,
+                "{name}: ClusterIP and NodePort frontends: {v:?}"
+            );
+            v
+        };
+        let all = |s: Scheduler, n: &str| by_service(n).iter().all(|x| *x == s);
+        assert!(all(Scheduler::SourceHash, "plain"), "node default");
+        assert!(
+            all(Scheduler::RoundRobin, "rr"),
+            "annotation wins, on every frontend"
+        );
+        assert!(
+            all(Scheduler::LeastConnection, "alias"),
+            "IPVS alias, trimmed"
+        );
+        assert!(all(Scheduler::SourceHash, "blank"), "blank = not set");
+        assert!(
+            all(Scheduler::SourceHash, "bad"),
+            "bad: the node's, still programmed"
+        );
+        assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
+        let p = &t.problems[0];
+        assert_eq!(p.object, "Service demo/bad");
+        assert!(
+            p.reason.contains(ANNOTATION_SCHEDULER)
+                && p.reason.contains("\"fastest\"")
+                && p.reason.contains("mh (maglev)")
+                && p.reason.contains("scheduler sh applies"),
+            "{p}"
         );
     }
 

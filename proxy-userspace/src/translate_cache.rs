@@ -7,7 +7,7 @@
 //! `Arc` of an object that changes); a new `Arc` is compared by value (the manifest source parses
 //! every object again). A Service is translated again when the Service or one of its
 //! EndpointSlices (the `kubernetes.io/service-name` label) changed, and every Service when the
-//! node's context (name, zone, NodePort addresses) changed.
+//! node's context (name, zone, default scheduler, NodePort addresses) changed.
 //!
 //! Frontend claims between Services are settled per frontend by [`translate::resolve`], as in
 //! [`translate::translate_for_node`]: every frontend a changed Service asks for (or asked for

@@ -380,7 +380,30 @@ impl Datapath {
             Counter::EgressPackets
         };
         *expected.entry(packets.name()).or_default() += 1;
+        // Every backend choice counts one pick of its frontend's scheduler (`pick_*`). A step
+        // that lists none expects one pick per new or reselected flow, of any scheduler, except
+        // a flow sent to its client's session-affinity endpoint (`affinity_hit`: no pick).
+        let pick_names = proxy_common::stats::PICK_COUNTERS.map(|c| c.name());
+        let picks_listed = step
+            .counts
+            .iter()
+            .any(|(c, _)| pick_names.contains(&c.name()));
+        if !picks_listed {
+            let implied: u64 = [Counter::NewFlow, Counter::StaleBackendReselected]
+                .iter()
+                .map(|c| expected.get(c.name()).copied().unwrap_or(0))
+                .sum::<u64>()
+                - (after[Counter::AffinityHit.name()] - before[Counter::AffinityHit.name()]);
+            let picked: u64 = pick_names.iter().map(|n| after[n] - before[n]).sum();
+            assert_eq!(
+                picked, implied,
+                "{what}: {picked} scheduler picks counted, expected one per new flow ({implied})"
+            );
+        }
         for (name, after_n) in &after {
+            if !picks_listed && pick_names.contains(name) {
+                continue;
+            }
             let delta = after_n - before[name];
             let want = expected.get(name).copied().unwrap_or(0);
             assert_eq!(
@@ -2271,6 +2294,44 @@ fn counters_sum_over_cpus_and_name_every_outcome() {
     assert_eq!(dp.counter(Counter::EgressPackets), 1);
     assert_eq!(dp.counter(Counter::ReplyNotTracked), 1);
     assert_eq!(dp.ct_len(), 20, "10 flows, two entries each");
+}
+
+/// Each new flow counts one pick under its frontend's scheduler code (`pick_*`, one counter per
+/// code); a code the datapath does not know picks by the flow hash and counts as `pick_random`.
+/// No pick is counted for a frontend without backends, nor for an established packet.
+#[test]
+fn each_pick_counts_under_the_frontend_s_scheduler() {
+    let mut dp = Datapath::load().with_services();
+    let key = ServiceKey::new(VIP.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    let codes = proxy_common::Scheduler::ALL.map(|s| s.code());
+    for (i, code) in codes.into_iter().chain([77]).enumerate() {
+        let mut frontend = dp.services().get(&key, 0).expect("frontend");
+        frontend.scheduler = code;
+        dp.services()
+            .insert(key, frontend, 0)
+            .expect("set scheduler");
+        let before = dp.counters();
+        let syn = Pkt::tcp(CLIENT, 38_000 + i as u16, VIP, 80, SYN).bytes();
+        assert_eq!(dp.run(PROG_TC_INGRESS, &syn).0, TC_NEXT);
+        let ack = Pkt::tcp(CLIENT, 38_000 + i as u16, VIP, 80, ACK).bytes();
+        assert_eq!(dp.run(PROG_TC_INGRESS, &ack).0, TC_NEXT);
+        dp.run(PROG_TC_INGRESS, &Pkt::udp(CLIENT, 1, VIP_EMPTY, 53).bytes());
+        let after = dp.counters();
+        let want = if code <= proxy_common::sched::code::MAGLEV {
+            proxy_common::stats::PICK_COUNTERS[code as usize]
+        } else {
+            Counter::PickRandom
+        };
+        for c in proxy_common::stats::PICK_COUNTERS {
+            let delta = after[c.name()] - before[c.name()];
+            assert_eq!(
+                delta,
+                u64::from(c == want),
+                "code {code}: {} changed by {delta}",
+                c.name()
+            );
+        }
+    }
 }
 
 fn median(mut v: Vec<Duration>) -> u128 {

@@ -7,6 +7,7 @@
 
 use std::{
     collections::BTreeMap,
+    fmt::Write as _,
     net::Ipv4Addr,
     path::Path,
     sync::atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -1781,4 +1782,170 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
         spread.len() >= 2 && bodies.iter().all(|b| BACKENDS.iter().any(|(n, _)| n == b)),
         || format!("affinity off: {bodies:?}, want at least two backends"),
     );
+}
+
+/// The per-scheduler Services: one ClusterIP per scheduler (10.96.0.80 + k), all three
+/// backends, chosen by the `kube-proxy-ebpf.io/scheduler` annotation.
+fn sched_vip(k: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 96, 0, 80 + k as u8)
+}
+
+fn sched_service(manifests: &ManifestDir, k: usize, annotation: &str) {
+    manifests
+        .write_service_annotated(
+            "demo",
+            &format!("sched-{k}"),
+            sched_vip(k),
+            &[ServicePort::tcp(80, 8080)],
+            &all_backends(),
+            &[("kube-proxy-ebpf.io/scheduler", annotation)],
+        )
+        .expect("writing a scheduler Service");
+}
+
+/// The second client pod of the scheduler test.
+const CLIENT2: (&str, Ipv4Addr) = ("client2", Ipv4Addr::new(10, 244, 1, 3));
+
+impl Env {
+    /// `dump services`' SCHED column for the frontend `vip`:80.
+    fn dump_scheduler(&self, vip: Ipv4Addr) -> Option<String> {
+        let pin = self.pins.path().to_string_lossy().into_owned();
+        let out = self
+            .agent
+            .cli(&["dump", "services", "--pin-dir", &pin])
+            .unwrap_or_else(|e| self.fail(&format!("dump services: {e:#}")));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let header: Vec<&str> = text.lines().next()?.split_whitespace().collect();
+        let col = header.iter().position(|h| *h == "SCHED")?;
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{vip}:80 ")))?;
+        row.split_whitespace().nth(col).map(str::to_owned)
+    }
+
+    /// Waits (≤ 5 s) until `dump services` shows `want` as `vip`'s scheduler.
+    fn wait_scheduler(&self, vip: Ipv4Addr, want: &str) {
+        let start = Instant::now();
+        loop {
+            let got = self.dump_scheduler(vip);
+            if got.as_deref() == Some(want) {
+                return;
+            }
+            self.check(start.elapsed() < Duration::from_secs(5), || {
+                format!("{vip}:80 shows scheduler {got:?} in `dump services`, want {want}")
+            });
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `n` requests to http://`vip`/ from `pod`, every one answered from the VIP; per backend.
+    fn distribution_from(&self, pod: &str, vip: Ipv4Addr, n: usize) -> BTreeMap<String, usize> {
+        let replies = self
+            .topo
+            .curl_many_from(pod, &format!("http://{vip}/"), n)
+            .unwrap_or_else(|e| self.fail(&format!("curl_many from {pod}: {e:#}")));
+        let mut counts = BTreeMap::new();
+        for (i, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Ok(CurlReply { body, remote_ip }) => {
+                    self.check(remote_ip == vip.to_string(), || {
+                        format!("{pod} request {i}: answered by {remote_ip}, not the VIP {vip}")
+                    });
+                    *counts.entry(body).or_insert(0) += 1;
+                }
+                Err(e) => self.fail(&format!("{pod} request {i} of {n} to {vip} failed: {e}")),
+            }
+        }
+        counts
+    }
+}
+
+/// Requests per backend for each scheduler, chosen per Service by the annotation: 30 requests
+/// (one TCP connection each) from each of two clients to a 3-backend ClusterIP per scheduler.
+/// Prints the table; asserts the annotation took effect (`dump services`, one pick counted per
+/// connection under its scheduler's counter), that `random` spreads, that `sh` keeps each client
+/// on one backend and that `dh` sends everything to one backend (one destination address). Then
+/// the `random` Service's annotation changes to `dh` alone and its frontend follows.
+#[test]
+fn requests_per_backend_for_each_scheduler_annotation() {
+    require_privileged!();
+    const PER_CLIENT: usize = 30;
+    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+    let mut topo = Topology::new().expect("creating the topology");
+    topo.add_pod(CLIENT2.0, CLIENT2.1).expect("second client");
+    let schedulers = proxy_common::Scheduler::ALL;
+    let env = Env::start_on(topo, |m| {
+        for (k, s) in schedulers.iter().enumerate() {
+            sched_service(m, k, s.name());
+        }
+    });
+    let clients = ["client", CLIENT2.0];
+    let mut table = String::from("scheduler | be1 | be2 | be3 | per client\n");
+    let mut results = BTreeMap::new();
+    for (k, s) in schedulers.iter().enumerate() {
+        let vip = sched_vip(k);
+        env.wait_scheduler(vip, s.name());
+        let counter = proxy_common::stats::PICK_COUNTERS[k].name();
+        let picks_before = env.agent.counter(counter).expect("pick counter");
+        let per_client: Vec<BTreeMap<String, usize>> = clients
+            .iter()
+            .map(|c| env.distribution_from(c, vip, PER_CLIENT))
+            .collect();
+        let picks = env.agent.counter(counter).expect("pick counter") - picks_before;
+        env.check(picks == (PER_CLIENT * clients.len()) as u64, || {
+            format!(
+                "{}: {picks} picks counted in {counter} for {} connections",
+                s.name(),
+                PER_CLIENT * clients.len()
+            )
+        });
+        let mut total: BTreeMap<String, usize> = BTreeMap::new();
+        for m in &per_client {
+            for (b, n) in m {
+                *total.entry(b.clone()).or_default() += n;
+            }
+        }
+        let n = |b: &str| total.get(b).copied().unwrap_or(0);
+        let _ = writeln!(
+            table,
+            "{:<9} | {:>3} | {:>3} | {:>3} | {per_client:?}",
+            s.name(),
+            n("be1"),
+            n("be2"),
+            n("be3"),
+        );
+        results.insert(*s, (total, per_client));
+    }
+    eprintln!("requests per backend ({PER_CLIENT} from each of {clients:?}):\n{table}");
+    use proxy_common::Scheduler::{DestinationHash, Random, SourceHash};
+    let (random, _) = &results[&Random];
+    env.check(random.len() >= 2, || {
+        format!("random did not spread:\n{table}")
+    });
+    let (_, sh) = &results[&SourceHash];
+    env.check(sh.iter().all(|m| m.len() == 1), || {
+        format!("sh sent one client to several backends:\n{table}")
+    });
+    let (dh, _) = &results[&DestinationHash];
+    env.check(dh.len() == 1, || {
+        format!("dh used several backends:\n{table}")
+    });
+
+    // The annotation alone changes: the frontend follows within the manifest reload.
+    let k = schedulers
+        .iter()
+        .position(|s| *s == Random)
+        .expect("random");
+    sched_service(&env.manifests, k, "dh");
+    env.wait_scheduler(sched_vip(k), "dh");
+    let mut after: BTreeMap<String, usize> = BTreeMap::new();
+    for c in clients {
+        for (b, n) in env.distribution_from(c, sched_vip(k), PER_CLIENT) {
+            *after.entry(b).or_default() += n;
+        }
+    }
+    eprintln!("random → dh by annotation: {after:?}");
+    env.check(after.len() == 1, || {
+        format!("after switching to dh: {after:?}")
+    });
 }

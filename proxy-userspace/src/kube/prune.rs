@@ -20,9 +20,10 @@ pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str =
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 
 /// Service annotations that survive pruning (read by `translate`).
-const SERVICE_ANNOTATIONS: [&str; 2] = [
+const SERVICE_ANNOTATIONS: [&str; 3] = [
     translate::ANNOTATION_TOPOLOGY_MODE,
     translate::ANNOTATION_TOPOLOGY_AWARE_HINTS,
+    translate::ANNOTATION_SCHEDULER,
 ];
 /// Service labels that survive pruning (read by `translate`).
 const SERVICE_LABELS: [&str; 1] = [translate::LABEL_SERVICE_PROXY_NAME];
@@ -110,7 +111,8 @@ mod tests {
                 "creationTimestamp": "2026-01-02T03:04:05Z", "generation": 3,
                 "labels": {"app": "web", "service.kubernetes.io/service-proxy-name": "x"},
                 "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}",
-                                "service.kubernetes.io/topology-mode": "Auto"},
+                                "service.kubernetes.io/topology-mode": "Auto",
+                                "kube-proxy-ebpf.io/scheduler": "rr"},
                 "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
             "spec": {"clusterIP": "10.96.0.10", "selector": {"app": "web"},
                      "ports": [{"port": 80, "targetPort": 8080}]}
@@ -123,7 +125,8 @@ mod tests {
             json!({"name": "web", "namespace": "demo", "resourceVersion": "7", "uid": "u",
                    "creationTimestamp": "2026-01-02T03:04:05Z",
                    "labels": {"service.kubernetes.io/service-proxy-name": "x"},
-                   "annotations": {"service.kubernetes.io/topology-mode": "Auto"}})
+                   "annotations": {"service.kubernetes.io/topology-mode": "Auto",
+                                   "kube-proxy-ebpf.io/scheduler": "rr"}})
         );
         assert_eq!(v["spec"]["clusterIP"], "10.96.0.10");
         assert!(v["spec"].get("selector").is_none());

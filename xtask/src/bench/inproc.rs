@@ -18,14 +18,16 @@ use kube_proxy_ebpf::{
         maps::{ServiceMaps, Stats},
     },
     ebpf_object::EBPF_OBJECT,
+    encode,
     incremental::Planner,
+    model::{Frontend, Protocol},
     programmed::Programmed,
     translate::NodeContext,
     translate_cache::TranslateCache,
 };
 use proxy_common::{
     CONFIG_GLOBAL, Counter, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
-    PROG_TC_EGRESS, PROG_TC_INGRESS,
+    PROG_TC_EGRESS, PROG_TC_INGRESS, Scheduler, stats::PICK_COUNTERS,
 };
 use serde_json::{Value, json};
 
@@ -46,6 +48,48 @@ const CYCLE_B: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 2);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 2);
 const NOT_A_SERVICE: Ipv4Addr = Ipv4Addr::new(10, 244, 255, 99);
 
+/// One Service per scheduler (its annotation), 10 endpoints, for the per-scheduler new flows:
+/// 10.96.2.1 + k → 10.244.254.(10k + 1..=10k + 10):9000 (never generated, see workload).
+fn sched_service(k: usize, s: Scheduler) -> SvcSpec {
+    let endpoints: Vec<Ipv4Addr> = (1..=workload::ENDPOINTS_PER_SERVICE as u8)
+        .map(|j| Ipv4Addr::new(10, 244, 254, 10 * k as u8 + j))
+        .collect();
+    SvcSpec::new(
+        &format!("sched-{}", s.name()),
+        Ipv4Addr::new(10, 96, 2, 1 + k as u8),
+        80,
+        9000,
+        &endpoints,
+    )
+    .with_scheduler(s.name())
+}
+
+/// A cycle pair (as `CYCLE_A`/`CYCLE_B`) per scheduler, for its established flows:
+/// 10.96.3.(2k + 1):80 ↔ 10.96.3.(2k + 2):81.
+fn sched_cycle(k: usize) -> (Ipv4Addr, Ipv4Addr) {
+    (
+        Ipv4Addr::new(10, 96, 3, 2 * k as u8 + 1),
+        Ipv4Addr::new(10, 96, 3, 2 * k as u8 + 2),
+    )
+}
+
+fn sched_specs() -> Vec<SvcSpec> {
+    let mut v = Vec::new();
+    for (k, s) in Scheduler::ALL.into_iter().enumerate() {
+        let (a, b) = sched_cycle(k);
+        v.push(sched_service(k, s));
+        v.push(
+            SvcSpec::new(&format!("sched-{}-a", s.name()), a, 80, 81, &[b])
+                .with_scheduler(s.name()),
+        );
+        v.push(
+            SvcSpec::new(&format!("sched-{}-b", s.name()), b, 81, 80, &[a])
+                .with_scheduler(s.name()),
+        );
+    }
+    v
+}
+
 /// How hard to measure.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Effort {
@@ -60,7 +104,7 @@ pub struct Effort {
 
 /// Map sizes for `n` Services × 10 endpoints (+ the bench's extra Services), with slack.
 pub fn sizes_for(n: usize) -> MapSizes {
-    let n = n as u32 + 16;
+    let n = n as u32 + 32;
     MapSizes {
         services: n * 11 + 1024,
         backends: n * 10 + 1024,
@@ -140,6 +184,7 @@ impl Loaded {
             node: NodeContext {
                 node_name: "bench-node".into(),
                 zone: None,
+                scheduler: Scheduler::Random,
             },
         })
     }
@@ -236,6 +281,16 @@ pub struct PacketCosts {
     pub no_service: f64,
     /// "not a Service" with one run per call: what the single-run method costs by itself.
     pub single_floor: f64,
+    /// Per scheduler (`Scheduler::ALL` order): a Service of 10 endpoints with its annotation.
+    pub schedulers: [SchedCosts; 6],
+}
+
+/// One scheduler's costs (ns, median): a new flow to its Service (single runs, as `new_flow`)
+/// and an established flow (repeated runs, as `established`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SchedCosts {
+    pub new_flow: f64,
+    pub established: f64,
 }
 
 impl PacketCosts {
@@ -284,6 +339,10 @@ impl SizeResult {
                 "new_flow": p.new_flow, "new_flow_p90": p.new_flow_p90,
                 "new_flow_spread": p.new_flow_spread, "established": p.established,
                 "reply": p.reply, "no_service": p.no_service, "single_run_floor": p.single_floor,
+                "per_scheduler": Scheduler::ALL.iter().zip(p.schedulers).map(|(s, c)| (
+                    s.name().to_owned(),
+                    json!({"new_flow": c.new_flow, "established": c.established}),
+                )).collect::<serde_json::Map<_, _>>(),
             })),
             "endpoint_change": self.change.map(|(parts, total)| json!({
                 "median_ms": ms(total), "parts_of_median_run": parts.to_json(),
@@ -298,6 +357,7 @@ pub fn measure(n: usize, packets: bool, change: bool, effort: Effort) -> Result<
     let mut specs = workload::generated(n);
     specs.push(SvcSpec::new("cycle-a", CYCLE_A, 80, 81, &[CYCLE_B]));
     specs.push(SvcSpec::new("cycle-b", CYCLE_B, 81, 80, &[CYCLE_A]));
+    specs.extend(sched_specs());
     let snap = workload::snapshot(&specs);
     let mut l = Loaded::new(n)?;
     let full_sync = l.sync(&snap, true)?;
@@ -307,7 +367,9 @@ pub fn measure(n: usize, packets: bool, change: bool, effort: Effort) -> Result<
         ..Default::default()
     };
     if packets {
-        result.packets = Some(packet_costs(&l, &specs[..n], effort)?);
+        let mut costs = packet_costs(&l, &specs[..n], effort)?;
+        costs.schedulers = scheduler_costs(&l, effort)?;
+        result.packets = Some(costs);
     }
     if change {
         result.change = Some(endpoint_change(&mut l, &specs, effort.changes)?);
@@ -388,7 +450,79 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
         reply: reply_ns,
         no_service,
         single_floor: median(&mut single),
+        // Measured by `scheduler_costs`.
+        schedulers: Default::default(),
     })
+}
+
+/// Per scheduler: new flows to its 10-endpoint Service (half as many as `new_flow`, so that
+/// every flow still fits the conntrack table), then established packets around its cycle pair.
+/// Checks that the frontends carry the scheduler's code and that each new flow counted one pick
+/// of that scheduler.
+fn scheduler_costs(l: &Loaded, e: Effort) -> Result<[SchedCosts; 6]> {
+    let mut out = [SchedCosts::default(); 6];
+    let payload = [0u8; 64];
+    let flows = (e.new_flows / 2).max(100);
+    for (k, s) in Scheduler::ALL.into_iter().enumerate() {
+        let target = sched_service(k, s);
+        let (a, b) = sched_cycle(k);
+        for (vip, port) in [(target.vip, 80), (a, 80), (b, 81)] {
+            let key = encode::service_key(&Frontend::new(vip, port, Protocol::Tcp), 0);
+            let code = l.programmed.services.get(&key).map(|v| v.scheduler);
+            ensure!(
+                code == Some(s.code()),
+                "{vip}:{port} carries scheduler code {code:?}, want {} ({})",
+                s.code(),
+                s.name()
+            );
+        }
+        let pick = PICK_COUNTERS[k];
+        let before = l.counter(pick)?;
+        let mut new_flow = Vec::with_capacity(flows as usize);
+        for i in 0..flows {
+            let (saddr, sport) = client_for(i, 2);
+            let f = packet::tcp(saddr, sport, target.vip, target.port, SYN, &[]);
+            let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
+            ensure!(
+                verdict == TC_NEXT,
+                "new flow ({}): verdict {verdict}",
+                s.name()
+            );
+            new_flow.push(ns as f64);
+        }
+        let picked = l.counter(pick)? - before;
+        ensure!(
+            picked == u64::from(flows),
+            "{}: {picked} of {flows} new flows counted {}",
+            s.name(),
+            pick.name()
+        );
+        let sport = 50_010 + k as u16;
+        let to_a = packet::tcp(CLIENT, sport, a, 80, ACK, &payload);
+        let to_b = packet::tcp(CLIENT, sport, b, 81, ACK, &payload);
+        for f in [&to_a, &to_b] {
+            let (verdict, _) = l.run(PROG_TC_INGRESS, f, 1)?;
+            ensure!(
+                verdict == TC_NEXT,
+                "cycle setup ({}): verdict {verdict}",
+                s.name()
+            );
+        }
+        let before = l.counter(Counter::EstablishedFlow)?;
+        let established = repeated(l, PROG_TC_INGRESS, &to_a, e)?;
+        let took = l.counter(Counter::EstablishedFlow)? - before;
+        ensure!(
+            took == u64::from(e.calls) * u64::from(e.repeat),
+            "established ({}): {took} of {} runs took the established path",
+            s.name(),
+            e.calls * e.repeat
+        );
+        out[k] = SchedCosts {
+            new_flow: median(&mut new_flow),
+            established,
+        };
+    }
+    Ok(out)
 }
 
 /// Median over `calls` test runs of the mean ns per repetition.

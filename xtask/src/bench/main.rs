@@ -281,6 +281,14 @@ fn run(args: RunArgs) -> Result<()> {
                     .unwrap_or_default(),
                 t.elapsed().as_secs_f64()
             );
+            if let Some(c) = r.packets {
+                let per: Vec<String> = proxy_common::Scheduler::ALL
+                    .iter()
+                    .zip(c.schedulers)
+                    .map(|(s, c)| format!("{} {:.0}/{:.0}", s.name(), c.new_flow, c.established))
+                    .collect();
+                eprintln!("  per scheduler, ns new/established: {}", per.join(", "));
+            }
             results.inproc.push(r);
         }
         if want(Part::Datapath) {

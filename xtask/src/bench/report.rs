@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use proxy_common::Scheduler;
 use serde_json::{Value, json};
 
 use super::{
@@ -104,6 +105,51 @@ fn short_kind(k: &str) -> &str {
         "no_service" => "not a Service",
         "single_floor" => "1-run method floor",
         other => other,
+    }
+}
+
+/// Per-scheduler new-flow and established ns/packet, one table each: a row per size, a column
+/// per scheduler, ratios against the smallest size (flat = 1.00×).
+fn scheduler_tables(s: &mut String, dp: &[(usize, inproc::PacketCosts)]) {
+    let Some((n0, base)) = dp.first() else {
+        return;
+    };
+    type Get = fn(&inproc::SchedCosts) -> f64;
+    let kinds: [(&str, &str, Get); 2] = [
+        ("new flow (SYN)", "a Service of 10 endpoints", |c| {
+            c.new_flow
+        }),
+        (
+            "established flow",
+            "the established-flow pair of Services",
+            |c| c.established,
+        ),
+    ];
+    for (title, what, get) in kinds {
+        let _ = writeln!(
+            s,
+            "### Datapath per scheduler: {title}, ns per packet (median; {what} with the \
+             `kube-proxy-ebpf.io/scheduler` annotation among the others), ratio vs {} Service{}\n",
+            n_fmt(*n0),
+            if *n0 == 1 { "" } else { "s" }
+        );
+        let _ = write!(s, "| Services × 10 endpoints |");
+        for sc in Scheduler::ALL {
+            let _ = write!(s, " {} |", sc.name());
+        }
+        let _ = write!(s, "\n|---:|");
+        for _ in Scheduler::ALL {
+            s.push_str("---:|");
+        }
+        s.push('\n');
+        for (n, c) in dp {
+            let _ = write!(s, "| {} |", n_fmt(*n));
+            for (sc, b) in c.schedulers.iter().zip(&base.schedulers) {
+                let _ = write!(s, " {} |", with_ratio(get(sc), get(b), 0));
+            }
+            s.push('\n');
+        }
+        s.push('\n');
     }
 }
 
@@ -225,6 +271,7 @@ impl Results {
                 s.push('\n');
             }
             s.push('\n');
+            scheduler_tables(&mut s, &dp);
         }
 
         let cp = self.cp();

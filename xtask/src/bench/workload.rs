@@ -34,6 +34,9 @@ pub struct SvcSpec {
     pub port: u16,
     pub target_port: u16,
     pub endpoints: Vec<Ipv4Addr>,
+    /// The `kube-proxy-ebpf.io/scheduler` annotation (in-process snapshot only; `None`: the
+    /// node's scheduler).
+    pub scheduler: Option<&'static str>,
 }
 
 impl SvcSpec {
@@ -44,7 +47,14 @@ impl SvcSpec {
             port,
             target_port,
             endpoints: eps.to_vec(),
+            scheduler: None,
         }
+    }
+
+    /// The same Service with the scheduler annotation.
+    pub fn with_scheduler(mut self, name: &'static str) -> Self {
+        self.scheduler = Some(name);
+        self
     }
 }
 
@@ -64,6 +74,7 @@ pub fn generated(n: usize) -> Vec<SvcSpec> {
                 port: 80,
                 target_port: 8080 + block as u16,
                 endpoints,
+                scheduler: None,
             }
         })
         .collect()
@@ -85,6 +96,12 @@ pub fn service(s: &SvcSpec) -> Service {
         metadata: ObjectMeta {
             name: Some(s.name.clone()),
             namespace: Some(NAMESPACE.to_owned()),
+            annotations: s.scheduler.map(|name| {
+                BTreeMap::from([(
+                    kube_proxy_ebpf::translate::ANNOTATION_SCHEDULER.to_owned(),
+                    name.to_owned(),
+                )])
+            }),
             ..Default::default()
         },
         spec: Some(ServiceSpec {
