@@ -8,7 +8,7 @@ use proxy_common::{
     sched,
 };
 
-use crate::{Drop, maps};
+use crate::{Drop, lc, maps};
 
 /// What the choice may look at of a new flow.
 #[derive(Clone, Copy)]
@@ -33,6 +33,11 @@ pub fn choose(
     let slot = match frontend.scheduler {
         // Each scheduler's arm lands with its implementation (issue 10); until then the flow
         // hash.
+        sched::code::ROUND_ROBIN => match maps::rr_next(key) {
+            Some(n) => sched::rr_slot(n, frontend.count),
+            None => pick_slot(flow.hash, frontend.count), // The entry was just replaced.
+        },
+        sched::code::LEAST_CONNECTION => return lc::choose(key, frontend.count, flow.hash),
         sched::code::SOURCE_HASH => pick_slot(addr_hash(flow.client), frontend.count),
         sched::code::DESTINATION_HASH => pick_slot(addr_hash(flow.frontend_addr), frontend.count),
         _ => pick_slot(flow.hash, frontend.count),
