@@ -92,7 +92,11 @@ mod tests {
     fn effective_count_is_active_minus_adjust_never_negative() {
         assert_eq!(effective(5, 0), 5);
         assert_eq!(effective(5, 3), 2);
-        assert_eq!(effective(3, 5), 0, "a correction ahead of the count reads as idle");
+        assert_eq!(
+            effective(3, 5),
+            0,
+            "a correction ahead of the count reads as idle"
+        );
         // Free-running counters across the wrap.
         assert_eq!(effective(2, u64::MAX), 3);
         for (active, truth) in [(0u64, 0u64), (10, 4), (4, 10), (u64::MAX, 1), (1, 0)] {
@@ -108,7 +112,11 @@ mod tests {
             for idle in 0..count {
                 let loads: Vec<u64> = (0..count).map(|i| if i == idle { 0 } else { 7 }).collect();
                 for hash in [0u32, 1, 0x4000_0000, 0x8000_0000, 0xffff_ffff, 0x1234_5678] {
-                    assert_eq!(pick(hash, &loads), idle as u16 + 1, "{count} {idle} {hash:#x}");
+                    assert_eq!(
+                        pick(hash, &loads),
+                        idle as u16 + 1,
+                        "{count} {idle} {hash:#x}"
+                    );
                 }
             }
         }
@@ -141,7 +149,9 @@ mod tests {
             assert!(slots.iter().all(|&s| (1..=count).contains(&s)));
         }
         assert_eq!(
-            (0..4).map(|i| candidate_slot(u32::MAX, i, 10)).collect::<Vec<_>>(),
+            (0..4)
+                .map(|i| candidate_slot(u32::MAX, i, 10))
+                .collect::<Vec<_>>(),
             [10, 1, 2, 3]
         );
     }
@@ -158,7 +168,10 @@ mod tests {
             let start = candidate_slot(hash, 0, 100);
             let window: Vec<u16> = (0..4).map(|i| candidate_slot(hash, i, 100)).collect();
             if window.iter().any(|&s| s > 50) {
-                assert!(slot > 50, "hash {hash:#x} start {start}: picked loaded {slot}");
+                assert!(
+                    slot > 50,
+                    "hash {hash:#x} start {start}: picked loaded {slot}"
+                );
             } else {
                 assert_eq!(slot, start);
             }

@@ -403,7 +403,7 @@ impl Agent {
             .max()
             .unwrap_or(0)
             .max(self.lc_max_id)
-            .min(self.lc.len().saturating_sub(1));
+            .min(self.lc.ids().saturating_sub(1));
         let (config, programmed) = (&self.config, &self.programmed);
         let done = crate::lc_counts::reconcile(
             1..=max_id,

@@ -32,7 +32,11 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
             let p = ServiceMaps::open_pinned(pins)?.read_programmed()?;
             // Maps pinned by an agent without least connection: no counts to show.
             let flows = match LcCounts::open_pinned(pins) {
-                Ok(lc) => p.backends.keys().map(|&id| (id, lc.effective(id))).collect(),
+                Ok(lc) => p
+                    .backends
+                    .keys()
+                    .map(|&id| (id, lc.effective(id)))
+                    .collect(),
                 Err(_) => BTreeMap::new(),
             };
             backends_table(&p, &flows)
@@ -138,7 +142,9 @@ pub fn backends_table(p: &Programmed, flows: &BTreeMap<u32, u64>) -> String {
             id,
             format!("{}:{}", Ipv4Addr::from(b.addr), u16::from_be_bytes(b.port)),
             proto_name(b.proto),
-            flows.get(&id).map_or_else(|| "-".to_string(), u64::to_string),
+            flows
+                .get(&id)
+                .map_or_else(|| "-".to_string(), u64::to_string),
             flags_text(b.flags)
         );
     }

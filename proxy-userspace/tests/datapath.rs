@@ -32,11 +32,11 @@ use kube_proxy_ebpf::{
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
     DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
-    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
-    ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SourceRangeKey, backend_flags,
-    ct_dir, ct_flags, ct_state, frag_action, frag_hook,
+    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES,
+    MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS,
+    PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey,
+    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
     proto, sched, service_cidr, service_flags,
 };
@@ -4259,7 +4259,12 @@ fn least_connection_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_e
     assert_eq!(dp.syn_to(50_001, &ids), 3);
     assert_eq!(dp.lc_counts(&ids), [2, 2, 2]);
     // Backend 1's flows end: a client RST, then a FIN from each side.
-    let (p0, p1) = (long[0], long.iter().find(|l| l.1 == long[0].1 && l.0 != long[0].0).unwrap());
+    let (p0, p1) = (
+        long[0],
+        long.iter()
+            .find(|l| l.1 == long[0].1 && l.0 != long[0].0)
+            .unwrap(),
+    );
     let one = p0.1;
     let rst = Pkt::tcp(CLIENT, p0.0, VIP, 80, RST | ACK);
     dp.check(ingress(
@@ -4278,7 +4283,11 @@ fn least_connection_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_e
         &[(Counter::EstablishedFlow, 1)],
     ));
     let mut counts = dp.lc_counts(&ids);
-    assert_eq!(counts[one as usize - 1], 1, "a half-closed flow still counts");
+    assert_eq!(
+        counts[one as usize - 1],
+        1,
+        "a half-closed flow still counts"
+    );
     let backend_fin = reply_from(&Pkt::tcp(CLIENT, p1.0, VIP, 80, FIN | ACK), one);
     dp.check(egress(
         "backend FIN closes",
@@ -4288,11 +4297,19 @@ fn least_connection_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_e
         &[(Counter::ReplyTranslated, 1)],
     ));
     counts[one as usize - 1] = 0;
-    assert_eq!(dp.lc_counts(&ids), counts, "both of backend {one}'s flows ended");
+    assert_eq!(
+        dp.lc_counts(&ids),
+        counts,
+        "both of backend {one}'s flows ended"
+    );
     // Retransmitted RST / FIN of a closed flow: no second decrement.
     dp.run(PROG_TC_INGRESS, &rst.bytes());
     dp.run(PROG_TC_EGRESS, &backend_fin.bytes());
-    assert_eq!(dp.lc_counts(&ids), counts, "each flow gives its unit back once");
+    assert_eq!(
+        dp.lc_counts(&ids),
+        counts,
+        "each flow gives its unit back once"
+    );
     // The emptied backend gets the next new flows.
     assert_eq!(dp.syn_to(50_002, &ids), one);
     assert_eq!(dp.syn_to(50_003, &ids), one);
@@ -4335,9 +4352,17 @@ fn least_connection_counts_are_reconciled_after_expiry_and_eviction() {
     dp.conntrack().remove(&original_key(&gone_pkt)).unwrap();
     dp.conntrack().remove(&reply_key(&gone_pkt, 1)).unwrap();
     dp.conntrack().remove(&original_key(&half_pkt)).unwrap();
-    assert_eq!(dp.lc_counts(&ids), [2, 2, 2], "the datapath cannot see evictions");
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [2, 2, 2],
+        "the datapath cannot see evictions"
+    );
     dp.lc_reconcile(monotonic_ns());
-    assert_eq!(dp.lc_counts(&ids), [1, 2, 2], "evicted flow uncounted, half-evicted kept");
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [1, 2, 2],
+        "evicted flow uncounted, half-evicted kept"
+    );
     // The half-evicted flow's next reply writes its ORIGINAL entry again, still counted once.
     let reply = reply_from(&half_pkt, 2);
     dp.run(PROG_TC_EGRESS, &reply.bytes());
@@ -4346,7 +4371,8 @@ fn least_connection_counts_are_reconciled_after_expiry_and_eviction() {
     assert_eq!(dp.lc_counts(&ids), [1, 2, 2]);
     // Every flow idles out with no packet: a walk past the timeout removes them and zeroes the
     // counts.
-    let later = monotonic_ns() + 2 * DatapathConfig::DEFAULT.tcp_established_timeout_s as u64 * 1_000_000_000;
+    let later = monotonic_ns()
+        + 2 * DatapathConfig::DEFAULT.tcp_established_timeout_s as u64 * 1_000_000_000;
     dp.lc_reconcile(later);
     assert_eq!(dp.ct_len(), 0, "the walk removed the expired entries");
     assert_eq!(dp.lc_counts(&ids), [0, 0, 0]);

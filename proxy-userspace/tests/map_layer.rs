@@ -116,11 +116,17 @@ fn adopted_round_robin_frontends_with_a_moved_position_are_no_difference() {
             rr_next: 17 + i as u32,
             ..*value
         };
-        maps.apply(&MapOp::PutService { key: *key, value: moved })
-            .expect("advance");
+        maps.apply(&MapOp::PutService {
+            key: *key,
+            value: moved,
+        })
+        .expect("advance");
     }
     let adopted = maps.read_programmed().expect("read back");
-    assert_eq!(adopted, shadow, "the position is not part of what the agent compares");
+    assert_eq!(
+        adopted, shadow,
+        "the position is not part of what the agent compares"
+    );
     let plan = diff::plan(&desired, &adopted, &Capacities::default());
     assert!(plan.ops.is_empty(), "restart rewrites: {:?}", plan.ops);
 }

@@ -7,8 +7,9 @@ use std::{os::fd::AsFd as _, path::Path};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS,
-    NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
+    MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey,
+    SnatValue,
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
@@ -391,7 +392,7 @@ impl LcCounts {
     }
 
     /// Entries of the arrays: backend ids below this are counted.
-    pub fn len(&self) -> u32 {
+    pub fn ids(&self) -> u32 {
         self.flows.len().min(self.adjust.len())
     }
 
