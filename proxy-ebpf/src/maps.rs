@@ -322,6 +322,24 @@ unsafe fn fetch_and_u64(ptr: *mut u64, mask: u64) -> u64 {
     v
 }
 
+/// A BPF atomic OR on a u64 (`BPF_ATOMIC | BPF_DW | BPF_OR`), in assembly for the reason
+/// given at [`fetch_add_u32`].
+///
+/// # Safety
+/// `ptr` must be a valid, 8-aligned pointer into map memory.
+#[inline(always)]
+unsafe fn atomic_or_u64(ptr: *mut u64, bits: u64) {
+    // SAFETY: as in `fetch_add_u32`.
+    unsafe {
+        core::arch::asm!(
+            "lock *(u64 *)(r2 + 0) |= r1",
+            in("r1") bits,
+            in("r2") ptr,
+            options(nostack),
+        );
+    }
+}
+
 /// A copy of `BACKENDS[id]`.
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
@@ -343,6 +361,9 @@ pub trait Stamped: Copy {
     /// # Safety
     /// As for `stamp_fields`.
     unsafe fn flags_field(ptr: *mut Self) -> *mut u8;
+
+    /// Offset of the `flags` field in the value (atomic updates go through its aligned word).
+    const FLAGS_OFFSET: usize;
 }
 
 impl Stamped for CtValue {
@@ -355,6 +376,8 @@ impl Stamped for CtValue {
         // SAFETY: as in `stamp_fields`.
         unsafe { &raw mut (*ptr).flags }
     }
+
+    const FLAGS_OFFSET: usize = core::mem::offset_of!(CtValue, flags);
 }
 
 impl Stamped for SnatValue {
@@ -367,6 +390,8 @@ impl Stamped for SnatValue {
         // SAFETY: as for `CtValue`.
         unsafe { &raw mut (*ptr).flags }
     }
+
+    const FLAGS_OFFSET: usize = core::mem::offset_of!(SnatValue, flags);
 }
 
 /// A conntrack or SNAT entry found by a lookup, to read and to refresh in place.
@@ -419,14 +444,17 @@ impl<V: Stamped> FlowEntry<V> {
     /// Set the `flags` bits `set` (`ct_flags::*`), leaving the others.
     #[inline(always)]
     pub fn set_flags(&self, set: u8) {
-        // SAFETY: as in `touch`. Bits are only ever added after the entry was written, so a
-        // lost update between two CPUs setting the same bit costs nothing.
-        unsafe {
-            let flags = V::flags_field(self.ptr);
-            if *flags & set != set {
-                *flags |= set;
-            }
+        // SAFETY: as in `touch`.
+        if unsafe { *V::flags_field(self.ptr) } & set == set {
+            return;
         }
+        // An atomic OR (on the flags byte's aligned word, constant offsets as in
+        // `take_counted`): a plain read-modify-write could bring back a bit another CPU just
+        // cleared (`ct_flags::COUNTED`).
+        let bits = (set as u64) << ((V::FLAGS_OFFSET & 7) * 8);
+        // SAFETY: as in `get`; the word lies inside the value (8-aligned: the values hold u64
+        // fields and map values are 8-aligned), and the OR leaves every other bit as it is.
+        unsafe { atomic_or_u64(self.ptr.cast::<u8>().add(V::FLAGS_OFFSET & !7).cast(), bits) };
     }
 
     /// Are all the `flags` bits `bits` set?
@@ -445,7 +473,7 @@ impl FlowEntry<CtValue> {
         // BPF atomics are 32/64-bit: the flags byte is cleared through its aligned 64-bit word
         // (little-endian: byte k of the word is bits 8k..8k+8). Constant offsets: the verifier
         // allows no arithmetic on pointer bits.
-        const FLAGS: usize = core::mem::offset_of!(CtValue, flags);
+        const FLAGS: usize = <CtValue as Stamped>::FLAGS_OFFSET;
         const BIT: u64 = (proxy_common::ct_flags::COUNTED as u64) << ((FLAGS & 7) * 8);
         // SAFETY: as in `get`; the word lies inside the value (8-aligned: the value holds u64
         // fields and map values are 8-aligned), and the AND leaves every other bit as it is.
