@@ -1490,6 +1490,52 @@ fn an_ephemeral_port_range_overlapping_the_snat_ports_refuses_to_start() {
     );
 }
 
+/// Sets the scheduler (`sched::code::*`) of web's frontend by writing its pinned entry (the
+/// agent leaves an unchanged Service's entry alone; the per-Service selection is the agent's
+/// business, tested with it).
+fn set_web_scheduler(env: &Env, code: u8) {
+    use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
+    let data = aya::maps::MapData::from_pin(env.pins.path().join(MAP_SERVICES))
+        .unwrap_or_else(|e| env.fail(&format!("pinned SERVICES: {e}")));
+    let mut services: aya::maps::HashMap<_, ServiceKey, ServiceValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("SERVICES type");
+    let key = ServiceKey::new(WEB.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    let mut v = services.get(&key, 0).expect("web's frontend");
+    v.scheduler = code;
+    services.insert(key, v, 0).expect("set the scheduler");
+}
+
+/// rr with real connections: 9 curls from a pod go to the three backends in a fixed cycle, and
+/// the node's own processes (socket hooks) continue the same cycle (one position per frontend).
+#[test]
+fn round_robin_cycles_over_the_backends_for_pods_and_node_processes() {
+    require_privileged!();
+    let env = Env::start(|m| web(m, &all_backends()));
+    set_web_scheduler(&env, proxy_common::sched::code::ROUND_ROBIN);
+    let mut bodies = Vec::new();
+    for i in 0..9 {
+        let reply = env
+            .topo
+            .curl(&format!("http://{WEB}/"))
+            .unwrap_or_else(|e| env.fail(&format!("curl {i}: {e:#}")));
+        bodies.push(reply.body);
+    }
+    for i in 0..3 {
+        let view = http_get_with_peer(&env.agent.host(env.topo.node()), WEB, 80)
+            .unwrap_or_else(|e| env.fail(&format!("node process {i}: {e:#}")));
+        env.check(view.peer == format!("{WEB}:80"), || format!("{view:?}"));
+        bodies.push(view.body);
+    }
+    let cycle = &bodies[..3];
+    let distinct: std::collections::BTreeSet<_> = cycle.iter().collect();
+    env.check(distinct.len() == 3, || format!("first three: {bodies:?}"));
+    for (i, b) in bodies.iter().enumerate() {
+        env.check(*b == cycle[i % 3], || {
+            format!("request {i} breaks the cycle: {bodies:?}")
+        });
+    }
+}
+
 /// The `FLOWS` column of `dump backends` (the least-connection counts), by backend address.
 fn lc_flows(env: &Env) -> BTreeMap<Ipv4Addr, u64> {
     let pin_dir = env.pins.path().to_string_lossy().into_owned();
@@ -1531,26 +1577,7 @@ fn wait_lc_flows(
 fn least_connection_sends_new_connections_to_the_backend_without_long_ones() {
     require_privileged!();
     let env = Env::start(|m| web(m, &all_backends()));
-    // The frontend's scheduler, written into the pinned entry (the agent leaves an unchanged
-    // Service's entry alone).
-    {
-        let data = aya::maps::MapData::from_pin(env.pins.path().join(proxy_common::MAP_SERVICES))
-            .expect("pinned SERVICES");
-        let mut services: aya::maps::HashMap<
-            _,
-            proxy_common::ServiceKey,
-            proxy_common::ServiceValue,
-        > = aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("SERVICES type");
-        let key = proxy_common::ServiceKey::new(
-            WEB.octets(),
-            80u16.to_be_bytes(),
-            proxy_common::proto::TCP,
-            0,
-        );
-        let mut v = services.get(&key, 0).expect("web's frontend");
-        v.scheduler = proxy_common::sched::code::LEAST_CONNECTION;
-        services.insert(key, v, 0).expect("set lc");
-    }
+    set_web_scheduler(&env, proxy_common::sched::code::LEAST_CONNECTION);
     let idle = |c: &BTreeMap<Ipv4Addr, u64>| c.len() == 3 && c.values().all(|&n| n == 0);
     let start = wait_lc_flows(&env, idle);
     env.check(idle(&start), || {
