@@ -4319,6 +4319,19 @@ fn least_connection_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_e
     let mut want = vec![2, 2, 2];
     want[again as usize - 1] += 1;
     assert_eq!(dp.lc_counts(&ids), want);
+    // Every open flow ends with a RST (from the client, or from the backend through egress):
+    // all counts back to zero.
+    let open: Vec<u16> = long.iter().map(|l| l.0).filter(|&p| p != p1.0).collect();
+    for (i, port) in open.into_iter().chain(50_000..50_004).enumerate() {
+        let rst = Pkt::tcp(CLIENT, port, VIP, 80, RST | ACK);
+        if i % 2 == 0 {
+            dp.run(PROG_TC_INGRESS, &rst.bytes());
+        } else {
+            let id = dp.ct(&original_key(&rst)).expect("open flow").backend_id;
+            dp.run(PROG_TC_EGRESS, &reply_from(&rst, id).bytes());
+        }
+    }
+    assert_eq!(dp.lc_counts(&ids), [0, 0, 0], "every flow ended");
 }
 
 /// lc counts of flows the datapath never sees end (idle expiry with no packet, LRU eviction of
