@@ -10,6 +10,7 @@
 pub mod csum;
 pub mod flow_state;
 pub mod hash;
+pub mod lc;
 pub mod maps;
 pub mod ratelimit;
 pub mod sched;

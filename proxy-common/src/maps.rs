@@ -26,12 +26,20 @@ pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 pub const MAP_AFFINITY: &str = "AFFINITY_V1";
 /// `AFFMATCH_V1` (hash): which backends each affinity frontend may send a recorded client to.
 pub const MAP_AFFINITY_MATCH: &str = "AFFMATCH_V1";
+/// `LCFLOWS_V1` (array, index: backend id, value: `u64`): datapath-owned count of the translated
+/// flows to each backend that are not over yet (`ct_flags::COUNTED`), for the least-connection
+/// scheduler (`crate::lc`).
+pub const MAP_LC_FLOWS: &str = "LCFLOWS_V1";
+/// `LCADJ_V1` (array, index: backend id, value: `u64`): agent-owned correction of `LCFLOWS_V1`
+/// for the flows whose end the datapath cannot see (idle expiry, LRU eviction): the effective
+/// count is `LCFLOWS_V1[id] - LCADJ_V1[id]` (`crate::lc::effective`).
+pub const MAP_LC_ADJUST: &str = "LCADJ_V1";
 /// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
 /// reads it and a new program may start with a fresh one.
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 16] = [
+pub const ALL_MAPS: [&str; 18] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -48,6 +56,8 @@ pub const ALL_MAPS: [&str; 16] = [
     MAP_SERVICE_CIDRS,
     MAP_AFFINITY,
     MAP_AFFINITY_MATCH,
+    MAP_LC_FLOWS,
+    MAP_LC_ADJUST,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -77,6 +87,10 @@ pub const AFFINITY_CAPACITY: u32 = 65_536;
 /// Affinity match entries: at most one per backend slot of an affinity frontend, so the agent
 /// sizes this map like `SERVICES_V1` (this is the compiled-in default, equal to it).
 pub const AFFINITY_MATCH_CAPACITY: u32 = SERVICES_CAPACITY;
+/// Entries of `LCFLOWS_V1` and `LCADJ_V1` compiled into the object: one per backend id (ids are
+/// the smallest free ≥ 1, so they stay ≤ the BACKENDS capacity). The agent creates them with
+/// `max(BACKENDS entries, BACKENDS_CAPACITY) + 1`.
+pub const LC_CAPACITY: u32 = BACKENDS_CAPACITY + 1;
 
 /// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
 /// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream
@@ -341,6 +355,11 @@ pub mod ct_flags {
     /// `backend_id` 0), so that no translated flow is given its reply tuple; with `SPORT_NAT`
     /// (it started while a translated flow held its reply tuple) it has a REPLY entry too.
     pub const DIRECT: u8 = 1 << 2;
+    /// The flow holds one unit of its backend's `LCFLOWS_V1` count: set when a translated flow
+    /// is created (on both entries), cleared on the ORIGINAL entry (atomically, with the unit
+    /// given back) when the datapath sees the flow end (TCP close, replacement, removal). The
+    /// REPLY entry's copy only carries it over when an evicted ORIGINAL entry is written again.
+    pub const COUNTED: u8 = 1 << 3;
 }
 
 /// Source ports a flow may be moved to when its reply tuple clashes (netfilter's range for

@@ -94,6 +94,17 @@ impl Scheduler {
     }
 }
 
+/// The backend slot (1..=count) of the round-robin position `n` (the frontend's `rr_next` before
+/// this flow's increment): slots in order 1, 2, …, count, 1, …; `None` without backends. A
+/// wrapping counter shifts the cycle once every 2^32 flows when count does not divide 2^32.
+#[inline(always)]
+pub const fn rr_slot(n: u32, count: u16) -> Option<u16> {
+    if count == 0 {
+        return None;
+    }
+    Some((n % count as u32) as u16 + 1)
+}
+
 /// Names accepted by [`Scheduler::parse`], for error messages and docs.
 pub const SCHEDULER_NAMES: &str =
     "random, rr (wrr), lc (wlc, sed, nq), sh (lblc, lblcr), dh, mh (maglev)";
@@ -109,6 +120,16 @@ mod tests {
             assert_eq!(Scheduler::parse(s.name()), Some(s));
         }
         assert_eq!(Scheduler::from_code(6), None);
+    }
+
+    #[test]
+    fn rr_slots_cycle_in_order() {
+        assert_eq!(rr_slot(0, 0), None);
+        let slots: Vec<u16> = (0..7).map(|n| rr_slot(n, 3).unwrap()).collect();
+        assert_eq!(slots, [1, 2, 3, 1, 2, 3, 1]);
+        assert_eq!(rr_slot(u32::MAX, 1), Some(1));
+        assert_eq!(rr_slot(u32::MAX, 3), Some(1), "2^32 - 1 = 0 mod 3");
+        assert_eq!(rr_slot(12_345, 100), Some(46));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use proxy_common::{
 };
 
 use crate::{
-    Drop,
+    Drop, lc,
     maps::{self, CtEntry},
     packet::{Packet, tcp_flags},
     stats,
@@ -173,6 +173,9 @@ pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
 pub fn client_passed(p: &Packet, original: &CtKey, entry: &CtEntry, ct: &CtValue, now: u64) {
     let state = next_state(p, ct.state);
     entry.touch(now, state);
+    if state == ct_state::CLOSING {
+        lc::release(entry, ct.backend_id); // A RST or the second FIN: the flow is over.
+    }
     if reply_check_due(ct, now, state) {
         refresh_reply(original, ct, now, state);
     }
@@ -191,6 +194,9 @@ pub fn reply_passed(p: &Packet, reply: &CtEntry, reply_ct: &CtValue, now: u64) {
             let state = next_reply_state(p, o.get().state);
             reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
             o.touch_flags(now, state, ct_flags::SEEN_REPLY);
+            if state == ct_state::CLOSING {
+                lc::release(&o, reply_ct.backend_id);
+            }
         }
         None => {
             let state = next_reply_state(p, reply_ct.state);
@@ -199,6 +205,11 @@ pub fn reply_passed(p: &Packet, reply: &CtEntry, reply_ct: &CtValue, now: u64) {
             value.last_seen_ns = now;
             value.state = state;
             value.flags |= ct_flags::SEEN_REPLY;
+            if state == ct_state::CLOSING {
+                // Its unit was given back when it closed (or is lost with it: the agent's
+                // reconciliation counts only live flows).
+                value.flags &= !ct_flags::COUNTED;
+            }
             if maps::ct_insert_new(&original_key, &value).is_ok() {
                 stats::count(Counter::ConntrackRestored);
             }
@@ -282,7 +293,7 @@ fn reply_tuple_taken(original: &CtKey, reply: &CtKey, now: u64) -> bool {
             return true;
         }
         // Both entries idle: that flow is over, its tuple free again.
-        maps::ct_remove(&other);
+        forget_original(&other);
         maps::ct_remove(reply);
         stats::count(Counter::ReplyTupleReclaimed);
     }
@@ -377,10 +388,15 @@ pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Res
         frontend_port: p.dport,
         backend_port: flow.backend.port,
         state: next_state(p, ct_state::UDP),
-        flags,
+        flags: flags | ct_flags::COUNTED,
         nat_sport,
     };
-    insert_pair(flow.original, value)
+    lc::count(flow.backend_id);
+    let created = insert_pair(flow.original, value);
+    if created.is_err() {
+        maps::lc_add(flow.backend_id, u64::MAX);
+    }
+    created
 }
 
 /// Write a flow's ORIGINAL and REPLY entries; returns the ORIGINAL value.
@@ -447,7 +463,7 @@ pub fn direct_flow(p: &Packet, key: &CtKey, now: u64) -> Result<Option<[u8; 2]>,
 /// Forget a flow: its ORIGINAL entry, and its REPLY entry if that is still its own.
 #[inline(always)]
 pub fn remove(original: &CtKey, ct: &CtValue) {
-    maps::ct_remove(original);
+    forget_original(original);
     if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
         return;
     }
@@ -457,4 +473,14 @@ pub fn remove(original: &CtKey, ct: &CtValue) {
     {
         maps::ct_remove(&reply);
     }
+}
+
+/// Remove an ORIGINAL entry, giving back its flow's least-connection unit if it still holds it.
+#[inline(always)]
+fn forget_original(original: &CtKey) {
+    if let Some(entry) = maps::ct_entry(original) {
+        let backend_id = entry.peek().backend_id;
+        lc::release(&entry, backend_id);
+    }
+    maps::ct_remove(original);
 }

@@ -3,6 +3,9 @@
 //! and count why; everything else lives in the modules below (see STYLE.md, "module cut").
 #![no_std]
 #![no_main]
+// BPF atomics: the BPF target has no RMW atomics in core (`maps::fetch_add_u32`).
+#![feature(core_intrinsics, asm_experimental_arch)]
+#![allow(internal_features)]
 
 mod affinity;
 mod conntrack;
@@ -10,6 +13,7 @@ mod egress;
 mod frag;
 mod icmp;
 mod ingress;
+mod lc;
 mod maps;
 mod nat;
 mod packet;

@@ -17,15 +17,16 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_CAPACITY, AFFINITY_MATCH_CAPACITY, AffinityKey, AffinityMatchKey, AffinityValue,
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
-    DatapathConfig, FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, MAP_AFFINITY,
-    MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_NODE,
-    MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT,
-    MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS,
-    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL,
-    SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY,
-    SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey,
-    ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
-    SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey, service_flags,
+    DatapathConfig, FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, LC_CAPACITY, MAP_AFFINITY,
+    MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAG_SCRATCH, MAP_FRAGMENTS,
+    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED,
+    MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOCK_REVNAT,
+    MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS, NodeInfo, PendingFlow,
+    REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL, SERVICE_CIDRS_CAPACITY,
+    SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY, SOCK_REVNAT_CAPACITY,
+    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice,
+    SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW,
+    TAP_CAPACITY, TapKey, service_flags,
 };
 
 #[btf_map]
@@ -141,6 +142,14 @@ static REJECTRL_V1: PerCpuArray<RejectBucket, 1> = PerCpuArray::new();
 #[btf_map]
 static SEED_V1: Array<u32, 1> = Array::new();
 
+/// Least connection: per-backend active-flow counts (`proxy_common::lc`), datapath-owned.
+#[btf_map]
+static LCFLOWS_V1: Array<u64, { LC_CAPACITY as usize }> = Array::new();
+
+/// Least connection: the agent's corrections of `LCFLOWS_V1` (read-only here).
+#[btf_map]
+static LCADJ_V1: Array<u64, { LC_CAPACITY as usize }> = Array::new();
+
 /// The test-only tap's counts (`tc_tap`); empty in the agent, which never attaches the tap.
 #[btf_map]
 static TAP_V1: PerCpuHashMap<TapKey, u64, { TAP_CAPACITY as usize }> = PerCpuHashMap::new();
@@ -240,6 +249,109 @@ pub fn service(key: &ServiceKey) -> Option<ServiceValue> {
     Some(unsafe { *ptr })
 }
 
+/// Take the next round-robin position of the frontend entry at `key` (slot 0): an atomic
+/// fetch-and-add on its `rr_next`, so sequential new flows on any CPUs get consecutive
+/// positions. `None` if the entry is gone.
+#[inline(always)]
+pub fn rr_next(key: &ServiceKey) -> Option<u32> {
+    let ptr = SERVICES_V1.get_ptr_mut(key)?;
+    // SAFETY: a live hash value (as in `service`); `rr_next` is a naturally aligned u32 that
+    // only atomic operations write while the entry lives (the agent replaces the whole entry,
+    // after which this update lands in the freed copy and is lost: harmless).
+    Some(unsafe { fetch_add_u32(&raw mut (*ptr).rr_next, 1) })
+}
+
+/// A BPF atomic fetch-and-add on a u32 (`BPF_ATOMIC | BPF_W | BPF_FETCH`, kernel ≥ 5.12). In
+/// assembly: the object is built for `--cpu generic`, where LLVM refuses to use the result of
+/// an atomic add, and the BPF target has no `AtomicU32`.
+///
+/// # Safety
+/// `ptr` must be a valid, 4-aligned pointer into map memory.
+#[inline(always)]
+unsafe fn fetch_add_u32(ptr: *mut u32, add: u32) -> u32 {
+    let mut v = add as u64;
+    // SAFETY: the caller guarantees `ptr`; the instruction reads and writes only `*ptr` and r1.
+    unsafe {
+        core::arch::asm!(
+            "w1 = atomic_fetch_add((u32 *)(r2 + 0), w1)",
+            inout("r1") v,
+            in("r2") ptr,
+            options(nostack),
+        );
+    }
+    v as u32
+}
+
+/// The effective least-connection load of backend `id` (`proxy_common::lc::effective`); 0 for
+/// an id outside the arrays.
+#[inline(always)]
+pub fn lc_load(id: u32) -> u64 {
+    let Some(active) = LCFLOWS_V1.get_ptr(id) else {
+        return 0;
+    };
+    // SAFETY: array slots are preallocated; plain aligned u64 reads (a concurrent atomic add
+    // is seen before or after, never torn on a 64-bit load).
+    let active = unsafe { core::ptr::read_volatile(active) };
+    let adjust = match LCADJ_V1.get_ptr(id) {
+        // SAFETY: as above.
+        Some(adj) => unsafe { core::ptr::read_volatile(adj) },
+        None => 0,
+    };
+    proxy_common::lc::effective(active, adjust)
+}
+
+/// Add `delta` (wrapping: `u64::MAX` is −1) to backend `id`'s active-flow count, atomically.
+#[inline(always)]
+pub fn lc_add(id: u32, delta: u64) {
+    if let Some(ptr) = LCFLOWS_V1.get_ptr_mut(id) {
+        // SAFETY: array slots are preallocated, 8-byte aligned, written only atomically (a BPF
+        // atomic add: core has no RMW atomics on the BPF target).
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                ptr, delta,
+            )
+        };
+    }
+}
+
+/// A BPF atomic fetch-and-and on a u64 (`BPF_ATOMIC | BPF_DW | BPF_AND | BPF_FETCH`), in
+/// assembly for the reason given at [`fetch_add_u32`].
+///
+/// # Safety
+/// `ptr` must be a valid, 8-aligned pointer into map memory.
+#[inline(always)]
+unsafe fn fetch_and_u64(ptr: *mut u64, mask: u64) -> u64 {
+    let mut v = mask;
+    // SAFETY: as in `fetch_add_u32`.
+    unsafe {
+        core::arch::asm!(
+            "r1 = atomic_fetch_and((u64 *)(r2 + 0), r1)",
+            inout("r1") v,
+            in("r2") ptr,
+            options(nostack),
+        );
+    }
+    v
+}
+
+/// A BPF atomic OR on a u64 (`BPF_ATOMIC | BPF_DW | BPF_OR`), in assembly for the reason
+/// given at [`fetch_add_u32`].
+///
+/// # Safety
+/// `ptr` must be a valid, 8-aligned pointer into map memory.
+#[inline(always)]
+unsafe fn atomic_or_u64(ptr: *mut u64, bits: u64) {
+    // SAFETY: as in `fetch_add_u32`.
+    unsafe {
+        core::arch::asm!(
+            "lock *(u64 *)(r2 + 0) |= r1",
+            in("r1") bits,
+            in("r2") ptr,
+            options(nostack),
+        );
+    }
+}
+
 /// A copy of `BACKENDS[id]`.
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
@@ -261,6 +373,9 @@ pub trait Stamped: Copy {
     /// # Safety
     /// As for `stamp_fields`.
     unsafe fn flags_field(ptr: *mut Self) -> *mut u8;
+
+    /// Offset of the `flags` field in the value (atomic updates go through its aligned word).
+    const FLAGS_OFFSET: usize;
 }
 
 impl Stamped for CtValue {
@@ -273,6 +388,8 @@ impl Stamped for CtValue {
         // SAFETY: as in `stamp_fields`.
         unsafe { &raw mut (*ptr).flags }
     }
+
+    const FLAGS_OFFSET: usize = core::mem::offset_of!(CtValue, flags);
 }
 
 impl Stamped for SnatValue {
@@ -285,6 +402,8 @@ impl Stamped for SnatValue {
         // SAFETY: as for `CtValue`.
         unsafe { &raw mut (*ptr).flags }
     }
+
+    const FLAGS_OFFSET: usize = core::mem::offset_of!(SnatValue, flags);
 }
 
 /// A conntrack or SNAT entry found by a lookup, to read and to refresh in place.
@@ -337,14 +456,17 @@ impl<V: Stamped> FlowEntry<V> {
     /// Set the `flags` bits `set` (`ct_flags::*`), leaving the others.
     #[inline(always)]
     pub fn set_flags(&self, set: u8) {
-        // SAFETY: as in `touch`. Bits are only ever added after the entry was written, so a
-        // lost update between two CPUs setting the same bit costs nothing.
-        unsafe {
-            let flags = V::flags_field(self.ptr);
-            if *flags & set != set {
-                *flags |= set;
-            }
+        // SAFETY: as in `touch`.
+        if unsafe { *V::flags_field(self.ptr) } & set == set {
+            return;
         }
+        // An atomic OR (on the flags byte's aligned word, constant offsets as in
+        // `take_counted`): a plain read-modify-write could bring back a bit another CPU just
+        // cleared (`ct_flags::COUNTED`).
+        let bits = (set as u64) << ((V::FLAGS_OFFSET & 7) * 8);
+        // SAFETY: as in `get`; the word lies inside the value (8-aligned: the values hold u64
+        // fields and map values are 8-aligned), and the OR leaves every other bit as it is.
+        unsafe { atomic_or_u64(self.ptr.cast::<u8>().add(V::FLAGS_OFFSET & !7).cast(), bits) };
     }
 
     /// Are all the `flags` bits `bits` set?
@@ -352,6 +474,23 @@ impl<V: Stamped> FlowEntry<V> {
     pub fn has_flags(&self, bits: u8) -> bool {
         // SAFETY: as in `get`; a one-byte read.
         unsafe { *V::flags_field(self.ptr) & bits == bits }
+    }
+}
+
+impl FlowEntry<CtValue> {
+    /// Clear `ct_flags::COUNTED` atomically; was it set? Exactly one caller over all CPUs gets
+    /// `true` per setting of the bit (it then gives the flow's unit back, `lc_add`).
+    #[inline(always)]
+    pub fn take_counted(&self) -> bool {
+        // BPF atomics are 32/64-bit: the flags byte is cleared through its aligned 64-bit word
+        // (little-endian: byte k of the word is bits 8k..8k+8). Constant offsets: the verifier
+        // allows no arithmetic on pointer bits.
+        const FLAGS: usize = <CtValue as Stamped>::FLAGS_OFFSET;
+        const BIT: u64 = (proxy_common::ct_flags::COUNTED as u64) << ((FLAGS & 7) * 8);
+        // SAFETY: as in `get`; the word lies inside the value (8-aligned: the value holds u64
+        // fields and map values are 8-aligned), and the AND leaves every other bit as it is.
+        let old = unsafe { fetch_and_u64(self.ptr.cast::<u8>().add(FLAGS & !7).cast(), !BIT) };
+        old & BIT != 0
     }
 }
 
@@ -646,3 +785,5 @@ const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));
 const _: () = assert!(same(MAP_AFFINITY, "AFFINITY_V1"));
 const _: () = assert!(same(MAP_AFFINITY_MATCH, "AFFMATCH_V1"));
+const _: () = assert!(same(MAP_LC_FLOWS, "LCFLOWS_V1"));
+const _: () = assert!(same(MAP_LC_ADJUST, "LCADJ_V1"));

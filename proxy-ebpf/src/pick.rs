@@ -8,7 +8,7 @@ use proxy_common::{
     sched, service_flags,
 };
 
-use crate::{Drop, affinity, maps, stats};
+use crate::{Drop, affinity, lc, maps, stats};
 
 /// What the choice may look at of a new flow.
 #[derive(Clone, Copy)]
@@ -52,8 +52,18 @@ fn schedule(
     flow: &FlowFacts,
 ) -> Result<Option<u32>, Drop> {
     let slot = match frontend.scheduler {
-        // Each scheduler's arm lands with its implementation (issue 10); until then the flow
-        // hash.
+        sched::code::ROUND_ROBIN => match maps::rr_next(key) {
+            Some(n) => sched::rr_slot(n, frontend.count),
+            None => pick_slot(flow.hash, frontend.count), // The entry was just replaced.
+        },
+        sched::code::LEAST_CONNECTION => {
+            // lc resolves its candidates' backend ids itself.
+            let choice = lc::choose(key, frontend.count, flow.hash)?;
+            if choice.is_some() {
+                stats::count_pick(frontend.scheduler);
+            }
+            return Ok(choice);
+        }
         sched::code::SOURCE_HASH => pick_slot(addr_hash(flow.client), frontend.count),
         sched::code::DESTINATION_HASH => pick_slot(addr_hash(flow.frontend_addr), frontend.count),
         _ => pick_slot(flow.hash, frontend.count),

@@ -28,7 +28,7 @@ use crate::{
         interfaces::{self, Patterns},
         links,
         loader::{self, MapSizes},
-        maps::{Conntrack, ServiceMaps, Snat},
+        maps::{Conntrack, LcCounts, ServiceMaps, Snat},
         netlink, sock_lb,
     },
     incremental::Planner,
@@ -66,6 +66,12 @@ pub struct Agent {
     maps: ServiceMaps,
     conntrack: Conntrack,
     snat: Snat,
+    /// Least-connection counts, reconciled in the conntrack walk (`crate::lc_counts`).
+    lc: LcCounts,
+    /// The corrections last written to `LCADJ_V1` (written again only when they change), and
+    /// the highest backend id reconciled (ids above stay at their last correction).
+    lc_written: std::collections::HashMap<u32, u64>,
+    lc_max_id: u32,
     programmed: Programmed,
     /// Indexes over `programmed` and what changed since the last plan (every op applied to
     /// `programmed` goes through it first).
@@ -122,6 +128,7 @@ impl Agent {
         let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
         let snat = Snat::from_ebpf(&mut ebpf)?;
+        let lc = LcCounts::from_ebpf(&mut ebpf)?;
         let health: std::sync::Arc<crate::health::HealthState> = Default::default();
         let external = crate::node_addrs::External::new(&mut ebpf, health.clone())?;
         let programmed = maps.read_programmed()?;
@@ -141,6 +148,9 @@ impl Agent {
             maps,
             conntrack,
             snat,
+            lc,
+            lc_written: Default::default(),
+            lc_max_id: 0,
             planner: Planner::new(&programmed),
             cache: TranslateCache::new(),
             programmed,
@@ -380,18 +390,45 @@ impl Agent {
     /// Removes idle-expired flows, and UDP flows whose backend is gone (like kube-proxy's UDP
     /// conntrack cleanup, so DNS clients do not keep sending to a deleted pod). TCP flows to a
     /// gone backend are answered with a RST by the datapath on their next packet.
+    ///
+    /// The same walk reconciles the least-connection counts (`crate::lc_counts`): every backend
+    /// id up to the highest programmed (or reconciled before: a freed id goes back to 0).
     pub fn gc_conntrack(&mut self) {
         let started = Instant::now();
-        let now = monotonic_ns();
-        let mut removed = 0usize;
-        let entries = self.conntrack.entries();
-        let total = entries.len();
-        for (key, value) in entries {
-            if flow_is_dead(&key, &value, now, &self.config, &self.programmed) {
-                self.conntrack.remove(&key);
-                removed += 1;
+        let max_id = self
+            .programmed
+            .backends
+            .keys()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(self.lc_max_id)
+            .min(self.lc.ids().saturating_sub(1));
+        let (config, programmed) = (&self.config, &self.programmed);
+        let done = crate::lc_counts::reconcile(
+            1..=max_id,
+            |id| self.lc.active(id),
+            monotonic_ns,
+            || self.conntrack.entries(),
+            |key, value, now| flow_is_dead(key, value, now, config, programmed),
+            &programmed.backends,
+        );
+        let (removed, total) = (done.dead.len(), done.total);
+        for key in &done.dead {
+            self.conntrack.remove(key);
+        }
+        for (id, adjust) in done.corrections {
+            if self.lc_written.get(&id) == Some(&adjust) {
+                continue;
+            }
+            match self.lc.set_adjust(id, adjust) {
+                Ok(()) => {
+                    self.lc_written.insert(id, adjust);
+                }
+                Err(e) => warn!("writing the least-connection correction of backend {id}: {e}"),
             }
         }
+        self.lc_max_id = self.programmed.backends.keys().copied().max().unwrap_or(0);
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }

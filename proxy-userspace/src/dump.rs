@@ -13,7 +13,7 @@ use crate::{
     dataplane::{
         bpffs::PinLayout,
         clock::monotonic_ns,
-        maps::{Affinity, Conntrack, Fragments, ServiceMaps, Snat, Stats},
+        maps::{Affinity, Conntrack, Fragments, LcCounts, ServiceMaps, Snat, Stats},
     },
     encode,
     model::{Protocol, Scope},
@@ -29,7 +29,19 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
     }
     Ok(match what {
         DumpWhat::Services => services_table(&ServiceMaps::open_pinned(pins)?.read_programmed()?),
-        DumpWhat::Backends => backends_table(&ServiceMaps::open_pinned(pins)?.read_programmed()?),
+        DumpWhat::Backends => {
+            let p = ServiceMaps::open_pinned(pins)?.read_programmed()?;
+            // Maps pinned by an agent without least connection: no counts to show.
+            let flows = match LcCounts::open_pinned(pins) {
+                Ok(lc) => p
+                    .backends
+                    .keys()
+                    .map(|&id| (id, lc.effective(id)))
+                    .collect(),
+                Err(_) => BTreeMap::new(),
+            };
+            backends_table(&p, &flows)
+        }
         DumpWhat::Conntrack => {
             conntrack_table(&Conntrack::open_pinned(pins)?.entries(), monotonic_ns())
         }
@@ -135,10 +147,12 @@ pub fn services_table(p: &Programmed) -> String {
     out
 }
 
-pub fn backends_table(p: &Programmed) -> String {
+/// The backends, with their active-flow counts (`flows`, by id: what least connection compares;
+/// `-` when unknown).
+pub fn backends_table(p: &Programmed, flows: &BTreeMap<u32, u64>) -> String {
     let mut out = format!(
-        "{:>6}  {:<22} {:<6} {}\n",
-        "ID", "ADDRESS", "PROTO", "FLAGS"
+        "{:>6}  {:<22} {:<6} {:>6}  {}\n",
+        "ID", "ADDRESS", "PROTO", "FLOWS", "FLAGS"
     );
     let mut ids: Vec<_> = p.backends.keys().copied().collect();
     ids.sort_unstable();
@@ -146,10 +160,13 @@ pub fn backends_table(p: &Programmed) -> String {
         let b = p.backends[&id];
         let _ = writeln!(
             out,
-            "{:>6}  {:<22} {:<6} {}",
+            "{:>6}  {:<22} {:<6} {:>6}  {}",
             id,
             format!("{}:{}", Ipv4Addr::from(b.addr), u16::from_be_bytes(b.port)),
             proto_name(b.proto),
+            flows
+                .get(&id)
+                .map_or_else(|| "-".to_string(), u64::to_string),
             flags_text(b.flags)
         );
     }
@@ -415,6 +432,23 @@ mod tests {
     use proxy_common::{Backend, RevNat, ServiceKey, proto, sched};
 
     use super::*;
+
+    #[test]
+    fn backends_table_shows_active_flows_per_backend() {
+        let mut p = Programmed::default();
+        for (id, last, flags) in [(1u32, 11u8, 0u8), (2, 12, backend_flags::LOCAL)] {
+            let b = Backend {
+                addr: [10, 244, 1, last],
+                port: 8080u16.to_be_bytes(),
+                proto: proto::TCP,
+                flags,
+            };
+            p.backends.insert(id, b);
+        }
+        let out = backends_table(&p, &BTreeMap::from([(1, 3)]));
+        let want = "    ID  ADDRESS                PROTO   FLOWS  FLAGS\n     1  10.244.1.11:8080       TCP         3  -\n     2  10.244.1.12:8080       TCP         -  local\n";
+        assert_eq!(out, want);
+    }
 
     #[test]
     fn services_table_lists_backends_in_slot_order_and_marks_rejecting_frontends() {

@@ -22,21 +22,24 @@ use common_packet::{
     reassemble, tcp_flags::*,
 };
 use kube_proxy_ebpf::{
+    agent::flow_is_dead,
     dataplane::{clock::monotonic_ns, loader, maps::Snat},
     ebpf_object::EBPF_OBJECT,
+    lc_counts,
+    programmed::Programmed,
     snat_gc::{self, Collected},
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, CLASH_PORT_MAX, CLASH_PORT_MIN,
     CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig, FragKey, FragValue,
     HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
-    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
-    ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SourceRangeKey, backend_flags,
-    ct_dir, ct_flags, ct_state, frag_action, frag_hook,
+    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES,
+    MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS,
+    PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey,
+    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
-    proto, service_cidr, service_flags,
+    proto, sched, service_cidr, service_flags,
 };
 
 /// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
@@ -4530,4 +4533,282 @@ fn affinity_new_flow_cost() {
         "one pick, then hits"
     );
     println!("per-packet cost: new_flow_ns={plain} new_flow_affinity_hit_ns={sticky}");
+}
+
+// --- Schedulers: round robin and least connection (issue 10) ---
+
+impl Datapath {
+    /// Set the scheduler (`sched::code::*`) of the frontend entry `vip:port/proto`.
+    fn set_scheduler(&mut self, vip: Ipv4Addr, port: u16, proto: u8, code: u8) {
+        let key = ServiceKey::new(vip.octets(), port.to_be_bytes(), proto, 0);
+        let mut v = self.services().get(&key, 0).expect("frontend");
+        v.scheduler = code;
+        self.services().insert(key, v, 0).expect("write frontend");
+    }
+
+    fn lc_array(&self, name: &str) -> Array<&MapData, u64> {
+        Array::try_from(self.bpf.map(name).expect("LC map")).expect("LC map type")
+    }
+
+    /// Backend `id`'s effective least-connection count (what lc compares).
+    fn lc_count(&self, id: u32) -> u64 {
+        let active = self.lc_array(MAP_LC_FLOWS).get(&id, 0).expect("LCFLOWS");
+        let adjust = self.lc_array(MAP_LC_ADJUST).get(&id, 0).expect("LCADJ");
+        proxy_common::lc::effective(active, adjust)
+    }
+
+    fn lc_counts(&self, ids: &[u32]) -> Vec<u64> {
+        ids.iter().map(|&id| self.lc_count(id)).collect()
+    }
+
+    /// One agent reconciliation (`lc_counts::reconcile`, as `Agent::gc_conntrack` runs it) at
+    /// CLOCK_MONOTONIC `now`: dead entries removed, corrections written.
+    fn lc_reconcile(&mut self, now: u64) {
+        let mut programmed = Programmed::default();
+        for (id, b) in self.backends().iter().map(Result::unwrap) {
+            programmed.backends.insert(id, b);
+        }
+        let cfg = DatapathConfig::DEFAULT;
+        let done = {
+            let flows = self.lc_array(MAP_LC_FLOWS);
+            let ct: HashMap<&MapData, CtKey, CtValue> =
+                HashMap::try_from(self.bpf.map(MAP_CONNTRACK).unwrap()).unwrap();
+            lc_counts::reconcile(
+                1..=20,
+                |id| flows.get(&id, 0).unwrap(),
+                || now,
+                || ct.iter().map(Result::unwrap).collect(),
+                |k, v, now| flow_is_dead(k, v, now, &cfg, &programmed),
+                &programmed.backends,
+            )
+        };
+        for key in &done.dead {
+            self.conntrack().remove(key).expect("remove dead entry");
+        }
+        let mut adjust: Array<&mut MapData, u64> =
+            Array::try_from(self.bpf.map_mut(MAP_LC_ADJUST).unwrap()).unwrap();
+        for (id, v) in done.corrections {
+            adjust.set(id, v, 0).expect("write LCADJ");
+        }
+    }
+
+    /// A new TCP flow (SYN) from CLIENT:`port` to VIP:80: the backend id it was sent to.
+    fn syn_to(&mut self, port: u16, ids: &[u32]) -> u32 {
+        let syn = Pkt::tcp(CLIENT, port, VIP, 80, SYN);
+        let (verdict, out) = self.run(PROG_TC_INGRESS, &syn.bytes());
+        assert_eq!(verdict, TC_NEXT, "SYN from port {port}");
+        let d = Decoded::parse(&out);
+        *ids.iter()
+            .find(|&&id| backend_addr(id).0 == d.daddr)
+            .unwrap_or_else(|| panic!("SYN from port {port} went to {}", d.daddr))
+    }
+}
+
+/// rr: 30 sequential new flows over 3 endpoints go 1, 2, 3, 1, 2, 3, … (each exactly 10), and
+/// the frontend's datapath-owned position counted them; as the agent reads the entry back
+/// (`as_programmed`), the position is no difference from what it wrote.
+#[test]
+fn round_robin_cycles_exactly_over_the_endpoints() {
+    let mut dp = Datapath::load();
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1, 2, 3]);
+    dp.set_scheduler(VIP, 80, proto::TCP, sched::code::ROUND_ROBIN);
+    let ids = [1, 2, 3];
+    let mut per = BTreeMap::new();
+    for i in 0..30u16 {
+        let syn = Pkt::tcp(CLIENT, 50_000 + i, VIP, 80, SYN);
+        let want = ids[i as usize % 3];
+        dp.check(ingress(
+            "rr new flow",
+            syn.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&syn, want)),
+            &[(Counter::NewFlow, 1)],
+        ));
+        *per.entry(want).or_insert(0) += 1;
+        // Known flows do not advance the position.
+        let ack = Pkt::tcp(CLIENT, 50_000 + i, VIP, 80, ACK);
+        dp.check(ingress(
+            "rr established",
+            ack.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&ack, want)),
+            &[(Counter::EstablishedFlow, 1)],
+        ));
+    }
+    assert_eq!(per, BTreeMap::from([(1, 10), (2, 10), (3, 10)]));
+    let key = ServiceKey::new(VIP.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    let entry = dp.services().get(&key, 0).unwrap();
+    assert_eq!(entry.rr_next, 30, "one position per new flow");
+    let mut written = ServiceValue::frontend(3, TCP_REVNAT);
+    written.scheduler = sched::code::ROUND_ROBIN;
+    assert_eq!(entry.as_programmed(), written);
+}
+
+/// lc: while backends 1 and 2 hold long flows, new flows go to the idle backend 3 until it holds
+/// as many; counts follow every flow's end (client RST, FIN from both sides, replacement of an
+/// idle-expired entry) back to zero.
+#[test]
+fn least_connection_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_ends() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2, 3];
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &ids);
+    // The long flows start under random (every translated flow is counted, whatever the
+    // scheduler): two to 1 and 2 each, found by the same flow hash as the datapath's.
+    let mut long = Vec::new();
+    let mut held = BTreeMap::<u32, usize>::new();
+    for port in 40_000..41_000u16 {
+        let syn = Pkt::tcp(CLIENT, port, VIP, 80, SYN);
+        let id = expected_pick(&syn, &ids);
+        if id != 3 && held.get(&id).copied().unwrap_or(0) < 2 {
+            assert_eq!(dp.syn_to(port, &ids), id);
+            *held.entry(id).or_default() += 1;
+            long.push((port, id));
+        }
+        if long.len() == 4 {
+            break;
+        }
+    }
+    assert_eq!(dp.lc_counts(&ids), [2, 2, 0]);
+    dp.set_scheduler(VIP, 80, proto::TCP, sched::code::LEAST_CONNECTION);
+    // Two new flows: both to the idle backend 3 (then all hold 2).
+    assert_eq!(dp.syn_to(50_000, &ids), 3);
+    assert_eq!(dp.lc_counts(&ids), [2, 2, 1]);
+    assert_eq!(dp.syn_to(50_001, &ids), 3);
+    assert_eq!(dp.lc_counts(&ids), [2, 2, 2]);
+    // Backend 1's flows end: a client RST, then a FIN from each side.
+    let (p0, p1) = (
+        long[0],
+        long.iter()
+            .find(|l| l.1 == long[0].1 && l.0 != long[0].0)
+            .unwrap(),
+    );
+    let one = p0.1;
+    let rst = Pkt::tcp(CLIENT, p0.0, VIP, 80, RST | ACK);
+    dp.check(ingress(
+        "client RST ends a counted flow",
+        rst.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&rst, one)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    let fin = Pkt::tcp(CLIENT, p1.0, VIP, 80, FIN | ACK);
+    dp.check(ingress(
+        "client FIN half-closes",
+        fin.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&fin, one)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    let mut counts = dp.lc_counts(&ids);
+    assert_eq!(
+        counts[one as usize - 1],
+        1,
+        "a half-closed flow still counts"
+    );
+    let backend_fin = reply_from(&Pkt::tcp(CLIENT, p1.0, VIP, 80, FIN | ACK), one);
+    dp.check(egress(
+        "backend FIN closes",
+        backend_fin.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&backend_fin, &fin)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    counts[one as usize - 1] = 0;
+    assert_eq!(
+        dp.lc_counts(&ids),
+        counts,
+        "both of backend {one}'s flows ended"
+    );
+    // Retransmitted RST / FIN of a closed flow: no second decrement.
+    dp.run(PROG_TC_INGRESS, &rst.bytes());
+    dp.run(PROG_TC_EGRESS, &backend_fin.bytes());
+    assert_eq!(
+        dp.lc_counts(&ids),
+        counts,
+        "each flow gives its unit back once"
+    );
+    // The emptied backend gets the next new flows.
+    assert_eq!(dp.syn_to(50_002, &ids), one);
+    assert_eq!(dp.syn_to(50_003, &ids), one);
+    assert_eq!(dp.lc_counts(&ids), [2, 2, 2]);
+    // A SYN reusing the closed flow's tuple replaces it: counted once, as a new flow.
+    let again = dp.syn_to(p0.0, &ids);
+    let mut want = vec![2, 2, 2];
+    want[again as usize - 1] += 1;
+    assert_eq!(dp.lc_counts(&ids), want);
+    // Every open flow ends with a RST (from the client, or from the backend through egress):
+    // all counts back to zero.
+    let open: Vec<u16> = long.iter().map(|l| l.0).filter(|&p| p != p1.0).collect();
+    for (i, port) in open.into_iter().chain(50_000..50_004).enumerate() {
+        let rst = Pkt::tcp(CLIENT, port, VIP, 80, RST | ACK);
+        if i % 2 == 0 {
+            dp.run(PROG_TC_INGRESS, &rst.bytes());
+        } else {
+            let id = dp.ct(&original_key(&rst)).expect("open flow").backend_id;
+            dp.run(PROG_TC_EGRESS, &reply_from(&rst, id).bytes());
+        }
+    }
+    assert_eq!(dp.lc_counts(&ids), [0, 0, 0], "every flow ended");
+}
+
+/// lc counts of flows the datapath never sees end (idle expiry with no packet, LRU eviction of
+/// both entries, or of only the ORIGINAL one) come back to the truth with the agent's
+/// reconciliation, and its corrections do not accumulate.
+#[test]
+fn least_connection_counts_are_reconciled_after_expiry_and_eviction() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2, 3];
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &ids);
+    dp.set_scheduler(VIP, 80, proto::TCP, sched::code::LEAST_CONNECTION);
+    // Six flows: lc spreads them two per backend.
+    let mut flows = Vec::new();
+    for port in 51_000..51_006u16 {
+        let id = dp.syn_to(port, &ids);
+        let ack = Pkt::tcp(CLIENT, port, VIP, 80, ACK);
+        dp.run(PROG_TC_INGRESS, &ack.bytes());
+        flows.push((port, id));
+    }
+    assert_eq!(dp.lc_counts(&ids), [2, 2, 2], "{flows:?}");
+    // Reconciling a truthful state changes nothing, however often.
+    dp.lc_reconcile(monotonic_ns());
+    dp.lc_reconcile(monotonic_ns());
+    assert_eq!(dp.lc_counts(&ids), [2, 2, 2]);
+    // LRU evicts both entries of one of backend 1's flows, and only the ORIGINAL entry of one of
+    // backend 2's (that flow lives on: the REPLY entry brings it back).
+    let gone = *flows.iter().find(|f| f.1 == 1).unwrap();
+    let half = *flows.iter().find(|f| f.1 == 2).unwrap();
+    let gone_pkt = Pkt::tcp(CLIENT, gone.0, VIP, 80, ACK);
+    let half_pkt = Pkt::tcp(CLIENT, half.0, VIP, 80, ACK);
+    dp.conntrack().remove(&original_key(&gone_pkt)).unwrap();
+    dp.conntrack().remove(&reply_key(&gone_pkt, 1)).unwrap();
+    dp.conntrack().remove(&original_key(&half_pkt)).unwrap();
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [2, 2, 2],
+        "the datapath cannot see evictions"
+    );
+    dp.lc_reconcile(monotonic_ns());
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [1, 2, 2],
+        "evicted flow uncounted, half-evicted kept"
+    );
+    // The half-evicted flow's next reply writes its ORIGINAL entry again, still counted once.
+    let reply = reply_from(&half_pkt, 2);
+    dp.run(PROG_TC_EGRESS, &reply.bytes());
+    assert!(dp.ct(&original_key(&half_pkt)).unwrap().flags & ct_flags::COUNTED != 0);
+    dp.lc_reconcile(monotonic_ns());
+    assert_eq!(dp.lc_counts(&ids), [1, 2, 2]);
+    // Every flow idles out with no packet: a walk past the timeout removes them and zeroes the
+    // counts.
+    let later = monotonic_ns()
+        + 2 * DatapathConfig::DEFAULT.tcp_established_timeout_s as u64 * 1_000_000_000;
+    dp.lc_reconcile(later);
+    assert_eq!(dp.ct_len(), 0, "the walk removed the expired entries");
+    assert_eq!(dp.lc_counts(&ids), [0, 0, 0]);
+    // New flows start from the corrected counts: three go to three backends.
+    let mut got: Vec<u32> = (52_000..52_003u16).map(|p| dp.syn_to(p, &ids)).collect();
+    got.sort_unstable();
+    assert_eq!(got, ids);
+    assert_eq!(dp.lc_counts(&ids), [1, 1, 1]);
 }

@@ -26,7 +26,8 @@ use kube_proxy_ebpf::{
     snat_gc::{self, Collected},
 };
 use proxy_common::{
-    DatapathConfig, HAIRPIN_SNAT_ADDR, ServiceKey, SnatKey, SnatValue, ct_state, proto,
+    DatapathConfig, HAIRPIN_SNAT_ADDR, Scheduler, ServiceKey, ServiceValue, SnatKey, SnatValue,
+    ct_state, proto,
 };
 use proxy_testenv::require_privileged;
 
@@ -89,6 +90,49 @@ fn sync(maps: &mut ServiceMaps, shadow: &mut Programmed, desired: &DesiredState)
     let read = maps.read_programmed().expect("reading maps back");
     assert_eq!(&read, shadow, "kernel maps differ from the shadow");
     plan.ops.len()
+}
+
+/// A restarted agent reads back round-robin frontends whose datapath-owned position moved
+/// (`rr_next`) as it wrote them: its plan against what it adopts is empty, so it does not
+/// rewrite (and reset) every rr frontend.
+#[test]
+fn adopted_round_robin_frontends_with_a_moved_position_are_no_difference() {
+    require_privileged!();
+    let mut ebpf = loader::load_unpinned(&DatapathConfig::DEFAULT).expect("load");
+    let mut maps = ServiceMaps::from_ebpf(&mut ebpf).expect("maps");
+    let mut desired = state(3, 3, 0);
+    for f in desired.frontends.values_mut() {
+        std::sync::Arc::make_mut(f).balancing.scheduler = Scheduler::RoundRobin;
+    }
+    let mut shadow = Programmed::default();
+    sync(&mut maps, &mut shadow, &desired);
+    // The datapath advances every frontend's position (new flows).
+    let frontends: Vec<_> = shadow
+        .services
+        .iter()
+        .filter(|(k, _)| k.slot == 0)
+        .map(|(k, v)| (*k, *v))
+        .collect();
+    assert_eq!(frontends.len(), 3);
+    for (i, (key, value)) in frontends.iter().enumerate() {
+        assert_eq!(value.scheduler, Scheduler::RoundRobin.code());
+        let moved = ServiceValue {
+            rr_next: 17 + i as u32,
+            ..*value
+        };
+        maps.apply(&MapOp::PutService {
+            key: *key,
+            value: moved,
+        })
+        .expect("advance");
+    }
+    let adopted = maps.read_programmed().expect("read back");
+    assert_eq!(
+        adopted, shadow,
+        "the position is not part of what the agent compares"
+    );
+    let plan = diff::plan(&desired, &adopted, &Capacities::default());
+    assert!(plan.ops.is_empty(), "restart rewrites: {:?}", plan.ops);
 }
 
 #[test]

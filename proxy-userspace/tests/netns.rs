@@ -1574,6 +1574,85 @@ fn wait_for_dump(
     }
 }
 
+/// Sets the scheduler (`sched::code::*`) of web's frontend by writing its pinned entry (the
+/// agent leaves an unchanged Service's entry alone; the per-Service selection is the agent's
+/// business, tested with it).
+fn set_web_scheduler(env: &Env, code: u8) {
+    use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
+    let data = aya::maps::MapData::from_pin(env.pins.path().join(MAP_SERVICES))
+        .unwrap_or_else(|e| env.fail(&format!("pinned SERVICES: {e}")));
+    let mut services: aya::maps::HashMap<_, ServiceKey, ServiceValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("SERVICES type");
+    let key = ServiceKey::new(WEB.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    let mut v = services.get(&key, 0).expect("web's frontend");
+    v.scheduler = code;
+    services.insert(key, v, 0).expect("set the scheduler");
+}
+
+/// rr with real connections: 9 curls from a pod go to the three backends in a fixed cycle, and
+/// the node's own processes (socket hooks) continue the same cycle (one position per frontend).
+#[test]
+fn round_robin_cycles_over_the_backends_for_pods_and_node_processes() {
+    require_privileged!();
+    let env = Env::start(|m| web(m, &all_backends()));
+    set_web_scheduler(&env, proxy_common::sched::code::ROUND_ROBIN);
+    let mut bodies = Vec::new();
+    for i in 0..9 {
+        let reply = env
+            .topo
+            .curl(&format!("http://{WEB}/"))
+            .unwrap_or_else(|e| env.fail(&format!("curl {i}: {e:#}")));
+        bodies.push(reply.body);
+    }
+    for i in 0..3 {
+        let view = http_get_with_peer(&env.agent.host(env.topo.node()), WEB, 80)
+            .unwrap_or_else(|e| env.fail(&format!("node process {i}: {e:#}")));
+        env.check(view.peer == format!("{WEB}:80"), || format!("{view:?}"));
+        bodies.push(view.body);
+    }
+    let cycle = &bodies[..3];
+    let distinct: std::collections::BTreeSet<_> = cycle.iter().collect();
+    env.check(distinct.len() == 3, || format!("first three: {bodies:?}"));
+    for (i, b) in bodies.iter().enumerate() {
+        env.check(*b == cycle[i % 3], || {
+            format!("request {i} breaks the cycle: {bodies:?}")
+        });
+    }
+}
+
+/// The `FLOWS` column of `dump backends` (the least-connection counts), by backend address.
+fn lc_flows(env: &Env) -> BTreeMap<Ipv4Addr, u64> {
+    let pin_dir = env.pins.path().to_string_lossy().into_owned();
+    let out = env
+        .agent
+        .cli(&["dump", "backends", "--pin-dir", &pin_dir])
+        .unwrap_or_else(|e| env.fail(&format!("dump backends: {e:#}")));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let addr = f.get(1)?.split(':').next()?.parse().ok()?;
+            Some((addr, f.get(3)?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Waits (≤ 5 s) until `dump backends` shows `want`; the last reading.
+fn wait_lc_flows(
+    env: &Env,
+    want: impl Fn(&BTreeMap<Ipv4Addr, u64>) -> bool,
+) -> BTreeMap<Ipv4Addr, u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let got = lc_flows(env);
+        if want(&got) || Instant::now() > deadline {
+            return got;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// One backend answered every request (and each is a backend): its name.
 fn one_backend(env: &Env, what: &str, bodies: &[String]) -> String {
     let first = bodies.first().cloned().unwrap_or_default();
@@ -1947,5 +2026,73 @@ fn requests_per_backend_for_each_scheduler_annotation() {
     eprintln!("random → dh by annotation: {after:?}");
     env.check(after.len() == 1, || {
         format!("after switching to dh: {after:?}")
+    });
+}
+
+/// Least connection with real connections: two long-lived connections held open land on two
+/// backends (each new flow goes to a least loaded one), then 10 curls are all answered by the
+/// third, idle backend; the counts (`dump backends`) follow the connections, back to zero once
+/// every one of them closed.
+#[test]
+fn least_connection_sends_new_connections_to_the_backend_without_long_ones() {
+    require_privileged!();
+    let env = Env::start(|m| web(m, &all_backends()));
+    set_web_scheduler(&env, proxy_common::sched::code::LEAST_CONNECTION);
+    let idle = |c: &BTreeMap<Ipv4Addr, u64>| c.len() == 3 && c.values().all(|&n| n == 0);
+    let start = wait_lc_flows(&env, idle);
+    env.check(idle(&start), || {
+        format!("counts before any flow: {start:?}")
+    });
+    let client = env.topo.pod("client").expect("client pod");
+    let hold = format!(
+        "import socket,time; s=socket.create_connection(('{WEB}',80),timeout=5); print('ok',flush=True); time.sleep(20)"
+    );
+    let mut holders = Vec::new();
+    let mut held = BTreeMap::new();
+    for i in 1..=2u64 {
+        holders.push(
+            client
+                .ns()
+                .spawn(&["python3", "-c", &hold], None)
+                .unwrap_or_else(|e| env.fail(&format!("holder {i}: {e:#}"))),
+        );
+        held = wait_lc_flows(&env, |c| c.values().sum::<u64>() == i);
+        env.check(held.values().sum::<u64>() == i, || {
+            format!("{i} held connections, counts {held:?}")
+        });
+    }
+    env.check(held.values().filter(|&&n| n == 1).count() == 2, || {
+        format!("the two held connections share a backend: {held:?}")
+    });
+    let (&spare, _) = held
+        .iter()
+        .find(|(_, n)| **n == 0)
+        .expect("an idle backend");
+    let spare_name = BACKENDS
+        .iter()
+        .find(|(_, ip)| *ip == spare)
+        .expect("backend")
+        .0;
+    for i in 0..10 {
+        let reply = env
+            .topo
+            .curl(&format!("http://{WEB}/"))
+            .unwrap_or_else(|e| env.fail(&format!("curl {i}: {e:#}")));
+        env.check(reply.body == spare_name, || {
+            format!(
+                "curl {i} answered by {} while {spare_name} was idle ({held:?})",
+                reply.body
+            )
+        });
+        // The closed connection gave its unit back.
+        let after = wait_lc_flows(&env, |c| c == &held);
+        env.check(after == held, || {
+            format!("after curl {i}: {after:?}, want {held:?}")
+        });
+    }
+    drop(holders); // Killed: their connections end with a FIN.
+    let end = wait_lc_flows(&env, idle);
+    env.check(idle(&end), || {
+        format!("counts after every connection closed: {end:?}")
     });
 }

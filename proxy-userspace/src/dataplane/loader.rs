@@ -4,9 +4,9 @@
 use aya::{Ebpf, EbpfLoader, maps::Array, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
-    MAP_CONNTRACK, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT, MAP_TAIL_CALLS, PROG_TC_EGRESS,
-    PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, REVNAT_CAPACITY, SERVICES_CAPACITY,
-    SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
+    MAP_CONNTRACK, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT,
+    MAP_TAIL_CALLS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
+    REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
 };
 
 use super::{Error, Result, bpffs::PinLayout};
@@ -41,6 +41,13 @@ impl Default for MapSizes {
 }
 
 impl MapSizes {
+    /// Entries of the least-connection arrays: one per backend id (ids are the smallest free
+    /// ≥ 1, so at most the BACKENDS entries), never below the object's (adoption requires an
+    /// array at least that long).
+    pub fn lc_entries(&self) -> u32 {
+        self.backends.max(BACKENDS_CAPACITY).saturating_add(1)
+    }
+
     pub fn capacities(&self) -> Capacities {
         Capacities {
             services: self.services,
@@ -77,7 +84,9 @@ pub fn load_pinned(
         .map_max_entries(proxy_common::MAP_AFFINITY, sizes.affinity)
         .map_max_entries(proxy_common::MAP_AFFINITY_MATCH, sizes.services)
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
-        .map_max_entries(MAP_SNAT, sizes.snat);
+        .map_max_entries(MAP_SNAT, sizes.snat)
+        .map_max_entries(MAP_LC_FLOWS, sizes.lc_entries())
+        .map_max_entries(MAP_LC_ADJUST, sizes.lc_entries());
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
     let map_err = |source| Error::Map {

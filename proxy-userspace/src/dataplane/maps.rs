@@ -8,8 +8,8 @@ use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey,
     FragValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAGMENTS,
-    MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat,
-    ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
+    MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
@@ -75,7 +75,8 @@ impl ServiceMaps {
         let mut p = Programmed::default();
         for kv in self.services.iter() {
             let (k, v) = kv.map_err(map_err(MAP_SERVICES))?;
-            p.services.insert(k, v);
+            // As the agent wrote it: the datapath's rr position is no difference to converge.
+            p.services.insert(k, v.as_programmed());
         }
         for kv in self.backends.iter() {
             let (k, v) = kv.map_err(map_err(MAP_BACKENDS))?;
@@ -440,6 +441,57 @@ impl SnatDeviceMap {
             self.map.remove(&k).map_err(map_err(MAP_SNAT_DEVICES))?;
         }
         Ok(())
+    }
+}
+
+/// The least-connection counts: `LCFLOWS_V1` (datapath-owned, read here) and `LCADJ_V1` (the
+/// agent's corrections), see `crate::lc_counts`.
+pub struct LcCounts {
+    flows: Array<MapData, u64>,
+    adjust: Array<MapData, u64>,
+}
+
+impl LcCounts {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            flows: Array::try_from(take(ebpf, MAP_LC_FLOWS)?).map_err(map_err(MAP_LC_FLOWS))?,
+            adjust: Array::try_from(take(ebpf, MAP_LC_ADJUST)?).map_err(map_err(MAP_LC_ADJUST))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            flows: Array::try_from(Map::Array(open_pinned(pins, MAP_LC_FLOWS)?))
+                .map_err(map_err(MAP_LC_FLOWS))?,
+            adjust: Array::try_from(Map::Array(open_pinned(pins, MAP_LC_ADJUST)?))
+                .map_err(map_err(MAP_LC_ADJUST))?,
+        })
+    }
+
+    /// Entries of the arrays: backend ids below this are counted.
+    pub fn ids(&self) -> u32 {
+        self.flows.len().min(self.adjust.len())
+    }
+
+    /// The datapath's raw count of backend `id` (0 outside the array).
+    pub fn active(&self, id: u32) -> u64 {
+        self.flows.get(&id, 0).unwrap_or(0)
+    }
+
+    /// The agent's correction of backend `id`.
+    pub fn adjust(&self, id: u32) -> u64 {
+        self.adjust.get(&id, 0).unwrap_or(0)
+    }
+
+    pub fn set_adjust(&mut self, id: u32, value: u64) -> Result<()> {
+        self.adjust
+            .set(id, value, 0)
+            .map_err(map_err(MAP_LC_ADJUST))
+    }
+
+    /// The effective count of backend `id` (`proxy_common::lc::effective`).
+    pub fn effective(&self, id: u32) -> u64 {
+        proxy_common::lc::effective(self.active(id), self.adjust(id))
     }
 }
 
