@@ -20,6 +20,9 @@ pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
 /// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
 pub const MAP_SEED: &str = "SEED_V1";
 pub const MAP_SERVICE_CIDRS: &str = "SVCCIDRS_V1";
+/// `MAGLEV_V1` (hash without preallocation, `crate::maglev::MaglevKey` → `crate::maglev::Chunk`):
+/// the Maglev lookup tables, only for the backend sets of frontends whose scheduler is `mh`.
+pub const MAP_MAGLEV: &str = "MAGLEV_V1";
 pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 /// Datapath-internal scratch space (per-CPU, one [`FragRecord`]), not pinned: the agent never
@@ -27,7 +30,7 @@ pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 14] = [
+pub const ALL_MAPS: [&str; 15] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -42,6 +45,7 @@ pub const ALL_MAPS: [&str; 14] = [
     MAP_SNAT_DEVICES,
     MAP_SEED,
     MAP_SERVICE_CIDRS,
+    MAP_MAGLEV,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -65,6 +69,10 @@ pub const SNAT_DEVICES_CAPACITY: u32 = 256;
 /// Service CIDR prefixes and allocated ClusterIPs (one /32 each); an LPM trie takes memory only
 /// for the entries it holds.
 pub const SERVICE_CIDRS_CAPACITY: u32 = 131_072;
+/// `MAGLEV_V1` chunks (512 entries each): 16,384 tables at the default M (16,381: 32 chunks),
+/// 2,048 at the largest. Without preallocation only the hash buckets (16 bytes per entry of
+/// capacity, 8 MiB) are taken up front; each chunk present costs ~1.1 KiB.
+pub const MAGLEV_CAPACITY: u32 = 524_288;
 
 /// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
 /// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream

@@ -138,6 +138,9 @@ counters! {
     /// Dropped: a new flow to an address inside the Service CIDRs that no Service has (upstream
     /// nftables' "drop traffic to unallocated ClusterIPs"; the socket hooks: ETIMEDOUT).
     DropUnallocatedServiceIp = "drop_unallocated_service_ip",
+    /// A new flow of a Maglev (`mh`) frontend whose table (or the chunk of its position) was
+    /// missing or empty there: picked by the flow hash instead.
+    MaglevFallback = "maglev_fallback",
 }
 
 /// Number of entries in the stats array.

@@ -9,6 +9,7 @@ mod egress;
 mod frag;
 mod icmp;
 mod ingress;
+mod maglev;
 mod maps;
 mod nat;
 mod packet;

@@ -26,6 +26,10 @@ use proxy_common::{
     SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW,
     TAP_CAPACITY, TapKey, service_flags,
 };
+use proxy_common::{
+    MAGLEV_CAPACITY, MAP_MAGLEV,
+    maglev::{self, Chunk, MaglevKey},
+};
 
 #[btf_map]
 static SERVICES_V1: HashMap<ServiceKey, ServiceValue, { SERVICES_CAPACITY as usize }> =
@@ -133,6 +137,34 @@ static SEED_V1: Array<u32, 1> = Array::new();
 /// The test-only tap's counts (`tc_tap`); empty in the agent, which never attaches the tap.
 #[btf_map]
 static TAP_V1: PerCpuHashMap<TapKey, u64, { TAP_CAPACITY as usize }> = PerCpuHashMap::new();
+
+/// Maglev lookup tables (`proxy_common::maglev`): chunks allocated only for the tables that
+/// exist (`BPF_F_NO_PREALLOC`).
+#[btf_map]
+static MAGLEV_V1: HashMap<
+    MaglevKey,
+    Chunk,
+    { MAGLEV_CAPACITY as usize },
+    { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// The slot at `index` (0..M) of Maglev table `table`; `None` when the chunk is missing (the
+/// entry itself may be 0: empty).
+#[inline(always)]
+pub fn maglev_slot(table: u32, index: u32) -> Option<u16> {
+    let (chunk, off) = maglev::split(index);
+    let ptr = MAGLEV_V1.get_ptr(MaglevKey { table, chunk })?;
+    // SAFETY: a pointer from a hash lookup points at a live value of the right type; one entry
+    // is read at once (`off` < CHUNK_ENTRIES by construction; `get` bounds it for the verifier).
+    unsafe { (*ptr).get(off).copied() }
+}
+
+/// The Maglev table size M of this load (only this field of the config is read).
+#[inline(always)]
+pub fn maglev_table_size() -> u32 {
+    // SAFETY: as in `config`.
+    unsafe { core::ptr::read_volatile(&CONFIG.maglev_table_size) }
+}
 
 /// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
 #[unsafe(no_mangle)]
@@ -589,3 +621,4 @@ const _: () = assert!(same(MAP_TAP, "TAP_V1"));
 const _: () = assert!(same(MAP_SEED, "SEED_V1"));
 const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));
+const _: () = assert!(same(MAP_MAGLEV, "MAGLEV_V1"));
