@@ -26,15 +26,20 @@ pub const TABLE_SIZES: [u32; 10] = [
     251, 509, 1_021, 2_039, 4_093, 8_191, 16_381, 32_749, 65_521, 131_071,
 ];
 
-/// The default M (Cilium's): 16,381 entries of 2 bytes = 32 KiB per table, balanced within
-/// ~1 % up to ~160 backends, and 10,000 Maglev Services of any size take ~330 MiB.
+/// The default M (Cilium's): 16,381 entries (18 chunks, 36 KiB of kernel memory per table),
+/// balanced within ~1 % up to ~160 backends; 10,000 Maglev Services of any size take ~360 MiB.
 pub const DEFAULT_TABLE_SIZE: u32 = 16_381;
 
-/// Entries per `MAGLEV_V1` value (a power of two: the datapath splits an index with a shift and
-/// a mask, which the verifier can bound).
-pub const CHUNK_ENTRIES: usize = 512;
-const CHUNK_SHIFT: u32 = 9;
-const _: () = assert!(1 << CHUNK_SHIFT == CHUNK_ENTRIES);
+/// Entries per `MAGLEV_V1` value. Not a power of two on purpose: a hash element without
+/// preallocation is its header (48 bytes), key (8), value and the allocator's list node (8) in
+/// one kmalloc object, so a 1 KiB value would take a 2 KiB object and waste half; 960 entries
+/// (1,920 bytes) fill a 2 KiB object. The datapath divides by this constant (the verifier
+/// bounds the remainder).
+pub const CHUNK_ENTRIES: usize = 960;
+
+/// Kernel memory one chunk takes (its 2 KiB kmalloc object).
+pub const CHUNK_KERNEL_BYTES: u64 = 2_048;
+const _: () = assert!(48 + 8 + 8 + 2 * CHUNK_ENTRIES <= CHUNK_KERNEL_BYTES as usize);
 
 /// One `MAGLEV_V1` value: `CHUNK_ENTRIES` consecutive table entries (slots, 0 = empty).
 pub type Chunk = [u16; CHUNK_ENTRIES];
@@ -143,8 +148,8 @@ pub const fn flow_index(hash: u32, m: u32) -> u32 {
 #[inline(always)]
 pub const fn split(index: u32) -> (u32, usize) {
     (
-        index >> CHUNK_SHIFT,
-        (index as usize) & (CHUNK_ENTRIES - 1),
+        index / CHUNK_ENTRIES as u32,
+        (index % CHUNK_ENTRIES as u32) as usize,
     )
 }
 
@@ -178,9 +183,9 @@ mod tests {
         }
         assert!(valid_size(DEFAULT_TABLE_SIZE));
         assert!(!valid_size(16_384));
-        assert_eq!(chunks(16_381), 32);
+        assert_eq!(chunks(16_381), 18);
         assert_eq!(chunks(251), 1);
-        assert_eq!(chunks(131_071), 256);
+        assert_eq!(chunks(131_071), 137);
     }
 
     #[test]

@@ -69,10 +69,10 @@ pub const SNAT_DEVICES_CAPACITY: u32 = 256;
 /// Service CIDR prefixes and allocated ClusterIPs (one /32 each); an LPM trie takes memory only
 /// for the entries it holds.
 pub const SERVICE_CIDRS_CAPACITY: u32 = 131_072;
-/// `MAGLEV_V1` chunks (512 entries each): 16,384 tables at the default M (16,381: 32 chunks),
-/// 2,048 at the largest. Without preallocation only the hash buckets (16 bytes per entry of
-/// capacity, 8 MiB) are taken up front; each chunk present costs ~1.1 KiB.
-pub const MAGLEV_CAPACITY: u32 = 524_288;
+/// `MAGLEV_V1` chunks (`maglev::CHUNK_ENTRIES` entries each): 16,384 tables at the default M
+/// (18 chunks), 2,152 at the largest. Without preallocation only the hash buckets (16 bytes per
+/// entry of capacity, 4.5 MiB) are taken up front; each chunk present costs 2 KiB.
+pub const MAGLEV_CAPACITY: u32 = 294_912;
 
 /// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
 /// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream

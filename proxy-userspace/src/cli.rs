@@ -131,6 +131,12 @@ pub struct RunArgs {
     /// Capacity of the REVNAT map (frontends).
     #[arg(long, env = "KPE_MAP_REVNAT", default_value_t = proxy_common::REVNAT_CAPACITY)]
     pub map_entries_revnat: u32,
+    /// Entries M of every Maglev (`mh`) table, a prime: 251, 509, 1021, 2039, 4093, 8191,
+    /// 16381, 32749, 65521 or 131071. Larger M balances more backends evenly (keep M ≥ 100 ×
+    /// the backends of a Service); each table takes 2 KiB × ⌈M/960⌉ of kernel memory (36 KiB at
+    /// the default). Changing it at a restart rebuilds every table.
+    #[arg(long, value_parser = parse_maglev_table_size, default_value_t = proxy_common::maglev::DEFAULT_TABLE_SIZE)]
+    pub maglev_table_size: u32,
     /// Flows tracked per CPU (kube-proxy's `conntrack.maxPerCore`): the CONNTRACK and SNAT maps
     /// are sized for max(this × CPUs, --conntrack-min) flows, two entries per flow each. 0 = the
     /// built-in 131072 flows.
@@ -249,6 +255,16 @@ pub enum DumpWhat {
 }
 
 /// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).
+/// `--maglev-table-size`: one of `proxy_common::maglev::TABLE_SIZES`.
+pub fn parse_maglev_table_size(s: &str) -> Result<u32, String> {
+    let sizes = proxy_common::maglev::TABLE_SIZES;
+    s.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|m| proxy_common::maglev::valid_size(*m))
+        .ok_or_else(|| format!("invalid Maglev table size {s:?}: use one of the primes {sizes:?}"))
+}
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let bad = || format!("invalid duration {s:?}: use e.g. 500ms, 1s, 2m, 24h, 1h30m");
     let mut total = Duration::ZERO;

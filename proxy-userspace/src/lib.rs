@@ -15,6 +15,7 @@ pub mod healthcheck;
 pub mod ids;
 pub mod incremental;
 pub mod kube;
+pub mod maglev;
 pub mod manifests;
 pub mod metrics;
 pub mod model;

@@ -644,12 +644,23 @@ fn policy(svc: &Service) -> Policy {
 }
 
 /// How the Service's frontends choose backends: its scheduler and session affinity.
-fn balancing(_svc: &Service, node: &NodeContext) -> Balancing {
+fn balancing(svc: &Service, node: &NodeContext) -> Balancing {
+    // Minimal: the annotation's scheduler when it names one (the scheduler-selection work
+    // brings the full version, with a Problem for an unknown name).
+    let annotated = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(SCHEDULER_ANNOTATION))
+        .and_then(|name| Scheduler::parse(name.trim()));
     Balancing {
-        scheduler: node.scheduler,
+        scheduler: annotated.unwrap_or(node.scheduler),
         affinity_timeout_s: None,
     }
 }
+
+/// The per-Service scheduler annotation.
+pub const SCHEDULER_ANNOTATION: &str = "kube-proxy-ebpf.io/scheduler";
 
 fn namespaced_name(svc: &Service) -> String {
     format!(

@@ -10,9 +10,16 @@ use proxy_common::{
     MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS,
     NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
 };
+use proxy_common::{
+    MAP_MAGLEV,
+    maglev::{Chunk, MaglevKey},
+};
 
 use super::{Error, Result, batch, bpffs::PinLayout};
-use crate::programmed::{MapOp, Programmed};
+use crate::{
+    maglev::MaglevTable,
+    programmed::{MapOp, Programmed},
+};
 
 fn map_err(name: &'static str) -> impl Fn(aya::maps::MapError) -> Error {
     move |source| Error::Map { name, source }
@@ -27,11 +34,12 @@ fn take(ebpf: &mut aya::Ebpf, name: &'static str) -> Result<Map> {
         .ok_or(Error::Missing { what: "map", name })
 }
 
-/// SERVICES, BACKENDS and REVNAT.
+/// SERVICES, BACKENDS, REVNAT and MAGLEV.
 pub struct ServiceMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: HashMap<MapData, u32, Backend>,
     rev_nats: HashMap<MapData, u32, RevNat>,
+    maglev: HashMap<MapData, MaglevKey, Chunk>,
 }
 
 impl ServiceMaps {
@@ -43,6 +51,7 @@ impl ServiceMaps {
             backends: HashMap::try_from(take(ebpf, MAP_BACKENDS)?)
                 .map_err(map_err(MAP_BACKENDS))?,
             rev_nats: HashMap::try_from(take(ebpf, MAP_REVNAT)?).map_err(map_err(MAP_REVNAT))?,
+            maglev: HashMap::try_from(take(ebpf, MAP_MAGLEV)?).map_err(map_err(MAP_MAGLEV))?,
         })
     }
 
@@ -55,6 +64,8 @@ impl ServiceMaps {
                 .map_err(map_err(MAP_BACKENDS))?,
             rev_nats: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_REVNAT)?))
                 .map_err(map_err(MAP_REVNAT))?,
+            maglev: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_MAGLEV)?))
+                .map_err(map_err(MAP_MAGLEV))?,
         })
     }
 
@@ -73,7 +84,29 @@ impl ServiceMaps {
             let (k, v) = kv.map_err(map_err(MAP_REVNAT))?;
             p.rev_nats.insert(k, v);
         }
+        // Maglev tables: how many chunks each has; what they hold is checked by `adopt_maglev`.
+        let mut chunks: crate::fast_hash::HashMap<u32, u32> = Default::default();
+        for k in self.maglev.keys() {
+            let k = k.map_err(map_err(MAP_MAGLEV))?;
+            let n = chunks.entry(k.table).or_default();
+            *n = (*n).max(k.chunk + 1);
+        }
+        p.maglev = chunks
+            .into_iter()
+            .map(|(id, n)| (id, MaglevTable::unknown(n)))
+            .collect();
         Ok(p)
+    }
+
+    /// Adoption of the Maglev tables read back by [`Self::read_programmed`]
+    /// ([`crate::maglev::adopt`]).
+    pub fn adopt_maglev(&self, p: &mut Programmed, m: u32) {
+        crate::maglev::adopt(p, m, |k| self.maglev.get(k, 0).ok());
+    }
+
+    /// Every chunk of Maglev table `id` (for `dump`); `None` where one is missing.
+    pub fn maglev_chunk(&self, key: &MaglevKey) -> Option<Chunk> {
+        self.maglev.get(key, 0).ok()
     }
 
     /// Carries out one operation. Deleting an entry that is already gone is not an error.
@@ -103,6 +136,19 @@ impl ServiceMaps {
             MapOp::DeleteService { key } => ignore_missing(self.services.remove(key), MAP_SERVICES),
             MapOp::DeleteRevNat { id } => ignore_missing(self.rev_nats.remove(id), MAP_REVNAT),
             MapOp::DeleteBackend { id } => ignore_missing(self.backends.remove(id), MAP_BACKENDS),
+            MapOp::PutMaglevTable { id, table } => {
+                for (k, v) in table.map_entries(*id) {
+                    self.maglev.insert(k, v, 0).map_err(map_err(MAP_MAGLEV))?;
+                }
+                Ok(())
+            }
+            MapOp::DeleteMaglevTable { id, chunks } => {
+                for chunk in 0..*chunks {
+                    let key = MaglevKey { table: *id, chunk };
+                    ignore_missing(self.maglev.remove(&key), MAP_MAGLEV)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -113,6 +159,8 @@ impl ServiceMaps {
             services: max(self.services.map(), MAP_SERVICES)?,
             backends: max(self.backends.map(), MAP_BACKENDS)?,
             rev_nats: max(self.rev_nats.map(), MAP_REVNAT)?,
+            maglev_chunks: max(self.maglev.map(), MAP_MAGLEV)?,
+            ..Default::default()
         })
     }
 
@@ -175,6 +223,9 @@ impl ServiceMaps {
             MapOp::DeleteBackend { .. } => {
                 deletes!(self.backends, MapOp::DeleteBackend { id } => id)
             }
+            MapOp::PutMaglevTable { .. } | MapOp::DeleteMaglevTable { .. } => {
+                return self.apply_singly(run);
+            }
         };
         if outcome.error.is_none() {
             return (run.len(), None);
@@ -188,6 +239,16 @@ impl ServiceMaps {
             done += 1;
         }
         (done, None)
+    }
+
+    /// Ops one at a time (a Maglev table op is already a run of chunk writes).
+    fn apply_singly(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+        for (done, op) in run.iter().enumerate() {
+            if let Err(e) = self.apply(op) {
+                return (done, Some(e));
+            }
+        }
+        (run.len(), None)
     }
 
     /// A run of SERVICES writes. A full plan writes every slot (phase 2) before every frontend
