@@ -219,12 +219,16 @@ mod tests {
                 // The gone backend's own entries (1/N) must move; the paper bounds the rest.
                 let own = before.iter().filter(|o| **o == all[gone]).count();
                 let others_moved = moved - own;
+                std::println!(
+                    "N={n} remove {gone}: {moved} of {m} entries moved ({own} of the gone backend)"
+                );
                 assert!(
                     moved as f64 / f64::from(m) < 1.0 / f64::from(n) + 0.04,
                     "N={n}: {moved} of {m} moved"
                 );
+                // Measured: 0.2-1 % of the table (N=5: ~40 of 16,381).
                 assert!(
-                    (others_moved as f64) < 0.15 * f64::from(m) * f64::from(n - 1) / f64::from(n),
+                    (others_moved as f64) < 0.02 * f64::from(m),
                     "N={n}: {others_moved} entries of surviving backends moved"
                 );
             }

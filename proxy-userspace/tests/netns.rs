@@ -1489,3 +1489,163 @@ fn an_ephemeral_port_range_overlapping_the_snat_ports_refuses_to_start() {
         "nothing may be loaded before the check"
     );
 }
+
+const MAGLEV: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
+
+/// One UDP request per source port `first..first + n` to ip:port, from one client, each
+/// retried up to 3 times; prints `port name` per answered port (the echo server answers
+/// `name:payload`). Stops after 60 s whatever is left.
+const MAGLEV_FLOWS_PY: &str = r#"
+import socket, sys, time
+ip, port, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+start = time.monotonic()
+for p in range(first, first + n):
+    if time.monotonic() - start > 60:
+        break
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", p))
+    s.settimeout(0.5)
+    for attempt in range(3):
+        s.sendto(b"mh%d" % p, (ip, port))
+        try:
+            data, _ = s.recvfrom(2048)
+            print(p, data.split(b":")[0].decode(), flush=True)
+            break
+        except socket.timeout:
+            pass
+    s.close()
+"#;
+
+/// demo/maglev: UDP 53 → `endpoints`' echo servers, scheduler `mh` by annotation.
+fn maglev_service(manifests: &ManifestDir, endpoints: &[Ipv4Addr]) {
+    let yaml = proxy_testenv::service_yaml(
+        "demo",
+        "maglev",
+        MAGLEV,
+        &[ServicePort::udp(53, 5353)],
+        endpoints,
+    );
+    let yaml = yaml.replacen(
+        "  namespace: demo\n",
+        "  namespace: demo\n  annotations:\n    kube-proxy-ebpf.io/scheduler: mh\n",
+        1,
+    );
+    assert!(yaml.contains("scheduler: mh"), "annotation placed");
+    let staged = manifests.root().join("demo-maglev.yaml");
+    std::fs::write(&staged, yaml).expect("writing demo/maglev");
+    std::fs::rename(&staged, manifests.path().join("demo-maglev.yaml")).expect("renaming");
+}
+
+/// Maglev keeps flows where they were when one of N backends goes: five UDP echo backends
+/// behind an `mh` Service, 1,000 UDP flows from one client (distinct source ports) each answered
+/// by a backend that names itself; be5 leaves the EndpointSlice; after the flows' conntrack
+/// entries expired (UDP timeouts of 1 s), the same 1,000 5-tuples are new flows again and the
+/// new table places them: flows of the four remaining backends stay (the table's mapping of the
+/// same 5-tuples; a few at most move), and be5's spread over the four.
+#[test]
+fn maglev_moves_only_the_gone_backend_s_flows_when_one_of_five_goes() {
+    require_privileged!();
+    const FLOWS: u16 = 1_000;
+    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+    let mut topo = Topology::new().expect("creating the topology");
+    let extra = [
+        ("be4", Ipv4Addr::new(10, 244, 1, 14)),
+        ("be5", Ipv4Addr::new(10, 244, 1, 15)),
+    ];
+    for (name, ip) in extra {
+        topo.add_backend(name, ip).expect("adding a backend pod");
+    }
+    let mut five = all_backends();
+    five.extend(extra.iter().map(|(_, ip)| *ip));
+    let mut env = Env::start_on_with_flags(
+        topo,
+        |m| maglev_service(m, &five),
+        &[
+            "--conntrack-udp-timeout",
+            "1s",
+            "--conntrack-udp-timeout-stream",
+            "1s",
+        ],
+    );
+    let script = env.topo.tmp().join("maglev_flows.py");
+    std::fs::write(&script, MAGLEV_FLOWS_PY).expect("writing the flow script");
+    let flows = |env: &Env| -> BTreeMap<u16, String> {
+        let client = env.topo.pod("client").expect("client pod").ns();
+        let out = client
+            .output(
+                &[
+                    "python3",
+                    script.to_str().expect("utf-8 path"),
+                    &MAGLEV.to_string(),
+                    "53",
+                    "20000",
+                    &FLOWS.to_string(),
+                ],
+                Duration::from_secs(90),
+            )
+            .unwrap_or_else(|e| env.fail(&format!("flow script: {e:#}")));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let got: BTreeMap<u16, String> = text
+            .lines()
+            .filter_map(|l| {
+                let (p, name) = l.split_once(' ')?;
+                Some((p.parse().ok()?, name.to_owned()))
+            })
+            .collect();
+        env.check(got.len() == usize::from(FLOWS), || {
+            format!("{} of {FLOWS} flows answered: {:?}", got.len(), out)
+        });
+        got
+    };
+    let per_backend = |m: &BTreeMap<u16, String>| {
+        let mut c: BTreeMap<String, usize> = BTreeMap::new();
+        for name in m.values() {
+            *c.entry(name.clone()).or_default() += 1;
+        }
+        c
+    };
+
+    let before = flows(&env);
+    let spread = per_backend(&before);
+    eprintln!("Maglev over five backends, 1,000 flows: {spread:?}");
+    env.check(
+        spread.len() == 5 && spread.values().all(|n| (120..=280).contains(n)),
+        || format!("five backends should share 1,000 flows about evenly: {spread:?}"),
+    );
+
+    // be5 goes; wait until the agent carries four backends, then for the entries to expire.
+    maglev_service(&env.manifests, &five[..4]);
+    env.agent
+        .wait_status(Duration::from_secs(10), |s| s.backends == 4)
+        .unwrap_or_else(|e| env.fail(&format!("be5 not removed: {e:#}")));
+    thread::sleep(Duration::from_millis(2_500));
+
+    let after = flows(&env);
+    let (mut stayed, mut moved, mut from_be5) = (0, 0, BTreeMap::<String, usize>::new());
+    for (port, was) in &before {
+        let now = &after[port];
+        env.check(now != "be5", || format!("port {port} still reached be5"));
+        if was == "be5" {
+            *from_be5.entry(now.clone()).or_default() += 1;
+        } else if now == was {
+            stayed += 1;
+        } else {
+            moved += 1;
+        }
+    }
+    eprintln!(
+        "after be5 left: {stayed} flows of the other four stayed, {moved} moved; be5's {} went to \
+         {from_be5:?}",
+        spread["be5"]
+    );
+    // Maglev's bound: the survivors keep nearly all their flows (the model moves ~0.3 % of
+    // their table entries for N=5); a hash over the count would move ~4/5 × 1/5 of them.
+    env.check(moved * 20 < stayed, || {
+        format!("{moved} of {} flows of surviving backends moved", stayed + moved)
+    });
+    env.check(
+        from_be5.len() == 4 && from_be5.values().all(|n| n * 10 >= spread["be5"]),
+        || format!("be5's flows should spread over the four others: {from_be5:?}"),
+    );
+}
