@@ -104,7 +104,18 @@ impl ServiceMaps {
         crate::maglev::adopt(p, m, |k| self.maglev.get(k, 0).ok());
     }
 
-    /// Every chunk of Maglev table `id` (for `dump`); `None` where one is missing.
+    /// Kernel memory of `MAGLEV_V1` as the kernel accounts it (`memlock` in the map's fdinfo:
+    /// for a map without preallocation, what its elements take now).
+    pub fn maglev_memory(&self) -> Option<u64> {
+        use std::os::fd::AsRawFd as _;
+        let fd = self.maglev.map().fd().as_fd().as_raw_fd();
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    /// One chunk of a Maglev table; `None` when it is missing.
     pub fn maglev_chunk(&self, key: &MaglevKey) -> Option<Chunk> {
         self.maglev.get(key, 0).ok()
     }
