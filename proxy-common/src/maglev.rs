@@ -129,7 +129,11 @@ pub fn fill(perms: &mut [Permutation], table: &mut [u16]) {
 
 const fn step(pos: u32, skip: u32, m: u32) -> u32 {
     let n = pos as u64 + skip as u64;
-    if n >= m as u64 { (n - m as u64) as u32 } else { n as u32 }
+    if n >= m as u64 {
+        (n - m as u64) as u32
+    } else {
+        n as u32
+    }
 }
 
 /// The unseeded flow hash a Maglev frontend's new flows are placed with (tc: the 5-tuple as
@@ -160,7 +164,13 @@ mod tests {
 
     fn ids(n: u32) -> Vec<[u32; 2]> {
         (0..n)
-            .map(|i| identity([10, 244, (i / 250) as u8, (i % 250 + 1) as u8], [0x1f, 0x90], 6))
+            .map(|i| {
+                identity(
+                    [10, 244, (i / 250) as u8, (i % 250 + 1) as u8],
+                    [0x1f, 0x90],
+                    6,
+                )
+            })
             .collect()
     }
 
@@ -200,7 +210,10 @@ mod tests {
             let share = f64::from(m) / f64::from(n);
             for (i, c) in per.iter().enumerate() {
                 let dev = (f64::from(*c) - share).abs() / share;
-                assert!(dev < 0.03, "N={n} M={m}: backend {i} has {c}, share {share:.0}");
+                assert!(
+                    dev < 0.03,
+                    "N={n} M={m}: backend {i} has {c}, share {share:.0}"
+                );
             }
         }
     }
@@ -260,7 +273,10 @@ mod tests {
     fn more_backends_than_entries_and_none_terminate() {
         let t = table(&ids(300), 251);
         assert!(t.iter().all(|s| *s != 0));
-        assert_eq!(t.iter().collect::<std::collections::HashSet<_>>().len(), 251);
+        assert_eq!(
+            t.iter().collect::<std::collections::HashSet<_>>().len(),
+            251
+        );
         assert!(table(&[], 251).iter().all(|s| *s == 0));
         assert!(table(&ids(1), 251).iter().all(|s| *s == 1));
     }
@@ -295,6 +311,9 @@ mod tests {
             );
             hits[t[flow_index(h, m) as usize] as usize - 1] += 1;
         }
-        assert!(hits.iter().all(|n| (9_700..=10_300).contains(n)), "{hits:?}");
+        assert!(
+            hits.iter().all(|n| (9_700..=10_300).contains(n)),
+            "{hits:?}"
+        );
     }
 }

@@ -3,8 +3,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
-    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, maglev, sched,
-    service_flags,
+    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, maglev, sched, service_flags,
 };
 
 use crate::{
@@ -236,14 +235,7 @@ fn new_flow(
     } else {
         maps::hash_seed()
     };
-    let hash = flow_hash(
-        seed,
-        p.saddr,
-        p.daddr,
-        p.sport,
-        p.dport,
-        p.proto,
-    );
+    let hash = flow_hash(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
     let facts = pick::FlowFacts {
         client: p.saddr,
         frontend_addr: p.daddr,

@@ -34,9 +34,8 @@ use crate::{
     encode,
     fast_hash::{HashMap, HashSet},
     ids::IdAllocator,
-    model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
     maglev::MaglevTable,
-    model::Scheduler,
+    model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend, Scheduler},
     programmed::{Capacities, MapOp, Programmed},
 };
 
@@ -685,8 +684,7 @@ mod tests {
             if v.scheduler == proxy_common::sched::code::MAGLEV && v.count > 0 {
                 // The table holds exactly the frontend's slots.
                 let t = p.maglev.get(&v.maglev_table).expect("Maglev table");
-                let slots: Vec<EndpointAddr> =
-                    backends.iter().map(|b| b.endpoint).collect();
+                let slots: Vec<EndpointAddr> = backends.iter().map(|b| b.endpoint).collect();
                 assert_eq!(t.endpoints, slots, "{frontend}");
             } else {
                 assert_eq!(v.maglev_table, 0, "{frontend}: a table without Maglev");
@@ -980,28 +978,50 @@ mod tests {
         let plan = sync(&d, &mut p);
         assert_eq!((table_of(&p, 1), table_of(&p, 2)), (3, 1));
         assert!(
-            position(&plan.ops, |op| matches!(op, MapOp::PutMaglevTable { id: 3, .. }))
-                < position(&plan.ops, |op| matches!(op, MapOp::PutService { key: k, .. } if *k == key(1, 0)))
+            position(&plan.ops, |op| matches!(
+                op,
+                MapOp::PutMaglevTable { id: 3, .. }
+            )) < position(
+                &plan.ops,
+                |op| matches!(op, MapOp::PutService { key: k, .. } if *k == key(1, 0))
+            )
         );
-        assert!(!plan.ops.iter().any(|op| matches!(op, MapOp::DeleteMaglevTable { .. })));
+        assert!(
+            !plan
+                .ops
+                .iter()
+                .any(|op| matches!(op, MapOp::DeleteMaglevTable { .. }))
+        );
 
         // The NodePort follows: it takes the ClusterIP's table (nothing new is built) and its
         // old table goes after the frontend moved off it.
         d.frontends.insert(fe(2), node_port(&[1, 2]));
         let plan = sync(&d, &mut p);
         assert_eq!(table_of(&p, 2), 3);
-        assert!(!plan.ops.iter().any(|op| matches!(op, MapOp::PutMaglevTable { .. })));
         assert!(
-            position(&plan.ops, |op| matches!(op, MapOp::PutService { key: k, .. } if *k == key(2, 0)))
-                < position(&plan.ops, |op| *op == MapOp::DeleteMaglevTable { id: 1, chunks: 1 })
+            !plan
+                .ops
+                .iter()
+                .any(|op| matches!(op, MapOp::PutMaglevTable { .. }))
+        );
+        assert!(
+            position(
+                &plan.ops,
+                |op| matches!(op, MapOp::PutService { key: k, .. } if *k == key(2, 0))
+            ) < position(&plan.ops, |op| *op
+                == MapOp::DeleteMaglevTable { id: 1, chunks: 1 })
         );
 
         // Unchanged: nothing to write, ids stable. Maglev off: the table goes.
         assert_eq!(plan_ops(&d, &p), []);
         let mut d2 = d.clone();
-        d2.frontends.insert(fe(3), dfe(3, vec![be(1)], vec![]).into());
+        d2.frontends
+            .insert(fe(3), dfe(3, vec![be(1)], vec![]).into());
         let plan = sync(&d2, &mut p);
-        assert_eq!(plan.ops.last(), Some(&MapOp::DeleteMaglevTable { id: 2, chunks: 1 }));
+        assert_eq!(
+            plan.ops.last(),
+            Some(&MapOp::DeleteMaglevTable { id: 2, chunks: 1 })
+        );
         assert_eq!(table_of(&p, 3), 0);
         sync(&DesiredState::default(), &mut p);
         assert!(p.maglev.is_empty());
@@ -1035,7 +1055,9 @@ mod tests {
             ..p.clone()
         };
         let mut adopted = read_back(&p);
-        crate::maglev::adopt(&mut adopted, CAPS.maglev_table_size, |k| chunks.get(k).copied());
+        crate::maglev::adopt(&mut adopted, CAPS.maglev_table_size, |k| {
+            chunks.get(k).copied()
+        });
         assert_eq!(adopted, p, "the same tables, known again");
         assert_eq!(plan_ops(&d, &adopted), [], "nothing rewritten");
 
@@ -1073,10 +1095,17 @@ mod tests {
         let mut p = Programmed::default();
         apply_checked(&mut p, &plan.ops);
         assert_eq!((table_of(&p, 1), table_of(&p, 2)), (1, 0));
-        assert_eq!(p.services[&key(2, 0)].scheduler, proxy_common::sched::code::MAGLEV);
+        assert_eq!(
+            p.services[&key(2, 0)].scheduler,
+            proxy_common::sched::code::MAGLEV
+        );
         assert_eq!(plan.skipped.len(), 1);
         assert_eq!(plan.skipped[0].0, fe(2));
-        assert!(plan.skipped[0].1.contains("MAGLEV map full"), "{}", plan.skipped[0].1);
+        assert!(
+            plan.skipped[0].1.contains("MAGLEV map full"),
+            "{}",
+            plan.skipped[0].1
+        );
     }
 
     #[test]

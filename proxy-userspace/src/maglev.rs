@@ -42,7 +42,8 @@ impl MaglevTable {
             .endpoints
             .iter()
             .map(|e| {
-                let id = maglev::identity(e.addr.octets(), e.port.to_be_bytes(), e.protocol.number());
+                let id =
+                    maglev::identity(e.addr.octets(), e.port.to_be_bytes(), e.protocol.number());
                 Permutation::new(id, self.size)
             })
             .collect();

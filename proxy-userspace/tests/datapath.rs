@@ -29,16 +29,14 @@ use kube_proxy_ebpf::{
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue,
     DatapathConfig, FragKey, FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
-    MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
-    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS,
-    ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SourceRangeKey, backend_flags,
-    ct_dir, ct_flags, ct_state, frag_action, frag_hook,
-    MAP_MAGLEV,
+    MAP_FRAGMENTS, MAP_MAGLEV, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT,
+    MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
+    PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
     maglev::{self, Chunk, MaglevKey},
-    sched,
-    proto, service_cidr, service_flags,
+    proto, sched, service_cidr, service_flags,
 };
 
 /// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
@@ -2286,7 +2284,10 @@ fn maglev_backends(n: u8, first_id: u32) -> Vec<(u32, Backend)> {
     (1..=n)
         .map(|i| {
             let addr = Ipv4Addr::new(10, 244, 9, i);
-            (first_id + u32::from(i), raw_backend(addr, 5353, proto::UDP, 0))
+            (
+                first_id + u32::from(i),
+                raw_backend(addr, 5353, proto::UDP, 0),
+            )
         })
         .collect()
 }
@@ -2309,7 +2310,9 @@ fn set_maglev_frontend(dp: &mut Datapath, m: u32, table: u32, backends: &[(u32, 
     let mut value = ServiceValue::frontend(backends.len() as u16, UDP_REVNAT);
     value.scheduler = sched::code::MAGLEV;
     value.maglev_table = table;
-    dp.services().insert(key, value, 0).expect("insert frontend");
+    dp.services()
+        .insert(key, value, 0)
+        .expect("insert frontend");
 }
 
 /// Where 1,000 UDP flows from CLIENT (ports 20000..21000) to VIP:53 are DNATed.
@@ -2365,13 +2368,24 @@ fn maglev_pick_equals_the_userspace_model_on_every_node() {
     assert_eq!(per_backend.len(), 5, "all backends used: {per_backend:?}");
     let after = dp.counters();
     let fallback = Counter::MaglevFallback.name();
-    assert_eq!(after[fallback] - before[fallback], 0, "every flow found its table");
-    assert_eq!(after[Counter::NewFlow.name()] - before[Counter::NewFlow.name()], 1_000);
+    assert_eq!(
+        after[fallback] - before[fallback],
+        0,
+        "every flow found its table"
+    );
+    assert_eq!(
+        after[Counter::NewFlow.name()] - before[Counter::NewFlow.name()],
+        1_000
+    );
 
     // Another node: other seed, other backend ids, other table id; the same endpoints.
     let mut other = Datapath::load_with(cfg(0xdead_beef));
     set_maglev_frontend(&mut other, m, 3, &maglev_backends(5, 300));
-    assert_eq!(maglev_destinations(&mut other), got, "another node, the same backends");
+    assert_eq!(
+        maglev_destinations(&mut other),
+        got,
+        "another node, the same backends"
+    );
 
     // No table: the flow hash picks, and the fallback is counted.
     let mut bare = Datapath::load_with(cfg(0));
@@ -2384,7 +2398,14 @@ fn maglev_pick_equals_the_userspace_model_on_every_node() {
     let q = Pkt::udp(CLIENT, 20_000, VIP, 53).payload(b"q");
     let ids: Vec<u32> = backends.iter().map(|(id, _)| *id).collect();
     let slot = pick_slot(
-        flow_hash(0, CLIENT.octets(), VIP.octets(), 20_000u16.to_be_bytes(), [0, 53], proto::UDP),
+        flow_hash(
+            0,
+            CLIENT.octets(),
+            VIP.octets(),
+            20_000u16.to_be_bytes(),
+            [0, 53],
+            proto::UDP,
+        ),
         5,
     )
     .unwrap();

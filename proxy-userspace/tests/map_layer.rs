@@ -146,10 +146,16 @@ fn sync_maglev(maps: &mut ServiceMaps, shadow: &mut Programmed, desired: &Desire
         shadow.apply(op);
     }
     let mut read = maps.read_programmed().expect("reading maps back");
-    assert!(read.maglev.values().all(|t| t.endpoints.is_empty()), "read back unknown");
+    assert!(
+        read.maglev.values().all(|t| t.endpoints.is_empty()),
+        "read back unknown"
+    );
     maps.adopt_maglev(&mut read, m);
     assert_eq!(&read, shadow, "kernel maps differ from the shadow");
-    assert!(diff::plan(desired, &read, &caps).ops.is_empty(), "adopted: nothing to rewrite");
+    assert!(
+        diff::plan(desired, &read, &caps).ops.is_empty(),
+        "adopted: nothing to rewrite"
+    );
 }
 
 /// Maglev tables through the real map: written chunk by chunk, read back and adopted (the
@@ -163,14 +169,19 @@ fn maglev_tables_are_written_adopted_rebuilt_for_another_size_and_deleted() {
     let mut shadow = Programmed::default();
     let mut d = state(20, 10, 0);
     for df in d.frontends.values_mut() {
-        std::sync::Arc::make_mut(df).balancing.scheduler = kube_proxy_ebpf::model::Scheduler::Maglev;
+        std::sync::Arc::make_mut(df).balancing.scheduler =
+            kube_proxy_ebpf::model::Scheduler::Maglev;
     }
     let m = proxy_common::maglev::DEFAULT_TABLE_SIZE;
     sync_maglev(&mut maps, &mut shadow, &d, m);
     assert_eq!(shadow.maglev.len(), 20);
     let (id, table) = shadow.maglev.iter().next().expect("a table");
     let (key, chunk) = table.map_entries(*id)[17];
-    assert_eq!(maps.maglev_chunk(&key), Some(chunk), "the last chunk as built");
+    assert_eq!(
+        maps.maglev_chunk(&key),
+        Some(chunk),
+        "the last chunk as built"
+    );
 
     // Restarted with another M: the read-back tables do not match, so all are replaced.
     let mut read = maps.read_programmed().expect("read");
@@ -178,9 +189,18 @@ fn maglev_tables_are_written_adopted_rebuilt_for_another_size_and_deleted() {
     assert!(read.maglev.values().all(|t| t.endpoints.is_empty()));
     shadow = read;
     sync_maglev(&mut maps, &mut shadow, &d, 509);
-    assert!(shadow.maglev.values().all(|t| t.size == 509 && t.chunks() == 1));
+    assert!(
+        shadow
+            .maglev
+            .values()
+            .all(|t| t.size == 509 && t.chunks() == 1)
+    );
     assert_eq!(shadow.maglev.len(), 20);
-    assert_eq!(maps.read_programmed().expect("read").maglev.len(), 20, "old tables deleted");
+    assert_eq!(
+        maps.read_programmed().expect("read").maglev.len(),
+        20,
+        "old tables deleted"
+    );
 
     sync_maglev(&mut maps, &mut shadow, &DesiredState::default(), 509);
     assert!(maps.read_programmed().expect("read").maglev.is_empty());

@@ -1642,7 +1642,10 @@ fn maglev_moves_only_the_gone_backend_s_flows_when_one_of_five_goes() {
     // Maglev's bound: the survivors keep nearly all their flows (the model moves ~0.3 % of
     // their table entries for N=5); a hash over the count would move ~4/5 × 1/5 of them.
     env.check(moved * 20 < stayed, || {
-        format!("{moved} of {} flows of surviving backends moved", stayed + moved)
+        format!(
+            "{moved} of {} flows of surviving backends moved",
+            stayed + moved
+        )
     });
     env.check(
         from_be5.len() == 4 && from_be5.values().all(|n| n * 10 >= spread["be5"]),

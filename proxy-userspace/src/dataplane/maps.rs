@@ -7,11 +7,8 @@ use std::{os::fd::AsFd as _, path::Path};
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_STATS,
-    NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
-};
-use proxy_common::{
-    MAP_MAGLEV,
+    MAP_FRAGMENTS, MAP_MAGLEV, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
+    MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
     maglev::{Chunk, MaglevKey},
 };
 
