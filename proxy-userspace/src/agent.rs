@@ -507,6 +507,7 @@ impl Agent {
             ("services", p.services.len()),
             ("backends", p.backends.len()),
             ("rev_nat", p.rev_nats.len()),
+            ("maglev", p.maglev_chunks() as usize),
         ] {
             self.occupancy.report(&self.metrics, map, n as u64);
         }
