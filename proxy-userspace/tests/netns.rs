@@ -1184,6 +1184,7 @@ fn a_long_tcp_stream_keeps_flowing_while_twice_the_conntrack_capacity_of_udp_flo
         ("services", None),
         ("backends", None),
         ("rev_nat", None),
+        ("maglev", None),
         ("source_ranges", None),
         ("conntrack", Some(CAPACITY)),
         ("snat", Some(CAPACITY)),
