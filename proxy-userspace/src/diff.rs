@@ -1446,6 +1446,8 @@ mod tests {
             services: 40,
             backends: 14,
             rev_nats: 7,
+            // Three tables of M = 251 (one chunk each): Maglev frontends beyond go without.
+            maglev_chunks: 3,
             ..CAPS
         };
         let mut incremental = 0;
