@@ -252,9 +252,10 @@ pub enum DumpWhat {
     /// Fragmented datagrams whose first fragment passed a hook, and what their later fragments
     /// get.
     Fragments,
+    /// Maglev (`mh`) tables: the frontends naming each, and each backend's share of entries.
+    Maglev,
 }
 
-/// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).
 /// `--maglev-table-size`: one of `proxy_common::maglev::TABLE_SIZES`.
 pub fn parse_maglev_table_size(s: &str) -> Result<u32, String> {
     let sizes = proxy_common::maglev::TABLE_SIZES;
@@ -265,6 +266,7 @@ pub fn parse_maglev_table_size(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("invalid Maglev table size {s:?}: use one of the primes {sizes:?}"))
 }
 
+/// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let bad = || format!("invalid duration {s:?}: use e.g. 500ms, 1s, 2m, 24h, 1h30m");
     let mut total = Duration::ZERO;

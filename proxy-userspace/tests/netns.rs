@@ -1615,6 +1615,24 @@ fn maglev_moves_only_the_gone_backend_s_flows_when_one_of_five_goes() {
         || format!("five backends should share 1,000 flows about evenly: {spread:?}"),
     );
 
+    // `dump maglev` shows the one table, whole, with five backends' shares.
+    let pin = env.pins.path().to_str().expect("utf-8 pin dir").to_owned();
+    let dump = env
+        .agent
+        .cli(&["dump", "maglev", "--pin-dir", &pin])
+        .unwrap_or_else(|e| env.fail(&format!("dump maglev: {e:#}")));
+    let dump = String::from_utf8_lossy(&dump.stdout);
+    env.check(
+        dump.starts_with(&format!(
+            "table 1: 16381 entries (chunks of 960), frontends: {MAGLEV}:53/UDP\n"
+        )) && dump
+            .lines()
+            .filter(|l| l.contains(" entries  10.244.1."))
+            .count()
+            == 5,
+        || format!("dump maglev:\n{dump}"),
+    );
+
     // be5 goes; wait until the agent carries four backends, then for the entries to expire.
     maglev_service(&env.manifests, &five[..4]);
     env.agent
