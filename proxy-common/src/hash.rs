@@ -4,7 +4,7 @@
 const FLOW_HASH_BASE: u32 = 0x9e37_79b9;
 
 #[inline(always)]
-const fn mix(h: u32, word: u32) -> u32 {
+pub(crate) const fn mix(h: u32, word: u32) -> u32 {
     // murmur3's per-block mix.
     let k = word
         .wrapping_mul(0xcc9e_2d51)
@@ -17,7 +17,7 @@ const fn mix(h: u32, word: u32) -> u32 {
 }
 
 #[inline(always)]
-const fn fmix(mut h: u32) -> u32 {
+pub(crate) const fn fmix(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;

@@ -11,6 +11,7 @@ pub mod csum;
 pub mod flow_state;
 pub mod hash;
 pub mod lc;
+pub mod maglev;
 pub mod maps;
 pub mod ratelimit;
 pub mod sched;
@@ -132,8 +133,12 @@ pub struct DatapathConfig {
     /// Idle timeout of a half-closed TCP flow (a FIN from one side only: the other may still
     /// send), seconds: kube-proxy's `tcpCloseWaitTimeout`.
     pub tcp_close_wait_timeout_s: u32,
+    /// Entries of every Maglev table (`maglev::TABLE_SIZES`, `--maglev-table-size`): the agent
+    /// builds the tables with it, the datapath places flows in them with it. Changing it at a
+    /// restart rebuilds every table.
+    pub maglev_table_size: u32,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 68);
 
 /// Most cluster CIDRs the datapath checks (kube-proxy takes one per IP family; IPv4 only here).
 pub const MAX_CLUSTER_CIDRS: usize = 4;
@@ -204,6 +209,7 @@ impl DatapathConfig {
         udp_stream_timeout_s: 120,
         hash_seed: 0,
         tcp_close_wait_timeout_s: 3_600,
+        maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
     };
 }
 
@@ -237,6 +243,7 @@ mod pod {
     unsafe impl aya::Pod for crate::FragValue {}
     unsafe impl aya::Pod for crate::TapKey {}
     unsafe impl aya::Pod for crate::RejectBucket {}
+    unsafe impl aya::Pod for crate::maglev::MaglevKey {}
 }
 
 #[cfg(test)]

@@ -20,6 +20,9 @@ pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
 /// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
 pub const MAP_SEED: &str = "SEED_V1";
 pub const MAP_SERVICE_CIDRS: &str = "SVCCIDRS_V1";
+/// `MAGLEV_V1` (hash without preallocation, `crate::maglev::MaglevKey` → `crate::maglev::Chunk`):
+/// the Maglev lookup tables, only for the backend sets of frontends whose scheduler is `mh`.
+pub const MAP_MAGLEV: &str = "MAGLEV_V1";
 pub const MAP_SNAT_DEVICES: &str = "SNATDEV_V1";
 pub const MAP_FRAGMENTS: &str = "FRAGMENTS_V1";
 /// `AFFINITY_V1` (LRU hash): session affinity records, client → backend per Service port.
@@ -39,7 +42,7 @@ pub const MAP_LC_ADJUST: &str = "LCADJ_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 18] = [
+pub const ALL_MAPS: [&str; 19] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -58,6 +61,7 @@ pub const ALL_MAPS: [&str; 18] = [
     MAP_AFFINITY_MATCH,
     MAP_LC_FLOWS,
     MAP_LC_ADJUST,
+    MAP_MAGLEV,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -91,6 +95,10 @@ pub const AFFINITY_MATCH_CAPACITY: u32 = SERVICES_CAPACITY;
 /// the smallest free ≥ 1, so they stay ≤ the BACKENDS capacity). The agent creates them with
 /// `max(BACKENDS entries, BACKENDS_CAPACITY) + 1`.
 pub const LC_CAPACITY: u32 = BACKENDS_CAPACITY + 1;
+/// `MAGLEV_V1` chunks (`maglev::CHUNK_ENTRIES` entries each): 16,384 tables at the default M
+/// (18 chunks), 2,152 at the largest. Without preallocation only the hash buckets (16 bytes per
+/// entry of capacity, 4.5 MiB) are taken up front; each chunk present costs 2 KiB.
+pub const MAGLEV_CAPACITY: u32 = 294_912;
 
 /// `SVCCIDRS_V1` (LPM trie; key data: an IPv4 address, network order) values: what a new flow
 /// to an address that is no frontend (no `SERVICES` entry for its port) meets, like upstream

@@ -158,6 +158,9 @@ counters! {
     PickDestinationHash = "pick_destination_hash",
     /// ... Maglev.
     PickMaglev = "pick_maglev",
+    /// A new flow of a Maglev (`mh`) frontend whose table (or the chunk of its position) was
+    /// missing or empty there: picked by the flow hash instead.
+    MaglevFallback = "maglev_fallback",
 }
 
 /// Number of entries in the stats array.

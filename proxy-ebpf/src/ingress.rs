@@ -3,7 +3,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
-    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, service_flags,
+    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, maglev, sched, service_flags,
 };
 
 use crate::{
@@ -228,14 +228,14 @@ fn new_flow(
         }
         return Err(Drop::SourceRange);
     }
-    let hash = flow_hash(
-        maps::hash_seed(),
-        p.saddr,
-        p.daddr,
-        p.sport,
-        p.dport,
-        p.proto,
-    );
+    // Maglev places flows with an unseeded hash: every node must put a flow at the same
+    // position of the same table (ECMP may move it between nodes).
+    let seed = if frontend.scheduler == sched::code::MAGLEV {
+        maglev::FLOW_SEED
+    } else {
+        maps::hash_seed()
+    };
+    let hash = flow_hash(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
     let facts = pick::FlowFacts {
         client: p.saddr,
         frontend_addr: p.daddr,

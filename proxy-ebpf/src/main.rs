@@ -14,6 +14,7 @@ mod frag;
 mod icmp;
 mod ingress;
 mod lc;
+mod maglev;
 mod maps;
 mod nat;
 mod packet;

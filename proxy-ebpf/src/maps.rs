@@ -17,16 +17,18 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_CAPACITY, AFFINITY_MATCH_CAPACITY, AffinityKey, AffinityMatchKey, AffinityValue,
     BACKENDS_CAPACITY, Backend, CONNTRACK_CAPACITY, COUNTER_COUNT, ClusterCidrs, CtKey, CtValue,
-    DatapathConfig, FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, LC_CAPACITY, MAP_AFFINITY,
-    MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAG_SCRATCH, MAP_FRAGMENTS,
-    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED,
-    MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOCK_REVNAT,
-    MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS, NodeInfo, PendingFlow,
-    REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL, SERVICE_CIDRS_CAPACITY,
-    SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY, SOCK_REVNAT_CAPACITY,
-    SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice,
-    SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW,
-    TAP_CAPACITY, TapKey, service_flags,
+    DatapathConfig, FRAGMENTS_CAPACITY, FragKey, FragRecord, FragValue, LC_CAPACITY,
+    MAGLEV_CAPACITY, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE,
+    MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT,
+    MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS,
+    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL,
+    SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY,
+    SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey,
+    ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
+    SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey,
+    maglev::{self, Chunk, MaglevKey},
+    service_flags,
 };
 
 #[btf_map]
@@ -153,6 +155,38 @@ static LCADJ_V1: Array<u64, { LC_CAPACITY as usize }> = Array::new();
 /// The test-only tap's counts (`tc_tap`); empty in the agent, which never attaches the tap.
 #[btf_map]
 static TAP_V1: PerCpuHashMap<TapKey, u64, { TAP_CAPACITY as usize }> = PerCpuHashMap::new();
+
+/// Maglev lookup tables (`proxy_common::maglev`): chunks allocated only for the tables that
+/// exist (`BPF_F_NO_PREALLOC`).
+#[btf_map]
+static MAGLEV_V1: HashMap<
+    MaglevKey,
+    Chunk,
+    { MAGLEV_CAPACITY as usize },
+    { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// The slot at `index` (0..M) of Maglev table `table`; `None` when the chunk is missing (the
+/// entry itself may be 0: empty).
+#[inline(always)]
+pub fn maglev_slot(table: u32, index: u32) -> Option<u16> {
+    let (chunk, off) = maglev::split(index);
+    // The compiler proves `off` < CHUNK_ENTRIES from the division and drops the bound check;
+    // the verifier cannot follow that arithmetic, so hide the value and keep the check.
+    // SAFETY: reading a local through a valid reference.
+    let off = unsafe { core::ptr::read_volatile(&off) };
+    let ptr = MAGLEV_V1.get_ptr(MaglevKey { table, chunk })?;
+    // SAFETY: a pointer from a hash lookup points at a live value of the right type; one entry
+    // is read at once, bounds-checked by `get`.
+    unsafe { (*ptr).get(off).copied() }
+}
+
+/// The Maglev table size M of this load (only this field of the config is read).
+#[inline(always)]
+pub fn maglev_table_size() -> u32 {
+    // SAFETY: as in `config`.
+    unsafe { core::ptr::read_volatile(&CONFIG.maglev_table_size) }
+}
 
 /// Load-time configuration (`.rodata`), set by the agent with `EbpfLoader::set_global`.
 #[unsafe(no_mangle)]
@@ -787,3 +821,4 @@ const _: () = assert!(same(MAP_AFFINITY, "AFFINITY_V1"));
 const _: () = assert!(same(MAP_AFFINITY_MATCH, "AFFMATCH_V1"));
 const _: () = assert!(same(MAP_LC_FLOWS, "LCFLOWS_V1"));
 const _: () = assert!(same(MAP_LC_ADJUST, "LCADJ_V1"));
+const _: () = assert!(same(MAP_MAGLEV, "MAGLEV_V1"));

@@ -8,7 +8,7 @@ use proxy_common::{
     sched, service_flags,
 };
 
-use crate::{Drop, affinity, lc, maps, stats};
+use crate::{Drop, affinity, lc, maglev, maps, stats};
 
 /// What the choice may look at of a new flow.
 #[derive(Clone, Copy)]
@@ -17,7 +17,8 @@ pub struct FlowFacts {
     pub client: [u8; 4],
     /// The frontend address the client sent to (network order): dh hashes it.
     pub frontend_addr: [u8; 4],
-    /// The flow's hash (tc: the seeded 5-tuple hash; socket hooks: a random number).
+    /// The flow's hash (tc: the seeded 5-tuple hash, unseeded for a Maglev frontend, see
+    /// `proxy_common::maglev::FLOW_SEED`; socket hooks: a random number).
     pub hash: u32,
 }
 
@@ -66,6 +67,7 @@ fn schedule(
         }
         sched::code::SOURCE_HASH => pick_slot(addr_hash(flow.client), frontend.count),
         sched::code::DESTINATION_HASH => pick_slot(addr_hash(flow.frontend_addr), frontend.count),
+        sched::code::MAGLEV => maglev::slot(frontend, flow.hash),
         _ => pick_slot(flow.hash, frontend.count),
     };
     let Some(slot) = slot else {

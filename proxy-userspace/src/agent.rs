@@ -125,13 +125,17 @@ impl Agent {
         let occupancy = crate::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.
-        let capacities = maps.capacities().unwrap_or_else(|_| sizes.capacities());
+        let capacities = Capacities {
+            maglev_table_size: config.maglev_table_size,
+            ..maps.capacities().unwrap_or_else(|_| sizes.capacities())
+        };
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
         let snat = Snat::from_ebpf(&mut ebpf)?;
         let lc = LcCounts::from_ebpf(&mut ebpf)?;
         let health: std::sync::Arc<crate::health::HealthState> = Default::default();
         let external = crate::node_addrs::External::new(&mut ebpf, health.clone())?;
-        let programmed = maps.read_programmed()?;
+        let mut programmed = maps.read_programmed()?;
+        maps.adopt_maglev(&mut programmed, config.maglev_table_size);
         if adopting {
             info!(
                 pin_dir = %pins.dir.display(),
@@ -219,7 +223,7 @@ impl Agent {
             self.planner.failed();
             self.sync_failed(snapshot);
             return Err(ApplyError {
-                op: plan.ops[applied],
+                op: plan.ops[applied].clone(),
                 source: Box::new(source),
             });
         }
@@ -540,6 +544,7 @@ impl Agent {
             ("services", p.services.len()),
             ("backends", p.backends.len()),
             ("rev_nat", p.rev_nats.len()),
+            ("maglev", p.maglev_chunks() as usize),
         ] {
             self.occupancy.report(&self.metrics, map, n as u64);
         }
@@ -639,6 +644,7 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
         udp_stream_timeout_s: secs(t.udp_stream),
         flags: 0,
         cluster_cidrs: crate::encode::cluster_cidrs(&prefixes).0,
+        maglev_table_size: args.maglev_table_size,
         ..DatapathConfig::DEFAULT
     }
 }

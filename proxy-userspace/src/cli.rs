@@ -136,6 +136,12 @@ pub struct RunArgs {
     /// ClientIP-affinity Service port; the least recently used go first when it is full).
     #[arg(long, env = "KPE_AFFINITY_MAX_ENTRIES", default_value_t = proxy_common::AFFINITY_CAPACITY)]
     pub affinity_max_entries: u32,
+    /// Entries M of every Maglev (`mh`) table, a prime: 251, 509, 1021, 2039, 4093, 8191,
+    /// 16381, 32749, 65521 or 131071. Larger M balances more backends evenly (keep M ≥ 100 ×
+    /// the backends of a Service); each table takes 2 KiB × ⌈M/960⌉ of kernel memory (36 KiB at
+    /// the default). Changing it at a restart rebuilds every table.
+    #[arg(long, value_parser = parse_maglev_table_size, default_value_t = proxy_common::maglev::DEFAULT_TABLE_SIZE)]
+    pub maglev_table_size: u32,
     /// Flows tracked per CPU (kube-proxy's `conntrack.maxPerCore`): the CONNTRACK and SNAT maps
     /// are sized for max(this × CPUs, --conntrack-min) flows, two entries per flow each. 0 = the
     /// built-in 131072 flows.
@@ -259,6 +265,8 @@ pub enum DumpWhat {
     Fragments,
     /// Session affinity records: client → endpoint per Service port, idle time, live or expired.
     Affinity,
+    /// Maglev (`mh`) tables: the frontends naming each, and each backend's share of entries.
+    Maglev,
 }
 
 /// A scheduler name (ours or an IPVS alias, [`Scheduler::parse`]); empty or blank = the
@@ -274,6 +282,16 @@ pub fn parse_scheduler(s: &str) -> Result<Scheduler, String> {
             proxy_common::sched::SCHEDULER_NAMES
         )
     })
+}
+
+/// `--maglev-table-size`: one of `proxy_common::maglev::TABLE_SIZES`.
+pub fn parse_maglev_table_size(s: &str) -> Result<u32, String> {
+    let sizes = proxy_common::maglev::TABLE_SIZES;
+    s.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|m| proxy_common::maglev::valid_size(*m))
+        .ok_or_else(|| format!("invalid Maglev table size {s:?}: use one of the primes {sizes:?}"))
 }
 
 /// Parses `500ms`, `1s`, `2m`, `24h`, `1h30m` (Go-style, as in KubeProxyConfiguration).

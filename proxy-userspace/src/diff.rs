@@ -8,20 +8,29 @@
 //! 0. `DeleteAffinityMatch` of affinity match entries no frontend keeps (a backend leaving an
 //!    affinity frontend, or the frontend losing affinity or going): first, so a client's record
 //!    naming that backend is a miss from then on, whatever the slots still say;
-//! 1. `PutBackend` (new or changed), `PutRevNat` (new or changed);
+//! 1. `PutBackend` (new or changed), `PutRevNat` (new or changed), `PutMaglevTable` (new);
 //! 2. `PutService` for backend slots 1..=n that are new or changed; then `PutAffinityMatch` for
 //!    the new match entries of affinity frontends (their backends exist by now);
 //! 3. `PutService` for frontend entries (slot 0) that are new or changed; `DeleteService` of the
 //!    frontend entry of removed frontends;
 //! 4. `DeleteService` of slots beyond the new count, and of every slot of removed frontends;
-//! 5. `DeleteRevNat` and `DeleteBackend` of entries nothing refers to any more.
+//! 5. `DeleteRevNat`, `DeleteBackend` and `DeleteMaglevTable` of entries nothing refers to any
+//!    more.
+//!
+//! Maglev tables ([`crate::maglev`]) are shared by every frontend with the same backend set (a
+//! ClusterIP and its eTP=Cluster NodePorts) and never rewritten in place: a changed backend set
+//! gets another table, complete before the frontend entry switches to it (so a flow meets the
+//! old table with the old count or the new one with the new count), and the old table goes
+//! once nothing points to it. A frontend keeps its table while it holds what it needs; else it
+//! takes the smallest programmed table that does, else the one this plan writes for that set,
+//! else a new one (smallest free id).
 //!
 //! Capacity is checked against the peak the maps reach during the plan (entries are added before
 //! old ones are removed). A frontend that does not fit is skipped and reported; if it was already
 //! programmed it is left exactly as it is. Space freed by this plan's removals is used on the next
 //! sync.
 
-use std::cmp::Reverse;
+use std::{cmp::Reverse, sync::Arc};
 
 use proxy_common::{
     AffinityMatchKey, Backend, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue,
@@ -31,7 +40,8 @@ use crate::{
     encode,
     fast_hash::{HashMap, HashSet},
     ids::IdAllocator,
-    model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
+    maglev::MaglevTable,
+    model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend, Scheduler},
     programmed::{Capacities, MapOp, Programmed},
 };
 
@@ -63,6 +73,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
         ..
     } = admission;
     accepted.sort_by_key(|a| a.frontend);
+    let maglev_puts = assign_maglev_tables(&mut accepted, programmed, caps, &mut skipped);
     skipped.sort();
 
     // Room for the most ops the phases below can write (every entry put, every programmed entry
@@ -98,6 +109,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     );
     let mut referenced_backends: HashSet<u32> = HashSet::default();
     let mut referenced_rev_nats: HashSet<u32> = HashSet::default();
+    let mut referenced_tables: HashSet<u32> = accepted.iter().map(|a| a.maglev_table).collect();
 
     // Phase 1: backends (flags merged across the frontends sharing them), then rev-NAT entries.
     let mut backends: HashMap<u32, Backend> = HashMap::default();
@@ -137,6 +149,12 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
         }
     }
 
+    ops.extend(
+        maglev_puts
+            .into_iter()
+            .map(|(id, table)| MapOp::PutMaglevTable { id, table }),
+    );
+
     // Phase 2: backend slots.
     let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
         if programmed.services.get(&key) != Some(&value) {
@@ -169,7 +187,10 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
                 a.df,
                 a.count(),
                 a.rev_nat_id,
-                encode::frontend_refs(a.df),
+                encode::FrontendRefs {
+                    maglev_table: a.maglev_table,
+                    ..encode::frontend_refs(a.df)
+                },
             ),
         );
     }
@@ -186,6 +207,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             // Left as programmed: what it points to must stay.
             if key.slot == 0 {
                 referenced_rev_nats.insert(value.rev_nat_id);
+                referenced_tables.insert(value.maglev_table);
             } else {
                 referenced_backends.insert(value.backend_id);
             }
@@ -240,8 +262,98 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             .into_iter()
             .map(|id| MapOp::DeleteBackend { id }),
     );
+    let mut dead_tables: Vec<(u32, u32)> = programmed
+        .maglev
+        .iter()
+        .filter(|(id, _)| !referenced_tables.contains(id))
+        .map(|(id, t)| (*id, t.chunks()))
+        .collect();
+    dead_tables.sort_unstable();
+    ops.extend(
+        dead_tables
+            .into_iter()
+            .map(|(id, chunks)| MapOp::DeleteMaglevTable { id, chunks }),
+    );
 
     Plan { ops, skipped }
+}
+
+/// The Maglev table of every accepted Maglev frontend with backends (see the module doc), and
+/// the new tables to write, by id. A frontend whose new table does not fit `MAGLEV_V1` gets none
+/// (the datapath picks by flow hash) and is reported.
+fn assign_maglev_tables(
+    accepted: &mut [Accepted<'_>],
+    programmed: &Programmed,
+    caps: &Capacities,
+    skipped: &mut Vec<(Frontend, String)>,
+) -> Vec<(u32, Arc<MaglevTable>)> {
+    let mut puts = Vec::new();
+    if !accepted.iter().any(|a| wants_maglev(a.df)) {
+        return puts;
+    }
+    let mut programmed_ids: HashMap<&MaglevTable, u32> = HashMap::default();
+    for (id, t) in &programmed.maglev {
+        programmed_ids
+            .entry(&**t)
+            .and_modify(|cur| *cur = (*cur).min(*id))
+            .or_insert(*id);
+    }
+    let used = programmed.maglev.keys().copied().chain(
+        programmed
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(_, v)| v.maglev_table),
+    );
+    let mut alloc = IdAllocator::new(used);
+    let mut planned: HashMap<Arc<MaglevTable>, u32> = HashMap::default();
+    let mut chunks = programmed.maglev_chunks();
+    for a in accepted.iter_mut() {
+        if !wants_maglev(a.df) || a.slot_ids.is_empty() {
+            continue;
+        }
+        let want = maglev_table(a.df, caps.maglev_table_size);
+        let current = programmed
+            .services
+            .get(&a.key)
+            .map(|v| v.maglev_table)
+            .filter(|id| programmed.maglev.get(id).is_some_and(|t| **t == *want));
+        let found = current
+            .or_else(|| programmed_ids.get(&*want).copied())
+            .or_else(|| planned.get(&want).copied());
+        a.maglev_table = match found {
+            Some(id) => id,
+            None if chunks + u64::from(want.chunks()) > u64::from(caps.maglev_chunks) => {
+                skipped.push((
+                    a.frontend,
+                    format!(
+                        "{}: MAGLEV map full ({chunks} of {} chunks in use); programmed without \
+                         a Maglev table (flow-hash picks)",
+                        a.df.service, caps.maglev_chunks
+                    ),
+                ));
+                0
+            }
+            None => {
+                let Some(id) = alloc.allocate() else { continue };
+                chunks += u64::from(want.chunks());
+                planned.insert(want.clone(), id);
+                puts.push((id, want));
+                id
+            }
+        };
+    }
+    puts
+}
+
+/// Does the frontend's scheduler use a Maglev table?
+pub fn wants_maglev(df: &DesiredFrontend) -> bool {
+    df.balancing.scheduler == Scheduler::Maglev
+}
+
+/// The Maglev table a frontend needs: its backends in slot order.
+pub fn maglev_table(df: &DesiredFrontend, size: u32) -> Arc<MaglevTable> {
+    MaglevTable::new(size, df.backends.iter().map(|b| b.endpoint).collect())
 }
 
 /// One backend id may serve several frontends whose EndpointSlices disagree for a moment: it is
@@ -262,6 +374,8 @@ struct Accepted<'a> {
     rev_nat_id: u32,
     /// Backend id per slot (slot i+1 = index i).
     slot_ids: Vec<u32>,
+    /// Maglev table (0 = none).
+    maglev_table: u32,
 }
 
 impl Accepted<'_> {
@@ -452,6 +566,7 @@ impl<'a> Admission<'a> {
             df,
             rev_nat_id,
             slot_ids,
+            maglev_table: 0,
         });
         Ok(())
     }
@@ -545,6 +660,9 @@ mod tests {
         services: 1 << 20,
         backends: 1 << 20,
         rev_nats: 1 << 20,
+        maglev_chunks: 1 << 20,
+        // The smallest M keeps the tests fast; the size does not change the planning.
+        maglev_table_size: 251,
     };
 
     /// What the datapath can reach must exist: every slot of every frontend, every backend a
@@ -566,6 +684,13 @@ mod tests {
                 "rev-NAT {} missing after {after:?}",
                 v.rev_nat_id
             );
+            if v.maglev_table != 0 {
+                // Written whole before the frontend names it, kept until no frontend does; a
+                // changed backend set switches table and count in one write.
+                let t = p.maglev.get(&v.maglev_table);
+                let t = t.unwrap_or_else(|| panic!("table of {key:?} missing after {after:?}"));
+                assert_eq!(t.endpoints.len(), usize::from(v.count), "after {after:?}");
+            }
             for slot in 1..=v.count {
                 let s = p.services.get(&key.with_slot(slot));
                 let s =
@@ -594,14 +719,25 @@ mod tests {
             let (frontend, _) = encode::decode_service_key(key).expect("our key");
             let rev = p.rev_nats.get(&v.rev_nat_id).expect("rev-NAT");
             assert_eq!(encode::decode_rev_nat(rev), (frontend.addr, frontend.port));
-            let backends = (1..=v.count)
+            let backends: Vec<DesiredBackend> = (1..=v.count)
                 .map(|s| {
                     let id = p.services.get(&key.with_slot(s)).expect("slot").backend_id;
                     encode::decode_backend(p.backends.get(&id).expect("backend")).expect("decodes")
                 })
                 .collect();
+            if v.scheduler == proxy_common::sched::code::MAGLEV && v.count > 0 {
+                // The table holds exactly the frontend's slots.
+                let t = p.maglev.get(&v.maglev_table).expect("Maglev table");
+                let slots: Vec<EndpointAddr> = backends.iter().map(|b| b.endpoint).collect();
+                assert_eq!(t.endpoints, slots, "{frontend}");
+            } else {
+                assert_eq!(v.maglev_table, 0, "{frontend}: a table without Maglev");
+            }
             out.insert(frontend, backends);
         }
+        // No table without a frontend.
+        let named: HashSet<u32> = p.services.values().map(|v| v.maglev_table).collect();
+        assert!(p.maglev.keys().all(|id| named.contains(id)), "orphan table");
         out
     }
 
@@ -902,6 +1038,194 @@ mod tests {
         assert_eq!(plan.ops, [MapOp::DeleteBackend { id: 2 }]);
     }
 
+    fn maglev_dfe(i: u32, bs: &[u32]) -> DesiredFrontend {
+        let mut df = dfe(i, bs.iter().map(|b| be(*b)).collect(), vec![]);
+        df.balancing.scheduler = Scheduler::Maglev;
+        df
+    }
+
+    fn table_of(p: &Programmed, f: u32) -> u32 {
+        p.services[&key(f, 0)].maglev_table
+    }
+
+    fn position(ops: &[MapOp], what: impl Fn(&MapOp) -> bool) -> usize {
+        ops.iter().position(what).expect("op in plan")
+    }
+
+    #[test]
+    fn maglev_tables_are_shared_by_backend_set_written_first_and_replaced_on_change() {
+        // A ClusterIP and its NodePort (same backends) share a table; an eTP=Local-like frontend
+        // with another set has its own; a random frontend none.
+        let node_port = |bs: &[u32]| {
+            Arc::new(DesiredFrontend {
+                kind: crate::model::FrontendKind::NodePort,
+                ..maglev_dfe(1, bs)
+            })
+        };
+        let mut d = DesiredState::default();
+        d.frontends.insert(fe(1), maglev_dfe(1, &[1, 2, 3]).into());
+        d.frontends.insert(fe(2), node_port(&[1, 2, 3]));
+        d.frontends.insert(fe(3), maglev_dfe(3, &[1]).into());
+        d.frontends
+            .insert(fe(4), dfe(4, vec![be(1), be(2)], vec![]).into());
+        let mut p = Programmed::default();
+        let plan = sync(&d, &mut p);
+        let tables: Vec<_> = plan
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                MapOp::PutMaglevTable { id, table } => Some((*id, table.endpoints.len())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tables, [(1, 3), (2, 1)]);
+        let last_table = plan
+            .ops
+            .iter()
+            .rposition(|op| matches!(op, MapOp::PutMaglevTable { .. }))
+            .unwrap();
+        assert!(last_table < position(&plan.ops, |op| matches!(op, MapOp::PutService { .. })));
+        assert_eq!(
+            [1, 2, 3, 4].map(|f| table_of(&p, f)),
+            [1, 1, 2, 0],
+            "shared, own, none"
+        );
+
+        // A backend leaves the ClusterIP only: it gets a new table; the NodePort keeps its own.
+        d.frontends.insert(fe(1), maglev_dfe(1, &[1, 2]).into());
+        let plan = sync(&d, &mut p);
+        assert_eq!((table_of(&p, 1), table_of(&p, 2)), (3, 1));
+        assert!(
+            position(&plan.ops, |op| matches!(
+                op,
+                MapOp::PutMaglevTable { id: 3, .. }
+            )) < position(
+                &plan.ops,
+                |op| matches!(op, MapOp::PutService { key: k, .. } if *k == key(1, 0))
+            )
+        );
+        assert!(
+            !plan
+                .ops
+                .iter()
+                .any(|op| matches!(op, MapOp::DeleteMaglevTable { .. }))
+        );
+
+        // The NodePort follows: it takes the ClusterIP's table (nothing new is built) and its
+        // old table goes after the frontend moved off it.
+        d.frontends.insert(fe(2), node_port(&[1, 2]));
+        let plan = sync(&d, &mut p);
+        assert_eq!(table_of(&p, 2), 3);
+        assert!(
+            !plan
+                .ops
+                .iter()
+                .any(|op| matches!(op, MapOp::PutMaglevTable { .. }))
+        );
+        assert!(
+            position(
+                &plan.ops,
+                |op| matches!(op, MapOp::PutService { key: k, .. } if *k == key(2, 0))
+            ) < position(&plan.ops, |op| *op
+                == MapOp::DeleteMaglevTable { id: 1, chunks: 1 })
+        );
+
+        // Unchanged: nothing to write, ids stable. Maglev off: the table goes.
+        assert_eq!(plan_ops(&d, &p), []);
+        let mut d2 = d.clone();
+        d2.frontends
+            .insert(fe(3), dfe(3, vec![be(1)], vec![]).into());
+        let plan = sync(&d2, &mut p);
+        assert_eq!(
+            plan.ops.last(),
+            Some(&MapOp::DeleteMaglevTable { id: 2, chunks: 1 })
+        );
+        assert_eq!(table_of(&p, 3), 0);
+        sync(&DesiredState::default(), &mut p);
+        assert!(p.maglev.is_empty());
+    }
+
+    fn plan_ops(d: &DesiredState, p: &Programmed) -> Vec<MapOp> {
+        plan(d, p, &CAPS).ops
+    }
+
+    #[test]
+    fn maglev_tables_survive_a_restart_when_adopted_and_are_rebuilt_when_m_changed() {
+        let d = state(&[(1, &[1, 2, 3]), (2, &[4, 5])]);
+        let mut d = d.clone();
+        for df in d.frontends.values_mut() {
+            Arc::make_mut(df).balancing.scheduler = Scheduler::Maglev;
+        }
+        let mut p = Programmed::default();
+        sync(&d, &mut p);
+        // What the maps hold, and the shadow a restarted agent reads back (content unknown).
+        let chunks: HashMap<_, _> = p
+            .maglev
+            .iter()
+            .flat_map(|(id, t)| t.map_entries(*id))
+            .collect();
+        let read_back = |p: &Programmed| Programmed {
+            maglev: p
+                .maglev
+                .iter()
+                .map(|(id, t)| (*id, MaglevTable::unknown(t.chunks())))
+                .collect(),
+            ..p.clone()
+        };
+        let mut adopted = read_back(&p);
+        crate::maglev::adopt(&mut adopted, CAPS.maglev_table_size, |k| {
+            chunks.get(k).copied()
+        });
+        assert_eq!(adopted, p, "the same tables, known again");
+        assert_eq!(plan_ops(&d, &adopted), [], "nothing rewritten");
+
+        // Restarted with another M: the content does not match; new tables, old ones deleted.
+        let mut other = read_back(&p);
+        crate::maglev::adopt(&mut other, 509, |k| chunks.get(k).copied());
+        let caps = Capacities {
+            maglev_table_size: 509,
+            ..CAPS
+        };
+        let plan = plan(&d, &other, &caps);
+        let puts = plan
+            .ops
+            .iter()
+            .filter(|op| matches!(op, MapOp::PutMaglevTable { table, .. } if table.size == 509))
+            .count();
+        let deletes = plan
+            .ops
+            .iter()
+            .filter(|op| matches!(op, MapOp::DeleteMaglevTable { .. }))
+            .count();
+        assert_eq!((puts, deletes), (2, 2));
+    }
+
+    #[test]
+    fn maglev_map_full_programs_the_frontend_without_a_table_and_reports_it() {
+        let caps = Capacities {
+            maglev_chunks: 1,
+            ..CAPS
+        };
+        let mut d = DesiredState::default();
+        d.frontends.insert(fe(1), maglev_dfe(1, &[1, 2]).into());
+        d.frontends.insert(fe(2), maglev_dfe(2, &[3]).into());
+        let plan = plan(&d, &Programmed::default(), &caps);
+        let mut p = Programmed::default();
+        apply_checked(&mut p, &plan.ops);
+        assert_eq!((table_of(&p, 1), table_of(&p, 2)), (1, 0));
+        assert_eq!(
+            p.services[&key(2, 0)].scheduler,
+            proxy_common::sched::code::MAGLEV
+        );
+        assert_eq!(plan.skipped.len(), 1);
+        assert_eq!(plan.skipped[0].0, fe(2));
+        assert!(
+            plan.skipped[0].1.contains("MAGLEV map full"),
+            "{}",
+            plan.skipped[0].1
+        );
+    }
+
     #[test]
     fn empty_frontend_is_programmed_with_count_zero() {
         let mut p = Programmed::default();
@@ -951,6 +1275,15 @@ mod tests {
             if rng.below(4) == 0 {
                 fr.protocol = Protocol::Udp;
             }
+            let scheduler = if rng.below(3) == 0 {
+                Scheduler::Maglev
+            } else {
+                Scheduler::Random
+            };
+            let maglev = |mut df: DesiredFrontend| {
+                df.balancing.scheduler = scheduler;
+                Arc::new(df)
+            };
             if rng.below(3) == 0 {
                 // An eTP=Local NodePort: local backends outside, all of them for in-cluster
                 // clients (the in-cluster entry).
@@ -958,11 +1291,11 @@ mod tests {
                     backends.iter().copied().filter(|b| b.local).collect();
                 frontends.insert(
                     fr.in_cluster(),
-                    node_port(f, backends, vec![], false).into(),
+                    maglev(node_port(f, backends, vec![], false)),
                 );
-                frontends.insert(fr, node_port(f, local, retained, true).into());
+                frontends.insert(fr, maglev(node_port(f, local, retained, true)));
             } else {
-                frontends.insert(fr, dfe(f, backends, retained).into());
+                frontends.insert(fr, maglev(dfe(f, backends, retained)));
             }
         }
         // Shared backends must agree on flags for the round trip to be exact.
@@ -1062,6 +1395,7 @@ mod tests {
             services: 2,
             backends: 1,
             rev_nats: 1,
+            ..CAPS
         };
         let mut p = Programmed::default();
         let setup = plan(&state(&[(1, &[1])]), &p, &caps);
@@ -1201,6 +1535,13 @@ mod tests {
                         let all = crate::model::Scheduler::ALL;
                         df.balancing.scheduler = all[rng.below(all.len() as u32) as usize];
                     }
+                    if rng.below(6) == 0 {
+                        // The Service's scheduler changes (to or from Maglev).
+                        df.balancing.scheduler = match df.balancing.scheduler {
+                            Scheduler::Maglev => Scheduler::Random,
+                            _ => Scheduler::Maglev,
+                        };
+                    }
                     let b = rng.below(20);
                     let backend = DesiredBackend {
                         local: rng.below(2) == 0,
@@ -1238,6 +1579,9 @@ mod tests {
             services: 40,
             backends: 14,
             rev_nats: 7,
+            // Three tables of M = 251 (one chunk each): Maglev frontends beyond go without.
+            maglev_chunks: 3,
+            ..CAPS
         };
         let mut incremental = 0;
         let mut steps = 0;
@@ -1359,14 +1703,20 @@ mod tests {
         {
             let changes = cache.update(&snapshot(annotation), &node, &[node_addr], false);
             planner.desired_changes(&changes, cache.desired());
+            // A change to or from Maglev is the full planner's (its tables); any other change
+            // of the annotation alone the incremental planner takes.
+            let maglev_involved = want == code::MAGLEV || codes(&p).contains(&code::MAGLEV);
             let plan = if step == 0 {
                 planner.plan(cache.desired(), &p, &CAPS, true)
             } else {
-                let plan = planner
-                    .plan_changes(cache.desired(), &p, &CAPS)
-                    .unwrap_or_else(|| panic!("step {step}: the incremental planner declined"));
-                assert_eq!(plan, plan_full(cache.desired(), &p), "step {step}");
-                plan
+                match planner.plan_changes(cache.desired(), &p, &CAPS) {
+                    Some(plan) => {
+                        assert_eq!(plan, plan_full(cache.desired(), &p), "step {step}");
+                        plan
+                    }
+                    None if maglev_involved => planner.plan(cache.desired(), &p, &CAPS, true),
+                    None => panic!("step {step}: the incremental planner declined"),
+                }
             };
             for op in &plan.ops {
                 planner.observe(&p, op);

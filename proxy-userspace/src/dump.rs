@@ -55,6 +55,29 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
             &ServiceMaps::open_pinned(pins)?.read_programmed()?,
             monotonic_ns(),
         ),
+        DumpWhat::Maglev => {
+            let maps = ServiceMaps::open_pinned(pins)?;
+            let p = maps.read_programmed()?;
+            let entries = p
+                .maglev
+                .iter()
+                .map(|(id, t)| {
+                    let chunks = (0..t.chunks())
+                        .filter_map(|chunk| {
+                            maps.maglev_chunk(&proxy_common::maglev::MaglevKey {
+                                table: *id,
+                                chunk,
+                            })
+                        })
+                        .collect::<Vec<_>>();
+                    // The table ends where its entries do (the last chunk is padded with 0).
+                    let mut table = chunks.concat();
+                    table.truncate(table.iter().position(|s| *s == 0).unwrap_or(table.len()));
+                    (*id, table)
+                })
+                .collect();
+            maglev_table(&p, &entries)
+        }
     })
 }
 
@@ -89,6 +112,67 @@ fn affinity_text(v: &ServiceValue) -> String {
     } else {
         "-".into()
     }
+}
+
+/// One block per Maglev table: the frontends naming it, its entries, and how many of them each
+/// slot's backend holds (each within ±1 of M/N when the table is whole).
+pub fn maglev_table(p: &Programmed, entries: &BTreeMap<u32, Vec<u16>>) -> String {
+    let mut out = String::new();
+    for (id, table) in entries {
+        let mut frontends: Vec<(String, u16, Vec<String>)> = p
+            .services
+            .iter()
+            .filter(|(k, v)| k.slot == 0 && v.maglev_table == *id)
+            .filter_map(|(k, v)| {
+                let (fe, _) = encode::decode_service_key(k)?;
+                let names = (1..=v.count)
+                    .map(|slot| {
+                        p.services
+                            .get(&k.with_slot(slot))
+                            .and_then(|s| p.backends.get(&s.backend_id))
+                            .and_then(encode::decode_endpoint)
+                            .map_or_else(|| "?".to_owned(), |e| e.to_string())
+                    })
+                    .collect();
+                Some((fe.to_string(), v.count, names))
+            })
+            .collect();
+        frontends.sort();
+        let mut per_slot: BTreeMap<u16, usize> = BTreeMap::new();
+        for slot in table {
+            *per_slot.entry(*slot).or_default() += 1;
+        }
+        let named: Vec<&str> = frontends.iter().map(|(f, ..)| f.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "table {id}: {} entries (chunks of {}), frontends: {}",
+            table.len(),
+            proxy_common::maglev::CHUNK_ENTRIES,
+            if named.is_empty() {
+                "-".to_owned()
+            } else {
+                named.join(", ")
+            }
+        );
+        let backends = frontends
+            .first()
+            .map(|(_, _, b)| b.as_slice())
+            .unwrap_or(&[]);
+        for (slot, n) in per_slot {
+            let who = match slot {
+                0 => "(empty)".to_owned(),
+                s => backends
+                    .get(usize::from(s) - 1)
+                    .cloned()
+                    .unwrap_or_else(|| format!("slot {s}")),
+            };
+            let _ = writeln!(out, "  slot {slot:>5}  {n:>7} entries  {who}");
+        }
+    }
+    if out.is_empty() {
+        out.push_str("no Maglev tables\n");
+    }
+    out
 }
 
 /// One row per frontend: its scheduler, session affinity timeout and backends in slot order.
@@ -448,6 +532,53 @@ mod tests {
         let out = backends_table(&p, &BTreeMap::from([(1, 3)]));
         let want = "    ID  ADDRESS                PROTO   FLOWS  FLAGS\n     1  10.244.1.11:8080       TCP         3  -\n     2  10.244.1.12:8080       TCP         -  local\n";
         assert_eq!(out, want);
+    }
+
+    #[test]
+    fn maglev_table_shows_its_frontends_and_each_backend_s_share() {
+        let mut p = Programmed::default();
+        let fe = ServiceKey::new([10, 96, 0, 10], 53u16.to_be_bytes(), proto::UDP, 0);
+        let mut v = ServiceValue::frontend(2, 1);
+        v.maglev_table = 4;
+        v.scheduler = proxy_common::sched::code::MAGLEV;
+        p.services.insert(fe, v);
+        for (slot, id, last) in [(1, 7, 11), (2, 8, 12)] {
+            p.services
+                .insert(fe.with_slot(slot), ServiceValue::slot(id));
+            let b = Backend {
+                addr: [10, 244, 1, last],
+                port: 5353u16.to_be_bytes(),
+                proto: proto::UDP,
+                flags: 0,
+            };
+            p.backends.insert(id, b);
+        }
+        let endpoints = [11, 12]
+            .map(|last| {
+                encode::decode_endpoint(&Backend {
+                    addr: [10, 244, 1, last],
+                    port: 5353u16.to_be_bytes(),
+                    proto: proto::UDP,
+                    flags: 0,
+                })
+                .unwrap()
+            })
+            .to_vec();
+        let table = crate::maglev::MaglevTable::new(251, endpoints).entries();
+        let out = maglev_table(&p, &BTreeMap::from([(4, table)]));
+        assert!(
+            out.starts_with("table 4: 251 entries (chunks of 960), frontends: 10.96.0.10:53/UDP\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("  slot     1      126 entries  10.244.1.11:5353/UDP\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("  slot     2      125 entries  10.244.1.12:5353/UDP\n"),
+            "{out}"
+        );
+        assert_eq!(maglev_table(&p, &BTreeMap::new()), "no Maglev tables\n");
     }
 
     #[test]

@@ -8,15 +8,17 @@
 //! backends → rev-NAT → slots → frontends, shrinking in reverse, unreferenced entries last.
 //! Where the shortcut could differ from the full plan it declines and the full plan runs:
 //! the first plan, after a failed write, while a frontend is skipped for capacity, when the maps
-//! hold leftovers (two backend ids for one endpoint, a shared rev-NAT id), and when the changed
-//! frontends do not all fit.
+//! hold leftovers (two backend ids for one endpoint, a shared rev-NAT id), when the changed
+//! frontends do not all fit, and when a change involves a Maglev frontend.
 
 use std::{
     cmp::Reverse,
     collections::{BTreeMap, BTreeSet},
 };
 
-use proxy_common::{AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{
+    AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue, sched,
+};
 
 use crate::{
     diff::{self, Plan},
@@ -300,6 +302,8 @@ impl Planner {
             }
             // No index over them: a plan reads them from the shadow, per frontend.
             MapOp::PutAffinityMatch { .. } | MapOp::DeleteAffinityMatch { .. } => {}
+            // Maglev tables are planned by the full plan only (see `touches_maglev`).
+            MapOp::PutMaglevTable { .. } | MapOp::DeleteMaglevTable { .. } => {}
         }
     }
 
@@ -413,6 +417,9 @@ impl Planner {
         for fe in &self.pending {
             let key = encode::service_key(fe, 0);
             let entry = programmed.services.get(&key).copied();
+            if touches_maglev(desired.frontends.get(fe).map(|d| &**d), entry.as_ref()) {
+                return None;
+            }
             match (desired.frontends.get(fe), entry) {
                 (Some(df), Some(v)) => existing.push((*fe, key, df, Some(v))),
                 (Some(df), None) => fresh.push((*fe, key, df, None)),
@@ -639,6 +646,15 @@ impl Planner {
             skipped: Vec::new(),
         })
     }
+}
+
+/// Does a change of this frontend (desired value, programmed entry) involve a Maglev table?
+/// Then the full plan runs: tables are shared between frontends and allocated by backend set,
+/// which only the full plan sees whole. (A cost, not a correctness matter: a change to a Maglev
+/// Service replans every Service.)
+fn touches_maglev(desired: Option<&DesiredFrontend>, entry: Option<&ServiceValue>) -> bool {
+    desired.is_some_and(diff::wants_maglev)
+        || entry.is_some_and(|v| v.maglev_table != 0 || v.scheduler == sched::code::MAGLEV)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ pub mod ids;
 pub mod incremental;
 pub mod kube;
 pub mod lc_counts;
+pub mod maglev;
 pub mod manifests;
 pub mod metrics;
 pub mod model;

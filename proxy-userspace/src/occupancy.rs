@@ -3,7 +3,8 @@
 //! a map crosses [`WARN_PERCENT`] of its capacity (logged once per crossing: the alarm re-arms
 //! only after the map fell below [`REARM_PERCENT`]).
 //!
-//! Counts come from where they are cheap: SERVICES, BACKENDS and REVNAT from the agent's shadow
+//! Counts come from where they are cheap: SERVICES, BACKENDS, REVNAT and MAGLEV (chunks) from
+//! the agent's shadow
 //! after each sync; CONNTRACK and SNAT from the garbage-collection pass that lists them anyway;
 //! SRCRANGES, SOCKREV and AFFINITY by walking their keys in that same pass (every 30 s, bounded by their
 //! capacity). Capacities are the maps' real `max_entries`, so an adopted map of another size
@@ -13,7 +14,7 @@ use std::collections::BTreeSet;
 
 use aya::maps::{HashMap, LpmTrie, Map, MapData};
 use proxy_common::{
-    AffinityKey, AffinityValue, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT,
+    AffinityKey, AffinityValue, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_MAGLEV, MAP_REVNAT,
     MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, SockRevKey, SockRevValue,
     SourceRangeKey,
 };
@@ -40,8 +41,9 @@ pub enum Kind {
 }
 
 /// Every map with a size limit: (metric label, pinned name, kind).
-pub const MAPS: [(&str, &str, Kind); 8] = [
+pub const MAPS: [(&str, &str, Kind); 9] = [
     ("services", MAP_SERVICES, Kind::Programmed),
+    ("maglev", MAP_MAGLEV, Kind::Programmed),
     ("backends", MAP_BACKENDS, Kind::Programmed),
     ("rev_nat", MAP_REVNAT, Kind::Programmed),
     ("source_ranges", MAP_SOURCE_RANGES, Kind::Programmed),

@@ -4,15 +4,20 @@
 //! the maps by applying every operation to both. `diff` compares it with the desired state; ids
 //! are derived from it, so no other allocator state exists to drift.
 
+use std::sync::Arc;
+
 use proxy_common::{AffinityMatchKey, Backend, RevNat, ServiceKey, ServiceValue};
 
-use crate::fast_hash::{HashMap, HashSet};
+use crate::{
+    fast_hash::{HashMap, HashSet},
+    maglev::MaglevTable,
+};
 
 /// One write to one map. `diff` emits them in an order that keeps the datapath consistent at
-/// every step: backends → rev-NAT → slots → frontends; shrinking in reverse. Affinity match
-/// entries (`AFFMATCH_V1`) leave first (a record naming a backend on its way out of a frontend
-/// stops matching before anything else changes) and come with the slots.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// every step: backends → rev-NAT → Maglev tables → slots → frontends; shrinking in reverse.
+/// Affinity match entries (`AFFMATCH_V1`) leave first (a record naming a backend on its way out
+/// of a frontend stops matching before anything else changes) and come with the slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp {
     DeleteAffinityMatch {
         key: AffinityMatchKey,
@@ -41,6 +46,16 @@ pub enum MapOp {
     DeleteBackend {
         id: u32,
     },
+    /// Write every chunk of Maglev table `id` (built from its description by the map layer).
+    PutMaglevTable {
+        id: u32,
+        table: Arc<MaglevTable>,
+    },
+    /// Delete the `chunks` chunks of Maglev table `id`.
+    DeleteMaglevTable {
+        id: u32,
+        chunks: u32,
+    },
 }
 
 /// The maps' contents as last written (or read back at start-up).
@@ -51,6 +66,8 @@ pub struct Programmed {
     pub rev_nats: HashMap<u32, RevNat>,
     /// `AFFMATCH_V1`: (affinity frontend, backend id in its slots).
     pub affinity_matches: HashSet<AffinityMatchKey>,
+    /// Maglev table id → what it holds.
+    pub maglev: HashMap<u32, Arc<MaglevTable>>,
 }
 
 impl Programmed {
@@ -80,6 +97,12 @@ impl Programmed {
             }
             MapOp::DeleteAffinityMatch { key } => {
                 self.affinity_matches.remove(&key);
+            }
+            MapOp::PutMaglevTable { id, ref table } => {
+                self.maglev.insert(id, table.clone());
+            }
+            MapOp::DeleteMaglevTable { id, .. } => {
+                self.maglev.remove(&id);
             }
         }
     }
@@ -119,18 +142,27 @@ impl Programmed {
         out
     }
 
+    /// `MAGLEV_V1` chunks the tables take.
+    pub fn maglev_chunks(&self) -> u64 {
+        self.maglev.values().map(|t| u64::from(t.chunks())).sum()
+    }
+
     /// Number of frontends (slot-0 entries).
     pub fn frontend_count(&self) -> usize {
         self.services.keys().filter(|k| k.slot == 0).count()
     }
 }
 
-/// Map capacities the plan must respect (entries).
+/// Map capacities the plan must respect (entries), and the Maglev table size it builds with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacities {
     pub services: u32,
     pub backends: u32,
     pub rev_nats: u32,
+    /// `MAGLEV_V1` chunks.
+    pub maglev_chunks: u32,
+    /// M of every Maglev table (`DatapathConfig::maglev_table_size`).
+    pub maglev_table_size: u32,
 }
 
 impl Default for Capacities {
@@ -139,6 +171,8 @@ impl Default for Capacities {
             services: proxy_common::SERVICES_CAPACITY,
             backends: proxy_common::BACKENDS_CAPACITY,
             rev_nats: proxy_common::REVNAT_CAPACITY,
+            maglev_chunks: proxy_common::MAGLEV_CAPACITY,
+            maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
         }
     }
 }

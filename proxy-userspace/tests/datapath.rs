@@ -33,12 +33,14 @@ use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, CLASH_PORT_MAX, CLASH_PORT_MIN,
     CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig, FragKey, FragValue,
     HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_SERVICE_CIDRS, MAP_SERVICES,
-    MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo, PROG_TC_EGRESS,
-    PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey,
-    SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
+    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_SERVICE_CIDRS,
+    MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo,
+    PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice,
+    SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action,
+    frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
+    maglev::{self, Chunk, MaglevKey},
     proto, sched, service_cidr, service_flags,
 };
 
@@ -2340,6 +2342,164 @@ fn each_pick_counts_under_the_frontend_s_scheduler() {
 fn median(mut v: Vec<Duration>) -> u128 {
     v.sort();
     v[v.len() / 2].as_nanos()
+}
+
+/// The Maglev (`mh`) frontend's backends: UDP :5353 on 10.244.9.1..=n, under node-local ids
+/// `first_id..`.
+fn maglev_backends(n: u8, first_id: u32) -> Vec<(u32, Backend)> {
+    (1..=n)
+        .map(|i| {
+            let addr = Ipv4Addr::new(10, 244, 9, i);
+            (
+                first_id + u32::from(i),
+                raw_backend(addr, 5353, proto::UDP, 0),
+            )
+        })
+        .collect()
+}
+
+/// A Maglev frontend VIP:53/UDP written as the agent does: backends, slots, the table built by
+/// the agent's builder (`MaglevTable`), then the frontend entry naming table `table`.
+fn set_maglev_frontend(dp: &mut Datapath, m: u32, table: u32, backends: &[(u32, Backend)]) {
+    let key = ServiceKey::new(VIP.octets(), 53u16.to_be_bytes(), proto::UDP, 0);
+    dp.set_frontend_entry(key, UDP_REVNAT, 0, backends);
+    let endpoints = backends
+        .iter()
+        .map(|(_, b)| kube_proxy_ebpf::encode::decode_endpoint(b).expect("UDP endpoint"))
+        .collect();
+    let built = kube_proxy_ebpf::maglev::MaglevTable::new(m, endpoints);
+    let mut tables: HashMap<&mut MapData, MaglevKey, Chunk> =
+        HashMap::try_from(dp.bpf.map_mut(MAP_MAGLEV).expect("MAGLEV map")).expect("MAGLEV type");
+    for (k, v) in built.map_entries(table) {
+        tables.insert(k, v, 0).expect("insert chunk");
+    }
+    let mut value = ServiceValue::frontend(backends.len() as u16, UDP_REVNAT);
+    value.scheduler = sched::code::MAGLEV;
+    value.maglev_table = table;
+    dp.services()
+        .insert(key, value, 0)
+        .expect("insert frontend");
+}
+
+/// Where 1,000 UDP flows from CLIENT (ports 20000..21000) to VIP:53 are DNATed.
+fn maglev_destinations(dp: &mut Datapath) -> Vec<Ipv4Addr> {
+    new_udp_flows(dp).0
+}
+
+/// 1,000 new UDP flows from CLIENT (ports 20000..21000) to VIP:53: where each is DNATed, and
+/// the median cost of one (ns, single runs).
+fn new_udp_flows(dp: &mut Datapath) -> (Vec<Ipv4Addr>, u128) {
+    let mut times = Vec::new();
+    let daddrs = (20_000..21_000u16)
+        .map(|port| {
+            let q = Pkt::udp(CLIENT, port, VIP, 53).payload(b"q");
+            let (verdict, out, d) = dp.run_timed(PROG_TC_INGRESS, &q.bytes(), 1);
+            assert_eq!(verdict, TC_NEXT, "port {port}: verdict");
+            times.push(d);
+            Decoded::parse(&out).daddr
+        })
+        .collect();
+    (daddrs, median(times))
+}
+
+/// The datapath's Maglev pick equals the userspace model's for 1,000 flows: the table the agent
+/// builds, the position `maglev::flow_index` of the unseeded 5-tuple hash, the slot's backend.
+/// The node's hash seed does not change it, nor do node-local backend ids (a second "node" with
+/// other ids and another table id sends every flow to the same backend), and a frontend whose
+/// table is missing falls back to the flow hash, counted.
+#[test]
+fn maglev_pick_equals_the_userspace_model_on_every_node() {
+    let m = 1_021; // two chunks: the split between them is exercised
+    let cfg = |seed| DatapathConfig {
+        hash_seed: seed,
+        maglev_table_size: m,
+        ..DatapathConfig::DEFAULT
+    };
+    let backends = maglev_backends(5, 200);
+    let mut dp = Datapath::load_with(cfg(0x1234_5678));
+    set_maglev_frontend(&mut dp, m, 7, &backends);
+    let endpoints = backends
+        .iter()
+        .map(|(_, b)| kube_proxy_ebpf::encode::decode_endpoint(b).unwrap())
+        .collect();
+    let model = kube_proxy_ebpf::maglev::MaglevTable::new(m, endpoints).entries();
+    let before = dp.counters();
+    let (got, maglev_ns) = new_udp_flows(&mut dp);
+    let mut per_backend = BTreeMap::<Ipv4Addr, u32>::new();
+    for (port, daddr) in (20_000..21_000u16).zip(&got) {
+        let hash = flow_hash(
+            maglev::FLOW_SEED,
+            CLIENT.octets(),
+            VIP.octets(),
+            port.to_be_bytes(),
+            53u16.to_be_bytes(),
+            proto::UDP,
+        );
+        let slot = model[maglev::flow_index(hash, m) as usize];
+        let want = Ipv4Addr::from(backends[slot as usize - 1].1.addr);
+        assert_eq!(*daddr, want, "port {port}: slot {slot}");
+        *per_backend.entry(*daddr).or_default() += 1;
+    }
+    assert_eq!(per_backend.len(), 5, "all backends used: {per_backend:?}");
+    let after = dp.counters();
+    let fallback = Counter::MaglevFallback.name();
+    assert_eq!(
+        after[fallback] - before[fallback],
+        0,
+        "every flow found its table"
+    );
+    assert_eq!(
+        after[Counter::NewFlow.name()] - before[Counter::NewFlow.name()],
+        1_000
+    );
+
+    // Another node: other seed, other backend ids, other table id; the same endpoints.
+    let mut other = Datapath::load_with(cfg(0xdead_beef));
+    set_maglev_frontend(&mut other, m, 3, &maglev_backends(5, 300));
+    assert_eq!(
+        maglev_destinations(&mut other),
+        got,
+        "another node, the same backends"
+    );
+
+    // The cost of a new flow next to the flow-hash pick (printed, never asserted).
+    let mut random = Datapath::load_with(cfg(0x1234_5678));
+    let key = ServiceKey::new(VIP.octets(), 53u16.to_be_bytes(), proto::UDP, 0);
+    random.set_frontend_entry(key, UDP_REVNAT, 0, &backends);
+    let (_, random_ns) = new_udp_flows(&mut random);
+    println!("new UDP flow, median of 1,000: Maglev {maglev_ns} ns, flow hash {random_ns} ns");
+
+    // No table: the flow hash picks, and the fallback is counted.
+    let mut bare = Datapath::load_with(cfg(0));
+    set_maglev_frontend(&mut bare, m, 7, &backends);
+    let mut tables: HashMap<&mut MapData, MaglevKey, Chunk> =
+        HashMap::try_from(bare.bpf.map_mut(MAP_MAGLEV).unwrap()).unwrap();
+    for chunk in 0..maglev::chunks(m) {
+        tables.remove(&MaglevKey { table: 7, chunk }).unwrap();
+    }
+    let q = Pkt::udp(CLIENT, 20_000, VIP, 53).payload(b"q");
+    let ids: Vec<u32> = backends.iter().map(|(id, _)| *id).collect();
+    let slot = pick_slot(
+        flow_hash(
+            0,
+            CLIENT.octets(),
+            VIP.octets(),
+            20_000u16.to_be_bytes(),
+            [0, 53],
+            proto::UDP,
+        ),
+        5,
+    )
+    .unwrap();
+    let before = bare.counter(Counter::MaglevFallback);
+    let (_, out) = bare.run(PROG_TC_INGRESS, &q.bytes());
+    assert_eq!(
+        Decoded::parse(&out).daddr,
+        Ipv4Addr::from(backends[slot as usize - 1].1.addr),
+        "fallback pick (backend id {})",
+        ids[slot as usize - 1]
+    );
+    assert_eq!(bare.counter(Counter::MaglevFallback), before + 1);
 }
 
 /// Prints the datapath's cost per packet. Never asserts on timing.

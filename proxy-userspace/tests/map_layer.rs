@@ -181,6 +181,81 @@ fn batched_apply_leaves_exactly_the_plan_in_the_kernel_maps() {
     );
 }
 
+/// Plans `desired` at Maglev size `m` against `shadow`, applies, and checks that the maps read
+/// back and adopted at `m` equal the shadow (every table known again, chunk for chunk).
+fn sync_maglev(maps: &mut ServiceMaps, shadow: &mut Programmed, desired: &DesiredState, m: u32) {
+    let caps = Capacities {
+        maglev_table_size: m,
+        ..Capacities::default()
+    };
+    let plan = diff::plan(desired, shadow, &caps);
+    assert!(plan.skipped.is_empty(), "{:?}", plan.skipped);
+    let (applied, err) = maps.apply_all(&plan.ops);
+    assert!(err.is_none() && applied == plan.ops.len(), "{err:?}");
+    for op in &plan.ops {
+        shadow.apply(op);
+    }
+    let mut read = maps.read_programmed().expect("reading maps back");
+    assert!(
+        read.maglev.values().all(|t| t.endpoints.is_empty()),
+        "read back unknown"
+    );
+    maps.adopt_maglev(&mut read, m);
+    assert_eq!(&read, shadow, "kernel maps differ from the shadow");
+    assert!(
+        diff::plan(desired, &read, &caps).ops.is_empty(),
+        "adopted: nothing to rewrite"
+    );
+}
+
+/// Maglev tables through the real map: written chunk by chunk, read back and adopted (the
+/// content checked against what the agent builds), rebuilt when M changes, deleted with their
+/// frontends.
+#[test]
+fn maglev_tables_are_written_adopted_rebuilt_for_another_size_and_deleted() {
+    require_privileged!();
+    let mut ebpf = loader::load_unpinned(&DatapathConfig::DEFAULT).expect("load");
+    let mut maps = ServiceMaps::from_ebpf(&mut ebpf).expect("maps");
+    let mut shadow = Programmed::default();
+    let mut d = state(20, 10, 0);
+    for df in d.frontends.values_mut() {
+        std::sync::Arc::make_mut(df).balancing.scheduler =
+            kube_proxy_ebpf::model::Scheduler::Maglev;
+    }
+    let m = proxy_common::maglev::DEFAULT_TABLE_SIZE;
+    sync_maglev(&mut maps, &mut shadow, &d, m);
+    assert_eq!(shadow.maglev.len(), 20);
+    let (id, table) = shadow.maglev.iter().next().expect("a table");
+    let (key, chunk) = table.map_entries(*id)[17];
+    assert_eq!(
+        maps.maglev_chunk(&key),
+        Some(chunk),
+        "the last chunk as built"
+    );
+
+    // Restarted with another M: the read-back tables do not match, so all are replaced.
+    let mut read = maps.read_programmed().expect("read");
+    maps.adopt_maglev(&mut read, 509);
+    assert!(read.maglev.values().all(|t| t.endpoints.is_empty()));
+    shadow = read;
+    sync_maglev(&mut maps, &mut shadow, &d, 509);
+    assert!(
+        shadow
+            .maglev
+            .values()
+            .all(|t| t.size == 509 && t.chunks() == 1)
+    );
+    assert_eq!(shadow.maglev.len(), 20);
+    assert_eq!(
+        maps.read_programmed().expect("read").maglev.len(),
+        20,
+        "old tables deleted"
+    );
+
+    sync_maglev(&mut maps, &mut shadow, &DesiredState::default(), 509);
+    assert!(maps.read_programmed().expect("read").maglev.is_empty());
+}
+
 const S: u64 = 1_000_000_000;
 const NODE: [u8; 4] = [192, 168, 50, 10];
 const BACKEND: [u8; 4] = [10, 244, 2, 20];

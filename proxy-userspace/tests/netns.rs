@@ -1185,6 +1185,7 @@ fn a_long_tcp_stream_keeps_flowing_while_twice_the_conntrack_capacity_of_udp_flo
         ("services", None),
         ("backends", None),
         ("rev_nat", None),
+        ("maglev", None),
         ("source_ranges", None),
         ("conntrack", Some(CAPACITY)),
         ("snat", Some(CAPACITY)),
@@ -1574,19 +1575,19 @@ fn wait_for_dump(
     }
 }
 
-/// Sets the scheduler (`sched::code::*`) of web's frontend by writing its pinned entry (the
-/// agent leaves an unchanged Service's entry alone; the per-Service selection is the agent's
-/// business, tested with it).
-fn set_web_scheduler(env: &Env, code: u8) {
-    use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
-    let data = aya::maps::MapData::from_pin(env.pins.path().join(MAP_SERVICES))
-        .unwrap_or_else(|e| env.fail(&format!("pinned SERVICES: {e}")));
-    let mut services: aya::maps::HashMap<_, ServiceKey, ServiceValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("SERVICES type");
-    let key = ServiceKey::new(WEB.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
-    let mut v = services.get(&key, 0).expect("web's frontend");
-    v.scheduler = code;
-    services.insert(key, v, 0).expect("set the scheduler");
+/// demo/web as `web` writes it, with its scheduler chosen by the `kube-proxy-ebpf.io/scheduler`
+/// annotation.
+fn web_scheduled(manifests: &ManifestDir, backends: &[Ipv4Addr], scheduler: &str) {
+    manifests
+        .write_service_annotated(
+            "demo",
+            "web",
+            WEB,
+            &[ServicePort::tcp(80, 8080)],
+            backends,
+            &[("kube-proxy-ebpf.io/scheduler", scheduler)],
+        )
+        .expect("writing demo/web");
 }
 
 /// rr with real connections: 9 curls from a pod go to the three backends in a fixed cycle, and
@@ -1594,8 +1595,8 @@ fn set_web_scheduler(env: &Env, code: u8) {
 #[test]
 fn round_robin_cycles_over_the_backends_for_pods_and_node_processes() {
     require_privileged!();
-    let env = Env::start(|m| web(m, &all_backends()));
-    set_web_scheduler(&env, proxy_common::sched::code::ROUND_ROBIN);
+    let env = Env::start(|m| web_scheduled(m, &all_backends(), "rr"));
+    env.wait_scheduler(WEB, "rr");
     let mut bodies = Vec::new();
     for i in 0..9 {
         let reply = env
@@ -1996,7 +1997,22 @@ fn requests_per_backend_for_each_scheduler_annotation() {
         results.insert(*s, (total, per_client));
     }
     eprintln!("requests per backend ({PER_CLIENT} from each of {clients:?}):\n{table}");
-    use proxy_common::Scheduler::{DestinationHash, Random, SourceHash};
+    use proxy_common::Scheduler::{
+        DestinationHash, LeastConnection, Maglev, Random, RoundRobin, SourceHash,
+    };
+    // Sequential new flows to one frontend: rr gives each backend exactly its third.
+    let (rr, _) = &results[&RoundRobin];
+    env.check(
+        rr.len() == 3 && rr.values().all(|&n| n == 2 * PER_CLIENT / 3),
+        || format!("rr is not an exact cycle:\n{table}"),
+    );
+    // Every connection closed before the next began: all counts equal, so lc spreads like its
+    // candidates' hash start; Maglev spreads the flows' 5-tuples over its table.
+    for s in [LeastConnection, Maglev] {
+        env.check(results[&s].0.len() >= 2, || {
+            format!("{} did not spread:\n{table}", s.name())
+        });
+    }
     let (random, _) = &results[&Random];
     env.check(random.len() >= 2, || {
         format!("random did not spread:\n{table}")
@@ -2036,8 +2052,8 @@ fn requests_per_backend_for_each_scheduler_annotation() {
 #[test]
 fn least_connection_sends_new_connections_to_the_backend_without_long_ones() {
     require_privileged!();
-    let env = Env::start(|m| web(m, &all_backends()));
-    set_web_scheduler(&env, proxy_common::sched::code::LEAST_CONNECTION);
+    let env = Env::start(|m| web_scheduled(m, &all_backends(), "lc"));
+    env.wait_scheduler(WEB, "lc");
     let idle = |c: &BTreeMap<Ipv4Addr, u64>| c.len() == 3 && c.values().all(|&n| n == 0);
     let start = wait_lc_flows(&env, idle);
     env.check(idle(&start), || {
@@ -2095,4 +2111,185 @@ fn least_connection_sends_new_connections_to_the_backend_without_long_ones() {
     env.check(idle(&end), || {
         format!("counts after every connection closed: {end:?}")
     });
+}
+
+const MAGLEV: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
+
+/// One UDP request per source port `first..first + n` to ip:port, from one client, each
+/// retried up to 3 times; prints `port name` per answered port (the echo server answers
+/// `name:payload`). Stops after 60 s whatever is left.
+const MAGLEV_FLOWS_PY: &str = r#"
+import socket, sys, time
+ip, port, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+start = time.monotonic()
+for p in range(first, first + n):
+    if time.monotonic() - start > 60:
+        break
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", p))
+    s.settimeout(0.5)
+    for attempt in range(3):
+        s.sendto(b"mh%d" % p, (ip, port))
+        try:
+            data, _ = s.recvfrom(2048)
+            print(p, data.split(b":")[0].decode(), flush=True)
+            break
+        except socket.timeout:
+            pass
+    s.close()
+"#;
+
+/// demo/maglev: UDP 53 → `endpoints`' echo servers, scheduler `mh` by annotation.
+fn maglev_service(manifests: &ManifestDir, endpoints: &[Ipv4Addr]) {
+    let yaml = proxy_testenv::service_yaml(
+        "demo",
+        "maglev",
+        MAGLEV,
+        &[ServicePort::udp(53, 5353)],
+        endpoints,
+    );
+    let yaml = yaml.replacen(
+        "  namespace: demo\n",
+        "  namespace: demo\n  annotations:\n    kube-proxy-ebpf.io/scheduler: mh\n",
+        1,
+    );
+    assert!(yaml.contains("scheduler: mh"), "annotation placed");
+    let staged = manifests.root().join("demo-maglev.yaml");
+    std::fs::write(&staged, yaml).expect("writing demo/maglev");
+    std::fs::rename(&staged, manifests.path().join("demo-maglev.yaml")).expect("renaming");
+}
+
+/// Maglev keeps flows where they were when one of N backends goes: five UDP echo backends
+/// behind an `mh` Service, 1,000 UDP flows from one client (distinct source ports) each answered
+/// by a backend that names itself; be5 leaves the EndpointSlice; after the flows' conntrack
+/// entries expired (UDP timeouts of 1 s), the same 1,000 5-tuples are new flows again and the
+/// new table places them: flows of the four remaining backends stay (the table's mapping of the
+/// same 5-tuples; a few at most move), and be5's spread over the four.
+#[test]
+fn maglev_moves_only_the_gone_backend_s_flows_when_one_of_five_goes() {
+    require_privileged!();
+    const FLOWS: u16 = 1_000;
+    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+    let mut topo = Topology::new().expect("creating the topology");
+    let extra = [
+        ("be4", Ipv4Addr::new(10, 244, 1, 14)),
+        ("be5", Ipv4Addr::new(10, 244, 1, 15)),
+    ];
+    for (name, ip) in extra {
+        topo.add_backend(name, ip).expect("adding a backend pod");
+    }
+    let mut five = all_backends();
+    five.extend(extra.iter().map(|(_, ip)| *ip));
+    let mut env = Env::start_on_with_flags(
+        topo,
+        |m| maglev_service(m, &five),
+        &[
+            "--conntrack-udp-timeout",
+            "1s",
+            "--conntrack-udp-timeout-stream",
+            "1s",
+        ],
+    );
+    let script = env.topo.tmp().join("maglev_flows.py");
+    std::fs::write(&script, MAGLEV_FLOWS_PY).expect("writing the flow script");
+    let flows = |env: &Env| -> BTreeMap<u16, String> {
+        let client = env.topo.pod("client").expect("client pod").ns();
+        let out = client
+            .output(
+                &[
+                    "python3",
+                    script.to_str().expect("utf-8 path"),
+                    &MAGLEV.to_string(),
+                    "53",
+                    "20000",
+                    &FLOWS.to_string(),
+                ],
+                Duration::from_secs(90),
+            )
+            .unwrap_or_else(|e| env.fail(&format!("flow script: {e:#}")));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let got: BTreeMap<u16, String> = text
+            .lines()
+            .filter_map(|l| {
+                let (p, name) = l.split_once(' ')?;
+                Some((p.parse().ok()?, name.to_owned()))
+            })
+            .collect();
+        env.check(got.len() == usize::from(FLOWS), || {
+            format!("{} of {FLOWS} flows answered: {:?}", got.len(), out)
+        });
+        got
+    };
+    let per_backend = |m: &BTreeMap<u16, String>| {
+        let mut c: BTreeMap<String, usize> = BTreeMap::new();
+        for name in m.values() {
+            *c.entry(name.clone()).or_default() += 1;
+        }
+        c
+    };
+
+    let before = flows(&env);
+    let spread = per_backend(&before);
+    eprintln!("Maglev over five backends, 1,000 flows: {spread:?}");
+    env.check(
+        spread.len() == 5 && spread.values().all(|n| (120..=280).contains(n)),
+        || format!("five backends should share 1,000 flows about evenly: {spread:?}"),
+    );
+
+    // `dump maglev` shows the one table, whole, with five backends' shares.
+    let pin = env.pins.path().to_str().expect("utf-8 pin dir").to_owned();
+    let dump = env
+        .agent
+        .cli(&["dump", "maglev", "--pin-dir", &pin])
+        .unwrap_or_else(|e| env.fail(&format!("dump maglev: {e:#}")));
+    let dump = String::from_utf8_lossy(&dump.stdout);
+    env.check(
+        dump.starts_with(&format!(
+            "table 1: 16381 entries (chunks of 960), frontends: {MAGLEV}:53/UDP\n"
+        )) && dump
+            .lines()
+            .filter(|l| l.contains(" entries  10.244.1."))
+            .count()
+            == 5,
+        || format!("dump maglev:\n{dump}"),
+    );
+
+    // be5 goes; wait until the agent carries four backends, then for the entries to expire.
+    maglev_service(&env.manifests, &five[..4]);
+    env.agent
+        .wait_status(Duration::from_secs(10), |s| s.backends == 4)
+        .unwrap_or_else(|e| env.fail(&format!("be5 not removed: {e:#}")));
+    thread::sleep(Duration::from_millis(2_500));
+
+    let after = flows(&env);
+    let (mut stayed, mut moved, mut from_be5) = (0, 0, BTreeMap::<String, usize>::new());
+    for (port, was) in &before {
+        let now = &after[port];
+        env.check(now != "be5", || format!("port {port} still reached be5"));
+        if was == "be5" {
+            *from_be5.entry(now.clone()).or_default() += 1;
+        } else if now == was {
+            stayed += 1;
+        } else {
+            moved += 1;
+        }
+    }
+    eprintln!(
+        "after be5 left: {stayed} flows of the other four stayed, {moved} moved; be5's {} went to \
+         {from_be5:?}",
+        spread["be5"]
+    );
+    // Maglev's bound: the survivors keep nearly all their flows (the model moves ~0.3 % of
+    // their table entries for N=5); a hash over the count would move ~4/5 × 1/5 of them.
+    env.check(moved * 20 < stayed, || {
+        format!(
+            "{moved} of {} flows of surviving backends moved",
+            stayed + moved
+        )
+    });
+    env.check(
+        from_be5.len() == 4 && from_be5.values().all(|n| n * 10 >= spread["be5"]),
+        || format!("be5's flows should spread over the four others: {from_be5:?}"),
+    );
 }

@@ -53,6 +53,7 @@ impl MapSizes {
             services: self.services,
             backends: self.backends,
             rev_nats: self.rev_nats,
+            ..Default::default()
         }
     }
 }

@@ -8,12 +8,17 @@ use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey,
     FragValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAGMENTS,
-    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES,
-    MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
+    MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey,
+    SnatValue,
+    maglev::{Chunk, MaglevKey},
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
-use crate::programmed::{MapOp, Programmed};
+use crate::{
+    maglev::MaglevTable,
+    programmed::{MapOp, Programmed},
+};
 
 fn map_err(name: &'static str) -> impl Fn(aya::maps::MapError) -> Error {
     move |source| Error::Map { name, source }
@@ -28,12 +33,13 @@ fn take(ebpf: &mut aya::Ebpf, name: &'static str) -> Result<Map> {
         .ok_or(Error::Missing { what: "map", name })
 }
 
-/// SERVICES, BACKENDS, REVNAT and AFFMATCH.
+/// SERVICES, BACKENDS, REVNAT, AFFMATCH and MAGLEV.
 pub struct ServiceMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: HashMap<MapData, u32, Backend>,
     rev_nats: HashMap<MapData, u32, RevNat>,
     affinity_matches: HashMap<MapData, AffinityMatchKey, u32>,
+    maglev: HashMap<MapData, MaglevKey, Chunk>,
 }
 
 /// The value of every `AFFMATCH_V1` entry (only the key's presence matters).
@@ -50,6 +56,7 @@ impl ServiceMaps {
             rev_nats: HashMap::try_from(take(ebpf, MAP_REVNAT)?).map_err(map_err(MAP_REVNAT))?,
             affinity_matches: HashMap::try_from(take(ebpf, MAP_AFFINITY_MATCH)?)
                 .map_err(map_err(MAP_AFFINITY_MATCH))?,
+            maglev: HashMap::try_from(take(ebpf, MAP_MAGLEV)?).map_err(map_err(MAP_MAGLEV))?,
         })
     }
 
@@ -67,6 +74,8 @@ impl ServiceMaps {
                 MAP_AFFINITY_MATCH,
             )?))
             .map_err(map_err(MAP_AFFINITY_MATCH))?,
+            maglev: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_MAGLEV)?))
+                .map_err(map_err(MAP_MAGLEV))?,
         })
     }
 
@@ -90,7 +99,40 @@ impl ServiceMaps {
             p.affinity_matches
                 .insert(k.map_err(map_err(MAP_AFFINITY_MATCH))?);
         }
+        // Maglev tables: how many chunks each has; what they hold is checked by `adopt_maglev`.
+        let mut chunks: crate::fast_hash::HashMap<u32, u32> = Default::default();
+        for k in self.maglev.keys() {
+            let k = k.map_err(map_err(MAP_MAGLEV))?;
+            let n = chunks.entry(k.table).or_default();
+            *n = (*n).max(k.chunk + 1);
+        }
+        p.maglev = chunks
+            .into_iter()
+            .map(|(id, n)| (id, MaglevTable::unknown(n)))
+            .collect();
         Ok(p)
+    }
+
+    /// Adoption of the Maglev tables read back by [`Self::read_programmed`]
+    /// ([`crate::maglev::adopt`]).
+    pub fn adopt_maglev(&self, p: &mut Programmed, m: u32) {
+        crate::maglev::adopt(p, m, |k| self.maglev.get(k, 0).ok());
+    }
+
+    /// Kernel memory of `MAGLEV_V1` as the kernel accounts it (`memlock` in the map's fdinfo:
+    /// for a map without preallocation, what its elements take now).
+    pub fn maglev_memory(&self) -> Option<u64> {
+        use std::os::fd::AsRawFd as _;
+        let fd = self.maglev.map().fd().as_fd().as_raw_fd();
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    /// One chunk of a Maglev table; `None` when it is missing.
+    pub fn maglev_chunk(&self, key: &MaglevKey) -> Option<Chunk> {
+        self.maglev.get(key, 0).ok()
     }
 
     /// Carries out one operation. Deleting an entry that is already gone is not an error.
@@ -127,6 +169,28 @@ impl ServiceMaps {
             MapOp::DeleteAffinityMatch { key } => {
                 ignore_missing(self.affinity_matches.remove(key), MAP_AFFINITY_MATCH)
             }
+            MapOp::PutMaglevTable { id, table } => {
+                // One batch call per table; chunk by chunk only to name a failure.
+                let (k, v): (Vec<MaglevKey>, Vec<Chunk>) =
+                    table.map_entries(*id).into_iter().unzip();
+                if batch::update(self.maglev.map().fd().as_fd(), &k, &v)
+                    .error
+                    .is_none()
+                {
+                    return Ok(());
+                }
+                for (k, v) in k.iter().zip(&v) {
+                    self.maglev.insert(k, v, 0).map_err(map_err(MAP_MAGLEV))?;
+                }
+                Ok(())
+            }
+            MapOp::DeleteMaglevTable { id, chunks } => {
+                for chunk in 0..*chunks {
+                    let key = MaglevKey { table: *id, chunk };
+                    ignore_missing(self.maglev.remove(&key), MAP_MAGLEV)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -150,6 +214,8 @@ impl ServiceMaps {
             services: max(self.services.map(), MAP_SERVICES)?,
             backends: max(self.backends.map(), MAP_BACKENDS)?,
             rev_nats: max(self.rev_nats.map(), MAP_REVNAT)?,
+            maglev_chunks: max(self.maglev.map(), MAP_MAGLEV)?,
+            ..Default::default()
         })
     }
 
@@ -218,6 +284,8 @@ impl ServiceMaps {
             MapOp::DeleteAffinityMatch { .. } => {
                 deletes!(self.affinity_matches, MapOp::DeleteAffinityMatch { key } => key)
             }
+            MapOp::PutMaglevTable { .. } => return self.put_maglev_tables(run),
+            MapOp::DeleteMaglevTable { .. } => return self.apply_singly(run),
         };
         if outcome.error.is_none() {
             return (run.len(), None);
@@ -231,6 +299,59 @@ impl ServiceMaps {
             done += 1;
         }
         (done, None)
+    }
+
+    /// A run of Maglev table writes. Building a table (~0.3 ms at M = 16381) costs more than
+    /// writing it, so a first sync's thousands are built on all CPUs, a bounded group at a time
+    /// (the built chunks of a group are held at once), and written in order, one batch call each.
+    fn put_maglev_tables(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+        const GROUP: usize = 256;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut done = 0;
+        for group in run.chunks(GROUP) {
+            let per = group.len().div_ceil(threads);
+            let built: Vec<Vec<(MaglevKey, Chunk)>> = std::thread::scope(|s| {
+                let parts: Vec<_> = group
+                    .chunks(per)
+                    .map(|part| {
+                        s.spawn(move || {
+                            part.iter()
+                                .map(|op| match op {
+                                    MapOp::PutMaglevTable { id, table } => table.map_entries(*id),
+                                    _ => Vec::new(),
+                                })
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                parts
+                    .into_iter()
+                    .flat_map(|h| h.join().unwrap_or_default())
+                    .collect()
+            });
+            for (op, entries) in group.iter().zip(&built) {
+                let (k, v): (Vec<MaglevKey>, Vec<Chunk>) = entries.iter().copied().unzip();
+                let written = built.len() == group.len()
+                    && batch::update(self.maglev.map().fd().as_fd(), &k, &v)
+                        .error
+                        .is_none();
+                if !written && let Err(e) = self.apply(op) {
+                    return (done, Some(e));
+                }
+                done += 1;
+            }
+        }
+        (done, None)
+    }
+
+    /// Ops one at a time (a Maglev table op is already a run of chunk writes).
+    fn apply_singly(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+        for (done, op) in run.iter().enumerate() {
+            if let Err(e) = self.apply(op) {
+                return (done, Some(e));
+            }
+        }
+        (run.len(), None)
     }
 
     /// A run of SERVICES writes. A full plan writes every slot (phase 2) before every frontend

@@ -109,6 +109,7 @@ pub fn sizes_for(n: usize) -> MapSizes {
         services: n * 11 + 1024,
         backends: n * 10 + 1024,
         rev_nats: n + 1024,
+        affinity: proxy_common::AFFINITY_CAPACITY,
         conntrack: proxy_common::CONNTRACK_CAPACITY,
         snat: proxy_common::SNAT_CAPACITY,
     }
@@ -122,6 +123,10 @@ fn load(sizes: &MapSizes) -> Result<Ebpf> {
         .map_max_entries(MAP_SERVICES, sizes.services)
         .map_max_entries(MAP_BACKENDS, sizes.backends)
         .map_max_entries(MAP_REVNAT, sizes.rev_nats)
+        .map_max_entries(proxy_common::MAP_AFFINITY, sizes.affinity)
+        .map_max_entries(proxy_common::MAP_AFFINITY_MATCH, sizes.services)
+        .map_max_entries(proxy_common::MAP_LC_FLOWS, sizes.lc_entries())
+        .map_max_entries(proxy_common::MAP_LC_ADJUST, sizes.lc_entries())
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack);
     let mut ebpf = loader
         .load(EBPF_OBJECT)
@@ -570,4 +575,87 @@ fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(Sync
     runs.sort_by_key(SyncTimes::total);
     let mid = runs[runs.len() / 2];
     Ok((mid, mid.total()))
+}
+
+/// Kernel memory of the Maglev tables of `services` Maglev Services × 10 endpoints at the
+/// default M, written through the planner and the map layer into an unpinned load: the
+/// allocation (2 KiB per chunk), the kernel's own account (`memlock`), and the time to build
+/// and write them.
+pub fn maglev_memory(services: usize) -> Result<Value> {
+    use kube_proxy_ebpf::{
+        diff,
+        model::{
+            DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend, FrontendKind,
+            Protocol, Scheduler, ServicePortName,
+        },
+        programmed::Capacities,
+    };
+    let m = proxy_common::maglev::DEFAULT_TABLE_SIZE;
+    let mut desired = DesiredState::default();
+    for s in 0..services as u32 {
+        let backends = (0..10)
+            .map(|b| DesiredBackend {
+                endpoint: EndpointAddr {
+                    addr: Ipv4Addr::from(0x0a80_0000 + s * 16 + b),
+                    port: 8080,
+                    protocol: Protocol::Tcp,
+                },
+                terminating: false,
+                local: false,
+            })
+            .collect();
+        let df = DesiredFrontend {
+            balancing: kube_proxy_ebpf::model::Balancing {
+                scheduler: Scheduler::Maglev,
+                affinity_timeout_s: None,
+            },
+            service: ServicePortName {
+                namespace: "bench".into(),
+                name: format!("mh{s}"),
+                port_name: String::new(),
+            },
+            kind: FrontendKind::ClusterIp,
+            external_local: false,
+            drop_when_empty: false,
+            source_ranges: Vec::new(),
+            backends,
+            retained: Vec::new(),
+        };
+        let fe = Frontend::new(Ipv4Addr::from(0x0a60_0000 + s), 80, Protocol::Tcp);
+        desired.frontends.insert(fe, df.into());
+    }
+    let mut ebpf = loader::load_unpinned(&DatapathConfig::DEFAULT)?;
+    let mut maps = ServiceMaps::from_ebpf(&mut ebpf)?;
+    let empty = maps.maglev_memory().unwrap_or(0);
+    let started = Instant::now();
+    let plan = diff::plan(&desired, &Programmed::default(), &Capacities::default());
+    ensure!(plan.skipped.is_empty(), "skipped: {:?}", &plan.skipped[..1]);
+    let planned = started.elapsed();
+    // Building the tables alone (the map layer builds them again as it writes them).
+    let building = Instant::now();
+    for op in &plan.ops {
+        if let kube_proxy_ebpf::programmed::MapOp::PutMaglevTable { table, .. } = op {
+            std::hint::black_box(table.entries());
+        }
+    }
+    let build = building.elapsed();
+    let started = Instant::now() - planned;
+    let (done, err) = maps.apply_all(&plan.ops);
+    if let Some(e) = err {
+        bail!("applying op {done}: {e}");
+    }
+    let took = started.elapsed();
+    let memlock = maps.maglev_memory().unwrap_or(0).saturating_sub(empty);
+    let allocated = kube_proxy_ebpf::maglev::kernel_bytes(services as u64, m);
+    Ok(json!({
+        "services": services,
+        "endpoints_per_service": 10,
+        "table_size": m,
+        "chunks_per_table": proxy_common::maglev::chunks(m),
+        "allocated_bytes": allocated,
+        "kernel_memlock_bytes": memlock,
+        "plan_and_write_ms": ms(took),
+        "plan_ms": ms(planned),
+        "build_tables_ms": ms(build),
+    }))
 }

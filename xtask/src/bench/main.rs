@@ -54,6 +54,8 @@ enum Command {
         #[arg(long)]
         agent_bin: PathBuf,
     },
+    /// Only the Maglev tables' kernel memory for `services` Maglev Services × 10 endpoints.
+    MaglevMemory { services: usize },
     /// Print the baseline rule set the bench loads for `n` generated Services (to inspect it).
     Rules {
         #[arg(value_enum)]
@@ -207,6 +209,9 @@ fn main() -> std::process::ExitCode {
             println!("{v}");
             Ok(())
         }),
+        Command::MaglevMemory { services } => inproc::maglev_memory(services).map(|v| {
+            println!("{v}");
+        }),
         Command::Rules { mode, services } => {
             let specs = workload::generated(services);
             print!(
@@ -297,6 +302,15 @@ fn run(args: RunArgs) -> Result<()> {
         if want(Part::Control) {
             results.control_sizes = p.control.clone();
         }
+    }
+
+    // Maglev tables' memory at the largest control size (10,000 for quick and full).
+    if want(Part::Control) {
+        let n = p.control.iter().copied().max().unwrap_or(10).min(10_000);
+        let t = step(&format!("Maglev tables: {n} mh Services × 10 endpoints"));
+        let v = inproc::maglev_memory(n).context("Maglev table memory")?;
+        eprintln!("  {v} [{:.1}s]", t.elapsed().as_secs_f64());
+        results.maglev = Some(v);
     }
 
     let have_iptables = which("iptables-restore");

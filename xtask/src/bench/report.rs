@@ -29,6 +29,8 @@ pub struct Results {
     pub iptables_version: Value,
     pub nft_version: Value,
     pub loadavg_at_end: f64,
+    /// Maglev tables' memory (`inproc::maglev_memory`).
+    pub maglev: Option<Value>,
 }
 
 pub fn machine() -> Value {
@@ -195,6 +197,7 @@ impl Results {
             "netfilter_restore": self.restore,
             "agent_binary": self.agent,
             "end_to_end": self.e2e.iter().map(Run::to_json).collect::<Vec<_>>(),
+            "maglev_tables": self.maglev,
         })
     }
 
@@ -368,6 +371,23 @@ impl Results {
                 );
             }
             s.push('\n');
+        }
+
+        if let Some(v) = &self.maglev {
+            let mib = |k: &str| v[k].as_u64().unwrap_or(0) as f64 / (1u64 << 20) as f64;
+            let _ = writeln!(
+                s,
+                "### Maglev tables (`mh`): kernel memory\n\n\
+                 {} Maglev Services × 10 endpoints at M = {} ({} chunks of 960 entries per table): \
+                 {:.1} MiB allocated (2 KiB per chunk), {:.1} MiB by the kernel's account \
+                 (memlock); planned and written in {:.0} ms.\n",
+                n_fmt(v["services"].as_u64().unwrap_or(0) as usize),
+                v["table_size"],
+                v["chunks_per_table"],
+                mib("allocated_bytes"),
+                mib("kernel_memlock_bytes"),
+                v["plan_and_write_ms"].as_f64().unwrap_or(f64::NAN)
+            );
         }
 
         if !self.e2e.is_empty() {

@@ -1,0 +1,147 @@
+//! Maglev tables as the agent reasons about them: what a table holds is fully given by its
+//! size M and its backend set in slot order (identities, no node-local ids), so the planner
+//! compares and shares tables by that description and the map layer builds the entries only
+//! when it writes them (the shadow never holds 32 KiB per table).
+
+use std::sync::Arc;
+
+use proxy_common::maglev::{self, CHUNK_ENTRIES, Chunk, MaglevKey, Permutation};
+
+use crate::{encode, fast_hash::HashSet, model::EndpointAddr, programmed::Programmed};
+
+/// One Maglev table: M and the endpoints of slots 1..=n (the frontend's sorted backends).
+/// An adopted table whose content did not match what this agent would build has no endpoints
+/// ([`MaglevTable::unknown`]): no frontend wants it, so it is replaced and deleted.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MaglevTable {
+    pub size: u32,
+    pub endpoints: Vec<EndpointAddr>,
+}
+
+impl MaglevTable {
+    pub fn new(size: u32, endpoints: Vec<EndpointAddr>) -> Arc<Self> {
+        Arc::new(Self { size, endpoints })
+    }
+
+    /// A table read back without a known content, `chunks` long.
+    pub fn unknown(chunks: u32) -> Arc<Self> {
+        Arc::new(Self {
+            size: chunks * CHUNK_ENTRIES as u32,
+            endpoints: Vec::new(),
+        })
+    }
+
+    /// `MAGLEV_V1` values the table takes.
+    pub fn chunks(&self) -> u32 {
+        maglev::chunks(self.size)
+    }
+
+    /// The entries (slots; 0 only when there are no endpoints).
+    pub fn entries(&self) -> Vec<u16> {
+        let mut perms: Vec<Permutation> = self
+            .endpoints
+            .iter()
+            .map(|e| {
+                let id =
+                    maglev::identity(e.addr.octets(), e.port.to_be_bytes(), e.protocol.number());
+                Permutation::new(id, self.size)
+            })
+            .collect();
+        let mut table = vec![0; self.size as usize];
+        maglev::fill(&mut perms, &mut table);
+        table
+    }
+
+    /// The `MAGLEV_V1` entries of table `id` (the last chunk padded with 0).
+    pub fn map_entries(&self, id: u32) -> Vec<(MaglevKey, Chunk)> {
+        self.entries()
+            .chunks(CHUNK_ENTRIES)
+            .zip(0..)
+            .map(|(part, chunk)| {
+                let mut value = [0u16; CHUNK_ENTRIES];
+                value[..part.len()].copy_from_slice(part);
+                (MaglevKey { table: id, chunk }, value)
+            })
+            .collect()
+    }
+}
+
+/// Kernel memory `tables` Maglev tables of size `m` take (`maglev::CHUNK_KERNEL_BYTES` per
+/// chunk).
+pub fn kernel_bytes(tables: u64, m: u32) -> u64 {
+    tables * u64::from(maglev::chunks(m)) * maglev::CHUNK_KERNEL_BYTES
+}
+
+/// Adoption of the Maglev tables read back from the maps (all [`MaglevTable::unknown`]): a
+/// table that a frontend names and that holds exactly what this agent builds for that
+/// frontend's slots at size `m` (`read` gives a chunk as the map holds it) becomes known — kept
+/// and shared as if this agent had written it. Any other stays unknown, so the next plan
+/// replaces it (another `m`, a table cut short by a crash). Each named table is read once.
+pub fn adopt(p: &mut Programmed, m: u32, read: impl Fn(&MaglevKey) -> Option<Chunk>) {
+    let mut checked: HashSet<u32> = HashSet::default();
+    let mut known = Vec::new();
+    for (key, v) in &p.services {
+        if key.slot != 0 || v.maglev_table == 0 || !checked.insert(v.maglev_table) {
+            continue;
+        }
+        let Some(have) = p.maglev.get(&v.maglev_table) else {
+            continue;
+        };
+        let endpoints: Option<Vec<_>> = (1..=v.count)
+            .map(|s| {
+                let slot = p.services.get(&key.with_slot(s))?;
+                encode::decode_endpoint(p.backends.get(&slot.backend_id)?)
+            })
+            .collect();
+        let Some(endpoints) = endpoints else { continue };
+        let want = MaglevTable::new(m, endpoints);
+        if want.chunks() != have.chunks() {
+            continue;
+        }
+        let same = want
+            .map_entries(v.maglev_table)
+            .iter()
+            .all(|(k, chunk)| read(k).as_ref() == Some(chunk));
+        if same {
+            known.push((v.maglev_table, want));
+        }
+    }
+    p.maglev.extend(known);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::model::Protocol;
+
+    fn ep(i: u8) -> EndpointAddr {
+        EndpointAddr {
+            addr: Ipv4Addr::new(10, 244, 1, i),
+            port: 8080,
+            protocol: Protocol::Udp,
+        }
+    }
+
+    #[test]
+    fn map_entries_cover_the_table_in_chunks_and_pad_the_last() {
+        let t = MaglevTable::new(1_021, (1..=4).map(ep).collect());
+        let entries = t.entries();
+        let chunks = t.map_entries(7);
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[1].0, MaglevKey { table: 7, chunk: 1 });
+        assert_eq!(&chunks[0].1[..], &entries[..960]);
+        assert_eq!(&chunks[1].1[..61], &entries[960..]);
+        assert!(chunks[1].1[61..].iter().all(|s| *s == 0));
+        assert!(entries.iter().all(|s| (1..=4).contains(s)));
+    }
+
+    #[test]
+    fn ten_thousand_services_of_ten_endpoints_fit_a_node_with_room_to_spare() {
+        let bytes = kernel_bytes(10_000, maglev::DEFAULT_TABLE_SIZE);
+        // 10,000 × 18 chunks × 2 KiB ≈ 352 MiB: 1.4 % of 24 GiB.
+        assert_eq!(bytes, 10_000 * 18 * 2_048);
+        assert!(bytes < 24 * (1 << 30) / 50);
+    }
+}
