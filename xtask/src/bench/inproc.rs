@@ -26,7 +26,7 @@ use kube_proxy_ebpf::{
     translate_cache::TranslateCache,
 };
 use proxy_common::{
-    CONFIG_GLOBAL, Counter, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
+    CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
     PROG_TC_EGRESS, PROG_TC_INGRESS, Scheduler, stats::PICK_COUNTERS,
 };
 use serde_json::{Value, json};
@@ -265,6 +265,19 @@ impl Loaded {
         Ok((r.return_value, r.duration.as_nanos() as u64))
     }
 
+    /// Empties CONNTRACK, so a measurement starts from the same table whatever ran before it.
+    fn clear_conntrack(&mut self) -> Result<()> {
+        let map = self.ebpf.map_mut(MAP_CONNTRACK).context("CONNTRACK map")?;
+        let mut ct: aya::maps::HashMap<_, CtKey, CtValue> =
+            aya::maps::HashMap::try_from(map).context("CONNTRACK type")?;
+        let keys: Vec<CtKey> = ct.keys().filter_map(|k| k.ok()).collect();
+        for k in &keys {
+            // An entry gone meanwhile (LRU) is what we want anyway.
+            let _ = ct.remove(k);
+        }
+        Ok(())
+    }
+
     fn counter(&self, c: Counter) -> Result<u64> {
         let all = self.stats.read()?;
         let i = Counter::ALL
@@ -373,7 +386,7 @@ pub fn measure(n: usize, packets: bool, change: bool, effort: Effort) -> Result<
     };
     if packets {
         let mut costs = packet_costs(&l, &specs[..n], effort)?;
-        costs.schedulers = scheduler_costs(&l, effort)?;
+        costs.schedulers = scheduler_costs(&mut l, effort)?;
         result.packets = Some(costs);
     }
     if change {
@@ -460,11 +473,12 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
     })
 }
 
-/// Per scheduler: new flows to its 10-endpoint Service (half as many as `new_flow`, so that
-/// every flow still fits the conntrack table), then established packets around its cycle pair.
+/// Per scheduler: new flows to its 10-endpoint Service (half as many as `new_flow`), each
+/// scheduler starting from an empty conntrack table, then established packets around its cycle
+/// pair.
 /// Checks that the frontends carry the scheduler's code and that each new flow counted one pick
 /// of that scheduler.
-fn scheduler_costs(l: &Loaded, e: Effort) -> Result<[SchedCosts; 6]> {
+fn scheduler_costs(l: &mut Loaded, e: Effort) -> Result<[SchedCosts; 6]> {
     let mut out = [SchedCosts::default(); 6];
     let payload = [0u8; 64];
     let flows = (e.new_flows / 2).max(100);
@@ -481,6 +495,9 @@ fn scheduler_costs(l: &Loaded, e: Effort) -> Result<[SchedCosts; 6]> {
                 s.name()
             );
         }
+        // Every scheduler's new flows meet the same (empty) conntrack table, not the ones the
+        // schedulers before it left.
+        l.clear_conntrack()?;
         let pick = PICK_COUNTERS[k];
         let before = l.counter(pick)?;
         let mut new_flow = Vec::with_capacity(flows as usize);
