@@ -1,7 +1,8 @@
 //! The one ABI between the eBPF datapath (`proxy-ebpf`) and the agent (`proxy-userspace`).
 //!
 //! Rules (see STYLE.md): every map key/value is `#[repr(C)]`, `Copy`, made of integers and byte
-//! arrays only, with explicit padding and a size assert. Addresses and ports are network-order
+//! arrays only, with explicit padding and a size assert, and derives `bytemuck::Pod`/`Zeroable`
+//! (whose derive rejects implicit padding at compile time). Addresses and ports are network-order
 //! byte arrays; only the agent's map layer converts them from `Ipv4Addr`/`u16`. Pure functions
 //! used by both sides (flow hash, backend pick, checksums, idle timeouts) live here so the host
 //! can test them.
@@ -18,6 +19,7 @@ pub mod sched;
 pub mod stats;
 pub mod timeouts;
 
+use bytemuck::{Pod, Zeroable};
 pub use maps::*;
 pub use sched::Scheduler;
 pub use stats::{COUNTER_COUNT, Counter};
@@ -96,7 +98,7 @@ pub const PROG_TC_TAP: &str = "tc_tap";
 
 /// Load-time facts for the cgroup socket hooks (a global, like [`DatapathConfig`]).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct SockLbConfig {
     /// Network namespace cookie (`SO_NETNS_COOKIE`) of the node's namespace: sockets of any other
     /// namespace (pods, whose traffic tc translates) are left alone. 0 = translate nothing.
@@ -110,7 +112,7 @@ pub const SOCK_LB_GLOBAL: &str = "SOCK_LB";
 /// The datapath's load-time configuration: a global (`.rodata`) set by the agent with
 /// `EbpfLoader::set_global(CONFIG_GLOBAL, ...)`, so the packet path reads it without a map lookup.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct DatapathConfig {
     /// Idle timeout of an established TCP flow, seconds.
     pub tcp_established_timeout_s: u32,
@@ -145,7 +147,7 @@ pub const MAX_CLUSTER_CIDRS: usize = 4;
 
 /// An IPv4 prefix as the datapath matches it: network-order address (host bits clear) and mask.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct Ipv4Prefix {
     pub addr: [u8; 4],
     pub mask: [u8; 4],
@@ -164,7 +166,7 @@ impl Ipv4Prefix {
 /// The configured cluster CIDRs; `count == 0` means no source is detected as in-cluster (also
 /// kube-proxy's behaviour for detectLocalMode ClusterCIDR without a clusterCIDR).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct ClusterCidrs {
     /// How many of `prefixes` are set (at most `MAX_CLUSTER_CIDRS`).
     pub count: u32,
@@ -219,31 +221,47 @@ impl Default for DatapathConfig {
     }
 }
 
+/// `aya::Pod` for the map keys/values, for the agent's side. Each type must be `bytemuck::Pod`
+/// (derived, so its layout has no implicit padding and every field is plain data), which this
+/// macro checks at compile time before it implements the aya marker.
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: every type below is #[repr(C)], Copy, built only from integers and byte arrays with
-    // explicit padding (size asserts next to each definition), so any bit pattern is valid.
-    unsafe impl aya::Pod for crate::ServiceKey {}
-    unsafe impl aya::Pod for crate::ServiceValue {}
-    unsafe impl aya::Pod for crate::Backend {}
-    unsafe impl aya::Pod for crate::RevNat {}
-    unsafe impl aya::Pod for crate::CtKey {}
-    unsafe impl aya::Pod for crate::CtValue {}
-    unsafe impl aya::Pod for crate::DatapathConfig {}
-    unsafe impl aya::Pod for crate::SnatValue {}
-    unsafe impl aya::Pod for crate::NodeInfo {}
-    unsafe impl aya::Pod for crate::SnatDevice {}
-    unsafe impl aya::Pod for crate::AffinityKey {}
-    unsafe impl aya::Pod for crate::AffinityValue {}
-    unsafe impl aya::Pod for crate::AffinityMatchKey {}
-    unsafe impl aya::Pod for crate::SourceRangeKey {}
-    unsafe impl aya::Pod for crate::SockRevKey {}
-    unsafe impl aya::Pod for crate::SockLbConfig {}
-    unsafe impl aya::Pod for crate::FragKey {}
-    unsafe impl aya::Pod for crate::FragValue {}
-    unsafe impl aya::Pod for crate::TapKey {}
-    unsafe impl aya::Pod for crate::RejectBucket {}
-    unsafe impl aya::Pod for crate::maglev::MaglevKey {}
+    macro_rules! aya_pod {
+        ($($t:ty),+ $(,)?) => {$(
+            const _: () = {
+                const fn is_bytemuck_pod<T: bytemuck::Pod>() {}
+                is_bytemuck_pod::<$t>();
+            };
+            // SAFETY: aya::Pod asks for a `Copy` type that may be read from and written to as
+            // plain bytes (any bit pattern valid, no padding or pointers): `bytemuck::Pod`, checked
+            // just above, proves exactly that (its derive rejects padding and non-Pod fields).
+            unsafe impl aya::Pod for $t {}
+        )+};
+    }
+
+    aya_pod!(
+        crate::ServiceKey,
+        crate::ServiceValue,
+        crate::Backend,
+        crate::RevNat,
+        crate::CtKey,
+        crate::CtValue,
+        crate::DatapathConfig,
+        crate::SnatValue,
+        crate::NodeInfo,
+        crate::SnatDevice,
+        crate::AffinityKey,
+        crate::AffinityValue,
+        crate::AffinityMatchKey,
+        crate::SourceRangeKey,
+        crate::SockRevKey,
+        crate::SockLbConfig,
+        crate::FragKey,
+        crate::FragValue,
+        crate::TapKey,
+        crate::RejectBucket,
+        crate::maglev::MaglevKey,
+    );
 }
 
 #[cfg(test)]

@@ -18,6 +18,8 @@
 //! node-independent, entries are `u16` (half the memory of ids), and the datapath resolves the
 //! slot through `SERVICES` as every other scheduler does.
 
+use bytemuck::{Pod, Zeroable};
+
 use crate::hash::{fmix, mix};
 
 /// Table sizes accepted by `--maglev-table-size`: primes (Cilium's list). M should be well
@@ -47,7 +49,7 @@ pub type Chunk = [u16; CHUNK_ENTRIES];
 /// `MAGLEV_V1` (hash, `BPF_F_NO_PREALLOC`: memory only for the tables that exist) key: one chunk
 /// of one table. A table of M entries is chunks `0..chunks(M)`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct MaglevKey {
     /// `ServiceValue::maglev_table` (from 1).
     pub table: u32,

@@ -5,6 +5,8 @@
 //! slots 1..=count name backend ids. The agent writes backends → slots → frontend, and shrinks in
 //! the reverse order, so the datapath never follows a slot that does not exist.
 
+use bytemuck::{Pod, Zeroable};
+
 /// Map names carry the layout version (kernel map names are at most 15 bytes).
 pub const MAP_SERVICES: &str = "SERVICES_V1";
 pub const MAP_BACKENDS: &str = "BACKENDS_V1";
@@ -129,7 +131,7 @@ pub const SCOPE_EXTERNAL: u8 = 0;
 pub const SCOPE_INTERNAL: u8 = 1;
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct ServiceKey {
     /// Frontend address (network order).
     pub addr: [u8; 4],
@@ -189,7 +191,7 @@ pub mod service_flags {
 /// Value of a `SERVICES` entry. For slot 0 (frontend): everything but `backend_id` (0). For
 /// slots ≥ 1: only `backend_id`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct ServiceValue {
     pub backend_id: u32,
     /// Number of backend slots (frontend entry only). 0 = no endpoints: the datapath rejects (or
@@ -262,7 +264,7 @@ pub mod backend_flags {
 
 /// `BACKENDS`: backend id (u32, ids start at 1; 0 = none) → where to send.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
 pub struct Backend {
     pub addr: [u8; 4],
     pub port: [u8; 2],
@@ -273,7 +275,7 @@ const _: () = assert!(core::mem::size_of::<Backend>() == 8);
 
 /// `REVNAT`: rev-NAT id (u32, from 1) → the frontend a reply must appear to come from.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
 pub struct RevNat {
     pub addr: [u8; 4],
     pub port: [u8; 2],
@@ -291,7 +293,7 @@ pub mod ct_dir {
 
 /// `CONNTRACK` (LRU hash) key: the full 5-tuple plus direction.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
 pub struct CtKey {
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
@@ -326,7 +328,7 @@ pub mod ct_state {
 /// `backend_id` + the backend address snapshot let the datapath revalidate: if `BACKENDS[id]` is
 /// gone or now names another address, the flow is stale.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct CtValue {
     /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet.
     pub last_seen_ns: u64,
@@ -398,7 +400,7 @@ pub type SnatKey = CtKey;
 
 /// `SNAT_V1` value.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct SnatValue {
     /// CLOCK_MONOTONIC ns of the last packet through this entry.
     pub last_seen_ns: u64,
@@ -415,7 +417,7 @@ const _: () = assert!(core::mem::size_of::<SnatValue>() == 16);
 
 /// `NODE_V1` (array, one entry at index 0): dynamic facts about the node, written by the agent.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct NodeInfo {
     /// Source address for SNATed flows (0.0.0.0 = none known: such flows go out unSNATed and are
     /// counted as `snat_no_node_addr`).
@@ -430,7 +432,7 @@ const _: () = assert!(core::mem::size_of::<NodeInfo>() == 8);
 /// vxlan.calico, ...): the backend's replies then come back through the tunnel, which strict
 /// reverse-path filtering requires. Devices without an entry use `NodeInfo::snat_addr`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct SnatDevice {
     pub addr: [u8; 4],
 }
@@ -444,7 +446,7 @@ pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 64;
 /// (exact) then the client's source address (prefix). An entry allows its prefix for its
 /// frontend; the value is unused (1). Lookups use prefix length 96.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct SourceRangeKey {
     pub frontend_addr: [u8; 4],
     pub frontend_port: [u8; 2],
@@ -458,7 +460,7 @@ const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 12);
 /// socket hooks translated, and the backend it was sent to. getpeername()/recvmsg() on that socket
 /// look it up to show the frontend instead of the backend.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
 pub struct SockRevKey {
     /// `bpf_get_socket_cookie()`: unique per socket for the kernel's lifetime.
     pub cookie: u64,
@@ -476,7 +478,7 @@ pub type SockRevValue = RevNat;
 /// packet: nothing runs in between): the conntrack entry the new flow replaces, if any.
 /// Never pinned, never read by the agent.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct PendingFlow {
     /// The replaced entry (meaningful when `has_old` is 1).
     pub old: CtValue,
@@ -498,7 +500,7 @@ pub mod frag_hook {
 /// `FRAGMENTS_V1` (LRU hash) key: one fragmented datagram as its fragments arrive at a hook
 /// (before translation) — the IPv4 reassembly key {saddr, daddr, id, proto} plus the hook.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
 pub struct FragKey {
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
@@ -529,7 +531,7 @@ pub const FRAGMENT_TIMEOUT_NS: u64 = 30_000_000_000;
 
 /// `FRAGMENTS_V1` value: the first fragment's outcome, written when it passed the hook.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct FragValue {
     /// CLOCK_MONOTONIC ns when the first fragment passed.
     pub created_ns: u64,
@@ -545,7 +547,7 @@ const _: () = assert!(core::mem::size_of::<FragValue>() == 24);
 /// `FRAGSCRATCH` value: a `FRAGMENTS_V1` entry being written, built in per-CPU map memory rather
 /// than on the 512-byte BPF stack, which tc ingress has nearly used up.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct FragRecord {
     pub key: FragKey,
     /// 1 from the first fragment's record to its update in the same program run, else 0.
@@ -563,7 +565,7 @@ pub const TAP_CAPACITY: u32 = 256;
 /// `TAP_V1` (per-CPU hash, value `u64` packets) key: the 5-tuple of a TCP/UDP packet as the tap
 /// saw it, network order.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct TapKey {
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
@@ -581,7 +583,7 @@ pub const MAP_REJECT_LIMIT: &str = "REJECTRL_V1";
 /// `REJECTRL_V1` (per-CPU array, one entry) value: one CPU's token bucket, kept as credit in
 /// nanoseconds (see `ratelimit`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct RejectBucket {
     /// Earned and unspent time, capped at the burst.
     pub credit_ns: u64,
@@ -594,7 +596,7 @@ const _: () = assert!(core::mem::size_of::<RejectBucket>() == 16);
 /// (`ServiceValue::affinity_id`, shared by all that port's frontends, like kube-proxy's records).
 /// Node processes (socket hooks) are keyed by the node's address (`NodeInfo::snat_addr`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct AffinityKey {
     pub affinity_id: u32,
     /// Client address (network order).
@@ -605,7 +607,7 @@ const _: () = assert!(core::mem::size_of::<AffinityKey>() == 8);
 /// `AFFINITY_V1` value: the client's endpoint and when it last started a flow to it. Like
 /// kube-proxy (iptables `recent --set` on each new connection), only new flows refresh it.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
 pub struct AffinityValue {
     pub backend_id: u32,
     pub _pad: u32,
@@ -620,7 +622,7 @@ const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
 /// agent writes the entries before the frontend entry that needs them and removes them before the
 /// backend leaves the slots.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct AffinityMatchKey {
     pub frontend: ServiceKey,
     pub backend_id: u32,
