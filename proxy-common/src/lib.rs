@@ -6,6 +6,26 @@
 //! byte arrays; only the agent's map layer converts them from `Ipv4Addr`/`u16`. Pure functions
 //! used by both sides (flow hash, backend pick, checksums, idle timeouts) live here so the host
 //! can test them.
+//!
+//! A key with hidden padding does not compile (here: 3 bytes after `proto`):
+//! ```compile_fail,E0080
+//! #[repr(C)]
+//! #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+//! struct Key {
+//!     addr: u32,
+//!     proto: u8,
+//! }
+//! ```
+//! while the same key with its padding spelled out does:
+//! ```
+//! #[repr(C)]
+//! #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+//! struct Key {
+//!     addr: u32,
+//!     proto: u8,
+//!     _pad: [u8; 3],
+//! }
+//! ```
 #![cfg_attr(not(test), no_std)]
 
 pub mod csum;
