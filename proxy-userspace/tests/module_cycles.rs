@@ -67,7 +67,14 @@ fn strip(src: &str) -> String {
                 if j >= b.len() {
                     break;
                 }
-                if b[j] == '"' && b[j + 1..].iter().take(hashes).filter(|&&h| h == '#').count() == hashes {
+                if b[j] == '"'
+                    && b[j + 1..]
+                        .iter()
+                        .take(hashes)
+                        .filter(|&&h| h == '#')
+                        .count()
+                        == hashes
+                {
                     j += 1 + hashes;
                     break;
                 }
@@ -95,7 +102,9 @@ fn strip(src: &str) -> String {
         } else if c == '\'' {
             // A char literal ('x', '\n', '\u{..}') or a lifetime ('a): only the former is blanked.
             let end = if next == Some('\\') {
-                b.get(i + 3..).and_then(|r| r.iter().position(|&ch| ch == '\'')).map(|p| i + 3 + p)
+                b.get(i + 3..)
+                    .and_then(|r| r.iter().position(|&ch| ch == '\''))
+                    .map(|p| i + 3 + p)
             } else if b.get(i + 2) == Some(&'\'') {
                 Some(i + 2)
             } else {
@@ -152,7 +161,9 @@ fn tokens(src: &str) -> Vec<Tok> {
                 i += 1;
             }
             let word: String = s[start..i].iter().collect();
-            out.push(Tok::Ident(word.strip_prefix("r#").unwrap_or(&word).to_owned()));
+            out.push(Tok::Ident(
+                word.strip_prefix("r#").unwrap_or(&word).to_owned(),
+            ));
         } else if c == ':' && s.get(i + 1) == Some(&':') {
             out.push(Tok::PathSep);
             i += 2;
@@ -303,7 +314,9 @@ fn references(file_mod: &[String], src: &str, known: &BTreeSet<ModPath>) -> Vec<
                 skip_item(&toks, &mut i);
             }
             Tok::Ident(w) if w == "mod" => {
-                if let (Some(Tok::Ident(name)), Some(Tok::Punct('{'))) = (toks.get(i + 1), toks.get(i + 2)) {
+                if let (Some(Tok::Ident(name)), Some(Tok::Punct('{'))) =
+                    (toks.get(i + 1), toks.get(i + 2))
+                {
                     let mut m = here.clone();
                     m.push(name.clone());
                     depth += 1;
@@ -331,7 +344,10 @@ fn references(file_mod: &[String], src: &str, known: &BTreeSet<ModPath>) -> Vec<
                     } else {
                         aliases.insert(name, full.clone());
                     }
-                    refs.push(Reference { from: here.clone(), target: full });
+                    refs.push(Reference {
+                        from: here.clone(),
+                        target: full,
+                    });
                 }
             }
             Tok::Ident(w) => {
@@ -352,7 +368,10 @@ fn references(file_mod: &[String], src: &str, known: &BTreeSet<ModPath>) -> Vec<
                     && path.len() > 1
                     && let Some(full) = resolve(&here, &path, &aliases, &children)
                 {
-                    refs.push(Reference { from: here.clone(), target: full });
+                    refs.push(Reference {
+                        from: here.clone(),
+                        target: full,
+                    });
                 }
                 i = j;
             }
@@ -398,12 +417,18 @@ fn skip_item(toks: &[Tok], i: &mut usize) {
 
 /// The file module a (possibly inline) module path belongs to: its longest known prefix.
 fn owner(known: &BTreeSet<ModPath>, path: &[String]) -> Option<ModPath> {
-    (0..=path.len()).rev().map(|n| path[..n].to_vec()).find(|p| known.contains(p))
+    (0..=path.len())
+        .rev()
+        .map(|n| path[..n].to_vec())
+        .find(|p| known.contains(p))
 }
 
 fn module_of(src_dir: &Path, file: &Path) -> ModPath {
     let rel = file.strip_prefix(src_dir).unwrap().with_extension("");
-    let mut parts: ModPath = rel.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+    let mut parts: ModPath = rel
+        .iter()
+        .map(|s| s.to_string_lossy().into_owned())
+        .collect();
     if matches!(parts.last().map(String::as_str), Some("mod") | Some("lib")) {
         parts.pop();
     }
@@ -449,7 +474,8 @@ fn graph(files: &[(ModPath, String)]) -> Graph {
 fn cycles(g: &Graph) -> Vec<Vec<ModPath>> {
     let nodes: BTreeSet<&ModPath> = g.keys().flat_map(|(a, b)| [a, b]).collect();
     let nodes: Vec<&ModPath> = nodes.into_iter().collect();
-    let index_of: HashMap<&ModPath, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let index_of: HashMap<&ModPath, usize> =
+        nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let mut adj = vec![Vec::new(); nodes.len()];
     for (a, b) in g.keys() {
         adj[index_of[a]].push(index_of[b]);
@@ -523,7 +549,13 @@ fn cycles(g: &Graph) -> Vec<Vec<ModPath>> {
 }
 
 fn describe(g: &Graph, cycles: &[Vec<ModPath>]) -> String {
-    let name = |m: &ModPath| if m.is_empty() { "crate".to_owned() } else { m.join("::") };
+    let name = |m: &ModPath| {
+        if m.is_empty() {
+            "crate".to_owned()
+        } else {
+            m.join("::")
+        }
+    };
     let mut s = String::new();
     for (n, c) in cycles.iter().enumerate() {
         let members: Vec<String> = c.iter().map(name).collect();
@@ -542,7 +574,11 @@ fn graph_of(files: &[(&str, &str)]) -> Graph {
     let files: Vec<(ModPath, String)> = files
         .iter()
         .map(|(m, src)| {
-            let path = if m.is_empty() { vec![] } else { m.split("::").map(str::to_owned).collect() };
+            let path = if m.is_empty() {
+                vec![]
+            } else {
+                m.split("::").map(str::to_owned).collect()
+            };
             (path, src.to_string())
         })
         .collect();
@@ -550,7 +586,9 @@ fn graph_of(files: &[(&str, &str)]) -> Graph {
 }
 
 fn edges(g: &Graph) -> Vec<String> {
-    g.keys().map(|(a, b)| format!("{} -> {}", a.join("::"), b.join("::"))).collect()
+    g.keys()
+        .map(|(a, b)| format!("{} -> {}", a.join("::"), b.join("::")))
+        .collect()
 }
 
 #[test]
@@ -560,24 +598,39 @@ fn the_agent_modules_import_each_other_without_cycles() {
     rust_files(&src_dir, &mut paths);
     // main.rs is the binary's own crate root: its `crate::` is not the library.
     paths.retain(|p| p.file_name().is_some_and(|n| n != "main.rs"));
-    let files: Vec<(ModPath, String)> =
-        paths.iter().map(|p| (module_of(&src_dir, p), fs::read_to_string(p).unwrap())).collect();
-    assert!(files.len() > 20, "read only {} files from {}", files.len(), src_dir.display());
+    let files: Vec<(ModPath, String)> = paths
+        .iter()
+        .map(|p| (module_of(&src_dir, p), fs::read_to_string(p).unwrap()))
+        .collect();
+    assert!(
+        files.len() > 20,
+        "read only {} files from {}",
+        files.len(),
+        src_dir.display()
+    );
     let g = graph(&files);
     // The graph is not empty by accident of a broken parser: agent wires the stages.
     assert!(
-        g.keys().any(|(a, b)| a == &["agent"] && b == &["translate"]),
+        g.keys()
+            .any(|(a, b)| a == &["agent"] && b == &["translate"]),
         "the parser missed agent -> translate; edges: {:#?}",
         edges(&g)
     );
     let found = cycles(&g);
-    assert!(found.is_empty(), "import cycles between modules of proxy-userspace/src:\n{}", describe(&g, &found));
+    assert!(
+        found.is_empty(),
+        "import cycles between modules of proxy-userspace/src:\n{}",
+        describe(&g, &found)
+    );
 }
 
 #[test]
 fn parser_expands_nested_use_groups_across_lines() {
     let g = graph_of(&[
-        ("a", "use crate::{\n    b::{self, X},\n    c::{d::{E, F as G}, H},\n};\nfn f() {}"),
+        (
+            "a",
+            "use crate::{\n    b::{self, X},\n    c::{d::{E, F as G}, H},\n};\nfn f() {}",
+        ),
         ("b", ""),
         ("c", ""),
         ("c::d", ""),
@@ -604,11 +657,20 @@ fn parser_reads_crate_paths_in_expressions_types_and_attributes() {
 #[test]
 fn parser_resolves_super_self_and_children_inside_folders() {
     let g = graph_of(&[
-        ("d", "pub mod x;\npub mod y;\npub struct Error;\nfn f() { y::go(); }"),
-        ("d::x", "use super::{Error, y};\nfn f() { y::go(); self::h(); }\nfn h() {}"),
+        (
+            "d",
+            "pub mod x;\npub mod y;\npub struct Error;\nfn f() { y::go(); }",
+        ),
+        (
+            "d::x",
+            "use super::{Error, y};\nfn f() { y::go(); self::h(); }\nfn h() {}",
+        ),
         ("d::y", "pub fn go() { super::x::h2(); }"),
     ]);
-    assert_eq!(edges(&g), ["d -> d::y", "d::x -> d", "d::x -> d::y", "d::y -> d::x"]);
+    assert_eq!(
+        edges(&g),
+        ["d -> d::y", "d::x -> d", "d::x -> d::y", "d::y -> d::x"]
+    );
     let m = |s: &str| -> ModPath { s.split("::").map(str::to_owned).collect() };
     assert_eq!(cycles(&g), [vec![m("d"), m("d::x"), m("d::y")]]);
 }
@@ -616,7 +678,10 @@ fn parser_resolves_super_self_and_children_inside_folders() {
 #[test]
 fn parser_follows_imported_module_names() {
     let g = graph_of(&[
-        ("a", "use crate::d;\nuse crate::e as ee;\nfn f() { d::x::go(); ee::go(); }"),
+        (
+            "a",
+            "use crate::d;\nuse crate::e as ee;\nfn f() { d::x::go(); ee::go(); }",
+        ),
         ("d", ""),
         ("d::x", ""),
         ("e", ""),
@@ -645,7 +710,14 @@ fn parser_ignores_comments_strings_other_crates_and_test_items() {
 
 #[test]
 fn cycle_report_names_the_modules_and_the_paths() {
-    let g = graph_of(&[("a", "use crate::b::X;"), ("b", "fn f() { crate::a::y(); }"), ("c", "use crate::a::Z;")]);
+    let g = graph_of(&[
+        ("a", "use crate::b::X;"),
+        ("b", "fn f() { crate::a::y(); }"),
+        ("c", "use crate::a::Z;"),
+    ]);
     let found = cycles(&g);
-    assert_eq!(describe(&g, &found), "cycle 1: a, b\n  a -> b: crate::b::X\n  b -> a: crate::a::y\n");
+    assert_eq!(
+        describe(&g, &found),
+        "cycle 1: a, b\n  a -> b: crate::b::X\n  b -> a: crate::a::y\n"
+    );
 }

@@ -26,8 +26,8 @@ use kube_proxy_ebpf::{
     translate_cache::TranslateCache,
 };
 use proxy_common::{
-    CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_REVNAT, MAP_SERVICES,
-    PROG_TC_EGRESS, PROG_TC_INGRESS, Scheduler, stats::PICK_COUNTERS,
+    CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_REVNAT, MAP_SERVICES, PROG_TC_EGRESS, PROG_TC_INGRESS, Scheduler, stats::PICK_COUNTERS,
 };
 use serde_json::{Value, json};
 
