@@ -10,6 +10,8 @@
 //! `#[cfg(test)]` items are left out: a unit test may build its fixtures with a module above the
 //! one it tests, and that is no part of the shipping picture.
 //!
+//! Also checks that every module opens with a `//!` comment.
+//!
 //! Unprivileged and fast, so it runs in the `cargo test` tier of `cargo xtask test`.
 
 use std::{
@@ -621,6 +623,24 @@ fn the_agent_modules_import_each_other_without_cycles() {
         found.is_empty(),
         "import cycles between modules of proxy-userspace/src:\n{}",
         describe(&g, &found)
+    );
+}
+
+/// Every module opens with a `//!` comment saying what it owns (issue 11: a newcomer reads the
+/// tree from those).
+#[test]
+fn every_module_opens_with_a_doc_comment() {
+    let src_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut paths = Vec::new();
+    rust_files(&src_dir, &mut paths);
+    let bare: Vec<String> = paths
+        .iter()
+        .filter(|p| !fs::read_to_string(p).unwrap().starts_with("//!"))
+        .map(|p| p.strip_prefix(&src_dir).unwrap().display().to_string())
+        .collect();
+    assert!(
+        bare.is_empty(),
+        "modules without an opening //! comment: {bare:?}"
     );
 }
 
