@@ -500,14 +500,14 @@ impl Agent {
         if let Some(addr) = args.healthz_bind_address.0 {
             let (health, metrics) = (self.health(), self.metrics());
             tokio::spawn(async move {
-                let l = crate::health::bind_with_retry("healthz", addr).await;
+                let l = crate::http::bind_with_retry("healthz", addr).await;
                 crate::health::serve_health(l, health, metrics).await;
             });
         }
         if let Some(addr) = args.metrics_bind_address.0 {
             let metrics = self.metrics();
             tokio::spawn(async move {
-                let l = crate::health::bind_with_retry("metrics", addr).await;
+                let l = crate::http::bind_with_retry("metrics", addr).await;
                 crate::metrics::serve_metrics(l, metrics).await;
             });
         }
@@ -689,8 +689,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let cpus = crate::sizing::online_cpus();
-    let sizes = crate::sizing::map_sizes(&args, cpus);
-    let flow_maps = crate::sizing::flow_maps(&args, cpus);
+    let sizes = crate::sizing::map_sizes(&args.map_request(), cpus);
+    let flow_maps = crate::sizing::flow_maps(&args.map_request(), cpus);
     info!(
         cpus,
         max_per_core = args.conntrack_max_per_core,
@@ -720,7 +720,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     agent
         .external
-        .set_service_cidrs(crate::config::ipv4_prefixes(&args.service_cidr));
+        .set_service_cidrs(crate::addresses::ipv4_prefixes(&args.service_cidr));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that

@@ -166,14 +166,14 @@ pub struct RunArgs {
     #[arg(long, env = "KPE_CONFIG")]
     pub config: Option<PathBuf>,
     /// IP:port for /healthz and /livez (empty: disabled).
-    #[arg(long, value_parser = crate::config::parse_healthz_bind_address, default_value = "0.0.0.0:10256")]
-    pub healthz_bind_address: crate::config::BindAddress,
+    #[arg(long, value_parser = crate::addresses::parse_healthz_bind_address, default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: crate::addresses::BindAddress,
     /// IP:port for /metrics (empty: disabled).
-    #[arg(long, value_parser = crate::config::parse_metrics_bind_address, default_value = "127.0.0.1:10249")]
-    pub metrics_bind_address: crate::config::BindAddress,
+    #[arg(long, value_parser = crate::addresses::parse_metrics_bind_address, default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: crate::addresses::BindAddress,
     /// Node addresses NodePorts answer on: comma-separated CIDRs, `primary`, or empty for all.
-    #[arg(long, value_parser = crate::config::parse_nodeport_addresses, default_value = "")]
-    pub nodeport_addresses: crate::config::NodePortAddresses,
+    #[arg(long, value_parser = crate::addresses::parse_nodeport_addresses, default_value = "")]
+    pub nodeport_addresses: crate::addresses::NodePortAddresses,
     /// cgroup v2 directory whose processes reach Services from the node's own network namespace
     /// (cgroup socket hooks translate their connect()/sendmsg()): `auto` = the first cgroup2 mount
     /// (the host's root when the host's cgroup fs is mounted), a directory, or `none` (then the
@@ -184,14 +184,14 @@ pub struct RunArgs {
     /// --detect-local-mode ClusterCIDR, clients inside them (and the node) reach
     /// externalTrafficPolicy Local NodePorts, externalIPs and LoadBalancer IPs through the
     /// Service's cluster-wide endpoints, like upstream's short-circuit. IPv4, at most 4.
-    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
-    pub cluster_cidr: Vec<crate::config::Cidr>,
+    #[arg(long, value_delimiter = ',', value_parser = crate::addresses::parse_cidr)]
+    pub cluster_cidr: Vec<crate::addresses::Cidr>,
     /// The Service CIDRs (comma-separated, IPv4 used): a new flow to an address inside them
     /// that no Service has is dropped, and to a ClusterIP on a port none of its Services has,
     /// rejected (kube-proxy nftables' behaviour). In Kubernetes mode the cluster's ServiceCIDR
     /// objects (networking.k8s.io/v1) are added to these.
-    #[arg(long, value_delimiter = ',', value_parser = crate::config::parse_cidr)]
-    pub service_cidr: Vec<crate::config::Cidr>,
+    #[arg(long, value_delimiter = ',', value_parser = crate::addresses::parse_cidr)]
+    pub service_cidr: Vec<crate::addresses::Cidr>,
     /// The node's load-balancing scheduler for Services without the
     /// `kube-proxy-ebpf.io/scheduler` annotation (KubeProxyConfiguration `ipvs.scheduler`):
     /// random (the flow hash), rr, lc, sh, dh, mh, or an IPVS alias (wrr, wlc, sed, nq, lblc,
@@ -202,6 +202,22 @@ pub struct RunArgs {
     /// is implemented; with the others no client counts as in-cluster.
     #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]
     pub detect_local_mode: DetectLocalMode,
+}
+
+impl RunArgs {
+    /// The map sizes these settings ask for, for [`crate::sizing`] to turn into entries.
+    pub fn map_request(&self) -> crate::sizing::Requested {
+        crate::sizing::Requested {
+            conntrack_max_per_core: self.conntrack_max_per_core,
+            conntrack_min: self.conntrack_min,
+            map_entries_conntrack: self.map_entries_conntrack,
+            map_entries_snat: self.map_entries_snat,
+            map_entries_services: self.map_entries_services,
+            map_entries_backends: self.map_entries_backends,
+            map_entries_revnat: self.map_entries_revnat,
+            affinity_max_entries: self.affinity_max_entries,
+        }
+    }
 }
 
 /// `--tunnel-devices`.

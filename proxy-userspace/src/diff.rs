@@ -1173,15 +1173,13 @@ mod tests {
             ..p.clone()
         };
         let mut adopted = read_back(&p);
-        crate::maglev::adopt(&mut adopted, CAPS.maglev_table_size, |k| {
-            chunks.get(k).copied()
-        });
+        adopted.adopt_maglev(CAPS.maglev_table_size, |k| chunks.get(k).copied());
         assert_eq!(adopted, p, "the same tables, known again");
         assert_eq!(plan_ops(&d, &adopted), [], "nothing rewritten");
 
         // Restarted with another M: the content does not match; new tables, old ones deleted.
         let mut other = read_back(&p);
-        crate::maglev::adopt(&mut other, 509, |k| chunks.get(k).copied());
+        other.adopt_maglev(509, |k| chunks.get(k).copied());
         let caps = Capacities {
             maglev_table_size: 509,
             ..CAPS

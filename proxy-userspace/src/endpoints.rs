@@ -16,8 +16,8 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
 use crate::{
     fast_hash::HashMap,
-    metrics,
     model::{EndpointAddr, Problem, Protocol},
+    object_version,
 };
 
 /// Label naming the Service an EndpointSlice belongs to.
@@ -57,7 +57,7 @@ pub struct SliceData {
     /// The `kubernetes.io/service-name` label.
     pub service_name: Option<String>,
     pub resource_version: Option<String>,
-    /// Identifies this version of the object for [`metrics::ChangeTracker`]: a hash of the
+    /// Identifies this version of the object for [`crate::metrics::ChangeTracker`]: a hash of the
     /// resourceVersion (and uid) when it has one, else of the whole object as JSON (manifests).
     pub fingerprint: u64,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, when it parses.
@@ -91,8 +91,8 @@ impl From<&EndpointSlice> for SliceData {
                 .and_then(|l| l.get(LABEL_SERVICE_NAME))
                 .cloned(),
             resource_version: meta.resource_version.clone(),
-            fingerprint: metrics::fingerprint(slice),
-            trigger_time: metrics::trigger_time(meta),
+            fingerprint: object_version::fingerprint(slice),
+            trigger_time: object_version::trigger_time(meta),
             has_endpoints: slice.endpoints.as_ref().is_some_and(|e| !e.is_empty()),
             ipv4,
             ports: ports.into(),

@@ -1,4 +1,5 @@
 //! kube-proxy-ebpf agent library: sources → translate (pure) → diff (pure) → apply (maps).
+pub mod addresses;
 pub mod agent;
 pub mod cleanup;
 pub mod cli;
@@ -12,6 +13,7 @@ pub mod endpoints;
 pub mod fast_hash;
 pub mod health;
 pub mod healthcheck;
+pub mod http;
 pub mod ids;
 pub mod incremental;
 pub mod kube;
@@ -21,6 +23,7 @@ pub mod manifests;
 pub mod metrics;
 pub mod model;
 pub mod node_addrs;
+pub mod object_version;
 pub mod occupancy;
 pub mod port_range;
 pub mod programmed;

@@ -1,13 +1,14 @@
 //! Maglev tables as the agent reasons about them: what a table holds is fully given by its
 //! size M and its backend set in slot order (identities, no node-local ids), so the planner
 //! compares and shares tables by that description and the map layer builds the entries only
-//! when it writes them (the shadow never holds 32 KiB per table).
+//! when it writes them (the shadow never holds 32 KiB per table). The shadow
+//! ([`crate::programmed`]) holds these descriptions and adopts read-back tables by them.
 
 use std::sync::Arc;
 
 use proxy_common::maglev::{self, CHUNK_ENTRIES, Chunk, MaglevKey, Permutation};
 
-use crate::{encode, fast_hash::HashSet, model::EndpointAddr, programmed::Programmed};
+use crate::model::EndpointAddr;
 
 /// One Maglev table: M and the endpoints of slots 1..=n (the frontend's sorted backends).
 /// An adopted table whose content did not match what this agent would build has no endpoints
@@ -70,43 +71,6 @@ impl MaglevTable {
 /// chunk).
 pub fn kernel_bytes(tables: u64, m: u32) -> u64 {
     tables * u64::from(maglev::chunks(m)) * maglev::CHUNK_KERNEL_BYTES
-}
-
-/// Adoption of the Maglev tables read back from the maps (all [`MaglevTable::unknown`]): a
-/// table that a frontend names and that holds exactly what this agent builds for that
-/// frontend's slots at size `m` (`read` gives a chunk as the map holds it) becomes known — kept
-/// and shared as if this agent had written it. Any other stays unknown, so the next plan
-/// replaces it (another `m`, a table cut short by a crash). Each named table is read once.
-pub fn adopt(p: &mut Programmed, m: u32, read: impl Fn(&MaglevKey) -> Option<Chunk>) {
-    let mut checked: HashSet<u32> = HashSet::default();
-    let mut known = Vec::new();
-    for (key, v) in &p.services {
-        if key.slot != 0 || v.maglev_table == 0 || !checked.insert(v.maglev_table) {
-            continue;
-        }
-        let Some(have) = p.maglev.get(&v.maglev_table) else {
-            continue;
-        };
-        let endpoints: Option<Vec<_>> = (1..=v.count)
-            .map(|s| {
-                let slot = p.services.get(&key.with_slot(s))?;
-                encode::decode_endpoint(p.backends.get(&slot.backend_id)?)
-            })
-            .collect();
-        let Some(endpoints) = endpoints else { continue };
-        let want = MaglevTable::new(m, endpoints);
-        if want.chunks() != have.chunks() {
-            continue;
-        }
-        let same = want
-            .map_entries(v.maglev_table)
-            .iter()
-            .all(|(k, chunk)| read(k).as_ref() == Some(chunk));
-        if same {
-            known.push((v.maglev_table, want));
-        }
-    }
-    p.maglev.extend(known);
 }
 
 #[cfg(test)]

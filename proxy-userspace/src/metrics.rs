@@ -35,13 +35,12 @@
 use std::{
     collections::{HashMap, HashSet},
     fmt,
-    hash::{DefaultHasher, Hash as _, Hasher as _},
     sync::{Arc, Mutex, atomic::AtomicU64},
     time::{Duration, SystemTime},
 };
 
 use hyper::{StatusCode, header};
-use k8s_openapi::{Metadata, apimachinery::pkg::apis::meta::v1::ObjectMeta, jiff::Timestamp};
+use k8s_openapi::{Metadata, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
@@ -62,13 +61,12 @@ use tracing::debug;
 use crate::{
     dataplane::{bpffs::PinLayout, maps::Stats},
     endpoints::SliceData,
-    health,
+    http,
     model::{DesiredState, FrontendConflict, FrontendKind, Scope},
+    object_version::fingerprint,
     snapshot::Snapshot,
 };
 
-/// EndpointSlice annotation: when the change that produced this slice version happened.
-pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 /// What `/proxyMode` answers.
 pub const PROXY_MODE: &str = "ebpf";
 /// The `ip_family` label value of the series upstream labels per family (IPv4 only here).
@@ -533,18 +531,18 @@ fn gauge(n: u64) -> i64 {
 
 /// Serves `/metrics` on `listener` until the task is dropped.
 pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
-    health::serve(listener, move |req| {
+    http::serve(listener, move |req| {
         match req.uri().path() {
             "/metrics" => {}
             "/proxyMode" => {
-                return health::reply(
+                return http::reply(
                     StatusCode::OK,
                     "text/plain; charset=utf-8",
                     PROXY_MODE.into(),
                 );
             }
             _ => {
-                return health::reply(
+                return http::reply(
                     StatusCode::NOT_FOUND,
                     "text/plain",
                     "404 page not found\n".into(),
@@ -557,13 +555,13 @@ pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.contains("application/openmetrics-text"));
         if openmetrics {
-            health::reply(
+            http::reply(
                 StatusCode::OK,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 metrics.encode_openmetrics(),
             )
         } else {
-            health::reply(
+            http::reply(
                 StatusCode::OK,
                 prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
                 metrics.encode_text(),
@@ -687,51 +685,6 @@ where
         .collect()
 }
 
-/// What identifies this version of an object: its resourceVersion (and uid) when it has one,
-/// else a hash of its JSON.
-pub(crate) fn fingerprint<T>(o: &T) -> u64
-where
-    T: Metadata<Ty = ObjectMeta> + Serialize,
-{
-    let meta = o.metadata();
-    let mut h = DefaultHasher::new();
-    match (&meta.resource_version, &meta.uid) {
-        (Some(rv), uid) => (rv, uid).hash(&mut h),
-        (None, _) => {
-            // Streamed into the hasher: no buffer per object.
-            let _ = serde_json::to_writer(HashWriter(&mut h), o);
-        }
-    }
-    h.finish()
-}
-
-/// `io::Write` into a `Hasher`.
-struct HashWriter<'a>(&'a mut DefaultHasher);
-
-impl std::io::Write for HashWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.write(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-pub(crate) fn trigger_time(meta: &ObjectMeta) -> Option<SystemTime> {
-    let raw = meta.annotations.as_ref()?.get(ANNOTATION_TRIGGER_TIME)?;
-    let ts: Timestamp = raw.parse().ok()?;
-    system_time(ts)
-}
-
-/// jiff's `SystemTime` conversions need its `std` feature, which k8s-openapi leaves off.
-fn system_time(ts: Timestamp) -> Option<SystemTime> {
-    let secs = u64::try_from(ts.as_second()).ok()?;
-    let nanos = u32::try_from(ts.subsec_nanosecond()).ok()?;
-    SystemTime::UNIX_EPOCH.checked_add(Duration::new(secs, nanos))
-}
-
 /// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`: Service ports with a
 /// Local traffic policy that have usable endpoints somewhere but none this node can use, so
 /// their frontends drop new flows (`drop_when_empty`). `internal`: iTP=Local, seen on the
@@ -760,7 +713,8 @@ mod tests {
 
     use super::*;
     use crate::{
-        health::test_http::get as http_get,
+        http::test_http::get as http_get,
+        object_version::{ANNOTATION_TRIGGER_TIME, system_time},
         translate::{self, NodeContext},
     };
 

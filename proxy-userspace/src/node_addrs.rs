@@ -8,7 +8,7 @@ use proxy_common::NodeInfo;
 use tracing::{error, info};
 
 use crate::{
-    config::{Cidr, NodePortAddresses},
+    addresses::{Cidr, NodePortAddresses},
     dataplane::{
         self,
         interfaces::{Interface, Patterns},

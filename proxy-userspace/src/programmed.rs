@@ -6,9 +6,13 @@
 
 use std::sync::Arc;
 
-use proxy_common::{AffinityMatchKey, Backend, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{
+    AffinityMatchKey, Backend, RevNat, ServiceKey, ServiceValue,
+    maglev::{Chunk, MaglevKey},
+};
 
 use crate::{
+    encode,
     fast_hash::{HashMap, HashSet},
     maglev::MaglevTable,
 };
@@ -71,6 +75,43 @@ pub struct Programmed {
 }
 
 impl Programmed {
+    /// Adoption of the Maglev tables read back from the maps (all [`MaglevTable::unknown`]): a
+    /// table that a frontend names and that holds exactly what this agent builds for that
+    /// frontend's slots at size `m` (`read` gives a chunk as the map holds it) becomes known — kept
+    /// and shared as if this agent had written it. Any other stays unknown, so the next plan
+    /// replaces it (another `m`, a table cut short by a crash). Each named table is read once.
+    pub fn adopt_maglev(&mut self, m: u32, read: impl Fn(&MaglevKey) -> Option<Chunk>) {
+        let mut checked: HashSet<u32> = HashSet::default();
+        let mut known = Vec::new();
+        for (key, v) in &self.services {
+            if key.slot != 0 || v.maglev_table == 0 || !checked.insert(v.maglev_table) {
+                continue;
+            }
+            let Some(have) = self.maglev.get(&v.maglev_table) else {
+                continue;
+            };
+            let endpoints: Option<Vec<_>> = (1..=v.count)
+                .map(|s| {
+                    let slot = self.services.get(&key.with_slot(s))?;
+                    encode::decode_endpoint(self.backends.get(&slot.backend_id)?)
+                })
+                .collect();
+            let Some(endpoints) = endpoints else { continue };
+            let want = MaglevTable::new(m, endpoints);
+            if want.chunks() != have.chunks() {
+                continue;
+            }
+            let same = want
+                .map_entries(v.maglev_table)
+                .iter()
+                .all(|(k, chunk)| read(k).as_ref() == Some(chunk));
+            if same {
+                known.push((v.maglev_table, want));
+            }
+        }
+        self.maglev.extend(known);
+    }
+
     /// Record an operation the map layer has carried out.
     pub fn apply(&mut self, op: &MapOp) {
         match *op {

@@ -18,7 +18,7 @@
 
 use proxy_common::CONNTRACK_CAPACITY;
 
-use crate::{cli::RunArgs, dataplane::loader::MapSizes};
+use crate::dataplane::loader::MapSizes;
 
 /// Upstream's `conntrack.maxPerCore` default.
 pub const DEFAULT_MAX_PER_CORE: u32 = 32_768;
@@ -55,8 +55,22 @@ pub struct FlowMaps {
     pub snat_basis: Basis,
 }
 
+/// What the merged settings (flags over the config file) ask of the maps' sizes; the flags
+/// fill it (`cli::RunArgs::map_request`), so this module reads numbers, not arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Requested {
+    pub conntrack_max_per_core: u32,
+    pub conntrack_min: u32,
+    pub map_entries_conntrack: Option<u32>,
+    pub map_entries_snat: Option<u32>,
+    pub map_entries_services: u32,
+    pub map_entries_backends: u32,
+    pub map_entries_revnat: u32,
+    pub affinity_max_entries: u32,
+}
+
 /// Pure: the flow maps' sizes from the merged settings and the CPU count.
-pub fn flow_maps(args: &RunArgs, cpus: u32) -> FlowMaps {
+pub fn flow_maps(args: &Requested, cpus: u32) -> FlowMaps {
     let flows = flows(args.conntrack_max_per_core, args.conntrack_min, cpus);
     let derived = flows.saturating_mul(ENTRIES_PER_FLOW);
     let pick = |explicit: Option<u32>| match explicit {
@@ -74,7 +88,7 @@ pub fn flow_maps(args: &RunArgs, cpus: u32) -> FlowMaps {
 }
 
 /// Pure: every map's size for a new agent.
-pub fn map_sizes(args: &RunArgs, cpus: u32) -> MapSizes {
+pub fn map_sizes(args: &Requested, cpus: u32) -> MapSizes {
     let f = flow_maps(args, cpus);
     MapSizes {
         services: args.map_entries_services,
@@ -108,7 +122,7 @@ mod tests {
         config,
     };
 
-    fn args(argv: &[&str], file: &str) -> RunArgs {
+    fn args(argv: &[&str], file: &str) -> Requested {
         let mut full = vec!["kube-proxy-ebpf", "run", "--manifests", "/m"];
         full.extend_from_slice(argv);
         let matches = Cli::command().try_get_matches_from(full).expect("flags");
@@ -119,7 +133,7 @@ mod tests {
         let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
         let file = config::parse("c.yaml", &format!("{head}{file}")).expect("file");
         config::apply(&mut args, &file.config, &explicit).expect("apply");
-        args
+        args.map_request()
     }
 
     #[test]

@@ -469,8 +469,8 @@ fn source_ranges(svc: &Service) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
     let mut ranges = Vec::new();
     let mut bad = Vec::new();
     for item in items.iter().filter(|s| !s.is_empty()) {
-        match item.parse::<crate::config::Cidr>() {
-            Ok(crate::config::Cidr {
+        match item.parse::<crate::addresses::Cidr>() {
+            Ok(crate::addresses::Cidr {
                 addr: IpAddr::V4(a),
                 prefix_len,
             }) => {

@@ -5,7 +5,8 @@ use aya::{Ebpf, EbpfLoader, maps::Array, programs::SchedClassifier};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT,
-    MAP_TAIL_CALLS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
+    MAP_TAIL_CALLS, PROG_SOCK_CONNECT4, PROG_SOCK_GETPEERNAME4, PROG_SOCK_RECVMSG4,
+    PROG_SOCK_SENDMSG4, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
     REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
 };
 
@@ -256,6 +257,15 @@ pub fn load_unpinned(config: &DatapathConfig) -> Result<Ebpf> {
     Ok(ebpf)
 }
 
+/// The object's cgroup socket programs, loaded with the tc ones; `sock_lb` attaches them (its
+/// `SockHook::program` names one each, which its tests check against this list).
+pub const SOCK_PROGRAMS: [&str; 4] = [
+    PROG_SOCK_CONNECT4,
+    PROG_SOCK_SENDMSG4,
+    PROG_SOCK_RECVMSG4,
+    PROG_SOCK_GETPEERNAME4,
+];
+
 /// Loads (verifies) the tc programs and the socket hooks of an opened object. The socket hooks
 /// stay inert (netns cookie 0) unless `SOCK_LB_GLOBAL` was set before loading.
 pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
@@ -274,8 +284,7 @@ pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
             .map_err(|source| Error::Program { name, source })?;
     }
     link_tail_calls(ebpf)?;
-    for hook in super::sock_lb::SockHook::ALL {
-        let name = hook.program();
+    for name in SOCK_PROGRAMS {
         sock_program_mut(ebpf, name)?
             .load()
             .map_err(|source| Error::Program { name, source })?;

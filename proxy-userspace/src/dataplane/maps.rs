@@ -114,9 +114,9 @@ impl ServiceMaps {
     }
 
     /// Adoption of the Maglev tables read back by [`Self::read_programmed`]
-    /// ([`crate::maglev::adopt`]).
+    /// ([`Programmed::adopt_maglev`]).
     pub fn adopt_maglev(&self, p: &mut Programmed, m: u32) {
-        crate::maglev::adopt(p, m, |k| self.maglev.get(k, 0).ok());
+        p.adopt_maglev(m, |k| self.maglev.get(k, 0).ok());
     }
 
     /// Kernel memory of `MAGLEV_V1` as the kernel accounts it (`memlock` in the map's fdinfo:

@@ -289,6 +289,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_loader_loads_every_hooks_program() {
+        let programs: Vec<&str> = SockHook::ALL.iter().map(|h| h.program()).collect();
+        assert_eq!(programs, loader::SOCK_PROGRAMS);
+    }
+
+    #[test]
     fn pin_names_round_trip() {
         for hook in SockHook::ALL {
             let id = CgroupLinkId {

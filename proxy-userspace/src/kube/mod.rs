@@ -231,7 +231,7 @@ impl KubeSource {
             .iter()
             .filter_map(|c| c.spec.as_ref()?.cidrs.as_ref())
             .flatten()
-            .filter_map(|c| c.parse::<crate::config::Cidr>().ok())
+            .filter_map(|c| c.parse::<crate::addresses::Cidr>().ok())
             .filter_map(|c| match c.addr {
                 std::net::IpAddr::V4(a) => Some((a, c.prefix_len)),
                 std::net::IpAddr::V6(_) => None,
