@@ -23,7 +23,7 @@ use std::{
 
 use clap::parser::{ArgMatches, ValueSource};
 use proxy_common::{Scheduler, sched::SCHEDULER_NAMES};
-use serde_yaml::Value;
+use serde_json::Value;
 
 use crate::{
     addresses::{BindAddress, Cidr, HEALTHZ_PORT, METRICS_PORT, NodePortAddresses},
@@ -41,11 +41,9 @@ pub enum Error {
         file: String,
         source: std::io::Error,
     },
-    #[error("{file}: not valid YAML: {source}")]
-    Yaml {
-        file: String,
-        source: serde_yaml::Error,
-    },
+    /// `message` ends with the line and column.
+    #[error("{file}: not valid YAML: {message}")]
+    Yaml { file: String, message: String },
     #[error("{file}: {field}: {reason}")]
     Field {
         file: String,
@@ -242,9 +240,8 @@ fn is_zero(v: &Value) -> bool {
         Value::String(s) => {
             s.is_empty() || parse_duration(s) == Ok(Duration::ZERO) || s.parse() == Ok(0.0)
         }
-        Value::Sequence(s) => s.iter().all(is_zero),
-        Value::Mapping(m) => m.values().all(is_zero),
-        Value::Tagged(t) => is_zero(&t.value),
+        Value::Array(s) => s.iter().all(is_zero),
+        Value::Object(m) => m.values().all(is_zero),
     }
 }
 
@@ -272,13 +269,7 @@ impl Walker<'_> {
     fn mapping<'v>(&self, field: &str, v: &'v Value) -> Result<Vec<(String, &'v Value)>> {
         match v {
             Value::Null => Ok(Vec::new()),
-            Value::Mapping(m) => m
-                .iter()
-                .map(|(k, v)| match k {
-                    Value::String(k) => Ok((k.clone(), v)),
-                    _ => Err(self.err(field, format!("keys must be strings, found {k:?}"))),
-                })
-                .collect(),
+            Value::Object(m) => Ok(m.iter().map(|(k, v)| (k.clone(), v)).collect()),
             _ => Err(self.err(field, "expected a mapping")),
         }
     }
@@ -323,7 +314,7 @@ impl Walker<'_> {
     fn string_list(&self, field: &str, v: &Value) -> Result<Vec<String>> {
         match v {
             Value::Null => Ok(Vec::new()),
-            Value::Sequence(items) => items
+            Value::Array(items) => items
                 .iter()
                 .enumerate()
                 .map(|(i, item)| {
@@ -618,15 +609,23 @@ impl Walker<'_> {
 
 /// A value on one line (JSON), for messages.
 fn show(v: &Value) -> String {
-    serde_json::to_string(v).unwrap_or_else(|_| format!("{v:?}"))
+    v.to_string()
 }
 
 /// Parses a KubeProxyConfiguration document. `file` names it in messages.
 pub fn parse(file: &str, text: &str) -> Result<Parsed> {
-    let root: Value = serde_yaml::from_str(text).map_err(|source| Error::Yaml {
-        file: file.to_owned(),
-        source,
-    })?;
+    // YAML 1.2 booleans (`yes` is a string, as with serde_yaml before); a repeated key is an
+    // error (which of two values was meant?); no snippet in the one-line message.
+    let options = serde_saphyr::options! {
+        strict_booleans: true,
+        with_snippet: false,
+    };
+    let root: Value =
+        serde_saphyr::from_str_with_options(text, options).map_err(|e| Error::Yaml {
+            file: file.to_owned(),
+            // The user-facing wording (the default one suggests parser options to the caller).
+            message: e.render_with_formatter(&serde_saphyr::UserMessageFormatter),
+        })?;
     let mut w = Walker {
         file,
         out: Parsed::default(),
@@ -1099,6 +1098,27 @@ mod tests {
         assert!(e.starts_with("c.yaml: kind:"), "{e}");
         let e = parse("c.yaml", "a: [").unwrap_err().to_string();
         assert!(e.starts_with("c.yaml: not valid YAML"), "{e}");
+        // Syntax errors and repeated keys name the line and column.
+        let e = parse("c.yaml", &format!("{HEAD}mode: \"\nclusterCIDR: x\n"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "c.yaml: not valid YAML: unclosed quote at line 3, column 7"
+        );
+        let e = parse("c.yaml", &format!("{HEAD}mode: ''\nmode: ''\n"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "c.yaml: not valid YAML: duplicate mapping key `mode` is not allowed here at line 4, \
+             column 1"
+        );
+        // YAML 1.2 booleans: `yes` is the string "yes" (a bool would read "found true").
+        let e = parse("c.yaml", &format!("{HEAD}mode: yes\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c.yaml: mode: \"yes\""), "{e}");
         // JSON is YAML.
         parse(
             "c.json",

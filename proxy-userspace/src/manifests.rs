@@ -268,7 +268,7 @@ impl HasMeta for EndpointSlice {
 }
 
 /// Split a YAML stream into documents and parse each on its own, so that a syntax error in one
-/// document does not hide the others (libyaml stops a stream at its first error). Documents
+/// document does not hide the others (a YAML parser stops a stream at its first error). Documents
 /// start at lines beginning with `---`, which YAML reserves for that at column 0.
 fn yaml_documents(text: &str) -> impl Iterator<Item = Result<Value, String>> + '_ {
     // (first line number, byte offset) of each document.
@@ -304,16 +304,32 @@ fn yaml_documents(text: &str) -> impl Iterator<Item = Result<Value, String>> + '
         if is_blank_yaml(chunk) {
             return Ok(Value::Null);
         }
-        serde_yaml::from_str::<Value>(chunk).map_err(|_| {
-            // Parse again behind blank lines so the error's line numbers are the file's (only
-            // on the rare bad document: padding every document costs a quadratic amount).
-            let padded = "\n".repeat(line - 1) + chunk;
-            match serde_yaml::from_str::<Value>(&padded) {
-                Err(e) => format!("invalid YAML: {e}"),
-                Ok(_) => "invalid YAML".to_owned(),
-            }
+        serde_saphyr::from_str_with_options::<Value>(chunk, yaml_options()).map_err(|e| {
+            // The chunk starts at the file's line `line`: report the file's line numbers.
+            // The user-facing wording (the default one suggests parser options to the caller).
+            let at_file_lines = serde_saphyr::render_options! {
+                formatter: &serde_saphyr::UserMessageFormatter,
+                line_offset: line as u64 - 1,
+                snippets: serde_saphyr::SnippetMode::Off,
+            };
+            format!("invalid YAML: {}", e.render_with_options(at_file_lines))
         })
     })
+}
+
+/// How manifests are read: YAML 1.2 booleans (`yes` stays a string), a repeated key keeps its
+/// last value (as serde_yaml did), and no size budget beyond the depth and scalar-bytes limits
+/// (the folder is the operator's own; a `List` of 50,000 Services is millions of nodes).
+fn yaml_options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        strict_booleans: true,
+        duplicate_keys: serde_saphyr::DuplicateKeyPolicy::LastWins,
+        with_snippet: false,
+        budget: serde_saphyr::budget! {
+            max_events: usize::MAX,
+            max_nodes: usize::MAX,
+        },
+    }
 }
 
 /// Only blank lines, comments and document markers.
@@ -416,6 +432,19 @@ mod tests {
     }
 
     #[test]
+    fn yaml_1_2_booleans_and_repeated_keys_read_as_before() {
+        // `yes` is a string in YAML 1.2 (a bool would fail the string-valued labels map); a
+        // repeated key keeps its last value.
+        let text = "apiVersion: v1\nkind: Service\nmetadata:\n  name: x\n  name: y\n  \
+                    namespace: ns\n  labels: {enabled: yes, off: no}\nspec:\n  clusterIP: \
+                    10.96.0.7\n  ports:\n  - port: 80\n";
+        let dir = TempDir::new(&[("s.yaml", text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(load.problems, []);
+        assert_eq!(names(&load), ["ns/y"]);
+    }
+
+    #[test]
     fn missing_namespace_defaults_to_default() {
         let dir = TempDir::new(&[("s.yml", SLICE)]);
         let load = load_dir(&dir.0);
@@ -463,9 +492,38 @@ mod tests {
         };
         assert!(p.source.ends_with("mixed.yaml"), "{p}");
         assert_eq!(p.object, "document 2");
-        assert!(
-            p.reason.starts_with("invalid YAML") && p.reason.contains("at line 13"),
-            "{p}"
+        // Line 12 of the file holds the unclosed `[` (document 2 starts at line 10).
+        assert_eq!(
+            p.reason,
+            "invalid YAML: unclosed bracket '[' at line 12, column 11"
+        );
+    }
+
+    #[test]
+    fn bad_yaml_error_names_the_files_line_in_a_later_document() {
+        // A leading marker and comments before document 1, then a bad third document: its
+        // position must count every line of the file, not of the document.
+        let text = format!(
+            "---\n# services\n{}---\n{}---\n# the bad one\napiVersion: v1\nkind: Service\n\
+             metadata:\n  name: c\n   namespace: ns\n---\n{}",
+            svc_yaml("a", "10.96.0.1"),
+            svc_yaml("b", "10.96.0.2"),
+            svc_yaml("d", "10.96.0.4"),
+        );
+        let bad_line = 1 + text.lines().position(|l| l == "   namespace: ns").unwrap();
+        assert_eq!(bad_line, 28);
+        let dir = TempDir::new(&[("three.yaml", &text)]);
+        let load = load_dir(&dir.0);
+        assert_eq!(names(&load), ["ns/a", "ns/b", "ns/d"]);
+        let [p] = load.problems.as_slice() else {
+            panic!("one problem expected: {:?}", load.problems)
+        };
+        assert!(p.source.ends_with("three.yaml"), "{p}");
+        assert_eq!(p.object, "document 3");
+        // The over-indented line continues `c` as a plain scalar; its `:` is the error.
+        assert_eq!(
+            p.reason,
+            "invalid YAML: mapping values are not allowed in this context at line 28, column 13"
         );
     }
 

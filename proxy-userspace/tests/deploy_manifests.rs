@@ -22,8 +22,7 @@ use kube_proxy_ebpf::{
     cli::{Cli, Command},
     config,
 };
-use serde::Deserialize as _;
-use serde_yaml::Value;
+use serde_json::Value;
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -48,10 +47,9 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// paths that did not (k8s-openapi silently ignores unknown fields).
 fn lost_fields(original: &Value, typed: &Value, path: &str, lost: &mut Vec<String>) {
     match (original, typed) {
-        (Value::Mapping(o), Value::Mapping(t)) => {
+        (Value::Object(o), Value::Object(t)) => {
             for (k, v) in o {
-                let key = k.as_str().unwrap_or("?");
-                let p = format!("{path}.{key}");
+                let p = format!("{path}.{k}");
                 match t.get(k) {
                     Some(tv) => lost_fields(v, tv, &p, lost),
                     // Empty values may be dropped by serialization without meaning anything.
@@ -60,7 +58,7 @@ fn lost_fields(original: &Value, typed: &Value, path: &str, lost: &mut Vec<Strin
                 }
             }
         }
-        (Value::Sequence(o), Value::Sequence(t)) => {
+        (Value::Array(o), Value::Array(t)) => {
             for (i, (ov, tv)) in o.iter().zip(t).enumerate() {
                 lost_fields(ov, tv, &format!("{path}[{i}]"), lost);
             }
@@ -72,17 +70,17 @@ fn lost_fields(original: &Value, typed: &Value, path: &str, lost: &mut Vec<Strin
 fn is_empty(v: &Value) -> bool {
     match v {
         Value::Null => true,
-        Value::Mapping(m) => m.is_empty(),
-        Value::Sequence(s) => s.is_empty(),
+        Value::Object(m) => m.is_empty(),
+        Value::Array(s) => s.is_empty(),
         _ => false,
     }
 }
 
 /// Parses one document as `T` and checks nothing was dropped.
 fn typed<T: DeserializeOwned + Serialize>(doc: &Value, at: &str) -> T {
-    let obj: T = serde_yaml::from_value(doc.clone())
+    let obj: T = serde_json::from_value(doc.clone())
         .unwrap_or_else(|e| panic!("{at}: does not parse as its kind: {e}"));
-    let back = serde_yaml::to_value(&obj).expect("serialize");
+    let back = serde_json::to_value(&obj).expect("serialize");
     let mut lost = Vec::new();
     lost_fields(doc, &back, "", &mut lost);
     assert!(
@@ -110,9 +108,10 @@ fn load_all() -> Objects {
     let mut objects = Objects::default();
     for file in &files {
         let text = std::fs::read_to_string(file).expect("read");
-        for (i, de) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text)
+            .unwrap_or_else(|e| panic!("{}: not YAML: {e}", file.display()));
+        for (i, doc) in docs.into_iter().enumerate() {
             let at = format!("{} document {i}", file.display());
-            let doc = Value::deserialize(de).unwrap_or_else(|e| panic!("{at}: not YAML: {e}"));
             if doc.is_null() {
                 continue;
             }
@@ -163,7 +162,7 @@ fn every_document_parses_as_its_kind() {
 
 #[test]
 fn lost_field_check_catches_typos() {
-    let doc: Value = serde_yaml::from_str(
+    let doc: Value = serde_saphyr::from_str(
         "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: x\n  namspace: y\n",
     )
     .expect("yaml");
