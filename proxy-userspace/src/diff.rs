@@ -787,6 +787,15 @@ mod tests {
         plan
     }
 
+    /// This node ("node-a", no zone) with the default scheduler.
+    fn node_a() -> crate::translate::NodeContext {
+        crate::translate::NodeContext {
+            scheduler: Default::default(),
+            node_name: "node-a".into(),
+            zone: None,
+        }
+    }
+
     #[test]
     fn affinity_matches_come_with_the_slots_and_leave_before_anything_else() {
         let with_affinity = |d: &mut DesiredState, f: u32, timeout: Option<u32>| {
@@ -1644,19 +1653,12 @@ mod tests {
         use serde_json::json;
 
         use crate::{
-            incremental::Planner,
-            model::Scheduler,
-            snapshot::Snapshot,
-            translate::{ANNOTATION_SCHEDULER, NodeContext},
+            incremental::Planner, snapshot::Snapshot, translate::ANNOTATION_SCHEDULER,
             translate_cache::TranslateCache,
         };
 
         let node_addr = Ipv4Addr::new(192, 168, 50, 10);
-        let node = NodeContext {
-            scheduler: Scheduler::Random,
-            node_name: "node-a".into(),
-            zone: None,
-        };
+        let node = node_a();
         let slice: EndpointSlice = serde_json::from_value(json!({
             "metadata": {"name": "web-1", "namespace": "demo",
                          "labels": {"kubernetes.io/service-name": "web"}},
@@ -1745,17 +1747,10 @@ mod tests {
         use proxy_common::{SCOPE_INTERNAL, service_flags};
         use serde_json::json;
 
-        use crate::{
-            snapshot::Snapshot,
-            translate::{NodeContext, translate_for_node},
-        };
+        use crate::{snapshot::Snapshot, translate::translate_for_node};
 
         let node_addr = Ipv4Addr::new(192, 168, 50, 10);
-        let node = NodeContext {
-            scheduler: Default::default(),
-            node_name: "node-a".into(),
-            zone: None,
-        };
+        let node = node_a();
         let slice: EndpointSlice = serde_json::from_value(json!({
             "metadata": {"name": "web-1", "namespace": "demo",
                          "labels": {"kubernetes.io/service-name": "web"}},

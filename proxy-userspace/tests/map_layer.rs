@@ -31,6 +31,18 @@ use proxy_common::{
 };
 use proxy_testenv::require_privileged;
 
+/// Maps of 64 entries each: the loader tests only look at which maps are created or adopted.
+fn tiny_map_sizes() -> kube_proxy_ebpf::dataplane::loader::MapSizes {
+    kube_proxy_ebpf::dataplane::loader::MapSizes {
+        services: 64,
+        backends: 64,
+        rev_nats: 64,
+        affinity: 64,
+        conntrack: 64,
+        snat: 64,
+    }
+}
+
 fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
     let mut frontends = BTreeMap::new();
     for s in 0..services {
@@ -530,7 +542,7 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
 #[test]
 fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
     require_privileged!();
-    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes};
+    use kube_proxy_ebpf::dataplane::bpffs::PinLayout;
     use proxy_common::{MAP_SEED, SockLbConfig};
 
     proxy_testenv::ensure_bpffs().expect("bpffs");
@@ -546,14 +558,7 @@ fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
             hash_seed: seed,
             ..DatapathConfig::DEFAULT
         };
-        let sizes = MapSizes {
-            services: 64,
-            backends: 64,
-            rev_nats: 64,
-            affinity: 64,
-            conntrack: 64,
-            snat: 64,
-        };
+        let sizes = tiny_map_sizes();
         drop(loader::load_pinned(pins, &config, &sizes, &SockLbConfig::default()).expect("load"));
         seed
     };
@@ -580,21 +585,14 @@ fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
 #[test]
 fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
     require_privileged!();
-    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes};
+    use kube_proxy_ebpf::dataplane::bpffs::PinLayout;
     use proxy_common::{MAP_BACKENDS, MAP_SERVICES, SockLbConfig};
 
     proxy_testenv::ensure_bpffs().expect("bpffs");
     let dir = proxy_testenv::PinDir::new(&format!("{}-shape", proxy_testenv::unique_prefix()))
         .expect("pin dir");
     let pins = PinLayout::new(dir.path());
-    let sizes = MapSizes {
-        services: 64,
-        backends: 64,
-        rev_nats: 64,
-        affinity: 64,
-        conntrack: 64,
-        snat: 64,
-    };
+    let sizes = tiny_map_sizes();
     let load = || {
         drop(
             loader::load_pinned(
