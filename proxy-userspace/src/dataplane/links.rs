@@ -3,9 +3,19 @@
 //! be translated there too (SNAT of forwarded external flows), so the agent attaches to them
 //! without their being named in `--devices`. The dump also tells which devices carry bare IP
 //! packets (L3 devices: ipip, gre, WireGuard), which get the `_l3` programs. Parsing the dump is
-//! pure; the socket is the IO edge.
+//! pure (netlink-packet-route's types); the socket (netlink-sys) is the IO edge.
 
 use std::{collections::BTreeSet, io};
+
+use netlink_packet_core::{
+    Emitable as _, ErrorBuffer, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, NetlinkBuffer,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NlasIterator, Parseable as _,
+    ParseableParametrized as _,
+};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    link::{InfoKind, LinkAttribute, LinkHeader, LinkInfo, LinkMessage},
+};
 
 use super::interfaces::Interface;
 
@@ -25,18 +35,11 @@ const ARPHRD_ETHER: u16 = 1;
 /// `ARPHRD_TUNNEL` (ipip), `ARPHRD_TUNNEL6` (ip6tnl), `ARPHRD_SIT`, `ARPHRD_IPGRE` (gre),
 /// `ARPHRD_IP6GRE`, `ARPHRD_NONE` (WireGuard, tun).
 const ARPHRD_L3: [u16; 6] = [768, 769, 776, 778, 823, 65534];
-const NLMSG_HDRLEN: usize = 16;
-const IFINFOMSG_LEN: usize = 16;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
+/// `RTM_NEWLINK`, the type of each message of the dump (netlink-packet-route keeps its constant
+/// private).
 const RTM_NEWLINK: u16 = 16;
-const RTM_GETLINK: u16 = 18;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP: u16 = 0x300;
-const IFLA_IFNAME: u16 = 3;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
-const NLA_TYPE_MASK: u16 = 0x3fff;
 /// Bound on the dump's datagrams (each holds many links): a namespace with more is cut short.
 const MAX_DUMP_READS: usize = 4096;
 
@@ -101,14 +104,13 @@ pub fn tunnels(links: &[Link]) -> Vec<Tunnel> {
 
 /// Every interface of this network namespace with its kind (`RTM_GETLINK` dump).
 pub fn dump() -> io::Result<Vec<Link>> {
-    let mut file = super::netlink::route_socket()?;
-    use std::io::{Read as _, Write as _};
-    file.write_all(&dump_request(1))?;
+    let socket = super::netlink::route_socket(0)?;
+    socket.send(&dump_request(1), 0)?;
     let mut links = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
     for _ in 0..MAX_DUMP_READS {
-        let n = file.read(&mut buf)?;
-        match parse_dump(&buf[..n], &mut links) {
+        let n = socket.recv(&mut &mut buf[..], 0)?;
+        match parse_dump(&buf[..n.min(buf.len())], &mut links) {
             Ok(true) => return Ok(links),
             Ok(false) => {}
             Err(errno) => return Err(io::Error::from_raw_os_error(errno)),
@@ -117,91 +119,37 @@ pub fn dump() -> io::Result<Vec<Link>> {
     Ok(links)
 }
 
-/// The `RTM_GETLINK` dump request (nlmsghdr + ifinfomsg for AF_UNSPEC).
+/// The `RTM_GETLINK` dump request (an empty ifinfomsg: every family, every link).
 fn dump_request(seq: u32) -> Vec<u8> {
-    let len = (NLMSG_HDRLEN + IFINFOMSG_LEN) as u32;
-    let mut m = Vec::with_capacity(len as usize);
-    m.extend_from_slice(&len.to_ne_bytes());
-    m.extend_from_slice(&RTM_GETLINK.to_ne_bytes());
-    m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
-    m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[0u8; IFINFOMSG_LEN]);
-    m
-}
-
-fn u16_at(b: &[u8], off: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(off..off + 2)?.try_into().ok()?))
-}
-
-fn u32_at(b: &[u8], off: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(off..off + 4)?.try_into().ok()?))
-}
-
-/// Netlink attributes (`rtattr`/`nlattr`: len, type, payload, padded to 4) as (type, payload).
-fn attrs(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        let len = u16_at(b, 0)? as usize;
-        let ty = u16_at(b, 2)? & NLA_TYPE_MASK;
-        if len < 4 || len > b.len() {
-            return None;
-        }
-        let payload = &b[4..len];
-        b = b.get(len.next_multiple_of(4)..).unwrap_or_default();
-        Some((ty, payload))
-    })
-}
-
-fn c_string(b: &[u8]) -> String {
-    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
-    String::from_utf8_lossy(&b[..end]).into_owned()
+    let mut msg = NetlinkMessage::new(
+        NetlinkHeader::default(),
+        NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())),
+    );
+    msg.header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    msg.header.sequence_number = seq;
+    msg.finalize();
+    let mut buf = vec![0u8; msg.buffer_len()];
+    msg.serialize(&mut buf);
+    buf
 }
 
 /// Pure: appends the links of one datagram of the dump. `Ok(true)` at the end of the dump,
-/// `Err(errno)` if the kernel answered with an error.
+/// `Err(errno)` if the kernel answered with an error. A truncated message ends the datagram.
 fn parse_dump(mut b: &[u8], out: &mut Vec<Link>) -> Result<bool, i32> {
-    while b.len() >= NLMSG_HDRLEN {
-        let Some(len) = u32_at(b, 0).map(|l| l as usize) else {
-            break;
-        };
-        let ty = u16_at(b, 4).unwrap_or_default();
-        if len < NLMSG_HDRLEN || len > b.len() {
-            break;
-        }
-        let msg = &b[NLMSG_HDRLEN..len];
-        match ty {
+    while let Ok(msg) = NetlinkBuffer::new_checked(b) {
+        let len = msg.length() as usize;
+        match msg.message_type() {
             NLMSG_DONE => return Ok(true),
             NLMSG_ERROR => {
-                let errno = u32_at(msg, 0).map_or(0, |e| e as i32);
-                if errno != 0 {
-                    return Err(-errno);
-                }
-                return Ok(true);
-            }
-            RTM_NEWLINK if msg.len() >= IFINFOMSG_LEN => {
-                let hw_type = u16_at(msg, 2).unwrap_or_default();
-                let index = u32_at(msg, 4).unwrap_or_default();
-                let mut link = Link {
-                    index,
-                    name: String::new(),
-                    kind: None,
-                    hw_type,
+                let code = ErrorBuffer::new_checked(msg.payload())
+                    .ok()
+                    .and_then(|e| e.code());
+                return match code {
+                    Some(code) => Err(-code.get()),
+                    None => Ok(true),
                 };
-                for (ty, payload) in attrs(&msg[IFINFOMSG_LEN..]) {
-                    match ty {
-                        IFLA_IFNAME => link.name = c_string(payload),
-                        IFLA_LINKINFO => {
-                            link.kind = attrs(payload)
-                                .find(|(t, _)| *t == IFLA_INFO_KIND)
-                                .map(|(_, k)| c_string(k));
-                        }
-                        _ => {}
-                    }
-                }
-                if index != 0 && !link.name.is_empty() {
-                    out.push(link);
-                }
             }
+            RTM_NEWLINK => out.extend(parse_link(msg.payload())),
             _ => {}
         }
         b = b.get(len.next_multiple_of(4)..).unwrap_or_default();
@@ -209,9 +157,50 @@ fn parse_dump(mut b: &[u8], out: &mut Vec<Link>) -> Result<bool, i32> {
     Ok(false)
 }
 
+/// Pure: one `RTM_NEWLINK` message. Attributes are parsed one by one so that one the library
+/// rejects (a newer kernel's layout) costs only that attribute; the link kind is read on its own
+/// when the rest of `IFLA_LINKINFO` does not parse.
+fn parse_link(payload: &[u8]) -> Option<Link> {
+    let header = LinkHeader::parse(payload).ok()?;
+    let mut link = Link {
+        index: header.index,
+        name: String::new(),
+        kind: None,
+        hw_type: header.link_layer_type.into(),
+    };
+    let attrs = payload.get(header.buffer_len()..).unwrap_or_default();
+    for nla in NlasIterator::new(attrs) {
+        let Ok(nla) = nla else { break };
+        match LinkAttribute::parse_with_param(&nla, header.interface_family) {
+            Ok(LinkAttribute::IfName(name)) => link.name = name,
+            Ok(LinkAttribute::LinkInfo(infos)) => {
+                link.kind = infos.iter().find_map(|i| match i {
+                    LinkInfo::Kind(k) => Some(k.to_string()),
+                    _ => None,
+                });
+            }
+            Err(_) if nla.kind() == IFLA_LINKINFO => {
+                link.kind = NlasIterator::new(nla.value())
+                    .flatten()
+                    .filter(|i| i.kind() == IFLA_INFO_KIND)
+                    .find_map(|i| InfoKind::parse(&i).ok())
+                    .map(|k| k.to_string());
+            }
+            _ => {}
+        }
+    }
+    (link.index != 0 && !link.name.is_empty()).then_some(link)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // The kernel's layout, written out by hand so the tests do not check the library against
+    // itself.
+    const NLMSG_HDRLEN: usize = 16;
+    const IFINFOMSG_LEN: usize = 16;
+    const IFLA_IFNAME: u16 = 3;
 
     fn attr(ty: u16, payload: &[u8]) -> Vec<u8> {
         let mut a = Vec::new();
@@ -309,6 +298,18 @@ mod tests {
         let whole = newlink(3, 1, "vxlan0", Some("vxlan"));
         assert_eq!(parse_dump(&whole[..whole.len() - 8], &mut links), Ok(false));
         assert!(links.is_empty(), "a truncated message is not half-read");
+    }
+
+    #[test]
+    fn the_dump_request_is_an_empty_getlink_dump() {
+        let mut want = Vec::new();
+        want.extend_from_slice(&32u32.to_ne_bytes()); // nlmsghdr + ifinfomsg
+        want.extend_from_slice(&18u16.to_ne_bytes()); // RTM_GETLINK
+        want.extend_from_slice(&0x301u16.to_ne_bytes()); // NLM_F_REQUEST | NLM_F_DUMP
+        want.extend_from_slice(&7u32.to_ne_bytes()); // sequence
+        want.extend_from_slice(&0u32.to_ne_bytes()); // port
+        want.extend_from_slice(&[0u8; IFINFOMSG_LEN]);
+        assert_eq!(dump_request(7), want);
     }
 
     #[test]
