@@ -257,7 +257,7 @@ impl Agent {
         }
         self.write_status();
         if full {
-            release_free_heap();
+            crate::sys::release_free_heap();
         }
         Ok(())
     }
@@ -559,17 +559,6 @@ fn telemetry_for(pins: &PinLayout) -> std::sync::Arc<crate::metrics::Metrics> {
     ))
 }
 
-/// A full pass (and the initial lists before it) allocates and frees about the size of the whole
-/// state; glibc keeps freed memory below its top chunk, so RSS would stay at that peak. Hand it
-/// back to the kernel (a few ms, once per full pass).
-fn release_free_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim takes no pointers and only returns the allocator's free pages.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// This process's resident memory in MiB (`VmRSS`), for the start-up log; 0 if unreadable.
 fn rss_mib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -613,14 +602,10 @@ fn node_name(args: &RunArgs) -> String {
     if let Some(n) = &args.hostname_override {
         return n.clone();
     }
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is valid for 256 bytes; gethostname NUL-terminates on success.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "localhost".into();
+    match nix::unistd::gethostname() {
+        Ok(name) => name.to_string_lossy().to_lowercase(),
+        Err(_) => "localhost".into(),
     }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).to_lowercase()
 }
 
 fn datapath_config(args: &RunArgs) -> DatapathConfig {
@@ -705,7 +690,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let sock_lb = match &sock_cgroup {
         None => SockLbConfig::default(),
         Some(_) => SockLbConfig {
-            netns_cookie: sock_lb::own_netns_cookie()
+            netns_cookie: crate::sys::own_netns_cookie()
                 .map_err(|e| anyhow::anyhow!("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}; pass --socket-lb-cgroup none to run without socket hooks"))?,
         },
     };

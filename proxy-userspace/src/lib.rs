@@ -1,4 +1,6 @@
 //! kube-proxy-ebpf agent library: sources → translate (pure) → diff (pure) → apply (maps).
+// `unsafe` only in the modules that allow it: the syscalls no maintained crate wraps.
+#![deny(unsafe_code)]
 pub mod addresses;
 pub mod agent;
 pub mod cleanup;
@@ -34,6 +36,8 @@ pub mod snat_gc;
 pub mod source;
 pub mod source_ranges;
 pub mod status;
+#[allow(unsafe_code)]
+pub mod sys;
 pub mod topology;
 pub mod translate;
 pub mod translate_cache;

@@ -1,4 +1,5 @@
 //! `kube-proxy-ebpf`: wiring only — parse flags, set up logging, dispatch.
+#![forbid(unsafe_code)]
 
 use clap::{CommandFactory as _, FromArgMatches as _};
 use kube_proxy_ebpf::{

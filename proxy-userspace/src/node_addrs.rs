@@ -2,7 +2,7 @@
 //! one SNATed external flows leave with. Listing (getifaddrs, in the agent's network namespace)
 //! is the IO edge; the selection is pure.
 
-use std::{collections::BTreeMap, ffi::CStr, io, net::Ipv4Addr};
+use std::{collections::BTreeMap, io, net::Ipv4Addr};
 
 use proxy_common::NodeInfo;
 use tracing::{error, info};
@@ -194,38 +194,15 @@ fn set_cidrs(list: &mut Vec<(Ipv4Addr, u8)>, mut cidrs: Vec<(Ipv4Addr, u8)>, fro
 
 /// Every IPv4 address of this network namespace's interfaces, sorted.
 pub fn list() -> io::Result<Vec<IfAddr>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free with freeifaddrs below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut out = Vec::new();
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
-            continue;
-        }
-        // SAFETY: ifa_addr is non-null and points at a sockaddr of at least its family's size.
-        let family = unsafe { (*ifa.ifa_addr).sa_family };
-        if i32::from(family) != libc::AF_INET {
-            continue;
-        }
-        // SAFETY: an AF_INET address is a sockaddr_in.
-        let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-        let ifname = unsafe { CStr::from_ptr(ifa.ifa_name) }
-            .to_string_lossy()
-            .into_owned();
-        out.push(IfAddr {
-            ifname,
-            addr: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
-        });
-    }
-    // SAFETY: `head` came from a successful getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(head) };
+    let mut out: Vec<IfAddr> = nix::ifaddrs::getifaddrs()?
+        .filter_map(|ifa| {
+            let sin = *ifa.address?.as_sockaddr_in()?;
+            Some(IfAddr {
+                ifname: ifa.interface_name,
+                addr: sin.ip(),
+            })
+        })
+        .collect();
     out.sort();
     out.dedup();
     Ok(out)

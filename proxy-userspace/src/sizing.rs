@@ -103,10 +103,11 @@ pub fn map_sizes(args: &Requested, cpus: u32) -> MapSizes {
 /// The CPUs netfilter's table is scaled by: the machine's online CPUs (upstream reads the
 /// topology from sysfs, not the process's affinity).
 pub fn online_cpus() -> u32 {
-    // SAFETY: sysconf takes no pointers.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    u32::try_from(n)
+    use nix::unistd::{SysconfVar, sysconf};
+    sysconf(SysconfVar::_NPROCESSORS_ONLN)
         .ok()
+        .flatten()
+        .and_then(|n| u32::try_from(n).ok())
         .filter(|&n| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
 }

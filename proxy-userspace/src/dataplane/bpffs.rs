@@ -1,25 +1,14 @@
 //! bpffs checks and the pin directory layout.
 
-use std::{
-    ffi::CString,
-    os::unix::ffi::OsStrExt as _,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
+
+use nix::sys::statfs::{BPF_FS_MAGIC, statfs};
 
 use super::{Error, Result};
 
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
 /// Is `path` on a bpffs?
 pub fn is_bpffs(path: &Path) -> bool {
-    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a properly sized out-parameter.
-    unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC
-    }
+    statfs(path).is_ok_and(|st| st.filesystem_type() == BPF_FS_MAGIC)
 }
 
 /// The pin directory: maps at `<dir>/<MAP_NAME>`, links under `<dir>/links/`.

@@ -2,8 +2,6 @@
 //! namespace's interfaces (via `if_nameindex`, which asks netlink — /sys/class/net may belong to
 //! another namespace when the agent was started with `nsenter --net`).
 
-use std::ffi::CStr;
-
 /// Comma-separated glob patterns (`*` any run, `?` one character), e.g. `veth*,cali*,eth0`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Patterns(Vec<String>);
@@ -66,27 +64,14 @@ pub struct Interface {
 
 /// Lists the interfaces of the current network namespace.
 pub fn list() -> std::io::Result<Vec<Interface>> {
-    // SAFETY: if_nameindex returns a heap array terminated by a zero entry, or NULL on error;
-    // names are valid C strings until if_freenameindex, which we call once after copying.
-    unsafe {
-        let head = libc::if_nameindex();
-        if head.is_null() {
-            return Err(std::io::Error::last_os_error());
-        }
-        let mut out = Vec::new();
-        let mut cur = head;
-        while (*cur).if_index != 0 && !(*cur).if_name.is_null() {
-            out.push(Interface {
-                index: (*cur).if_index,
-                name: CStr::from_ptr((*cur).if_name)
-                    .to_string_lossy()
-                    .into_owned(),
-            });
-            cur = cur.add(1);
-        }
-        libc::if_freenameindex(head);
-        Ok(out)
-    }
+    let all = nix::net::if_::if_nameindex()?;
+    Ok(all
+        .iter()
+        .map(|i| Interface {
+            index: i.index(),
+            name: i.name().to_string_lossy().into_owned(),
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -3,10 +3,12 @@
 //! restarts), and the netlink watch for interfaces that appear later.
 
 pub mod attach;
+#[allow(unsafe_code)]
 pub mod batch;
 pub mod bpffs;
 pub mod clock;
 pub mod interfaces;
+#[allow(unsafe_code)]
 pub mod link_sys;
 pub mod links;
 pub mod loader;

@@ -255,35 +255,6 @@ fn attach(ebpf: &mut Ebpf, dir: &Path, path: &Path, hook: SockHook) -> Result<()
     Ok(())
 }
 
-/// The network namespace cookie of the calling thread's namespace (`SO_NETNS_COOKIE`, Linux ≥
-/// 5.14): what the socket hooks compare against.
-pub fn own_netns_cookie() -> std::io::Result<u64> {
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-    // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a new socket we own.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut cookie: u64 = 0;
-    let mut len = size_of::<u64>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_NETNS_COOKIE,
-            (&mut cookie as *mut u64).cast(),
-            &mut len,
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(cookie)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
