@@ -13,19 +13,10 @@ use crate::process::run_ok;
 /// Where bpffs is mounted on the host.
 pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
 
-/// `BPF_FS_MAGIC` from linux/magic.h.
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
 /// True when `/sys/fs/bpf` is a bpffs mount.
 pub fn is_bpffs_mounted() -> bool {
-    let Ok(path) = std::ffi::CString::new(BPFFS_ROOT) else {
-        return false;
-    };
-    // SAFETY: statfs(2) writes into a zeroed, properly sized struct we own.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `path` is a valid NUL-terminated string and `st` a valid out pointer.
-    let rc = unsafe { libc::statfs(path.as_ptr(), &mut st) };
-    rc == 0 && st.f_type as i64 == BPF_FS_MAGIC
+    use nix::sys::statfs::{BPF_FS_MAGIC, statfs};
+    statfs(BPFFS_ROOT).is_ok_and(|st| st.filesystem_type() == BPF_FS_MAGIC)
 }
 
 /// Mounts bpffs at `/sys/fs/bpf` unless it is mounted already (needs root).

@@ -15,6 +15,15 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use nix::{
+    errno::Errno,
+    fcntl::{OFlag, open},
+    sys::{
+        signal::{Signal, kill},
+        stat::Mode,
+    },
+    unistd::{Pid, write},
+};
 
 use crate::{
     netns::NetNs,
@@ -56,20 +65,19 @@ impl Cgroup {
         let procs = CString::new(self.path.join("cgroup.procs").as_os_str().as_bytes())
             .expect("cgroup path without NUL");
         // SAFETY: between fork and exec the closure only calls open/write/close (async-signal-
-        // safe) on a path prepared before the fork; "0" moves the writing process itself.
+        // safe; nix's wrappers do not allocate for a `CStr` path) on a path prepared before the
+        // fork; "0" moves the writing process itself.
         unsafe {
             cmd.pre_exec(move || {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
+                let fd = open(
+                    procs.as_c_str(),
+                    OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )?;
+                match write(&fd, b"0")? {
+                    1 => Ok(()),
+                    _ => Err(std::io::Error::from(Errno::EIO)),
                 }
-                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-                let err = std::io::Error::last_os_error();
-                libc::close(fd);
-                if written != 1 {
-                    return Err(err);
-                }
-                Ok(())
             });
         }
         cmd
@@ -93,8 +101,7 @@ impl Drop for Cgroup {
         loop {
             for pid in self.pids() {
                 if pid > 1 && pid != std::process::id() as i32 {
-                    // SAFETY: kill(2) on a PID inside the cgroup this guard created.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
                 }
             }
             match std::fs::remove_dir(&self.path) {

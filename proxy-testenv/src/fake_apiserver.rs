@@ -24,7 +24,6 @@ use std::{
     fs::File,
     io::{self, BufRead as _, BufReader, Read as _, Write as _},
     net::{Shutdown, TcpListener, TcpStream},
-    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     sync::{
         Arc, Condvar, Mutex, MutexGuard,
@@ -405,12 +404,9 @@ fn bind_in(netns: Option<&Path>, port: u16) -> Result<TcpListener> {
     let netns = netns.to_path_buf();
     thread::spawn(move || -> Result<TcpListener> {
         let ns = File::open(&netns).with_context(|| format!("opening {}", netns.display()))?;
-        // SAFETY: setns(2) on a valid fd; moves only this thread, which ends after binding.
-        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc != 0 {
-            return Err(io::Error::last_os_error())
-                .with_context(|| format!("entering {}", netns.display()));
-        }
+        // Moves only this thread, which ends after binding.
+        nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+            .with_context(|| format!("entering {}", netns.display()))?;
         Ok(TcpListener::bind(("127.0.0.1", port))?)
     })
     .join()

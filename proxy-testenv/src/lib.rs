@@ -8,8 +8,12 @@
 //! namespace too; nothing is created or attached in the root network namespace and no namespace
 //! gets a route out of the machine (pods route to the node namespace, which has no default route).
 
+// `unsafe` only where std itself requires it (`cgroup`: `Command::pre_exec`).
+#![deny(unsafe_code)]
+
 mod agent;
 mod bpffs;
+#[allow(unsafe_code)]
 mod cgroup;
 pub mod fake_apiserver;
 mod manifests;

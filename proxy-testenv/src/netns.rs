@@ -7,6 +7,10 @@ use std::{
 };
 
 use anyhow::{Result, bail};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
 
 use crate::process::{Proc, run_ok, run_with_timeout};
 
@@ -105,8 +109,7 @@ impl Drop for NetNs {
     fn drop(&mut self) {
         for pid in self.pids() {
             if pid > 1 && pid != std::process::id() as i32 {
-                // SAFETY: kill(2) on a PID found inside our own namespace; no memory involved.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
             }
         }
         let mut cmd = Command::new("ip");

@@ -11,6 +11,11 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use nix::{
+    errno::Errno,
+    sys::signal::{Signal, killpg},
+    unistd::Pid,
+};
 
 /// A child process in its own process group. Drop sends SIGKILL to the group and reaps the child.
 #[derive(Debug)]
@@ -93,22 +98,17 @@ impl Proc {
     }
 
     /// Sends `signal` to the child's process group.
-    pub fn signal(&self, signal: i32) -> Result<()> {
+    pub fn signal(&self, signal: Signal) -> Result<()> {
         let pid = self.pid();
         if pid == 0 {
             bail!("{} has no pid", self.what);
         }
         let pgid = i32::try_from(pid).context("pid out of range")?;
-        // SAFETY: kill(2) with a negative pid signals our child's process group; no memory involved.
-        let rc = unsafe { libc::kill(-pgid, signal) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
+        match killpg(Pid::from_raw(pgid), signal) {
             // ESRCH: the group is already gone.
-            if err.raw_os_error() != Some(libc::ESRCH) {
-                return Err(err).with_context(|| format!("kill(-{pgid}, {signal})"));
-            }
+            Ok(()) | Err(Errno::ESRCH) => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("killpg({pgid}, {signal})")),
         }
-        Ok(())
     }
 
     /// SIGTERM, then wait up to `grace`; SIGKILL if still running. Returns the exit status.
@@ -116,7 +116,7 @@ impl Proc {
         if let Some(status) = self.try_wait()? {
             return Ok(status);
         }
-        self.signal(libc::SIGTERM)?;
+        self.signal(Signal::SIGTERM)?;
         if let Some(status) = self.wait_timeout(grace)? {
             return Ok(status);
         }
@@ -127,10 +127,10 @@ impl Proc {
     pub fn kill(&mut self) -> Result<ExitStatus> {
         if let Some(status) = self.try_wait()? {
             // The leader is gone; still clear any stragglers of its group.
-            let _ = self.signal(libc::SIGKILL);
+            let _ = self.signal(Signal::SIGKILL);
             return Ok(status);
         }
-        self.signal(libc::SIGKILL)?;
+        self.signal(Signal::SIGKILL)?;
         let child = self.child.as_mut().context("no child")?;
         Ok(child.wait()?)
     }
@@ -187,8 +187,7 @@ pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> Result<Output> {
         }
         if Instant::now() >= deadline {
             let pgid = i32::try_from(child.id()).context("pid out of range")?;
-            // SAFETY: signals our own child's process group.
-            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
             let _ = child.wait();
             bail!("{what} did not finish within {timeout:?}; killed");
         }
@@ -196,8 +195,8 @@ pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> Result<Output> {
     };
     // Grandchildren may still hold the pipes; the process group is ours, clear it.
     if let Ok(pgid) = i32::try_from(child.id()) {
-        // SAFETY: signals our own child's (now reaped) process group; ESRCH is expected.
-        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        // ESRCH is expected.
+        let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
     }
     let stdout = out_reader.join().unwrap_or_default();
     let stderr = err_reader.join().unwrap_or_default();
@@ -273,9 +272,12 @@ mod tests {
         let pgid = proc.pid() as i32;
         drop(proc);
         thread::sleep(Duration::from_millis(100));
-        // SAFETY: signal 0 only checks whether the group still exists.
-        let rc = unsafe { libc::kill(-pgid, 0) };
-        assert_eq!(rc, -1, "process group {pgid} still alive after drop");
+        // No signal: only checks whether the group still exists.
+        assert_eq!(
+            killpg(Pid::from_raw(pgid), None),
+            Err(Errno::ESRCH),
+            "process group {pgid} still alive after drop"
+        );
     }
 
     #[test]
@@ -284,6 +286,6 @@ mod tests {
         cmd.arg("30");
         let mut proc = Proc::spawn(cmd, None).expect("spawn");
         let status = proc.terminate(Duration::from_secs(2)).expect("terminate");
-        assert_eq!(status.signal(), Some(libc::SIGTERM));
+        assert_eq!(status.signal(), Some(Signal::SIGTERM as i32));
     }
 }

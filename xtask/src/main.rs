@@ -1,4 +1,5 @@
 //! `cargo xtask setup | build-ebpf | test | demo | bench`.
+#![forbid(unsafe_code)]
 
 mod bench;
 mod build_ebpf;

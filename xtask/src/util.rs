@@ -17,8 +17,7 @@ pub fn workspace_root() -> PathBuf {
 
 /// True when running as root (euid 0).
 pub fn is_root() -> bool {
-    // SAFETY: geteuid(2) cannot fail and touches no memory.
-    unsafe { libc::geteuid() == 0 }
+    nix::unistd::geteuid().is_root()
 }
 
 /// `cargo` from PATH (the rustup proxy, so `+nightly` works).

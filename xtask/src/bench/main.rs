@@ -1,6 +1,7 @@
 //! `xtask-bench`: the measuring side of `cargo xtask bench` (built with `--features bench`, in
 //! release unless `--smoke`). `cargo xtask bench` builds it and runs `xtask-bench run`; the
 //! hidden `serve` and `loadgen` subcommands run inside network namespaces.
+#![forbid(unsafe_code)]
 
 mod e2e;
 mod inproc;
@@ -239,8 +240,7 @@ fn step(name: &str) -> Instant {
 }
 
 fn run(args: RunArgs) -> Result<()> {
-    // SAFETY: geteuid(2) cannot fail and touches no memory.
-    if unsafe { libc::geteuid() } != 0 {
+    if !nix::unistd::geteuid().is_root() {
         bail!("the bench needs root (eBPF load, network namespaces)");
     }
     proxy_testenv::ensure_bpffs()?;
