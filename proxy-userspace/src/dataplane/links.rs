@@ -202,6 +202,9 @@ mod tests {
     const IFINFOMSG_LEN: usize = 16;
     const IFLA_IFNAME: u16 = 3;
 
+    use netlink_packet_core::NlaBuffer;
+    use netlink_packet_route::AddressFamily;
+
     fn attr(ty: u16, payload: &[u8]) -> Vec<u8> {
         let mut a = Vec::new();
         a.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
@@ -284,6 +287,38 @@ mod tests {
             ]
         );
         assert_eq!(l3_devices(&links), BTreeSet::from([8, 9, 10]));
+    }
+
+    #[test]
+    fn a_link_info_the_library_rejects_still_gives_the_kind() {
+        // IFLA_INFO_DATA of a vxlan holding one attribute that claims 8 bytes and has 5.
+        let mut info = attr(IFLA_INFO_KIND, b"vxlan\0");
+        info.extend(attr(2, &[8, 0, 1, 0, 9]));
+        let linkinfo = attr(IFLA_LINKINFO | 0x8000, &info);
+        let nla = NlaBuffer::new_checked(&linkinfo[..]).unwrap();
+        assert!(
+            LinkAttribute::parse_with_param(&nla, AddressFamily::Unspec).is_err(),
+            "the fallback is what this test exercises"
+        );
+        let mut body = vec![0u8; IFINFOMSG_LEN];
+        body[2..4].copy_from_slice(&1u16.to_ne_bytes());
+        body[4..8].copy_from_slice(&5u32.to_ne_bytes());
+        body.extend(attr(IFLA_IFNAME, b"vxlan.calico\0"));
+        body.extend(linkinfo);
+        let mut links = Vec::new();
+        assert_eq!(
+            parse_dump(&message(RTM_NEWLINK, &body), &mut links),
+            Ok(false)
+        );
+        assert_eq!(
+            links,
+            vec![Link {
+                index: 5,
+                name: "vxlan.calico".into(),
+                kind: Some("vxlan".into()),
+                hw_type: 1,
+            }]
+        );
     }
 
     #[test]
