@@ -1246,13 +1246,9 @@ impl Tap {
             scope
                 .spawn(|| -> Result<aya::Ebpf, String> {
                     let ns = std::fs::File::open(&ns_path).map_err(|e| e.to_string())?;
-                    // SAFETY: setns(2) on a valid fd; moves only this scoped thread.
-                    if unsafe {
-                        libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET)
-                    } != 0
-                    {
-                        return Err(std::io::Error::last_os_error().to_string());
-                    }
+                    // Moves only this scoped thread.
+                    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                        .map_err(|e| format!("setns: {e}"))?;
                     let mut loader = aya::EbpfLoader::new();
                     for map in proxy_common::ALL_MAPS {
                         loader.map_max_entries(map, 1);
