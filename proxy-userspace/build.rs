@@ -2,7 +2,7 @@ use anyhow::{Context as _, anyhow};
 use aya_build::Toolchain;
 
 /// Builds proxy-ebpf for the BPF target with the nightly toolchain (aya-build) and leaves the
-/// object in OUT_DIR, where `src/ebpf_object.rs` embeds it. This is the only eBPF build path.
+/// object in OUT_DIR, where `src/dataplane/ebpf_object.rs` embeds it. This is the only eBPF build path.
 fn main() -> anyhow::Result<()> {
     // AYA_BUILD_SKIP=1 skips the eBPF build (for host-only work on the pure modules); leave an
     // empty object so the crate still compiles. Loading it fails with a clear parse error.

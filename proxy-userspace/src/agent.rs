@@ -31,18 +31,22 @@ use crate::{
         maps::{Conntrack, LcCounts, ServiceMaps, Snat},
         netlink, sock_lb,
     },
-    incremental::Planner,
-    kube::{
-        Connection, KubeSource,
-        events::{ConflictEvents, EventSink},
+    pipeline::{
+        incremental::Planner,
+        model::Problem,
+        programmed::{Capacities, MapOp, Programmed},
+        translate::NodeContext,
+        translate_cache::TranslateCache,
     },
-    model::Problem,
-    programmed::{Capacities, MapOp, Programmed},
-    snapshot::Snapshot,
-    source::{ManifestSource, Source},
-    status::{self, Status},
-    translate::NodeContext,
-    translate_cache::TranslateCache,
+    serving::status::{self, Status},
+    sources::{
+        ManifestSource, Source,
+        kube::{
+            Connection, KubeSource,
+            events::{ConflictEvents, EventSink},
+        },
+        snapshot::Snapshot,
+    },
 };
 
 /// How often idle conntrack and SNAT entries are swept (the LRU also evicts under pressure).
@@ -66,7 +70,7 @@ pub struct Agent {
     maps: ServiceMaps,
     conntrack: Conntrack,
     snat: Snat,
-    /// Least-connection counts, reconciled in the conntrack walk (`crate::lc_counts`).
+    /// Least-connection counts, reconciled in the conntrack walk (`crate::dataplane::lc_counts`).
     lc: LcCounts,
     /// The corrections last written to `LCADJ_V1` (written again only when they change), and
     /// the highest backend id reconciled (ids above stay at their last correction).
@@ -95,13 +99,13 @@ pub struct Agent {
     events: Option<EventSink>,
     conflict_events: ConflictEvents,
     /// Telemetry: /metrics and /healthz state, and what changed between applied syncs.
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
-    health: std::sync::Arc<crate::health::HealthState>,
-    changes: crate::metrics::ChangeTracker,
+    metrics: std::sync::Arc<crate::serving::metrics::Metrics>,
+    health: std::sync::Arc<crate::serving::health::HealthState>,
+    changes: crate::serving::metrics::ChangeTracker,
     /// Node addresses (NodePorts, SNAT) and health-check node ports.
-    external: crate::node_addrs::External,
+    external: crate::dataplane::node_addrs::External,
     /// Map occupancy (metrics, and a warning before a map is full).
-    occupancy: crate::occupancy::Occupancy,
+    occupancy: crate::dataplane::occupancy::Occupancy,
 }
 
 impl Agent {
@@ -122,7 +126,8 @@ impl Agent {
             ..config
         };
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
-        let occupancy = crate::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
+        let occupancy =
+            crate::dataplane::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.
         let capacities = Capacities {
@@ -132,8 +137,8 @@ impl Agent {
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
         let snat = Snat::from_ebpf(&mut ebpf)?;
         let lc = LcCounts::from_ebpf(&mut ebpf)?;
-        let health: std::sync::Arc<crate::health::HealthState> = Default::default();
-        let external = crate::node_addrs::External::new(&mut ebpf, health.clone())?;
+        let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
+        let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
         let mut programmed = maps.read_programmed()?;
         maps.adopt_maglev(&mut programmed, config.maglev_table_size);
         if adopting {
@@ -173,7 +178,7 @@ impl Agent {
             conflict_events: ConflictEvents::default(),
             metrics,
             health,
-            changes: crate::metrics::ChangeTracker::new(std::time::SystemTime::now()),
+            changes: crate::serving::metrics::ChangeTracker::new(std::time::SystemTime::now()),
             external,
             occupancy,
         })
@@ -257,7 +262,7 @@ impl Agent {
         }
         self.write_status();
         if full {
-            crate::sys::release_free_heap();
+            crate::dataplane::sys::release_free_heap();
         }
         Ok(())
     }
@@ -395,7 +400,7 @@ impl Agent {
     /// conntrack cleanup, so DNS clients do not keep sending to a deleted pod). TCP flows to a
     /// gone backend are answered with a RST by the datapath on their next packet.
     ///
-    /// The same walk reconciles the least-connection counts (`crate::lc_counts`): every backend
+    /// The same walk reconciles the least-connection counts (`crate::dataplane::lc_counts`): every backend
     /// id up to the highest programmed (or reconciled before: a freed id goes back to 0).
     pub fn gc_conntrack(&mut self) {
         let started = Instant::now();
@@ -409,7 +414,7 @@ impl Agent {
             .max(self.lc_max_id)
             .min(self.lc.ids().saturating_sub(1));
         let (config, programmed) = (&self.config, &self.programmed);
-        let done = crate::lc_counts::reconcile(
+        let done = crate::dataplane::lc_counts::reconcile(
             1..=max_id,
             |id| self.lc.active(id),
             monotonic_ns,
@@ -449,9 +454,9 @@ impl Agent {
     }
 
     /// Removes the SNAT entries of flows idle past their timeout, both of each pair (see
-    /// [`crate::snat_gc`]), so a flow that vanished without FIN/RST stops holding its node port.
+    /// [`crate::dataplane::snat_gc`]), so a flow that vanished without FIN/RST stops holding its node port.
     pub fn gc_snat(&mut self) {
-        let done = crate::snat_gc::collect(&mut self.snat, monotonic_ns(), &self.config);
+        let done = crate::dataplane::snat_gc::collect(&mut self.snat, monotonic_ns(), &self.config);
         if done.removed > 0 {
             debug!(
                 removed = done.removed,
@@ -476,12 +481,12 @@ impl Agent {
 /// Telemetry (metrics.rs, health.rs): what the sync loop reports.
 impl Agent {
     /// The metrics this agent updates (served by [`Agent::serve_telemetry`]).
-    pub fn metrics(&self) -> std::sync::Arc<crate::metrics::Metrics> {
+    pub fn metrics(&self) -> std::sync::Arc<crate::serving::metrics::Metrics> {
         self.metrics.clone()
     }
 
     /// The health state; the Kubernetes source sets node eligibility on it.
-    pub fn health(&self) -> std::sync::Arc<crate::health::HealthState> {
+    pub fn health(&self) -> std::sync::Arc<crate::serving::health::HealthState> {
         self.health.clone()
     }
 
@@ -500,15 +505,15 @@ impl Agent {
         if let Some(addr) = args.healthz_bind_address.0 {
             let (health, metrics) = (self.health(), self.metrics());
             tokio::spawn(async move {
-                let l = crate::http::bind_with_retry("healthz", addr).await;
-                crate::health::serve_health(l, health, metrics).await;
+                let l = crate::serving::http::bind_with_retry("healthz", addr).await;
+                crate::serving::health::serve_health(l, health, metrics).await;
             });
         }
         if let Some(addr) = args.metrics_bind_address.0 {
             let metrics = self.metrics();
             tokio::spawn(async move {
-                let l = crate::http::bind_with_retry("metrics", addr).await;
-                crate::metrics::serve_metrics(l, metrics).await;
+                let l = crate::serving::http::bind_with_retry("metrics", addr).await;
+                crate::serving::metrics::serve_metrics(l, metrics).await;
             });
         }
     }
@@ -522,7 +527,7 @@ impl Agent {
     fn sync_applied(
         &mut self,
         took: Duration,
-        kind: crate::metrics::SyncKind,
+        kind: crate::serving::metrics::SyncKind,
         snapshot: &Snapshot,
         problems: &[Problem],
     ) {
@@ -533,10 +538,15 @@ impl Agent {
             self.metrics.sync_applied(took, kind, &changes, now);
             self.changes.commit(changes);
         } else {
-            self.metrics
-                .sync_applied(took, kind, &crate::metrics::Changes::default(), now);
+            self.metrics.sync_applied(
+                took,
+                kind,
+                &crate::serving::metrics::Changes::default(),
+                now,
+            );
         }
-        let (internal, external) = crate::metrics::no_local_endpoints(self.cache.desired());
+        let (internal, external) =
+            crate::serving::metrics::no_local_endpoints(self.cache.desired());
         self.metrics.set_no_local_endpoints(internal, external);
         self.metrics.set_sync_problems(problems.len());
         let p = &self.programmed;
@@ -552,10 +562,10 @@ impl Agent {
     }
 }
 
-/// The metrics; map capacities are filled in by [`crate::occupancy::Occupancy::open`].
-fn telemetry_for(pins: &PinLayout) -> std::sync::Arc<crate::metrics::Metrics> {
-    std::sync::Arc::new(crate::metrics::Metrics::with_datapath(
-        crate::metrics::pinned_stats_reader(pins.clone()),
+/// The metrics; map capacities are filled in by [`crate::dataplane::occupancy::Occupancy::open`].
+fn telemetry_for(pins: &PinLayout) -> std::sync::Arc<crate::serving::metrics::Metrics> {
+    std::sync::Arc::new(crate::serving::metrics::Metrics::with_datapath(
+        crate::serving::metrics::pinned_stats_reader(pins.clone()),
     ))
 }
 
@@ -611,7 +621,7 @@ fn node_name(args: &RunArgs) -> String {
 fn datapath_config(args: &RunArgs) -> DatapathConfig {
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
     let (prefixes, messages) =
-        crate::config::in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
+        crate::cli::config::in_cluster_prefixes(args.detect_local_mode, &args.cluster_cidr);
     for m in &messages {
         warn!("{m}");
     }
@@ -620,7 +630,7 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
             "no cluster CIDR: pods reach externalTrafficPolicy Local frontends like external clients"
         );
     }
-    let t = crate::config::conntrack_timeouts(args);
+    let t = crate::cli::config::conntrack_timeouts(args);
     DatapathConfig {
         tcp_established_timeout_s: secs(t.tcp_established),
         tcp_close_wait_timeout_s: secs(t.tcp_close_wait),
@@ -628,7 +638,7 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
         udp_timeout_s: secs(t.udp),
         udp_stream_timeout_s: secs(t.udp_stream),
         flags: 0,
-        cluster_cidrs: crate::encode::cluster_cidrs(&prefixes).0,
+        cluster_cidrs: crate::pipeline::encode::cluster_cidrs(&prefixes).0,
         maglev_table_size: args.maglev_table_size,
         ..DatapathConfig::DEFAULT
     }
@@ -638,9 +648,9 @@ fn datapath_config(args: &RunArgs) -> DatapathConfig {
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let pins = PinLayout::new(&args.pins.pin_dir);
     if args.cleanup {
-        return crate::cleanup::cleanup(&pins);
+        return crate::cli::cleanup::cleanup(&pins);
     }
-    crate::port_range::check_node()?;
+    crate::dataplane::port_range::check_node()?;
     let node = NodeContext {
         node_name: node_name(&args),
         zone: None,
@@ -673,9 +683,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             Source::Kube(KubeSource::start(client, &node.node_name))
         }
     };
-    let cpus = crate::sizing::online_cpus();
-    let sizes = crate::sizing::map_sizes(&args.map_request(), cpus);
-    let flow_maps = crate::sizing::flow_maps(&args.map_request(), cpus);
+    let cpus = crate::dataplane::sizing::online_cpus();
+    let sizes = crate::dataplane::sizing::map_sizes(&args.map_request(), cpus);
+    let flow_maps = crate::dataplane::sizing::flow_maps(&args.map_request(), cpus);
     info!(
         cpus,
         max_per_core = args.conntrack_max_per_core,
@@ -690,7 +700,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let sock_lb = match &sock_cgroup {
         None => SockLbConfig::default(),
         Some(_) => SockLbConfig {
-            netns_cookie: crate::sys::own_netns_cookie()
+            netns_cookie: dataplane::sys::own_netns_cookie()
                 .map_err(|e| anyhow::anyhow!("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}; pass --socket-lb-cgroup none to run without socket hooks"))?,
         },
     };
@@ -705,7 +715,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     agent
         .external
-        .set_service_cidrs(crate::addresses::ipv4_prefixes(&args.service_cidr));
+        .set_service_cidrs(crate::pipeline::addresses::ipv4_prefixes(
+            &args.service_cidr,
+        ));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that

@@ -3,11 +3,9 @@
 
 use clap::{CommandFactory as _, FromArgMatches as _};
 use kube_proxy_ebpf::{
-    agent, cleanup,
-    cli::{Cli, Command},
-    config,
+    agent,
+    cli::{Cli, Command, cleanup, config, dump},
     dataplane::bpffs::PinLayout,
-    dump,
 };
 use tracing_subscriber::EnvFilter;
 

@@ -23,11 +23,14 @@ use common_packet::{
 };
 use kube_proxy_ebpf::{
     agent::flow_is_dead,
-    dataplane::{clock::monotonic_ns, loader, maps::Snat},
-    ebpf_object::EBPF_OBJECT,
-    lc_counts,
-    programmed::Programmed,
-    snat_gc::{self, Collected},
+    dataplane::{
+        clock::monotonic_ns,
+        ebpf_object::EBPF_OBJECT,
+        lc_counts, loader,
+        maps::Snat,
+        snat_gc::{self, Collected},
+    },
+    pipeline::programmed::Programmed,
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, CLASH_PORT_MAX, CLASH_PORT_MIN,
@@ -2365,9 +2368,9 @@ fn set_maglev_frontend(dp: &mut Datapath, m: u32, table: u32, backends: &[(u32, 
     dp.set_frontend_entry(key, UDP_REVNAT, 0, backends);
     let endpoints = backends
         .iter()
-        .map(|(_, b)| kube_proxy_ebpf::encode::decode_endpoint(b).expect("UDP endpoint"))
+        .map(|(_, b)| kube_proxy_ebpf::pipeline::encode::decode_endpoint(b).expect("UDP endpoint"))
         .collect();
-    let built = kube_proxy_ebpf::maglev::MaglevTable::new(m, endpoints);
+    let built = kube_proxy_ebpf::pipeline::maglev::MaglevTable::new(m, endpoints);
     let mut tables: HashMap<&mut MapData, MaglevKey, Chunk> =
         HashMap::try_from(dp.bpf.map_mut(MAP_MAGLEV).expect("MAGLEV map")).expect("MAGLEV type");
     for (k, v) in built.map_entries(table) {
@@ -2420,9 +2423,9 @@ fn maglev_pick_equals_the_userspace_model_on_every_node() {
     set_maglev_frontend(&mut dp, m, 7, &backends);
     let endpoints = backends
         .iter()
-        .map(|(_, b)| kube_proxy_ebpf::encode::decode_endpoint(b).unwrap())
+        .map(|(_, b)| kube_proxy_ebpf::pipeline::encode::decode_endpoint(b).unwrap())
         .collect();
-    let model = kube_proxy_ebpf::maglev::MaglevTable::new(m, endpoints).entries();
+    let model = kube_proxy_ebpf::pipeline::maglev::MaglevTable::new(m, endpoints).entries();
     let before = dp.counters();
     let (got, maglev_ns) = new_udp_flows(&mut dp);
     let mut per_backend = BTreeMap::<Ipv4Addr, u32>::new();

@@ -18,10 +18,7 @@ use k8s_openapi::{
     },
     serde::{Serialize, de::DeserializeOwned},
 };
-use kube_proxy_ebpf::{
-    cli::{Cli, Command},
-    config,
-};
+use kube_proxy_ebpf::cli::{Cli, Command, config};
 use serde_json::Value;
 
 fn deploy_dir() -> PathBuf {

@@ -22,9 +22,11 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 use kube_proxy_ebpf::{
-    kube::{Connection, KubeSource},
-    source::Source,
-    translate::{self, NodeContext},
+    pipeline::translate::{self, NodeContext},
+    sources::{
+        Source,
+        kube::{Connection, KubeSource},
+    },
 };
 use proxy_common::{
     MAP_SERVICE_CIDRS, MAP_SERVICES, ServiceKey, ServiceValue, proto, service_cidr,
@@ -304,7 +306,7 @@ fn check_conflict_event(e: &proxy_testenv::fake_apiserver::RecordedEvent) -> Res
 /// losing Service (the fake server records it); nothing new while the conflict lasts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_conflict_becomes_one_event_on_the_losing_service() {
-    use kube_proxy_ebpf::kube::events::{ConflictEvents, EventSink};
+    use kube_proxy_ebpf::sources::kube::events::{ConflictEvents, EventSink};
 
     let server = FakeApiServer::start().expect("fake API server");
     server.apply(node("zone-a")).expect("node");
@@ -1112,8 +1114,10 @@ fn kube_scale_numbers() {
 fn pipeline_cost_at_10000_services() {
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
     use kube_proxy_ebpf::{
-        diff, endpoints::SliceData, incremental::Planner, programmed::Programmed,
-        translate_cache::TranslateCache,
+        pipeline::{
+            diff, incremental::Planner, programmed::Programmed, translate_cache::TranslateCache,
+        },
+        sources::endpoints::SliceData,
     };
     const SERVICES: usize = 10_000;
     let services: Vec<Service> = (0..SERVICES)
@@ -1121,7 +1125,7 @@ fn pipeline_cost_at_10000_services() {
             let mut s: Service =
                 serde_json::from_value(service(&format!("svc-{i}"), scale_vip(i), 80))
                     .expect("svc");
-            kube_proxy_ebpf::kube::prune::service(&mut s);
+            kube_proxy_ebpf::sources::kube::prune::service(&mut s);
             s
         })
         .collect();
@@ -1130,7 +1134,7 @@ fn pipeline_cost_at_10000_services() {
             let mut s: EndpointSlice =
                 serde_json::from_value(slice(&format!("svc-{i}"), "a", &scale_endpoints(i, 10)))
                     .expect("slice");
-            kube_proxy_ebpf::kube::prune::endpoint_slice(&mut s);
+            kube_proxy_ebpf::sources::kube::prune::endpoint_slice(&mut s);
             s
         })
         .collect();
@@ -1149,7 +1153,7 @@ fn pipeline_cost_at_10000_services() {
     let mut programmed = Programmed::default();
     for round in 0..3 {
         let t = Instant::now();
-        let snapshot = kube_proxy_ebpf::snapshot::Snapshot {
+        let snapshot = kube_proxy_ebpf::sources::snapshot::Snapshot {
             services: arcs.0.clone(),
             endpoint_slices: arcs.1.clone(),
         };
@@ -1176,11 +1180,11 @@ fn pipeline_cost_at_10000_services() {
     let mut programmed = Programmed::default();
     let mut planner = Planner::new(&programmed);
     let mut cache = TranslateCache::new();
-    let mut snapshot = kube_proxy_ebpf::snapshot::Snapshot {
+    let mut snapshot = kube_proxy_ebpf::sources::snapshot::Snapshot {
         services: arcs.0.clone(),
         endpoint_slices: arcs.1.clone(),
     };
-    let mut sync = |snapshot: &kube_proxy_ebpf::snapshot::Snapshot, full: bool| {
+    let mut sync = |snapshot: &kube_proxy_ebpf::sources::snapshot::Snapshot, full: bool| {
         let t = Instant::now();
         let changes = cache.update(snapshot, &node, &[], full);
         planner.desired_changes(&changes, cache.desired());
@@ -1207,10 +1211,10 @@ fn pipeline_cost_at_10000_services() {
         let mut s: EndpointSlice =
             serde_json::from_value(slice(&format!("svc-{i}"), "a", &scale_endpoints(i, want)))
                 .expect("slice");
-        kube_proxy_ebpf::kube::prune::endpoint_slice(&mut s);
+        kube_proxy_ebpf::sources::kube::prune::endpoint_slice(&mut s);
         snapshot.endpoint_slices[i] = std::sync::Arc::new(SliceData::from(&s));
         let t = Instant::now();
-        let shared = kube_proxy_ebpf::snapshot::Snapshot {
+        let shared = kube_proxy_ebpf::sources::snapshot::Snapshot {
             services: snapshot.services.clone(),
             endpoint_slices: snapshot.endpoint_slices.clone(),
         };

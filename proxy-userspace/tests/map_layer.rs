@@ -16,14 +16,16 @@ use kube_proxy_ebpf::{
         clock::monotonic_ns,
         loader,
         maps::{ServiceMaps, Snat},
+        snat_gc::{self, Collected},
     },
-    diff,
-    model::{
-        Balancing, DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend,
-        FrontendKind, Protocol, ServicePortName,
+    pipeline::{
+        diff,
+        model::{
+            Balancing, DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend,
+            FrontendKind, Protocol, ServicePortName,
+        },
+        programmed::{Capacities, MapOp, Programmed},
     },
-    programmed::{Capacities, MapOp, Programmed},
-    snat_gc::{self, Collected},
 };
 use proxy_common::{
     DatapathConfig, HAIRPIN_SNAT_ADDR, Scheduler, ServiceKey, ServiceValue, SnatKey, SnatValue,
@@ -232,7 +234,7 @@ fn maglev_tables_are_written_adopted_rebuilt_for_another_size_and_deleted() {
     let mut d = state(20, 10, 0);
     for df in d.frontends.values_mut() {
         std::sync::Arc::make_mut(df).balancing.scheduler =
-            kube_proxy_ebpf::model::Scheduler::Maglev;
+            kube_proxy_ebpf::pipeline::model::Scheduler::Maglev;
     }
     let m = proxy_common::maglev::DEFAULT_TABLE_SIZE;
     sync_maglev(&mut maps, &mut shadow, &d, m);
@@ -424,9 +426,8 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
 #[test]
 fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
     require_privileged!();
-    use kube_proxy_ebpf::{
-        dataplane::{bpffs::PinLayout, loader::MapSizes},
-        ebpf_object::EBPF_OBJECT,
+    use kube_proxy_ebpf::dataplane::{
+        bpffs::PinLayout, ebpf_object::EBPF_OBJECT, loader::MapSizes,
     };
     use proxy_common::{COUNTER_COUNT, MAP_SERVICES, MAP_STATS, SockLbConfig};
 
@@ -477,9 +478,8 @@ fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
 fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
     require_privileged!();
     use kube_proxy_ebpf::{
-        dataplane::{bpffs::PinLayout, loader::MapSizes},
-        metrics::Metrics,
-        occupancy::Occupancy,
+        dataplane::{bpffs::PinLayout, loader::MapSizes, occupancy::Occupancy},
+        serving::metrics::Metrics,
     };
     use proxy_common::{MAP_CONNTRACK, MAP_SNAT, SockLbConfig};
 

@@ -1254,7 +1254,7 @@ impl Tap {
                         loader.map_max_entries(map, 1);
                     }
                     let mut ebpf = loader
-                        .load(kube_proxy_ebpf::ebpf_object::EBPF_OBJECT)
+                        .load(kube_proxy_ebpf::dataplane::ebpf_object::EBPF_OBJECT)
                         .map_err(|e| format!("loading the object: {e}"))?;
                     let prog: &mut SchedClassifier = ebpf
                         .program_mut(proxy_common::PROG_TC_TAP)

@@ -11,11 +11,11 @@ use proxy_common::{
 };
 
 use super::{Error, Result, bpffs::PinLayout};
-use crate::{ebpf_object::EBPF_OBJECT, programmed::Capacities};
+use crate::{dataplane::ebpf_object::EBPF_OBJECT, pipeline::programmed::Capacities};
 
 /// Map sizes used when the maps are first created (adopted maps keep their size: aya opens an
 /// existing pin as it is). The agent derives the flow maps' from `conntrack.maxPerCore`
-/// (`crate::sizing`).
+/// (`crate::dataplane::sizing`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapSizes {
     pub services: u32,

@@ -15,7 +15,7 @@ use proxy_common::{
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
-use crate::{
+use crate::pipeline::{
     maglev::MaglevTable,
     programmed::{MapOp, Programmed},
 };
@@ -100,7 +100,7 @@ impl ServiceMaps {
                 .insert(k.map_err(map_err(MAP_AFFINITY_MATCH))?);
         }
         // Maglev tables: how many chunks each has; what they hold is checked by `adopt_maglev`.
-        let mut chunks: crate::fast_hash::HashMap<u32, u32> = Default::default();
+        let mut chunks: crate::pipeline::fast_hash::HashMap<u32, u32> = Default::default();
         for k in self.maglev.keys() {
             let k = k.map_err(map_err(MAP_MAGLEV))?;
             let n = chunks.entry(k.table).or_default();
@@ -208,9 +208,9 @@ impl ServiceMaps {
     }
 
     /// The maps' real capacities (max_entries), which for adopted maps may differ from the flags.
-    pub fn capacities(&self) -> Result<crate::programmed::Capacities> {
+    pub fn capacities(&self) -> Result<crate::pipeline::programmed::Capacities> {
         let max = |m: &MapData, name| m.info().map(|i| i.max_entries()).map_err(map_err(name));
-        Ok(crate::programmed::Capacities {
+        Ok(crate::pipeline::programmed::Capacities {
             services: max(self.services.map(), MAP_SERVICES)?,
             backends: max(self.backends.map(), MAP_BACKENDS)?,
             rev_nats: max(self.rev_nats.map(), MAP_REVNAT)?,
@@ -566,7 +566,7 @@ impl SnatDeviceMap {
 }
 
 /// The least-connection counts: `LCFLOWS_V1` (datapath-owned, read here) and `LCADJ_V1` (the
-/// agent's corrections), see `crate::lc_counts`.
+/// agent's corrections), see `crate::dataplane::lc_counts`.
 pub struct LcCounts {
     flows: Array<MapData, u64>,
     adjust: Array<MapData, u64>,

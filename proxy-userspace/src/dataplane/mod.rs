@@ -1,20 +1,36 @@
 //! The IO edge towards the kernel: loading the eBPF object with pinned maps, the map layer that
 //! carries out `MapOp`s, attaching programs to interfaces (TCX links, pinned and adopted across
-//! restarts), and the netlink watch for interfaces that appear later.
+//! restarts), the netlink watch for interfaces that appear later, the node's addresses, the
+//! LPM tries reconciled as sets (source ranges, Service CIDRs), map sizing and occupancy, and
+//! the garbage collection of conntrack, SNAT and least-connection counts.
+//!
+//! May call: `pipeline` (the map operations, model and encoding it carries out), `serving`
+//! (health state, metrics and health-check servers it reports into). Never `sources` or `cli`.
 
 pub mod attach;
 #[allow(unsafe_code)]
 pub mod batch;
 pub mod bpffs;
 pub mod clock;
+pub mod ebpf_object;
 pub mod interfaces;
+pub mod lc_counts;
 #[allow(unsafe_code)]
 pub mod link_sys;
 pub mod links;
 pub mod loader;
 pub mod maps;
 pub mod netlink;
+pub mod node_addrs;
+pub mod occupancy;
+pub mod port_range;
+pub mod service_cidrs;
+pub mod sizing;
+pub mod snat_gc;
 pub mod sock_lb;
+pub mod source_ranges;
+#[allow(unsafe_code)]
+pub mod sys;
 
 use std::{io, path::PathBuf};
 

@@ -14,16 +14,18 @@ use aya::{
 };
 use kube_proxy_ebpf::{
     dataplane::{
+        ebpf_object::EBPF_OBJECT,
         loader::{self, MapSizes},
         maps::{ServiceMaps, Stats},
     },
-    ebpf_object::EBPF_OBJECT,
-    encode,
-    incremental::Planner,
-    model::{Frontend, Protocol},
-    programmed::Programmed,
-    translate::NodeContext,
-    translate_cache::TranslateCache,
+    pipeline::{
+        encode,
+        incremental::Planner,
+        model::{Frontend, Protocol},
+        programmed::Programmed,
+        translate::NodeContext,
+        translate_cache::TranslateCache,
+    },
 };
 use proxy_common::{
     CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
@@ -142,7 +144,7 @@ struct Loaded {
     programmed: Programmed,
     planner: Planner,
     cache: TranslateCache,
-    caps: kube_proxy_ebpf::programmed::Capacities,
+    caps: kube_proxy_ebpf::pipeline::programmed::Capacities,
     node: NodeContext,
 }
 
@@ -199,7 +201,7 @@ impl Loaded {
     /// part.
     fn sync(
         &mut self,
-        snap: &kube_proxy_ebpf::snapshot::Snapshot,
+        snap: &kube_proxy_ebpf::sources::snapshot::Snapshot,
         full: bool,
     ) -> Result<SyncTimes> {
         let t = Instant::now();
@@ -579,7 +581,7 @@ fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(Sync
             specs[idx].endpoints[0]
         };
         snap.endpoint_slices[idx] = std::sync::Arc::new(
-            kube_proxy_ebpf::endpoints::SliceData::from(&workload::slice(&s)),
+            kube_proxy_ebpf::sources::endpoints::SliceData::from(&workload::slice(&s)),
         );
         let t = l.sync(&snap, false)?;
         ensure!(
@@ -599,7 +601,7 @@ fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(Sync
 /// allocation (2 KiB per chunk), the kernel's own account (`memlock`), and the time to build
 /// and write them.
 pub fn maglev_memory(services: usize) -> Result<Value> {
-    use kube_proxy_ebpf::{
+    use kube_proxy_ebpf::pipeline::{
         diff,
         model::{
             DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend, FrontendKind,
@@ -622,7 +624,7 @@ pub fn maglev_memory(services: usize) -> Result<Value> {
             })
             .collect();
         let df = DesiredFrontend {
-            balancing: kube_proxy_ebpf::model::Balancing {
+            balancing: kube_proxy_ebpf::pipeline::model::Balancing {
                 scheduler: Scheduler::Maglev,
                 affinity_timeout_s: None,
             },
@@ -651,7 +653,7 @@ pub fn maglev_memory(services: usize) -> Result<Value> {
     // Building the tables alone (the map layer builds them again as it writes them).
     let building = Instant::now();
     for op in &plan.ops {
-        if let kube_proxy_ebpf::programmed::MapOp::PutMaglevTable { table, .. } = op {
+        if let kube_proxy_ebpf::pipeline::programmed::MapOp::PutMaglevTable { table, .. } = op {
             std::hint::black_box(table.entries());
         }
     }
@@ -663,7 +665,7 @@ pub fn maglev_memory(services: usize) -> Result<Value> {
     }
     let took = started.elapsed();
     let memlock = maps.maglev_memory().unwrap_or(0).saturating_sub(empty);
-    let allocated = kube_proxy_ebpf::maglev::kernel_bytes(services as u64, m);
+    let allocated = kube_proxy_ebpf::pipeline::maglev::kernel_bytes(services as u64, m);
     Ok(json!({
         "services": services,
         "endpoints_per_service": 10,

@@ -18,7 +18,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
-use kube_proxy_ebpf::{endpoints::SliceData, snapshot::Snapshot};
+use kube_proxy_ebpf::sources::{endpoints::SliceData, snapshot::Snapshot};
 
 pub const NAMESPACE: &str = "bench";
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
@@ -98,7 +98,7 @@ pub fn service(s: &SvcSpec) -> Service {
             namespace: Some(NAMESPACE.to_owned()),
             annotations: s.scheduler.map(|name| {
                 BTreeMap::from([(
-                    kube_proxy_ebpf::translate::ANNOTATION_SCHEDULER.to_owned(),
+                    kube_proxy_ebpf::pipeline::translate::ANNOTATION_SCHEDULER.to_owned(),
                     name.to_owned(),
                 )])
             }),

@@ -1,0 +1,270 @@
+//! Occupancy of every pinned map with a size limit: exported as
+//! `kube_proxy_ebpf_map_entries{map}` / `kube_proxy_ebpf_map_capacity{map}`, and a warning when
+//! a map crosses [`WARN_PERCENT`] of its capacity (logged once per crossing: the alarm re-arms
+//! only after the map fell below [`REARM_PERCENT`]).
+//!
+//! Counts come from where they are cheap: SERVICES, BACKENDS, REVNAT and MAGLEV (chunks) from
+//! the agent's shadow
+//! after each sync; CONNTRACK and SNAT from the garbage-collection pass that lists them anyway;
+//! SRCRANGES, SOCKREV and AFFINITY by walking their keys in that same pass (every 30 s, bounded by their
+//! capacity). Capacities are the maps' real `max_entries`, so an adopted map of another size
+//! shows what it really holds. `NODE_V1` and `STATS_V1` are arrays (always full) and left out.
+
+use std::collections::BTreeSet;
+
+use aya::maps::{HashMap, LpmTrie, Map, MapData};
+use proxy_common::{
+    AffinityKey, AffinityValue, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_MAGLEV, MAP_REVNAT,
+    MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, SockRevKey, SockRevValue,
+    SourceRangeKey,
+};
+use tracing::{info, warn};
+
+use crate::{
+    dataplane::{bpffs::PinLayout, loader::MapSizes},
+    serving::metrics::Metrics,
+};
+
+/// A map at or above this share of its capacity is reported.
+pub const WARN_PERCENT: u64 = 90;
+/// A reported map is reported again only after it fell below this share.
+pub const REARM_PERCENT: u64 = 80;
+
+/// What happens when a map is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A hash map or trie the agent writes: further writes fail (Services are skipped).
+    Programmed,
+    /// An LRU map the datapath writes: the least recently used entries are evicted (live flows
+    /// among them).
+    Lru,
+}
+
+/// Every map with a size limit: (metric label, pinned name, kind).
+pub const MAPS: [(&str, &str, Kind); 9] = [
+    ("services", MAP_SERVICES, Kind::Programmed),
+    ("maglev", MAP_MAGLEV, Kind::Programmed),
+    ("backends", MAP_BACKENDS, Kind::Programmed),
+    ("rev_nat", MAP_REVNAT, Kind::Programmed),
+    ("source_ranges", MAP_SOURCE_RANGES, Kind::Programmed),
+    ("conntrack", MAP_CONNTRACK, Kind::Lru),
+    ("snat", MAP_SNAT, Kind::Lru),
+    ("sock_rev", MAP_SOCK_REVNAT, Kind::Lru),
+    ("affinity", MAP_AFFINITY, Kind::Lru),
+];
+
+/// A threshold crossing worth one log line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Crossing {
+    /// At or above `WARN_PERCENT` (and not reported since it was last below `REARM_PERCENT`).
+    Filling,
+    /// Back below `REARM_PERCENT` after a `Filling`.
+    Relieved,
+}
+
+/// Pure: which maps are currently reported as filling.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Alarms {
+    raised: BTreeSet<&'static str>,
+}
+
+impl Alarms {
+    /// A new count for `map`: the crossing to log, if any.
+    pub fn observe(&mut self, map: &'static str, entries: u64, capacity: u64) -> Option<Crossing> {
+        if capacity == 0 {
+            return None;
+        }
+        // Percent with integers: entries * 100 >= WARN * capacity (u128: no overflow).
+        let at = |percent: u64| u128::from(entries) * 100 >= u128::from(percent * capacity);
+        if at(WARN_PERCENT) {
+            self.raised.insert(map).then_some(Crossing::Filling)
+        } else if !at(REARM_PERCENT) && self.raised.remove(map) {
+            Some(Crossing::Relieved)
+        } else {
+            None
+        }
+    }
+}
+
+/// The maps' capacities, the alarms, and handles on the maps only this module counts.
+pub struct Occupancy {
+    capacities: Vec<(&'static str, u32)>,
+    alarms: Alarms,
+    source_ranges: Option<LpmTrie<MapData, SourceRangeKey, u32>>,
+    sock_rev: Option<HashMap<MapData, SockRevKey, SockRevValue>>,
+    affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
+}
+
+/// The real `max_entries` of a pinned map.
+fn pinned_capacity(pins: &PinLayout, name: &str) -> Option<u32> {
+    MapData::from_pin(pins.map(name))
+        .ok()?
+        .info()
+        .ok()
+        .map(|i| i.max_entries())
+}
+
+impl Occupancy {
+    /// Reads the pinned maps' capacities into `metrics`, and warns about adopted maps whose size
+    /// differs from what the settings ask for (aya adopts a pin as it is).
+    pub fn open(pins: &PinLayout, sizes: &MapSizes, adopted: bool, metrics: &Metrics) -> Self {
+        let wanted = |name: &str| match name {
+            MAP_SERVICES => Some(sizes.services),
+            MAP_BACKENDS => Some(sizes.backends),
+            MAP_REVNAT => Some(sizes.rev_nats),
+            MAP_CONNTRACK => Some(sizes.conntrack),
+            MAP_SNAT => Some(sizes.snat),
+            MAP_AFFINITY => Some(sizes.affinity),
+            _ => None,
+        };
+        let mut capacities = Vec::new();
+        for (label, name, _) in MAPS {
+            let Some(capacity) = pinned_capacity(pins, name) else {
+                warn!(
+                    map = name,
+                    "cannot read the pinned map's size; no occupancy metric"
+                );
+                continue;
+            };
+            if adopted
+                && let Some(want) = wanted(name)
+                && want != capacity
+            {
+                warn!(
+                    map = name,
+                    pinned = capacity,
+                    configured = want,
+                    "adopted the pinned map with its own size (its entries kept); the configured \
+                     size applies only to a new map: run `kube-proxy-ebpf cleanup` (drops every \
+                     flow) and start again to resize"
+                );
+            }
+            metrics.set_map(label, 0, capacity.into());
+            capacities.push((label, capacity));
+        }
+        let open = |name| MapData::from_pin(pins.map(name)).ok();
+        Self {
+            capacities,
+            alarms: Alarms::default(),
+            source_ranges: open(MAP_SOURCE_RANGES)
+                .and_then(|m| LpmTrie::try_from(Map::LpmTrie(m)).ok()),
+            sock_rev: open(MAP_SOCK_REVNAT)
+                .and_then(|m| HashMap::try_from(Map::LruHashMap(m)).ok()),
+            affinity: open(MAP_AFFINITY).and_then(|m| HashMap::try_from(Map::LruHashMap(m)).ok()),
+        }
+    }
+
+    /// The capacity of the map with metric label `label`.
+    pub fn capacity(&self, label: &str) -> Option<u32> {
+        self.capacities
+            .iter()
+            .find(|(l, _)| *l == label)
+            .map(|(_, c)| *c)
+    }
+
+    /// Records a count: the metric, and a log line when it crosses a threshold.
+    pub fn report(&mut self, metrics: &Metrics, label: &'static str, entries: u64) {
+        metrics.set_map_entries(label, entries);
+        let Some(capacity) = self.capacity(label) else {
+            return;
+        };
+        let (name, kind) = MAPS
+            .iter()
+            .find(|(l, ..)| *l == label)
+            .map_or(("?", Kind::Programmed), |(_, n, k)| (*n, *k));
+        match self.alarms.observe(label, entries, capacity.into()) {
+            Some(Crossing::Filling) => warn!(
+                map = name,
+                entries,
+                capacity,
+                "map is {}% full: {}",
+                u128::from(entries) * 100 / u128::from(capacity),
+                match kind {
+                    Kind::Programmed =>
+                        "frontends or ranges that do not fit are skipped (raise --map-entries-*)",
+                    Kind::Lru =>
+                        "when full the kernel evicts its least recently used entries, live flows \
+                         (or affinity records) among them (raise conntrack.maxPerCore / \
+                         conntrack.min, --map-entries-* or --affinity-max-entries)",
+                }
+            ),
+            Some(Crossing::Relieved) => info!(
+                map = name,
+                entries, capacity, "map back below {REARM_PERCENT}% of its capacity"
+            ),
+            None => {}
+        }
+    }
+
+    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY), bounded by their
+    /// capacity.
+    pub fn sample(&mut self, metrics: &Metrics) {
+        let bound = |label| self.capacity(label).unwrap_or(0) as usize;
+        let ranges = self
+            .source_ranges
+            .as_ref()
+            .map(|m| m.keys().take(bound("source_ranges")).count());
+        let socks = self
+            .sock_rev
+            .as_ref()
+            .map(|m| m.keys().take(bound("sock_rev")).count());
+        let records = self
+            .affinity
+            .as_ref()
+            .map(|m| m.keys().take(bound("affinity")).count());
+        for (label, n) in [
+            ("source_ranges", ranges),
+            ("sock_rev", socks),
+            ("affinity", records),
+        ] {
+            if let Some(n) = n {
+                self.report(metrics, label, n as u64);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filling_map_is_reported_once_per_crossing() {
+        let mut a = Alarms::default();
+        assert_eq!(a.observe("conntrack", 899, 1_000), None, "89.9 %");
+        assert_eq!(
+            a.observe("conntrack", 900, 1_000),
+            Some(Crossing::Filling),
+            "90 %"
+        );
+        assert_eq!(
+            a.observe("conntrack", 1_000, 1_000),
+            None,
+            "still full: quiet"
+        );
+        assert_eq!(a.observe("conntrack", 850, 1_000), None, "between: quiet");
+        assert_eq!(a.observe("conntrack", 950, 1_000), None, "not re-armed yet");
+        assert_eq!(
+            a.observe("snat", 950, 1_000),
+            Some(Crossing::Filling),
+            "maps are independent"
+        );
+        assert_eq!(
+            a.observe("conntrack", 799, 1_000),
+            Some(Crossing::Relieved),
+            "below 80 %"
+        );
+        assert_eq!(a.observe("conntrack", 700, 1_000), None);
+        assert_eq!(
+            a.observe("conntrack", 905, 1_000),
+            Some(Crossing::Filling),
+            "re-armed: reported again"
+        );
+        assert_eq!(a.observe("services", 10, 0), None, "no capacity known");
+        assert_eq!(
+            a.observe("backends", u64::MAX, u64::MAX / 100 + 1),
+            Some(Crossing::Filling),
+            "no overflow"
+        );
+    }
+}

@@ -1,0 +1,224 @@
+//! How big the flow maps are: `CONNTRACK_V1` and `SNAT_V1` from kube-proxy's
+//! `conntrack.maxPerCore` × CPUs with `conntrack.min` as the floor, like netfilter's
+//! `nf_conntrack_max`.
+//!
+//! netfilter counts connections (one conntrack holds both directions); here a flow takes two
+//! `CONNTRACK_V1` entries (ORIGINAL and REPLY) and, if SNATed, two `SNAT_V1` entries (out and
+//! in). So maxPerCore counts flows, as upstream's does, and each map gets two entries per flow:
+//! with upstream's defaults (32768 per core, min 131072) a node of up to 4 CPUs tracks 131072
+//! flows in 262144 entries of each map, as many connections as netfilter would.
+//!
+//! Precedence, first match wins: `--map-entries-conntrack` / `--map-entries-snat` (or
+//! `KPE_MAP_CONNTRACK` / `KPE_MAP_SNAT`) give a map's entries exactly; otherwise
+//! `--conntrack-max-per-core` / `--conntrack-min` given on the command line, then the config
+//! file's `conntrack.maxPerCore` / `conntrack.min`, then upstream's defaults. `maxPerCore: 0`
+//! (upstream: "leave the kernel's limit") means the built-in 131072 flows here, and ignores
+//! `min` as upstream does. Sizes apply when a map is created: a restarted agent adopts its
+//! pinned maps with the size they have (see [`crate::dataplane::occupancy`], which warns about it).
+
+use proxy_common::CONNTRACK_CAPACITY;
+
+use crate::dataplane::loader::MapSizes;
+
+/// Upstream's `conntrack.maxPerCore` default.
+pub const DEFAULT_MAX_PER_CORE: u32 = 32_768;
+/// Upstream's `conntrack.min` default.
+pub const DEFAULT_MIN: u32 = 131_072;
+/// Flows when maxPerCore is 0 (the compiled-in conntrack size).
+pub const BUILTIN_FLOWS: u32 = CONNTRACK_CAPACITY / ENTRIES_PER_FLOW;
+/// Entries a flow takes in `CONNTRACK_V1` (ORIGINAL, REPLY) and, SNATed, in `SNAT_V1` (out, in).
+pub const ENTRIES_PER_FLOW: u32 = 2;
+
+/// Pure: the flows to track, upstream's `getConntrackMax`.
+pub fn flows(max_per_core: u32, min: u32, cpus: u32) -> u32 {
+    if max_per_core == 0 {
+        return BUILTIN_FLOWS;
+    }
+    max_per_core.saturating_mul(cpus.max(1)).max(min)
+}
+
+/// Where each flow map's size came from, for the start-up log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Basis {
+    /// `--map-entries-conntrack` / `--map-entries-snat`.
+    Explicit,
+    /// maxPerCore × CPUs (or the floor) flows, two entries each.
+    Flows(u32),
+}
+
+/// The flow maps' sizes and where they came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowMaps {
+    pub conntrack: u32,
+    pub conntrack_basis: Basis,
+    pub snat: u32,
+    pub snat_basis: Basis,
+}
+
+/// What the merged settings (flags over the config file) ask of the maps' sizes; the flags
+/// fill it (`cli::RunArgs::map_request`), so this module reads numbers, not arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Requested {
+    pub conntrack_max_per_core: u32,
+    pub conntrack_min: u32,
+    pub map_entries_conntrack: Option<u32>,
+    pub map_entries_snat: Option<u32>,
+    pub map_entries_services: u32,
+    pub map_entries_backends: u32,
+    pub map_entries_revnat: u32,
+    pub affinity_max_entries: u32,
+}
+
+/// Pure: the flow maps' sizes from the merged settings and the CPU count.
+pub fn flow_maps(args: &Requested, cpus: u32) -> FlowMaps {
+    let flows = flows(args.conntrack_max_per_core, args.conntrack_min, cpus);
+    let derived = flows.saturating_mul(ENTRIES_PER_FLOW);
+    let pick = |explicit: Option<u32>| match explicit {
+        Some(n) => (n, Basis::Explicit),
+        None => (derived, Basis::Flows(flows)),
+    };
+    let (conntrack, conntrack_basis) = pick(args.map_entries_conntrack);
+    let (snat, snat_basis) = pick(args.map_entries_snat);
+    FlowMaps {
+        conntrack,
+        conntrack_basis,
+        snat,
+        snat_basis,
+    }
+}
+
+/// Pure: every map's size for a new agent.
+pub fn map_sizes(args: &Requested, cpus: u32) -> MapSizes {
+    let f = flow_maps(args, cpus);
+    MapSizes {
+        services: args.map_entries_services,
+        backends: args.map_entries_backends,
+        rev_nats: args.map_entries_revnat,
+        affinity: args.affinity_max_entries,
+        conntrack: f.conntrack,
+        snat: f.snat,
+    }
+}
+
+/// The CPUs netfilter's table is scaled by: the machine's online CPUs (upstream reads the
+/// topology from sysfs, not the process's affinity).
+pub fn online_cpus() -> u32 {
+    use nix::unistd::{SysconfVar, sysconf};
+    sysconf(SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .and_then(|n| u32::try_from(n).ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    use proxy_common::SERVICES_CAPACITY;
+
+    use super::*;
+    use crate::cli::{Cli, Command, config};
+
+    fn args(argv: &[&str], file: &str) -> Requested {
+        let mut full = vec!["kube-proxy-ebpf", "run", "--manifests", "/m"];
+        full.extend_from_slice(argv);
+        let matches = Cli::command().try_get_matches_from(full).expect("flags");
+        let explicit = config::explicit_args(matches.subcommand_matches("run").expect("run"));
+        let Command::Run(mut args) = Cli::from_arg_matches(&matches).expect("cli").command else {
+            panic!("not run")
+        };
+        let head = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let file = config::parse("c.yaml", &format!("{head}{file}")).expect("file");
+        config::apply(&mut args, &file.config, &explicit).expect("apply");
+        args.map_request()
+    }
+
+    #[test]
+    fn flows_are_max_per_core_times_cpus_with_min_as_the_floor() {
+        assert_eq!(
+            flows(32_768, 131_072, 2),
+            131_072,
+            "the floor on a small node"
+        );
+        assert_eq!(flows(32_768, 131_072, 4), 131_072);
+        assert_eq!(flows(32_768, 131_072, 8), 262_144, "scaled past the floor");
+        assert_eq!(flows(1_000, 0, 3), 3_000, "no floor");
+        assert_eq!(flows(1_000, 0, 0), 1_000, "at least one CPU");
+        assert_eq!(
+            flows(0, 1_000_000, 64),
+            BUILTIN_FLOWS,
+            "0: built-in, min ignored"
+        );
+        assert_eq!(flows(u32::MAX, 0, 64), u32::MAX, "saturates");
+    }
+
+    #[test]
+    fn both_flow_maps_get_two_entries_per_flow() {
+        let f = flow_maps(&args(&[], ""), 2);
+        assert_eq!(
+            (f.conntrack, f.snat),
+            (262_144, 262_144),
+            "upstream's defaults on 2 CPUs: 131072 flows"
+        );
+        assert_eq!(f.conntrack_basis, Basis::Flows(131_072));
+        let f = flow_maps(&args(&[], ""), 16);
+        assert_eq!(
+            (f.conntrack, f.snat),
+            (1_048_576, 1_048_576),
+            "16 × 32768 flows"
+        );
+        assert_eq!(
+            flow_maps(&args(&[], ""), 1).conntrack,
+            CONNTRACK_CAPACITY,
+            "the default equals the compiled-in size"
+        );
+    }
+
+    #[test]
+    fn explicit_map_sizes_win_then_flags_then_the_file() {
+        let file = "conntrack:\n  maxPerCore: 1000\n  min: 500\n";
+        let f = flow_maps(&args(&[], file), 2);
+        assert_eq!(
+            (f.conntrack, f.snat),
+            (4_000, 4_000),
+            "the file: 2 × 1000 flows"
+        );
+        let f = flow_maps(&args(&["--conntrack-max-per-core", "3000"], file), 2);
+        assert_eq!(f.conntrack, 12_000, "the flag beats the file");
+        let f = flow_maps(&args(&["--conntrack-min", "10000"], file), 2);
+        assert_eq!(
+            f.conntrack, 20_000,
+            "the file's maxPerCore, the flag's floor"
+        );
+        let f = flow_maps(
+            &args(
+                &[
+                    "--map-entries-conntrack",
+                    "1024",
+                    "--conntrack-max-per-core",
+                    "3000",
+                ],
+                file,
+            ),
+            2,
+        );
+        assert_eq!(
+            (f.conntrack, f.conntrack_basis, f.snat, f.snat_basis),
+            (1_024, Basis::Explicit, 12_000, Basis::Flows(6_000)),
+            "an explicit map size wins for its map only"
+        );
+        let f = flow_maps(&args(&["--map-entries-snat", "2048"], ""), 2);
+        assert_eq!((f.conntrack, f.snat), (262_144, 2_048));
+        let f = flow_maps(&args(&[], "conntrack:\n  maxPerCore: 0\n"), 64);
+        assert_eq!(f.conntrack, CONNTRACK_CAPACITY, "maxPerCore 0: built-in");
+        let sizes = map_sizes(&args(&["--map-entries-conntrack", "1024"], ""), 2);
+        assert_eq!((sizes.conntrack, sizes.snat), (1_024, 262_144));
+        assert_eq!(sizes.services, SERVICES_CAPACITY);
+    }
+
+    #[test]
+    fn online_cpus_is_at_least_one() {
+        assert!(online_cpus() >= 1);
+    }
+}

@@ -1,0 +1,127 @@
+//! loadBalancerSourceRanges in `SRCRANGES_V1` (an LPM trie keyed by frontend + source prefix).
+//!
+//! The entries depend only on the desired frontends (no ids), so they are reconciled here as a
+//! set, next to the diff's ordered plan: the wanted set is pure ([`wanted`]); the map layer adds
+//! what is missing, then removes what is no longer wanted. The shadow is read back from the
+//! pinned map at start-up, like the service maps.
+
+use std::collections::BTreeSet;
+
+use aya::maps::{
+    MapData,
+    lpm_trie::{Key, LpmTrie},
+};
+use proxy_common::{MAP_SOURCE_RANGES, SourceRangeKey};
+use tracing::error;
+
+use crate::{
+    dataplane,
+    pipeline::{encode, model::DesiredState},
+};
+
+/// One entry: (LPM prefix length, key data).
+pub type Entry = (u32, SourceRangeKey);
+
+/// Pure: every entry the desired state needs.
+pub fn wanted(desired: &DesiredState) -> BTreeSet<Entry> {
+    desired
+        .frontends
+        .iter()
+        .flat_map(|(fe, df)| encode::source_range_keys(fe, df))
+        .collect()
+}
+
+/// The map and what it carries.
+pub struct SourceRanges {
+    map: LpmTrie<MapData, SourceRangeKey, u32>,
+    programmed: BTreeSet<Entry>,
+}
+
+impl SourceRanges {
+    /// Takes the map out of a loaded object and reads back what it carries.
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> dataplane::Result<Self> {
+        let name = MAP_SOURCE_RANGES;
+        let map = ebpf
+            .take_map(name)
+            .ok_or(dataplane::Error::Missing { what: "map", name })?;
+        let map: LpmTrie<MapData, SourceRangeKey, u32> =
+            LpmTrie::try_from(map).map_err(|source| dataplane::Error::Map { name, source })?;
+        let programmed = map
+            .keys()
+            .filter_map(Result::ok)
+            .map(|k| (k.prefix_len(), k.data()))
+            .collect();
+        Ok(Self { map, programmed })
+    }
+
+    /// Makes the map carry exactly `want` (additions first). Failed writes are logged and
+    /// retried on the next sync.
+    pub fn sync(&mut self, want: &BTreeSet<Entry>) {
+        let add: Vec<Entry> = want.difference(&self.programmed).copied().collect();
+        let remove: Vec<Entry> = self.programmed.difference(want).copied().collect();
+        for (len, data) in add {
+            match self.map.insert(&Key::new(len, data), 1, 0) {
+                Ok(()) => {
+                    self.programmed.insert((len, data));
+                }
+                Err(e) => error!("loadBalancerSourceRanges entry {data:?}/{len}: {e}"),
+            }
+        }
+        for (len, data) in remove {
+            match self.map.remove(&Key::new(len, data)) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {
+                    self.programmed.remove(&(len, data));
+                }
+                Err(e) => error!("removing loadBalancerSourceRanges entry {data:?}/{len}: {e}"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::pipeline::model::{
+        DesiredFrontend, Frontend, FrontendKind, Protocol, ServicePortName,
+    };
+
+    #[test]
+    fn wanted_entries_follow_the_frontends_ranges() {
+        let mut desired = DesiredState::default();
+        let fe = Frontend::new(Ipv4Addr::new(192, 168, 70, 10), 80, Protocol::Tcp);
+        desired.frontends.insert(
+            fe,
+            DesiredFrontend {
+                balancing: Default::default(),
+                service: ServicePortName {
+                    namespace: "demo".into(),
+                    name: "lb".into(),
+                    port_name: String::new(),
+                },
+                kind: FrontendKind::LoadBalancer,
+                external_local: false,
+                drop_when_empty: false,
+                source_ranges: vec![(Ipv4Addr::new(10, 0, 0, 0), 8)],
+                backends: vec![],
+                retained: vec![],
+            }
+            .into(),
+        );
+        let w = wanted(&desired);
+        assert_eq!(
+            w.into_iter().collect::<Vec<_>>(),
+            vec![(
+                72,
+                SourceRangeKey {
+                    frontend_addr: [192, 168, 70, 10],
+                    frontend_port: [0, 80],
+                    proto: 6,
+                    _pad: 0,
+                    source: [10, 0, 0, 0],
+                }
+            )]
+        );
+    }
+}

@@ -1,0 +1,360 @@
+//! Host types ↔ map ABI. The only place that turns `Ipv4Addr`/`u16`/`Protocol` into the
+//! network-order byte arrays of `proxy_common` (and back, for adoption and `dump`).
+
+use std::net::Ipv4Addr;
+
+use proxy_common::{
+    AffinityMatchKey, Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL,
+    SCOPE_INTERNAL, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+    backend_flags, service_flags,
+};
+
+use crate::pipeline::model::{
+    DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol, Scope, ServicePortName,
+};
+
+/// The `SERVICES` key of one slot of a frontend (slot 0 = the frontend entry).
+pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
+    ServiceKey {
+        scope: match frontend.scope {
+            Scope::AllClients => SCOPE_EXTERNAL,
+            Scope::InCluster => SCOPE_INTERNAL,
+        },
+        ..ServiceKey::new(
+            frontend.addr.octets(),
+            frontend.port.to_be_bytes(),
+            frontend.protocol.number(),
+            slot,
+        )
+    }
+}
+
+/// The frontend a `SERVICES` key belongs to; `None` for a protocol or scope this agent does not
+/// write.
+pub fn decode_service_key(key: &ServiceKey) -> Option<(Frontend, u16)> {
+    let scope = match key.scope {
+        SCOPE_EXTERNAL => Scope::AllClients,
+        SCOPE_INTERNAL => Scope::InCluster,
+        _ => return None,
+    };
+    let frontend = Frontend {
+        addr: Ipv4Addr::from(key.addr),
+        port: u16::from_be_bytes(key.port),
+        protocol: Protocol::from_number(key.proto)?,
+        scope,
+    };
+    Some((frontend, key.slot))
+}
+
+/// The datapath's cluster CIDRs from (network, prefix length) pairs: host bits cleared, at most
+/// `MAX_CLUSTER_CIDRS` (the rest are returned for the caller to report).
+pub fn cluster_cidrs(cidrs: &[(Ipv4Addr, u8)]) -> (ClusterCidrs, &[(Ipv4Addr, u8)]) {
+    let mut out = ClusterCidrs::NONE;
+    let used = cidrs.len().min(MAX_CLUSTER_CIDRS);
+    for (slot, (net, len)) in out.prefixes.iter_mut().zip(&cidrs[..used]) {
+        let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
+        *slot = Ipv4Prefix {
+            addr: (u32::from(*net) & mask).to_be_bytes(),
+            mask: mask.to_be_bytes(),
+        };
+    }
+    out.count = used as u32;
+    (out, &cidrs[used..])
+}
+
+/// `service_flags` bits of a frontend entry.
+pub fn frontend_flags(frontend: &Frontend, df: &DesiredFrontend) -> u16 {
+    let mut flags = 0;
+    // An in-cluster entry (pods and the node reaching an eTP=Local external frontend) carries
+    // in-cluster traffic: like upstream, which sends it to KUBE-SVC without masquerading, it is
+    // treated as a ClusterIP (no SNAT to the node: the backend sees the pod).
+    if df.kind.is_external() && frontend.scope == Scope::AllClients {
+        flags |= service_flags::EXTERNAL;
+        if df.external_local {
+            flags |= service_flags::EXTERNAL_LOCAL;
+        }
+    }
+    if !df.source_ranges.is_empty() {
+        flags |= service_flags::SOURCE_RANGES;
+    }
+    if df.drop_when_empty && df.backends.is_empty() {
+        flags |= service_flags::DROP_WHEN_EMPTY;
+    }
+    flags
+}
+
+/// Ids a frontend entry refers to beside its rev-NAT id, allocated by the planner.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrontendRefs {
+    /// Session affinity scope of the frontend's Service port (0 = no affinity).
+    pub affinity_id: u32,
+    /// Maglev table of the frontend's backend set (0 = none).
+    pub maglev_table: u32,
+}
+
+/// The `SERVICES` frontend entry (slot 0) of a frontend with `count` backend slots.
+pub fn frontend_value(
+    frontend: &Frontend,
+    df: &DesiredFrontend,
+    count: u16,
+    rev_nat_id: u32,
+    refs: FrontendRefs,
+) -> ServiceValue {
+    let mut flags = frontend_flags(frontend, df);
+    let mut value = ServiceValue::frontend(count, rev_nat_id);
+    if let Some(timeout) = df.balancing.affinity_timeout_s {
+        flags |= service_flags::AFFINITY;
+        value.affinity_timeout_s = timeout;
+        value.affinity_id = refs.affinity_id;
+    }
+    value.flags = flags;
+    value.scheduler = df.balancing.scheduler.code();
+    value.maglev_table = refs.maglev_table;
+    value
+}
+
+/// The session affinity scope of a Service port (`ServiceValue::affinity_id`): a hash of its
+/// name, never 0. Like kube-proxy's iptables `recent` lists (named by a hash of the Service port
+/// and endpoint), it is the same on every sync, after agent restarts and on every node, with no
+/// allocator state; a Service deleted and created again under the same name finds its old
+/// records, as upstream does, but only those naming a backend still in its slots (`AFFMATCH_V1`).
+/// Two Service ports whose names collide (a 1% chance that any pair does among 10,000 affinity
+/// Service ports) share a client's record only where both select its backend; otherwise a
+/// record of one is a miss for the other (each new flow of the client may then re-pick).
+pub fn affinity_id(service: &ServicePortName) -> u32 {
+    // FNV-1a (64-bit) over the three names, NUL-separated, folded to 32 bits.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in [&service.namespace, &service.name, &service.port_name] {
+        for b in part.bytes().chain([0]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let folded = (h ^ (h >> 32)) as u32;
+    folded.max(1)
+}
+
+/// The ids a frontend entry of `df` refers to that depend on it alone (the affinity scope).
+pub fn frontend_refs(df: &DesiredFrontend) -> FrontendRefs {
+    FrontendRefs {
+        affinity_id: df
+            .balancing
+            .affinity_timeout_s
+            .map_or(0, |_| affinity_id(&df.service)),
+        maglev_table: 0,
+    }
+}
+
+/// The `AFFMATCH_V1` entries of a frontend (slot-0 key `key`) with backend slots `slot_ids`:
+/// every backend of an affinity frontend, none otherwise; sorted.
+pub fn affinity_matches(
+    key: &ServiceKey,
+    df: &DesiredFrontend,
+    slot_ids: &[u32],
+) -> Vec<AffinityMatchKey> {
+    if df.balancing.affinity_timeout_s.is_none() {
+        return Vec::new();
+    }
+    let mut out: Vec<AffinityMatchKey> = slot_ids
+        .iter()
+        .map(|&backend_id| AffinityMatchKey {
+            frontend: *key,
+            backend_id,
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The `SRCRANGES_V1` entries (LPM prefix length, key data) allowing a frontend's source ranges.
+pub fn source_range_keys(frontend: &Frontend, df: &DesiredFrontend) -> Vec<(u32, SourceRangeKey)> {
+    df.source_ranges
+        .iter()
+        .map(|(net, len)| {
+            (
+                SOURCE_RANGE_FRONTEND_BITS + u32::from(*len),
+                SourceRangeKey {
+                    frontend_addr: frontend.addr.octets(),
+                    frontend_port: frontend.port.to_be_bytes(),
+                    proto: frontend.protocol.number(),
+                    _pad: 0,
+                    source: net.octets(),
+                },
+            )
+        })
+        .collect()
+}
+
+/// `backend_flags` bits for a backend's conditions.
+pub fn backend_flags(terminating: bool, local: bool) -> u8 {
+    let mut flags = 0;
+    if terminating {
+        flags |= backend_flags::TERMINATING;
+    }
+    if local {
+        flags |= backend_flags::LOCAL;
+    }
+    flags
+}
+
+/// The `BACKENDS` value for a backend.
+pub fn backend(b: &DesiredBackend) -> Backend {
+    Backend {
+        addr: b.endpoint.addr.octets(),
+        port: b.endpoint.port.to_be_bytes(),
+        proto: b.endpoint.protocol.number(),
+        flags: backend_flags(b.terminating, b.local),
+    }
+}
+
+/// The endpoint a `BACKENDS` value names (identity only, flags ignored).
+pub fn decode_endpoint(b: &Backend) -> Option<EndpointAddr> {
+    Some(EndpointAddr {
+        addr: Ipv4Addr::from(b.addr),
+        port: u16::from_be_bytes(b.port),
+        protocol: Protocol::from_number(b.proto)?,
+    })
+}
+
+/// A `BACKENDS` value back in host types; `None` for an unknown protocol.
+pub fn decode_backend(b: &Backend) -> Option<DesiredBackend> {
+    Some(DesiredBackend {
+        endpoint: decode_endpoint(b)?,
+        terminating: b.flags & backend_flags::TERMINATING != 0,
+        local: b.flags & backend_flags::LOCAL != 0,
+    })
+}
+
+/// The `REVNAT` value for a frontend: the source a reply must appear to come from.
+pub fn rev_nat(frontend: &Frontend) -> RevNat {
+    RevNat {
+        addr: frontend.addr.octets(),
+        port: frontend.port.to_be_bytes(),
+        _pad: [0; 2],
+    }
+}
+
+/// A `REVNAT` value back in host types.
+pub fn decode_rev_nat(r: &RevNat) -> (Ipv4Addr, u16) {
+    (Ipv4Addr::from(r.addr), u16::from_be_bytes(r.port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FE: Frontend = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 0x1f90, Protocol::Tcp);
+
+    #[test]
+    fn service_key_is_network_order() {
+        let key = service_key(&FE, 3);
+        assert_eq!(key.addr, [10, 96, 0, 10]);
+        assert_eq!(key.port, [0x1f, 0x90]);
+        assert_eq!(key.proto, 6);
+        assert_eq!(key.scope, SCOPE_EXTERNAL);
+        assert_eq!(key.slot, 3);
+        assert_eq!(key._pad, [0; 2]);
+    }
+
+    #[test]
+    fn service_key_round_trip() {
+        for protocol in [Protocol::Tcp, Protocol::Udp] {
+            let fe = Frontend { protocol, ..FE };
+            assert_eq!(decode_service_key(&service_key(&fe, 7)), Some((fe, 7)));
+        }
+        let mut key = service_key(&FE, 0);
+        key.proto = 132;
+        assert_eq!(decode_service_key(&key), None, "SCTP is not ours");
+    }
+
+    #[test]
+    fn in_cluster_frontend_is_the_same_key_with_the_internal_scope() {
+        let fe = FE.in_cluster();
+        let key = service_key(&fe, 2);
+        assert_eq!(key.scope, SCOPE_INTERNAL);
+        assert_eq!(
+            ServiceKey {
+                scope: SCOPE_EXTERNAL,
+                ..key
+            },
+            service_key(&FE, 2)
+        );
+        assert_eq!(decode_service_key(&key), Some((fe, 2)));
+        let mut key = service_key(&FE, 0);
+        key.scope = 7;
+        assert_eq!(decode_service_key(&key), None, "unknown scope is not ours");
+    }
+
+    #[test]
+    fn cluster_cidrs_are_masked_network_order_and_bounded() {
+        let many: Vec<(Ipv4Addr, u8)> = (0..6)
+            .map(|i| (Ipv4Addr::new(10, 244 + i, 3, 4), 16))
+            .collect();
+        let (c, rest) = cluster_cidrs(&many);
+        assert_eq!(c.count, 4);
+        assert_eq!(rest, &many[4..]);
+        assert_eq!(
+            c.prefixes[0],
+            Ipv4Prefix {
+                addr: [10, 244, 0, 0],
+                mask: [255, 255, 0, 0]
+            }
+        );
+        assert!(c.contains([10, 247, 9, 9]));
+        assert!(
+            !c.contains([10, 248, 9, 9]),
+            "the fifth prefix was left out"
+        );
+        let everything = [(Ipv4Addr::new(1, 2, 3, 4), 0)];
+        let (c, rest) = cluster_cidrs(&everything);
+        assert_eq!((c.count, c.prefixes[0].mask, rest.len()), (1, [0; 4], 0));
+        assert_eq!(cluster_cidrs(&[]).0, ClusterCidrs::NONE);
+    }
+
+    #[test]
+    fn backend_round_trip_with_flags() {
+        for (terminating, local) in [(false, false), (true, false), (false, true), (true, true)] {
+            let b = DesiredBackend {
+                endpoint: EndpointAddr {
+                    addr: Ipv4Addr::new(10, 244, 1, 11),
+                    port: 8080,
+                    protocol: Protocol::Udp,
+                },
+                terminating,
+                local,
+            };
+            let raw = backend(&b);
+            assert_eq!(raw.port, 8080u16.to_be_bytes());
+            assert_eq!(raw.proto, 17);
+            assert_eq!(decode_backend(&raw), Some(b));
+        }
+    }
+
+    #[test]
+    fn affinity_id_is_per_service_port_stable_and_never_zero() {
+        let spn = |ns: &str, name: &str, port: &str| ServicePortName {
+            namespace: ns.into(),
+            name: name.into(),
+            port_name: port.into(),
+        };
+        let a = affinity_id(&spn("demo", "web", "http"));
+        assert_eq!(a, affinity_id(&spn("demo", "web", "http")), "stable");
+        assert_ne!(a, 0);
+        // The separators keep "ab/c" and "a/bc" apart.
+        assert_ne!(a, affinity_id(&spn("demo", "web", "https")));
+        assert_ne!(a, affinity_id(&spn("demo", "webh", "ttp")));
+        assert_ne!(a, affinity_id(&spn("other", "web", "http")));
+        let distinct: std::collections::HashSet<u32> = (0..10_000)
+            .map(|i| affinity_id(&spn("ns", &format!("svc-{i}"), "")))
+            .collect();
+        assert!(distinct.len() >= 9_998, "{} distinct", distinct.len());
+    }
+
+    #[test]
+    fn rev_nat_round_trip() {
+        let raw = rev_nat(&FE);
+        assert_eq!(raw._pad, [0; 2]);
+        assert_eq!(decode_rev_nat(&raw), (FE.addr, FE.port));
+    }
+}

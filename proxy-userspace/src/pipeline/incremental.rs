@@ -1,0 +1,687 @@
+//! Incremental planning: only the frontends whose desired value changed, with the id indexes
+//! kept up to date alongside the programmed shadow instead of rebuilt per plan.
+//!
+//! Pure. [`diff::plan`] stays the reference: [`Planner::plan`] gives the same operations, in the
+//! same order, as `diff::plan` would for the same desired state and shadow (property-tested in
+//! `diff`), by the same rules — endpoint → smallest programmed backend id, smallest free ids,
+//! flags merged across the frontends sharing a backend, capacity counted at the plan's peak,
+//! backends → rev-NAT → slots → frontends, shrinking in reverse, unreferenced entries last.
+//! Where the shortcut could differ from the full plan it declines and the full plan runs:
+//! the first plan, after a failed write, while a frontend is skipped for capacity, when the maps
+//! hold leftovers (two backend ids for one endpoint, a shared rev-NAT id), when the changed
+//! frontends do not all fit, and when a change involves a Maglev frontend.
+
+use std::{
+    cmp::Reverse,
+    collections::{BTreeMap, BTreeSet},
+};
+
+use proxy_common::{
+    AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue, sched,
+};
+
+use crate::{
+    pipeline::{
+        diff::{self, Plan},
+        encode,
+        fast_hash::{HashMap, HashSet},
+        model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
+        programmed::{Capacities, MapOp, Programmed},
+        translate_cache::FrontendChange,
+    },
+    serving::metrics::SyncKind,
+};
+
+/// Free ids of one id space (1..=u32::MAX), as disjoint inclusive ranges keyed by their start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FreeIds {
+    ranges: BTreeMap<u32, u32>,
+}
+
+impl Default for FreeIds {
+    fn default() -> Self {
+        Self {
+            ranges: BTreeMap::from([(1, u32::MAX)]),
+        }
+    }
+}
+
+impl FreeIds {
+    /// `id` is now used (no-op if it already was, or is 0).
+    pub fn take(&mut self, id: u32) {
+        let Some((&start, &end)) = self.ranges.range(..=id).next_back() else {
+            return;
+        };
+        if id == 0 || end < id {
+            return;
+        }
+        self.ranges.remove(&start);
+        if start < id {
+            self.ranges.insert(start, id - 1);
+        }
+        if id < end {
+            self.ranges.insert(id + 1, end);
+        }
+    }
+
+    /// `id` is free again (no-op if it already was, or is 0).
+    pub fn give(&mut self, id: u32) {
+        if id == 0 || self.is_free(id) {
+            return;
+        }
+        let (mut start, mut end) = (id, id);
+        if let Some((&s, &e)) = self.ranges.range(..id).next_back()
+            && e.checked_add(1) == Some(id)
+        {
+            self.ranges.remove(&s);
+            start = s;
+        }
+        if let Some(next) = id.checked_add(1)
+            && let Some(e) = self.ranges.remove(&next)
+        {
+            end = e;
+        }
+        self.ranges.insert(start, end);
+    }
+
+    pub fn is_free(&self, id: u32) -> bool {
+        self.ranges
+            .range(..=id)
+            .next_back()
+            .is_some_and(|(_, &end)| id <= end)
+    }
+
+    /// The free ids in increasing order (what [`crate::pipeline::ids::IdAllocator`] hands out).
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.ranges.iter().flat_map(|(&s, &e)| s..=e)
+    }
+}
+
+/// How the desired frontends use one endpoint (backends and retained lists).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct EndpointUse {
+    frontends: u32,
+    local: u32,
+    terminating: u32,
+}
+
+/// Indexes over the programmed shadow and the desired state, and what changed since the last
+/// plan.
+#[derive(Debug)]
+pub struct Planner {
+    /// Endpoint → its smallest programmed backend id.
+    endpoint_ids: HashMap<EndpointAddr, u32>,
+    /// Programmed backends that are not their endpoint's smallest id, or do not decode.
+    irregular_backends: HashSet<u32>,
+    /// Slots naming each backend id.
+    slot_refs: HashMap<u32, u32>,
+    /// Frontend entries naming each rev-NAT id.
+    rev_nat_refs: HashMap<u32, u32>,
+    free_backend_ids: FreeIds,
+    free_rev_nat_ids: FreeIds,
+    frontends: usize,
+    /// Desired side: how the frontends use each endpoint.
+    endpoint_use: HashMap<EndpointAddr, EndpointUse>,
+    /// Frontends whose desired value changed since the last applied plan.
+    pending: BTreeSet<Frontend>,
+    /// Endpoints those changes added or removed.
+    touched: HashSet<EndpointAddr>,
+    /// The next plan must be a full one.
+    needs_full: bool,
+}
+
+impl Planner {
+    /// Indexes for what `programmed` holds, with an empty desired state.
+    pub fn new(programmed: &Programmed) -> Self {
+        let mut p = Self {
+            endpoint_ids: HashMap::default(),
+            irregular_backends: HashSet::default(),
+            slot_refs: HashMap::default(),
+            rev_nat_refs: HashMap::default(),
+            free_backend_ids: FreeIds::default(),
+            free_rev_nat_ids: FreeIds::default(),
+            frontends: 0,
+            endpoint_use: HashMap::default(),
+            pending: BTreeSet::new(),
+            touched: HashSet::default(),
+            needs_full: true,
+        };
+        let mut empty = Programmed::default();
+        let mut backends: Vec<_> = programmed.backends.iter().collect();
+        backends.sort_by_key(|(id, _)| **id);
+        let ops = backends
+            .into_iter()
+            .map(|(&id, &backend)| MapOp::PutBackend { id, backend })
+            .chain(
+                programmed
+                    .rev_nats
+                    .iter()
+                    .map(|(&id, &rev_nat)| MapOp::PutRevNat { id, rev_nat }),
+            )
+            .chain(
+                programmed
+                    .services
+                    .iter()
+                    .map(|(&key, &value)| MapOp::PutService { key, value }),
+            );
+        for op in ops {
+            p.observe(&empty, &op);
+            empty.apply(&op);
+        }
+        p
+    }
+
+    /// Whether the indexes over the programmed maps equal `other`'s (tests: kept up to date
+    /// versus rebuilt).
+    pub fn same_indexes(&self, other: &Planner) -> bool {
+        self.endpoint_ids == other.endpoint_ids
+            && self.irregular_backends == other.irregular_backends
+            && self.slot_refs == other.slot_refs
+            && self.rev_nat_refs == other.rev_nat_refs
+            && self.free_backend_ids == other.free_backend_ids
+            && self.free_rev_nat_ids == other.free_rev_nat_ids
+            && self.frontends == other.frontends
+    }
+
+    /// Number of frontend entries (slot 0) programmed.
+    pub fn frontend_count(&self) -> usize {
+        self.frontends
+    }
+
+    /// The translation cache's changes of one update, against the desired state after it.
+    pub fn desired_changes(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+        for c in changes {
+            let new = desired.frontends.get(&c.frontend).map(|d| &**d);
+            self.desired_changed(c.frontend, c.old.as_deref(), new);
+        }
+    }
+
+    /// A frontend's desired value changed from `old` to `new` (as the desired state now says).
+    pub fn desired_changed(
+        &mut self,
+        frontend: Frontend,
+        old: Option<&DesiredFrontend>,
+        new: Option<&DesiredFrontend>,
+    ) {
+        self.pending.insert(frontend);
+        for (df, add) in [(old, false), (new, true)] {
+            for b in df
+                .into_iter()
+                .flat_map(|d| d.backends.iter().chain(&d.retained))
+            {
+                self.touched.insert(b.endpoint);
+                let u = self.endpoint_use.entry(b.endpoint).or_default();
+                let delta = |n: &mut u32, by: bool| {
+                    if by {
+                        *n = if add { *n + 1 } else { n.saturating_sub(1) };
+                    }
+                };
+                delta(&mut u.frontends, true);
+                delta(&mut u.local, b.local);
+                delta(&mut u.terminating, b.terminating);
+                if u.frontends == 0 {
+                    self.endpoint_use.remove(&b.endpoint);
+                }
+            }
+        }
+    }
+
+    /// Plan the changes since the last applied plan; the full [`diff::plan`] when `full` or
+    /// when the shortcut declines (see the module doc).
+    pub fn plan(
+        &self,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+        full: bool,
+    ) -> Plan {
+        self.plan_with_kind(desired, programmed, caps, full).0
+    }
+
+    /// [`Planner::plan`], and whether the full plan ran (`full`, or the shortcut declined).
+    pub fn plan_with_kind(
+        &self,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+        full: bool,
+    ) -> (Plan, SyncKind) {
+        if !full && let Some(plan) = self.plan_changes(desired, programmed, caps) {
+            return (plan, SyncKind::Partial);
+        }
+        (diff::plan(desired, programmed, caps), SyncKind::Full)
+    }
+
+    /// Record an operation before it is applied to `programmed` (which still holds the value it
+    /// replaces).
+    pub fn observe(&mut self, programmed: &Programmed, op: &MapOp) {
+        match *op {
+            MapOp::PutBackend { id, backend } => {
+                let was_used = self.backend_used(programmed, id);
+                if let Some(old) = programmed.backends.get(&id) {
+                    self.unregister_backend(programmed, id, encode::decode_endpoint(old));
+                }
+                self.register_backend(id, encode::decode_endpoint(&backend));
+                if !was_used {
+                    self.free_backend_ids.take(id);
+                }
+            }
+            MapOp::DeleteBackend { id } => {
+                if let Some(old) = programmed.backends.get(&id) {
+                    self.unregister_backend(programmed, id, encode::decode_endpoint(old));
+                    if self.slot_refs.get(&id).copied().unwrap_or(0) == 0 {
+                        self.free_backend_ids.give(id);
+                    }
+                }
+            }
+            MapOp::PutRevNat { id, .. } => {
+                self.free_rev_nat_ids.take(id);
+            }
+            MapOp::DeleteRevNat { id } => {
+                if programmed.rev_nats.contains_key(&id)
+                    && self.rev_nat_refs.get(&id).copied().unwrap_or(0) == 0
+                {
+                    self.free_rev_nat_ids.give(id);
+                }
+            }
+            MapOp::PutService { key, value } => {
+                if let Some(old) = programmed.services.get(&key) {
+                    self.unref_service(programmed, &key, old);
+                }
+                if key.slot == 0 {
+                    self.frontends += 1;
+                    *self.rev_nat_refs.entry(value.rev_nat_id).or_default() += 1;
+                    self.free_rev_nat_ids.take(value.rev_nat_id);
+                } else {
+                    *self.slot_refs.entry(value.backend_id).or_default() += 1;
+                    self.free_backend_ids.take(value.backend_id);
+                }
+            }
+            MapOp::DeleteService { key } => {
+                if let Some(old) = programmed.services.get(&key) {
+                    self.unref_service(programmed, &key, old);
+                }
+            }
+            // No index over them: a plan reads them from the shadow, per frontend.
+            MapOp::PutAffinityMatch { .. } | MapOp::DeleteAffinityMatch { .. } => {}
+            // Maglev tables are planned by the full plan only (see `touches_maglev`).
+            MapOp::PutMaglevTable { .. } | MapOp::DeleteMaglevTable { .. } => {}
+        }
+    }
+
+    /// The plan was applied in full.
+    pub fn applied(&mut self, plan: &Plan) {
+        self.pending.clear();
+        self.touched.clear();
+        // A skipped frontend is retried by the full plan, which alone knows what it left.
+        self.needs_full = !plan.skipped.is_empty();
+    }
+
+    /// Writing a plan stopped part-way: the next plan is a full one.
+    pub fn failed(&mut self) {
+        self.needs_full = true;
+    }
+
+    fn backend_used(&self, programmed: &Programmed, id: u32) -> bool {
+        programmed.backends.contains_key(&id) || self.slot_refs.get(&id).is_some_and(|n| *n > 0)
+    }
+
+    fn unref_service(&mut self, programmed: &Programmed, key: &ServiceKey, old: &ServiceValue) {
+        if key.slot == 0 {
+            self.frontends = self.frontends.saturating_sub(1);
+            let id = old.rev_nat_id;
+            if let Some(n) = self.rev_nat_refs.get_mut(&id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.rev_nat_refs.remove(&id);
+                    if !programmed.rev_nats.contains_key(&id) {
+                        self.free_rev_nat_ids.give(id);
+                    }
+                }
+            }
+        } else {
+            let id = old.backend_id;
+            if let Some(n) = self.slot_refs.get_mut(&id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.slot_refs.remove(&id);
+                    if !programmed.backends.contains_key(&id) {
+                        self.free_backend_ids.give(id);
+                    }
+                }
+            }
+        }
+    }
+
+    fn register_backend(&mut self, id: u32, ep: Option<EndpointAddr>) {
+        let Some(ep) = ep else {
+            self.irregular_backends.insert(id);
+            return;
+        };
+        match self.endpoint_ids.get(&ep).copied() {
+            None => {
+                self.endpoint_ids.insert(ep, id);
+            }
+            Some(cur) if cur == id => {}
+            Some(cur) if cur < id => {
+                self.irregular_backends.insert(id);
+            }
+            Some(cur) => {
+                self.irregular_backends.insert(cur);
+                self.endpoint_ids.insert(ep, id);
+            }
+        }
+    }
+
+    fn unregister_backend(&mut self, programmed: &Programmed, id: u32, ep: Option<EndpointAddr>) {
+        if self.irregular_backends.remove(&id) {
+            return;
+        }
+        let Some(ep) = ep else { return };
+        if self.endpoint_ids.get(&ep) != Some(&id) {
+            return;
+        }
+        self.endpoint_ids.remove(&ep);
+        // Another id for the same endpoint (a leftover) becomes the endpoint's id.
+        let next = self
+            .irregular_backends
+            .iter()
+            .copied()
+            .filter(|other| {
+                programmed
+                    .backends
+                    .get(other)
+                    .and_then(encode::decode_endpoint)
+                    == Some(ep)
+            })
+            .min();
+        if let Some(next) = next {
+            self.irregular_backends.remove(&next);
+            self.endpoint_ids.insert(ep, next);
+        }
+    }
+
+    /// The plan for the pending frontends only, or `None` where it could differ from
+    /// [`diff::plan`] (then [`Planner::plan`] runs the full one).
+    pub fn plan_changes(
+        &self,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+    ) -> Option<Plan> {
+        if self.needs_full || !self.irregular_backends.is_empty() {
+            return None;
+        }
+        // Admission, as diff::plan: programmed frontends first, then new ones, in order.
+        let mut existing = Vec::new();
+        let mut fresh = Vec::new();
+        let mut removed = Vec::new();
+        for fe in &self.pending {
+            let key = encode::service_key(fe, 0);
+            let entry = programmed.services.get(&key).copied();
+            if touches_maglev(desired.frontends.get(fe).map(|d| &**d), entry.as_ref()) {
+                return None;
+            }
+            match (desired.frontends.get(fe), entry) {
+                (Some(df), Some(v)) => existing.push((*fe, key, df, Some(v))),
+                (Some(df), None) => fresh.push((*fe, key, df, None)),
+                (None, Some(v)) => removed.push((key, v)),
+                (None, None) => {}
+            }
+        }
+        let mut used_services = programmed.services.len() as u64;
+        let mut used_backends = programmed.backends.len() as u64;
+        let mut used_rev_nats = programmed.rev_nats.len() as u64;
+        let mut new_backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
+        let mut backend_alloc = self.free_backend_ids.iter();
+        let mut rev_nat_alloc = self.free_rev_nat_ids.iter();
+        let mut accepted = Vec::new();
+        for (fe, key, df, entry) in existing.into_iter().chain(fresh) {
+            let count = u16::try_from(df.backends.len())
+                .ok()
+                .filter(|n| *n <= MAX_BACKENDS_PER_SERVICE)?;
+            let new_services = u64::from(entry.is_none())
+                + (1..=count)
+                    .filter(|s| !programmed.services.contains_key(&key.with_slot(*s)))
+                    .count() as u64;
+            let mut missing: Vec<EndpointAddr> = df
+                .backends
+                .iter()
+                .chain(&df.retained)
+                .map(|b| b.endpoint)
+                .filter(|ep| {
+                    !self.endpoint_ids.contains_key(ep) && !new_backend_ids.contains_key(ep)
+                })
+                .collect();
+            missing.sort();
+            missing.dedup();
+            let reuse = entry.map(|v| v.rev_nat_id).filter(|id| *id != 0);
+            if let Some(id) = reuse
+                && self.rev_nat_refs.get(&id) != Some(&1)
+            {
+                return None; // shared by several frontend entries: a leftover
+            }
+            let new_rev_nats =
+                u64::from(reuse.is_none_or(|id| !programmed.rev_nats.contains_key(&id)));
+            if used_services + new_services > u64::from(caps.services)
+                || used_backends + missing.len() as u64 > u64::from(caps.backends)
+                || used_rev_nats + new_rev_nats > u64::from(caps.rev_nats)
+            {
+                return None;
+            }
+            let rev_nat_id = match reuse {
+                Some(id) => id,
+                None => rev_nat_alloc.next()?,
+            };
+            for ep in missing.iter() {
+                new_backend_ids.insert(*ep, backend_alloc.next()?);
+            }
+            used_services += new_services;
+            used_backends += missing.len() as u64;
+            used_rev_nats += new_rev_nats;
+            let id_of = |ep: &EndpointAddr| {
+                self.endpoint_ids
+                    .get(ep)
+                    .or_else(|| new_backend_ids.get(ep))
+                    .copied()
+            };
+            let slot_ids: Vec<u32> = df
+                .backends
+                .iter()
+                .filter_map(|b| id_of(&b.endpoint))
+                .collect();
+            accepted.push((fe, key, df, entry, rev_nat_id, slot_ids));
+        }
+        accepted.sort_by_key(|a| a.0);
+        let id_of = |ep: &EndpointAddr| {
+            self.endpoint_ids
+                .get(ep)
+                .or_else(|| new_backend_ids.get(ep))
+                .copied()
+        };
+
+        let mut ops = Vec::new();
+        // Phase 0: affinity match entries of the changed frontends that go. Other frontends'
+        // are as the last plan left them: exactly their wanted ones.
+        let mut dead_matches: Vec<AffinityMatchKey> = Vec::new();
+        let mut new_matches: Vec<AffinityMatchKey> = Vec::new();
+        for (_, key, df, _, _, slot_ids) in &accepted {
+            let wanted = encode::affinity_matches(key, df, slot_ids);
+            let have = programmed.affinity_matches_of(key);
+            dead_matches.extend(have.iter().filter(|k| wanted.binary_search(k).is_err()));
+            new_matches.extend(
+                wanted
+                    .iter()
+                    .filter(|k| !programmed.affinity_matches.contains(k)),
+            );
+        }
+        for (key, _) in &removed {
+            dead_matches.extend(programmed.affinity_matches_of(key));
+        }
+        dead_matches.sort_unstable();
+        new_matches.sort_unstable();
+        ops.extend(
+            dead_matches
+                .into_iter()
+                .map(|key| MapOp::DeleteAffinityMatch { key }),
+        );
+        // Phase 1: backends the changes touched, with flags merged over every frontend using
+        // them; then rev-NAT entries.
+        let mut puts = Vec::new();
+        let mut dead_backends = Vec::new();
+        for ep in &self.touched {
+            match self.endpoint_use.get(ep) {
+                Some(u) => {
+                    let id = id_of(ep)?;
+                    let backend = proxy_common::Backend {
+                        addr: ep.addr.octets(),
+                        port: ep.port.to_be_bytes(),
+                        proto: ep.protocol.number(),
+                        flags: encode::backend_flags(u.terminating == u.frontends, u.local > 0),
+                    };
+                    if programmed.backends.get(&id) != Some(&backend) {
+                        puts.push((id, backend));
+                    }
+                }
+                None => {
+                    if let Some(id) = self.endpoint_ids.get(ep) {
+                        dead_backends.push(*id);
+                    }
+                }
+            }
+        }
+        puts.sort_by_key(|(id, _)| *id);
+        ops.extend(
+            puts.into_iter()
+                .map(|(id, backend)| MapOp::PutBackend { id, backend }),
+        );
+        let mut rev_nats: Vec<(u32, RevNat)> = accepted
+            .iter()
+            .map(|a| (a.4, encode::rev_nat(&a.0)))
+            .collect();
+        rev_nats.sort_by_key(|(id, _)| *id);
+        rev_nats.dedup_by_key(|(id, _)| *id);
+        let claimed: HashSet<u32> = rev_nats.iter().map(|(id, _)| *id).collect();
+        for (id, rev_nat) in rev_nats {
+            if programmed.rev_nats.get(&id) != Some(&rev_nat) {
+                ops.push(MapOp::PutRevNat { id, rev_nat });
+            }
+        }
+
+        // Phase 2: backend slots.
+        let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
+            if programmed.services.get(&key) != Some(&value) {
+                ops.push(MapOp::PutService { key, value });
+            }
+        };
+        for (_, key, _, _, _, slot_ids) in &accepted {
+            for (slot, id) in (1..).zip(slot_ids) {
+                put_if_changed(&mut ops, key.with_slot(slot), ServiceValue::slot(*id));
+            }
+        }
+        ops.extend(
+            new_matches
+                .into_iter()
+                .map(|key| MapOp::PutAffinityMatch { key }),
+        );
+
+        // Phase 3: frontend entries; removed frontends.
+        let mut removed_slots = Vec::new();
+        let mut dead_rev_nats = Vec::new();
+        for (fe, key, df, entry, rev_nat_id, slot_ids) in &accepted {
+            let count = u16::try_from(slot_ids.len()).unwrap_or(u16::MAX);
+            put_if_changed(
+                &mut ops,
+                *key,
+                encode::frontend_value(fe, df, count, *rev_nat_id, encode::frontend_refs(df)),
+            );
+            if let Some(v) = entry {
+                removed_slots.extend(
+                    (count + 1..=v.count)
+                        .map(|s| key.with_slot(s))
+                        .filter(|k| programmed.services.contains_key(k)),
+                );
+                if v.rev_nat_id != *rev_nat_id {
+                    dead_rev_nats.push(v.rev_nat_id);
+                }
+            }
+        }
+        removed.sort_by_key(|(key, _)| *key);
+        for (key, v) in &removed {
+            ops.push(MapOp::DeleteService { key: *key });
+            removed_slots.extend(
+                (1..=v.count)
+                    .map(|s| key.with_slot(s))
+                    .filter(|k| programmed.services.contains_key(k)),
+            );
+            if self.rev_nat_refs.get(&v.rev_nat_id) != Some(&1) {
+                return None;
+            }
+            dead_rev_nats.push(v.rev_nat_id);
+        }
+
+        // Phase 4: slots beyond the new counts, highest first per frontend.
+        removed_slots.sort_by_key(|k| (k.with_slot(0), Reverse(k.slot)));
+        ops.extend(
+            removed_slots
+                .into_iter()
+                .map(|key| MapOp::DeleteService { key }),
+        );
+
+        // Phase 5: rev-NAT entries and backends nothing refers to.
+        dead_rev_nats.retain(|id| !claimed.contains(id) && programmed.rev_nats.contains_key(id));
+        dead_rev_nats.sort_unstable();
+        dead_rev_nats.dedup();
+        ops.extend(
+            dead_rev_nats
+                .into_iter()
+                .map(|id| MapOp::DeleteRevNat { id }),
+        );
+        dead_backends.sort_unstable();
+        ops.extend(
+            dead_backends
+                .into_iter()
+                .map(|id| MapOp::DeleteBackend { id }),
+        );
+        Some(Plan {
+            ops,
+            skipped: Vec::new(),
+        })
+    }
+}
+
+/// Does a change of this frontend (desired value, programmed entry) involve a Maglev table?
+/// Then the full plan runs: tables are shared between frontends and allocated by backend set,
+/// which only the full plan sees whole. (A cost, not a correctness matter: a change to a Maglev
+/// Service replans every Service.)
+fn touches_maglev(desired: Option<&DesiredFrontend>, entry: Option<&ServiceValue>) -> bool {
+    desired.is_some_and(diff::wants_maglev)
+        || entry.is_some_and(|v| v.maglev_table != 0 || v.scheduler == sched::code::MAGLEV)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ids_smallest_first_split_and_merge() {
+        let mut f = FreeIds::default();
+        for id in [1, 2, 3, 5] {
+            f.take(id);
+        }
+        assert_eq!(f.iter().take(3).collect::<Vec<_>>(), [4, 6, 7]);
+        f.give(2);
+        assert_eq!(f.iter().take(3).collect::<Vec<_>>(), [2, 4, 6]);
+        f.give(3);
+        f.give(1);
+        f.give(5);
+        assert_eq!(f, FreeIds::default(), "ranges merge back into one");
+        f.take(u32::MAX);
+        assert!(!f.is_free(u32::MAX) && f.is_free(u32::MAX - 1));
+        f.give(u32::MAX);
+        assert_eq!(f, FreeIds::default());
+        f.take(0);
+        f.give(0);
+        assert_eq!(f, FreeIds::default(), "0 is never an id");
+    }
+}

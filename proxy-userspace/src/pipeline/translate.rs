@@ -1,0 +1,2634 @@
+//! Snapshot → desired state: which frontends exist and which backends each one sends to.
+//!
+//! Pure. Follows upstream kube-proxy's Service handling (see KUBE-PROXY-BEHAVIOUR.md): skipped
+//! Service kinds, frontends per Service port × ClusterIP, endpoints joined from EndpointSlices
+//! ([`crate::sources::endpoints`]) and categorised ([`crate::pipeline::topology`]). A bad object is reported as a
+//! [`Problem`] and skipped; everything else is still programmed.
+//!
+//! Frontends asked for by more than one Service are settled one frontend at a time
+//! ([`resolve`]): a ClusterIP beats any other kind, then the older Service wins, then
+//! namespace/name order. The loser goes without that frontend only (a [`FrontendConflict`],
+//! reported as a Problem); its other frontends are programmed.
+
+use std::{
+    collections::{HashMap, hash_map::Entry},
+    net::{IpAddr, Ipv4Addr},
+    sync::Arc,
+};
+
+use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
+
+use crate::{
+    pipeline::{
+        model::{
+            Balancing, ClaimRule, DesiredFrontend, DesiredState, Frontend, FrontendConflict,
+            FrontendKind, Problem, Protocol, Scheduler, Scope, ServicePortName,
+        },
+        topology::{self, Policy},
+    },
+    sources::{
+        endpoints::{SNAPSHOT_SOURCE, SliceIndex},
+        snapshot::Snapshot,
+    },
+};
+
+/// Label marking a Service as owned by another proxy.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Legacy annotation for loadBalancerSourceRanges (comma-separated), used when the field is empty.
+pub const ANNOTATION_LB_SOURCE_RANGES: &str =
+    "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// Annotation enabling topology-aware routing (value `Auto`).
+pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+/// The annotation's pre-1.27 name, still honoured upstream.
+pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// Annotation choosing the Service's load-balancing scheduler (a name [`Scheduler::parse`]
+/// takes: ours or an IPVS alias); wins over the node's `--scheduler` / `ipvs.scheduler`.
+pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
+
+/// Facts about the node this agent runs on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeContext {
+    /// The Node object's name (endpoints with this `nodeName` are local).
+    pub node_name: String,
+    /// The node's `topology.kubernetes.io/zone` label, for zone hints.
+    pub zone: Option<String>,
+    /// The node's scheduler (`--scheduler`, else KubeProxyConfiguration `ipvs.scheduler`) for
+    /// Services without a scheduler annotation.
+    pub scheduler: Scheduler,
+}
+
+/// What `translate` made of a snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Translation {
+    pub desired: DesiredState,
+    /// Invalid or unsupported objects (or parts of them) that were skipped.
+    pub problems: Vec<Problem>,
+    /// Deliberate, expected skips worth telling the user once (e.g. the IPv6 half of a
+    /// dual-stack Service): not errors.
+    pub notes: Vec<Problem>,
+    /// Health-check node ports to serve (externalTrafficPolicy Local LoadBalancer Services),
+    /// sorted by port.
+    pub health_checks: Vec<HealthCheck>,
+    /// Frontends two or more Services asked for, one per losing claim, sorted (each is also in
+    /// `problems`).
+    pub conflicts: Vec<FrontendConflict>,
+}
+
+/// A `spec.healthCheckNodePort` and what it reports (upstream `pkg/proxy/healthcheck`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub namespace: String,
+    pub name: String,
+    pub port: u16,
+    /// This node's ready endpoints, summed over the Service's ports (upstream
+    /// `LocalReadyEndpoints`; serving-terminating ones do not count).
+    pub local_endpoints: usize,
+}
+
+/// Why (part of) a Service is not programmed.
+#[derive(Debug, thiserror::Error)]
+enum ServiceError {
+    #[error("clusterIP {0:?} is not an IP address; Service skipped")]
+    BadClusterIp(String),
+    #[error("port {name:?} has invalid number {port} (must be 1-65535); Service skipped")]
+    BadPort { name: String, port: i32 },
+    #[error("port {name:?} has unknown protocol {protocol:?}; Service skipped")]
+    BadProtocol { name: String, protocol: String },
+    #[error("port {name:?} uses SCTP, which the datapath does not carry; port skipped")]
+    Sctp { name: String },
+    #[error("port {port}/{protocol} is listed twice; Service skipped")]
+    DuplicatePort { port: u16, protocol: Protocol },
+    #[error(
+        "loadBalancerSourceRanges entry {0:?} is not a CIDR; entry ignored (the other ranges apply)"
+    )]
+    BadSourceRange(String),
+    #[error(
+        "sessionAffinityConfig.clientIP.timeoutSeconds {0} is outside 1-{MAX_AFFINITY_TIMEOUT_S}; \
+         the default {DEFAULT_AFFINITY_TIMEOUT_S} s applies"
+    )]
+    BadAffinityTimeout(i32),
+    #[error(
+        "annotation {ANNOTATION_SCHEDULER} {value:?} is not a scheduler (use one of {names}); \
+         the node's scheduler {node} applies",
+        names = proxy_common::sched::SCHEDULER_NAMES,
+        node = node.name()
+    )]
+    BadScheduler { value: String, node: Scheduler },
+}
+
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` default and maximum (upstream's validation:
+/// 0 < timeout <= 86400).
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+pub const MAX_AFFINITY_TIMEOUT_S: u32 = 86_400;
+
+/// Turn a snapshot into the desired state for this node, without NodePort frontends (no node
+/// addresses known); see [`translate_for_node`].
+pub fn translate(snapshot: &Snapshot, node: &NodeContext) -> Translation {
+    translate_for_node(snapshot, node, &[])
+}
+
+/// Turn a snapshot into the desired state for this node; NodePorts answer on `nodeport_addrs`
+/// (the node's addresses selected by `--nodeport-addresses`).
+pub fn translate_for_node(
+    snapshot: &Snapshot,
+    node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
+) -> Translation {
+    let mut out = Translation::default();
+    let slices = SliceIndex::new(
+        snapshot.endpoint_slices.iter().map(|s| &**s),
+        &node.node_name,
+        &mut out.problems,
+    );
+    // Sorted so that health checks sharing a port come in the same order whatever order the
+    // source listed the Services in (claims do not depend on it: see `resolve`).
+    let mut services: Vec<&Service> = snapshot.services.iter().map(|s| &**s).collect();
+    services.sort_by_key(|s| (&s.metadata.namespace, &s.metadata.name));
+    let mut translations = Vec::with_capacity(services.len());
+    for svc in services {
+        let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
+            continue;
+        };
+        out.problems.append(&mut t.problems);
+        out.notes.append(&mut t.notes);
+        out.health_checks.extend(t.health_check.take());
+        translations.push(t);
+    }
+    // Grouped by frontend (a stable sort: claimants stay in name order within a group).
+    let mut claims: Vec<Claim<'_>> = translations.iter().flat_map(|t| t.claims()).collect();
+    claims.sort_by_key(|c| c.frontend);
+    for list in claims.chunk_by(|a, b| a.frontend == b.frontend) {
+        let Some((winner, conflicts)) = resolve(list) else {
+            continue;
+        };
+        for (frontend, df) in list[winner].entries {
+            out.desired.frontends.insert(*frontend, df.clone());
+        }
+        out.problems.extend(conflicts.iter().map(conflict_problem));
+        out.conflicts.extend(conflicts);
+    }
+    out.conflicts.sort();
+    out.health_checks.sort_by_key(|h| h.port);
+    out
+}
+
+/// One Service's part of a translation, before the frontend claims between Services.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceTranslation {
+    /// The frontends the Service asks for, in Service port order, each address:port/protocol
+    /// once (an in-cluster entry right after its all-clients entry). Each is claimed on its own
+    /// ([`resolve`]). Empty when the Service is skipped.
+    pub frontends: Vec<(Frontend, Arc<DesiredFrontend>)>,
+    pub problems: Vec<Problem>,
+    pub notes: Vec<Problem>,
+    /// The Service's `metadata.creationTimestamp` (the older Service wins a contested frontend).
+    pub created: Option<Timestamp>,
+    /// Served whatever the claims: it reports the Service's local endpoints.
+    pub health_check: Option<HealthCheck>,
+}
+
+impl ServiceTranslation {
+    /// The Service's claims, one per address:port/protocol it asks for.
+    pub fn claims(&self) -> impl Iterator<Item = Claim<'_>> {
+        (0..self.frontends.len()).filter_map(|i| self.claim_at(i))
+    }
+
+    /// The claim whose all-clients entry is `frontends[entry]` (`None` for an in-cluster entry
+    /// or an index out of range).
+    pub fn claim_at(&self, entry: usize) -> Option<Claim<'_>> {
+        let (frontend, desired) = self.frontends.get(entry)?;
+        if frontend.scope != Scope::AllClients {
+            return None;
+        }
+        let with_in_cluster = self
+            .frontends
+            .get(entry + 1)
+            .is_some_and(|(f, _)| *f == frontend.in_cluster());
+        let end = entry + 1 + usize::from(with_in_cluster);
+        Some(Claim {
+            frontend: *frontend,
+            desired,
+            created: self.created,
+            entries: self.frontends.get(entry..end)?,
+        })
+    }
+}
+
+/// One Service's claim on a frontend (address, port, protocol, for every client).
+#[derive(Clone, Copy, Debug)]
+pub struct Claim<'a> {
+    pub frontend: Frontend,
+    desired: &'a DesiredFrontend,
+    created: Option<Timestamp>,
+    /// What the claim programs if it wins: the frontend, and for an externalTrafficPolicy Local
+    /// external frontend the in-cluster entry beside it.
+    pub entries: &'a [(Frontend, Arc<DesiredFrontend>)],
+}
+
+impl Claim<'_> {
+    /// Lower wins: a ClusterIP first, then the older Service (one without a creationTimestamp,
+    /// as in manifests, after every one with), then namespace/name.
+    fn rank(&self) -> (bool, bool, Option<Timestamp>, &str, &str) {
+        let service = &self.desired.service;
+        (
+            self.desired.kind != FrontendKind::ClusterIp,
+            self.created.is_none(),
+            self.created,
+            &service.namespace,
+            &service.name,
+        )
+    }
+}
+
+/// Settles one frontend between the Services claiming it, in any order: the winning claim's
+/// position in `claims`, and a conflict for each other claim. `None` when `claims` is empty.
+/// Pure and per frontend, so the full and the incremental translation agree.
+pub fn resolve(claims: &[Claim<'_>]) -> Option<(usize, Vec<FrontendConflict>)> {
+    let (winner, w) = claims
+        .iter()
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.rank().cmp(&b.rank()))?;
+    let conflicts = claims
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != winner)
+        .map(|(_, l)| {
+            let rule = if (w.desired.kind == FrontendKind::ClusterIp)
+                != (l.desired.kind == FrontendKind::ClusterIp)
+            {
+                ClaimRule::ClusterIpFirst
+            } else if w.created != l.created {
+                ClaimRule::Older
+            } else {
+                ClaimRule::NameOrder
+            };
+            FrontendConflict {
+                frontend: w.frontend,
+                loser: l.desired.service.clone(),
+                loser_kind: l.desired.kind,
+                winner: w.desired.service.clone(),
+                winner_kind: w.desired.kind,
+                rule,
+            }
+        })
+        .collect();
+    Some((winner, conflicts))
+}
+
+/// The problem reported for the loser of a conflict.
+pub fn conflict_problem(c: &FrontendConflict) -> Problem {
+    Problem {
+        source: SNAPSHOT_SOURCE.to_owned(),
+        object: format!("Service {}/{}", c.loser.namespace, c.loser.name),
+        reason: format!(
+            "frontend {} ({}{}) is held by Service {} as its {} ({}); this frontend is skipped, \
+             the Service's other frontends are programmed",
+            c.frontend,
+            c.loser_kind,
+            if c.loser.port_name.is_empty() {
+                String::new()
+            } else {
+                format!(" of port {:?}", c.loser.port_name)
+            },
+            c.winner,
+            c.winner_kind,
+            c.rule
+        ),
+    }
+}
+
+/// Translate one Service with the endpoints of `slices` (which may hold only this Service's
+/// slices). `None`: the Service is not for this proxy (ExternalName, headless, another proxy's).
+pub fn translate_service(
+    svc: &Service,
+    slices: &SliceIndex,
+    node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
+) -> Option<ServiceTranslation> {
+    if !handled(svc) {
+        return None;
+    }
+    let mut out = ServiceTranslation::default();
+    match service_frontends(svc, slices, node, nodeport_addrs) {
+        Ok(f) => {
+            for e in f.port_problems {
+                out.problems.push(service_problem(svc, e.to_string()));
+            }
+            if let Some(note) = f.note {
+                out.notes.push(service_problem(svc, note));
+            }
+            out.frontends = dedup_own(f.frontends)
+                .into_iter()
+                .map(|(frontend, df)| (frontend, Arc::new(df)))
+                .collect();
+            out.health_check = f.health_check;
+        }
+        Err(e) => out.problems.push(service_problem(svc, e.to_string())),
+    }
+    out.created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+    Some(out)
+}
+
+/// One Service asking twice for one address:port/protocol (an externalIP equal to its own
+/// ClusterIP, a NodePort equal to another port on an externalIP that is a node address): its
+/// ClusterIP entry is kept, else the first; a dropped external entry takes its in-cluster entry
+/// along.
+fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, DesiredFrontend)> {
+    // The usual case, cheaply: no address:port/protocol twice (a few frontends: compared
+    // pairwise without allocating; many: sorted).
+    let keys = || (frontends.iter().map(|(f, _)| *f)).filter(|f| f.scope == Scope::AllClients);
+    let unique = if frontends.len() <= 16 {
+        keys()
+            .enumerate()
+            .all(|(i, a)| keys().skip(i + 1).all(|b| a != b))
+    } else {
+        let mut sorted: Vec<Frontend> = keys().collect();
+        sorted.sort_unstable();
+        sorted.windows(2).all(|w| w[0] != w[1])
+    };
+    if unique {
+        return frontends;
+    }
+    let mut kept: HashMap<Frontend, usize> = HashMap::with_capacity(frontends.len());
+    for (i, (f, df)) in frontends.iter().enumerate() {
+        if f.scope != Scope::AllClients {
+            continue;
+        }
+        match kept.entry(*f) {
+            Entry::Vacant(v) => {
+                v.insert(i);
+            }
+            Entry::Occupied(mut o) => {
+                let first = frontends.get(*o.get()).map(|(_, d)| d.kind);
+                if df.kind == FrontendKind::ClusterIp && first != Some(FrontendKind::ClusterIp) {
+                    o.insert(i);
+                }
+            }
+        }
+    }
+    frontends
+        .into_iter()
+        .enumerate()
+        .filter(|(i, (f, _))| match f.scope {
+            Scope::AllClients => kept.get(f) == Some(i),
+            Scope::InCluster => i
+                .checked_sub(1)
+                .is_some_and(|prev| kept.get(&f.all_clients()) == Some(&prev)),
+        })
+        .map(|(_, e)| e)
+        .collect()
+}
+
+fn service_problem(svc: &Service, reason: String) -> Problem {
+    Problem {
+        source: SNAPSHOT_SOURCE.to_owned(),
+        object: format!("Service {}", namespaced_name(svc)),
+        reason,
+    }
+}
+
+/// Whether this proxy programs the Service at all (upstream skips these silently).
+fn handled(svc: &Service) -> bool {
+    let Some(spec) = &svc.spec else { return false };
+    let external_name = spec.type_.as_deref() == Some("ExternalName");
+    let other_proxy = svc
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME));
+    let headless = cluster_ip_strings(svc)
+        .first()
+        .is_none_or(|ip| ip.is_empty() || *ip == "None");
+    !(external_name || other_proxy || headless)
+}
+
+/// spec.clusterIPs, or spec.clusterIP when clusterIPs is absent.
+fn cluster_ip_strings(svc: &Service) -> Vec<&str> {
+    let Some(spec) = &svc.spec else {
+        return Vec::new();
+    };
+    match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+        _ => spec.cluster_ip.as_deref().into_iter().collect(),
+    }
+}
+
+struct ServiceFrontends {
+    frontends: Vec<(Frontend, DesiredFrontend)>,
+    /// Problems that do not skip the Service (SCTP ports, bad source ranges, a bad scheduler
+    /// annotation).
+    port_problems: Vec<ServiceError>,
+    /// IPv6 cluster IPs left out.
+    note: Option<String>,
+    health_check: Option<HealthCheck>,
+}
+
+/// spec.externalIPs and status.loadBalancer.ingress[].ip (unless ipMode is Proxy: the load
+/// balancer then proxies and sends to the node, not to the VIP). IPv4 only; unparsable or IPv6
+/// addresses are left out (upstream logs and ignores them too).
+fn external_addrs(svc: &Service) -> Vec<(FrontendKind, Ipv4Addr)> {
+    let v4 = |ip: &str| match ip.parse::<IpAddr>() {
+        Ok(IpAddr::V4(a)) => Some(a),
+        _ => None,
+    };
+    let external_ips = svc
+        .spec
+        .iter()
+        .flat_map(|s| s.external_ips.iter().flatten())
+        .filter_map(|ip| v4(ip))
+        .map(|a| (FrontendKind::ExternalIp, a));
+    let lb = svc
+        .status
+        .iter()
+        .flat_map(|s| s.load_balancer.iter())
+        .flat_map(|lb| lb.ingress.iter().flatten())
+        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|i| i.ip.as_deref().and_then(v4))
+        .map(|a| (FrontendKind::LoadBalancer, a));
+    let mut all: Vec<_> = external_ips.chain(lb).collect();
+    all.sort();
+    all.dedup_by_key(|(_, a)| *a);
+    all
+}
+
+/// loadBalancerSourceRanges (or the legacy annotation) as IPv4 networks, host bits cleared;
+/// IPv6 ranges are left out (they apply to IPv6 frontends), unparsable ones reported.
+fn source_ranges(svc: &Service) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
+    let field: Vec<String> = svc
+        .spec
+        .iter()
+        .flat_map(|s| s.load_balancer_source_ranges.iter().flatten())
+        .cloned()
+        .collect();
+    let items = if field.is_empty() {
+        svc.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_LB_SOURCE_RANGES))
+            .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
+            .unwrap_or_default()
+    } else {
+        field
+    };
+    let mut ranges = Vec::new();
+    let mut bad = Vec::new();
+    for item in items.iter().filter(|s| !s.is_empty()) {
+        match item.parse::<crate::pipeline::addresses::Cidr>() {
+            Ok(crate::pipeline::addresses::Cidr {
+                addr: IpAddr::V4(a),
+                prefix_len,
+            }) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(prefix_len))
+                    .unwrap_or(0);
+                ranges.push((Ipv4Addr::from(u32::from(a) & mask), prefix_len));
+            }
+            Ok(_) => {}
+            Err(_) => bad.push(ServiceError::BadSourceRange(item.clone())),
+        }
+    }
+    ranges.sort();
+    ranges.dedup();
+    (ranges, bad)
+}
+
+fn service_frontends(
+    svc: &Service,
+    slices: &SliceIndex,
+    node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
+) -> Result<ServiceFrontends, ServiceError> {
+    let namespace = svc.metadata.namespace.as_deref().unwrap_or("default");
+    let name = svc.metadata.name.as_deref().unwrap_or_default();
+    let mut addrs = Vec::new();
+    let mut ipv6 = Vec::new();
+    for ip in cluster_ip_strings(svc) {
+        match ip.parse::<IpAddr>() {
+            Ok(IpAddr::V4(a)) => addrs.push(a),
+            Ok(IpAddr::V6(_)) => ipv6.push(ip),
+            Err(_) => return Err(ServiceError::BadClusterIp(ip.to_owned())),
+        }
+    }
+    let note = (!ipv6.is_empty()).then(|| {
+        format!(
+            "IPv6 cluster IP(s) {} not programmed: the datapath is IPv4-only",
+            ipv6.join(", ")
+        )
+    });
+
+    let policy = policy(svc);
+    let mut balancing_problems = Vec::new();
+    let balancing = balancing(svc, node, &mut balancing_problems);
+    let spec = svc.spec.as_ref();
+    let service_type = spec.and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP");
+    let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
+    let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
+    // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream;
+    // so do in-cluster clients of an eTP=Local frontend (internalTrafficPolicy does not apply).
+    let cluster_external_policy = Policy { local_only: false };
+    let external_policy = Policy {
+        local_only: external_local,
+    };
+    let external = external_addrs(svc);
+    let health_check_port = spec
+        .and_then(|s| s.health_check_node_port)
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0 && external_local && service_type == "LoadBalancer");
+    let mut local_endpoints = 0usize;
+    let (lb_source_ranges, bad_ranges) = source_ranges(svc);
+    let mut port_problems = balancing_problems;
+    port_problems.extend(bad_ranges);
+    let (affinity_timeout_s, affinity_problem) = session_affinity(svc);
+    let balancing = Balancing {
+        affinity_timeout_s,
+        ..balancing
+    };
+    port_problems.extend(affinity_problem);
+    let mut frontends = Vec::new();
+    let mut seen_ports = Vec::new();
+    for sp in svc.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
+        let port_name = sp.name.clone().unwrap_or_default();
+        let protocol = match sp.protocol.as_deref() {
+            None | Some("TCP") => Protocol::Tcp,
+            Some("UDP") => Protocol::Udp,
+            Some("SCTP") => {
+                port_problems.push(ServiceError::Sctp { name: port_name });
+                continue;
+            }
+            Some(other) => {
+                let protocol = other.to_owned();
+                return Err(ServiceError::BadProtocol {
+                    name: port_name,
+                    protocol,
+                });
+            }
+        };
+        let port = match u16::try_from(sp.port) {
+            Ok(p) if p != 0 => p,
+            _ => {
+                return Err(ServiceError::BadPort {
+                    name: port_name,
+                    port: sp.port,
+                });
+            }
+        };
+        if seen_ports.contains(&(port, protocol)) {
+            return Err(ServiceError::DuplicatePort { port, protocol });
+        }
+        seen_ports.push((port, protocol));
+
+        let endpoints = slices.endpoints(namespace, name, &port_name, protocol);
+        let chosen = topology::categorize(&endpoints, policy, node.zone.as_deref());
+        let service = ServicePortName {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            port_name,
+        };
+        for addr in &addrs {
+            let frontend = Frontend::new(*addr, port, protocol);
+            let df = DesiredFrontend {
+                service: service.clone(),
+                kind: FrontendKind::ClusterIp,
+                balancing,
+                external_local: false,
+                drop_when_empty: policy.local_only && chosen.drops(),
+                source_ranges: Vec::new(),
+                backends: chosen.selected.clone(),
+                retained: chosen.retained.clone(),
+            };
+            frontends.push((frontend, df));
+        }
+
+        let node_port = sp
+            .node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0 && node_ports);
+        let mut external_frontends: Vec<(FrontendKind, Ipv4Addr, u16)> = external
+            .iter()
+            .map(|(kind, addr)| (*kind, *addr, port))
+            .collect();
+        if let Some(np) = node_port {
+            external_frontends.extend(
+                nodeport_addrs
+                    .iter()
+                    .map(|a| (FrontendKind::NodePort, *a, np)),
+            );
+        }
+        let chosen = topology::categorize(&endpoints, external_policy, node.zone.as_deref());
+        // Upstream `LocalReadyEndpoints`: ready local endpoints, summed over the Service's ports.
+        // Terminating ones never count, so a draining node fails its health check while its
+        // terminating pods still serve the fallback.
+        local_endpoints += endpoints.iter().filter(|e| e.local && e.ready).count();
+        // eTP=Local: clients inside the cluster get the cluster-wide endpoints instead (what
+        // eTP=Cluster would select), through an in-cluster entry beside each external frontend.
+        let in_cluster = external_local.then(|| {
+            topology::categorize(&endpoints, cluster_external_policy, node.zone.as_deref())
+        });
+        for (kind, addr, port) in external_frontends {
+            let frontend = Frontend::new(addr, port, protocol);
+            let df = DesiredFrontend {
+                service: service.clone(),
+                kind,
+                balancing,
+                external_local,
+                drop_when_empty: external_local && chosen.drops(),
+                source_ranges: if kind == FrontendKind::LoadBalancer {
+                    lb_source_ranges.clone()
+                } else {
+                    Vec::new()
+                },
+                backends: chosen.selected.clone(),
+                retained: chosen.retained.clone(),
+            };
+            // Same source ranges: they apply before the datapath chooses the entry.
+            let internal = in_cluster.as_ref().map(|cluster| DesiredFrontend {
+                external_local: false,
+                drop_when_empty: false,
+                backends: cluster.selected.clone(),
+                retained: cluster.retained.clone(),
+                ..df.clone()
+            });
+            frontends.push((frontend, df));
+            frontends.extend(internal.map(|df| (frontend.in_cluster(), df)));
+        }
+    }
+    let health_check = health_check_port.map(|port| HealthCheck {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        port,
+        local_endpoints,
+    });
+    Ok(ServiceFrontends {
+        frontends,
+        port_problems,
+        note,
+        health_check,
+    })
+}
+
+/// The Service's endpoint-selection policy for ClusterIP traffic. Topology hints need no
+/// opt-in here: like upstream (since trafficDistribution went GA), they are used whenever the
+/// endpoints carry them (see [`topology::categorize`]).
+fn policy(svc: &Service) -> Policy {
+    let spec = svc.spec.as_ref();
+    Policy {
+        local_only: spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local"),
+    }
+}
+
+/// How the Service's frontends choose backends: its scheduler and session affinity. A bad
+/// setting is reported in `problems` and the default applies (the Service is still programmed).
+fn balancing(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Balancing {
+    Balancing {
+        scheduler: scheduler(svc, node, problems),
+        affinity_timeout_s: None,
+    }
+}
+
+/// `spec.sessionAffinity: ClientIP`: its timeout (`sessionAffinityConfig.clientIP.timeoutSeconds`,
+/// default 10800 s). A timeout the API server would refuse (outside 1-86400) is reported and the
+/// default used, so the Service keeps its affinity.
+fn session_affinity(svc: &Service) -> (Option<u32>, Option<ServiceError>) {
+    let Some(spec) = &svc.spec else {
+        return (None, None);
+    };
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return (None, None);
+    }
+    let configured = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds);
+    match configured {
+        None => (Some(DEFAULT_AFFINITY_TIMEOUT_S), None),
+        Some(t) => match u32::try_from(t) {
+            Ok(t) if (1..=MAX_AFFINITY_TIMEOUT_S).contains(&t) => (Some(t), None),
+            _ => (
+                Some(DEFAULT_AFFINITY_TIMEOUT_S),
+                Some(ServiceError::BadAffinityTimeout(t)),
+            ),
+        },
+    }
+}
+
+/// The `kube-proxy-ebpf.io/scheduler` annotation (trimmed; empty = not set), else the node's.
+fn scheduler(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Scheduler {
+    let value = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_SCHEDULER))
+        .map(|v| v.trim())
+        .filter(|v| !v.is_empty());
+    let Some(value) = value else {
+        return node.scheduler;
+    };
+    Scheduler::parse(value).unwrap_or_else(|| {
+        problems.push(ServiceError::BadScheduler {
+            value: value.to_owned(),
+            node: node.scheduler,
+        });
+        node.scheduler
+    })
+}
+
+fn namespaced_name(svc: &Service) -> String {
+    format!(
+        "{}/{}",
+        svc.metadata.namespace.as_deref().unwrap_or("default"),
+        svc.metadata.name.as_deref().unwrap_or("?")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    const NODE: &str = "node-a";
+    const ZONE: &str = "zone-a";
+
+    fn service(name: &str, spec: Value) -> Service {
+        service_meta(json!({"name": name, "namespace": "demo"}), spec)
+    }
+
+    fn service_meta(metadata: Value, spec: Value) -> Service {
+        serde_json::from_value(json!({"metadata": metadata, "spec": spec}))
+            .expect("Service fixture")
+    }
+
+    /// A ClusterIP Service with one port per (name, port, protocol).
+    fn cluster_ip(name: &str, ip: &str, ports: &[(&str, i32, &str)]) -> Service {
+        let ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, p, proto)| json!({"name": n, "port": p, "protocol": proto}))
+            .collect();
+        service(name, json!({"clusterIP": ip, "ports": ports}))
+    }
+
+    fn slice_typed(
+        service: &str,
+        name: &str,
+        address_type: &str,
+        ports: Value,
+        endpoints: Vec<Value>,
+    ) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "demo",
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": address_type,
+            "ports": ports,
+            "endpoints": endpoints,
+        }))
+        .expect("EndpointSlice fixture")
+    }
+
+    fn slice(service: &str, name: &str, ports: Value, endpoints: Vec<Value>) -> EndpointSlice {
+        slice_typed(service, name, "IPv4", ports, endpoints)
+    }
+
+    /// An endpoint; `conditions` as (ready, serving, terminating), None = field absent.
+    fn ep(addr: &str, node: &str, c: (Option<bool>, Option<bool>, Option<bool>)) -> Value {
+        json!({"addresses": [addr], "nodeName": node,
+               "conditions": {"ready": c.0, "serving": c.1, "terminating": c.2}})
+    }
+
+    fn ready(addr: &str) -> Value {
+        ep(addr, "node-b", (Some(true), Some(true), Some(false)))
+    }
+
+    fn terminating(addr: &str, serving: bool) -> Value {
+        ep(addr, "node-b", (Some(false), Some(serving), Some(true)))
+    }
+
+    fn hinted(addr: &str, zones: &[&str]) -> Value {
+        let mut v = ready(addr);
+        let zones: Vec<Value> = zones.iter().map(|z| json!({"name": z})).collect();
+        v["hints"] = json!({"forZones": zones});
+        v
+    }
+
+    fn http_port(port: i32) -> Value {
+        json!([{"name": "http", "port": port, "protocol": "TCP"}])
+    }
+
+    /// What a test expects of one frontend: selected and retained backends as
+    /// "addr:port" + " T" (terminating) + " L" (local).
+    struct Want<'a> {
+        frontend: &'a str,
+        selected: &'a [&'a str],
+        retained: &'a [&'a str],
+    }
+
+    struct Case<'a> {
+        services: Vec<Service>,
+        slices: Vec<EndpointSlice>,
+        want: &'a [Want<'a>],
+        /// Substrings of "object: reason", one per expected problem, in order.
+        problems: &'a [&'a str],
+        notes: usize,
+    }
+
+    fn show(b: &crate::pipeline::model::DesiredBackend) -> String {
+        let mut s = format!("{}:{}", b.endpoint.addr, b.endpoint.port);
+        if b.terminating {
+            s.push_str(" T");
+        }
+        if b.local {
+            s.push_str(" L");
+        }
+        s
+    }
+
+    fn run(case: Case<'_>) -> Translation {
+        let snapshot = Snapshot::new(case.services, case.slices);
+        let node = NodeContext {
+            scheduler: Default::default(),
+            node_name: NODE.into(),
+            zone: Some(ZONE.into()),
+        };
+        let t = translate(&snapshot, &node);
+        let got: Vec<(String, Vec<String>, Vec<String>)> = t
+            .desired
+            .frontends
+            .iter()
+            .map(|(fe, df)| {
+                (
+                    fe.to_string(),
+                    df.backends.iter().map(show).collect(),
+                    df.retained.iter().map(show).collect(),
+                )
+            })
+            .collect();
+        let want: Vec<(String, Vec<String>, Vec<String>)> = case
+            .want
+            .iter()
+            .map(|w| {
+                let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect();
+                (w.frontend.to_owned(), v(w.selected), v(w.retained))
+            })
+            .collect();
+        assert_eq!(got, want);
+        let problems: Vec<String> = t
+            .problems
+            .iter()
+            .map(|p| format!("{}: {}", p.object, p.reason))
+            .collect();
+        assert_eq!(
+            problems.len(),
+            case.problems.len(),
+            "problems: {problems:#?}"
+        );
+        for (p, want) in problems.iter().zip(case.problems) {
+            assert!(p.contains(want), "problem {p:?} should contain {want:?}");
+        }
+        assert_eq!(t.notes.len(), case.notes, "notes: {:?}", t.notes);
+        t
+    }
+
+    fn web_slice() -> EndpointSlice {
+        slice("web", "web-1", http_port(8080), vec![ready("10.0.0.1")])
+    }
+
+    #[test]
+    fn external_name_skipped() {
+        run(Case {
+            services: vec![service(
+                "ext",
+                json!({"type": "ExternalName", "externalName": "example.com",
+                                                 "ports": [{"port": 80}]}),
+            )],
+            slices: vec![],
+            want: &[],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn headless_skipped() {
+        run(Case {
+            services: vec![
+                service(
+                    "none",
+                    json!({"clusterIP": "None", "ports": [{"port": 80}]}),
+                ),
+                service("empty", json!({"clusterIP": "", "ports": [{"port": 80}]})),
+                service("unset", json!({"ports": [{"port": 80}]})),
+            ],
+            slices: vec![],
+            want: &[],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn service_proxy_name_label_skipped() {
+        let labels = json!({"name": "other", "namespace": "demo",
+                            "labels": {"service.kubernetes.io/service-proxy-name": "someone-else"}});
+        run(Case {
+            services: vec![service_meta(
+                labels,
+                json!({"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}),
+            )],
+            slices: vec![],
+            want: &[],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn no_endpoints_gives_frontend_with_empty_backends() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn named_target_port_resolves_per_slice() {
+        // Two pod versions listen on different container ports behind one named targetPort.
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![
+                slice("web", "web-v1", http_port(8080), vec![ready("10.0.0.1")]),
+                slice("web", "web-v2", http_port(9090), vec![ready("10.0.0.2")]),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:9090"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn ports_matched_by_name_and_protocol() {
+        let ports = json!([{"name": "dns", "port": 5353, "protocol": "UDP"},
+                           {"name": "dns-tcp", "port": 5354, "protocol": "TCP"},
+                           {"name": "dns", "port": 9999, "protocol": "TCP"}]);
+        run(Case {
+            services: vec![cluster_ip(
+                "dns",
+                "10.96.0.53",
+                &[("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")],
+            )],
+            slices: vec![slice("dns", "dns-1", ports, vec![ready("10.0.0.1")])],
+            want: &[
+                Want {
+                    frontend: "10.96.0.53:53/TCP",
+                    selected: &["10.0.0.1:5354"],
+                    retained: &[],
+                },
+                Want {
+                    frontend: "10.96.0.53:53/UDP",
+                    selected: &["10.0.0.1:5353"],
+                    retained: &[],
+                },
+            ],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn unnamed_port_matches_unnamed_slice_port_only() {
+        let svc = service(
+            "web",
+            json!({"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}),
+        );
+        run(Case {
+            services: vec![svc],
+            slices: vec![
+                slice(
+                    "web",
+                    "web-1",
+                    json!([{"port": 8080}]),
+                    vec![ready("10.0.0.1")],
+                ),
+                slice("web", "web-2", http_port(9090), vec![ready("10.0.0.2")]),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn multiple_slices_merge_and_dedupe_preferring_the_local_copy() {
+        let local = ep("10.0.0.2", NODE, (Some(true), None, None));
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![
+                slice(
+                    "web",
+                    "web-a",
+                    http_port(8080),
+                    vec![ready("10.0.0.1"), ready("10.0.0.2")],
+                ),
+                slice(
+                    "web",
+                    "web-b",
+                    http_port(8080),
+                    vec![local, ready("10.0.0.3")],
+                ),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080 L", "10.0.0.3:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn slices_of_other_namespaces_services_and_address_types_are_ignored() {
+        let mut other_ns = web_slice();
+        other_ns.metadata.namespace = Some("elsewhere".into());
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![
+                other_ns,
+                slice("api", "api-1", http_port(8080), vec![ready("10.0.0.2")]),
+                slice_typed(
+                    "web",
+                    "web-v6",
+                    "IPv6",
+                    http_port(8080),
+                    vec![ready("fd00::1")],
+                ),
+                slice_typed(
+                    "web",
+                    "web-fqdn",
+                    "FQDN",
+                    http_port(8080),
+                    vec![ready("example.com")],
+                ),
+            ],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn ready_endpoints_selected_serving_terminating_retained() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    ready("10.0.0.1"),
+                    terminating("10.0.0.2", true),
+                    terminating("10.0.0.3", false), // not serving: dropped entirely
+                    ep(
+                        "10.0.0.4",
+                        "node-b",
+                        (Some(false), Some(false), Some(false)),
+                    ), // not ready
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &["10.0.0.2:8080 T"],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn serving_terminating_fallback_when_none_ready() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    terminating("10.0.0.2", true),
+                    terminating("10.0.0.3", false),
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.2:8080 T"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn nil_conditions_ready_true_serving_as_ready_terminating_false() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    // No conditions at all: ready.
+                    json!({"addresses": ["10.0.0.1"]}),
+                    // Not ready, terminating, serving unset = not serving: no fallback, not retained.
+                    ep("10.0.0.2", "node-b", (Some(false), None, Some(true))),
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    fn itp_local(name: &str, ip: &str) -> Service {
+        service(
+            name,
+            json!({"clusterIP": ip, "internalTrafficPolicy": "Local",
+                             "ports": [{"name": "http", "port": 80}]}),
+        )
+    }
+
+    #[test]
+    fn itp_local_selects_only_this_nodes_endpoints() {
+        let local_ready = ep("10.0.0.1", NODE, (Some(true), Some(true), Some(false)));
+        let local_term = ep("10.0.0.3", NODE, (Some(false), Some(true), Some(true)));
+        run(Case {
+            services: vec![itp_local("web", "10.96.0.10")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![local_ready, ready("10.0.0.2"), local_term],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080 L"],
+                retained: &["10.0.0.3:8080 T L"],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn itp_local_falls_back_to_local_serving_terminating() {
+        let local_term = ep("10.0.0.3", NODE, (Some(false), Some(true), Some(true)));
+        run(Case {
+            services: vec![itp_local("web", "10.96.0.10")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![ready("10.0.0.2"), local_term],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.3:8080 T L"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn itp_local_without_local_endpoints_selects_none() {
+        run(Case {
+            services: vec![itp_local("web", "10.96.0.10")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![ready("10.0.0.2")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    fn prefer_close(name: &str) -> Service {
+        service(
+            name,
+            json!({"clusterIP": "10.96.0.10", "trafficDistribution": "PreferClose",
+                             "ports": [{"name": "http", "port": 80}]}),
+        )
+    }
+
+    #[test]
+    fn zone_hints_used_when_every_ready_endpoint_has_hints_and_one_matches() {
+        run(Case {
+            services: vec![prefer_close("web")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    hinted("10.0.0.1", &[ZONE]),
+                    hinted("10.0.0.2", &["zone-b"]),
+                    hinted("10.0.0.3", &["zone-b", ZONE]),
+                    terminating("10.0.0.4", false), // not ready: its missing hints do not count
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.3:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn zone_hints_ignored_when_a_ready_endpoint_has_none() {
+        run(Case {
+            services: vec![prefer_close("web")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![hinted("10.0.0.1", &[ZONE]), ready("10.0.0.2")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn zone_hints_ignored_when_none_matches_this_zone() {
+        run(Case {
+            services: vec![prefer_close("web")],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![
+                    hinted("10.0.0.1", &["zone-b"]),
+                    hinted("10.0.0.2", &["zone-c"]),
+                ],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080", "10.0.0.2:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    /// Upstream (trafficDistribution GA): hints are used whenever the endpoints carry them,
+    /// whether or not the Service asked for topology (annotation or trafficDistribution).
+    #[test]
+    fn zone_hints_used_without_the_service_asking() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![hinted("10.0.0.1", &[ZONE]), hinted("10.0.0.2", &["zone-b"])],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    /// A ready endpoint with node hints (`forNodes`, PreferSameNode) and zone hints.
+    fn node_hinted(addr: &str, nodes: &[&str], zones: &[&str]) -> Value {
+        let mut v = hinted(addr, zones);
+        v["hints"]["forNodes"] = nodes.iter().map(|n| json!({"name": n})).collect();
+        v
+    }
+
+    /// PreferSameNode (upstream `topologyModeFromHints`): node hints win when every ready
+    /// endpoint has some and one names this node; otherwise zone hints apply as before.
+    #[test]
+    fn node_hints_preferred_when_every_ready_endpoint_has_them_and_one_names_this_node() {
+        let same_node = |name: &str| {
+            service(
+                name,
+                json!({"clusterIP": "10.96.0.10", "trafficDistribution": "PreferSameNode",
+                       "ports": [{"name": "http", "port": 80}]}),
+            )
+        };
+        let cases: [(&str, Vec<Value>, &[&str]); 4] = [
+            (
+                "every endpoint node-hinted, one for this node: that one",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-b"], &[ZONE]),
+                    node_hinted("10.0.0.3", &["node-c"], &["zone-b"]),
+                ],
+                &["10.0.0.1:8080"],
+            ),
+            (
+                "no endpoint for this node: the zone hints",
+                vec![
+                    node_hinted("10.0.0.1", &["node-b"], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-c"], &[ZONE]),
+                    node_hinted("10.0.0.3", &["node-d"], &["zone-b"]),
+                ],
+                &["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "one ready endpoint without node hints: the zone hints",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    hinted("10.0.0.2", &[ZONE]),
+                    hinted("10.0.0.3", &["zone-b"]),
+                ],
+                &["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "a not-ready endpoint's missing hints do not count",
+                vec![
+                    node_hinted("10.0.0.1", &[NODE], &[ZONE]),
+                    node_hinted("10.0.0.2", &["node-b"], &[ZONE]),
+                    terminating("10.0.0.4", false),
+                ],
+                &["10.0.0.1:8080"],
+            ),
+        ];
+        for (what, endpoints, selected) in cases {
+            let t = translate(
+                &Snapshot::new(
+                    vec![same_node("web")],
+                    vec![slice("web", "web-1", http_port(8080), endpoints)],
+                ),
+                &NodeContext {
+                    scheduler: Default::default(),
+                    node_name: NODE.into(),
+                    zone: Some(ZONE.into()),
+                },
+            );
+            let got: Vec<String> = t
+                .desired
+                .frontends
+                .values()
+                .next()
+                .expect("frontend")
+                .backends
+                .iter()
+                .map(show)
+                .collect();
+            assert_eq!(got, selected, "{what}");
+        }
+    }
+
+    #[test]
+    fn ipv6_cluster_ip_skipped_with_a_note() {
+        let dual = service(
+            "dual",
+            json!({"clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00::10"],
+                                          "ports": [{"name": "http", "port": 80}]}),
+        );
+        let v6 = service(
+            "v6",
+            json!({"clusterIP": "fd00::20", "ports": [{"port": 80}]}),
+        );
+        let t = run(Case {
+            services: vec![dual, v6],
+            slices: vec![],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &[],
+            notes: 2,
+        });
+        assert!(t.notes[0].reason.contains("fd00::10"), "{}", t.notes[0]);
+        assert_eq!(t.notes[1].object, "Service demo/v6");
+    }
+
+    #[test]
+    fn bad_cluster_ip_reported_and_others_kept() {
+        run(Case {
+            services: vec![
+                cluster_ip("bad", "10.96.0.300", &[("http", 80, "TCP")]),
+                cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")]),
+            ],
+            slices: vec![web_slice()],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &["Service demo/bad: clusterIP \"10.96.0.300\" is not an IP address"],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn port_zero_or_too_large_reported_and_service_skipped() {
+        run(Case {
+            services: vec![
+                cluster_ip("zero", "10.96.0.1", &[("a", 0, "TCP")]),
+                cluster_ip(
+                    "big",
+                    "10.96.0.2",
+                    &[("ok", 80, "TCP"), ("b", 70000, "TCP")],
+                ),
+                cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")]),
+            ],
+            slices: vec![web_slice()],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &[
+                "Service demo/big: port \"b\" has invalid number 70000",
+                "Service demo/zero: port \"a\" has invalid number 0",
+            ],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn sctp_port_reported_and_other_ports_kept() {
+        run(Case {
+            services: vec![cluster_ip(
+                "web",
+                "10.96.0.10",
+                &[("sig", 9000, "SCTP"), ("http", 80, "TCP")],
+            )],
+            slices: vec![web_slice()],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &["Service demo/web: port \"sig\" uses SCTP"],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn duplicate_cluster_ip_ports_go_to_the_first_by_name_whatever_the_input_order() {
+        for order in [["a", "b"], ["b", "a"]] {
+            let services = order
+                .iter()
+                .map(|n| cluster_ip(n, "10.96.0.10", &[("http", 80, "TCP"), ("x", 81, "TCP")]))
+                .collect();
+            run(Case {
+                services,
+                slices: vec![],
+                want: &[
+                    Want {
+                        frontend: "10.96.0.10:80/TCP",
+                        selected: &[],
+                        retained: &[],
+                    },
+                    Want {
+                        frontend: "10.96.0.10:81/TCP",
+                        selected: &[],
+                        retained: &[],
+                    },
+                ],
+                problems: &[
+                    "Service demo/b: frontend 10.96.0.10:80/TCP (clusterIP of port \"http\") is \
+                     held by Service demo/a:http as its clusterIP (same creationTimestamp",
+                    "Service demo/b: frontend 10.96.0.10:81/TCP (clusterIP of port \"x\") is \
+                     held by Service demo/a:x as its clusterIP",
+                ],
+                notes: 0,
+            });
+        }
+    }
+
+    #[test]
+    fn bad_endpoint_address_reported_and_endpoint_skipped() {
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![ready("10.0.0.256"), ready("10.0.0.1")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &["10.0.0.1:8080"],
+                retained: &[],
+            }],
+            problems: &["EndpointSlice demo/web-1: endpoint address \"10.0.0.256\""],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn deploy_examples_translate_without_problems() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+        let load = crate::sources::manifests::load_dir(&dir);
+        assert_eq!(load.problems, [], "deploy/examples must load cleanly");
+        let node = NodeContext {
+            scheduler: Default::default(),
+            node_name: "node-a".into(),
+            zone: None,
+        };
+        let t = translate(&load.snapshot, &node);
+        assert_eq!(t.problems, []);
+        assert_eq!(t.notes, []);
+        let three = |port| {
+            ["10.244.1.11", "10.244.1.12", "10.244.1.13"]
+                .map(|a| format!("{a}:{port} L"))
+                .to_vec()
+        };
+        let got: Vec<(String, Vec<String>)> = t
+            .desired
+            .frontends
+            .iter()
+            .map(|(fe, df)| (fe.to_string(), df.backends.iter().map(show).collect()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("10.96.0.10:80/TCP".to_owned(), three(8080)),
+                ("10.96.0.20:53/UDP".to_owned(), three(5353)),
+                ("10.96.0.30:80/TCP".to_owned(), vec![]),
+                (
+                    "10.96.0.40:5201/TCP".to_owned(),
+                    vec!["10.244.1.11:5201 L".to_owned()]
+                ),
+            ]
+        );
+        let web = t.desired.frontends.values().next().expect("web");
+        assert_eq!(web.service.to_string(), "demo/web:http");
+    }
+
+    // ----- NodePort, externalIPs, LoadBalancer, externalTrafficPolicy, health-check node port.
+
+    const NODE_ADDRS: [Ipv4Addr; 2] = [Ipv4Addr::new(192, 168, 50, 10), Ipv4Addr::new(10, 0, 0, 5)];
+
+    fn translate_node(services: Vec<Service>, slices: Vec<EndpointSlice>) -> Translation {
+        let snapshot = Snapshot::new(services, slices);
+        let node = NodeContext {
+            scheduler: Default::default(),
+            node_name: NODE.into(),
+            zone: Some(ZONE.into()),
+        };
+        translate_for_node(&snapshot, &node, &NODE_ADDRS)
+    }
+
+    /// Frontend → (kind, eTP local, selected backends).
+    fn frontends(t: &Translation) -> Vec<(String, FrontendKind, bool, Vec<String>)> {
+        t.desired
+            .frontends
+            .iter()
+            .map(|(fe, df)| {
+                (
+                    fe.to_string(),
+                    df.kind,
+                    df.external_local,
+                    df.backends.iter().map(show).collect(),
+                )
+            })
+            .collect()
+    }
+
+    fn external_service(name: &str, spec: Value, status: Value) -> Service {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "demo"},
+            "spec": spec,
+            "status": status,
+        }))
+        .expect("Service fixture")
+    }
+
+    fn local_and_remote_slice(service: &str) -> EndpointSlice {
+        slice(
+            service,
+            &format!("{service}-1"),
+            json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![
+                ep("10.244.1.11", NODE, (Some(true), Some(true), Some(false))),
+                ready("10.244.2.11"),
+            ],
+        )
+    }
+
+    #[test]
+    fn node_port_gets_a_frontend_on_every_node_port_address() {
+        let svc = external_service(
+            "np",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.50",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}]}),
+            json!({}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("np")]);
+        let both = vec![
+            "10.244.1.11:8080 L".to_owned(),
+            "10.244.2.11:8080".to_owned(),
+        ];
+        assert_eq!(
+            frontends(&t),
+            vec![
+                (
+                    "10.0.0.5:30080/TCP".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "10.96.0.50:80/TCP".into(),
+                    FrontendKind::ClusterIp,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "192.168.50.10:30080/TCP".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both
+                ),
+            ]
+        );
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        assert!(
+            t.health_checks.is_empty(),
+            "no health check for eTP=Cluster"
+        );
+    }
+
+    #[test]
+    fn node_port_field_ignored_on_cluster_ip_services_and_without_node_addresses() {
+        let svc = external_service(
+            "cip",
+            json!({"type": "ClusterIP", "clusterIP": "10.96.0.51",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30081}]}),
+            json!({}),
+        );
+        let t = translate_node(vec![svc.clone()], vec![local_and_remote_slice("cip")]);
+        assert_eq!(t.desired.frontends.len(), 1, "ClusterIP only");
+        let np = external_service(
+            "np",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.52",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30082}]}),
+            json!({}),
+        );
+        let snapshot = Snapshot::new(vec![np], vec![local_and_remote_slice("np")]);
+        let t = translate(&snapshot, &NodeContext::default());
+        assert_eq!(
+            t.desired.frontends.len(),
+            1,
+            "no node addresses: no NodePorts"
+        );
+    }
+
+    #[test]
+    fn external_ips_and_load_balancer_ips_unless_ip_mode_proxy() {
+        let svc = external_service(
+            "lb",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.53",
+                   "externalIPs": ["192.168.60.10", "fd00::1", "not-an-ip"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30083}]}),
+            json!({"loadBalancer": {"ingress": [
+                {"ip": "192.168.70.10"},
+                {"ip": "192.168.70.11", "ipMode": "VIP"},
+                {"ip": "192.168.70.12", "ipMode": "Proxy"},
+                {"hostname": "lb.example.com"},
+            ]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("lb")]);
+        let kinds: Vec<(String, FrontendKind)> = frontends(&t)
+            .into_iter()
+            .map(|(fe, kind, _, _)| (fe, kind))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("10.0.0.5:30083/TCP".into(), FrontendKind::NodePort),
+                ("10.96.0.53:80/TCP".into(), FrontendKind::ClusterIp),
+                ("192.168.50.10:30083/TCP".into(), FrontendKind::NodePort),
+                ("192.168.60.10:80/TCP".into(), FrontendKind::ExternalIp),
+                ("192.168.70.10:80/TCP".into(), FrontendKind::LoadBalancer),
+                ("192.168.70.11:80/TCP".into(), FrontendKind::LoadBalancer),
+            ]
+        );
+    }
+
+    #[test]
+    fn external_traffic_policy_local_selects_this_nodes_endpoints_for_external_frontends_only() {
+        let svc = external_service(
+            "local",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.54",
+                   "externalTrafficPolicy": "Local", "healthCheckNodePort": 32000,
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30084}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.20"}]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("local")]);
+        let local = vec!["10.244.1.11:8080 L".to_owned()];
+        let both = vec![
+            "10.244.1.11:8080 L".to_owned(),
+            "10.244.2.11:8080".to_owned(),
+        ];
+        // Each external frontend has an in-cluster entry with the cluster-wide endpoints.
+        assert_eq!(
+            frontends(&t),
+            vec![
+                (
+                    "10.0.0.5:30084/TCP".into(),
+                    FrontendKind::NodePort,
+                    true,
+                    local.clone()
+                ),
+                (
+                    "10.0.0.5:30084/TCP (in-cluster)".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "10.96.0.54:80/TCP".into(),
+                    FrontendKind::ClusterIp,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "192.168.50.10:30084/TCP".into(),
+                    FrontendKind::NodePort,
+                    true,
+                    local.clone()
+                ),
+                (
+                    "192.168.50.10:30084/TCP (in-cluster)".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    both.clone()
+                ),
+                (
+                    "192.168.70.20:80/TCP".into(),
+                    FrontendKind::LoadBalancer,
+                    true,
+                    local
+                ),
+                (
+                    "192.168.70.20:80/TCP (in-cluster)".into(),
+                    FrontendKind::LoadBalancer,
+                    false,
+                    both
+                ),
+            ]
+        );
+        assert_eq!(
+            t.health_checks,
+            vec![HealthCheck {
+                namespace: "demo".into(),
+                name: "local".into(),
+                port: 32000,
+                local_endpoints: 1,
+            }]
+        );
+    }
+
+    /// Upstream's `localEndpoints`: this node's ready endpoints summed over the Service's ports;
+    /// a draining node (only terminating local endpoints, still serving the fallback) reports 0.
+    #[test]
+    fn health_check_counts_ready_local_endpoints_summed_over_ports() {
+        let svc = |name: &str, ip: &str, hc: i32| {
+            external_service(
+                name,
+                json!({"type": "LoadBalancer", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                       "healthCheckNodePort": hc,
+                       "ports": [{"name": "http", "port": 80, "nodePort": hc - 2000},
+                                 {"name": "dns", "port": 53, "protocol": "UDP",
+                                  "nodePort": hc - 1999}]}),
+                json!({}),
+            )
+        };
+        let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"},
+                           {"name": "dns", "port": 5353, "protocol": "UDP"}]);
+        let local_ready = |a: &str| ep(a, NODE, (Some(true), Some(true), Some(false)));
+        let local_draining = |a: &str| ep(a, NODE, (Some(false), Some(true), Some(true)));
+        let t = translate_node(
+            vec![
+                svc("serving", "10.96.2.1", 32100),
+                svc("draining", "10.96.2.2", 32200),
+            ],
+            vec![
+                slice(
+                    "serving",
+                    "serving-1",
+                    ports.clone(),
+                    vec![
+                        local_ready("10.244.1.21"),
+                        local_ready("10.244.1.22"),
+                        local_draining("10.244.1.23"),
+                        ready("10.244.2.21"),
+                    ],
+                ),
+                slice(
+                    "draining",
+                    "draining-1",
+                    ports,
+                    vec![local_draining("10.244.1.31"), ready("10.244.2.31")],
+                ),
+            ],
+        );
+        let counts: Vec<(&str, u16, usize)> = t
+            .health_checks
+            .iter()
+            .map(|h| (h.name.as_str(), h.port, h.local_endpoints))
+            .collect();
+        assert_eq!(counts, vec![("serving", 32100, 4), ("draining", 32200, 0)]);
+        // The draining node's terminating pod still serves eTP=Local traffic (the fallback).
+        let np = Frontend::new(NODE_ADDRS[0], 30200, Protocol::Tcp);
+        assert_eq!(
+            t.desired.frontends[&np]
+                .backends
+                .iter()
+                .map(show)
+                .collect::<Vec<_>>(),
+            vec!["10.244.1.31:8080 T L".to_owned()]
+        );
+    }
+
+    #[test]
+    fn etp_local_without_local_endpoints_has_empty_external_frontends_and_a_zero_health_check() {
+        let svc = external_service(
+            "elsewhere",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.55",
+                   "externalTrafficPolicy": "Local", "healthCheckNodePort": 32001,
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30085}]}),
+            json!({}),
+        );
+        let remote_only = slice(
+            "elsewhere",
+            "elsewhere-1",
+            json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![ready("10.244.2.11")],
+        );
+        let t = translate_node(vec![svc], vec![remote_only]);
+        for (fe, df) in &t.desired.frontends {
+            let backends = &df.backends;
+            if df.kind == FrontendKind::ClusterIp {
+                assert_eq!(backends.len(), 1, "{fe}: ClusterIP keeps cluster endpoints");
+            } else if fe.scope == crate::pipeline::model::Scope::InCluster {
+                assert!(
+                    !df.external_local && backends.len() == 1,
+                    "{fe}: {backends:?}"
+                );
+            } else {
+                assert!(
+                    df.external_local && backends.is_empty(),
+                    "{fe}: {backends:?}"
+                );
+            }
+        }
+        assert_eq!(t.health_checks.len(), 1);
+        assert_eq!(t.health_checks[0].local_endpoints, 0);
+    }
+
+    #[test]
+    fn frontend_flags_follow_kind_and_policy() {
+        use proxy_common::service_flags;
+        let svc = external_service(
+            "local",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.56", "externalTrafficPolicy": "Local",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30086}]}),
+            json!({}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("local")]);
+        let flags: Vec<u16> = t
+            .desired
+            .frontends
+            .iter()
+            .map(|(fe, d)| crate::pipeline::encode::frontend_flags(fe, d))
+            .collect();
+        let ext_local = service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL;
+        // Node address 1 (+ its in-cluster entry), the ClusterIP, node address 2 (+ in-cluster):
+        // in-cluster entries carry in-cluster traffic like a ClusterIP (no SNAT, no drop).
+        assert_eq!(flags, vec![ext_local, 0, 0, ext_local, 0]);
+        assert!(
+            t.health_checks.is_empty(),
+            "NodePort type has no health check"
+        );
+    }
+
+    /// Upstream's verdicts without a usable endpoint: no usable endpoint anywhere rejects for
+    /// every policy; a Local policy (internal or external) served only by other nodes drops.
+    #[test]
+    fn no_endpoint_verdicts_drop_only_when_a_local_policy_is_served_elsewhere() {
+        use proxy_common::service_flags::{DROP_WHEN_EMPTY, EXTERNAL, EXTERNAL_LOCAL};
+        let http = || json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
+        let itp = |name: &str, ip: &str| {
+            external_service(
+                name,
+                json!({"clusterIP": ip, "internalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80}]}),
+                json!({}),
+            )
+        };
+        let etp = |name: &str, ip: &str, np: i32| {
+            external_service(
+                name,
+                json!({"type": "NodePort", "clusterIP": ip, "externalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80, "nodePort": np}]}),
+                json!({}),
+            )
+        };
+        let not_serving = ep(
+            "10.244.2.13",
+            "node-b",
+            (Some(false), Some(false), Some(true)),
+        );
+        let t = translate_node(
+            vec![
+                itp("itp-elsewhere", "10.96.1.1"),
+                itp("itp-nowhere", "10.96.1.2"),
+                etp("etp-elsewhere", "10.96.1.3", 30101),
+                etp("etp-nowhere", "10.96.1.4", 30102),
+                etp("etp-draining-elsewhere", "10.96.1.5", 30103),
+            ],
+            vec![
+                slice("itp-elsewhere", "a", http(), vec![ready("10.244.2.11")]),
+                slice("itp-nowhere", "b", http(), vec![not_serving.clone()]),
+                slice("etp-elsewhere", "c", http(), vec![ready("10.244.2.12")]),
+                slice("etp-nowhere", "d", http(), vec![not_serving]),
+                slice(
+                    "etp-draining-elsewhere",
+                    "e",
+                    http(),
+                    vec![terminating("10.244.2.14", true)],
+                ),
+            ],
+        );
+        let flags = |frontend: &str| {
+            let (fe, df) = t
+                .desired
+                .frontends
+                .iter()
+                .find(|(fe, _)| fe.to_string() == frontend)
+                .unwrap_or_else(|| panic!("no frontend {frontend}"));
+            crate::pipeline::encode::frontend_flags(fe, df)
+        };
+        let ext = EXTERNAL | EXTERNAL_LOCAL;
+        for (frontend, want) in [
+            ("10.96.1.1:80/TCP", DROP_WHEN_EMPTY),
+            ("10.96.1.2:80/TCP", 0),
+            ("192.168.50.10:30101/TCP", ext | DROP_WHEN_EMPTY),
+            ("192.168.50.10:30101/TCP (in-cluster)", 0),
+            ("10.96.1.3:80/TCP", 0),
+            ("192.168.50.10:30102/TCP", ext),
+            ("192.168.50.10:30102/TCP (in-cluster)", 0),
+            ("192.168.50.10:30103/TCP", ext | DROP_WHEN_EMPTY),
+        ] {
+            assert_eq!(flags(frontend), want, "{frontend}");
+        }
+    }
+
+    #[test]
+    fn session_affinity_client_ip_sets_the_timeout_on_every_frontend_of_the_service() {
+        let svc = |name: &str, ip: &str, extra: Value| {
+            let mut spec = json!({"type": "NodePort", "clusterIP": ip,
+                                  "ports": [{"name": "http", "port": 80, "nodePort": 30090}]});
+            spec.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            service(name, spec)
+        };
+        let cases = [
+            ("none", json!({}), None, false),
+            ("off", json!({"sessionAffinity": "None"}), None, false),
+            (
+                "dflt",
+                json!({"sessionAffinity": "ClientIP"}),
+                Some(10_800),
+                false,
+            ),
+            (
+                "short",
+                json!({"sessionAffinity": "ClientIP",
+                       "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 2}}}),
+                Some(2),
+                false,
+            ),
+            (
+                "zero",
+                json!({"sessionAffinity": "ClientIP",
+                       "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}),
+                Some(10_800),
+                true,
+            ),
+            (
+                "huge",
+                json!({"sessionAffinity": "ClientIP",
+                       "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 86_401}}}),
+                Some(10_800),
+                true,
+            ),
+        ];
+        for (name, extra, want, problem) in cases {
+            let t = translate_node(
+                vec![svc(name, "10.96.0.90", extra)],
+                vec![local_and_remote_slice(name)],
+            );
+            assert!(
+                t.desired.frontends.len() >= 2,
+                "{name}: ClusterIP and NodePort"
+            );
+            for (fe, df) in &t.desired.frontends {
+                assert_eq!(df.balancing.affinity_timeout_s, want, "{name} {fe}");
+            }
+            assert_eq!(
+                t.problems.len(),
+                usize::from(problem),
+                "{name}: {:?}",
+                t.problems
+            );
+            if problem {
+                let p = &t.problems[0];
+                assert!(
+                    p.object.contains(name) && p.reason.contains("timeoutSeconds"),
+                    "{p:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn load_balancer_source_ranges_apply_to_load_balancer_ips_only() {
+        let svc = external_service(
+            "ranges",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.57",
+                   "loadBalancerSourceRanges": ["192.168.50.100/30", "fd00::/8", "bogus"],
+                   "externalIPs": ["192.168.60.11"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30087}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.30"}]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("ranges")]);
+        for (fe, df) in &t.desired.frontends {
+            let want = if df.kind == FrontendKind::LoadBalancer {
+                vec![(Ipv4Addr::new(192, 168, 50, 100), 30)]
+            } else {
+                vec![]
+            };
+            assert_eq!(df.source_ranges, want, "{fe}");
+            let flagged = crate::pipeline::encode::frontend_flags(fe, df)
+                & proxy_common::service_flags::SOURCE_RANGES;
+            assert_eq!(flagged != 0, !want.is_empty(), "{fe}");
+        }
+        assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
+        assert!(
+            t.problems[0].reason.contains("\"bogus\""),
+            "{:?}",
+            t.problems
+        );
+
+        let annotated: Service = serde_json::from_value(json!({
+            "metadata": {"name": "ann", "namespace": "demo", "annotations":
+                {ANNOTATION_LB_SOURCE_RANGES: "10.1.2.3/8, 172.16.0.0/12"}},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.58",
+                     "ports": [{"name": "http", "port": 80, "nodePort": 30088}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "192.168.70.31"}]}},
+        }))
+        .unwrap();
+        let t = translate_node(vec![annotated], vec![local_and_remote_slice("ann")]);
+        let lb = t
+            .desired
+            .frontends
+            .values()
+            .find(|df| df.kind == FrontendKind::LoadBalancer)
+            .expect("LB frontend");
+        assert_eq!(
+            lb.source_ranges,
+            vec![
+                (Ipv4Addr::new(10, 0, 0, 0), 8),
+                (Ipv4Addr::new(172, 16, 0, 0), 12)
+            ],
+            "annotation used, host bits cleared"
+        );
+    }
+
+    #[test]
+    fn scheduler_annotation_wins_over_the_node_and_a_bad_one_keeps_the_node_s() {
+        let svc = |name: &str, ip: &str, node_port: i32, annotation: Option<&str>| {
+            let mut meta = json!({"name": name, "namespace": "demo"});
+            if let Some(a) = annotation {
+                meta["annotations"] = json!({ANNOTATION_SCHEDULER: a});
+            }
+            service_meta(
+                meta,
+                json!({"type": "NodePort", "clusterIP": ip,
+                       "ports": [{"name": "http", "port": 80, "nodePort": node_port}]}),
+            )
+        };
+        let services = vec![
+            svc("plain", "10.96.0.61", 30091, None),
+            svc("rr", "10.96.0.62", 30092, Some("rr")),
+            svc("alias", "10.96.0.63", 30093, Some(" wlc ")),
+            svc("blank", "10.96.0.64", 30094, Some("  ")),
+            svc("bad", "10.96.0.65", 30095, Some("fastest")),
+        ];
+        let slices = ["plain", "rr", "alias", "blank", "bad"]
+            .map(local_and_remote_slice)
+            .to_vec();
+        let node = NodeContext {
+            scheduler: Scheduler::SourceHash,
+            node_name: NODE.into(),
+            zone: None,
+        };
+        let t = translate_for_node(&Snapshot::new(services, slices), &node, &NODE_ADDRS);
+        let by_service = |name: &str| -> Vec<Scheduler> {
+            let v: Vec<Scheduler> = (t.desired.frontends.values())
+                .filter(|df| df.service.name == name)
+                .map(|df| df.balancing.scheduler)
+                .collect();
+            assert!(
+                v.len() > 1,
+                "{name}: ClusterIP and NodePort frontends: {v:?}"
+            );
+            v
+        };
+        let all = |s: Scheduler, n: &str| by_service(n).iter().all(|x| *x == s);
+        assert!(all(Scheduler::SourceHash, "plain"), "node default");
+        assert!(
+            all(Scheduler::RoundRobin, "rr"),
+            "annotation wins, on every frontend"
+        );
+        assert!(
+            all(Scheduler::LeastConnection, "alias"),
+            "IPVS alias, trimmed"
+        );
+        assert!(all(Scheduler::SourceHash, "blank"), "blank = not set");
+        assert!(
+            all(Scheduler::SourceHash, "bad"),
+            "bad: the node's, still programmed"
+        );
+        assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
+        let p = &t.problems[0];
+        assert_eq!(p.object, "Service demo/bad");
+        assert!(
+            p.reason.contains(ANNOTATION_SCHEDULER)
+                && p.reason.contains("\"fastest\"")
+                && p.reason.contains("mh (maglev)")
+                && p.reason.contains("scheduler sh applies"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn in_cluster_entries_select_like_etp_cluster_whatever_the_internal_policy() {
+        // iTP=Local narrows the ClusterIP to this node; eTP=Local narrows external clients to
+        // this node; in-cluster clients of the external frontends get every ready endpoint, with
+        // the terminating fallback when none is ready (upstream's cluster endpoints).
+        let svc = external_service(
+            "both-local",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.59",
+                   "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local",
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30089}]}),
+            json!({}),
+        );
+        let t = translate_node(
+            vec![svc.clone()],
+            vec![local_and_remote_slice("both-local")],
+        );
+        let got: Vec<(String, Vec<String>)> = frontends(&t)
+            .into_iter()
+            .filter(|(fe, ..)| fe.starts_with("10."))
+            .map(|(fe, _, _, b)| (fe, b))
+            .collect();
+        let local = vec!["10.244.1.11:8080 L".to_owned()];
+        let both = vec![
+            "10.244.1.11:8080 L".to_owned(),
+            "10.244.2.11:8080".to_owned(),
+        ];
+        assert_eq!(
+            got,
+            vec![
+                ("10.0.0.5:30089/TCP".into(), local.clone()),
+                ("10.0.0.5:30089/TCP (in-cluster)".into(), both),
+                ("10.96.0.59:80/TCP".into(), local),
+            ]
+        );
+
+        let terminating_only = slice(
+            "both-local",
+            "both-local-1",
+            json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![
+                terminating("10.244.2.12", true),
+                terminating("10.244.2.13", false),
+            ],
+        );
+        let t = translate_node(vec![svc], vec![terminating_only]);
+        let fe = Frontend::new(NODE_ADDRS[0], 30089, Protocol::Tcp).in_cluster();
+        let df = &t.desired.frontends[&fe];
+        assert_eq!(
+            df.backends.iter().map(show).collect::<Vec<_>>(),
+            ["10.244.2.12:8080 T"],
+            "terminating fallback: serving ones only"
+        );
+    }
+
+    #[test]
+    fn in_cluster_entries_keep_the_load_balancer_source_ranges() {
+        let svc = external_service(
+            "lb-local",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.60",
+                   "externalTrafficPolicy": "Local",
+                   "loadBalancerSourceRanges": ["10.244.0.0/16"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30090}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.40"}]}}),
+        );
+        let t = translate_node(vec![svc], vec![local_and_remote_slice("lb-local")]);
+        let lb = Frontend::new(Ipv4Addr::new(192, 168, 70, 40), 80, Protocol::Tcp);
+        let (outer, inner) = (
+            &t.desired.frontends[&lb],
+            &t.desired.frontends[&lb.in_cluster()],
+        );
+        assert_eq!(inner.source_ranges, outer.source_ranges);
+        assert_eq!(inner.kind, FrontendKind::LoadBalancer);
+        use proxy_common::service_flags::SOURCE_RANGES;
+        assert_eq!(
+            crate::pipeline::encode::frontend_flags(&lb.in_cluster(), inner),
+            SOURCE_RANGES
+        );
+    }
+
+    /// A Service in `namespace` created at `created` (RFC 3339; None: no creationTimestamp).
+    fn service_at(namespace: &str, name: &str, created: Option<&str>, spec: Value) -> Service {
+        let mut metadata = json!({"name": name, "namespace": namespace});
+        if let Some(t) = created {
+            metadata["creationTimestamp"] = json!(t);
+        }
+        service_meta(metadata, spec)
+    }
+
+    fn dns_slice(namespace: &str, service: &str, addr: &str) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("{service}-1"), "namespace": namespace,
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "ports": [{"name": "dns", "port": 5353, "protocol": "UDP"},
+                      {"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [ready(addr)],
+        }))
+        .expect("EndpointSlice fixture")
+    }
+
+    /// Who holds a frontend: (namespace/name, kind, backends).
+    fn holder(t: &Translation, frontend: &str) -> Option<(String, FrontendKind, Vec<String>)> {
+        let (_, df) = t
+            .desired
+            .frontends
+            .iter()
+            .find(|(f, _)| f.to_string() == frontend)?;
+        let name = format!("{}/{}", df.service.namespace, df.service.name);
+        Some((name, df.kind, df.backends.iter().map(show).collect()))
+    }
+
+    fn problem_texts(t: &Translation) -> Vec<String> {
+        t.problems
+            .iter()
+            .map(|p| format!("{}: {}", p.object, p.reason))
+            .collect()
+    }
+
+    /// The measured take-over: a Service in namespace `a` (first by name, and older) with
+    /// `externalIPs: [<kube-dns's ClusterIP>]` on 53/UDP. The ClusterIP stays kube-dns's; the
+    /// intruder loses only that frontend (its own ClusterIP and its other port's externalIP are
+    /// programmed), with one problem naming both Services.
+    #[test]
+    fn a_cluster_ip_beats_an_older_services_external_ip() {
+        let kube_dns = service_at(
+            "kube-system",
+            "kube-dns",
+            Some("2026-06-01T00:00:00Z"),
+            json!({"clusterIP": "10.96.0.10",
+                   "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}),
+        );
+        let intruder = service_at(
+            "a",
+            "intruder",
+            Some("2026-01-01T00:00:00Z"),
+            json!({"clusterIP": "10.96.7.7", "externalIPs": ["10.96.0.10"],
+                   "ports": [{"name": "dns", "port": 53, "protocol": "UDP"},
+                             {"name": "http", "port": 80, "protocol": "TCP"}]}),
+        );
+        for services in [
+            vec![kube_dns.clone(), intruder.clone()],
+            vec![intruder.clone(), kube_dns.clone()],
+        ] {
+            let t = translate_node(
+                services,
+                vec![
+                    dns_slice("kube-system", "kube-dns", "10.244.0.53"),
+                    dns_slice("a", "intruder", "10.244.0.66"),
+                ],
+            );
+            assert_eq!(
+                holder(&t, "10.96.0.10:53/UDP"),
+                Some((
+                    "kube-system/kube-dns".into(),
+                    FrontendKind::ClusterIp,
+                    vec!["10.244.0.53:5353".into()]
+                ))
+            );
+            assert_eq!(
+                holder(&t, "10.96.0.10:80/TCP"),
+                Some((
+                    "a/intruder".into(),
+                    FrontendKind::ExternalIp,
+                    vec!["10.244.0.66:8080".into()]
+                )),
+                "the intruder's other externalIP frontend is programmed"
+            );
+            for own in ["10.96.7.7:53/UDP", "10.96.7.7:80/TCP"] {
+                assert!(
+                    holder(&t, own).is_some_and(|h| h.0 == "a/intruder"),
+                    "{own}"
+                );
+            }
+            assert_eq!(
+                problem_texts(&t),
+                [
+                    "Service a/intruder: frontend 10.96.0.10:53/UDP (externalIP of port \"dns\") is \
+                  held by Service kube-system/kube-dns:dns as its clusterIP (a clusterIP always \
+                  wins); this frontend is skipped, the Service's other frontends are programmed"
+                ]
+            );
+            assert_eq!(
+                t.conflicts,
+                [FrontendConflict {
+                    frontend: Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 53, Protocol::Udp),
+                    loser: ServicePortName {
+                        namespace: "a".into(),
+                        name: "intruder".into(),
+                        port_name: "dns".into()
+                    },
+                    loser_kind: FrontendKind::ExternalIp,
+                    winner: ServicePortName {
+                        namespace: "kube-system".into(),
+                        name: "kube-dns".into(),
+                        port_name: "dns".into()
+                    },
+                    winner_kind: FrontendKind::ClusterIp,
+                    rule: ClaimRule::ClusterIpFirst,
+                }]
+            );
+        }
+    }
+
+    /// Between externalIPs the older Service wins, whatever the names; same timestamp (or none):
+    /// the first by namespace/name.
+    #[test]
+    fn the_older_service_wins_an_external_ip_then_name_order() {
+        let ext = |ns: &str, name: &str, created: Option<&str>, cluster_ip: &str| {
+            service_at(
+                ns,
+                name,
+                created,
+                json!({"clusterIP": cluster_ip, "externalIPs": ["192.0.2.1"],
+                       "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}),
+            )
+        };
+        let cases = [
+            // (first Service's timestamp, second's, expected holder, rule)
+            (
+                Some("2026-02-01T00:00:00Z"),
+                Some("2026-01-01T00:00:00Z"),
+                "z/second",
+                ClaimRule::Older,
+            ),
+            (
+                Some("2026-01-01T00:00:00Z"),
+                Some("2026-02-01T00:00:00Z"),
+                "a/first",
+                ClaimRule::Older,
+            ),
+            (
+                Some("2026-01-01T00:00:00Z"),
+                Some("2026-01-01T00:00:00Z"),
+                "a/first",
+                ClaimRule::NameOrder,
+            ),
+            (None, None, "a/first", ClaimRule::NameOrder),
+            // Without a timestamp (a manifest) a Service counts as newer than any with one.
+            (
+                None,
+                Some("2026-01-01T00:00:00Z"),
+                "z/second",
+                ClaimRule::Older,
+            ),
+        ];
+        for (first_ts, second_ts, want, rule) in cases {
+            let t = translate_node(
+                vec![
+                    ext("z", "second", second_ts, "10.96.0.2"),
+                    ext("a", "first", first_ts, "10.96.0.1"),
+                ],
+                vec![],
+            );
+            let at = format!("{first_ts:?} {second_ts:?}");
+            let got = holder(&t, "192.0.2.1:80/TCP").expect("held");
+            assert_eq!(got.0, want, "{at}");
+            assert_eq!(got.1, FrontendKind::ExternalIp, "{at}");
+            assert_eq!(t.conflicts.len(), 1, "{at}");
+            assert_eq!(t.conflicts[0].rule, rule, "{at}");
+            assert_ne!(
+                format!(
+                    "{}/{}",
+                    t.conflicts[0].loser.namespace, t.conflicts[0].loser.name
+                ),
+                want,
+                "{at}"
+            );
+            // Both ClusterIPs are programmed.
+            assert!(holder(&t, "10.96.0.1:80/TCP").is_some(), "{at}");
+            assert!(holder(&t, "10.96.0.2:80/TCP").is_some(), "{at}");
+        }
+    }
+
+    /// Two ClusterIPs equal (manifests can say so): the older Service wins, port by port.
+    #[test]
+    fn equal_cluster_ips_go_to_the_older_service() {
+        let t = translate_node(
+            vec![
+                service_at(
+                    "demo",
+                    "a",
+                    Some("2026-03-01T00:00:00Z"),
+                    json!({"clusterIP": "10.96.0.10",
+                           "ports": [{"name": "http", "port": 80}, {"name": "x", "port": 81}]}),
+                ),
+                service_at(
+                    "demo",
+                    "b",
+                    Some("2026-01-01T00:00:00Z"),
+                    json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]}),
+                ),
+            ],
+            vec![],
+        );
+        assert_eq!(holder(&t, "10.96.0.10:80/TCP").expect("held").0, "demo/b");
+        assert_eq!(
+            holder(&t, "10.96.0.10:81/TCP").expect("held").0,
+            "demo/a",
+            "the loser keeps the port nobody else claims"
+        );
+        assert_eq!(t.conflicts.len(), 1);
+        assert_eq!(t.conflicts[0].rule, ClaimRule::Older);
+        assert_eq!(t.conflicts[0].loser.name, "a");
+    }
+
+    /// Two NodePorts equal (manifests can say so): the older Service wins on every node
+    /// address; the loser keeps its ClusterIP.
+    #[test]
+    fn equal_node_ports_go_to_the_older_service_on_every_node_address() {
+        let np = |name: &str, created: &str, cluster_ip: &str| {
+            service_at(
+                "demo",
+                name,
+                Some(created),
+                json!({"type": "NodePort", "clusterIP": cluster_ip,
+                       "ports": [{"name": "http", "port": 80, "nodePort": 30080}]}),
+            )
+        };
+        let t = translate_node(
+            vec![
+                np("a", "2026-05-01T00:00:00Z", "10.96.0.1"),
+                np("b", "2026-04-01T00:00:00Z", "10.96.0.2"),
+            ],
+            vec![],
+        );
+        for addr in NODE_ADDRS {
+            let f = format!("{addr}:30080/TCP");
+            assert_eq!(
+                holder(&t, &f).map(|h| (h.0, h.1)),
+                Some(("demo/b".into(), FrontendKind::NodePort)),
+                "{f}"
+            );
+        }
+        assert_eq!(holder(&t, "10.96.0.1:80/TCP").expect("held").0, "demo/a");
+        assert_eq!(t.conflicts.len(), NODE_ADDRS.len());
+        assert!(t.conflicts.iter().all(|c| c.loser.name == "a"));
+        assert_eq!(t.problems.len(), NODE_ADDRS.len());
+    }
+
+    /// A losing externalTrafficPolicy Local frontend takes its in-cluster entry along; a
+    /// winning one keeps it.
+    #[test]
+    fn the_in_cluster_entry_follows_its_frontends_winner() {
+        let local = |name: &str, created: &str, cluster_ip: &str| {
+            service_at(
+                "demo",
+                name,
+                Some(created),
+                json!({"type": "LoadBalancer", "clusterIP": cluster_ip,
+                       "externalTrafficPolicy": "Local", "externalIPs": ["192.0.2.9"],
+                       "ports": [{"name": "http", "port": 80}]}),
+            )
+        };
+        let cluster = service_at(
+            "demo",
+            "cluster",
+            Some("2026-01-01T00:00:00Z"),
+            json!({"clusterIP": "10.96.0.3", "externalIPs": ["192.0.2.9"],
+                   "ports": [{"name": "http", "port": 80}]}),
+        );
+        // The eTP=Cluster Service is older: no in-cluster entry remains for 192.0.2.9:80.
+        let t = translate_node(
+            vec![
+                local("local", "2026-02-01T00:00:00Z", "10.96.0.4"),
+                cluster.clone(),
+            ],
+            vec![],
+        );
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP").expect("held").0,
+            "demo/cluster"
+        );
+        assert!(
+            holder(&t, "192.0.2.9:80/TCP (in-cluster)").is_none(),
+            "{:?}",
+            t.desired.frontends.keys().collect::<Vec<_>>()
+        );
+        // The eTP=Local Service is older: its frontend and its in-cluster entry.
+        let t = translate_node(
+            vec![local("local", "2025-12-01T00:00:00Z", "10.96.0.4"), cluster],
+            vec![],
+        );
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP").expect("held").0,
+            "demo/local"
+        );
+        assert_eq!(
+            holder(&t, "192.0.2.9:80/TCP (in-cluster)").expect("held").0,
+            "demo/local"
+        );
+    }
+
+    /// A Service whose externalIP is its own ClusterIP asks for one frontend twice: the
+    /// ClusterIP entry is kept, and nothing is reported.
+    #[test]
+    fn an_external_ip_equal_to_the_services_own_cluster_ip_keeps_the_cluster_ip_entry() {
+        let t = translate_node(
+            vec![service_at(
+                "demo",
+                "self",
+                None,
+                json!({"clusterIP": "10.96.0.8", "externalIPs": ["10.96.0.8"],
+                       "externalTrafficPolicy": "Local", "type": "LoadBalancer",
+                       "ports": [{"name": "http", "port": 80}]}),
+            )],
+            vec![],
+        );
+        assert_eq!(
+            holder(&t, "10.96.0.8:80/TCP").map(|h| h.1),
+            Some(FrontendKind::ClusterIp)
+        );
+        assert!(holder(&t, "10.96.0.8:80/TCP (in-cluster)").is_none());
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        assert!(t.conflicts.is_empty());
+    }
+}

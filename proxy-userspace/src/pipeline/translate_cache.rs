@@ -1,0 +1,745 @@
+//! Incremental translation: the desired state kept between syncs, with only the Services whose
+//! objects changed translated again.
+//!
+//! Pure (no IO). Each sync hands in the whole [`Snapshot`] (level-triggered: nothing depends on
+//! watch events), and the cache finds what changed by comparing it with the previous one: an
+//! object whose `Arc` is the same as last time is unchanged (the Kubernetes stores replace the
+//! `Arc` of an object that changes); a new `Arc` is compared by value (the manifest source parses
+//! every object again). A Service is translated again when the Service or one of its
+//! EndpointSlices (the `kubernetes.io/service-name` label) changed, and every Service when the
+//! node's context (name, zone, default scheduler, NodePort addresses) changed.
+//!
+//! Frontend claims between Services are settled per frontend by [`translate::resolve`], as in
+//! [`translate::translate_for_node`]: every frontend a changed Service asks for (or asked for
+//! before) is settled again between all the Services asking for it, so a frontend its winner
+//! no longer wants goes to the next claimant at the same sync, and an older Service appearing
+//! later takes it over. The result is equal to a full translation of the same snapshot (tested
+//! below).
+
+use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
+
+use k8s_openapi::api::core::v1::Service;
+
+use crate::{
+    pipeline::{
+        fast_hash::{HashMap, HashSet},
+        model::{DesiredFrontend, DesiredState, Frontend, FrontendConflict, Problem, Scope},
+        translate::{self, HealthCheck, NodeContext, ServiceTranslation},
+    },
+    sources::{
+        endpoints::{SliceData, SliceIndex},
+        snapshot::Snapshot,
+    },
+};
+
+/// A Service's namespace and name (also the key EndpointSlices join on).
+pub type ServiceName = (String, String);
+
+/// A frontend whose desired value changed in an update, with the value it had before (`None`:
+/// it did not exist). The new value is in [`TranslateCache::desired`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendChange {
+    pub frontend: Frontend,
+    pub old: Option<Arc<DesiredFrontend>>,
+}
+
+/// The translation of the last snapshot, kept per Service.
+#[derive(Debug, Default)]
+pub struct TranslateCache {
+    node: Option<(NodeContext, Vec<Ipv4Addr>)>,
+    /// The objects of the last snapshot.
+    seen_services: Seen<Service>,
+    seen_slices: Seen<SliceData>,
+    services: HashMap<ServiceName, Arc<Service>>,
+    /// EndpointSlices by the Service they name, then by slice name.
+    slices: HashMap<ServiceName, BTreeMap<String, Arc<SliceData>>>,
+    /// Problems found in each Service's slices.
+    slice_problems: HashMap<ServiceName, Vec<Problem>>,
+    /// Handled Services' translations.
+    translations: HashMap<ServiceName, ServiceTranslation>,
+    /// Services asking for each frontend (all-clients scope; usually one), with the index of
+    /// its entry in the Service's translation.
+    candidates: HashMap<Frontend, Vec<(ServiceName, usize)>>,
+    /// The frontends that more than one Service asks for, with the losing claims.
+    conflicts: HashMap<Frontend, Vec<FrontendConflict>>,
+    health_checks: BTreeMap<ServiceName, HealthCheck>,
+    desired: DesiredState,
+}
+
+impl TranslateCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The desired state of the last update.
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// Problems of the last update (as [`translate::Translation::problems`], in another order).
+    pub fn problems(&self) -> Vec<Problem> {
+        let slices = self.slice_problems.values().flatten();
+        let services = self.translations.values().flat_map(|t| &t.problems);
+        let conflicts = self
+            .conflicts
+            .values()
+            .flatten()
+            .map(translate::conflict_problem);
+        slices.chain(services).cloned().chain(conflicts).collect()
+    }
+
+    /// Frontend conflicts of the last update, sorted (as [`translate::Translation::conflicts`]).
+    pub fn conflicts(&self) -> Vec<FrontendConflict> {
+        let mut v: Vec<FrontendConflict> = self.conflicts.values().flatten().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Notes of the last update (as [`translate::Translation::notes`], in another order).
+    pub fn notes(&self) -> Vec<Problem> {
+        self.translations
+            .values()
+            .flat_map(|t| t.notes.iter().cloned())
+            .collect()
+    }
+
+    /// Health-check node ports, sorted by port (as [`translate::Translation::health_checks`]).
+    pub fn health_checks(&self) -> Vec<HealthCheck> {
+        let mut v: Vec<HealthCheck> = self.health_checks.values().cloned().collect();
+        v.sort_by_key(|h| h.port);
+        v
+    }
+
+    /// Bring the desired state up to `snapshot`. `everything`: translate every Service again
+    /// (the periodic full sync). Returns the frontends whose desired value changed, sorted.
+    pub fn update(
+        &mut self,
+        snapshot: &Snapshot,
+        node: &NodeContext,
+        nodeport_addrs: &[Ipv4Addr],
+        everything: bool,
+    ) -> Vec<FrontendChange> {
+        let mut dirty = self.changed_services(snapshot);
+        let context = (node.clone(), nodeport_addrs.to_vec());
+        let all = everything || self.node.as_ref() != Some(&context);
+        if all {
+            let keys = (self.services.keys())
+                .chain(self.slices.keys())
+                .chain(self.translations.keys())
+                .chain(self.slice_problems.keys());
+            for name in keys {
+                if !dirty.contains(name) {
+                    dirty.insert(name.clone());
+                }
+            }
+            self.node = Some(context);
+        }
+        if dirty.is_empty() {
+            return Vec::new();
+        }
+        // Translate the changed Services again (pure; two threads when there are many).
+        let dirty: Vec<ServiceName> = dirty.into_iter().collect();
+        let translated = self.translate_each(&dirty, node, nodeport_addrs);
+        // Every frontend a changed Service asks for, or asked for before, is settled again.
+        let mut contested: Vec<Frontend> = Vec::new();
+        for (name, (problems, new)) in dirty.iter().zip(translated) {
+            if problems.is_empty() {
+                self.slice_problems.remove(name);
+            } else {
+                self.slice_problems.insert(name.clone(), problems);
+            }
+            match new.as_ref().and_then(|t| t.health_check.clone()) {
+                Some(hc) => self.health_checks.insert(name.clone(), hc),
+                None => self.health_checks.remove(name),
+            };
+            let old = match new {
+                Some(t) => self.translations.insert(name.clone(), t),
+                None => self.translations.remove(name),
+            };
+            for claim in old.iter().flat_map(|t| t.claims()) {
+                contested.push(claim.frontend);
+                if let Some(c) = self.candidates.get_mut(&claim.frontend) {
+                    c.retain(|(n, _)| n != name);
+                    if c.is_empty() {
+                        self.candidates.remove(&claim.frontend);
+                    }
+                }
+            }
+            let Some(t) = self.translations.get(name) else {
+                continue;
+            };
+            for (i, (f, _)) in t.frontends.iter().enumerate() {
+                if t.claim_at(i).is_some() {
+                    contested.push(*f);
+                    self.candidates
+                        .entry(*f)
+                        .or_default()
+                        .push((name.clone(), i));
+                }
+            }
+        }
+        // (A full pass re-translates every Service, so every frontend is settled again.) Sorted,
+        // so the changes come out sorted.
+        contested.sort_unstable();
+        contested.dedup();
+        self.settle(&contested)
+    }
+
+    /// Each Service's slice problems and translation, in `names` order. A first sync's thousands
+    /// of Services are split over two threads (each Service's translation is independent).
+    fn translate_each(
+        &self,
+        names: &[ServiceName],
+        node: &NodeContext,
+        nodeport_addrs: &[Ipv4Addr],
+    ) -> Vec<(Vec<Problem>, Option<ServiceTranslation>)> {
+        const PARALLEL_MIN: usize = 2_048;
+        let one = |name: &ServiceName| {
+            let mut problems = Vec::new();
+            let slices = self.slices.get(name);
+            let index = SliceIndex::new(
+                slices.into_iter().flat_map(|s| s.values().map(|s| &**s)),
+                &node.node_name,
+                &mut problems,
+            );
+            let translation = self
+                .services
+                .get(name)
+                .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
+            (problems, translation)
+        };
+        if names.len() < PARALLEL_MIN {
+            return names.iter().map(one).collect();
+        }
+        let (first, second) = names.split_at(names.len() / 2);
+        std::thread::scope(|s| {
+            let second = s.spawn(|| second.iter().map(one).collect::<Vec<_>>());
+            let mut out: Vec<_> = first.iter().map(one).collect();
+            out.extend(
+                second
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            );
+            out
+        })
+    }
+
+    /// Services whose Service object or EndpointSlices differ from the last snapshot.
+    fn changed_services(&mut self, snapshot: &Snapshot) -> HashSet<ServiceName> {
+        let mut dirty = HashSet::default();
+
+        // Fresh objects replace what their name held; a gone object's name is removed only if
+        // no fresh object took it. Order does not matter here (hash sets, no sorting).
+        let (fresh, gone) = self.seen_services.split(&snapshot.services);
+        let fresh: HashMap<ServiceName, Arc<Service>> = fresh
+            .into_iter()
+            .filter_map(|s| Some((service_name(&s)?, s)))
+            .collect();
+        for name in gone.iter().filter_map(|s| service_name(s)) {
+            if !fresh.contains_key(&name) && self.services.remove(&name).is_some() {
+                dirty.insert(name);
+            }
+        }
+        for (name, new) in fresh {
+            if replaced(self.services.insert(name.clone(), new.clone()), &new) {
+                dirty.insert(name);
+            }
+        }
+
+        let (fresh, gone) = self.seen_slices.split(&snapshot.endpoint_slices);
+        let fresh: HashMap<(ServiceName, String), Arc<SliceData>> = fresh
+            .into_iter()
+            .filter_map(|s| Some((slice_key(&s)?, s)))
+            .collect();
+        for key in gone.iter().filter_map(|s| slice_key(s)) {
+            if fresh.contains_key(&key) {
+                continue;
+            }
+            let (service, slice) = key;
+            let Some(group) = self.slices.get_mut(&service) else {
+                continue;
+            };
+            if group.remove(&slice).is_some() {
+                if group.is_empty() {
+                    self.slices.remove(&service);
+                }
+                dirty.insert(service);
+            }
+        }
+        for ((service, slice), new) in fresh {
+            let group = self.slices.entry(service.clone()).or_default();
+            if replaced(group.insert(slice, new.clone()), &new) {
+                dirty.insert(service);
+            }
+        }
+        dirty
+    }
+
+    /// Settle each of `frontends` (all-clients scope) again between the Services asking for it,
+    /// and record which entries changed.
+    fn settle(&mut self, frontends: &[Frontend]) -> Vec<FrontendChange> {
+        let mut changes = Vec::new();
+        let mut claims: Vec<translate::Claim<'_>> = Vec::new();
+        for &frontend in frontends {
+            claims.clear();
+            claims.extend(
+                (self.candidates.get(&frontend))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(name, i)| self.translations.get(name)?.claim_at(*i)),
+            );
+            // [all clients, in-cluster]
+            let mut new: [Option<Arc<DesiredFrontend>>; 2] = [None, None];
+            self.conflicts.remove(&frontend);
+            if let Some((winner, conflicts)) = translate::resolve(&claims) {
+                for (f, df) in claims[winner].entries {
+                    new[usize::from(f.scope == Scope::InCluster)] = Some(df.clone());
+                }
+                if !conflicts.is_empty() {
+                    self.conflicts.insert(frontend, conflicts);
+                }
+            }
+            for (f, new) in [frontend, frontend.in_cluster()].into_iter().zip(new) {
+                let old = match new {
+                    Some(df) => self.desired.frontends.insert(f, df),
+                    None => self.desired.frontends.remove(&f),
+                };
+                if old.as_ref() != self.desired.frontends.get(&f) {
+                    changes.push(FrontendChange { frontend: f, old });
+                }
+            }
+        }
+        changes
+    }
+}
+
+/// The objects of the last snapshot by address, each with the last generation it was seen in.
+/// The `Arc`s are held, so an address is never reused by another object while it is here.
+#[derive(Debug)]
+struct Seen<K> {
+    objects: HashMap<usize, (Arc<K>, u64)>,
+    generation: u64,
+}
+
+impl<K> Default for Seen<K> {
+    fn default() -> Self {
+        Self {
+            objects: HashMap::default(),
+            generation: 0,
+        }
+    }
+}
+
+impl<K> Seen<K> {
+    /// Split `now` (distinct objects, as every source lists them) into objects not seen last
+    /// time (new or changed) and objects that left (changed or removed), and remember `now`.
+    /// No allocation when nothing changed.
+    fn split(&mut self, now: &[Arc<K>]) -> (Vec<Arc<K>>, Vec<Arc<K>>) {
+        self.generation += 1;
+        let generation = self.generation;
+        let mut fresh = Vec::new();
+        for o in now {
+            let addr = Arc::as_ptr(o) as usize;
+            match self.objects.get_mut(&addr) {
+                Some(seen) => seen.1 = generation,
+                None => {
+                    fresh.push(o.clone());
+                    self.objects.insert(addr, (o.clone(), generation));
+                }
+            }
+        }
+        let mut gone = Vec::new();
+        if self.objects.len() > now.len() {
+            self.objects.retain(|_, (o, g)| {
+                if *g != generation {
+                    gone.push(o.clone());
+                }
+                *g == generation
+            });
+        }
+        (fresh, gone)
+    }
+}
+
+/// Did inserting `new` change what the key held (`old`: what the insert returned)? The same `Arc`
+/// is unchanged; another one is compared by value (the manifest source parses objects anew).
+fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
+    old.is_none_or(|old| !Arc::ptr_eq(&old, new) && *old != **new)
+}
+
+fn service_name(svc: &Service) -> Option<ServiceName> {
+    let name = svc.metadata.name.clone()?;
+    let namespace = svc
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    Some((namespace, name))
+}
+
+/// The Service a slice belongs to and the slice's name; `None` for slices not managed for a
+/// Service (translate ignores them too).
+fn slice_key(slice: &SliceData) -> Option<(ServiceName, String)> {
+    let service = slice.service_name.clone()?;
+    let name = slice.name.clone()?;
+    let namespace = slice
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    Some(((namespace, service), name))
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::pipeline::model::FrontendKind;
+
+    /// xorshift64*: deterministic "random" snapshots without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u32) -> u32 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % u64::from(n)) as u32
+        }
+    }
+
+    /// A Service drawn from a small space, so that frontends collide across Services.
+    fn random_service(rng: &mut Rng, i: u32) -> Service {
+        let ip = match rng.below(10) {
+            0 => "not-an-ip".to_owned(),
+            1 => "None".to_owned(),
+            _ => format!("10.96.0.{}", rng.below(6) + 1),
+        };
+        let mut ports = vec![json!({"name": "http", "port": 80 + rng.below(2), "protocol": "TCP"})];
+        if rng.below(3) == 0 {
+            // A nodePort 53 on the node address clashes with externalIP 192.168.1.1's port 53.
+            let node_port = if rng.below(3) == 0 { 53 } else { 30053 };
+            ports
+                .push(json!({"name": "dns", "port": 53, "protocol": "UDP", "nodePort": node_port}));
+        }
+        let mut spec = json!({"clusterIP": ip, "ports": ports});
+        if rng.below(4) == 0 {
+            spec["type"] = json!("NodePort");
+        }
+        if rng.below(4) == 0 {
+            // Other Services' externalIPs, ClusterIPs, or a node address.
+            let ip = match rng.below(4) {
+                0 => format!("10.96.0.{}", rng.below(6) + 1),
+                1 => "192.168.1.1".to_owned(),
+                _ => format!("192.0.2.{}", rng.below(3) + 1),
+            };
+            spec["externalIPs"] = json!([ip]);
+        }
+        if rng.below(4) == 0 {
+            spec["internalTrafficPolicy"] = json!("Local");
+        }
+        if rng.below(5) == 0 {
+            spec["type"] = json!("LoadBalancer");
+            spec["externalTrafficPolicy"] = json!("Local");
+            spec["healthCheckNodePort"] = json!(32000 + rng.below(3));
+        }
+        let mut metadata = json!({"name": format!("svc-{i}"), "namespace": if i.is_multiple_of(3) { "a" } else { "b" }});
+        // Few distinct ages, so ties (and Services without one) are common.
+        if rng.below(4) != 0 {
+            metadata["creationTimestamp"] =
+                json!(format!("2026-01-0{}T00:00:00Z", rng.below(3) + 1));
+        }
+        serde_json::from_value(json!({"metadata": metadata, "spec": spec}))
+            .expect("Service fixture")
+    }
+
+    fn random_slice(rng: &mut Rng, i: u32, part: u32) -> SliceData {
+        SliceData::from(&random_api_slice(rng, i, part))
+    }
+
+    fn random_api_slice(rng: &mut Rng, i: u32, part: u32) -> EndpointSlice {
+        let endpoints: Vec<Value> = (0..rng.below(4))
+            .map(|_| {
+                let addr = if rng.below(12) == 0 {
+                    "bad".to_owned()
+                } else {
+                    format!("10.244.0.{}", rng.below(8) + 1)
+                };
+                json!({"addresses": [addr],
+                       "nodeName": if rng.below(2) == 0 { "node-a" } else { "node-b" },
+                       "conditions": {"ready": rng.below(3) != 0, "serving": true,
+                                      "terminating": rng.below(3) == 0},
+                       "hints": {"forZones": [{"name": if rng.below(2) == 0 { "zone-a" } else { "zone-b" }}]}})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("svc-{i}-{part}"),
+                         "namespace": if i.is_multiple_of(3) { "a" } else { "b" },
+                         "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080 + rng.below(2), "protocol": "TCP"},
+                      {"name": "dns", "port": 5353, "protocol": "UDP"}],
+            "endpoints": endpoints,
+        }))
+        .expect("EndpointSlice fixture")
+    }
+
+    fn sorted(mut v: Vec<Problem>) -> Vec<String> {
+        let mut s: Vec<String> = v.drain(..).map(|p| p.to_string()).collect();
+        s.sort();
+        s
+    }
+
+    #[test]
+    fn cache_equals_full_translation_over_random_changes() {
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
+            let mut node = NodeContext {
+                scheduler: Default::default(),
+                node_name: "node-a".into(),
+                zone: Some("zone-a".into()),
+            };
+            let mut addrs = vec![Ipv4Addr::new(192, 168, 1, 1)];
+            let mut cache = TranslateCache::new();
+            let mut prev = DesiredState::default();
+            let mut contended = 0;
+            for step in 0..40 {
+                contended += usize::from(!cache.conflicts().is_empty());
+                for _ in 0..=rng.below(4) {
+                    let i = rng.below(10);
+                    match rng.below(7) {
+                        0 => {
+                            services.remove(&i);
+                        }
+                        1 | 2 => {
+                            services.insert(i, Arc::new(random_service(&mut rng, i)));
+                        }
+                        3 => {
+                            slices.remove(&(i, rng.below(2)));
+                        }
+                        4 => {
+                            // A new Arc holding an equal object (the manifest source).
+                            if let Some(s) = services.get(&i) {
+                                let copy = Arc::new((**s).clone());
+                                services.insert(i, copy);
+                            }
+                        }
+                        _ => {
+                            let part = rng.below(2);
+                            slices.insert((i, part), Arc::new(random_slice(&mut rng, i, part)));
+                        }
+                    }
+                }
+                if rng.below(10) == 0 {
+                    node.zone = Some(
+                        if rng.below(2) == 0 {
+                            "zone-a"
+                        } else {
+                            "zone-b"
+                        }
+                        .into(),
+                    );
+                }
+                if rng.below(10) == 0 {
+                    addrs = vec![Ipv4Addr::new(192, 168, 1, 1 + rng.below(2) as u8)];
+                }
+                let snapshot = Snapshot {
+                    services: services.values().cloned().collect(),
+                    endpoint_slices: slices.values().cloned().collect(),
+                };
+                let want = translate::translate_for_node(&snapshot, &node, &addrs);
+                let changes = cache.update(&snapshot, &node, &addrs, rng.below(10) == 0);
+                let at = format!("seed {seed} step {step}");
+                assert_eq!(cache.desired(), &want.desired, "{at}");
+                assert_eq!(sorted(cache.problems()), sorted(want.problems), "{at}");
+                assert_eq!(sorted(cache.notes()), sorted(want.notes), "{at}");
+                assert_eq!(cache.health_checks(), want.health_checks, "{at}");
+                assert_eq!(cache.conflicts(), want.conflicts, "{at}");
+                // The reported changes are exactly the frontends that differ, with their old
+                // values.
+                let mut expected: Vec<FrontendChange> = prev
+                    .frontends
+                    .keys()
+                    .chain(want.desired.frontends.keys())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .filter(|f| prev.frontends.get(f) != want.desired.frontends.get(f))
+                    .map(|f| FrontendChange {
+                        frontend: *f,
+                        old: prev.frontends.get(f).cloned(),
+                    })
+                    .collect();
+                expected.sort_by_key(|c| c.frontend);
+                assert_eq!(changes, expected, "{at}");
+                prev = want.desired;
+            }
+            assert!(contended > 0, "seed {seed}: frontends contended");
+        }
+    }
+
+    /// Thousands of Services are translated on two threads: the result must not depend on it
+    /// (the fixtures share a few addresses, so most Services lose their claims, in name order).
+    #[test]
+    fn a_large_first_sync_equals_the_full_translation() {
+        let mut rng = Rng(99);
+        let n = 3_000;
+        let snapshot = Snapshot {
+            services: (0..n)
+                .map(|i| Arc::new(random_service(&mut rng, i)))
+                .collect(),
+            endpoint_slices: (0..n)
+                .flat_map(|i| [0, 1].map(|part| (i, part)))
+                .map(|(i, part)| Arc::new(random_slice(&mut rng, i, part)))
+                .collect(),
+        };
+        let node = NodeContext {
+            scheduler: Default::default(),
+            node_name: "node-a".into(),
+            zone: Some("zone-a".into()),
+        };
+        let addrs = [Ipv4Addr::new(192, 168, 1, 1)];
+        let want = translate::translate_for_node(&snapshot, &node, &addrs);
+        let mut cache = TranslateCache::new();
+        let changes = cache.update(&snapshot, &node, &addrs, true);
+        assert!(want.problems.len() > 1_000, "claims contended");
+        assert_eq!(cache.desired(), &want.desired);
+        assert_eq!(sorted(cache.problems()), sorted(want.problems));
+        assert_eq!(changes.len(), want.desired.frontends.len());
+    }
+
+    #[test]
+    fn only_the_changed_service_is_translated_again() {
+        let mut rng = Rng(7);
+        let services: Vec<Arc<Service>> = (0..50)
+            .map(|i| {
+                let mut s = random_service(&mut rng, i);
+                s.spec.as_mut().expect("spec").cluster_ip = Some(format!("10.97.0.{}", i + 1));
+                Arc::new(s)
+            })
+            .collect();
+        let api_slices: Vec<EndpointSlice> =
+            (0..50).map(|i| random_api_slice(&mut rng, i, 0)).collect();
+        let mut snapshot = Snapshot {
+            services,
+            endpoint_slices: (api_slices.iter())
+                .map(|s| Arc::new(SliceData::from(s)))
+                .collect(),
+        };
+        let node = NodeContext::default();
+        let mut cache = TranslateCache::new();
+        cache.update(&snapshot, &node, &[], false);
+        assert_eq!(
+            cache.update(&snapshot, &node, &[], false),
+            [],
+            "nothing changed"
+        );
+        let mut changed = api_slices[7].clone();
+        changed.endpoints = Some(Vec::new());
+        snapshot.endpoint_slices[7] = Arc::new(SliceData::from(&changed));
+        let changes = cache.update(&snapshot, &node, &[], false);
+        assert!(
+            changes.iter().all(|c| cache
+                .desired()
+                .frontends
+                .get(&c.frontend)
+                .is_some_and(|d| d.service.name == "svc-7")),
+            "{changes:?}"
+        );
+        assert!(
+            cache
+                .desired()
+                .frontends
+                .values()
+                .any(|d| d.kind == FrontendKind::ClusterIp)
+        );
+    }
+
+    fn named(namespace: &str, name: &str, created: &str, spec: Value) -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+                "spec": spec,
+            }))
+            .expect("Service fixture"),
+        )
+    }
+
+    fn holder(cache: &TranslateCache, frontend: Frontend) -> Option<String> {
+        let df = cache.desired().frontends.get(&frontend)?;
+        Some(format!("{}/{}", df.service.namespace, df.service.name))
+    }
+
+    /// The winner of a frontend goes away: the loser's frontend (skipped until then) is
+    /// programmed at that sync; an older Service appearing later takes it over. Each step equals
+    /// the full translation.
+    #[test]
+    fn a_skipped_frontend_follows_the_winner_incrementally() {
+        let ext = Frontend::new(
+            Ipv4Addr::new(192, 0, 2, 1),
+            80,
+            crate::pipeline::model::Protocol::Tcp,
+        );
+        let spec = |cluster_ip: &str| {
+            json!({"clusterIP": cluster_ip, "externalIPs": ["192.0.2.1"],
+                   "ports": [{"name": "http", "port": 80}]})
+        };
+        let old = named("b", "old", "2026-01-01T00:00:00Z", spec("10.96.0.1"));
+        let new = named("a", "new", "2026-02-01T00:00:00Z", spec("10.96.0.2"));
+        let oldest = named("c", "oldest", "2025-01-01T00:00:00Z", spec("10.96.0.3"));
+        let node = NodeContext::default();
+        let mut cache = TranslateCache::new();
+        let mut step = |services: Vec<Arc<Service>>| {
+            let snapshot = Snapshot {
+                services,
+                endpoint_slices: Vec::new(),
+            };
+            let changes = cache.update(&snapshot, &node, &[], false);
+            let want = translate::translate_for_node(&snapshot, &node, &[]);
+            assert_eq!(cache.desired(), &want.desired);
+            assert_eq!(cache.conflicts(), want.conflicts);
+            assert_eq!(sorted(cache.problems()), sorted(want.problems));
+            (holder(&cache, ext), changes, cache.conflicts().len())
+        };
+        let (h, _, conflicts) = step(vec![new.clone(), old.clone()]);
+        assert_eq!(h.as_deref(), Some("b/old"), "older wins against name order");
+        assert_eq!(conflicts, 1);
+        let (h, changes, conflicts) = step(vec![new.clone()]);
+        assert_eq!(
+            h.as_deref(),
+            Some("a/new"),
+            "the winner deleted: the loser takes it"
+        );
+        assert_eq!(conflicts, 0);
+        assert!(
+            changes
+                .iter()
+                .any(|c| c.frontend == ext
+                    && c.old.as_ref().is_some_and(|o| o.service.name == "old")),
+            "{changes:?}"
+        );
+        let (h, changes, conflicts) = step(vec![new.clone(), oldest.clone()]);
+        assert_eq!(
+            h.as_deref(),
+            Some("c/oldest"),
+            "an older Service takes it over"
+        );
+        assert_eq!(conflicts, 1);
+        assert!(changes.iter().any(|c| c.frontend == ext), "{changes:?}");
+        // The loser changes (its endpoints or spec): the frontend stays with the winner.
+        let mut changed = (*new).clone();
+        changed.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        let (h, changes, _) = step(vec![Arc::new(changed), oldest]);
+        assert_eq!(h.as_deref(), Some("c/oldest"));
+        assert!(changes.iter().all(|c| c.frontend != ext), "{changes:?}");
+        // The loser's ClusterIP stayed programmed throughout.
+        let cip = Frontend::new(
+            Ipv4Addr::new(10, 96, 0, 2),
+            80,
+            crate::pipeline::model::Protocol::Tcp,
+        );
+        assert_eq!(holder(&cache, cip).as_deref(), Some("a/new"));
+    }
+}

@@ -1,0 +1,429 @@
+//! EndpointSlices → the endpoints of each Service port (upstream `endpointslicecache`).
+//!
+//! Slices are joined to their Service by the `kubernetes.io/service-name` label in the same
+//! namespace. Only `IPv4` slices are read (IPv6 is not carried by the datapath yet, FQDN is
+//! ignored upstream too). A slice port matches a Service port by name and protocol; its port
+//! number is where that slice's endpoints listen, which is how a named targetPort resolves per
+//! endpoint.
+//!
+//! Sources keep each EndpointSlice as a [`SliceData`]: parsed once when it arrives, holding only
+//! what translation and metrics read (an API `Endpoint` costs 352 bytes however much is pruned,
+//! a parsed one about 50).
+
+use std::{borrow::Cow, collections::BTreeSet, net::Ipv4Addr, sync::Arc, time::SystemTime};
+
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+
+use crate::{
+    pipeline::{
+        fast_hash::HashMap,
+        model::{EndpointAddr, Problem, Protocol},
+    },
+    sources::object_version,
+};
+
+/// Label naming the Service an EndpointSlice belongs to.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// The only address type read.
+const ADDRESS_TYPE_IPV4: &str = "IPv4";
+/// `Problem::source` for problems found in the snapshot (whichever source produced it).
+pub const SNAPSHOT_SOURCE: &str = "snapshot";
+
+/// One endpoint of one Service port, with what categorisation needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointInfo {
+    pub endpoint: EndpointAddr,
+    /// `nodeName` equals this node's name.
+    pub local: bool,
+    /// `conditions.ready`, nil = true.
+    pub ready: bool,
+    /// `conditions.serving`, nil = the value of ready.
+    pub serving: bool,
+    /// `conditions.terminating`, nil = false.
+    pub terminating: bool,
+    /// `hints.forZones[].name`.
+    pub zone_hints: BTreeSet<String>,
+    /// `hints.forNodes` is set (PreferSameNode).
+    pub has_node_hints: bool,
+    /// `hints.forNodes[].name` names this node.
+    pub hinted_for_node: bool,
+}
+
+/// An EndpointSlice as the sources keep it: its identity, what metrics read, and its ports and
+/// endpoints parsed (with the problems parsing found). Equal slices give equal values (the
+/// translation cache compares a new `Arc` by value).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceData {
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// The `kubernetes.io/service-name` label.
+    pub service_name: Option<String>,
+    pub resource_version: Option<String>,
+    /// Identifies this version of the object for [`crate::serving::metrics::ChangeTracker`]: a hash of the
+    /// resourceVersion (and uid) when it has one, else of the whole object as JSON (manifests).
+    pub fingerprint: u64,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`, when it parses.
+    pub trigger_time: Option<SystemTime>,
+    /// The slice lists at least one endpoint (parsed or not).
+    pub has_endpoints: bool,
+    /// `addressType: IPv4`. Other slices keep only their identity (not parsed, not translated).
+    pub ipv4: bool,
+    ports: Box<[SlicePort]>,
+    endpoints: Box<[SliceEndpoint]>,
+    /// Why ports or endpoints were skipped, in slice order.
+    problems: Box<[String]>,
+}
+
+impl From<&EndpointSlice> for SliceData {
+    fn from(slice: &EndpointSlice) -> Self {
+        let meta = &slice.metadata;
+        let ipv4 = slice.address_type == ADDRESS_TYPE_IPV4;
+        let mut problems = Vec::new();
+        let (ports, endpoints) = if ipv4 {
+            parse_slice(slice, &mut problems)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        Self {
+            namespace: meta.namespace.clone(),
+            name: meta.name.clone(),
+            service_name: meta
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                .cloned(),
+            resource_version: meta.resource_version.clone(),
+            fingerprint: object_version::fingerprint(slice),
+            trigger_time: object_version::trigger_time(meta),
+            has_endpoints: slice.endpoints.as_ref().is_some_and(|e| !e.is_empty()),
+            ipv4,
+            ports: ports.into(),
+            endpoints: endpoints.into(),
+            problems: problems.into(),
+        }
+    }
+}
+
+/// The reflector store keys objects by kind, name and namespace (no `ObjectMeta` here).
+impl kube::runtime::reflector::Lookup for SliceData {
+    type DynamicType = ();
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("EndpointSlice")
+    }
+
+    fn group(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("discovery.k8s.io")
+    }
+
+    fn version(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("v1")
+    }
+
+    fn plural(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("endpointslices")
+    }
+
+    fn name(&self) -> Option<Cow<'_, str>> {
+        self.name.as_deref().map(Cow::Borrowed)
+    }
+
+    fn namespace(&self) -> Option<Cow<'_, str>> {
+        self.namespace.as_deref().map(Cow::Borrowed)
+    }
+
+    fn resource_version(&self) -> Option<Cow<'_, str>> {
+        self.resource_version.as_deref().map(Cow::Borrowed)
+    }
+
+    fn uid(&self) -> Option<Cow<'_, str>> {
+        None // pruned before it gets here
+    }
+}
+
+/// A slice port that can carry traffic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SlicePort {
+    name: String,
+    protocol: Protocol,
+    port: u16,
+}
+
+/// An endpoint whose address parsed; the port comes from the slice port.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SliceEndpoint {
+    addr: Ipv4Addr,
+    /// `nodeName` (shared by the endpoints of one slice on the same node); compared with this
+    /// node's name at translation.
+    node_name: Option<Arc<str>>,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    zone_hints: BTreeSet<String>,
+    /// `hints.forNodes[].name` (empty: no node hints).
+    node_hints: Box<[String]>,
+}
+
+/// The snapshot's IPv4 EndpointSlices grouped by Service.
+#[derive(Clone, Debug, Default)]
+pub struct SliceIndex<'a> {
+    /// (namespace, service name) → slices, sorted by slice name (upstream's merge order).
+    by_service: HashMap<(String, String), Vec<(&'a str, &'a SliceData)>>,
+    node_name: &'a str,
+}
+
+impl<'a> SliceIndex<'a> {
+    /// Group `slices`. Bad endpoint addresses and ports are reported in `problems` (once per
+    /// slice) and skipped.
+    pub fn new(
+        slices: impl IntoIterator<Item = &'a SliceData>,
+        node_name: &'a str,
+        problems: &mut Vec<Problem>,
+    ) -> Self {
+        let mut by_service: HashMap<_, Vec<_>> = HashMap::default();
+        for slice in slices {
+            if !slice.ipv4 {
+                continue;
+            }
+            let (Some(service), Some(name)) = (&slice.service_name, &slice.name) else {
+                continue; // not managed for a Service: upstream ignores it too
+            };
+            let namespace = slice
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".to_owned());
+            if !slice.problems.is_empty() {
+                let object = format!("EndpointSlice {namespace}/{name}");
+                problems.extend(slice.problems.iter().map(|reason| Problem {
+                    source: SNAPSHOT_SOURCE.to_owned(),
+                    object: object.clone(),
+                    reason: reason.clone(),
+                }));
+            }
+            by_service
+                .entry((namespace, service.clone()))
+                .or_default()
+                .push((name.as_str(), slice));
+        }
+        for slices in by_service.values_mut() {
+            slices.sort_by(|a, b| a.0.cmp(b.0));
+        }
+        Self {
+            by_service,
+            node_name,
+        }
+    }
+
+    /// The endpoints of Service `namespace/service`'s port named `port_name` ("" = unnamed) with
+    /// `protocol`, deduplicated across slices (the first slice by name wins, unless a later copy
+    /// is local — as upstream), sorted by address.
+    pub fn endpoints(
+        &self,
+        namespace: &str,
+        service: &str,
+        port_name: &str,
+        protocol: Protocol,
+    ) -> Vec<EndpointInfo> {
+        let Some(slices) = self
+            .by_service
+            .get(&(namespace.to_owned(), service.to_owned()))
+        else {
+            return Vec::new();
+        };
+        let node_name = self.node_name;
+        let mut out: HashMap<EndpointAddr, EndpointInfo> = HashMap::default();
+        for (_, slice) in slices {
+            let Some(port) = slice
+                .ports
+                .iter()
+                .find(|p| p.name == port_name && p.protocol == protocol)
+            else {
+                continue;
+            };
+            for ep in &slice.endpoints {
+                let endpoint = EndpointAddr {
+                    addr: ep.addr,
+                    port: port.port,
+                    protocol,
+                };
+                let info = EndpointInfo {
+                    endpoint,
+                    local: !node_name.is_empty() && ep.node_name.as_deref() == Some(node_name),
+                    ready: ep.ready,
+                    serving: ep.serving,
+                    terminating: ep.terminating,
+                    zone_hints: ep.zone_hints.clone(),
+                    has_node_hints: !ep.node_hints.is_empty(),
+                    hinted_for_node: !node_name.is_empty()
+                        && ep.node_hints.iter().any(|n| n == node_name),
+                };
+                match out.get(&endpoint) {
+                    Some(_) if !info.local => {}
+                    _ => {
+                        out.insert(endpoint, info);
+                    }
+                }
+            }
+        }
+        let mut v: Vec<_> = out.into_values().collect();
+        v.sort_by_key(|e| e.endpoint);
+        v
+    }
+}
+
+fn parse_slice(
+    slice: &EndpointSlice,
+    problems: &mut Vec<String>,
+) -> (Vec<SlicePort>, Vec<SliceEndpoint>) {
+    let mut ports = Vec::new();
+    for p in slice.ports.iter().flatten() {
+        let name = p.name.clone().unwrap_or_default();
+        let protocol = match p.protocol.as_deref() {
+            None | Some("TCP") => Protocol::Tcp,
+            Some("UDP") => Protocol::Udp,
+            // SCTP (and anything else) is not carried; the Service side reports SCTP ports.
+            Some(_) => continue,
+        };
+        // A nil port means "all ports" in the API; kube-proxy cannot use it either.
+        let Some(port) = p.port else { continue };
+        match u16::try_from(port) {
+            Ok(port) if port != 0 => ports.push(SlicePort {
+                name,
+                protocol,
+                port,
+            }),
+            _ => problems.push(format!(
+                "port {name:?} has invalid number {port}; port skipped"
+            )),
+        }
+    }
+    let mut endpoints = Vec::new();
+    let mut nodes: HashMap<&str, Arc<str>> = HashMap::default();
+    for ep in slice.endpoints.iter().flatten() {
+        // Upstream uses the first address only (the API allows exactly one for IPv4 slices).
+        let Some(addr) = ep.addresses.first() else {
+            continue;
+        };
+        match addr.parse::<Ipv4Addr>() {
+            Ok(addr) => endpoints.push(slice_endpoint(ep, addr, &mut nodes)),
+            Err(_) => problems.push(format!(
+                "endpoint address {addr:?} is not an IPv4 address; endpoint skipped"
+            )),
+        }
+    }
+    (ports, endpoints)
+}
+
+/// `nodes`: the node names of this slice so far, shared between its endpoints.
+fn slice_endpoint<'a>(
+    ep: &'a Endpoint,
+    addr: Ipv4Addr,
+    nodes: &mut HashMap<&'a str, Arc<str>>,
+) -> SliceEndpoint {
+    let c = ep.conditions.as_ref();
+    let ready = c.and_then(|c| c.ready).unwrap_or(true);
+    let node_name =
+        (ep.node_name.as_deref()).map(|n| nodes.entry(n).or_insert_with(|| n.into()).clone());
+    SliceEndpoint {
+        addr,
+        node_name,
+        ready,
+        serving: c.and_then(|c| c.serving).unwrap_or(ready),
+        terminating: c.and_then(|c| c.terminating).unwrap_or(false),
+        zone_hints: ep
+            .hints
+            .as_ref()
+            .and_then(|h| h.for_zones.as_ref())
+            .map(|z| z.iter().map(|z| z.name.clone()).collect())
+            .unwrap_or_default(),
+        node_hints: ep
+            .hints
+            .as_ref()
+            .and_then(|h| h.for_nodes.as_ref())
+            .map(|n| n.iter().map(|n| n.name.clone()).collect())
+            .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn api_slice(address_type: &str) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "demo", "resourceVersion": "9",
+                         "labels": {"kubernetes.io/service-name": "web"},
+                         "annotations": {"endpoints.kubernetes.io/last-change-trigger-time":
+                                         "2026-01-01T00:00:00Z"}},
+            "addressType": address_type,
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                      {"name": "big", "port": 70000, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": ["10.0.0.1"], "nodeName": "n1", "conditions": {"ready": false}},
+                {"addresses": ["bad"], "nodeName": "n1"},
+                {"addresses": ["10.0.0.2"], "nodeName": "n1",
+                 "hints": {"forZones": [{"name": "a"}]}},
+            ],
+        }))
+        .expect("slice")
+    }
+
+    #[test]
+    fn a_slice_is_kept_parsed_with_its_identity_and_problems() {
+        let s = SliceData::from(&api_slice("IPv4"));
+        assert_eq!(
+            (s.namespace.as_deref(), s.name.as_deref()),
+            (Some("demo"), Some("web-1"))
+        );
+        assert_eq!(s.service_name.as_deref(), Some("web"));
+        assert_eq!(s.resource_version.as_deref(), Some("9"));
+        assert!(s.trigger_time.is_some() && s.has_endpoints && s.ipv4);
+        assert_eq!(s.ports.len(), 1);
+        assert_eq!(s.endpoints.len(), 2);
+        let (a, b) = (&s.endpoints[0], &s.endpoints[1]);
+        assert!(!a.ready && !a.serving && b.ready && b.serving);
+        let (Some(na), Some(nb)) = (&a.node_name, &b.node_name) else {
+            panic!("node names kept");
+        };
+        assert!(Arc::ptr_eq(na, nb), "one node name per slice");
+        assert_eq!(
+            &*s.problems,
+            [
+                "port \"big\" has invalid number 70000; port skipped",
+                "endpoint address \"bad\" is not an IPv4 address; endpoint skipped",
+            ]
+        );
+
+        // Problems are reported (with the slice's name) and `local` decided per node at
+        // translation.
+        let mut problems = Vec::new();
+        let index = SliceIndex::new([&s], "n1", &mut problems);
+        assert_eq!(problems.len(), 2);
+        assert_eq!(problems[0].object, "EndpointSlice demo/web-1");
+        let eps = index.endpoints("demo", "web", "http", Protocol::Tcp);
+        assert_eq!(eps.len(), 2);
+        assert!(eps.iter().all(|e| e.local));
+        let index = SliceIndex::new([&s], "n2", &mut problems);
+        let eps = index.endpoints("demo", "web", "http", Protocol::Tcp);
+        assert!(eps.iter().all(|e| !e.local));
+    }
+
+    #[test]
+    fn other_address_types_keep_only_their_identity() {
+        let s = SliceData::from(&api_slice("IPv6"));
+        assert_eq!(s.service_name.as_deref(), Some("web"));
+        assert!(!s.ipv4 && s.has_endpoints);
+        assert!(s.ports.is_empty() && s.endpoints.is_empty() && s.problems.is_empty());
+        let mut problems = Vec::new();
+        let index = SliceIndex::new([&s], "n1", &mut problems);
+        assert!(problems.is_empty());
+        assert!(
+            index
+                .endpoints("demo", "web", "http", Protocol::Tcp)
+                .is_empty()
+        );
+        assert_ne!(s, SliceData::from(&api_slice("IPv4")));
+    }
+}

@@ -1,0 +1,544 @@
+//! The Kubernetes API source: reflectors on Services, EndpointSlices and this node's Node.
+//!
+//! Each reflector (kube-runtime `watcher` + store) lists, then watches; on a dropped watch it
+//! resumes from its resourceVersion, on 410 Gone it relists, and between failed attempts it backs
+//! off (exponential from 0.5 s, capped at 5 s, with jitter: an API server back from an outage
+//! is noticed within seconds, not the default's 30 s). The store applies a relist atomically at its end
+//! (`InitDone`), so a sync never reads a half-listed or reset store: while the API server is
+//! unreachable the stores keep their last state and the dataplane is left as it is. Objects
+//! deleted during an outage vanish from the store at the relist and from the maps by the diff.
+//!
+//! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
+//! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
+//!
+//! An API outage (connection errors, 5xx, 429) is logged once when the first reflector meets it
+//! and once when the API server answers again ([`Reachability`]), not per retry: kube-proxy logs
+//! nothing at its default level through an outage, and the dataplane is unaffected by one. A 410
+//! Gone (history compacted, relist) is the normal path: debug only. Other errors (403 after an
+//! RBAC change, say) keep a warning per reflector every 10 s.
+
+pub mod events;
+pub mod prune;
+
+use std::{
+    fmt::Debug,
+    path::PathBuf,
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
+};
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        WatchStreamExt as _,
+        reflector::{self, Lookup, Store},
+        utils::{Backoff, ResetTimerBackoff},
+        watcher,
+    },
+};
+use serde::de::DeserializeOwned;
+use tokio::{sync::Notify, task::JoinHandle};
+use tracing::{debug, info, warn};
+
+use crate::sources::{endpoints::SliceData, snapshot::Snapshot};
+
+/// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
+/// sent to us.
+pub const SERVICE_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// How often a failing reflector logs at warn level (every error is logged at debug).
+const ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading kubeconfig {path}: {source}; check --kubeconfig")]
+    Kubeconfig {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
+    #[error(
+        "no Kubernetes API configuration found ({0}); pass --kubeconfig, --master or --manifests, \
+         or run in a pod with a service account"
+    )]
+    Infer(#[from] kube::config::InferConfigError),
+    #[error("--master {url:?} is not a URL: {reason}")]
+    Master { url: String, reason: String },
+    #[error("creating the Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How to reach the API server (kube-proxy's `--kubeconfig` and `--master`).
+#[derive(Clone, Debug, Default)]
+pub struct Connection {
+    /// A kubeconfig file; without it `KUBECONFIG`, `~/.kube/config` or the in-cluster service
+    /// account are tried (unless `master` is given alone).
+    pub kubeconfig: Option<PathBuf>,
+    /// Overrides the server URL of the kubeconfig.
+    pub master: Option<String>,
+}
+
+impl Connection {
+    pub async fn client(&self) -> Result<Client> {
+        let master = match &self.master {
+            Some(url) => Some(url.parse::<http::Uri>().map_err(|e| Error::Master {
+                url: url.clone(),
+                reason: e.to_string(),
+            })?),
+            None => None,
+        };
+        let mut config = match (&self.kubeconfig, &master) {
+            (Some(path), _) => {
+                let kubeconfig =
+                    Kubeconfig::read_from(path).map_err(|source| Error::Kubeconfig {
+                        path: path.clone(),
+                        source,
+                    })?;
+                Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|source| Error::Kubeconfig {
+                        path: path.clone(),
+                        source,
+                    })?
+            }
+            (None, Some(url)) => Config::new(url.clone()),
+            (None, None) => Config::infer().await?,
+        };
+        if let Some(url) = master {
+            config.cluster_url = url;
+        }
+        // Watches are long polls; the read timeout must not cut them (the watcher sets its own
+        // server-side timeout and resumes).
+        config.read_timeout = None;
+        Ok(Client::try_from(config)?)
+    }
+}
+
+/// The three reflectors and what they know.
+pub struct KubeSource {
+    services: Store<Service>,
+    slices: Store<SliceData>,
+    node: Store<Node>,
+    /// The cluster's ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+); stays empty
+    /// where the API is not served or not granted.
+    service_cidrs: Store<ServiceCIDR>,
+    changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KubeSource {
+    /// Starts the reflectors. Returns at once; see [`KubeSource::wait_ready`].
+    pub fn start(client: Client, node_name: &str) -> Self {
+        let changed = Arc::new(Notify::new());
+        let reachability = Arc::new(Reachability::new(client.clone()));
+        let (services, t1) = reflect(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
+            |mut svc| {
+                prune::service(&mut svc);
+                svc
+            },
+            changed.clone(),
+            reachability.clone(),
+            Required::Yes,
+        );
+        let (slices, t2) = reflect(
+            Api::<EndpointSlice>::all(client.clone()),
+            watcher::Config::default(),
+            |mut slice| {
+                prune::endpoint_slice(&mut slice);
+                SliceData::from(&slice)
+            },
+            changed.clone(),
+            reachability.clone(),
+            Required::Yes,
+        );
+        let (node, t3) = reflect(
+            Api::<Node>::all(client.clone()),
+            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+            |mut node| {
+                prune::node(&mut node);
+                node
+            },
+            changed.clone(),
+            reachability.clone(),
+            Required::Yes,
+        );
+        let (service_cidrs, t4) = reflect(
+            Api::<ServiceCIDR>::all(client),
+            watcher::Config::default(),
+            |mut cidr| {
+                cidr.metadata.managed_fields = None;
+                cidr.metadata.annotations = None;
+                cidr.status = None;
+                cidr
+            },
+            changed.clone(),
+            reachability.clone(),
+            Required::No,
+        );
+        Self {
+            services,
+            slices,
+            node,
+            service_cidrs,
+            changed,
+            reachability,
+            tasks: vec![t1, t2, t3, t4],
+        }
+    }
+
+    /// Resolves once every reflector has completed its initial list.
+    pub async fn wait_ready(&self) {
+        // The writers live as long as their tasks, which run until `self` is dropped.
+        let _ = self.services.wait_until_ready().await;
+        let _ = self.slices.wait_until_ready().await;
+        let _ = self.node.wait_until_ready().await;
+    }
+
+    /// Resolves when a store changed since the last call (changes coalesce into one wake-up).
+    /// Cancel-safe: a change seen while nobody waits is kept for the next call.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// The stores' current content as a snapshot. Objects are shared with the stores, not
+    /// copied: the store replaces an object's `Arc` when it changes, so an unchanged object keeps
+    /// the same `Arc` across snapshots.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            services: self.services.state(),
+            endpoint_slices: self.slices.state(),
+        }
+    }
+
+    /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (`spec.cidrs`; IPv6 ones and
+    /// unparsable ones left out), sorted.
+    pub fn service_cidrs(&self) -> Vec<(std::net::Ipv4Addr, u8)> {
+        let mut out: Vec<(std::net::Ipv4Addr, u8)> = self
+            .service_cidrs
+            .state()
+            .iter()
+            .filter_map(|c| c.spec.as_ref()?.cidrs.as_ref())
+            .flatten()
+            .filter_map(|c| c.parse::<crate::pipeline::addresses::Cidr>().ok())
+            .filter_map(|c| match c.addr {
+                std::net::IpAddr::V4(a) => Some((a, c.prefix_len)),
+                std::net::IpAddr::V6(_) => None,
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// This node's `topology.kubernetes.io/zone` label (None until the Node is seen).
+    pub fn zone(&self) -> Option<String> {
+        self.node.state().first().and_then(|n| {
+            n.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(prune::LABEL_ZONE))
+                .cloned()
+        })
+    }
+
+    /// Is this node eligible for traffic (/healthz)? Not when its Node is being deleted or carries
+    /// the cluster autoscaler's deletion taint; eligible while the Node has not been seen.
+    pub fn node_eligible(&self) -> bool {
+        self.node
+            .state()
+            .first()
+            .is_none_or(|n| crate::serving::health::node_eligible(n))
+    }
+
+    /// Object counts (Services, EndpointSlices), for logs.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.services.len(), self.slices.len())
+    }
+}
+
+impl Drop for KubeSource {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.reachability.stop();
+    }
+}
+
+/// Is this watch error the API server being unreachable or overloaded (connection refused or
+/// reset, TLS or timeout, 5xx, 429), as opposed to a request it refuses (403, 404, ...)?
+fn unavailable(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(status) => unavailable_code(status.code),
+            _ => true,
+        },
+        watcher::Error::WatchError(status) => unavailable_code(status.code),
+        watcher::Error::NoResourceVersion => false,
+    }
+}
+
+fn unavailable_code(code: u16) -> bool {
+    code >= 500 || code == 429
+}
+
+/// Whether the API server answers, shared by the reflectors: the first reflector to meet an
+/// outage logs it (once) and starts a probe (`GET /version` with the reflectors' backoff), which
+/// logs the recovery (once) when the server answers anything again. A reflector that resumes
+/// its watch without a relist emits no event, so the reflectors alone could not tell that a
+/// quiet cluster's API server is back.
+struct Reachability {
+    client: Client,
+    outage: Mutex<Outage>,
+}
+
+impl Debug for Reachability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reachability")
+            .field("outage", &self.outage)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Outage {
+    /// When the outage being reported started (`None`: the API server answers).
+    since: Option<Instant>,
+    probe: Option<JoinHandle<()>>,
+}
+
+impl Reachability {
+    fn new(client: Client) -> Self {
+        Self {
+            client,
+            outage: Mutex::new(Outage::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Outage> {
+        // Plain field writes: a panic while holding the lock cannot leave it inconsistent.
+        self.outage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A reflector of `kind` could not reach the API server.
+    fn failed(self: &Arc<Self>, kind: &str, e: &watcher::Error) {
+        let mut outage = self.lock();
+        if outage.since.is_some() {
+            debug!(%kind, "API server still unreachable: {e}");
+            return;
+        }
+        warn!(
+            %kind,
+            "API server unreachable: {e}; the dataplane keeps its last state, the watches retry \
+             with backoff (logged again when it answers)"
+        );
+        outage.since = Some(Instant::now());
+        let this = self.clone();
+        outage.probe = Some(tokio::spawn(async move { this.probe().await }));
+    }
+
+    /// Polls the API server until it answers, then ends the outage.
+    async fn probe(&self) {
+        let mut backoff = CappedBackoff::default();
+        loop {
+            tokio::time::sleep(backoff.next().unwrap_or(CappedBackoff::MAX)).await;
+            match self.client.apiserver_version().await {
+                Ok(_) => break,
+                Err(kube::Error::Api(status)) if !unavailable_code(status.code) => break,
+                Err(e) => debug!("API server probe: {e}"),
+            }
+        }
+        let mut outage = self.lock();
+        let down = outage.since.take().map(|t| t.elapsed()).unwrap_or_default();
+        outage.probe = None;
+        info!(
+            down_s = down.as_secs(),
+            "API server reachable again; the watches resume and converge by diff"
+        );
+    }
+
+    fn stop(&self) {
+        if let Some(probe) = self.lock().probe.take() {
+            probe.abort();
+        }
+    }
+}
+
+/// Exponential backoff between failed list/watch attempts: 0.5 s doubling to a 5 s cap, each delay
+/// jittered down by up to 25% so many agents do not retry in lockstep after an API outage.
+#[derive(Clone, Debug)]
+pub struct CappedBackoff {
+    next: Duration,
+    seed: u64,
+}
+
+impl CappedBackoff {
+    const MIN: Duration = Duration::from_millis(500);
+    const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for CappedBackoff {
+    fn default() -> Self {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1;
+        Self {
+            next: Self::MIN,
+            seed,
+        }
+    }
+}
+
+impl Iterator for CappedBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        // xorshift64: cheap jitter, no extra dependency.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let jitter = 1.0 - (self.seed % 1000) as f64 / 4000.0;
+        Some(delay.mul_f64(jitter))
+    }
+}
+
+impl Backoff for CappedBackoff {
+    fn reset(&mut self) {
+        self.next = Self::MIN;
+    }
+}
+
+/// Whether the agent needs a resource to work at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Required {
+    Yes,
+    /// An API that older clusters do not serve (404), or that the RBAC may not grant yet (403):
+    /// said once, then the reflector stops and its store stays empty.
+    No,
+}
+
+/// One reflector task: watcher (with backoff) → `keep` (prune, and convert to what the store
+/// holds) → store; wakes `changed` after every event that changed the store (Apply, Delete, end
+/// of a (re)list).
+fn reflect<K, T>(
+    api: Api<K>,
+    config: watcher::Config,
+    keep: fn(K) -> T,
+    changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
+    required: Required,
+) -> (Store<T>, JoinHandle<()>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    T: Lookup<DynamicType = ()> + Clone + Send + Sync + 'static,
+{
+    let (reader, writer) = reflector::store::<T>();
+    let kind = K::kind(&()).into_owned();
+    let stream = watcher(api, config)
+        .backoff(ResetTimerBackoff::new(
+            CappedBackoff::default(),
+            Duration::from_secs(60),
+        ))
+        .map(move |event| event.map(|event| convert_event(event, keep)));
+    let task = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
+        let mut failing = false;
+        let mut last_warn: Option<Instant> = None;
+        let mut lists = 0u64;
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => changed.notify_one(),
+                Ok(watcher::Event::InitDone) => {
+                    lists += 1;
+                    if std::mem::take(&mut failing) || lists > 1 {
+                        // The outage itself is reported by `Reachability`, once.
+                        debug!(%kind, "relisted; converging by diff");
+                    } else {
+                        debug!(%kind, "initial list done");
+                    }
+                    changed.notify_one();
+                }
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Err(watcher::Error::InitialListFailed(kube::Error::Api(status)))
+                    if required == Required::No && matches!(status.code, 403 | 404) =>
+                {
+                    if status.code == 404 {
+                        info!(%kind, "not served by this API server (Kubernetes < 1.33?); not watched");
+                    } else {
+                        warn!(%kind, "listing is forbidden ({status}); not watched: grant list and watch on it to use it");
+                    }
+                    return;
+                }
+                Err(e) if unavailable(&e) => {
+                    failing = true;
+                    reachability.failed(&kind, &e);
+                }
+                // 410 Gone: the history was compacted; the watcher relists (the normal path).
+                Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                    debug!(%kind, "resourceVersion expired, relisting: {status}");
+                }
+                Err(e) => {
+                    failing = true;
+                    if last_warn.is_none_or(|t| t.elapsed() >= ERROR_LOG_INTERVAL) {
+                        warn!(%kind, "watch failed, retrying with backoff; dataplane unchanged: {e}");
+                        last_warn = Some(Instant::now());
+                    } else {
+                        debug!(%kind, "watch failed: {e}");
+                    }
+                }
+            }
+        }
+    });
+    (reader, task)
+}
+
+/// `event` with its object(s) passed through `f` (markers unchanged, so a relist still swaps
+/// in atomically at `InitDone`).
+fn convert_event<K, T>(event: watcher::Event<K>, f: fn(K) -> T) -> watcher::Event<T> {
+    match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(f(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(f(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(f(o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_a_five_second_cap_with_bounded_jitter_and_resets() {
+        let mut b = CappedBackoff::default();
+        let delays: Vec<Duration> = b.by_ref().take(8).collect();
+        let nominal = [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 5.0];
+        for (d, n) in delays.iter().zip(nominal) {
+            let s = d.as_secs_f64();
+            assert!(
+                s <= n && s >= n * 0.75,
+                "delay {s} s outside [{}, {n}]",
+                n * 0.75
+            );
+        }
+        b.reset();
+        assert!(b.next().expect("endless") <= Duration::from_millis(500));
+    }
+}

@@ -1,0 +1,116 @@
+//! Where the Services come from: the Kubernetes API or a manifest folder. Both give the sync loop
+//! the same three things: "the initial state is complete", "something changed", and the current
+//! [`Snapshot`] with the problems found reading it.
+//!
+//! Owns the Kubernetes reflectors (`kube`), the manifest folder (`manifests`), the snapshot and
+//! the slice store (`endpoints`). May call: `pipeline` for its vocabulary (problems, protocols,
+//! addresses, the annotations translate reads) and `serving::health` (node eligibility). Never
+//! `dataplane` or `cli`.
+
+pub mod endpoints;
+pub mod kube;
+pub mod manifests;
+pub mod object_version;
+pub mod snapshot;
+
+use std::{path::PathBuf, time::Duration};
+
+use tokio::time::{Interval, MissedTickBehavior};
+
+use crate::{
+    pipeline::model::Problem,
+    sources::{kube::KubeSource, snapshot::Snapshot},
+};
+
+/// How often the manifest folder is checked for changes.
+pub const MANIFEST_POLL: Duration = Duration::from_millis(200);
+
+/// What a source knows at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct SourceState {
+    pub snapshot: Snapshot,
+    pub problems: Vec<Problem>,
+    /// This node's zone, when the source knows it (the Node's `topology.kubernetes.io/zone`).
+    pub zone: Option<String>,
+    /// Whether this node may receive traffic (/healthz); always true without a Node object.
+    pub node_eligible: bool,
+    /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (none from manifests).
+    pub service_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+}
+
+pub enum Source {
+    Manifests(ManifestSource),
+    Kube(KubeSource),
+}
+
+impl Source {
+    /// Resolves once the source's initial state is complete (the manifest folder: at once).
+    pub async fn wait_ready(&self) {
+        match self {
+            Source::Manifests(_) => {}
+            Source::Kube(k) => k.wait_ready().await,
+        }
+    }
+
+    /// Resolves when the state may have changed since the last call. Cancel-safe.
+    pub async fn changed(&mut self) {
+        match self {
+            Source::Manifests(m) => m.changed().await,
+            Source::Kube(k) => k.changed().await,
+        }
+    }
+
+    /// The current state (read in full: the sync is level-triggered).
+    pub fn state(&self) -> SourceState {
+        match self {
+            Source::Manifests(m) => {
+                let load = manifests::load_dir(&m.dir);
+                SourceState {
+                    snapshot: load.snapshot,
+                    problems: load.problems,
+                    zone: None,
+                    node_eligible: true,
+                    service_cidrs: Vec::new(),
+                }
+            }
+            Source::Kube(k) => SourceState {
+                snapshot: k.snapshot(),
+                problems: Vec::new(),
+                zone: k.zone(),
+                node_eligible: k.node_eligible(),
+                service_cidrs: k.service_cidrs(),
+            },
+        }
+    }
+}
+
+/// The manifest folder, polled for changes (names, sizes, modification times).
+pub struct ManifestSource {
+    dir: PathBuf,
+    fingerprint: u64,
+    poll: Interval,
+}
+
+impl ManifestSource {
+    pub fn new(dir: PathBuf) -> Self {
+        let fingerprint = manifests::fingerprint(&dir);
+        let mut poll = tokio::time::interval(MANIFEST_POLL);
+        poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Self {
+            dir,
+            fingerprint,
+            poll,
+        }
+    }
+
+    async fn changed(&mut self) {
+        loop {
+            self.poll.tick().await;
+            let now = manifests::fingerprint(&self.dir);
+            if now != self.fingerprint {
+                self.fingerprint = now;
+                return;
+            }
+        }
+    }
+}
