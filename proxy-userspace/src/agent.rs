@@ -113,6 +113,7 @@ impl Agent {
         patterns: Patterns,
         sizes: MapSizes,
         sock_lb: SockLbConfig,
+        bpf_log: crate::dataplane::bpf_log::BpfLog,
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins);
         // An agent ran before if its Services are pinned (an older one pinned no SEED_V1).
@@ -121,7 +122,7 @@ impl Agent {
             hash_seed: loader::node_seed(&pins)?,
             ..config
         };
-        let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
+        let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb, bpf_log)?;
         let occupancy = crate::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
         // Adopted maps keep the size they were created with: plan against what they hold.
@@ -709,7 +710,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}; pass --socket-lb-cgroup none to run without socket hooks"))?,
         },
     };
-    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes, sock_lb)?;
+    let mut agent = Agent::start(
+        pins,
+        datapath_config(&args),
+        node,
+        patterns,
+        sizes,
+        sock_lb,
+        args.bpf_log,
+    )?;
+    crate::dataplane::bpf_log::spawn_logger(&mut agent.ebpf, args.bpf_log)?;
     agent.status_file = args.status_file.clone();
     agent.events = events;
     agent.tunnel_devices = args.tunnel_devices == crate::cli::TunnelDevices::Auto;

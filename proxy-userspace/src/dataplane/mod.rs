@@ -4,6 +4,7 @@
 
 pub mod attach;
 pub mod batch;
+pub mod bpf_log;
 pub mod bpffs;
 pub mod clock;
 pub mod interfaces;
@@ -60,6 +61,8 @@ pub enum Error {
     },
     #[error("{what}: {source}")]
     Io { what: String, source: io::Error },
+    #[error("the datapath log (--bpf-log): {0}")]
+    BpfLog(#[from] aya_log::Error),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
