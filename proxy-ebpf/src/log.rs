@@ -16,9 +16,9 @@
 
 use aya_log_ebpf::{debug, info, trace, warn};
 use proxy_common::{
-    Scheduler,
     bpf_log::{self, TARGET},
     proto,
+    sched::code as sched,
 };
 
 /// The level (`proxy_common::bpf_log`), 0 = off. Set by the agent with
@@ -52,13 +52,11 @@ fn port(e: u64) -> u16 {
     (e >> 32) as u16
 }
 
+/// The protocol of a translated packet (TCP or UDP), as the log shows it. Names of one length:
+/// a string of unknown length costs the verifier a loop.
 #[inline(always)]
 fn proto_name(p: u8) -> &'static str {
-    match p {
-        proto::TCP => "tcp",
-        proto::UDP => "udp",
-        _ => "ip",
-    }
+    if p == proto::TCP { "tcp" } else { "udp" }
 }
 
 /// Why a new flow was refused ([`refused`]).
@@ -88,69 +86,118 @@ pub fn new_flow(
     scheduler: u8,
 ) {
     if enabled(bpf_log::DEBUG) {
-        let meta = u64::from(backend_id) | u64::from(scheduler) << 32 | u64::from(proto) << 40;
-        new_flow_record(
+        // The scheduler is passed on, not branched on here: a branch would make the verifier
+        // track its value through the whole new-flow program.
+        kpe_log_new_flow(
             pack(client.0, client.1),
             pack(frontend.0, frontend.1),
             pack(backend.0, backend.1),
-            meta,
+            u64::from(backend_id) | u64::from(scheduler) << 32 | u64::from(proto) << 40,
         );
     }
 }
 
+/// Hands a new flow's record to the function of its scheduler, where the scheduler's name is a
+/// constant (a string of unknown length costs the verifier a loop). Global, like every record
+/// function: the verifier checks each once, not at every call. The records are not written here
+/// but one call deeper: their fields would make this frame, and the program's stack, larger.
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn new_flow_record(client: u64, frontend: u64, backend: u64, meta: u64) {
-    let scheduler = Scheduler::from_code((meta >> 32) as u8).map_or("?", Scheduler::name);
-    debug!(
-        (),
-        target: TARGET,
-        "new flow {} {:i}:{} -> {:i}:{}: backend {} {:i}:{} ({})",
-        proto_name((meta >> 40) as u8),
-        addr(client),
-        port(client),
-        addr(frontend),
-        port(frontend),
-        meta as u32,
-        addr(backend),
-        port(backend),
-        scheduler
-    );
+pub extern "C" fn kpe_log_new_flow(client: u64, frontend: u64, backend: u64, meta: u64) -> i32 {
+    match (meta >> 32) as u8 {
+        sched::ROUND_ROBIN => kpe_log_new_flow_rr(client, frontend, backend, meta),
+        sched::LEAST_CONNECTION => kpe_log_new_flow_lc(client, frontend, backend, meta),
+        sched::SOURCE_HASH => kpe_log_new_flow_sh(client, frontend, backend, meta),
+        sched::DESTINATION_HASH => kpe_log_new_flow_dh(client, frontend, backend, meta),
+        sched::MAGLEV => kpe_log_new_flow_mh(client, frontend, backend, meta),
+        _ => kpe_log_new_flow_random(client, frontend, backend, meta),
+    }
 }
+
+/// Defines the record function `$name` of a new flow whose frontend's scheduler is `$sched`.
+macro_rules! new_flow_record {
+    ($name:ident, $sched:literal) => {
+        #[unsafe(no_mangle)]
+        #[inline(never)]
+        pub extern "C" fn $name(client: u64, frontend: u64, backend: u64, meta: u64) -> i32 {
+            debug!(
+                (),
+                target: TARGET,
+                "new flow {} {:i}:{} -> {:i}:{}: backend {} {:i}:{} ({})",
+                proto_name((meta >> 40) as u8),
+                addr(client),
+                port(client),
+                addr(frontend),
+                port(frontend),
+                meta as u32,
+                addr(backend),
+                port(backend),
+                $sched
+            );
+            0
+        }
+    };
+}
+
+new_flow_record!(kpe_log_new_flow_random, "random");
+new_flow_record!(kpe_log_new_flow_rr, "rr");
+new_flow_record!(kpe_log_new_flow_lc, "lc");
+new_flow_record!(kpe_log_new_flow_sh, "sh");
+new_flow_record!(kpe_log_new_flow_dh, "dh");
+new_flow_record!(kpe_log_new_flow_mh, "mh");
 
 /// A new flow was refused (dropped, rejected or reset): at info.
 #[inline(always)]
 pub fn refused(why: Refused, proto: u8, client: ([u8; 4], [u8; 2]), frontend: ([u8; 4], [u8; 2])) {
     if enabled(bpf_log::INFO) {
-        refused_record(
-            why as u8,
-            proto,
-            pack(client.0, client.1),
-            pack(frontend.0, frontend.1),
-        );
+        let (c, f) = (pack(client.0, client.1), pack(frontend.0, frontend.1));
+        // `why` is a constant at every call site: one record function each, its text constant.
+        match why {
+            Refused::SourceRange => kpe_log_refused_source_range(proto, c, f),
+            Refused::NoLocalEndpoints => kpe_log_refused_no_local_endpoints(proto, c, f),
+            Refused::NoEndpoints => kpe_log_refused_no_endpoints(proto, c, f),
+            Refused::NoSuchPort => kpe_log_refused_no_such_port(proto, c, f),
+            Refused::BackendGone => kpe_log_refused_backend_gone(proto, c, f),
+        };
     }
 }
 
-#[inline(never)]
-fn refused_record(why: u8, proto: u8, client: u64, frontend: u64) {
-    let why = match why {
-        x if x == Refused::SourceRange as u8 => "outside loadBalancerSourceRanges: dropped",
-        x if x == Refused::NoLocalEndpoints as u8 => "no local endpoints: dropped",
-        x if x == Refused::NoEndpoints as u8 => "no endpoints: rejected",
-        x if x == Refused::NoSuchPort as u8 => "no Service on this port: rejected",
-        _ => "backend gone: reset",
+/// Defines the record function `$name` of a new flow refused for reason `$why`.
+macro_rules! refused_record {
+    ($name:ident, $why:literal) => {
+        #[unsafe(no_mangle)]
+        #[inline(never)]
+        pub extern "C" fn $name(proto: u8, client: u64, frontend: u64) -> i32 {
+            info!(
+                (),
+                target: TARGET,
+                "{} {:i}:{} -> {:i}:{}: {}",
+                proto_name(proto),
+                addr(client),
+                port(client),
+                addr(frontend),
+                port(frontend),
+                $why
+            );
+            0
+        }
     };
-    info!(
-        (),
-        target: TARGET,
-        "{} {:i}:{} -> {:i}:{}: {}",
-        proto_name(proto),
-        addr(client),
-        port(client),
-        addr(frontend),
-        port(frontend),
-        why
-    );
 }
+
+refused_record!(
+    kpe_log_refused_source_range,
+    "outside loadBalancerSourceRanges: dropped"
+);
+refused_record!(
+    kpe_log_refused_no_local_endpoints,
+    "no local endpoints: dropped"
+);
+refused_record!(kpe_log_refused_no_endpoints, "no endpoints: rejected");
+refused_record!(
+    kpe_log_refused_no_such_port,
+    "no Service on this port: rejected"
+);
+refused_record!(kpe_log_refused_backend_gone, "backend gone: reset");
 
 /// A new flow got no SNAT port toward its backend and was dropped: at warn.
 #[inline(always)]
@@ -160,7 +207,7 @@ pub fn snat_failed(
     backend: ([u8; 4], [u8; 2]),
 ) {
     if enabled(bpf_log::WARN) {
-        snat_failed_record(
+        kpe_log_snat_failed(
             pack(client.0, client.1),
             pack(frontend.0, frontend.1),
             pack(backend.0, backend.1),
@@ -168,8 +215,9 @@ pub fn snat_failed(
     }
 }
 
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn snat_failed_record(client: u64, frontend: u64, backend: u64) {
+pub extern "C" fn kpe_log_snat_failed(client: u64, frontend: u64, backend: u64) -> i32 {
     warn!(
         (),
         target: TARGET,
@@ -181,6 +229,7 @@ fn snat_failed_record(client: u64, frontend: u64, backend: u64) {
         addr(backend),
         port(backend)
     );
+    0
 }
 
 /// A reply was reverse-NATed (source shown as the frontend): the flow's first at debug, every
@@ -192,13 +241,14 @@ pub fn reply(
     client: ([u8; 4], [u8; 2]),
     frontend: ([u8; 4], [u8; 2]),
 ) {
-    if enabled(if first {
-        bpf_log::DEBUG
-    } else {
-        bpf_log::TRACE
-    }) {
-        reply_record(
-            first,
+    if first && enabled(bpf_log::DEBUG) {
+        kpe_log_first_reply(
+            pack(backend.0, backend.1),
+            pack(client.0, client.1),
+            pack(frontend.0, frontend.1),
+        );
+    } else if enabled(bpf_log::TRACE) {
+        kpe_log_reply(
             pack(backend.0, backend.1),
             pack(client.0, client.1),
             pack(frontend.0, frontend.1),
@@ -206,36 +256,38 @@ pub fn reply(
     }
 }
 
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn reply_record(first: bool, backend: u64, client: u64, frontend: u64) {
-    let what = if first { "first reply" } else { "reply" };
-    if first {
-        debug!(
-            (),
-            target: TARGET,
-            "{} {:i}:{} -> {:i}:{}: from {:i}:{}",
-            what,
-            addr(backend),
-            port(backend),
-            addr(client),
-            port(client),
-            addr(frontend),
-            port(frontend)
-        );
-    } else {
-        trace!(
-            (),
-            target: TARGET,
-            "{} {:i}:{} -> {:i}:{}: from {:i}:{}",
-            what,
-            addr(backend),
-            port(backend),
-            addr(client),
-            port(client),
-            addr(frontend),
-            port(frontend)
-        );
-    }
+pub extern "C" fn kpe_log_first_reply(backend: u64, client: u64, frontend: u64) -> i32 {
+    debug!(
+        (),
+        target: TARGET,
+        "first reply {:i}:{} -> {:i}:{}: from {:i}:{}",
+        addr(backend),
+        port(backend),
+        addr(client),
+        port(client),
+        addr(frontend),
+        port(frontend)
+    );
+    0
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpe_log_reply(backend: u64, client: u64, frontend: u64) -> i32 {
+    trace!(
+        (),
+        target: TARGET,
+        "reply {:i}:{} -> {:i}:{}: from {:i}:{}",
+        addr(backend),
+        port(backend),
+        addr(client),
+        port(client),
+        addr(frontend),
+        port(frontend)
+    );
+    0
 }
 
 /// An egress packet without a conntrack entry (not a reply of a translated flow, nor SNATed):
@@ -243,12 +295,13 @@ fn reply_record(first: bool, backend: u64, client: u64, frontend: u64) {
 #[inline(always)]
 pub fn untracked(proto: u8, source: ([u8; 4], [u8; 2]), dest: ([u8; 4], [u8; 2])) {
     if enabled(bpf_log::TRACE) {
-        untracked_record(proto, pack(source.0, source.1), pack(dest.0, dest.1));
+        kpe_log_untracked(proto, pack(source.0, source.1), pack(dest.0, dest.1));
     }
 }
 
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn untracked_record(proto: u8, source: u64, dest: u64) {
+pub extern "C" fn kpe_log_untracked(proto: u8, source: u64, dest: u64) -> i32 {
     trace!(
         (),
         target: TARGET,
@@ -259,13 +312,14 @@ fn untracked_record(proto: u8, source: u64, dest: u64) {
         addr(dest),
         port(dest)
     );
+    0
 }
 
 /// A socket hook sent a connect()/sendmsg() of the node's to a backend: at debug.
 #[inline(always)]
 pub fn socket(proto: u8, frontend: ([u8; 4], [u8; 2]), backend: ([u8; 4], [u8; 2]), id: u32) {
     if enabled(bpf_log::DEBUG) {
-        socket_record(
+        kpe_log_socket(
             u64::from(id) | u64::from(proto) << 32,
             pack(frontend.0, frontend.1),
             pack(backend.0, backend.1),
@@ -273,8 +327,9 @@ pub fn socket(proto: u8, frontend: ([u8; 4], [u8; 2]), backend: ([u8; 4], [u8; 2
     }
 }
 
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn socket_record(meta: u64, frontend: u64, backend: u64) {
+pub extern "C" fn kpe_log_socket(meta: u64, frontend: u64, backend: u64) -> i32 {
     debug!(
         (),
         target: TARGET,
@@ -286,18 +341,20 @@ fn socket_record(meta: u64, frontend: u64, backend: u64) {
         addr(backend),
         port(backend)
     );
+    0
 }
 
 /// Session affinity kept a client on its recorded backend: at debug.
 #[inline(always)]
 pub fn affinity_hit(client: [u8; 4], backend_id: u32) {
     if enabled(bpf_log::DEBUG) {
-        affinity_record(u64::from(u32::from_ne_bytes(client)), backend_id);
+        kpe_log_affinity(u64::from(u32::from_ne_bytes(client)), backend_id);
     }
 }
 
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn affinity_record(client: u64, backend_id: u32) {
+pub extern "C" fn kpe_log_affinity(client: u64, backend_id: u32) -> i32 {
     debug!(
         (),
         target: TARGET,
@@ -305,4 +362,5 @@ fn affinity_record(client: u64, backend_id: u32) {
         addr(client),
         backend_id
     );
+    0
 }
