@@ -5125,3 +5125,65 @@ fn every_program_verifies_with_the_datapath_trace_at_every_level() {
         report.join("\n")
     );
 }
+
+#[test]
+fn the_datapath_trace_names_affinity_hits_and_source_range_drops() {
+    let mut dp = Datapath::load_with_log(DatapathConfig::DEFAULT, Some(bpf_log::DEBUG));
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("aya-log's ring buffer");
+    // A live affinity record: the client keeps backend 3, whatever the hash says.
+    let ids = [1, 2, 3];
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &ids,
+    );
+    dp.set_affinity_record(CLIENT, 3, monotonic_ns());
+    let syn = Pkt::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    assert_eq!(dp.new_flow_backend(&syn), 3);
+    // A LoadBalancer IP with source ranges and none that holds this client.
+    let lb = Ipv4Addr::new(192, 168, 70, 10);
+    dp.set_frontend(
+        lb,
+        80,
+        proto::TCP,
+        service_flags::EXTERNAL | service_flags::SOURCE_RANGES,
+        &[(
+            220,
+            raw_backend(LOCAL_BE, 8080, proto::TCP, backend_flags::LOCAL),
+        )],
+    );
+    let outside = Pkt::tcp(EXT_CLIENT, 43_000, lb, 80, SYN);
+    assert_eq!(dp.run(PROG_TC_INGRESS, &outside.bytes()).0, TC_ACT_SHOT);
+    logger.flush();
+    let (be, port) = backend_addr(3);
+    let got: Vec<(log::Level, String)> = records
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(l, _, m)| (*l, m.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                log::Level::Debug,
+                format!("affinity: client {CLIENT} keeps backend 3")
+            ),
+            (
+                log::Level::Debug,
+                format!("new flow tcp {CLIENT}:41000 -> {VIP}:80: backend 3 {be}:{port} (random)")
+            ),
+            (
+                log::Level::Info,
+                format!(
+                    "tcp {EXT_CLIENT}:43000 -> {lb}:80: outside loadBalancerSourceRanges: dropped"
+                )
+            ),
+        ]
+    );
+}

@@ -2388,6 +2388,31 @@ fn bpf_log_debug_names_the_backend_of_each_new_flow_and_is_silent_without_the_fl
         }),
         || format!("no first-reply line:\n{}", lines.join("\n")),
     );
+    // A process of the node's own: the socket hook's rewrite of its connect().
+    let view = http_get_with_peer(&env.agent.host(env.topo.node()), WEB, 80)
+        .unwrap_or_else(|e| env.fail(&format!("node process to {WEB}:80: {e:#}")));
+    let be = BACKENDS
+        .iter()
+        .find(|(name, _)| *name == view.body)
+        .unwrap_or_else(|| env.fail(&format!("answer from unknown pod {view:?}")))
+        .1;
+    let want = format!("socket tcp -> {WEB}:80: backend ");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let socket_line = loop {
+        let line = datapath_log_lines(&env.agent)
+            .into_iter()
+            .find(|l| l.contains(&want));
+        if line.is_some() || Instant::now() >= deadline {
+            break line;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    env.check(
+        socket_line
+            .as_deref()
+            .is_some_and(|l| l.ends_with(&format!(" {be}:8080"))),
+        || format!("socket-hook line {socket_line:?}, want `{want}<id> {be}:8080`"),
+    );
 
     // Without the flag: no logger, and the programs have their log calls removed.
     env.agent
