@@ -106,6 +106,7 @@ pub struct Agent {
 
 impl Agent {
     /// Loads the programs with adopted (or new) pinned maps and reads back what they carry.
+    /// `bpf_log`: the datapath trace's level, fixed at load (`dataplane::bpf_log`).
     pub fn start(
         pins: PinLayout,
         config: DatapathConfig,

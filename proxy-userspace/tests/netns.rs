@@ -2299,8 +2299,10 @@ fn maglev_moves_only_the_gone_backend_s_flows_when_one_of_five_goes() {
 fn datapath_log_lines(agent: &Agent) -> Vec<String> {
     let log = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
     let run = log.rsplit("--- starting").next().unwrap_or_default();
+    // The fmt layer prints a record's target before its message.
+    let target = format!(" {}: ", proxy_common::bpf_log::TARGET);
     run.lines()
-        .filter(|l| l.contains(proxy_common::bpf_log::TARGET))
+        .filter(|l| l.contains(&target))
         .map(str::to_owned)
         .collect()
 }

@@ -80,6 +80,11 @@ pub fn spawn_logger(ebpf: &mut Ebpf, level: BpfLog) -> Result<()> {
             what: "watching the datapath log's ring buffer".into(),
             source: e.into_parts().1,
         })?;
+    tracing::info!(
+        level = ?level,
+        log_target = bpf_log::TARGET,
+        "datapath trace on (--bpf-log)"
+    );
     tokio::spawn(async move {
         loop {
             let mut guard = match ready.readable_mut().await {
