@@ -6,10 +6,20 @@
 //! sets at load time. The loader freezes `.rodata`, so the verifier reads the level as a
 //! constant and removes the calls above it as dead code: no ring-buffer write, no argument setup.
 //!
-//! Stack: a record is built on the stack of the function that logs (aya-log's fields), and a
-//! BPF program's frames add up along its calls (512 bytes in all). So each record is written by
-//! an `#[inline(never)]` function of its own, called with its fields packed into registers: the
-//! caller's frame stays as it was, the record's frame only exists during the call, on top of it.
+//! Each record is written by a function of its own (`kpe_log_*`), called with its fields packed
+//! into registers:
+//! - stack: a record is built on the stack of the function that logs (aya-log's fields), and a
+//!   BPF program's frames add up along its calls (512 bytes in all). In a callee the caller's
+//!   frame stays as it was (tc_ingress_new 376 + 40 for its record), the record's only exists
+//!   during the call.
+//! - verifier: the callees are global functions (`#[no_mangle] extern "C"`, BTF linkage global,
+//!   which aya keeps), checked once for any arguments instead of once per path that reaches a
+//!   call: inlined or static, the new-flow record alone took tc_ingress_new past the verifier's
+//!   million instructions. Their text is of constant length (one function per scheduler or
+//!   refusal): copying a string of unknown length is a loop the verifier walks byte by byte.
+//!   tc_ingress_new does not branch on the scheduler to pick one (that made the verifier track
+//!   the scheduler through the whole program: 835,000 instructions instead of 185,000); the
+//!   dispatch is in a global function too.
 //!
 //! Levels (`proxy_common::bpf_log`): warn for a flow dropped for want of resources, info for a
 //! new flow refused, debug once per flow, trace per packet.
