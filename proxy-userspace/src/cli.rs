@@ -216,7 +216,7 @@ pub struct RunArgs {
     /// new flow's translation, affinity hits, socket-hook rewrites, first replies), trace (every
     /// reply). Logged under the target `kube_proxy_ebpf::datapath`, let through at this level
     /// unless RUST_LOG names that target itself.
-    #[arg(long, env = "KPE_BPF_LOG", value_enum, value_name = "LEVEL", default_value_t = crate::dataplane::bpf_log::BpfLog::Off)]
+    #[arg(long, env = "KPE_BPF_LOG", value_enum, ignore_case = true, value_name = "LEVEL", default_value_t = crate::dataplane::bpf_log::BpfLog::Off)]
     pub bpf_log: crate::dataplane::bpf_log::BpfLog,
 }
 
@@ -418,6 +418,10 @@ mod tests {
         ] {
             assert_eq!(level(&run(&["--bpf-log", name]).expect(name)), want);
         }
+        assert_eq!(
+            level(&run(&["--bpf-log", "DEBUG"]).expect("case")),
+            BpfLog::Debug
+        );
         assert!(run(&["--bpf-log", "verbose"]).is_err());
         let debug = run(&["--bpf-log", "debug"]).expect("parse");
         assert_eq!(

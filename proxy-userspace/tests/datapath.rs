@@ -5187,3 +5187,100 @@ fn the_datapath_trace_names_affinity_hits_and_source_range_drops() {
         ]
     );
 }
+
+#[test]
+fn the_datapath_trace_names_snat_exhaustion_and_local_policy_drops() {
+    let mut dp = Datapath::load_with_log(DatapathConfig::DEFAULT, Some(bpf_log::INFO));
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("aya-log's ring buffer");
+    let ext = service_flags::EXTERNAL;
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT,
+        proto::TCP,
+        ext,
+        &[(200, raw_backend(REMOTE_BE, 8080, proto::TCP, 0))],
+    );
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT + 2,
+        proto::TCP,
+        ext | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY,
+        &[],
+    );
+    dp.set_node_addr(NODE_IP);
+    // Every node port the flow's probe tries is held by a live flow of another client.
+    let syn = Pkt::tcp(EXT_CLIENT, 44_000, NODE_IP, NODE_PORT, SYN);
+    let h = flow_hash(
+        0,
+        EXT_CLIENT.octets(),
+        REMOTE_BE.octets(),
+        44_000u16.to_be_bytes(),
+        8080u16.to_be_bytes(),
+        proto::TCP,
+    );
+    let probe = PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX);
+    let now = monotonic_ns();
+    for i in 0..proxy_common::SNAT_PROBES {
+        let taken = SnatValue {
+            last_seen_ns: now,
+            addr: OTHER.octets(),
+            port: 1_000u16.to_be_bytes(),
+            state: ct_state::ESTABLISHED,
+            flags: 0,
+        };
+        dp.snat()
+            .insert(
+                snat_in_key(REMOTE_BE, 8080, probe.port(i), proto::TCP),
+                taken,
+                0,
+            )
+            .expect("insert taken port");
+    }
+    dp.check(ingress(
+        "NodePort SYN without a free SNAT port: dropped",
+        syn.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        // The backend was picked before the SNAT port ran out.
+        &[
+            (Counter::DropSnatPortsExhausted, 1),
+            (Counter::PickRandom, 1),
+        ],
+    ));
+    let local = Pkt::tcp(EXT_CLIENT, 44_001, NODE_IP, NODE_PORT + 2, SYN);
+    dp.check(ingress(
+        "eTP=Local NodePort without local endpoints: dropped",
+        local.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoLocalEndpoints, 1)],
+    ));
+    logger.flush();
+    let got: Vec<(log::Level, String)> = records
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(l, _, m)| (*l, m.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                log::Level::Warn,
+                format!(
+                    "{EXT_CLIENT}:44000 -> {NODE_IP}:{NODE_PORT}: no SNAT port toward backend {REMOTE_BE}:8080: dropped"
+                )
+            ),
+            (
+                log::Level::Info,
+                format!(
+                    "tcp {EXT_CLIENT}:44001 -> {NODE_IP}:{}: no local endpoints: dropped",
+                    NODE_PORT + 2
+                )
+            ),
+        ]
+    );
+}
