@@ -9,7 +9,7 @@ use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Counter, ServiceKey, ServiceValue, affinity_live,
 };
 
-use crate::{maps, pick::FlowFacts, stats};
+use crate::{log, maps, pick::FlowFacts, stats};
 
 /// The client's recorded endpoint for a new flow of an affinity frontend (`key`, `frontend`),
 /// if it may be used: its last use refreshed. `None`: the caller asks the scheduler and
@@ -36,6 +36,7 @@ pub fn recorded(
     }
     record.touch(now);
     stats::count(Counter::AffinityHit);
+    log::affinity_hit(flow.client, backend_id);
     Some(backend_id)
 }
 

@@ -4,7 +4,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{Counter, ct_flags, frag_hook};
 
 use crate::{
-    Action, Drop, conntrack, frag, icmp, maps, nat,
+    Action, Drop, conntrack, frag, icmp, log, maps, nat,
     packet::{self, Parsed},
     snat, stats,
 };
@@ -28,6 +28,7 @@ pub fn try_tc_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
     let Some(entry) = maps::ct_entry(&conntrack::reply_key(&p)) else {
         // Not a reply: maybe an external flow forwarded to a remote backend, to SNAT.
         let Some(out) = maps::snat_entry(&snat::out_key_of_forwarded(&p)) else {
+            log::untracked(p.proto, (p.saddr, p.sport), (p.daddr, p.dport));
             return Ok(Action::pass(Counter::ReplyNotTracked));
         };
         let device = maps::snat_device_addr(packet::ifindex(ctx));
@@ -38,6 +39,14 @@ pub fn try_tc_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         return Ok(Action::pass(Counter::SnatTranslated));
     };
     let ct = entry.get();
+    if ct.flags & ct_flags::DIRECT == 0 {
+        log::reply(
+            ct.flags & ct_flags::SEEN_REPLY == 0,
+            (p.saddr, p.sport),
+            (p.daddr, p.dport),
+            (ct.frontend_addr, ct.frontend_port),
+        );
+    }
     // The flow is idle only when neither direction sends: refresh the ORIGINAL entry too (or
     // write it again if it was evicted), carry a FIN/RST from the backend over to it, and mark
     // both as answered.

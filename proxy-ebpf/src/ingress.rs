@@ -9,7 +9,9 @@ use proxy_common::{
 use crate::{
     Action, Drop,
     conntrack::{self, NewFlow},
-    frag, icmp, maps, nat,
+    frag, icmp,
+    log::{self, Refused},
+    maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
     pick, reject, snat, stats, svc_cidr,
 };
@@ -79,6 +81,12 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone: never send to the dead address, reset.
             conntrack::remove(&key, &ct);
+            log::refused(
+                Refused::BackendGone,
+                p.proto,
+                (p.saddr, p.sport),
+                (p.daddr, p.dport),
+            );
             if p.tcp_flags & tcp_flags::RST != 0 {
                 // Never answer a RST with a RST (RFC 9293): the flow is gone, drop it.
                 return Err(Drop::NoBackend);
@@ -178,11 +186,13 @@ pub fn try_reject(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
     let verdict = reject::icmp_port_unreachable(ctx, &p)?;
     // A Service without endpoints, or (from the direct-flow program) a ClusterIP's port that is
     // none of its Services'.
-    let counter = if maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_some() {
-        Counter::NoEndpointsRejected
+    let (counter, why) = if maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_some()
+    {
+        (Counter::NoEndpointsRejected, Refused::NoEndpoints)
     } else {
-        Counter::ClusterIpPortRejected
+        (Counter::ClusterIpPortRejected, Refused::NoSuchPort)
     };
+    log::refused(why, p.proto, (p.saddr, p.sport), (p.daddr, p.dport));
     Ok(Action::redirect(verdict, counter))
 }
 
@@ -226,6 +236,12 @@ fn new_flow(
         if let Some(old) = old {
             conntrack::remove(key, old);
         }
+        log::refused(
+            Refused::SourceRange,
+            p.proto,
+            (p.saddr, p.sport),
+            (p.daddr, p.dport),
+        );
         return Err(Drop::SourceRange);
     }
     // Maglev places flows with an unseeded hash: every node must put a flow at the same
@@ -248,6 +264,12 @@ fn new_flow(
         if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
             // Like kube-proxy: a Local policy with endpoints only on other nodes drops; no
             // usable endpoint anywhere rejects (below).
+            log::refused(
+                Refused::NoLocalEndpoints,
+                p.proto,
+                (p.saddr, p.sport),
+                (p.daddr, p.dport),
+            );
             return Err(Drop::NoLocalEndpoints);
         }
         // The answer is built in a program of its own (stack).
@@ -280,6 +302,11 @@ fn new_flow(
             snat::NO_DEVICE,
         ) {
             conntrack::remove(key, &ct);
+            log::snat_failed(
+                (p.saddr, sport),
+                (p.daddr, p.dport),
+                (backend.addr, backend.port),
+            );
             return Err(drop);
         }
     }
@@ -287,6 +314,14 @@ fn new_flow(
     if sport != p.sport {
         nat::source_port(ctx, p, sport)?;
     }
+    log::new_flow(
+        p.proto,
+        (p.saddr, sport),
+        (p.daddr, p.dport),
+        (backend.addr, backend.port),
+        backend_id,
+        frontend.scheduler,
+    );
     Ok(Action::pass(
         if replacing == Replacing::Stale && !p.is_tcp() {
             Counter::StaleBackendReselected

@@ -14,6 +14,7 @@ mod frag;
 mod icmp;
 mod ingress;
 mod lc;
+mod log;
 mod maglev;
 mod maps;
 mod nat;

@@ -27,7 +27,7 @@ use proxy_common::{
     Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, proto, service_cidr, service_flags,
 };
 
-use crate::{maps, pick, stats};
+use crate::{log, maps, pick, stats};
 
 /// A cgroup sock_addr program's "go on" verdict (0 fails the syscall).
 const ALLOW: i32 = 1;
@@ -106,6 +106,12 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     }
     set_user_addr(ctx, backend.addr, backend.port);
     stats::count(Counter::SockTranslated);
+    log::socket(
+        proto,
+        (addr, port),
+        (backend.addr, backend.port),
+        backend_id,
+    );
     ALLOW
 }
 

@@ -105,6 +105,13 @@ impl Agent {
         Ok(agent)
     }
 
+    /// Starts the agent again with other source flags (e.g. a flag added or dropped), on the same
+    /// pins, cgroup and log: what an upgrade with a changed DaemonSet does.
+    pub fn restart_with(&mut self, source_args: &[&std::ffi::OsStr]) -> Result<()> {
+        self.source_args = source_args.iter().map(|a| a.to_os_string()).collect();
+        self.restart()
+    }
+
     /// Starts the agent again (after [`Agent::stop`] or [`Agent::kill`]) with the same flags.
     /// The old status file is removed first so `wait_synced` sees this run's syncs only.
     pub fn restart(&mut self) -> Result<()> {

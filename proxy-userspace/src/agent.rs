@@ -110,6 +110,7 @@ pub struct Agent {
 
 impl Agent {
     /// Loads the programs with adopted (or new) pinned maps and reads back what they carry.
+    /// `bpf_log`: the datapath trace's level, fixed at load (`dataplane::bpf_log`).
     pub fn start(
         pins: PinLayout,
         config: DatapathConfig,
@@ -117,6 +118,7 @@ impl Agent {
         patterns: Patterns,
         sizes: MapSizes,
         sock_lb: SockLbConfig,
+        bpf_log: crate::dataplane::bpf_log::BpfLog,
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins);
         // An agent ran before if its Services are pinned (an older one pinned no SEED_V1).
@@ -125,7 +127,7 @@ impl Agent {
             hash_seed: loader::node_seed(&pins)?,
             ..config
         };
-        let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb)?;
+        let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb, bpf_log)?;
         let occupancy =
             crate::dataplane::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
@@ -704,7 +706,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}; pass --socket-lb-cgroup none to run without socket hooks"))?,
         },
     };
-    let mut agent = Agent::start(pins, datapath_config(&args), node, patterns, sizes, sock_lb)?;
+    let mut agent = Agent::start(
+        pins,
+        datapath_config(&args),
+        node,
+        patterns,
+        sizes,
+        sock_lb,
+        args.bpf_log,
+    )?;
+    crate::dataplane::bpf_log::spawn_logger(&mut agent.ebpf, args.bpf_log)?;
     agent.status_file = args.status_file.clone();
     agent.events = events;
     agent.tunnel_devices = args.tunnel_devices == crate::cli::TunnelDevices::Auto;

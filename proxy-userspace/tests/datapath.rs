@@ -40,8 +40,8 @@ use proxy_common::{
     MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo,
     PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL,
     SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice,
-    SnatKey, SnatValue, SourceRangeKey, backend_flags, ct_dir, ct_flags, ct_state, frag_action,
-    frag_hook,
+    SnatKey, SnatValue, SourceRangeKey, backend_flags, bpf_log, ct_dir, ct_flags, ct_state,
+    frag_action, frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
     maglev::{self, Chunk, MaglevKey},
     proto, sched, service_cidr, service_flags,
@@ -88,8 +88,17 @@ impl Datapath {
     }
 
     fn load_with(cfg: DatapathConfig) -> Self {
+        Self::load_with_log(cfg, None)
+    }
+
+    /// As [`Datapath::load_with`]; `log_level` sets the datapath trace's global (`None`: the
+    /// object's default, off).
+    fn load_with_log(cfg: DatapathConfig, log_level: Option<u8>) -> Self {
         let mut loader = EbpfLoader::new();
         loader.override_global(CONFIG_GLOBAL, &cfg, true);
+        if let Some(level) = &log_level {
+            loader.override_global(bpf_log::LOG_LEVEL_GLOBAL, level, true);
+        }
         for map in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK] {
             loader.map_max_entries(map, TEST_CAPACITY);
         }
@@ -4974,4 +4983,307 @@ fn least_connection_counts_are_reconciled_after_expiry_and_eviction() {
     got.sort_unstable();
     assert_eq!(got, ids);
     assert_eq!(dp.lc_counts(&ids), [1, 1, 1]);
+}
+
+/// The datapath trace's records as aya-log decodes them: (level, target, message).
+#[derive(Clone, Default)]
+struct Records(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String, String)>>>);
+
+impl log::Log for Records {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record) {
+        self.0.lock().unwrap().push((
+            record.level(),
+            record.target().to_owned(),
+            record.args().to_string(),
+        ));
+    }
+
+    fn flush(&self) {}
+}
+
+/// A new TCP flow and two replies, a SYN to a Service without endpoints and an untracked egress
+/// packet through `dp`: the records its trace wrote for them.
+fn traced_flows(dp: &mut Datapath) -> (u32, Vec<(log::Level, String, String)>) {
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("the object carries aya-log's ring buffer");
+    let syn = Pkt::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let id = expected_pick(&syn, &[1, 2]);
+    assert_eq!(dp.run(PROG_TC_INGRESS, &syn.bytes()).0, TC_NEXT, "new flow");
+    let reply = reply_from(&syn, id);
+    for _ in 0..2 {
+        assert_eq!(dp.run(PROG_TC_EGRESS, &reply.bytes()).0, TC_NEXT, "reply");
+    }
+    let empty = Pkt::tcp(CLIENT, 40_001, VIP_EMPTY, 80, SYN);
+    assert_eq!(
+        dp.run(PROG_TC_INGRESS, &empty.bytes()).0,
+        TC_ACT_REDIRECT,
+        "rejected"
+    );
+    let untracked = Pkt::udp(OTHER, 1_234, CLIENT, 5_678);
+    assert_eq!(dp.run(PROG_TC_EGRESS, &untracked.bytes()).0, TC_NEXT);
+    logger.flush();
+    let got = records.0.lock().unwrap().clone();
+    (id, got)
+}
+
+#[test]
+fn the_datapath_trace_names_each_flow_at_its_level_and_is_silent_when_off() {
+    use log::Level::{Debug, Info, Trace};
+    let (id, records) = traced_flows(
+        &mut Datapath::load_with_log(DatapathConfig::DEFAULT, Some(bpf_log::TRACE)).with_services(),
+    );
+    let (baddr, bport) = backend_addr(id);
+    let want = [
+        (
+            Debug,
+            format!(
+                "new flow tcp {CLIENT}:40000 -> {VIP}:80: backend {id} {baddr}:{bport} (random)"
+            ),
+        ),
+        (
+            Debug,
+            format!("first reply {baddr}:{bport} -> {CLIENT}:40000: from {VIP}:80"),
+        ),
+        (
+            Trace,
+            format!("reply {baddr}:{bport} -> {CLIENT}:40000: from {VIP}:80"),
+        ),
+        (
+            Info,
+            format!("tcp {CLIENT}:40001 -> {VIP_EMPTY}:80: no endpoints: rejected"),
+        ),
+        (
+            Trace,
+            format!("no conntrack entry: udp {OTHER}:1234 -> {CLIENT}:5678: passed"),
+        ),
+    ];
+    let got: Vec<(log::Level, String)> = records
+        .iter()
+        .map(|(level, target, msg)| {
+            assert_eq!(target, bpf_log::TARGET, "{msg}");
+            (*level, msg.clone())
+        })
+        .collect();
+    assert_eq!(got, want.to_vec(), "at trace: every record, in order");
+
+    // At info only the refused flow; the finer records were removed at load.
+    let (_, records) = traced_flows(
+        &mut Datapath::load_with_log(DatapathConfig::DEFAULT, Some(bpf_log::INFO)).with_services(),
+    );
+    let got: Vec<(log::Level, String)> = records.into_iter().map(|(l, _, m)| (l, m)).collect();
+    assert_eq!(got, vec![want[3].clone()], "at info");
+
+    // The object's default: off, nothing in the ring.
+    let (_, records) = traced_flows(&mut Datapath::load().with_services());
+    assert!(records.is_empty(), "off by default: {records:?}");
+}
+
+#[test]
+fn every_program_verifies_with_the_datapath_trace_at_every_level() {
+    // The socket hooks' bodies only exist for the verifier with a netns cookie set.
+    let sock_lb = proxy_common::SockLbConfig { netns_cookie: 1 };
+    let mut report = Vec::new();
+    for level in [
+        bpf_log::OFF,
+        bpf_log::ERROR,
+        bpf_log::WARN,
+        bpf_log::INFO,
+        bpf_log::DEBUG,
+        bpf_log::TRACE,
+    ] {
+        let mut ebpf = EbpfLoader::new()
+            .override_global(CONFIG_GLOBAL, &DatapathConfig::DEFAULT, true)
+            .override_global(proxy_common::SOCK_LB_GLOBAL, &sock_lb, true)
+            .override_global(bpf_log::LOG_LEVEL_GLOBAL, &level, true)
+            .load(EBPF_OBJECT)
+            .expect("load");
+        loader::load_programs(&mut ebpf)
+            .unwrap_or_else(|e| panic!("level {level}: verifier rejected a program: {e:#?}"));
+        let count = |name: &str| -> u32 {
+            let info = match ebpf.program(name).expect(name) {
+                aya::programs::Program::SchedClassifier(p) => p.info(),
+                aya::programs::Program::CgroupSockAddr(p) => p.info(),
+                _ => unreachable!("{name}"),
+            };
+            info.expect("info")
+                .verified_instruction_count()
+                .unwrap_or_default()
+        };
+        report.push(format!(
+            "level {level}: tc_ingress {} tc_ingress_new {} tc_ingress_reject {} tc_egress {} sock_connect4 {}",
+            count(PROG_TC_INGRESS),
+            count(proxy_common::PROG_TC_INGRESS_NEW),
+            count(proxy_common::PROG_TC_INGRESS_REJECT),
+            count(PROG_TC_EGRESS),
+            count(proxy_common::PROG_SOCK_CONNECT4),
+        ));
+    }
+    println!(
+        "instructions the verifier processed:\n{}",
+        report.join("\n")
+    );
+}
+
+#[test]
+fn the_datapath_trace_names_affinity_hits_and_source_range_drops() {
+    let mut dp = Datapath::load_with_log(DatapathConfig::DEFAULT, Some(bpf_log::DEBUG));
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("aya-log's ring buffer");
+    // A live affinity record: the client keeps backend 3, whatever the hash says.
+    let ids = [1, 2, 3];
+    dp.set_affinity_frontend(
+        clusterip_key(80, proto::TCP),
+        TCP_REVNAT,
+        0,
+        Some(3_600),
+        &ids,
+    );
+    dp.set_affinity_record(CLIENT, 3, monotonic_ns());
+    let syn = Pkt::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    assert_eq!(dp.new_flow_backend(&syn), 3);
+    // A LoadBalancer IP with source ranges and none that holds this client.
+    let lb = Ipv4Addr::new(192, 168, 70, 10);
+    dp.set_frontend(
+        lb,
+        80,
+        proto::TCP,
+        service_flags::EXTERNAL | service_flags::SOURCE_RANGES,
+        &[(
+            220,
+            raw_backend(LOCAL_BE, 8080, proto::TCP, backend_flags::LOCAL),
+        )],
+    );
+    let outside = Pkt::tcp(EXT_CLIENT, 43_000, lb, 80, SYN);
+    assert_eq!(dp.run(PROG_TC_INGRESS, &outside.bytes()).0, TC_ACT_SHOT);
+    logger.flush();
+    let (be, port) = backend_addr(3);
+    let got: Vec<(log::Level, String)> = records
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(l, _, m)| (*l, m.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                log::Level::Debug,
+                format!("affinity: client {CLIENT} keeps backend 3")
+            ),
+            (
+                log::Level::Debug,
+                format!("new flow tcp {CLIENT}:41000 -> {VIP}:80: backend 3 {be}:{port} (random)")
+            ),
+            (
+                log::Level::Info,
+                format!(
+                    "tcp {EXT_CLIENT}:43000 -> {lb}:80: outside loadBalancerSourceRanges: dropped"
+                )
+            ),
+        ]
+    );
+}
+
+#[test]
+fn the_datapath_trace_names_snat_exhaustion_and_local_policy_drops() {
+    let mut dp = Datapath::load_with_log(DatapathConfig::DEFAULT, Some(bpf_log::INFO));
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("aya-log's ring buffer");
+    let ext = service_flags::EXTERNAL;
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT,
+        proto::TCP,
+        ext,
+        &[(200, raw_backend(REMOTE_BE, 8080, proto::TCP, 0))],
+    );
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT + 2,
+        proto::TCP,
+        ext | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY,
+        &[],
+    );
+    dp.set_node_addr(NODE_IP);
+    // Every node port the flow's probe tries is held by a live flow of another client.
+    let syn = Pkt::tcp(EXT_CLIENT, 44_000, NODE_IP, NODE_PORT, SYN);
+    let h = flow_hash(
+        0,
+        EXT_CLIENT.octets(),
+        REMOTE_BE.octets(),
+        44_000u16.to_be_bytes(),
+        8080u16.to_be_bytes(),
+        proto::TCP,
+    );
+    let probe = PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX);
+    let now = monotonic_ns();
+    for i in 0..proxy_common::SNAT_PROBES {
+        let taken = SnatValue {
+            last_seen_ns: now,
+            addr: OTHER.octets(),
+            port: 1_000u16.to_be_bytes(),
+            state: ct_state::ESTABLISHED,
+            flags: 0,
+        };
+        dp.snat()
+            .insert(
+                snat_in_key(REMOTE_BE, 8080, probe.port(i), proto::TCP),
+                taken,
+                0,
+            )
+            .expect("insert taken port");
+    }
+    dp.check(ingress(
+        "NodePort SYN without a free SNAT port: dropped",
+        syn.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        // The backend was picked before the SNAT port ran out.
+        &[
+            (Counter::DropSnatPortsExhausted, 1),
+            (Counter::PickRandom, 1),
+        ],
+    ));
+    let local = Pkt::tcp(EXT_CLIENT, 44_001, NODE_IP, NODE_PORT + 2, SYN);
+    dp.check(ingress(
+        "eTP=Local NodePort without local endpoints: dropped",
+        local.bytes(),
+        TC_ACT_SHOT,
+        Expect::Dropped,
+        &[(Counter::DropNoLocalEndpoints, 1)],
+    ));
+    logger.flush();
+    let got: Vec<(log::Level, String)> = records
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(l, _, m)| (*l, m.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                log::Level::Warn,
+                format!(
+                    "{EXT_CLIENT}:44000 -> {NODE_IP}:{NODE_PORT}: no SNAT port toward backend {REMOTE_BE}:8080: dropped"
+                )
+            ),
+            (
+                log::Level::Info,
+                format!(
+                    "tcp {EXT_CLIENT}:44001 -> {NODE_IP}:{}: no local endpoints: dropped",
+                    NODE_PORT + 2
+                )
+            ),
+        ]
+    );
 }

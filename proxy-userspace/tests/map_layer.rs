@@ -13,6 +13,7 @@ use std::{
 
 use kube_proxy_ebpf::{
     dataplane::{
+        bpf_log::BpfLog,
         clock::monotonic_ns,
         loader,
         maps::{ServiceMaps, Snat},
@@ -460,6 +461,7 @@ fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
         &DatapathConfig::DEFAULT,
         &MapSizes::default(),
         &SockLbConfig::default(),
+        BpfLog::Off,
     )
     .expect("load");
     assert_eq!(max_entries(MAP_STATS), COUNTER_COUNT);
@@ -503,6 +505,7 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
             &DatapathConfig::DEFAULT,
             sizes,
             &SockLbConfig::default(),
+            BpfLog::Off,
         )
         .expect("load")
     };
@@ -559,7 +562,10 @@ fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
             ..DatapathConfig::DEFAULT
         };
         let sizes = tiny_map_sizes();
-        drop(loader::load_pinned(pins, &config, &sizes, &SockLbConfig::default()).expect("load"));
+        drop(
+            loader::load_pinned(pins, &config, &sizes, &SockLbConfig::default(), BpfLog::Off)
+                .expect("load"),
+        );
         seed
     };
     let pinned = |pins: &PinLayout| -> u32 {
@@ -600,6 +606,7 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
                 &DatapathConfig::DEFAULT,
                 &sizes,
                 &SockLbConfig::default(),
+                BpfLog::Off,
             )
             .expect("load"),
         )

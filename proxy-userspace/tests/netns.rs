@@ -2289,3 +2289,157 @@ fn maglev_moves_only_the_gone_backend_s_flows_when_one_of_five_goes() {
         || format!("be5's flows should spread over the four others: {from_be5:?}"),
     );
 }
+
+/// The lines of the agent's current run (after the last `--- starting` marker of its log) that
+/// come from the datapath trace (`--bpf-log`).
+fn datapath_log_lines(agent: &Agent) -> Vec<String> {
+    let log = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+    let run = log.rsplit("--- starting").next().unwrap_or_default();
+    // The fmt layer prints a record's target before its message.
+    let target = format!(" {}: ", proxy_common::bpf_log::TARGET);
+    run.lines()
+        .filter(|l| l.contains(&target))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `--bpf-log debug`: the datapath's records reach the agent's log through tracing, one line per
+/// new flow naming the client, the ClusterIP and the backend that answered; the first reply is
+/// logged too. Restarted without the flag (pins adopted, the old programs' ring buffer gone with
+/// them), the agent logs no datapath line and still translates; with the flag again, the lines
+/// come back from the new programs.
+#[test]
+fn bpf_log_debug_names_the_backend_of_each_new_flow_and_is_silent_without_the_flag() {
+    require_privileged!();
+    const N: usize = 4;
+    let mut env = Env::start_with_flags(|m| web(m, &all_backends()), &["--bpf-log", "debug"]);
+    let manifests = env.manifests.path().as_os_str().to_owned();
+    let with_flag: [&std::ffi::OsStr; 4] = [
+        "--manifests".as_ref(),
+        &manifests,
+        "--bpf-log".as_ref(),
+        "debug".as_ref(),
+    ];
+    // The pods that answered, in request order (each request is a connection of its own).
+    let answered = |env: &Env| -> Vec<Ipv4Addr> {
+        let replies = env
+            .topo
+            .curl_many(&format!("http://{WEB}/"), N)
+            .unwrap_or_else(|e| env.fail(&format!("curl_many: {e:#}")));
+        replies
+            .into_iter()
+            .map(|r| {
+                let r = r.unwrap_or_else(|e| env.fail(&format!("request to {WEB}: {e}")));
+                BACKENDS
+                    .iter()
+                    .find(|(name, _)| *name == r.body)
+                    .unwrap_or_else(|| env.fail(&format!("answer from unknown pod {r:?}")))
+                    .1
+            })
+            .collect()
+    };
+    // The new-flow lines of this run once there are `n` (the logger task drains the ring
+    // buffer asynchronously): the backend address each names, in order.
+    let new_flows = |env: &Env, n: usize| -> (Vec<Ipv4Addr>, Vec<String>) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let lines = datapath_log_lines(&env.agent);
+            let flows: Vec<Ipv4Addr> = lines
+                .iter()
+                .filter_map(|l| {
+                    let rest =
+                        l.split_once(&format!("new flow tcp {}:", proxy_testenv::CLIENT_IP))?;
+                    let (_, rest) = rest.1.split_once(&format!(" -> {WEB}:80: backend "))?;
+                    let (_id, rest) = rest.split_once(' ')?;
+                    let (addr, rest) = rest.split_once(':')?;
+                    rest.starts_with("8080 (random)")
+                        .then(|| addr.parse().ok())?
+                })
+                .collect();
+            if flows.len() >= n || Instant::now() >= deadline {
+                return (flows, lines);
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    };
+
+    let backends = answered(&env);
+    let (flows, lines) = new_flows(&env, N);
+    eprintln!("datapath log:\n{}", lines.join("\n"));
+    env.check(flows == backends, || {
+        format!(
+            "new-flow lines name backends {flows:?}, the requests were answered by {backends:?}; datapath lines:\n{}",
+            lines.join("\n")
+        )
+    });
+    env.check(lines.iter().all(|l| l.contains("DEBUG")), || {
+        format!(
+            "debug records only at --bpf-log debug:\n{}",
+            lines.join("\n")
+        )
+    });
+    env.check(
+        lines.iter().any(|l| {
+            l.contains("first reply ")
+                && l.contains(&format!(" -> {}:", proxy_testenv::CLIENT_IP))
+                && l.contains(&format!(": from {WEB}:80"))
+        }),
+        || format!("no first-reply line:\n{}", lines.join("\n")),
+    );
+    // A process of the node's own: the socket hook's rewrite of its connect().
+    let view = http_get_with_peer(&env.agent.host(env.topo.node()), WEB, 80)
+        .unwrap_or_else(|e| env.fail(&format!("node process to {WEB}:80: {e:#}")));
+    let be = BACKENDS
+        .iter()
+        .find(|(name, _)| *name == view.body)
+        .unwrap_or_else(|| env.fail(&format!("answer from unknown pod {view:?}")))
+        .1;
+    let want = format!("socket tcp -> {WEB}:80: backend ");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let socket_line = loop {
+        let line = datapath_log_lines(&env.agent)
+            .into_iter()
+            .find(|l| l.contains(&want));
+        if line.is_some() || Instant::now() >= deadline {
+            break line;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    env.check(
+        socket_line
+            .as_deref()
+            .is_some_and(|l| l.ends_with(&format!(" {be}:8080"))),
+        || format!("socket-hook line {socket_line:?}, want `{want}<id> {be}:8080`"),
+    );
+
+    // Without the flag: no logger, and the programs have their log calls removed.
+    env.agent
+        .restart_with(&with_flag[..2])
+        .unwrap_or_else(|e| env.fail(&format!("restart without --bpf-log: {e:#}")));
+    env.agent
+        .wait_attached(&env.topo.pod_interfaces())
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    let backends = answered(&env);
+    env.check(backends.len() == N, || format!("{backends:?}"));
+    thread::sleep(Duration::from_millis(300));
+    let lines = datapath_log_lines(&env.agent);
+    env.check(lines.is_empty(), || {
+        format!("datapath lines without --bpf-log:\n{}", lines.join("\n"))
+    });
+
+    // With the flag again: the new programs' records, through the new agent's ring buffer.
+    env.agent
+        .restart_with(&with_flag)
+        .unwrap_or_else(|e| env.fail(&format!("restart with --bpf-log: {e:#}")));
+    env.agent
+        .wait_attached(&env.topo.pod_interfaces())
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    let backends = answered(&env);
+    let (flows, lines) = new_flows(&env, N);
+    env.check(flows == backends, || {
+        format!(
+            "after the restarts: new-flow lines name {flows:?}, answered by {backends:?}:\n{}",
+            lines.join("\n")
+        )
+    });
+}

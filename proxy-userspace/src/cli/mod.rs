@@ -40,11 +40,20 @@ impl Cli {
             1 | 2 => "debug",
             _ => "trace",
         });
-        if base.contains("kube_client") {
+        let mut filter = if base.contains("kube_client") {
             base.to_owned()
         } else {
             format!("{base},kube_client::client=off")
+        };
+        // `--bpf-log`: the datapath's records pass at the level asked for, unless RUST_LOG says
+        // otherwise for their target.
+        if let Command::Run(run) = &self.command
+            && let Some(directive) = run.bpf_log.filter_directive()
+            && !base.contains(proxy_common::bpf_log::TARGET)
+        {
+            filter = format!("{filter},{directive}");
         }
+        filter
     }
 }
 
@@ -211,6 +220,13 @@ pub struct RunArgs {
     /// is implemented; with the others no client counts as in-cluster.
     #[arg(long, value_enum, default_value_t = DetectLocalMode::ClusterCidr)]
     pub detect_local_mode: DetectLocalMode,
+    /// The datapath's own log (aya-log, off by default, free when off): off, error, warn (a new
+    /// flow without SNAT port), info (new flows refused: source ranges, no endpoints), debug (each
+    /// new flow's translation, affinity hits, socket-hook rewrites, first replies), trace (every
+    /// reply). Logged under the target `kube_proxy_ebpf::datapath`, let through at this level
+    /// unless RUST_LOG names that target itself.
+    #[arg(long, env = "KPE_BPF_LOG", value_enum, ignore_case = true, value_name = "LEVEL", default_value_t = crate::dataplane::bpf_log::BpfLog::Off)]
+    pub bpf_log: crate::dataplane::bpf_log::BpfLog,
 }
 
 impl RunArgs {
@@ -378,6 +394,58 @@ mod tests {
         assert_eq!(
             cli("0").log_filter(Some("info,kube_client=debug")),
             "info,kube_client=debug"
+        );
+    }
+
+    #[test]
+    fn bpf_log_is_off_by_default_and_opens_the_filter_for_the_datapath_target() {
+        use crate::dataplane::bpf_log::BpfLog;
+        let run = |extra: &[&str]| {
+            let mut args = vec!["kube-proxy-ebpf", "run", "--manifests", "/m"];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args)
+        };
+        let level = |cli: &Cli| match &cli.command {
+            Command::Run(r) => r.bpf_log,
+            _ => panic!("not run"),
+        };
+        let off = "kube_client::client=off";
+        let default = run(&[]).expect("parse");
+        assert_eq!(level(&default), BpfLog::Off);
+        assert_eq!(
+            default.log_filter(None),
+            format!("info,{off}"),
+            "no directive when off"
+        );
+        for (name, want) in [
+            ("off", BpfLog::Off),
+            ("error", BpfLog::Error),
+            ("warn", BpfLog::Warn),
+            ("info", BpfLog::Info),
+            ("debug", BpfLog::Debug),
+            ("trace", BpfLog::Trace),
+        ] {
+            assert_eq!(level(&run(&["--bpf-log", name]).expect(name)), want);
+        }
+        assert_eq!(
+            level(&run(&["--bpf-log", "DEBUG"]).expect("case")),
+            BpfLog::Debug
+        );
+        assert!(run(&["--bpf-log", "verbose"]).is_err());
+        let debug = run(&["--bpf-log", "debug"]).expect("parse");
+        assert_eq!(
+            debug.log_filter(None),
+            format!("info,{off},kube_proxy_ebpf::datapath=debug")
+        );
+        assert_eq!(
+            debug.log_filter(Some("warn")),
+            format!("warn,{off},kube_proxy_ebpf::datapath=debug"),
+            "the flag is explicit: RUST_LOG's base level does not hide the records"
+        );
+        assert_eq!(
+            debug.log_filter(Some("info,kube_proxy_ebpf::datapath=info")),
+            format!("info,kube_proxy_ebpf::datapath=info,{off}"),
+            "RUST_LOG naming the target wins"
         );
     }
 

@@ -8,9 +8,10 @@ use proxy_common::{
     MAP_TAIL_CALLS, PROG_SOCK_CONNECT4, PROG_SOCK_GETPEERNAME4, PROG_SOCK_RECVMSG4,
     PROG_SOCK_SENDMSG4, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
     REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
+    bpf_log::LOG_LEVEL_GLOBAL,
 };
 
-use super::{Error, Result, bpffs::PinLayout};
+use super::{Error, Result, bpf_log::BpfLog, bpffs::PinLayout};
 use crate::{dataplane::ebpf_object::EBPF_OBJECT, pipeline::programmed::Capacities};
 
 /// Map sizes used when the maps are first created (adopted maps keep their size: aya opens an
@@ -61,21 +62,25 @@ impl MapSizes {
 
 /// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) every
 /// program. Nothing is attached yet. `config.hash_seed` (from [`node_seed`]) is recorded in the
-/// pinned `SEED_V1` for the next agent.
+/// pinned `SEED_V1` for the next agent. `bpf_log`: the datapath trace's level (its ring buffer
+/// is the object's own, never pinned: `super::bpf_log`).
 pub fn load_pinned(
     pins: &PinLayout,
     config: &DatapathConfig,
     sizes: &MapSizes,
     sock_lb: &SockLbConfig,
+    bpf_log: BpfLog,
 ) -> Result<Ebpf> {
     pins.create()?;
     replace_mismatched_pins(pins)?;
     let paths: Vec<(&'static str, std::path::PathBuf)> =
         ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
+    let log_level = bpf_log.code();
     let mut loader = EbpfLoader::new();
     loader
         .override_global(CONFIG_GLOBAL, config, true)
-        .override_global(SOCK_LB_GLOBAL, sock_lb, true);
+        .override_global(SOCK_LB_GLOBAL, sock_lb, true)
+        .override_global(LOG_LEVEL_GLOBAL, &log_level, true);
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
@@ -250,8 +255,15 @@ fn replace_mismatched_pins(pins: &PinLayout) -> Result<()> {
 
 /// Loads the object without pins (fresh private maps): for tests and benchmarks.
 pub fn load_unpinned(config: &DatapathConfig) -> Result<Ebpf> {
+    load_unpinned_logging(config, BpfLog::Off)
+}
+
+/// [`load_unpinned`] with the datapath trace at `bpf_log` (the verifier then checks the log
+/// calls too).
+pub fn load_unpinned_logging(config: &DatapathConfig, bpf_log: BpfLog) -> Result<Ebpf> {
     let mut ebpf = EbpfLoader::new()
         .override_global(CONFIG_GLOBAL, config, true)
+        .override_global(LOG_LEVEL_GLOBAL, &bpf_log.code(), true)
         .load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
     Ok(ebpf)

@@ -10,6 +10,8 @@
 pub mod attach;
 #[allow(unsafe_code)]
 pub mod batch;
+#[allow(unsafe_code)]
+pub mod bpf_log;
 pub mod bpffs;
 pub mod clock;
 pub mod ebpf_object;
@@ -78,6 +80,8 @@ pub enum Error {
     },
     #[error("{what}: {source}")]
     Io { what: String, source: io::Error },
+    #[error("the datapath log (--bpf-log): {0}")]
+    BpfLog(#[from] aya_log::Error),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
