@@ -106,6 +106,23 @@ pub struct Agent {
     external: crate::dataplane::node_addrs::External,
     /// Map occupancy (metrics, and a warning before a map is full).
     occupancy: crate::dataplane::occupancy::Occupancy,
+    /// How long each part of the last sync took (the debug log, `xtask-bench change-latency`).
+    last_parts: SyncParts,
+}
+
+/// The parts of one [`Agent::sync`], timed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SyncParts {
+    /// Source of truth to desired state: the translation cache's update, problems gathered.
+    pub translate: Duration,
+    /// The plan (incremental or full).
+    pub plan: Duration,
+    /// Problems and conflicts logged, reported as Events and metrics.
+    pub report: Duration,
+    /// Map writes, shadow and planner indexes updated.
+    pub apply: Duration,
+    /// After the writes: external addresses and health-check node ports, metrics, status.
+    pub after: Duration,
 }
 
 impl Agent {
@@ -181,6 +198,7 @@ impl Agent {
             changes: crate::serving::metrics::ChangeTracker::new(std::time::SystemTime::now()),
             external,
             occupancy,
+            last_parts: SyncParts::default(),
         })
     }
 
@@ -202,9 +220,16 @@ impl Agent {
         let desired = self.cache.desired();
         self.planner.desired_changes(&changes, desired);
         problems.extend(self.cache.problems());
+        let mut parts = SyncParts {
+            translate: started.elapsed(),
+            ..SyncParts::default()
+        };
+        let mut lap = Instant::now();
         let (plan, kind) =
             self.planner
                 .plan_with_kind(desired, &self.programmed, &self.capacities, full);
+        parts.plan = lap.elapsed();
+        lap = Instant::now();
         for (frontend, reason) in &plan.skipped {
             problems.push(Problem {
                 source: "dataplane".into(),
@@ -214,6 +239,8 @@ impl Agent {
         }
         self.report_problems(&problems);
         self.report_conflicts(snapshot);
+        parts.report = lap.elapsed();
+        lap = Instant::now();
         let removed_backends = plan
             .ops
             .iter()
@@ -233,6 +260,8 @@ impl Agent {
             });
         }
         self.planner.applied(&plan);
+        parts.apply = lap.elapsed();
+        lap = Instant::now();
         if removed_backends {
             self.gc_conntrack();
         }
@@ -261,10 +290,17 @@ impl Agent {
             );
         }
         self.write_status();
+        parts.after = lap.elapsed();
+        self.last_parts = parts;
         if full {
             release_free_heap();
         }
         Ok(())
+    }
+
+    /// How long each part of the last applied sync took.
+    pub fn last_sync_parts(&self) -> SyncParts {
+        self.last_parts
     }
 
     /// Reads the source's current state and syncs it (the node's zone included); `full` as in

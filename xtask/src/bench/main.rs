@@ -2,6 +2,7 @@
 //! release unless `--smoke`). `cargo xtask bench` builds it and runs `xtask-bench run`; the
 //! hidden `serve` and `loadgen` subcommands run inside network namespaces.
 
+mod change;
 mod e2e;
 mod inproc;
 mod loadgen;
@@ -53,6 +54,16 @@ enum Command {
         services: usize,
         #[arg(long)]
         agent_bin: PathBuf,
+    },
+    /// What one endpoint change costs at `services` Services: in process (the agent's sync, by
+    /// part) and, with `--agent-bin`, end to end (API event → map write).
+    ChangeLatency {
+        #[arg(long, default_value_t = 50_000)]
+        services: usize,
+        #[arg(long, default_value_t = 10)]
+        endpoints: usize,
+        #[arg(long, default_value_t = 200)]
+        changes: usize,
     },
     /// Only the Maglev tables' kernel memory for `services` Maglev Services × 10 endpoints.
     MaglevMemory { services: usize },
@@ -209,6 +220,11 @@ fn main() -> std::process::ExitCode {
             println!("{v}");
             Ok(())
         }),
+        Command::ChangeLatency {
+            services,
+            endpoints,
+            changes,
+        } => change::in_process(services, endpoints.clamp(1, 60), changes.clamp(1, 100_000)),
         Command::MaglevMemory { services } => inproc::maglev_memory(services).map(|v| {
             println!("{v}");
         }),
