@@ -101,7 +101,12 @@ pub struct Agent {
     /// Telemetry: /metrics and /healthz state, and what changed between applied syncs.
     metrics: std::sync::Arc<crate::serving::metrics::Metrics>,
     health: std::sync::Arc<crate::serving::health::HealthState>,
+    /// Service and EndpointSlice changes not yet carried by an applied sync (metrics).
     changes: crate::serving::metrics::ChangeTracker,
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`, kept by the changed frontends.
+    no_local: crate::serving::metrics::NoLocalEndpoints,
+    /// A health check changed since the servers were last updated.
+    health_checks_changed: bool,
     /// Node addresses (NodePorts, SNAT) and health-check node ports.
     external: crate::dataplane::node_addrs::External,
     /// Map occupancy (metrics, and a warning before a map is full).
@@ -196,6 +201,8 @@ impl Agent {
             metrics,
             health,
             changes: crate::serving::metrics::ChangeTracker::new(std::time::SystemTime::now()),
+            no_local: Default::default(),
+            health_checks_changed: true,
             external,
             occupancy,
             last_parts: SyncParts::default(),
@@ -218,7 +225,17 @@ impl Agent {
             .cache
             .update(snapshot, &self.node, self.external.nodeport_addrs(), full);
         let desired = self.cache.desired();
+        // The one change stream: everything after the plan follows the cache's change list.
         self.planner.desired_changes(&changes, desired);
+        self.external.desired_changes(&changes, desired, full);
+        if full {
+            self.no_local.rebuild(desired);
+        } else {
+            self.no_local.update(&changes, desired);
+        }
+        let listed = self.cache.last_changes();
+        self.changes.add(listed);
+        self.health_checks_changed |= listed.health_checks || full;
         problems.extend(self.cache.problems());
         let mut parts = SyncParts {
             translate: started.elapsed(),
@@ -241,10 +258,15 @@ impl Agent {
         self.report_conflicts(snapshot);
         parts.report = lap.elapsed();
         lap = Instant::now();
-        let removed_backends = plan
-            .ops
-            .iter()
-            .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
+        // UDP flows to a removed backend are removed at once (kube-proxy's UDP conntrack
+        // cleanup); TCP ones are answered with a RST by the datapath, and the rest of the walk
+        // (idle flows, least-connection counts of freed ids) is the periodic one's: a TCP-only
+        // endpoint change does not walk every flow and backend id.
+        let removed_udp_backends = plan.ops.iter().any(|op| match op {
+            MapOp::DeleteBackend { id } => (self.programmed.backends.get(id))
+                .is_some_and(|b| b.proto == proto::UDP),
+            _ => false,
+        });
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         self.programmed.reserve_for(&plan.ops[..applied]);
         for op in &plan.ops[..applied] {
@@ -253,7 +275,7 @@ impl Agent {
         }
         if let Some(source) = failure {
             self.planner.failed();
-            self.sync_failed(snapshot);
+            self.sync_failed();
             return Err(ApplyError {
                 op: plan.ops[applied].clone(),
                 source: Box::new(source),
@@ -262,16 +284,18 @@ impl Agent {
         self.planner.applied(&plan);
         parts.apply = lap.elapsed();
         lap = Instant::now();
-        if removed_backends {
+        if removed_udp_backends {
             self.gc_conntrack();
         }
-        self.external
-            .apply(self.cache.desired(), &self.cache.health_checks());
+        let checks = (std::mem::take(&mut self.health_checks_changed)
+            || !self.external.health_checks_settled())
+        .then(|| self.cache.health_checks());
+        self.external.apply(checks.as_deref());
         self.status.syncs += 1;
         self.status.frontends = self.planner.frontend_count();
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
-        self.sync_applied(started.elapsed(), kind, snapshot, &problems);
+        self.sync_applied(started.elapsed(), kind, &problems);
         let level_changed = !plan.ops.is_empty();
         if level_changed {
             info!(
@@ -528,7 +552,6 @@ impl Agent {
 
     /// A source reported a change that waits for the next sync (health clock, queued timestamp).
     pub fn queued(&mut self) {
-        self.changes.mark_queued();
         let now = std::time::SystemTime::now();
         self.health.queued_at(now);
         self.metrics.queued(now);
@@ -554,8 +577,8 @@ impl Agent {
         }
     }
 
-    fn sync_failed(&mut self, snapshot: &Snapshot) {
-        self.metrics.sync_failed(&self.changes.diff(snapshot));
+    fn sync_failed(&mut self) {
+        self.metrics.sync_failed(&self.changes.pending());
         // A failed sync is a change still waiting: /healthz turns 503 if it keeps failing.
         self.health.queued();
     }
@@ -564,25 +587,13 @@ impl Agent {
         &mut self,
         took: Duration,
         kind: crate::serving::metrics::SyncKind,
-        snapshot: &Snapshot,
         problems: &[Problem],
     ) {
         let now = std::time::SystemTime::now();
-        // After the map writes, so the comparison does not delay them.
-        if self.changes.needs_diff() {
-            let changes = self.changes.diff(snapshot);
-            self.metrics.sync_applied(took, kind, &changes, now);
-            self.changes.commit(changes);
-        } else {
-            self.metrics.sync_applied(
-                took,
-                kind,
-                &crate::serving::metrics::Changes::default(),
-                now,
-            );
-        }
-        let (internal, external) =
-            crate::serving::metrics::no_local_endpoints(self.cache.desired());
+        self.metrics
+            .sync_applied(took, kind, &self.changes.pending(), now);
+        self.changes.commit();
+        let (internal, external) = self.no_local.counts();
         self.metrics.set_no_local_endpoints(internal, external);
         self.metrics.set_sync_problems(problems.len());
         let p = &self.programmed;

@@ -15,8 +15,19 @@
 //! no longer wants goes to the next claimant at the same sync, and an older Service appearing
 //! later takes it over. The result is equal to a full translation of the same snapshot (tested
 //! below).
+//!
+//! The cache is the agent's one change stream: besides the changed frontends [`TranslateCache::
+//! update`] returns, [`TranslateCache::last_changes`] names the Services translated again, the
+//! Service objects and EndpointSlices that changed (with the slices' trigger times) and whether a
+//! health check changed, so metrics, the external maps and the health-check node ports follow
+//! the change instead of walking the cluster.
 
-use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    sync::Arc,
+    time::SystemTime,
+};
 
 use k8s_openapi::api::core::v1::Service;
 
@@ -43,6 +54,23 @@ pub struct FrontendChange {
     pub old: Option<Arc<DesiredFrontend>>,
 }
 
+/// An EndpointSlice's Service and its own name (the slice's namespace is the Service's).
+pub type SliceName = (ServiceName, String);
+
+/// What one [`TranslateCache::update`] changed besides the frontends it returns.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChangeList {
+    /// Every Service was translated again (a full update, or the node's context changed).
+    pub all: bool,
+    /// Service objects added, changed or removed.
+    pub services: Vec<ServiceName>,
+    /// EndpointSlices (of a Service) added, changed or removed, each with the trigger time of
+    /// its new version (`None`: removed, or not annotated).
+    pub slices: Vec<(SliceName, Option<SystemTime>)>,
+    /// A Service's health check was added, changed or removed.
+    pub health_checks: bool,
+}
+
 /// The translation of the last snapshot, kept per Service.
 #[derive(Debug, Default)]
 pub struct TranslateCache {
@@ -63,7 +91,11 @@ pub struct TranslateCache {
     /// The frontends that more than one Service asks for, with the losing claims.
     conflicts: HashMap<Frontend, Vec<FrontendConflict>>,
     health_checks: BTreeMap<ServiceName, HealthCheck>,
+    /// The Services with problems or notes in their translation or slices (so gathering the
+    /// problems costs what there are, not what the cluster holds).
+    troubled: BTreeSet<ServiceName>,
     desired: DesiredState,
+    last_changes: ChangeList,
 }
 
 impl TranslateCache {
@@ -76,10 +108,19 @@ impl TranslateCache {
         &self.desired
     }
 
+    /// What the last update changed (besides the frontends it returned).
+    pub fn last_changes(&self) -> &ChangeList {
+        &self.last_changes
+    }
+
     /// Problems of the last update (as [`translate::Translation::problems`], in another order).
     pub fn problems(&self) -> Vec<Problem> {
-        let slices = self.slice_problems.values().flatten();
-        let services = self.translations.values().flat_map(|t| &t.problems);
+        let slices = (self.troubled.iter())
+            .filter_map(|n| self.slice_problems.get(n))
+            .flatten();
+        let services = (self.troubled.iter())
+            .filter_map(|n| self.translations.get(n))
+            .flat_map(|t| &t.problems);
         let conflicts = self
             .conflicts
             .values()
@@ -97,8 +138,8 @@ impl TranslateCache {
 
     /// Notes of the last update (as [`translate::Translation::notes`], in another order).
     pub fn notes(&self) -> Vec<Problem> {
-        self.translations
-            .values()
+        (self.troubled.iter())
+            .filter_map(|n| self.translations.get(n))
             .flat_map(|t| t.notes.iter().cloned())
             .collect()
     }
@@ -119,9 +160,11 @@ impl TranslateCache {
         nodeport_addrs: &[Ipv4Addr],
         everything: bool,
     ) -> Vec<FrontendChange> {
+        self.last_changes = ChangeList::default();
         let mut dirty = self.changed_services(snapshot);
         let context = (node.clone(), nodeport_addrs.to_vec());
         let all = everything || self.node.as_ref() != Some(&context);
+        self.last_changes.all = all;
         if all {
             let keys = (self.services.keys())
                 .chain(self.slices.keys())
@@ -148,14 +191,24 @@ impl TranslateCache {
             } else {
                 self.slice_problems.insert(name.clone(), problems);
             }
-            match new.as_ref().and_then(|t| t.health_check.clone()) {
+            let hc = new.as_ref().and_then(|t| t.health_check.clone());
+            let old_hc = match hc.clone() {
                 Some(hc) => self.health_checks.insert(name.clone(), hc),
                 None => self.health_checks.remove(name),
             };
+            self.last_changes.health_checks |= old_hc != hc;
             let old = match new {
                 Some(t) => self.translations.insert(name.clone(), t),
                 None => self.translations.remove(name),
             };
+            let troubled = self.slice_problems.contains_key(name)
+                || (self.translations.get(name))
+                    .is_some_and(|t| !t.problems.is_empty() || !t.notes.is_empty());
+            if troubled {
+                self.troubled.insert(name.clone());
+            } else {
+                self.troubled.remove(name);
+            }
             for claim in old.iter().flat_map(|t| t.claims()) {
                 contested.push(claim.frontend);
                 if let Some(c) = self.candidates.get_mut(&claim.frontend) {
@@ -235,13 +288,16 @@ impl TranslateCache {
             .into_iter()
             .filter_map(|s| Some((service_name(&s)?, s)))
             .collect();
+        let changes = &mut self.last_changes;
         for name in gone.iter().filter_map(|s| service_name(s)) {
             if !fresh.contains_key(&name) && self.services.remove(&name).is_some() {
+                changes.services.push(name.clone());
                 dirty.insert(name);
             }
         }
         for (name, new) in fresh {
             if replaced(self.services.insert(name.clone(), new.clone()), &new) {
+                changes.services.push(name.clone());
                 dirty.insert(name);
             }
         }
@@ -263,12 +319,14 @@ impl TranslateCache {
                 if group.is_empty() {
                     self.slices.remove(&service);
                 }
+                changes.slices.push(((service.clone(), slice), None));
                 dirty.insert(service);
             }
         }
         for ((service, slice), new) in fresh {
             let group = self.slices.entry(service.clone()).or_default();
-            if replaced(group.insert(slice, new.clone()), &new) {
+            if replaced(group.insert(slice.clone(), new.clone()), &new) {
+                changes.slices.push(((service.clone(), slice), new.trigger_time));
                 dirty.insert(service);
             }
         }
