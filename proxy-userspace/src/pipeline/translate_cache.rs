@@ -371,20 +371,20 @@ impl TranslateCache {
     }
 }
 
-/// The objects of the last snapshot by address, each with the last generation it was seen in.
-/// The `Arc`s are held, so an address is never reused by another object while it is here.
+/// The objects of the last snapshot, in its order. The `Arc`s are held, so an address is never
+/// reused by another object while it is here.
+///
+/// The stores list their objects in a stable order (a changed object keeps its place), so the
+/// comparison is a walk over two arrays of pointers, and only the places that differ are looked
+/// at further: a change costs a pass over pointers, not a hash lookup per object.
 #[derive(Debug)]
 struct Seen<K> {
-    objects: HashMap<usize, (Arc<K>, u64)>,
-    generation: u64,
+    last: Vec<Arc<K>>,
 }
 
 impl<K> Default for Seen<K> {
     fn default() -> Self {
-        Self {
-            objects: HashMap::default(),
-            generation: 0,
-        }
+        Self { last: Vec::new() }
     }
 }
 
@@ -393,27 +393,27 @@ impl<K> Seen<K> {
     /// time (new or changed) and objects that left (changed or removed), and remember `now`.
     /// No allocation when nothing changed.
     fn split(&mut self, now: &[Arc<K>]) -> (Vec<Arc<K>>, Vec<Arc<K>>) {
-        self.generation += 1;
-        let generation = self.generation;
-        let mut fresh = Vec::new();
-        for o in now {
-            let addr = Arc::as_ptr(o) as usize;
-            match self.objects.get_mut(&addr) {
-                Some(seen) => seen.1 = generation,
-                None => {
-                    fresh.push(o.clone());
-                    self.objects.insert(addr, (o.clone(), generation));
-                }
-            }
+        let common = now.len().min(self.last.len());
+        let mut differ: Vec<usize> = (0..common)
+            .filter(|&i| !Arc::ptr_eq(&now[i], &self.last[i]))
+            .collect();
+        if differ.is_empty() && now.len() == self.last.len() {
+            return (Vec::new(), Vec::new());
         }
-        let mut gone = Vec::new();
-        if self.objects.len() > now.len() {
-            self.objects.retain(|_, (o, g)| {
-                if *g != generation {
-                    gone.push(o.clone());
-                }
-                *g == generation
-            });
+        // Objects at places that differ (and past the shorter list) are new, moved or gone.
+        let now_side = differ.iter().map(|&i| &now[i]).chain(&now[common..]);
+        let last_side = differ.iter().map(|&i| &self.last[i]).chain(&self.last[common..]);
+        let addr = |o: &Arc<K>| Arc::as_ptr(o) as usize;
+        let before: HashSet<usize> = last_side.clone().map(addr).collect();
+        let after: HashSet<usize> = now_side.clone().map(addr).collect();
+        let fresh: Vec<Arc<K>> = now_side.filter(|o| !before.contains(&addr(o))).cloned().collect();
+        let gone: Vec<Arc<K>> = last_side.filter(|o| !after.contains(&addr(o))).cloned().collect();
+        if now.len() == self.last.len() {
+            for i in differ.drain(..) {
+                self.last[i] = now[i].clone();
+            }
+        } else {
+            self.last = now.to_vec();
         }
         (fresh, gone)
     }
@@ -541,6 +541,185 @@ mod tests {
             "endpoints": endpoints,
         }))
         .expect("EndpointSlice fixture")
+    }
+
+    /// [`random_service`], sometimes a LoadBalancer with an ingress address (shared between
+    /// Services) and loadBalancerSourceRanges.
+    fn random_lb_service(rng: &mut Rng, i: u32) -> Service {
+        let mut svc = random_service(rng, i);
+        if rng.below(3) == 0 {
+            let spec = svc.spec.get_or_insert_with(Default::default);
+            spec.type_ = Some("LoadBalancer".into());
+            let ranges = ["10.0.0.0/8", "192.0.2.0/24", "bad"];
+            spec.load_balancer_source_ranges = Some(
+                (0..=rng.below(2))
+                    .map(|_| ranges[rng.below(3) as usize].to_owned())
+                    .collect(),
+            );
+            svc.status = serde_json::from_value(json!({"loadBalancer": {"ingress": [
+                {"ip": format!("192.168.70.{}", rng.below(3) + 1)}]}}))
+            .ok();
+        }
+        svc
+    }
+
+    /// Everything after the plan follows the change list: the metrics' change counts and
+    /// no-local-endpoints, the source ranges, the ClusterIP /32s and the health checks, kept
+    /// incrementally over random change sequences (full updates among them), equal each time
+    /// to what a full recompute of the same snapshot gives.
+    #[test]
+    fn consumers_of_the_change_list_equal_a_full_recompute_over_random_changes() {
+        use crate::{
+            dataplane::{service_cidrs, source_ranges},
+            serving::metrics::{self, ChangeTracker},
+        };
+        let cidrs = [(Ipv4Addr::new(10, 96, 0, 0), 12), (Ipv4Addr::new(10, 96, 0, 3), 32)];
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
+            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
+            let node = NodeContext {
+                scheduler: Default::default(),
+                node_name: "node-a".into(),
+                zone: Some("zone-a".into()),
+            };
+            let addrs = [Ipv4Addr::new(192, 168, 1, 1)];
+            let mut cache = TranslateCache::new();
+            let mut no_local = metrics::NoLocalEndpoints::default();
+            let mut ranges = source_ranges::WantedRanges::default();
+            let mut ips = service_cidrs::ClusterIps::default();
+            let mut tracker = ChangeTracker::new(std::time::SystemTime::UNIX_EPOCH);
+            let mut prev = Snapshot::default();
+            let mut prev_checks = Vec::new();
+            let mut seen_ranges = 0;
+            for step in 0..40 {
+                for _ in 0..=rng.below(4) {
+                    let i = rng.below(10);
+                    match rng.below(6) {
+                        0 => {
+                            services.remove(&i);
+                        }
+                        1 | 2 => {
+                            services.insert(i, Arc::new(random_lb_service(&mut rng, i)));
+                        }
+                        3 => {
+                            slices.remove(&(i, rng.below(2)));
+                        }
+                        _ => {
+                            let part = rng.below(2);
+                            slices.insert((i, part), Arc::new(random_slice(&mut rng, i, part)));
+                        }
+                    }
+                }
+                let snapshot = Snapshot {
+                    services: services.values().cloned().collect(),
+                    endpoint_slices: slices.values().cloned().collect(),
+                };
+                let full = step == 0 || rng.below(8) == 0;
+                let changes = cache.update(&snapshot, &node, &addrs, full);
+                let desired = cache.desired();
+                if full {
+                    no_local.rebuild(desired);
+                    ranges.rebuild(desired);
+                    ips.rebuild(desired);
+                } else {
+                    no_local.update(&changes, desired);
+                    ranges.update(&changes, desired);
+                    ips.update(&changes, desired);
+                }
+                let at = format!("seed {seed} step {step} full {full}");
+                assert_eq!(no_local.counts(), metrics::no_local_endpoints(desired), "{at}");
+                assert_eq!(ranges.entries(), source_ranges::wanted(desired), "{at}");
+                assert_eq!(ips.entries(&cidrs), service_cidrs::wanted(desired, &cidrs), "{at}");
+                seen_ranges += usize::from(!ranges.entries().is_empty());
+                // The change list names exactly the objects that differ from the last snapshot.
+                let list = cache.last_changes();
+                assert_eq!(list.all, full, "{at}");
+                let checks = cache.health_checks();
+                assert_eq!(list.health_checks, checks != prev_checks, "{at}");
+                type Versions = BTreeSet<(ServiceName, String)>;
+                let names = |objs: Vec<Option<(ServiceName, String)>>| -> Versions {
+                    objs.into_iter().flatten().collect()
+                };
+                let diff = |before: &Versions, after: &Versions| -> BTreeSet<ServiceName> {
+                    before.symmetric_difference(after).map(|(k, _)| k.clone()).collect()
+                };
+                let versions = |s: &Snapshot| {
+                    let services = names(
+                        (s.services.iter())
+                            .map(|o| Some((service_name(o)?, serde_json::to_string(&**o).ok()?)))
+                            .collect(),
+                    );
+                    let slices = names(
+                        (s.endpoint_slices.iter())
+                            .map(|o| {
+                                let (svc, name) = slice_key(o)?;
+                                Some(((svc.0, format!("{}/{name}", svc.1)), format!("{o:?}")))
+                            })
+                            .collect(),
+                    );
+                    (services, slices)
+                };
+                let (before, after) = (versions(&prev), versions(&snapshot));
+                let listed: BTreeSet<ServiceName> = list.services.iter().cloned().collect();
+                assert_eq!(listed, diff(&before.0, &after.0), "{at}: Services");
+                let listed: BTreeSet<ServiceName> = (list.slices.iter())
+                    .map(|(((ns, svc), name), _)| (ns.clone(), format!("{svc}/{name}")))
+                    .collect();
+                assert_eq!(listed, diff(&before.1, &after.1), "{at}: slices");
+                tracker.add(list);
+                let pending = tracker.pending();
+                assert_eq!(
+                    (pending.services, pending.endpoint_slices),
+                    (list.services.len() as u64, list.slices.len() as u64),
+                    "{at}"
+                );
+                tracker.commit();
+                prev = snapshot;
+                prev_checks = checks;
+            }
+            assert!(seen_ranges > 0, "seed {seed}: some source ranges");
+        }
+    }
+
+    /// [`Seen::split`] by places equals the set difference by identity, whether the list keeps
+    /// its order (replaced in place), grows, shrinks or is shuffled.
+    #[test]
+    fn seen_split_finds_new_and_gone_objects_by_identity() {
+        let mut rng = Rng(7);
+        let mut seen = Seen::<u32>::default();
+        let mut now: Vec<Arc<u32>> = Vec::new();
+        let mut next = 0u32;
+        for step in 0..400 {
+            let before: Vec<Arc<u32>> = now.clone();
+            match rng.below(5) {
+                0 if !now.is_empty() => {
+                    now.remove(rng.below(now.len() as u32) as usize);
+                }
+                1 => {
+                    let at = rng.below(now.len() as u32 + 1) as usize;
+                    now.insert(at, Arc::new(next));
+                    next += 1;
+                }
+                2 if now.len() > 1 => {
+                    let (a, b) = (rng.below(now.len() as u32), rng.below(now.len() as u32));
+                    now.swap(a as usize, b as usize);
+                }
+                3 => {}
+                _ if !now.is_empty() => {
+                    let at = rng.below(now.len() as u32) as usize;
+                    now[at] = Arc::new(next);
+                    next += 1;
+                }
+                _ => {}
+            }
+            let (fresh, gone) = seen.split(&now);
+            let ids = |v: &[Arc<u32>]| -> BTreeSet<u32> { v.iter().map(|o| **o).collect() };
+            let (b, n) = (ids(&before), ids(&now));
+            assert_eq!(ids(&fresh), &n - &b, "step {step}");
+            assert_eq!(ids(&gone), &b - &n, "step {step}");
+            assert_eq!((fresh.len(), gone.len()), ((&n - &b).len(), (&b - &n).len()));
+        }
     }
 
     fn sorted(mut v: Vec<Problem>) -> Vec<String> {

@@ -718,9 +718,16 @@ mod tests {
 
     use super::*;
     use crate::{
-        pipeline::translate::{self, NodeContext},
+        pipeline::{
+            translate::{self, NodeContext},
+            translate_cache::TranslateCache,
+        },
         serving::http::test_http::get as http_get,
-        sources::object_version::{ANNOTATION_TRIGGER_TIME, system_time},
+        sources::{
+            endpoints::SliceData,
+            object_version::{ANNOTATION_TRIGGER_TIME, system_time},
+            snapshot::Snapshot,
+        },
     };
 
     fn service(name: &str, ip: &str, itp: Option<&str>, rv: Option<&str>) -> Service {
@@ -754,10 +761,17 @@ mod tests {
         system_time(rfc3339.parse().expect("timestamp")).expect("after 1970")
     }
 
+    /// One sync's worth: the cache brought up to `snap`, its change list into the tracker.
+    fn sync(cache: &mut TranslateCache, t: &mut ChangeTracker, snap: &Snapshot) {
+        cache.update(snap, &NodeContext::default(), &[], false);
+        t.add(cache.last_changes());
+    }
+
     #[test]
     fn changes_are_counted_between_applied_syncs() {
         let start = at("2025-01-01T00:00:00Z");
         let mut t = ChangeTracker::new(start);
+        let mut cache = TranslateCache::new();
         let mut snap = Snapshot::new(
             vec![
                 service("a", "10.96.0.1", None, None),
@@ -768,25 +782,25 @@ mod tests {
                 slice("b-1", "b", "n1", Some("2025-01-01T00:00:01Z")),
             ],
         );
-        let c = t.diff(&snap);
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!(
             (c.services, c.endpoint_slices),
             (2, 2),
             "first sync: all new"
         );
         assert_eq!(c.trigger_times.len(), 1, "a-1's trigger predates the start");
-        // Not committed (the sync failed): the same changes are found again.
-        let c = t.diff(&snap);
+        // Not committed (the sync failed): the same changes are still pending, counted once.
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!((c.services, c.endpoint_slices), (2, 2));
-        assert!(t.needs_diff(), "the first sync always compares");
-        t.commit(c);
-        assert!(!t.needs_diff(), "nothing queued since the commit");
-        t.mark_queued();
-        assert!(t.needs_diff());
-        let c = t.diff(&snap);
+        t.commit();
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!(
             (c.services, c.endpoint_slices, c.trigger_times.len()),
-            (0, 0, 0)
+            (0, 0, 0),
+            "nothing changed since the commit"
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
         snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")));
@@ -797,9 +811,23 @@ mod tests {
             Some("2025-01-01T00:00:05Z"),
         )));
         snap.endpoint_slices.pop();
-        let c = t.diff(&snap);
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!((c.services, c.endpoint_slices), (1, 2));
         assert_eq!(c.trigger_times, vec![at("2025-01-01T00:00:05Z")]);
+        // The same Arcs again (a Kubernetes store's unchanged objects): nothing new.
+        t.commit();
+        sync(&mut cache, &mut t, &snap);
+        assert_eq!(t.pending(), Changes::default());
+        // A manifest reload parses every object anew: equal objects are no change.
+        let reparsed = Snapshot {
+            services: (snap.services.iter()).map(|s| Arc::new((**s).clone())).collect(),
+            endpoint_slices: (snap.endpoint_slices.iter())
+                .map(|s| Arc::new((**s).clone()))
+                .collect(),
+        };
+        sync(&mut cache, &mut t, &reparsed);
+        assert_eq!(t.pending(), Changes::default());
     }
 
     /// An externalTrafficPolicy Local NodePort Service (ClusterIP `ip`, nodePort `np`).
