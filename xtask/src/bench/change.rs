@@ -231,3 +231,191 @@ pub fn in_process(services: usize, endpoints: usize, changes: usize) -> Result<(
     );
     Ok(())
 }
+
+/// A Service's endpoints in the end-to-end run: address and readiness.
+struct Endpoints {
+    base: u32,
+    eps: Vec<(Ipv4Addr, bool)>,
+}
+
+impl Endpoints {
+    fn ready(&self) -> usize {
+        self.eps.iter().filter(|(_, r)| *r).count()
+    }
+
+    /// A change that moves the frontend's backend count (so it can be seen in the map): a
+    /// ready endpoint added or removed, or one's ready condition flipped; at least one stays
+    /// ready.
+    fn change(&mut self, rng: &mut Rng) -> Change {
+        let ready = self.ready();
+        match rng.below(3) {
+            0 if self.eps.len() < 60 => {
+                let used: Vec<Ipv4Addr> = self.eps.iter().map(|e| e.0).collect();
+                let free = (0..64u32)
+                    .map(|j| Ipv4Addr::from(self.base + j))
+                    .find(|a| !used.contains(a))
+                    .expect("fewer than 64 endpoints");
+                self.eps.push((free, true));
+                Change::Added
+            }
+            1 if ready > 1 => {
+                let j = (self.eps.iter().position(|e| e.1)).expect("a ready endpoint");
+                self.eps.remove(j);
+                Change::Removed
+            }
+            _ => {
+                let j = rng.below(self.eps.len());
+                if self.eps[j].1 && ready == 1 {
+                    // The last ready one stays: flip another, or add one.
+                    if let Some(k) = self.eps.iter().position(|e| !e.1) {
+                        self.eps[k].1 = true;
+                    } else {
+                        self.eps[j].1 = true;
+                        self.eps.push((Ipv4Addr::from(self.base + 63), true));
+                    }
+                } else {
+                    self.eps[j].1 = !self.eps[j].1;
+                }
+                Change::ReadyFlipped
+            }
+        }
+    }
+}
+
+fn api_service(i: usize, vip: Ipv4Addr) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": format!("svc-{i}"), "namespace": workload::NAMESPACE},
+        "spec": {"type": "ClusterIP", "clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()],
+                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}})
+}
+
+fn api_slice(i: usize, eps: &Endpoints) -> serde_json::Value {
+    let endpoints: Vec<serde_json::Value> = (eps.eps.iter())
+        .map(|(ip, ready)| {
+            serde_json::json!({"addresses": [ip.to_string()], "nodeName": "bench-node",
+                "conditions": {"ready": ready, "serving": ready, "terminating": false}})
+        })
+        .collect();
+    serde_json::json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "addressType": "IPv4",
+        "metadata": {"name": format!("svc-{i}-a"), "namespace": workload::NAMESPACE,
+                     "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
+        "endpoints": endpoints,
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]})
+}
+
+/// Part (b): the release agent binary with the Kubernetes source against the fake API server,
+/// both in a fresh node namespace; K slice updates, each timed from just before the server
+/// stores it (and emits the watch event) to the frontend's new backend count being visible in
+/// the pinned SERVICES map (polled every 100 µs, at most 10 s per change).
+pub fn end_to_end(
+    services: usize,
+    endpoints: usize,
+    changes: usize,
+    agent_bin: &std::path::Path,
+) -> Result<()> {
+    use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+    use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
+    use proxy_testenv::{Agent as AgentProc, FakeApiServer, PinDir, Topology};
+
+    proxy_testenv::ensure_bpffs()?;
+    let topo = Topology::bare()?;
+    let api = FakeApiServer::start_in(Some(&topo.node().path()))?;
+    api.apply(serde_json::json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "bench-node"},
+        "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.1"}]}}))?;
+    let specs = workload::generated(services);
+    let mut eps: Vec<Endpoints> = (0..services)
+        .map(|i| {
+            let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32;
+            Endpoints {
+                base,
+                eps: (0..endpoints as u32)
+                    .map(|j| (Ipv4Addr::from(base + j), true))
+                    .collect(),
+            }
+        })
+        .collect();
+    let t = Instant::now();
+    for (i, s) in specs.iter().enumerate() {
+        api.apply(api_service(i, s.vip))?;
+        api.apply(api_slice(i, &eps[i]))?;
+    }
+    println!(
+        "fake API server: {services} Services × {endpoints} endpoints stored in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let kubeconfig = api.write_kubeconfig(&topo.tmp().path().join("kubeconfig"))?;
+    let pins = PinDir::new(&format!("{}-pins", topo.prefix()))?;
+    let started = Instant::now();
+    let mut agent = AgentProc::start_kube(
+        agent_bin,
+        topo.node(),
+        &kubeconfig,
+        &[
+            "--hostname-override",
+            "bench-node",
+            "--min-sync-period",
+            "0s",
+        ],
+        pins.path(),
+        topo.tmp().path(),
+    )?;
+    let status = agent.wait_synced(1, Duration::from_secs(300))?;
+    println!(
+        "agent: first sync after {:.1} s ({} frontends, {} backends)",
+        started.elapsed().as_secs_f64(),
+        status.frontends,
+        status.backends
+    );
+    let data = MapData::from_pin(pins.path().join(MAP_SERVICES)).context("pinned SERVICES")?;
+    let map: BpfHashMap<MapData, ServiceKey, ServiceValue> = BpfHashMap::try_from(Map::HashMap(data))?;
+    let count = |vip: Ipv4Addr| {
+        let key = ServiceKey::new(vip.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+        map.get(&key, 0).ok().map(|v| usize::from(v.count))
+    };
+    // Every frontend programmed before the clock starts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(specs[services - 1].vip) != Some(endpoints) {
+        anyhow::ensure!(Instant::now() < deadline, "last Service not programmed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut latencies = Vec::with_capacity(changes);
+    let mut kinds = [0usize; 3];
+    for n in 0..changes {
+        let i = rng.below(services);
+        kinds[eps[i].change(&mut rng) as usize] += 1;
+        let want = eps[i].ready();
+        let body = api_slice(i, &eps[i]);
+        let t0 = Instant::now();
+        api.apply(body)?;
+        loop {
+            if count(specs[i].vip) == Some(want) {
+                latencies.push(us(t0.elapsed()));
+                break;
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(10),
+                "change {n} (svc-{i}: {want} ready) not in the map within 10 s\n{}",
+                agent.log_tail()
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        // Apart, so each change is its own sync (not coalesced with the next).
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "{changes} slice updates ({} added, {} removed, {} ready flipped), API event → SERVICES map:",
+        kinds[0], kinds[1], kinds[2]
+    );
+    println!(
+        "API → map      p50 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+        percentile(&mut latencies, 0.5),
+        percentile(&mut latencies, 0.99),
+        percentile(&mut latencies, 1.0)
+    );
+    drop(agent);
+    drop(pins);
+    Ok(())
+}

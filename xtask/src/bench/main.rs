@@ -64,6 +64,9 @@ enum Command {
         endpoints: usize,
         #[arg(long, default_value_t = 200)]
         changes: usize,
+        /// The release agent binary: also measure end to end (API event → map write).
+        #[arg(long)]
+        agent_bin: Option<PathBuf>,
     },
     /// Only the Maglev tables' kernel memory for `services` Maglev Services × 10 endpoints.
     MaglevMemory { services: usize },
@@ -224,7 +227,14 @@ fn main() -> std::process::ExitCode {
             services,
             endpoints,
             changes,
-        } => change::in_process(services, endpoints.clamp(1, 60), changes.clamp(1, 100_000)),
+            agent_bin,
+        } => {
+            let (endpoints, changes) = (endpoints.clamp(1, 60), changes.clamp(1, 100_000));
+            change::in_process(services, endpoints, changes).and_then(|()| match &agent_bin {
+                Some(bin) => change::end_to_end(services, endpoints, changes, bin),
+                None => Ok(()),
+            })
+        }
         Command::MaglevMemory { services } => inproc::maglev_memory(services).map(|v| {
             println!("{v}");
         }),
