@@ -263,8 +263,9 @@ impl Agent {
         // (idle flows, least-connection counts of freed ids) is the periodic one's: a TCP-only
         // endpoint change does not walk every flow and backend id.
         let removed_udp_backends = plan.ops.iter().any(|op| match op {
-            MapOp::DeleteBackend { id } => (self.programmed.backends.get(id))
-                .is_some_and(|b| b.proto == proto::UDP),
+            MapOp::DeleteBackend { id } => {
+                (self.programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP)
+            }
             _ => false,
         });
         let (applied, failure) = self.maps.apply_all(&plan.ops);

@@ -46,7 +46,10 @@ pub fn wanted(desired: &DesiredState, cidrs: &[(Ipv4Addr, u8)]) -> Entries {
 /// The CIDRs' entries, then the ClusterIPs' (a /32 CIDR that is also a ClusterIP is that
 /// ClusterIP).
 fn entries(cidrs: &[(Ipv4Addr, u8)], cluster_ips: impl Iterator<Item = [u8; 4]>) -> Entries {
-    let mut out: Entries = cidrs.iter().map(|&c| (cidr_key(c), service_cidr::UNALLOCATED)).collect();
+    let mut out: Entries = cidrs
+        .iter()
+        .map(|&c| (cidr_key(c), service_cidr::UNALLOCATED))
+        .collect();
     for ip in cluster_ips {
         out.insert((32, ip), service_cidr::CLUSTER_IP);
     }
@@ -199,7 +202,12 @@ impl ServiceCidrs {
         ips.changed = (want.iter())
             .filter(|(k, v)| self.programmed.get(k) != Some(v))
             .map(|(k, _)| *k)
-            .chain(self.programmed.keys().filter(|k| !want.contains_key(k)).copied())
+            .chain(
+                self.programmed
+                    .keys()
+                    .filter(|k| !want.contains_key(k))
+                    .copied(),
+            )
             .filter(|(len, _)| *len == 32)
             .map(|(_, ip)| ip)
             .collect();

@@ -56,7 +56,10 @@ impl WantedRanges {
                 }
             }
             let new = desired.frontends.get(&c.frontend);
-            for e in new.iter().flat_map(|df| encode::source_range_keys(&c.frontend, df)) {
+            for e in new
+                .iter()
+                .flat_map(|df| encode::source_range_keys(&c.frontend, df))
+            {
                 let n = self.counts.entry(e).or_default();
                 *n += 1;
                 if *n == 1 {
@@ -109,8 +112,9 @@ impl SourceRanges {
     /// for the next call), as [`SourceRanges::sync`] would for the whole set.
     pub fn sync_changed(&mut self, wanted: &mut WantedRanges) {
         let changed = std::mem::take(&mut wanted.changed);
-        let (add, remove): (Vec<Entry>, Vec<Entry>) =
-            changed.into_iter().partition(|e| wanted.counts.contains_key(e));
+        let (add, remove): (Vec<Entry>, Vec<Entry>) = changed
+            .into_iter()
+            .partition(|e| wanted.counts.contains_key(e));
         for (len, data) in add {
             if self.programmed.contains(&(len, data)) {
                 continue;
@@ -146,7 +150,10 @@ impl SourceRanges {
     pub fn sync_all(&mut self, wanted: &mut WantedRanges) {
         let want = wanted.entries();
         self.sync(&want);
-        wanted.changed = want.symmetric_difference(&self.programmed).copied().collect();
+        wanted.changed = want
+            .symmetric_difference(&self.programmed)
+            .copied()
+            .collect();
     }
 
     /// Makes the map carry exactly `want` (additions first). Failed writes are logged and

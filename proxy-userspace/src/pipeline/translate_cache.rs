@@ -326,7 +326,9 @@ impl TranslateCache {
         for ((service, slice), new) in fresh {
             let group = self.slices.entry(service.clone()).or_default();
             if replaced(group.insert(slice.clone(), new.clone()), &new) {
-                changes.slices.push(((service.clone(), slice), new.trigger_time));
+                changes
+                    .slices
+                    .push(((service.clone(), slice), new.trigger_time));
                 dirty.insert(service);
             }
         }
@@ -402,12 +404,21 @@ impl<K> Seen<K> {
         }
         // Objects at places that differ (and past the shorter list) are new, moved or gone.
         let now_side = differ.iter().map(|&i| &now[i]).chain(&now[common..]);
-        let last_side = differ.iter().map(|&i| &self.last[i]).chain(&self.last[common..]);
+        let last_side = differ
+            .iter()
+            .map(|&i| &self.last[i])
+            .chain(&self.last[common..]);
         let addr = |o: &Arc<K>| Arc::as_ptr(o) as usize;
         let before: HashSet<usize> = last_side.clone().map(addr).collect();
         let after: HashSet<usize> = now_side.clone().map(addr).collect();
-        let fresh: Vec<Arc<K>> = now_side.filter(|o| !before.contains(&addr(o))).cloned().collect();
-        let gone: Vec<Arc<K>> = last_side.filter(|o| !after.contains(&addr(o))).cloned().collect();
+        let fresh: Vec<Arc<K>> = now_side
+            .filter(|o| !before.contains(&addr(o)))
+            .cloned()
+            .collect();
+        let gone: Vec<Arc<K>> = last_side
+            .filter(|o| !after.contains(&addr(o)))
+            .cloned()
+            .collect();
         if now.len() == self.last.len() {
             for i in differ.drain(..) {
                 self.last[i] = now[i].clone();
@@ -573,7 +584,10 @@ mod tests {
             dataplane::{service_cidrs, source_ranges},
             serving::metrics::{self, ChangeTracker},
         };
-        let cidrs = [(Ipv4Addr::new(10, 96, 0, 0), 12), (Ipv4Addr::new(10, 96, 0, 3), 32)];
+        let cidrs = [
+            (Ipv4Addr::new(10, 96, 0, 0), 12),
+            (Ipv4Addr::new(10, 96, 0, 3), 32),
+        ];
         for seed in 1..=40u64 {
             let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
             let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
@@ -628,9 +642,17 @@ mod tests {
                     ips.update(&changes, desired);
                 }
                 let at = format!("seed {seed} step {step} full {full}");
-                assert_eq!(no_local.counts(), metrics::no_local_endpoints(desired), "{at}");
+                assert_eq!(
+                    no_local.counts(),
+                    metrics::no_local_endpoints(desired),
+                    "{at}"
+                );
                 assert_eq!(ranges.entries(), source_ranges::wanted(desired), "{at}");
-                assert_eq!(ips.entries(&cidrs), service_cidrs::wanted(desired, &cidrs), "{at}");
+                assert_eq!(
+                    ips.entries(&cidrs),
+                    service_cidrs::wanted(desired, &cidrs),
+                    "{at}"
+                );
                 seen_ranges += usize::from(!ranges.entries().is_empty());
                 // The change list names exactly the objects that differ from the last snapshot.
                 let list = cache.last_changes();
@@ -642,7 +664,10 @@ mod tests {
                     objs.into_iter().flatten().collect()
                 };
                 let diff = |before: &Versions, after: &Versions| -> BTreeSet<ServiceName> {
-                    before.symmetric_difference(after).map(|(k, _)| k.clone()).collect()
+                    before
+                        .symmetric_difference(after)
+                        .map(|(k, _)| k.clone())
+                        .collect()
                 };
                 let versions = |s: &Snapshot| {
                     let services = names(
@@ -718,7 +743,10 @@ mod tests {
             let (b, n) = (ids(&before), ids(&now));
             assert_eq!(ids(&fresh), &n - &b, "step {step}");
             assert_eq!(ids(&gone), &b - &n, "step {step}");
-            assert_eq!((fresh.len(), gone.len()), ((&n - &b).len(), (&b - &n).len()));
+            assert_eq!(
+                (fresh.len(), gone.len()),
+                ((&n - &b).len(), (&b - &n).len())
+            );
         }
     }
 

@@ -92,8 +92,7 @@ impl HealthCheckServers {
     /// nothing: every wanted port served, no server stopped, none on other addresses. (The
     /// agent calls `update` only when this is false or the checks changed.)
     pub fn settled(&self, addrs: &[Ipv4Addr]) -> bool {
-        !self.incomplete
-            && (self.servers.values()).all(|s| !s.is_finished() && s.addrs == addrs)
+        !self.incomplete && (self.servers.values()).all(|s| !s.is_finished() && s.addrs == addrs)
     }
 
     /// Serves exactly `checks` (starting and stopping servers), with the current counts, on

@@ -637,7 +637,8 @@ impl ChangeTracker {
 /// Whether a frontend counts for `no_local_endpoints`, and for which policy (0 internal, 1
 /// external).
 fn no_local_policy(fe: &Frontend, df: &DesiredFrontend) -> Option<usize> {
-    (df.drop_when_empty && fe.scope == Scope::AllClients).then(|| usize::from(df.kind.is_external()))
+    (df.drop_when_empty && fe.scope == Scope::AllClients)
+        .then(|| usize::from(df.kind.is_external()))
 }
 
 /// [`no_local_endpoints`] kept up to date by the changed frontends: per Service port and
@@ -821,7 +822,9 @@ mod tests {
         assert_eq!(t.pending(), Changes::default());
         // A manifest reload parses every object anew: equal objects are no change.
         let reparsed = Snapshot {
-            services: (snap.services.iter()).map(|s| Arc::new((**s).clone())).collect(),
+            services: (snap.services.iter())
+                .map(|s| Arc::new((**s).clone()))
+                .collect(),
             endpoint_slices: (snap.endpoint_slices.iter())
                 .map(|s| Arc::new((**s).clone()))
                 .collect(),

@@ -194,7 +194,8 @@ fn thread_cpu() -> Duration {
 /// Part (a): in process.
 pub fn in_process(services: usize, endpoints: usize, changes: usize) -> Result<()> {
     proxy_testenv::ensure_bpffs()?;
-    let pin_dir = proxy_testenv::PinDir::new(&format!("kpe-change-latency-{}", std::process::id()))?;
+    let pin_dir =
+        proxy_testenv::PinDir::new(&format!("kpe-change-latency-{}", std::process::id()))?;
     let pins = PinLayout::new(pin_dir.path());
     let node = NodeContext {
         node_name: "bench-node".into(),
@@ -401,7 +402,8 @@ pub fn end_to_end(
         status.backends
     );
     let data = MapData::from_pin(pins.path().join(MAP_SERVICES)).context("pinned SERVICES")?;
-    let map: BpfHashMap<MapData, ServiceKey, ServiceValue> = BpfHashMap::try_from(Map::HashMap(data))?;
+    let map: BpfHashMap<MapData, ServiceKey, ServiceValue> =
+        BpfHashMap::try_from(Map::HashMap(data))?;
     let count = |vip: Ipv4Addr| {
         let key = ServiceKey::new(vip.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
         map.get(&key, 0).ok().map(|v| usize::from(v.count))
@@ -412,8 +414,11 @@ pub fn end_to_end(
         anyhow::ensure!(Instant::now() < deadline, "last Service not programmed");
         std::thread::sleep(Duration::from_millis(10));
     }
+    // Steady state: past the attach and start-up work that follows the first sync.
+    std::thread::sleep(Duration::from_secs(2));
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut latencies = Vec::with_capacity(changes);
+    let mut slowest: Vec<(f64, usize, f64)> = Vec::new();
     let mut kinds = [0usize; 3];
     for n in 0..changes {
         let i = rng.below(services);
@@ -425,6 +430,7 @@ pub fn end_to_end(
         loop {
             if count(specs[i].vip) == Some(want) {
                 latencies.push(us(t0.elapsed()));
+                slowest.push((us(t0.elapsed()), n, started.elapsed().as_secs_f64()));
                 break;
             }
             anyhow::ensure!(
@@ -447,6 +453,38 @@ pub fn end_to_end(
         percentile(&mut latencies, 0.99),
         percentile(&mut latencies, 1.0)
     );
+    slowest.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let shown: Vec<String> = (slowest.iter().take(5))
+        .map(|(l, n, at)| format!("#{n} {:.1} ms at agent t+{at:.1} s", l / 1e3))
+        .collect();
+    println!("slowest: {}", shown.join(", "));
+    // Where the agent's time went, from its log (`read_us` needs RUST_LOG=info,kube_proxy_ebpf::agent=debug).
+    let raw = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+    // Without terminal colour codes (ESC [ ... m).
+    let mut log = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            log.push(c);
+        }
+    }
+    for key in ["read_us=", "took_us="] {
+        let mut v: Vec<f64> = (log.lines())
+            .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key)))
+            .filter_map(|n| n.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+            .collect();
+        if !v.is_empty() {
+            println!(
+                "agent log {key:<9} {} syncs: p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+                v.len(),
+                percentile(&mut v, 0.5),
+                percentile(&mut v, 0.99),
+                percentile(&mut v, 1.0)
+            );
+        }
+    }
     drop(agent);
     drop(pins);
     Ok(())
