@@ -900,7 +900,6 @@ mod tests {
             services: 3,
             endpoint_slices: 5,
             trigger_times: vec![now - Duration::from_millis(40)],
-            ..Default::default()
         };
         metrics.sync_failed(&changes);
         let pending = metrics.encode_text();
