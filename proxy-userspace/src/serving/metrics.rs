@@ -7,7 +7,9 @@
 //!   sources count alike), accumulated by [`ChangeTracker`] until a sync applies it.
 //! - `kubeproxy_sync_proxy_rules_{service,endpoint}_changes_total` count Services and
 //!   EndpointSlices added, changed or removed between applied syncs (upstream counts informer
-//!   events, which is the same number when every event reaches a sync). The `_pending` gauges hold
+//!   events, which is the same number when every event reaches a sync; slices without the
+//!   `kubernetes.io/service-name` label are not counted, as upstream's slice cache skips them
+//!   too). An object counts once however often it changed in between. The `_pending` gauges hold
 //!   the changes a sync attempt found but could not apply yet; they are 0 after a good sync.
 //! - `kubeproxy_network_programming_duration_seconds`: for each changed EndpointSlice carrying
 //!   `endpoints.kubernetes.io/last-change-trigger-time` later than the agent's start (upstream
