@@ -262,12 +262,7 @@ impl Agent {
         // cleanup); TCP ones are answered with a RST by the datapath, and the rest of the walk
         // (idle flows, least-connection counts of freed ids) is the periodic one's: a TCP-only
         // endpoint change does not walk every flow and backend id.
-        let removed_udp_backends = plan.ops.iter().any(|op| match op {
-            MapOp::DeleteBackend { id } => {
-                (self.programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP)
-            }
-            _ => false,
-        });
+        let removed_udp_backends = removes_udp_backends(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         self.programmed.reserve_for(&plan.ops[..applied]);
         for op in &plan.ops[..applied] {
@@ -639,6 +634,17 @@ fn rss_mib() -> u64 {
         .map_or(0, |kib| kib / 1024)
 }
 
+/// Pure: does applying `ops` to `programmed` remove a UDP backend (then the conntrack walk runs
+/// right after the sync)?
+fn removes_udp_backends(ops: &[MapOp], programmed: &Programmed) -> bool {
+    ops.iter().any(|op| match op {
+        MapOp::DeleteBackend { id } => {
+            (programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP)
+        }
+        _ => false,
+    })
+}
+
 /// Pure: should the agent drop this conntrack entry?
 pub fn flow_is_dead(
     key: &CtKey,
@@ -954,6 +960,25 @@ mod tests {
             !flow_is_dead(&k, &v, now, &cfg, &p),
             "half-closed, 50 s idle of 3600"
         );
+    }
+
+    #[test]
+    fn only_removing_a_udp_backend_walks_conntrack_at_once() {
+        let mut p = programmed_with_backend_1();
+        p.backends.insert(
+            2,
+            Backend {
+                addr: [10, 244, 1, 12],
+                port: [0, 53],
+                proto: proto::UDP,
+                flags: 0,
+            },
+        );
+        let delete = |id| MapOp::DeleteBackend { id };
+        assert!(!removes_udp_backends(&[delete(1)], &p), "TCP backend");
+        assert!(removes_udp_backends(&[delete(1), delete(2)], &p));
+        assert!(!removes_udp_backends(&[delete(3)], &p), "not programmed");
+        assert!(!removes_udp_backends(&[], &p));
     }
 
     #[test]
