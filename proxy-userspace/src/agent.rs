@@ -101,11 +101,33 @@ pub struct Agent {
     /// Telemetry: /metrics and /healthz state, and what changed between applied syncs.
     metrics: std::sync::Arc<crate::serving::metrics::Metrics>,
     health: std::sync::Arc<crate::serving::health::HealthState>,
+    /// Service and EndpointSlice changes not yet carried by an applied sync (metrics).
     changes: crate::serving::metrics::ChangeTracker,
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`, kept by the changed frontends.
+    no_local: crate::serving::metrics::NoLocalEndpoints,
+    /// A health check changed since the servers were last updated.
+    health_checks_changed: bool,
     /// Node addresses (NodePorts, SNAT) and health-check node ports.
     external: crate::dataplane::node_addrs::External,
     /// Map occupancy (metrics, and a warning before a map is full).
     occupancy: crate::dataplane::occupancy::Occupancy,
+    /// How long each part of the last sync took (the debug log, `xtask-bench change-latency`).
+    last_parts: SyncParts,
+}
+
+/// The parts of one [`Agent::sync`], timed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SyncParts {
+    /// Source of truth to desired state: the translation cache's update, problems gathered.
+    pub translate: Duration,
+    /// The plan (incremental or full).
+    pub plan: Duration,
+    /// Problems and conflicts logged, reported as Events and metrics.
+    pub report: Duration,
+    /// Map writes, shadow and planner indexes updated.
+    pub apply: Duration,
+    /// After the writes: external addresses and health-check node ports, metrics, status.
+    pub after: Duration,
 }
 
 impl Agent {
@@ -181,8 +203,11 @@ impl Agent {
             metrics,
             health,
             changes: crate::serving::metrics::ChangeTracker::new(std::time::SystemTime::now()),
+            no_local: Default::default(),
+            health_checks_changed: true,
             external,
             occupancy,
+            last_parts: SyncParts::default(),
         })
     }
 
@@ -202,11 +227,28 @@ impl Agent {
             .cache
             .update(snapshot, &self.node, self.external.nodeport_addrs(), full);
         let desired = self.cache.desired();
+        // The one change stream: everything after the plan follows the cache's change list.
         self.planner.desired_changes(&changes, desired);
+        self.external.desired_changes(&changes, desired, full);
+        if full {
+            self.no_local.rebuild(desired);
+        } else {
+            self.no_local.update(&changes, desired);
+        }
+        let listed = self.cache.last_changes();
+        self.changes.add(listed);
+        self.health_checks_changed |= listed.health_checks || full;
         problems.extend(self.cache.problems());
+        let mut parts = SyncParts {
+            translate: started.elapsed(),
+            ..SyncParts::default()
+        };
+        let mut lap = Instant::now();
         let (plan, kind) =
             self.planner
                 .plan_with_kind(desired, &self.programmed, &self.capacities, full);
+        parts.plan = lap.elapsed();
+        lap = Instant::now();
         for (frontend, reason) in &plan.skipped {
             problems.push(Problem {
                 source: "dataplane".into(),
@@ -216,10 +258,13 @@ impl Agent {
         }
         self.report_problems(&problems);
         self.report_conflicts(snapshot);
-        let removed_backends = plan
-            .ops
-            .iter()
-            .any(|op| matches!(op, MapOp::DeleteBackend { .. }));
+        parts.report = lap.elapsed();
+        lap = Instant::now();
+        // UDP flows to a removed backend are removed at once (kube-proxy's UDP conntrack
+        // cleanup); TCP ones are answered with a RST by the datapath, and the rest of the walk
+        // (idle flows, least-connection counts of freed ids) is the periodic one's: a TCP-only
+        // endpoint change does not walk every flow and backend id.
+        let removed_udp_backends = removes_udp_backends(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         self.programmed.reserve_for(&plan.ops[..applied]);
         for op in &plan.ops[..applied] {
@@ -228,23 +273,27 @@ impl Agent {
         }
         if let Some(source) = failure {
             self.planner.failed();
-            self.sync_failed(snapshot);
+            self.sync_failed();
             return Err(ApplyError {
                 op: plan.ops[applied].clone(),
                 source: Box::new(source),
             });
         }
         self.planner.applied(&plan);
-        if removed_backends {
+        parts.apply = lap.elapsed();
+        lap = Instant::now();
+        if removed_udp_backends {
             self.gc_conntrack();
         }
-        self.external
-            .apply(self.cache.desired(), &self.cache.health_checks());
+        let checks = (std::mem::take(&mut self.health_checks_changed)
+            || !self.external.health_checks_settled())
+        .then(|| self.cache.health_checks());
+        self.external.apply(checks.as_deref());
         self.status.syncs += 1;
         self.status.frontends = self.planner.frontend_count();
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
-        self.sync_applied(started.elapsed(), kind, snapshot, &problems);
+        self.sync_applied(started.elapsed(), kind, &problems);
         let level_changed = !plan.ops.is_empty();
         if level_changed {
             info!(
@@ -263,10 +312,17 @@ impl Agent {
             );
         }
         self.write_status();
+        parts.after = lap.elapsed();
+        self.last_parts = parts;
         if full {
             crate::dataplane::sys::release_free_heap();
         }
         Ok(())
+    }
+
+    /// How long each part of the last applied sync took.
+    pub fn last_sync_parts(&self) -> SyncParts {
+        self.last_parts
     }
 
     /// Reads the source's current state and syncs it (the node's zone included); `full` as in
@@ -494,7 +550,6 @@ impl Agent {
 
     /// A source reported a change that waits for the next sync (health clock, queued timestamp).
     pub fn queued(&mut self) {
-        self.changes.mark_queued();
         let now = std::time::SystemTime::now();
         self.health.queued_at(now);
         self.metrics.queued(now);
@@ -520,8 +575,8 @@ impl Agent {
         }
     }
 
-    fn sync_failed(&mut self, snapshot: &Snapshot) {
-        self.metrics.sync_failed(&self.changes.diff(snapshot));
+    fn sync_failed(&mut self) {
+        self.metrics.sync_failed(&self.changes.pending());
         // A failed sync is a change still waiting: /healthz turns 503 if it keeps failing.
         self.health.queued();
     }
@@ -530,25 +585,13 @@ impl Agent {
         &mut self,
         took: Duration,
         kind: crate::serving::metrics::SyncKind,
-        snapshot: &Snapshot,
         problems: &[Problem],
     ) {
         let now = std::time::SystemTime::now();
-        // After the map writes, so the comparison does not delay them.
-        if self.changes.needs_diff() {
-            let changes = self.changes.diff(snapshot);
-            self.metrics.sync_applied(took, kind, &changes, now);
-            self.changes.commit(changes);
-        } else {
-            self.metrics.sync_applied(
-                took,
-                kind,
-                &crate::serving::metrics::Changes::default(),
-                now,
-            );
-        }
-        let (internal, external) =
-            crate::serving::metrics::no_local_endpoints(self.cache.desired());
+        self.metrics
+            .sync_applied(took, kind, &self.changes.pending(), now);
+        self.changes.commit();
+        let (internal, external) = self.no_local.counts();
         self.metrics.set_no_local_endpoints(internal, external);
         self.metrics.set_sync_problems(problems.len());
         let p = &self.programmed;
@@ -580,6 +623,17 @@ fn rss_mib() -> u64 {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         })
         .map_or(0, |kib| kib / 1024)
+}
+
+/// Pure: does applying `ops` to `programmed` remove a UDP backend (then the conntrack walk runs
+/// right after the sync)?
+fn removes_udp_backends(ops: &[MapOp], programmed: &Programmed) -> bool {
+    ops.iter().any(|op| match op {
+        MapOp::DeleteBackend { id } => {
+            (programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP)
+        }
+        _ => false,
+    })
 }
 
 /// Pure: should the agent drop this conntrack entry?
@@ -902,6 +956,25 @@ mod tests {
             !flow_is_dead(&k, &v, now, &cfg, &p),
             "half-closed, 50 s idle of 3600"
         );
+    }
+
+    #[test]
+    fn only_removing_a_udp_backend_walks_conntrack_at_once() {
+        let mut p = programmed_with_backend_1();
+        p.backends.insert(
+            2,
+            Backend {
+                addr: [10, 244, 1, 12],
+                port: [0, 53],
+                proto: proto::UDP,
+                flags: 0,
+            },
+        );
+        let delete = |id| MapOp::DeleteBackend { id };
+        assert!(!removes_udp_backends(&[delete(1)], &p), "TCP backend");
+        assert!(removes_udp_backends(&[delete(1), delete(2)], &p));
+        assert!(!removes_udp_backends(&[delete(3)], &p), "not programmed");
+        assert!(!removes_udp_backends(&[], &p));
     }
 
     #[test]

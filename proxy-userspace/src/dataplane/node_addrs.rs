@@ -19,6 +19,7 @@ use crate::{
         addresses::{Cidr, NodePortAddresses},
         model::DesiredState,
         translate::HealthCheck,
+        translate_cache::FrontendChange,
     },
     serving::healthcheck::HealthCheckServers,
 };
@@ -60,6 +61,13 @@ pub struct External {
     /// cluster's ServiceCIDR objects; both apply.
     service_cidr_flag: Vec<(Ipv4Addr, u8)>,
     service_cidr_api: Vec<(Ipv4Addr, u8)>,
+    /// The source ranges and ClusterIPs the desired state needs, kept by the changed frontends.
+    ranges: source_ranges::WantedRanges,
+    cluster_ips: service_cidrs::ClusterIps,
+    /// The next [`External::apply`] compares the whole maps (a full sync, or the CIDRs
+    /// changed).
+    full_ranges: bool,
+    full_cidrs: bool,
 }
 
 impl External {
@@ -83,17 +91,21 @@ impl External {
             service_cidrs: ServiceCidrs::from_ebpf(ebpf)?,
             service_cidr_flag: Vec::new(),
             service_cidr_api: Vec::new(),
+            ranges: Default::default(),
+            cluster_ips: Default::default(),
+            full_ranges: true,
+            full_cidrs: true,
         })
     }
 
     /// The Service CIDRs of `--service-cidr`.
     pub fn set_service_cidrs(&mut self, cidrs: Vec<(Ipv4Addr, u8)>) {
-        set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
+        self.full_cidrs |= set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
     }
 
     /// The Service CIDRs of the cluster's ServiceCIDR objects (read at each sync).
     pub fn set_api_service_cidrs(&mut self, cidrs: Vec<(Ipv4Addr, u8)>) {
-        set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
+        self.full_cidrs |= set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
     }
 
     /// Sets `--nodeport-addresses` and `--devices`, and lists the addresses.
@@ -156,10 +168,36 @@ impl External {
         &self.addrs.nodeport
     }
 
-    /// After a sync: the SNAT address into `NODE_V1`, the source ranges into `SRCRANGES_V1`,
-    /// the ClusterIPs and Service CIDRs into `SVCCIDRS_V1`, health-check servers to the
-    /// translation's.
-    pub fn apply(&mut self, desired: &DesiredState, checks: &[HealthCheck]) {
+    /// The frontends of one update changed (`desired`: their new values): the source ranges
+    /// and ClusterIPs follow, written by the next [`External::apply`]. `full`: counted again
+    /// from the whole desired state, and the next apply compares the whole maps.
+    pub fn desired_changes(
+        &mut self,
+        changes: &[FrontendChange],
+        desired: &DesiredState,
+        full: bool,
+    ) {
+        if full {
+            self.ranges.rebuild(desired);
+            self.cluster_ips.rebuild(desired);
+            self.full_ranges = true;
+            self.full_cidrs = true;
+        } else {
+            self.ranges.update(changes, desired);
+            self.cluster_ips.update(changes, desired);
+        }
+    }
+
+    /// Whether the health-check servers need no update for unchanged checks (see
+    /// [`HealthCheckServers::settled`]).
+    pub fn health_checks_settled(&self) -> bool {
+        self.health_checks.settled(&self.addrs.nodeport)
+    }
+
+    /// After a sync: the SNAT address into `NODE_V1`, the changed source ranges into
+    /// `SRCRANGES_V1`, the changed ClusterIPs and the Service CIDRs into `SVCCIDRS_V1`, and
+    /// (`checks`, when they may have changed) the health-check servers to the translation's.
+    pub fn apply(&mut self, checks: Option<&[HealthCheck]>) {
         let info = NodeInfo {
             snat_addr: self.addrs.snat.map_or([0; 4], |a| a.octets()),
             flags: 0,
@@ -170,28 +208,40 @@ impl External {
                 Err(e) => error!("writing the node's SNAT address: {e}; retrying on the next sync"),
             }
         }
-        self.source_ranges.sync(&source_ranges::wanted(desired));
+        if std::mem::take(&mut self.full_ranges) {
+            self.source_ranges.sync_all(&mut self.ranges);
+        } else {
+            self.source_ranges.sync_changed(&mut self.ranges);
+        }
         let cidrs: Vec<(Ipv4Addr, u8)> = self
             .service_cidr_flag
             .iter()
             .chain(&self.service_cidr_api)
             .copied()
             .collect();
-        self.service_cidrs
-            .sync(&service_cidrs::wanted(desired, &cidrs));
-        self.health_checks.update(checks, &self.addrs.nodeport);
+        if std::mem::take(&mut self.full_cidrs) {
+            self.service_cidrs.sync_all(&mut self.cluster_ips, &cidrs);
+        } else {
+            self.service_cidrs
+                .sync_changed(&mut self.cluster_ips, &cidrs);
+        }
+        if let Some(checks) = checks {
+            self.health_checks.update(checks, &self.addrs.nodeport);
+        }
     }
 }
 
 /// Replaces a list of Service CIDRs, logging when it changed.
-fn set_cidrs(list: &mut Vec<(Ipv4Addr, u8)>, mut cidrs: Vec<(Ipv4Addr, u8)>, from: &str) {
+fn set_cidrs(list: &mut Vec<(Ipv4Addr, u8)>, mut cidrs: Vec<(Ipv4Addr, u8)>, from: &str) -> bool {
     cidrs.sort();
     cidrs.dedup();
-    if cidrs != *list {
-        let shown: Vec<String> = cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect();
-        info!(service_cidrs = ?shown, "Service CIDRs from {from}");
-        *list = cidrs;
+    if cidrs == *list {
+        return false;
     }
+    let shown: Vec<String> = cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect();
+    info!(service_cidrs = ?shown, "Service CIDRs from {from}");
+    *list = cidrs;
+    true
 }
 
 /// Every IPv4 address of this network namespace's interfaces, sorted.

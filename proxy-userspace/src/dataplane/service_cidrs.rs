@@ -7,8 +7,15 @@
 //! Like the source ranges, the entries depend only on the desired frontends and the CIDRs (no
 //! ids): the wanted set is pure ([`wanted`]), the map layer writes what differs, then removes
 //! what is no longer wanted. The shadow is read back from the pinned map at start-up.
+//!
+//! Between full syncs the ClusterIPs are kept by [`ClusterIps`] from the changed frontends
+//! (one count per frontend on the address), and only the addresses whose count crossed zero
+//! are written ([`ServiceCidrs::sync_changed`]); a full sync compares the whole set.
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
 
 use aya::maps::{
     MapData,
@@ -19,7 +26,10 @@ use tracing::{error, info};
 
 use crate::{
     dataplane,
-    pipeline::model::{DesiredState, FrontendKind, Scope},
+    pipeline::{
+        model::{DesiredFrontend, DesiredState, Frontend, FrontendKind, Scope},
+        translate_cache::FrontendChange,
+    },
 };
 
 /// (prefix length, network address in network order) → `service_cidr::*`.
@@ -27,20 +37,97 @@ pub type Entries = BTreeMap<(u32, [u8; 4]), u32>;
 
 /// Pure: every entry the desired state and the Service CIDRs (network, prefix length) need.
 pub fn wanted(desired: &DesiredState, cidrs: &[(Ipv4Addr, u8)]) -> Entries {
-    let mut out = Entries::new();
-    for (net, len) in cidrs {
-        let len = u32::from(*len).min(32);
-        let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
-        let net = (u32::from(*net) & mask).to_be_bytes();
-        out.insert((len, net), service_cidr::UNALLOCATED);
-    }
-    // After the CIDRs: a /32 CIDR that is also a ClusterIP is that ClusterIP.
-    for (fe, df) in &desired.frontends {
-        if df.kind == FrontendKind::ClusterIp && fe.scope == Scope::AllClients {
-            out.insert((32, fe.addr.octets()), service_cidr::CLUSTER_IP);
-        }
+    let ips = (desired.frontends.iter())
+        .filter(|(fe, df)| is_cluster_ip(fe, df))
+        .map(|(fe, _)| fe.addr.octets());
+    entries(cidrs, ips)
+}
+
+/// The CIDRs' entries, then the ClusterIPs' (a /32 CIDR that is also a ClusterIP is that
+/// ClusterIP).
+fn entries(cidrs: &[(Ipv4Addr, u8)], cluster_ips: impl Iterator<Item = [u8; 4]>) -> Entries {
+    let mut out: Entries = cidrs
+        .iter()
+        .map(|&c| (cidr_key(c), service_cidr::UNALLOCATED))
+        .collect();
+    for ip in cluster_ips {
+        out.insert((32, ip), service_cidr::CLUSTER_IP);
     }
     out
+}
+
+/// The trie key of a CIDR (host bits cleared).
+fn cidr_key((net, len): (Ipv4Addr, u8)) -> (u32, [u8; 4]) {
+    let len = u32::from(len).min(32);
+    let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
+    (len, (u32::from(net) & mask).to_be_bytes())
+}
+
+fn is_cluster_ip(fe: &Frontend, df: &DesiredFrontend) -> bool {
+    df.kind == FrontendKind::ClusterIp && fe.scope == Scope::AllClients
+}
+
+/// The ClusterIPs of the desired state, kept up to date by the changed frontends, and the
+/// addresses whose entry may differ from the map.
+#[derive(Debug, Default)]
+pub struct ClusterIps {
+    /// Frontends per ClusterIP (one per Service port).
+    counts: BTreeMap<[u8; 4], u32>,
+    changed: BTreeSet<[u8; 4]>,
+}
+
+impl ClusterIps {
+    /// The frontends of one update changed (`desired`: their new values).
+    pub fn update(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+        for c in changes {
+            let fe = &c.frontend;
+            if let Some(old) = c.old.as_deref()
+                && is_cluster_ip(fe, old)
+            {
+                let ip = fe.addr.octets();
+                if let Some(n) = self.counts.get_mut(&ip) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.counts.remove(&ip);
+                        self.changed.insert(ip);
+                    }
+                }
+            }
+            if let Some(new) = desired.frontends.get(fe)
+                && is_cluster_ip(fe, new)
+            {
+                let n = self.counts.entry(fe.addr.octets()).or_default();
+                *n += 1;
+                if *n == 1 {
+                    self.changed.insert(fe.addr.octets());
+                }
+            }
+        }
+    }
+
+    /// Counted again from the whole desired state (full syncs).
+    pub fn rebuild(&mut self, desired: &DesiredState) {
+        self.counts.clear();
+        for (fe, df) in &desired.frontends {
+            if is_cluster_ip(fe, df) {
+                *self.counts.entry(fe.addr.octets()).or_default() += 1;
+            }
+        }
+    }
+
+    /// Every entry, as [`wanted`] of the desired state these counts follow.
+    pub fn entries(&self, cidrs: &[(Ipv4Addr, u8)]) -> Entries {
+        entries(cidrs, self.counts.keys().copied())
+    }
+
+    /// What the entry of `ip` should be (`None`: no entry).
+    fn wanted(&self, ip: [u8; 4], cidrs: &[(Ipv4Addr, u8)]) -> Option<u32> {
+        if self.counts.contains_key(&ip) {
+            Some(service_cidr::CLUSTER_IP)
+        } else {
+            (cidrs.iter().any(|&c| cidr_key(c) == (32, ip))).then_some(service_cidr::UNALLOCATED)
+        }
+    }
 }
 
 /// The map and what it carries.
@@ -70,6 +157,60 @@ impl ServiceCidrs {
             programmed,
             failing: false,
         })
+    }
+
+    /// Writes the entries of the ClusterIPs that changed since the last call (a failed write is
+    /// kept for the next), as [`ServiceCidrs::sync`] would for the whole set.
+    pub fn sync_changed(&mut self, ips: &mut ClusterIps, cidrs: &[(Ipv4Addr, u8)]) {
+        let mut failed = 0usize;
+        let mut first_error = None;
+        let changed = std::mem::take(&mut ips.changed);
+        for ip in changed {
+            let key = (32, ip);
+            let want = ips.wanted(ip, cidrs);
+            if self.programmed.get(&key).copied() == want {
+                continue;
+            }
+            let done = match want {
+                Some(kind) => self.map.insert(&Key::new(32, ip), kind, 0),
+                None => match self.map.remove(&Key::new(32, ip)) {
+                    Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                    other => other,
+                },
+            };
+            match done {
+                Ok(()) => match want {
+                    Some(kind) => self.programmed.insert(key, kind),
+                    None => self.programmed.remove(&key),
+                },
+                Err(e) => {
+                    failed += 1;
+                    first_error.get_or_insert(e);
+                    ips.changed.insert(ip);
+                    None
+                }
+            };
+        }
+        self.report(failed, first_error);
+    }
+
+    /// Makes the map carry exactly the entries of `ips` and `cidrs` (a full sync); the /32
+    /// entries whose write failed are left marked for the next [`ServiceCidrs::sync_changed`].
+    pub fn sync_all(&mut self, ips: &mut ClusterIps, cidrs: &[(Ipv4Addr, u8)]) {
+        let want = ips.entries(cidrs);
+        self.sync(&want);
+        ips.changed = (want.iter())
+            .filter(|(k, v)| self.programmed.get(k) != Some(v))
+            .map(|(k, _)| *k)
+            .chain(
+                self.programmed
+                    .keys()
+                    .filter(|k| !want.contains_key(k))
+                    .copied(),
+            )
+            .filter(|(len, _)| *len == 32)
+            .map(|(_, ip)| ip)
+            .collect();
     }
 
     /// Makes the map carry exactly `want` (writes first, then removals). Failed writes are
@@ -108,6 +249,11 @@ impl ServiceCidrs {
                 }
             }
         }
+        self.report(failed, first_error);
+    }
+
+    /// Logs failed writes once until a sync writes everything again.
+    fn report(&mut self, failed: usize, first_error: Option<aya::maps::MapError>) {
         match first_error {
             Some(e) if !self.failing => {
                 error!(
@@ -132,7 +278,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::pipeline::model::{DesiredFrontend, Frontend, Protocol, ServicePortName};
+    use crate::pipeline::model::{Protocol, ServicePortName};
 
     fn frontend(kind: FrontendKind) -> Arc<DesiredFrontend> {
         Arc::new(DesiredFrontend {

@@ -3,9 +3,11 @@
 //! The entries depend only on the desired frontends (no ids), so they are reconciled here as a
 //! set, next to the diff's ordered plan: the wanted set is pure ([`wanted`]); the map layer adds
 //! what is missing, then removes what is no longer wanted. The shadow is read back from the
-//! pinned map at start-up, like the service maps.
+//! pinned map at start-up, like the service maps. Between full syncs [`WantedRanges`] follows
+//! the changed frontends and only the entries it marks are written
+//! ([`SourceRanges::sync_changed`]).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use aya::maps::{
     MapData,
@@ -16,7 +18,7 @@ use tracing::error;
 
 use crate::{
     dataplane,
-    pipeline::{encode, model::DesiredState},
+    pipeline::{encode, model::DesiredState, translate_cache::FrontendChange},
 };
 
 /// One entry: (LPM prefix length, key data).
@@ -29,6 +31,58 @@ pub fn wanted(desired: &DesiredState) -> BTreeSet<Entry> {
         .iter()
         .flat_map(|(fe, df)| encode::source_range_keys(fe, df))
         .collect()
+}
+
+/// [`wanted`] kept up to date by the changed frontends, and the entries that may differ from
+/// the map.
+#[derive(Debug, Default)]
+pub struct WantedRanges {
+    /// Frontends asking for each entry (the two scopes of one address share it).
+    counts: BTreeMap<Entry, u32>,
+    changed: BTreeSet<Entry>,
+}
+
+impl WantedRanges {
+    /// The frontends of one update changed (`desired`: their new values).
+    pub fn update(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+        for c in changes {
+            for e in (c.old.iter()).flat_map(|old| encode::source_range_keys(&c.frontend, old)) {
+                if let Some(n) = self.counts.get_mut(&e) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.counts.remove(&e);
+                        self.changed.insert(e);
+                    }
+                }
+            }
+            let new = desired.frontends.get(&c.frontend);
+            for e in new
+                .iter()
+                .flat_map(|df| encode::source_range_keys(&c.frontend, df))
+            {
+                let n = self.counts.entry(e).or_default();
+                *n += 1;
+                if *n == 1 {
+                    self.changed.insert(e);
+                }
+            }
+        }
+    }
+
+    /// Counted again from the whole desired state (full syncs).
+    pub fn rebuild(&mut self, desired: &DesiredState) {
+        self.counts.clear();
+        for (fe, df) in &desired.frontends {
+            for e in encode::source_range_keys(fe, df) {
+                *self.counts.entry(e).or_default() += 1;
+            }
+        }
+    }
+
+    /// Every wanted entry, as [`wanted`] of the desired state these counts follow.
+    pub fn entries(&self) -> BTreeSet<Entry> {
+        self.counts.keys().copied().collect()
+    }
 }
 
 /// The map and what it carries.
@@ -52,6 +106,54 @@ impl SourceRanges {
             .map(|k| (k.prefix_len(), k.data()))
             .collect();
         Ok(Self { map, programmed })
+    }
+
+    /// Writes the entries changed since the last call (additions first; a failed one is kept
+    /// for the next call), as [`SourceRanges::sync`] would for the whole set.
+    pub fn sync_changed(&mut self, wanted: &mut WantedRanges) {
+        let changed = std::mem::take(&mut wanted.changed);
+        let (add, remove): (Vec<Entry>, Vec<Entry>) = changed
+            .into_iter()
+            .partition(|e| wanted.counts.contains_key(e));
+        for (len, data) in add {
+            if self.programmed.contains(&(len, data)) {
+                continue;
+            }
+            match self.map.insert(&Key::new(len, data), 1, 0) {
+                Ok(()) => {
+                    self.programmed.insert((len, data));
+                }
+                Err(e) => {
+                    error!("loadBalancerSourceRanges entry {data:?}/{len}: {e}");
+                    wanted.changed.insert((len, data));
+                }
+            }
+        }
+        for (len, data) in remove {
+            if !self.programmed.contains(&(len, data)) {
+                continue;
+            }
+            match self.map.remove(&Key::new(len, data)) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {
+                    self.programmed.remove(&(len, data));
+                }
+                Err(e) => {
+                    error!("removing loadBalancerSourceRanges entry {data:?}/{len}: {e}");
+                    wanted.changed.insert((len, data));
+                }
+            }
+        }
+    }
+
+    /// Makes the map carry exactly what `wanted` counts (a full sync); entries whose write
+    /// failed are left marked for the next [`SourceRanges::sync_changed`].
+    pub fn sync_all(&mut self, wanted: &mut WantedRanges) {
+        let want = wanted.entries();
+        self.sync(&want);
+        wanted.changed = want
+            .symmetric_difference(&self.programmed)
+            .copied()
+            .collect();
     }
 
     /// Makes the map carry exactly `want` (additions first). Failed writes are logged and

@@ -15,8 +15,19 @@
 //! no longer wants goes to the next claimant at the same sync, and an older Service appearing
 //! later takes it over. The result is equal to a full translation of the same snapshot (tested
 //! below).
+//!
+//! The cache is the agent's one change stream: besides the changed frontends [`TranslateCache::
+//! update`] returns, [`TranslateCache::last_changes`] names the Services translated again, the
+//! Service objects and EndpointSlices that changed (with the slices' trigger times) and whether a
+//! health check changed, so metrics, the external maps and the health-check node ports follow
+//! the change instead of walking the cluster.
 
-use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    sync::Arc,
+    time::SystemTime,
+};
 
 use k8s_openapi::api::core::v1::Service;
 
@@ -43,6 +54,23 @@ pub struct FrontendChange {
     pub old: Option<Arc<DesiredFrontend>>,
 }
 
+/// An EndpointSlice's Service and its own name (the slice's namespace is the Service's).
+pub type SliceName = (ServiceName, String);
+
+/// What one [`TranslateCache::update`] changed besides the frontends it returns.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChangeList {
+    /// Every Service was translated again (a full update, or the node's context changed).
+    pub all: bool,
+    /// Service objects added, changed or removed.
+    pub services: Vec<ServiceName>,
+    /// EndpointSlices (of a Service) added, changed or removed, each with the trigger time of
+    /// its new version (`None`: removed, or not annotated).
+    pub slices: Vec<(SliceName, Option<SystemTime>)>,
+    /// A Service's health check was added, changed or removed.
+    pub health_checks: bool,
+}
+
 /// The translation of the last snapshot, kept per Service.
 #[derive(Debug, Default)]
 pub struct TranslateCache {
@@ -63,7 +91,11 @@ pub struct TranslateCache {
     /// The frontends that more than one Service asks for, with the losing claims.
     conflicts: HashMap<Frontend, Vec<FrontendConflict>>,
     health_checks: BTreeMap<ServiceName, HealthCheck>,
+    /// The Services with problems or notes in their translation or slices (so gathering the
+    /// problems costs what there are, not what the cluster holds).
+    troubled: BTreeSet<ServiceName>,
     desired: DesiredState,
+    last_changes: ChangeList,
 }
 
 impl TranslateCache {
@@ -76,10 +108,19 @@ impl TranslateCache {
         &self.desired
     }
 
+    /// What the last update changed (besides the frontends it returned).
+    pub fn last_changes(&self) -> &ChangeList {
+        &self.last_changes
+    }
+
     /// Problems of the last update (as [`translate::Translation::problems`], in another order).
     pub fn problems(&self) -> Vec<Problem> {
-        let slices = self.slice_problems.values().flatten();
-        let services = self.translations.values().flat_map(|t| &t.problems);
+        let slices = (self.troubled.iter())
+            .filter_map(|n| self.slice_problems.get(n))
+            .flatten();
+        let services = (self.troubled.iter())
+            .filter_map(|n| self.translations.get(n))
+            .flat_map(|t| &t.problems);
         let conflicts = self
             .conflicts
             .values()
@@ -97,8 +138,8 @@ impl TranslateCache {
 
     /// Notes of the last update (as [`translate::Translation::notes`], in another order).
     pub fn notes(&self) -> Vec<Problem> {
-        self.translations
-            .values()
+        (self.troubled.iter())
+            .filter_map(|n| self.translations.get(n))
             .flat_map(|t| t.notes.iter().cloned())
             .collect()
     }
@@ -119,9 +160,11 @@ impl TranslateCache {
         nodeport_addrs: &[Ipv4Addr],
         everything: bool,
     ) -> Vec<FrontendChange> {
+        self.last_changes = ChangeList::default();
         let mut dirty = self.changed_services(snapshot);
         let context = (node.clone(), nodeport_addrs.to_vec());
         let all = everything || self.node.as_ref() != Some(&context);
+        self.last_changes.all = all;
         if all {
             let keys = (self.services.keys())
                 .chain(self.slices.keys())
@@ -148,14 +191,24 @@ impl TranslateCache {
             } else {
                 self.slice_problems.insert(name.clone(), problems);
             }
-            match new.as_ref().and_then(|t| t.health_check.clone()) {
+            let hc = new.as_ref().and_then(|t| t.health_check.clone());
+            let old_hc = match hc.clone() {
                 Some(hc) => self.health_checks.insert(name.clone(), hc),
                 None => self.health_checks.remove(name),
             };
+            self.last_changes.health_checks |= old_hc != hc;
             let old = match new {
                 Some(t) => self.translations.insert(name.clone(), t),
                 None => self.translations.remove(name),
             };
+            let troubled = self.slice_problems.contains_key(name)
+                || (self.translations.get(name))
+                    .is_some_and(|t| !t.problems.is_empty() || !t.notes.is_empty());
+            if troubled {
+                self.troubled.insert(name.clone());
+            } else {
+                self.troubled.remove(name);
+            }
             for claim in old.iter().flat_map(|t| t.claims()) {
                 contested.push(claim.frontend);
                 if let Some(c) = self.candidates.get_mut(&claim.frontend) {
@@ -235,13 +288,16 @@ impl TranslateCache {
             .into_iter()
             .filter_map(|s| Some((service_name(&s)?, s)))
             .collect();
+        let changes = &mut self.last_changes;
         for name in gone.iter().filter_map(|s| service_name(s)) {
             if !fresh.contains_key(&name) && self.services.remove(&name).is_some() {
+                changes.services.push(name.clone());
                 dirty.insert(name);
             }
         }
         for (name, new) in fresh {
             if replaced(self.services.insert(name.clone(), new.clone()), &new) {
+                changes.services.push(name.clone());
                 dirty.insert(name);
             }
         }
@@ -263,12 +319,16 @@ impl TranslateCache {
                 if group.is_empty() {
                     self.slices.remove(&service);
                 }
+                changes.slices.push(((service.clone(), slice), None));
                 dirty.insert(service);
             }
         }
         for ((service, slice), new) in fresh {
             let group = self.slices.entry(service.clone()).or_default();
-            if replaced(group.insert(slice, new.clone()), &new) {
+            if replaced(group.insert(slice.clone(), new.clone()), &new) {
+                changes
+                    .slices
+                    .push(((service.clone(), slice), new.trigger_time));
                 dirty.insert(service);
             }
         }
@@ -313,20 +373,20 @@ impl TranslateCache {
     }
 }
 
-/// The objects of the last snapshot by address, each with the last generation it was seen in.
-/// The `Arc`s are held, so an address is never reused by another object while it is here.
+/// The objects of the last snapshot, in its order. The `Arc`s are held, so an address is never
+/// reused by another object while it is here.
+///
+/// The stores list their objects in a stable order (a changed object keeps its place), so the
+/// comparison is a walk over two arrays of pointers, and only the places that differ are looked
+/// at further: a change costs a pass over pointers, not a hash lookup per object.
 #[derive(Debug)]
 struct Seen<K> {
-    objects: HashMap<usize, (Arc<K>, u64)>,
-    generation: u64,
+    last: Vec<Arc<K>>,
 }
 
 impl<K> Default for Seen<K> {
     fn default() -> Self {
-        Self {
-            objects: HashMap::default(),
-            generation: 0,
-        }
+        Self { last: Vec::new() }
     }
 }
 
@@ -335,27 +395,36 @@ impl<K> Seen<K> {
     /// time (new or changed) and objects that left (changed or removed), and remember `now`.
     /// No allocation when nothing changed.
     fn split(&mut self, now: &[Arc<K>]) -> (Vec<Arc<K>>, Vec<Arc<K>>) {
-        self.generation += 1;
-        let generation = self.generation;
-        let mut fresh = Vec::new();
-        for o in now {
-            let addr = Arc::as_ptr(o) as usize;
-            match self.objects.get_mut(&addr) {
-                Some(seen) => seen.1 = generation,
-                None => {
-                    fresh.push(o.clone());
-                    self.objects.insert(addr, (o.clone(), generation));
-                }
-            }
+        let common = now.len().min(self.last.len());
+        let mut differ: Vec<usize> = (0..common)
+            .filter(|&i| !Arc::ptr_eq(&now[i], &self.last[i]))
+            .collect();
+        if differ.is_empty() && now.len() == self.last.len() {
+            return (Vec::new(), Vec::new());
         }
-        let mut gone = Vec::new();
-        if self.objects.len() > now.len() {
-            self.objects.retain(|_, (o, g)| {
-                if *g != generation {
-                    gone.push(o.clone());
-                }
-                *g == generation
-            });
+        // Objects at places that differ (and past the shorter list) are new, moved or gone.
+        let now_side = differ.iter().map(|&i| &now[i]).chain(&now[common..]);
+        let last_side = differ
+            .iter()
+            .map(|&i| &self.last[i])
+            .chain(&self.last[common..]);
+        let addr = |o: &Arc<K>| Arc::as_ptr(o) as usize;
+        let before: HashSet<usize> = last_side.clone().map(addr).collect();
+        let after: HashSet<usize> = now_side.clone().map(addr).collect();
+        let fresh: Vec<Arc<K>> = now_side
+            .filter(|o| !before.contains(&addr(o)))
+            .cloned()
+            .collect();
+        let gone: Vec<Arc<K>> = last_side
+            .filter(|o| !after.contains(&addr(o)))
+            .cloned()
+            .collect();
+        if now.len() == self.last.len() {
+            for i in differ.drain(..) {
+                self.last[i] = now[i].clone();
+            }
+        } else {
+            self.last = now.to_vec();
         }
         (fresh, gone)
     }
@@ -483,6 +552,202 @@ mod tests {
             "endpoints": endpoints,
         }))
         .expect("EndpointSlice fixture")
+    }
+
+    /// [`random_service`], sometimes a LoadBalancer with an ingress address (shared between
+    /// Services) and loadBalancerSourceRanges.
+    fn random_lb_service(rng: &mut Rng, i: u32) -> Service {
+        let mut svc = random_service(rng, i);
+        if rng.below(3) == 0 {
+            let spec = svc.spec.get_or_insert_with(Default::default);
+            spec.type_ = Some("LoadBalancer".into());
+            let ranges = ["10.0.0.0/8", "192.0.2.0/24", "bad"];
+            spec.load_balancer_source_ranges = Some(
+                (0..=rng.below(2))
+                    .map(|_| ranges[rng.below(3) as usize].to_owned())
+                    .collect(),
+            );
+            svc.status = serde_json::from_value(json!({"loadBalancer": {"ingress": [
+                {"ip": format!("192.168.70.{}", rng.below(3) + 1)}]}}))
+            .ok();
+        }
+        svc
+    }
+
+    /// Everything after the plan follows the change list: the metrics' change counts and
+    /// no-local-endpoints, the source ranges, the ClusterIP /32s and the health checks, kept
+    /// incrementally over random change sequences (full updates among them), equal each time
+    /// to what a full recompute of the same snapshot gives.
+    #[test]
+    fn consumers_of_the_change_list_equal_a_full_recompute_over_random_changes() {
+        use crate::{
+            dataplane::{service_cidrs, source_ranges},
+            serving::metrics::{self, ChangeTracker},
+        };
+        let cidrs = [
+            (Ipv4Addr::new(10, 96, 0, 0), 12),
+            (Ipv4Addr::new(10, 96, 0, 3), 32),
+        ];
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
+            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
+            let node = NodeContext {
+                scheduler: Default::default(),
+                node_name: "node-a".into(),
+                zone: Some("zone-a".into()),
+            };
+            let addrs = [Ipv4Addr::new(192, 168, 1, 1)];
+            let mut cache = TranslateCache::new();
+            let mut no_local = metrics::NoLocalEndpoints::default();
+            let mut ranges = source_ranges::WantedRanges::default();
+            let mut ips = service_cidrs::ClusterIps::default();
+            let mut tracker = ChangeTracker::new(std::time::SystemTime::UNIX_EPOCH);
+            let mut prev = Snapshot::default();
+            let mut prev_checks = Vec::new();
+            let mut seen_ranges = 0;
+            for step in 0..40 {
+                for _ in 0..=rng.below(4) {
+                    let i = rng.below(10);
+                    match rng.below(6) {
+                        0 => {
+                            services.remove(&i);
+                        }
+                        1 | 2 => {
+                            services.insert(i, Arc::new(random_lb_service(&mut rng, i)));
+                        }
+                        3 => {
+                            slices.remove(&(i, rng.below(2)));
+                        }
+                        _ => {
+                            let part = rng.below(2);
+                            slices.insert((i, part), Arc::new(random_slice(&mut rng, i, part)));
+                        }
+                    }
+                }
+                let snapshot = Snapshot {
+                    services: services.values().cloned().collect(),
+                    endpoint_slices: slices.values().cloned().collect(),
+                };
+                let full = step == 0 || rng.below(8) == 0;
+                let changes = cache.update(&snapshot, &node, &addrs, full);
+                let desired = cache.desired();
+                if full {
+                    no_local.rebuild(desired);
+                    ranges.rebuild(desired);
+                    ips.rebuild(desired);
+                } else {
+                    no_local.update(&changes, desired);
+                    ranges.update(&changes, desired);
+                    ips.update(&changes, desired);
+                }
+                let at = format!("seed {seed} step {step} full {full}");
+                assert_eq!(
+                    no_local.counts(),
+                    metrics::no_local_endpoints(desired),
+                    "{at}"
+                );
+                assert_eq!(ranges.entries(), source_ranges::wanted(desired), "{at}");
+                assert_eq!(
+                    ips.entries(&cidrs),
+                    service_cidrs::wanted(desired, &cidrs),
+                    "{at}"
+                );
+                seen_ranges += usize::from(!ranges.entries().is_empty());
+                // The change list names exactly the objects that differ from the last snapshot.
+                let list = cache.last_changes();
+                assert_eq!(list.all, full, "{at}");
+                let checks = cache.health_checks();
+                assert_eq!(list.health_checks, checks != prev_checks, "{at}");
+                type Versions = BTreeSet<(ServiceName, String)>;
+                let names = |objs: Vec<Option<(ServiceName, String)>>| -> Versions {
+                    objs.into_iter().flatten().collect()
+                };
+                let diff = |before: &Versions, after: &Versions| -> BTreeSet<ServiceName> {
+                    before
+                        .symmetric_difference(after)
+                        .map(|(k, _)| k.clone())
+                        .collect()
+                };
+                let versions = |s: &Snapshot| {
+                    let services = names(
+                        (s.services.iter())
+                            .map(|o| Some((service_name(o)?, serde_json::to_string(&**o).ok()?)))
+                            .collect(),
+                    );
+                    let slices = names(
+                        (s.endpoint_slices.iter())
+                            .map(|o| {
+                                let (svc, name) = slice_key(o)?;
+                                Some(((svc.0, format!("{}/{name}", svc.1)), format!("{o:?}")))
+                            })
+                            .collect(),
+                    );
+                    (services, slices)
+                };
+                let (before, after) = (versions(&prev), versions(&snapshot));
+                let listed: BTreeSet<ServiceName> = list.services.iter().cloned().collect();
+                assert_eq!(listed, diff(&before.0, &after.0), "{at}: Services");
+                let listed: BTreeSet<ServiceName> = (list.slices.iter())
+                    .map(|(((ns, svc), name), _)| (ns.clone(), format!("{svc}/{name}")))
+                    .collect();
+                assert_eq!(listed, diff(&before.1, &after.1), "{at}: slices");
+                tracker.add(list);
+                let pending = tracker.pending();
+                assert_eq!(
+                    (pending.services, pending.endpoint_slices),
+                    (list.services.len() as u64, list.slices.len() as u64),
+                    "{at}"
+                );
+                tracker.commit();
+                prev = snapshot;
+                prev_checks = checks;
+            }
+            assert!(seen_ranges > 0, "seed {seed}: some source ranges");
+        }
+    }
+
+    /// [`Seen::split`] by places equals the set difference by identity, whether the list keeps
+    /// its order (replaced in place), grows, shrinks or is shuffled.
+    #[test]
+    fn seen_split_finds_new_and_gone_objects_by_identity() {
+        let mut rng = Rng(7);
+        let mut seen = Seen::<u32>::default();
+        let mut now: Vec<Arc<u32>> = Vec::new();
+        let mut next = 0u32;
+        for step in 0..400 {
+            let before: Vec<Arc<u32>> = now.clone();
+            match rng.below(5) {
+                0 if !now.is_empty() => {
+                    now.remove(rng.below(now.len() as u32) as usize);
+                }
+                1 => {
+                    let at = rng.below(now.len() as u32 + 1) as usize;
+                    now.insert(at, Arc::new(next));
+                    next += 1;
+                }
+                2 if now.len() > 1 => {
+                    let (a, b) = (rng.below(now.len() as u32), rng.below(now.len() as u32));
+                    now.swap(a as usize, b as usize);
+                }
+                3 => {}
+                _ if !now.is_empty() => {
+                    let at = rng.below(now.len() as u32) as usize;
+                    now[at] = Arc::new(next);
+                    next += 1;
+                }
+                _ => {}
+            }
+            let (fresh, gone) = seen.split(&now);
+            let ids = |v: &[Arc<u32>]| -> BTreeSet<u32> { v.iter().map(|o| **o).collect() };
+            let (b, n) = (ids(&before), ids(&now));
+            assert_eq!(ids(&fresh), &n - &b, "step {step}");
+            assert_eq!(ids(&gone), &b - &n, "step {step}");
+            assert_eq!(
+                (fresh.len(), gone.len()),
+                ((&n - &b).len(), (&b - &n).len())
+            );
+        }
     }
 
     fn sorted(mut v: Vec<Problem>) -> Vec<String> {

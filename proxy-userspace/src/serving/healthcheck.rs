@@ -74,6 +74,8 @@ pub struct HealthCheckServers {
     servers: BTreeMap<u16, Server>,
     /// The proxy's health (/healthz's state); none known = healthy.
     proxy: Arc<HealthState>,
+    /// The last update left a wanted port without a server (retried by the next update).
+    incomplete: bool,
 }
 
 impl HealthCheckServers {
@@ -82,7 +84,15 @@ impl HealthCheckServers {
         Self {
             servers: BTreeMap::new(),
             proxy,
+            incomplete: false,
         }
+    }
+
+    /// Whether [`HealthCheckServers::update`] with the same checks on `addrs` would change
+    /// nothing: every wanted port served, no server stopped, none on other addresses. (The
+    /// agent calls `update` only when this is false or the checks changed.)
+    pub fn settled(&self, addrs: &[Ipv4Addr]) -> bool {
+        !self.incomplete && (self.servers.values()).all(|s| !s.is_finished() && s.addrs == addrs)
     }
 
     /// Serves exactly `checks` (starting and stopping servers), with the current counts, on
@@ -93,6 +103,7 @@ impl HealthCheckServers {
             return;
         }
         let wanted: BTreeMap<u16, &HealthCheck> = checks.iter().map(|c| (c.port, c)).collect();
+        self.incomplete = false;
         self.servers.retain(|port, s| {
             let keep = wanted.contains_key(port) && !s.is_finished() && s.addrs == addrs;
             if !keep {
@@ -121,6 +132,7 @@ impl HealthCheckServers {
             let service = format!("{}/{}", check.namespace, check.name);
             if addrs.is_empty() {
                 error!(port, %service, "health-check node port: no NodePort address to listen on; retrying on the next sync");
+                self.incomplete = true;
                 continue;
             }
             // Bind synchronously so a taken port is reported now and retried on the next sync.
@@ -137,6 +149,7 @@ impl HealthCheckServers {
                 Ok(l) => l,
                 Err(e) => {
                     error!(port, %service, "health-check node port: bind failed: {e}; retrying on the next sync");
+                    self.incomplete = true;
                     continue;
                 }
             };

@@ -2,11 +2,14 @@
 //! types, so existing dashboards and alerts work) and this proxy's own `kube_proxy_ebpf_*`.
 //!
 //! - The sync loop reports through [`Metrics::sync_applied`] / [`Metrics::sync_failed`] and
-//!   [`Metrics::queued`]; what changed between syncs is found level-triggered by
-//!   [`ChangeTracker`] (the sources' events are not needed, so both sources count alike).
+//!   [`Metrics::queued`]; what changed between syncs comes from the translation cache's change
+//!   list ([`ChangeList`], itself level-triggered: the sources' events are not needed, so both
+//!   sources count alike), accumulated by [`ChangeTracker`] until a sync applies it.
 //! - `kubeproxy_sync_proxy_rules_{service,endpoint}_changes_total` count Services and
 //!   EndpointSlices added, changed or removed between applied syncs (upstream counts informer
-//!   events, which is the same number when every event reaches a sync). The `_pending` gauges hold
+//!   events, which is the same number when every event reaches a sync; slices without the
+//!   `kubernetes.io/service-name` label are not counted, as upstream's slice cache skips them
+//!   too). An object counts once however often it changed in between. The `_pending` gauges hold
 //!   the changes a sync attempt found but could not apply yet; they are 0 after a good sync.
 //! - `kubeproxy_network_programming_duration_seconds`: for each changed EndpointSlice carrying
 //!   `endpoints.kubernetes.io/last-change-trigger-time` later than the agent's start (upstream
@@ -18,7 +21,7 @@
 //!   holds both.
 //! - `kubeproxy_conntrack_reconciler_{sync_duration_seconds,deleted_entries_total}`: upstream's
 //!   conntrack reconciler (stale UDP flows removed after a sync) is our conntrack garbage
-//!   collection (every 30 s and after a sync that removed backends): its duration, and the
+//!   collection (every 30 s and after a sync that removed UDP backends): its duration, and the
 //!   conntrack entries it removed (idle ones and flows to a gone UDP backend).
 //! - The series upstream labels with `ip_family` carry `ip_family="IPv4"` (the one family this
 //!   datapath programs): sync durations (all three), network programming, last (queued)
@@ -40,7 +43,6 @@ use std::{
 };
 
 use hyper::{StatusCode, header};
-use k8s_openapi::{Metadata, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
@@ -54,15 +56,19 @@ use prometheus_client::{
     registry::Registry,
 };
 use proxy_common::{Scheduler, stats::PICK_COUNTERS};
-use serde::Serialize;
 use tokio::net::TcpListener;
 use tracing::debug;
 
 use crate::{
     dataplane::{bpffs::PinLayout, maps::Stats},
-    pipeline::model::{DesiredState, FrontendConflict, FrontendKind, Scope},
+    pipeline::{
+        model::{
+            DesiredFrontend, DesiredState, Frontend, FrontendConflict, FrontendKind, Scope,
+            ServicePortName,
+        },
+        translate_cache::{ChangeList, FrontendChange, ServiceName, SliceName},
+    },
     serving::http,
-    sources::{endpoints::SliceData, object_version::fingerprint, snapshot::Snapshot},
 };
 
 /// What `/proxyMode` answers.
@@ -570,7 +576,7 @@ pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
 }
 
 /// What changed since the last applied sync (see [`ChangeTracker`]).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Changes {
     /// Services added, changed or removed.
     pub services: u64,
@@ -578,28 +584,17 @@ pub struct Changes {
     pub endpoint_slices: u64,
     /// Trigger times of the changed (not removed) slices, newer than the tracker's start.
     pub trigger_times: Vec<SystemTime>,
-    next: Seen,
 }
 
-type ObjectKey = (String, String);
-
-#[derive(Clone, Debug, Default)]
-struct Seen {
-    services: HashMap<ObjectKey, u64>,
-    slices: HashMap<ObjectKey, u64>,
-}
-
-/// Remembers a fingerprint of every Service and EndpointSlice of the last applied sync, so each
-/// sync can count what changed without relying on watch events. Fingerprint: the
-/// resourceVersion when the object has one (API objects), else a hash of its JSON (manifests;
-/// about 5 µs per object, so a Service's is only computed when a change was queued, see
-/// [`ChangeTracker::needs_diff`]; an EndpointSlice's is computed once, when the source converts
-/// it to [`SliceData`], which keeps it).
+/// The Service and EndpointSlice changes of the syncs since the last applied one, from the
+/// translation cache's change list ([`ChangeList`]): each object counts once however many
+/// times it changed in between (a failed sync's changes stay pending). Costs what changed.
 #[derive(Debug)]
 pub struct ChangeTracker {
     started: SystemTime,
-    seen: Seen,
-    queued: bool,
+    services: HashSet<ServiceName>,
+    /// Each changed slice with the trigger time of its latest version (`None`: removed).
+    slices: HashMap<SliceName, Option<SystemTime>>,
 }
 
 impl ChangeTracker {
@@ -607,80 +602,101 @@ impl ChangeTracker {
     pub fn new(started: SystemTime) -> Self {
         Self {
             started,
-            seen: Seen::default(),
-            queued: true,
+            services: HashSet::new(),
+            slices: HashMap::new(),
         }
     }
 
-    /// A source reported a change: the next sync compares snapshots.
-    pub fn mark_queued(&mut self) {
-        self.queued = true;
+    /// One update's changes (applied or not yet).
+    pub fn add(&mut self, list: &ChangeList) {
+        self.services.extend(list.services.iter().cloned());
+        for (slice, trigger) in &list.slices {
+            self.slices.insert(slice.clone(), *trigger);
+        }
     }
 
-    /// Whether anything can have changed since the last commit (the first sync, or a change was
-    /// queued since). A periodic sync with nothing queued skips the comparison.
-    pub fn needs_diff(&self) -> bool {
-        self.queued
-    }
-
-    /// What `snapshot` changes relative to the last committed one (does not commit).
-    pub fn diff(&self, snapshot: &Snapshot) -> Changes {
-        let services = fingerprints(&snapshot.services);
-        let slices: HashMap<ObjectKey, u64> = (snapshot.endpoint_slices.iter())
-            .map(|s| (slice_key(s), s.fingerprint))
-            .collect();
-        let changed = |now: &HashMap<ObjectKey, u64>, before: &HashMap<ObjectKey, u64>| {
-            let added_or_changed = now.iter().filter(|(k, v)| before.get(*k) != Some(*v));
-            let removed = before.keys().filter(|k| !now.contains_key(*k)).count() as u64;
-            added_or_changed.count() as u64 + removed
-        };
-        let trigger_times = snapshot
-            .endpoint_slices
-            .iter()
-            .filter(|s| {
-                let key = slice_key(s);
-                slices.get(&key) != self.seen.slices.get(&key)
-            })
-            .filter_map(|s| s.trigger_time)
+    /// What changed since the last commit.
+    pub fn pending(&self) -> Changes {
+        let mut trigger_times: Vec<SystemTime> = (self.slices.values())
+            .filter_map(|t| *t)
             .filter(|t| *t > self.started)
             .collect();
+        trigger_times.sort();
         Changes {
-            services: changed(&services, &self.seen.services),
-            endpoint_slices: changed(&slices, &self.seen.slices),
+            services: self.services.len() as u64,
+            endpoint_slices: self.slices.len() as u64,
             trigger_times,
-            next: Seen { services, slices },
         }
     }
 
-    /// The sync that carried `changes` succeeded.
-    pub fn commit(&mut self, changes: Changes) {
-        self.seen = changes.next;
-        self.queued = false;
+    /// The sync that carried the pending changes succeeded.
+    pub fn commit(&mut self) {
+        self.services.clear();
+        self.slices.clear();
     }
 }
 
-fn slice_key(slice: &SliceData) -> ObjectKey {
-    (
-        slice.namespace.clone().unwrap_or_default(),
-        slice.name.clone().unwrap_or_default(),
-    )
+/// Whether a frontend counts for `no_local_endpoints`, and for which policy (0 internal, 1
+/// external).
+fn no_local_policy(fe: &Frontend, df: &DesiredFrontend) -> Option<usize> {
+    (df.drop_when_empty && fe.scope == Scope::AllClients)
+        .then(|| usize::from(df.kind.is_external()))
 }
 
-fn object_key(meta: &ObjectMeta) -> ObjectKey {
-    (
-        meta.namespace.clone().unwrap_or_default(),
-        meta.name.clone().unwrap_or_default(),
-    )
+/// [`no_local_endpoints`] kept up to date by the changed frontends: per Service port and
+/// policy, how many of its frontends count.
+#[derive(Debug, Default)]
+pub struct NoLocalEndpoints {
+    ports: HashMap<ServicePortName, [u32; 2]>,
+    counts: [u64; 2],
 }
 
-fn fingerprints<T>(objects: &[Arc<T>]) -> HashMap<ObjectKey, u64>
-where
-    T: Metadata<Ty = ObjectMeta> + Serialize,
-{
-    objects
-        .iter()
-        .map(|o| (object_key(o.metadata()), fingerprint(&**o)))
-        .collect()
+impl NoLocalEndpoints {
+    /// The frontends of one update changed (`desired`: their new values).
+    pub fn update(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+        for c in changes {
+            if let Some(old) = &c.old {
+                self.count(&c.frontend, old, false);
+            }
+            if let Some(new) = desired.frontends.get(&c.frontend) {
+                self.count(&c.frontend, new, true);
+            }
+        }
+    }
+
+    /// Counted again from the whole desired state (full syncs).
+    pub fn rebuild(&mut self, desired: &DesiredState) {
+        *self = Self::default();
+        for (fe, df) in &desired.frontends {
+            self.count(fe, df, true);
+        }
+    }
+
+    fn count(&mut self, fe: &Frontend, df: &DesiredFrontend, add: bool) {
+        let Some(policy) = no_local_policy(fe, df) else {
+            return;
+        };
+        if add {
+            let n = self.ports.entry(df.service.clone()).or_default();
+            n[policy] += 1;
+            if n[policy] == 1 {
+                self.counts[policy] += 1;
+            }
+        } else if let Some(n) = self.ports.get_mut(&df.service) {
+            n[policy] = n[policy].saturating_sub(1);
+            if n[policy] == 0 {
+                self.counts[policy] = self.counts[policy].saturating_sub(1);
+            }
+            if *n == [0, 0] {
+                self.ports.remove(&df.service);
+            }
+        }
+    }
+
+    /// (internal, external), as [`no_local_endpoints`].
+    pub fn counts(&self) -> (u64, u64) {
+        (self.counts[0], self.counts[1])
+    }
 }
 
 /// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`: Service ports with a
@@ -689,19 +705,13 @@ where
 /// ClusterIP frontends; `external`: eTP=Local, seen on the NodePort/externalIP/LoadBalancer
 /// frontends. Each Service port counts once per policy however many addresses it has.
 pub fn no_local_endpoints(desired: &DesiredState) -> (u64, u64) {
-    let mut internal = HashSet::new();
-    let mut external = HashSet::new();
+    let mut ports = [HashSet::new(), HashSet::new()];
     for (fe, df) in &desired.frontends {
-        if !df.drop_when_empty || fe.scope != Scope::AllClients {
-            continue;
-        }
-        if df.kind.is_external() {
-            external.insert(&df.service);
-        } else {
-            internal.insert(&df.service);
+        if let Some(policy) = no_local_policy(fe, df) {
+            ports[policy].insert(&df.service);
         }
     }
-    (internal.len() as u64, external.len() as u64)
+    (ports[0].len() as u64, ports[1].len() as u64)
 }
 
 #[cfg(test)]
@@ -711,9 +721,16 @@ mod tests {
 
     use super::*;
     use crate::{
-        pipeline::translate::{self, NodeContext},
+        pipeline::{
+            translate::{self, NodeContext},
+            translate_cache::TranslateCache,
+        },
         serving::http::test_http::get as http_get,
-        sources::object_version::{ANNOTATION_TRIGGER_TIME, system_time},
+        sources::{
+            endpoints::SliceData,
+            object_version::{ANNOTATION_TRIGGER_TIME, system_time},
+            snapshot::Snapshot,
+        },
     };
 
     fn service(name: &str, ip: &str, itp: Option<&str>, rv: Option<&str>) -> Service {
@@ -747,10 +764,17 @@ mod tests {
         system_time(rfc3339.parse().expect("timestamp")).expect("after 1970")
     }
 
+    /// One sync's worth: the cache brought up to `snap`, its change list into the tracker.
+    fn sync(cache: &mut TranslateCache, t: &mut ChangeTracker, snap: &Snapshot) {
+        cache.update(snap, &NodeContext::default(), &[], false);
+        t.add(cache.last_changes());
+    }
+
     #[test]
     fn changes_are_counted_between_applied_syncs() {
         let start = at("2025-01-01T00:00:00Z");
         let mut t = ChangeTracker::new(start);
+        let mut cache = TranslateCache::new();
         let mut snap = Snapshot::new(
             vec![
                 service("a", "10.96.0.1", None, None),
@@ -761,25 +785,25 @@ mod tests {
                 slice("b-1", "b", "n1", Some("2025-01-01T00:00:01Z")),
             ],
         );
-        let c = t.diff(&snap);
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!(
             (c.services, c.endpoint_slices),
             (2, 2),
             "first sync: all new"
         );
         assert_eq!(c.trigger_times.len(), 1, "a-1's trigger predates the start");
-        // Not committed (the sync failed): the same changes are found again.
-        let c = t.diff(&snap);
+        // Not committed (the sync failed): the same changes are still pending, counted once.
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!((c.services, c.endpoint_slices), (2, 2));
-        assert!(t.needs_diff(), "the first sync always compares");
-        t.commit(c);
-        assert!(!t.needs_diff(), "nothing queued since the commit");
-        t.mark_queued();
-        assert!(t.needs_diff());
-        let c = t.diff(&snap);
+        t.commit();
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!(
             (c.services, c.endpoint_slices, c.trigger_times.len()),
-            (0, 0, 0)
+            (0, 0, 0),
+            "nothing changed since the commit"
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
         snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")));
@@ -790,9 +814,25 @@ mod tests {
             Some("2025-01-01T00:00:05Z"),
         )));
         snap.endpoint_slices.pop();
-        let c = t.diff(&snap);
+        sync(&mut cache, &mut t, &snap);
+        let c = t.pending();
         assert_eq!((c.services, c.endpoint_slices), (1, 2));
         assert_eq!(c.trigger_times, vec![at("2025-01-01T00:00:05Z")]);
+        // The same Arcs again (a Kubernetes store's unchanged objects): nothing new.
+        t.commit();
+        sync(&mut cache, &mut t, &snap);
+        assert_eq!(t.pending(), Changes::default());
+        // A manifest reload parses every object anew: equal objects are no change.
+        let reparsed = Snapshot {
+            services: (snap.services.iter())
+                .map(|s| Arc::new((**s).clone()))
+                .collect(),
+            endpoint_slices: (snap.endpoint_slices.iter())
+                .map(|s| Arc::new((**s).clone()))
+                .collect(),
+        };
+        sync(&mut cache, &mut t, &reparsed);
+        assert_eq!(t.pending(), Changes::default());
     }
 
     /// An externalTrafficPolicy Local NodePort Service (ClusterIP `ip`, nodePort `np`).
@@ -862,7 +902,6 @@ mod tests {
             services: 3,
             endpoint_slices: 5,
             trigger_times: vec![now - Duration::from_millis(40)],
-            ..Default::default()
         };
         metrics.sync_failed(&changes);
         let pending = metrics.encode_text();

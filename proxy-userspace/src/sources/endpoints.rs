@@ -59,8 +59,9 @@ pub struct SliceData {
     /// The `kubernetes.io/service-name` label.
     pub service_name: Option<String>,
     pub resource_version: Option<String>,
-    /// Identifies this version of the object for [`crate::serving::metrics::ChangeTracker`]: a hash of the
-    /// resourceVersion (and uid) when it has one, else of the whole object as JSON (manifests).
+    /// Identifies this version of the object (so a new resourceVersion is a change the translation
+    /// cache lists, and the metrics count): a hash of the resourceVersion (and uid) when it has
+    /// one, else of the whole object as JSON (manifests).
     pub fingerprint: u64,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, when it parses.
     pub trigger_time: Option<SystemTime>,

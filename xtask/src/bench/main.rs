@@ -3,6 +3,7 @@
 //! hidden `serve` and `loadgen` subcommands run inside network namespaces.
 #![forbid(unsafe_code)]
 
+mod change;
 mod e2e;
 mod inproc;
 mod loadgen;
@@ -54,6 +55,19 @@ enum Command {
         services: usize,
         #[arg(long)]
         agent_bin: PathBuf,
+    },
+    /// What one endpoint change costs at `services` Services: in process (the agent's sync, by
+    /// part) and, with `--agent-bin`, end to end (API event → map write).
+    ChangeLatency {
+        #[arg(long, default_value_t = 50_000)]
+        services: usize,
+        #[arg(long, default_value_t = 10)]
+        endpoints: usize,
+        #[arg(long, default_value_t = 200)]
+        changes: usize,
+        /// The release agent binary: also measure end to end (API event → map write).
+        #[arg(long)]
+        agent_bin: Option<PathBuf>,
     },
     /// Only the Maglev tables' kernel memory for `services` Maglev Services × 10 endpoints.
     MaglevMemory { services: usize },
@@ -210,6 +224,18 @@ fn main() -> std::process::ExitCode {
             println!("{v}");
             Ok(())
         }),
+        Command::ChangeLatency {
+            services,
+            endpoints,
+            changes,
+            agent_bin,
+        } => {
+            let (endpoints, changes) = (endpoints.clamp(1, 60), changes.clamp(1, 100_000));
+            change::in_process(services, endpoints, changes).and_then(|()| match &agent_bin {
+                Some(bin) => change::end_to_end(services, endpoints, changes, bin),
+                None => Ok(()),
+            })
+        }
         Command::MaglevMemory { services } => inproc::maglev_memory(services).map(|v| {
             println!("{v}");
         }),

@@ -1,0 +1,491 @@
+//! `xtask-bench change-latency`: what one endpoint change costs at N Services.
+//!
+//! In process: the agent itself ([`Agent::start`] on a fresh pin dir, real maps, nothing
+//! attached) synced to N Services × 10 endpoints, then K single-endpoint changes (an endpoint
+//! added, removed or its ready condition flipped, in a random Service), each followed by the
+//! change-triggered [`Agent::sync`]; each sync's parts are timed by the agent
+//! ([`Agent::last_sync_parts`]).
+
+use std::{
+    net::Ipv4Addr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use kube_proxy_ebpf::{
+    agent::{Agent, SyncParts},
+    dataplane::{bpffs::PinLayout, interfaces::Patterns},
+    pipeline::translate::NodeContext,
+    sources::{endpoints::SliceData, snapshot::Snapshot},
+};
+use proxy_common::{DatapathConfig, Scheduler, SockLbConfig};
+
+use crate::{inproc, stats::percentile, workload};
+
+/// xorshift64*: a reproducible change sequence.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % n as u64) as usize
+    }
+}
+
+/// The generated Services as the API would hold them (every object with a resourceVersion).
+pub struct Cluster {
+    pub specs: Vec<workload::SvcSpec>,
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    version: u64,
+}
+
+/// What one change did.
+#[derive(Clone, Copy, Debug)]
+pub enum Change {
+    Added,
+    Removed,
+    ReadyFlipped,
+}
+
+impl Cluster {
+    pub fn new(n: usize, endpoints: usize) -> Self {
+        let mut specs = workload::generated(n);
+        for (i, s) in specs.iter_mut().enumerate() {
+            let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32;
+            s.endpoints = (0..endpoints as u32)
+                .map(|j| Ipv4Addr::from(base + j))
+                .collect();
+        }
+        let mut c = Self {
+            services: Vec::new(),
+            slices: Vec::new(),
+            specs,
+            version: 1,
+        };
+        for i in 0..c.specs.len() {
+            let mut svc = workload::service(&c.specs[i]);
+            svc.metadata.resource_version = Some(c.next_version());
+            let mut slice = workload::slice(&c.specs[i]);
+            slice.metadata.resource_version = Some(c.next_version());
+            c.services.push(svc);
+            c.slices.push(slice);
+        }
+        c
+    }
+
+    fn next_version(&mut self) -> String {
+        self.version += 1;
+        self.version.to_string()
+    }
+
+    /// One endpoint of Service `i` added (below 2 endpoints less than at start, never above 60),
+    /// removed, or its ready condition flipped.
+    pub fn change(&mut self, rng: &mut Rng, i: usize) -> Change {
+        let version = self.next_version();
+        let slice = &mut self.slices[i];
+        slice.metadata.resource_version = Some(version);
+        let eps = slice.endpoints.get_or_insert_with(Vec::new);
+        let kind = match rng.below(3) {
+            0 if eps.len() < 60 => Change::Added,
+            1 if eps.len() > 1 => Change::Removed,
+            _ => Change::ReadyFlipped,
+        };
+        match kind {
+            Change::Added => {
+                let mut e = eps[0].clone();
+                let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32;
+                let used: Vec<String> = eps.iter().map(|e| e.addresses[0].clone()).collect();
+                let free = (0..64u32)
+                    .map(|j| Ipv4Addr::from(base + j).to_string())
+                    .find(|a| !used.contains(a))
+                    .expect("fewer than 64 endpoints");
+                e.addresses = vec![free];
+                if let Some(c) = e.conditions.as_mut() {
+                    c.ready = Some(true);
+                }
+                eps.push(e);
+            }
+            Change::Removed => {
+                eps.remove(rng.below(eps.len()));
+            }
+            Change::ReadyFlipped => {
+                let j = rng.below(eps.len());
+                let c = eps[j].conditions.get_or_insert_with(Default::default);
+                c.ready = Some(!c.ready.unwrap_or(true));
+            }
+        }
+        kind
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            services: self.services.iter().cloned().map(Arc::new).collect(),
+            endpoint_slices: (self.slices.iter())
+                .map(|s| Arc::new(SliceData::from(s)))
+                .collect(),
+        }
+    }
+}
+
+/// Per-part samples, µs.
+#[derive(Default)]
+struct Samples {
+    total: Vec<f64>,
+    /// This thread's CPU time in the sync (wall time less preemption on a busy machine).
+    cpu: Vec<f64>,
+    translate: Vec<f64>,
+    plan: Vec<f64>,
+    report: Vec<f64>,
+    apply: Vec<f64>,
+    after: Vec<f64>,
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+impl Samples {
+    fn push(&mut self, total: Duration, cpu: Duration, p: SyncParts) {
+        self.total.push(us(total));
+        self.cpu.push(us(cpu));
+        self.translate.push(us(p.translate));
+        self.plan.push(us(p.plan));
+        self.report.push(us(p.report));
+        self.apply.push(us(p.apply));
+        self.after.push(us(p.after));
+    }
+
+    fn print(mut self) {
+        for (name, v) in [
+            ("Agent::sync", &mut self.total),
+            ("  thread CPU", &mut self.cpu),
+            ("  translate", &mut self.translate),
+            ("  plan", &mut self.plan),
+            ("  report", &mut self.report),
+            ("  apply", &mut self.apply),
+            ("  after-apply", &mut self.after),
+        ] {
+            println!(
+                "{name:<14} p50 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+                percentile(v, 0.5),
+                percentile(v, 0.99),
+                percentile(v, 1.0)
+            );
+        }
+    }
+}
+
+/// CLOCK_THREAD_CPUTIME_ID.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Part (a): in process.
+pub fn in_process(services: usize, endpoints: usize, changes: usize) -> Result<()> {
+    proxy_testenv::ensure_bpffs()?;
+    let pin_dir =
+        proxy_testenv::PinDir::new(&format!("kpe-change-latency-{}", std::process::id()))?;
+    let pins = PinLayout::new(pin_dir.path());
+    let node = NodeContext {
+        node_name: "bench-node".into(),
+        zone: None,
+        scheduler: Scheduler::Random,
+    };
+    let sizes = inproc::sizes_for(services * endpoints.div_ceil(10).max(1) * 2);
+    let mut agent = Agent::start(
+        pins,
+        DatapathConfig::DEFAULT,
+        node,
+        Patterns::parse(""),
+        sizes,
+        SockLbConfig::default(),
+    )
+    .context("starting the agent's datapath (root needed)")?;
+    let mut cluster = Cluster::new(services, endpoints);
+    let mut snap = cluster.snapshot();
+    let t = Instant::now();
+    agent.sync(&snap, Vec::new(), true)?;
+    println!(
+        "first sync of {services} Services × {endpoints} endpoints: {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut samples = Samples::default();
+    let mut kinds = [0usize; 3];
+    for _ in 0..changes {
+        let i = rng.below(services);
+        kinds[cluster.change(&mut rng, i) as usize] += 1;
+        // As the Kubernetes store does: the changed object gets a new Arc, the others keep theirs.
+        snap.endpoint_slices[i] = Arc::new(SliceData::from(&cluster.slices[i]));
+        agent.queued();
+        let (t, cpu) = (Instant::now(), thread_cpu());
+        agent.sync(&snap, Vec::new(), false)?;
+        samples.push(
+            t.elapsed(),
+            thread_cpu().saturating_sub(cpu),
+            agent.last_sync_parts(),
+        );
+    }
+    println!(
+        "{changes} changes ({} added, {} removed, {} ready flipped), change-triggered syncs:",
+        kinds[0], kinds[1], kinds[2]
+    );
+    samples.print();
+    // A full sync afterwards, for comparison.
+    let t = Instant::now();
+    agent.sync(&snap, Vec::new(), true)?;
+    println!(
+        "periodic full sync afterwards: {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+/// A Service's endpoints in the end-to-end run: address and readiness.
+struct Endpoints {
+    base: u32,
+    eps: Vec<(Ipv4Addr, bool)>,
+}
+
+impl Endpoints {
+    fn ready(&self) -> usize {
+        self.eps.iter().filter(|(_, r)| *r).count()
+    }
+
+    /// A change that moves the frontend's backend count (so it can be seen in the map): a
+    /// ready endpoint added or removed, or one's ready condition flipped; at least one stays
+    /// ready.
+    fn change(&mut self, rng: &mut Rng) -> Change {
+        let ready = self.ready();
+        match rng.below(3) {
+            0 if self.eps.len() < 60 => {
+                let used: Vec<Ipv4Addr> = self.eps.iter().map(|e| e.0).collect();
+                let free = (0..64u32)
+                    .map(|j| Ipv4Addr::from(self.base + j))
+                    .find(|a| !used.contains(a))
+                    .expect("fewer than 64 endpoints");
+                self.eps.push((free, true));
+                Change::Added
+            }
+            1 if ready > 1 => {
+                let j = (self.eps.iter().position(|e| e.1)).expect("a ready endpoint");
+                self.eps.remove(j);
+                Change::Removed
+            }
+            _ => {
+                let j = rng.below(self.eps.len());
+                if self.eps[j].1 && ready == 1 {
+                    // The last ready one stays: flip another, or add one.
+                    if let Some(k) = self.eps.iter().position(|e| !e.1) {
+                        self.eps[k].1 = true;
+                    } else {
+                        self.eps[j].1 = true;
+                        self.eps.push((Ipv4Addr::from(self.base + 63), true));
+                    }
+                } else {
+                    self.eps[j].1 = !self.eps[j].1;
+                }
+                Change::ReadyFlipped
+            }
+        }
+    }
+}
+
+fn api_service(i: usize, vip: Ipv4Addr) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": format!("svc-{i}"), "namespace": workload::NAMESPACE},
+        "spec": {"type": "ClusterIP", "clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()],
+                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}})
+}
+
+fn api_slice(i: usize, eps: &Endpoints) -> serde_json::Value {
+    let endpoints: Vec<serde_json::Value> = (eps.eps.iter())
+        .map(|(ip, ready)| {
+            serde_json::json!({"addresses": [ip.to_string()], "nodeName": "bench-node",
+                "conditions": {"ready": ready, "serving": ready, "terminating": false}})
+        })
+        .collect();
+    serde_json::json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "addressType": "IPv4",
+        "metadata": {"name": format!("svc-{i}-a"), "namespace": workload::NAMESPACE,
+                     "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
+        "endpoints": endpoints,
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]})
+}
+
+/// Part (b): the release agent binary with the Kubernetes source against the fake API server,
+/// both in a fresh node namespace; K slice updates, each timed from just before the server
+/// stores it (and emits the watch event) to the frontend's new backend count being visible in
+/// the pinned SERVICES map (polled every 100 µs, at most 10 s per change).
+pub fn end_to_end(
+    services: usize,
+    endpoints: usize,
+    changes: usize,
+    agent_bin: &std::path::Path,
+) -> Result<()> {
+    use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+    use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
+    use proxy_testenv::{Agent as AgentProc, FakeApiServer, PinDir, Topology};
+
+    proxy_testenv::ensure_bpffs()?;
+    let topo = Topology::bare()?;
+    let api = FakeApiServer::start_in(Some(&topo.node().path()))?;
+    api.apply(serde_json::json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "bench-node"},
+        "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.1"}]}}))?;
+    let specs = workload::generated(services);
+    let mut eps: Vec<Endpoints> = (0..services)
+        .map(|i| {
+            let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32;
+            Endpoints {
+                base,
+                eps: (0..endpoints as u32)
+                    .map(|j| (Ipv4Addr::from(base + j), true))
+                    .collect(),
+            }
+        })
+        .collect();
+    let t = Instant::now();
+    for (i, s) in specs.iter().enumerate() {
+        api.apply(api_service(i, s.vip))?;
+        api.apply(api_slice(i, &eps[i]))?;
+    }
+    println!(
+        "fake API server: {services} Services × {endpoints} endpoints stored in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let kubeconfig = api.write_kubeconfig(&topo.tmp().path().join("kubeconfig"))?;
+    let pins = PinDir::new(&format!("{}-pins", topo.prefix()))?;
+    let started = Instant::now();
+    // Maps sized for the Services (the defaults hold about 24,000 × 10 endpoints).
+    let sizes = inproc::sizes_for(services * endpoints.div_ceil(10).max(1) * 2);
+    let sizes = [
+        sizes.services.to_string(),
+        sizes.backends.to_string(),
+        sizes.rev_nats.to_string(),
+    ];
+    let mut agent = AgentProc::start_kube(
+        agent_bin,
+        topo.node(),
+        &kubeconfig,
+        &[
+            "--hostname-override",
+            "bench-node",
+            "--min-sync-period",
+            "0s",
+            "--map-entries-services",
+            &sizes[0],
+            "--map-entries-backends",
+            &sizes[1],
+            "--map-entries-revnat",
+            &sizes[2],
+        ],
+        pins.path(),
+        topo.tmp().path(),
+    )?;
+    let status = agent.wait_synced(1, Duration::from_secs(300))?;
+    println!(
+        "agent: first sync after {:.1} s ({} frontends, {} backends)",
+        started.elapsed().as_secs_f64(),
+        status.frontends,
+        status.backends
+    );
+    let data = MapData::from_pin(pins.path().join(MAP_SERVICES)).context("pinned SERVICES")?;
+    let map: BpfHashMap<MapData, ServiceKey, ServiceValue> =
+        BpfHashMap::try_from(Map::HashMap(data))?;
+    let count = |vip: Ipv4Addr| {
+        let key = ServiceKey::new(vip.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+        map.get(&key, 0).ok().map(|v| usize::from(v.count))
+    };
+    // Every frontend programmed before the clock starts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(specs[services - 1].vip) != Some(endpoints) {
+        anyhow::ensure!(Instant::now() < deadline, "last Service not programmed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Steady state: past the attach and start-up work that follows the first sync.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut latencies = Vec::with_capacity(changes);
+    let mut slowest: Vec<(f64, usize, f64)> = Vec::new();
+    let mut kinds = [0usize; 3];
+    for n in 0..changes {
+        let i = rng.below(services);
+        kinds[eps[i].change(&mut rng) as usize] += 1;
+        let want = eps[i].ready();
+        let body = api_slice(i, &eps[i]);
+        let t0 = Instant::now();
+        api.apply(body)?;
+        loop {
+            if count(specs[i].vip) == Some(want) {
+                latencies.push(us(t0.elapsed()));
+                slowest.push((us(t0.elapsed()), n, started.elapsed().as_secs_f64()));
+                break;
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(10),
+                "change {n} (svc-{i}: {want} ready) not in the map within 10 s\n{}",
+                agent.log_tail()
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        // Apart, so each change is its own sync (not coalesced with the next).
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "{changes} slice updates ({} added, {} removed, {} ready flipped), API event → SERVICES map:",
+        kinds[0], kinds[1], kinds[2]
+    );
+    println!(
+        "API → map      p50 {:>9.1} µs  p99 {:>9.1} µs  max {:>9.1} µs",
+        percentile(&mut latencies, 0.5),
+        percentile(&mut latencies, 0.99),
+        percentile(&mut latencies, 1.0)
+    );
+    slowest.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let shown: Vec<String> = (slowest.iter().take(5))
+        .map(|(l, n, at)| format!("#{n} {:.1} ms at agent t+{at:.1} s", l / 1e3))
+        .collect();
+    println!("slowest: {}", shown.join(", "));
+    // Where the agent's time went, from its log (`read_us` needs RUST_LOG=info,kube_proxy_ebpf::agent=debug).
+    let raw = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+    // Without terminal colour codes (ESC [ ... m).
+    let mut log = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            log.push(c);
+        }
+    }
+    for key in ["read_us=", "took_us="] {
+        let mut v: Vec<f64> = (log.lines())
+            .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key)))
+            .filter_map(|n| n.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+            .collect();
+        if !v.is_empty() {
+            println!(
+                "agent log {key:<9} {} syncs: p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+                v.len(),
+                percentile(&mut v, 0.5),
+                percentile(&mut v, 0.99),
+                percentile(&mut v, 1.0)
+            );
+        }
+    }
+    drop(agent);
+    drop(pins);
+    Ok(())
+}
