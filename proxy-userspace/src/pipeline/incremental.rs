@@ -312,7 +312,12 @@ impl Planner {
     /// The plan was applied in full.
     pub fn applied(&mut self, plan: &Plan) {
         self.pending.clear();
-        self.touched.clear();
+        // A full sync touches every endpoint: do not keep a table that size for the next one.
+        if self.touched.capacity() > 4096 {
+            self.touched = HashSet::default();
+        } else {
+            self.touched.clear();
+        }
         // A skipped frontend is retried by the full plan, which alone knows what it left.
         self.needs_full = !plan.skipped.is_empty();
     }

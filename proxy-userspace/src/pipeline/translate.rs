@@ -321,6 +321,9 @@ pub fn translate_service(
                 .into_iter()
                 .map(|(frontend, df)| (frontend, Arc::new(df)))
                 .collect();
+            // The collect reuses the grown buffer of (Frontend, DesiredFrontend): kept for the
+            // Service's lifetime in the cache, it was most of a translation's memory.
+            out.frontends.shrink_to_fit();
             out.health_check = f.health_check;
         }
         Err(e) => out.problems.push(service_problem(svc, e.to_string())),

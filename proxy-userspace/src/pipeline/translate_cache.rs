@@ -52,7 +52,7 @@ pub struct TranslateCache {
     seen_slices: Seen<SliceData>,
     services: HashMap<ServiceName, Arc<Service>>,
     /// EndpointSlices by the Service they name, then by slice name.
-    slices: HashMap<ServiceName, BTreeMap<String, Arc<SliceData>>>,
+    slices: HashMap<ServiceName, SliceGroup>,
     /// Problems found in each Service's slices.
     slice_problems: HashMap<ServiceName, Vec<Problem>>,
     /// Handled Services' translations.
@@ -171,9 +171,10 @@ impl TranslateCache {
             for (i, (f, _)) in t.frontends.iter().enumerate() {
                 if t.claim_at(i).is_some() {
                     contested.push(*f);
+                    // Nearly every frontend has one claimant: no room for more up front.
                     self.candidates
                         .entry(*f)
-                        .or_default()
+                        .or_insert_with(|| Vec::with_capacity(1))
                         .push((name.clone(), i));
                 }
             }
@@ -198,7 +199,7 @@ impl TranslateCache {
             let mut problems = Vec::new();
             let slices = self.slices.get(name);
             let index = SliceIndex::new(
-                slices.into_iter().flat_map(|s| s.values().map(|s| &**s)),
+                slices.into_iter().flat_map(|s| s.values()),
                 &node.node_name,
                 &mut problems,
             );
@@ -363,6 +364,37 @@ impl<K> Seen<K> {
 
 /// Did inserting `new` change what the key held (`old`: what the insert returned)? The same `Arc`
 /// is unchanged; another one is compared by value (the manifest source parses objects anew).
+/// One Service's slices by name, sorted: a Service has one or a few, so a vector (a B-tree's
+/// smallest node is 11 entries wide, ~370 bytes for the usual single slice).
+#[derive(Debug, Default)]
+struct SliceGroup(Vec<(String, Arc<SliceData>)>);
+
+impl SliceGroup {
+    fn insert(&mut self, name: String, slice: Arc<SliceData>) -> Option<Arc<SliceData>> {
+        match self.0.binary_search_by(|(n, _)| n.as_str().cmp(&name)) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, slice)),
+            Err(i) => {
+                self.0.insert(i, (name, slice));
+                self.0.shrink_to_fit();
+                None
+            }
+        }
+    }
+
+    fn remove(&mut self, name: &str) -> Option<Arc<SliceData>> {
+        let i = self.0.binary_search_by(|(n, _)| n.as_str().cmp(name)).ok()?;
+        Some(self.0.remove(i).1)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &SliceData> {
+        self.0.iter().map(|(_, s)| &**s)
+    }
+}
+
 fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
     old.is_none_or(|old| !Arc::ptr_eq(&old, new) && *old != **new)
 }
