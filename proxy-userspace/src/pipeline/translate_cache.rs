@@ -18,8 +18,6 @@
 
 use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
 
-use k8s_openapi::api::core::v1::Service;
-
 use crate::{
     pipeline::{
         fast_hash::{HashMap, HashSet},
@@ -28,6 +26,7 @@ use crate::{
     },
     sources::{
         endpoints::{SliceData, SliceIndex},
+        services::ServiceData,
         snapshot::Snapshot,
     },
 };
@@ -48,9 +47,9 @@ pub struct FrontendChange {
 pub struct TranslateCache {
     node: Option<(NodeContext, Vec<Ipv4Addr>)>,
     /// The objects of the last snapshot.
-    seen_services: Seen<Service>,
+    seen_services: Seen<ServiceData>,
     seen_slices: Seen<SliceData>,
-    services: HashMap<ServiceName, Arc<Service>>,
+    services: HashMap<ServiceName, Arc<ServiceData>>,
     /// EndpointSlices by the Service they name, then by slice name.
     slices: HashMap<ServiceName, SliceGroup>,
     /// Problems found in each Service's slices.
@@ -232,7 +231,7 @@ impl TranslateCache {
         // Fresh objects replace what their name held; a gone object's name is removed only if
         // no fresh object took it. Order does not matter here (hash sets, no sorting).
         let (fresh, gone) = self.seen_services.split(&snapshot.services);
-        let fresh: HashMap<ServiceName, Arc<Service>> = fresh
+        let fresh: HashMap<ServiceName, Arc<ServiceData>> = fresh
             .into_iter()
             .filter_map(|s| Some((service_name(&s)?, s)))
             .collect();
@@ -382,7 +381,10 @@ impl SliceGroup {
     }
 
     fn remove(&mut self, name: &str) -> Option<Arc<SliceData>> {
-        let i = self.0.binary_search_by(|(n, _)| n.as_str().cmp(name)).ok()?;
+        let i = self
+            .0
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()?;
         Some(self.0.remove(i).1)
     }
 
@@ -399,10 +401,9 @@ fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
     old.is_none_or(|old| !Arc::ptr_eq(&old, new) && *old != **new)
 }
 
-fn service_name(svc: &Service) -> Option<ServiceName> {
-    let name = svc.metadata.name.clone()?;
+fn service_name(svc: &ServiceData) -> Option<ServiceName> {
+    let name = svc.name.clone()?;
     let namespace = svc
-        .metadata
         .namespace
         .clone()
         .unwrap_or_else(|| "default".to_owned());
@@ -423,7 +424,7 @@ fn slice_key(slice: &SliceData) -> Option<(ServiceName, String)> {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
     use serde_json::{Value, json};
 
     use super::*;
@@ -527,7 +528,7 @@ mod tests {
     fn cache_equals_full_translation_over_random_changes() {
         for seed in 1..=40u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut services: BTreeMap<u32, Arc<ServiceData>> = BTreeMap::new();
             let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
             let mut node = NodeContext {
                 scheduler: Default::default(),
@@ -547,7 +548,10 @@ mod tests {
                             services.remove(&i);
                         }
                         1 | 2 => {
-                            services.insert(i, Arc::new(random_service(&mut rng, i)));
+                            services.insert(
+                                i,
+                                Arc::new(ServiceData::from(random_service(&mut rng, i))),
+                            );
                         }
                         3 => {
                             slices.remove(&(i, rng.below(2)));
@@ -620,7 +624,7 @@ mod tests {
         let n = 3_000;
         let snapshot = Snapshot {
             services: (0..n)
-                .map(|i| Arc::new(random_service(&mut rng, i)))
+                .map(|i| Arc::new(ServiceData::from(random_service(&mut rng, i))))
                 .collect(),
             endpoint_slices: (0..n)
                 .flat_map(|i| [0, 1].map(|part| (i, part)))
@@ -645,11 +649,11 @@ mod tests {
     #[test]
     fn only_the_changed_service_is_translated_again() {
         let mut rng = Rng(7);
-        let services: Vec<Arc<Service>> = (0..50)
+        let services: Vec<Arc<ServiceData>> = (0..50)
             .map(|i| {
                 let mut s = random_service(&mut rng, i);
                 s.spec.as_mut().expect("spec").cluster_ip = Some(format!("10.97.0.{}", i + 1));
-                Arc::new(s)
+                Arc::new(ServiceData::from(s))
             })
             .collect();
         let api_slices: Vec<EndpointSlice> =
@@ -689,14 +693,13 @@ mod tests {
         );
     }
 
-    fn named(namespace: &str, name: &str, created: &str, spec: Value) -> Arc<Service> {
-        Arc::new(
-            serde_json::from_value(json!({
-                "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
-                "spec": spec,
-            }))
-            .expect("Service fixture"),
-        )
+    fn named(namespace: &str, name: &str, created: &str, spec: Value) -> Arc<ServiceData> {
+        let svc: Service = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+            "spec": spec,
+        }))
+        .expect("Service fixture");
+        Arc::new(ServiceData::from(svc))
     }
 
     fn holder(cache: &TranslateCache, frontend: Frontend) -> Option<String> {
@@ -723,7 +726,7 @@ mod tests {
         let oldest = named("c", "oldest", "2025-01-01T00:00:00Z", spec("10.96.0.3"));
         let node = NodeContext::default();
         let mut cache = TranslateCache::new();
-        let mut step = |services: Vec<Arc<Service>>| {
+        let mut step = |services: Vec<Arc<ServiceData>>| {
             let snapshot = Snapshot {
                 services,
                 endpoint_slices: Vec::new(),
@@ -762,7 +765,8 @@ mod tests {
         assert!(changes.iter().any(|c| c.frontend == ext), "{changes:?}");
         // The loser changes (its endpoints or spec): the frontend stays with the winner.
         let mut changed = (*new).clone();
-        changed.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        changed.resource_version = Some("2".to_owned());
+        changed.fingerprint ^= 1;
         let (h, changes, _) = step(vec![Arc::new(changed), oldest]);
         assert_eq!(h.as_deref(), Some("c/oldest"));
         assert!(changes.iter().all(|c| c.frontend != ext), "{changes:?}");

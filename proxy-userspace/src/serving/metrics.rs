@@ -40,7 +40,6 @@ use std::{
 };
 
 use hyper::{StatusCode, header};
-use k8s_openapi::{Metadata, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
@@ -54,7 +53,6 @@ use prometheus_client::{
     registry::Registry,
 };
 use proxy_common::{Scheduler, stats::PICK_COUNTERS};
-use serde::Serialize;
 use tokio::net::TcpListener;
 use tracing::debug;
 
@@ -62,7 +60,7 @@ use crate::{
     dataplane::{bpffs::PinLayout, maps::Stats},
     pipeline::model::{DesiredState, FrontendConflict, FrontendKind, Scope},
     serving::http,
-    sources::{endpoints::SliceData, object_version::fingerprint, snapshot::Snapshot},
+    sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot},
 };
 
 /// What `/proxyMode` answers.
@@ -625,7 +623,9 @@ impl ChangeTracker {
 
     /// What `snapshot` changes relative to the last committed one (does not commit).
     pub fn diff(&self, snapshot: &Snapshot) -> Changes {
-        let services = fingerprints(&snapshot.services);
+        let services: HashMap<ObjectKey, u64> = (snapshot.services.iter())
+            .map(|s| (service_key(s), s.fingerprint))
+            .collect();
         let slices: HashMap<ObjectKey, u64> = (snapshot.endpoint_slices.iter())
             .map(|s| (slice_key(s), s.fingerprint))
             .collect();
@@ -666,21 +666,11 @@ fn slice_key(slice: &SliceData) -> ObjectKey {
     )
 }
 
-fn object_key(meta: &ObjectMeta) -> ObjectKey {
+fn service_key(svc: &ServiceData) -> ObjectKey {
     (
-        meta.namespace.clone().unwrap_or_default(),
-        meta.name.clone().unwrap_or_default(),
+        svc.namespace.clone().unwrap_or_default(),
+        svc.name.clone().unwrap_or_default(),
     )
-}
-
-fn fingerprints<T>(objects: &[Arc<T>]) -> HashMap<ObjectKey, u64>
-where
-    T: Metadata<Ty = ObjectMeta> + Serialize,
-{
-    objects
-        .iter()
-        .map(|o| (object_key(o.metadata()), fingerprint(&**o)))
-        .collect()
 }
 
 /// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`: Service ports with a
@@ -782,7 +772,7 @@ mod tests {
             (0, 0, 0)
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
-        snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")));
+        snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")).into());
         snap.endpoint_slices[0] = Arc::new(SliceData::from(&slice(
             "a-1",
             "a",
