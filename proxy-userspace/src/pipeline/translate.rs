@@ -18,6 +18,9 @@ use std::{
 
 use k8s_openapi::jiff::Timestamp;
 
+pub use crate::sources::services::{
+    ANNOTATION_LB_SOURCE_RANGES, ANNOTATION_SCHEDULER, LABEL_SERVICE_PROXY_NAME,
+};
 use crate::{
     pipeline::{
         model::{
@@ -32,19 +35,10 @@ use crate::{
         snapshot::Snapshot,
     },
 };
-
-/// Label marking a Service as owned by another proxy.
-pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
-/// Legacy annotation for loadBalancerSourceRanges (comma-separated), used when the field is empty.
-pub const ANNOTATION_LB_SOURCE_RANGES: &str =
-    "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Annotation enabling topology-aware routing (value `Auto`).
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 /// The annotation's pre-1.27 name, still honoured upstream.
 pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
-/// Annotation choosing the Service's load-balancing scheduler (a name [`Scheduler::parse`]
-/// takes: ours or an IPVS alias); wins over the node's `--scheduler` / `ipvs.scheduler`.
-pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
 
 /// Facts about the node this agent runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

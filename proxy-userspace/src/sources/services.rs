@@ -10,12 +10,17 @@ use std::borrow::Cow;
 
 use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
 
-use crate::{
-    pipeline::translate::{
-        ANNOTATION_LB_SOURCE_RANGES, ANNOTATION_SCHEDULER, LABEL_SERVICE_PROXY_NAME,
-    },
-    sources::object_version,
-};
+use crate::sources::object_version;
+
+/// Label marking a Service as owned by another proxy.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Legacy annotation for loadBalancerSourceRanges (comma-separated), used when the field is empty.
+pub const ANNOTATION_LB_SOURCE_RANGES: &str =
+    "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// Annotation choosing the Service's load-balancing scheduler (a name
+/// [`crate::pipeline::model::Scheduler::parse`] takes: ours or an IPVS alias); wins over the
+/// node's `--scheduler` / `ipvs.scheduler`.
+pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
 
 /// A Service as the sources keep it. Equal Services give equal values (the translation cache
 /// compares a new `Arc` by value).
