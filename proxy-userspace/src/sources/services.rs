@@ -186,3 +186,84 @@ impl kube::runtime::reflector::Lookup for ServiceData {
         self.uid.as_deref().map(Cow::Borrowed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn service(v: serde_json::Value) -> ServiceData {
+        ServiceData::from(serde_json::from_value::<Service>(v).expect("Service fixture"))
+    }
+
+    /// What translate reads survives the conversion, raw (translate reports bad values).
+    #[test]
+    fn keeps_what_translate_reads_raw() {
+        let svc = service(json!({
+            "metadata": {"name": "web", "namespace": "demo", "uid": "u-1",
+                "resourceVersion": "7", "creationTimestamp": "2026-01-01T00:00:00Z",
+                "labels": {"app": "web"},
+                "annotations": {ANNOTATION_SCHEDULER: " mh ", "other": "x"}},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.1", "clusterIPs": [],
+                "externalIPs": ["192.0.2.1", "not-an-ip"], "selector": {"app": "web"},
+                "externalTrafficPolicy": "Local", "healthCheckNodePort": 30000,
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}},
+                "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "SCTP"}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.9", "ipMode": "VIP"},
+                {"ip": "192.0.2.10", "ipMode": "Proxy"}, {"hostname": "lb.example"}]}},
+        }));
+        let strs = |v: &[Box<str>]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(svc.namespaced_name(), "demo/web");
+        assert_eq!(svc.uid.as_deref(), Some("u-1"));
+        assert!(svc.created.is_some());
+        assert!(!svc.other_proxy);
+        assert_eq!(
+            svc.scheduler_annotation.as_deref(),
+            Some(" mh "),
+            "untrimmed"
+        );
+        assert_eq!(
+            strs(&svc.cluster_ips),
+            ["10.96.0.1"],
+            "empty clusterIPs: clusterIP"
+        );
+        assert_eq!(strs(&svc.external_ips), ["192.0.2.1", "not-an-ip"]);
+        assert_eq!(
+            strs(&svc.lb_ingress_ips),
+            ["192.0.2.9"],
+            "ipMode Proxy left out"
+        );
+        assert_eq!(
+            svc.affinity_timeout_seconds,
+            Some(0),
+            "kept for translate to refuse"
+        );
+        assert_eq!(
+            &*svc.ports,
+            [ServicePortData {
+                name: Some("http".into()),
+                protocol: Some("SCTP".into()),
+                port: 80,
+                node_port: Some(30080),
+            }]
+        );
+        assert_eq!(svc.health_check_node_port, Some(30000));
+    }
+
+    /// A new resourceVersion is a new version even when nothing translate reads changed (the
+    /// translation cache and metrics compare fingerprints).
+    #[test]
+    fn the_fingerprint_follows_the_object_version() {
+        let at = |rv: &str| {
+            service(
+                json!({"metadata": {"name": "a", "namespace": "n", "resourceVersion": rv},
+                "spec": {"clusterIP": "10.96.0.1"}}),
+            )
+        };
+        assert_eq!(at("1"), at("1"));
+        assert_ne!(at("1").fingerprint, at("2").fingerprint);
+        assert_ne!(at("1"), at("2"));
+    }
+}
