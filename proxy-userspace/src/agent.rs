@@ -74,7 +74,8 @@ pub struct Agent {
     lc: LcCounts,
     /// The corrections last written to `LCADJ_V1` (written again only when they change), and
     /// the highest backend id reconciled (ids above stay at their last correction).
-    lc_written: std::collections::HashMap<u32, u64>,
+    /// Indexed by backend id (ids are dense from 1; a vector is a tenth of a hash map's memory).
+    lc_written: Vec<Option<u64>>,
     lc_max_id: u32,
     programmed: Programmed,
     /// Indexes over `programmed` and what changed since the last plan (every op applied to
@@ -261,10 +262,11 @@ impl Agent {
         parts.report = lap.elapsed();
         lap = Instant::now();
         // UDP flows to a removed backend are removed at once (kube-proxy's UDP conntrack
-        // cleanup); TCP ones are answered with a RST by the datapath, and the rest of the walk
-        // (idle flows, least-connection counts of freed ids) is the periodic one's: a TCP-only
-        // endpoint change does not walk every flow and backend id.
-        let removed_udp_backends = removes_udp_backends(&plan.ops, &self.programmed);
+        // cleanup); TCP ones are answered with a RST by the datapath. Least-connection frontends
+        // rewritten with a backend gone also walk at once: a freed id is reused by the next new
+        // endpoint, which must not inherit the old one's flow count. The rest (idle flows) is
+        // the periodic walk's: a TCP-only change elsewhere does not walk every flow.
+        let walk_conntrack_now = walks_conntrack_after(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         self.programmed.reserve_for(&plan.ops[..applied]);
         for op in &plan.ops[..applied] {
@@ -282,7 +284,7 @@ impl Agent {
         self.planner.applied(&plan);
         parts.apply = lap.elapsed();
         lap = Instant::now();
-        if removed_udp_backends {
+        if walk_conntrack_now {
             self.gc_conntrack();
         }
         let checks = (std::mem::take(&mut self.health_checks_changed)
@@ -481,16 +483,23 @@ impl Agent {
             &programmed.backends,
         );
         let (removed, total) = (done.dead.len(), done.total);
+        let ids = max_id as usize + 1;
+        if self.lc_written.len() < ids {
+            self.lc_written.reserve_exact(ids - self.lc_written.len());
+            self.lc_written.resize(ids, None);
+        }
         for key in &done.dead {
             self.conntrack.remove(key);
         }
         for (id, adjust) in done.corrections {
-            if self.lc_written.get(&id) == Some(&adjust) {
+            if self.lc_written.get(id as usize).copied().flatten() == Some(adjust) {
                 continue;
             }
             match self.lc.set_adjust(id, adjust) {
                 Ok(()) => {
-                    self.lc_written.insert(id, adjust);
+                    if let Some(w) = self.lc_written.get_mut(id as usize) {
+                        *w = Some(adjust);
+                    }
                 }
                 Err(e) => warn!("writing the least-connection correction of backend {id}: {e}"),
             }
@@ -627,13 +636,26 @@ fn rss_mib() -> u64 {
 
 /// Pure: does applying `ops` to `programmed` remove a UDP backend (then the conntrack walk runs
 /// right after the sync)?
-fn removes_udp_backends(ops: &[MapOp], programmed: &Programmed) -> bool {
-    ops.iter().any(|op| match op {
-        MapOp::DeleteBackend { id } => {
-            (programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP)
+/// Whether the conntrack walk runs right after applying `ops` (see [`Agent::sync`]): a removed
+/// backend that is UDP, or any removed backend when a least-connection frontend is rewritten.
+fn walks_conntrack_after(ops: &[MapOp], programmed: &Programmed) -> bool {
+    let mut removed = false;
+    let mut lc_rewritten = false;
+    for op in ops {
+        match op {
+            MapOp::DeleteBackend { id } => {
+                if (programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP) {
+                    return true;
+                }
+                removed |= programmed.backends.contains_key(id);
+            }
+            MapOp::PutService { value, .. } => {
+                lc_rewritten |= value.scheduler == proxy_common::sched::code::LEAST_CONNECTION;
+            }
+            _ => {}
         }
-        _ => false,
-    })
+    }
+    removed && lc_rewritten
 }
 
 /// Pure: should the agent drop this conntrack entry?
@@ -959,7 +981,7 @@ mod tests {
     }
 
     #[test]
-    fn only_removing_a_udp_backend_walks_conntrack_at_once() {
+    fn removing_a_udp_backend_or_one_of_a_least_connection_frontend_walks_conntrack_at_once() {
         let mut p = programmed_with_backend_1();
         p.backends.insert(
             2,
@@ -971,10 +993,29 @@ mod tests {
             },
         );
         let delete = |id| MapOp::DeleteBackend { id };
-        assert!(!removes_udp_backends(&[delete(1)], &p), "TCP backend");
-        assert!(removes_udp_backends(&[delete(1), delete(2)], &p));
-        assert!(!removes_udp_backends(&[delete(3)], &p), "not programmed");
-        assert!(!removes_udp_backends(&[], &p));
+        assert!(!walks_conntrack_after(&[delete(1)], &p), "TCP backend");
+        assert!(walks_conntrack_after(&[delete(1), delete(2)], &p));
+        assert!(!walks_conntrack_after(&[delete(3)], &p), "not programmed");
+        assert!(!walks_conntrack_after(&[], &p));
+        // A TCP backend removed from a least-connection frontend: its id's count is corrected
+        // before the id is reused.
+        let lc_frontend = |scheduler| MapOp::PutService {
+            key: proxy_common::ServiceKey::default(),
+            value: proxy_common::ServiceValue {
+                scheduler,
+                ..Default::default()
+            },
+        };
+        let lc = proxy_common::sched::code::LEAST_CONNECTION;
+        assert!(walks_conntrack_after(&[delete(1), lc_frontend(lc)], &p));
+        assert!(!walks_conntrack_after(
+            &[delete(1), lc_frontend(proxy_common::sched::code::RANDOM)],
+            &p
+        ));
+        assert!(
+            !walks_conntrack_after(&[lc_frontend(lc)], &p),
+            "nothing removed"
+        );
     }
 
     #[test]

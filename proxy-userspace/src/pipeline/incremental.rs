@@ -105,6 +105,66 @@ struct EndpointUse {
     terminating: u32,
 }
 
+/// Ids below this are counted in a vector (the allocators hand out the lowest free id, so ids
+/// are dense: 4 bytes each instead of a hash map's ~10); larger ones (adopted from maps another
+/// writer filled) in a map.
+const DENSE_IDS: u32 = 1 << 22;
+
+/// Reference counts by id (0: none).
+#[derive(Clone, Debug, Default)]
+struct RefCounts {
+    dense: Vec<u32>,
+    sparse: HashMap<u32, u32>,
+}
+
+impl RefCounts {
+    fn get(&self, id: u32) -> u32 {
+        if id < DENSE_IDS {
+            self.dense.get(id as usize).copied().unwrap_or(0)
+        } else {
+            self.sparse.get(&id).copied().unwrap_or(0)
+        }
+    }
+
+    fn incr(&mut self, id: u32) {
+        if id < DENSE_IDS {
+            let i = id as usize;
+            if self.dense.len() <= i {
+                self.dense.resize(i + 1, 0);
+            }
+            self.dense[i] += 1;
+        } else {
+            *self.sparse.entry(id).or_default() += 1;
+        }
+    }
+
+    /// One reference fewer: the count left, `None` when there was none.
+    fn decr(&mut self, id: u32) -> Option<u32> {
+        if id < DENSE_IDS {
+            let n = self.dense.get_mut(id as usize).filter(|n| **n > 0)?;
+            *n -= 1;
+            Some(*n)
+        } else {
+            let n = self.sparse.get_mut(&id)?;
+            *n -= 1;
+            let left = *n;
+            if left == 0 {
+                self.sparse.remove(&id);
+            }
+            Some(left)
+        }
+    }
+}
+
+/// Equal when every id has the same count (however long the vectors grew).
+impl PartialEq for RefCounts {
+    fn eq(&self, other: &Self) -> bool {
+        let used = |v: &[u32]| v.len() - v.iter().rev().take_while(|n| **n == 0).count();
+        let (a, b) = (&self.dense, &other.dense);
+        a[..used(a)] == b[..used(b)] && self.sparse == other.sparse
+    }
+}
+
 /// Indexes over the programmed shadow and the desired state, and what changed since the last
 /// plan.
 #[derive(Debug)]
@@ -114,9 +174,9 @@ pub struct Planner {
     /// Programmed backends that are not their endpoint's smallest id, or do not decode.
     irregular_backends: HashSet<u32>,
     /// Slots naming each backend id.
-    slot_refs: HashMap<u32, u32>,
+    slot_refs: RefCounts,
     /// Frontend entries naming each rev-NAT id.
-    rev_nat_refs: HashMap<u32, u32>,
+    rev_nat_refs: RefCounts,
     free_backend_ids: FreeIds,
     free_rev_nat_ids: FreeIds,
     frontends: usize,
@@ -136,8 +196,8 @@ impl Planner {
         let mut p = Self {
             endpoint_ids: HashMap::default(),
             irregular_backends: HashSet::default(),
-            slot_refs: HashMap::default(),
-            rev_nat_refs: HashMap::default(),
+            slot_refs: RefCounts::default(),
+            rev_nat_refs: RefCounts::default(),
             free_backend_ids: FreeIds::default(),
             free_rev_nat_ids: FreeIds::default(),
             frontends: 0,
@@ -269,7 +329,7 @@ impl Planner {
             MapOp::DeleteBackend { id } => {
                 if let Some(old) = programmed.backends.get(&id) {
                     self.unregister_backend(programmed, id, encode::decode_endpoint(old));
-                    if self.slot_refs.get(&id).copied().unwrap_or(0) == 0 {
+                    if self.slot_refs.get(id) == 0 {
                         self.free_backend_ids.give(id);
                     }
                 }
@@ -278,9 +338,7 @@ impl Planner {
                 self.free_rev_nat_ids.take(id);
             }
             MapOp::DeleteRevNat { id } => {
-                if programmed.rev_nats.contains_key(&id)
-                    && self.rev_nat_refs.get(&id).copied().unwrap_or(0) == 0
-                {
+                if programmed.rev_nats.contains_key(&id) && self.rev_nat_refs.get(id) == 0 {
                     self.free_rev_nat_ids.give(id);
                 }
             }
@@ -290,10 +348,10 @@ impl Planner {
                 }
                 if key.slot == 0 {
                     self.frontends += 1;
-                    *self.rev_nat_refs.entry(value.rev_nat_id).or_default() += 1;
+                    self.rev_nat_refs.incr(value.rev_nat_id);
                     self.free_rev_nat_ids.take(value.rev_nat_id);
                 } else {
-                    *self.slot_refs.entry(value.backend_id).or_default() += 1;
+                    self.slot_refs.incr(value.backend_id);
                     self.free_backend_ids.take(value.backend_id);
                 }
             }
@@ -312,7 +370,12 @@ impl Planner {
     /// The plan was applied in full.
     pub fn applied(&mut self, plan: &Plan) {
         self.pending.clear();
-        self.touched.clear();
+        // A full sync touches every endpoint: do not keep a table that size for the next one.
+        if self.touched.capacity() > 4096 {
+            self.touched = HashSet::default();
+        } else {
+            self.touched.clear();
+        }
         // A skipped frontend is retried by the full plan, which alone knows what it left.
         self.needs_full = !plan.skipped.is_empty();
     }
@@ -323,32 +386,20 @@ impl Planner {
     }
 
     fn backend_used(&self, programmed: &Programmed, id: u32) -> bool {
-        programmed.backends.contains_key(&id) || self.slot_refs.get(&id).is_some_and(|n| *n > 0)
+        programmed.backends.contains_key(&id) || self.slot_refs.get(id) > 0
     }
 
     fn unref_service(&mut self, programmed: &Programmed, key: &ServiceKey, old: &ServiceValue) {
         if key.slot == 0 {
             self.frontends = self.frontends.saturating_sub(1);
             let id = old.rev_nat_id;
-            if let Some(n) = self.rev_nat_refs.get_mut(&id) {
-                *n -= 1;
-                if *n == 0 {
-                    self.rev_nat_refs.remove(&id);
-                    if !programmed.rev_nats.contains_key(&id) {
-                        self.free_rev_nat_ids.give(id);
-                    }
-                }
+            if self.rev_nat_refs.decr(id) == Some(0) && !programmed.rev_nats.contains_key(&id) {
+                self.free_rev_nat_ids.give(id);
             }
         } else {
             let id = old.backend_id;
-            if let Some(n) = self.slot_refs.get_mut(&id) {
-                *n -= 1;
-                if *n == 0 {
-                    self.slot_refs.remove(&id);
-                    if !programmed.backends.contains_key(&id) {
-                        self.free_backend_ids.give(id);
-                    }
-                }
+            if self.slot_refs.decr(id) == Some(0) && !programmed.backends.contains_key(&id) {
+                self.free_backend_ids.give(id);
             }
         }
     }
@@ -457,7 +508,7 @@ impl Planner {
             missing.dedup();
             let reuse = entry.map(|v| v.rev_nat_id).filter(|id| *id != 0);
             if let Some(id) = reuse
-                && self.rev_nat_refs.get(&id) != Some(&1)
+                && self.rev_nat_refs.get(id) != 1
             {
                 return None; // shared by several frontend entries: a leftover
             }
@@ -614,7 +665,7 @@ impl Planner {
                     .map(|s| key.with_slot(s))
                     .filter(|k| programmed.services.contains_key(k)),
             );
-            if self.rev_nat_refs.get(&v.rev_nat_id) != Some(&1) {
+            if self.rev_nat_refs.get(v.rev_nat_id) != 1 {
                 return None;
             }
             dead_rev_nats.push(v.rev_nat_id);

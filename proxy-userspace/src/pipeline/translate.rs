@@ -16,8 +16,11 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
+use k8s_openapi::jiff::Timestamp;
 
+pub use crate::sources::services::{
+    ANNOTATION_LB_SOURCE_RANGES, ANNOTATION_SCHEDULER, LABEL_SERVICE_PROXY_NAME,
+};
 use crate::{
     pipeline::{
         model::{
@@ -28,22 +31,14 @@ use crate::{
     },
     sources::{
         endpoints::{SNAPSHOT_SOURCE, SliceIndex},
+        services::ServiceData,
         snapshot::Snapshot,
     },
 };
-
-/// Label marking a Service as owned by another proxy.
-pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
-/// Legacy annotation for loadBalancerSourceRanges (comma-separated), used when the field is empty.
-pub const ANNOTATION_LB_SOURCE_RANGES: &str =
-    "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Annotation enabling topology-aware routing (value `Auto`).
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 /// The annotation's pre-1.27 name, still honoured upstream.
 pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
-/// Annotation choosing the Service's load-balancing scheduler (a name [`Scheduler::parse`]
-/// takes: ours or an IPVS alias); wins over the node's `--scheduler` / `ipvs.scheduler`.
-pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
 
 /// Facts about the node this agent runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -142,8 +137,8 @@ pub fn translate_for_node(
     );
     // Sorted so that health checks sharing a port come in the same order whatever order the
     // source listed the Services in (claims do not depend on it: see `resolve`).
-    let mut services: Vec<&Service> = snapshot.services.iter().map(|s| &**s).collect();
-    services.sort_by_key(|s| (&s.metadata.namespace, &s.metadata.name));
+    let mut services: Vec<&ServiceData> = snapshot.services.iter().map(|s| &**s).collect();
+    services.sort_by_key(|s| (&s.namespace, &s.name));
     let mut translations = Vec::with_capacity(services.len());
     for svc in services {
         let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
@@ -300,7 +295,7 @@ pub fn conflict_problem(c: &FrontendConflict) -> Problem {
 /// Translate one Service with the endpoints of `slices` (which may hold only this Service's
 /// slices). `None`: the Service is not for this proxy (ExternalName, headless, another proxy's).
 pub fn translate_service(
-    svc: &Service,
+    svc: &ServiceData,
     slices: &SliceIndex,
     node: &NodeContext,
     nodeport_addrs: &[Ipv4Addr],
@@ -321,11 +316,14 @@ pub fn translate_service(
                 .into_iter()
                 .map(|(frontend, df)| (frontend, Arc::new(df)))
                 .collect();
+            // The collect reuses the grown buffer of (Frontend, DesiredFrontend): kept for the
+            // Service's lifetime in the cache, it was most of a translation's memory.
+            out.frontends.shrink_to_fit();
             out.health_check = f.health_check;
         }
         Err(e) => out.problems.push(service_problem(svc, e.to_string())),
     }
-    out.created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+    out.created = svc.created;
     Some(out)
 }
 
@@ -379,38 +377,19 @@ fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, Desi
         .collect()
 }
 
-fn service_problem(svc: &Service, reason: String) -> Problem {
+fn service_problem(svc: &ServiceData, reason: String) -> Problem {
     Problem {
         source: SNAPSHOT_SOURCE.to_owned(),
-        object: format!("Service {}", namespaced_name(svc)),
+        object: format!("Service {}", svc.namespaced_name()),
         reason,
     }
 }
 
 /// Whether this proxy programs the Service at all (upstream skips these silently).
-fn handled(svc: &Service) -> bool {
-    let Some(spec) = &svc.spec else { return false };
-    let external_name = spec.type_.as_deref() == Some("ExternalName");
-    let other_proxy = svc
-        .metadata
-        .labels
-        .as_ref()
-        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME));
-    let headless = cluster_ip_strings(svc)
-        .first()
-        .is_none_or(|ip| ip.is_empty() || *ip == "None");
-    !(external_name || other_proxy || headless)
-}
-
-/// spec.clusterIPs, or spec.clusterIP when clusterIPs is absent.
-fn cluster_ip_strings(svc: &Service) -> Vec<&str> {
-    let Some(spec) = &svc.spec else {
-        return Vec::new();
-    };
-    match &spec.cluster_ips {
-        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-        _ => spec.cluster_ip.as_deref().into_iter().collect(),
-    }
+fn handled(svc: &ServiceData) -> bool {
+    let external_name = svc.type_.as_deref() == Some("ExternalName");
+    let headless = (svc.cluster_ips.first()).is_none_or(|ip| ip.is_empty() || &**ip == "None");
+    !(external_name || svc.other_proxy || headless)
 }
 
 struct ServiceFrontends {
@@ -426,24 +405,17 @@ struct ServiceFrontends {
 /// spec.externalIPs and status.loadBalancer.ingress[].ip (unless ipMode is Proxy: the load
 /// balancer then proxies and sends to the node, not to the VIP). IPv4 only; unparsable or IPv6
 /// addresses are left out (upstream logs and ignores them too).
-fn external_addrs(svc: &Service) -> Vec<(FrontendKind, Ipv4Addr)> {
+fn external_addrs(svc: &ServiceData) -> Vec<(FrontendKind, Ipv4Addr)> {
     let v4 = |ip: &str| match ip.parse::<IpAddr>() {
         Ok(IpAddr::V4(a)) => Some(a),
         _ => None,
     };
-    let external_ips = svc
-        .spec
-        .iter()
-        .flat_map(|s| s.external_ips.iter().flatten())
+    let external_ips = (svc.external_ips.iter())
         .filter_map(|ip| v4(ip))
         .map(|a| (FrontendKind::ExternalIp, a));
-    let lb = svc
-        .status
-        .iter()
-        .flat_map(|s| s.load_balancer.iter())
-        .flat_map(|lb| lb.ingress.iter().flatten())
-        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
-        .filter_map(|i| i.ip.as_deref().and_then(v4))
+    // (entries with ipMode Proxy are not kept)
+    let lb = (svc.lb_ingress_ips.iter())
+        .filter_map(|ip| v4(ip))
         .map(|a| (FrontendKind::LoadBalancer, a));
     let mut all: Vec<_> = external_ips.chain(lb).collect();
     all.sort();
@@ -453,18 +425,12 @@ fn external_addrs(svc: &Service) -> Vec<(FrontendKind, Ipv4Addr)> {
 
 /// loadBalancerSourceRanges (or the legacy annotation) as IPv4 networks, host bits cleared;
 /// IPv6 ranges are left out (they apply to IPv6 frontends), unparsable ones reported.
-fn source_ranges(svc: &Service) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
-    let field: Vec<String> = svc
-        .spec
-        .iter()
-        .flat_map(|s| s.load_balancer_source_ranges.iter().flatten())
-        .cloned()
+fn source_ranges(svc: &ServiceData) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
+    let field: Vec<String> = (svc.load_balancer_source_ranges.iter())
+        .map(|s| s.to_string())
         .collect();
     let items = if field.is_empty() {
-        svc.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(ANNOTATION_LB_SOURCE_RANGES))
+        (svc.source_ranges_annotation.as_deref())
             .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
             .unwrap_or_default()
     } else {
@@ -493,16 +459,16 @@ fn source_ranges(svc: &Service) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
 }
 
 fn service_frontends(
-    svc: &Service,
+    svc: &ServiceData,
     slices: &SliceIndex,
     node: &NodeContext,
     nodeport_addrs: &[Ipv4Addr],
 ) -> Result<ServiceFrontends, ServiceError> {
-    let namespace = svc.metadata.namespace.as_deref().unwrap_or("default");
-    let name = svc.metadata.name.as_deref().unwrap_or_default();
+    let namespace = svc.namespace.as_deref().unwrap_or("default");
+    let name = svc.name.as_deref().unwrap_or_default();
     let mut addrs = Vec::new();
     let mut ipv6 = Vec::new();
-    for ip in cluster_ip_strings(svc) {
+    for ip in svc.cluster_ips.iter().map(|ip| &**ip) {
         match ip.parse::<IpAddr>() {
             Ok(IpAddr::V4(a)) => addrs.push(a),
             Ok(IpAddr::V6(_)) => ipv6.push(ip),
@@ -519,10 +485,9 @@ fn service_frontends(
     let policy = policy(svc);
     let mut balancing_problems = Vec::new();
     let balancing = balancing(svc, node, &mut balancing_problems);
-    let spec = svc.spec.as_ref();
-    let service_type = spec.and_then(|s| s.type_.as_deref()).unwrap_or("ClusterIP");
+    let service_type = svc.type_.as_deref().unwrap_or("ClusterIP");
     let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
-    let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
+    let external_local = svc.external_traffic_policy.as_deref() == Some("Local");
     // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream;
     // so do in-cluster clients of an eTP=Local frontend (internalTrafficPolicy does not apply).
     let cluster_external_policy = Policy { local_only: false };
@@ -530,8 +495,8 @@ fn service_frontends(
         local_only: external_local,
     };
     let external = external_addrs(svc);
-    let health_check_port = spec
-        .and_then(|s| s.health_check_node_port)
+    let health_check_port = svc
+        .health_check_node_port
         .and_then(|p| u16::try_from(p).ok())
         .filter(|p| *p != 0 && external_local && service_type == "LoadBalancer");
     let mut local_endpoints = 0usize;
@@ -546,8 +511,8 @@ fn service_frontends(
     port_problems.extend(affinity_problem);
     let mut frontends = Vec::new();
     let mut seen_ports = Vec::new();
-    for sp in svc.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
-        let port_name = sp.name.clone().unwrap_or_default();
+    for sp in svc.ports.iter() {
+        let port_name = sp.name.as_deref().unwrap_or_default().to_owned();
         let protocol = match sp.protocol.as_deref() {
             None | Some("TCP") => Protocol::Tcp,
             Some("UDP") => Protocol::Udp,
@@ -669,16 +634,15 @@ fn service_frontends(
 /// The Service's endpoint-selection policy for ClusterIP traffic. Topology hints need no
 /// opt-in here: like upstream (since trafficDistribution went GA), they are used whenever the
 /// endpoints carry them (see [`topology::categorize`]).
-fn policy(svc: &Service) -> Policy {
-    let spec = svc.spec.as_ref();
+fn policy(svc: &ServiceData) -> Policy {
     Policy {
-        local_only: spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local"),
+        local_only: svc.internal_traffic_policy.as_deref() == Some("Local"),
     }
 }
 
 /// How the Service's frontends choose backends: its scheduler and session affinity. A bad
 /// setting is reported in `problems` and the default applies (the Service is still programmed).
-fn balancing(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Balancing {
+fn balancing(svc: &ServiceData, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Balancing {
     Balancing {
         scheduler: scheduler(svc, node, problems),
         affinity_timeout_s: None,
@@ -688,18 +652,11 @@ fn balancing(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>
 /// `spec.sessionAffinity: ClientIP`: its timeout (`sessionAffinityConfig.clientIP.timeoutSeconds`,
 /// default 10800 s). A timeout the API server would refuse (outside 1-86400) is reported and the
 /// default used, so the Service keeps its affinity.
-fn session_affinity(svc: &Service) -> (Option<u32>, Option<ServiceError>) {
-    let Some(spec) = &svc.spec else {
-        return (None, None);
-    };
-    if spec.session_affinity.as_deref() != Some("ClientIP") {
+fn session_affinity(svc: &ServiceData) -> (Option<u32>, Option<ServiceError>) {
+    if svc.session_affinity.as_deref() != Some("ClientIP") {
         return (None, None);
     }
-    let configured = spec
-        .session_affinity_config
-        .as_ref()
-        .and_then(|c| c.client_ip.as_ref())
-        .and_then(|c| c.timeout_seconds);
+    let configured = svc.affinity_timeout_seconds;
     match configured {
         None => (Some(DEFAULT_AFFINITY_TIMEOUT_S), None),
         Some(t) => match u32::try_from(t) {
@@ -713,12 +670,8 @@ fn session_affinity(svc: &Service) -> (Option<u32>, Option<ServiceError>) {
 }
 
 /// The `kube-proxy-ebpf.io/scheduler` annotation (trimmed; empty = not set), else the node's.
-fn scheduler(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Scheduler {
-    let value = svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_SCHEDULER))
+fn scheduler(svc: &ServiceData, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Scheduler {
+    let value = (svc.scheduler_annotation.as_deref())
         .map(|v| v.trim())
         .filter(|v| !v.is_empty());
     let Some(value) = value else {
@@ -733,17 +686,9 @@ fn scheduler(svc: &Service, node: &NodeContext, problems: &mut Vec<ServiceError>
     })
 }
 
-fn namespaced_name(svc: &Service) -> String {
-    format!(
-        "{}/{}",
-        svc.metadata.namespace.as_deref().unwrap_or("default"),
-        svc.metadata.name.as_deref().unwrap_or("?")
-    )
-}
-
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
     use serde_json::{Value, json};
 
     use super::*;

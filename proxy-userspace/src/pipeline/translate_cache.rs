@@ -29,8 +29,6 @@ use std::{
     time::SystemTime,
 };
 
-use k8s_openapi::api::core::v1::Service;
-
 use crate::{
     pipeline::{
         fast_hash::{HashMap, HashSet},
@@ -39,6 +37,7 @@ use crate::{
     },
     sources::{
         endpoints::{SliceData, SliceIndex},
+        services::ServiceData,
         snapshot::Snapshot,
     },
 };
@@ -76,11 +75,11 @@ pub struct ChangeList {
 pub struct TranslateCache {
     node: Option<(NodeContext, Vec<Ipv4Addr>)>,
     /// The objects of the last snapshot.
-    seen_services: Seen<Service>,
+    seen_services: Seen<ServiceData>,
     seen_slices: Seen<SliceData>,
-    services: HashMap<ServiceName, Arc<Service>>,
+    services: HashMap<ServiceName, Arc<ServiceData>>,
     /// EndpointSlices by the Service they name, then by slice name.
-    slices: HashMap<ServiceName, BTreeMap<String, Arc<SliceData>>>,
+    slices: HashMap<ServiceName, SliceGroup>,
     /// Problems found in each Service's slices.
     slice_problems: HashMap<ServiceName, Vec<Problem>>,
     /// Handled Services' translations.
@@ -224,9 +223,10 @@ impl TranslateCache {
             for (i, (f, _)) in t.frontends.iter().enumerate() {
                 if t.claim_at(i).is_some() {
                     contested.push(*f);
+                    // Nearly every frontend has one claimant: no room for more up front.
                     self.candidates
                         .entry(*f)
-                        .or_default()
+                        .or_insert_with(|| Vec::with_capacity(1))
                         .push((name.clone(), i));
                 }
             }
@@ -251,7 +251,7 @@ impl TranslateCache {
             let mut problems = Vec::new();
             let slices = self.slices.get(name);
             let index = SliceIndex::new(
-                slices.into_iter().flat_map(|s| s.values().map(|s| &**s)),
+                slices.into_iter().flat_map(|s| s.values()),
                 &node.node_name,
                 &mut problems,
             );
@@ -284,7 +284,7 @@ impl TranslateCache {
         // Fresh objects replace what their name held; a gone object's name is removed only if
         // no fresh object took it. Order does not matter here (hash sets, no sorting).
         let (fresh, gone) = self.seen_services.split(&snapshot.services);
-        let fresh: HashMap<ServiceName, Arc<Service>> = fresh
+        let fresh: HashMap<ServiceName, Arc<ServiceData>> = fresh
             .into_iter()
             .filter_map(|s| Some((service_name(&s)?, s)))
             .collect();
@@ -432,14 +432,47 @@ impl<K> Seen<K> {
 
 /// Did inserting `new` change what the key held (`old`: what the insert returned)? The same `Arc`
 /// is unchanged; another one is compared by value (the manifest source parses objects anew).
+/// One Service's slices by name, sorted: a Service has one or a few, so a vector (a B-tree's
+/// smallest node is 11 entries wide, ~370 bytes for the usual single slice).
+#[derive(Debug, Default)]
+struct SliceGroup(Vec<(String, Arc<SliceData>)>);
+
+impl SliceGroup {
+    fn insert(&mut self, name: String, slice: Arc<SliceData>) -> Option<Arc<SliceData>> {
+        match self.0.binary_search_by(|(n, _)| n.as_str().cmp(&name)) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, slice)),
+            Err(i) => {
+                self.0.insert(i, (name, slice));
+                self.0.shrink_to_fit();
+                None
+            }
+        }
+    }
+
+    fn remove(&mut self, name: &str) -> Option<Arc<SliceData>> {
+        let i = self
+            .0
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()?;
+        Some(self.0.remove(i).1)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &SliceData> {
+        self.0.iter().map(|(_, s)| &**s)
+    }
+}
+
 fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
     old.is_none_or(|old| !Arc::ptr_eq(&old, new) && *old != **new)
 }
 
-fn service_name(svc: &Service) -> Option<ServiceName> {
-    let name = svc.metadata.name.clone()?;
+fn service_name(svc: &ServiceData) -> Option<ServiceName> {
+    let name = svc.name.clone()?;
     let namespace = svc
-        .metadata
         .namespace
         .clone()
         .unwrap_or_else(|| "default".to_owned());
@@ -460,7 +493,7 @@ fn slice_key(slice: &SliceData) -> Option<(ServiceName, String)> {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
     use serde_json::{Value, json};
 
     use super::*;
@@ -590,7 +623,7 @@ mod tests {
         ];
         for seed in 1..=40u64 {
             let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
-            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut services: BTreeMap<u32, Arc<ServiceData>> = BTreeMap::new();
             let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
             let node = NodeContext {
                 scheduler: Default::default(),
@@ -614,7 +647,10 @@ mod tests {
                             services.remove(&i);
                         }
                         1 | 2 => {
-                            services.insert(i, Arc::new(random_lb_service(&mut rng, i)));
+                            services.insert(
+                                i,
+                                Arc::new(ServiceData::from(&random_lb_service(&mut rng, i))),
+                            );
                         }
                         3 => {
                             slices.remove(&(i, rng.below(2)));
@@ -672,7 +708,7 @@ mod tests {
                 let versions = |s: &Snapshot| {
                     let services = names(
                         (s.services.iter())
-                            .map(|o| Some((service_name(o)?, serde_json::to_string(&**o).ok()?)))
+                            .map(|o| Some((service_name(o)?, format!("{o:?}"))))
                             .collect(),
                     );
                     let slices = names(
@@ -760,7 +796,7 @@ mod tests {
     fn cache_equals_full_translation_over_random_changes() {
         for seed in 1..=40u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut services: BTreeMap<u32, Arc<Service>> = BTreeMap::new();
+            let mut services: BTreeMap<u32, Arc<ServiceData>> = BTreeMap::new();
             let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
             let mut node = NodeContext {
                 scheduler: Default::default(),
@@ -780,7 +816,10 @@ mod tests {
                             services.remove(&i);
                         }
                         1 | 2 => {
-                            services.insert(i, Arc::new(random_service(&mut rng, i)));
+                            services.insert(
+                                i,
+                                Arc::new(ServiceData::from(random_service(&mut rng, i))),
+                            );
                         }
                         3 => {
                             slices.remove(&(i, rng.below(2)));
@@ -853,7 +892,7 @@ mod tests {
         let n = 3_000;
         let snapshot = Snapshot {
             services: (0..n)
-                .map(|i| Arc::new(random_service(&mut rng, i)))
+                .map(|i| Arc::new(ServiceData::from(random_service(&mut rng, i))))
                 .collect(),
             endpoint_slices: (0..n)
                 .flat_map(|i| [0, 1].map(|part| (i, part)))
@@ -878,11 +917,11 @@ mod tests {
     #[test]
     fn only_the_changed_service_is_translated_again() {
         let mut rng = Rng(7);
-        let services: Vec<Arc<Service>> = (0..50)
+        let services: Vec<Arc<ServiceData>> = (0..50)
             .map(|i| {
                 let mut s = random_service(&mut rng, i);
                 s.spec.as_mut().expect("spec").cluster_ip = Some(format!("10.97.0.{}", i + 1));
-                Arc::new(s)
+                Arc::new(ServiceData::from(s))
             })
             .collect();
         let api_slices: Vec<EndpointSlice> =
@@ -922,14 +961,13 @@ mod tests {
         );
     }
 
-    fn named(namespace: &str, name: &str, created: &str, spec: Value) -> Arc<Service> {
-        Arc::new(
-            serde_json::from_value(json!({
-                "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
-                "spec": spec,
-            }))
-            .expect("Service fixture"),
-        )
+    fn named(namespace: &str, name: &str, created: &str, spec: Value) -> Arc<ServiceData> {
+        let svc: Service = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+            "spec": spec,
+        }))
+        .expect("Service fixture");
+        Arc::new(ServiceData::from(svc))
     }
 
     fn holder(cache: &TranslateCache, frontend: Frontend) -> Option<String> {
@@ -956,7 +994,7 @@ mod tests {
         let oldest = named("c", "oldest", "2025-01-01T00:00:00Z", spec("10.96.0.3"));
         let node = NodeContext::default();
         let mut cache = TranslateCache::new();
-        let mut step = |services: Vec<Arc<Service>>| {
+        let mut step = |services: Vec<Arc<ServiceData>>| {
             let snapshot = Snapshot {
                 services,
                 endpoint_slices: Vec::new(),
@@ -995,7 +1033,8 @@ mod tests {
         assert!(changes.iter().any(|c| c.frontend == ext), "{changes:?}");
         // The loser changes (its endpoints or spec): the frontend stays with the winner.
         let mut changed = (*new).clone();
-        changed.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        changed.resource_version = Some("2".to_owned());
+        changed.fingerprint ^= 1;
         let (h, changes, _) = step(vec![Arc::new(changed), oldest]);
         assert_eq!(h.as_deref(), Some("c/oldest"));
         assert!(changes.iter().all(|c| c.frontend != ext), "{changes:?}");

@@ -806,7 +806,7 @@ mod tests {
             "nothing changed since the commit"
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
-        snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")));
+        snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")).into());
         snap.endpoint_slices[0] = Arc::new(SliceData::from(&slice(
             "a-1",
             "a",

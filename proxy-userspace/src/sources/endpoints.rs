@@ -160,9 +160,18 @@ struct SliceEndpoint {
     ready: bool,
     serving: bool,
     terminating: bool,
-    zone_hints: BTreeSet<String>,
+    /// `hints` (`None`: neither zone nor node hints, as for most endpoints: this keeps an
+    /// endpoint at 32 bytes, half a million of them at 50,000 Services).
+    hints: Option<Box<Hints>>,
+}
+
+/// An endpoint's topology hints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Hints {
+    /// `hints.forZones[].name`.
+    zones: BTreeSet<String>,
     /// `hints.forNodes[].name` (empty: no node hints).
-    node_hints: Box<[String]>,
+    nodes: Box<[String]>,
 }
 
 /// The snapshot's IPv4 EndpointSlices grouped by Service.
@@ -253,10 +262,10 @@ impl<'a> SliceIndex<'a> {
                     ready: ep.ready,
                     serving: ep.serving,
                     terminating: ep.terminating,
-                    zone_hints: ep.zone_hints.clone(),
-                    has_node_hints: !ep.node_hints.is_empty(),
+                    zone_hints: (ep.hints.as_ref()).map_or_else(BTreeSet::new, |h| h.zones.clone()),
+                    has_node_hints: ep.hints.as_ref().is_some_and(|h| !h.nodes.is_empty()),
                     hinted_for_node: !node_name.is_empty()
-                        && ep.node_hints.iter().any(|n| n == node_name),
+                        && (ep.hints.iter()).any(|h| h.nodes.iter().any(|n| n == node_name)),
                 };
                 match out.get(&endpoint) {
                     Some(_) if !info.local => {}
@@ -331,19 +340,21 @@ fn slice_endpoint<'a>(
         ready,
         serving: c.and_then(|c| c.serving).unwrap_or(ready),
         terminating: c.and_then(|c| c.terminating).unwrap_or(false),
-        zone_hints: ep
-            .hints
-            .as_ref()
-            .and_then(|h| h.for_zones.as_ref())
-            .map(|z| z.iter().map(|z| z.name.clone()).collect())
-            .unwrap_or_default(),
-        node_hints: ep
-            .hints
-            .as_ref()
-            .and_then(|h| h.for_nodes.as_ref())
-            .map(|n| n.iter().map(|n| n.name.clone()).collect())
-            .unwrap_or_default(),
+        hints: hints(ep),
     }
+}
+
+fn hints(ep: &Endpoint) -> Option<Box<Hints>> {
+    let h = ep.hints.as_ref()?;
+    let hints = Hints {
+        zones: (h.for_zones.iter().flatten())
+            .map(|z| z.name.clone())
+            .collect(),
+        nodes: (h.for_nodes.iter().flatten())
+            .map(|n| n.name.clone())
+            .collect(),
+    };
+    (!hints.zones.is_empty() || !hints.nodes.is_empty()).then(|| Box::new(hints))
 }
 
 #[cfg(test)]

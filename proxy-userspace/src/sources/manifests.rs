@@ -28,7 +28,7 @@ use serde_json::Value;
 
 use crate::{
     pipeline::model::Problem,
-    sources::{endpoints::SliceData, snapshot::Snapshot},
+    sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot},
 };
 
 /// File name endings read from the folder.
@@ -157,6 +157,7 @@ impl Loader {
         match (api_version.as_str(), kind.as_str()) {
             (Service::API_VERSION, Service::KIND) => {
                 if let Some(svc) = self.object::<Service>(path, label, value) {
+                    let svc = ServiceData::from(&svc);
                     self.out.snapshot.services.push(Arc::new(svc));
                 }
             }
@@ -407,8 +408,7 @@ mod tests {
                          IPv4\nendpoints:\n- addresses: [10.0.0.1]\n";
 
     fn names(load: &ManifestLoad) -> Vec<String> {
-        let svcs =
-            (load.snapshot.services.iter()).map(|s| (&s.metadata.namespace, &s.metadata.name));
+        let svcs = (load.snapshot.services.iter()).map(|s| (&s.namespace, &s.name));
         let slices = (load.snapshot.endpoint_slices.iter()).map(|s| (&s.namespace, &s.name));
         svcs.chain(slices)
             .map(|(namespace, name)| {
@@ -599,8 +599,11 @@ mod tests {
         ]);
         let load = load_dir(&dir.0);
         assert_eq!(load.snapshot.services.len(), 1);
-        let spec = load.snapshot.services[0].spec.as_ref().expect("spec");
-        assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
+        let ips = &load.snapshot.services[0].cluster_ips;
+        assert_eq!(
+            ips.iter().map(|ip| &**ip).collect::<Vec<_>>(),
+            ["10.96.0.1"]
+        );
         let [p] = load.problems.as_slice() else {
             panic!("{:?}", load.problems)
         };

@@ -11,6 +11,7 @@ pub mod endpoints;
 pub mod kube;
 pub mod manifests;
 pub mod object_version;
+pub mod services;
 pub mod snapshot;
 
 use std::{path::PathBuf, time::Duration};

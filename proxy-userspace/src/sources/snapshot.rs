@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
-use crate::sources::endpoints::SliceData;
+use crate::sources::{endpoints::SliceData, services::ServiceData};
 
 /// All Services and EndpointSlices a source knows at one moment. `translate` reads only this, so
 /// both sources feed the same pure code. Every object has a name and a namespace (sources fill
@@ -16,16 +16,20 @@ use crate::sources::endpoints::SliceData;
 /// Services to translate again).
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
-    pub services: Vec<Arc<Service>>,
+    /// Services as kept by the sources (converted on arrival, see [`ServiceData`]).
+    pub services: Vec<Arc<ServiceData>>,
     /// EndpointSlices as kept by the sources (parsed on arrival, see [`SliceData`]).
     pub endpoint_slices: Vec<Arc<SliceData>>,
 }
 
 impl Snapshot {
-    /// A snapshot owning the given objects (the slices converted as the sources do).
+    /// A snapshot owning the given objects (converted as the sources do).
     pub fn new(services: Vec<Service>, endpoint_slices: Vec<EndpointSlice>) -> Self {
         Self {
-            services: services.into_iter().map(Arc::new).collect(),
+            services: services
+                .iter()
+                .map(|s| Arc::new(ServiceData::from(s)))
+                .collect(),
             endpoint_slices: endpoint_slices
                 .iter()
                 .map(|s| Arc::new(SliceData::from(s)))

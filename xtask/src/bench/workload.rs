@@ -84,7 +84,7 @@ pub fn generated(n: usize) -> Vec<SvcSpec> {
 pub fn snapshot(specs: &[SvcSpec]) -> Snapshot {
     let mut snap = Snapshot::default();
     for s in specs {
-        snap.services.push(std::sync::Arc::new(service(s)));
+        snap.services.push(std::sync::Arc::new(service(s).into()));
         snap.endpoint_slices
             .push(std::sync::Arc::new(SliceData::from(&slice(s))));
     }

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::{
     Client,
     runtime::events::{Event, EventType, Recorder, Reporter},
@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use crate::{
     pipeline::{model::FrontendConflict, translate},
-    sources::snapshot::Snapshot,
+    sources::{services::ServiceData, snapshot::Snapshot},
 };
 
 /// The reporting controller's name on our Events.
@@ -66,7 +66,7 @@ impl ConflictEvents {
         let uids: BTreeMap<ServiceKey, Option<String>> = snapshot
             .services
             .iter()
-            .filter_map(|s| Some((key_of(s)?, s.metadata.uid.clone())))
+            .filter_map(|s| Some((key_of(s)?, s.uid.clone())))
             .collect();
         let reference = |key: &ServiceKey| ObjectReference {
             api_version: Some("v1".into()),
@@ -93,13 +93,9 @@ fn service_key(s: &crate::pipeline::model::ServicePortName) -> ServiceKey {
     (s.namespace.clone(), s.name.clone())
 }
 
-fn key_of(svc: &Service) -> Option<ServiceKey> {
-    let namespace = svc
-        .metadata
-        .namespace
-        .clone()
-        .unwrap_or_else(|| "default".into());
-    Some((namespace, svc.metadata.name.clone()?))
+fn key_of(svc: &ServiceData) -> Option<ServiceKey> {
+    let namespace = svc.namespace.clone().unwrap_or_else(|| "default".into());
+    Some((namespace, svc.name.clone()?))
 }
 
 /// `s` cut to at most `max` bytes on a character boundary (with "…" when cut).
@@ -194,12 +190,12 @@ mod tests {
     #[test]
     fn one_event_per_appearance_and_pair_with_the_services_uids() {
         let svc = |ns: &str, name: &str, uid: &str| {
-            Arc::new(
-                serde_json::from_value::<Service>(
+            Arc::new(ServiceData::from(
+                serde_json::from_value::<k8s_openapi::api::core::v1::Service>(
                     json!({"metadata": {"namespace": ns, "name": name, "uid": uid}}),
                 )
                 .expect("Service"),
-            )
+            ))
         };
         let snapshot = Snapshot {
             services: vec![

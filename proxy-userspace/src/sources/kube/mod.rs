@@ -47,7 +47,7 @@ use serde::de::DeserializeOwned;
 use tokio::{sync::Notify, task::JoinHandle};
 use tracing::{debug, info, warn};
 
-use crate::sources::{endpoints::SliceData, snapshot::Snapshot};
+use crate::sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot};
 
 /// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
 /// sent to us.
@@ -125,7 +125,7 @@ impl Connection {
 
 /// The three reflectors and what they know.
 pub struct KubeSource {
-    services: Store<Service>,
+    services: Store<ServiceData>,
     slices: Store<SliceData>,
     node: Store<Node>,
     /// The cluster's ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+); stays empty
@@ -146,7 +146,7 @@ impl KubeSource {
             watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
             |mut svc| {
                 prune::service(&mut svc);
-                svc
+                ServiceData::from(&svc)
             },
             changed.clone(),
             reachability.clone(),

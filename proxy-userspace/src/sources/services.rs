@@ -1,0 +1,269 @@
+//! Services as the sources keep them: each API `Service` converted on arrival into a
+//! [`ServiceData`] holding only what translation, metrics and Events read (a k8s-openapi `Service`
+//! is about 830 bytes before any string; this is a third of that), like
+//! [`crate::sources::endpoints::SliceData`] for EndpointSlices.
+//!
+//! Nothing is interpreted here (no parsing, no problems): translate reads the raw values and
+//! reports what is wrong with them, naming the Service, exactly as it did from the API object.
+
+use std::borrow::Cow;
+
+use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
+
+use crate::sources::object_version;
+
+/// Label marking a Service as owned by another proxy.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Legacy annotation for loadBalancerSourceRanges (comma-separated), used when the field is empty.
+pub const ANNOTATION_LB_SOURCE_RANGES: &str =
+    "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// Annotation choosing the Service's load-balancing scheduler (a name
+/// [`crate::pipeline::model::Scheduler::parse`] takes: ours or an IPVS alias); wins over the
+/// node's `--scheduler` / `ipvs.scheduler`.
+pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
+
+/// A Service as the sources keep it. Equal Services give equal values (the translation cache
+/// compares a new `Arc` by value).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceData {
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// For the Events naming this Service.
+    pub uid: Option<String>,
+    pub resource_version: Option<String>,
+    /// Identifies this version of the object (see [`object_version::fingerprint`]).
+    pub fingerprint: u64,
+    /// `metadata.creationTimestamp` (the older Service wins a contested frontend).
+    pub created: Option<Timestamp>,
+    /// The `service.kubernetes.io/service-proxy-name` label is set (another proxy's Service).
+    pub other_proxy: bool,
+    /// The scheduler annotation, as written.
+    pub scheduler_annotation: Option<Box<str>>,
+    /// The legacy loadBalancerSourceRanges annotation, as written.
+    pub source_ranges_annotation: Option<Box<str>>,
+    /// `spec.type`.
+    pub type_: Option<Box<str>>,
+    /// `spec.clusterIPs`, or `spec.clusterIP` when clusterIPs is absent or empty.
+    pub cluster_ips: Box<[Box<str>]>,
+    pub external_ips: Box<[Box<str>]>,
+    pub load_balancer_source_ranges: Box<[Box<str>]>,
+    pub external_traffic_policy: Option<Box<str>>,
+    pub internal_traffic_policy: Option<Box<str>>,
+    pub health_check_node_port: Option<i32>,
+    pub session_affinity: Option<Box<str>>,
+    /// `spec.sessionAffinityConfig.clientIP.timeoutSeconds`.
+    pub affinity_timeout_seconds: Option<i32>,
+    pub ports: Box<[ServicePortData]>,
+    /// `status.loadBalancer.ingress[].ip` of the entries whose ipMode is not `Proxy`.
+    pub lb_ingress_ips: Box<[Box<str>]>,
+}
+
+/// One `spec.ports[]` entry.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServicePortData {
+    pub name: Option<Box<str>>,
+    pub protocol: Option<Box<str>>,
+    pub port: i32,
+    pub node_port: Option<i32>,
+}
+
+fn boxed(s: &Option<String>) -> Option<Box<str>> {
+    s.as_deref().map(Into::into)
+}
+
+fn all(v: &Option<Vec<String>>) -> Box<[Box<str>]> {
+    v.iter().flatten().map(|s| s.as_str().into()).collect()
+}
+
+impl From<&Service> for ServiceData {
+    fn from(svc: &Service) -> Self {
+        let meta = &svc.metadata;
+        let annotation = |key: &str| {
+            meta.annotations
+                .as_ref()
+                .and_then(|a| a.get(key))
+                .map(|v| v.as_str().into())
+        };
+        let mut out = Self {
+            namespace: meta.namespace.clone(),
+            name: meta.name.clone(),
+            uid: meta.uid.clone(),
+            resource_version: meta.resource_version.clone(),
+            fingerprint: object_version::fingerprint(svc),
+            created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            other_proxy: meta
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME)),
+            scheduler_annotation: annotation(ANNOTATION_SCHEDULER),
+            source_ranges_annotation: annotation(ANNOTATION_LB_SOURCE_RANGES),
+            lb_ingress_ips: (svc.status.iter())
+                .flat_map(|s| s.load_balancer.iter())
+                .flat_map(|lb| lb.ingress.iter().flatten())
+                .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+                .filter_map(|i| i.ip.as_deref().map(Into::into))
+                .collect(),
+            ..Self::default()
+        };
+        if let Some(spec) = &svc.spec {
+            out.type_ = boxed(&spec.type_);
+            out.cluster_ips = match &spec.cluster_ips {
+                Some(ips) if !ips.is_empty() => all(&spec.cluster_ips),
+                _ => spec.cluster_ip.iter().map(|s| s.as_str().into()).collect(),
+            };
+            out.external_ips = all(&spec.external_ips);
+            out.load_balancer_source_ranges = all(&spec.load_balancer_source_ranges);
+            out.external_traffic_policy = boxed(&spec.external_traffic_policy);
+            out.internal_traffic_policy = boxed(&spec.internal_traffic_policy);
+            out.health_check_node_port = spec.health_check_node_port;
+            out.session_affinity = boxed(&spec.session_affinity);
+            out.affinity_timeout_seconds = (spec.session_affinity_config.as_ref())
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            out.ports = (spec.ports.iter().flatten())
+                .map(|p| ServicePortData {
+                    name: boxed(&p.name),
+                    protocol: boxed(&p.protocol),
+                    port: p.port,
+                    node_port: p.node_port,
+                })
+                .collect();
+        }
+        out
+    }
+}
+
+impl From<Service> for ServiceData {
+    fn from(svc: Service) -> Self {
+        Self::from(&svc)
+    }
+}
+
+impl ServiceData {
+    /// `namespace/name` for messages (`default` and `?` where missing).
+    pub fn namespaced_name(&self) -> String {
+        format!(
+            "{}/{}",
+            self.namespace.as_deref().unwrap_or("default"),
+            self.name.as_deref().unwrap_or("?")
+        )
+    }
+}
+
+/// The reflector store keys objects by kind, name and namespace (no `ObjectMeta` here).
+impl kube::runtime::reflector::Lookup for ServiceData {
+    type DynamicType = ();
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("Service")
+    }
+
+    fn group(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+
+    fn version(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("v1")
+    }
+
+    fn plural(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("services")
+    }
+
+    fn name(&self) -> Option<Cow<'_, str>> {
+        self.name.as_deref().map(Cow::Borrowed)
+    }
+
+    fn namespace(&self) -> Option<Cow<'_, str>> {
+        self.namespace.as_deref().map(Cow::Borrowed)
+    }
+
+    fn resource_version(&self) -> Option<Cow<'_, str>> {
+        self.resource_version.as_deref().map(Cow::Borrowed)
+    }
+
+    fn uid(&self) -> Option<Cow<'_, str>> {
+        self.uid.as_deref().map(Cow::Borrowed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn service(v: serde_json::Value) -> ServiceData {
+        ServiceData::from(serde_json::from_value::<Service>(v).expect("Service fixture"))
+    }
+
+    /// What translate reads survives the conversion, raw (translate reports bad values).
+    #[test]
+    fn keeps_what_translate_reads_raw() {
+        let svc = service(json!({
+            "metadata": {"name": "web", "namespace": "demo", "uid": "u-1",
+                "resourceVersion": "7", "creationTimestamp": "2026-01-01T00:00:00Z",
+                "labels": {"app": "web"},
+                "annotations": {ANNOTATION_SCHEDULER: " mh ", "other": "x"}},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.1", "clusterIPs": [],
+                "externalIPs": ["192.0.2.1", "not-an-ip"], "selector": {"app": "web"},
+                "externalTrafficPolicy": "Local", "healthCheckNodePort": 30000,
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}},
+                "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "SCTP"}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.9", "ipMode": "VIP"},
+                {"ip": "192.0.2.10", "ipMode": "Proxy"}, {"hostname": "lb.example"}]}},
+        }));
+        let strs = |v: &[Box<str>]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(svc.namespaced_name(), "demo/web");
+        assert_eq!(svc.uid.as_deref(), Some("u-1"));
+        assert!(svc.created.is_some());
+        assert!(!svc.other_proxy);
+        assert_eq!(
+            svc.scheduler_annotation.as_deref(),
+            Some(" mh "),
+            "untrimmed"
+        );
+        assert_eq!(
+            strs(&svc.cluster_ips),
+            ["10.96.0.1"],
+            "empty clusterIPs: clusterIP"
+        );
+        assert_eq!(strs(&svc.external_ips), ["192.0.2.1", "not-an-ip"]);
+        assert_eq!(
+            strs(&svc.lb_ingress_ips),
+            ["192.0.2.9"],
+            "ipMode Proxy left out"
+        );
+        assert_eq!(
+            svc.affinity_timeout_seconds,
+            Some(0),
+            "kept for translate to refuse"
+        );
+        assert_eq!(
+            &*svc.ports,
+            [ServicePortData {
+                name: Some("http".into()),
+                protocol: Some("SCTP".into()),
+                port: 80,
+                node_port: Some(30080),
+            }]
+        );
+        assert_eq!(svc.health_check_node_port, Some(30000));
+    }
+
+    /// A new resourceVersion is a new version even when nothing translate reads changed (the
+    /// translation cache and metrics compare fingerprints).
+    #[test]
+    fn the_fingerprint_follows_the_object_version() {
+        let at = |rv: &str| {
+            service(
+                json!({"metadata": {"name": "a", "namespace": "n", "resourceVersion": rv},
+                "spec": {"clusterIP": "10.96.0.1"}}),
+            )
+        };
+        assert_eq!(at("1"), at("1"));
+        assert_ne!(at("1").fingerprint, at("2").fingerprint);
+        assert_ne!(at("1"), at("2"));
+    }
+}
