@@ -18,7 +18,7 @@ use kube_proxy_ebpf::{
     agent::{Agent, SyncParts},
     dataplane::{bpffs::PinLayout, interfaces::Patterns},
     pipeline::translate::NodeContext,
-    sources::{endpoints::SliceData, snapshot::Snapshot},
+    sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot},
 };
 use proxy_common::{DatapathConfig, Scheduler, SockLbConfig};
 
@@ -124,7 +124,9 @@ impl Cluster {
 
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            services: self.services.iter().cloned().map(Arc::new).collect(),
+            services: (self.services.iter())
+                .map(|s| Arc::new(ServiceData::from(s)))
+                .collect(),
             endpoint_slices: (self.slices.iter())
                 .map(|s| Arc::new(SliceData::from(s)))
                 .collect(),
@@ -182,13 +184,9 @@ impl Samples {
 
 /// CLOCK_THREAD_CPUTIME_ID.
 fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for the call to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
 }
 
 /// Part (a): in process.
@@ -210,6 +208,7 @@ pub fn in_process(services: usize, endpoints: usize, changes: usize) -> Result<(
         Patterns::parse(""),
         sizes,
         SockLbConfig::default(),
+        kube_proxy_ebpf::dataplane::bpf_log::BpfLog::Off,
     )
     .context("starting the agent's datapath (root needed)")?;
     let mut cluster = Cluster::new(services, endpoints);
