@@ -189,8 +189,13 @@ fn thread_cpu() -> Duration {
         .unwrap_or_default()
 }
 
-/// Part (a): in process.
-pub fn in_process(services: usize, endpoints: usize, changes: usize) -> Result<()> {
+/// Part (a): in process, every Service scheduled by `scheduler` (the node's default).
+pub fn in_process(
+    services: usize,
+    endpoints: usize,
+    changes: usize,
+    scheduler: Scheduler,
+) -> Result<()> {
     proxy_testenv::ensure_bpffs()?;
     let pin_dir =
         proxy_testenv::PinDir::new(&format!("kpe-change-latency-{}", std::process::id()))?;
@@ -198,7 +203,7 @@ pub fn in_process(services: usize, endpoints: usize, changes: usize) -> Result<(
     let node = NodeContext {
         node_name: "bench-node".into(),
         zone: None,
-        scheduler: Scheduler::Random,
+        scheduler,
     };
     let sizes = inproc::sizes_for(services * endpoints.div_ceil(10).max(1) * 2);
     let mut agent = Agent::start(

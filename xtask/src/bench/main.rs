@@ -65,6 +65,10 @@ enum Command {
         endpoints: usize,
         #[arg(long, default_value_t = 200)]
         changes: usize,
+        /// The node's scheduler for the in-process part (`mh`: every Service has a Maglev
+        /// table).
+        #[arg(long, default_value = "random", value_parser = parse_scheduler)]
+        scheduler: proxy_common::Scheduler,
         /// The release agent binary: also measure end to end (API event → map write).
         #[arg(long)]
         agent_bin: Option<PathBuf>,
@@ -228,10 +232,11 @@ fn main() -> std::process::ExitCode {
             services,
             endpoints,
             changes,
+            scheduler,
             agent_bin,
         } => {
             let (endpoints, changes) = (endpoints.clamp(1, 60), changes.clamp(1, 100_000));
-            change::in_process(services, endpoints, changes).and_then(|()| match &agent_bin {
+            change::in_process(services, endpoints, changes, scheduler).and_then(|()| match &agent_bin {
                 Some(bin) => change::end_to_end(services, endpoints, changes, bin),
                 None => Ok(()),
             })
@@ -435,4 +440,8 @@ fn tool_version(tool: &str, args: &[&str]) -> Value {
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .into()
+}
+
+fn parse_scheduler(name: &str) -> Result<proxy_common::Scheduler, String> {
+    proxy_common::Scheduler::parse(name).ok_or_else(|| format!("unknown scheduler {name:?}"))
 }
