@@ -1517,9 +1517,23 @@ mod tests {
             if in_cluster {
                 fr = fr.in_cluster();
             }
-            match rng.below(5) {
+            match rng.below(6) {
                 0 => {
                     d.frontends.remove(&fr);
+                }
+                1 if !d.frontends.is_empty() => {
+                    // Takes another frontend's backend set (and scheduler): two Maglev frontends
+                    // of one set share a table.
+                    let n = rng.below(d.frontends.len() as u32) as usize;
+                    let other = d.frontends.values().nth(n).expect("n < len").clone();
+                    let df = d
+                        .frontends
+                        .entry(fr)
+                        .or_insert_with(|| dfe(f, vec![], vec![]).into());
+                    let df = Arc::make_mut(df);
+                    df.backends = other.backends.clone();
+                    df.retained = other.retained.clone();
+                    df.balancing.scheduler = other.balancing.scheduler;
                 }
                 _ => {
                     let df = d.frontends.entry(fr).or_insert_with(|| {
@@ -1592,6 +1606,9 @@ mod tests {
         };
         let mut incremental = 0;
         let mut steps = 0;
+        // Incremental plans that wrote a Maglev table, deleted one, and after which two
+        // frontends share one.
+        let (mut table_puts, mut table_deletes, mut shared) = (0, 0, 0);
         for seed in 1..=80u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xa5a5);
             let caps = if seed.is_multiple_of(4) { small } else { CAPS };
@@ -1621,6 +1638,18 @@ mod tests {
                 if let Some(inc) = planner.plan_changes(&d, &inc_p, &caps) {
                     incremental += 1;
                     assert_eq!(inc, full, "seed {seed} step {step}");
+                    let has = |f: fn(&MapOp) -> bool| inc.ops.iter().any(f);
+                    table_puts += usize::from(has(|op| matches!(op, MapOp::PutMaglevTable { .. })));
+                    table_deletes +=
+                        usize::from(has(|op| matches!(op, MapOp::DeleteMaglevTable { .. })));
+                    let mut after = inc_p.clone();
+                    inc.ops.iter().for_each(|op| after.apply(op));
+                    let mut named: Vec<u32> = (after.services.iter())
+                        .filter(|(k, v)| k.slot == 0 && v.maglev_table != 0)
+                        .map(|(_, v)| v.maglev_table)
+                        .collect();
+                    named.sort_unstable();
+                    shared += usize::from(named.windows(2).any(|w| w[0] == w[1]));
                 }
                 let inc = planner.plan(&d, &inc_p, &caps, false);
                 assert_eq!(inc, full, "seed {seed} step {step}");
@@ -1643,6 +1672,11 @@ mod tests {
         assert!(
             incremental * 2 > steps,
             "the incremental path ran in only {incremental} of {steps} steps"
+        );
+        assert!(
+            table_puts > 100 && table_deletes > 100 && shared > 100,
+            "Maglev tables in incremental plans: {table_puts} with a put, {table_deletes} with a \
+             delete, {shared} leaving a shared table"
         );
     }
 
@@ -1706,9 +1740,8 @@ mod tests {
         {
             let changes = cache.update(&snapshot(annotation), &node, &[node_addr], false);
             planner.desired_changes(&changes, cache.desired());
-            // A change to or from Maglev is the full planner's (its tables); any other change
-            // of the annotation alone the incremental planner takes.
-            let maglev_involved = want == code::MAGLEV || codes(&p).contains(&code::MAGLEV);
+            // Every change of the annotation alone, to or from Maglev included, the incremental
+            // planner takes.
             let plan = if step == 0 {
                 planner.plan(cache.desired(), &p, &CAPS, true)
             } else {
@@ -1717,7 +1750,6 @@ mod tests {
                         assert_eq!(plan, plan_full(cache.desired(), &p), "step {step}");
                         plan
                     }
-                    None if maglev_involved => planner.plan(cache.desired(), &p, &CAPS, true),
                     None => panic!("step {step}: the incremental planner declined"),
                 }
             };

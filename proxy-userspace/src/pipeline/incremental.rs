@@ -9,15 +9,24 @@
 //! Where the shortcut could differ from the full plan it declines and the full plan runs:
 //! the first plan, after a failed write, while a frontend is skipped for capacity, when the maps
 //! hold leftovers (two backend ids for one endpoint, a shared rev-NAT id), when the changed
-//! frontends do not all fit, and when a change involves a Maglev frontend.
+//! frontends do not all fit, when a new Maglev table does not fit, and when the maps hold two
+//! Maglev tables of one content (an adopted leftover).
+//!
+//! Maglev tables are planned as `diff::plan` does, for the changed frontends only: a frontend
+//! keeps its table while it holds what it needs, else takes the smallest programmed table of that
+//! content (the index `table_ids`), else the one this plan writes, else a new one (smallest free
+//! id); a table goes when the last frontend entry naming it does (`table_refs`). That equals the
+//! full plan because after any applied plan every programmed Maglev frontend names a table of
+//! exactly its backends and every table is named.
 
 use std::{
     cmp::Reverse,
     collections::{BTreeMap, BTreeSet},
+    sync::Arc,
 };
 
 use proxy_common::{
-    AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue, sched,
+    AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue,
 };
 
 use crate::{
@@ -25,6 +34,7 @@ use crate::{
         diff::{self, Plan},
         encode,
         fast_hash::{HashMap, HashSet},
+        maglev::MaglevTable,
         model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
         programmed::{Capacities, MapOp, Programmed},
         translate_cache::FrontendChange,
@@ -165,6 +175,17 @@ impl PartialEq for RefCounts {
     }
 }
 
+/// A changed frontend the plan carries: frontend, its slot-0 key, desired value, programmed
+/// entry, rev-NAT id, backend ids of its slots.
+type Accepted<'a> = (
+    Frontend,
+    ServiceKey,
+    &'a Arc<DesiredFrontend>,
+    Option<ServiceValue>,
+    u32,
+    Vec<u32>,
+);
+
 /// Indexes over the programmed shadow and the desired state, and what changed since the last
 /// plan.
 #[derive(Debug)]
@@ -180,6 +201,15 @@ pub struct Planner {
     free_backend_ids: FreeIds,
     free_rev_nat_ids: FreeIds,
     frontends: usize,
+    /// Maglev table content → its smallest programmed id.
+    table_ids: HashMap<Arc<MaglevTable>, u32>,
+    /// Programmed tables that are not their content's smallest id.
+    irregular_tables: HashSet<u32>,
+    /// Frontend entries naming each Maglev table id.
+    table_refs: RefCounts,
+    free_table_ids: FreeIds,
+    /// `MAGLEV_V1` chunks the programmed tables take.
+    table_chunks: u64,
     /// Desired side: how the frontends use each endpoint.
     endpoint_use: HashMap<EndpointAddr, EndpointUse>,
     /// Frontends whose desired value changed since the last applied plan.
@@ -201,6 +231,11 @@ impl Planner {
             free_backend_ids: FreeIds::default(),
             free_rev_nat_ids: FreeIds::default(),
             frontends: 0,
+            table_ids: HashMap::default(),
+            irregular_tables: HashSet::default(),
+            table_refs: RefCounts::default(),
+            free_table_ids: FreeIds::default(),
+            table_chunks: 0,
             endpoint_use: HashMap::default(),
             pending: BTreeSet::new(),
             touched: HashSet::default(),
@@ -209,9 +244,15 @@ impl Planner {
         let mut empty = Programmed::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
         backends.sort_by_key(|(id, _)| **id);
+        let mut tables: Vec<_> = programmed.maglev.iter().collect();
+        tables.sort_by_key(|(id, _)| **id);
         let ops = backends
             .into_iter()
             .map(|(&id, &backend)| MapOp::PutBackend { id, backend })
+            .chain(tables.into_iter().map(|(&id, table)| MapOp::PutMaglevTable {
+                id,
+                table: table.clone(),
+            }))
             .chain(
                 programmed
                     .rev_nats
@@ -241,6 +282,11 @@ impl Planner {
             && self.free_backend_ids == other.free_backend_ids
             && self.free_rev_nat_ids == other.free_rev_nat_ids
             && self.frontends == other.frontends
+            && self.table_ids == other.table_ids
+            && self.irregular_tables == other.irregular_tables
+            && self.table_refs == other.table_refs
+            && self.free_table_ids == other.free_table_ids
+            && self.table_chunks == other.table_chunks
     }
 
     /// Number of frontend entries (slot 0) programmed.
@@ -350,6 +396,10 @@ impl Planner {
                     self.frontends += 1;
                     self.rev_nat_refs.incr(value.rev_nat_id);
                     self.free_rev_nat_ids.take(value.rev_nat_id);
+                    if value.maglev_table != 0 {
+                        self.table_refs.incr(value.maglev_table);
+                        self.free_table_ids.take(value.maglev_table);
+                    }
                 } else {
                     self.slot_refs.incr(value.backend_id);
                     self.free_backend_ids.take(value.backend_id);
@@ -362,8 +412,21 @@ impl Planner {
             }
             // No index over them: a plan reads them from the shadow, per frontend.
             MapOp::PutAffinityMatch { .. } | MapOp::DeleteAffinityMatch { .. } => {}
-            // Maglev tables are planned by the full plan only (see `touches_maglev`).
-            MapOp::PutMaglevTable { .. } | MapOp::DeleteMaglevTable { .. } => {}
+            MapOp::PutMaglevTable { id, ref table } => {
+                if let Some(old) = programmed.maglev.get(&id) {
+                    self.unregister_table(programmed, id, old);
+                }
+                self.register_table(id, table);
+                self.free_table_ids.take(id);
+            }
+            MapOp::DeleteMaglevTable { id, .. } => {
+                if let Some(old) = programmed.maglev.get(&id) {
+                    self.unregister_table(programmed, id, old);
+                    if self.table_refs.get(id) == 0 {
+                        self.free_table_ids.give(id);
+                    }
+                }
+            }
         }
     }
 
@@ -396,6 +459,13 @@ impl Planner {
             if self.rev_nat_refs.decr(id) == Some(0) && !programmed.rev_nats.contains_key(&id) {
                 self.free_rev_nat_ids.give(id);
             }
+            let table = old.maglev_table;
+            if table != 0
+                && self.table_refs.decr(table) == Some(0)
+                && !programmed.maglev.contains_key(&table)
+            {
+                self.free_table_ids.give(table);
+            }
         } else {
             let id = old.backend_id;
             if self.slot_refs.decr(id) == Some(0) && !programmed.backends.contains_key(&id) {
@@ -421,6 +491,46 @@ impl Planner {
                 self.irregular_backends.insert(cur);
                 self.endpoint_ids.insert(ep, id);
             }
+        }
+    }
+
+    fn register_table(&mut self, id: u32, table: &Arc<MaglevTable>) {
+        self.table_chunks += u64::from(table.chunks());
+        match self.table_ids.get(table).copied() {
+            None => {
+                self.table_ids.insert(table.clone(), id);
+            }
+            Some(cur) if cur == id => {}
+            Some(cur) if cur < id => {
+                self.irregular_tables.insert(id);
+            }
+            Some(cur) => {
+                self.irregular_tables.insert(cur);
+                self.table_ids.insert(table.clone(), id);
+            }
+        }
+    }
+
+    /// Table `id` (holding `table`, still in `programmed`) goes or is replaced.
+    fn unregister_table(&mut self, programmed: &Programmed, id: u32, table: &Arc<MaglevTable>) {
+        self.table_chunks = self.table_chunks.saturating_sub(u64::from(table.chunks()));
+        if self.irregular_tables.remove(&id) {
+            return;
+        }
+        if self.table_ids.get(table) != Some(&id) {
+            return;
+        }
+        self.table_ids.remove(table);
+        // Another table of the same content (a leftover) becomes the content's id.
+        let next = self
+            .irregular_tables
+            .iter()
+            .copied()
+            .filter(|other| programmed.maglev.get(other).is_some_and(|t| t == table))
+            .min();
+        if let Some(next) = next {
+            self.irregular_tables.remove(&next);
+            self.table_ids.insert(programmed.maglev[&next].clone(), next);
         }
     }
 
@@ -452,6 +562,50 @@ impl Planner {
         }
     }
 
+    /// The Maglev table of each accepted frontend (0: none) and the new tables to write, as
+    /// `diff::assign_maglev_tables` gives them; `None` where a new table does not fit (the full
+    /// plan reports that) or no id is left.
+    fn assign_tables(
+        &self,
+        accepted: &[Accepted<'_>],
+        programmed: &Programmed,
+        caps: &Capacities,
+    ) -> Option<(Vec<u32>, Vec<(u32, Arc<MaglevTable>)>)> {
+        let mut tables = Vec::with_capacity(accepted.len());
+        let mut puts: Vec<(u32, Arc<MaglevTable>)> = Vec::new();
+        let mut planned: HashMap<Arc<MaglevTable>, u32> = HashMap::default();
+        let mut alloc = self.free_table_ids.iter();
+        let mut chunks = self.table_chunks;
+        for (_, _, df, entry, _, slot_ids) in accepted {
+            if !diff::wants_maglev(df) || slot_ids.is_empty() {
+                tables.push(0);
+                continue;
+            }
+            let want = diff::maglev_table(df, caps.maglev_table_size);
+            let current = entry
+                .map(|v| v.maglev_table)
+                .filter(|id| programmed.maglev.get(id).is_some_and(|t| **t == *want));
+            let found = current
+                .or_else(|| self.table_ids.get(&want).copied())
+                .or_else(|| planned.get(&want).copied());
+            let id = match found {
+                Some(id) => id,
+                None => {
+                    chunks += u64::from(want.chunks());
+                    if chunks > u64::from(caps.maglev_chunks) {
+                        return None;
+                    }
+                    let id = alloc.next()?;
+                    planned.insert(want.clone(), id);
+                    puts.push((id, want));
+                    id
+                }
+            };
+            tables.push(id);
+        }
+        Some((tables, puts))
+    }
+
     /// The plan for the pending frontends only, or `None` where it could differ from
     /// [`diff::plan`] (then [`Planner::plan`] runs the full one).
     pub fn plan_changes(
@@ -460,7 +614,10 @@ impl Planner {
         programmed: &Programmed,
         caps: &Capacities,
     ) -> Option<Plan> {
-        if self.needs_full || !self.irregular_backends.is_empty() {
+        if self.needs_full
+            || !self.irregular_backends.is_empty()
+            || !self.irregular_tables.is_empty()
+        {
             return None;
         }
         // Admission, as diff::plan: programmed frontends first, then new ones, in order.
@@ -470,9 +627,6 @@ impl Planner {
         for fe in &self.pending {
             let key = encode::service_key(fe, 0);
             let entry = programmed.services.get(&key).copied();
-            if touches_maglev(desired.frontends.get(fe).map(|d| &**d), entry.as_ref()) {
-                return None;
-            }
             match (desired.frontends.get(fe), entry) {
                 (Some(df), Some(v)) => existing.push((*fe, key, df, Some(v))),
                 (Some(df), None) => fresh.push((*fe, key, df, None)),
@@ -486,7 +640,7 @@ impl Planner {
         let mut new_backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
         let mut backend_alloc = self.free_backend_ids.iter();
         let mut rev_nat_alloc = self.free_rev_nat_ids.iter();
-        let mut accepted = Vec::new();
+        let mut accepted: Vec<Accepted<'_>> = Vec::new();
         for (fe, key, df, entry) in existing.into_iter().chain(fresh) {
             let count = u16::try_from(df.backends.len())
                 .ok()
@@ -544,6 +698,7 @@ impl Planner {
             accepted.push((fe, key, df, entry, rev_nat_id, slot_ids));
         }
         accepted.sort_by_key(|a| a.0);
+        let (tables, table_puts) = self.assign_tables(&accepted, programmed, caps)?;
         let id_of = |ep: &EndpointAddr| {
             self.endpoint_ids
                 .get(ep)
@@ -618,6 +773,12 @@ impl Planner {
                 ops.push(MapOp::PutRevNat { id, rev_nat });
             }
         }
+        // New Maglev tables: whole before any frontend entry names them.
+        ops.extend(
+            table_puts
+                .into_iter()
+                .map(|(id, table)| MapOp::PutMaglevTable { id, table }),
+        );
 
         // Phase 2: backend slots.
         let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
@@ -639,13 +800,25 @@ impl Planner {
         // Phase 3: frontend entries; removed frontends.
         let mut removed_slots = Vec::new();
         let mut dead_rev_nats = Vec::new();
-        for (fe, key, df, entry, rev_nat_id, slot_ids) in &accepted {
+        // Frontend entries naming each Maglev table, after this plan minus before (tables whose
+        // count drops to 0 go last).
+        let mut table_delta: HashMap<u32, i64> = HashMap::default();
+        for ((fe, key, df, entry, rev_nat_id, slot_ids), &table) in accepted.iter().zip(&tables) {
             let count = u16::try_from(slot_ids.len()).unwrap_or(u16::MAX);
+            let refs = encode::FrontendRefs {
+                maglev_table: table,
+                ..encode::frontend_refs(df)
+            };
             put_if_changed(
                 &mut ops,
                 *key,
-                encode::frontend_value(fe, df, count, *rev_nat_id, encode::frontend_refs(df)),
+                encode::frontend_value(fe, df, count, *rev_nat_id, refs),
             );
+            let old = entry.map_or(0, |v| v.maglev_table);
+            if old != table {
+                *table_delta.entry(old).or_default() -= 1;
+                *table_delta.entry(table).or_default() += 1;
+            }
             if let Some(v) = entry {
                 removed_slots.extend(
                     (count + 1..=v.count)
@@ -669,6 +842,7 @@ impl Planner {
                 return None;
             }
             dead_rev_nats.push(v.rev_nat_id);
+            *table_delta.entry(v.maglev_table).or_default() -= 1;
         }
 
         // Phase 4: slots beyond the new counts, highest first per frontend.
@@ -694,6 +868,17 @@ impl Planner {
                 .into_iter()
                 .map(|id| MapOp::DeleteBackend { id }),
         );
+        let mut dead_tables: Vec<(u32, u32)> = table_delta
+            .into_iter()
+            .filter(|&(id, delta)| id != 0 && i64::from(self.table_refs.get(id)) + delta == 0)
+            .filter_map(|(id, _)| Some((id, programmed.maglev.get(&id)?.chunks())))
+            .collect();
+        dead_tables.sort_unstable();
+        ops.extend(
+            dead_tables
+                .into_iter()
+                .map(|(id, chunks)| MapOp::DeleteMaglevTable { id, chunks }),
+        );
         Some(Plan {
             ops,
             skipped: Vec::new(),
@@ -701,14 +886,6 @@ impl Planner {
     }
 }
 
-/// Does a change of this frontend (desired value, programmed entry) involve a Maglev table?
-/// Then the full plan runs: tables are shared between frontends and allocated by backend set,
-/// which only the full plan sees whole. (A cost, not a correctness matter: a change to a Maglev
-/// Service replans every Service.)
-fn touches_maglev(desired: Option<&DesiredFrontend>, entry: Option<&ServiceValue>) -> bool {
-    desired.is_some_and(diff::wants_maglev)
-        || entry.is_some_and(|v| v.maglev_table != 0 || v.scheduler == sched::code::MAGLEV)
-}
 
 #[cfg(test)]
 mod tests {
