@@ -25,9 +25,7 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{
-    AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue,
-};
+use proxy_common::{AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
 
 use crate::{
     pipeline::{
@@ -186,6 +184,9 @@ type Accepted<'a> = (
     Vec<u32>,
 );
 
+/// A Maglev table to write: id and content.
+type TablePut = (u32, Arc<MaglevTable>);
+
 /// Indexes over the programmed shadow and the desired state, and what changed since the last
 /// plan.
 #[derive(Debug)]
@@ -249,10 +250,14 @@ impl Planner {
         let ops = backends
             .into_iter()
             .map(|(&id, &backend)| MapOp::PutBackend { id, backend })
-            .chain(tables.into_iter().map(|(&id, table)| MapOp::PutMaglevTable {
-                id,
-                table: table.clone(),
-            }))
+            .chain(
+                tables
+                    .into_iter()
+                    .map(|(&id, table)| MapOp::PutMaglevTable {
+                        id,
+                        table: table.clone(),
+                    }),
+            )
             .chain(
                 programmed
                     .rev_nats
@@ -530,7 +535,8 @@ impl Planner {
             .min();
         if let Some(next) = next {
             self.irregular_tables.remove(&next);
-            self.table_ids.insert(programmed.maglev[&next].clone(), next);
+            self.table_ids
+                .insert(programmed.maglev[&next].clone(), next);
         }
     }
 
@@ -570,9 +576,9 @@ impl Planner {
         accepted: &[Accepted<'_>],
         programmed: &Programmed,
         caps: &Capacities,
-    ) -> Option<(Vec<u32>, Vec<(u32, Arc<MaglevTable>)>)> {
+    ) -> Option<(Vec<u32>, Vec<TablePut>)> {
         let mut tables = Vec::with_capacity(accepted.len());
-        let mut puts: Vec<(u32, Arc<MaglevTable>)> = Vec::new();
+        let mut puts: Vec<TablePut> = Vec::new();
         let mut planned: HashMap<Arc<MaglevTable>, u32> = HashMap::default();
         let mut alloc = self.free_table_ids.iter();
         let mut chunks = self.table_chunks;
@@ -885,7 +891,6 @@ impl Planner {
         })
     }
 }
-
 
 #[cfg(test)]
 mod tests {

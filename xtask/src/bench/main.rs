@@ -236,9 +236,11 @@ fn main() -> std::process::ExitCode {
             agent_bin,
         } => {
             let (endpoints, changes) = (endpoints.clamp(1, 60), changes.clamp(1, 100_000));
-            change::in_process(services, endpoints, changes, scheduler).and_then(|()| match &agent_bin {
-                Some(bin) => change::end_to_end(services, endpoints, changes, bin),
-                None => Ok(()),
+            change::in_process(services, endpoints, changes, scheduler).and_then(|()| {
+                match &agent_bin {
+                    Some(bin) => change::end_to_end(services, endpoints, changes, bin),
+                    None => Ok(()),
+                }
             })
         }
         Command::MaglevMemory { services } => inproc::maglev_memory(services).map(|v| {
