@@ -1158,6 +1158,151 @@ mod tests {
         plan(d, p, &CAPS).ops
     }
 
+    /// Tell `planner` what changed from `prev` to `d`, plan incrementally (`None`: it
+    /// declined), and check the plan equals the full one; apply it op by op (checked).
+    fn incremental_step(
+        planner: &mut crate::pipeline::incremental::Planner,
+        prev: &DesiredState,
+        d: &DesiredState,
+        p: &mut Programmed,
+        caps: &Capacities,
+    ) -> Option<Plan> {
+        let keys: std::collections::BTreeSet<Frontend> = prev
+            .frontends
+            .keys()
+            .chain(d.frontends.keys())
+            .copied()
+            .collect();
+        for f in keys {
+            let (old, new) = (prev.frontends.get(&f), d.frontends.get(&f));
+            if old != new {
+                planner.desired_changed(f, old.map(|d| &**d), new.map(|d| &**d));
+            }
+        }
+        let inc = planner.plan_changes(d, p, caps);
+        let plan = inc
+            .clone()
+            .unwrap_or_else(|| planner.plan(d, p, caps, true));
+        if let Some(inc) = &inc {
+            assert_eq!(*inc, self::plan(d, p, caps));
+        }
+        for op in &plan.ops {
+            planner.observe(p, op);
+            p.apply(op);
+            assert_consistent(p, op);
+        }
+        planner.applied(&plan);
+        inc
+    }
+
+    #[test]
+    fn incremental_maglev_tables_shared_written_first_deleted_last_without_the_full_plan() {
+        use crate::pipeline::incremental::Planner;
+        let node_port = |bs: &[u32]| {
+            Arc::new(DesiredFrontend {
+                kind: crate::pipeline::model::FrontendKind::NodePort,
+                ..maglev_dfe(1, bs)
+            })
+        };
+        let mut p = Programmed::default();
+        let mut planner = Planner::new(&p);
+        let mut prev = DesiredState::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(fe(1), maglev_dfe(1, &[1, 2, 3]).into());
+        d.frontends.insert(fe(3), maglev_dfe(3, &[1]).into());
+        // The first plan is the full one.
+        assert!(incremental_step(&mut planner, &prev, &d, &mut p, &CAPS).is_none());
+        assert_eq!([1, 3].map(|f| table_of(&p, f)), [1, 2]);
+        prev = d.clone();
+
+        // A new NodePort with the ClusterIP's set shares its table: nothing built.
+        d.frontends.insert(fe(2), node_port(&[1, 2, 3]));
+        let plan = incremental_step(&mut planner, &prev, &d, &mut p, &CAPS).expect("incremental");
+        assert_eq!(table_of(&p, 2), 1);
+        assert!(!plan.ops.iter().any(|op| matches!(
+            op,
+            MapOp::PutMaglevTable { .. } | MapOp::DeleteMaglevTable { .. }
+        )));
+        prev = d.clone();
+
+        // A backend leaves the ClusterIP: a new table (smallest free id), before its entry.
+        d.frontends.insert(fe(1), maglev_dfe(1, &[1, 2]).into());
+        let plan = incremental_step(&mut planner, &prev, &d, &mut p, &CAPS).expect("incremental");
+        assert_eq!((table_of(&p, 1), table_of(&p, 2)), (3, 1));
+        assert!(
+            position(&plan.ops, |op| matches!(
+                op,
+                MapOp::PutMaglevTable { id: 3, .. }
+            )) < position(&plan.ops, |op| {
+                matches!(op, MapOp::PutService { key: k, .. } if *k == key(1, 0))
+            })
+        );
+        assert!(
+            !plan
+                .ops
+                .iter()
+                .any(|op| matches!(op, MapOp::DeleteMaglevTable { .. }))
+        );
+        prev = d.clone();
+
+        // The NodePort follows: it takes table 3; table 1 goes, after the entry moved off it.
+        d.frontends.insert(fe(2), node_port(&[1, 2]));
+        let plan = incremental_step(&mut planner, &prev, &d, &mut p, &CAPS).expect("incremental");
+        assert_eq!(table_of(&p, 2), 3);
+        assert_eq!(
+            plan.ops.last(),
+            Some(&MapOp::DeleteMaglevTable { id: 1, chunks: 1 })
+        );
+        prev = d.clone();
+
+        // Scheduler switched away from Maglev, and a Maglev Service removed: their tables go,
+        // and the freed id is the next one handed out.
+        d.frontends
+            .insert(fe(3), dfe(3, vec![be(1)], vec![]).into());
+        let plan = incremental_step(&mut planner, &prev, &d, &mut p, &CAPS).expect("incremental");
+        assert_eq!(
+            plan.ops.last(),
+            Some(&MapOp::DeleteMaglevTable { id: 2, chunks: 1 })
+        );
+        prev = d.clone();
+        d.frontends.insert(fe(4), maglev_dfe(4, &[4]).into());
+        incremental_step(&mut planner, &prev, &d, &mut p, &CAPS).expect("incremental");
+        assert_eq!(table_of(&p, 4), 1);
+        prev = d.clone();
+
+        // A new table that does not fit the MAGLEV map: the full plan runs (and reports it).
+        let full_map = Capacities {
+            maglev_chunks: 2,
+            ..CAPS
+        };
+        d.frontends.insert(fe(5), maglev_dfe(5, &[5]).into());
+        assert!(incremental_step(&mut planner, &prev, &d, &mut p, &full_map).is_none());
+        assert_eq!(table_of(&p, 5), 0);
+
+        // Two more programmed tables of table 1's content, one named by fe 4 (as adopted from
+        // another writer): declined; the full plan keeps fe 4 on its table and deletes the
+        // copies nothing names.
+        let mut adopted = p.clone();
+        let t = adopted.maglev[&table_of(&p, 4)].clone();
+        adopted.maglev.insert(9, t.clone());
+        let mut v = adopted.services[&key(4, 0)];
+        v.maglev_table = 9;
+        adopted.services.insert(key(4, 0), v);
+        adopted.maglev.insert(10, t);
+        let mut planner = Planner::new(&adopted);
+        planner.applied(&Plan::default());
+        assert!(planner.plan_changes(&d, &adopted, &CAPS).is_none());
+        let plan = planner.plan(&d, &adopted, &CAPS, true);
+        assert!(
+            plan.ops
+                .contains(&MapOp::DeleteMaglevTable { id: 1, chunks: 1 })
+        );
+        assert!(
+            plan.ops
+                .contains(&MapOp::DeleteMaglevTable { id: 10, chunks: 1 })
+        );
+    }
+
     #[test]
     fn maglev_tables_survive_a_restart_when_adopted_and_are_rebuilt_when_m_changed() {
         let d = state(&[(1, &[1, 2, 3]), (2, &[4, 5])]);
