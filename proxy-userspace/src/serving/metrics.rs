@@ -806,7 +806,8 @@ mod tests {
             "nothing changed since the commit"
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
-        Arc::make_mut(&mut snap.services)[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")).into());
+        Arc::make_mut(&mut snap.services)[1] =
+            Arc::new(service("b", "10.96.0.2", None, Some("8")).into());
         Arc::make_mut(&mut snap.endpoint_slices)[0] = Arc::new(SliceData::from(&slice(
             "a-1",
             "a",

@@ -275,7 +275,8 @@ mod tests {
                         // Apply: new, changed, or the same value again.
                         let v = if rng.below(4) == 0 { 0 } else { version };
                         let existed = ordered.index.contains_key(&key_of(&service(ns, name, 0)));
-                        let changed = apply(&mut ordered, watcher::Event::Apply(service(ns, name, v)));
+                        let changed =
+                            apply(&mut ordered, watcher::Event::Apply(service(ns, name, v)));
                         let after = ordered.state();
                         if existed {
                             assert_eq!(after.len(), before.len());
@@ -295,7 +296,10 @@ mod tests {
                         let differ = (0..after.len())
                             .filter(|&i| !Arc::ptr_eq(&after[i], &before[i]))
                             .count();
-                        assert!(differ <= 1, "seed {seed} step {step}: {differ} places moved");
+                        assert!(
+                            differ <= 1,
+                            "seed {seed} step {step}: {differ} places moved"
+                        );
                     }
                     _ => {
                         // A relist: some of the objects again (some changed), some new ones.
@@ -313,7 +317,10 @@ mod tests {
                         }
                         for o in listed {
                             assert!(!apply(&mut ordered, watcher::Event::InitApply(o)));
-                            assert!(Arc::ptr_eq(&ordered.state(), &before), "no half-listed state");
+                            assert!(
+                                Arc::ptr_eq(&ordered.state(), &before),
+                                "no half-listed state"
+                            );
                         }
                         assert!(apply(&mut ordered, watcher::Event::InitDone));
                         let after = ordered.state();
@@ -338,8 +345,12 @@ mod tests {
 
     /// `o` with a new resourceVersion.
     fn service_like(o: &ServiceData, version: u64) -> ServiceData {
-        let ns: u64 = o.namespace.as_deref().unwrap_or_default()[3..].parse().expect("ns");
-        let name: u64 = o.name.as_deref().unwrap_or_default()[4..].parse().expect("name");
+        let ns: u64 = o.namespace.as_deref().unwrap_or_default()[3..]
+            .parse()
+            .expect("ns");
+        let name: u64 = o.name.as_deref().unwrap_or_default()[4..]
+            .parse()
+            .expect("name");
         service(ns, name, version)
     }
 
