@@ -10,6 +10,9 @@
 //!
 //! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
 //! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
+//! Services and EndpointSlices go into lists kept per event ([`store`]; relists applied at
+//! `InitDone` the same way), which a sync reads as two `Arc` clones; the Node and the
+//! ServiceCIDRs into kube-rs stores.
 //!
 //! An API outage (connection errors, 5xx, 429) is logged once when the first reflector meets it
 //! and once when the API server answers again ([`Reachability`]), not per retry: kube-proxy logs
