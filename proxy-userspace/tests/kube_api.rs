@@ -1165,15 +1165,19 @@ fn pipeline_cost_at_10000_services() {
         })
         .collect();
     let arcs: (
-        Vec<std::sync::Arc<ServiceData>>,
-        Vec<std::sync::Arc<SliceData>>,
+        kube_proxy_ebpf::sources::snapshot::Objects<ServiceData>,
+        kube_proxy_ebpf::sources::snapshot::Objects<SliceData>,
     ) = (
-        (services.iter())
-            .map(|s| std::sync::Arc::new(ServiceData::from(s)))
-            .collect(),
-        (slices.iter())
-            .map(|s| std::sync::Arc::new(SliceData::from(s)))
-            .collect(),
+        std::sync::Arc::new(
+            (services.iter())
+                .map(|s| std::sync::Arc::new(ServiceData::from(s)))
+                .collect(),
+        ),
+        std::sync::Arc::new(
+            (slices.iter())
+                .map(|s| std::sync::Arc::new(SliceData::from(s)))
+                .collect(),
+        ),
     );
     let node = NodeContext {
         scheduler: Default::default(),
@@ -1243,7 +1247,8 @@ fn pipeline_cost_at_10000_services() {
             serde_json::from_value(slice(&format!("svc-{i}"), "a", &scale_endpoints(i, want)))
                 .expect("slice");
         kube_proxy_ebpf::sources::kube::prune::endpoint_slice(&mut s);
-        snapshot.endpoint_slices[i] = std::sync::Arc::new(SliceData::from(&s));
+        std::sync::Arc::make_mut(&mut snapshot.endpoint_slices)[i] =
+            std::sync::Arc::new(SliceData::from(&s));
         let t = Instant::now();
         let shared = kube_proxy_ebpf::sources::snapshot::Snapshot {
             services: snapshot.services.clone(),

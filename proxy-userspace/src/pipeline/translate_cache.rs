@@ -419,13 +419,12 @@ impl<K> Seen<K> {
             .filter(|o| !after.contains(&addr(o)))
             .cloned()
             .collect();
-        if now.len() == self.last.len() {
-            for i in differ.drain(..) {
-                self.last[i] = now[i].clone();
-            }
-        } else {
-            self.last = now.to_vec();
+        // In place: a list that grew or shrank by one costs its changed places, not a copy.
+        for i in differ.drain(..) {
+            self.last[i] = now[i].clone();
         }
+        self.last.truncate(common);
+        self.last.extend_from_slice(&now[common..]);
         (fresh, gone)
     }
 }
@@ -662,8 +661,8 @@ mod tests {
                     }
                 }
                 let snapshot = Snapshot {
-                    services: services.values().cloned().collect(),
-                    endpoint_slices: slices.values().cloned().collect(),
+                    services: Arc::new(services.values().cloned().collect()),
+                    endpoint_slices: Arc::new(slices.values().cloned().collect()),
                 };
                 let full = step == 0 || rng.below(8) == 0;
                 let changes = cache.update(&snapshot, &node, &addrs, full);
@@ -851,8 +850,8 @@ mod tests {
                     addrs = vec![Ipv4Addr::new(192, 168, 1, 1 + rng.below(2) as u8)];
                 }
                 let snapshot = Snapshot {
-                    services: services.values().cloned().collect(),
-                    endpoint_slices: slices.values().cloned().collect(),
+                    services: Arc::new(services.values().cloned().collect()),
+                    endpoint_slices: Arc::new(slices.values().cloned().collect()),
                 };
                 let want = translate::translate_for_node(&snapshot, &node, &addrs);
                 let changes = cache.update(&snapshot, &node, &addrs, rng.below(10) == 0);
@@ -891,13 +890,17 @@ mod tests {
         let mut rng = Rng(99);
         let n = 3_000;
         let snapshot = Snapshot {
-            services: (0..n)
-                .map(|i| Arc::new(ServiceData::from(random_service(&mut rng, i))))
-                .collect(),
-            endpoint_slices: (0..n)
-                .flat_map(|i| [0, 1].map(|part| (i, part)))
-                .map(|(i, part)| Arc::new(random_slice(&mut rng, i, part)))
-                .collect(),
+            services: Arc::new(
+                (0..n)
+                    .map(|i| Arc::new(ServiceData::from(random_service(&mut rng, i))))
+                    .collect(),
+            ),
+            endpoint_slices: Arc::new(
+                (0..n)
+                    .flat_map(|i| [0, 1].map(|part| (i, part)))
+                    .map(|(i, part)| Arc::new(random_slice(&mut rng, i, part)))
+                    .collect(),
+            ),
         };
         let node = NodeContext {
             scheduler: Default::default(),
@@ -927,10 +930,12 @@ mod tests {
         let api_slices: Vec<EndpointSlice> =
             (0..50).map(|i| random_api_slice(&mut rng, i, 0)).collect();
         let mut snapshot = Snapshot {
-            services,
-            endpoint_slices: (api_slices.iter())
-                .map(|s| Arc::new(SliceData::from(s)))
-                .collect(),
+            services: Arc::new(services),
+            endpoint_slices: Arc::new(
+                (api_slices.iter())
+                    .map(|s| Arc::new(SliceData::from(s)))
+                    .collect(),
+            ),
         };
         let node = NodeContext::default();
         let mut cache = TranslateCache::new();
@@ -942,7 +947,7 @@ mod tests {
         );
         let mut changed = api_slices[7].clone();
         changed.endpoints = Some(Vec::new());
-        snapshot.endpoint_slices[7] = Arc::new(SliceData::from(&changed));
+        Arc::make_mut(&mut snapshot.endpoint_slices)[7] = Arc::new(SliceData::from(&changed));
         let changes = cache.update(&snapshot, &node, &[], false);
         assert!(
             changes.iter().all(|c| cache
@@ -996,8 +1001,8 @@ mod tests {
         let mut cache = TranslateCache::new();
         let mut step = |services: Vec<Arc<ServiceData>>| {
             let snapshot = Snapshot {
-                services,
-                endpoint_slices: Vec::new(),
+                services: Arc::new(services),
+                endpoint_slices: Arc::default(),
             };
             let changes = cache.update(&snapshot, &node, &[], false);
             let want = translate::translate_for_node(&snapshot, &node, &[]);

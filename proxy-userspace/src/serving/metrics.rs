@@ -806,14 +806,15 @@ mod tests {
             "nothing changed since the commit"
         );
         // b bumps its resourceVersion, a-1 changes content, b-1 is removed.
-        snap.services[1] = Arc::new(service("b", "10.96.0.2", None, Some("8")).into());
-        snap.endpoint_slices[0] = Arc::new(SliceData::from(&slice(
+        Arc::make_mut(&mut snap.services)[1] =
+            Arc::new(service("b", "10.96.0.2", None, Some("8")).into());
+        Arc::make_mut(&mut snap.endpoint_slices)[0] = Arc::new(SliceData::from(&slice(
             "a-1",
             "a",
             "n2",
             Some("2025-01-01T00:00:05Z"),
         )));
-        snap.endpoint_slices.pop();
+        Arc::make_mut(&mut snap.endpoint_slices).pop();
         sync(&mut cache, &mut t, &snap);
         let c = t.pending();
         assert_eq!((c.services, c.endpoint_slices), (1, 2));
@@ -824,12 +825,16 @@ mod tests {
         assert_eq!(t.pending(), Changes::default());
         // A manifest reload parses every object anew: equal objects are no change.
         let reparsed = Snapshot {
-            services: (snap.services.iter())
-                .map(|s| Arc::new((**s).clone()))
-                .collect(),
-            endpoint_slices: (snap.endpoint_slices.iter())
-                .map(|s| Arc::new((**s).clone()))
-                .collect(),
+            services: Arc::new(
+                (snap.services.iter())
+                    .map(|s| Arc::new((**s).clone()))
+                    .collect(),
+            ),
+            endpoint_slices: Arc::new(
+                (snap.endpoint_slices.iter())
+                    .map(|s| Arc::new((**s).clone()))
+                    .collect(),
+            ),
         };
         sync(&mut cache, &mut t, &reparsed);
         assert_eq!(t.pending(), Changes::default());

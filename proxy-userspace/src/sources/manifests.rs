@@ -158,13 +158,13 @@ impl Loader {
             (Service::API_VERSION, Service::KIND) => {
                 if let Some(svc) = self.object::<Service>(path, label, value) {
                     let svc = ServiceData::from(&svc);
-                    self.out.snapshot.services.push(Arc::new(svc));
+                    Arc::make_mut(&mut self.out.snapshot.services).push(Arc::new(svc));
                 }
             }
             (EndpointSlice::API_VERSION, EndpointSlice::KIND) => {
                 if let Some(slice) = self.object::<EndpointSlice>(path, label, value) {
                     let slice = SliceData::from(&slice);
-                    self.out.snapshot.endpoint_slices.push(Arc::new(slice));
+                    Arc::make_mut(&mut self.out.snapshot.endpoint_slices).push(Arc::new(slice));
                 }
             }
             ("v1", "List" | "ServiceList") | ("discovery.k8s.io/v1", "EndpointSliceList") => {

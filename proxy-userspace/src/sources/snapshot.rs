@@ -10,30 +10,38 @@ use crate::sources::{endpoints::SliceData, services::ServiceData};
 /// both sources feed the same pure code. Every object has a name and a namespace (sources fill
 /// in `default` where a manifest leaves it out).
 ///
-/// Objects are shared, not copied: the Kubernetes source hands out its reflector stores' `Arc`s,
-/// so taking a snapshot costs one pointer per object, and an object that did not change keeps
-/// its `Arc` from one snapshot to the next (which is how [`crate::pipeline::translate_cache`] finds the
-/// Services to translate again).
+/// Objects are shared, not copied, and so are the lists: the Kubernetes source keeps its lists
+/// up to date per watch event and hands them out (`Arc` clones), so taking a snapshot costs two
+/// pointer copies; an object that did not change keeps its `Arc` and its place from one snapshot
+/// to the next (which is how [`crate::pipeline::translate_cache`] finds the Services to translate
+/// again). Change a list with `Arc::make_mut` (copies it only when it is shared).
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     /// Services as kept by the sources (converted on arrival, see [`ServiceData`]).
-    pub services: Vec<Arc<ServiceData>>,
+    pub services: Objects<ServiceData>,
     /// EndpointSlices as kept by the sources (parsed on arrival, see [`SliceData`]).
-    pub endpoint_slices: Vec<Arc<SliceData>>,
+    pub endpoint_slices: Objects<SliceData>,
 }
+
+/// A shared list of shared objects.
+pub type Objects<T> = Arc<Vec<Arc<T>>>;
 
 impl Snapshot {
     /// A snapshot owning the given objects (converted as the sources do).
     pub fn new(services: Vec<Service>, endpoint_slices: Vec<EndpointSlice>) -> Self {
         Self {
-            services: services
-                .iter()
-                .map(|s| Arc::new(ServiceData::from(s)))
-                .collect(),
-            endpoint_slices: endpoint_slices
-                .iter()
-                .map(|s| Arc::new(SliceData::from(s)))
-                .collect(),
+            services: Arc::new(
+                services
+                    .iter()
+                    .map(|s| Arc::new(ServiceData::from(s)))
+                    .collect(),
+            ),
+            endpoint_slices: Arc::new(
+                endpoint_slices
+                    .iter()
+                    .map(|s| Arc::new(SliceData::from(s)))
+                    .collect(),
+            ),
         }
     }
 }

@@ -124,12 +124,16 @@ impl Cluster {
 
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            services: (self.services.iter())
-                .map(|s| Arc::new(ServiceData::from(s)))
-                .collect(),
-            endpoint_slices: (self.slices.iter())
-                .map(|s| Arc::new(SliceData::from(s)))
-                .collect(),
+            services: Arc::new(
+                (self.services.iter())
+                    .map(|s| Arc::new(ServiceData::from(s)))
+                    .collect(),
+            ),
+            endpoint_slices: Arc::new(
+                (self.slices.iter())
+                    .map(|s| Arc::new(SliceData::from(s)))
+                    .collect(),
+            ),
         }
     }
 }
@@ -231,7 +235,7 @@ pub fn in_process(
         let i = rng.below(services);
         kinds[cluster.change(&mut rng, i) as usize] += 1;
         // As the Kubernetes store does: the changed object gets a new Arc, the others keep theirs.
-        snap.endpoint_slices[i] = Arc::new(SliceData::from(&cluster.slices[i]));
+        Arc::make_mut(&mut snap.endpoint_slices)[i] = Arc::new(SliceData::from(&cluster.slices[i]));
         agent.queued();
         let (t, cpu) = (Instant::now(), thread_cpu());
         agent.sync(&snap, Vec::new(), false)?;

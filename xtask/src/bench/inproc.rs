@@ -580,7 +580,7 @@ fn endpoint_change(l: &mut Loaded, specs: &[SvcSpec], reps: u32) -> Result<(Sync
         } else {
             specs[idx].endpoints[0]
         };
-        snap.endpoint_slices[idx] = std::sync::Arc::new(
+        std::sync::Arc::make_mut(&mut snap.endpoint_slices)[idx] = std::sync::Arc::new(
             kube_proxy_ebpf::sources::endpoints::SliceData::from(&workload::slice(&s)),
         );
         let t = l.sync(&snap, false)?;

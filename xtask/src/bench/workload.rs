@@ -84,8 +84,8 @@ pub fn generated(n: usize) -> Vec<SvcSpec> {
 pub fn snapshot(specs: &[SvcSpec]) -> Snapshot {
     let mut snap = Snapshot::default();
     for s in specs {
-        snap.services.push(std::sync::Arc::new(service(s).into()));
-        snap.endpoint_slices
+        std::sync::Arc::make_mut(&mut snap.services).push(std::sync::Arc::new(service(s).into()));
+        std::sync::Arc::make_mut(&mut snap.endpoint_slices)
             .push(std::sync::Arc::new(SliceData::from(&slice(s))));
     }
     snap

@@ -198,11 +198,11 @@ mod tests {
             ))
         };
         let snapshot = Snapshot {
-            services: vec![
+            services: Arc::new(vec![
                 svc("a", "intruder", "u-1"),
                 svc("kube-system", "kube-dns", "u-2"),
-            ],
-            endpoint_slices: Vec::new(),
+            ]),
+            endpoint_slices: Arc::default(),
         };
         let mut events = ConflictEvents::default();
         let two_ports = [

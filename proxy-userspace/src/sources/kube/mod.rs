@@ -10,6 +10,9 @@
 //!
 //! Objects are pruned ([`prune`]) before they enter the stores; EndpointSlices are then kept
 //! parsed, as [`SliceData`] (converted in the event stream, before the store sees them).
+//! Services and EndpointSlices go into lists kept per event ([`store`]; relists applied at
+//! `InitDone` the same way), which a sync reads as two `Arc` clones; the Node and the
+//! ServiceCIDRs into kube-rs stores.
 //!
 //! An API outage (connection errors, 5xx, 429) is logged once when the first reflector meets it
 //! and once when the API server answers again ([`Reachability`]), not per retry: kube-proxy logs
@@ -19,6 +22,7 @@
 
 pub mod events;
 pub mod prune;
+pub mod store;
 
 use std::{
     fmt::Debug,
@@ -47,7 +51,9 @@ use serde::de::DeserializeOwned;
 use tokio::{sync::Notify, task::JoinHandle};
 use tracing::{debug, info, warn};
 
-use crate::sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot};
+use crate::sources::{
+    endpoints::SliceData, kube::store::SharedOrdered, services::ServiceData, snapshot::Snapshot,
+};
 
 /// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
 /// sent to us.
@@ -125,8 +131,10 @@ impl Connection {
 
 /// The three reflectors and what they know.
 pub struct KubeSource {
-    services: Store<ServiceData>,
-    slices: Store<SliceData>,
+    /// Services and EndpointSlices in lists kept per event ([`store`]): reading them is one
+    /// pointer copy each.
+    services: Arc<SharedOrdered<ServiceData>>,
+    slices: Arc<SharedOrdered<SliceData>>,
     node: Store<Node>,
     /// The cluster's ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+); stays empty
     /// where the API is not served or not granted.
@@ -141,7 +149,10 @@ impl KubeSource {
     pub fn start(client: Client, node_name: &str) -> Self {
         let changed = Arc::new(Notify::new());
         let reachability = Arc::new(Reachability::new(client.clone()));
-        let (services, t1) = reflect(
+        let services = Arc::new(SharedOrdered::default());
+        let slices = Arc::new(SharedOrdered::default());
+        let t1 = reflect_into(
+            services.clone(),
             Api::<Service>::all(client.clone()),
             watcher::Config::default().labels(SERVICE_LABEL_SELECTOR),
             |mut svc| {
@@ -152,7 +163,8 @@ impl KubeSource {
             reachability.clone(),
             Required::Yes,
         );
-        let (slices, t2) = reflect(
+        let t2 = reflect_into(
+            slices.clone(),
             Api::<EndpointSlice>::all(client.clone()),
             watcher::Config::default(),
             |mut slice| {
@@ -201,8 +213,8 @@ impl KubeSource {
     /// Resolves once every reflector has completed its initial list.
     pub async fn wait_ready(&self) {
         // The writers live as long as their tasks, which run until `self` is dropped.
-        let _ = self.services.wait_until_ready().await;
-        let _ = self.slices.wait_until_ready().await;
+        self.services.wait_until_ready().await;
+        self.slices.wait_until_ready().await;
         let _ = self.node.wait_until_ready().await;
     }
 
@@ -212,9 +224,9 @@ impl KubeSource {
         self.changed.notified().await;
     }
 
-    /// The stores' current content as a snapshot. Objects are shared with the stores, not
-    /// copied: the store replaces an object's `Arc` when it changes, so an unchanged object keeps
-    /// the same `Arc` across snapshots.
+    /// The stores' current content as a snapshot: the lists are shared with the stores, not
+    /// copied (one `Arc` clone each); a changed object gets a new `Arc` in the same place, an
+    /// unchanged one keeps its `Arc` across snapshots.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             services: self.services.state(),
@@ -434,9 +446,7 @@ enum Required {
     No,
 }
 
-/// One reflector task: watcher (with backoff) → `keep` (prune, and convert to what the store
-/// holds) → store; wakes `changed` after every event that changed the store (Apply, Delete, end
-/// of a (re)list).
+/// One reflector task into a kube-rs store (Node, ServiceCIDR): see [`run_reflector`].
 fn reflect<K, T>(
     api: Api<K>,
     config: watcher::Config,
@@ -449,7 +459,62 @@ where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     T: Lookup<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
-    let (reader, writer) = reflector::store::<T>();
+    let (reader, mut writer) = reflector::store::<T>();
+    let task = run_reflector(
+        api,
+        config,
+        keep,
+        move |event| writer.apply_watcher_event(&event),
+        changed,
+        reachability,
+        required,
+    );
+    (reader, task)
+}
+
+/// One reflector task into an ordered store (Services, EndpointSlices): see [`run_reflector`].
+fn reflect_into<K, T>(
+    store: Arc<SharedOrdered<T>>,
+    api: Api<K>,
+    config: watcher::Config,
+    keep: fn(K) -> T,
+    changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
+    required: Required,
+) -> JoinHandle<()>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    T: Lookup<DynamicType = ()> + PartialEq + Clone + Debug + Send + Sync + 'static,
+{
+    run_reflector(
+        api,
+        config,
+        keep,
+        move |event| {
+            store.apply(event);
+        },
+        changed,
+        reachability,
+        required,
+    )
+}
+
+/// One reflector task: watcher (with backoff) → `keep` (prune, and convert to what the store
+/// holds) → `apply` (the store); wakes `changed` after every event that may have changed the store
+/// (Apply, Delete, end of a (re)list).
+fn run_reflector<K, T>(
+    api: Api<K>,
+    config: watcher::Config,
+    keep: fn(K) -> T,
+    mut apply: impl FnMut(watcher::Event<T>) + Send + 'static,
+    changed: Arc<Notify>,
+    reachability: Arc<Reachability>,
+    required: Required,
+) -> JoinHandle<()>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    T: Send + 'static,
+{
     let kind = K::kind(&()).into_owned();
     let stream = watcher(api, config)
         .backoff(ResetTimerBackoff::new(
@@ -457,14 +522,20 @@ where
             Duration::from_secs(60),
         ))
         .map(move |event| event.map(|event| convert_event(event, keep)));
-    let task = tokio::spawn(async move {
-        let mut stream = std::pin::pin!(reflector::reflector(writer, stream));
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
         let mut failing = false;
         let mut last_warn: Option<Instant> = None;
         let mut lists = 0u64;
         while let Some(event) = stream.next().await {
+            // The store first, then the wake-up (the agent reads the store when woken).
+            let event = event.map(|event| {
+                let marker = marker(&event);
+                apply(event);
+                marker
+            });
             match event {
-                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => changed.notify_one(),
+                Ok(watcher::Event::Apply(()) | watcher::Event::Delete(())) => changed.notify_one(),
                 Ok(watcher::Event::InitDone) => {
                     lists += 1;
                     if std::mem::take(&mut failing) || lists > 1 {
@@ -475,7 +546,7 @@ where
                     }
                     changed.notify_one();
                 }
-                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Ok(watcher::Event::Init | watcher::Event::InitApply(())) => {}
                 Err(watcher::Error::InitialListFailed(kube::Error::Api(status)))
                     if required == Required::No && matches!(status.code, 403 | 404) =>
                 {
@@ -505,8 +576,18 @@ where
                 }
             }
         }
-    });
-    (reader, task)
+    })
+}
+
+/// `event` without its object (what the reflector loop decides on, after the store took it).
+fn marker<T>(event: &watcher::Event<T>) -> watcher::Event<()> {
+    match event {
+        watcher::Event::Apply(_) => watcher::Event::Apply(()),
+        watcher::Event::Delete(_) => watcher::Event::Delete(()),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(_) => watcher::Event::InitApply(()),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
 }
 
 /// `event` with its object(s) passed through `f` (markers unchanged, so a relist still swaps
