@@ -451,6 +451,13 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     )?;
     let status = agent.wait_synced(1, cfg.program_timeout)?;
     let first_sync_ms = started.elapsed().as_secs_f64() * 1e3;
+    // The status file is written before the first full sync hands its freed heap back
+    // (malloc_trim) and the agent attaches: read the footprint once it logged "ready", so runs
+    // compare the same settled state rather than racing the trim (bounded: 10 s).
+    let settle = Instant::now();
+    while !agent.log_tail().contains(" ready ") && settle.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let pid = topo
         .node()
         .pids()
