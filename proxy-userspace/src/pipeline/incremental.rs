@@ -222,7 +222,7 @@ impl Planner {
                 programmed
                     .services
                     .iter()
-                    .map(|(&key, &value)| MapOp::PutService { key, value }),
+                    .map(|(&key, value)| MapOp::PutService { key, value }),
             );
         for op in ops {
             p.observe(&empty, &op);
@@ -344,7 +344,7 @@ impl Planner {
             }
             MapOp::PutService { key, value } => {
                 if let Some(old) = programmed.services.get(&key) {
-                    self.unref_service(programmed, &key, old);
+                    self.unref_service(programmed, &key, &old);
                 }
                 if key.slot == 0 {
                     self.frontends += 1;
@@ -357,7 +357,7 @@ impl Planner {
             }
             MapOp::DeleteService { key } => {
                 if let Some(old) = programmed.services.get(&key) {
-                    self.unref_service(programmed, &key, old);
+                    self.unref_service(programmed, &key, &old);
                 }
             }
             // No index over them: a plan reads them from the shadow, per frontend.
@@ -469,7 +469,7 @@ impl Planner {
         let mut removed = Vec::new();
         for fe in &self.pending {
             let key = encode::service_key(fe, 0);
-            let entry = programmed.services.get(&key).copied();
+            let entry = programmed.services.get(&key);
             if touches_maglev(desired.frontends.get(fe).map(|d| &**d), entry.as_ref()) {
                 return None;
             }
@@ -621,7 +621,7 @@ impl Planner {
 
         // Phase 2: backend slots.
         let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
-            if programmed.services.get(&key) != Some(&value) {
+            if programmed.services.get(&key) != Some(value) {
                 ops.push(MapOp::PutService { key, value });
             }
         };
