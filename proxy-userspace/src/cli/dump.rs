@@ -203,7 +203,7 @@ pub fn services_table(p: &Programmed) -> String {
                 None => format!("slot {slot} (missing)"),
             })
             .collect();
-        frontends.insert(fe, (*value, backends));
+        frontends.insert(fe, (value, backends));
     }
     let mut out = format!(
         "{:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}\n",
@@ -448,7 +448,7 @@ pub fn affinity_table(
         .services
         .iter()
         .filter(|(k, v)| k.slot == 0 && v.flags & proxy_common::service_flags::AFFINITY != 0)
-        .filter_map(|(k, v)| Some((encode::decode_service_key(k)?.0, *v)))
+        .filter_map(|(k, v)| Some((encode::decode_service_key(k)?.0, v)))
         .collect();
     frontends.sort_by_key(|(fe, _)| *fe);
     for (fe, v) in frontends {

@@ -157,7 +157,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
 
     // Phase 2: backend slots.
     let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
-        if programmed.services.get(&key) != Some(&value) {
+        if programmed.services.get(&key) != Some(value) {
             ops.push(MapOp::PutService { key, value });
         }
     };
@@ -452,7 +452,7 @@ impl<'a> Admission<'a> {
 
     fn admit(&mut self, frontend: Frontend, df: &'a DesiredFrontend) {
         let key = encode::service_key(&frontend, 0);
-        let programmed_entry = self.programmed.services.get(&key).copied();
+        let programmed_entry = self.programmed.services.get(&key);
         match self.try_admit(frontend, key, programmed_entry, df) {
             Ok(()) => {}
             Err(reason) if programmed_entry.is_some() => {
@@ -766,12 +766,12 @@ mod tests {
         let mut want_matches: HashSet<AffinityMatchKey> = HashSet::default();
         for (f, df) in &d.frontends {
             let k = encode::service_key(f, 0);
-            let count = p.services[&k].count;
+            let count = p.services.get(&k).unwrap().count;
             let ids: Vec<u32> = (1..=count)
-                .map(|s| p.services[&k.with_slot(s)].backend_id)
+                .map(|s| p.services.get(&k.with_slot(s)).unwrap().backend_id)
                 .collect();
             want_matches.extend(encode::affinity_matches(&k, df, &ids));
-            let v = p.services[&k];
+            let v = p.services.get(&k).unwrap();
             match df.balancing.affinity_timeout_s {
                 Some(t) => {
                     assert_eq!(v.flags & proxy_common::service_flags::AFFINITY, 1 << 0);
@@ -822,7 +822,7 @@ mod tests {
         let slot = pos(&first.ops, &put_slot(1, 2, 2));
         assert!(slot < m1 && m1 < m2 && m2 < frontend, "{:?}", first.ops);
         assert_eq!(p.affinity_matches.len(), 2, "only frontend 1 has affinity");
-        let id = p.services[&key(1, 0)].affinity_id;
+        let id = p.services.get(&key(1, 0)).unwrap().affinity_id;
         assert_ne!(id, 0);
 
         // Backend 1 leaves: its match goes first of all; the scope id stays.
@@ -833,7 +833,7 @@ mod tests {
             shrink.ops[0],
             MapOp::DeleteAffinityMatch { key: matched(1, 1) }
         );
-        assert_eq!(p.services[&key(1, 0)].affinity_id, id);
+        assert_eq!(p.services.get(&key(1, 0)).unwrap().affinity_id, id);
 
         // A new timeout is a frontend write only; switching affinity off removes the matches.
         with_affinity(&mut d2, 1, Some(5));
@@ -985,7 +985,7 @@ mod tests {
         sync(&state(&[(1, &[]), (2, &[]), (3, &[])]), &mut p); // rev-NAT 1, 2, 3
         sync(&state(&[(1, &[]), (3, &[1])]), &mut p);
         assert_eq!(
-            p.services[&key(3, 0)].rev_nat_id,
+            p.services.get(&key(3, 0)).unwrap().rev_nat_id,
             3,
             "kept across a backend change"
         );
@@ -1054,7 +1054,7 @@ mod tests {
     }
 
     fn table_of(p: &Programmed, f: u32) -> u32 {
-        p.services[&key(f, 0)].maglev_table
+        p.services.get(&key(f, 0)).unwrap().maglev_table
     }
 
     fn position(ops: &[MapOp], what: impl Fn(&MapOp) -> bool) -> usize {
@@ -1285,7 +1285,7 @@ mod tests {
         let mut adopted = p.clone();
         let t = adopted.maglev[&table_of(&p, 4)].clone();
         adopted.maglev.insert(9, t.clone());
-        let mut v = adopted.services[&key(4, 0)];
+        let mut v = adopted.services.get(&key(4, 0)).unwrap();
         v.maglev_table = 9;
         adopted.services.insert(key(4, 0), v);
         adopted.maglev.insert(10, t);
@@ -1366,7 +1366,7 @@ mod tests {
         apply_checked(&mut p, &plan.ops);
         assert_eq!((table_of(&p, 1), table_of(&p, 2)), (1, 0));
         assert_eq!(
-            p.services[&key(2, 0)].scheduler,
+            p.services.get(&key(2, 0)).unwrap().scheduler,
             proxy_common::sched::code::MAGLEV
         );
         assert_eq!(plan.skipped.len(), 1);
@@ -1978,7 +1978,10 @@ mod tests {
             both,
             "in-cluster: every endpoint"
         );
-        let (outer, inner) = (p.services[&outer_key], p.services[&inner_key]);
+        let (outer, inner) = (
+            p.services.get(&outer_key).unwrap(),
+            p.services.get(&inner_key).unwrap(),
+        );
         assert_eq!(
             outer.flags,
             service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL
@@ -2003,7 +2006,10 @@ mod tests {
             id: inner.rev_nat_id
         }));
         assert_eq!(carried(&p)[&np], both);
-        assert_eq!(p.services[&outer_key].flags, service_flags::EXTERNAL);
+        assert_eq!(
+            p.services.get(&outer_key).unwrap().flags,
+            service_flags::EXTERNAL
+        );
         assert_eq!(p.frontend_count(), 2);
     }
 }

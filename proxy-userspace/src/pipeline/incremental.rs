@@ -268,7 +268,7 @@ impl Planner {
                 programmed
                     .services
                     .iter()
-                    .map(|(&key, &value)| MapOp::PutService { key, value }),
+                    .map(|(&key, value)| MapOp::PutService { key, value }),
             );
         for op in ops {
             p.observe(&empty, &op);
@@ -395,7 +395,7 @@ impl Planner {
             }
             MapOp::PutService { key, value } => {
                 if let Some(old) = programmed.services.get(&key) {
-                    self.unref_service(programmed, &key, old);
+                    self.unref_service(programmed, &key, &old);
                 }
                 if key.slot == 0 {
                     self.frontends += 1;
@@ -412,7 +412,7 @@ impl Planner {
             }
             MapOp::DeleteService { key } => {
                 if let Some(old) = programmed.services.get(&key) {
-                    self.unref_service(programmed, &key, old);
+                    self.unref_service(programmed, &key, &old);
                 }
             }
             // No index over them: a plan reads them from the shadow, per frontend.
@@ -632,7 +632,7 @@ impl Planner {
         let mut removed = Vec::new();
         for fe in &self.pending {
             let key = encode::service_key(fe, 0);
-            let entry = programmed.services.get(&key).copied();
+            let entry = programmed.services.get(&key);
             match (desired.frontends.get(fe), entry) {
                 (Some(df), Some(v)) => existing.push((*fe, key, df, Some(v))),
                 (Some(df), None) => fresh.push((*fe, key, df, None)),
@@ -788,7 +788,7 @@ impl Planner {
 
         // Phase 2: backend slots.
         let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
-            if programmed.services.get(&key) != Some(&value) {
+            if programmed.services.get(&key) != Some(value) {
                 ops.push(MapOp::PutService { key, value });
             }
         };

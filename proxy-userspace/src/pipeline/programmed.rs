@@ -65,7 +65,7 @@ pub enum MapOp {
 /// The maps' contents as last written (or read back at start-up).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Programmed {
-    pub services: HashMap<ServiceKey, ServiceValue>,
+    pub services: ServiceEntries,
     pub backends: HashMap<u32, Backend>,
     pub rev_nats: HashMap<u32, RevNat>,
     /// `AFFMATCH_V1`: (affinity frontend, backend id in its slots).
@@ -152,16 +152,19 @@ impl Programmed {
     /// hundreds of thousands of puts then never grow a table by doubling (which held the old and
     /// the new table at once).
     pub fn reserve_for(&mut self, ops: &[MapOp]) {
-        let (mut services, mut backends, mut rev_nats) = (0, 0, 0);
+        let (mut services, mut slots, mut backends, mut rev_nats) = (0, 0, 0, 0);
         for op in ops {
             match op {
-                MapOp::PutService { .. } => services += 1,
+                MapOp::PutService { key, value } => {
+                    services += 1;
+                    slots += usize::from(ServiceEntries::compact(key, value));
+                }
                 MapOp::PutBackend { .. } => backends += 1,
                 MapOp::PutRevNat { .. } => rev_nats += 1,
                 _ => {}
             }
         }
-        self.services.reserve(services);
+        self.services.reserve(services, slots);
         self.backends.reserve(backends);
         self.rev_nats.reserve(rev_nats);
     }
@@ -190,7 +193,119 @@ impl Programmed {
 
     /// Number of frontends (slot-0 entries).
     pub fn frontend_count(&self) -> usize {
-        self.services.keys().filter(|k| k.slot == 0).count()
+        self.services.frontends().count()
+    }
+}
+
+/// `SERVICES` as the shadow holds it: a map from key to value whose slot entries (slot > 0,
+/// a plain [`ServiceValue::slot`]: only the backend id set — all but a few of a large cluster's
+/// entries) are kept as the backend id alone (16 instead of 44 bytes an entry); every other entry
+/// (frontends, and any slot value another writer left) is kept whole. A key is in one of the two.
+/// Values are returned by copy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceEntries {
+    whole: HashMap<ServiceKey, ServiceValue>,
+    slots: HashMap<ServiceKey, u32>,
+}
+
+impl ServiceEntries {
+    fn compact(key: &ServiceKey, value: &ServiceValue) -> bool {
+        key.slot > 0 && *value == ServiceValue::slot(value.backend_id)
+    }
+
+    pub fn get(&self, key: &ServiceKey) -> Option<ServiceValue> {
+        if key.slot > 0
+            && let Some(&id) = self.slots.get(key)
+        {
+            return Some(ServiceValue::slot(id));
+        }
+        self.whole.get(key).copied()
+    }
+
+    pub fn contains_key(&self, key: &ServiceKey) -> bool {
+        (key.slot > 0 && self.slots.contains_key(key)) || self.whole.contains_key(key)
+    }
+
+    /// Sets `key` to `value`; the value it had.
+    pub fn insert(&mut self, key: ServiceKey, value: ServiceValue) -> Option<ServiceValue> {
+        let old = self.remove(&key);
+        if Self::compact(&key, &value) {
+            self.slots.insert(key, value.backend_id);
+        } else {
+            self.whole.insert(key, value);
+        }
+        old
+    }
+
+    pub fn remove(&mut self, key: &ServiceKey) -> Option<ServiceValue> {
+        if key.slot > 0
+            && let Some(id) = self.slots.remove(key)
+        {
+            return Some(ServiceValue::slot(id));
+        }
+        self.whole.remove(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.whole.len() + self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Room for `n` more entries, `slots` of them slot entries.
+    pub fn reserve(&mut self, n: usize, slots: usize) {
+        self.slots.reserve(slots);
+        self.whole.reserve(n.saturating_sub(slots));
+    }
+
+    /// Every entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&ServiceKey, ServiceValue)> + '_ {
+        (self.whole.iter().map(|(k, v)| (k, *v))).chain(
+            self.slots
+                .iter()
+                .map(|(k, &id)| (k, ServiceValue::slot(id))),
+        )
+    }
+
+    /// The frontend entries (slot 0), without walking the slots.
+    pub fn frontends(&self) -> impl Iterator<Item = (&ServiceKey, ServiceValue)> + '_ {
+        (self.whole.iter())
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(k, v)| (k, *v))
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &ServiceKey> + '_ {
+        self.whole.keys().chain(self.slots.keys())
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = ServiceValue> + '_ {
+        self.iter().map(|(_, v)| v)
+    }
+}
+
+impl<'a> IntoIterator for &'a ServiceEntries {
+    type Item = (&'a ServiceKey, ServiceValue);
+    type IntoIter = Box<dyn Iterator<Item = (&'a ServiceKey, ServiceValue)> + 'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+impl FromIterator<(ServiceKey, ServiceValue)> for ServiceEntries {
+    fn from_iter<I: IntoIterator<Item = (ServiceKey, ServiceValue)>>(iter: I) -> Self {
+        let mut out = Self::default();
+        out.extend(iter);
+        out
+    }
+}
+
+impl Extend<(ServiceKey, ServiceValue)> for ServiceEntries {
+    fn extend<I: IntoIterator<Item = (ServiceKey, ServiceValue)>>(&mut self, iter: I) {
+        for (k, v) in iter {
+            self.insert(k, v);
+        }
     }
 }
 
@@ -215,5 +330,72 @@ impl Default for Capacities {
             maglev_chunks: proxy_common::MAGLEV_CAPACITY,
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(slot: u16) -> ServiceKey {
+        ServiceKey::new(
+            [10, 0, 0, 1],
+            80u16.to_be_bytes(),
+            proxy_common::proto::TCP,
+            slot,
+        )
+    }
+
+    /// Whatever the representation, the entries behave as one map from key to value: plain slots
+    /// (kept as the backend id) and any other value (kept whole) read back exactly, a key
+    /// rewritten from one kind to the other is in one place only, and equal contents compare
+    /// equal whichever order they were written in.
+    #[test]
+    fn service_entries_are_one_map() {
+        let frontend = ServiceValue::frontend(2, 7);
+        let odd_slot = ServiceValue {
+            rev_nat_id: 9,
+            ..ServiceValue::slot(5)
+        };
+        let mut a = ServiceEntries::default();
+        assert_eq!(a.insert(key(0), frontend), None);
+        assert_eq!(a.insert(key(1), ServiceValue::slot(4)), None);
+        assert_eq!(a.insert(key(2), odd_slot), None);
+        assert_eq!(a.len(), 3);
+        assert_eq!(a.get(&key(0)), Some(frontend));
+        assert_eq!(a.get(&key(1)), Some(ServiceValue::slot(4)));
+        assert_eq!(a.get(&key(2)), Some(odd_slot));
+        assert_eq!(a.get(&key(3)), None);
+        assert!(a.contains_key(&key(2)) && !a.contains_key(&key(3)));
+        assert_eq!(a.frontends().collect::<Vec<_>>(), vec![(&key(0), frontend)]);
+
+        // Plain → odd → plain: one entry each time, the last value read back.
+        assert_eq!(a.insert(key(1), odd_slot), Some(ServiceValue::slot(4)));
+        assert_eq!((a.len(), a.get(&key(1))), (3, Some(odd_slot)));
+        assert_eq!(a.insert(key(1), ServiceValue::slot(6)), Some(odd_slot));
+        assert_eq!((a.len(), a.get(&key(1))), (3, Some(ServiceValue::slot(6))));
+        // A slot-0 entry that looks like a plain slot stays a frontend.
+        let mut b = a.clone();
+        b.insert(key(0), ServiceValue::slot(3));
+        assert_eq!(b.frontends().count(), 1);
+
+        let mut iterated: Vec<_> = a.iter().map(|(k, v)| (*k, v)).collect();
+        iterated.sort_by_key(|(k, _)| k.slot);
+        assert_eq!(
+            iterated,
+            vec![
+                (key(0), frontend),
+                (key(1), ServiceValue::slot(6)),
+                (key(2), odd_slot)
+            ]
+        );
+        let reversed: ServiceEntries = iterated.iter().rev().copied().collect();
+        assert_eq!(reversed, a);
+
+        assert_eq!(a.remove(&key(1)), Some(ServiceValue::slot(6)));
+        assert_eq!(a.remove(&key(2)), Some(odd_slot));
+        assert_eq!(a.remove(&key(2)), None);
+        assert_eq!(a.len(), 1);
+        assert_ne!(reversed, a);
     }
 }
