@@ -10,7 +10,7 @@
 //! what translation and metrics read (an API `Endpoint` costs 352 bytes however much is pruned,
 //! a parsed one about 50).
 
-use std::{borrow::Cow, collections::BTreeSet, net::Ipv4Addr, sync::Arc, time::SystemTime};
+use std::{collections::BTreeSet, net::Ipv4Addr, sync::Arc, time::SystemTime};
 
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
@@ -105,42 +105,8 @@ impl From<&EndpointSlice> for SliceData {
     }
 }
 
-/// The reflector store keys objects by kind, name and namespace (no `ObjectMeta` here).
-impl kube::runtime::reflector::Lookup for SliceData {
-    type DynamicType = ();
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("EndpointSlice")
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("discovery.k8s.io")
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("v1")
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("endpointslices")
-    }
-
-    fn name(&self) -> Option<Cow<'_, str>> {
-        self.name.as_deref().map(Cow::Borrowed)
-    }
-
-    fn namespace(&self) -> Option<Cow<'_, str>> {
-        self.namespace.as_deref().map(Cow::Borrowed)
-    }
-
-    fn resource_version(&self) -> Option<Cow<'_, str>> {
-        self.resource_version.as_deref().map(Cow::Borrowed)
-    }
-
-    fn uid(&self) -> Option<Cow<'_, str>> {
-        None // pruned before it gets here
-    }
-}
+// The reflector store keys objects by kind, name and namespace (no `ObjectMeta` here).
+lookup_from_fields!(SliceData, kind: "EndpointSlice", group: "discovery.k8s.io", plural: "endpointslices", uid: |_| None); // pruned before it gets here
 
 /// A slice port that can carry traffic.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,6 +7,52 @@
 //! addresses, the annotations translate reads) and `serving::health` (node eligibility). Never
 //! `dataplane` or `cli`.
 
+/// `kube::runtime::reflector::Lookup` for a compact object the sources keep instead of the API
+/// type (`ServiceData`, `SliceData`): the API kind, group, version and plural as given, the
+/// names from the object's own `namespace`/`name`/`resource_version` fields, the uid from `$uid`.
+macro_rules! lookup_from_fields {
+    ($ty:ty, kind: $kind:literal, group: $group:literal, plural: $plural:literal, uid: $uid:expr) => {
+        impl kube::runtime::reflector::Lookup for $ty {
+            type DynamicType = ();
+
+            fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($kind)
+            }
+
+            fn group(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($group)
+            }
+
+            fn version(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed("v1")
+            }
+
+            fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($plural)
+            }
+
+            fn name(&self) -> Option<std::borrow::Cow<'_, str>> {
+                self.name.as_deref().map(std::borrow::Cow::Borrowed)
+            }
+
+            fn namespace(&self) -> Option<std::borrow::Cow<'_, str>> {
+                self.namespace.as_deref().map(std::borrow::Cow::Borrowed)
+            }
+
+            fn resource_version(&self) -> Option<std::borrow::Cow<'_, str>> {
+                self.resource_version
+                    .as_deref()
+                    .map(std::borrow::Cow::Borrowed)
+            }
+
+            fn uid(&self) -> Option<std::borrow::Cow<'_, str>> {
+                let uid: fn(&$ty) -> Option<&str> = $uid;
+                uid(self).map(std::borrow::Cow::Borrowed)
+            }
+        }
+    };
+}
+
 pub mod endpoints;
 pub mod kube;
 pub mod manifests;

@@ -6,8 +6,6 @@
 //! Nothing is interpreted here (no parsing, no problems): translate reads the raw values and
 //! reports what is wrong with them, naming the Service, exactly as it did from the API object.
 
-use std::borrow::Cow;
-
 use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
 
 use crate::sources::object_version;
@@ -150,42 +148,8 @@ impl ServiceData {
     }
 }
 
-/// The reflector store keys objects by kind, name and namespace (no `ObjectMeta` here).
-impl kube::runtime::reflector::Lookup for ServiceData {
-    type DynamicType = ();
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("Service")
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("")
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("v1")
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("services")
-    }
-
-    fn name(&self) -> Option<Cow<'_, str>> {
-        self.name.as_deref().map(Cow::Borrowed)
-    }
-
-    fn namespace(&self) -> Option<Cow<'_, str>> {
-        self.namespace.as_deref().map(Cow::Borrowed)
-    }
-
-    fn resource_version(&self) -> Option<Cow<'_, str>> {
-        self.resource_version.as_deref().map(Cow::Borrowed)
-    }
-
-    fn uid(&self) -> Option<Cow<'_, str>> {
-        self.uid.as_deref().map(Cow::Borrowed)
-    }
-}
+// The reflector store keys objects by kind, name and namespace (no `ObjectMeta` here).
+lookup_from_fields!(ServiceData, kind: "Service", group: "", plural: "services", uid: |s| s.uid.as_deref());
 
 #[cfg(test)]
 mod tests {
