@@ -4989,6 +4989,14 @@ fn least_connection_counts_are_reconciled_after_expiry_and_eviction() {
 #[derive(Clone, Default)]
 struct Records(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String, String)>>>);
 
+impl Records {
+    /// (level, message) of every record so far.
+    fn messages(&self) -> Vec<(log::Level, String)> {
+        let records = self.0.lock().unwrap();
+        records.iter().map(|(l, _, m)| (*l, m.clone())).collect()
+    }
+}
+
 impl log::Log for Records {
     fn enabled(&self, _: &log::Metadata) -> bool {
         true
@@ -5163,13 +5171,7 @@ fn the_datapath_trace_names_affinity_hits_and_source_range_drops() {
     assert_eq!(dp.run(PROG_TC_INGRESS, &outside.bytes()).0, TC_ACT_SHOT);
     logger.flush();
     let (be, port) = backend_addr(3);
-    let got: Vec<(log::Level, String)> = records
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(l, _, m)| (*l, m.clone()))
-        .collect();
+    let got = records.messages();
     assert_eq!(
         got,
         vec![
@@ -5261,13 +5263,7 @@ fn the_datapath_trace_names_snat_exhaustion_and_local_policy_drops() {
         &[(Counter::DropNoLocalEndpoints, 1)],
     ));
     logger.flush();
-    let got: Vec<(log::Level, String)> = records
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(l, _, m)| (*l, m.clone()))
-        .collect();
+    let got = records.messages();
     assert_eq!(
         got,
         vec![
