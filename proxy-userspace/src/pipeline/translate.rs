@@ -146,7 +146,7 @@ pub fn translate_for_node(
         };
         out.problems.append(&mut t.problems);
         out.notes.append(&mut t.notes);
-        out.health_checks.extend(t.health_check.take());
+        out.health_checks.extend(t.health_check.take().map(|hc| *hc));
         translations.push(t);
     }
     // Grouped by frontend (a stable sort: claimants stay in name order within a group).
@@ -173,13 +173,14 @@ pub struct ServiceTranslation {
     /// The frontends the Service asks for, in Service port order, each address:port/protocol
     /// once (an in-cluster entry right after its all-clients entry). Each is claimed on its own
     /// ([`resolve`]). Empty when the Service is skipped.
-    pub frontends: Vec<(Frontend, Arc<DesiredFrontend>)>,
+    pub frontends: Box<[(Frontend, Arc<DesiredFrontend>)]>,
     pub problems: Vec<Problem>,
     pub notes: Vec<Problem>,
     /// The Service's `metadata.creationTimestamp` (the older Service wins a contested frontend).
     pub created: Option<Timestamp>,
-    /// Served whatever the claims: it reports the Service's local endpoints.
-    pub health_check: Option<HealthCheck>,
+    /// Served whatever the claims: it reports the Service's local endpoints. (Boxed: few
+    /// Services have one, and the translation cache keeps a translation per Service.)
+    pub health_check: Option<Box<HealthCheck>>,
 }
 
 impl ServiceTranslation {
@@ -312,14 +313,15 @@ pub fn translate_service(
             if let Some(note) = f.note {
                 out.notes.push(service_problem(svc, note));
             }
+            // Collected into a box of its exact length (a collect into a `Vec` would reuse the
+            // grown buffer of (Frontend, DesiredFrontend), kept for the Service's lifetime in
+            // the cache).
             out.frontends = dedup_own(f.frontends)
                 .into_iter()
                 .map(|(frontend, df)| (frontend, Arc::new(df)))
-                .collect();
-            // The collect reuses the grown buffer of (Frontend, DesiredFrontend): kept for the
-            // Service's lifetime in the cache, it was most of a translation's memory.
-            out.frontends.shrink_to_fit();
-            out.health_check = f.health_check;
+                .collect::<Vec<_>>()
+                .into_boxed_slice();
+            out.health_check = f.health_check.map(Box::new);
         }
         Err(e) => out.problems.push(service_problem(svc, e.to_string())),
     }

@@ -23,7 +23,7 @@
 //! the change instead of walking the cluster.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, hash_map::Entry as MapEntry},
     net::Ipv4Addr,
     sync::Arc,
     time::SystemTime,
@@ -37,13 +37,15 @@ use crate::{
     },
     sources::{
         endpoints::{SliceData, SliceIndex},
+        names::{self, Name},
         services::ServiceData,
         snapshot::Snapshot,
     },
 };
 
-/// A Service's namespace and name (also the key EndpointSlices join on).
-pub type ServiceName = (String, String);
+/// A Service's namespace and name (also the key EndpointSlices join on): the `Arc`s of the
+/// source's object, so the maps and change lists keyed by it hold no copy of the strings.
+pub type ServiceName = (Name, Name);
 
 /// A frontend whose desired value changed in an update, with the value it had before (`None`:
 /// it did not exist). The new value is in [`TranslateCache::desired`].
@@ -54,7 +56,7 @@ pub struct FrontendChange {
 }
 
 /// An EndpointSlice's Service and its own name (the slice's namespace is the Service's).
-pub type SliceName = (ServiceName, String);
+pub type SliceName = (ServiceName, Name);
 
 /// What one [`TranslateCache::update`] changed besides the frontends it returns.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -77,16 +79,12 @@ pub struct TranslateCache {
     /// The objects of the last snapshot.
     seen_services: Seen<ServiceData>,
     seen_slices: Seen<SliceData>,
-    services: HashMap<ServiceName, Arc<ServiceData>>,
-    /// EndpointSlices by the Service they name, then by slice name.
-    slices: HashMap<ServiceName, SliceGroup>,
-    /// Problems found in each Service's slices.
-    slice_problems: HashMap<ServiceName, Vec<Problem>>,
-    /// Handled Services' translations.
-    translations: HashMap<ServiceName, ServiceTranslation>,
+    /// What is known of each Service name: its object, slices and translation (one map, so one
+    /// key and one table slot per Service).
+    entries: HashMap<ServiceName, ServiceEntry>,
     /// Services asking for each frontend (all-clients scope; usually one), with the index of
     /// its entry in the Service's translation.
-    candidates: HashMap<Frontend, Vec<(ServiceName, usize)>>,
+    candidates: HashMap<Frontend, Claimants>,
     /// The frontends that more than one Service asks for, with the losing claims.
     conflicts: HashMap<Frontend, Vec<FrontendConflict>>,
     health_checks: BTreeMap<ServiceName, HealthCheck>,
@@ -114,11 +112,10 @@ impl TranslateCache {
 
     /// Problems of the last update (as [`translate::Translation::problems`], in another order).
     pub fn problems(&self) -> Vec<Problem> {
-        let slices = (self.troubled.iter())
-            .filter_map(|n| self.slice_problems.get(n))
-            .flatten();
-        let services = (self.troubled.iter())
-            .filter_map(|n| self.translations.get(n))
+        let troubled = || self.troubled.iter().filter_map(|n| self.entries.get(n));
+        let slices = troubled().flat_map(|e| &e.slice_problems);
+        let services = troubled()
+            .filter_map(|e| e.translation.as_ref())
             .flat_map(|t| &t.problems);
         let conflicts = self
             .conflicts
@@ -138,7 +135,7 @@ impl TranslateCache {
     /// Notes of the last update (as [`translate::Translation::notes`], in another order).
     pub fn notes(&self) -> Vec<Problem> {
         (self.troubled.iter())
-            .filter_map(|n| self.translations.get(n))
+            .filter_map(|n| self.entries.get(n)?.translation.as_ref())
             .flat_map(|t| t.notes.iter().cloned())
             .collect()
     }
@@ -165,11 +162,8 @@ impl TranslateCache {
         let all = everything || self.node.as_ref() != Some(&context);
         self.last_changes.all = all;
         if all {
-            let keys = (self.services.keys())
-                .chain(self.slices.keys())
-                .chain(self.translations.keys())
-                .chain(self.slice_problems.keys());
-            for name in keys {
+            dirty.reserve(self.entries.len().saturating_sub(dirty.len()));
+            for name in self.entries.keys() {
                 if !dirty.contains(name) {
                     dirty.insert(name.clone());
                 }
@@ -184,24 +178,19 @@ impl TranslateCache {
         let translated = self.translate_each(&dirty, node, nodeport_addrs);
         // Every frontend a changed Service asks for, or asked for before, is settled again.
         let mut contested: Vec<Frontend> = Vec::new();
-        for (name, (problems, new)) in dirty.iter().zip(translated) {
-            if problems.is_empty() {
-                self.slice_problems.remove(name);
-            } else {
-                self.slice_problems.insert(name.clone(), problems);
-            }
-            let hc = new.as_ref().and_then(|t| t.health_check.clone());
+        for (name, (problems, mut new)) in dirty.iter().zip(translated) {
+            // Kept once, in `health_checks` (not in the translation too).
+            let hc = new.as_mut().and_then(|t| t.health_check.take()).map(|hc| *hc);
             let old_hc = match hc.clone() {
                 Some(hc) => self.health_checks.insert(name.clone(), hc),
                 None => self.health_checks.remove(name),
             };
             self.last_changes.health_checks |= old_hc != hc;
-            let old = match new {
-                Some(t) => self.translations.insert(name.clone(), t),
-                None => self.translations.remove(name),
-            };
-            let troubled = self.slice_problems.contains_key(name)
-                || (self.translations.get(name))
+            let entry = self.entries.entry(name.clone()).or_default();
+            entry.slice_problems = problems.into();
+            let old = std::mem::replace(&mut entry.translation, new);
+            let troubled = !entry.slice_problems.is_empty()
+                || (entry.translation.as_ref())
                     .is_some_and(|t| !t.problems.is_empty() || !t.notes.is_empty());
             if troubled {
                 self.troubled.insert(name.clone());
@@ -210,27 +199,34 @@ impl TranslateCache {
             }
             for claim in old.iter().flat_map(|t| t.claims()) {
                 contested.push(claim.frontend);
-                if let Some(c) = self.candidates.get_mut(&claim.frontend) {
-                    c.retain(|(n, _)| n != name);
-                    if c.is_empty() {
-                        self.candidates.remove(&claim.frontend);
-                    }
+                if let Some(c) = self.candidates.get_mut(&claim.frontend)
+                    && c.remove(name)
+                {
+                    self.candidates.remove(&claim.frontend);
                 }
             }
-            let Some(t) = self.translations.get(name) else {
+            let Some(t) = entry.translation.as_ref() else {
+                if entry.is_empty() {
+                    self.entries.remove(name);
+                }
                 continue;
             };
             for (i, (f, _)) in t.frontends.iter().enumerate() {
                 if t.claim_at(i).is_some() {
                     contested.push(*f);
-                    // Nearly every frontend has one claimant: no room for more up front.
-                    self.candidates
-                        .entry(*f)
-                        .or_insert_with(|| Vec::with_capacity(1))
-                        .push((name.clone(), i));
+                    let claim = (name.clone(), index(i));
+                    match self.candidates.entry(*f) {
+                        MapEntry::Occupied(mut o) => o.get_mut().push(claim),
+                        MapEntry::Vacant(v) => {
+                            v.insert(Claimants::One(claim));
+                        }
+                    }
                 }
             }
         }
+        // The lists of a full pass are as long as the cluster: no room past their length.
+        self.last_changes.services.shrink_to_fit();
+        self.last_changes.slices.shrink_to_fit();
         // (A full pass re-translates every Service, so every frontend is settled again.) Sorted,
         // so the changes come out sorted.
         contested.sort_unstable();
@@ -249,15 +245,13 @@ impl TranslateCache {
         const PARALLEL_MIN: usize = 2_048;
         let one = |name: &ServiceName| {
             let mut problems = Vec::new();
-            let slices = self.slices.get(name);
+            let entry = self.entries.get(name);
             let index = SliceIndex::new(
-                slices.into_iter().flat_map(|s| s.values()),
+                entry.into_iter().flat_map(|e| e.slices.values()),
                 &node.node_name,
                 &mut problems,
             );
-            let translation = self
-                .services
-                .get(name)
+            let translation = (entry.and_then(|e| e.service.as_ref()))
                 .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
             (problems, translation)
         };
@@ -289,21 +283,28 @@ impl TranslateCache {
             .filter_map(|s| Some((service_name(&s)?, s)))
             .collect();
         let changes = &mut self.last_changes;
+        // (An entry left empty is removed once its translation is gone, in `update`.)
         for name in gone.iter().filter_map(|s| service_name(s)) {
-            if !fresh.contains_key(&name) && self.services.remove(&name).is_some() {
+            if fresh.contains_key(&name) {
+                continue;
+            }
+            if let Some(e) = self.entries.get_mut(&name)
+                && e.service.take().is_some()
+            {
                 changes.services.push(name.clone());
                 dirty.insert(name);
             }
         }
         for (name, new) in fresh {
-            if replaced(self.services.insert(name.clone(), new.clone()), &new) {
+            let entry = self.entries.entry(name.clone()).or_default();
+            if replaced(entry.service.replace(new.clone()), &new) {
                 changes.services.push(name.clone());
                 dirty.insert(name);
             }
         }
 
         let (fresh, gone) = self.seen_slices.split(&snapshot.endpoint_slices);
-        let fresh: HashMap<(ServiceName, String), Arc<SliceData>> = fresh
+        let fresh: HashMap<SliceName, Arc<SliceData>> = fresh
             .into_iter()
             .filter_map(|s| Some((slice_key(&s)?, s)))
             .collect();
@@ -312,20 +313,17 @@ impl TranslateCache {
                 continue;
             }
             let (service, slice) = key;
-            let Some(group) = self.slices.get_mut(&service) else {
+            let Some(entry) = self.entries.get_mut(&service) else {
                 continue;
             };
-            if group.remove(&slice).is_some() {
-                if group.is_empty() {
-                    self.slices.remove(&service);
-                }
+            if entry.slices.remove(&slice).is_some() {
                 changes.slices.push(((service.clone(), slice), None));
                 dirty.insert(service);
             }
         }
         for ((service, slice), new) in fresh {
-            let group = self.slices.entry(service.clone()).or_default();
-            if replaced(group.insert(slice.clone(), new.clone()), &new) {
+            let entry = self.entries.entry(service.clone()).or_default();
+            if replaced(entry.slices.insert(slice.clone(), new.clone()), &new) {
                 changes
                     .slices
                     .push(((service.clone(), slice), new.trigger_time));
@@ -346,7 +344,10 @@ impl TranslateCache {
                 (self.candidates.get(&frontend))
                     .into_iter()
                     .flatten()
-                    .filter_map(|(name, i)| self.translations.get(name)?.claim_at(*i)),
+                    .filter_map(|(name, i)| {
+                        let t = self.entries.get(name)?.translation.as_ref()?;
+                        t.claim_at(*i as usize)
+                    }),
             );
             // [all clients, in-cluster]
             let mut new: [Option<Arc<DesiredFrontend>>; 2] = [None, None];
@@ -431,29 +432,111 @@ impl<K> Seen<K> {
 
 /// Did inserting `new` change what the key held (`old`: what the insert returned)? The same `Arc`
 /// is unchanged; another one is compared by value (the manifest source parses objects anew).
-/// One Service's slices by name, sorted: a Service has one or a few, so a vector (a B-tree's
+/// What the cache knows of one Service name. Removed when it holds nothing.
+#[derive(Debug, Default)]
+struct ServiceEntry {
+    /// The Service object (`None`: no Service of that name, only slices naming it).
+    service: Option<Arc<ServiceData>>,
+    /// The EndpointSlices naming the Service.
+    slices: SliceGroup,
+    /// Problems found in those slices.
+    slice_problems: Box<[Problem]>,
+    /// The translation of a handled Service (its health check is kept in
+    /// [`TranslateCache::health_checks`] instead).
+    translation: Option<ServiceTranslation>,
+}
+
+impl ServiceEntry {
+    fn is_empty(&self) -> bool {
+        self.service.is_none()
+            && self.slices.is_empty()
+            && self.slice_problems.is_empty()
+            && self.translation.is_none()
+    }
+}
+
+/// The Services claiming one frontend, each with the index of the frontend's entry in its
+/// translation: nearly always one, kept inline (no allocation per frontend).
+#[derive(Debug)]
+enum Claimants {
+    One((ServiceName, u32)),
+    Many(Vec<(ServiceName, u32)>),
+}
+
+impl Claimants {
+    fn push(&mut self, claim: (ServiceName, u32)) {
+        match self {
+            Claimants::One(first) => {
+                let first = first.clone();
+                *self = Claimants::Many(vec![first, claim]);
+            }
+            Claimants::Many(v) => v.push(claim),
+        }
+    }
+
+    /// Drops `name`'s claim; true when none is left.
+    fn remove(&mut self, name: &ServiceName) -> bool {
+        let left = match self {
+            Claimants::One((n, _)) => return n == name,
+            Claimants::Many(v) => {
+                v.retain(|(n, _)| n != name);
+                v
+            }
+        };
+        match left.as_slice() {
+            [] => true,
+            [only] => {
+                let only = only.clone();
+                *self = Claimants::One(only);
+                false
+            }
+            _ => false,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Claimants {
+    type Item = &'a (ServiceName, u32);
+    type IntoIter = std::slice::Iter<'a, (ServiceName, u32)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        match self {
+            Claimants::One(c) => std::slice::from_ref(c).iter(),
+            Claimants::Many(v) => v.iter(),
+        }
+    }
+}
+
+/// A frontend's index in a Service's translation, as kept in [`Claimants`] (a Service has far
+/// fewer than 2³² frontends).
+fn index(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
+
+/// One Service's slices by name, sorted: a Service has one or a few, so a boxed slice (a B-tree's
 /// smallest node is 11 entries wide, ~370 bytes for the usual single slice).
 #[derive(Debug, Default)]
-struct SliceGroup(Vec<(String, Arc<SliceData>)>);
+struct SliceGroup(Box<[(Name, Arc<SliceData>)]>);
 
 impl SliceGroup {
-    fn insert(&mut self, name: String, slice: Arc<SliceData>) -> Option<Arc<SliceData>> {
-        match self.0.binary_search_by(|(n, _)| n.as_str().cmp(&name)) {
+    fn insert(&mut self, name: Name, slice: Arc<SliceData>) -> Option<Arc<SliceData>> {
+        match self.0.binary_search_by(|(n, _)| (**n).cmp(&*name)) {
             Ok(i) => Some(std::mem::replace(&mut self.0[i].1, slice)),
             Err(i) => {
-                self.0.insert(i, (name, slice));
-                self.0.shrink_to_fit();
+                let mut v = std::mem::take(&mut self.0).into_vec();
+                v.insert(i, (name, slice));
+                self.0 = v.into_boxed_slice();
                 None
             }
         }
     }
 
     fn remove(&mut self, name: &str) -> Option<Arc<SliceData>> {
-        let i = self
-            .0
-            .binary_search_by(|(n, _)| n.as_str().cmp(name))
-            .ok()?;
-        Some(self.0.remove(i).1)
+        let i = self.0.binary_search_by(|(n, _)| (**n).cmp(name)).ok()?;
+        let mut v = std::mem::take(&mut self.0).into_vec();
+        let (_, slice) = v.remove(i);
+        self.0 = v.into_boxed_slice();
+        Some(slice)
     }
 
     fn is_empty(&self) -> bool {
@@ -471,23 +554,21 @@ fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
 
 fn service_name(svc: &ServiceData) -> Option<ServiceName> {
     let name = svc.name.clone()?;
-    let namespace = svc
-        .namespace
-        .clone()
-        .unwrap_or_else(|| "default".to_owned());
-    Some((namespace, name))
+    Some((namespace_of(&svc.namespace), name))
 }
 
 /// The Service a slice belongs to and the slice's name; `None` for slices not managed for a
 /// Service (translate ignores them too).
-fn slice_key(slice: &SliceData) -> Option<(ServiceName, String)> {
+fn slice_key(slice: &SliceData) -> Option<SliceName> {
     let service = slice.service_name.clone()?;
     let name = slice.name.clone()?;
-    let namespace = slice
-        .namespace
+    Some(((namespace_of(&slice.namespace), service), name))
+}
+
+fn namespace_of(namespace: &Option<Name>) -> Name {
+    namespace
         .clone()
-        .unwrap_or_else(|| "default".to_owned());
-    Some(((namespace, service), name))
+        .unwrap_or_else(|| names::namespace("default"))
 }
 
 #[cfg(test)]
@@ -714,7 +795,8 @@ mod tests {
                         (s.endpoint_slices.iter())
                             .map(|o| {
                                 let (svc, name) = slice_key(o)?;
-                                Some(((svc.0, format!("{}/{name}", svc.1)), format!("{o:?}")))
+                                let joined = format!("{}/{name}", svc.1);
+                                Some(((svc.0, Name::from(joined)), format!("{o:?}")))
                             })
                             .collect(),
                     );
@@ -724,7 +806,7 @@ mod tests {
                 let listed: BTreeSet<ServiceName> = list.services.iter().cloned().collect();
                 assert_eq!(listed, diff(&before.0, &after.0), "{at}: Services");
                 let listed: BTreeSet<ServiceName> = (list.slices.iter())
-                    .map(|(((ns, svc), name), _)| (ns.clone(), format!("{svc}/{name}")))
+                    .map(|(((ns, svc), name), _)| (ns.clone(), Name::from(format!("{svc}/{name}"))))
                     .collect();
                 assert_eq!(listed, diff(&before.1, &after.1), "{at}: slices");
                 tracker.add(list);
@@ -1038,7 +1120,7 @@ mod tests {
         assert!(changes.iter().any(|c| c.frontend == ext), "{changes:?}");
         // The loser changes (its endpoints or spec): the frontend stays with the winner.
         let mut changed = (*new).clone();
-        changed.resource_version = Some("2".to_owned());
+        changed.resource_version = Some("2".into());
         changed.fingerprint ^= 1;
         let (h, changes, _) = step(vec![Arc::new(changed), oldest]);
         assert_eq!(h.as_deref(), Some("c/oldest"));

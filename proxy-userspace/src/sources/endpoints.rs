@@ -10,7 +10,7 @@
 //! what translation and metrics read (an API `Endpoint` costs 352 bytes however much is pruned,
 //! a parsed one about 50).
 
-use std::{collections::BTreeSet, net::Ipv4Addr, sync::Arc, time::SystemTime};
+use std::{collections::BTreeSet, net::Ipv4Addr, time::SystemTime};
 
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
@@ -19,7 +19,10 @@ use crate::{
         fast_hash::HashMap,
         model::{EndpointAddr, Problem, Protocol},
     },
-    sources::object_version,
+    sources::{
+        names::{self, Name},
+        object_version,
+    },
 };
 
 /// Label naming the Service an EndpointSlice belongs to.
@@ -54,11 +57,13 @@ pub struct EndpointInfo {
 /// translation cache compares a new `Arc` by value).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceData {
-    pub namespace: Option<String>,
-    pub name: Option<String>,
+    /// Shared with every object of the namespace ([`names::namespace`]).
+    pub namespace: Option<Name>,
+    /// Shared with the translation cache and its change lists (which hold this `Arc`).
+    pub name: Option<Name>,
     /// The `kubernetes.io/service-name` label.
-    pub service_name: Option<String>,
-    pub resource_version: Option<String>,
+    pub service_name: Option<Name>,
+    pub resource_version: Option<Box<str>>,
     /// Identifies this version of the object (so a new resourceVersion is a change the translation
     /// cache lists, and the metrics count): a hash of the resourceVersion (and uid) when it has
     /// one, else of the whole object as JSON (manifests).
@@ -71,6 +76,10 @@ pub struct SliceData {
     pub ipv4: bool,
     ports: Box<[SlicePort]>,
     endpoints: Box<[SliceEndpoint]>,
+    /// The endpoints' node names, each once ([`SliceEndpoint::node`] indexes it).
+    nodes: Box<[Box<str>]>,
+    /// The endpoints' topology hints ([`SliceEndpoint::hints`] indexes it; most have none).
+    hints: Box<[Hints]>,
     /// Why ports or endpoints were skipped, in slice order.
     problems: Box<[String]>,
 }
@@ -80,26 +89,26 @@ impl From<&EndpointSlice> for SliceData {
         let meta = &slice.metadata;
         let ipv4 = slice.address_type == ADDRESS_TYPE_IPV4;
         let mut problems = Vec::new();
-        let (ports, endpoints) = if ipv4 {
+        let parsed = if ipv4 {
             parse_slice(slice, &mut problems)
         } else {
-            (Vec::new(), Vec::new())
+            Parsed::default()
         };
         Self {
-            namespace: meta.namespace.clone(),
-            name: meta.name.clone(),
-            service_name: meta
-                .labels
-                .as_ref()
+            namespace: meta.namespace.as_deref().map(names::namespace),
+            name: meta.name.as_deref().map(Name::from),
+            service_name: (meta.labels.as_ref())
                 .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                .cloned(),
-            resource_version: meta.resource_version.clone(),
+                .map(|s| Name::from(s.as_str())),
+            resource_version: meta.resource_version.as_deref().map(Into::into),
             fingerprint: object_version::fingerprint(slice),
             trigger_time: object_version::trigger_time(meta),
             has_endpoints: slice.endpoints.as_ref().is_some_and(|e| !e.is_empty()),
             ipv4,
-            ports: ports.into(),
-            endpoints: endpoints.into(),
+            ports: parsed.ports.into(),
+            endpoints: parsed.endpoints.into(),
+            nodes: parsed.nodes.into(),
+            hints: parsed.hints.into(),
             problems: problems.into(),
         }
     }
@@ -116,20 +125,27 @@ struct SlicePort {
     port: u16,
 }
 
-/// An endpoint whose address parsed; the port comes from the slice port.
+/// An endpoint whose address parsed; the port comes from the slice port. 16 bytes (half a
+/// million of them at 50,000 Services): the node name and the hints are indexes into the slice's
+/// tables.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct SliceEndpoint {
     addr: Ipv4Addr,
-    /// `nodeName` (shared by the endpoints of one slice on the same node); compared with this
+    /// `nodeName`: an index into [`SliceData::nodes`] ([`NONE`]: not set); compared with this
     /// node's name at translation.
-    node_name: Option<Arc<str>>,
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    /// `hints` (`None`: neither zone nor node hints, as for most endpoints: this keeps an
-    /// endpoint at 32 bytes, half a million of them at 50,000 Services).
-    hints: Option<Box<Hints>>,
+    node: u32,
+    /// `hints`: an index into [`SliceData::hints`] ([`NONE`]: neither zone nor node hints, as
+    /// for most endpoints).
+    hints: u32,
+    /// `conditions` ([`READY`], [`SERVING`], [`TERMINATING`]).
+    conditions: u8,
 }
+
+/// No entry in the slice's table.
+const NONE: u32 = u32::MAX;
+const READY: u8 = 1;
+const SERVING: u8 = 2;
+const TERMINATING: u8 = 4;
 
 /// An endpoint's topology hints.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -144,7 +160,7 @@ struct Hints {
 #[derive(Clone, Debug, Default)]
 pub struct SliceIndex<'a> {
     /// (namespace, service name) → slices, sorted by slice name (upstream's merge order).
-    by_service: HashMap<(String, String), Vec<(&'a str, &'a SliceData)>>,
+    by_service: HashMap<(&'a str, &'a str), Vec<(&'a str, &'a SliceData)>>,
     node_name: &'a str,
 }
 
@@ -164,10 +180,7 @@ impl<'a> SliceIndex<'a> {
             let (Some(service), Some(name)) = (&slice.service_name, &slice.name) else {
                 continue; // not managed for a Service: upstream ignores it too
             };
-            let namespace = slice
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".to_owned());
+            let namespace = slice.namespace.as_deref().unwrap_or("default");
             if !slice.problems.is_empty() {
                 let object = format!("EndpointSlice {namespace}/{name}");
                 problems.extend(slice.problems.iter().map(|reason| Problem {
@@ -177,9 +190,9 @@ impl<'a> SliceIndex<'a> {
                 }));
             }
             by_service
-                .entry((namespace, service.clone()))
+                .entry((namespace, &**service))
                 .or_default()
-                .push((name.as_str(), slice));
+                .push((&**name, slice));
         }
         for slices in by_service.values_mut() {
             slices.sort_by(|a, b| a.0.cmp(b.0));
@@ -200,10 +213,7 @@ impl<'a> SliceIndex<'a> {
         port_name: &str,
         protocol: Protocol,
     ) -> Vec<EndpointInfo> {
-        let Some(slices) = self
-            .by_service
-            .get(&(namespace.to_owned(), service.to_owned()))
-        else {
+        let Some(slices) = self.by_service.get(&(namespace, service)) else {
             return Vec::new();
         };
         let node_name = self.node_name;
@@ -222,16 +232,19 @@ impl<'a> SliceIndex<'a> {
                     port: port.port,
                     protocol,
                 };
+                let hints = slice.hints.get(ep.hints as usize);
+                let local = !node_name.is_empty()
+                    && slice.nodes.get(ep.node as usize).is_some_and(|n| **n == *node_name);
                 let info = EndpointInfo {
                     endpoint,
-                    local: !node_name.is_empty() && ep.node_name.as_deref() == Some(node_name),
-                    ready: ep.ready,
-                    serving: ep.serving,
-                    terminating: ep.terminating,
-                    zone_hints: (ep.hints.as_ref()).map_or_else(BTreeSet::new, |h| h.zones.clone()),
-                    has_node_hints: ep.hints.as_ref().is_some_and(|h| !h.nodes.is_empty()),
+                    local,
+                    ready: ep.conditions & READY != 0,
+                    serving: ep.conditions & SERVING != 0,
+                    terminating: ep.conditions & TERMINATING != 0,
+                    zone_hints: hints.map_or_else(BTreeSet::new, |h| h.zones.clone()),
+                    has_node_hints: hints.is_some_and(|h| !h.nodes.is_empty()),
                     hinted_for_node: !node_name.is_empty()
-                        && (ep.hints.iter()).any(|h| h.nodes.iter().any(|n| n == node_name)),
+                        && hints.is_some_and(|h| h.nodes.iter().any(|n| n == node_name)),
                 };
                 match out.get(&endpoint) {
                     Some(_) if !info.local => {}
@@ -247,11 +260,17 @@ impl<'a> SliceIndex<'a> {
     }
 }
 
-fn parse_slice(
-    slice: &EndpointSlice,
-    problems: &mut Vec<String>,
-) -> (Vec<SlicePort>, Vec<SliceEndpoint>) {
-    let mut ports = Vec::new();
+/// A slice's ports and endpoints as parsed, with the endpoints' node names and hints.
+#[derive(Default)]
+struct Parsed {
+    ports: Vec<SlicePort>,
+    endpoints: Vec<SliceEndpoint>,
+    nodes: Vec<Box<str>>,
+    hints: Vec<Hints>,
+}
+
+fn parse_slice(slice: &EndpointSlice, problems: &mut Vec<String>) -> Parsed {
+    let mut out = Parsed::default();
     for p in slice.ports.iter().flatten() {
         let name = p.name.clone().unwrap_or_default();
         let protocol = match p.protocol.as_deref() {
@@ -263,7 +282,7 @@ fn parse_slice(
         // A nil port means "all ports" in the API; kube-proxy cannot use it either.
         let Some(port) = p.port else { continue };
         match u16::try_from(port) {
-            Ok(port) if port != 0 => ports.push(SlicePort {
+            Ok(port) if port != 0 => out.ports.push(SlicePort {
                 name,
                 protocol,
                 port,
@@ -273,44 +292,54 @@ fn parse_slice(
             )),
         }
     }
-    let mut endpoints = Vec::new();
-    let mut nodes: HashMap<&str, Arc<str>> = HashMap::default();
+    // Node name → its index in `out.nodes`.
+    let mut nodes: HashMap<&str, u32> = HashMap::default();
     for ep in slice.endpoints.iter().flatten() {
         // Upstream uses the first address only (the API allows exactly one for IPv4 slices).
         let Some(addr) = ep.addresses.first() else {
             continue;
         };
-        match addr.parse::<Ipv4Addr>() {
-            Ok(addr) => endpoints.push(slice_endpoint(ep, addr, &mut nodes)),
-            Err(_) => problems.push(format!(
+        let Ok(addr) = addr.parse::<Ipv4Addr>() else {
+            problems.push(format!(
                 "endpoint address {addr:?} is not an IPv4 address; endpoint skipped"
-            )),
-        }
+            ));
+            continue;
+        };
+        let node = ep.node_name.as_deref().map_or(NONE, |n| {
+            *nodes.entry(n).or_insert_with(|| {
+                out.nodes.push(n.into());
+                index(out.nodes.len() - 1)
+            })
+        });
+        let hints = hints(ep).map_or(NONE, |h| {
+            out.hints.push(h);
+            index(out.hints.len() - 1)
+        });
+        out.endpoints.push(SliceEndpoint {
+            addr,
+            node,
+            hints,
+            conditions: conditions(ep),
+        });
     }
-    (ports, endpoints)
+    out
 }
 
-/// `nodes`: the node names of this slice so far, shared between its endpoints.
-fn slice_endpoint<'a>(
-    ep: &'a Endpoint,
-    addr: Ipv4Addr,
-    nodes: &mut HashMap<&'a str, Arc<str>>,
-) -> SliceEndpoint {
+/// A table index as kept in a [`SliceEndpoint`] (a slice holds far fewer than 2³² endpoints).
+fn index(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(NONE)
+}
+
+/// `conditions` as flags: ready (nil = true), serving (nil = ready), terminating (nil = false).
+fn conditions(ep: &Endpoint) -> u8 {
     let c = ep.conditions.as_ref();
     let ready = c.and_then(|c| c.ready).unwrap_or(true);
-    let node_name =
-        (ep.node_name.as_deref()).map(|n| nodes.entry(n).or_insert_with(|| n.into()).clone());
-    SliceEndpoint {
-        addr,
-        node_name,
-        ready,
-        serving: c.and_then(|c| c.serving).unwrap_or(ready),
-        terminating: c.and_then(|c| c.terminating).unwrap_or(false),
-        hints: hints(ep),
-    }
+    let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+    let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+    u8::from(ready) * READY | u8::from(serving) * SERVING | u8::from(terminating) * TERMINATING
 }
 
-fn hints(ep: &Endpoint) -> Option<Box<Hints>> {
+fn hints(ep: &Endpoint) -> Option<Hints> {
     let h = ep.hints.as_ref()?;
     let hints = Hints {
         zones: (h.for_zones.iter().flatten())
@@ -320,7 +349,7 @@ fn hints(ep: &Endpoint) -> Option<Box<Hints>> {
             .map(|n| n.name.clone())
             .collect(),
     };
-    (!hints.zones.is_empty() || !hints.nodes.is_empty()).then(|| Box::new(hints))
+    (!hints.zones.is_empty() || !hints.nodes.is_empty()).then_some(hints)
 }
 
 #[cfg(test)]
@@ -361,11 +390,11 @@ mod tests {
         assert_eq!(s.ports.len(), 1);
         assert_eq!(s.endpoints.len(), 2);
         let (a, b) = (&s.endpoints[0], &s.endpoints[1]);
-        assert!(!a.ready && !a.serving && b.ready && b.serving);
-        let (Some(na), Some(nb)) = (&a.node_name, &b.node_name) else {
-            panic!("node names kept");
-        };
-        assert!(Arc::ptr_eq(na, nb), "one node name per slice");
+        assert_eq!((a.conditions, b.conditions), (0, READY | SERVING));
+        assert_eq!((a.node, b.node), (0, 0), "one node name per slice");
+        assert_eq!(&*s.nodes, ["n1".into()]);
+        assert_eq!((a.hints, b.hints), (NONE, 0));
+        assert_eq!(s.hints[0].zones, BTreeSet::from(["a".to_owned()]));
         assert_eq!(
             &*s.problems,
             [

@@ -56,6 +56,7 @@ macro_rules! lookup_from_fields {
 pub mod endpoints;
 pub mod kube;
 pub mod manifests;
+pub mod names;
 pub mod object_version;
 pub mod services;
 pub mod snapshot;

@@ -8,7 +8,10 @@
 
 use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
 
-use crate::sources::object_version;
+use crate::sources::{
+    names::{self, Name},
+    object_version,
+};
 
 /// Label marking a Service as owned by another proxy.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -24,11 +27,13 @@ pub const ANNOTATION_SCHEDULER: &str = "kube-proxy-ebpf.io/scheduler";
 /// compares a new `Arc` by value).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceData {
-    pub namespace: Option<String>,
-    pub name: Option<String>,
+    /// Shared with every object of the namespace ([`names::namespace`]).
+    pub namespace: Option<Name>,
+    /// Shared with the translation cache and its change lists (which hold this `Arc`).
+    pub name: Option<Name>,
     /// For the Events naming this Service.
-    pub uid: Option<String>,
-    pub resource_version: Option<String>,
+    pub uid: Option<Box<str>>,
+    pub resource_version: Option<Box<str>>,
     /// Identifies this version of the object (see [`object_version::fingerprint`]).
     pub fingerprint: u64,
     /// `metadata.creationTimestamp` (the older Service wins a contested frontend).
@@ -83,10 +88,10 @@ impl From<&Service> for ServiceData {
                 .map(|v| v.as_str().into())
         };
         let mut out = Self {
-            namespace: meta.namespace.clone(),
-            name: meta.name.clone(),
-            uid: meta.uid.clone(),
-            resource_version: meta.resource_version.clone(),
+            namespace: meta.namespace.as_deref().map(names::namespace),
+            name: meta.name.as_deref().map(Name::from),
+            uid: boxed(&meta.uid),
+            resource_version: boxed(&meta.resource_version),
             fingerprint: object_version::fingerprint(svc),
             created: meta.creation_timestamp.as_ref().map(|t| t.0),
             other_proxy: meta

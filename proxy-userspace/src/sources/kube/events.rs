@@ -66,7 +66,7 @@ impl ConflictEvents {
         let uids: BTreeMap<ServiceKey, Option<String>> = snapshot
             .services
             .iter()
-            .filter_map(|s| Some((key_of(s)?, s.uid.clone())))
+            .filter_map(|s| Some((key_of(s)?, s.uid.as_deref().map(str::to_owned))))
             .collect();
         let reference = |key: &ServiceKey| ObjectReference {
             api_version: Some("v1".into()),
@@ -94,8 +94,8 @@ fn service_key(s: &crate::pipeline::model::ServicePortName) -> ServiceKey {
 }
 
 fn key_of(svc: &ServiceData) -> Option<ServiceKey> {
-    let namespace = svc.namespace.clone().unwrap_or_else(|| "default".into());
-    Some((namespace, svc.name.clone()?))
+    let namespace = svc.namespace.as_deref().unwrap_or("default");
+    Some((namespace.to_owned(), svc.name.as_deref()?.to_owned()))
 }
 
 /// `s` cut to at most `max` bytes on a character boundary (with "…" when cut).
