@@ -31,7 +31,7 @@ use crate::{
     },
     sources::{
         endpoints::{SNAPSHOT_SOURCE, SliceIndex},
-        services::ServiceData,
+        services::{ServiceData, ServiceType},
         snapshot::Snapshot,
     },
 };
@@ -389,7 +389,7 @@ fn service_problem(svc: &ServiceData, reason: String) -> Problem {
 
 /// Whether this proxy programs the Service at all (upstream skips these silently).
 fn handled(svc: &ServiceData) -> bool {
-    let external_name = svc.type_.as_deref() == Some("ExternalName");
+    let external_name = svc.type_ == ServiceType::ExternalName;
     let headless = (svc.cluster_ips.first()).is_none_or(|ip| ip.is_empty() || &**ip == "None");
     !(external_name || svc.other_proxy || headless)
 }
@@ -412,11 +412,11 @@ fn external_addrs(svc: &ServiceData) -> Vec<(FrontendKind, Ipv4Addr)> {
         Ok(IpAddr::V4(a)) => Some(a),
         _ => None,
     };
-    let external_ips = (svc.external_ips.iter())
+    let external_ips = (svc.extra().external_ips.iter())
         .filter_map(|ip| v4(ip))
         .map(|a| (FrontendKind::ExternalIp, a));
     // (entries with ipMode Proxy are not kept)
-    let lb = (svc.lb_ingress_ips.iter())
+    let lb = (svc.extra().lb_ingress_ips.iter())
         .filter_map(|ip| v4(ip))
         .map(|a| (FrontendKind::LoadBalancer, a));
     let mut all: Vec<_> = external_ips.chain(lb).collect();
@@ -428,11 +428,11 @@ fn external_addrs(svc: &ServiceData) -> Vec<(FrontendKind, Ipv4Addr)> {
 /// loadBalancerSourceRanges (or the legacy annotation) as IPv4 networks, host bits cleared;
 /// IPv6 ranges are left out (they apply to IPv6 frontends), unparsable ones reported.
 fn source_ranges(svc: &ServiceData) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
-    let field: Vec<String> = (svc.load_balancer_source_ranges.iter())
+    let field: Vec<String> = (svc.extra().load_balancer_source_ranges.iter())
         .map(|s| s.to_string())
         .collect();
     let items = if field.is_empty() {
-        (svc.source_ranges_annotation.as_deref())
+        (svc.extra().source_ranges_annotation.as_deref())
             .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
             .unwrap_or_default()
     } else {
@@ -487,9 +487,8 @@ fn service_frontends(
     let policy = policy(svc);
     let mut balancing_problems = Vec::new();
     let balancing = balancing(svc, node, &mut balancing_problems);
-    let service_type = svc.type_.as_deref().unwrap_or("ClusterIP");
-    let node_ports = matches!(service_type, "NodePort" | "LoadBalancer");
-    let external_local = svc.external_traffic_policy.as_deref() == Some("Local");
+    let node_ports = matches!(svc.type_, ServiceType::NodePort | ServiceType::LoadBalancer);
+    let external_local = svc.external_local;
     // eTP=Cluster external traffic uses the cluster endpoints (topology included), like upstream;
     // so do in-cluster clients of an eTP=Local frontend (internalTrafficPolicy does not apply).
     let cluster_external_policy = Policy { local_only: false };
@@ -497,10 +496,9 @@ fn service_frontends(
         local_only: external_local,
     };
     let external = external_addrs(svc);
-    let health_check_port = svc
-        .health_check_node_port
+    let health_check_port = (svc.extra().health_check_node_port)
         .and_then(|p| u16::try_from(p).ok())
-        .filter(|p| *p != 0 && external_local && service_type == "LoadBalancer");
+        .filter(|p| *p != 0 && external_local && svc.type_ == ServiceType::LoadBalancer);
     let mut local_endpoints = 0usize;
     let (lb_source_ranges, bad_ranges) = source_ranges(svc);
     let mut port_problems = balancing_problems;
@@ -638,7 +636,7 @@ fn service_frontends(
 /// endpoints carry them (see [`topology::categorize`]).
 fn policy(svc: &ServiceData) -> Policy {
     Policy {
-        local_only: svc.internal_traffic_policy.as_deref() == Some("Local"),
+        local_only: svc.internal_local,
     }
 }
 
@@ -655,10 +653,10 @@ fn balancing(svc: &ServiceData, node: &NodeContext, problems: &mut Vec<ServiceEr
 /// default 10800 s). A timeout the API server would refuse (outside 1-86400) is reported and the
 /// default used, so the Service keeps its affinity.
 fn session_affinity(svc: &ServiceData) -> (Option<u32>, Option<ServiceError>) {
-    if svc.session_affinity.as_deref() != Some("ClientIP") {
+    if !svc.client_ip_affinity {
         return (None, None);
     }
-    let configured = svc.affinity_timeout_seconds;
+    let configured = svc.extra().affinity_timeout_seconds;
     match configured {
         None => (Some(DEFAULT_AFFINITY_TIMEOUT_S), None),
         Some(t) => match u32::try_from(t) {
@@ -673,7 +671,7 @@ fn session_affinity(svc: &ServiceData) -> (Option<u32>, Option<ServiceError>) {
 
 /// The `kube-proxy-ebpf.io/scheduler` annotation (trimmed; empty = not set), else the node's.
 fn scheduler(svc: &ServiceData, node: &NodeContext, problems: &mut Vec<ServiceError>) -> Scheduler {
-    let value = (svc.scheduler_annotation.as_deref())
+    let value = (svc.extra().scheduler_annotation.as_deref())
         .map(|v| v.trim())
         .filter(|v| !v.is_empty());
     let Some(value) = value else {

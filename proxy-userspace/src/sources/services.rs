@@ -40,26 +40,61 @@ pub struct ServiceData {
     pub created: Option<Timestamp>,
     /// The `service.kubernetes.io/service-proxy-name` label is set (another proxy's Service).
     pub other_proxy: bool,
+    /// `spec.type`, as far as translation tells the types apart.
+    pub type_: ServiceType,
+    /// `spec.clusterIPs`, or `spec.clusterIP` when clusterIPs is absent or empty.
+    pub cluster_ips: Box<[Box<str>]>,
+    /// `spec.externalTrafficPolicy` is `Local`.
+    pub external_local: bool,
+    /// `spec.internalTrafficPolicy` is `Local`.
+    pub internal_local: bool,
+    /// `spec.sessionAffinity` is `ClientIP`.
+    pub client_ip_affinity: bool,
+    pub ports: Box<[ServicePortData]>,
+    /// What most Services leave unset (`None`: all of it), read through [`ServiceData::extra`].
+    /// Boxed: it is a third of the struct, and there is one per Service.
+    pub extra: Option<Box<ServiceExtra>>,
+}
+
+/// `spec.type`. Translation only tells these apart: a missing or unknown type is translated as a
+/// ClusterIP Service, as it always was.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ServiceType {
+    #[default]
+    ClusterIp,
+    NodePort,
+    LoadBalancer,
+    ExternalName,
+}
+
+impl ServiceType {
+    fn parse(type_: Option<&str>) -> Self {
+        match type_ {
+            Some("NodePort") => ServiceType::NodePort,
+            Some("LoadBalancer") => ServiceType::LoadBalancer,
+            Some("ExternalName") => ServiceType::ExternalName,
+            _ => ServiceType::ClusterIp,
+        }
+    }
+}
+
+/// The parts of a Service that most leave unset, raw (translate reports bad values).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceExtra {
     /// The scheduler annotation, as written.
     pub scheduler_annotation: Option<Box<str>>,
     /// The legacy loadBalancerSourceRanges annotation, as written.
     pub source_ranges_annotation: Option<Box<str>>,
-    /// `spec.type`.
-    pub type_: Option<Box<str>>,
-    /// `spec.clusterIPs`, or `spec.clusterIP` when clusterIPs is absent or empty.
-    pub cluster_ips: Box<[Box<str>]>,
     pub external_ips: Box<[Box<str>]>,
     pub load_balancer_source_ranges: Box<[Box<str>]>,
-    pub external_traffic_policy: Option<Box<str>>,
-    pub internal_traffic_policy: Option<Box<str>>,
     pub health_check_node_port: Option<i32>,
-    pub session_affinity: Option<Box<str>>,
     /// `spec.sessionAffinityConfig.clientIP.timeoutSeconds`.
     pub affinity_timeout_seconds: Option<i32>,
-    pub ports: Box<[ServicePortData]>,
     /// `status.loadBalancer.ingress[].ip` of the entries whose ipMode is not `Proxy`.
     pub lb_ingress_ips: Box<[Box<str>]>,
 }
+
+static NO_EXTRA: std::sync::LazyLock<ServiceExtra> = std::sync::LazyLock::new(Default::default);
 
 /// One `spec.ports[]` entry.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -98,6 +133,9 @@ impl From<&Service> for ServiceData {
                 .labels
                 .as_ref()
                 .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME)),
+            ..Self::default()
+        };
+        let mut extra = ServiceExtra {
             scheduler_annotation: annotation(ANNOTATION_SCHEDULER),
             source_ranges_annotation: annotation(ANNOTATION_LB_SOURCE_RANGES),
             lb_ingress_ips: (svc.status.iter())
@@ -106,21 +144,21 @@ impl From<&Service> for ServiceData {
                 .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
                 .filter_map(|i| i.ip.as_deref().map(Into::into))
                 .collect(),
-            ..Self::default()
+            ..ServiceExtra::default()
         };
         if let Some(spec) = &svc.spec {
-            out.type_ = boxed(&spec.type_);
+            out.type_ = ServiceType::parse(spec.type_.as_deref());
             out.cluster_ips = match &spec.cluster_ips {
                 Some(ips) if !ips.is_empty() => all(&spec.cluster_ips),
                 _ => spec.cluster_ip.iter().map(|s| s.as_str().into()).collect(),
             };
-            out.external_ips = all(&spec.external_ips);
-            out.load_balancer_source_ranges = all(&spec.load_balancer_source_ranges);
-            out.external_traffic_policy = boxed(&spec.external_traffic_policy);
-            out.internal_traffic_policy = boxed(&spec.internal_traffic_policy);
-            out.health_check_node_port = spec.health_check_node_port;
-            out.session_affinity = boxed(&spec.session_affinity);
-            out.affinity_timeout_seconds = (spec.session_affinity_config.as_ref())
+            out.external_local = spec.external_traffic_policy.as_deref() == Some("Local");
+            out.internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+            out.client_ip_affinity = spec.session_affinity.as_deref() == Some("ClientIP");
+            extra.external_ips = all(&spec.external_ips);
+            extra.load_balancer_source_ranges = all(&spec.load_balancer_source_ranges);
+            extra.health_check_node_port = spec.health_check_node_port;
+            extra.affinity_timeout_seconds = (spec.session_affinity_config.as_ref())
                 .and_then(|c| c.client_ip.as_ref())
                 .and_then(|c| c.timeout_seconds);
             out.ports = (spec.ports.iter().flatten())
@@ -131,6 +169,9 @@ impl From<&Service> for ServiceData {
                     node_port: p.node_port,
                 })
                 .collect();
+        }
+        if extra != ServiceExtra::default() {
+            out.extra = Some(Box::new(extra));
         }
         out
     }
@@ -143,6 +184,11 @@ impl From<Service> for ServiceData {
 }
 
 impl ServiceData {
+    /// What most Services leave unset (all empty when it is).
+    pub fn extra(&self) -> &ServiceExtra {
+        self.extra.as_deref().unwrap_or(&NO_EXTRA)
+    }
+
     /// `namespace/name` for messages (`default` and `?` where missing).
     pub fn namespaced_name(&self) -> String {
         format!(
@@ -189,7 +235,7 @@ mod tests {
         assert!(svc.created.is_some());
         assert!(!svc.other_proxy);
         assert_eq!(
-            svc.scheduler_annotation.as_deref(),
+            svc.extra().scheduler_annotation.as_deref(),
             Some(" mh "),
             "untrimmed"
         );
@@ -198,14 +244,14 @@ mod tests {
             ["10.96.0.1"],
             "empty clusterIPs: clusterIP"
         );
-        assert_eq!(strs(&svc.external_ips), ["192.0.2.1", "not-an-ip"]);
+        assert_eq!(strs(&svc.extra().external_ips), ["192.0.2.1", "not-an-ip"]);
         assert_eq!(
-            strs(&svc.lb_ingress_ips),
+            strs(&svc.extra().lb_ingress_ips),
             ["192.0.2.9"],
             "ipMode Proxy left out"
         );
         assert_eq!(
-            svc.affinity_timeout_seconds,
+            svc.extra().affinity_timeout_seconds,
             Some(0),
             "kept for translate to refuse"
         );
@@ -218,7 +264,9 @@ mod tests {
                 node_port: Some(30080),
             }]
         );
-        assert_eq!(svc.health_check_node_port, Some(30000));
+        assert_eq!(svc.extra().health_check_node_port, Some(30000));
+        assert_eq!(svc.type_, ServiceType::LoadBalancer);
+        assert!(svc.external_local && !svc.internal_local && svc.client_ip_affinity);
     }
 
     /// A new resourceVersion is a new version even when nothing translate reads changed (the

@@ -52,7 +52,7 @@ use tokio::{sync::Notify, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use crate::sources::{
-    endpoints::SliceData, kube::store::SharedOrdered, services::ServiceData, snapshot::Snapshot,
+    endpoints::SliceData, kube::store::{Keyed, SharedOrdered}, services::ServiceData, snapshot::Snapshot,
 };
 
 /// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
@@ -484,7 +484,7 @@ fn reflect_into<K, T>(
 ) -> JoinHandle<()>
 where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    T: Lookup<DynamicType = ()> + PartialEq + Clone + Debug + Send + Sync + 'static,
+    T: Lookup<DynamicType = ()> + Keyed + PartialEq + Clone + Debug + Send + Sync + 'static,
 {
     run_reflector(
         api,

@@ -10,7 +10,8 @@
 //! store does, so a half-listed state is never visible; objects still there keep their place (and
 //! their `Arc` when unchanged).
 //!
-//! Owns nothing but the list and its index by (namespace, name). May call: kube-runtime's event
+//! Owns nothing but the list and its index by (namespace, name) (the objects' own shared names).
+//! May call: kube-runtime's event
 //! and `Lookup` types.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -18,17 +19,42 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kube::runtime::{reflector::Lookup, watcher};
 use tokio::sync::watch;
 
-use crate::pipeline::fast_hash::HashMap;
+use crate::{
+    pipeline::fast_hash::HashMap,
+    sources::{
+        endpoints::SliceData,
+        names::{self, Name},
+        services::ServiceData,
+    },
+};
 
 /// An object's identity in a store: (namespace, name), as the kube-rs store keys objects of one
-/// kind.
-type Key = (Box<str>, Box<str>);
+/// kind. The object's own shared strings: the index holds no copy of them.
+type Key = (Name, Name);
 
-fn key_of<T: Lookup>(o: &T) -> Key {
-    (
-        o.namespace().as_deref().unwrap_or_default().into(),
-        o.name().as_deref().unwrap_or_default().into(),
-    )
+/// An object kept in an [`Ordered`] store: its namespace and name as the [`Lookup`] gives them,
+/// shared.
+pub trait Keyed {
+    fn namespace_and_name(&self) -> (&Option<Name>, &Option<Name>);
+}
+
+impl Keyed for ServiceData {
+    fn namespace_and_name(&self) -> (&Option<Name>, &Option<Name>) {
+        (&self.namespace, &self.name)
+    }
+}
+
+impl Keyed for SliceData {
+    fn namespace_and_name(&self) -> (&Option<Name>, &Option<Name>) {
+        (&self.namespace, &self.name)
+    }
+}
+
+/// (A missing namespace or name keys as "", as in the kube-rs store.)
+fn key_of<T: Keyed>(o: &T) -> Key {
+    let (namespace, name) = o.namespace_and_name();
+    let or_empty = |n: &Option<Name>| n.clone().unwrap_or_else(|| names::namespace(""));
+    (or_empty(namespace), or_empty(name))
 }
 
 /// The objects of one kind in a stable order, with an index by key (pure: no locks, no tasks).
@@ -50,7 +76,7 @@ impl<T> Default for Ordered<T> {
     }
 }
 
-impl<T: Lookup + PartialEq + Clone> Ordered<T> {
+impl<T: Lookup + Keyed + PartialEq + Clone> Ordered<T> {
     /// The objects now (shared; the list is not copied).
     pub fn state(&self) -> Arc<Vec<Arc<T>>> {
         self.objects.clone()
@@ -158,7 +184,7 @@ pub struct SharedOrdered<T> {
     ready: watch::Sender<bool>,
 }
 
-impl<T: Lookup + PartialEq + Clone> Default for SharedOrdered<T> {
+impl<T: Lookup + Keyed + PartialEq + Clone> Default for SharedOrdered<T> {
     fn default() -> Self {
         Self {
             inner: Mutex::new(Ordered::default()),
@@ -167,7 +193,7 @@ impl<T: Lookup + PartialEq + Clone> Default for SharedOrdered<T> {
     }
 }
 
-impl<T: Lookup + PartialEq + Clone> SharedOrdered<T> {
+impl<T: Lookup + Keyed + PartialEq + Clone> SharedOrdered<T> {
     fn lock(&self) -> MutexGuard<'_, Ordered<T>> {
         // A panic while applying an event leaves at worst a stale list; keep serving it.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -208,7 +234,6 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::sources::services::ServiceData;
 
     struct Rng(u64);
 
