@@ -144,9 +144,16 @@ pub fn translate_for_node(
         let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
             continue;
         };
-        out.problems.append(&mut t.problems);
-        out.notes.append(&mut t.notes);
-        out.health_checks.extend(t.health_check.take().map(|hc| *hc));
+        if let Some(remarks) = t.remarks.take() {
+            let Remarks {
+                mut problems,
+                mut notes,
+                health_check,
+            } = *remarks;
+            out.problems.append(&mut problems);
+            out.notes.append(&mut notes);
+            out.health_checks.extend(health_check);
+        }
         translations.push(t);
     }
     // Grouped by frontend (a stable sort: claimants stay in name order within a group).
@@ -174,16 +181,47 @@ pub struct ServiceTranslation {
     /// once (an in-cluster entry right after its all-clients entry). Each is claimed on its own
     /// ([`resolve`]). Empty when the Service is skipped.
     pub frontends: Box<[(Frontend, Arc<DesiredFrontend>)]>,
-    pub problems: Vec<Problem>,
-    pub notes: Vec<Problem>,
     /// The Service's `metadata.creationTimestamp` (the older Service wins a contested frontend).
     pub created: Option<Timestamp>,
-    /// Served whatever the claims: it reports the Service's local endpoints. (Boxed: few
-    /// Services have one, and the translation cache keeps a translation per Service.)
-    pub health_check: Option<Box<HealthCheck>>,
+    /// Problems, notes and the health check, which most Services have none of (`None`: none;
+    /// boxed because the translation cache keeps a translation per Service).
+    pub remarks: Option<Box<Remarks>>,
+}
+
+/// What a [`ServiceTranslation`] reports besides its frontends.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Remarks {
+    pub problems: Vec<Problem>,
+    pub notes: Vec<Problem>,
+    /// Served whatever the claims: it reports the Service's local endpoints.
+    pub health_check: Option<HealthCheck>,
+}
+
+impl Remarks {
+    fn is_empty(&self) -> bool {
+        self.problems.is_empty() && self.notes.is_empty() && self.health_check.is_none()
+    }
 }
 
 impl ServiceTranslation {
+    pub fn problems(&self) -> &[Problem] {
+        self.remarks.as_ref().map_or(&[], |r| &r.problems)
+    }
+
+    pub fn notes(&self) -> &[Problem] {
+        self.remarks.as_ref().map_or(&[], |r| &r.notes)
+    }
+
+    /// Takes the health check out (and the remarks, when nothing else is left in them).
+    pub fn take_health_check(&mut self) -> Option<HealthCheck> {
+        let remarks = self.remarks.as_mut()?;
+        let hc = remarks.health_check.take();
+        if remarks.is_empty() {
+            self.remarks = None;
+        }
+        hc
+    }
+
     /// The Service's claims, one per address:port/protocol it asks for.
     pub fn claims(&self) -> impl Iterator<Item = Claim<'_>> {
         (0..self.frontends.len()).filter_map(|i| self.claim_at(i))
@@ -305,13 +343,14 @@ pub fn translate_service(
         return None;
     }
     let mut out = ServiceTranslation::default();
+    let mut remarks = Remarks::default();
     match service_frontends(svc, slices, node, nodeport_addrs) {
         Ok(f) => {
             for e in f.port_problems {
-                out.problems.push(service_problem(svc, e.to_string()));
+                remarks.problems.push(service_problem(svc, e.to_string()));
             }
             if let Some(note) = f.note {
-                out.notes.push(service_problem(svc, note));
+                remarks.notes.push(service_problem(svc, note));
             }
             // Collected into a box of its exact length (a collect into a `Vec` would reuse the
             // grown buffer of (Frontend, DesiredFrontend), kept for the Service's lifetime in
@@ -321,9 +360,12 @@ pub fn translate_service(
                 .map(|(frontend, df)| (frontend, Arc::new(df)))
                 .collect::<Vec<_>>()
                 .into_boxed_slice();
-            out.health_check = f.health_check.map(Box::new);
+            remarks.health_check = f.health_check;
         }
-        Err(e) => out.problems.push(service_problem(svc, e.to_string())),
+        Err(e) => remarks.problems.push(service_problem(svc, e.to_string())),
+    }
+    if !remarks.is_empty() {
+        out.remarks = Some(Box::new(remarks));
     }
     out.created = svc.created;
     Some(out)

@@ -116,7 +116,7 @@ impl TranslateCache {
         let slices = troubled().flat_map(|e| &e.slice_problems);
         let services = troubled()
             .filter_map(|e| e.translation.as_ref())
-            .flat_map(|t| &t.problems);
+            .flat_map(|t| t.problems());
         let conflicts = self
             .conflicts
             .values()
@@ -136,7 +136,7 @@ impl TranslateCache {
     pub fn notes(&self) -> Vec<Problem> {
         (self.troubled.iter())
             .filter_map(|n| self.entries.get(n)?.translation.as_ref())
-            .flat_map(|t| t.notes.iter().cloned())
+            .flat_map(|t| t.notes().iter().cloned())
             .collect()
     }
 
@@ -180,7 +180,7 @@ impl TranslateCache {
         let mut contested: Vec<Frontend> = Vec::new();
         for (name, (problems, mut new)) in dirty.iter().zip(translated) {
             // Kept once, in `health_checks` (not in the translation too).
-            let hc = new.as_mut().and_then(|t| t.health_check.take()).map(|hc| *hc);
+            let hc = new.as_mut().and_then(|t| t.take_health_check());
             let old_hc = match hc.clone() {
                 Some(hc) => self.health_checks.insert(name.clone(), hc),
                 None => self.health_checks.remove(name),
@@ -191,7 +191,7 @@ impl TranslateCache {
             let old = std::mem::replace(&mut entry.translation, new);
             let troubled = !entry.slice_problems.is_empty()
                 || (entry.translation.as_ref())
-                    .is_some_and(|t| !t.problems.is_empty() || !t.notes.is_empty());
+                    .is_some_and(|t| t.remarks.is_some());
             if troubled {
                 self.troubled.insert(name.clone());
             } else {
