@@ -190,8 +190,7 @@ impl TranslateCache {
             entry.slice_problems = problems.into();
             let old = std::mem::replace(&mut entry.translation, new);
             let troubled = !entry.slice_problems.is_empty()
-                || (entry.translation.as_ref())
-                    .is_some_and(|t| t.remarks.is_some());
+                || (entry.translation.as_ref()).is_some_and(|t| t.remarks.is_some());
             if troubled {
                 self.troubled.insert(name.clone());
             } else {

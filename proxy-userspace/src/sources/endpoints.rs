@@ -234,7 +234,10 @@ impl<'a> SliceIndex<'a> {
                 };
                 let hints = slice.hints.get(ep.hints as usize);
                 let local = !node_name.is_empty()
-                    && slice.nodes.get(ep.node as usize).is_some_and(|n| **n == *node_name);
+                    && slice
+                        .nodes
+                        .get(ep.node as usize)
+                        .is_some_and(|n| **n == *node_name);
                 let info = EndpointInfo {
                     endpoint,
                     local,
@@ -336,7 +339,8 @@ fn conditions(ep: &Endpoint) -> u8 {
     let ready = c.and_then(|c| c.ready).unwrap_or(true);
     let serving = c.and_then(|c| c.serving).unwrap_or(ready);
     let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
-    u8::from(ready) * READY | u8::from(serving) * SERVING | u8::from(terminating) * TERMINATING
+    let flag = |set: bool, flag: u8| if set { flag } else { 0 };
+    flag(ready, READY) | flag(serving, SERVING) | flag(terminating, TERMINATING)
 }
 
 fn hints(ep: &Endpoint) -> Option<Hints> {

@@ -52,7 +52,10 @@ use tokio::{sync::Notify, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use crate::sources::{
-    endpoints::SliceData, kube::store::{Keyed, SharedOrdered}, services::ServiceData, snapshot::Snapshot,
+    endpoints::SliceData,
+    kube::store::{Keyed, SharedOrdered},
+    services::ServiceData,
+    snapshot::Snapshot,
 };
 
 /// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
