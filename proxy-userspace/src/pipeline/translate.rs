@@ -31,7 +31,7 @@ use crate::{
     },
     sources::{
         endpoints::{SNAPSHOT_SOURCE, SliceIndex},
-        services::{ServiceData, ServiceType},
+        services::{ClusterIp, PortProtocol, ServiceData, ServiceType},
         snapshot::Snapshot,
     },
 };
@@ -432,7 +432,8 @@ fn service_problem(svc: &ServiceData, reason: String) -> Problem {
 /// Whether this proxy programs the Service at all (upstream skips these silently).
 fn handled(svc: &ServiceData) -> bool {
     let external_name = svc.type_ == ServiceType::ExternalName;
-    let headless = (svc.cluster_ips.first()).is_none_or(|ip| ip.is_empty() || &**ip == "None");
+    let headless = (svc.cluster_ips.first())
+        .is_none_or(|ip| matches!(ip, ClusterIp::Other(raw) if raw.is_empty() || &**raw == "None"));
     !(external_name || svc.other_proxy || headless)
 }
 
@@ -512,11 +513,18 @@ fn service_frontends(
     let name = svc.name.as_deref().unwrap_or_default();
     let mut addrs = Vec::new();
     let mut ipv6 = Vec::new();
-    for ip in svc.cluster_ips.iter().map(|ip| &**ip) {
-        match ip.parse::<IpAddr>() {
+    for ip in svc.cluster_ips.iter() {
+        let raw = match ip {
+            ClusterIp::V4(a) => {
+                addrs.push(*a);
+                continue;
+            }
+            ClusterIp::Other(raw) => &**raw,
+        };
+        match raw.parse::<IpAddr>() {
             Ok(IpAddr::V4(a)) => addrs.push(a),
-            Ok(IpAddr::V6(_)) => ipv6.push(ip),
-            Err(_) => return Err(ServiceError::BadClusterIp(ip.to_owned())),
+            Ok(IpAddr::V6(_)) => ipv6.push(raw),
+            Err(_) => return Err(ServiceError::BadClusterIp(raw.to_owned())),
         }
     }
     let note = (!ipv6.is_empty()).then(|| {
@@ -555,15 +563,15 @@ fn service_frontends(
     let mut seen_ports = Vec::new();
     for sp in svc.ports.iter() {
         let port_name = sp.name.as_deref().unwrap_or_default().to_owned();
-        let protocol = match sp.protocol.as_deref() {
-            None | Some("TCP") => Protocol::Tcp,
-            Some("UDP") => Protocol::Udp,
-            Some("SCTP") => {
+        let protocol = match &sp.protocol {
+            PortProtocol::Tcp => Protocol::Tcp,
+            PortProtocol::Udp => Protocol::Udp,
+            PortProtocol::Sctp => {
                 port_problems.push(ServiceError::Sctp { name: port_name });
                 continue;
             }
-            Some(other) => {
-                let protocol = other.to_owned();
+            PortProtocol::Other(other) => {
+                let protocol = other.to_string();
                 return Err(ServiceError::BadProtocol {
                     name: port_name,
                     protocol,

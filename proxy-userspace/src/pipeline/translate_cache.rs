@@ -1133,21 +1133,3 @@ mod tests {
         assert_eq!(holder(&cache, cip).as_deref(), Some("a/new"));
     }
 }
-#[cfg(test)]
-mod size_probe {
-    #[test]
-    fn print_sizes() {
-        use std::mem::size_of;
-        eprintln!(
-            "SIZES entry={} translation={} created={} claimants={} slicedata={} servicedata={} df={} key={}",
-            size_of::<super::ServiceEntry>(),
-            size_of::<super::ServiceTranslation>(),
-            size_of::<Option<k8s_openapi::jiff::Timestamp>>(),
-            size_of::<super::Claimants>(),
-            size_of::<crate::sources::endpoints::SliceData>(),
-            size_of::<crate::sources::services::ServiceData>(),
-            size_of::<crate::pipeline::model::DesiredFrontend>(),
-            size_of::<super::ServiceName>(),
-        );
-    }
-}

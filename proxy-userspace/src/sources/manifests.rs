@@ -601,7 +601,7 @@ mod tests {
         assert_eq!(load.snapshot.services.len(), 1);
         let ips = &load.snapshot.services[0].cluster_ips;
         assert_eq!(
-            ips.iter().map(|ip| &**ip).collect::<Vec<_>>(),
+            ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
             ["10.96.0.1"]
         );
         let [p] = load.problems.as_slice() else {

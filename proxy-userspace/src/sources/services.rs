@@ -6,6 +6,8 @@
 //! Nothing is interpreted here (no parsing, no problems): translate reads the raw values and
 //! reports what is wrong with them, naming the Service, exactly as it did from the API object.
 
+use std::{fmt, net::Ipv4Addr};
+
 use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
 
 use crate::sources::{
@@ -43,7 +45,7 @@ pub struct ServiceData {
     /// `spec.type`, as far as translation tells the types apart.
     pub type_: ServiceType,
     /// `spec.clusterIPs`, or `spec.clusterIP` when clusterIPs is absent or empty.
-    pub cluster_ips: Box<[Box<str>]>,
+    pub cluster_ips: Box<[ClusterIp]>,
     /// `spec.externalTrafficPolicy` is `Local`.
     pub external_local: bool,
     /// `spec.internalTrafficPolicy` is `Local`.
@@ -54,6 +56,54 @@ pub struct ServiceData {
     /// What most Services leave unset (`None`: all of it), read through [`ServiceData::extra`].
     /// Boxed: it is a third of the struct, and there is one per Service.
     pub extra: Option<Box<ServiceExtra>>,
+}
+
+/// A cluster IP: an IPv4 address parsed (no string kept: most are), anything else as written
+/// (IPv6, `None`, empty, or a bad value translate reports).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClusterIp {
+    V4(Ipv4Addr),
+    Other(Box<str>),
+}
+
+impl ClusterIp {
+    fn new(raw: &str) -> Self {
+        // An address that parses prints back as written (the parser takes only that form).
+        match raw.parse() {
+            Ok(addr) => ClusterIp::V4(addr),
+            Err(_) => ClusterIp::Other(raw.into()),
+        }
+    }
+}
+
+impl fmt::Display for ClusterIp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClusterIp::V4(addr) => addr.fmt(f),
+            ClusterIp::Other(raw) => f.write_str(raw),
+        }
+    }
+}
+
+/// `spec.ports[].protocol` (absent: TCP, as the API defaults it); anything unknown as written.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum PortProtocol {
+    #[default]
+    Tcp,
+    Udp,
+    Sctp,
+    Other(Box<str>),
+}
+
+impl PortProtocol {
+    fn new(raw: Option<&str>) -> Self {
+        match raw {
+            None | Some("TCP") => PortProtocol::Tcp,
+            Some("UDP") => PortProtocol::Udp,
+            Some("SCTP") => PortProtocol::Sctp,
+            Some(other) => PortProtocol::Other(other.into()),
+        }
+    }
 }
 
 /// `spec.type`. Translation only tells these apart: a missing or unknown type is translated as a
@@ -100,7 +150,7 @@ static NO_EXTRA: std::sync::LazyLock<ServiceExtra> = std::sync::LazyLock::new(De
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServicePortData {
     pub name: Option<Box<str>>,
-    pub protocol: Option<Box<str>>,
+    pub protocol: PortProtocol,
     pub port: i32,
     pub node_port: Option<i32>,
 }
@@ -149,8 +199,12 @@ impl From<&Service> for ServiceData {
         if let Some(spec) = &svc.spec {
             out.type_ = ServiceType::parse(spec.type_.as_deref());
             out.cluster_ips = match &spec.cluster_ips {
-                Some(ips) if !ips.is_empty() => all(&spec.cluster_ips),
-                _ => spec.cluster_ip.iter().map(|s| s.as_str().into()).collect(),
+                Some(ips) if !ips.is_empty() => ips.iter().map(|ip| ClusterIp::new(ip)).collect(),
+                _ => spec
+                    .cluster_ip
+                    .iter()
+                    .map(|ip| ClusterIp::new(ip))
+                    .collect(),
             };
             out.external_local = spec.external_traffic_policy.as_deref() == Some("Local");
             out.internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
@@ -164,7 +218,7 @@ impl From<&Service> for ServiceData {
             out.ports = (spec.ports.iter().flatten())
                 .map(|p| ServicePortData {
                     name: boxed(&p.name),
-                    protocol: boxed(&p.protocol),
+                    protocol: PortProtocol::new(p.protocol.as_deref()),
                     port: p.port,
                     node_port: p.node_port,
                 })
@@ -240,8 +294,8 @@ mod tests {
             "untrimmed"
         );
         assert_eq!(
-            strs(&svc.cluster_ips),
-            ["10.96.0.1"],
+            &*svc.cluster_ips,
+            [ClusterIp::V4(Ipv4Addr::new(10, 96, 0, 1))],
             "empty clusterIPs: clusterIP"
         );
         assert_eq!(strs(&svc.extra().external_ips), ["192.0.2.1", "not-an-ip"]);
@@ -259,7 +313,7 @@ mod tests {
             &*svc.ports,
             [ServicePortData {
                 name: Some("http".into()),
-                protocol: Some("SCTP".into()),
+                protocol: PortProtocol::Sctp,
                 port: 80,
                 node_port: Some(30080),
             }]
