@@ -961,3 +961,72 @@ fn per_packet_cost() {
         not_service.as_nanos(),
     );
 }
+
+#[test]
+fn a_udp_flow_whose_backend_is_gone_moves_and_an_idle_one_is_picked_again() {
+    let mut dp = Datapath::load();
+    let q = Pkt6::udp(CLIENT, 36_000, VIP, 53);
+    let id = picked(&q, &UDP_IDS);
+    dp.step("first datagram", PROG_TC_INGRESS, &q.bytes(), TC_NEXT, NEW);
+    // The backend goes away and another one takes its slot: the flow moves there.
+    let other = if id == 11 { 12 } else { 11 };
+    let key = Service6Key::new(VIP.octets(), 53u16.to_be_bytes(), proto::UDP, 0);
+    dp.services()
+        .insert(key, ServiceValue::frontend(1, 2), 0)
+        .unwrap();
+    dp.services()
+        .insert(key.with_slot(1), ServiceValue::slot(other), 0)
+        .unwrap();
+    dp.backends().remove(&id).unwrap();
+    let out = dp.step(
+        "next datagram, backend gone",
+        PROG_TC_INGRESS,
+        &q.bytes(),
+        TC_NEXT,
+        &[
+            (Counter::StaleBackendReselected, 1),
+            (Counter::PickRandom, 1),
+        ],
+    );
+    assert_packet("moved to the live backend", &out, &dnated(&q, other));
+    let (old_addr, old_port) = backend_addr(id);
+    let old_reply = Ct6Key {
+        saddr: old_addr.octets(),
+        daddr: CLIENT.octets(),
+        sport: old_port.to_be_bytes(),
+        dport: 36_000u16.to_be_bytes(),
+        proto: proto::UDP,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    };
+    assert!(
+        dp.ct(&old_reply).is_none(),
+        "the old REPLY entry is removed"
+    );
+
+    // An entry idle past its timeout is replaced by a new pick.
+    let original = Ct6Key {
+        saddr: CLIENT.octets(),
+        daddr: VIP.octets(),
+        sport: 36_000u16.to_be_bytes(),
+        dport: 53u16.to_be_bytes(),
+        proto: proto::UDP,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    };
+    let mut ct = dp.ct(&original).unwrap();
+    ct.last_seen_ns = 1;
+    dp.conntrack().insert(original, ct, 0).unwrap();
+    dp.step(
+        "datagram after the idle timeout",
+        PROG_TC_INGRESS,
+        &q.bytes(),
+        TC_NEXT,
+        &[
+            (Counter::ConntrackExpired, 1),
+            (Counter::NewFlow, 1),
+            (Counter::PickRandom, 1),
+        ],
+    );
+    assert!(dp.ct(&original).unwrap().last_seen_ns > 1, "a fresh entry");
+}
