@@ -22,6 +22,9 @@ pub const MAP_CONNTRACK6: &str = "CONNTRACK6_V1";
 /// `FRAGMENTS6_V1` (LRU hash, [`Frag6Key`] → `crate::FragValue`-like [`Frag6Value`]): what the
 /// first fragment of an IPv6 datagram got at a hook, for its later fragments (as `FRAGMENTS_V1`).
 pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6_V1";
+/// `SRCRANGES6_V1` (LPM trie, [`SourceRange6Key`] → u32, unused value 1): the IPv6
+/// loadBalancerSourceRanges prefixes of LoadBalancer frontends (as `SRCRANGES_V1`).
+pub const MAP_SOURCE_RANGES6: &str = "SRCRANGES6_V1";
 
 /// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
 /// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
@@ -36,6 +39,7 @@ pub const BACKENDS6_CAPACITY: u32 = 65_536;
 pub const REVNAT6_CAPACITY: u32 = 16_384;
 pub const CONNTRACK6_CAPACITY: u32 = 131_072;
 pub const FRAGMENTS6_CAPACITY: u32 = 8_192;
+pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
 
 /// `SERVICES6_V1` key: as `crate::ServiceKey` with a 16-byte address. The value is
 /// `crate::ServiceValue` (it holds no address).
@@ -130,6 +134,24 @@ pub struct Ct6Value {
     pub nat_sport: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<Ct6Value>() == 64);
+
+/// Bits of [`SourceRange6Key`] that name the frontend (matched exactly); the source prefix
+/// length is added to them to make the LPM prefix length.
+pub const SOURCE_RANGE6_FRONTEND_BITS: u32 = 160;
+
+/// `SRCRANGES6_V1` key data (after the kernel's `u32` prefix length): the frontend (exact), then
+/// the client's source address (prefix). Lookups use prefix length 288.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
+pub struct SourceRange6Key {
+    pub frontend_addr: [u8; 16],
+    pub frontend_port: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+    pub source: [u8; 16],
+}
+const _: () = assert!(core::mem::size_of::<SourceRange6Key>() == 36);
+const _: () = assert!(SOURCE_RANGE6_FRONTEND_BITS as usize == 20 * 8);
 
 /// `FRAGMENTS6_V1` key: the IPv6 reassembly key {saddr, daddr, 32-bit fragment id} plus the
 /// L4 protocol and the hook (`crate::frag_hook`), as the fragments arrive.

@@ -322,6 +322,7 @@ mod pod {
         crate::ipv6::Ct6Value,
         crate::ipv6::Frag6Key,
         crate::ipv6::Frag6Value,
+        crate::ipv6::SourceRange6Key,
     );
 }
 

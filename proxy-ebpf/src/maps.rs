@@ -30,7 +30,8 @@ use proxy_common::{
     ipv6::{
         BACKENDS6_CAPACITY, Backend6, CONNTRACK6_CAPACITY, Ct6Key, Ct6Value, FRAGMENTS6_CAPACITY,
         Frag6Key, Frag6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
-        MAP_SERVICES6, REVNAT6_CAPACITY, RevNat6, SERVICES6_CAPACITY, Service6Key,
+        MAP_SERVICES6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY, RevNat6, SERVICES6_CAPACITY,
+        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
@@ -968,6 +969,20 @@ pub fn ct6_remove(key: &Ct6Key) {
     let _ = CONNTRACK6_V1.remove(key);
 }
 
+#[btf_map]
+static SRCRANGES6_V1: LpmTrie<SourceRange6Key, u32, { SOURCE_RANGES6_CAPACITY as usize }> =
+    LpmTrie::new();
+
+/// Is the source of a new IPv6 flow inside one of its LoadBalancer frontend's source ranges?
+#[inline(always)]
+pub fn source_in_range6(key: SourceRange6Key) -> bool {
+    let key = Key {
+        prefix_len: SOURCE_RANGE6_FRONTEND_BITS + 128,
+        data: key,
+    };
+    SRCRANGES6_V1.get(&key).is_some()
+}
+
 /// A copy of an IPv6 fragment record.
 #[inline(always)]
 pub fn fragment6(key: &Frag6Key) -> Option<Frag6Value> {
@@ -987,3 +1002,4 @@ const _: () = assert!(same(MAP_BACKENDS6, "BACKENDS6_V1"));
 const _: () = assert!(same(MAP_REVNAT6, "REVNAT6_V1"));
 const _: () = assert!(same(MAP_CONNTRACK6, "CONNTRACK6_V1"));
 const _: () = assert!(same(MAP_FRAGMENTS6, "FRAGMENTS6_V1"));
+const _: () = assert!(same(MAP_SOURCE_RANGES6, "SRCRANGES6_V1"));

@@ -12,7 +12,10 @@ use std::{collections::BTreeMap, net::Ipv6Addr};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray},
+    maps::{
+        HashMap, MapData, PerCpuArray,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use common_packet::{
@@ -25,10 +28,10 @@ use proxy_common::{
     PROG_TC_INGRESS, PROG_TC_INGRESS_L3, ServiceValue, csum, ct_dir, ct_flags, ct_state,
     hash::pick_slot,
     ipv6::{
-        Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, Service6Key,
-        flow_hash6,
+        Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6,
+        MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
     },
-    proto, sched,
+    proto, sched, service_flags,
 };
 
 const TC_NEXT: u32 = u32::MAX;
@@ -1029,4 +1032,60 @@ fn a_udp_flow_whose_backend_is_gone_moves_and_an_idle_one_is_picked_again() {
         ],
     );
     assert!(dp.ct(&original).unwrap().last_seen_ns > 1, "a fresh entry");
+}
+
+#[test]
+fn load_balancer_source_ranges_take_ipv6_prefixes() {
+    let mut dp = Datapath::load();
+    let lb = Ipv6Addr::new(0xfd00, 0xab, 0, 0, 0, 0, 0, 1);
+    let key = Service6Key::new(lb.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    dp.services()
+        .insert(key.with_slot(1), ServiceValue::slot(1), 0)
+        .unwrap();
+    dp.services()
+        .insert(
+            key,
+            ServiceValue::frontend_with_flags(1, 7, service_flags::SOURCE_RANGES),
+            0,
+        )
+        .unwrap();
+    {
+        let mut ranges: LpmTrie<&mut MapData, SourceRange6Key, u32> =
+            LpmTrie::try_from(dp.bpf.map_mut(MAP_SOURCE_RANGES6).unwrap()).unwrap();
+        // fd00:244:1::/48 may reach the LB IP.
+        let mut source = [0u8; 16];
+        source[..6].copy_from_slice(&[0xfd, 0x00, 0x02, 0x44, 0x00, 0x01]);
+        let data = SourceRange6Key {
+            frontend_addr: lb.octets(),
+            frontend_port: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            _pad: 0,
+            source,
+        };
+        ranges
+            .insert(&Key::new(SOURCE_RANGE6_FRONTEND_BITS + 48, data), 1, 0)
+            .unwrap();
+    }
+    let inside = Pkt6::tcp(CLIENT, 47_000, lb, 80, SYN);
+    let out = dp.step(
+        "from inside the range",
+        PROG_TC_INGRESS,
+        &inside.bytes(),
+        TC_NEXT,
+        NEW,
+    );
+    assert_packet("from inside the range", &out, &dnated(&inside, 1));
+    let outsider = Ipv6Addr::new(0xfd00, 0x999, 0, 0, 0, 0, 0, 1);
+    dp.step(
+        "from outside the range",
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(outsider, 47_001, lb, 80, SYN).bytes(),
+        TC_ACT_SHOT,
+        &[(Counter::DropSourceRange, 1)],
+    );
+    // The same client on another frontend without ranges is not affected.
+    let id = picked(&Pkt6::tcp(outsider, 47_002, VIP, 80, SYN), &TCP_IDS);
+    let syn = Pkt6::tcp(outsider, 47_002, VIP, 80, SYN);
+    let out = dp.step("a ClusterIP", PROG_TC_INGRESS, &syn.bytes(), TC_NEXT, NEW);
+    assert_packet("a ClusterIP", &out, &dnated(&syn, id));
 }

@@ -5,7 +5,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, ServiceValue, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_state, frag_hook,
     hash::{addr_hash, pick_slot},
-    ipv6::{Ct6Key, Service6Key, flow_hash6, fold_addr},
+    ipv6::{Ct6Key, Service6Key, SourceRange6Key, flow_hash6, fold_addr},
     maglev, sched, service_flags,
 };
 
@@ -131,6 +131,20 @@ fn new_flow(
         }
         return Ok(Action::pass(Counter::NotService));
     };
+    if frontend.flags & service_flags::SOURCE_RANGES != 0
+        && !maps::source_in_range6(SourceRange6Key {
+            frontend_addr: p.daddr,
+            frontend_port: p.dport,
+            proto: p.proto,
+            _pad: 0,
+            source: p.saddr,
+        })
+    {
+        if let Some(old) = old {
+            conntrack::remove(key, old);
+        }
+        return Err(Drop::SourceRange);
+    }
     let Some(backend_id) = choose(&frontend_key, &frontend, p)? else {
         if let Some(old) = old {
             conntrack::remove(key, old);

@@ -1,7 +1,8 @@
 //! The IPv6 datapath: ClusterIP (and every frontend in `SERVICES6_V1`) DNAT with conntrack on tc
 //! ingress, reverse NAT on tc egress, ICMPv6 port unreachable / TCP RST for Services without
 //! endpoints, extension headers walked under a bounded policy, fragments, and ICMPv6 errors about
-//! translated flows reverse-translated.
+//! translated flows reverse-translated, loadBalancerSourceRanges with IPv6 prefixes
+//! (`SRCRANGES6_V1`).
 //!
 //! A parallel module rather than the IPv4 code made generic over the address: the IPv4 flow
 //! keeps its code, stack frame and per-packet cost exactly as they are, and the IPv6 programs are
@@ -12,7 +13,7 @@
 //! conntrack entry handle (`maps::FlowEntry`) and the quoted-port rewrite.
 //!
 //! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT,
-//! loadBalancerSourceRanges, eTP=Local in-cluster entries, session affinity, least connection
+//! eTP=Local in-cluster entries, session affinity, least connection
 //! (picks by the flow hash), reply-tuple clash resolution, direct-flow tracking, the Service CIDR
 //! checks and the datapath trace.
 
