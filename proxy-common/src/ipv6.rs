@@ -31,13 +31,14 @@ pub const MAP_SOURCE_RANGES6: &str = "SRCRANGES6_V1";
 /// walked; a longer chain, ESP or an unknown header ends the walk (`stats::Counter::Ipv6ExtUnparsed`).
 pub const MAX_EXT_HEADERS: usize = 6;
 
-/// Compiled-in capacities (the agent may resize at load time, as for IPv4). Smaller than IPv4's:
-/// most clusters carry fewer IPv6 Services; an IPv6 conntrack entry takes 104 bytes of key and
-/// value (IPv4: 56).
-pub const SERVICES6_CAPACITY: u32 = 65_536;
-pub const BACKENDS6_CAPACITY: u32 = 65_536;
-pub const REVNAT6_CAPACITY: u32 = 16_384;
-pub const CONNTRACK6_CAPACITY: u32 = 131_072;
+/// Compiled-in capacities (the agent may resize at load time, as for IPv4; it does not size the
+/// IPv6 maps yet). Smaller than IPv4's: the kernel preallocates hash and LRU maps whether or not
+/// the cluster has IPv6 Services (≈ 150 B per CONNTRACK6 entry: 10 MB here, ≈ 17 MB for all the
+/// IPv6 maps together), and most clusters carry fewer IPv6 Services.
+pub const SERVICES6_CAPACITY: u32 = 32_768;
+pub const BACKENDS6_CAPACITY: u32 = 32_768;
+pub const REVNAT6_CAPACITY: u32 = 8_192;
+pub const CONNTRACK6_CAPACITY: u32 = 65_536;
 pub const FRAGMENTS6_CAPACITY: u32 = 8_192;
 pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
 
