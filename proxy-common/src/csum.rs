@@ -45,6 +45,17 @@ pub fn l4(saddr: [u8; 4], daddr: [u8; 4], proto: u8, segment: &[u8]) -> u16 {
     fold(sum(segment, sum(&pseudo, 0)))
 }
 
+/// TCP/UDP/ICMPv6 checksum over the IPv6 pseudo-header (RFC 8200 8.1) and `segment` (checksum
+/// field zeroed, or in place: then 0 means valid).
+pub fn l4_v6(saddr: [u8; 16], daddr: [u8; 16], next_header: u8, segment: &[u8]) -> u16 {
+    let mut pseudo = [0u8; 40];
+    pseudo[0..16].copy_from_slice(&saddr);
+    pseudo[16..32].copy_from_slice(&daddr);
+    pseudo[32..36].copy_from_slice(&(segment.len() as u32).to_be_bytes());
+    pseudo[39] = next_header;
+    fold(sum(segment, sum(&pseudo, 0)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -71,5 +82,25 @@ mod tests {
         let c = l4(saddr, daddr, 17, &udp);
         udp[6..8].copy_from_slice(&c.to_be_bytes());
         assert_eq!(l4(saddr, daddr, 17, &udp), 0);
+    }
+
+    #[test]
+    fn ipv6_l4_checksum_validates_to_zero_with_the_field_in_place() {
+        let mut saddr = [0u8; 16];
+        saddr[0] = 0xfd;
+        saddr[15] = 1;
+        let mut daddr = saddr;
+        daddr[15] = 2;
+        let mut udp = [
+            0x30, 0x39, 0x00, 0x35, 0x00, 0x0b, 0x00, 0x00, b'a', b'b', b'c',
+        ];
+        let c = l4_v6(saddr, daddr, 17, &udp);
+        udp[6..8].copy_from_slice(&c.to_be_bytes());
+        assert_eq!(l4_v6(saddr, daddr, 17, &udp), 0);
+        assert_ne!(
+            l4_v6(daddr, saddr, 6, &udp),
+            0,
+            "the next header is covered"
+        );
     }
 }

@@ -32,6 +32,7 @@ pub mod bpf_log;
 pub mod csum;
 pub mod flow_state;
 pub mod hash;
+pub mod ipv6;
 pub mod lc;
 pub mod maglev;
 pub mod maps;
@@ -92,10 +93,42 @@ pub const PROG_TC_INGRESS_DIRECT_L3: &str = "tc_ingress_direct_l3";
 pub const PROG_TC_INGRESS_REJECT_L3: &str = "tc_ingress_reject_l3";
 /// Offset of the L3-device tail-called programs in `MAP_TAIL_CALLS`.
 pub const TAIL_CALL_L3: u32 = 3;
+/// The IPv6 datapath (`proxy-ebpf`'s `ipv6` module): `tc_ingress`/`tc_egress` (and their L3
+/// variants) tail-call these for an IPv6 packet, so the IPv4 programs keep their code and stack,
+/// and IPv4 packets never pay for IPv6. Never attached. Without them (program array not filled)
+/// IPv6 packets pass untouched.
+pub const PROG_TC_INGRESS6: &str = "tc_ingress6";
+pub const PROG_TC_EGRESS6: &str = "tc_egress6";
+pub const PROG_TC_INGRESS6_L3: &str = "tc_ingress6_l3";
+pub const PROG_TC_EGRESS6_L3: &str = "tc_egress6_l3";
+/// The IPv6 reject program (ICMPv6 port unreachable, TCP RST), tail-called by `tc_ingress6`.
+pub const PROG_TC_INGRESS6_REJECT: &str = "tc_ingress6_reject";
+pub const PROG_TC_INGRESS6_REJECT_L3: &str = "tc_ingress6_reject_l3";
+/// The IPv6 new-flow program (service lookup, pick, conntrack entries), tail-called by
+/// `tc_ingress6` when a packet has no usable conntrack entry: each half has its own stack.
+pub const PROG_TC_INGRESS6_NEW: &str = "tc_ingress6_new";
+pub const PROG_TC_INGRESS6_NEW_L3: &str = "tc_ingress6_new_l3";
+/// Indices of the IPv6 programs in `MAP_TAIL_CALLS` (the L3 variants at `+ TAIL_CALL6_L3`).
+pub const TAIL_CALL_INGRESS6: u32 = 6;
+pub const TAIL_CALL_EGRESS6: u32 = 7;
+pub const TAIL_CALL_REJECT6: u32 = 8;
+pub const TAIL_CALL_NEW6: u32 = 9;
+pub const TAIL_CALL6_L3: u32 = 4;
 /// Entries of `MAP_TAIL_CALLS`.
-pub const TAIL_CALL_COUNT: u32 = 6;
+pub const TAIL_CALL_COUNT: u32 = 14;
 /// The tail-called programs with their `MAP_TAIL_CALLS` index.
-pub const TAIL_CALLS: [(&str, u32); 6] = [
+pub const TAIL_CALLS: [(&str, u32); 14] = [
+    (PROG_TC_INGRESS6, TAIL_CALL_INGRESS6),
+    (PROG_TC_EGRESS6, TAIL_CALL_EGRESS6),
+    (PROG_TC_INGRESS6_REJECT, TAIL_CALL_REJECT6),
+    (PROG_TC_INGRESS6_NEW, TAIL_CALL_NEW6),
+    (PROG_TC_INGRESS6_L3, TAIL_CALL6_L3 + TAIL_CALL_INGRESS6),
+    (PROG_TC_EGRESS6_L3, TAIL_CALL6_L3 + TAIL_CALL_EGRESS6),
+    (
+        PROG_TC_INGRESS6_REJECT_L3,
+        TAIL_CALL6_L3 + TAIL_CALL_REJECT6,
+    ),
+    (PROG_TC_INGRESS6_NEW_L3, TAIL_CALL6_L3 + TAIL_CALL_NEW6),
     (PROG_TC_INGRESS_NEW, TAIL_CALL_NEW_FLOW),
     (PROG_TC_INGRESS_DIRECT, TAIL_CALL_DIRECT_FLOW),
     (PROG_TC_INGRESS_REJECT, TAIL_CALL_REJECT),
@@ -282,6 +315,14 @@ mod pod {
         crate::TapKey,
         crate::RejectBucket,
         crate::maglev::MaglevKey,
+        crate::ipv6::Service6Key,
+        crate::ipv6::Backend6,
+        crate::ipv6::RevNat6,
+        crate::ipv6::Ct6Key,
+        crate::ipv6::Ct6Value,
+        crate::ipv6::Frag6Key,
+        crate::ipv6::Frag6Value,
+        crate::ipv6::SourceRange6Key,
     );
 }
 

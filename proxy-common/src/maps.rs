@@ -44,7 +44,7 @@ pub const MAP_LC_ADJUST: &str = "LCADJ_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 19] = [
+pub const ALL_MAPS: [&str; 25] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -64,6 +64,12 @@ pub const ALL_MAPS: [&str; 19] = [
     MAP_LC_FLOWS,
     MAP_LC_ADJUST,
     MAP_MAGLEV,
+    crate::ipv6::MAP_SERVICES6,
+    crate::ipv6::MAP_BACKENDS6,
+    crate::ipv6::MAP_REVNAT6,
+    crate::ipv6::MAP_CONNTRACK6,
+    crate::ipv6::MAP_FRAGMENTS6,
+    crate::ipv6::MAP_SOURCE_RANGES6,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time

@@ -29,7 +29,8 @@ counters! {
     IngressPackets = "ingress_packets",
     /// Packets seen by the egress program.
     EgressPackets = "egress_packets",
-    /// Not IPv4 (passed untouched).
+    /// Neither IPv4 nor IPv6 (ARP, runt frames), or IPv6 while the IPv6 programs are not in the
+    /// program array: passed untouched.
     NotIpv4 = "not_ipv4",
     /// IPv4 but not to a Service and not a tracked flow (passed untouched).
     NotService = "not_service",
@@ -161,6 +162,11 @@ counters! {
     /// A new flow of a Maglev (`mh`) frontend whose table (or the chunk of its position) was
     /// missing or empty there: picked by the flow hash instead.
     MaglevFallback = "maglev_fallback",
+    /// An IPv6 TCP/UDP packet with extension headers before its L4 header (walked, kept).
+    Ipv6ExtHeaders = "ipv6_ext_headers",
+    /// IPv6 whose extension header chain could not be walked to a TCP/UDP/ICMPv6 header (more
+    /// than `ipv6::MAX_EXT_HEADERS`, ESP, an unknown or truncated header): passed untouched.
+    Ipv6ExtUnparsed = "ipv6_ext_unparsed",
 }
 
 /// Number of entries in the stats array.

@@ -1,7 +1,7 @@
 //! tc egress: reverse NAT of replies (backend → frontend) for flows in conntrack.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_flags, frag_hook};
+use proxy_common::{Counter, TAIL_CALL_EGRESS6, ct_flags, frag_hook};
 
 use crate::{
     Action, Drop, conntrack, frag, icmp, log, maps, nat,
@@ -15,6 +15,10 @@ pub fn try_tc_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         Parsed::Packet(p) => p,
         Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::EGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
+        Parsed::Ipv6 => {
+            maps::tail_call6(ctx, TAIL_CALL_EGRESS6, l2_len);
+            return Ok(Action::pass(Counter::NotIpv4));
+        }
         Parsed::IcmpError(e) => return icmp::reply(ctx, &e),
         Parsed::Pass(Counter::NotService) => return Ok(Action::pass(Counter::ReplyNotTracked)),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),

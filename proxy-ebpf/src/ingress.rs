@@ -3,7 +3,8 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
-    TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, maglev, sched, service_flags,
+    TAIL_CALL_INGRESS6, TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, maglev,
+    sched, service_flags,
 };
 
 use crate::{
@@ -34,6 +35,11 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         Parsed::Packet(p) => p,
         Parsed::Fragment(f) => return frag::later(ctx, &f, frag_hook::INGRESS),
         Parsed::NotIpv4 => return Ok(Action::pass(Counter::NotIpv4)),
+        Parsed::Ipv6 => {
+            // The IPv6 datapath is a program of its own; without it, IPv6 passes untouched.
+            maps::tail_call6(ctx, TAIL_CALL_INGRESS6, l2_len);
+            return Ok(Action::pass(Counter::NotIpv4));
+        }
         Parsed::IcmpError(e) => return icmp::snat_reply(ctx, &e),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed::Untranslatable {

@@ -13,6 +13,7 @@ mod egress;
 mod frag;
 mod icmp;
 mod ingress;
+mod ipv6;
 mod lc;
 mod log;
 mod maglev;
@@ -239,6 +240,54 @@ fn egress(ctx: &TcContext, l2_len: usize) -> i32 {
         l2_len,
         egress::try_tc_egress(ctx, l2_len),
     ))
+}
+
+/// IPv6 on tc ingress, tail-called by `tc_ingress` (EtherType 0x86DD); never attached.
+#[classifier]
+pub fn tc_ingress6(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_ingress(&ctx, ETH_HLEN))
+}
+
+/// `tc_ingress6` for L3 devices, tail-called by `tc_ingress_l3` (version 6).
+#[classifier]
+pub fn tc_ingress6_l3(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_ingress(&ctx, NO_L2))
+}
+
+/// The IPv6 new-flow half, tail-called by `tc_ingress6`.
+#[classifier]
+pub fn tc_ingress6_new(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_new_flow(&ctx, ETH_HLEN))
+}
+
+/// `tc_ingress6_new` for L3 devices.
+#[classifier]
+pub fn tc_ingress6_new_l3(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_new_flow(&ctx, NO_L2))
+}
+
+/// IPv6 answers (ICMPv6 port unreachable, TCP RST), tail-called by `tc_ingress6`.
+#[classifier]
+pub fn tc_ingress6_reject(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_reject(&ctx, ETH_HLEN))
+}
+
+/// `tc_ingress6_reject` for L3 devices: no answer is built there, dropped (as for IPv4).
+#[classifier]
+pub fn tc_ingress6_reject_l3(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_reject(&ctx, NO_L2))
+}
+
+/// IPv6 on tc egress, tail-called by `tc_egress`.
+#[classifier]
+pub fn tc_egress6(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_egress(&ctx, ETH_HLEN))
+}
+
+/// `tc_egress6` for L3 devices, tail-called by `tc_egress_l3`.
+#[classifier]
+pub fn tc_egress6_l3(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_egress(&ctx, NO_L2))
 }
 
 /// Test-only, never attached by the agent: counts the TCP/UDP packets it sees (`tap`) and hands

@@ -27,6 +27,12 @@ use proxy_common::{
     SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey,
     ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
     SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey,
+    ipv6::{
+        BACKENDS6_CAPACITY, Backend6, CONNTRACK6_CAPACITY, Ct6Key, Ct6Value, FRAGMENTS6_CAPACITY,
+        Frag6Key, Frag6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
+        MAP_SERVICES6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY, RevNat6, SERVICES6_CAPACITY,
+        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
+    },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
 };
@@ -106,6 +112,24 @@ const fn tail_index(index: u32, l2_len: usize) -> u32 {
     } else {
         index
     }
+}
+
+/// The program array index of IPv6 program `index` (`TAIL_CALL_*6`) for the entry's L2 length.
+#[inline(always)]
+const fn tail_index6(index: u32, l2_len: usize) -> u32 {
+    if l2_len == crate::packet::NO_L2 {
+        proxy_common::TAIL_CALL6_L3 + index
+    } else {
+        index
+    }
+}
+
+/// Jump to an IPv6 program (`TAIL_CALL_INGRESS6`, `_EGRESS6`, `_REJECT6`) for the entry's L2
+/// header length; returns only if it is not there.
+#[inline(always)]
+pub fn tail_call6(ctx: &TcContext, index: u32, l2_len: usize) {
+    // SAFETY: as in `tail_call_new_flow`.
+    unsafe { TAILCALLS_V1.tail_call(ctx, tail_index6(index, l2_len)) }
 }
 
 /// Jump to the new-flow program; returns only if it is not there.
@@ -822,3 +846,160 @@ const _: () = assert!(same(MAP_AFFINITY_MATCH, "AFFMATCH_V1"));
 const _: () = assert!(same(MAP_LC_FLOWS, "LCFLOWS_V1"));
 const _: () = assert!(same(MAP_LC_ADJUST, "LCADJ_V1"));
 const _: () = assert!(same(MAP_MAGLEV, "MAGLEV_V1"));
+
+// IPv6 (`crate::ipv6`): maps of their own, layouts in `proxy_common::ipv6`.
+
+#[btf_map]
+static SERVICES6_V1: HashMap<Service6Key, ServiceValue, { SERVICES6_CAPACITY as usize }> =
+    HashMap::new();
+
+#[btf_map]
+static BACKENDS6_V1: HashMap<u32, Backend6, { BACKENDS6_CAPACITY as usize }> = HashMap::new();
+
+/// Written by the agent, read by later stages (as `REVNAT_V1`).
+#[btf_map]
+static REVNAT6_V1: HashMap<u32, RevNat6, { REVNAT6_CAPACITY as usize }> = HashMap::new();
+
+#[btf_map]
+static CONNTRACK6_V1: LruHashMap<Ct6Key, Ct6Value, { CONNTRACK6_CAPACITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+static FRAGMENTS6_V1: LruHashMap<Frag6Key, Frag6Value, { FRAGMENTS6_CAPACITY as usize }> =
+    LruHashMap::new();
+
+/// Where the IPv6 programs parse a packet (`ipv6::packet::Scratch6`, one per CPU), not pinned.
+#[btf_map]
+static SCRATCH6: PerCpuArray<crate::ipv6::packet::Scratch6, 1> = PerCpuArray::new();
+
+/// This CPU's IPv6 parse scratch.
+#[inline(always)]
+pub fn scratch6() -> Option<&'static mut crate::ipv6::packet::Scratch6> {
+    let ptr = SCRATCH6.get_ptr_mut(0)?;
+    // SAFETY: a per-CPU array slot: preallocated, never freed, and only this CPU's program run
+    // (which cannot be preempted) uses it; each run takes it once (`ipv6::packet::parse`).
+    Some(unsafe { &mut *ptr })
+}
+
+/// Where an IPv6 fragment record is built before it is written (one per CPU, not pinned).
+#[btf_map]
+static FRAGREC6: PerCpuArray<crate::ipv6::frag::Frag6Record, 1> = PerCpuArray::new();
+
+/// This CPU's IPv6 fragment record scratch (`ipv6::frag::first_done` only).
+#[inline(always)]
+pub fn frag6_record() -> Option<&'static mut crate::ipv6::frag::Frag6Record> {
+    let ptr = FRAGREC6.get_ptr_mut(0)?;
+    // SAFETY: as in `scratch6`; only `ipv6::frag::first_done` takes it, once per call.
+    Some(unsafe { &mut *ptr })
+}
+
+/// Where a new IPv6 flow's conntrack value is built before it is written (one per CPU).
+#[btf_map]
+static CTNEW6: PerCpuArray<Ct6Value, 1> = PerCpuArray::new();
+
+/// This CPU's new conntrack value scratch (`ipv6::conntrack::create` only).
+#[inline(always)]
+pub fn ct6_new_value() -> Option<&'static mut Ct6Value> {
+    let ptr = CTNEW6.get_ptr_mut(0)?;
+    // SAFETY: as in `scratch6`; only `ipv6::conntrack::create` takes it, once per call.
+    Some(unsafe { &mut *ptr })
+}
+
+/// A copy of a `SERVICES6` entry.
+#[inline(always)]
+pub fn service6(key: &Service6Key) -> Option<ServiceValue> {
+    let ptr = SERVICES6_V1.get_ptr(key)?;
+    // SAFETY: as in `service`.
+    Some(unsafe { *ptr })
+}
+
+/// `rr_next` for an IPv6 frontend entry (as [`rr_next`]).
+#[inline(always)]
+pub fn rr_next6(key: &Service6Key) -> Option<u32> {
+    let ptr = SERVICES6_V1.get_ptr_mut(key)?;
+    // SAFETY: as in `rr_next`.
+    Some(unsafe { fetch_add_u32(&raw mut (*ptr).rr_next, 1) })
+}
+
+/// A copy of `BACKENDS6[id]`.
+#[inline(always)]
+pub fn backend6(id: u32) -> Option<Backend6> {
+    let ptr = BACKENDS6_V1.get_ptr(id)?;
+    // SAFETY: as in `service`.
+    Some(unsafe { *ptr })
+}
+
+impl Stamped for Ct6Value {
+    unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8) {
+        // SAFETY: as for `CtValue`.
+        unsafe { (&raw mut (*ptr).last_seen_ns, &raw mut (*ptr).state) }
+    }
+
+    unsafe fn flags_field(ptr: *mut Self) -> *mut u8 {
+        // SAFETY: as for `CtValue`.
+        unsafe { &raw mut (*ptr).flags }
+    }
+
+    const FLAGS_OFFSET: usize = core::mem::offset_of!(Ct6Value, flags);
+}
+
+pub type Ct6Entry = FlowEntry<Ct6Value>;
+
+/// Look up an IPv6 conntrack entry.
+#[inline(always)]
+pub fn ct6_entry(key: &Ct6Key) -> Option<Ct6Entry> {
+    CONNTRACK6_V1.get_ptr_mut(key).map(|ptr| FlowEntry { ptr })
+}
+
+/// Insert or overwrite an IPv6 conntrack entry.
+#[inline(always)]
+pub fn ct6_insert(key: &Ct6Key, value: &Ct6Value) -> Result<(), i32> {
+    CONNTRACK6_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// Insert an IPv6 conntrack entry only if its key is free.
+#[inline(always)]
+pub fn ct6_insert_new(key: &Ct6Key, value: &Ct6Value) -> Result<(), i32> {
+    CONNTRACK6_V1.insert(key, value, BPF_NOEXIST as u64)
+}
+
+/// Remove an IPv6 conntrack entry (absent is fine).
+#[inline(always)]
+pub fn ct6_remove(key: &Ct6Key) {
+    let _ = CONNTRACK6_V1.remove(key);
+}
+
+#[btf_map]
+static SRCRANGES6_V1: LpmTrie<SourceRange6Key, u32, { SOURCE_RANGES6_CAPACITY as usize }> =
+    LpmTrie::new();
+
+/// Is the source of a new IPv6 flow inside one of its LoadBalancer frontend's source ranges?
+#[inline(always)]
+pub fn source_in_range6(key: SourceRange6Key) -> bool {
+    let key = Key {
+        prefix_len: SOURCE_RANGE6_FRONTEND_BITS + 128,
+        data: key,
+    };
+    SRCRANGES6_V1.get(&key).is_some()
+}
+
+/// A copy of an IPv6 fragment record.
+#[inline(always)]
+pub fn fragment6(key: &Frag6Key) -> Option<Frag6Value> {
+    let ptr = FRAGMENTS6_V1.get_ptr(key)?;
+    // SAFETY: as in `service`.
+    Some(unsafe { *ptr })
+}
+
+/// Write an IPv6 fragment record.
+#[inline(always)]
+pub fn fragment6_insert(key: &Frag6Key, value: &Frag6Value) -> Result<(), i32> {
+    FRAGMENTS6_V1.insert(key, value, BPF_ANY as u64)
+}
+
+const _: () = assert!(same(MAP_SERVICES6, "SERVICES6_V1"));
+const _: () = assert!(same(MAP_BACKENDS6, "BACKENDS6_V1"));
+const _: () = assert!(same(MAP_REVNAT6, "REVNAT6_V1"));
+const _: () = assert!(same(MAP_CONNTRACK6, "CONNTRACK6_V1"));
+const _: () = assert!(same(MAP_FRAGMENTS6, "FRAGMENTS6_V1"));
+const _: () = assert!(same(MAP_SOURCE_RANGES6, "SRCRANGES6_V1"));

@@ -47,6 +47,7 @@ pub const ETH_HLEN: usize = 14;
 /// L2 header length on L3 devices (the packet starts at the IPv4 header).
 pub const NO_L2: usize = 0;
 const ETH_P_IP: [u8; 2] = [0x08, 0x00];
+const ETH_P_IPV6: [u8; 2] = [0x86, 0xdd];
 pub const IPV4_HLEN: usize = 20;
 const IPV4_MAX_HLEN: usize = 60;
 pub const TCP_HLEN: usize = 20;
@@ -226,8 +227,10 @@ ip_header_offsets!(Fragment);
 pub enum Parsed {
     /// An ICMP error quoting a TCP/UDP packet (candidate for reverse translation).
     IcmpError(IcmpError),
-    /// Not IPv4 (ARP, IPv6, runt frames).
+    /// Not IPv4 (ARP, runt frames).
     NotIpv4,
+    /// IPv6 (EtherType 0x86DD, or version 6 on an L3 device): for the IPv6 programs (`ipv6`).
+    Ipv6,
     /// IPv4 that is passed untouched; the counter says why.
     Pass(Counter),
     /// TCP/UDP that cannot be translated but whose destination was read: dropped with `reason`
@@ -246,7 +249,7 @@ pub enum Parsed {
 
 /// A pointer to a `T` at `offset` in the packet, if the whole `T` lies inside the linear data.
 #[inline(always)]
-fn ptr_at<T>(ctx: &TcContext, offset: usize) -> Option<*const T> {
+pub(crate) fn ptr_at<T>(ctx: &TcContext, offset: usize) -> Option<*const T> {
     let start = ctx.data();
     let end = ctx.data_end();
     if start + offset + size_of::<T>() > end {
@@ -257,7 +260,7 @@ fn ptr_at<T>(ctx: &TcContext, offset: usize) -> Option<*const T> {
 
 /// Copy a byte array (alignment 1) out of the packet.
 #[inline(always)]
-fn read<const N: usize>(ctx: &TcContext, offset: usize) -> Option<[u8; N]> {
+pub(crate) fn read<const N: usize>(ctx: &TcContext, offset: usize) -> Option<[u8; N]> {
     let ptr = ptr_at::<[u8; N]>(ctx, offset)?;
     // SAFETY: `ptr_at` checked that the N bytes lie between data and data_end; [u8; N] has
     // alignment 1 and every bit pattern is valid.
@@ -288,7 +291,11 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
             return Parsed::NotIpv4;
         };
         if ethertype != ETH_P_IP {
-            return Parsed::NotIpv4;
+            return if ethertype == ETH_P_IPV6 {
+                Parsed::Ipv6
+            } else {
+                Parsed::NotIpv4
+            };
         }
     }
     let Some(ip) = read::<IPV4_HLEN>(ctx, l2_len) else {
@@ -296,7 +303,11 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
     };
     if l2_len == NO_L2 && ip[0] >> 4 != 4 {
         // No EtherType on an L3 device (WireGuard and gre carry IPv6 too): the version nibble.
-        return Parsed::NotIpv4;
+        return if ip[0] >> 4 == 6 {
+            Parsed::Ipv6
+        } else {
+            Parsed::NotIpv4
+        };
     }
     let ip_hlen = ((ip[0] & 0x0f) as usize) * 4;
     if ip[0] >> 4 != 4 || ip_hlen < IPV4_HLEN {
@@ -471,6 +482,23 @@ pub fn sum_l3_prefix(ctx: &TcContext, l2_len: usize, len: usize) -> Option<u64> 
         i += 1;
     }
     Some(acc)
+}
+
+/// Is the packet a GSO aggregate (BIG TCP: a length field of 0 means the skb's length)?
+#[inline(always)]
+pub fn is_gso(ctx: &TcContext) -> bool {
+    // SAFETY: reading `gso_size` from the program's own, valid `__sk_buff` context.
+    unsafe { (*skb(ctx)).gso_size != 0 }
+}
+
+/// Make the first `len` bytes readable with direct access (no-op when they already are, or when
+/// the packet is shorter: then as much as there is).
+#[inline(always)]
+pub fn pull(ctx: &TcContext, len: u32) {
+    let want = if ctx.len() < len { ctx.len() } else { len };
+    if ctx.data() + (want as usize) > ctx.data_end() {
+        let _ = ctx.pull_data(want);
+    }
 }
 
 #[inline(always)]

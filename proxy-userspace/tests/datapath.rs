@@ -1756,7 +1756,9 @@ fn odd_and_malformed_packets_table() {
     // (BPF_PROG_TEST_RUN refuses a frame with a partial IPv4 header: those rows are skipped.)
     let table = [
         pass("ARP", arp_frame(), NotIpv4),
-        pass("IPv6", ipv6_frame(), NotIpv4),
+        // IPv6 goes to the IPv6 programs (tests/datapath6.rs): a UDP checksum of 0 is not
+        // translatable there, and the address is no Service's.
+        pass("IPv6", ipv6_frame(), NotService),
         pass(
             "Ethernet header and one byte",
             raw_ipv4(&[0x45], &[]),
@@ -1862,7 +1864,7 @@ fn odd_and_malformed_packets_table() {
     // Egress sees the same odd packets and passes all of them untouched.
     let egress_table: Vec<(&str, Vec<u8>, Counter)> = vec![
         ("ARP on egress", arp_frame(), Counter::NotIpv4),
-        ("IPv6 on egress", ipv6_frame(), Counter::NotIpv4),
+        ("IPv6 on egress", ipv6_frame(), Counter::MalformedPassed),
         (
             "short IPv4 header on egress",
             raw_ipv4(&syn_vip[14..24], &[]),
@@ -3045,18 +3047,18 @@ fn l3_device_programs_translate_track_and_drop_like_the_ethernet_ones() {
     let mut ipv6 = vec![0x60, 0, 0, 0, 0, 20, 6, 64];
     ipv6.extend([0u8; 32 + 20]);
     dp.check(ingress_l3(
-        "IPv6 through an L3 tunnel passes",
+        "IPv6 through an L3 tunnel passes (to the IPv6 program: a TCP header of zeros, no Service)",
         ipv6.clone(),
         TC_NEXT,
         Expect::Unchanged,
-        &[(Counter::NotIpv4, 1)],
+        &[(Counter::NotService, 1)],
     ));
     dp.check(egress_l3(
         "IPv6 out through an L3 tunnel passes",
         ipv6,
         TC_NEXT,
         Expect::Unchanged,
-        &[(Counter::NotIpv4, 1)],
+        &[(Counter::MalformedPassed, 1)],
     ));
 }
 

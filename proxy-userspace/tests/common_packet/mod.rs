@@ -7,7 +7,7 @@
     reason = "each test binary uses a different part of the helpers"
 )]
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{csum, proto};
 
@@ -457,5 +457,369 @@ impl Decoded {
             proto::UDP if self.l4_csum_field() == 0 => true,
             p => csum::l4(self.saddr.octets(), self.daddr.octets(), p, &self.l4) == 0,
         }
+    }
+}
+
+/// An IPv6 extension header to put between the IPv6 header and the L4 header: its number and
+/// its bytes after the 2-byte (next header, length) prefix; `2 + body.len()` must be a multiple
+/// of 8 (the fragment header: 6 bytes of body, its length byte is reserved).
+#[derive(Clone, Debug)]
+pub struct Ext6 {
+    pub kind: u8,
+    pub body: Vec<u8>,
+}
+
+pub mod ext6 {
+    pub const HOP_BY_HOP: u8 = 0;
+    pub const ROUTING: u8 = 43;
+    pub const FRAGMENT: u8 = 44;
+    pub const ESP: u8 = 50;
+    pub const DEST_OPTS: u8 = 60;
+}
+
+impl Ext6 {
+    /// Hop-by-hop or destination options of `2 + pad` bytes (PadN).
+    pub fn options(kind: u8, len: usize) -> Self {
+        assert!(len >= 8 && len.is_multiple_of(8));
+        let mut body = vec![1, (len - 4) as u8];
+        body.resize(len - 2, 0);
+        Self { kind, body }
+    }
+
+    /// A fragment header: offset in 8-byte units, more-fragments flag, identification.
+    pub fn fragment(offset_units: u16, more: bool, id: u32) -> Self {
+        let field = (offset_units << 3) | more as u16;
+        let mut body = field.to_be_bytes().to_vec();
+        body.extend_from_slice(&id.to_be_bytes());
+        Self {
+            kind: ext6::FRAGMENT,
+            body,
+        }
+    }
+}
+
+/// An IPv6 packet to build: Ethernet + IPv6 + extension headers + TCP/UDP, checksums right.
+#[derive(Clone, Debug)]
+pub struct Pkt6 {
+    pub src_mac: [u8; 6],
+    pub dst_mac: [u8; 6],
+    pub saddr: Ipv6Addr,
+    pub daddr: Ipv6Addr,
+    pub l4: L4,
+    pub ext: Vec<Ext6>,
+    pub hop_limit: u8,
+    pub payload: Vec<u8>,
+}
+
+impl Pkt6 {
+    pub fn tcp(saddr: Ipv6Addr, sport: u16, daddr: Ipv6Addr, dport: u16, flags: u8) -> Self {
+        Self::new(
+            saddr,
+            daddr,
+            L4::Tcp {
+                sport,
+                dport,
+                seq: 1000,
+                ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 },
+                flags,
+            },
+        )
+    }
+
+    pub fn udp(saddr: Ipv6Addr, sport: u16, daddr: Ipv6Addr, dport: u16) -> Self {
+        Self::new(
+            saddr,
+            daddr,
+            L4::Udp {
+                sport,
+                dport,
+                zero_csum: false,
+            },
+        )
+    }
+
+    fn new(saddr: Ipv6Addr, daddr: Ipv6Addr, l4: L4) -> Self {
+        Self {
+            src_mac: CLIENT_MAC,
+            dst_mac: HOST_MAC,
+            saddr,
+            daddr,
+            l4,
+            ext: Vec::new(),
+            hop_limit: 64,
+            payload: b"hello, service".to_vec(),
+        }
+    }
+
+    pub fn ext(mut self, ext: Ext6) -> Self {
+        self.ext.push(ext);
+        self
+    }
+
+    pub fn payload(mut self, payload: &[u8]) -> Self {
+        self.payload = payload.to_vec();
+        self
+    }
+
+    pub fn zero_udp_csum(mut self) -> Self {
+        if let L4::Udp { zero_csum, .. } = &mut self.l4 {
+            *zero_csum = true;
+        }
+        self
+    }
+
+    /// Swap the direction (replies): addresses, ports, MACs, TCP seq/ack.
+    pub fn reversed(&self) -> Self {
+        let mut r = self.clone();
+        r.src_mac = self.dst_mac;
+        r.dst_mac = self.src_mac;
+        r.saddr = self.daddr;
+        r.daddr = self.saddr;
+        r.l4 = match self.l4 {
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+            } => L4::Tcp {
+                sport: dport,
+                dport: sport,
+                seq: ack,
+                ack: seq,
+                flags,
+            },
+            L4::Udp {
+                sport,
+                dport,
+                zero_csum,
+            } => L4::Udp {
+                sport: dport,
+                dport: sport,
+                zero_csum,
+            },
+        };
+        r
+    }
+
+    pub fn proto(&self) -> u8 {
+        match self.l4 {
+            L4::Tcp { .. } => proto::TCP,
+            L4::Udp { .. } => proto::UDP,
+        }
+    }
+
+    /// The L4 segment (header with its checksum, and payload).
+    pub fn segment(&self) -> Vec<u8> {
+        let mut l4 = match self.l4 {
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+            } => {
+                let mut h = Vec::with_capacity(20);
+                h.extend_from_slice(&sport.to_be_bytes());
+                h.extend_from_slice(&dport.to_be_bytes());
+                h.extend_from_slice(&seq.to_be_bytes());
+                h.extend_from_slice(&ack.to_be_bytes());
+                h.extend_from_slice(&[0x50, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
+                h
+            }
+            L4::Udp { sport, dport, .. } => {
+                let len = (8 + self.payload.len()) as u16;
+                let mut h = Vec::with_capacity(8);
+                h.extend_from_slice(&sport.to_be_bytes());
+                h.extend_from_slice(&dport.to_be_bytes());
+                h.extend_from_slice(&len.to_be_bytes());
+                h.extend_from_slice(&[0, 0]);
+                h
+            }
+        };
+        l4.extend_from_slice(&self.payload);
+        let (s, d) = (self.saddr.octets(), self.daddr.octets());
+        match self.l4 {
+            L4::Tcp { .. } => {
+                let c = csum::l4_v6(s, d, proto::TCP, &l4);
+                l4[16..18].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp {
+                zero_csum: false, ..
+            } => {
+                let c = match csum::l4_v6(s, d, proto::UDP, &l4) {
+                    0 => 0xffff,
+                    c => c,
+                };
+                l4[6..8].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp {
+                zero_csum: true, ..
+            } => {}
+        }
+        l4
+    }
+
+    pub fn bytes(&self) -> Vec<u8> {
+        let segment = self.segment();
+        ipv6_packet(
+            self.dst_mac,
+            self.src_mac,
+            self.saddr,
+            self.daddr,
+            self.hop_limit,
+            &self.ext,
+            self.proto(),
+            &segment,
+        )
+    }
+
+    pub fn l3_bytes(&self) -> Vec<u8> {
+        self.bytes()[ETH_HLEN..].to_vec()
+    }
+}
+
+/// Ethernet + IPv6 header + `ext` (chained) + `upper` as next header `proto`.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "every header field of a test frame"
+)]
+pub fn ipv6_packet(
+    dst_mac: [u8; 6],
+    src_mac: [u8; 6],
+    saddr: Ipv6Addr,
+    daddr: Ipv6Addr,
+    hop_limit: u8,
+    ext: &[Ext6],
+    proto: u8,
+    upper: &[u8],
+) -> Vec<u8> {
+    let mut chain = Vec::new();
+    for (i, e) in ext.iter().enumerate() {
+        let next = ext.get(i + 1).map_or(proto, |n| n.kind);
+        let len_byte = if e.kind == ext6::FRAGMENT {
+            0
+        } else {
+            assert!(
+                (2 + e.body.len()).is_multiple_of(8),
+                "extension header length"
+            );
+            ((2 + e.body.len()) / 8 - 1) as u8
+        };
+        chain.push(next);
+        chain.push(len_byte);
+        chain.extend_from_slice(&e.body);
+    }
+    let first = ext.first().map_or(proto, |e| e.kind);
+    let payload_len = (chain.len() + upper.len()) as u16;
+    let mut f = eth(dst_mac, src_mac, ETH_P_IPV6);
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&payload_len.to_be_bytes());
+    f.extend_from_slice(&[first, hop_limit]);
+    f.extend_from_slice(&saddr.octets());
+    f.extend_from_slice(&daddr.octets());
+    f.extend_from_slice(&chain);
+    f.extend_from_slice(upper);
+    f
+}
+
+/// An ICMPv6 message (type, code, 4 bytes of rest of header, body) from `saddr` to `daddr`, its
+/// checksum right.
+pub fn icmp6_frame(
+    saddr: Ipv6Addr,
+    daddr: Ipv6Addr,
+    kind: u8,
+    code: u8,
+    rest: [u8; 4],
+    body: &[u8],
+) -> Vec<u8> {
+    let mut m = vec![kind, code, 0, 0];
+    m.extend_from_slice(&rest);
+    m.extend_from_slice(body);
+    let c = csum::l4_v6(saddr.octets(), daddr.octets(), ICMPV6, &m);
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    ipv6_packet(HOST_MAC, CLIENT_MAC, saddr, daddr, 64, &[], ICMPV6, &m)
+}
+
+pub const ICMPV6: u8 = 58;
+
+/// What the datapath produced as IPv6, decoded: the extension headers walked (0, 43, 44, 60).
+#[derive(Debug, Clone)]
+pub struct Decoded6 {
+    pub dst_mac: [u8; 6],
+    pub src_mac: [u8; 6],
+    pub hop_limit: u8,
+    pub saddr: Ipv6Addr,
+    pub daddr: Ipv6Addr,
+    /// The L4 protocol (after the extension headers).
+    pub proto: u8,
+    /// From the L4 header to the end of the IPv6 payload.
+    pub l4: Vec<u8>,
+}
+
+impl Decoded6 {
+    pub fn parse(frame: &[u8]) -> Self {
+        assert!(frame.len() >= ETH_HLEN + 40, "frame too short for IPv6");
+        assert_eq!(
+            u16::from_be_bytes([frame[12], frame[13]]),
+            ETH_P_IPV6,
+            "EtherType is not IPv6"
+        );
+        let ip = &frame[ETH_HLEN..];
+        assert_eq!(ip[0] >> 4, 6, "IP version");
+        let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+        assert!(
+            40 + payload_len <= ip.len(),
+            "IPv6 payload length beyond the frame"
+        );
+        let (mut next, mut off) = (ip[6], 40);
+        while matches!(next, 0 | 43 | 44 | 60) {
+            let len = if next == 44 {
+                8
+            } else {
+                (ip[off + 1] as usize + 1) * 8
+            };
+            next = ip[off];
+            off += len;
+        }
+        Self {
+            dst_mac: frame[0..6].try_into().unwrap(),
+            src_mac: frame[6..12].try_into().unwrap(),
+            hop_limit: ip[7],
+            saddr: Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).unwrap()),
+            daddr: Ipv6Addr::from(<[u8; 16]>::try_from(&ip[24..40]).unwrap()),
+            proto: next,
+            l4: ip[off..40 + payload_len].to_vec(),
+        }
+    }
+
+    pub fn sport(&self) -> u16 {
+        u16::from_be_bytes([self.l4[0], self.l4[1]])
+    }
+
+    pub fn dport(&self) -> u16 {
+        u16::from_be_bytes([self.l4[2], self.l4[3]])
+    }
+
+    pub fn l4_csum_field(&self) -> u16 {
+        let off = match self.proto {
+            proto::TCP => 16,
+            proto::UDP => 6,
+            _ => 2,
+        };
+        u16::from_be_bytes([self.l4[off], self.l4[off + 1]])
+    }
+
+    /// The TCP/UDP/ICMPv6 checksum verifies over the pseudo-header (0 is never valid on IPv6).
+    pub fn l4_csum_ok(&self) -> bool {
+        if self.proto == proto::UDP && self.l4_csum_field() == 0 {
+            return false;
+        }
+        csum::l4_v6(
+            self.saddr.octets(),
+            self.daddr.octets(),
+            self.proto,
+            &self.l4,
+        ) == 0
     }
 }

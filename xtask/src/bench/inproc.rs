@@ -3,7 +3,7 @@
 //! and the datapath's cost per packet with BPF_PROG_TEST_RUN.
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     time::{Duration, Instant},
 };
 
@@ -29,7 +29,9 @@ use kube_proxy_ebpf::{
 };
 use proxy_common::{
     CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_REVNAT, MAP_SERVICES, PROG_TC_EGRESS, PROG_TC_INGRESS, Scheduler, stats::PICK_COUNTERS,
+    MAP_REVNAT, MAP_SERVICES, PROG_TC_EGRESS, PROG_TC_INGRESS, Scheduler, ServiceValue,
+    ipv6::{Backend6, MAP_BACKENDS6, MAP_SERVICES6, Service6Key},
+    stats::PICK_COUNTERS,
 };
 use serde_json::{Value, json};
 
@@ -303,6 +305,18 @@ pub struct PacketCosts {
     pub single_floor: f64,
     /// Per scheduler (`Scheduler::ALL` order): a Service of 10 endpoints with its annotation.
     pub schedulers: [SchedCosts; 6],
+    /// The same kinds on IPv6 (one Service written straight into the IPv6 maps: the agent does
+    /// not program IPv6 Services yet).
+    pub ipv6: Ipv6Costs,
+}
+
+/// IPv6 per-packet costs (ns, median), measured as their IPv4 counterparts.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ipv6Costs {
+    pub new_flow: f64,
+    pub established: f64,
+    pub reply: f64,
+    pub no_service: f64,
 }
 
 /// One scheduler's costs (ns, median): a new flow to its Service (single runs, as `new_flow`)
@@ -359,6 +373,10 @@ impl SizeResult {
                 "new_flow": p.new_flow, "new_flow_p90": p.new_flow_p90,
                 "new_flow_spread": p.new_flow_spread, "established": p.established,
                 "reply": p.reply, "no_service": p.no_service, "single_run_floor": p.single_floor,
+                "ipv6": json!({
+                    "new_flow": p.ipv6.new_flow, "established": p.ipv6.established,
+                    "reply": p.ipv6.reply, "no_service": p.ipv6.no_service,
+                }),
                 "per_scheduler": Scheduler::ALL.iter().zip(p.schedulers).map(|(s, c)| (
                     s.name().to_owned(),
                     json!({"new_flow": c.new_flow, "established": c.established}),
@@ -389,6 +407,7 @@ pub fn measure(n: usize, packets: bool, change: bool, effort: Effort) -> Result<
     if packets {
         let mut costs = packet_costs(&l, &specs[..n], effort)?;
         costs.schedulers = scheduler_costs(&mut l, effort)?;
+        costs.ipv6 = ipv6_costs(&mut l, effort)?;
         result.packets = Some(costs);
     }
     if change {
@@ -470,8 +489,92 @@ fn packet_costs(l: &Loaded, generated: &[SvcSpec], e: Effort) -> Result<PacketCo
         reply: reply_ns,
         no_service,
         single_floor: median(&mut single),
-        // Measured by `scheduler_costs`.
+        // Measured by `scheduler_costs` and `ipv6_costs`.
         schedulers: Default::default(),
+        ipv6: Default::default(),
+    })
+}
+
+/// A 10-endpoint IPv6 Service and an IPv6 cycle pair, written straight into the IPv6 maps
+/// (fd00::/8; ids of their own map), then the IPv4 kinds: new flows (single runs), established,
+/// reply, not a Service (repeated runs).
+fn ipv6_costs(l: &mut Loaded, e: Effort) -> Result<Ipv6Costs> {
+    let v6 = |x: u16, y: u16| Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, x, y);
+    let (vip, a, b) = (v6(0, 0x10), v6(1, 1), v6(1, 2));
+    let client = Ipv6Addr::new(0xfd00, 0x244, 0xff, 0, 0, 0, 0, 2);
+    let backend = |addr: Ipv6Addr, port: u16| Backend6 {
+        addr: addr.octets(),
+        port: port.to_be_bytes(),
+        proto: 6,
+        flags: 0,
+    };
+    {
+        let mut backends: aya::maps::HashMap<_, u32, Backend6> =
+            aya::maps::HashMap::try_from(l.ebpf.map_mut(MAP_BACKENDS6).context("BACKENDS6")?)?;
+        for i in 1..=10u16 {
+            backends.insert(
+                u32::from(i),
+                backend(Ipv6Addr::new(0xfd00, 0x244, 0xfe, 0, 0, 0, 0, i), 9000),
+                0,
+            )?;
+        }
+        backends.insert(100, backend(b, 81), 0)?;
+        backends.insert(101, backend(a, 80), 0)?;
+    }
+    let mut services: aya::maps::HashMap<_, Service6Key, ServiceValue> =
+        aya::maps::HashMap::try_from(l.ebpf.map_mut(MAP_SERVICES6).context("SERVICES6")?)?;
+    let key = |addr: Ipv6Addr, port: u16| Service6Key::new(addr.octets(), port.to_be_bytes(), 6, 0);
+    for i in 1..=10u16 {
+        services.insert(
+            key(vip, 80).with_slot(i),
+            ServiceValue::slot(u32::from(i)),
+            0,
+        )?;
+    }
+    services.insert(key(vip, 80), ServiceValue::frontend(10, 1), 0)?;
+    for (addr, port, id, rev) in [(a, 80, 100, 2), (b, 81, 101, 3)] {
+        services.insert(key(addr, port).with_slot(1), ServiceValue::slot(id), 0)?;
+        services.insert(key(addr, port), ServiceValue::frontend(1, rev), 0)?;
+    }
+    let mut new_flow = Vec::with_capacity(e.new_flows as usize);
+    for k in 0..e.new_flows {
+        let (_, sport) = client_for(k, 2);
+        let src = Ipv6Addr::new(0xfd00, 0x244, 0xfd, 0, 0, 0, (k / 60_000) as u16, 1);
+        let f = packet::tcp6(src, sport, vip, 80, SYN, &[]);
+        let (verdict, ns) = l.run(PROG_TC_INGRESS, &f, 1)?;
+        ensure!(verdict == TC_NEXT, "IPv6 new flow: verdict {verdict}");
+        new_flow.push(ns as f64);
+    }
+    let payload = [0u8; 64];
+    let to_a = packet::tcp6(client, 50_000, a, 80, ACK, &payload);
+    let to_b = packet::tcp6(client, 50_000, b, 81, ACK, &payload);
+    for f in [&to_a, &to_b] {
+        let (verdict, _) = l.run(PROG_TC_INGRESS, f, 1)?;
+        ensure!(verdict == TC_NEXT, "IPv6 cycle setup: verdict {verdict}");
+    }
+    let expect_all = |l: &Loaded, c: Counter, before: u64, what: &str| -> Result<()> {
+        let took = l.counter(c)? - before;
+        ensure!(
+            took == u64::from(e.calls) * u64::from(e.repeat),
+            "IPv6 {what}: {took} of {} runs took the path",
+            e.calls * e.repeat
+        );
+        Ok(())
+    };
+    let before = l.counter(Counter::EstablishedFlow)?;
+    let established = repeated(l, PROG_TC_INGRESS, &to_a, e)?;
+    expect_all(l, Counter::EstablishedFlow, before, "established")?;
+    let reply_frame = packet::tcp6(b, 81, client, 50_000, ACK, &payload);
+    let before = l.counter(Counter::ReplyTranslated)?;
+    let reply = repeated(l, PROG_TC_EGRESS, &reply_frame, e)?;
+    expect_all(l, Counter::ReplyTranslated, before, "reply")?;
+    let other = packet::tcp6(client, 50_001, v6(0xff, 0x99), 8080, ACK, &payload);
+    let no_service = repeated(l, PROG_TC_INGRESS, &other, e)?;
+    Ok(Ipv6Costs {
+        new_flow: median(&mut new_flow),
+        established,
+        reply,
+        no_service,
     })
 }
 

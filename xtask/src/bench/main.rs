@@ -310,8 +310,16 @@ fn run(args: RunArgs) -> Result<()> {
                 r.full_sync.ops,
                 r.packets
                     .map(|c| format!(
-                        "; ns/packet new {:.0} est {:.0} reply {:.0} none {:.0}",
-                        c.new_flow, c.established, c.reply, c.no_service
+                        "; ns/packet new {:.0} est {:.0} reply {:.0} none {:.0} \
+                         (IPv6 {:.0} / {:.0} / {:.0} / {:.0})",
+                        c.new_flow,
+                        c.established,
+                        c.reply,
+                        c.no_service,
+                        c.ipv6.new_flow,
+                        c.ipv6.established,
+                        c.ipv6.reply,
+                        c.ipv6.no_service
                     ))
                     .unwrap_or_default(),
                 r.change

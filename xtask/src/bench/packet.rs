@@ -1,7 +1,7 @@
 //! A minimal Ethernet + IPv4 + TCP frame builder with valid checksums, for BPF_PROG_TEST_RUN
 //! (the full builder with options, UDP and a parser lives in proxy-userspace's tests).
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
@@ -61,6 +61,43 @@ pub fn tcp(
     frame
 }
 
+/// One TCP segment over IPv6 in an Ethernet frame (client MAC → host MAC).
+pub fn tcp6(
+    saddr: Ipv6Addr,
+    sport: u16,
+    daddr: Ipv6Addr,
+    dport: u16,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut tcp = Vec::with_capacity(20 + payload.len());
+    tcp.extend(sport.to_be_bytes());
+    tcp.extend(dport.to_be_bytes());
+    tcp.extend(1000u32.to_be_bytes());
+    tcp.extend(if flags & ACK != 0 { 5000u32 } else { 0 }.to_be_bytes());
+    tcp.extend([5 << 4, flags]);
+    tcp.extend(64_240u16.to_be_bytes());
+    tcp.extend([0, 0, 0, 0]);
+    tcp.extend_from_slice(payload);
+    let mut pseudo = Vec::with_capacity(40);
+    pseudo.extend(saddr.octets());
+    pseudo.extend(daddr.octets());
+    pseudo.extend((tcp.len() as u32).to_be_bytes());
+    pseudo.extend([0, 0, 0, 6]);
+    let csum = fold(sum16(&pseudo) + sum16(&tcp));
+    tcp[16..18].copy_from_slice(&csum.to_be_bytes());
+
+    let mut frame = Vec::with_capacity(14 + 40 + tcp.len());
+    frame.extend([0x02, 0, 0, 0, 0, 0x02, 0x02, 0, 0, 0, 0, 0x01, 0x86, 0xdd]);
+    frame.extend([0x60, 0, 0, 0]);
+    frame.extend((tcp.len() as u16).to_be_bytes());
+    frame.extend([6, 64]);
+    frame.extend(saddr.octets());
+    frame.extend(daddr.octets());
+    frame.extend(tcp);
+    frame
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +117,19 @@ mod tests {
         let mut pseudo = vec![10, 244, 1, 2, 10, 96, 0, 10, 0, 6];
         pseudo.extend((tcp.len() as u16).to_be_bytes());
         assert_eq!(fold(sum16(&pseudo) + sum16(tcp)), 0);
+    }
+
+    #[test]
+    fn ipv6_checksum_verifies() {
+        let (src, dst) = (
+            Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 2),
+            Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10),
+        );
+        let f = tcp6(src, 40000, dst, 80, SYN, b"abc");
+        assert_eq!(&f[12..14], &[0x86, 0xdd]);
+        assert_eq!(
+            proxy_common::csum::l4_v6(src.octets(), dst.octets(), 6, &f[54..]),
+            0
+        );
     }
 }

@@ -155,6 +155,34 @@ fn scheduler_tables(s: &mut String, dp: &[(usize, inproc::PacketCosts)]) {
     }
 }
 
+/// IPv6 beside IPv4, per size: the same kinds, "IPv4 / IPv6" in each cell.
+fn ipv6_table(s: &mut String, dp: &[(usize, inproc::PacketCosts)]) {
+    let _ = writeln!(
+        s,
+        "### Datapath: IPv4 / IPv6 ns per packet (median; one IPv6 Service of 10 endpoints \
+         and an IPv6 established-flow pair written straight into the IPv6 maps)\n\n\
+         | Services × 10 endpoints | new flow (SYN) | established flow | reply (tc_egress) | not a Service |\n\
+         |---:|---:|---:|---:|---:|"
+    );
+    for (n, c) in dp {
+        let v6 = &c.ipv6;
+        let _ = writeln!(
+            s,
+            "| {} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} |",
+            n_fmt(*n),
+            c.new_flow,
+            v6.new_flow,
+            c.established,
+            v6.established,
+            c.reply,
+            v6.reply,
+            c.no_service,
+            v6.no_service
+        );
+    }
+    s.push('\n');
+}
+
 pub fn print_run(r: &Run) {
     if let Some(s) = &r.skipped {
         eprintln!("  skipped: {s}");
@@ -275,6 +303,7 @@ impl Results {
             }
             s.push('\n');
             scheduler_tables(&mut s, &dp);
+            ipv6_table(&mut s, &dp);
         }
 
         let cp = self.cp();

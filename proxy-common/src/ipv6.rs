@@ -1,0 +1,234 @@
+//! IPv6 map layouts: the IPv6 datapath has maps of its own (`SERVICES6_V1`, `BACKENDS6_V1`,
+//! `REVNAT6_V1`, `CONNTRACK6_V1`, pinned with the others: `crate::ALL_MAPS`), like cilium's
+//! lb6_* beside lb4_*.
+//!
+//! Why separate maps and not one key layout with 16-byte addresses for both families: the IPv4
+//! keys stay as small as they are (a conntrack key of 16 bytes instead of 40: the LRU's memory
+//! per flow and the per-packet key hash are unchanged for IPv4), the pinned IPv4 state needs no
+//! migration when an agent with IPv6 support starts (its maps keep their shape), and each
+//! family's frontends come from its own EndpointSlices anyway. Values that carry no address
+//! (`ServiceValue`) are shared; backend and rev-NAT ids may share one id space with IPv4 (the
+//! agent decides), the maps do not. Addresses and ports are network-order byte arrays, as in the
+//! IPv4 layouts; every struct has explicit padding and a size assert.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::{SCOPE_EXTERNAL, hash};
+
+pub const MAP_SERVICES6: &str = "SERVICES6_V1";
+pub const MAP_BACKENDS6: &str = "BACKENDS6_V1";
+pub const MAP_REVNAT6: &str = "REVNAT6_V1";
+pub const MAP_CONNTRACK6: &str = "CONNTRACK6_V1";
+/// `FRAGMENTS6_V1` (LRU hash, [`Frag6Key`] → `crate::FragValue`-like [`Frag6Value`]): what the
+/// first fragment of an IPv6 datagram got at a hook, for its later fragments (as `FRAGMENTS_V1`).
+pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6_V1";
+/// `SRCRANGES6_V1` (LPM trie, [`SourceRange6Key`] → u32, unused value 1): the IPv6
+/// loadBalancerSourceRanges prefixes of LoadBalancer frontends (as `SRCRANGES_V1`).
+pub const MAP_SOURCE_RANGES6: &str = "SRCRANGES6_V1";
+
+/// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
+/// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
+/// walked; a longer chain, ESP or an unknown header ends the walk (`stats::Counter::Ipv6ExtUnparsed`).
+pub const MAX_EXT_HEADERS: usize = 6;
+
+/// Compiled-in capacities (the agent may resize at load time, as for IPv4; it does not size the
+/// IPv6 maps yet). Smaller than IPv4's: the kernel preallocates hash and LRU maps whether or not
+/// the cluster has IPv6 Services (≈ 150 B per CONNTRACK6 entry: 10 MB here, ≈ 17 MB for all the
+/// IPv6 maps together), and most clusters carry fewer IPv6 Services.
+pub const SERVICES6_CAPACITY: u32 = 32_768;
+pub const BACKENDS6_CAPACITY: u32 = 32_768;
+pub const REVNAT6_CAPACITY: u32 = 8_192;
+pub const CONNTRACK6_CAPACITY: u32 = 65_536;
+pub const FRAGMENTS6_CAPACITY: u32 = 8_192;
+pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
+
+/// `SERVICES6_V1` key: as `crate::ServiceKey` with a 16-byte address. The value is
+/// `crate::ServiceValue` (it holds no address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
+pub struct Service6Key {
+    /// Frontend address (network order).
+    pub addr: [u8; 16],
+    /// Frontend port (network order).
+    pub port: [u8; 2],
+    /// `proto::TCP`/`proto::UDP`.
+    pub proto: u8,
+    /// `SCOPE_*`.
+    pub scope: u8,
+    /// 0 = the frontend entry; 1..=count = backend slots.
+    pub slot: u16,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<Service6Key>() == 24);
+
+impl Service6Key {
+    pub const fn new(addr: [u8; 16], port: [u8; 2], proto: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port,
+            proto,
+            scope: SCOPE_EXTERNAL,
+            slot,
+            _pad: [0; 2],
+        }
+    }
+
+    /// The same frontend, another slot.
+    pub const fn with_slot(self, slot: u16) -> Self {
+        Self { slot, ..self }
+    }
+}
+
+/// `BACKENDS6_V1`: backend id (u32, from 1) → where to send.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct Backend6 {
+    pub addr: [u8; 16],
+    pub port: [u8; 2],
+    pub proto: u8,
+    /// `crate::backend_flags`.
+    pub flags: u8,
+}
+const _: () = assert!(core::mem::size_of::<Backend6>() == 20);
+
+/// `REVNAT6_V1`: rev-NAT id (u32, from 1) → the frontend a reply must appear to come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct RevNat6 {
+    pub addr: [u8; 16],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<RevNat6>() == 20);
+
+/// `CONNTRACK6_V1` (LRU hash) key: the 5-tuple plus direction (`crate::ct_dir`), as `CtKey`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct Ct6Key {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<Ct6Key>() == 40);
+
+/// `CONNTRACK6_V1` value: the fields of `CtValue` with 16-byte addresses, in the same meaning
+/// (`crate::ct_state`, `crate::ct_flags`; ORIGINAL and REPLY entries as for IPv4).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
+pub struct Ct6Value {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet.
+    pub last_seen_ns: u64,
+    pub created_ns: u64,
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+    pub frontend_addr: [u8; 16],
+    pub backend_addr: [u8; 16],
+    pub frontend_port: [u8; 2],
+    pub backend_port: [u8; 2],
+    pub state: u8,
+    pub flags: u8,
+    /// As `CtValue::nat_sport` (unused until IPv6 clash resolution exists: always zero).
+    pub nat_sport: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<Ct6Value>() == 64);
+
+/// Bits of [`SourceRange6Key`] that name the frontend (matched exactly); the source prefix
+/// length is added to them to make the LPM prefix length.
+pub const SOURCE_RANGE6_FRONTEND_BITS: u32 = 160;
+
+/// `SRCRANGES6_V1` key data (after the kernel's `u32` prefix length): the frontend (exact), then
+/// the client's source address (prefix). Lookups use prefix length 288.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
+pub struct SourceRange6Key {
+    pub frontend_addr: [u8; 16],
+    pub frontend_port: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+    pub source: [u8; 16],
+}
+const _: () = assert!(core::mem::size_of::<SourceRange6Key>() == 36);
+const _: () = assert!(SOURCE_RANGE6_FRONTEND_BITS as usize == 20 * 8);
+
+/// `FRAGMENTS6_V1` key: the IPv6 reassembly key {saddr, daddr, 32-bit fragment id} plus the
+/// L4 protocol and the hook (`crate::frag_hook`), as the fragments arrive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct Frag6Key {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Identification of the fragment header (network order).
+    pub id: [u8; 4],
+    pub proto: u8,
+    pub hook: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<Frag6Key>() == 40);
+
+/// `FRAGMENTS6_V1` value: the first fragment's outcome (`crate::frag_action`) and the addresses
+/// it left the hook with.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
+pub struct Frag6Value {
+    /// CLOCK_MONOTONIC ns when the first fragment passed (matched for `FRAGMENT_TIMEOUT_NS`).
+    pub created_ns: u64,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub action: u8,
+    pub _pad: [u8; 7],
+}
+const _: () = assert!(core::mem::size_of::<Frag6Value>() == 48);
+
+/// An IPv6 address folded to 32 bits (XOR of its four words), so the IPv4 hashes serve both
+/// families: the fold keeps every bit of the address in play, and the seeded mix after it does
+/// the spreading.
+#[inline(always)]
+pub const fn fold_addr(a: [u8; 16]) -> [u8; 4] {
+    [
+        a[0] ^ a[4] ^ a[8] ^ a[12],
+        a[1] ^ a[5] ^ a[9] ^ a[13],
+        a[2] ^ a[6] ^ a[10] ^ a[14],
+        a[3] ^ a[7] ^ a[11] ^ a[15],
+    ]
+}
+
+/// `hash::flow_hash` of an IPv6 5-tuple (addresses folded).
+#[inline(always)]
+pub const fn flow_hash6(
+    seed: u32,
+    saddr: [u8; 16],
+    daddr: [u8; 16],
+    sport: [u8; 2],
+    dport: [u8; 2],
+    proto: u8,
+) -> u32 {
+    hash::flow_hash(
+        seed,
+        fold_addr(saddr),
+        fold_addr(daddr),
+        sport,
+        dport,
+        proto,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn folded_addresses_tell_flows_apart() {
+        let a = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        let mut b = a;
+        b[15] = 2;
+        assert_ne!(fold_addr(a), fold_addr(b));
+        assert_ne!(
+            flow_hash6(7, a, b, [0, 1], [0, 80], 6),
+            flow_hash6(7, b, a, [0, 1], [0, 80], 6)
+        );
+    }
+}

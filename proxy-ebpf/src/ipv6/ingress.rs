@@ -1,0 +1,239 @@
+//! IPv6 tc ingress: conntrack → service → backend pick → conntrack entries → DNAT; a Service
+//! without endpoints goes to the reject program.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{
+    Counter, ServiceValue, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_state, frag_hook,
+    hash::{addr_hash, pick_slot},
+    ipv6::{Ct6Key, Service6Key, SourceRange6Key, flow_hash6, fold_addr},
+    maglev, sched, service_flags,
+};
+
+use super::{
+    conntrack::{self, NewFlow6, Sent},
+    frag, nat,
+    packet::{self, Packet6, Parsed6},
+    reject,
+};
+use crate::{Action, Drop, maglev as maglev_pick, maps, packet::tcp_flags, stats};
+
+/// The entry half: a packet of a tracked flow is DNATed here; anything else goes to the
+/// new-flow program (its own 512-byte stack).
+#[inline(always)]
+pub fn try_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let p = match packet::parse(ctx, l2_len) {
+        Parsed6::Packet(p) => p,
+        Parsed6::Fragment(f) => return frag::later(ctx, f, frag_hook::INGRESS),
+        // ICMPv6 errors toward a pod are reverse-translated on egress; from a pod, they pass.
+        Parsed6::IcmpError(_) => return Ok(Action::pass(Counter::NotService)),
+        Parsed6::Pass(counter) => return Ok(Action::pass(counter)),
+        Parsed6::Untranslatable { to, reason } => {
+            return match maps::service6(&Service6Key::new(to.daddr, to.dport, to.proto, 0)) {
+                Some(_) => Err(reason),
+                None => Ok(Action::pass(Counter::NotService)),
+            };
+        }
+    };
+    if p.has_ext {
+        stats::count(Counter::Ipv6ExtHeaders);
+    }
+    let result = match established(ctx, p) {
+        Some(result) => result,
+        None => {
+            maps::tail_call6(ctx, TAIL_CALL_NEW6, l2_len);
+            Err(Drop::TailCall)
+        }
+    };
+    frag::first_done(ctx, l2_len, p, frag_hook::INGRESS, &result);
+    result
+}
+
+/// A packet of a tracked flow whose entry is usable (not expired, not a SYN on a closed flow,
+/// backend still there): DNATed to its backend. `None`: for the new-flow program.
+#[inline(always)]
+fn established(ctx: &TcContext, p: &Packet6) -> Option<Result<Action, Drop>> {
+    let key = conntrack::original_key(p);
+    let entry = maps::ct6_entry(&key)?;
+    let ct = entry.peek();
+    let now = maps::now_ns();
+    if conntrack::expired(ct, p.proto, now)
+        || (p.is_syn() && ct.state == ct_state::CLOSING)
+        || !conntrack::backend_valid(ct)
+    {
+        return None;
+    }
+    conntrack::client_passed(p, &key, &entry, ct, now);
+    Some(
+        nat::dnat(ctx, p, ct.backend_addr, ct.backend_port)
+            .map(|()| Action::pass(Counter::EstablishedFlow)),
+    )
+}
+
+/// The new-flow program, tail-called by `tc_ingress6`: parses again, replaces an unusable
+/// entry (expired, closed, stale backend) or creates the flow.
+#[inline(always)]
+pub fn try_new_flow(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed6::Packet(p) = packet::parse(ctx, l2_len) else {
+        return Err(Drop::TailCall);
+    };
+    let result = flow(ctx, p);
+    frag::first_done(ctx, l2_len, p, frag_hook::INGRESS, &result);
+    result
+}
+
+#[inline(always)]
+fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
+    let now = maps::now_ns();
+    let key = conntrack::original_key(p);
+    let mut old = None;
+    let mut stale = false;
+    if let Some(entry) = maps::ct6_entry(&key) {
+        let ct = entry.peek();
+        if conntrack::expired(ct, p.proto, now) {
+            stats::count(Counter::ConntrackExpired);
+        } else if p.is_syn() && ct.state == ct_state::CLOSING {
+            // A new connection on a closed one's tuple: choose again.
+        } else if conntrack::backend_valid(ct) {
+            // Became usable since `tc_ingress6` looked (another CPU): carry on with it.
+            conntrack::client_passed(p, &key, &entry, ct, now);
+            nat::dnat(ctx, p, ct.backend_addr, ct.backend_port)?;
+            return Ok(Action::pass(Counter::EstablishedFlow));
+        } else if p.is_tcp() && !p.is_syn() {
+            // Mid-connection and the backend is gone: reset, never send to the dead address.
+            conntrack::remove(&key, Sent::of(ct));
+            if p.tcp_flags & tcp_flags::RST != 0 {
+                return Err(Drop::NoBackend);
+            }
+            maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
+            return Err(Drop::TailCall);
+        } else {
+            stale = true;
+        }
+        old = Some(Sent::of(ct));
+    }
+    new_flow(ctx, p, &key, now, old, stale)
+}
+
+/// Service lookup, backend pick, conntrack entries, DNAT.
+#[inline(always)]
+fn new_flow(
+    ctx: &TcContext,
+    p: &Packet6,
+    key: &Ct6Key,
+    now: u64,
+    old: Option<Sent>,
+    stale: bool,
+) -> Result<Action, Drop> {
+    let frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
+    let Some(frontend) = maps::service6(&frontend_key) else {
+        if let Some(old) = old {
+            conntrack::remove(key, old); // The Service itself is gone.
+        }
+        return Ok(Action::pass(Counter::NotService));
+    };
+    if frontend.flags & service_flags::SOURCE_RANGES != 0
+        && !maps::source_in_range6(SourceRange6Key {
+            frontend_addr: p.daddr,
+            frontend_port: p.dport,
+            proto: p.proto,
+            _pad: 0,
+            source: p.saddr,
+        })
+    {
+        if let Some(old) = old {
+            conntrack::remove(key, old);
+        }
+        return Err(Drop::SourceRange);
+    }
+    let Some(backend_id) = choose(&frontend_key, &frontend, p)? else {
+        if let Some(old) = old {
+            conntrack::remove(key, old);
+        }
+        if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
+            return Err(Drop::NoLocalEndpoints);
+        }
+        maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
+        return Err(Drop::TailCall);
+    };
+    let backend = maps::backend6(backend_id).ok_or(Drop::NoBackend)?;
+    let flow = NewFlow6 {
+        original: key,
+        backend_id,
+        backend: &backend,
+        rev_nat_id: frontend.rev_nat_id,
+        now_ns: now,
+    };
+    conntrack::create(p, &flow, old)?;
+    nat::dnat(ctx, p, backend.addr, backend.port)?;
+    Ok(Action::pass(if stale && !p.is_tcp() {
+        Counter::StaleBackendReselected
+    } else {
+        Counter::NewFlow
+    }))
+}
+
+/// The backend id for a new flow; `Ok(None)` without backends. The IPv4 schedulers where they
+/// need no per-family state: random (the seeded flow hash), round robin, source/destination
+/// hashing (of the folded address) and Maglev (its tables hold slots, shared by both families).
+/// Least connection and session affinity are not carried on IPv6 yet: such a frontend picks by
+/// the flow hash (counted as `pick_random`).
+#[inline(always)]
+fn choose(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<Option<u32>, Drop> {
+    let seed = if frontend.scheduler == sched::code::MAGLEV {
+        maglev::FLOW_SEED
+    } else {
+        maps::hash_seed()
+    };
+    let hash = flow_hash6(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
+    let (slot, scheduler) = match frontend.scheduler {
+        sched::code::ROUND_ROBIN => (
+            match maps::rr_next6(key) {
+                Some(n) => sched::rr_slot(n, frontend.count),
+                None => pick_slot(hash, frontend.count),
+            },
+            sched::code::ROUND_ROBIN,
+        ),
+        sched::code::SOURCE_HASH => (
+            pick_slot(addr_hash(fold_addr(p.saddr)), frontend.count),
+            sched::code::SOURCE_HASH,
+        ),
+        sched::code::DESTINATION_HASH => (
+            pick_slot(addr_hash(fold_addr(p.daddr)), frontend.count),
+            sched::code::DESTINATION_HASH,
+        ),
+        sched::code::MAGLEV => (maglev_pick::slot(frontend, hash), sched::code::MAGLEV),
+        _ => (pick_slot(hash, frontend.count), sched::code::RANDOM),
+    };
+    let Some(slot) = slot else {
+        return Ok(None);
+    };
+    let slot = maps::service6(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
+    stats::count_pick(scheduler);
+    Ok(Some(slot.backend_id))
+}
+
+/// The reject program: ICMPv6 port unreachable for a new flow to a Service without endpoints, a
+/// RST for a TCP segment of a flow whose backend is gone.
+#[inline(always)]
+pub fn try_reject(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed6::Packet(p) = packet::parse(ctx, l2_len) else {
+        return Err(Drop::TailCall);
+    };
+    let result = answer(ctx, p);
+    // A first fragment answered in its place: its later fragments are dropped.
+    frag::first_done(ctx, l2_len, p, frag_hook::INGRESS, &result);
+    result
+}
+
+#[inline(always)]
+fn answer(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
+    let frontend = maps::service6(&Service6Key::new(p.daddr, p.dport, p.proto, 0));
+    // Tail-called for a flow whose backend is gone (a TCP segment of a flow whose Service still
+    // has endpoints) or for a new flow to a Service without endpoints.
+    if p.is_tcp() && !p.is_syn() && frontend.is_none_or(|f| f.count != 0) {
+        let verdict = reject::tcp_reset(ctx, p)?;
+        return Ok(Action::redirect(verdict, Counter::StaleBackendReset));
+    }
+    let verdict = reject::port_unreachable(ctx, p)?;
+    Ok(Action::redirect(verdict, Counter::NoEndpointsRejected))
+}

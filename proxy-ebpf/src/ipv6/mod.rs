@@ -1,0 +1,30 @@
+//! The IPv6 datapath: ClusterIP (and every frontend in `SERVICES6_V1`) DNAT with conntrack on tc
+//! ingress, reverse NAT on tc egress, ICMPv6 port unreachable / TCP RST for Services without
+//! endpoints, extension headers walked under a bounded policy, fragments, and ICMPv6 errors about
+//! translated flows reverse-translated, loadBalancerSourceRanges with IPv6 prefixes
+//! (`SRCRANGES6_V1`).
+//!
+//! A parallel module rather than the IPv4 code made generic over the address: the IPv4 flow
+//! keeps its code, stack frame and per-packet cost exactly as they are, and the IPv6 programs are
+//! separate tail-called programs (`tc_ingress` and `tc_egress` jump here on EtherType 0x86DD,
+//! or version 6 on an L3 device), each with a 512-byte stack of its own. What is family-neutral
+//! is shared: the TCP state machine and idle timeouts (`proxy_common::flow_state`,
+//! `timeouts`), the hashes and slot picks, Maglev tables, counters, the reject rate limit, the
+//! conntrack entry handle (`maps::FlowEntry`) and the quoted-port rewrite.
+//!
+//! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT,
+//! eTP=Local in-cluster entries, session affinity, least connection
+//! (picks by the flow hash), reply-tuple clash resolution, direct-flow tracking, the Service CIDR
+//! checks and the datapath trace.
+
+mod conntrack;
+mod egress;
+pub(crate) mod frag;
+mod icmp;
+mod ingress;
+mod nat;
+pub(crate) mod packet;
+mod reject;
+
+pub use egress::try_egress;
+pub use ingress::{try_ingress, try_new_flow, try_reject};

@@ -1,0 +1,412 @@
+//! IPv6 packet parsing: the IPv6 header, a bounded walk over its extension headers, and the
+//! TCP/UDP or ICMPv6 header behind them, read once into copied values (through
+//! `crate::packet::read`, which checks the bounds).
+//!
+//! Policy (what [`parse`] reports):
+//! - extension headers: hop-by-hop (0), routing (43), destination options (60), fragment (44)
+//!   and AH (51) are walked, at most `ipv6::MAX_EXT_HEADERS` of them, and kept as they are (the
+//!   L4 offset is where the walk ends). A longer chain, ESP (50), or a header cut off by the end
+//!   of the data → [`Parsed6::Pass`] with `Ipv6ExtUnparsed`: the ports cannot be read, so whether
+//!   the packet is for a Service cannot be known; it is passed untouched (and a VIP is no
+//!   address of the node's, so nothing answers it). No next header (59) and protocols other than
+//!   TCP/UDP/ICMPv6 → passed untouched (`NotService`);
+//! - fragments (fragment header): the first fragment (offset 0) carries the L4 header and is a
+//!   [`Packet6`] with `frag_id` set (translated as usual, its outcome recorded in
+//!   `FRAGMENTS6_V1`, `ipv6::frag`); a later one → [`Parsed6::Fragment`];
+//! - truncated TCP/UDP header or an IPv6 payload length beyond the packet, when the ports can be
+//!   read → [`Parsed6::Untranslatable`] (dropped if to a Service); a UDP checksum of 0, which
+//!   IPv6 does not allow (RFC 8200 8.1; the receiver drops it), is untranslatable too: nothing
+//!   in the incremental update could make it valid;
+//! - ICMPv6 destination unreachable, packet too big, time exceeded and parameter problem (types
+//!   1–4) quoting TCP/UDP right after the quoted IPv6 header → [`Parsed6::IcmpError`]; every
+//!   other ICMPv6 message (echo, neighbour discovery and router advertisements, 133–137) passes
+//!   untouched;
+//! - payload length 0 on a GSO packet (IPv6 BIG TCP) → the length is the skb's.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{Counter, ipv6::MAX_EXT_HEADERS, proto};
+
+use crate::{
+    Drop, maps,
+    packet::{self, ETH_HLEN, TCP_HLEN, UDP_HLEN, read, tcp_flags},
+};
+
+pub const IPV6_HLEN: usize = 40;
+pub const ICMPV6: u8 = 58;
+/// Offsets inside the IPv6 header.
+const SADDR: usize = 8;
+const DADDR: usize = 24;
+/// Extension header numbers.
+const HOP_BY_HOP: u8 = 0;
+const ROUTING: u8 = 43;
+const FRAGMENT: u8 = 44;
+const ESP: u8 = 50;
+const AH: u8 = 51;
+const DEST_OPTS: u8 = 60;
+/// Fragment header: offset bits of its 16-bit field (the low 3 bits are flags).
+const FRAG_OFFSET_MASK: u16 = 0xfff8;
+/// ICMPv6 error types (RFC 4443): destination unreachable, packet too big, time exceeded,
+/// parameter problem.
+const ICMPV6_ERROR_MAX: u8 = 4;
+pub const ICMPV6_HLEN: usize = 8;
+/// Enough for the Ethernet and IPv6 headers, a few extension headers and a TCP header.
+const PULL_LEN: u32 = (ETH_HLEN + IPV6_HLEN + 64 + TCP_HLEN) as u32;
+
+/// A TCP or UDP over IPv6 packet, parsed once. Addresses and ports in network order; offsets are
+/// frame offsets. Lives in the per-CPU scratch ([`Scratch6`]), never on the stack.
+#[derive(Clone, Copy)]
+pub struct Packet6 {
+    /// `packet::ETH_HLEN` or `packet::NO_L2` (a constant of the program entry).
+    pub l2_len: usize,
+    /// Offset of the TCP/UDP header (after the extension headers).
+    pub l4_off: usize,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub proto: u8,
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub tcp_flags: u8,
+    pub tcp_seq: [u8; 4],
+    pub tcp_ack: [u8; 4],
+    pub tcp_payload_len: u32,
+    /// Extension headers were walked before the L4 header.
+    pub has_ext: bool,
+    /// The first fragment of a datagram (fragment header with offset 0): `frag` names it.
+    pub is_first_fragment: bool,
+    pub frag: FragId,
+}
+
+/// What names a fragmented datagram besides its addresses: the fragment header's identification
+/// and next header (the same in all its fragments).
+#[derive(Clone, Copy)]
+pub struct FragId {
+    pub id: [u8; 4],
+    pub nexthdr: u8,
+}
+
+/// Where [`parse`] puts what it read: one per CPU (`maps::scratch6`), so that the parsed headers
+/// (about 200 bytes) take none of the programs' 512-byte stack. A program run parses once, and
+/// only the variant [`parse`] returned is meaningful.
+#[derive(Clone, Copy)]
+pub struct Scratch6 {
+    pub pkt: Packet6,
+    pub icmp: Icmp6Error,
+    pub frag: Fragment6,
+}
+
+impl Packet6 {
+    #[inline(always)]
+    pub const fn saddr_off(&self) -> usize {
+        self.l2_len + SADDR
+    }
+
+    #[inline(always)]
+    pub const fn daddr_off(&self) -> usize {
+        self.l2_len + DADDR
+    }
+
+    #[inline(always)]
+    pub const fn l4_csum_off(&self) -> usize {
+        self.l4_off + if self.proto == proto::TCP { 16 } else { 6 }
+    }
+
+    #[inline(always)]
+    pub const fn is_tcp(&self) -> bool {
+        self.proto == proto::TCP
+    }
+
+    /// A TCP SYN without ACK.
+    #[inline(always)]
+    pub const fn is_syn(&self) -> bool {
+        self.is_tcp() && self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+    }
+}
+
+/// An ICMPv6 error quoting a TCP/UDP over IPv6 packet.
+#[derive(Clone, Copy)]
+pub struct Icmp6Error {
+    pub l2_len: usize,
+    pub saddr: [u8; 16],
+    /// Offset of the ICMPv6 header.
+    pub icmp_off: usize,
+    pub inner_saddr: [u8; 16],
+    pub inner_daddr: [u8; 16],
+    pub inner_proto: u8,
+    pub inner_sport: [u8; 2],
+    pub inner_dport: [u8; 2],
+}
+
+impl Icmp6Error {
+    #[inline(always)]
+    pub const fn saddr_off(&self) -> usize {
+        self.l2_len + SADDR
+    }
+
+    #[inline(always)]
+    pub const fn icmp_csum_off(&self) -> usize {
+        self.icmp_off + 2
+    }
+
+    #[inline(always)]
+    const fn inner_off(&self) -> usize {
+        self.icmp_off + ICMPV6_HLEN
+    }
+
+    #[inline(always)]
+    pub const fn inner_daddr_off(&self) -> usize {
+        self.inner_off() + DADDR
+    }
+
+    #[inline(always)]
+    pub const fn inner_dport_off(&self) -> usize {
+        self.inner_off() + IPV6_HLEN + 2
+    }
+}
+
+/// A later fragment (offset ≠ 0) of an IPv6 datagram.
+#[derive(Clone, Copy)]
+pub struct Fragment6 {
+    pub l2_len: usize,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub frag: FragId,
+}
+
+impl Fragment6 {
+    #[inline(always)]
+    pub const fn saddr_off(&self) -> usize {
+        self.l2_len + SADDR
+    }
+
+    #[inline(always)]
+    pub const fn daddr_off(&self) -> usize {
+        self.l2_len + DADDR
+    }
+}
+
+/// What [`parse`] found (the parsed headers themselves are in the per-CPU scratch).
+pub enum Parsed6 {
+    Packet(&'static Packet6),
+    IcmpError(&'static Icmp6Error),
+    Fragment(&'static Fragment6),
+    /// Passed untouched; the counter says why.
+    Pass(Counter),
+    /// TCP/UDP that cannot be translated (its `daddr`, `dport` and `proto` are set): dropped
+    /// with `reason` if to a Service.
+    Untranslatable {
+        to: &'static Packet6,
+        reason: Drop,
+    },
+}
+
+/// Where the extension header walk ended.
+struct Walk {
+    /// The header after the last extension header.
+    nexthdr: u8,
+    /// Its offset.
+    off: usize,
+    has_ext: bool,
+    /// The fragment header's field (offset and flags) and datagram, if there was one.
+    frag: Option<(u16, FragId)>,
+}
+
+/// Walk the extension headers from the IPv6 header's next header (bounded: module docs).
+#[inline(always)]
+fn walk(ctx: &TcContext, l2_len: usize, first: u8) -> Result<Walk, Counter> {
+    let mut w = Walk {
+        nexthdr: first,
+        off: l2_len + IPV6_HLEN,
+        has_ext: false,
+        frag: None,
+    };
+    let mut i = 0;
+    while i <= MAX_EXT_HEADERS {
+        let len = match w.nexthdr {
+            HOP_BY_HOP | ROUTING | DEST_OPTS | AH => {
+                let h = read::<2>(ctx, w.off).ok_or(Counter::Ipv6ExtUnparsed)?;
+                let len = if w.nexthdr == AH {
+                    (h[1] as usize + 2) * 4
+                } else {
+                    (h[1] as usize + 1) * 8
+                };
+                w.nexthdr = h[0];
+                len
+            }
+            FRAGMENT => {
+                let h = read::<8>(ctx, w.off).ok_or(Counter::Ipv6ExtUnparsed)?;
+                let id = FragId {
+                    id: [h[4], h[5], h[6], h[7]],
+                    nexthdr: h[0],
+                };
+                w.frag = Some((u16::from_be_bytes([h[2], h[3]]), id));
+                w.nexthdr = h[0];
+                8
+            }
+            ESP => return Err(Counter::Ipv6ExtUnparsed),
+            _ => return Ok(w), // TCP, UDP, ICMPv6, or another protocol.
+        };
+        w.off += len;
+        w.has_ext = true;
+        i += 1;
+    }
+    Err(Counter::Ipv6ExtUnparsed)
+}
+
+/// Parse an IPv6 packet (after `l2_len` bytes of L2 header); see the module docs for the policy.
+#[inline(always)]
+pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
+    packet::pull(ctx, PULL_LEN);
+    let Some(s) = maps::scratch6() else {
+        return Parsed6::Pass(Counter::MalformedPassed);
+    };
+    let Some(head) = read::<8>(ctx, l2_len) else {
+        return Parsed6::Pass(Counter::MalformedPassed);
+    };
+    if head[0] >> 4 != 6 {
+        return Parsed6::Pass(Counter::MalformedPassed);
+    }
+    let p = &mut s.pkt;
+    p.l2_len = l2_len;
+    match (
+        read::<16>(ctx, l2_len + SADDR),
+        read::<16>(ctx, l2_len + DADDR),
+    ) {
+        (Some(src), Some(dst)) => {
+            p.saddr = src;
+            p.daddr = dst;
+        }
+        _ => return Parsed6::Pass(Counter::MalformedPassed),
+    }
+    let w = match walk(ctx, l2_len, head[6]) {
+        Ok(w) => w,
+        Err(counter) => return Parsed6::Pass(counter),
+    };
+    p.is_first_fragment = false;
+    if let Some((field, frag)) = w.frag {
+        if field & FRAG_OFFSET_MASK != 0 {
+            if frag.nexthdr != proto::TCP && frag.nexthdr != proto::UDP {
+                return Parsed6::Pass(Counter::FragmentPassed);
+            }
+            let f = &mut s.frag;
+            f.l2_len = l2_len;
+            f.saddr = s.pkt.saddr;
+            f.daddr = s.pkt.daddr;
+            f.frag = frag;
+            let s: &'static Scratch6 = s;
+            return Parsed6::Fragment(&s.frag);
+        }
+        p.is_first_fragment = true;
+        p.frag = frag;
+    }
+    let proto = w.nexthdr;
+    let l4_off = w.off;
+    if proto == ICMPV6 {
+        return parse_icmp_error(ctx, s, l4_off);
+    }
+    if proto != proto::TCP && proto != proto::UDP {
+        return Parsed6::Pass(Counter::NotService);
+    }
+    let Some(ports) = read::<4>(ctx, l4_off) else {
+        return Parsed6::Pass(Counter::MalformedPassed);
+    };
+    p.l4_off = l4_off;
+    p.proto = proto;
+    p.sport = [ports[0], ports[1]];
+    p.dport = [ports[2], ports[3]];
+    p.has_ext = w.has_ext;
+    p.tcp_flags = 0;
+    p.tcp_seq = [0; 4];
+    p.tcp_ack = [0; 4];
+    p.tcp_payload_len = 0;
+    // The end of the IPv6 packet: payload length, or the skb's for IPv6 BIG TCP.
+    let frame_len = ctx.len() as usize;
+    let payload_len = u16::from_be_bytes([head[4], head[5]]) as usize;
+    let end = if payload_len == 0 && packet::is_gso(ctx) {
+        frame_len
+    } else {
+        l2_len + IPV6_HLEN + payload_len
+    };
+    let malformed = if end > frame_len || end < l4_off {
+        true
+    } else if proto == proto::TCP {
+        let l4_len = end - l4_off;
+        match read::<TCP_HLEN>(ctx, l4_off) {
+            Some(tcp) => {
+                let doff = ((tcp[12] >> 4) as usize) * 4;
+                if doff < TCP_HLEN || doff > l4_len {
+                    true
+                } else {
+                    p.tcp_seq = [tcp[4], tcp[5], tcp[6], tcp[7]];
+                    p.tcp_ack = [tcp[8], tcp[9], tcp[10], tcp[11]];
+                    p.tcp_flags = tcp[13];
+                    p.tcp_payload_len = (l4_len - doff) as u32;
+                    false
+                }
+            }
+            None => true,
+        }
+    } else {
+        match read::<UDP_HLEN>(ctx, l4_off) {
+            Some(udp) => end - l4_off < UDP_HLEN || (udp[6] == 0 && udp[7] == 0),
+            None => true,
+        }
+    };
+    let s: &'static Scratch6 = s;
+    if malformed {
+        return Parsed6::Untranslatable {
+            to: &s.pkt,
+            reason: Drop::Malformed,
+        };
+    }
+    Parsed6::Packet(&s.pkt)
+}
+
+/// An ICMPv6 error (types 1–4) quoting TCP/UDP right after the quoted IPv6 header; anything else
+/// passes untouched.
+#[inline(always)]
+fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) -> Parsed6 {
+    let not_error = Parsed6::Pass(Counter::NotService);
+    let Some(icmp) = read::<4>(ctx, icmp_off) else {
+        return not_error;
+    };
+    if icmp[0] == 0 || icmp[0] > ICMPV6_ERROR_MAX {
+        return not_error;
+    }
+    let inner_off = icmp_off + ICMPV6_HLEN;
+    let Some(head) = read::<8>(ctx, inner_off) else {
+        return not_error;
+    };
+    let inner_proto = head[6];
+    if head[0] >> 4 != 6 || (inner_proto != proto::TCP && inner_proto != proto::UDP) {
+        return not_error;
+    }
+    let (Some(src), Some(dst), Some(ports)) = (
+        read::<16>(ctx, inner_off + SADDR),
+        read::<16>(ctx, inner_off + DADDR),
+        read::<4>(ctx, inner_off + IPV6_HLEN),
+    ) else {
+        return not_error;
+    };
+    let e = &mut s.icmp;
+    e.l2_len = s.pkt.l2_len;
+    e.saddr = s.pkt.saddr;
+    e.icmp_off = icmp_off;
+    e.inner_saddr = src;
+    e.inner_daddr = dst;
+    e.inner_proto = inner_proto;
+    e.inner_sport = [ports[0], ports[1]];
+    e.inner_dport = [ports[2], ports[3]];
+    let s: &'static Scratch6 = s;
+    Parsed6::IcmpError(&s.icmp)
+}
+
+/// The IPv6 source and destination as the packet holds them now (after rewrites).
+#[inline(always)]
+pub fn addrs(ctx: &TcContext, l2_len: usize) -> Option<([u8; 16], [u8; 16])> {
+    let a = read::<32>(ctx, l2_len + SADDR)?;
+    let mut s = [0u8; 16];
+    let mut d = [0u8; 16];
+    s.copy_from_slice(&a[..16]);
+    d.copy_from_slice(&a[16..]);
+    Some((s, d))
+}
