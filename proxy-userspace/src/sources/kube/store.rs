@@ -10,15 +10,20 @@
 //! store does, so a half-listed state is never visible; objects still there keep their place (and
 //! their `Arc` when unchanged).
 //!
-//! Owns nothing but the list and its index by (namespace, name). May call: kube-runtime's event
-//! and `Lookup` types.
+//! Each store also keeps what changed since the agent last read it (per key: the object before
+//! and the object now), so a sync after one event looks at one object instead of comparing
+//! every place ([`Ordered::state_and_changes`]). A relist, or more changes than a comparison of
+//! places would cost, make it "unknown" (the reader compares the whole list then).
+//!
+//! Owns nothing but the list, its index by (namespace, name) and the change log. May call:
+//! kube-runtime's event and `Lookup` types.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kube::runtime::{reflector::Lookup, watcher};
 use tokio::sync::watch;
 
-use crate::pipeline::fast_hash::HashMap;
+use crate::{pipeline::fast_hash::HashMap, sources::snapshot::Changed};
 
 /// An object's identity in a store: (namespace, name), as the kube-rs store keys objects of one
 /// kind.
@@ -38,6 +43,9 @@ pub struct Ordered<T> {
     index: HashMap<Key, usize>,
     /// The relist being received (between `Init` and `InitDone`).
     relist: Option<Vec<T>>,
+    /// Keys changed since the last [`Ordered::state_and_changes`], each with the object it held
+    /// then (`None`: it did not exist); `None`: not known (the first list, a relist, or too many).
+    log: Option<HashMap<Key, Option<Arc<T>>>>,
 }
 
 impl<T> Default for Ordered<T> {
@@ -46,9 +54,14 @@ impl<T> Default for Ordered<T> {
             objects: Arc::default(),
             index: HashMap::default(),
             relist: None,
+            log: None,
         }
     }
 }
+
+/// Changes logged beyond this many (plus an eighth of the objects), the reader is better off
+/// comparing places.
+const LOG_MAX: usize = 1_024;
 
 impl<T: Lookup + PartialEq + Clone> Ordered<T> {
     /// The objects now (shared; the list is not copied).
@@ -62,6 +75,43 @@ impl<T: Lookup + PartialEq + Clone> Ordered<T> {
 
     pub fn is_empty(&self) -> bool {
         self.objects.is_empty()
+    }
+
+    /// The objects now, and what changed since the last call (`None`: not known; compare the
+    /// whole list). Each changed key appears once, with the object before and after (`None`:
+    /// absent); a key changed back to the very object it held is left out.
+    pub fn state_and_changes(&mut self) -> (Arc<Vec<Arc<T>>>, Option<Vec<Changed<T>>>) {
+        let log = self.log.replace(HashMap::default());
+        let changes = log.map(|log| {
+            log.into_iter()
+                .filter_map(|(key, before)| {
+                    let after = self.index.get(&key).map(|&i| self.objects[i].clone());
+                    let same = match (&before, &after) {
+                        (Some(b), Some(a)) => Arc::ptr_eq(b, a),
+                        (None, None) => true,
+                        _ => false,
+                    };
+                    (!same).then_some(Changed { before, after })
+                })
+                .collect()
+        });
+        (self.state(), changes)
+    }
+
+    /// Logs that `key` is about to change (keeps the first object it held since the last read).
+    fn log_change(&mut self, key: &Key) {
+        let limit = LOG_MAX + self.objects.len() / 8;
+        let Some(log) = &mut self.log else {
+            return;
+        };
+        if !log.contains_key(key) {
+            if log.len() >= limit {
+                self.log = None;
+                return;
+            }
+            let before = self.index.get(key).map(|&i| self.objects[i].clone());
+            log.insert(key.clone(), before);
+        }
     }
 
     /// Applies one watch event. Returns whether the visible list may have changed.
@@ -90,10 +140,12 @@ impl<T: Lookup + PartialEq + Clone> Ordered<T> {
         match self.index.get(&key) {
             Some(&i) if *self.objects[i] == o => false,
             Some(&i) => {
+                self.log_change(&key);
                 Arc::make_mut(&mut self.objects)[i] = Arc::new(o);
                 true
             }
             None => {
+                self.log_change(&key);
                 self.index.insert(key, self.objects.len());
                 Arc::make_mut(&mut self.objects).push(Arc::new(o));
                 true
@@ -102,6 +154,10 @@ impl<T: Lookup + PartialEq + Clone> Ordered<T> {
     }
 
     fn delete(&mut self, key: &Key) -> bool {
+        if !self.index.contains_key(key) {
+            return false;
+        }
+        self.log_change(key);
         let Some(i) = self.index.remove(key) else {
             return false;
         };
@@ -147,6 +203,8 @@ impl<T: Lookup + PartialEq + Clone> Ordered<T> {
             .map(|(i, o)| (key_of(&**o), i))
             .collect();
         self.objects = Arc::new(objects);
+        // Not logged per key: the reader compares the lists.
+        self.log = None;
     }
 }
 
@@ -184,6 +242,11 @@ impl<T: Lookup + PartialEq + Clone> SharedOrdered<T> {
 
     pub fn state(&self) -> Arc<Vec<Arc<T>>> {
         self.lock().state()
+    }
+
+    /// See [`Ordered::state_and_changes`] (one reader: the agent's sync).
+    pub fn state_and_changes(&self) -> (Arc<Vec<Arc<T>>>, Option<Vec<Changed<T>>>) {
+        self.lock().state_and_changes()
     }
 
     pub fn len(&self) -> usize {
