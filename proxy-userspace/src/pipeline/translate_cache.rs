@@ -322,11 +322,31 @@ impl TranslateCache {
 
         // Fresh objects replace what their name held; a gone object's name is removed only if
         // no fresh object took it. Order does not matter here (hash sets, no sorting). A kind
-        // whose changes are known leaves its `Seen` behind (the next comparison of places then
-        // finds those objects again, unchanged by then: same `Arc`, or already removed).
+        // whose changes came as a hint drops its `Seen` (no longer the last snapshot); the next
+        // comparison then goes by key. Both kinds are split before either is applied.
         let (fresh, gone) = match known.services {
-            Some(c) => split_changed(c),
+            Some(c) => {
+                self.seen_services.forget();
+                split_changed(c)
+            }
+            None if self.seen_services.stale => {
+                let split = self.compare_services(&snapshot.services);
+                self.seen_services.remember(&snapshot.services);
+                split
+            }
             None => self.seen_services.split(&snapshot.services),
+        };
+        let (fresh_slices, gone_slices) = match known.endpoint_slices {
+            Some(c) => {
+                self.seen_slices.forget();
+                split_changed(c)
+            }
+            None if self.seen_slices.stale => {
+                let split = self.compare_slices(&snapshot.endpoint_slices);
+                self.seen_slices.remember(&snapshot.endpoint_slices);
+                split
+            }
+            None => self.seen_slices.split(&snapshot.endpoint_slices),
         };
         let fresh: HashMap<ServiceName, Arc<ServiceData>> = fresh
             .into_iter()
@@ -346,10 +366,7 @@ impl TranslateCache {
             }
         }
 
-        let (fresh, gone) = match known.endpoint_slices {
-            Some(c) => split_changed(c),
-            None => self.seen_slices.split(&snapshot.endpoint_slices),
-        };
+        let (fresh, gone) = (fresh_slices, gone_slices);
         let fresh: HashMap<(ServiceName, String), Arc<SliceData>> = fresh
             .into_iter()
             .filter_map(|s| Some((slice_key(&s)?, s)))
@@ -380,6 +397,59 @@ impl TranslateCache {
             }
         }
         dirty
+    }
+
+    /// `now` against the Services the cache holds, by name (as [`Seen::split`] splits it): O(n)
+    /// hash lookups, for a snapshot after hints (a relist, or more changes than the log keeps).
+    fn compare_services(
+        &self,
+        now: &[Arc<ServiceData>],
+    ) -> (Vec<Arc<ServiceData>>, Vec<Arc<ServiceData>>) {
+        let mut names: HashSet<ServiceName> =
+            HashSet::with_capacity_and_hasher(now.len(), Default::default());
+        let mut fresh = Vec::new();
+        for svc in now {
+            let Some(name) = service_name(svc) else {
+                continue;
+            };
+            if (self.services.get(&name)).is_none_or(|held| !Arc::ptr_eq(held, svc)) {
+                fresh.push(svc.clone());
+            }
+            names.insert(name);
+        }
+        let gone = (self.services.iter())
+            .filter(|(name, _)| !names.contains(*name))
+            .map(|(_, svc)| svc.clone())
+            .collect();
+        (fresh, gone)
+    }
+
+    /// [`TranslateCache::compare_services`] for the EndpointSlices, by (Service, slice name).
+    fn compare_slices(&self, now: &[Arc<SliceData>]) -> (Vec<Arc<SliceData>>, Vec<Arc<SliceData>>) {
+        let mut keys: HashSet<SliceName> =
+            HashSet::with_capacity_and_hasher(now.len(), Default::default());
+        let mut fresh = Vec::new();
+        for slice in now {
+            let Some((service, name)) = slice_key(slice) else {
+                continue;
+            };
+            let held = (self.slices.get(&service))
+                .and_then(|g| g.get(&name))
+                .is_some_and(|held| Arc::ptr_eq(held, slice));
+            if !held {
+                fresh.push(slice.clone());
+            }
+            keys.insert((service, name));
+        }
+        let mut gone = Vec::new();
+        for (service, group) in &self.slices {
+            for (name, slice) in &group.0 {
+                if !keys.contains(&(service.clone(), name.clone())) {
+                    gone.push(slice.clone());
+                }
+            }
+        }
+        (fresh, gone)
     }
 
     /// Settle each of `frontends` (all-clients scope) again between the Services asking for it,
@@ -426,18 +496,40 @@ impl TranslateCache {
 /// The stores list their objects in a stable order (a changed object keeps its place), so the
 /// comparison is a walk over two arrays of pointers, and only the places that differ are looked
 /// at further: a change costs a pass over pointers, not a hash lookup per object.
+/// After an update told what changed (a hint), `last` no longer is the last snapshot: it is
+/// dropped, and the next comparison goes by key against what the cache holds
+/// ([`TranslateCache::compare_services`]), then remembers that snapshot again.
 #[derive(Debug)]
 struct Seen<K> {
     last: Vec<Arc<K>>,
+    /// `last` is not the last snapshot (changes came as a hint since).
+    stale: bool,
 }
 
 impl<K> Default for Seen<K> {
     fn default() -> Self {
-        Self { last: Vec::new() }
+        Self {
+            last: Vec::new(),
+            stale: false,
+        }
     }
 }
 
 impl<K> Seen<K> {
+    /// Changes came as a hint: `last` is no longer the last snapshot.
+    fn forget(&mut self) {
+        if !self.stale {
+            self.last = Vec::new();
+            self.stale = true;
+        }
+    }
+
+    /// `now` is the last snapshot (after comparing it by key).
+    fn remember(&mut self, now: &[Arc<K>]) {
+        self.last = now.to_vec();
+        self.stale = false;
+    }
+
     /// Split `now` (distinct objects, as every source lists them) into objects not seen last
     /// time (new or changed) and objects that left (changed or removed), and remember `now`.
     /// No allocation when nothing changed.
@@ -504,6 +596,14 @@ impl SliceGroup {
                 None
             }
         }
+    }
+
+    fn get(&self, name: &str) -> Option<&Arc<SliceData>> {
+        let i = self
+            .0
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()?;
+        Some(&self.0[i].1)
     }
 
     fn remove(&mut self, name: &str) -> Option<Arc<SliceData>> {

@@ -271,7 +271,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::sources::services::ServiceData;
+    use crate::sources::{endpoints::SliceData, services::ServiceData};
 
     struct Rng(u64);
 
@@ -415,6 +415,141 @@ mod tests {
             .parse()
             .expect("name");
         service(ns, name, version)
+    }
+
+    /// A Service `svc-{i}` in namespace `ns-{i % 2}` (a ClusterIP shared by some, so that
+    /// frontends collide) with port 80 or 81.
+    fn api_service(rng: &mut Rng, i: u64) -> ServiceData {
+        let svc: Service = serde_json::from_value(json!({
+            "metadata": {"namespace": format!("ns-{}", i % 2), "name": format!("svc-{i}"),
+                         "creationTimestamp": format!("2026-01-01T00:00:{:02}Z", rng.below(60))},
+            "spec": {"clusterIP": format!("10.96.0.{}", rng.below(8) + 1),
+                     "ports": [{"name": "http", "port": 80 + rng.below(2), "protocol": "TCP"}]},
+        }))
+        .expect("Service");
+        ServiceData::from(&svc)
+    }
+
+    /// Slice `part` of a Service (sometimes labelled for another Service: a slice may move).
+    fn api_slice(rng: &mut Rng, i: u64, part: u64) -> SliceData {
+        let owner = if rng.below(8) == 0 { rng.below(12) } else { i };
+        let endpoints: Vec<serde_json::Value> = (0..rng.below(4))
+            .map(|_| {
+                json!({"addresses": [format!("10.244.0.{}", rng.below(8) + 1)], "nodeName": "node-a",
+                       "conditions": {"ready": rng.below(3) != 0}})
+            })
+            .collect();
+        let slice: k8s_openapi::api::discovery::v1::EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"namespace": format!("ns-{}", i % 2), "name": format!("svc-{i}-{part}"),
+                         "labels": {"kubernetes.io/service-name": format!("svc-{owner}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": endpoints,
+        }))
+        .expect("EndpointSlice");
+        SliceData::from(&slice)
+    }
+
+    /// The translation cache told what the stores logged gives what comparing the snapshots gives:
+    /// the same frontend changes, change list and desired state after every batch of random
+    /// events (applies, changes, deletes, slices moving between Services, relists, and batches
+    /// large enough to overflow the log), and the same after full updates in between.
+    #[test]
+    fn logged_changes_translate_like_comparing_the_snapshots() {
+        use crate::{
+            pipeline::{
+                translate::NodeContext,
+                translate_cache::{Hint, TranslateCache},
+            },
+            sources::snapshot::{Changes, Snapshot},
+        };
+        let node = NodeContext {
+            node_name: "node-a".into(),
+            zone: None,
+            scheduler: Default::default(),
+        };
+        let sorted = |c: &crate::pipeline::translate_cache::ChangeList| {
+            let mut c = c.clone();
+            c.services.sort();
+            c.slices.sort();
+            c
+        };
+        for seed in 1..=12u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let mut services = Ordered::<ServiceData>::default();
+            let mut slices = Ordered::<SliceData>::default();
+            services.apply(watcher::Event::Init);
+            services.apply(watcher::Event::InitDone);
+            slices.apply(watcher::Event::Init);
+            slices.apply(watcher::Event::InitDone);
+            let (mut logged, mut compared) = (TranslateCache::new(), TranslateCache::new());
+            for step in 0..150 {
+                let batch = match rng.below(20) {
+                    0 => 1_200, // past the log's bound
+                    n => n % 4,
+                };
+                for _ in 0..batch {
+                    let i = rng.below(12);
+                    match rng.below(10) {
+                        0..=2 => {
+                            services.apply(watcher::Event::Apply(api_service(&mut rng, i)));
+                        }
+                        3 => {
+                            services.apply(watcher::Event::Delete(api_service(&mut rng, i)));
+                        }
+                        4..=7 => {
+                            let part = rng.below(2);
+                            slices.apply(watcher::Event::Apply(api_slice(&mut rng, i, part)));
+                        }
+                        8 => {
+                            let part = rng.below(2);
+                            slices.apply(watcher::Event::Delete(api_slice(&mut rng, i, part)));
+                        }
+                        _ => {
+                            // A relist of the slices: most of them again, some changed.
+                            slices.apply(watcher::Event::Init);
+                            for o in slices.state().iter() {
+                                if rng.below(5) != 0 {
+                                    slices.apply(watcher::Event::InitApply((**o).clone()));
+                                }
+                            }
+                            let part = rng.below(2);
+                            let owner = rng.below(12);
+                            let new = api_slice(&mut rng, owner, part);
+                            slices.apply(watcher::Event::InitApply(new));
+                            slices.apply(watcher::Event::InitDone);
+                        }
+                    }
+                }
+                let (svc_state, svc_log) = services.state_and_changes();
+                let (slice_state, slice_log) = slices.state_and_changes();
+                let snapshot = Snapshot {
+                    services: svc_state,
+                    endpoint_slices: slice_state,
+                };
+                let full = rng.below(25) == 0;
+                logged.hint(Hint {
+                    changes: Changes {
+                        services: svc_log,
+                        endpoint_slices: slice_log,
+                    },
+                    refresh: Vec::new(),
+                });
+                let a = logged.update(&snapshot, &node, &[], full);
+                let b = compared.update(&snapshot, &node, &[], full);
+                assert_eq!(a, b, "seed {seed} step {step}: frontend changes");
+                assert_eq!(
+                    sorted(logged.last_changes()),
+                    sorted(compared.last_changes()),
+                    "seed {seed} step {step}: change list"
+                );
+                assert_eq!(
+                    logged.desired(),
+                    compared.desired(),
+                    "seed {seed} step {step}"
+                );
+            }
+        }
     }
 
     #[tokio::test]
