@@ -388,6 +388,10 @@ impl Agent {
         self.external.set_api_service_cidrs(state.service_cidrs);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
         self.sync(&state.snapshot, state.problems, full)?;
+        if full && source.cheap_to_read() {
+            // The Kubernetes stores say what changed: see `TranslateCache::expect_hints`.
+            self.cache.expect_hints();
+        }
         Ok(reached_end)
     }
 

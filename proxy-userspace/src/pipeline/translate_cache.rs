@@ -177,6 +177,14 @@ impl TranslateCache {
         };
     }
 
+    /// The source tells what changed from now on (the Kubernetes stores): the copy of the last
+    /// snapshot kept for comparing places is dropped now (100,000 `Arc`s at 50,000 Services,
+    /// 2-6 ms), at the end of a full sync, instead of by the first change's hinted update.
+    pub fn expect_hints(&mut self) {
+        self.seen_services.forget();
+        self.seen_slices.forget();
+    }
+
     /// Tells the next [`TranslateCache::update`] what changed (see [`Hint`]). The changes must
     /// be relative to the snapshot of the update before it.
     pub fn hint(&mut self, hint: Hint) {

@@ -352,6 +352,7 @@ pub fn end_to_end(
     endpoints: usize,
     changes: usize,
     agent_bin: &std::path::Path,
+    sync_period: Option<&str>,
 ) -> Result<()> {
     use aya::maps::{HashMap as BpfHashMap, Map, MapData};
     use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
@@ -394,22 +395,26 @@ pub fn end_to_end(
         sizes.backends.to_string(),
         sizes.rev_nats.to_string(),
     ];
+    let mut flags = vec![
+        "--hostname-override",
+        "bench-node",
+        "--min-sync-period",
+        "0s",
+        "--map-entries-services",
+        &sizes[0],
+        "--map-entries-backends",
+        &sizes[1],
+        "--map-entries-revnat",
+        &sizes[2],
+    ];
+    if let Some(period) = sync_period {
+        flags.extend(["--sync-period", period]);
+    }
     let mut agent = AgentProc::start_kube(
         agent_bin,
         topo.node(),
         &kubeconfig,
-        &[
-            "--hostname-override",
-            "bench-node",
-            "--min-sync-period",
-            "0s",
-            "--map-entries-services",
-            &sizes[0],
-            "--map-entries-backends",
-            &sizes[1],
-            "--map-entries-revnat",
-            &sizes[2],
-        ],
+        &flags,
         pins.path(),
         topo.tmp().path(),
     )?;
