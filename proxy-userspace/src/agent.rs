@@ -262,10 +262,11 @@ impl Agent {
         parts.report = lap.elapsed();
         lap = Instant::now();
         // UDP flows to a removed backend are removed at once (kube-proxy's UDP conntrack
-        // cleanup); TCP ones are answered with a RST by the datapath. Least-connection frontends
-        // rewritten with a backend gone also walk at once: a freed id is reused by the next new
-        // endpoint, which must not inherit the old one's flow count. The rest (idle flows) is
-        // the periodic walk's: a TCP-only change elsewhere does not walk every flow.
+        // cleanup: a walk is asked for right after the apply); TCP ones are answered with a RST
+        // by the datapath. A backend id freed from a least-connection frontend has its count
+        // reset at once, on this thread (a freed id is reused by the next new endpoint, which
+        // must not inherit the old one's flow count), and a walk is asked for too. The rest
+        // (idle flows) is the periodic walk's: a TCP-only change elsewhere does not walk.
         let walk_conntrack_now = walks_conntrack_after(&plan.ops, &self.programmed);
         let freed_lc_ids = freed_least_connection_ids(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);

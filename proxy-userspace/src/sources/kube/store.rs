@@ -23,7 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kube::runtime::{reflector::Lookup, watcher};
 use tokio::sync::watch;
 
-use crate::{pipeline::fast_hash::HashMap, sources::snapshot::Changed};
+use crate::{
+    pipeline::fast_hash::HashMap,
+    sources::snapshot::{Changed, Objects},
+};
 
 /// An object's identity in a store: (namespace, name), as the kube-rs store keys objects of one
 /// kind.
@@ -80,7 +83,7 @@ impl<T: Lookup + PartialEq + Clone> Ordered<T> {
     /// The objects now, and what changed since the last call (`None`: not known; compare the
     /// whole list). Each changed key appears once, with the object before and after (`None`:
     /// absent); a key changed back to the very object it held is left out.
-    pub fn state_and_changes(&mut self) -> (Arc<Vec<Arc<T>>>, Option<Vec<Changed<T>>>) {
+    pub fn state_and_changes(&mut self) -> (Objects<T>, Option<Vec<Changed<T>>>) {
         let log = self.log.replace(HashMap::default());
         let changes = log.map(|log| {
             log.into_iter()
@@ -245,7 +248,7 @@ impl<T: Lookup + PartialEq + Clone> SharedOrdered<T> {
     }
 
     /// See [`Ordered::state_and_changes`] (one reader: the agent's sync).
-    pub fn state_and_changes(&self) -> (Arc<Vec<Arc<T>>>, Option<Vec<Changed<T>>>) {
+    pub fn state_and_changes(&self) -> (Objects<T>, Option<Vec<Changed<T>>>) {
         self.lock().state_and_changes()
     }
 
