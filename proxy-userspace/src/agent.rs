@@ -954,6 +954,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             },
             () = tokio::time::sleep_until(wait_until.into()), if !work => {}
         }
+        if work {
+            // The reflectors run on this runtime too: let them deliver the watch events that
+            // arrived during this step, so a change goes before the next slice (without this a
+            // pass of back-to-back slices held every change until its end).
+            tokio::task::yield_now().await;
+        }
     }
     info!("stopping; maps and links stay pinned so traffic keeps flowing");
     Ok(())
