@@ -7,14 +7,13 @@
 
 use std::{
     collections::BTreeSet,
+    ops::Not as _,
     path::PathBuf,
     time::{Duration, Instant},
 };
 
 use aya::Ebpf;
-use proxy_common::{
-    CtKey, CtValue, DatapathConfig, SockLbConfig, ct_flags, proto, timeouts::idle_expired,
-};
+use proxy_common::{CtKey, CtValue, DatapathConfig, SockLbConfig, proto};
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{debug, error, info, warn};
 
@@ -24,7 +23,7 @@ use crate::{
         self,
         attach::Attacher,
         bpffs::PinLayout,
-        clock::monotonic_ns,
+        flow_gc::{FlowGc, PinnedFlowMaps, Walked},
         interfaces::{self, Patterns},
         links,
         loader::{self, MapSizes},
@@ -49,7 +48,8 @@ use crate::{
     },
 };
 
-/// How often idle conntrack and SNAT entries are swept (the LRU also evicts under pressure).
+/// How often idle conntrack and SNAT entries are swept (the LRU also evicts under pressure), on
+/// the flow garbage collection thread (`crate::dataplane::flow_gc`).
 const CONNTRACK_GC_PERIOD: Duration = Duration::from_secs(30);
 /// How often the wait for the sources' initial lists is logged.
 const READY_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -68,15 +68,11 @@ pub struct ApplyError {
 pub struct Agent {
     ebpf: Ebpf,
     maps: ServiceMaps,
-    conntrack: Conntrack,
-    snat: Snat,
-    /// Least-connection counts, reconciled in the conntrack walk (`crate::dataplane::lc_counts`).
+    /// The conntrack and SNAT walks, on their own thread (`crate::dataplane::flow_gc`).
+    flow_gc: FlowGc,
+    /// Least-connection counts: the loop resets a freed backend id's count at once
+    /// (`flow_gc::reset_freed`); the walks reconcile the rest.
     lc: LcCounts,
-    /// The corrections last written to `LCADJ_V1` (written again only when they change), and
-    /// the highest backend id reconciled (ids above stay at their last correction).
-    /// Indexed by backend id (ids are dense from 1; a vector is a tenth of a hash map's memory).
-    lc_written: Vec<Option<u64>>,
-    lc_max_id: u32,
     programmed: Programmed,
     /// Indexes over `programmed` and what changed since the last plan (every op applied to
     /// `programmed` goes through it first).
@@ -86,7 +82,6 @@ pub struct Agent {
     attacher: Attacher,
     pins: PinLayout,
     capacities: Capacities,
-    config: DatapathConfig,
     node: NodeContext,
     patterns: Patterns,
     /// `--tunnel-devices auto`: attach to tunnel devices found by link kind too.
@@ -162,6 +157,7 @@ impl Agent {
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
         let snat = Snat::from_ebpf(&mut ebpf)?;
         let lc = LcCounts::from_ebpf(&mut ebpf)?;
+        let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
         let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
         let mut programmed = maps.read_programmed()?;
@@ -177,21 +173,25 @@ impl Agent {
         } else {
             info!(pin_dir = %pins.dir.display(), "created new pinned maps");
         }
+        let flow_gc = FlowGc::start(
+            PinnedFlowMaps {
+                conntrack,
+                snat,
+                lc,
+            },
+            config,
+        )?;
         Ok(Self {
             ebpf,
             maps,
-            conntrack,
-            snat,
-            lc,
-            lc_written: Default::default(),
-            lc_max_id: 0,
+            flow_gc,
+            lc: loop_lc,
             planner: Planner::new(&programmed),
             cache: TranslateCache::new(),
             programmed,
             attacher: Attacher::new(pins.clone()),
             pins,
             capacities,
-            config,
             node,
             patterns,
             tunnel_devices: true,
@@ -262,12 +262,15 @@ impl Agent {
         parts.report = lap.elapsed();
         lap = Instant::now();
         // UDP flows to a removed backend are removed at once (kube-proxy's UDP conntrack
-        // cleanup); TCP ones are answered with a RST by the datapath. Least-connection frontends
-        // rewritten with a backend gone also walk at once: a freed id is reused by the next new
-        // endpoint, which must not inherit the old one's flow count. The rest (idle flows) is
-        // the periodic walk's: a TCP-only change elsewhere does not walk every flow.
+        // cleanup: a walk is asked for right after the apply); TCP ones are answered with a RST
+        // by the datapath. A backend id freed from a least-connection frontend has its count
+        // reset at once, on this thread (a freed id is reused by the next new endpoint, which
+        // must not inherit the old one's flow count), and a walk is asked for too. The rest
+        // (idle flows) is the periodic walk's: a TCP-only change elsewhere does not walk.
         let walk_conntrack_now = walks_conntrack_after(&plan.ops, &self.programmed);
+        let freed_lc_ids = freed_least_connection_ids(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);
+        self.backends_changed(&plan.ops[..applied]);
         let op_count = plan.ops.len();
         let failed_op = failure.is_some().then(|| plan.ops[applied].clone());
         self.programmed.reserve_for(&plan.ops[..applied]);
@@ -284,6 +287,7 @@ impl Agent {
         self.planner.applied(&plan);
         parts.apply = lap.elapsed();
         lap = Instant::now();
+        crate::dataplane::flow_gc::reset_freed(&mut self.lc, self.flow_gc.shared(), &freed_lc_ids);
         if walk_conntrack_now {
             self.gc_conntrack();
         }
@@ -317,6 +321,8 @@ impl Agent {
         parts.after = lap.elapsed();
         self.last_parts = parts;
         if full {
+            // Freed here, not by the next (change) sync: see `release_change_list`.
+            self.cache.release_change_list();
             crate::dataplane::sys::release_free_heap();
         }
         Ok(())
@@ -350,9 +356,31 @@ impl Agent {
     /// Reads the source's current state and syncs it (the node's zone included); `full` as in
     /// [`Agent::sync`].
     pub fn sync_from(&mut self, source: &Source, full: bool) -> Result<(), ApplyError> {
+        self.sync_from_refreshing(source, full, 0..0).map(|_| ())
+    }
+
+    /// [`Agent::sync_from`], translating again the Services at places `refresh` of the source's
+    /// list whether or not they changed (a slice of the periodic pass, see [`FullPass`]).
+    /// Returns whether `refresh` reached the end of the list.
+    pub fn sync_from_refreshing(
+        &mut self,
+        source: &Source,
+        full: bool,
+        refresh: std::ops::Range<usize>,
+    ) -> Result<bool, ApplyError> {
         let started = Instant::now();
         let state = source.state();
         let read_us = started.elapsed().as_micros() as u64;
+        let services = &state.snapshot.services;
+        let end = refresh.end.min(services.len());
+        let refresh = (services[refresh.start.min(end)..end].iter())
+            .filter_map(|s| crate::pipeline::translate_cache::service_name(s))
+            .collect();
+        let reached_end = end == services.len();
+        self.cache.hint(crate::pipeline::translate_cache::Hint {
+            changes: state.changes,
+            refresh,
+        });
         if state.zone != self.node.zone {
             info!(zone = ?state.zone, "node zone changed");
             self.node.zone = state.zone;
@@ -360,7 +388,12 @@ impl Agent {
         self.health.set_node_eligible(state.node_eligible);
         self.external.set_api_service_cidrs(state.service_cidrs);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
-        self.sync(&state.snapshot, state.problems, full)
+        self.sync(&state.snapshot, state.problems, full)?;
+        if full && source.cheap_to_read() {
+            // The Kubernetes stores say what changed: see `TranslateCache::expect_hints`.
+            self.cache.expect_hints();
+        }
+        Ok(reached_end)
     }
 
     /// Logs problems not reported before (one line each, not one per sync).
@@ -476,84 +509,74 @@ impl Agent {
         Ok(())
     }
 
-    /// Removes idle-expired flows, and UDP flows whose backend is gone (like kube-proxy's UDP
-    /// conntrack cleanup, so DNS clients do not keep sending to a deleted pod). TCP flows to a
-    /// gone backend are answered with a RST by the datapath on their next packet.
-    ///
-    /// The same walk reconciles the least-connection counts (`crate::dataplane::lc_counts`): every backend
-    /// id up to the highest programmed (or reconciled before: a freed id goes back to 0).
+    /// Asks the flow garbage collection thread for a conntrack walk over the backends as
+    /// programmed now (`crate::dataplane::flow_gc`): idle-expired flows out, and UDP flows whose
+    /// backend is gone (like kube-proxy's UDP conntrack cleanup, so DNS clients do not keep
+    /// sending to a deleted pod); TCP flows to a gone backend are answered with a RST by the
+    /// datapath on their next packet. The same walk reconciles the least-connection counts.
+    /// Returns at once (the copy of the backends is the loop's cost, a few ms at 500,000).
     pub fn gc_conntrack(&mut self) {
-        let started = Instant::now();
-        let max_id = self
-            .programmed
-            .backends
-            .keys()
-            .copied()
-            .max()
-            .unwrap_or(0)
-            .max(self.lc_max_id)
-            .min(self.lc.ids().saturating_sub(1));
-        let (config, programmed) = (&self.config, &self.programmed);
-        let done = crate::dataplane::lc_counts::reconcile(
-            1..=max_id,
-            |id| self.lc.active(id),
-            monotonic_ns,
-            || self.conntrack.entries(),
-            |key, value, now| flow_is_dead(key, value, now, config, programmed),
-            &programmed.backends,
-        );
-        let (removed, total) = (done.dead.len(), done.total);
-        let ids = max_id as usize + 1;
-        if self.lc_written.len() < ids {
-            self.lc_written.reserve_exact(ids - self.lc_written.len());
-            self.lc_written.resize(ids, None);
-        }
-        for key in &done.dead {
-            self.conntrack.remove(key);
-        }
-        for (id, adjust) in done.corrections {
-            if self.lc_written.get(id as usize).copied().flatten() == Some(adjust) {
-                continue;
-            }
-            match self.lc.set_adjust(id, adjust) {
-                Ok(()) => {
-                    if let Some(w) = self.lc_written.get_mut(id as usize) {
-                        *w = Some(adjust);
-                    }
-                }
-                Err(e) => warn!("writing the least-connection correction of backend {id}: {e}"),
-            }
-        }
-        self.lc_max_id = self.programmed.backends.keys().copied().max().unwrap_or(0);
+        self.flow_gc
+            .request(self.programmed.backends.clone(), false);
+    }
+
+    /// The periodic pass: a conntrack walk and a SNAT sweep on the flow garbage collection
+    /// thread, and the occupancy sample of the maps no other pass lists.
+    pub fn gc_flows(&mut self) {
+        self.flow_gc.request(self.programmed.backends.clone(), true);
+        self.sample_maps();
+    }
+
+    /// Records that these ops put or deleted backends (a walk running meanwhile leaves those
+    /// ids alone).
+    fn backends_changed(&self, ops: &[MapOp]) {
+        let ids = ops.iter().filter_map(|op| match op {
+            MapOp::PutBackend { id, .. } | MapOp::DeleteBackend { id } => Some(*id),
+            _ => None,
+        });
+        crate::dataplane::flow_gc::lock(self.flow_gc.shared()).note_changed(ids);
+    }
+
+    /// Resolves with the next finished flow walk (see [`Agent::walked`]).
+    pub async fn next_walk(&mut self) -> Option<Walked> {
+        self.flow_gc.walked().await
+    }
+
+    /// Reports a finished walk: metrics, occupancy, a debug line.
+    pub fn walked(&mut self, done: Walked) {
+        let removed = done.conntrack_removed;
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }
-        self.occupancy
-            .report(&self.metrics, "conntrack", (total - removed) as u64);
-        self.metrics
-            .conntrack_reconciled(started.elapsed(), removed as u64);
+        debug!(
+            took_us = done.took.as_micros() as u64,
+            flows = done.conntrack_listed,
+            "flow walk done"
+        );
+        self.occupancy.report(
+            &self.metrics,
+            "conntrack",
+            (done.conntrack_listed - removed) as u64,
+        );
+        self.metrics.conntrack_reconciled(done.took, removed as u64);
+        if let Some(snat) = done.snat {
+            if snat.removed > 0 {
+                debug!(
+                    removed = snat.removed,
+                    flows = snat.flows,
+                    orphans = snat.orphans,
+                    "SNAT garbage collected"
+                );
+            }
+            self.occupancy
+                .report(&self.metrics, "snat", snat.remaining as u64);
+        }
     }
 
     /// Counts the maps no other pass lists (source ranges, socket reverse NAT) for the
     /// occupancy metrics; bounded by their capacity. Run with the garbage collection.
     pub fn sample_maps(&mut self) {
         self.occupancy.sample(&self.metrics);
-    }
-
-    /// Removes the SNAT entries of flows idle past their timeout, both of each pair (see
-    /// [`crate::dataplane::snat_gc`]), so a flow that vanished without FIN/RST stops holding its node port.
-    pub fn gc_snat(&mut self) {
-        let done = crate::dataplane::snat_gc::collect(&mut self.snat, monotonic_ns(), &self.config);
-        if done.removed > 0 {
-            debug!(
-                removed = done.removed,
-                flows = done.flows,
-                orphans = done.orphans,
-                "SNAT garbage collected"
-            );
-        }
-        self.occupancy
-            .report(&self.metrics, "snat", done.remaining as u64);
     }
 
     fn write_status(&self) {
@@ -678,7 +701,26 @@ fn walks_conntrack_after(ops: &[MapOp], programmed: &Programmed) -> bool {
     removed && lc_rewritten
 }
 
-/// Pure: should the agent drop this conntrack entry?
+/// Pure: which backend ids applying `ops` to `programmed` frees from a least-connection
+/// frontend rewritten by them (their counts are reset at once, `flow_gc::reset_freed`).
+fn freed_least_connection_ids(ops: &[MapOp], programmed: &Programmed) -> Vec<u32> {
+    let lc_rewritten = ops.iter().any(|op| {
+        matches!(op, MapOp::PutService { value, .. }
+            if value.scheduler == proxy_common::sched::code::LEAST_CONNECTION)
+    });
+    if !lc_rewritten {
+        return Vec::new();
+    }
+    (ops.iter())
+        .filter_map(|op| match op {
+            MapOp::DeleteBackend { id } if programmed.backends.contains_key(id) => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Pure: should the agent drop this conntrack entry? (`crate::dataplane::flow_gc::flow_is_dead`
+/// against the programmed backends.)
 pub fn flow_is_dead(
     key: &CtKey,
     value: &CtValue,
@@ -686,24 +728,7 @@ pub fn flow_is_dead(
     config: &DatapathConfig,
     programmed: &Programmed,
 ) -> bool {
-    if idle_expired(
-        value.last_seen_ns,
-        key.proto,
-        value.state,
-        value.flags,
-        now_ns,
-        config,
-    ) {
-        return true;
-    }
-    if value.flags & ct_flags::DIRECT != 0 {
-        return false; // A flow straight to a pod: no backend to outlive.
-    }
-    let backend_alive = programmed
-        .backends
-        .get(&value.backend_id)
-        .is_some_and(|b| b.addr == value.backend_addr && b.port == value.backend_port);
-    key.proto == proto::UDP && !backend_alive
+    crate::dataplane::flow_gc::flow_is_dead(key, value, now_ns, config, &programmed.backends)
 }
 
 fn node_name(args: &RunArgs) -> String {
@@ -848,13 +873,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // Wake-ups from the initial lists are covered by this first sync: drop them (before reading
     // the state, so a change after this point still wakes the loop).
     let _ = futures::FutureExt::now_or_never(source.changed());
-    let mut dirty = false;
-    let mut last_sync = Instant::now();
-    let mut last_full = last_sync;
-    if let Err(e) = agent.sync_from(&source, true) {
-        error!("initial sync: {e}; retrying");
-        dirty = true;
-    }
+    let first_ok = match agent.sync_from(&source, true) {
+        Ok(()) => true,
+        Err(e) => {
+            error!("initial sync: {e}; retrying");
+            false
+        }
+    };
     let mut links = netlink::watch_links()?;
     agent.reconcile_interfaces();
     if let Err(e) = agent.attach_socket_lb(sock_cgroup.as_deref()) {
@@ -863,56 +888,77 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     info!(rss_mib = rss_mib(), "ready");
 
     let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);
-    // Like kube-proxy's BoundedFrequencyRunner: a change syncs at once unless the last sync was
-    // less than minSyncPeriod ago (then when that has passed, with all changes since coalesced);
-    // without changes a full sync still runs every syncPeriod.
-    let mut next_allowed = last_sync + args.min_sync_period;
+    // The first tick is at once: the first walk runs now (on its own thread).
+    let mut schedule = crate::schedule::Schedule::new(
+        Instant::now(),
+        args.min_sync_period,
+        args.sync_period,
+        source.cheap_to_read(),
+    );
+    if !first_ok {
+        schedule.changed();
+    }
+    let mut pass_started: Option<Instant> = None;
     loop {
-        let due = if dirty {
-            next_allowed
-        } else {
-            last_sync + args.sync_period
+        let step = schedule.next(Instant::now());
+        let wait_until = match step {
+            crate::schedule::Step::Wait(t) => t,
+            _ => Instant::now(),
         };
+        let work = matches!(step, crate::schedule::Step::Wait(_)).not();
         tokio::select! {
+            // Changes first (and the short events), then the work: a slice of the periodic pass
+            // never goes before a change that is already there.
+            biased;
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
+            () = source.changed() => {
+                schedule.changed();
+                agent.queued();
+            }
             Some(()) = links.recv() => {
                 agent.reconcile_interfaces();
                 // An address event: NodePort frontends and the SNAT address follow.
                 if agent.external.refresh() {
-                    dirty = true;
+                    schedule.changed();
                 }
             }
-            _ = gc.tick() => {
-                agent.gc_conntrack();
-                agent.gc_snat();
-                agent.sample_maps();
-            }
-            () = source.changed() => {
-                dirty = true;
-                agent.queued();
-            }
-            () = tokio::time::sleep_until(due.into()) => {
-                let now = Instant::now();
-                last_sync = now;
-                // The periodic full pass: when nothing is queued, and at least every syncPeriod
-                // even while changes keep coming.
-                let full = !dirty || now >= last_full + args.sync_period;
-                match agent.sync_from(&source, full) {
-                    Ok(()) => {
-                        if full {
-                            last_full = now;
-                        }
-                        dirty = false;
-                        next_allowed = now + args.min_sync_period;
-                    }
-                    Err(e) => {
+            Some(done) = agent.next_walk() => agent.walked(done),
+            _ = gc.tick() => agent.gc_flows(),
+            () = std::future::ready(()), if work => match step {
+                crate::schedule::Step::Sync { full } => {
+                    let result = agent.sync_from(&source, full);
+                    if let Err(e) = &result {
                         error!("sync failed: {e}; retrying in {SYNC_RETRY:?}");
-                        dirty = true;
-                        next_allowed = now + SYNC_RETRY;
+                    }
+                    schedule.synced(Instant::now(), full, result.is_ok(), SYNC_RETRY);
+                }
+                crate::schedule::Step::Slice { from } => {
+                    let started = *pass_started.get_or_insert_with(Instant::now);
+                    let range = from..from + crate::schedule::SLICE;
+                    let result = agent.sync_from_refreshing(&source, false, range);
+                    if let Err(e) = &result {
+                        error!("sync failed: {e}; retrying in {SYNC_RETRY:?}");
+                    }
+                    let end = result.as_ref().is_ok_and(|end| *end);
+                    schedule.sliced(Instant::now(), result.is_ok(), end, SYNC_RETRY);
+                    if !schedule.passing() {
+                        pass_started = None;
+                        debug!(
+                            took_ms = started.elapsed().as_millis() as u64,
+                            "periodic pass done: every Service translated again"
+                        );
                     }
                 }
-            }
+                crate::schedule::Step::Wait(_) => {}
+            },
+            () = tokio::time::sleep_until(wait_until.into()), if !work => {}
+        }
+        if work {
+            // The reflectors run on this runtime too: let them deliver the watch events that
+            // arrived during this step, so a change goes before the next slice (without this a
+            // pass of back-to-back slices held every change until its end).
+            tokio::task::yield_now().await;
         }
     }
     info!("stopping; maps and links stay pinned so traffic keeps flowing");

@@ -15,6 +15,7 @@ pub mod bpf_log;
 pub mod bpffs;
 pub mod clock;
 pub mod ebpf_object;
+pub mod flow_gc;
 pub mod interfaces;
 pub mod lc_counts;
 #[allow(unsafe_code)]

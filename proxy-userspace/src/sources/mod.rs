@@ -67,7 +67,10 @@ use tokio::time::{Interval, MissedTickBehavior};
 
 use crate::{
     pipeline::model::Problem,
-    sources::{kube::KubeSource, snapshot::Snapshot},
+    sources::{
+        kube::KubeSource,
+        snapshot::{Changes, Snapshot},
+    },
 };
 
 /// How often the manifest folder is checked for changes.
@@ -84,6 +87,9 @@ pub struct SourceState {
     pub node_eligible: bool,
     /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (none from manifests).
     pub service_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+    /// What changed since the last read, where the source knows it (the Kubernetes stores);
+    /// the whole snapshot is compared otherwise.
+    pub changes: Changes,
 }
 
 pub enum Source {
@@ -92,6 +98,13 @@ pub enum Source {
 }
 
 impl Source {
+    /// Whether [`Source::state`] is cheap to read again and again (the Kubernetes stores: pointer
+    /// copies), so the periodic pass can go in slices, each reading it; the manifest folder is
+    /// parsed again at every read.
+    pub fn cheap_to_read(&self) -> bool {
+        matches!(self, Source::Kube(_))
+    }
+
     /// Resolves once the source's initial state is complete (the manifest folder: at once).
     pub async fn wait_ready(&self) {
         match self {
@@ -108,7 +121,8 @@ impl Source {
         }
     }
 
-    /// The current state (read in full: the sync is level-triggered).
+    /// The current state (read in full: the sync is level-triggered), with what changed since
+    /// the last call where the source knows it (one reader: the agent's sync).
     pub fn state(&self) -> SourceState {
         match self {
             Source::Manifests(m) => {
@@ -119,15 +133,20 @@ impl Source {
                     zone: None,
                     node_eligible: true,
                     service_cidrs: Vec::new(),
+                    changes: Changes::default(),
                 }
             }
-            Source::Kube(k) => SourceState {
-                snapshot: k.snapshot(),
-                problems: Vec::new(),
-                zone: k.zone(),
-                node_eligible: k.node_eligible(),
-                service_cidrs: k.service_cidrs(),
-            },
+            Source::Kube(k) => {
+                let (snapshot, changes) = k.snapshot_and_changes();
+                SourceState {
+                    snapshot,
+                    problems: Vec::new(),
+                    zone: k.zone(),
+                    node_eligible: k.node_eligible(),
+                    service_cidrs: k.service_cidrs(),
+                    changes,
+                }
+            }
         }
     }
 }

@@ -26,6 +26,23 @@ pub struct Snapshot {
 /// A shared list of shared objects.
 pub type Objects<T> = Arc<Vec<Arc<T>>>;
 
+/// One object that changed between two snapshots, as the Kubernetes stores log it: what its key
+/// held before and holds now (`None`: absent).
+#[derive(Clone, Debug)]
+pub struct Changed<T> {
+    pub before: Option<Arc<T>>,
+    pub after: Option<Arc<T>>,
+}
+
+/// What changed since the previous snapshot, when the source knows it (the Kubernetes stores;
+/// `None` for a kind whose store relisted or changed too much). Consumed by
+/// [`crate::pipeline::translate_cache::TranslateCache::hint`].
+#[derive(Clone, Debug, Default)]
+pub struct Changes {
+    pub services: Option<Vec<Changed<ServiceData>>>,
+    pub endpoint_slices: Option<Vec<Changed<SliceData>>>,
+}
+
 impl Snapshot {
     /// A snapshot owning the given objects (converted as the sources do).
     pub fn new(services: Vec<Service>, endpoint_slices: Vec<EndpointSlice>) -> Self {

@@ -167,6 +167,17 @@ impl Samples {
     }
 
     fn print(mut self) {
+        // The slowest changes by index: a tail at the first changes after the full sync is a
+        // cold path (page faults, a lazily built index), not noise.
+        let mut by_index: Vec<(usize, f64, f64)> = (self.total.iter().zip(&self.translate))
+            .enumerate()
+            .map(|(i, (t, tr))| (i, *t, *tr))
+            .collect();
+        by_index.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let shown: Vec<String> = (by_index.iter().take(5))
+            .map(|(i, t, tr)| format!("#{i} {t:.0} µs (translate {tr:.0})"))
+            .collect();
+        println!("slowest syncs: {}", shown.join(", "));
         for (name, v) in [
             ("Agent::sync", &mut self.total),
             ("  thread CPU", &mut self.cpu),
@@ -341,6 +352,7 @@ pub fn end_to_end(
     endpoints: usize,
     changes: usize,
     agent_bin: &std::path::Path,
+    sync_period: Option<&str>,
 ) -> Result<()> {
     use aya::maps::{HashMap as BpfHashMap, Map, MapData};
     use proxy_common::{MAP_SERVICES, ServiceKey, ServiceValue, proto};
@@ -383,22 +395,26 @@ pub fn end_to_end(
         sizes.backends.to_string(),
         sizes.rev_nats.to_string(),
     ];
+    let mut flags = vec![
+        "--hostname-override",
+        "bench-node",
+        "--min-sync-period",
+        "0s",
+        "--map-entries-services",
+        &sizes[0],
+        "--map-entries-backends",
+        &sizes[1],
+        "--map-entries-revnat",
+        &sizes[2],
+    ];
+    if let Some(period) = sync_period {
+        flags.extend(["--sync-period", period]);
+    }
     let mut agent = AgentProc::start_kube(
         agent_bin,
         topo.node(),
         &kubeconfig,
-        &[
-            "--hostname-override",
-            "bench-node",
-            "--min-sync-period",
-            "0s",
-            "--map-entries-services",
-            &sizes[0],
-            "--map-entries-backends",
-            &sizes[1],
-            "--map-entries-revnat",
-            &sizes[2],
-        ],
+        &flags,
         pins.path(),
         topo.tmp().path(),
     )?;
@@ -426,6 +442,7 @@ pub fn end_to_end(
     std::thread::sleep(Duration::from_secs(2));
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut latencies = Vec::with_capacity(changes);
+    let mut latencies_in_order: Vec<f64> = Vec::with_capacity(changes);
     let mut slowest: Vec<(f64, usize, f64)> = Vec::new();
     let mut kinds = [0usize; 3];
     for n in 0..changes {
@@ -438,6 +455,7 @@ pub fn end_to_end(
         loop {
             if count(specs[i].vip) == Some(want) {
                 latencies.push(us(t0.elapsed()));
+                latencies_in_order.push(us(t0.elapsed()));
                 slowest.push((us(t0.elapsed()), n, started.elapsed().as_secs_f64()));
                 break;
             }
@@ -468,6 +486,10 @@ pub fn end_to_end(
     println!("slowest: {}", shown.join(", "));
     // Where the agent's time went, from its log (`read_us` needs RUST_LOG=info,kube_proxy_ebpf::agent=debug).
     let raw = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+    let kept = std::env::temp_dir().join("kpe-change-latency-agent.log");
+    if std::fs::write(&kept, &raw).is_ok() {
+        println!("agent log kept at {}", kept.display());
+    }
     // Without terminal colour codes (ESC [ ... m).
     let mut log = String::with_capacity(raw.len());
     let mut chars = raw.chars();
@@ -478,10 +500,48 @@ pub fn end_to_end(
             log.push(c);
         }
     }
+    let field = |l: &str, key: &str| -> Option<f64> {
+        let n = l.split_whitespace().find_map(|w| w.strip_prefix(key))?;
+        n.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok()
+    };
+    // Change syncs (they change the maps: the info "synced" line with ops=), in order: the
+    // last `changes` of them carried the bench's changes, one each (changes are apart).
+    let change_syncs: Vec<f64> = (log.lines())
+        .filter(|l| l.contains(" synced") && l.contains("ops="))
+        .filter_map(|l| field(l, "took_us="))
+        .collect();
+    if change_syncs.len() > changes {
+        let agent_us = &change_syncs[change_syncs.len() - changes..];
+        // Per change: the end-to-end time less the agent's own sync (watch delivery, the
+        // loop's wake-up, preemption, the bench's 100 µs poll).
+        let mut outside: Vec<f64> = (latencies_in_order.iter().zip(agent_us))
+            .map(|(e2e, own)| e2e - own)
+            .collect();
+        let mut own = agent_us.to_vec();
+        println!(
+            "per change: agent sync p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs; outside the sync p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+            percentile(&mut own, 0.5),
+            percentile(&mut own, 0.99),
+            percentile(&mut own, 1.0),
+            percentile(&mut outside, 0.5),
+            percentile(&mut outside, 0.99),
+            percentile(&mut outside, 1.0),
+        );
+        let shown: Vec<String> = (slowest.iter().take(5))
+            .map(|(l, n, _)| {
+                format!(
+                    "#{n} {:.1} ms (agent sync {:.1} ms)",
+                    l / 1e3,
+                    agent_us[*n] / 1e3
+                )
+            })
+            .collect();
+        println!("slowest, with the agent's own sync: {}", shown.join(", "));
+    }
     for key in ["read_us=", "took_us="] {
         let mut v: Vec<f64> = (log.lines())
-            .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key)))
-            .filter_map(|n| n.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+            .filter(|l| key != "took_us=" || l.contains("ops="))
+            .filter_map(|l| field(l, key))
             .collect();
         if !v.is_empty() {
             println!(

@@ -72,6 +72,11 @@ enum Command {
         /// The release agent binary: also measure end to end (API event → map write).
         #[arg(long)]
         agent_bin: Option<PathBuf>,
+        /// End to end: the agent's `--sync-period` (its default, 30 s, when not given). A short
+        /// one puts periodic passes among the changes (with `--changes` past 30 s' worth, the
+        /// conntrack walk too).
+        #[arg(long)]
+        agent_sync_period: Option<String>,
     },
     /// Only the Maglev tables' kernel memory for `services` Maglev Services × 10 endpoints.
     MaglevMemory { services: usize },
@@ -234,11 +239,18 @@ fn main() -> std::process::ExitCode {
             changes,
             scheduler,
             agent_bin,
+            agent_sync_period,
         } => {
             let (endpoints, changes) = (endpoints.clamp(1, 60), changes.clamp(1, 100_000));
             change::in_process(services, endpoints, changes, scheduler).and_then(|()| {
                 match &agent_bin {
-                    Some(bin) => change::end_to_end(services, endpoints, changes, bin),
+                    Some(bin) => change::end_to_end(
+                        services,
+                        endpoints,
+                        changes,
+                        bin,
+                        agent_sync_period.as_deref(),
+                    ),
                     None => Ok(()),
                 }
             })

@@ -55,7 +55,7 @@ use crate::sources::{
     endpoints::SliceData,
     kube::store::{Keyed, SharedOrdered},
     services::ServiceData,
-    snapshot::Snapshot,
+    snapshot::{Changes, Snapshot},
 };
 
 /// kube-proxy's Service filter: Services owned by another proxy, and headless ones, are never
@@ -235,6 +235,23 @@ impl KubeSource {
             services: self.services.state(),
             endpoint_slices: self.slices.state(),
         }
+    }
+
+    /// [`KubeSource::snapshot`] and what changed since the last call (the one reader is the
+    /// agent's sync; another caller would take changes the sync then does not see).
+    pub fn snapshot_and_changes(&self) -> (Snapshot, Changes) {
+        let (services, service_changes) = self.services.state_and_changes();
+        let (endpoint_slices, slice_changes) = self.slices.state_and_changes();
+        (
+            Snapshot {
+                services,
+                endpoint_slices,
+            },
+            Changes {
+                services: service_changes,
+                endpoint_slices: slice_changes,
+            },
+        )
     }
 
     /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (`spec.cidrs`; IPv6 ones and

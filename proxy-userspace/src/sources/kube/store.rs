@@ -10,9 +10,13 @@
 //! store does, so a half-listed state is never visible; objects still there keep their place (and
 //! their `Arc` when unchanged).
 //!
-//! Owns nothing but the list and its index by (namespace, name) (the objects' own shared names).
-//! May call: kube-runtime's event
-//! and `Lookup` types.
+//! Each store also keeps what changed since the agent last read it (per key: the object before
+//! and the object now), so a sync after one event looks at one object instead of comparing
+//! every place ([`Ordered::state_and_changes`]). A relist, or more changes than a comparison of
+//! places would cost, make it "unknown" (the reader compares the whole list then).
+//!
+//! Owns nothing but the list, its index by (namespace, name) (the objects' own shared names) and the change log. May call:
+//! kube-runtime's event and `Lookup` types.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -25,6 +29,7 @@ use crate::{
         endpoints::SliceData,
         names::{self, Name},
         services::ServiceData,
+        snapshot::{Changed, Objects},
     },
 };
 
@@ -64,6 +69,9 @@ pub struct Ordered<T> {
     index: HashMap<Key, usize>,
     /// The relist being received (between `Init` and `InitDone`).
     relist: Option<Vec<T>>,
+    /// Keys changed since the last [`Ordered::state_and_changes`], each with the object it held
+    /// then (`None`: it did not exist); `None`: not known (the first list, a relist, or too many).
+    log: Option<HashMap<Key, Option<Arc<T>>>>,
 }
 
 impl<T> Default for Ordered<T> {
@@ -72,9 +80,14 @@ impl<T> Default for Ordered<T> {
             objects: Arc::default(),
             index: HashMap::default(),
             relist: None,
+            log: None,
         }
     }
 }
+
+/// Changes logged beyond this many (plus an eighth of the objects), the reader is better off
+/// comparing places.
+const LOG_MAX: usize = 1_024;
 
 impl<T: Lookup + Keyed + PartialEq + Clone> Ordered<T> {
     /// The objects now (shared; the list is not copied).
@@ -88,6 +101,43 @@ impl<T: Lookup + Keyed + PartialEq + Clone> Ordered<T> {
 
     pub fn is_empty(&self) -> bool {
         self.objects.is_empty()
+    }
+
+    /// The objects now, and what changed since the last call (`None`: not known; compare the
+    /// whole list). Each changed key appears once, with the object before and after (`None`:
+    /// absent); a key changed back to the very object it held is left out.
+    pub fn state_and_changes(&mut self) -> (Objects<T>, Option<Vec<Changed<T>>>) {
+        let log = self.log.replace(HashMap::default());
+        let changes = log.map(|log| {
+            log.into_iter()
+                .filter_map(|(key, before)| {
+                    let after = self.index.get(&key).map(|&i| self.objects[i].clone());
+                    let same = match (&before, &after) {
+                        (Some(b), Some(a)) => Arc::ptr_eq(b, a),
+                        (None, None) => true,
+                        _ => false,
+                    };
+                    (!same).then_some(Changed { before, after })
+                })
+                .collect()
+        });
+        (self.state(), changes)
+    }
+
+    /// Logs that `key` is about to change (keeps the first object it held since the last read).
+    fn log_change(&mut self, key: &Key) {
+        let limit = LOG_MAX + self.objects.len() / 8;
+        let Some(log) = &mut self.log else {
+            return;
+        };
+        if !log.contains_key(key) {
+            if log.len() >= limit {
+                self.log = None;
+                return;
+            }
+            let before = self.index.get(key).map(|&i| self.objects[i].clone());
+            log.insert(key.clone(), before);
+        }
     }
 
     /// Applies one watch event. Returns whether the visible list may have changed.
@@ -116,10 +166,12 @@ impl<T: Lookup + Keyed + PartialEq + Clone> Ordered<T> {
         match self.index.get(&key) {
             Some(&i) if *self.objects[i] == o => false,
             Some(&i) => {
+                self.log_change(&key);
                 Arc::make_mut(&mut self.objects)[i] = Arc::new(o);
                 true
             }
             None => {
+                self.log_change(&key);
                 self.index.insert(key, self.objects.len());
                 Arc::make_mut(&mut self.objects).push(Arc::new(o));
                 true
@@ -128,6 +180,10 @@ impl<T: Lookup + Keyed + PartialEq + Clone> Ordered<T> {
     }
 
     fn delete(&mut self, key: &Key) -> bool {
+        if !self.index.contains_key(key) {
+            return false;
+        }
+        self.log_change(key);
         let Some(i) = self.index.remove(key) else {
             return false;
         };
@@ -173,6 +229,8 @@ impl<T: Lookup + Keyed + PartialEq + Clone> Ordered<T> {
             .map(|(i, o)| (key_of(&**o), i))
             .collect();
         self.objects = Arc::new(objects);
+        // Not logged per key: the reader compares the lists.
+        self.log = None;
     }
 }
 
@@ -210,6 +268,11 @@ impl<T: Lookup + Keyed + PartialEq + Clone> SharedOrdered<T> {
 
     pub fn state(&self) -> Arc<Vec<Arc<T>>> {
         self.lock().state()
+    }
+
+    /// See [`Ordered::state_and_changes`] (one reader: the agent's sync).
+    pub fn state_and_changes(&self) -> (Objects<T>, Option<Vec<Changed<T>>>) {
+        self.lock().state_and_changes()
     }
 
     pub fn len(&self) -> usize {
@@ -377,6 +440,141 @@ mod tests {
             .parse()
             .expect("name");
         service(ns, name, version)
+    }
+
+    /// A Service `svc-{i}` in namespace `ns-{i % 2}` (a ClusterIP shared by some, so that
+    /// frontends collide) with port 80 or 81.
+    fn api_service(rng: &mut Rng, i: u64) -> ServiceData {
+        let svc: Service = serde_json::from_value(json!({
+            "metadata": {"namespace": format!("ns-{}", i % 2), "name": format!("svc-{i}"),
+                         "creationTimestamp": format!("2026-01-01T00:00:{:02}Z", rng.below(60))},
+            "spec": {"clusterIP": format!("10.96.0.{}", rng.below(8) + 1),
+                     "ports": [{"name": "http", "port": 80 + rng.below(2), "protocol": "TCP"}]},
+        }))
+        .expect("Service");
+        ServiceData::from(&svc)
+    }
+
+    /// Slice `part` of a Service (sometimes labelled for another Service: a slice may move).
+    fn api_slice(rng: &mut Rng, i: u64, part: u64) -> SliceData {
+        let owner = if rng.below(8) == 0 { rng.below(12) } else { i };
+        let endpoints: Vec<serde_json::Value> = (0..rng.below(4))
+            .map(|_| {
+                json!({"addresses": [format!("10.244.0.{}", rng.below(8) + 1)], "nodeName": "node-a",
+                       "conditions": {"ready": rng.below(3) != 0}})
+            })
+            .collect();
+        let slice: k8s_openapi::api::discovery::v1::EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"namespace": format!("ns-{}", i % 2), "name": format!("svc-{i}-{part}"),
+                         "labels": {"kubernetes.io/service-name": format!("svc-{owner}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": endpoints,
+        }))
+        .expect("EndpointSlice");
+        SliceData::from(&slice)
+    }
+
+    /// The translation cache told what the stores logged gives what comparing the snapshots gives:
+    /// the same frontend changes, change list and desired state after every batch of random
+    /// events (applies, changes, deletes, slices moving between Services, relists, and batches
+    /// large enough to overflow the log), and the same after full updates in between.
+    #[test]
+    fn logged_changes_translate_like_comparing_the_snapshots() {
+        use crate::{
+            pipeline::{
+                translate::NodeContext,
+                translate_cache::{Hint, TranslateCache},
+            },
+            sources::snapshot::{Changes, Snapshot},
+        };
+        let node = NodeContext {
+            node_name: "node-a".into(),
+            zone: None,
+            scheduler: Default::default(),
+        };
+        let sorted = |c: &crate::pipeline::translate_cache::ChangeList| {
+            let mut c = c.clone();
+            c.services.sort();
+            c.slices.sort();
+            c
+        };
+        for seed in 1..=12u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let mut services = Ordered::<ServiceData>::default();
+            let mut slices = Ordered::<SliceData>::default();
+            services.apply(watcher::Event::Init);
+            services.apply(watcher::Event::InitDone);
+            slices.apply(watcher::Event::Init);
+            slices.apply(watcher::Event::InitDone);
+            let (mut logged, mut compared) = (TranslateCache::new(), TranslateCache::new());
+            for step in 0..150 {
+                let batch = match rng.below(20) {
+                    0 => 1_200, // past the log's bound
+                    n => n % 4,
+                };
+                for _ in 0..batch {
+                    let i = rng.below(12);
+                    match rng.below(10) {
+                        0..=2 => {
+                            services.apply(watcher::Event::Apply(api_service(&mut rng, i)));
+                        }
+                        3 => {
+                            services.apply(watcher::Event::Delete(api_service(&mut rng, i)));
+                        }
+                        4..=7 => {
+                            let part = rng.below(2);
+                            slices.apply(watcher::Event::Apply(api_slice(&mut rng, i, part)));
+                        }
+                        8 => {
+                            let part = rng.below(2);
+                            slices.apply(watcher::Event::Delete(api_slice(&mut rng, i, part)));
+                        }
+                        _ => {
+                            // A relist of the slices: most of them again, some changed.
+                            slices.apply(watcher::Event::Init);
+                            for o in slices.state().iter() {
+                                if rng.below(5) != 0 {
+                                    slices.apply(watcher::Event::InitApply((**o).clone()));
+                                }
+                            }
+                            let part = rng.below(2);
+                            let owner = rng.below(12);
+                            let new = api_slice(&mut rng, owner, part);
+                            slices.apply(watcher::Event::InitApply(new));
+                            slices.apply(watcher::Event::InitDone);
+                        }
+                    }
+                }
+                let (svc_state, svc_log) = services.state_and_changes();
+                let (slice_state, slice_log) = slices.state_and_changes();
+                let snapshot = Snapshot {
+                    services: svc_state,
+                    endpoint_slices: slice_state,
+                };
+                let full = rng.below(25) == 0;
+                logged.hint(Hint {
+                    changes: Changes {
+                        services: svc_log,
+                        endpoint_slices: slice_log,
+                    },
+                    refresh: Vec::new(),
+                });
+                let a = logged.update(&snapshot, &node, &[], full);
+                let b = compared.update(&snapshot, &node, &[], full);
+                assert_eq!(a, b, "seed {seed} step {step}: frontend changes");
+                assert_eq!(
+                    sorted(logged.last_changes()),
+                    sorted(compared.last_changes()),
+                    "seed {seed} step {step}: change list"
+                );
+                assert_eq!(
+                    logged.desired(),
+                    compared.desired(),
+                    "seed {seed} step {step}"
+                );
+            }
+        }
     }
 
     #[tokio::test]

@@ -1,0 +1,537 @@
+//! The flow-map garbage collection off the sync loop: one thread walks `CONNTRACK_V1` (idle and
+//! dead flows out, least-connection counts reconciled, `crate::dataplane::lc_counts`) and sweeps
+//! `SNAT_V1` (`crate::dataplane::snat_gc`). At 500,000 backends a walk reads 500,000 counts and
+//! takes about half a second; on the loop it delayed every change that arrived meanwhile.
+//!
+//! The loop hands each walk a copy of the programmed backends and the time it was taken; walks
+//! run one at a time in request order (requests queued behind a running walk are merged into
+//! one, with the newest backends), so the last walk asked for writes last. While the walk runs,
+//! the loop keeps syncing, so a backend id may change under it. Two rules keep that safe:
+//! - an id whose backend changed after the walk's copy ([`Shared::note_changed`]) is left alone
+//!   by that walk: no correction written for it, no flow to it judged by its backend (the next
+//!   walk, with a newer copy, does both);
+//! - a backend id freed from a least-connection frontend is reset by the loop itself at once
+//!   ([`reset_freed`]: correction = its raw count, effective count 0), so a reused id never
+//!   inherits the old backend's flow count, whether or not a walk is running; the walker forgets
+//!   what it last wrote for that id.
+
+use std::{
+    collections::HashMap as StdHashMap,
+    sync::{Arc, Mutex, MutexGuard, mpsc},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use proxy_common::{
+    Backend, CtKey, CtValue, DatapathConfig, ct_flags, proto, timeouts::idle_expired,
+};
+use tracing::warn;
+
+use crate::{
+    dataplane::{
+        clock::monotonic_ns,
+        lc_counts,
+        maps::{Conntrack, LcCounts, Snat},
+        snat_gc::{self, Collected},
+    },
+    pipeline::fast_hash::HashMap,
+};
+
+/// The programmed backends by id, as the walk judges flows and counts.
+pub type Backends = HashMap<u32, Backend>;
+
+/// Pure: should the walk drop this conntrack entry? Idle past its timeout, or a UDP flow whose
+/// backend is gone (or whose id now names another address).
+pub fn flow_is_dead<S: std::hash::BuildHasher>(
+    key: &CtKey,
+    value: &CtValue,
+    now_ns: u64,
+    config: &DatapathConfig,
+    backends: &std::collections::HashMap<u32, Backend, S>,
+) -> bool {
+    if idle_expired(
+        value.last_seen_ns,
+        key.proto,
+        value.state,
+        value.flags,
+        now_ns,
+        config,
+    ) {
+        return true;
+    }
+    if value.flags & ct_flags::DIRECT != 0 {
+        return false; // A flow straight to a pod: no backend to outlive.
+    }
+    let backend_alive = backends
+        .get(&value.backend_id)
+        .is_some_and(|b| b.addr == value.backend_addr && b.port == value.backend_port);
+    key.proto == proto::UDP && !backend_alive
+}
+
+/// The maps a walk reads and cleans (the pinned maps; a fake in tests).
+pub trait FlowMaps: Send + 'static {
+    fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)>;
+    fn remove_conntrack(&mut self, key: &CtKey);
+    /// Backend ids below this have a least-connection count.
+    fn lc_ids(&self) -> u32;
+    fn lc_active(&self, id: u32) -> u64;
+    fn set_lc_adjust(&mut self, id: u32, value: u64) -> Result<(), crate::dataplane::Error>;
+    fn collect_snat(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected;
+}
+
+/// The agent's pinned flow maps.
+pub struct PinnedFlowMaps {
+    pub conntrack: Conntrack,
+    pub snat: Snat,
+    pub lc: LcCounts,
+}
+
+impl FlowMaps for PinnedFlowMaps {
+    fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)> {
+        self.conntrack.entries()
+    }
+
+    fn remove_conntrack(&mut self, key: &CtKey) {
+        self.conntrack.remove(key);
+    }
+
+    fn lc_ids(&self) -> u32 {
+        self.lc.ids()
+    }
+
+    fn lc_active(&self, id: u32) -> u64 {
+        self.lc.active(id)
+    }
+
+    fn set_lc_adjust(&mut self, id: u32, value: u64) -> Result<(), crate::dataplane::Error> {
+        self.lc.set_adjust(id, value)
+    }
+
+    fn collect_snat(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected {
+        snat_gc::collect(&mut self.snat, now_ns, config)
+    }
+}
+
+/// One walk asked for.
+pub struct Walk {
+    /// The programmed backends when the walk was asked for.
+    pub backends: Backends,
+    /// CLOCK_MONOTONIC when `backends` was copied.
+    pub copied_ns: u64,
+    /// Sweep SNAT too (the periodic pass).
+    pub snat: bool,
+}
+
+/// What a walk did (reported on the loop: metrics, occupancy).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Walked {
+    pub conntrack_listed: usize,
+    pub conntrack_removed: usize,
+    pub took: Duration,
+    pub snat: Option<Collected>,
+}
+
+/// State shared by the loop and the walker (held for a few map writes at most).
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// Walks asked for and not finished.
+    pending: usize,
+    /// Backend ids changed while a walk was pending, with when (CLOCK_MONOTONIC).
+    changed: StdHashMap<u32, u64>,
+    /// Ids the loop reset (`reset_freed`) since the walker last looked.
+    reset: Vec<u32>,
+}
+
+impl Shared {
+    /// The loop applied ops that put or deleted these backend ids (recorded only while a walk is
+    /// pending: otherwise every later walk copies the backends after the change).
+    pub fn note_changed(&mut self, ids: impl IntoIterator<Item = u32>) {
+        if self.pending == 0 {
+            return;
+        }
+        let now = monotonic_ns();
+        for id in ids {
+            self.changed.insert(id, now);
+        }
+    }
+
+    fn changed_since(&self, id: u32, ns: u64) -> bool {
+        self.changed.get(&id).is_some_and(|&at| at >= ns)
+    }
+}
+
+/// Locks `shared` (plain data: a panic while held leaves it usable).
+pub fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// On the loop, right after applying a plan that freed `ids` from a least-connection frontend:
+/// each id's correction becomes its raw count (effective count 0), before a new backend can
+/// take the id. Synchronous and O(ids).
+pub fn reset_freed(lc: &mut LcCounts, shared: &Mutex<Shared>, ids: &[u32]) {
+    if ids.is_empty() {
+        return;
+    }
+    let mut shared = lock(shared);
+    let counted = lc.ids();
+    for &id in ids.iter().filter(|&&id| id < counted) {
+        if let Err(e) = lc.set_adjust(id, lc.active(id)) {
+            warn!("resetting the least-connection count of freed backend {id}: {e}");
+        }
+        shared.reset.push(id);
+    }
+    // A running walk must not write its older correction over this one.
+    shared.note_changed(ids.iter().copied());
+}
+
+/// The walker thread's state.
+struct Walker<M> {
+    maps: M,
+    config: DatapathConfig,
+    shared: Arc<Mutex<Shared>>,
+    /// The corrections last written to `LCADJ_V1` (written again only when they change), by id.
+    lc_written: Vec<Option<u64>>,
+    /// The highest backend id reconciled (a freed id goes back to 0 at the next walk).
+    lc_max_id: u32,
+}
+
+impl<M: FlowMaps> Walker<M> {
+    /// Removes idle-expired flows and UDP flows whose backend is gone, reconciles the
+    /// least-connection counts of every id up to the highest programmed (or reconciled before).
+    fn walk(&mut self, walk: &Walk) -> Walked {
+        let started = Instant::now();
+        for id in std::mem::take(&mut lock(&self.shared).reset) {
+            if let Some(w) = self.lc_written.get_mut(id as usize) {
+                *w = None;
+            }
+        }
+        let programmed_max = walk.backends.keys().copied().max().unwrap_or(0);
+        let max_id = programmed_max
+            .max(self.lc_max_id)
+            .min(self.maps.lc_ids().saturating_sub(1));
+        let (config, backends, shared, copied) =
+            (&self.config, &walk.backends, &self.shared, walk.copied_ns);
+        let maps = &self.maps;
+        let done = lc_counts::reconcile(
+            1..=max_id,
+            |id| maps.lc_active(id),
+            monotonic_ns,
+            || maps.conntrack_entries(),
+            |key, value, now| {
+                if idle_expired(
+                    value.last_seen_ns,
+                    key.proto,
+                    value.state,
+                    value.flags,
+                    now,
+                    config,
+                ) {
+                    return true;
+                }
+                // Judged by its backend only if the copy still says what the id holds.
+                value.created_ns <= copied
+                    && !lock(shared).changed_since(value.backend_id, copied)
+                    && flow_is_dead(key, value, now, config, backends)
+            },
+            backends,
+        );
+        for key in &done.dead {
+            self.maps.remove_conntrack(key);
+        }
+        let ids = max_id as usize + 1;
+        if self.lc_written.len() < ids {
+            self.lc_written.reserve_exact(ids - self.lc_written.len());
+            self.lc_written.resize(ids, None);
+        }
+        for chunk in done.corrections.chunks(1024) {
+            let shared = lock(&self.shared);
+            for &(id, adjust) in chunk {
+                if shared.changed_since(id, copied)
+                    || self.lc_written.get(id as usize).copied().flatten() == Some(adjust)
+                {
+                    continue;
+                }
+                match self.maps.set_lc_adjust(id, adjust) {
+                    Ok(()) => {
+                        if let Some(w) = self.lc_written.get_mut(id as usize) {
+                            *w = Some(adjust);
+                        }
+                    }
+                    Err(e) => {
+                        warn!("writing the least-connection correction of backend {id}: {e}")
+                    }
+                }
+            }
+        }
+        self.lc_max_id = programmed_max;
+        let snat = walk
+            .snat
+            .then(|| self.maps.collect_snat(monotonic_ns(), &self.config));
+        Walked {
+            conntrack_listed: done.total,
+            conntrack_removed: done.dead.len(),
+            took: started.elapsed(),
+            snat,
+        }
+    }
+}
+
+/// The loop's handle on the walker thread.
+pub struct FlowGc {
+    requests: Option<mpsc::Sender<Walk>>,
+    walked: tokio::sync::mpsc::UnboundedReceiver<Walked>,
+    shared: Arc<Mutex<Shared>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FlowGc {
+    /// Starts the walker thread over `maps`.
+    pub fn start(maps: impl FlowMaps, config: DatapathConfig) -> std::io::Result<Self> {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let (requests, rx) = mpsc::channel::<Walk>();
+        let (tx, walked) = tokio::sync::mpsc::unbounded_channel();
+        let mut walker = Walker {
+            maps,
+            config,
+            shared: shared.clone(),
+            lc_written: Vec::new(),
+            lc_max_id: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("flow-gc".into())
+            .spawn(move || {
+                while let Ok(mut walk) = rx.recv() {
+                    // Walks asked for meanwhile: one walk with the newest backends does for all.
+                    let mut merged = 1;
+                    while let Ok(next) = rx.try_recv() {
+                        let snat = walk.snat || next.snat;
+                        walk = Walk { snat, ..next };
+                        merged += 1;
+                    }
+                    let done = walker.walk(&walk);
+                    {
+                        let mut shared = lock(&walker.shared);
+                        shared.pending -= merged;
+                        if shared.pending == 0 {
+                            shared.changed.clear();
+                        }
+                    }
+                    if tx.send(done).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self {
+            requests: Some(requests),
+            walked,
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Asks for a walk over `backends` (copied by the caller just now). Returns at once.
+    pub fn request(&self, backends: Backends, snat: bool) {
+        let walk = Walk {
+            backends,
+            copied_ns: monotonic_ns(),
+            snat,
+        };
+        let Some(requests) = &self.requests else {
+            return;
+        };
+        lock(&self.shared).pending += 1;
+        if requests.send(walk).is_err() {
+            lock(&self.shared).pending -= 1;
+            warn!("the flow garbage collection thread has stopped; conntrack is left to its LRU");
+        }
+    }
+
+    /// The state shared with the walker (the loop records backend changes in it).
+    pub fn shared(&self) -> &Mutex<Shared> {
+        &self.shared
+    }
+
+    /// Resolves with the next finished walk. Cancel-safe.
+    pub async fn walked(&mut self) -> Option<Walked> {
+        self.walked.recv().await
+    }
+}
+
+impl Drop for FlowGc {
+    fn drop(&mut self) {
+        // The walker ends after its current walk.
+        self.requests = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{ct_dir, ct_state};
+
+    use super::*;
+
+    /// Flow maps in memory; `entries()` waits for a go from the test (a walk held mid-way).
+    struct Fake {
+        conntrack: Vec<(CtKey, CtValue)>,
+        flows: Vec<u64>,
+        adjust: Arc<Mutex<Vec<u64>>>,
+        listing: Arc<Mutex<mpsc::Receiver<()>>>,
+        started: mpsc::Sender<()>,
+    }
+
+    impl FlowMaps for Fake {
+        fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)> {
+            let _ = self.started.send(());
+            let _ = self.listing.lock().expect("listing").recv();
+            self.conntrack.clone()
+        }
+
+        fn remove_conntrack(&mut self, key: &CtKey) {
+            self.conntrack.retain(|(k, _)| k != key);
+        }
+
+        fn lc_ids(&self) -> u32 {
+            self.flows.len() as u32
+        }
+
+        fn lc_active(&self, id: u32) -> u64 {
+            self.flows[id as usize]
+        }
+
+        fn set_lc_adjust(&mut self, id: u32, value: u64) -> Result<(), crate::dataplane::Error> {
+            self.adjust.lock().expect("adjust")[id as usize] = value;
+            Ok(())
+        }
+
+        fn collect_snat(&mut self, _: u64, _: &DatapathConfig) -> Collected {
+            Collected::default()
+        }
+    }
+
+    fn backend(last: u8) -> Backend {
+        Backend {
+            addr: [10, 244, 0, last],
+            port: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            flags: 0,
+        }
+    }
+
+    /// A counted flow to backend 1 at `backend(addr)`, created long ago and still fresh.
+    fn counted_flow(port: u16, addr: u8) -> (CtKey, CtValue) {
+        let now = monotonic_ns();
+        let key = CtKey {
+            saddr: [10, 244, 9, 9],
+            daddr: [10, 96, 0, 1],
+            sport: port.to_be_bytes(),
+            dport: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let value = CtValue {
+            last_seen_ns: now,
+            created_ns: 1,
+            backend_id: 1,
+            backend_addr: backend(addr).addr,
+            backend_port: backend(addr).port,
+            state: ct_state::ESTABLISHED,
+            flags: ct_flags::COUNTED,
+            ..Default::default()
+        };
+        (key, value)
+    }
+
+    /// A walk held in its listing does not hold the loop: the loop asks for another walk, frees
+    /// backend id 1 of a least-connection frontend (reset at once) and gives the id to a new
+    /// backend meanwhile. The held walk, whose copy still says id 1 is the old backend with three
+    /// live flows, must not write its correction over the reset; the walk asked for after the
+    /// change writes last, from the new copy (the old backend's flows no longer count).
+    #[test]
+    fn a_walk_in_flight_never_writes_a_stale_correction_over_a_freed_and_reused_id() {
+        let (go, listing) = mpsc::channel();
+        let (started, started_rx) = mpsc::channel();
+        let adjust = Arc::new(Mutex::new(vec![0u64; 4]));
+        let fake = Fake {
+            conntrack: (1..=3).map(|p| counted_flow(p, 11)).collect(),
+            // The datapath counted the old backend's three flows on id 1.
+            flows: vec![0, 3, 0, 0],
+            adjust: adjust.clone(),
+            listing: Arc::new(Mutex::new(listing)),
+            started,
+        };
+        let mut gc = FlowGc::start(fake, DatapathConfig::DEFAULT).expect("thread");
+        let old: Backends = [(1, backend(11))].into_iter().collect();
+        gc.request(old, true);
+        started_rx.recv().expect("the walk lists");
+        // The walk is now waiting in its listing. The loop frees id 1 (the reset, as on the
+        // loop: the pinned LcCounts is stood in for by the shared writes below) and reuses it.
+        {
+            let mut shared = lock(gc.shared());
+            shared.reset.push(1);
+            adjust.lock().expect("adjust")[1] = 3;
+            shared.note_changed([1]);
+        }
+        let new: Backends = [(1, backend(12))].into_iter().collect();
+        gc.request(new, false);
+        go.send(()).expect("first listing");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let first = rt.block_on(gc.walked()).expect("first walk");
+        assert_eq!(first.conntrack_listed, 3);
+        assert!(first.snat.is_some(), "the periodic walk sweeps SNAT");
+        assert_eq!(
+            adjust.lock().expect("adjust")[1],
+            3,
+            "the held walk left the reset id alone (it would have written 0: three live flows)"
+        );
+        go.send(()).expect("second listing");
+        let second = rt.block_on(gc.walked()).expect("second walk");
+        assert_eq!(second.conntrack_listed, 3);
+        assert_eq!(
+            adjust.lock().expect("adjust")[1],
+            3,
+            "the new walk: the old backend's flows do not count for the new one"
+        );
+        assert_eq!(lock(gc.shared()).pending, 0);
+        assert!(lock(gc.shared()).changed.is_empty(), "cleared when idle");
+    }
+
+    /// Requests queued behind a running walk make one walk, with the newest backends.
+    #[test]
+    fn walks_asked_for_during_a_walk_are_merged_into_one() {
+        let (go, listing) = mpsc::channel();
+        let (started, started_rx) = mpsc::channel();
+        let adjust = Arc::new(Mutex::new(vec![0u64; 4]));
+        let fake = Fake {
+            conntrack: vec![counted_flow(1, 11)],
+            flows: vec![0, 1, 0, 0],
+            adjust: adjust.clone(),
+            listing: Arc::new(Mutex::new(listing)),
+            started,
+        };
+        let mut gc = FlowGc::start(fake, DatapathConfig::DEFAULT).expect("thread");
+        let with = |addr| -> Backends { [(1, backend(addr))].into_iter().collect() };
+        gc.request(with(11), false);
+        started_rx.recv().expect("the walk lists");
+        for _ in 0..3 {
+            gc.request(with(12), false);
+        }
+        // Only the one walk lists twice: held, then one merged walk.
+        go.send(()).expect("go");
+        go.send(()).expect("go");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        rt.block_on(gc.walked()).expect("first");
+        rt.block_on(gc.walked()).expect("merged");
+        assert_eq!(lock(gc.shared()).pending, 0, "four requests, two walks");
+        // The merged walk judged by the newest copy: the flow is to the old address, so it does
+        // not count; the correction makes the effective count 0.
+        assert_eq!(adjust.lock().expect("adjust")[1], 1);
+    }
+}
