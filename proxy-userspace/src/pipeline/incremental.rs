@@ -219,6 +219,8 @@ pub struct Planner {
     touched: HashSet<EndpointAddr>,
     /// The next plan must be a full one.
     needs_full: bool,
+    /// Empty maps are being filled in groups (see [`Planner::begin_fill`]).
+    filling: bool,
 }
 
 impl Planner {
@@ -241,6 +243,7 @@ impl Planner {
             pending: BTreeSet::new(),
             touched: HashSet::default(),
             needs_full: true,
+            filling: false,
         };
         let mut empty = Programmed::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
@@ -320,7 +323,11 @@ impl Planner {
                 .into_iter()
                 .flat_map(|d| d.backends.iter().chain(&d.retained))
             {
-                self.touched.insert(b.endpoint);
+                // Only an incremental plan reads it: a full one is due anyway (the first sync
+                // would hold every endpoint here).
+                if !self.needs_full {
+                    self.touched.insert(b.endpoint);
+                }
                 let u = self.endpoint_use.entry(b.endpoint).or_default();
                 let delta = |n: &mut u32, by: bool| {
                     if by {
@@ -438,6 +445,7 @@ impl Planner {
     /// The plan was applied in full.
     pub fn applied(&mut self, plan: &Plan) {
         self.pending.clear();
+        self.filling = false;
         // A full sync touches every endpoint: do not keep a table that size for the next one.
         if self.touched.capacity() > 4096 {
             self.touched = HashSet::default();
@@ -451,6 +459,7 @@ impl Planner {
     /// Writing a plan stopped part-way: the next plan is a full one.
     pub fn failed(&mut self) {
         self.needs_full = true;
+        self.filling = false;
     }
 
     fn backend_used(&self, programmed: &Programmed, id: u32) -> bool {
@@ -620,17 +629,98 @@ impl Planner {
         programmed: &Programmed,
         caps: &Capacities,
     ) -> Option<Plan> {
-        if self.needs_full
-            || !self.irregular_backends.is_empty()
-            || !self.irregular_tables.is_empty()
-        {
+        if self.needs_full || self.irregular() {
             return None;
         }
+        self.plan_for(&self.pending, &self.touched, desired, programmed, caps)
+    }
+
+    fn irregular(&self) -> bool {
+        !self.irregular_backends.is_empty() || !self.irregular_tables.is_empty()
+    }
+
+    /// Starts filling empty maps in groups ([`Planner::plan_fill_group`]) instead of one full
+    /// plan: only for the full plan onto a shadow that holds nothing, where the full plan is
+    /// every pending frontend's incremental plan (no entry to remove, no leftover). Whether it
+    /// started.
+    /// `programmed` gets room for the whole fill at once (no table grows by doubling, which
+    /// holds the old and the new table together).
+    pub fn begin_fill(&mut self, desired: &DesiredState, programmed: &mut Programmed) -> bool {
+        self.filling = self.needs_full
+            && !self.irregular()
+            && programmed.services.is_empty()
+            && programmed.backends.is_empty()
+            && programmed.rev_nats.is_empty()
+            && programmed.affinity_matches.is_empty()
+            && programmed.maglev.is_empty();
+        if self.filling {
+            let slots: usize = desired.frontends.values().map(|d| d.backends.len()).sum();
+            let frontends = desired.frontends.len();
+            programmed.services.reserve(frontends + slots, slots);
+            programmed.backends.reserve(self.endpoint_use.len());
+            programmed.rev_nats.reserve(frontends);
+        }
+        self.filling
+    }
+
+    /// While filling: the plan for the next (at most `frontends`) pending frontends, in order,
+    /// with their backends (flags merged over the whole desired state); to be applied and
+    /// confirmed with [`Planner::fill_group_applied`] before the next. The groups' plans together
+    /// carry what the one full plan would (same ids: the same admission order and smallest free
+    /// ids; property-tested in `diff`), but the op vector and the plan's indexes never exist for
+    /// the whole state at once (at 50,000 Services they were the agent's peak). `None`: not
+    /// filling, nothing left, or a group declined (it does not fit, a Maglev table does not fit):
+    /// then the full plan carries the rest.
+    pub fn plan_fill_group(
+        &self,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+        frontends: usize,
+    ) -> Option<Plan> {
+        if !self.filling || self.pending.is_empty() {
+            return None;
+        }
+        let group = || self.pending.iter().take(frontends.max(1));
+        let mut touched: Vec<EndpointAddr> = group()
+            .filter_map(|fe| desired.frontends.get(fe))
+            .flat_map(|df| df.backends.iter().chain(&df.retained))
+            .map(|b| b.endpoint)
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        self.plan_for(group(), &touched, desired, programmed, caps)
+    }
+
+    /// The group [`Planner::plan_fill_group`] gave (`frontends` as passed there) was applied in
+    /// full; whether frontends are left to fill.
+    pub fn fill_group_applied(&mut self, frontends: usize) -> bool {
+        for _ in 0..frontends.max(1) {
+            self.pending.pop_first();
+        }
+        if self.pending.is_empty() {
+            self.filling = false;
+            self.needs_full = false;
+            self.touched = HashSet::default();
+        }
+        self.filling
+    }
+
+    /// The plan for `frontends` (all pending, or one fill group) whose changes touched the
+    /// endpoints `touched`, or `None` where it could differ from [`diff::plan`].
+    fn plan_for<'f>(
+        &self,
+        frontends: impl IntoIterator<Item = &'f Frontend>,
+        touched: impl IntoIterator<Item = &'f EndpointAddr>,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+    ) -> Option<Plan> {
         // Admission, as diff::plan: programmed frontends first, then new ones, in order.
         let mut existing = Vec::new();
         let mut fresh = Vec::new();
         let mut removed = Vec::new();
-        for fe in &self.pending {
+        for fe in frontends {
             let key = encode::service_key(fe, 0);
             let entry = programmed.services.get(&key);
             match (desired.frontends.get(fe), entry) {
@@ -741,7 +831,7 @@ impl Planner {
         // them; then rev-NAT entries.
         let mut puts = Vec::new();
         let mut dead_backends = Vec::new();
-        for ep in &self.touched {
+        for ep in touched {
             match self.endpoint_use.get(ep) {
                 Some(u) => {
                     let id = id_of(ep)?;
