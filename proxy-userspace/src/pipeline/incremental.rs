@@ -105,9 +105,15 @@ impl FreeIds {
     }
 }
 
-/// How the desired frontends use one endpoint (backends and retained lists).
+/// One endpoint as the maps and the desired state know it: one map entry for both sides
+/// (two maps of 500,000 endpoints each were 36 MB at 50,000 Services).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct EndpointUse {
+struct Endpoint {
+    /// Programmed side: its smallest programmed backend id (0: none; a backend with id 0 is
+    /// irregular).
+    id: u32,
+    /// Desired side: how many frontends use it (backends and retained lists), as local, as
+    /// terminating.
     frontends: u32,
     local: u32,
     terminating: u32,
@@ -191,8 +197,9 @@ type TablePut = (u32, Arc<MaglevTable>);
 /// plan.
 #[derive(Debug)]
 pub struct Planner {
-    /// Endpoint → its smallest programmed backend id.
-    endpoint_ids: HashMap<EndpointAddr, u32>,
+    /// Endpoint → its smallest programmed backend id and how the desired frontends use it
+    /// (an entry while either is there).
+    endpoints: HashMap<EndpointAddr, Endpoint>,
     /// Programmed backends that are not their endpoint's smallest id, or do not decode.
     irregular_backends: HashSet<u32>,
     /// Slots naming each backend id.
@@ -211,8 +218,6 @@ pub struct Planner {
     free_table_ids: FreeIds,
     /// `MAGLEV_V1` chunks the programmed tables take.
     table_chunks: u64,
-    /// Desired side: how the frontends use each endpoint.
-    endpoint_use: HashMap<EndpointAddr, EndpointUse>,
     /// Frontends whose desired value changed since the last applied plan.
     pending: BTreeSet<Frontend>,
     /// Endpoints those changes added or removed.
@@ -227,7 +232,7 @@ impl Planner {
     /// Indexes for what `programmed` holds, with an empty desired state.
     pub fn new(programmed: &Programmed) -> Self {
         let mut p = Self {
-            endpoint_ids: HashMap::default(),
+            endpoints: HashMap::default(),
             irregular_backends: HashSet::default(),
             slot_refs: RefCounts::default(),
             rev_nat_refs: RefCounts::default(),
@@ -239,7 +244,6 @@ impl Planner {
             table_refs: RefCounts::default(),
             free_table_ids: FreeIds::default(),
             table_chunks: 0,
-            endpoint_use: HashMap::default(),
             pending: BTreeSet::new(),
             touched: HashSet::default(),
             needs_full: true,
@@ -283,7 +287,7 @@ impl Planner {
     /// Whether the indexes over the programmed maps equal `other`'s (tests: kept up to date
     /// versus rebuilt).
     pub fn same_indexes(&self, other: &Planner) -> bool {
-        self.endpoint_ids == other.endpoint_ids
+        self.endpoint_ids() == other.endpoint_ids()
             && self.irregular_backends == other.irregular_backends
             && self.slot_refs == other.slot_refs
             && self.rev_nat_refs == other.rev_nat_refs
@@ -328,7 +332,7 @@ impl Planner {
                 if !self.needs_full {
                     self.touched.insert(b.endpoint);
                 }
-                let u = self.endpoint_use.entry(b.endpoint).or_default();
+                let u = self.endpoints.entry(b.endpoint).or_default();
                 let delta = |n: &mut u32, by: bool| {
                     if by {
                         *n = if add { *n + 1 } else { n.saturating_sub(1) };
@@ -338,7 +342,11 @@ impl Planner {
                 delta(&mut u.local, b.local);
                 delta(&mut u.terminating, b.terminating);
                 if u.frontends == 0 {
-                    self.endpoint_use.remove(&b.endpoint);
+                    // No frontend uses it: the desired side starts again from nothing.
+                    (u.local, u.terminating) = (0, 0);
+                    if u.id == 0 {
+                        self.endpoints.remove(&b.endpoint);
+                    }
                 }
             }
         }
@@ -488,22 +496,51 @@ impl Planner {
         }
     }
 
+    /// The endpoint's smallest programmed backend id.
+    fn endpoint_id(&self, ep: &EndpointAddr) -> Option<u32> {
+        self.endpoints.get(ep).map(|e| e.id).filter(|id| *id != 0)
+    }
+
+    fn set_endpoint_id(&mut self, ep: EndpointAddr, id: u32) {
+        self.endpoints.entry(ep).or_default().id = id;
+    }
+
+    fn clear_endpoint_id(&mut self, ep: &EndpointAddr) {
+        if let Some(e) = self.endpoints.get_mut(ep) {
+            e.id = 0;
+            if e.frontends == 0 {
+                self.endpoints.remove(ep);
+            }
+        }
+    }
+
+    /// How the desired frontends use the endpoint (`None`: no frontend does).
+    fn endpoint_use(&self, ep: &EndpointAddr) -> Option<&Endpoint> {
+        self.endpoints.get(ep).filter(|e| e.frontends > 0)
+    }
+
+    /// Endpoint → smallest programmed backend id (tests: the programmed side alone).
+    fn endpoint_ids(&self) -> HashMap<EndpointAddr, u32> {
+        (self.endpoints.iter())
+            .filter(|(_, e)| e.id != 0)
+            .map(|(ep, e)| (*ep, e.id))
+            .collect()
+    }
+
     fn register_backend(&mut self, id: u32, ep: Option<EndpointAddr>) {
-        let Some(ep) = ep else {
+        let Some(ep) = ep.filter(|_| id != 0) else {
             self.irregular_backends.insert(id);
             return;
         };
-        match self.endpoint_ids.get(&ep).copied() {
-            None => {
-                self.endpoint_ids.insert(ep, id);
-            }
+        match self.endpoint_id(&ep) {
+            None => self.set_endpoint_id(ep, id),
             Some(cur) if cur == id => {}
             Some(cur) if cur < id => {
                 self.irregular_backends.insert(id);
             }
             Some(cur) => {
                 self.irregular_backends.insert(cur);
-                self.endpoint_ids.insert(ep, id);
+                self.set_endpoint_id(ep, id);
             }
         }
     }
@@ -554,17 +591,18 @@ impl Planner {
             return;
         }
         let Some(ep) = ep else { return };
-        if self.endpoint_ids.get(&ep) != Some(&id) {
+        if self.endpoint_id(&ep) != Some(id) {
             return;
         }
-        self.endpoint_ids.remove(&ep);
+        self.clear_endpoint_id(&ep);
         // Another id for the same endpoint (a leftover) becomes the endpoint's id.
         let next = self
             .irregular_backends
             .iter()
             .copied()
             .filter(|other| {
-                programmed
+                *other != 0
+                    && programmed
                     .backends
                     .get(other)
                     .and_then(encode::decode_endpoint)
@@ -573,7 +611,7 @@ impl Planner {
             .min();
         if let Some(next) = next {
             self.irregular_backends.remove(&next);
-            self.endpoint_ids.insert(ep, next);
+            self.set_endpoint_id(ep, next);
         }
     }
 
@@ -657,7 +695,7 @@ impl Planner {
             let slots: usize = desired.frontends.values().map(|d| d.backends.len()).sum();
             let frontends = desired.frontends.len();
             programmed.services.reserve(frontends + slots, slots);
-            programmed.backends.reserve(self.endpoint_use.len());
+            programmed.backends.reserve(self.endpoints.len());
             programmed.rev_nats.reserve(frontends);
         }
         self.filling
@@ -751,7 +789,7 @@ impl Planner {
                 .chain(&df.retained)
                 .map(|b| b.endpoint)
                 .filter(|ep| {
-                    !self.endpoint_ids.contains_key(ep) && !new_backend_ids.contains_key(ep)
+                    self.endpoint_id(ep).is_none() && !new_backend_ids.contains_key(ep)
                 })
                 .collect();
             missing.sort();
@@ -781,10 +819,7 @@ impl Planner {
             used_backends += missing.len() as u64;
             used_rev_nats += new_rev_nats;
             let id_of = |ep: &EndpointAddr| {
-                self.endpoint_ids
-                    .get(ep)
-                    .or_else(|| new_backend_ids.get(ep))
-                    .copied()
+                (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied())
             };
             let slot_ids: Vec<u32> = df
                 .backends
@@ -795,12 +830,8 @@ impl Planner {
         }
         accepted.sort_by_key(|a| a.0);
         let (tables, table_puts) = self.assign_tables(&accepted, programmed, caps)?;
-        let id_of = |ep: &EndpointAddr| {
-            self.endpoint_ids
-                .get(ep)
-                .or_else(|| new_backend_ids.get(ep))
-                .copied()
-        };
+        let id_of =
+            |ep: &EndpointAddr| (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied());
 
         let mut ops = Vec::new();
         // Phase 0: affinity match entries of the changed frontends that go. Other frontends'
@@ -832,7 +863,7 @@ impl Planner {
         let mut puts = Vec::new();
         let mut dead_backends = Vec::new();
         for ep in touched {
-            match self.endpoint_use.get(ep) {
+            match self.endpoint_use(ep) {
                 Some(u) => {
                     let id = id_of(ep)?;
                     let backend = proxy_common::Backend {
@@ -846,8 +877,8 @@ impl Planner {
                     }
                 }
                 None => {
-                    if let Some(id) = self.endpoint_ids.get(ep) {
-                        dead_backends.push(*id);
+                    if let Some(id) = self.endpoint_id(ep) {
+                        dead_backends.push(id);
                     }
                 }
             }
