@@ -500,8 +500,7 @@ impl Agent {
         let max_id = self
             .programmed
             .backends
-            .keys()
-            .copied()
+            .ids()
             .max()
             .unwrap_or(0)
             .max(self.lc_max_id)
@@ -537,7 +536,7 @@ impl Agent {
                 Err(e) => warn!("writing the least-connection correction of backend {id}: {e}"),
             }
         }
-        self.lc_max_id = self.programmed.backends.keys().copied().max().unwrap_or(0);
+        self.lc_max_id = self.programmed.backends.ids().max().unwrap_or(0);
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }

@@ -37,8 +37,8 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
             let flows = match LcCounts::open_pinned(pins) {
                 Ok(lc) => p
                     .backends
-                    .keys()
-                    .map(|&id| (id, lc.effective(id)))
+                    .ids()
+                    .map(|id| (id, lc.effective(id)))
                     .collect(),
                 Err(_) => BTreeMap::new(),
             };
@@ -240,7 +240,7 @@ pub fn backends_table(p: &Programmed, flows: &BTreeMap<u32, u64>) -> String {
         "{:>6}  {:<22} {:<6} {:>6}  {}\n",
         "ID", "ADDRESS", "PROTO", "FLOWS", "FLAGS"
     );
-    let mut ids: Vec<_> = p.backends.keys().copied().collect();
+    let mut ids: Vec<_> = p.backends.ids().collect();
     ids.sort_unstable();
     for id in ids {
         let b = p.backends[&id];

@@ -252,8 +252,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     );
     let mut dead_backends: Vec<u32> = programmed
         .backends
-        .keys()
-        .copied()
+        .ids()
         .filter(|id| !referenced_backends.contains(id))
         .collect();
     dead_backends.sort_unstable();
@@ -413,7 +412,7 @@ struct Admission<'a> {
 impl<'a> Admission<'a> {
     fn new(programmed: &'a Programmed, caps: &'a Capacities) -> Self {
         let mut backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
-        for (&id, b) in &programmed.backends {
+        for (id, b) in programmed.backends.iter() {
             if let Some(ep) = encode::decode_endpoint(b) {
                 backend_ids
                     .entry(ep)
@@ -425,8 +424,7 @@ impl<'a> Admission<'a> {
         let slot_ids = programmed.services.iter().filter(|(k, _)| k.slot > 0);
         let used_backend_ids = programmed
             .backends
-            .keys()
-            .copied()
+            .ids()
             .chain(slot_ids.map(|(_, v)| v.backend_id));
         let frontend_entries = programmed.services.iter().filter(|(k, _)| k.slot == 0);
         let used_rev_nat_ids = programmed
@@ -968,10 +966,7 @@ mod tests {
         // Backend 2 leaves while 4 arrives: id 2 is still in the map during this plan.
         sync(&state(&[(1, &[1, 3, 4])]), &mut p);
         assert_eq!(
-            p.backends
-                .keys()
-                .copied()
-                .collect::<std::collections::BTreeSet<_>>(),
+            p.backends.ids().collect::<std::collections::BTreeSet<_>>(),
             [1, 3, 4].into()
         );
         // Now id 2 is free and the smallest.
@@ -1608,7 +1603,7 @@ mod tests {
             .backends
             .iter()
             .find(|(_, b)| encode::decode_endpoint(b) == Some(be(2 * f + 1).endpoint))
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id)
             .expect("old backend programmed");
         let new_id = 2 * n + 1; // ids 1..=2n are taken
         let mut new_backend = encode::backend(&be(3 * n));

@@ -251,12 +251,12 @@ impl Planner {
         };
         let mut empty = Programmed::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
-        backends.sort_by_key(|(id, _)| **id);
+        backends.sort_by_key(|(id, _)| *id);
         let mut tables: Vec<_> = programmed.maglev.iter().collect();
         tables.sort_by_key(|(id, _)| **id);
         let ops = backends
             .into_iter()
-            .map(|(&id, &backend)| MapOp::PutBackend { id, backend })
+            .map(|(id, &backend)| MapOp::PutBackend { id, backend })
             .chain(
                 tables
                     .into_iter()
