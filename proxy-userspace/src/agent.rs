@@ -698,8 +698,7 @@ fn record_applied(planner: &mut Planner, programmed: &mut Programmed, mut ops: V
     while let Some(op) = ops.pop() {
         planner.observe(programmed, &op);
         programmed.apply(&op);
-        if ops.len().is_multiple_of(RELEASE_EVERY) && ops.capacity() - ops.len() >= RELEASE_EVERY
-        {
+        if ops.len().is_multiple_of(RELEASE_EVERY) && ops.capacity() - ops.len() >= RELEASE_EVERY {
             ops.shrink_to_fit();
         }
     }

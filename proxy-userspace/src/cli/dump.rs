@@ -35,11 +35,7 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
             let p = ServiceMaps::open_pinned(pins)?.read_programmed()?;
             // Maps pinned by an agent without least connection: no counts to show.
             let flows = match LcCounts::open_pinned(pins) {
-                Ok(lc) => p
-                    .backends
-                    .ids()
-                    .map(|id| (id, lc.effective(id)))
-                    .collect(),
+                Ok(lc) => p.backends.ids().map(|id| (id, lc.effective(id))).collect(),
                 Err(_) => BTreeMap::new(),
             };
             backends_table(&p, &flows)

@@ -1866,7 +1866,11 @@ mod tests {
             multi_group += usize::from(groups > 1);
             let rest = if complete || d.frontends.is_empty() {
                 complete_fills += 1;
-                assert_eq!(plan(&d, &p, &caps).ops, [], "seed {seed}: the fill left work");
+                assert_eq!(
+                    plan(&d, &p, &caps).ops,
+                    [],
+                    "seed {seed}: the fill left work"
+                );
                 Plan::default()
             } else {
                 declined_fills += 1;
@@ -1884,8 +1888,12 @@ mod tests {
 
             // Carries on incrementally from there as from the full plan.
             let d2 = mutate(&d, &mut rng);
-            let keys: std::collections::BTreeSet<Frontend> =
-                d.frontends.keys().chain(d2.frontends.keys()).copied().collect();
+            let keys: std::collections::BTreeSet<Frontend> = d
+                .frontends
+                .keys()
+                .chain(d2.frontends.keys())
+                .copied()
+                .collect();
             for f in keys {
                 let (old, new) = (d.frontends.get(&f), d2.frontends.get(&f));
                 if old != new {

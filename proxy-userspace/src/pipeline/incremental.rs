@@ -603,10 +603,10 @@ impl Planner {
             .filter(|other| {
                 *other != 0
                     && programmed
-                    .backends
-                    .get(other)
-                    .and_then(encode::decode_endpoint)
-                    == Some(ep)
+                        .backends
+                        .get(other)
+                        .and_then(encode::decode_endpoint)
+                        == Some(ep)
             })
             .min();
         if let Some(next) = next {
@@ -788,9 +788,7 @@ impl Planner {
                 .iter()
                 .chain(&df.retained)
                 .map(|b| b.endpoint)
-                .filter(|ep| {
-                    self.endpoint_id(ep).is_none() && !new_backend_ids.contains_key(ep)
-                })
+                .filter(|ep| self.endpoint_id(ep).is_none() && !new_backend_ids.contains_key(ep))
                 .collect();
             missing.sort();
             missing.dedup();
