@@ -374,9 +374,9 @@ impl BackendEntries {
         self.len == 0
     }
 
-    /// Room for `n` more backends (ids are dense: about `n` more ids).
+    /// Room for `n` more backends (ids are dense from 1: about `n` more ids; index 0 is id 0).
     pub fn reserve(&mut self, n: usize) {
-        let want = (self.len + n).min(DENSE_BACKEND_IDS as usize + 1);
+        let want = (self.len + n + 1).min(DENSE_BACKEND_IDS as usize);
         self.dense.reserve(want.saturating_sub(self.dense.len()));
     }
 
