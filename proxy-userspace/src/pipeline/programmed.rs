@@ -526,7 +526,7 @@ mod tests {
         b.insert(key(0), ServiceValue::slot(3));
         assert_eq!(b.frontends().count(), 1);
 
-        let mut iterated: Vec<_> = a.iter().map(|(k, v)| (k, v)).collect();
+        let mut iterated: Vec<_> = a.iter().collect();
         iterated.sort_by_key(|(k, _)| k.slot);
         assert_eq!(
             iterated,
