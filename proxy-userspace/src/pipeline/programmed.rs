@@ -408,10 +408,16 @@ impl BackendEntries {
         self.len == 0
     }
 
-    /// Room for `n` more backends (ids are dense from 1: about `n` more ids; index 0 is id 0).
+    /// Room for `n` more backends (ids are dense from 1: about `n` more ids; index 0 is id 0),
+    /// and a quarter more when it grows: an exact fit would be copied whole (4.5 MB at 500,000
+    /// backends, ms) by the next sync that adds one endpoint. Capacity never written is address
+    /// space, not memory.
     pub fn reserve(&mut self, n: usize) {
         let want = (self.len + n + 1).min(DENSE_BACKEND_IDS as usize);
-        self.dense.reserve(want.saturating_sub(self.dense.len()));
+        if want > self.dense.capacity() {
+            let roomy = (want + want / 4).min(DENSE_BACKEND_IDS as usize);
+            self.dense.reserve_exact(roomy - self.dense.len());
+        }
     }
 
     /// Every backend by id, in no particular order.
