@@ -126,6 +126,7 @@ fn adopted_round_robin_frontends_with_a_moved_position_are_no_difference() {
         .services
         .iter()
         .filter(|(k, _)| k.slot == 0)
+        .map(|(k, v)| (*k, v))
         .collect();
     assert_eq!(frontends.len(), 3);
     for (i, (key, value)) in frontends.iter().enumerate() {

@@ -122,7 +122,7 @@ pub fn maglev_table(p: &Programmed, entries: &BTreeMap<u32, Vec<u16>>) -> String
             .iter()
             .filter(|(k, v)| k.slot == 0 && v.maglev_table == *id)
             .filter_map(|(k, v)| {
-                let (fe, _) = encode::decode_service_key(&k)?;
+                let (fe, _) = encode::decode_service_key(k)?;
                 let names = (1..=v.count)
                     .map(|slot| {
                         p.services
@@ -180,7 +180,7 @@ pub fn services_table(p: &Programmed) -> String {
         if key.slot != 0 {
             continue;
         }
-        let Some((fe, _)) = encode::decode_service_key(&key) else {
+        let Some((fe, _)) = encode::decode_service_key(key) else {
             continue;
         };
         let backends = (1..=value.count)
@@ -444,7 +444,7 @@ pub fn affinity_table(
         .services
         .iter()
         .filter(|(k, v)| k.slot == 0 && v.flags & proxy_common::service_flags::AFFINITY != 0)
-        .filter_map(|(k, v)| Some((encode::decode_service_key(&k)?.0, v)))
+        .filter_map(|(k, v)| Some((encode::decode_service_key(k)?.0, v)))
         .collect();
     frontends.sort_by_key(|(fe, _)| *fe);
     for (fe, v) in frontends {

@@ -201,7 +201,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
         let frontend = key.with_slot(0);
         if let Some(&count) = counts.get(&frontend) {
             if key.slot > count {
-                removed_slots.push(key);
+                removed_slots.push(*key);
             }
         } else if kept_frontends.contains(&frontend) {
             // Left as programmed: what it points to must stay.
@@ -212,9 +212,9 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
                 referenced_backends.insert(value.backend_id);
             }
         } else if key.slot == 0 {
-            removed_frontends.push(key);
+            removed_frontends.push(*key);
         } else {
-            removed_slots.push(key);
+            removed_slots.push(*key);
         }
     }
     removed_frontends.sort();
@@ -714,7 +714,7 @@ mod tests {
     fn carried(p: &Programmed) -> BTreeMap<Frontend, Vec<DesiredBackend>> {
         let mut out = BTreeMap::new();
         for (key, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
-            let (frontend, _) = encode::decode_service_key(&key).expect("our key");
+            let (frontend, _) = encode::decode_service_key(key).expect("our key");
             let rev = p.rev_nats.get(&v.rev_nat_id).expect("rev-NAT");
             assert_eq!(encode::decode_rev_nat(rev), (frontend.addr, frontend.port));
             let backends: Vec<DesiredBackend> = (1..=v.count)

@@ -275,7 +275,7 @@ impl Planner {
                 programmed
                     .services
                     .iter()
-                    .map(|(key, value)| MapOp::PutService { key, value }),
+                    .map(|(&key, value)| MapOp::PutService { key, value }),
             );
         for op in ops {
             p.observe(&empty, &op);
