@@ -31,6 +31,7 @@ use crate::{
         netlink, sock_lb,
     },
     pipeline::{
+        diff::Plan,
         incremental::Planner,
         model::Problem,
         programmed::{Capacities, MapOp, Programmed},
@@ -245,10 +246,46 @@ impl Agent {
             ..SyncParts::default()
         };
         let mut lap = Instant::now();
-        let (mut plan, kind) =
+        // Empty maps (a node's first sync) are filled a group of frontends at a time: planned,
+        // written and recorded before the next group is planned, so the first sync never holds
+        // the op vector and the plan's indexes for every Service at once (the agent's peak).
+        // What a group cannot carry (it does not fit) is left to the full plan below.
+        let mut filled = Filled::default();
+        if full && self.planner.begin_fill(desired, &mut self.programmed) {
+            let fill = Instant::now();
+            while let Some(group) = self.planner.plan_fill_group(
+                desired,
+                &self.programmed,
+                &self.capacities,
+                FILL_GROUP,
+            ) {
+                filled.ops += group.ops.len();
+                filled.walk_conntrack |= walks_conntrack_after(&group.ops, &self.programmed);
+                self.backends_changed(&group.ops);
+                if let Err(e) = apply_recorded(
+                    &mut self.maps,
+                    &mut self.planner,
+                    &mut self.programmed,
+                    group.ops,
+                ) {
+                    self.sync_failed();
+                    return Err(e);
+                }
+                if !self.planner.fill_group_applied(FILL_GROUP) {
+                    filled.complete = true;
+                    break;
+                }
+            }
+            filled.took = fill.elapsed();
+        }
+        let (plan, kind) = if filled.complete {
+            // The groups carried it all: the full plan would find nothing to write.
+            (Plan::default(), crate::serving::metrics::SyncKind::Full)
+        } else {
             self.planner
-                .plan_with_kind(desired, &self.programmed, &self.capacities, full);
-        parts.plan = lap.elapsed();
+                .plan_with_kind(desired, &self.programmed, &self.capacities, full)
+        };
+        parts.plan = lap.elapsed().saturating_sub(filled.took);
         lap = Instant::now();
         for (frontend, reason) in &plan.skipped {
             problems.push(Problem {
@@ -267,25 +304,23 @@ impl Agent {
         // reset at once, on this thread (a freed id is reused by the next new endpoint, which
         // must not inherit the old one's flow count), and a walk is asked for too. The rest
         // (idle flows) is the periodic walk's: a TCP-only change elsewhere does not walk.
-        let walk_conntrack_now = walks_conntrack_after(&plan.ops, &self.programmed);
+        let walk_conntrack_now =
+            filled.walk_conntrack || walks_conntrack_after(&plan.ops, &self.programmed);
         let freed_lc_ids = freed_least_connection_ids(&plan.ops, &self.programmed);
-        let (applied, failure) = self.maps.apply_all(&plan.ops);
-        self.backends_changed(&plan.ops[..applied]);
-        let op_count = plan.ops.len();
-        let failed_op = failure.is_some().then(|| plan.ops[applied].clone());
-        self.programmed.reserve_for(&plan.ops[..applied]);
-        plan.ops.truncate(applied);
-        self.record_applied(&mut plan.ops);
-        if let (Some(source), Some(op)) = (failure, failed_op) {
-            self.planner.failed();
+        let op_count = filled.ops + plan.ops.len();
+        let Plan { ops, skipped } = plan;
+        // Before the apply, so a walk running meanwhile leaves these ids alone either way.
+        self.backends_changed(&ops);
+        if let Err(e) = apply_recorded(&mut self.maps, &mut self.planner, &mut self.programmed, ops)
+        {
             self.sync_failed();
-            return Err(ApplyError {
-                op,
-                source: Box::new(source),
-            });
+            return Err(e);
         }
-        self.planner.applied(&plan);
-        parts.apply = lap.elapsed();
+        self.planner.applied(&Plan {
+            skipped,
+            ..Plan::default()
+        });
+        parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
         crate::dataplane::flow_gc::reset_freed(&mut self.lc, self.flow_gc.shared(), &freed_lc_ids);
         if walk_conntrack_now {
@@ -326,26 +361,6 @@ impl Agent {
             crate::dataplane::sys::release_free_heap();
         }
         Ok(())
-    }
-
-    /// Records the ops the maps took, in order, in the planner and the shadow, giving the op
-    /// vector's memory back as it goes: a first sync's 1.1 M ops (53 MB at 50,000 Services) would
-    /// otherwise be held while the shadow fills — the agent's peak. The vector is reversed in
-    /// place and consumed from its end; every `RELEASE_EVERY` ops it is shrunk (for a vector
-    /// this large the allocator returns the tail pages at once).
-    fn record_applied(&mut self, ops: &mut Vec<MapOp>) {
-        const RELEASE_EVERY: usize = 1 << 16;
-        ops.reverse();
-        while let Some(op) = ops.pop() {
-            self.planner.observe(&self.programmed, &op);
-            self.programmed.apply(&op);
-            if ops.len().is_multiple_of(RELEASE_EVERY)
-                && ops.capacity() - ops.len() >= RELEASE_EVERY
-            {
-                ops.shrink_to_fit();
-            }
-        }
-        *ops = Vec::new();
     }
 
     /// How long each part of the last applied sync took.
@@ -656,6 +671,62 @@ impl Agent {
             self.occupancy.report(&self.metrics, map, n as u64);
         }
         self.health.updated_at(now);
+    }
+}
+
+/// Frontends per group when empty maps are filled (see [`Agent::sync`]): ~22,000 ops of a few
+/// MB, large enough that the map writes stay batched.
+const FILL_GROUP: usize = 2048;
+
+/// What the fill groups of one sync wrote.
+#[derive(Default)]
+struct Filled {
+    /// Every frontend was carried by a group (no full plan needed).
+    complete: bool,
+    ops: usize,
+    walk_conntrack: bool,
+    took: Duration,
+}
+
+/// Writes `ops` in order and records the ones the maps took in the planner and the shadow; on a
+/// failed write, the planner plans in full next time and the failed op is reported.
+fn apply_recorded(
+    maps: &mut ServiceMaps,
+    planner: &mut Planner,
+    programmed: &mut Programmed,
+    mut ops: Vec<MapOp>,
+) -> Result<(), ApplyError> {
+    let (applied, failure) = maps.apply_all(&ops);
+    let failed_op = failure.is_some().then(|| ops[applied].clone());
+    programmed.reserve_for(&ops[..applied]);
+    ops.truncate(applied);
+    record_applied(planner, programmed, ops);
+    match (failure, failed_op) {
+        (Some(source), Some(op)) => {
+            planner.failed();
+            Err(ApplyError {
+                op,
+                source: Box::new(source),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Records the ops the maps took, in order, in the planner and the shadow, giving the op
+/// vector's memory back as it goes: a full plan's ops (a million at 50,000 Services when the
+/// maps are not filled in groups) would otherwise be held while the shadow fills. The vector is
+/// reversed in place and consumed from its end; every `RELEASE_EVERY` ops it is shrunk (for a
+/// vector this large the allocator returns the tail pages at once).
+fn record_applied(planner: &mut Planner, programmed: &mut Programmed, mut ops: Vec<MapOp>) {
+    const RELEASE_EVERY: usize = 1 << 16;
+    ops.reverse();
+    while let Some(op) = ops.pop() {
+        planner.observe(programmed, &op);
+        programmed.apply(&op);
+        if ops.len().is_multiple_of(RELEASE_EVERY) && ops.capacity() - ops.len() >= RELEASE_EVERY {
+            ops.shrink_to_fit();
+        }
     }
 }
 

@@ -35,11 +35,7 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
             let p = ServiceMaps::open_pinned(pins)?.read_programmed()?;
             // Maps pinned by an agent without least connection: no counts to show.
             let flows = match LcCounts::open_pinned(pins) {
-                Ok(lc) => p
-                    .backends
-                    .keys()
-                    .map(|&id| (id, lc.effective(id)))
-                    .collect(),
+                Ok(lc) => p.backends.ids().map(|id| (id, lc.effective(id))).collect(),
                 Err(_) => BTreeMap::new(),
             };
             backends_table(&p, &flows)
@@ -240,7 +236,7 @@ pub fn backends_table(p: &Programmed, flows: &BTreeMap<u32, u64>) -> String {
         "{:>6}  {:<22} {:<6} {:>6}  {}\n",
         "ID", "ADDRESS", "PROTO", "FLOWS", "FLAGS"
     );
-    let mut ids: Vec<_> = p.backends.keys().copied().collect();
+    let mut ids: Vec<_> = p.backends.ids().collect();
     ids.sort_unstable();
     for id in ids {
         let b = p.backends[&id];

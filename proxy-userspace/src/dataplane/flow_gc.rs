@@ -22,32 +22,27 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_common::{
-    Backend, CtKey, CtValue, DatapathConfig, ct_flags, proto, timeouts::idle_expired,
-};
+use proxy_common::{CtKey, CtValue, DatapathConfig, ct_flags, proto, timeouts::idle_expired};
 use tracing::warn;
 
-use crate::{
-    dataplane::{
-        clock::monotonic_ns,
-        lc_counts,
-        maps::{Conntrack, LcCounts, Snat},
-        snat_gc::{self, Collected},
-    },
-    pipeline::fast_hash::HashMap,
+use crate::dataplane::{
+    clock::monotonic_ns,
+    lc_counts,
+    maps::{Conntrack, LcCounts, Snat},
+    snat_gc::{self, Collected},
 };
 
 /// The programmed backends by id, as the walk judges flows and counts.
-pub type Backends = HashMap<u32, Backend>;
+pub type Backends = crate::pipeline::programmed::BackendEntries;
 
 /// Pure: should the walk drop this conntrack entry? Idle past its timeout, or a UDP flow whose
 /// backend is gone (or whose id now names another address).
-pub fn flow_is_dead<S: std::hash::BuildHasher>(
+pub fn flow_is_dead(
     key: &CtKey,
     value: &CtValue,
     now_ns: u64,
     config: &DatapathConfig,
-    backends: &std::collections::HashMap<u32, Backend, S>,
+    backends: &Backends,
 ) -> bool {
     if idle_expired(
         value.last_seen_ns,
@@ -205,7 +200,7 @@ impl<M: FlowMaps> Walker<M> {
                 *w = None;
             }
         }
-        let programmed_max = walk.backends.keys().copied().max().unwrap_or(0);
+        let programmed_max = walk.backends.ids().max().unwrap_or(0);
         let max_id = programmed_max
             .max(self.lc_max_id)
             .min(self.maps.lc_ids().saturating_sub(1));
@@ -369,7 +364,7 @@ impl Drop for FlowGc {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{ct_dir, ct_state};
+    use proxy_common::{Backend, ct_dir, ct_state};
 
     use super::*;
 

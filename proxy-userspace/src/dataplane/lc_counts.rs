@@ -15,9 +15,11 @@
 //! listing reaches it reads as one less, one whose creation straddles the count read as one more,
 //! until the next walk, which recomputes every correction from scratch (nothing accumulates).
 
-use std::{collections::HashMap, hash::BuildHasher};
+use std::collections::HashMap;
 
-use proxy_common::{Backend, CtKey, CtValue, ct_dir, ct_flags, ct_state, lc};
+use proxy_common::{CtKey, CtValue, ct_dir, ct_flags, ct_state, lc};
+
+use crate::pipeline::programmed::BackendEntries;
 
 /// The flows the walk found per backend id.
 #[derive(Debug, Default)]
@@ -43,12 +45,7 @@ impl Tally {
     /// once, by its ORIGINAL entry, or by its REPLY entry if the ORIGINAL one is gone (evicted:
     /// the datapath writes it again from the REPLY one, unit included); only for a backend that
     /// is still `backends[id]` with the address the flow was created with.
-    pub fn add<S: BuildHasher>(
-        &mut self,
-        key: &CtKey,
-        value: &CtValue,
-        backends: &HashMap<u32, Backend, S>,
-    ) {
+    pub fn add(&mut self, key: &CtKey, value: &CtValue, backends: &BackendEntries) {
         if value.flags & ct_flags::COUNTED == 0
             || value.flags & ct_flags::DIRECT != 0
             || value.created_ns > self.created_by_ns
@@ -113,13 +110,13 @@ pub fn corrections(active: &[(u32, u64)], truth: &HashMap<u32, u64>) -> Vec<(u32
 /// for every id in `ids`), `now` the clock (called after), `list` the entries (after that), and
 /// `dead` says which entries the caller removes (they do not count). Returns the corrections
 /// to write to `LCADJ_V1` and the dead entries.
-pub fn reconcile<S: BuildHasher>(
+pub fn reconcile(
     ids: impl IntoIterator<Item = u32>,
     active: impl Fn(u32) -> u64,
     now: impl FnOnce() -> u64,
     list: impl FnOnce() -> Vec<(CtKey, CtValue)>,
     mut dead: impl FnMut(&CtKey, &CtValue, u64) -> bool,
-    backends: &HashMap<u32, Backend, S>,
+    backends: &BackendEntries,
 ) -> Reconciled {
     let counts: Vec<(u32, u64)> = ids.into_iter().map(|id| (id, active(id))).collect();
     let now = now();
@@ -159,9 +156,11 @@ pub struct Reconciled {
 
 #[cfg(test)]
 mod tests {
+    use proxy_common::Backend;
+
     use super::*;
 
-    fn backends() -> HashMap<u32, Backend> {
+    fn backends() -> BackendEntries {
         [1u32, 2, 3]
             .into_iter()
             .map(|id| {

@@ -252,8 +252,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     );
     let mut dead_backends: Vec<u32> = programmed
         .backends
-        .keys()
-        .copied()
+        .ids()
         .filter(|id| !referenced_backends.contains(id))
         .collect();
     dead_backends.sort_unstable();
@@ -413,7 +412,7 @@ struct Admission<'a> {
 impl<'a> Admission<'a> {
     fn new(programmed: &'a Programmed, caps: &'a Capacities) -> Self {
         let mut backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
-        for (&id, b) in &programmed.backends {
+        for (id, b) in programmed.backends.iter() {
             if let Some(ep) = encode::decode_endpoint(b) {
                 backend_ids
                     .entry(ep)
@@ -425,8 +424,7 @@ impl<'a> Admission<'a> {
         let slot_ids = programmed.services.iter().filter(|(k, _)| k.slot > 0);
         let used_backend_ids = programmed
             .backends
-            .keys()
-            .copied()
+            .ids()
             .chain(slot_ids.map(|(_, v)| v.backend_id));
         let frontend_entries = programmed.services.iter().filter(|(k, _)| k.slot == 0);
         let used_rev_nat_ids = programmed
@@ -968,10 +966,7 @@ mod tests {
         // Backend 2 leaves while 4 arrives: id 2 is still in the map during this plan.
         sync(&state(&[(1, &[1, 3, 4])]), &mut p);
         assert_eq!(
-            p.backends
-                .keys()
-                .copied()
-                .collect::<std::collections::BTreeSet<_>>(),
+            p.backends.ids().collect::<std::collections::BTreeSet<_>>(),
             [1, 3, 4].into()
         );
         // Now id 2 is free and the smallest.
@@ -1608,7 +1603,7 @@ mod tests {
             .backends
             .iter()
             .find(|(_, b)| encode::decode_endpoint(b) == Some(be(2 * f + 1).endpoint))
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id)
             .expect("old backend programmed");
         let new_id = 2 * n + 1; // ids 1..=2n are taken
         let mut new_backend = encode::backend(&be(3 * n));
@@ -1822,6 +1817,99 @@ mod tests {
             table_puts > 100 && table_deletes > 100 && shared > 100,
             "Maglev tables in incremental plans: {table_puts} with a put, {table_deletes} with a \
              delete, {shared} leaving a shared table"
+        );
+    }
+
+    /// Empty maps filled a group at a time (`Planner::plan_fill_group`, as the agent's first sync
+    /// does) end exactly where the one full plan ends — same entries, same ids, same frontends
+    /// skipped — consistent after every op; a group that does not fit leaves the rest to the full
+    /// plan; the indexes equal rebuilt ones and the next incremental plan equals the full plan.
+    #[test]
+    fn filling_empty_maps_in_groups_equals_the_full_plan() {
+        use crate::pipeline::incremental::Planner;
+        let small = Capacities {
+            services: 40,
+            backends: 14,
+            rev_nats: 7,
+            maglev_chunks: 3,
+            ..CAPS
+        };
+        let (mut complete_fills, mut declined_fills, mut multi_group) = (0, 0, 0);
+        for seed in 1..=300u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5a5a);
+            let caps = if seed.is_multiple_of(3) { small } else { CAPS };
+            let d = random_state(&mut rng);
+            let full = plan(&d, &Programmed::default(), &caps);
+            let mut full_p = Programmed::default();
+            apply_checked(&mut full_p, &full.ops);
+
+            let mut p = Programmed::default();
+            let mut planner = Planner::new(&p);
+            for (f, df) in &d.frontends {
+                planner.desired_changed(*f, None, Some(df));
+            }
+            assert!(planner.begin_fill(&d, &mut p), "seed {seed}");
+            let group = 1 + rng.below(4) as usize;
+            let (mut complete, mut groups) = (false, 0);
+            while let Some(g) = planner.plan_fill_group(&d, &p, &caps, group) {
+                groups += 1;
+                for op in &g.ops {
+                    planner.observe(&p, op);
+                    p.apply(op);
+                    assert_consistent(&p, op);
+                }
+                if !planner.fill_group_applied(group) {
+                    complete = true;
+                    break;
+                }
+            }
+            multi_group += usize::from(groups > 1);
+            let rest = if complete || d.frontends.is_empty() {
+                complete_fills += 1;
+                assert_eq!(
+                    plan(&d, &p, &caps).ops,
+                    [],
+                    "seed {seed}: the fill left work"
+                );
+                Plan::default()
+            } else {
+                declined_fills += 1;
+                planner.plan(&d, &p, &caps, true)
+            };
+            for op in &rest.ops {
+                planner.observe(&p, op);
+                p.apply(op);
+                assert_consistent(&p, op);
+            }
+            planner.applied(&rest);
+            assert_eq!(p, full_p, "seed {seed}");
+            assert_eq!(rest.skipped, full.skipped, "seed {seed}");
+            assert!(planner.same_indexes(&Planner::new(&p)), "seed {seed}");
+
+            // Carries on incrementally from there as from the full plan.
+            let d2 = mutate(&d, &mut rng);
+            let keys: std::collections::BTreeSet<Frontend> = d
+                .frontends
+                .keys()
+                .chain(d2.frontends.keys())
+                .copied()
+                .collect();
+            for f in keys {
+                let (old, new) = (d.frontends.get(&f), d2.frontends.get(&f));
+                if old != new {
+                    planner.desired_changed(f, old.map(|d| &**d), new.map(|d| &**d));
+                }
+            }
+            assert_eq!(
+                planner.plan(&d2, &p, &caps, false),
+                plan(&d2, &p, &caps),
+                "seed {seed}: after the fill"
+            );
+        }
+        assert!(
+            complete_fills > 100 && declined_fills > 10 && multi_group > 100,
+            "{complete_fills} complete fills, {declined_fills} declined, {multi_group} with \
+             several groups"
         );
     }
 

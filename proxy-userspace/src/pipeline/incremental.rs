@@ -105,9 +105,15 @@ impl FreeIds {
     }
 }
 
-/// How the desired frontends use one endpoint (backends and retained lists).
+/// One endpoint as the maps and the desired state know it: one map entry for both sides
+/// (two maps of 500,000 endpoints each were 36 MB at 50,000 Services).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct EndpointUse {
+struct Endpoint {
+    /// Programmed side: its smallest programmed backend id (0: none; a backend with id 0 is
+    /// irregular).
+    id: u32,
+    /// Desired side: how many frontends use it (backends and retained lists), as local, as
+    /// terminating.
     frontends: u32,
     local: u32,
     terminating: u32,
@@ -191,8 +197,9 @@ type TablePut = (u32, Arc<MaglevTable>);
 /// plan.
 #[derive(Debug)]
 pub struct Planner {
-    /// Endpoint → its smallest programmed backend id.
-    endpoint_ids: HashMap<EndpointAddr, u32>,
+    /// Endpoint → its smallest programmed backend id and how the desired frontends use it
+    /// (an entry while either is there).
+    endpoints: HashMap<EndpointAddr, Endpoint>,
     /// Programmed backends that are not their endpoint's smallest id, or do not decode.
     irregular_backends: HashSet<u32>,
     /// Slots naming each backend id.
@@ -211,21 +218,21 @@ pub struct Planner {
     free_table_ids: FreeIds,
     /// `MAGLEV_V1` chunks the programmed tables take.
     table_chunks: u64,
-    /// Desired side: how the frontends use each endpoint.
-    endpoint_use: HashMap<EndpointAddr, EndpointUse>,
     /// Frontends whose desired value changed since the last applied plan.
     pending: BTreeSet<Frontend>,
     /// Endpoints those changes added or removed.
     touched: HashSet<EndpointAddr>,
     /// The next plan must be a full one.
     needs_full: bool,
+    /// Empty maps are being filled in groups (see [`Planner::begin_fill`]).
+    filling: bool,
 }
 
 impl Planner {
     /// Indexes for what `programmed` holds, with an empty desired state.
     pub fn new(programmed: &Programmed) -> Self {
         let mut p = Self {
-            endpoint_ids: HashMap::default(),
+            endpoints: HashMap::default(),
             irregular_backends: HashSet::default(),
             slot_refs: RefCounts::default(),
             rev_nat_refs: RefCounts::default(),
@@ -237,19 +244,19 @@ impl Planner {
             table_refs: RefCounts::default(),
             free_table_ids: FreeIds::default(),
             table_chunks: 0,
-            endpoint_use: HashMap::default(),
             pending: BTreeSet::new(),
             touched: HashSet::default(),
             needs_full: true,
+            filling: false,
         };
         let mut empty = Programmed::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
-        backends.sort_by_key(|(id, _)| **id);
+        backends.sort_by_key(|(id, _)| *id);
         let mut tables: Vec<_> = programmed.maglev.iter().collect();
         tables.sort_by_key(|(id, _)| **id);
         let ops = backends
             .into_iter()
-            .map(|(&id, &backend)| MapOp::PutBackend { id, backend })
+            .map(|(id, &backend)| MapOp::PutBackend { id, backend })
             .chain(
                 tables
                     .into_iter()
@@ -280,7 +287,7 @@ impl Planner {
     /// Whether the indexes over the programmed maps equal `other`'s (tests: kept up to date
     /// versus rebuilt).
     pub fn same_indexes(&self, other: &Planner) -> bool {
-        self.endpoint_ids == other.endpoint_ids
+        self.endpoint_ids() == other.endpoint_ids()
             && self.irregular_backends == other.irregular_backends
             && self.slot_refs == other.slot_refs
             && self.rev_nat_refs == other.rev_nat_refs
@@ -320,8 +327,12 @@ impl Planner {
                 .into_iter()
                 .flat_map(|d| d.backends.iter().chain(&d.retained))
             {
-                self.touched.insert(b.endpoint);
-                let u = self.endpoint_use.entry(b.endpoint).or_default();
+                // Only an incremental plan reads it: a full one is due anyway (the first sync
+                // would hold every endpoint here).
+                if !self.needs_full {
+                    self.touched.insert(b.endpoint);
+                }
+                let u = self.endpoints.entry(b.endpoint).or_default();
                 let delta = |n: &mut u32, by: bool| {
                     if by {
                         *n = if add { *n + 1 } else { n.saturating_sub(1) };
@@ -331,7 +342,11 @@ impl Planner {
                 delta(&mut u.local, b.local);
                 delta(&mut u.terminating, b.terminating);
                 if u.frontends == 0 {
-                    self.endpoint_use.remove(&b.endpoint);
+                    // No frontend uses it: the desired side starts again from nothing.
+                    (u.local, u.terminating) = (0, 0);
+                    if u.id == 0 {
+                        self.endpoints.remove(&b.endpoint);
+                    }
                 }
             }
         }
@@ -438,6 +453,7 @@ impl Planner {
     /// The plan was applied in full.
     pub fn applied(&mut self, plan: &Plan) {
         self.pending.clear();
+        self.filling = false;
         // A full sync touches every endpoint: do not keep a table that size for the next one.
         if self.touched.capacity() > 4096 {
             self.touched = HashSet::default();
@@ -451,6 +467,7 @@ impl Planner {
     /// Writing a plan stopped part-way: the next plan is a full one.
     pub fn failed(&mut self) {
         self.needs_full = true;
+        self.filling = false;
     }
 
     fn backend_used(&self, programmed: &Programmed, id: u32) -> bool {
@@ -479,22 +496,51 @@ impl Planner {
         }
     }
 
+    /// The endpoint's smallest programmed backend id.
+    fn endpoint_id(&self, ep: &EndpointAddr) -> Option<u32> {
+        self.endpoints.get(ep).map(|e| e.id).filter(|id| *id != 0)
+    }
+
+    fn set_endpoint_id(&mut self, ep: EndpointAddr, id: u32) {
+        self.endpoints.entry(ep).or_default().id = id;
+    }
+
+    fn clear_endpoint_id(&mut self, ep: &EndpointAddr) {
+        if let Some(e) = self.endpoints.get_mut(ep) {
+            e.id = 0;
+            if e.frontends == 0 {
+                self.endpoints.remove(ep);
+            }
+        }
+    }
+
+    /// How the desired frontends use the endpoint (`None`: no frontend does).
+    fn endpoint_use(&self, ep: &EndpointAddr) -> Option<&Endpoint> {
+        self.endpoints.get(ep).filter(|e| e.frontends > 0)
+    }
+
+    /// Endpoint → smallest programmed backend id (tests: the programmed side alone).
+    fn endpoint_ids(&self) -> HashMap<EndpointAddr, u32> {
+        (self.endpoints.iter())
+            .filter(|(_, e)| e.id != 0)
+            .map(|(ep, e)| (*ep, e.id))
+            .collect()
+    }
+
     fn register_backend(&mut self, id: u32, ep: Option<EndpointAddr>) {
-        let Some(ep) = ep else {
+        let Some(ep) = ep.filter(|_| id != 0) else {
             self.irregular_backends.insert(id);
             return;
         };
-        match self.endpoint_ids.get(&ep).copied() {
-            None => {
-                self.endpoint_ids.insert(ep, id);
-            }
+        match self.endpoint_id(&ep) {
+            None => self.set_endpoint_id(ep, id),
             Some(cur) if cur == id => {}
             Some(cur) if cur < id => {
                 self.irregular_backends.insert(id);
             }
             Some(cur) => {
                 self.irregular_backends.insert(cur);
-                self.endpoint_ids.insert(ep, id);
+                self.set_endpoint_id(ep, id);
             }
         }
     }
@@ -545,26 +591,27 @@ impl Planner {
             return;
         }
         let Some(ep) = ep else { return };
-        if self.endpoint_ids.get(&ep) != Some(&id) {
+        if self.endpoint_id(&ep) != Some(id) {
             return;
         }
-        self.endpoint_ids.remove(&ep);
+        self.clear_endpoint_id(&ep);
         // Another id for the same endpoint (a leftover) becomes the endpoint's id.
         let next = self
             .irregular_backends
             .iter()
             .copied()
             .filter(|other| {
-                programmed
-                    .backends
-                    .get(other)
-                    .and_then(encode::decode_endpoint)
-                    == Some(ep)
+                *other != 0
+                    && programmed
+                        .backends
+                        .get(other)
+                        .and_then(encode::decode_endpoint)
+                        == Some(ep)
             })
             .min();
         if let Some(next) = next {
             self.irregular_backends.remove(&next);
-            self.endpoint_ids.insert(ep, next);
+            self.set_endpoint_id(ep, next);
         }
     }
 
@@ -620,17 +667,98 @@ impl Planner {
         programmed: &Programmed,
         caps: &Capacities,
     ) -> Option<Plan> {
-        if self.needs_full
-            || !self.irregular_backends.is_empty()
-            || !self.irregular_tables.is_empty()
-        {
+        if self.needs_full || self.irregular() {
             return None;
         }
+        self.plan_for(&self.pending, &self.touched, desired, programmed, caps)
+    }
+
+    fn irregular(&self) -> bool {
+        !self.irregular_backends.is_empty() || !self.irregular_tables.is_empty()
+    }
+
+    /// Starts filling empty maps in groups ([`Planner::plan_fill_group`]) instead of one full
+    /// plan: only for the full plan onto a shadow that holds nothing, where the full plan is
+    /// every pending frontend's incremental plan (no entry to remove, no leftover). Whether it
+    /// started.
+    /// `programmed` gets room for the whole fill at once (no table grows by doubling, which
+    /// holds the old and the new table together).
+    pub fn begin_fill(&mut self, desired: &DesiredState, programmed: &mut Programmed) -> bool {
+        self.filling = self.needs_full
+            && !self.irregular()
+            && programmed.services.is_empty()
+            && programmed.backends.is_empty()
+            && programmed.rev_nats.is_empty()
+            && programmed.affinity_matches.is_empty()
+            && programmed.maglev.is_empty();
+        if self.filling {
+            let slots: usize = desired.frontends.values().map(|d| d.backends.len()).sum();
+            let frontends = desired.frontends.len();
+            programmed.services.reserve(frontends + slots, slots);
+            programmed.backends.reserve(self.endpoints.len());
+            programmed.rev_nats.reserve(frontends);
+        }
+        self.filling
+    }
+
+    /// While filling: the plan for the next (at most `frontends`) pending frontends, in order,
+    /// with their backends (flags merged over the whole desired state); to be applied and
+    /// confirmed with [`Planner::fill_group_applied`] before the next. The groups' plans together
+    /// carry what the one full plan would (same ids: the same admission order and smallest free
+    /// ids; property-tested in `diff`), but the op vector and the plan's indexes never exist for
+    /// the whole state at once (at 50,000 Services they were the agent's peak). `None`: not
+    /// filling, nothing left, or a group declined (it does not fit, a Maglev table does not fit):
+    /// then the full plan carries the rest.
+    pub fn plan_fill_group(
+        &self,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+        frontends: usize,
+    ) -> Option<Plan> {
+        if !self.filling || self.pending.is_empty() {
+            return None;
+        }
+        let group = || self.pending.iter().take(frontends.max(1));
+        let mut touched: Vec<EndpointAddr> = group()
+            .filter_map(|fe| desired.frontends.get(fe))
+            .flat_map(|df| df.backends.iter().chain(&df.retained))
+            .map(|b| b.endpoint)
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        self.plan_for(group(), &touched, desired, programmed, caps)
+    }
+
+    /// The group [`Planner::plan_fill_group`] gave (`frontends` as passed there) was applied in
+    /// full; whether frontends are left to fill.
+    pub fn fill_group_applied(&mut self, frontends: usize) -> bool {
+        for _ in 0..frontends.max(1) {
+            self.pending.pop_first();
+        }
+        if self.pending.is_empty() {
+            self.filling = false;
+            self.needs_full = false;
+            self.touched = HashSet::default();
+        }
+        self.filling
+    }
+
+    /// The plan for `frontends` (all pending, or one fill group) whose changes touched the
+    /// endpoints `touched`, or `None` where it could differ from [`diff::plan`].
+    fn plan_for<'f>(
+        &self,
+        frontends: impl IntoIterator<Item = &'f Frontend>,
+        touched: impl IntoIterator<Item = &'f EndpointAddr>,
+        desired: &DesiredState,
+        programmed: &Programmed,
+        caps: &Capacities,
+    ) -> Option<Plan> {
         // Admission, as diff::plan: programmed frontends first, then new ones, in order.
         let mut existing = Vec::new();
         let mut fresh = Vec::new();
         let mut removed = Vec::new();
-        for fe in &self.pending {
+        for fe in frontends {
             let key = encode::service_key(fe, 0);
             let entry = programmed.services.get(&key);
             match (desired.frontends.get(fe), entry) {
@@ -660,9 +788,7 @@ impl Planner {
                 .iter()
                 .chain(&df.retained)
                 .map(|b| b.endpoint)
-                .filter(|ep| {
-                    !self.endpoint_ids.contains_key(ep) && !new_backend_ids.contains_key(ep)
-                })
+                .filter(|ep| self.endpoint_id(ep).is_none() && !new_backend_ids.contains_key(ep))
                 .collect();
             missing.sort();
             missing.dedup();
@@ -691,10 +817,7 @@ impl Planner {
             used_backends += missing.len() as u64;
             used_rev_nats += new_rev_nats;
             let id_of = |ep: &EndpointAddr| {
-                self.endpoint_ids
-                    .get(ep)
-                    .or_else(|| new_backend_ids.get(ep))
-                    .copied()
+                (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied())
             };
             let slot_ids: Vec<u32> = df
                 .backends
@@ -705,12 +828,8 @@ impl Planner {
         }
         accepted.sort_by_key(|a| a.0);
         let (tables, table_puts) = self.assign_tables(&accepted, programmed, caps)?;
-        let id_of = |ep: &EndpointAddr| {
-            self.endpoint_ids
-                .get(ep)
-                .or_else(|| new_backend_ids.get(ep))
-                .copied()
-        };
+        let id_of =
+            |ep: &EndpointAddr| (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied());
 
         let mut ops = Vec::new();
         // Phase 0: affinity match entries of the changed frontends that go. Other frontends'
@@ -741,8 +860,8 @@ impl Planner {
         // them; then rev-NAT entries.
         let mut puts = Vec::new();
         let mut dead_backends = Vec::new();
-        for ep in &self.touched {
-            match self.endpoint_use.get(ep) {
+        for ep in touched {
+            match self.endpoint_use(ep) {
                 Some(u) => {
                     let id = id_of(ep)?;
                     let backend = proxy_common::Backend {
@@ -756,8 +875,8 @@ impl Planner {
                     }
                 }
                 None => {
-                    if let Some(id) = self.endpoint_ids.get(ep) {
-                        dead_backends.push(*id);
+                    if let Some(id) = self.endpoint_id(ep) {
+                        dead_backends.push(id);
                     }
                 }
             }

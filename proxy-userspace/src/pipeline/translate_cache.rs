@@ -690,10 +690,7 @@ impl SliceGroup {
     }
 
     fn get(&self, name: &str) -> Option<&Arc<SliceData>> {
-        let i = self
-            .0
-            .binary_search_by(|(n, _)| (**n).cmp(name))
-            .ok()?;
+        let i = self.0.binary_search_by(|(n, _)| (**n).cmp(name)).ok()?;
         Some(&self.0[i].1)
     }
 

@@ -78,6 +78,9 @@ enum Command {
         #[arg(long)]
         agent_sync_period: Option<String>,
     },
+    /// Write the footprint's manifest folder for `services` generated Services × 10 endpoints
+    /// into `dir` (to run the agent on it by hand, e.g. under heaptrack).
+    WriteManifests { services: usize, dir: PathBuf },
     /// Only the Maglev tables' kernel memory for `services` Maglev Services × 10 endpoints.
     MaglevMemory { services: usize },
     /// Print the baseline rule set the bench loads for `n` generated Services (to inspect it).
@@ -255,6 +258,9 @@ fn main() -> std::process::ExitCode {
                 }
             })
         }
+        Command::WriteManifests { services, dir } => std::fs::create_dir_all(&dir)
+            .context("creating the manifest folder")
+            .and_then(|()| workload::write_manifests(&dir, &workload::generated(services))),
         Command::MaglevMemory { services } => inproc::maglev_memory(services).map(|v| {
             println!("{v}");
         }),
