@@ -905,6 +905,19 @@ pub fn ct6_new_value() -> Option<&'static mut Ct6Value> {
     Some(unsafe { &mut *ptr })
 }
 
+/// Where a new IPv6 flow's reply-tuple probe keeps its candidate keys (one per CPU, not pinned).
+#[btf_map]
+static CLASH6: PerCpuArray<crate::ipv6::conntrack::Clash6, 1> = PerCpuArray::new();
+
+/// This CPU's reply-tuple probe scratch (`ipv6::conntrack` only).
+#[inline(always)]
+pub fn clash6() -> Option<&'static mut crate::ipv6::conntrack::Clash6> {
+    let ptr = CLASH6.get_ptr_mut(0)?;
+    // SAFETY: as in `scratch6`; `ipv6::conntrack` takes it once per probe or insert, and no
+    // reference outlives the call that took it.
+    Some(unsafe { &mut *ptr })
+}
+
 /// A copy of a `SERVICES6` entry.
 #[inline(always)]
 pub fn service6(key: &Service6Key) -> Option<ServiceValue> {
@@ -927,6 +940,16 @@ pub fn backend6(id: u32) -> Option<Backend6> {
     let ptr = BACKENDS6_V1.get_ptr(id)?;
     // SAFETY: as in `service`.
     Some(unsafe { *ptr })
+}
+
+/// `BACKENDS6[id]` by reference (valid for the program run: map values are freed after an RCU
+/// grace period; the agent replaces a backend's entry only after its flows' pick is moot).
+#[inline(always)]
+pub fn backend6_ref(id: u32) -> Option<&'static Backend6> {
+    let ptr = BACKENDS6_V1.get_ptr(id)?;
+    // SAFETY: a pointer from a hash lookup points at a live, aligned value of the right type
+    // for the rest of this program run.
+    Some(unsafe { &*ptr })
 }
 
 impl Stamped for Ct6Value {

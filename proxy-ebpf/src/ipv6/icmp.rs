@@ -11,7 +11,7 @@
 //! messages never get here (`packet`).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_dir, ipv6::Ct6Key};
+use proxy_common::{Counter, ct_dir, ct_flags, ipv6::Ct6Key};
 
 use super::{nat, packet::Icmp6Error};
 use crate::{Action, Drop, maps, nat::replace_quoted_port};
@@ -48,6 +48,10 @@ pub fn reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
         e.inner_dport,
         ct.frontend_port,
     )?;
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        // The flow left with another source port (reply-tuple clash): quote the client's own.
+        replace_quoted_port(ctx, e.inner_sport_off(), csum, e.inner_sport, ct.nat_sport)?;
+    }
     nat::replace_icmp_covered_addr(ctx, e.saddr_off(), csum, e.saddr, ct.frontend_addr, true)?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
 }

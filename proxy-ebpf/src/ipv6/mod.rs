@@ -12,12 +12,14 @@
 //! `timeouts`), the hashes and slot picks, Maglev tables, counters, the reject rate limit, the
 //! conntrack entry handle (`maps::FlowEntry`) and the quoted-port rewrite.
 //!
+//! Reply tuples stay unique as on IPv4 (source-port clash resolution, direct flows tracked:
+//! `conntrack`).
+//!
 //! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT,
 //! eTP=Local in-cluster entries, session affinity, least connection
-//! (picks by the flow hash), reply-tuple clash resolution, direct-flow tracking, the Service CIDR
-//! checks and the datapath trace.
+//! (picks by the flow hash), the Service CIDR checks and the datapath trace.
 
-mod conntrack;
+pub(crate) mod conntrack;
 mod egress;
 pub(crate) mod frag;
 mod icmp;

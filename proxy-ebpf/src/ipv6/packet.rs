@@ -161,6 +161,11 @@ impl Icmp6Error {
     pub const fn inner_dport_off(&self) -> usize {
         self.inner_off() + IPV6_HLEN + 2
     }
+
+    #[inline(always)]
+    pub const fn inner_sport_off(&self) -> usize {
+        self.inner_off() + IPV6_HLEN
+    }
 }
 
 /// A later fragment (offset ≠ 0) of an IPv6 datagram.
