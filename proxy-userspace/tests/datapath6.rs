@@ -24,9 +24,10 @@ use common_packet::{
 };
 use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
 use proxy_common::{
-    CONFIG_GLOBAL, Counter, DatapathConfig, MAP_STATS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
-    PROG_TC_INGRESS, PROG_TC_INGRESS_L3, ServiceValue, csum, ct_dir, ct_flags, ct_state,
-    hash::pick_slot,
+    CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, Counter, DatapathConfig, MAP_STATS,
+    PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, ServiceValue, csum,
+    ct_dir, ct_flags, ct_state,
+    hash::{PortProbe, pick_slot},
     ipv6::{
         Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6,
         MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
@@ -69,7 +70,10 @@ struct Datapath {
 
 impl Datapath {
     fn load() -> Self {
-        let cfg = DatapathConfig::DEFAULT;
+        Self::load_with(DatapathConfig::DEFAULT)
+    }
+
+    fn load_with(cfg: DatapathConfig) -> Self {
         let mut l = EbpfLoader::new();
         l.override_global(CONFIG_GLOBAL, &cfg, true);
         for map in [
@@ -145,6 +149,20 @@ impl Datapath {
             .iter()
             .map(|c| (c.name(), stats.get(&(*c as u32), 0).unwrap().iter().sum()))
             .collect()
+    }
+
+    /// One run of `prog` over `input`, nothing checked: (verdict, output frame).
+    fn run(&self, prog: &str, input: &[u8]) -> (u32, Vec<u8>) {
+        let mut out = vec![0u8; input.len() + 256];
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat: 1,
+            ..Default::default()
+        };
+        let r = self.prog(prog).test_run(opts).expect("BPF_PROG_TEST_RUN");
+        out.truncate(r.data_size_out as usize);
+        (r.return_value, out)
     }
 
     /// One run of `prog` over `input`; checks the verdict and that exactly the `counts` (plus
@@ -1088,4 +1106,481 @@ fn load_balancer_source_ranges_take_ipv6_prefixes() {
     let syn = Pkt6::tcp(outsider, 47_002, VIP, 80, SYN);
     let out = dp.step("a ClusterIP", PROG_TC_INGRESS, &syn.bytes(), TC_NEXT, NEW);
     assert_packet("a ClusterIP", &out, &dnated(&syn, id));
+}
+
+// Reply-tuple clash resolution (as tests/datapath.rs): no two live flows share a reply tuple; a
+// new flow whose REPLY key another live flow holds leaves with another source port, and its
+// replies go back to the client's own port. Flows straight to pods are tracked for this.
+
+/// A second ClusterIP whose Services select the same pods as `VIP`'s.
+const VIP2: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x11);
+
+fn two_frontends_one_backend() -> Datapath {
+    let mut dp = Datapath::load();
+    dp.set_service(VIP, 80, proto::TCP, 1, &[1]);
+    dp.set_service(VIP2, 80, proto::TCP, 5, &[1]);
+    dp.set_service(VIP, 53, proto::UDP, 2, &[11]);
+    dp.set_service(VIP2, 53, proto::UDP, 6, &[11]);
+    dp
+}
+
+fn original_key(p: &Pkt6) -> Ct6Key {
+    let (sport, dport) = ports(p);
+    Ct6Key {
+        saddr: p.saddr.octets(),
+        daddr: p.daddr.octets(),
+        sport: sport.to_be_bytes(),
+        dport: dport.to_be_bytes(),
+        proto: p.proto(),
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+/// The REPLY key of `p`'s flow to backend `id` (the client's own port).
+fn reply_key(p: &Pkt6, id: u32) -> Ct6Key {
+    let (addr, port) = backend_addr(id);
+    let (sport, _) = ports(p);
+    Ct6Key {
+        saddr: addr.octets(),
+        daddr: p.saddr.octets(),
+        sport: port.to_be_bytes(),
+        dport: sport.to_be_bytes(),
+        proto: p.proto(),
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// The source port the datapath moves a clashing flow to when the first probe is free (the
+/// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX`, proxy-ebpf `ipv6::conntrack`).
+fn clash_port(p: &Pkt6) -> u16 {
+    let (sport, dport) = ports(p);
+    let hash = flow_hash6(
+        DatapathConfig::DEFAULT.hash_seed,
+        p.saddr.octets(),
+        p.daddr.octets(),
+        sport.to_be_bytes(),
+        dport.to_be_bytes(),
+        p.proto(),
+    );
+    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(0)
+}
+
+fn with_sport(p: &Pkt6, port: u16) -> Pkt6 {
+    let mut q = p.clone();
+    set_ports(&mut q, port, ports(p).1);
+    q
+}
+
+fn with_dport(p: &Pkt6, port: u16) -> Pkt6 {
+    let mut q = p.clone();
+    set_ports(&mut q, ports(p).0, port);
+    q
+}
+
+/// A backend's `reply` as the client receives it: from `original`'s frontend.
+fn rev_natted(reply: &Pkt6, original: &Pkt6) -> Pkt6 {
+    let mut q = reply.clone();
+    q.saddr = original.daddr;
+    set_ports(&mut q, ports(original).1, ports(reply).1);
+    q
+}
+
+const REMAPPED: &[(Counter, u64)] = &[
+    (Counter::NewFlow, 1),
+    (Counter::PickRandom, 1),
+    (Counter::ReplyTupleRemapped, 1),
+];
+
+#[test]
+fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples() {
+    let mut dp = two_frontends_one_backend();
+    let a = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let out = dp.step("first flow", PROG_TC_INGRESS, &a.bytes(), TC_NEXT, NEW);
+    assert_packet(
+        "first flow: DNAT, the client's own port",
+        &out,
+        &dnated(&a, 1),
+    );
+    let b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, SYN);
+    let moved = clash_port(&b);
+    let out = dp.step(
+        "second flow",
+        PROG_TC_INGRESS,
+        &b.bytes(),
+        TC_NEXT,
+        REMAPPED,
+    );
+    assert_packet(
+        "same client port, other VIP, same backend: DNAT and another source port",
+        &out,
+        &with_sport(&dnated(&b, 1), moved),
+    );
+    let ct = dp.ct(&original_key(&b)).expect("second flow's ORIGINAL");
+    assert_eq!(ct.flags & ct_flags::SPORT_NAT, ct_flags::SPORT_NAT);
+    assert_eq!(u16::from_be_bytes(ct.nat_sport), moved);
+    let first = dp.ct(&reply_key(&a, 1)).expect("first flow's REPLY");
+    assert_eq!(
+        first.frontend_addr,
+        VIP.octets(),
+        "first flow's REPLY still its own"
+    );
+
+    // Each backend reply goes to its own flow: source = its VIP, destination = the client port.
+    let reply_b = with_dport(&dnated(&b, 1).reversed(), moved);
+    let out = dp.step(
+        "reply on the moved port",
+        PROG_TC_EGRESS,
+        &reply_b.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "reply on the moved port: from VIP2:80, back to the client's own port",
+        &out,
+        &with_dport(&rev_natted(&reply_b, &b), 40_000),
+    );
+    let reply_a = dnated(&a, 1).reversed();
+    let out = dp.step(
+        "reply on the client's port",
+        PROG_TC_EGRESS,
+        &reply_a.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "reply on the client's port: from VIP:80",
+        &out,
+        &rev_natted(&reply_a, &a),
+    );
+    let ack_b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, ACK);
+    let out = dp.step(
+        "the second flow's next packet",
+        PROG_TC_INGRESS,
+        &ack_b.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_packet(
+        "the second flow's next packet keeps the moved port",
+        &out,
+        &with_sport(&dnated(&ack_b, 1), moved),
+    );
+
+    // Ending the second flow never removes the first one's entries.
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 40_000, VIP2, 80, RST | ACK).bytes(),
+    );
+    dp.set_service(VIP2, 80, proto::TCP, 5, &[]);
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 40_000, VIP2, 80, SYN).bytes(),
+    );
+    assert!(
+        dp.ct(&original_key(&b)).is_none(),
+        "the second flow is gone"
+    );
+    assert!(
+        dp.ct(&reply_key(&a, 1))
+            .is_some_and(|v| v.frontend_addr == VIP.octets()),
+        "the first flow's REPLY entry survives the second flow's end"
+    );
+    let out = dp.step(
+        "the first flow still answers",
+        PROG_TC_EGRESS,
+        &reply_a.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "the first flow still answers from VIP:80",
+        &out,
+        &rev_natted(&reply_a, &a),
+    );
+}
+
+#[test]
+fn udp_datagrams_alternating_between_two_vips_come_back_from_the_right_one() {
+    let dp = two_frontends_one_backend();
+    let q1 = Pkt6::udp(CLIENT, 41_000, VIP, 53).payload(b"q1");
+    let q2 = Pkt6::udp(CLIENT, 41_000, VIP2, 53).payload(b"q2");
+    let moved = clash_port(&q2);
+    for round in 0..3 {
+        let established: &[(Counter, u64)] = &[(Counter::EstablishedFlow, 1)];
+        let out = dp.step(
+            "to VIP",
+            PROG_TC_INGRESS,
+            &q1.bytes(),
+            TC_NEXT,
+            if round == 0 { NEW } else { established },
+        );
+        assert_packet("to VIP", &out, &dnated(&q1, 11));
+        let out = dp.step(
+            "to VIP2",
+            PROG_TC_INGRESS,
+            &q2.bytes(),
+            TC_NEXT,
+            if round == 0 { REMAPPED } else { established },
+        );
+        assert_packet(
+            "to VIP2: moved to another port",
+            &out,
+            &with_sport(&dnated(&q2, 11), moved),
+        );
+        let r1 = dnated(&q1, 11).reversed().payload(b"a1");
+        let out = dp.step(
+            "answer to VIP's query",
+            PROG_TC_EGRESS,
+            &r1.bytes(),
+            TC_NEXT,
+            &[(Counter::ReplyTranslated, 1)],
+        );
+        assert_packet(
+            "answer to VIP's query: from VIP",
+            &out,
+            &rev_natted(&r1, &q1),
+        );
+        let r2 = with_dport(&dnated(&q2, 11).reversed().payload(b"a2"), moved);
+        let out = dp.step(
+            "answer to VIP2's query",
+            PROG_TC_EGRESS,
+            &r2.bytes(),
+            TC_NEXT,
+            &[(Counter::ReplyTranslated, 1)],
+        );
+        assert_packet(
+            "answer to VIP2's query: from VIP2, to the client's port",
+            &out,
+            &with_dport(&rev_natted(&r2, &q2), 41_000),
+        );
+    }
+}
+
+#[test]
+fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
+    let dp = two_frontends_one_backend();
+    let (pod, pod_port) = backend_addr(1);
+    // VIP first, then straight to the pod from the same port.
+    let v = Pkt6::tcp(CLIENT, 42_000, VIP, 80, SYN);
+    dp.step("VIP flow", PROG_TC_INGRESS, &v.bytes(), TC_NEXT, NEW);
+    let d = Pkt6::tcp(CLIENT, 42_000, pod, pod_port, SYN);
+    let moved = clash_port(&d);
+    let out = dp.step(
+        "direct flow on the VIP flow's reply tuple",
+        PROG_TC_INGRESS,
+        &d.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    );
+    assert_packet(
+        "direct flow on the VIP flow's reply tuple: only its source port moves",
+        &out,
+        &with_sport(&d, moved),
+    );
+    let ack = Pkt6::tcp(CLIENT, 42_000, pod, pod_port, ACK);
+    let out = dp.step(
+        "the direct flow's next packet",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1)],
+    );
+    assert_packet(
+        "the direct flow keeps its moved port",
+        &out,
+        &with_sport(&ack, moved),
+    );
+    let d_reply = with_dport(&d.reversed(), moved);
+    let out = dp.step(
+        "the pod's answer to the direct flow",
+        PROG_TC_EGRESS,
+        &d_reply.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1)],
+    );
+    assert_packet(
+        "the pod's answer to the direct flow: from the pod, to the client's port",
+        &out,
+        &with_dport(&d_reply, 42_000),
+    );
+    let v_reply = dnated(&v, 1).reversed();
+    let out = dp.step(
+        "the VIP flow's answer",
+        PROG_TC_EGRESS,
+        &v_reply.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "the VIP flow's answer: from the VIP",
+        &out,
+        &rev_natted(&v_reply, &v),
+    );
+
+    // Straight to the pod first, then through the VIP from the same port.
+    let d2 = Pkt6::tcp(CLIENT, 42_100, pod, pod_port, SYN);
+    let out = dp.step(
+        "direct flow",
+        PROG_TC_INGRESS,
+        &d2.bytes(),
+        TC_NEXT,
+        &[(Counter::NotService, 1)],
+    );
+    assert_eq!(out, d2.bytes(), "direct flow: tracked, untouched");
+    let v2 = Pkt6::tcp(CLIENT, 42_100, VIP, 80, SYN);
+    let moved2 = clash_port(&v2);
+    let out = dp.step(
+        "VIP flow on the direct flow's tuple",
+        PROG_TC_INGRESS,
+        &v2.bytes(),
+        TC_NEXT,
+        REMAPPED,
+    );
+    assert_packet(
+        "VIP flow on the direct flow's tuple: DNAT and another source port",
+        &out,
+        &with_sport(&dnated(&v2, 1), moved2),
+    );
+    let out = dp.step(
+        "the pod's answer to the direct flow",
+        PROG_TC_EGRESS,
+        &d2.reversed().bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, d2.reversed().bytes(), "passes untranslated");
+}
+
+#[test]
+fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() {
+    let mut dp = Datapath::load_with(DatapathConfig {
+        tcp_transitory_timeout_s: 1,
+        ..DatapathConfig::DEFAULT
+    });
+    dp.set_service(VIP, 80, proto::TCP, 1, &[1]);
+    let (pod, pod_port) = backend_addr(1);
+    let v = Pkt6::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &v.bytes());
+    // The VIP flow ended long ago (both entries idle past the 1 s timeout).
+    for key in [original_key(&v), reply_key(&v, 1)] {
+        let mut e = dp.ct(&key).expect("entry");
+        e.last_seen_ns = 0;
+        e.state = ct_state::CLOSING;
+        dp.conntrack().insert(key, e, 0).expect("age entry");
+    }
+    let d = Pkt6::tcp(CLIENT, 43_000, pod, pod_port, SYN);
+    let out = dp.step(
+        "a new direct connection on a dead flow's tuple",
+        PROG_TC_INGRESS,
+        &d.bytes(),
+        TC_NEXT,
+        &[(Counter::NotService, 1), (Counter::ReplyTupleReclaimed, 1)],
+    );
+    assert_eq!(out, d.bytes(), "it keeps its port");
+    assert!(
+        dp.ct(&original_key(&v)).is_none(),
+        "dead flow's ORIGINAL gone"
+    );
+    assert!(dp.ct(&reply_key(&v, 1)).is_none(), "dead flow's REPLY gone");
+    let out = dp.step(
+        "the pod's answer",
+        PROG_TC_EGRESS,
+        &d.reversed().bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, d.reversed().bytes(), "not rewritten to the VIP");
+
+    // A live flow survives the eviction of either entry.
+    let live = Pkt6::tcp(CLIENT, 43_100, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &live.bytes());
+    dp.conntrack()
+        .remove(&reply_key(&live, 1))
+        .expect("evict REPLY");
+    let ack = Pkt6::tcp(CLIENT, 43_100, VIP, 80, ACK);
+    let out = dp.step(
+        "a packet whose REPLY entry was evicted",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[
+            (Counter::EstablishedFlow, 1),
+            (Counter::ConntrackRestored, 1),
+        ],
+    );
+    assert_packet(
+        "DNATed, its REPLY entry written again",
+        &out,
+        &dnated(&ack, 1),
+    );
+    assert!(dp.ct(&reply_key(&live, 1)).is_some(), "REPLY back");
+    let reply = dnated(&live, 1).reversed();
+    dp.conntrack()
+        .remove(&original_key(&live))
+        .expect("evict ORIGINAL");
+    let out = dp.step(
+        "a reply whose ORIGINAL entry was evicted",
+        PROG_TC_EGRESS,
+        &reply.bytes(),
+        TC_NEXT,
+        &[
+            (Counter::ReplyTranslated, 1),
+            (Counter::ConntrackRestored, 1),
+        ],
+    );
+    assert_packet(
+        "translated, its ORIGINAL written again",
+        &out,
+        &rev_natted(&reply, &live),
+    );
+    // The Service changes: without the restored ORIGINAL, the client's next packet would be a
+    // new flow to whatever the Service holds now.
+    dp.set_service(VIP, 80, proto::TCP, 1, &[1, 2]);
+    let out = dp.step(
+        "the client's next packet",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_packet(
+        "the client's next packet keeps its backend",
+        &out,
+        &dnated(&ack, 1),
+    );
+}
+
+#[test]
+fn an_icmpv6_error_about_a_moved_flow_quotes_the_client_s_own_port() {
+    let dp = two_frontends_one_backend();
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 44_000, VIP, 80, SYN).bytes(),
+    );
+    let b = Pkt6::tcp(CLIENT, 44_000, VIP2, 80, SYN);
+    let moved = clash_port(&b);
+    dp.step("moved flow", PROG_TC_INGRESS, &b.bytes(), TC_NEXT, REMAPPED);
+    // Packet Too Big about client:moved → backend, from a router on the way.
+    let quoted = with_sport(&dnated(&b, 1), moved).l3_bytes();
+    let mtu = [0, 0, 0x05, 0x00];
+    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
+    let out = dp.step(
+        "PTB about the moved flow",
+        PROG_TC_EGRESS,
+        &ptb,
+        TC_NEXT,
+        &[(Counter::IcmpErrorTranslated, 1)],
+    );
+    let mut want_quoted = quoted.clone();
+    want_quoted[24..40].copy_from_slice(&VIP2.octets());
+    want_quoted[40..42].copy_from_slice(&44_000u16.to_be_bytes());
+    want_quoted[42..44].copy_from_slice(&80u16.to_be_bytes());
+    let want = icmp6_frame(VIP2, CLIENT, 2, 0, mtu, &want_quoted);
+    assert!(
+        Decoded6::parse(&out).l4_csum_ok(),
+        "ICMPv6 checksum after the rewrite"
+    );
+    assert_eq!(out, want, "from VIP2, quoting client:44000 → VIP2:80");
 }
