@@ -10,7 +10,9 @@
 //! their tuple as taken. A flow only ever removes entries that are its own. The candidate keys
 //! of the probe live in per-CPU map memory (`maps::clash6`), not on the new-flow stack.
 //!
-//! Not carried yet on IPv6: the least-connection flow counts.
+//! Least connection: every translated flow takes a unit of its backend's count (`LCFLOWS_V1`,
+//! shared with IPv4 by backend id, `ct_flags::COUNTED` on its entries) and gives it back once
+//! when its end is seen or its entries are replaced, as `crate::lc`.
 
 use proxy_common::{
     CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, ct_dir, ct_flags, ct_state,
@@ -199,6 +201,9 @@ pub fn client_passed(p: &Packet6, original: &Ct6Key, entry: &Ct6Entry, ct: &Ct6V
     let (was, last_seen) = (ct.state, ct.last_seen_ns);
     let state = flow_state::after_client(was, segment(p));
     entry.touch(now, state);
+    if state == ct_state::CLOSING {
+        release(entry, ct.backend_id); // A RST or the second FIN: the flow is over.
+    }
     if (state == was && (now ^ last_seen) >> REPLY_CHECK_SHIFT == 0) || plain_direct(ct) {
         return;
     }
@@ -233,6 +238,9 @@ pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64
             let state = flow_state::after_backend(o.get().state, segment(p));
             reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
             o.touch_flags(now, state, ct_flags::SEEN_REPLY);
+            if state == ct_state::CLOSING {
+                release(&o, reply_ct.backend_id);
+            }
         }
         None => {
             let state = flow_state::after_backend(reply_ct.state, segment(p));
@@ -245,6 +253,11 @@ pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64
             };
             if reply_ct.flags & ct_flags::SPORT_NAT != 0 {
                 value.nat_sport = p.dport; // The ORIGINAL value names the port it leaves with.
+            }
+            if state == ct_state::CLOSING {
+                // Its unit was given back when it closed (or is lost with it: the agent's
+                // reconciliation counts only live flows).
+                value.flags &= !ct_flags::COUNTED;
             }
             if maps::ct6_insert_new(&original_key, &value).is_ok() {
                 stats::count(Counter::ConntrackRestored);
@@ -310,7 +323,7 @@ fn reply_tuple_taken(original: &Ct6Key, s: &mut Clash6, now: u64) -> bool {
             return true;
         }
         // Both entries idle: that flow is over, its tuple free again.
-        maps::ct6_remove(&s.other);
+        forget_original(&s.other);
         maps::ct6_remove(&s.candidate);
         stats::count(Counter::ReplyTupleReclaimed);
     }
@@ -427,13 +440,31 @@ pub fn create(
     value.frontend_port = p.dport;
     value.backend_port = *flow.backend_port;
     value.state = flow_state::after_client(ct_state::UDP, segment(p));
-    value.flags = flags | if flow.direct { ct_flags::DIRECT } else { 0 };
+    value.flags = flags
+        | if flow.direct {
+            ct_flags::DIRECT
+        } else {
+            ct_flags::COUNTED
+        };
     value.nat_sport = nat_sport;
     if plain_direct(value) {
         // Losing the marker (map full) only loses clash protection for this flow: pass it on.
         let _ = maps::ct6_insert(flow.original, value);
         return Ok(None);
     }
+    if !flow.direct {
+        maps::lc_add(flow.backend_id, 1);
+    }
+    let created = insert_pair(flow, value, flags);
+    if created.is_err() && !flow.direct {
+        maps::lc_add(flow.backend_id, u64::MAX);
+    }
+    created.map(|()| (flags != 0).then_some(nat_sport))
+}
+
+/// Write a new flow's ORIGINAL and REPLY entries (`value`: the ORIGINAL value, in map memory).
+#[inline(always)]
+fn insert_pair(flow: &NewFlow6<'_>, value: &mut Ct6Value, flags: u8) -> Result<(), Drop> {
     let s = maps::clash6().ok_or(Drop::ConntrackFull)?;
     set_reply_key(
         &mut s.candidate,
@@ -450,7 +481,7 @@ pub fn create(
         maps::ct6_remove(flow.original);
         return Err(Drop::ConntrackFull);
     }
-    Ok((flags != 0).then_some(nat_sport))
+    Ok(())
 }
 
 /// Where a flow's packets went: what its REPLY key is made of besides the ORIGINAL key.
@@ -479,7 +510,7 @@ impl Sent {
 /// Forget a flow: its ORIGINAL entry, and its REPLY entry if that is still its own.
 #[inline(always)]
 pub fn remove(original: &Ct6Key, sent: Sent) {
-    maps::ct6_remove(original);
+    forget_original(original);
     if !sent.has_reply {
         return;
     }
@@ -488,5 +519,24 @@ pub fn remove(original: &Ct6Key, sent: Sent) {
         && owns_reply(original, entry.peek())
     {
         maps::ct6_remove(&reply);
+    }
+}
+
+/// Remove an ORIGINAL entry, giving back its flow's least-connection unit if it still holds it.
+#[inline(always)]
+fn forget_original(original: &Ct6Key) {
+    if let Some(entry) = maps::ct6_entry(original) {
+        let backend_id = entry.peek().backend_id;
+        release(&entry, backend_id);
+    }
+    maps::ct6_remove(original);
+}
+
+/// Give back the unit of the flow whose ORIGINAL entry this is, once (`COUNTED` cleared
+/// atomically).
+#[inline(always)]
+fn release(entry: &Ct6Entry, backend_id: u32) {
+    if entry.has_flags(ct_flags::COUNTED) && entry.take_counted() {
+        maps::lc_add(backend_id, u64::MAX);
     }
 }

@@ -3,20 +3,19 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, ServiceValue, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_flags, ct_state, frag_hook,
-    hash::{addr_hash, pick_slot},
-    ipv6::{Ct6Key, Ct6Value, Service6Key, SourceRange6Key, flow_hash6, fold_addr},
-    maglev, sched, service_flags,
+    Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_flags, ct_state, frag_hook,
+    ipv6::{Ct6Key, Ct6Value, Service6Key, SourceRange6Key},
+    service_flags,
 };
 
 use super::{
     conntrack::{self, NewFlow6, Sent},
     frag, nat,
     packet::{self, Packet6, Parsed6},
-    reject,
+    pick, reject,
 };
 use crate::{
-    Action, Drop, maglev as maglev_pick,
+    Action, Drop,
     maps::{self, Ct6Entry},
     packet::tcp_flags,
     stats,
@@ -178,7 +177,7 @@ fn new_flow(
                 }
                 return Err(Drop::SourceRange);
             }
-            let Some(backend_id) = choose(&frontend_key, &frontend, p)? else {
+            let Some(backend_id) = pick::choose(&frontend_key, &frontend, p)? else {
                 if let Some(old) = old {
                     conntrack::remove(key, old);
                 }
@@ -226,46 +225,6 @@ fn new_flow(
     } else {
         Counter::NewFlow
     }))
-}
-
-/// The backend id for a new flow; `Ok(None)` without backends. The IPv4 schedulers where they
-/// need no per-family state: random (the seeded flow hash), round robin, source/destination
-/// hashing (of the folded address) and Maglev (its tables hold slots, shared by both families).
-/// Least connection and session affinity are not carried on IPv6 yet: such a frontend picks by
-/// the flow hash (counted as `pick_random`).
-#[inline(always)]
-fn choose(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<Option<u32>, Drop> {
-    let seed = if frontend.scheduler == sched::code::MAGLEV {
-        maglev::FLOW_SEED
-    } else {
-        maps::hash_seed()
-    };
-    let hash = flow_hash6(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
-    let (slot, scheduler) = match frontend.scheduler {
-        sched::code::ROUND_ROBIN => (
-            match maps::rr_next6(key) {
-                Some(n) => sched::rr_slot(n, frontend.count),
-                None => pick_slot(hash, frontend.count),
-            },
-            sched::code::ROUND_ROBIN,
-        ),
-        sched::code::SOURCE_HASH => (
-            pick_slot(addr_hash(fold_addr(p.saddr)), frontend.count),
-            sched::code::SOURCE_HASH,
-        ),
-        sched::code::DESTINATION_HASH => (
-            pick_slot(addr_hash(fold_addr(p.daddr)), frontend.count),
-            sched::code::DESTINATION_HASH,
-        ),
-        sched::code::MAGLEV => (maglev_pick::slot(frontend, hash), sched::code::MAGLEV),
-        _ => (pick_slot(hash, frontend.count), sched::code::RANDOM),
-    };
-    let Some(slot) = slot else {
-        return Ok(None);
-    };
-    let slot = maps::service6(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
-    stats::count_pick(scheduler);
-    Ok(Some(slot.backend_id))
 }
 
 /// The reject program: ICMPv6 port unreachable for a new flow to a Service without endpoints, a

@@ -15,9 +15,10 @@
 //! Reply tuples stay unique as on IPv4 (source-port clash resolution, direct flows tracked:
 //! `conntrack`).
 //!
+//! Every scheduler and session affinity pick as on IPv4 (`pick`).
+//!
 //! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT,
-//! eTP=Local in-cluster entries, session affinity, least connection
-//! (picks by the flow hash), the Service CIDR checks and the datapath trace.
+//! eTP=Local in-cluster entries, the Service CIDR checks and the datapath trace.
 
 pub(crate) mod conntrack;
 mod egress;
@@ -26,6 +27,7 @@ mod icmp;
 mod ingress;
 mod nat;
 pub(crate) mod packet;
+mod pick;
 mod reject;
 
 pub use egress::try_egress;
