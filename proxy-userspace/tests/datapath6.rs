@@ -13,7 +13,7 @@ use std::{collections::BTreeMap, net::Ipv6Addr};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        HashMap, MapData, PerCpuArray,
+        Array, HashMap, MapData, PerCpuArray,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{SchedClassifier, TestRun, TestRunOptions},
@@ -22,15 +22,16 @@ use common_packet::{
     CLIENT_MAC, Decoded6, ETH_HLEN, Ext6, HOST_MAC, ICMPV6, L4, Pkt6, ext6, icmp6_frame,
     ipv6_packet, tcp_flags::*,
 };
-use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
+use kube_proxy_ebpf::dataplane::{clock::monotonic_ns, ebpf_object::EBPF_OBJECT, loader};
 use proxy_common::{
-    CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, Counter, DatapathConfig, MAP_STATS,
-    PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, ServiceValue, csum,
-    ct_dir, ct_flags, ct_state,
+    AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, Counter, DatapathConfig,
+    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_STATS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
+    PROG_TC_INGRESS_L3, ServiceValue, csum, ct_dir, ct_flags, ct_state,
     hash::{PortProbe, pick_slot},
     ipv6::{
-        Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6,
-        MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
+        Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
+        MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, MAP_SOURCE_RANGES6,
+        SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
     },
     proto, sched, service_flags,
 };
@@ -1583,4 +1584,323 @@ fn an_icmpv6_error_about_a_moved_flow_quotes_the_client_s_own_port() {
         "ICMPv6 checksum after the rewrite"
     );
     assert_eq!(out, want, "from VIP2, quoting client:44000 → VIP2:80");
+}
+
+// Session affinity (ClientIP) and least connection on IPv6 (as tests/datapath.rs): records in
+// AFFINITY6_V1 per (Service port scope, client), usable while AFFMATCH6_V1 names the backend and
+// the last use is within the timeout; lc counts in LCFLOWS_V1 (shared with IPv4 by backend id).
+
+/// The scope id the affinity tests give their Service port.
+const AFFINITY_ID: u32 = 9;
+
+fn vip_key(port: u16, proto_: u8) -> Service6Key {
+    Service6Key::new(VIP.octets(), port.to_be_bytes(), proto_, 0)
+}
+
+impl Datapath {
+    fn affinity(&mut self) -> HashMap<&mut MapData, Affinity6Key, AffinityValue> {
+        HashMap::try_from(self.bpf.map_mut(MAP_AFFINITY6).unwrap()).unwrap()
+    }
+
+    fn affinity_matches(&mut self) -> HashMap<&mut MapData, Affinity6MatchKey, u32> {
+        HashMap::try_from(self.bpf.map_mut(MAP_AFFINITY_MATCH6).unwrap()).unwrap()
+    }
+
+    fn affinity_record(&mut self, client: Ipv6Addr) -> Option<AffinityValue> {
+        let key = Affinity6Key {
+            affinity_id: AFFINITY_ID,
+            client: client.octets(),
+        };
+        self.affinity().get(&key, 0).ok()
+    }
+
+    fn set_affinity_record(&mut self, client: Ipv6Addr, backend_id: u32, last_used_ns: u64) {
+        let key = Affinity6Key {
+            affinity_id: AFFINITY_ID,
+            client: client.octets(),
+        };
+        let value = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns,
+        };
+        self.affinity().insert(key, value, 0).unwrap();
+    }
+
+    /// VIP:80/TCP as the agent writes an affinity frontend (backends → slots → match entries →
+    /// frontend), timeout `timeout_s`.
+    fn set_affinity_frontend(&mut self, timeout_s: u32, ids: &[u32]) {
+        self.set_service(VIP, 80, proto::TCP, 1, ids);
+        let key = vip_key(80, proto::TCP);
+        let stale: Vec<Affinity6MatchKey> = self
+            .affinity_matches()
+            .keys()
+            .map(|k| k.unwrap())
+            .filter(|k| !ids.contains(&k.backend_id))
+            .collect();
+        for k in stale {
+            self.affinity_matches().remove(&k).unwrap();
+        }
+        for &backend_id in ids {
+            let m = Affinity6MatchKey {
+                frontend: key,
+                backend_id,
+            };
+            self.affinity_matches().insert(m, 1, 0).unwrap();
+        }
+        let mut value = ServiceValue::frontend(ids.len() as u16, 1);
+        value.flags |= service_flags::AFFINITY;
+        value.affinity_timeout_s = timeout_s;
+        value.affinity_id = AFFINITY_ID;
+        self.services().insert(key, value, 0).unwrap();
+    }
+
+    fn set_scheduler(&mut self, key: Service6Key, code: u8) {
+        let mut v = self.services().get(&key, 0).unwrap();
+        v.scheduler = code;
+        self.services().insert(key, v, 0).unwrap();
+    }
+
+    /// Backend `id`'s effective least-connection count (what lc compares).
+    fn lc_count(&self, id: u32) -> u64 {
+        let array = |name| -> Array<&MapData, u64> {
+            Array::try_from(self.bpf.map(name).unwrap()).unwrap()
+        };
+        let active = array(MAP_LC_FLOWS).get(&id, 0).unwrap();
+        let adjust = array(MAP_LC_ADJUST).get(&id, 0).unwrap();
+        proxy_common::lc::effective(active, adjust)
+    }
+
+    fn lc_counts(&self, ids: &[u32]) -> Vec<u64> {
+        ids.iter().map(|&id| self.lc_count(id)).collect()
+    }
+
+    /// A new flow's first packet through tc ingress: the backend its conntrack entry names.
+    fn new_flow_backend(&mut self, p: &Pkt6) -> u32 {
+        let (verdict, _) = self.run(PROG_TC_INGRESS, &p.bytes());
+        assert_eq!(verdict, TC_NEXT, "new flow {p:?}");
+        self.ct(&original_key(p)).expect("entry").backend_id
+    }
+}
+
+const AFFINITY_MISS: &[(Counter, u64)] = &[
+    (Counter::NewFlow, 1),
+    (Counter::PickRandom, 1),
+    (Counter::AffinityMiss, 1),
+];
+const AFFINITY_HIT: &[(Counter, u64)] = &[(Counter::NewFlow, 1), (Counter::AffinityHit, 1)];
+
+#[test]
+fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_leaves() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2];
+    dp.set_affinity_frontend(60, &ids);
+    let before = monotonic_ns();
+    let first = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let chosen = picked(&first, &ids);
+    let out = dp.step(
+        "first flow",
+        PROG_TC_INGRESS,
+        &first.bytes(),
+        TC_NEXT,
+        AFFINITY_MISS,
+    );
+    assert_packet(
+        "a client's first flow: the scheduler's pick",
+        &out,
+        &dnated(&first, chosen),
+    );
+    let record = dp.affinity_record(CLIENT).expect("record written");
+    assert_eq!(record.backend_id, chosen);
+    assert!(record.last_used_ns >= before);
+    let mut hashed_elsewhere = 0;
+    for sport in 40_001..40_021 {
+        let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+        hashed_elsewhere += usize::from(picked(&syn, &ids) != chosen);
+        let out = dp.step(
+            "another new flow",
+            PROG_TC_INGRESS,
+            &syn.bytes(),
+            TC_NEXT,
+            AFFINITY_HIT,
+        );
+        assert_packet(
+            "another new flow: the recorded backend",
+            &out,
+            &dnated(&syn, chosen),
+        );
+    }
+    assert!(
+        hashed_elsewhere > 3,
+        "the flows would have spread without affinity"
+    );
+    // Packets of a known flow do not look at the record.
+    let stamped = dp.affinity_record(CLIENT).unwrap().last_used_ns;
+    let ack = Pkt6::tcp(CLIENT, 40_000, VIP, 80, ACK);
+    dp.step(
+        "established",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().last_used_ns, stamped);
+
+    // A record last used at boot, with a 1 s timeout: expired, a fresh pick replaces it.
+    dp.set_affinity_frontend(1, &ids);
+    let other = if chosen == 1 { 2 } else { 1 };
+    let sport = (41_000..42_000)
+        .find(|&s| picked(&Pkt6::tcp(CLIENT, s, VIP, 80, SYN), &ids) == other)
+        .unwrap();
+    dp.set_affinity_record(CLIENT, chosen, 0);
+    let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+    let out = dp.step(
+        "expired record",
+        PROG_TC_INGRESS,
+        &syn.bytes(),
+        TC_NEXT,
+        AFFINITY_MISS,
+    );
+    assert_packet("expired record: a fresh pick", &out, &dnated(&syn, other));
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, other);
+
+    // The recorded endpoint leaves the Service (its backend entry stays): the remaining one.
+    dp.set_affinity_frontend(3_600, &[chosen]);
+    assert!(
+        dp.backends().get(&other, 0).is_ok(),
+        "the backend still exists"
+    );
+    let syn = Pkt6::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    let out = dp.step(
+        "recorded endpoint gone",
+        PROG_TC_INGRESS,
+        &syn.bytes(),
+        TC_NEXT,
+        AFFINITY_MISS,
+    );
+    assert_packet(
+        "recorded endpoint gone: a new pick among the remaining",
+        &out,
+        &dnated(&syn, chosen),
+    );
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, chosen);
+
+    // Affinity off (the frontend entry): the scheduler again, no record looked at.
+    dp.set_service(VIP, 80, proto::TCP, 1, &ids);
+    for sport in 44_000..44_010 {
+        let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+        assert_eq!(
+            dp.new_flow_backend(&syn),
+            picked(&syn, &ids),
+            "affinity off: the hash"
+        );
+    }
+}
+
+/// lc: while backend 1 holds long flows, new flows go to the idle backend 2 until it holds as
+/// many; counts follow every flow's end (client RST, FIN from both sides, replacement) back to 0.
+#[test]
+fn least_connection_on_ipv6_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_ends() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2];
+    dp.set_service(VIP, 80, proto::TCP, 1, &ids);
+    // Two long flows to backend 1, started under random (every translated flow is counted).
+    let long: Vec<u16> = (40_000..41_000)
+        .filter(|&s| picked(&Pkt6::tcp(CLIENT, s, VIP, 80, SYN), &ids) == 1)
+        .take(2)
+        .collect();
+    for &port in &long {
+        assert_eq!(
+            dp.new_flow_backend(&Pkt6::tcp(CLIENT, port, VIP, 80, SYN)),
+            1
+        );
+    }
+    assert_eq!(dp.lc_counts(&ids), [2, 0]);
+    dp.set_scheduler(vip_key(80, proto::TCP), sched::code::LEAST_CONNECTION);
+    let lc_new: &[(Counter, u64)] = &[(Counter::NewFlow, 1), (Counter::PickLeastConnection, 1)];
+    for (i, port) in [50_000u16, 50_001].into_iter().enumerate() {
+        let syn = Pkt6::tcp(CLIENT, port, VIP, 80, SYN);
+        let out = dp.step(
+            "lc new flow",
+            PROG_TC_INGRESS,
+            &syn.bytes(),
+            TC_NEXT,
+            lc_new,
+        );
+        assert_packet("lc: the idle backend", &out, &dnated(&syn, 2));
+        assert_eq!(dp.lc_counts(&ids), [2, i as u64 + 1]);
+    }
+    // Backend 1's flows end: a client RST, then a FIN from each side.
+    let rst = Pkt6::tcp(CLIENT, long[0], VIP, 80, RST | ACK);
+    dp.step(
+        "client RST",
+        PROG_TC_INGRESS,
+        &rst.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_eq!(dp.lc_counts(&ids), [1, 2], "a RST ends a counted flow");
+    let fin = Pkt6::tcp(CLIENT, long[1], VIP, 80, FIN | ACK);
+    dp.step(
+        "client FIN",
+        PROG_TC_INGRESS,
+        &fin.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [1, 2],
+        "a half-closed flow still counts"
+    );
+    let backend_fin = dnated(&fin, 1).reversed();
+    dp.step(
+        "backend FIN",
+        PROG_TC_EGRESS,
+        &backend_fin.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [0, 2],
+        "both of backend 1's flows ended"
+    );
+    // Retransmitted RST / FIN of a closed flow: no second decrement.
+    dp.run(PROG_TC_INGRESS, &rst.bytes());
+    dp.run(PROG_TC_EGRESS, &backend_fin.bytes());
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [0, 2],
+        "each flow gives its unit back once"
+    );
+    // The emptied backend gets the next new flows.
+    assert_eq!(
+        dp.new_flow_backend(&Pkt6::tcp(CLIENT, 50_002, VIP, 80, SYN)),
+        1
+    );
+    assert_eq!(
+        dp.new_flow_backend(&Pkt6::tcp(CLIENT, 50_003, VIP, 80, SYN)),
+        1
+    );
+    assert_eq!(dp.lc_counts(&ids), [2, 2]);
+    // A SYN on a closed flow's tuple replaces it: counted once, as a new flow.
+    let again = dp.new_flow_backend(&Pkt6::tcp(CLIENT, long[0], VIP, 80, SYN));
+    let mut want = vec![2, 2];
+    want[again as usize - 1] += 1;
+    assert_eq!(dp.lc_counts(&ids), want);
+    // Every open flow ends with a RST (from the client, or from the backend through egress).
+    for (i, port) in [long[0], 50_000, 50_001, 50_002, 50_003]
+        .into_iter()
+        .enumerate()
+    {
+        let rst = Pkt6::tcp(CLIENT, port, VIP, 80, RST | ACK);
+        if i % 2 == 0 {
+            dp.run(PROG_TC_INGRESS, &rst.bytes());
+        } else {
+            let id = dp.ct(&original_key(&rst)).expect("open flow").backend_id;
+            dp.run(PROG_TC_EGRESS, &dnated(&rst, id).reversed().bytes());
+        }
+    }
+    assert_eq!(dp.lc_counts(&ids), [0, 0], "every flow ended");
 }
