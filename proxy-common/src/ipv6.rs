@@ -31,6 +31,10 @@ pub const MAP_AFFINITY6: &str = "AFFINITY6_V1";
 /// `AFFMATCH6_V1` (hash, [`Affinity6MatchKey`] → u32, unused value 1): the backends an IPv6
 /// affinity frontend may send a recorded client to, as `AFFMATCH_V1`.
 pub const MAP_AFFINITY_MATCH6: &str = "AFFMATCH6_V1";
+/// `SVCCIDRS6_V1` (LPM trie, 16-byte address after the kernel's `u32` prefix length →
+/// `crate::service_cidr::*`): the IPv6 Service address space, as `SVCCIDRS_V1` (the Service
+/// CIDRs as `UNALLOCATED`, every allocated IPv6 ClusterIP as a /128 `CLUSTER_IP`).
+pub const MAP_SERVICE_CIDRS6: &str = "SVCCIDRS6_V1";
 
 /// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
 /// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
@@ -48,6 +52,8 @@ pub const CONNTRACK6_CAPACITY: u32 = 65_536;
 pub const FRAGMENTS6_CAPACITY: u32 = 8_192;
 pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
 pub const AFFINITY6_CAPACITY: u32 = 16_384;
+/// One /128 per IPv6 ClusterIP plus the CIDRs (LPM tries are not preallocated).
+pub const SERVICE_CIDRS6_CAPACITY: u32 = 32_768;
 /// At most one per backend slot of an affinity frontend (as for IPv4).
 pub const AFFINITY_MATCH6_CAPACITY: u32 = SERVICES6_CAPACITY;
 

@@ -31,9 +31,9 @@ use proxy_common::{
         AFFINITY_MATCH6_CAPACITY, AFFINITY6_CAPACITY, Affinity6Key, Affinity6MatchKey,
         BACKENDS6_CAPACITY, Backend6, CONNTRACK6_CAPACITY, Ct6Key, Ct6Value, FRAGMENTS6_CAPACITY,
         Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6,
-        MAP_FRAGMENTS6, MAP_REVNAT6, MAP_SERVICES6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY, RevNat6,
-        SERVICES6_CAPACITY, SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key,
-        SourceRange6Key,
+        MAP_FRAGMENTS6, MAP_REVNAT6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOURCE_RANGES6,
+        REVNAT6_CAPACITY, RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY,
+        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
@@ -1016,6 +1016,19 @@ static AFFINITY6_V1: LruHashMap<Affinity6Key, AffinityValue, { AFFINITY6_CAPACIT
 static AFFMATCH6_V1: HashMap<Affinity6MatchKey, u32, { AFFINITY_MATCH6_CAPACITY as usize }> =
     HashMap::new();
 
+#[btf_map]
+static SVCCIDRS6_V1: LpmTrie<[u8; 16], u32, { SERVICE_CIDRS6_CAPACITY as usize }> = LpmTrie::new();
+
+/// What the IPv6 `addr` is in the Service address space (`service_cidr::*`), if anything.
+#[inline(always)]
+pub fn service_cidr6(addr: &[u8; 16]) -> Option<u32> {
+    let key = Key {
+        prefix_len: 128,
+        data: *addr,
+    };
+    SVCCIDRS6_V1.get(&key).copied()
+}
+
 /// An IPv6 client's session affinity record (as [`affinity`]).
 #[inline(always)]
 pub fn affinity6(key: &Affinity6Key) -> Option<AffinityRecord> {
@@ -1071,3 +1084,4 @@ const _: () = assert!(same(MAP_FRAGMENTS6, "FRAGMENTS6_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES6, "SRCRANGES6_V1"));
 const _: () = assert!(same(MAP_AFFINITY6, "AFFINITY6_V1"));
 const _: () = assert!(same(MAP_AFFINITY_MATCH6, "AFFMATCH6_V1"));
+const _: () = assert!(same(MAP_SERVICE_CIDRS6, "SVCCIDRS6_V1"));

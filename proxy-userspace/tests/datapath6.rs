@@ -30,10 +30,10 @@ use proxy_common::{
     hash::{PortProbe, pick_slot},
     ipv6::{
         Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
-        MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, MAP_SOURCE_RANGES6,
-        SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
+        MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICE_CIDRS6, MAP_SERVICES6,
+        MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
     },
-    proto, sched, service_flags,
+    proto, sched, service_cidr, service_flags,
 };
 
 const TC_NEXT: u32 = u32::MAX;
@@ -1903,4 +1903,103 @@ fn least_connection_on_ipv6_sends_new_flows_to_the_least_loaded_and_counts_follo
         }
     }
     assert_eq!(dp.lc_counts(&ids), [0, 0], "every flow ended");
+}
+
+// The IPv6 Service address space (SVCCIDRS6_V1, as SVCCIDRS_V1): new flows to no frontend
+// inside it are answered (an allocated ClusterIP's other ports) or dropped (unallocated).
+
+/// The IPv6 Service CIDR of these tests (VIP and VIP_EMPTY are inside it).
+const SERVICE_CIDR6: (Ipv6Addr, u32) = (Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0), 112);
+
+impl Datapath {
+    fn set_service_cidr6(&mut self, addr: Ipv6Addr, prefix: u32, what: u32) {
+        let mut trie: LpmTrie<&mut MapData, [u8; 16], u32> =
+            LpmTrie::try_from(self.bpf.map_mut(MAP_SERVICE_CIDRS6).unwrap()).unwrap();
+        trie.insert(&Key::new(prefix, addr.octets()), what, 0)
+            .unwrap();
+    }
+}
+
+#[test]
+fn new_flows_to_no_frontend_in_the_ipv6_service_cidr_are_answered_or_dropped() {
+    let mut dp = Datapath::load();
+    dp.set_service_cidr6(SERVICE_CIDR6.0, SERVICE_CIDR6.1, service_cidr::UNALLOCATED);
+    dp.set_service_cidr6(VIP, 128, service_cidr::CLUSTER_IP);
+    let port_rejected: &[(Counter, u64)] = &[(Counter::ClusterIpPortRejected, 1)];
+    for (what, pkt) in [
+        (
+            "TCP SYN to a ClusterIP's other port",
+            Pkt6::tcp(CLIENT, 46_000, VIP, 443, SYN),
+        ),
+        (
+            "UDP to a ClusterIP's other port",
+            Pkt6::udp(CLIENT, 46_001, VIP, 9_999),
+        ),
+    ] {
+        let input = pkt.bytes();
+        let out = dp.step(
+            what,
+            PROG_TC_INGRESS,
+            &input,
+            TC_ACT_REDIRECT,
+            port_rejected,
+        );
+        check_icmp6_unreachable(what, &input, &out);
+    }
+    let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x77);
+    let dropped: &[(Counter, u64)] = &[(Counter::DropUnallocatedServiceIp, 1)];
+    for (what, pkt) in [
+        (
+            "TCP SYN to an unallocated address",
+            Pkt6::tcp(CLIENT, 46_002, unallocated, 80, SYN),
+        ),
+        (
+            "UDP to an unallocated address",
+            Pkt6::udp(CLIENT, 46_003, unallocated, 53),
+        ),
+    ] {
+        dp.step(what, PROG_TC_INGRESS, &pkt.bytes(), TC_ACT_SHOT, dropped);
+    }
+    // Mid-connection TCP (a flow from before the agent) and addresses outside pass; the
+    // ClusterIP's own ports are translated as ever.
+    for (what, pkt) in [
+        (
+            "mid-connection TCP to an unallocated address",
+            Pkt6::tcp(CLIENT, 46_004, unallocated, 80, ACK),
+        ),
+        ("TCP SYN to a pod", Pkt6::tcp(CLIENT, 46_005, POD, 80, SYN)),
+    ] {
+        let out = dp.step(
+            what,
+            PROG_TC_INGRESS,
+            &pkt.bytes(),
+            TC_NEXT,
+            &[(Counter::NotService, 1)],
+        );
+        assert_eq!(out, pkt.bytes(), "{what}: untouched");
+    }
+    let syn = Pkt6::tcp(CLIENT, 46_006, VIP, 80, SYN);
+    let out = dp.step(
+        "SYN to the ClusterIP's port",
+        PROG_TC_INGRESS,
+        &syn.bytes(),
+        TC_NEXT,
+        NEW,
+    );
+    assert_packet(
+        "SYN to the ClusterIP's port",
+        &out,
+        &dnated(&syn, picked(&syn, &TCP_IDS)),
+    );
+    // A Service without endpoints still answers as one (not as a port of no Service).
+    dp.set_service_cidr6(VIP_EMPTY, 128, service_cidr::CLUSTER_IP);
+    let empty = Pkt6::udp(CLIENT, 46_007, VIP_EMPTY, 53).bytes();
+    let out = dp.step(
+        "UDP to a Service without endpoints",
+        PROG_TC_INGRESS,
+        &empty,
+        TC_ACT_REDIRECT,
+        &[(Counter::NoEndpointsRejected, 1)],
+    );
+    check_icmp6_unreachable("UDP to a Service without endpoints", &empty, &out);
 }

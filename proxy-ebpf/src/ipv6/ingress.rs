@@ -5,7 +5,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_flags, ct_state, frag_hook,
     ipv6::{Ct6Key, Ct6Value, Service6Key, SourceRange6Key},
-    service_flags,
+    service_cidr, service_flags,
 };
 
 use super::{
@@ -155,9 +155,23 @@ fn new_flow(
                 // A direct flow's entry that expired, or a gone Service.
                 conntrack::remove(key, old);
             }
-            if (p.is_tcp() && !p.is_syn()) || (!p.is_tcp() && conntrack::reply_tracked(p)) {
-                // Mid-connection TCP, or a UDP reply of a translated flow from a remote backend
-                // on its way to the client: untracked.
+            if p.is_tcp() && !p.is_syn() {
+                return Ok(Action::pass(Counter::NotService)); // Mid-connection: untracked.
+            }
+            // Inside the Service address space (as `crate::svc_cidr`, upstream's
+            // cluster-ips-check): an allocated ClusterIP on a port none of its Services has is
+            // rejected, an unallocated address dropped, instead of leaking to the default route.
+            match maps::service_cidr6(&p.daddr) {
+                Some(service_cidr::CLUSTER_IP) => {
+                    maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
+                    return Err(Drop::TailCall);
+                }
+                Some(service_cidr::UNALLOCATED) => return Err(Drop::UnallocatedServiceIp),
+                _ => {}
+            }
+            if !p.is_tcp() && conntrack::reply_tracked(p) {
+                // A UDP reply of a translated flow from a remote backend on its way to the
+                // client: untracked.
                 return Ok(Action::pass(Counter::NotService));
             }
             (0, &p.daddr, &p.dport, 0)
@@ -250,5 +264,14 @@ fn answer(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
         return Ok(Action::redirect(verdict, Counter::StaleBackendReset));
     }
     let verdict = reject::port_unreachable(ctx, p)?;
-    Ok(Action::redirect(verdict, Counter::NoEndpointsRejected))
+    // A Service without endpoints, or (`new_flow`) a ClusterIP's port that is none of its
+    // Services'.
+    Ok(Action::redirect(
+        verdict,
+        if frontend.is_some() {
+            Counter::NoEndpointsRejected
+        } else {
+            Counter::ClusterIpPortRejected
+        },
+    ))
 }
