@@ -2003,3 +2003,55 @@ fn new_flows_to_no_frontend_in_the_ipv6_service_cidr_are_answered_or_dropped() {
     );
     check_icmp6_unreachable("UDP to a Service without endpoints", &empty, &out);
 }
+
+#[test]
+fn an_icmpv6_error_whose_quoted_packet_has_extension_headers_is_reverse_translated() {
+    let dp = Datapath::load();
+    let data = Pkt6::tcp(CLIENT, 47_000, VIP, 80, SYN);
+    let id = picked(&data, &TCP_IDS);
+    dp.step("SYN", PROG_TC_INGRESS, &data.bytes(), TC_NEXT, NEW);
+    let mtu = [0, 0, 0x05, 0x00];
+    // The quoted packet carries destination options, or is a datagram's first fragment: its
+    // ports are found after the quoted extension headers.
+    for (what, ext, ext_len) in [
+        (
+            "destination options",
+            Ext6::options(ext6::DEST_OPTS, 16),
+            16,
+        ),
+        ("a first fragment", Ext6::fragment(0, true, 7), 8),
+    ] {
+        let quoted = dnated(&data, id).ext(ext).l3_bytes();
+        let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
+        let out = dp.step(
+            what,
+            PROG_TC_EGRESS,
+            &ptb,
+            TC_NEXT,
+            &[(Counter::IcmpErrorTranslated, 1)],
+        );
+        let mut want_quoted = quoted.clone();
+        want_quoted[24..40].copy_from_slice(&VIP.octets());
+        let dport = 40 + ext_len + 2;
+        want_quoted[dport..dport + 2].copy_from_slice(&80u16.to_be_bytes());
+        let want = icmp6_frame(VIP, CLIENT, 2, 0, mtu, &want_quoted);
+        assert!(
+            Decoded6::parse(&out).l4_csum_ok(),
+            "{what}: ICMPv6 checksum"
+        );
+        assert_eq!(out, want, "{what}: from the VIP, quoting client → VIP:80");
+    }
+    // A quoted later fragment has no ports to find: passed untouched.
+    let later = dnated(&data, id)
+        .ext(Ext6::fragment(1, false, 7))
+        .l3_bytes();
+    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &later);
+    let out = dp.step(
+        "a quoted later fragment",
+        PROG_TC_EGRESS,
+        &ptb,
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, ptb);
+}
