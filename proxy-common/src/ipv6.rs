@@ -25,6 +25,16 @@ pub const MAP_FRAGMENTS6: &str = "FRAGMENTS6_V1";
 /// `SRCRANGES6_V1` (LPM trie, [`SourceRange6Key`] → u32, unused value 1): the IPv6
 /// loadBalancerSourceRanges prefixes of LoadBalancer frontends (as `SRCRANGES_V1`).
 pub const MAP_SOURCE_RANGES6: &str = "SRCRANGES6_V1";
+/// `AFFINITY6_V1` (LRU hash, [`Affinity6Key`] → `crate::AffinityValue`): session affinity
+/// records of IPv6 clients, as `AFFINITY_V1` (whose 8-byte key stays as it is).
+pub const MAP_AFFINITY6: &str = "AFFINITY6_V1";
+/// `AFFMATCH6_V1` (hash, [`Affinity6MatchKey`] → u32, unused value 1): the backends an IPv6
+/// affinity frontend may send a recorded client to, as `AFFMATCH_V1`.
+pub const MAP_AFFINITY_MATCH6: &str = "AFFMATCH6_V1";
+/// `SVCCIDRS6_V1` (LPM trie, 16-byte address after the kernel's `u32` prefix length →
+/// `crate::service_cidr::*`): the IPv6 Service address space, as `SVCCIDRS_V1` (the Service
+/// CIDRs as `UNALLOCATED`, every allocated IPv6 ClusterIP as a /128 `CLUSTER_IP`).
+pub const MAP_SERVICE_CIDRS6: &str = "SVCCIDRS6_V1";
 
 /// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
 /// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
@@ -41,6 +51,11 @@ pub const REVNAT6_CAPACITY: u32 = 8_192;
 pub const CONNTRACK6_CAPACITY: u32 = 65_536;
 pub const FRAGMENTS6_CAPACITY: u32 = 8_192;
 pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
+pub const AFFINITY6_CAPACITY: u32 = 16_384;
+/// One /128 per IPv6 ClusterIP plus the CIDRs (LPM tries are not preallocated).
+pub const SERVICE_CIDRS6_CAPACITY: u32 = 32_768;
+/// At most one per backend slot of an affinity frontend (as for IPv4).
+pub const AFFINITY_MATCH6_CAPACITY: u32 = SERVICES6_CAPACITY;
 
 /// `SERVICES6_V1` key: as `crate::ServiceKey` with a 16-byte address. The value is
 /// `crate::ServiceValue` (it holds no address).
@@ -135,6 +150,25 @@ pub struct Ct6Value {
     pub nat_sport: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<Ct6Value>() == 64);
+
+/// `AFFINITY6_V1` key: one IPv6 client of one Service port with session affinity (the port's
+/// `ServiceValue::affinity_id`, shared with its IPv4 frontends' records: the id names the port).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct Affinity6Key {
+    pub affinity_id: u32,
+    pub client: [u8; 16],
+}
+const _: () = assert!(core::mem::size_of::<Affinity6Key>() == 20);
+
+/// `AFFMATCH6_V1` key: an IPv6 affinity frontend (slot 0) and a backend id it may use.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct Affinity6MatchKey {
+    pub frontend: Service6Key,
+    pub backend_id: u32,
+}
+const _: () = assert!(core::mem::size_of::<Affinity6MatchKey>() == 28);
 
 /// Bits of [`SourceRange6Key`] that name the frontend (matched exactly); the source prefix
 /// length is added to them to make the LPM prefix length.

@@ -323,6 +323,8 @@ mod pod {
         crate::ipv6::Frag6Key,
         crate::ipv6::Frag6Value,
         crate::ipv6::SourceRange6Key,
+        crate::ipv6::Affinity6Key,
+        crate::ipv6::Affinity6MatchKey,
     );
 }
 

@@ -28,9 +28,11 @@ use proxy_common::{
     ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
     SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey,
     ipv6::{
+        AFFINITY_MATCH6_CAPACITY, AFFINITY6_CAPACITY, Affinity6Key, Affinity6MatchKey,
         BACKENDS6_CAPACITY, Backend6, CONNTRACK6_CAPACITY, Ct6Key, Ct6Value, FRAGMENTS6_CAPACITY,
-        Frag6Key, Frag6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
-        MAP_SERVICES6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY, RevNat6, SERVICES6_CAPACITY,
+        Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6,
+        MAP_FRAGMENTS6, MAP_REVNAT6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOURCE_RANGES6,
+        REVNAT6_CAPACITY, RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY,
         SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
@@ -905,6 +907,19 @@ pub fn ct6_new_value() -> Option<&'static mut Ct6Value> {
     Some(unsafe { &mut *ptr })
 }
 
+/// Where a new IPv6 flow's reply-tuple probe keeps its candidate keys (one per CPU, not pinned).
+#[btf_map]
+static CLASH6: PerCpuArray<crate::ipv6::conntrack::Clash6, 1> = PerCpuArray::new();
+
+/// This CPU's reply-tuple probe scratch (`ipv6::conntrack` only).
+#[inline(always)]
+pub fn clash6() -> Option<&'static mut crate::ipv6::conntrack::Clash6> {
+    let ptr = CLASH6.get_ptr_mut(0)?;
+    // SAFETY: as in `scratch6`; `ipv6::conntrack` takes it once per probe or insert, and no
+    // reference outlives the call that took it.
+    Some(unsafe { &mut *ptr })
+}
+
 /// A copy of a `SERVICES6` entry.
 #[inline(always)]
 pub fn service6(key: &Service6Key) -> Option<ServiceValue> {
@@ -927,6 +942,16 @@ pub fn backend6(id: u32) -> Option<Backend6> {
     let ptr = BACKENDS6_V1.get_ptr(id)?;
     // SAFETY: as in `service`.
     Some(unsafe { *ptr })
+}
+
+/// `BACKENDS6[id]` by reference (valid for the program run: map values are freed after an RCU
+/// grace period; the agent replaces a backend's entry only after its flows' pick is moot).
+#[inline(always)]
+pub fn backend6_ref(id: u32) -> Option<&'static Backend6> {
+    let ptr = BACKENDS6_V1.get_ptr(id)?;
+    // SAFETY: a pointer from a hash lookup points at a live, aligned value of the right type
+    // for the rest of this program run.
+    Some(unsafe { &*ptr })
 }
 
 impl Stamped for Ct6Value {
@@ -983,6 +1008,60 @@ pub fn source_in_range6(key: SourceRange6Key) -> bool {
     SRCRANGES6_V1.get(&key).is_some()
 }
 
+#[btf_map]
+static AFFINITY6_V1: LruHashMap<Affinity6Key, AffinityValue, { AFFINITY6_CAPACITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+static AFFMATCH6_V1: HashMap<Affinity6MatchKey, u32, { AFFINITY_MATCH6_CAPACITY as usize }> =
+    HashMap::new();
+
+#[btf_map]
+static SVCCIDRS6_V1: LpmTrie<[u8; 16], u32, { SERVICE_CIDRS6_CAPACITY as usize }> = LpmTrie::new();
+
+/// What the IPv6 `addr` is in the Service address space (`service_cidr::*`), if anything.
+#[inline(always)]
+pub fn service_cidr6(addr: &[u8; 16]) -> Option<u32> {
+    let key = Key {
+        prefix_len: 128,
+        data: *addr,
+    };
+    SVCCIDRS6_V1.get(&key).copied()
+}
+
+/// An IPv6 client's session affinity record (as [`affinity`]).
+#[inline(always)]
+pub fn affinity6(key: &Affinity6Key) -> Option<AffinityRecord> {
+    AFFINITY6_V1
+        .get_ptr_mut(key)
+        .map(|ptr| AffinityRecord { ptr })
+}
+
+/// Write an IPv6 client's session affinity record.
+#[inline(always)]
+pub fn affinity6_insert(key: &Affinity6Key, value: &AffinityValue) -> Result<(), i32> {
+    AFFINITY6_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// May a record naming `key.backend_id` be used for new flows of the IPv6 `key.frontend`?
+#[inline(always)]
+pub fn affinity6_match(key: &Affinity6MatchKey) -> bool {
+    AFFMATCH6_V1.get_ptr(key).is_some()
+}
+
+impl FlowEntry<Ct6Value> {
+    /// As `FlowEntry<CtValue>::take_counted`, for an IPv6 entry.
+    #[inline(always)]
+    pub fn take_counted(&self) -> bool {
+        const FLAGS: usize = <Ct6Value as Stamped>::FLAGS_OFFSET;
+        const BIT: u64 = (proxy_common::ct_flags::COUNTED as u64) << ((FLAGS & 7) * 8);
+        // SAFETY: as for `CtValue`: the flags byte's aligned word lies inside the value (which
+        // holds u64 fields; map values are 8-aligned), the AND leaves every other bit as it is.
+        let old = unsafe { fetch_and_u64(self.ptr.cast::<u8>().add(FLAGS & !7).cast(), !BIT) };
+        old & BIT != 0
+    }
+}
+
 /// A copy of an IPv6 fragment record.
 #[inline(always)]
 pub fn fragment6(key: &Frag6Key) -> Option<Frag6Value> {
@@ -1003,3 +1082,6 @@ const _: () = assert!(same(MAP_REVNAT6, "REVNAT6_V1"));
 const _: () = assert!(same(MAP_CONNTRACK6, "CONNTRACK6_V1"));
 const _: () = assert!(same(MAP_FRAGMENTS6, "FRAGMENTS6_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES6, "SRCRANGES6_V1"));
+const _: () = assert!(same(MAP_AFFINITY6, "AFFINITY6_V1"));
+const _: () = assert!(same(MAP_AFFINITY_MATCH6, "AFFMATCH6_V1"));
+const _: () = assert!(same(MAP_SERVICE_CIDRS6, "SVCCIDRS6_V1"));

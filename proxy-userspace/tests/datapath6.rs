@@ -13,7 +13,7 @@ use std::{collections::BTreeMap, net::Ipv6Addr};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        HashMap, MapData, PerCpuArray,
+        Array, HashMap, MapData, PerCpuArray,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{SchedClassifier, TestRun, TestRunOptions},
@@ -22,16 +22,18 @@ use common_packet::{
     CLIENT_MAC, Decoded6, ETH_HLEN, Ext6, HOST_MAC, ICMPV6, L4, Pkt6, ext6, icmp6_frame,
     ipv6_packet, tcp_flags::*,
 };
-use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
+use kube_proxy_ebpf::dataplane::{clock::monotonic_ns, ebpf_object::EBPF_OBJECT, loader};
 use proxy_common::{
-    CONFIG_GLOBAL, Counter, DatapathConfig, MAP_STATS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
-    PROG_TC_INGRESS, PROG_TC_INGRESS_L3, ServiceValue, csum, ct_dir, ct_flags, ct_state,
-    hash::pick_slot,
+    AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, Counter, DatapathConfig,
+    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_STATS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
+    PROG_TC_INGRESS_L3, ServiceValue, csum, ct_dir, ct_flags, ct_state,
+    hash::{PortProbe, pick_slot},
     ipv6::{
-        Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6,
+        Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
+        MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICE_CIDRS6, MAP_SERVICES6,
         MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
     },
-    proto, sched, service_flags,
+    proto, sched, service_cidr, service_flags,
 };
 
 const TC_NEXT: u32 = u32::MAX;
@@ -69,7 +71,10 @@ struct Datapath {
 
 impl Datapath {
     fn load() -> Self {
-        let cfg = DatapathConfig::DEFAULT;
+        Self::load_with(DatapathConfig::DEFAULT)
+    }
+
+    fn load_with(cfg: DatapathConfig) -> Self {
         let mut l = EbpfLoader::new();
         l.override_global(CONFIG_GLOBAL, &cfg, true);
         for map in [
@@ -145,6 +150,20 @@ impl Datapath {
             .iter()
             .map(|c| (c.name(), stats.get(&(*c as u32), 0).unwrap().iter().sum()))
             .collect()
+    }
+
+    /// One run of `prog` over `input`, nothing checked: (verdict, output frame).
+    fn run(&self, prog: &str, input: &[u8]) -> (u32, Vec<u8>) {
+        let mut out = vec![0u8; input.len() + 256];
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat: 1,
+            ..Default::default()
+        };
+        let r = self.prog(prog).test_run(opts).expect("BPF_PROG_TEST_RUN");
+        out.truncate(r.data_size_out as usize);
+        (r.return_value, out)
     }
 
     /// One run of `prog` over `input`; checks the verdict and that exactly the `counts` (plus
@@ -1088,4 +1107,951 @@ fn load_balancer_source_ranges_take_ipv6_prefixes() {
     let syn = Pkt6::tcp(outsider, 47_002, VIP, 80, SYN);
     let out = dp.step("a ClusterIP", PROG_TC_INGRESS, &syn.bytes(), TC_NEXT, NEW);
     assert_packet("a ClusterIP", &out, &dnated(&syn, id));
+}
+
+// Reply-tuple clash resolution (as tests/datapath.rs): no two live flows share a reply tuple; a
+// new flow whose REPLY key another live flow holds leaves with another source port, and its
+// replies go back to the client's own port. Flows straight to pods are tracked for this.
+
+/// A second ClusterIP whose Services select the same pods as `VIP`'s.
+const VIP2: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x11);
+
+fn two_frontends_one_backend() -> Datapath {
+    let mut dp = Datapath::load();
+    dp.set_service(VIP, 80, proto::TCP, 1, &[1]);
+    dp.set_service(VIP2, 80, proto::TCP, 5, &[1]);
+    dp.set_service(VIP, 53, proto::UDP, 2, &[11]);
+    dp.set_service(VIP2, 53, proto::UDP, 6, &[11]);
+    dp
+}
+
+fn original_key(p: &Pkt6) -> Ct6Key {
+    let (sport, dport) = ports(p);
+    Ct6Key {
+        saddr: p.saddr.octets(),
+        daddr: p.daddr.octets(),
+        sport: sport.to_be_bytes(),
+        dport: dport.to_be_bytes(),
+        proto: p.proto(),
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+/// The REPLY key of `p`'s flow to backend `id` (the client's own port).
+fn reply_key(p: &Pkt6, id: u32) -> Ct6Key {
+    let (addr, port) = backend_addr(id);
+    let (sport, _) = ports(p);
+    Ct6Key {
+        saddr: addr.octets(),
+        daddr: p.saddr.octets(),
+        sport: port.to_be_bytes(),
+        dport: sport.to_be_bytes(),
+        proto: p.proto(),
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// The source port the datapath moves a clashing flow to when the first probe is free (the
+/// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX`, proxy-ebpf `ipv6::conntrack`).
+fn clash_port(p: &Pkt6) -> u16 {
+    let (sport, dport) = ports(p);
+    let hash = flow_hash6(
+        DatapathConfig::DEFAULT.hash_seed,
+        p.saddr.octets(),
+        p.daddr.octets(),
+        sport.to_be_bytes(),
+        dport.to_be_bytes(),
+        p.proto(),
+    );
+    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(0)
+}
+
+fn with_sport(p: &Pkt6, port: u16) -> Pkt6 {
+    let mut q = p.clone();
+    set_ports(&mut q, port, ports(p).1);
+    q
+}
+
+fn with_dport(p: &Pkt6, port: u16) -> Pkt6 {
+    let mut q = p.clone();
+    set_ports(&mut q, ports(p).0, port);
+    q
+}
+
+/// A backend's `reply` as the client receives it: from `original`'s frontend.
+fn rev_natted(reply: &Pkt6, original: &Pkt6) -> Pkt6 {
+    let mut q = reply.clone();
+    q.saddr = original.daddr;
+    set_ports(&mut q, ports(original).1, ports(reply).1);
+    q
+}
+
+const REMAPPED: &[(Counter, u64)] = &[
+    (Counter::NewFlow, 1),
+    (Counter::PickRandom, 1),
+    (Counter::ReplyTupleRemapped, 1),
+];
+
+#[test]
+fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples() {
+    let mut dp = two_frontends_one_backend();
+    let a = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let out = dp.step("first flow", PROG_TC_INGRESS, &a.bytes(), TC_NEXT, NEW);
+    assert_packet(
+        "first flow: DNAT, the client's own port",
+        &out,
+        &dnated(&a, 1),
+    );
+    let b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, SYN);
+    let moved = clash_port(&b);
+    let out = dp.step(
+        "second flow",
+        PROG_TC_INGRESS,
+        &b.bytes(),
+        TC_NEXT,
+        REMAPPED,
+    );
+    assert_packet(
+        "same client port, other VIP, same backend: DNAT and another source port",
+        &out,
+        &with_sport(&dnated(&b, 1), moved),
+    );
+    let ct = dp.ct(&original_key(&b)).expect("second flow's ORIGINAL");
+    assert_eq!(ct.flags & ct_flags::SPORT_NAT, ct_flags::SPORT_NAT);
+    assert_eq!(u16::from_be_bytes(ct.nat_sport), moved);
+    let first = dp.ct(&reply_key(&a, 1)).expect("first flow's REPLY");
+    assert_eq!(
+        first.frontend_addr,
+        VIP.octets(),
+        "first flow's REPLY still its own"
+    );
+
+    // Each backend reply goes to its own flow: source = its VIP, destination = the client port.
+    let reply_b = with_dport(&dnated(&b, 1).reversed(), moved);
+    let out = dp.step(
+        "reply on the moved port",
+        PROG_TC_EGRESS,
+        &reply_b.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "reply on the moved port: from VIP2:80, back to the client's own port",
+        &out,
+        &with_dport(&rev_natted(&reply_b, &b), 40_000),
+    );
+    let reply_a = dnated(&a, 1).reversed();
+    let out = dp.step(
+        "reply on the client's port",
+        PROG_TC_EGRESS,
+        &reply_a.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "reply on the client's port: from VIP:80",
+        &out,
+        &rev_natted(&reply_a, &a),
+    );
+    let ack_b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, ACK);
+    let out = dp.step(
+        "the second flow's next packet",
+        PROG_TC_INGRESS,
+        &ack_b.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_packet(
+        "the second flow's next packet keeps the moved port",
+        &out,
+        &with_sport(&dnated(&ack_b, 1), moved),
+    );
+
+    // Ending the second flow never removes the first one's entries.
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 40_000, VIP2, 80, RST | ACK).bytes(),
+    );
+    dp.set_service(VIP2, 80, proto::TCP, 5, &[]);
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 40_000, VIP2, 80, SYN).bytes(),
+    );
+    assert!(
+        dp.ct(&original_key(&b)).is_none(),
+        "the second flow is gone"
+    );
+    assert!(
+        dp.ct(&reply_key(&a, 1))
+            .is_some_and(|v| v.frontend_addr == VIP.octets()),
+        "the first flow's REPLY entry survives the second flow's end"
+    );
+    let out = dp.step(
+        "the first flow still answers",
+        PROG_TC_EGRESS,
+        &reply_a.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "the first flow still answers from VIP:80",
+        &out,
+        &rev_natted(&reply_a, &a),
+    );
+}
+
+#[test]
+fn udp_datagrams_alternating_between_two_vips_come_back_from_the_right_one() {
+    let dp = two_frontends_one_backend();
+    let q1 = Pkt6::udp(CLIENT, 41_000, VIP, 53).payload(b"q1");
+    let q2 = Pkt6::udp(CLIENT, 41_000, VIP2, 53).payload(b"q2");
+    let moved = clash_port(&q2);
+    for round in 0..3 {
+        let established: &[(Counter, u64)] = &[(Counter::EstablishedFlow, 1)];
+        let out = dp.step(
+            "to VIP",
+            PROG_TC_INGRESS,
+            &q1.bytes(),
+            TC_NEXT,
+            if round == 0 { NEW } else { established },
+        );
+        assert_packet("to VIP", &out, &dnated(&q1, 11));
+        let out = dp.step(
+            "to VIP2",
+            PROG_TC_INGRESS,
+            &q2.bytes(),
+            TC_NEXT,
+            if round == 0 { REMAPPED } else { established },
+        );
+        assert_packet(
+            "to VIP2: moved to another port",
+            &out,
+            &with_sport(&dnated(&q2, 11), moved),
+        );
+        let r1 = dnated(&q1, 11).reversed().payload(b"a1");
+        let out = dp.step(
+            "answer to VIP's query",
+            PROG_TC_EGRESS,
+            &r1.bytes(),
+            TC_NEXT,
+            &[(Counter::ReplyTranslated, 1)],
+        );
+        assert_packet(
+            "answer to VIP's query: from VIP",
+            &out,
+            &rev_natted(&r1, &q1),
+        );
+        let r2 = with_dport(&dnated(&q2, 11).reversed().payload(b"a2"), moved);
+        let out = dp.step(
+            "answer to VIP2's query",
+            PROG_TC_EGRESS,
+            &r2.bytes(),
+            TC_NEXT,
+            &[(Counter::ReplyTranslated, 1)],
+        );
+        assert_packet(
+            "answer to VIP2's query: from VIP2, to the client's port",
+            &out,
+            &with_dport(&rev_natted(&r2, &q2), 41_000),
+        );
+    }
+}
+
+#[test]
+fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
+    let dp = two_frontends_one_backend();
+    let (pod, pod_port) = backend_addr(1);
+    // VIP first, then straight to the pod from the same port.
+    let v = Pkt6::tcp(CLIENT, 42_000, VIP, 80, SYN);
+    dp.step("VIP flow", PROG_TC_INGRESS, &v.bytes(), TC_NEXT, NEW);
+    let d = Pkt6::tcp(CLIENT, 42_000, pod, pod_port, SYN);
+    let moved = clash_port(&d);
+    let out = dp.step(
+        "direct flow on the VIP flow's reply tuple",
+        PROG_TC_INGRESS,
+        &d.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    );
+    assert_packet(
+        "direct flow on the VIP flow's reply tuple: only its source port moves",
+        &out,
+        &with_sport(&d, moved),
+    );
+    let ack = Pkt6::tcp(CLIENT, 42_000, pod, pod_port, ACK);
+    let out = dp.step(
+        "the direct flow's next packet",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1)],
+    );
+    assert_packet(
+        "the direct flow keeps its moved port",
+        &out,
+        &with_sport(&ack, moved),
+    );
+    let d_reply = with_dport(&d.reversed(), moved);
+    let out = dp.step(
+        "the pod's answer to the direct flow",
+        PROG_TC_EGRESS,
+        &d_reply.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1)],
+    );
+    assert_packet(
+        "the pod's answer to the direct flow: from the pod, to the client's port",
+        &out,
+        &with_dport(&d_reply, 42_000),
+    );
+    let v_reply = dnated(&v, 1).reversed();
+    let out = dp.step(
+        "the VIP flow's answer",
+        PROG_TC_EGRESS,
+        &v_reply.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_packet(
+        "the VIP flow's answer: from the VIP",
+        &out,
+        &rev_natted(&v_reply, &v),
+    );
+
+    // Straight to the pod first, then through the VIP from the same port.
+    let d2 = Pkt6::tcp(CLIENT, 42_100, pod, pod_port, SYN);
+    let out = dp.step(
+        "direct flow",
+        PROG_TC_INGRESS,
+        &d2.bytes(),
+        TC_NEXT,
+        &[(Counter::NotService, 1)],
+    );
+    assert_eq!(out, d2.bytes(), "direct flow: tracked, untouched");
+    let v2 = Pkt6::tcp(CLIENT, 42_100, VIP, 80, SYN);
+    let moved2 = clash_port(&v2);
+    let out = dp.step(
+        "VIP flow on the direct flow's tuple",
+        PROG_TC_INGRESS,
+        &v2.bytes(),
+        TC_NEXT,
+        REMAPPED,
+    );
+    assert_packet(
+        "VIP flow on the direct flow's tuple: DNAT and another source port",
+        &out,
+        &with_sport(&dnated(&v2, 1), moved2),
+    );
+    let out = dp.step(
+        "the pod's answer to the direct flow",
+        PROG_TC_EGRESS,
+        &d2.reversed().bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, d2.reversed().bytes(), "passes untranslated");
+}
+
+#[test]
+fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() {
+    let mut dp = Datapath::load_with(DatapathConfig {
+        tcp_transitory_timeout_s: 1,
+        ..DatapathConfig::DEFAULT
+    });
+    dp.set_service(VIP, 80, proto::TCP, 1, &[1]);
+    let (pod, pod_port) = backend_addr(1);
+    let v = Pkt6::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &v.bytes());
+    // The VIP flow ended long ago (both entries idle past the 1 s timeout).
+    for key in [original_key(&v), reply_key(&v, 1)] {
+        let mut e = dp.ct(&key).expect("entry");
+        e.last_seen_ns = 0;
+        e.state = ct_state::CLOSING;
+        dp.conntrack().insert(key, e, 0).expect("age entry");
+    }
+    let d = Pkt6::tcp(CLIENT, 43_000, pod, pod_port, SYN);
+    let out = dp.step(
+        "a new direct connection on a dead flow's tuple",
+        PROG_TC_INGRESS,
+        &d.bytes(),
+        TC_NEXT,
+        &[(Counter::NotService, 1), (Counter::ReplyTupleReclaimed, 1)],
+    );
+    assert_eq!(out, d.bytes(), "it keeps its port");
+    assert!(
+        dp.ct(&original_key(&v)).is_none(),
+        "dead flow's ORIGINAL gone"
+    );
+    assert!(dp.ct(&reply_key(&v, 1)).is_none(), "dead flow's REPLY gone");
+    let out = dp.step(
+        "the pod's answer",
+        PROG_TC_EGRESS,
+        &d.reversed().bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, d.reversed().bytes(), "not rewritten to the VIP");
+
+    // A live flow survives the eviction of either entry.
+    let live = Pkt6::tcp(CLIENT, 43_100, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &live.bytes());
+    dp.conntrack()
+        .remove(&reply_key(&live, 1))
+        .expect("evict REPLY");
+    let ack = Pkt6::tcp(CLIENT, 43_100, VIP, 80, ACK);
+    let out = dp.step(
+        "a packet whose REPLY entry was evicted",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[
+            (Counter::EstablishedFlow, 1),
+            (Counter::ConntrackRestored, 1),
+        ],
+    );
+    assert_packet(
+        "DNATed, its REPLY entry written again",
+        &out,
+        &dnated(&ack, 1),
+    );
+    assert!(dp.ct(&reply_key(&live, 1)).is_some(), "REPLY back");
+    let reply = dnated(&live, 1).reversed();
+    dp.conntrack()
+        .remove(&original_key(&live))
+        .expect("evict ORIGINAL");
+    let out = dp.step(
+        "a reply whose ORIGINAL entry was evicted",
+        PROG_TC_EGRESS,
+        &reply.bytes(),
+        TC_NEXT,
+        &[
+            (Counter::ReplyTranslated, 1),
+            (Counter::ConntrackRestored, 1),
+        ],
+    );
+    assert_packet(
+        "translated, its ORIGINAL written again",
+        &out,
+        &rev_natted(&reply, &live),
+    );
+    // The Service changes: without the restored ORIGINAL, the client's next packet would be a
+    // new flow to whatever the Service holds now.
+    dp.set_service(VIP, 80, proto::TCP, 1, &[1, 2]);
+    let out = dp.step(
+        "the client's next packet",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_packet(
+        "the client's next packet keeps its backend",
+        &out,
+        &dnated(&ack, 1),
+    );
+}
+
+#[test]
+fn an_icmpv6_error_about_a_moved_flow_quotes_the_client_s_own_port() {
+    let dp = two_frontends_one_backend();
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 44_000, VIP, 80, SYN).bytes(),
+    );
+    let b = Pkt6::tcp(CLIENT, 44_000, VIP2, 80, SYN);
+    let moved = clash_port(&b);
+    dp.step("moved flow", PROG_TC_INGRESS, &b.bytes(), TC_NEXT, REMAPPED);
+    // Packet Too Big about client:moved → backend, from a router on the way.
+    let quoted = with_sport(&dnated(&b, 1), moved).l3_bytes();
+    let mtu = [0, 0, 0x05, 0x00];
+    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
+    let out = dp.step(
+        "PTB about the moved flow",
+        PROG_TC_EGRESS,
+        &ptb,
+        TC_NEXT,
+        &[(Counter::IcmpErrorTranslated, 1)],
+    );
+    let mut want_quoted = quoted.clone();
+    want_quoted[24..40].copy_from_slice(&VIP2.octets());
+    want_quoted[40..42].copy_from_slice(&44_000u16.to_be_bytes());
+    want_quoted[42..44].copy_from_slice(&80u16.to_be_bytes());
+    let want = icmp6_frame(VIP2, CLIENT, 2, 0, mtu, &want_quoted);
+    assert!(
+        Decoded6::parse(&out).l4_csum_ok(),
+        "ICMPv6 checksum after the rewrite"
+    );
+    assert_eq!(out, want, "from VIP2, quoting client:44000 → VIP2:80");
+}
+
+// Session affinity (ClientIP) and least connection on IPv6 (as tests/datapath.rs): records in
+// AFFINITY6_V1 per (Service port scope, client), usable while AFFMATCH6_V1 names the backend and
+// the last use is within the timeout; lc counts in LCFLOWS_V1 (shared with IPv4 by backend id).
+
+/// The scope id the affinity tests give their Service port.
+const AFFINITY_ID: u32 = 9;
+
+fn vip_key(port: u16, proto_: u8) -> Service6Key {
+    Service6Key::new(VIP.octets(), port.to_be_bytes(), proto_, 0)
+}
+
+impl Datapath {
+    fn affinity(&mut self) -> HashMap<&mut MapData, Affinity6Key, AffinityValue> {
+        HashMap::try_from(self.bpf.map_mut(MAP_AFFINITY6).unwrap()).unwrap()
+    }
+
+    fn affinity_matches(&mut self) -> HashMap<&mut MapData, Affinity6MatchKey, u32> {
+        HashMap::try_from(self.bpf.map_mut(MAP_AFFINITY_MATCH6).unwrap()).unwrap()
+    }
+
+    fn affinity_record(&mut self, client: Ipv6Addr) -> Option<AffinityValue> {
+        let key = Affinity6Key {
+            affinity_id: AFFINITY_ID,
+            client: client.octets(),
+        };
+        self.affinity().get(&key, 0).ok()
+    }
+
+    fn set_affinity_record(&mut self, client: Ipv6Addr, backend_id: u32, last_used_ns: u64) {
+        let key = Affinity6Key {
+            affinity_id: AFFINITY_ID,
+            client: client.octets(),
+        };
+        let value = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns,
+        };
+        self.affinity().insert(key, value, 0).unwrap();
+    }
+
+    /// VIP:80/TCP as the agent writes an affinity frontend (backends → slots → match entries →
+    /// frontend), timeout `timeout_s`.
+    fn set_affinity_frontend(&mut self, timeout_s: u32, ids: &[u32]) {
+        self.set_service(VIP, 80, proto::TCP, 1, ids);
+        let key = vip_key(80, proto::TCP);
+        let stale: Vec<Affinity6MatchKey> = self
+            .affinity_matches()
+            .keys()
+            .map(|k| k.unwrap())
+            .filter(|k| !ids.contains(&k.backend_id))
+            .collect();
+        for k in stale {
+            self.affinity_matches().remove(&k).unwrap();
+        }
+        for &backend_id in ids {
+            let m = Affinity6MatchKey {
+                frontend: key,
+                backend_id,
+            };
+            self.affinity_matches().insert(m, 1, 0).unwrap();
+        }
+        let mut value = ServiceValue::frontend(ids.len() as u16, 1);
+        value.flags |= service_flags::AFFINITY;
+        value.affinity_timeout_s = timeout_s;
+        value.affinity_id = AFFINITY_ID;
+        self.services().insert(key, value, 0).unwrap();
+    }
+
+    fn set_scheduler(&mut self, key: Service6Key, code: u8) {
+        let mut v = self.services().get(&key, 0).unwrap();
+        v.scheduler = code;
+        self.services().insert(key, v, 0).unwrap();
+    }
+
+    /// Backend `id`'s effective least-connection count (what lc compares).
+    fn lc_count(&self, id: u32) -> u64 {
+        let array = |name| -> Array<&MapData, u64> {
+            Array::try_from(self.bpf.map(name).unwrap()).unwrap()
+        };
+        let active = array(MAP_LC_FLOWS).get(&id, 0).unwrap();
+        let adjust = array(MAP_LC_ADJUST).get(&id, 0).unwrap();
+        proxy_common::lc::effective(active, adjust)
+    }
+
+    fn lc_counts(&self, ids: &[u32]) -> Vec<u64> {
+        ids.iter().map(|&id| self.lc_count(id)).collect()
+    }
+
+    /// A new flow's first packet through tc ingress: the backend its conntrack entry names.
+    fn new_flow_backend(&mut self, p: &Pkt6) -> u32 {
+        let (verdict, _) = self.run(PROG_TC_INGRESS, &p.bytes());
+        assert_eq!(verdict, TC_NEXT, "new flow {p:?}");
+        self.ct(&original_key(p)).expect("entry").backend_id
+    }
+}
+
+const AFFINITY_MISS: &[(Counter, u64)] = &[
+    (Counter::NewFlow, 1),
+    (Counter::PickRandom, 1),
+    (Counter::AffinityMiss, 1),
+];
+const AFFINITY_HIT: &[(Counter, u64)] = &[(Counter::NewFlow, 1), (Counter::AffinityHit, 1)];
+
+#[test]
+fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_leaves() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2];
+    dp.set_affinity_frontend(60, &ids);
+    let before = monotonic_ns();
+    let first = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let chosen = picked(&first, &ids);
+    let out = dp.step(
+        "first flow",
+        PROG_TC_INGRESS,
+        &first.bytes(),
+        TC_NEXT,
+        AFFINITY_MISS,
+    );
+    assert_packet(
+        "a client's first flow: the scheduler's pick",
+        &out,
+        &dnated(&first, chosen),
+    );
+    let record = dp.affinity_record(CLIENT).expect("record written");
+    assert_eq!(record.backend_id, chosen);
+    assert!(record.last_used_ns >= before);
+    let mut hashed_elsewhere = 0;
+    for sport in 40_001..40_021 {
+        let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+        hashed_elsewhere += usize::from(picked(&syn, &ids) != chosen);
+        let out = dp.step(
+            "another new flow",
+            PROG_TC_INGRESS,
+            &syn.bytes(),
+            TC_NEXT,
+            AFFINITY_HIT,
+        );
+        assert_packet(
+            "another new flow: the recorded backend",
+            &out,
+            &dnated(&syn, chosen),
+        );
+    }
+    assert!(
+        hashed_elsewhere > 3,
+        "the flows would have spread without affinity"
+    );
+    // Packets of a known flow do not look at the record.
+    let stamped = dp.affinity_record(CLIENT).unwrap().last_used_ns;
+    let ack = Pkt6::tcp(CLIENT, 40_000, VIP, 80, ACK);
+    dp.step(
+        "established",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().last_used_ns, stamped);
+
+    // A record last used at boot, with a 1 s timeout: expired, a fresh pick replaces it.
+    dp.set_affinity_frontend(1, &ids);
+    let other = if chosen == 1 { 2 } else { 1 };
+    let sport = (41_000..42_000)
+        .find(|&s| picked(&Pkt6::tcp(CLIENT, s, VIP, 80, SYN), &ids) == other)
+        .unwrap();
+    dp.set_affinity_record(CLIENT, chosen, 0);
+    let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+    let out = dp.step(
+        "expired record",
+        PROG_TC_INGRESS,
+        &syn.bytes(),
+        TC_NEXT,
+        AFFINITY_MISS,
+    );
+    assert_packet("expired record: a fresh pick", &out, &dnated(&syn, other));
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, other);
+
+    // The recorded endpoint leaves the Service (its backend entry stays): the remaining one.
+    dp.set_affinity_frontend(3_600, &[chosen]);
+    assert!(
+        dp.backends().get(&other, 0).is_ok(),
+        "the backend still exists"
+    );
+    let syn = Pkt6::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    let out = dp.step(
+        "recorded endpoint gone",
+        PROG_TC_INGRESS,
+        &syn.bytes(),
+        TC_NEXT,
+        AFFINITY_MISS,
+    );
+    assert_packet(
+        "recorded endpoint gone: a new pick among the remaining",
+        &out,
+        &dnated(&syn, chosen),
+    );
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, chosen);
+
+    // Affinity off (the frontend entry): the scheduler again, no record looked at.
+    dp.set_service(VIP, 80, proto::TCP, 1, &ids);
+    for sport in 44_000..44_010 {
+        let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+        assert_eq!(
+            dp.new_flow_backend(&syn),
+            picked(&syn, &ids),
+            "affinity off: the hash"
+        );
+    }
+}
+
+/// lc: while backend 1 holds long flows, new flows go to the idle backend 2 until it holds as
+/// many; counts follow every flow's end (client RST, FIN from both sides, replacement) back to 0.
+#[test]
+fn least_connection_on_ipv6_sends_new_flows_to_the_least_loaded_and_counts_follow_flow_ends() {
+    let mut dp = Datapath::load();
+    let ids = [1, 2];
+    dp.set_service(VIP, 80, proto::TCP, 1, &ids);
+    // Two long flows to backend 1, started under random (every translated flow is counted).
+    let long: Vec<u16> = (40_000..41_000)
+        .filter(|&s| picked(&Pkt6::tcp(CLIENT, s, VIP, 80, SYN), &ids) == 1)
+        .take(2)
+        .collect();
+    for &port in &long {
+        assert_eq!(
+            dp.new_flow_backend(&Pkt6::tcp(CLIENT, port, VIP, 80, SYN)),
+            1
+        );
+    }
+    assert_eq!(dp.lc_counts(&ids), [2, 0]);
+    dp.set_scheduler(vip_key(80, proto::TCP), sched::code::LEAST_CONNECTION);
+    let lc_new: &[(Counter, u64)] = &[(Counter::NewFlow, 1), (Counter::PickLeastConnection, 1)];
+    for (i, port) in [50_000u16, 50_001].into_iter().enumerate() {
+        let syn = Pkt6::tcp(CLIENT, port, VIP, 80, SYN);
+        let out = dp.step(
+            "lc new flow",
+            PROG_TC_INGRESS,
+            &syn.bytes(),
+            TC_NEXT,
+            lc_new,
+        );
+        assert_packet("lc: the idle backend", &out, &dnated(&syn, 2));
+        assert_eq!(dp.lc_counts(&ids), [2, i as u64 + 1]);
+    }
+    // Backend 1's flows end: a client RST, then a FIN from each side.
+    let rst = Pkt6::tcp(CLIENT, long[0], VIP, 80, RST | ACK);
+    dp.step(
+        "client RST",
+        PROG_TC_INGRESS,
+        &rst.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_eq!(dp.lc_counts(&ids), [1, 2], "a RST ends a counted flow");
+    let fin = Pkt6::tcp(CLIENT, long[1], VIP, 80, FIN | ACK);
+    dp.step(
+        "client FIN",
+        PROG_TC_INGRESS,
+        &fin.bytes(),
+        TC_NEXT,
+        &[(Counter::EstablishedFlow, 1)],
+    );
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [1, 2],
+        "a half-closed flow still counts"
+    );
+    let backend_fin = dnated(&fin, 1).reversed();
+    dp.step(
+        "backend FIN",
+        PROG_TC_EGRESS,
+        &backend_fin.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyTranslated, 1)],
+    );
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [0, 2],
+        "both of backend 1's flows ended"
+    );
+    // Retransmitted RST / FIN of a closed flow: no second decrement.
+    dp.run(PROG_TC_INGRESS, &rst.bytes());
+    dp.run(PROG_TC_EGRESS, &backend_fin.bytes());
+    assert_eq!(
+        dp.lc_counts(&ids),
+        [0, 2],
+        "each flow gives its unit back once"
+    );
+    // The emptied backend gets the next new flows.
+    assert_eq!(
+        dp.new_flow_backend(&Pkt6::tcp(CLIENT, 50_002, VIP, 80, SYN)),
+        1
+    );
+    assert_eq!(
+        dp.new_flow_backend(&Pkt6::tcp(CLIENT, 50_003, VIP, 80, SYN)),
+        1
+    );
+    assert_eq!(dp.lc_counts(&ids), [2, 2]);
+    // A SYN on a closed flow's tuple replaces it: counted once, as a new flow.
+    let again = dp.new_flow_backend(&Pkt6::tcp(CLIENT, long[0], VIP, 80, SYN));
+    let mut want = vec![2, 2];
+    want[again as usize - 1] += 1;
+    assert_eq!(dp.lc_counts(&ids), want);
+    // Every open flow ends with a RST (from the client, or from the backend through egress).
+    for (i, port) in [long[0], 50_000, 50_001, 50_002, 50_003]
+        .into_iter()
+        .enumerate()
+    {
+        let rst = Pkt6::tcp(CLIENT, port, VIP, 80, RST | ACK);
+        if i % 2 == 0 {
+            dp.run(PROG_TC_INGRESS, &rst.bytes());
+        } else {
+            let id = dp.ct(&original_key(&rst)).expect("open flow").backend_id;
+            dp.run(PROG_TC_EGRESS, &dnated(&rst, id).reversed().bytes());
+        }
+    }
+    assert_eq!(dp.lc_counts(&ids), [0, 0], "every flow ended");
+}
+
+// The IPv6 Service address space (SVCCIDRS6_V1, as SVCCIDRS_V1): new flows to no frontend
+// inside it are answered (an allocated ClusterIP's other ports) or dropped (unallocated).
+
+/// The IPv6 Service CIDR of these tests (VIP and VIP_EMPTY are inside it).
+const SERVICE_CIDR6: (Ipv6Addr, u32) = (Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0), 112);
+
+impl Datapath {
+    fn set_service_cidr6(&mut self, addr: Ipv6Addr, prefix: u32, what: u32) {
+        let mut trie: LpmTrie<&mut MapData, [u8; 16], u32> =
+            LpmTrie::try_from(self.bpf.map_mut(MAP_SERVICE_CIDRS6).unwrap()).unwrap();
+        trie.insert(&Key::new(prefix, addr.octets()), what, 0)
+            .unwrap();
+    }
+}
+
+#[test]
+fn new_flows_to_no_frontend_in_the_ipv6_service_cidr_are_answered_or_dropped() {
+    let mut dp = Datapath::load();
+    dp.set_service_cidr6(SERVICE_CIDR6.0, SERVICE_CIDR6.1, service_cidr::UNALLOCATED);
+    dp.set_service_cidr6(VIP, 128, service_cidr::CLUSTER_IP);
+    let port_rejected: &[(Counter, u64)] = &[(Counter::ClusterIpPortRejected, 1)];
+    for (what, pkt) in [
+        (
+            "TCP SYN to a ClusterIP's other port",
+            Pkt6::tcp(CLIENT, 46_000, VIP, 443, SYN),
+        ),
+        (
+            "UDP to a ClusterIP's other port",
+            Pkt6::udp(CLIENT, 46_001, VIP, 9_999),
+        ),
+    ] {
+        let input = pkt.bytes();
+        let out = dp.step(
+            what,
+            PROG_TC_INGRESS,
+            &input,
+            TC_ACT_REDIRECT,
+            port_rejected,
+        );
+        check_icmp6_unreachable(what, &input, &out);
+    }
+    let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x77);
+    let dropped: &[(Counter, u64)] = &[(Counter::DropUnallocatedServiceIp, 1)];
+    for (what, pkt) in [
+        (
+            "TCP SYN to an unallocated address",
+            Pkt6::tcp(CLIENT, 46_002, unallocated, 80, SYN),
+        ),
+        (
+            "UDP to an unallocated address",
+            Pkt6::udp(CLIENT, 46_003, unallocated, 53),
+        ),
+    ] {
+        dp.step(what, PROG_TC_INGRESS, &pkt.bytes(), TC_ACT_SHOT, dropped);
+    }
+    // Mid-connection TCP (a flow from before the agent) and addresses outside pass; the
+    // ClusterIP's own ports are translated as ever.
+    for (what, pkt) in [
+        (
+            "mid-connection TCP to an unallocated address",
+            Pkt6::tcp(CLIENT, 46_004, unallocated, 80, ACK),
+        ),
+        ("TCP SYN to a pod", Pkt6::tcp(CLIENT, 46_005, POD, 80, SYN)),
+    ] {
+        let out = dp.step(
+            what,
+            PROG_TC_INGRESS,
+            &pkt.bytes(),
+            TC_NEXT,
+            &[(Counter::NotService, 1)],
+        );
+        assert_eq!(out, pkt.bytes(), "{what}: untouched");
+    }
+    let syn = Pkt6::tcp(CLIENT, 46_006, VIP, 80, SYN);
+    let out = dp.step(
+        "SYN to the ClusterIP's port",
+        PROG_TC_INGRESS,
+        &syn.bytes(),
+        TC_NEXT,
+        NEW,
+    );
+    assert_packet(
+        "SYN to the ClusterIP's port",
+        &out,
+        &dnated(&syn, picked(&syn, &TCP_IDS)),
+    );
+    // A Service without endpoints still answers as one (not as a port of no Service).
+    dp.set_service_cidr6(VIP_EMPTY, 128, service_cidr::CLUSTER_IP);
+    let empty = Pkt6::udp(CLIENT, 46_007, VIP_EMPTY, 53).bytes();
+    let out = dp.step(
+        "UDP to a Service without endpoints",
+        PROG_TC_INGRESS,
+        &empty,
+        TC_ACT_REDIRECT,
+        &[(Counter::NoEndpointsRejected, 1)],
+    );
+    check_icmp6_unreachable("UDP to a Service without endpoints", &empty, &out);
+}
+
+#[test]
+fn an_icmpv6_error_whose_quoted_packet_has_extension_headers_is_reverse_translated() {
+    let dp = Datapath::load();
+    let data = Pkt6::tcp(CLIENT, 47_000, VIP, 80, SYN);
+    let id = picked(&data, &TCP_IDS);
+    dp.step("SYN", PROG_TC_INGRESS, &data.bytes(), TC_NEXT, NEW);
+    let mtu = [0, 0, 0x05, 0x00];
+    // The quoted packet carries destination options, or is a datagram's first fragment: its
+    // ports are found after the quoted extension headers.
+    for (what, ext, ext_len) in [
+        (
+            "destination options",
+            Ext6::options(ext6::DEST_OPTS, 16),
+            16,
+        ),
+        ("a first fragment", Ext6::fragment(0, true, 7), 8),
+    ] {
+        let quoted = dnated(&data, id).ext(ext).l3_bytes();
+        let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
+        let out = dp.step(
+            what,
+            PROG_TC_EGRESS,
+            &ptb,
+            TC_NEXT,
+            &[(Counter::IcmpErrorTranslated, 1)],
+        );
+        let mut want_quoted = quoted.clone();
+        want_quoted[24..40].copy_from_slice(&VIP.octets());
+        let dport = 40 + ext_len + 2;
+        want_quoted[dport..dport + 2].copy_from_slice(&80u16.to_be_bytes());
+        let want = icmp6_frame(VIP, CLIENT, 2, 0, mtu, &want_quoted);
+        assert!(
+            Decoded6::parse(&out).l4_csum_ok(),
+            "{what}: ICMPv6 checksum"
+        );
+        assert_eq!(out, want, "{what}: from the VIP, quoting client → VIP:80");
+    }
+    // A quoted later fragment has no ports to find: passed untouched.
+    let later = dnated(&data, id)
+        .ext(Ext6::fragment(1, false, 7))
+        .l3_bytes();
+    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &later);
+    let out = dp.step(
+        "a quoted later fragment",
+        PROG_TC_EGRESS,
+        &ptb,
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, ptb);
 }

@@ -2,14 +2,23 @@
 //! for IPv4 (`crate::conntrack`), with the same state machine and idle timeouts (shared, pure, in
 //! proxy-common). Each direction refreshes (and, if LRU evicted it, writes again) the other.
 //!
-//! Not carried yet on IPv6: reply-tuple clash resolution by source port (a new flow whose REPLY
-//! key a live flow of another frontend holds is dropped, `drop_reply_tuple_exhausted`),
-//! tracking of flows straight to pods, and the least-connection flow counts.
+//! Reply tuples are unique, as for IPv4: a new flow whose REPLY key another live flow holds (one
+//! client port reaching the same backend through two frontends, or through a frontend and
+//! directly) is given another source port (`ct_flags::SPORT_NAT`, a bounded probe from a
+//! flow-hash start), and its replies are put back to the client's own port. Flows straight to a
+//! pod are tracked as `ct_flags::DIRECT` ORIGINAL entries so that a later translated flow sees
+//! their tuple as taken. A flow only ever removes entries that are its own. The candidate keys
+//! of the probe live in per-CPU map memory (`maps::clash6`), not on the new-flow stack.
+//!
+//! Least connection: every translated flow takes a unit of its backend's count (`LCFLOWS_V1`,
+//! shared with IPv4 by backend id, `ct_flags::COUNTED` on its entries) and gives it back once
+//! when its end is seen or its entries are replaced, as `crate::lc`.
 
 use proxy_common::{
-    Counter, ct_dir, ct_flags, ct_state,
+    CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, ct_dir, ct_flags, ct_state,
     flow_state::{self, Segment},
-    ipv6::{Backend6, Ct6Key, Ct6Value},
+    hash::PortProbe,
+    ipv6::{Ct6Key, Ct6Value, flow_hash6},
     timeouts::idle_expired,
 };
 
@@ -44,17 +53,90 @@ pub fn reply_key(p: &Packet6) -> Ct6Key {
     }
 }
 
+/// The REPLY key a flow from `client` (its ORIGINAL key) to a backend has when the client's
+/// packets leave with source port `client_port`.
+#[inline(always)]
+fn reply_key_with(
+    client: &Ct6Key,
+    backend_addr: [u8; 16],
+    backend_port: [u8; 2],
+    client_port: [u8; 2],
+) -> Ct6Key {
+    Ct6Key {
+        saddr: backend_addr,
+        daddr: client.saddr,
+        sport: backend_port,
+        dport: client_port,
+        proto: client.proto,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// [`reply_key_with`] written in place (into map memory).
+#[inline(always)]
+fn set_reply_key(
+    key: &mut Ct6Key,
+    client: &Ct6Key,
+    backend_addr: [u8; 16],
+    backend_port: [u8; 2],
+    client_port: [u8; 2],
+) {
+    key.saddr = backend_addr;
+    key.daddr = client.saddr;
+    key.sport = backend_port;
+    key.dport = client_port;
+    key.proto = client.proto;
+    key.dir = ct_dir::REPLY;
+    key._pad = [0; 2];
+}
+
+/// Is a REPLY entry of this packet's tuple there (a UDP reply of a translated flow from a
+/// remote backend, on its way to the client)? The key is built in map memory.
+#[inline(always)]
+pub fn reply_tracked(p: &Packet6) -> bool {
+    let Some(s) = maps::clash6() else {
+        return false;
+    };
+    s.candidate.saddr = p.saddr;
+    s.candidate.daddr = p.daddr;
+    s.candidate.sport = p.sport;
+    s.candidate.dport = p.dport;
+    s.candidate.proto = p.proto;
+    s.candidate.dir = ct_dir::REPLY;
+    s.candidate._pad = [0; 2];
+    maps::ct6_entry(&s.candidate).is_some()
+}
+
+/// The source port the client's packets of a flow leave with (`ct` an ORIGINAL value).
+#[inline(always)]
+pub fn translated_sport(original: &Ct6Key, ct: &Ct6Value) -> [u8; 2] {
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        ct.nat_sport
+    } else {
+        original.sport
+    }
+}
+
 /// The REPLY key of the flow whose ORIGINAL key and value these are.
 #[inline(always)]
 pub fn reply_key_of(original: &Ct6Key, ct: &Ct6Value) -> Ct6Key {
-    Ct6Key {
-        saddr: ct.backend_addr,
-        daddr: original.saddr,
-        sport: ct.backend_port,
-        dport: original.sport,
-        proto: original.proto,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
+    reply_key_with(
+        original,
+        ct.backend_addr,
+        ct.backend_port,
+        translated_sport(original, ct),
+    )
+}
+
+/// The client's own port of a reply (`ct` the REPLY value): the reply's destination port, or the
+/// port a clash moved the flow away from.
+#[inline(always)]
+fn client_port_of_reply(reply_dport: [u8; 2], ct: &Ct6Value) -> [u8; 2] {
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        ct.nat_sport
+    } else {
+        reply_dport
     }
 }
 
@@ -64,12 +146,18 @@ pub fn original_key_of(reply: &Ct6Key, ct: &Ct6Value) -> Ct6Key {
     Ct6Key {
         saddr: reply.daddr,
         daddr: ct.frontend_addr,
-        sport: reply.dport,
+        sport: client_port_of_reply(reply.dport, ct),
         dport: ct.frontend_port,
         proto: reply.proto,
         dir: ct_dir::ORIGINAL,
         _pad: [0; 2],
     }
+}
+
+/// Is this a plain direct flow (straight to a pod, its own port): no REPLY entry.
+#[inline(always)]
+fn plain_direct(ct: &Ct6Value) -> bool {
+    ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0
 }
 
 #[inline(always)]
@@ -113,15 +201,27 @@ pub fn client_passed(p: &Packet6, original: &Ct6Key, entry: &Ct6Entry, ct: &Ct6V
     let (was, last_seen) = (ct.state, ct.last_seen_ns);
     let state = flow_state::after_client(was, segment(p));
     entry.touch(now, state);
-    if state == was && (now ^ last_seen) >> REPLY_CHECK_SHIFT == 0 {
+    if state == ct_state::CLOSING {
+        release(entry, ct.backend_id); // A RST or the second FIN: the flow is over.
+    }
+    if (state == was && (now ^ last_seen) >> REPLY_CHECK_SHIFT == 0) || plain_direct(ct) {
         return;
     }
     let key = reply_key_of(original, ct);
     match maps::ct6_entry(&key) {
         Some(reply) => reply.touch(now, state),
         None => {
-            // The ORIGINAL entry, just stamped, is the REPLY entry's value too.
-            if maps::ct6_insert_new(&key, entry.peek()).is_ok() {
+            // The ORIGINAL entry, just stamped, is the REPLY entry's value too (with the
+            // client's own port in `nat_sport` after a clash), built in per-CPU memory.
+            let Some(value) = maps::ct6_new_value() else {
+                return;
+            };
+            *value = *entry.peek();
+            if value.flags & ct_flags::SPORT_NAT != 0 {
+                value.nat_sport = original.sport;
+            }
+            // Only if the tuple is still free: never overwrite another flow's entry.
+            if maps::ct6_insert_new(&key, value).is_ok() {
                 stats::count(Counter::ConntrackRestored);
             }
         }
@@ -138,16 +238,27 @@ pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64
             let state = flow_state::after_backend(o.get().state, segment(p));
             reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
             o.touch_flags(now, state, ct_flags::SEEN_REPLY);
+            if state == ct_state::CLOSING {
+                release(&o, reply_ct.backend_id);
+            }
         }
         None => {
             let state = flow_state::after_backend(reply_ct.state, segment(p));
             reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
-            let value = Ct6Value {
+            let mut value = Ct6Value {
                 last_seen_ns: now,
                 state,
                 flags: reply_ct.flags | ct_flags::SEEN_REPLY,
                 ..*reply_ct
             };
+            if reply_ct.flags & ct_flags::SPORT_NAT != 0 {
+                value.nat_sport = p.dport; // The ORIGINAL value names the port it leaves with.
+            }
+            if state == ct_state::CLOSING {
+                // Its unit was given back when it closed (or is lost with it: the agent's
+                // reconciliation counts only live flows).
+                value.flags &= !ct_flags::COUNTED;
+            }
             if maps::ct6_insert_new(&original_key, &value).is_ok() {
                 stats::count(Counter::ConntrackRestored);
             }
@@ -158,47 +269,215 @@ pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64
 /// Is this REPLY entry the one of the flow with this ORIGINAL key?
 #[inline(always)]
 fn owns_reply(original: &Ct6Key, reply: &Ct6Value) -> bool {
-    reply.frontend_addr == original.daddr && reply.frontend_port == original.dport
+    reply.frontend_addr == original.daddr
+        && reply.frontend_port == original.dport
+        && (reply.flags & ct_flags::SPORT_NAT == 0 || reply.nat_sport == original.sport)
 }
 
-/// A new flow's translation.
+/// A new flow's translation. `direct`: a flow straight to a pod (no Service), the backend the pod
+/// itself and `backend_id` 0. The backend's address and port by reference (into map memory: a
+/// copy of the byte arrays would be kept in registers, spilled, on a nearly full stack).
 pub struct NewFlow6<'a> {
     pub original: &'a Ct6Key,
     pub backend_id: u32,
-    pub backend: &'a Backend6,
+    pub backend_addr: &'a [u8; 16],
+    pub backend_port: &'a [u8; 2],
     pub rev_nat_id: u32,
     pub now_ns: u64,
+    pub direct: bool,
 }
 
-/// Write both entries of a new flow (replacing `replaced`, an expired or stale pair of the same
-/// ORIGINAL key). The REPLY key must be free, ours, or held by an idle-expired flow. The value
-/// is built in per-CPU map memory (`maps::ct6_new_value`), not on the stack.
+/// The reply-tuple probe's keys (one per CPU, `maps::clash6`): the candidate REPLY key, the
+/// ORIGINAL key of the flow holding it, and the direct flow that would hold it.
+#[derive(Clone, Copy)]
+pub struct Clash6 {
+    pub candidate: Ct6Key,
+    pub other: Ct6Key,
+    pub direct: Ct6Key,
+}
+
+/// Is the reply tuple `s.candidate` (for a flow from the ORIGINAL key's client, leaving with
+/// source port `s.candidate.dport`) held by another live flow? An entry pair of an idle-expired
+/// flow is removed and does not count.
 #[inline(always)]
-pub fn create(p: &Packet6, flow: &NewFlow6<'_>, replaced: Option<Sent>) -> Result<(), Drop> {
+fn reply_tuple_taken(original: &Ct6Key, s: &mut Clash6, now: u64) -> bool {
+    if let Some(entry) = maps::ct6_entry(&s.candidate) {
+        let held = entry.peek();
+        if owns_reply(original, held) {
+            return false; // Our own entry from an earlier pick: overwritten.
+        }
+        // Field by field: the keys stay in map memory (the new-flow stack is nearly full).
+        s.other.saddr = s.candidate.daddr;
+        s.other.daddr = held.frontend_addr;
+        s.other.sport = client_port_of_reply(s.candidate.dport, held);
+        s.other.dport = held.frontend_port;
+        s.other.proto = original.proto;
+        s.other.dir = ct_dir::ORIGINAL;
+        s.other._pad = [0; 2];
+        let held_live = !expired(held, original.proto, now);
+        let other_live = match maps::ct6_entry(&s.other) {
+            Some(o) => !expired(o.peek(), original.proto, now),
+            None => false,
+        };
+        if held_live || other_live {
+            return true;
+        }
+        // Both entries idle: that flow is over, its tuple free again.
+        forget_original(&s.other);
+        maps::ct6_remove(&s.candidate);
+        stats::count(Counter::ReplyTupleReclaimed);
+    }
+    // A direct flow from the same client port to the backend holds the tuple too.
+    s.direct.saddr = original.saddr;
+    s.direct.daddr = s.candidate.saddr;
+    s.direct.sport = s.candidate.dport;
+    s.direct.dport = s.candidate.sport;
+    s.direct.proto = original.proto;
+    s.direct.dir = ct_dir::ORIGINAL;
+    s.direct._pad = [0; 2];
+    if s.direct == *original {
+        return false; // The flow itself (a direct flow being tracked).
+    }
+    match maps::ct6_entry(&s.direct) {
+        Some(d) => plain_direct(d.peek()) && !expired(d.peek(), original.proto, now),
+        None => false,
+    }
+}
+
+/// `choose_sport`: keep the client's own port.
+const KEEP_SPORT: u32 = 0;
+/// `choose_sport`: every probed port is taken.
+const NO_SPORT: u32 = 1 << 16;
+
+/// The source port a new flow's packets leave with, as `crate::conntrack::choose_sport`:
+/// [`KEEP_SPORT`], a port (host order) found by a bounded probe from a flow-hash start after a
+/// clash, or [`NO_SPORT`].
+#[inline(always)]
+fn choose_sport(
+    original: &Ct6Key,
+    backend_addr: &[u8; 16],
+    backend_port: &[u8; 2],
+    now: u64,
+) -> u32 {
+    let Some(s) = maps::clash6() else {
+        return NO_SPORT;
+    };
+    let hash = flow_hash6(
+        maps::hash_seed(),
+        original.saddr,
+        original.daddr,
+        original.sport,
+        original.dport,
+        original.proto,
+    );
+    // Computed here, once: left to the compiler, the hash's 32 address bytes (byte arrays are
+    // read a byte at a time) are loaded early and spilled across the probe loop, which alone
+    // takes the new-flow program past its 512-byte stack.
+    // SAFETY: reading a local through a valid reference.
+    let hash = unsafe { core::ptr::read_volatile(&hash) };
+    set_reply_key(
+        &mut s.candidate,
+        original,
+        *backend_addr,
+        *backend_port,
+        original.sport,
+    );
+    let probe = PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX);
+    // Round 0 tries the client's own port, the others the probe's: one copy of the check (the
+    // new-flow program's stack has no room for two).
+    let mut i = 0;
+    while i <= CLASH_PROBES {
+        let port = if i == 0 {
+            KEEP_SPORT
+        } else {
+            probe.port(i - 1) as u32
+        };
+        if i != 0 {
+            s.candidate.dport = (port as u16).to_be_bytes();
+        }
+        if (i == 0 || s.candidate.dport != original.sport) && !reply_tuple_taken(original, s, now) {
+            return port;
+        }
+        i += 1;
+    }
+    NO_SPORT
+}
+
+/// Write a new flow's entries (replacing `replaced`, an expired or stale pair of the same
+/// ORIGINAL key) with a source port that keeps its reply tuple unique: both entries for a
+/// translated flow or a moved direct flow, the ORIGINAL marker only for a plain direct one.
+/// Returns the source port the packet must leave with when a clash moved it (`None`: its own).
+/// The value is built in per-CPU map memory (`maps::ct6_new_value`), not on the stack.
+#[inline(always)]
+pub fn create(
+    p: &Packet6,
+    flow: &NewFlow6<'_>,
+    replaced: Option<Sent>,
+) -> Result<Option<[u8; 2]>, Drop> {
     if let Some(old) = replaced {
         remove(flow.original, old);
     }
+    let (flags, nat_sport) = match choose_sport(
+        flow.original,
+        flow.backend_addr,
+        flow.backend_port,
+        flow.now_ns,
+    ) {
+        KEEP_SPORT => (0, [0; 2]),
+        NO_SPORT => return Err(Drop::ReplyTupleExhausted),
+        port => {
+            stats::count(Counter::ReplyTupleRemapped);
+            (ct_flags::SPORT_NAT, (port as u16).to_be_bytes())
+        }
+    };
     let value = maps::ct6_new_value().ok_or(Drop::ConntrackFull)?;
     value.last_seen_ns = flow.now_ns;
     value.created_ns = flow.now_ns;
     value.backend_id = flow.backend_id;
     value.rev_nat_id = flow.rev_nat_id;
     value.frontend_addr = p.daddr;
-    value.backend_addr = flow.backend.addr;
+    value.backend_addr = *flow.backend_addr;
     value.frontend_port = p.dport;
-    value.backend_port = flow.backend.port;
+    value.backend_port = *flow.backend_port;
     value.state = flow_state::after_client(ct_state::UDP, segment(p));
-    value.flags = 0;
-    value.nat_sport = [0; 2];
-    let reply = reply_key_of(flow.original, value);
-    if let Some(held) = maps::ct6_entry(&reply) {
-        let held = held.peek();
-        if !owns_reply(flow.original, held) && !expired(held, p.proto, flow.now_ns) {
-            return Err(Drop::ReplyTupleExhausted);
-        }
+    value.flags = flags
+        | if flow.direct {
+            ct_flags::DIRECT
+        } else {
+            ct_flags::COUNTED
+        };
+    value.nat_sport = nat_sport;
+    if plain_direct(value) {
+        // Losing the marker (map full) only loses clash protection for this flow: pass it on.
+        let _ = maps::ct6_insert(flow.original, value);
+        return Ok(None);
     }
+    if !flow.direct {
+        maps::lc_add(flow.backend_id, 1);
+    }
+    let created = insert_pair(flow, value, flags);
+    if created.is_err() && !flow.direct {
+        maps::lc_add(flow.backend_id, u64::MAX);
+    }
+    created.map(|()| (flags != 0).then_some(nat_sport))
+}
+
+/// Write a new flow's ORIGINAL and REPLY entries (`value`: the ORIGINAL value, in map memory).
+#[inline(always)]
+fn insert_pair(flow: &NewFlow6<'_>, value: &mut Ct6Value, flags: u8) -> Result<(), Drop> {
+    let s = maps::clash6().ok_or(Drop::ConntrackFull)?;
+    set_reply_key(
+        &mut s.candidate,
+        flow.original,
+        value.backend_addr,
+        value.backend_port,
+        translated_sport(flow.original, value),
+    );
     maps::ct6_insert(flow.original, value).map_err(|_| Drop::ConntrackFull)?;
-    if maps::ct6_insert(&reply, value).is_err() {
+    if flags != 0 {
+        value.nat_sport = flow.original.sport; // The REPLY value names the client's own port.
+    }
+    if maps::ct6_insert(&s.candidate, value).is_err() {
         maps::ct6_remove(flow.original);
         return Err(Drop::ConntrackFull);
     }
@@ -210,14 +489,20 @@ pub fn create(p: &Packet6, flow: &NewFlow6<'_>, replaced: Option<Sent>) -> Resul
 pub struct Sent {
     pub backend_addr: [u8; 16],
     pub backend_port: [u8; 2],
+    /// The source port they left with.
+    pub sport: [u8; 2],
+    /// A REPLY entry exists (all but plain direct flows).
+    pub has_reply: bool,
 }
 
 impl Sent {
     #[inline(always)]
-    pub fn of(ct: &Ct6Value) -> Self {
+    pub fn of(original: &Ct6Key, ct: &Ct6Value) -> Self {
         Self {
             backend_addr: ct.backend_addr,
             backend_port: ct.backend_port,
+            sport: translated_sport(original, ct),
+            has_reply: !plain_direct(ct),
         }
     }
 }
@@ -225,19 +510,33 @@ impl Sent {
 /// Forget a flow: its ORIGINAL entry, and its REPLY entry if that is still its own.
 #[inline(always)]
 pub fn remove(original: &Ct6Key, sent: Sent) {
-    maps::ct6_remove(original);
-    let reply = Ct6Key {
-        saddr: sent.backend_addr,
-        daddr: original.saddr,
-        sport: sent.backend_port,
-        dport: original.sport,
-        proto: original.proto,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
-    };
+    forget_original(original);
+    if !sent.has_reply {
+        return;
+    }
+    let reply = reply_key_with(original, sent.backend_addr, sent.backend_port, sent.sport);
     if let Some(entry) = maps::ct6_entry(&reply)
         && owns_reply(original, entry.peek())
     {
         maps::ct6_remove(&reply);
+    }
+}
+
+/// Remove an ORIGINAL entry, giving back its flow's least-connection unit if it still holds it.
+#[inline(always)]
+fn forget_original(original: &Ct6Key) {
+    if let Some(entry) = maps::ct6_entry(original) {
+        let backend_id = entry.peek().backend_id;
+        release(&entry, backend_id);
+    }
+    maps::ct6_remove(original);
+}
+
+/// Give back the unit of the flow whose ORIGINAL entry this is, once (`COUNTED` cleared
+/// atomically).
+#[inline(always)]
+fn release(entry: &Ct6Entry, backend_id: u32) {
+    if entry.has_flags(ct_flags::COUNTED) && entry.take_counted() {
+        maps::lc_add(backend_id, u64::MAX);
     }
 }

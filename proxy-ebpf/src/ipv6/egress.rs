@@ -2,7 +2,7 @@
 //! of ICMPv6 errors about them (`icmp`).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, frag_hook};
+use proxy_common::{Counter, ct_flags, frag_hook};
 
 use super::{
     conntrack, frag, icmp, nat,
@@ -35,6 +35,14 @@ fn reply(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     };
     let ct = entry.get();
     conntrack::reply_passed(p, &entry, &ct, maps::now_ns());
-    nat::snat(ctx, p, ct.frontend_addr, ct.frontend_port)?;
-    Ok(Action::pass(Counter::ReplyTranslated))
+    nat::snat(ctx, p, &ct.frontend_addr, ct.frontend_port)?;
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        // The flow left with another source port (reply-tuple clash): back to the client's own.
+        nat::dest_port(ctx, p, ct.nat_sport)?;
+    }
+    Ok(Action::pass(if ct.flags & ct_flags::DIRECT != 0 {
+        Counter::DirectFlow
+    } else {
+        Counter::ReplyTranslated
+    }))
 }

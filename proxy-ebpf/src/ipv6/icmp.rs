@@ -11,20 +11,26 @@
 //! messages never get here (`packet`).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_dir, ipv6::Ct6Key};
+use proxy_common::{Counter, ct_dir, ct_flags, ipv6::Ct6Key};
 
-use super::{nat, packet::Icmp6Error};
+use super::{
+    nat,
+    packet::{self, Icmp6Error},
+};
 use crate::{Action, Drop, maps, nat::replace_quoted_port};
 
 #[inline(always)]
 pub fn reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
+    let Some(q) = packet::quoted_l4(ctx, e) else {
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    };
     // The quoted packet is client → backend: its flow's REPLY entry is backend → client.
     let key = Ct6Key {
         saddr: e.inner_daddr,
         daddr: e.inner_saddr,
-        sport: e.inner_dport,
-        dport: e.inner_sport,
-        proto: e.inner_proto,
+        sport: q.dport,
+        dport: q.sport,
+        proto: q.proto,
         dir: ct_dir::REPLY,
         _pad: [0; 2],
     };
@@ -41,13 +47,11 @@ pub fn reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
         ct.frontend_addr,
         false,
     )?;
-    replace_quoted_port(
-        ctx,
-        e.inner_dport_off(),
-        csum,
-        e.inner_dport,
-        ct.frontend_port,
-    )?;
+    replace_quoted_port(ctx, q.dport_off(), csum, q.dport, ct.frontend_port)?;
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        // The flow left with another source port (reply-tuple clash): quote the client's own.
+        replace_quoted_port(ctx, q.sport_off(), csum, q.sport, ct.nat_sport)?;
+    }
     nat::replace_icmp_covered_addr(ctx, e.saddr_off(), csum, e.saddr, ct.frontend_addr, true)?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
 }

@@ -3,19 +3,23 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, ServiceValue, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_state, frag_hook,
-    hash::{addr_hash, pick_slot},
-    ipv6::{Ct6Key, Service6Key, SourceRange6Key, flow_hash6, fold_addr},
-    maglev, sched, service_flags,
+    Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_flags, ct_state, frag_hook,
+    ipv6::{Ct6Key, Ct6Value, Service6Key, SourceRange6Key},
+    service_cidr, service_flags,
 };
 
 use super::{
     conntrack::{self, NewFlow6, Sent},
     frag, nat,
     packet::{self, Packet6, Parsed6},
-    reject,
+    pick, reject,
 };
-use crate::{Action, Drop, maglev as maglev_pick, maps, packet::tcp_flags, stats};
+use crate::{
+    Action, Drop,
+    maps::{self, Ct6Entry},
+    packet::tcp_flags,
+    stats,
+};
 
 /// The entry half: a packet of a tracked flow is DNATed here; anything else goes to the
 /// new-flow program (its own 512-byte stack).
@@ -58,15 +62,35 @@ fn established(ctx: &TcContext, p: &Packet6) -> Option<Result<Action, Drop>> {
     let now = maps::now_ns();
     if conntrack::expired(ct, p.proto, now)
         || (p.is_syn() && ct.state == ct_state::CLOSING)
-        || !conntrack::backend_valid(ct)
+        || (ct.flags & ct_flags::DIRECT == 0 && !conntrack::backend_valid(ct))
     {
         return None;
     }
-    conntrack::client_passed(p, &key, &entry, ct, now);
-    Some(
-        nat::dnat(ctx, p, ct.backend_addr, ct.backend_port)
-            .map(|()| Action::pass(Counter::EstablishedFlow)),
-    )
+    Some(pass_tracked(ctx, p, &key, &entry, ct, now))
+}
+
+/// A packet of a tracked flow with a usable entry: straight to a pod (only its source port moves,
+/// after a clash) or DNATed to its backend (and its source port moved after a clash).
+#[inline(always)]
+fn pass_tracked(
+    ctx: &TcContext,
+    p: &Packet6,
+    key: &Ct6Key,
+    entry: &Ct6Entry,
+    ct: &Ct6Value,
+    now: u64,
+) -> Result<Action, Drop> {
+    conntrack::client_passed(p, key, entry, ct, now);
+    let counter = if ct.flags & ct_flags::DIRECT != 0 {
+        Counter::DirectFlow
+    } else {
+        nat::dnat(ctx, p, &ct.backend_addr, ct.backend_port)?;
+        Counter::EstablishedFlow
+    };
+    if ct.flags & ct_flags::SPORT_NAT != 0 {
+        nat::source_port(ctx, p, ct.nat_sport)?;
+    }
+    Ok(Action::pass(counter))
 }
 
 /// The new-flow program, tail-called by `tc_ingress6`: parses again, replaces an unusable
@@ -93,14 +117,12 @@ fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
             stats::count(Counter::ConntrackExpired);
         } else if p.is_syn() && ct.state == ct_state::CLOSING {
             // A new connection on a closed one's tuple: choose again.
-        } else if conntrack::backend_valid(ct) {
+        } else if ct.flags & ct_flags::DIRECT != 0 || conntrack::backend_valid(ct) {
             // Became usable since `tc_ingress6` looked (another CPU): carry on with it.
-            conntrack::client_passed(p, &key, &entry, ct, now);
-            nat::dnat(ctx, p, ct.backend_addr, ct.backend_port)?;
-            return Ok(Action::pass(Counter::EstablishedFlow));
+            return pass_tracked(ctx, p, &key, &entry, ct, now);
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone: reset, never send to the dead address.
-            conntrack::remove(&key, Sent::of(ct));
+            conntrack::remove(&key, Sent::of(&key, ct));
             if p.tcp_flags & tcp_flags::RST != 0 {
                 return Err(Drop::NoBackend);
             }
@@ -109,12 +131,13 @@ fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
         } else {
             stale = true;
         }
-        old = Some(Sent::of(ct));
+        old = Some(Sent::of(&key, ct));
     }
     new_flow(ctx, p, &key, now, old, stale)
 }
 
-/// Service lookup, backend pick, conntrack entries, DNAT.
+/// Service lookup, backend pick, conntrack entries, DNAT; a packet to no Service is tracked as
+/// a direct flow (TCP: from its SYN on) so that its reply tuple stays its own.
 #[inline(always)]
 fn new_flow(
     ctx: &TcContext,
@@ -125,91 +148,97 @@ fn new_flow(
     stale: bool,
 ) -> Result<Action, Drop> {
     let frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
-    let Some(frontend) = maps::service6(&frontend_key) else {
-        if let Some(old) = old {
-            conntrack::remove(key, old); // The Service itself is gone.
+    // The flow's target: a Service's backend, or (to no Service) the destination itself.
+    let (backend_id, backend_addr, backend_port, rev_nat_id) = match maps::service6(&frontend_key) {
+        None => {
+            if let Some(old) = old {
+                // A direct flow's entry that expired, or a gone Service.
+                conntrack::remove(key, old);
+            }
+            if p.is_tcp() && !p.is_syn() {
+                return Ok(Action::pass(Counter::NotService)); // Mid-connection: untracked.
+            }
+            // Inside the Service address space (as `crate::svc_cidr`, upstream's
+            // cluster-ips-check): an allocated ClusterIP on a port none of its Services has is
+            // rejected, an unallocated address dropped, instead of leaking to the default route.
+            match maps::service_cidr6(&p.daddr) {
+                Some(service_cidr::CLUSTER_IP) => {
+                    maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
+                    return Err(Drop::TailCall);
+                }
+                Some(service_cidr::UNALLOCATED) => return Err(Drop::UnallocatedServiceIp),
+                _ => {}
+            }
+            if !p.is_tcp() && conntrack::reply_tracked(p) {
+                // A UDP reply of a translated flow from a remote backend on its way to the
+                // client: untracked.
+                return Ok(Action::pass(Counter::NotService));
+            }
+            (0, &p.daddr, &p.dport, 0)
         }
-        return Ok(Action::pass(Counter::NotService));
+        Some(frontend) => {
+            if frontend.flags & service_flags::SOURCE_RANGES != 0
+                && !maps::source_in_range6(SourceRange6Key {
+                    frontend_addr: p.daddr,
+                    frontend_port: p.dport,
+                    proto: p.proto,
+                    _pad: 0,
+                    source: p.saddr,
+                })
+            {
+                if let Some(old) = old {
+                    conntrack::remove(key, old);
+                }
+                return Err(Drop::SourceRange);
+            }
+            let Some(backend_id) = pick::choose(&frontend_key, &frontend, p)? else {
+                if let Some(old) = old {
+                    conntrack::remove(key, old);
+                }
+                if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
+                    return Err(Drop::NoLocalEndpoints);
+                }
+                maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
+                return Err(Drop::TailCall);
+            };
+            let backend = maps::backend6_ref(backend_id).ok_or(Drop::NoBackend)?;
+            (
+                backend_id,
+                &backend.addr,
+                &backend.port,
+                frontend.rev_nat_id,
+            )
+        }
     };
-    if frontend.flags & service_flags::SOURCE_RANGES != 0
-        && !maps::source_in_range6(SourceRange6Key {
-            frontend_addr: p.daddr,
-            frontend_port: p.dport,
-            proto: p.proto,
-            _pad: 0,
-            source: p.saddr,
-        })
-    {
-        if let Some(old) = old {
-            conntrack::remove(key, old);
-        }
-        return Err(Drop::SourceRange);
-    }
-    let Some(backend_id) = choose(&frontend_key, &frontend, p)? else {
-        if let Some(old) = old {
-            conntrack::remove(key, old);
-        }
-        if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
-            return Err(Drop::NoLocalEndpoints);
-        }
-        maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
-        return Err(Drop::TailCall);
-    };
-    let backend = maps::backend6(backend_id).ok_or(Drop::NoBackend)?;
+    let direct = backend_id == 0;
     let flow = NewFlow6 {
         original: key,
         backend_id,
-        backend: &backend,
-        rev_nat_id: frontend.rev_nat_id,
+        backend_addr,
+        backend_port,
+        rev_nat_id,
         now_ns: now,
+        direct,
     };
-    conntrack::create(p, &flow, old)?;
-    nat::dnat(ctx, p, backend.addr, backend.port)?;
-    Ok(Action::pass(if stale && !p.is_tcp() {
+    // The port the client's packets leave with: its own, or another if its reply tuple clashed.
+    let moved = conntrack::create(p, &flow, if direct { None } else { old })?;
+    if !direct {
+        nat::dnat(ctx, p, backend_addr, *backend_port)?;
+    }
+    if let Some(sport) = moved {
+        nat::source_port(ctx, p, sport)?;
+    }
+    Ok(Action::pass(if direct {
+        if moved.is_some() {
+            Counter::DirectFlow
+        } else {
+            Counter::NotService
+        }
+    } else if stale && !p.is_tcp() {
         Counter::StaleBackendReselected
     } else {
         Counter::NewFlow
     }))
-}
-
-/// The backend id for a new flow; `Ok(None)` without backends. The IPv4 schedulers where they
-/// need no per-family state: random (the seeded flow hash), round robin, source/destination
-/// hashing (of the folded address) and Maglev (its tables hold slots, shared by both families).
-/// Least connection and session affinity are not carried on IPv6 yet: such a frontend picks by
-/// the flow hash (counted as `pick_random`).
-#[inline(always)]
-fn choose(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<Option<u32>, Drop> {
-    let seed = if frontend.scheduler == sched::code::MAGLEV {
-        maglev::FLOW_SEED
-    } else {
-        maps::hash_seed()
-    };
-    let hash = flow_hash6(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
-    let (slot, scheduler) = match frontend.scheduler {
-        sched::code::ROUND_ROBIN => (
-            match maps::rr_next6(key) {
-                Some(n) => sched::rr_slot(n, frontend.count),
-                None => pick_slot(hash, frontend.count),
-            },
-            sched::code::ROUND_ROBIN,
-        ),
-        sched::code::SOURCE_HASH => (
-            pick_slot(addr_hash(fold_addr(p.saddr)), frontend.count),
-            sched::code::SOURCE_HASH,
-        ),
-        sched::code::DESTINATION_HASH => (
-            pick_slot(addr_hash(fold_addr(p.daddr)), frontend.count),
-            sched::code::DESTINATION_HASH,
-        ),
-        sched::code::MAGLEV => (maglev_pick::slot(frontend, hash), sched::code::MAGLEV),
-        _ => (pick_slot(hash, frontend.count), sched::code::RANDOM),
-    };
-    let Some(slot) = slot else {
-        return Ok(None);
-    };
-    let slot = maps::service6(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
-    stats::count_pick(scheduler);
-    Ok(Some(slot.backend_id))
 }
 
 /// The reject program: ICMPv6 port unreachable for a new flow to a Service without endpoints, a
@@ -235,5 +264,14 @@ fn answer(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
         return Ok(Action::redirect(verdict, Counter::StaleBackendReset));
     }
     let verdict = reject::port_unreachable(ctx, p)?;
-    Ok(Action::redirect(verdict, Counter::NoEndpointsRejected))
+    // A Service without endpoints, or (`new_flow`) a ClusterIP's port that is none of its
+    // Services'.
+    Ok(Action::redirect(
+        verdict,
+        if frontend.is_some() {
+            Counter::NoEndpointsRejected
+        } else {
+            Counter::ClusterIpPortRejected
+        },
+    ))
 }

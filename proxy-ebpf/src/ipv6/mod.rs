@@ -12,18 +12,22 @@
 //! `timeouts`), the hashes and slot picks, Maglev tables, counters, the reject rate limit, the
 //! conntrack entry handle (`maps::FlowEntry`) and the quoted-port rewrite.
 //!
+//! Reply tuples stay unique as on IPv4 (source-port clash resolution, direct flows tracked:
+//! `conntrack`).
+//!
+//! Every scheduler and session affinity pick as on IPv4 (`pick`).
+//!
 //! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT,
-//! eTP=Local in-cluster entries, session affinity, least connection
-//! (picks by the flow hash), reply-tuple clash resolution, direct-flow tracking, the Service CIDR
-//! checks and the datapath trace.
+//! eTP=Local in-cluster entries, the Service CIDR checks and the datapath trace.
 
-mod conntrack;
+pub(crate) mod conntrack;
 mod egress;
 pub(crate) mod frag;
 mod icmp;
 mod ingress;
 mod nat;
 pub(crate) mod packet;
+mod pick;
 mod reject;
 
 pub use egress::try_egress;

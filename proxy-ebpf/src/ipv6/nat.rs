@@ -19,7 +19,7 @@ use crate::Drop;
 
 /// One's-complement difference of two 16-byte addresses, for the checksum helpers.
 #[inline(always)]
-pub fn addr_diff(old: [u8; 16], new: [u8; 16]) -> Result<u64, Drop> {
+pub fn addr_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u64, Drop> {
     let mut from = words(old);
     let mut to = words(new);
     // SAFETY: both buffers are 16-byte stack arrays of u32, as the helper's sizes say; it only
@@ -32,7 +32,7 @@ pub fn addr_diff(old: [u8; 16], new: [u8; 16]) -> Result<u64, Drop> {
 }
 
 #[inline(always)]
-fn words(a: [u8; 16]) -> [u32; 4] {
+fn words(a: &[u8; 16]) -> [u32; 4] {
     [
         u32::from_ne_bytes([a[0], a[1], a[2], a[3]]),
         u32::from_ne_bytes([a[4], a[5], a[6], a[7]]),
@@ -43,12 +43,12 @@ fn words(a: [u8; 16]) -> [u32; 4] {
 
 /// DNAT: destination → backend.
 #[inline(always)]
-pub fn dnat(ctx: &TcContext, p: &Packet6, addr: [u8; 16], port: [u8; 2]) -> Result<(), Drop> {
+pub fn dnat(ctx: &TcContext, p: &Packet6, addr: &[u8; 16], port: [u8; 2]) -> Result<(), Drop> {
     rewrite(
         ctx,
         p,
         p.daddr_off(),
-        p.daddr,
+        &p.daddr,
         addr,
         p.l4_off + 2,
         p.dport,
@@ -58,17 +58,58 @@ pub fn dnat(ctx: &TcContext, p: &Packet6, addr: [u8; 16], port: [u8; 2]) -> Resu
 
 /// Source rewrite: reverse NAT of a reply (source → frontend).
 #[inline(always)]
-pub fn snat(ctx: &TcContext, p: &Packet6, addr: [u8; 16], port: [u8; 2]) -> Result<(), Drop> {
+pub fn snat(ctx: &TcContext, p: &Packet6, addr: &[u8; 16], port: [u8; 2]) -> Result<(), Drop> {
     rewrite(
         ctx,
         p,
         p.saddr_off(),
-        p.saddr,
+        &p.saddr,
         addr,
         p.l4_off,
         p.sport,
         port,
     )
+}
+
+/// Source port only (a flow moved away from a clashing reply tuple).
+#[inline(always)]
+pub fn source_port(ctx: &TcContext, p: &Packet6, port: [u8; 2]) -> Result<(), Drop> {
+    rewrite_port(ctx, p, p.l4_off, p.sport, port)
+}
+
+/// Destination port only (a reply put back to the client's own port).
+#[inline(always)]
+pub fn dest_port(ctx: &TcContext, p: &Packet6, port: [u8; 2]) -> Result<(), Drop> {
+    rewrite_port(ctx, p, p.l4_off + 2, p.dport, port)
+}
+
+/// The L4 checksum flags of a rewrite: UDP's 0 is written as 0xffff.
+#[inline(always)]
+fn mangled(p: &Packet6) -> u64 {
+    if p.is_tcp() {
+        0
+    } else {
+        BPF_F_MARK_MANGLED_0 as u64
+    }
+}
+
+#[inline(always)]
+fn rewrite_port(
+    ctx: &TcContext,
+    p: &Packet6,
+    port_off: usize,
+    old_port: [u8; 2],
+    new_port: [u8; 2],
+) -> Result<(), Drop> {
+    if old_port == new_port {
+        return Ok(());
+    }
+    let from = u16::from_ne_bytes(old_port) as u64;
+    let to = u16::from_ne_bytes(new_port) as u64;
+    ctx.l4_csum_replace(p.l4_csum_off(), from, to, mangled(p) | 2)
+        .map_err(|_| Drop::RewriteFailed)?;
+    ctx.store(port_off, &new_port, 0)
+        .map_err(|_| Drop::RewriteFailed)
 }
 
 #[expect(
@@ -80,35 +121,26 @@ fn rewrite(
     ctx: &TcContext,
     p: &Packet6,
     addr_off: usize,
-    old_addr: [u8; 16],
-    new_addr: [u8; 16],
+    old_addr: &[u8; 16],
+    new_addr: &[u8; 16],
     port_off: usize,
     old_port: [u8; 2],
     new_port: [u8; 2],
 ) -> Result<(), Drop> {
-    let csum_off = p.l4_csum_off();
-    let mangled = if p.is_tcp() {
-        0
-    } else {
-        BPF_F_MARK_MANGLED_0 as u64
-    };
     if old_addr != new_addr {
         let diff = addr_diff(old_addr, new_addr)?;
         // Size 0: `diff` is a checksum difference, not a 2/4-byte value.
-        ctx.l4_csum_replace(csum_off, 0, diff, BPF_F_PSEUDO_HDR as u64 | mangled)
-            .map_err(|_| Drop::RewriteFailed)?;
-        ctx.store(addr_off, &new_addr, 0)
-            .map_err(|_| Drop::RewriteFailed)?;
-    }
-    if old_port != new_port {
-        let from = u16::from_ne_bytes(old_port) as u64;
-        let to = u16::from_ne_bytes(new_port) as u64;
-        ctx.l4_csum_replace(csum_off, from, to, mangled | 2)
-            .map_err(|_| Drop::RewriteFailed)?;
-        ctx.store(port_off, &new_port, 0)
+        ctx.l4_csum_replace(
+            p.l4_csum_off(),
+            0,
+            diff,
+            BPF_F_PSEUDO_HDR as u64 | mangled(p),
+        )
+        .map_err(|_| Drop::RewriteFailed)?;
+        ctx.store(addr_off, new_addr, 0)
             .map_err(|_| Drop::RewriteFailed)?;
     }
-    Ok(())
+    rewrite_port(ctx, p, port_off, old_port, new_port)
 }
 
 /// Replace a 16-byte address at `off` that an ICMPv6 checksum at `csum_off` covers: in the
@@ -125,7 +157,7 @@ pub fn replace_icmp_covered_addr(
     if old == new {
         return Ok(());
     }
-    let diff = addr_diff(old, new)?;
+    let diff = addr_diff(&old, &new)?;
     let flags = if pseudo { BPF_F_PSEUDO_HDR as u64 } else { 0 };
     ctx.l4_csum_replace(csum_off, 0, diff, flags)
         .map_err(|_| Drop::RewriteFailed)?;

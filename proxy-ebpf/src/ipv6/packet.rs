@@ -131,9 +131,8 @@ pub struct Icmp6Error {
     pub icmp_off: usize,
     pub inner_saddr: [u8; 16],
     pub inner_daddr: [u8; 16],
-    pub inner_proto: u8,
-    pub inner_sport: [u8; 2],
-    pub inner_dport: [u8; 2],
+    /// The quoted IPv6 header's next header.
+    pub inner_next: u8,
 }
 
 impl Icmp6Error {
@@ -155,11 +154,6 @@ impl Icmp6Error {
     #[inline(always)]
     pub const fn inner_daddr_off(&self) -> usize {
         self.inner_off() + DADDR
-    }
-
-    #[inline(always)]
-    pub const fn inner_dport_off(&self) -> usize {
-        self.inner_off() + IPV6_HLEN + 2
     }
 }
 
@@ -361,8 +355,9 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
     Parsed6::Packet(&s.pkt)
 }
 
-/// An ICMPv6 error (types 1–4) quoting TCP/UDP right after the quoted IPv6 header; anything else
-/// passes untouched.
+/// An ICMPv6 error (types 1–4) quoting an IPv6 packet; anything else passes untouched. The
+/// quoted L4 header is found by [`quoted_l4`], on egress only (a second extension header walk in
+/// every program's parse would take the verifier past its complexity limit).
 #[inline(always)]
 fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) -> Parsed6 {
     let not_error = Parsed6::Pass(Counter::NotService);
@@ -376,14 +371,12 @@ fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) 
     let Some(head) = read::<8>(ctx, inner_off) else {
         return not_error;
     };
-    let inner_proto = head[6];
-    if head[0] >> 4 != 6 || (inner_proto != proto::TCP && inner_proto != proto::UDP) {
+    if head[0] >> 4 != 6 {
         return not_error;
     }
-    let (Some(src), Some(dst), Some(ports)) = (
+    let (Some(src), Some(dst)) = (
         read::<16>(ctx, inner_off + SADDR),
         read::<16>(ctx, inner_off + DADDR),
-        read::<4>(ctx, inner_off + IPV6_HLEN),
     ) else {
         return not_error;
     };
@@ -393,11 +386,52 @@ fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) 
     e.icmp_off = icmp_off;
     e.inner_saddr = src;
     e.inner_daddr = dst;
-    e.inner_proto = inner_proto;
-    e.inner_sport = [ports[0], ports[1]];
-    e.inner_dport = [ports[2], ports[3]];
+    e.inner_next = head[6];
     let s: &'static Scratch6 = s;
     Parsed6::IcmpError(&s.icmp)
+}
+
+/// The quoted TCP/UDP header of an ICMPv6 error.
+#[derive(Clone, Copy)]
+pub struct Quoted {
+    pub proto: u8,
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    /// Offset of the quoted TCP/UDP header.
+    pub l4_off: usize,
+}
+
+impl Quoted {
+    #[inline(always)]
+    pub const fn sport_off(&self) -> usize {
+        self.l4_off
+    }
+
+    #[inline(always)]
+    pub const fn dport_off(&self) -> usize {
+        self.l4_off + 2
+    }
+}
+
+/// The TCP/UDP header the error quotes, after the quoted packet's extension headers (walked
+/// under the same bound as a packet's own); `None` for another protocol, a chain that is cut off
+/// or too long, or a quoted later fragment (no ports in it).
+#[inline(always)]
+pub fn quoted_l4(ctx: &TcContext, e: &Icmp6Error) -> Option<Quoted> {
+    let inner_off = e.icmp_off + ICMPV6_HLEN;
+    let w = walk(ctx, inner_off, e.inner_next).ok()?;
+    if (w.nexthdr != proto::TCP && w.nexthdr != proto::UDP)
+        || matches!(w.frag, Some((field, _)) if field & FRAG_OFFSET_MASK != 0)
+    {
+        return None;
+    }
+    let ports = read::<4>(ctx, w.off)?;
+    Some(Quoted {
+        proto: w.nexthdr,
+        sport: [ports[0], ports[1]],
+        dport: [ports[2], ports[3]],
+        l4_off: w.off,
+    })
 }
 
 /// The IPv6 source and destination as the packet holds them now (after rewrites).

@@ -1,0 +1,122 @@
+//! Backend choice for a new IPv6 flow: session affinity (ClientIP, `AFFINITY6_V1` /
+//! `AFFMATCH6_V1`) first, then the frontend's scheduler, as for IPv4 (`crate::pick`). Every
+//! IPv4 scheduler: random (the seeded flow hash), round robin, source/destination hashing (of the
+//! folded address), least connection (`LCFLOWS_V1`/`LCADJ_V1` are indexed by backend id and
+//! shared with IPv4: the agent gives both families' backends ids from one space) and Maglev (its
+//! tables hold slots, shared by both families).
+
+use proxy_common::{
+    AffinityValue, Counter, ServiceValue, affinity_live,
+    hash::{addr_hash, pick_slot},
+    ipv6::{Affinity6Key, Affinity6MatchKey, Service6Key, flow_hash6, fold_addr},
+    lc, maglev, sched, service_flags,
+};
+
+use super::packet::Packet6;
+use crate::{Drop, maglev as maglev_pick, maps, stats};
+
+/// The backend id for a new flow to `frontend` (found under `key`); `Ok(None)` without
+/// backends, `Err(Drop::NoBackend)` when the chosen slot vanished under an update.
+#[inline(always)]
+pub fn choose(
+    key: &Service6Key,
+    frontend: &ServiceValue,
+    p: &Packet6,
+) -> Result<Option<u32>, Drop> {
+    if frontend.flags & service_flags::AFFINITY == 0 {
+        return schedule(key, frontend, p);
+    }
+    let now = maps::now_ns();
+    let record_key = Affinity6Key {
+        affinity_id: frontend.affinity_id,
+        client: p.saddr,
+    };
+    if let Some(record) = maps::affinity6(&record_key) {
+        let (backend_id, last_used_ns) = record.get();
+        if affinity_live(last_used_ns, now, frontend.affinity_timeout_s)
+            && maps::affinity6_match(&Affinity6MatchKey {
+                frontend: *key,
+                backend_id,
+            })
+        {
+            // Only new flows look at or refresh records (as kube-proxy's `recent` set).
+            record.touch(now);
+            stats::count(Counter::AffinityHit);
+            return Ok(Some(backend_id));
+        }
+    }
+    let choice = schedule(key, frontend, p)?;
+    if let Some(backend_id) = choice {
+        let value = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns: now,
+        };
+        // A full LRU evicts an old record; a failed write only costs this client its stickiness.
+        let _ = maps::affinity6_insert(&record_key, &value);
+        stats::count(Counter::AffinityMiss);
+    }
+    Ok(choice)
+}
+
+/// The frontend's scheduler's pick.
+#[inline(always)]
+fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<Option<u32>, Drop> {
+    let seed = if frontend.scheduler == sched::code::MAGLEV {
+        maglev::FLOW_SEED
+    } else {
+        maps::hash_seed()
+    };
+    let hash = flow_hash6(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
+    let slot = match frontend.scheduler {
+        sched::code::ROUND_ROBIN => match maps::rr_next6(key) {
+            Some(n) => sched::rr_slot(n, frontend.count),
+            None => pick_slot(hash, frontend.count), // The entry was just replaced.
+        },
+        sched::code::LEAST_CONNECTION => {
+            // lc resolves its candidates' backend ids itself.
+            let choice = least_connection(key, frontend.count, hash)?;
+            if choice.is_some() {
+                stats::count_pick(sched::code::LEAST_CONNECTION);
+            }
+            return Ok(choice);
+        }
+        sched::code::SOURCE_HASH => pick_slot(addr_hash(fold_addr(p.saddr)), frontend.count),
+        sched::code::DESTINATION_HASH => pick_slot(addr_hash(fold_addr(p.daddr)), frontend.count),
+        sched::code::MAGLEV => maglev_pick::slot(frontend, hash),
+        _ => pick_slot(hash, frontend.count),
+    };
+    let Some(slot) = slot else {
+        return Ok(None);
+    };
+    let slot = maps::service6(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
+    stats::count_pick(frontend.scheduler);
+    Ok(Some(slot.backend_id))
+}
+
+/// The least loaded of the new flow's candidate slots, as `crate::lc::choose`.
+#[inline(always)]
+fn least_connection(key: &Service6Key, count: u16, hash: u32) -> Result<Option<u32>, Drop> {
+    if count == 0 {
+        return Ok(None);
+    }
+    let mut best = 0u32;
+    let mut least = lc::Least::NONE;
+    let n = lc::candidates(count);
+    let mut i = 0u16;
+    while i < lc::CANDIDATES && i < n {
+        let slot = lc::candidate_slot(hash, i, count);
+        if let Some(s) = maps::service6(&key.with_slot(slot)) {
+            let before = least.slot;
+            least.offer(slot, maps::lc_load(s.backend_id));
+            if least.slot != before {
+                best = s.backend_id;
+            }
+        }
+        i += 1;
+    }
+    if best == 0 {
+        return Err(Drop::NoBackend); // Every candidate slot vanished under an update.
+    }
+    Ok(Some(best))
+}
