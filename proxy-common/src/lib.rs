@@ -57,6 +57,7 @@ pub mod proto {
     pub const ICMP: u8 = 1;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
+    pub const SCTP: u8 = 132;
 }
 
 /// Program names (the `#[classifier]` function names in proxy-ebpf).
