@@ -3,6 +3,12 @@
 //! from one side half-closes the flow (`FIN_ORIGINAL` / `FIN_REPLY`: the other side may still
 //! send, for kube-proxy's `tcpCloseWaitTimeout`); a FIN from the other side too, or a RST, closes
 //! it (`CLOSING`, the transitory timeout).
+//!
+//! SCTP flows use the same rule, their packet's first chunk read as TCP flags by the datapath
+//! (netfilter's SCTP states, folded onto these): INIT → SYN (SYN_SENT = COOKIE_WAIT and
+//! COOKIE_ECHOED), any later client chunk (COOKIE_ECHO, DATA) → ESTABLISHED, SHUTDOWN and
+//! SHUTDOWN_ACK → FIN (SHUTDOWN_SENT/RECD/ACK_SENT), ABORT and SHUTDOWN_COMPLETE → RST (CLOSED).
+//! Their timeouts are SCTP's (see `timeouts`).
 
 use crate::ct_state;
 

@@ -29,6 +29,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod bpf_log;
+pub mod crc32c;
 pub mod csum;
 pub mod flow_state;
 pub mod hash;

@@ -10,6 +10,7 @@ use crate::util::{cargo, is_root, sh, step_start, workspace_root};
 const PRIVILEGED: &[(&str, &str)] = &[
     ("proxy-testenv", "topology"),
     ("proxy-userspace", "datapath"),
+    ("proxy-userspace", "datapath_sctp"),
     ("proxy-userspace", "map_layer"),
     ("proxy-userspace", "netns"),
     ("proxy-userspace", "northsouth"),

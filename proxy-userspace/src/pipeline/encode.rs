@@ -265,7 +265,17 @@ mod tests {
             assert_eq!(key.proto, protocol.number());
             assert_eq!(decode_service_key(&key), Some((fe, 7)));
         }
-        assert_eq!(service_key(&Frontend { protocol: Protocol::Sctp, ..FE }, 0).proto, 132);
+        assert_eq!(
+            service_key(
+                &Frontend {
+                    protocol: Protocol::Sctp,
+                    ..FE
+                },
+                0
+            )
+            .proto,
+            132
+        );
         let mut key = service_key(&FE, 0);
         key.proto = 1;
         assert_eq!(decode_service_key(&key), None, "ICMP is not ours");

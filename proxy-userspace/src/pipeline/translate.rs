@@ -1536,7 +1536,11 @@ mod tests {
     fn unknown_protocol_is_reported_and_skips_the_service() {
         run(Case {
             services: vec![
-                cluster_ip("web", "10.96.0.10", &[("x", 9000, "ICMP"), ("http", 80, "TCP")]),
+                cluster_ip(
+                    "web",
+                    "10.96.0.10",
+                    &[("x", 9000, "ICMP"), ("http", 80, "TCP")],
+                ),
                 cluster_ip("other", "10.96.0.11", &[("http", 80, "TCP")]),
             ],
             slices: vec![],
