@@ -26,7 +26,7 @@ use proxy_common::{
 use crate::{
     Drop, lc,
     maps::{self, CtEntry},
-    packet::{Packet, tcp_flags},
+    packet::Packet,
     stats,
 };
 
@@ -148,11 +148,7 @@ pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bo
 /// (`None` for UDP).
 #[inline(always)]
 fn segment(p: &Packet) -> Option<Segment> {
-    (p.proto != proto::UDP).then_some(Segment {
-        syn: p.tcp_flags & tcp_flags::SYN != 0,
-        fin: p.tcp_flags & tcp_flags::FIN != 0,
-        rst: p.tcp_flags & tcp_flags::RST != 0,
-    })
+    (p.proto != proto::UDP).then_some(flow_state::segment_of(p.tcp_flags))
 }
 
 /// State of a flow after a client packet (ORIGINAL direction).

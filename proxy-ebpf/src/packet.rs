@@ -28,7 +28,7 @@
 //!   ports can be read → [`Parsed::Untranslatable`]: the caller drops it if it is addressed to a
 //!   Service frontend and passes it otherwise;
 //! - SCTP: the common header and the first chunk's type, read as TCP flags (see
-//!   [`sctp_chunk_flags`]); the other chunks are not walked. SCTP fragments are not translated
+//!   `proxy_common::flow_state::sctp_chunk_flags`); the other chunks are not walked. SCTP fragments are not translated
 //!   (SCTP sizes its packets to the path MTU; a port rewrite's checksum update needs the whole
 //!   packet's length, which a first fragment does not give): a first fragment is
 //!   [`Parsed::Untranslatable`] (dropped if to a Service), later ones are passed untouched;
@@ -43,7 +43,7 @@ use aya_ebpf::{
     helpers::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
-use proxy_common::{Counter, proto};
+use proxy_common::{Counter, flow_state::sctp_chunk_flags, proto};
 
 use crate::Drop;
 
@@ -77,31 +77,6 @@ pub mod tcp_flags {
     pub const SYN: u8 = 0x02;
     pub const RST: u8 = 0x04;
     pub const ACK: u8 = 0x10;
-}
-
-/// SCTP chunk types that move a flow's state (RFC 9260 section 3.2).
-mod sctp_chunk {
-    pub const INIT: u8 = 1;
-    pub const INIT_ACK: u8 = 2;
-    pub const ABORT: u8 = 6;
-    pub const SHUTDOWN: u8 = 7;
-    pub const SHUTDOWN_ACK: u8 = 8;
-    pub const SHUTDOWN_COMPLETE: u8 = 14;
-}
-
-/// An SCTP packet's first chunk read as TCP flags, so that one state machine serves both
-/// (`flow_state`): INIT starts an association (SYN), INIT_ACK answers it (SYN+ACK), SHUTDOWN and
-/// SHUTDOWN_ACK close one side each (FIN), ABORT and SHUTDOWN_COMPLETE end it (RST); anything
-/// else (DATA, SACK, COOKIE_ECHO, HEARTBEAT…) is mid-association (ACK).
-#[inline(always)]
-pub const fn sctp_chunk_flags(chunk_type: u8) -> u8 {
-    match chunk_type {
-        sctp_chunk::INIT => tcp_flags::SYN,
-        sctp_chunk::INIT_ACK => tcp_flags::SYN | tcp_flags::ACK,
-        sctp_chunk::SHUTDOWN | sctp_chunk::SHUTDOWN_ACK => tcp_flags::FIN | tcp_flags::ACK,
-        sctp_chunk::ABORT | sctp_chunk::SHUTDOWN_COMPLETE => tcp_flags::RST | tcp_flags::ACK,
-        _ => tcp_flags::ACK,
-    }
 }
 
 /// The offsets of the (outer) IPv4 header's fields in a parsed type with an `l2_len` field: one
@@ -143,7 +118,7 @@ pub struct Packet {
     pub proto: u8,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
-    /// TCP flags (0 for UDP; for SCTP, its first chunk as TCP flags: [`sctp_chunk_flags`]).
+    /// TCP flags (0 for UDP; for SCTP, its first chunk as TCP flags: `sctp_chunk_flags`).
     pub tcp_flags: u8,
     /// TCP sequence and acknowledgement numbers (zero for UDP), for building a RST.
     pub tcp_seq: [u8; 4],

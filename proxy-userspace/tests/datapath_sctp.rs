@@ -20,8 +20,8 @@ use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
 use proxy_common::{
     Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS,
-    ServiceKey, ServiceValue, SnatKey, SnatValue, crc32c, csum, ct_dir, ct_state, proto,
-    service_flags,
+    ServiceKey, ServiceValue, SnatKey, SnatValue, crc32c, csum, ct_dir, ct_state,
+    flow_state::sctp_chunk as chunk, proto, service_flags,
 };
 
 const TC_NEXT: u32 = u32::MAX;
@@ -39,20 +39,6 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 10);
 const NODE_PORT: u16 = 30868;
 const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 const REMOTE_BE: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 20);
-
-/// SCTP chunk types (RFC 9260 section 3.2).
-mod chunk {
-    pub const DATA: u8 = 0;
-    pub const INIT: u8 = 1;
-    pub const INIT_ACK: u8 = 2;
-    pub const HEARTBEAT: u8 = 4;
-    pub const ABORT: u8 = 6;
-    pub const SHUTDOWN: u8 = 7;
-    pub const SHUTDOWN_ACK: u8 = 8;
-    pub const COOKIE_ECHO: u8 = 10;
-    pub const COOKIE_ACK: u8 = 11;
-    pub const SHUTDOWN_COMPLETE: u8 = 14;
-}
 
 /// An SCTP packet with one chunk, over IPv4 and Ethernet, built with a valid CRC32c.
 #[derive(Clone, Debug)]
@@ -690,5 +676,57 @@ fn sctp_node_port_to_a_remote_backend_is_snated_to_the_node() {
         TC_NEXT,
         Some(&unsnat.from(NODE_IP, NODE_PORT)),
         Counter::ReplyTranslated,
+    );
+}
+
+/// An ICMP error (`type_`, `code`) from `from` to `to` quoting the IPv4 header and the first 8
+/// bytes of `quoted`'s SCTP packet.
+fn icmp_error(from: Ipv4Addr, to: Ipv4Addr, type_: u8, code: u8, quoted: &Sctp) -> Vec<u8> {
+    let q = quoted.bytes();
+    let mut icmp = vec![type_, code, 0, 0, 0, 0, 0x05, 0xdc];
+    icmp.extend_from_slice(&q[14..14 + 20 + 8]);
+    let c = csum::fold(csum::sum(&icmp, 0)).to_be_bytes();
+    icmp[2..4].copy_from_slice(&c);
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0, 0, 0, 0, 64, proto::ICMP, 0, 0]);
+    ip.extend_from_slice(&from.octets());
+    ip.extend_from_slice(&to.octets());
+    let c = csum::ipv4_header(&ip).to_be_bytes();
+    ip[10..12].copy_from_slice(&c);
+    let mut f = eth(HOST_MAC, CLIENT_MAC, ETH_P_IP);
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&icmp);
+    f
+}
+
+/// A "fragmentation needed" from the backend about a DNATed association reaches the client as
+/// if from the VIP, quoting client → VIP:port (what the client's SCTP stack matches it with).
+#[test]
+fn icmp_errors_about_sctp_flows_are_reverse_translated() {
+    let dp = Datapath::with_services();
+    let init = Sctp::new(CLIENT, 40_600, VIP, 3868, chunk::INIT);
+    let fwd = init.to(BE_21, 3869);
+    dp.step(
+        "INIT",
+        PROG_TC_INGRESS,
+        &init,
+        TC_NEXT,
+        Some(&fwd),
+        Counter::NewFlow,
+    );
+    let before = dp.counters();
+    let (v, out) = dp.run(PROG_TC_EGRESS, &icmp_error(BE_21, CLIENT, 3, 4, &fwd));
+    assert_eq!(v, TC_NEXT);
+    let counted = Counter::IcmpErrorTranslated.name();
+    assert_eq!(dp.counters()[counted] - before[counted], 1);
+    let d = Decoded::parse(&out);
+    assert!(d.ip_csum_ok() && d.l4_csum_ok(), "outer and ICMP checksums");
+    assert_eq!(d.saddr, VIP, "the error comes from the VIP");
+    let want = icmp_error(VIP, CLIENT, 3, 4, &init);
+    assert_eq!(
+        &out[14 + 20 + 8..],
+        &want[14 + 20 + 8..],
+        "quotes client → VIP:3868"
     );
 }
