@@ -29,6 +29,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod bpf_log;
+pub mod crc32c;
 pub mod csum;
 pub mod flow_state;
 pub mod hash;
@@ -58,6 +59,7 @@ pub mod proto {
     pub const ICMP: u8 = 1;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
+    pub const SCTP: u8 = 132;
 }
 
 /// Program names (the `#[classifier]` function names in proxy-ebpf).

@@ -5,15 +5,30 @@ use crate::{DatapathConfig, ct_flags, ct_state, proto};
 
 const NS_PER_S: u64 = 1_000_000_000;
 
+/// SCTP idle timeouts, netfilter's defaults (`nf_conntrack_proto_sctp.c`, Linux ≥ 6.1; kube-proxy
+/// configures none). The SCTP chunks are read as TCP flags (see `flow_state`), so the TCP states
+/// stand for SCTP's: SYN_SENT for COOKIE_WAIT/COOKIE_ECHOED (INIT seen, 3 s each in netfilter),
+/// ESTABLISHED (210 s: a few missed 30 s heartbeats), FIN_* for SHUTDOWN_SENT/RECD/ACK_SENT
+/// (3 s), CLOSING for CLOSED (ABORT or SHUTDOWN_COMPLETE, 10 s).
+pub mod sctp {
+    pub const OPENING_S: u32 = 3;
+    pub const ESTABLISHED_S: u32 = 210;
+    pub const SHUTDOWN_S: u32 = 3;
+    pub const CLOSED_S: u32 = 10;
+}
+
 /// Idle timeout of a flow, by protocol, state and entry flags, like netfilter's:
 /// - UDP (and anything but TCP): `udp_timeout_s` until the backend has answered, then
 ///   `udp_stream_timeout_s` (`ct_flags::SEEN_REPLY`);
 /// - TCP ESTABLISHED: `tcp_established_timeout_s`; half-closed (`FIN_ORIGINAL`/`FIN_REPLY`):
 ///   `tcp_close_wait_timeout_s`; opening (SYN_SENT, no state yet) or closed (CLOSING):
-///   `tcp_transitory_timeout_s`.
+///   `tcp_transitory_timeout_s`;
+/// - SCTP: the [`sctp`] constants by state.
 #[inline(always)]
 pub fn idle_timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8, flags: u8) -> u64 {
-    let seconds = if proto != proto::TCP {
+    let seconds = if proto == proto::SCTP {
+        sctp_timeout_s(state)
+    } else if proto != proto::TCP {
         if flags & ct_flags::SEEN_REPLY != 0 {
             cfg.udp_stream_timeout_s
         } else {
@@ -28,6 +43,16 @@ pub fn idle_timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8, flags: u8) ->
     };
     // u32::MAX seconds in ns is below u64::MAX: cannot overflow.
     seconds as u64 * NS_PER_S
+}
+
+#[inline(always)]
+const fn sctp_timeout_s(state: u8) -> u32 {
+    match state {
+        ct_state::SYN_SENT => sctp::OPENING_S,
+        ct_state::ESTABLISHED => sctp::ESTABLISHED_S,
+        ct_state::FIN_ORIGINAL | ct_state::FIN_REPLY => sctp::SHUTDOWN_S,
+        _ => sctp::CLOSED_S,
+    }
 }
 
 /// Has a flow last seen at `last_seen_ns` (CLOCK_MONOTONIC), in `state` with entry `flags`,
@@ -107,6 +132,20 @@ mod tests {
         assert_eq!(t(proto::TCP, ct_state::ESTABLISHED, NONE), 86_400);
         assert_eq!(t(proto::TCP, ct_state::FIN_REPLY, NONE), 3_600);
         assert_eq!(t(proto::TCP, ct_state::CLOSING, NONE), 120);
+    }
+
+    #[test]
+    fn sctp_timeouts_are_netfilter_s_by_state_whatever_the_config() {
+        for cfg in [CFG, DatapathConfig::DEFAULT] {
+            let t = |s, f| idle_timeout_ns(&cfg, proto::SCTP, s, f) / S;
+            assert_eq!(t(ct_state::SYN_SENT, NONE), 3, "COOKIE_WAIT/ECHOED");
+            assert_eq!(t(ct_state::ESTABLISHED, NONE), 210);
+            assert_eq!(t(ct_state::ESTABLISHED, REPLIED), 210, "SEEN_REPLY ignored");
+            assert_eq!(t(ct_state::FIN_ORIGINAL, NONE), 3, "SHUTDOWN_SENT");
+            assert_eq!(t(ct_state::FIN_REPLY, NONE), 3, "SHUTDOWN_RECD");
+            assert_eq!(t(ct_state::CLOSING, NONE), 10, "CLOSED");
+            assert_eq!(t(ct_state::UDP, NONE), 10, "no state yet");
+        }
     }
 
     #[test]

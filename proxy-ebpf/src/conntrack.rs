@@ -20,12 +20,13 @@ use proxy_common::{
     ct_dir, ct_flags, ct_state,
     flow_state::{self, Segment},
     hash::{PortProbe, flow_hash},
+    proto,
 };
 
 use crate::{
     Drop, lc,
     maps::{self, CtEntry},
-    packet::{Packet, tcp_flags},
+    packet::Packet,
     stats,
 };
 
@@ -143,14 +144,11 @@ pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bo
     idle_expired(ct.last_seen_ns, proto, ct.state, ct.flags, now_ns, cfg)
 }
 
-/// The TCP flags of a packet that move its flow's state (`None` for UDP).
+/// The TCP flags (SCTP: its first chunk as TCP flags) of a packet that move its flow's state
+/// (`None` for UDP).
 #[inline(always)]
 fn segment(p: &Packet) -> Option<Segment> {
-    p.is_tcp().then_some(Segment {
-        syn: p.tcp_flags & tcp_flags::SYN != 0,
-        fin: p.tcp_flags & tcp_flags::FIN != 0,
-        rst: p.tcp_flags & tcp_flags::RST != 0,
-    })
+    (p.proto != proto::UDP).then_some(flow_state::segment_of(p.tcp_flags))
 }
 
 /// State of a flow after a client packet (ORIGINAL direction).

@@ -22,6 +22,7 @@ mod nat;
 mod packet;
 mod pick;
 mod reject;
+mod sctp;
 mod snat;
 mod sock;
 mod stats;
@@ -65,7 +66,8 @@ impl Action {
 /// the verdict is always `TC_ACT_SHOT`.
 #[derive(Clone, Copy)]
 pub(crate) enum Drop {
-    /// A later fragment of a datagram whose first fragment was dropped or answered.
+    /// A later fragment of a datagram whose first fragment was dropped or answered, or an SCTP
+    /// fragment to a Service (not translated: see `packet.rs`).
     Fragment,
     /// Truncated or inconsistent TCP/UDP/IPv4 header on a packet to a Service.
     Malformed,

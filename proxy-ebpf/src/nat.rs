@@ -5,13 +5,14 @@
 //! `BPF_F_MARK_MANGLED_0`: a zero UDP checksum ("none") stays zero, and a computed zero is
 //! written as 0xffff. The helpers also keep `skb->csum` right for CHECKSUM_COMPLETE and only
 //! adjust the pseudo-header part for CHECKSUM_PARTIAL; no checksum is ever zeroed or recomputed.
+//! SCTP has no L4 checksum over the addresses: its port rewrites update the CRC32c (`sctp.rs`).
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
 
-use crate::{Drop, packet::Packet};
+use crate::{Drop, packet::Packet, sctp};
 
 /// DNAT: destination → backend.
 #[inline(always)]
@@ -89,6 +90,11 @@ fn rewrite(
     old_port: [u8; 2],
     new_port: [u8; 2],
 ) -> Result<(), Drop> {
+    if p.is_sctp() {
+        return rewrite_sctp(
+            ctx, p, addr_off, old_addr, new_addr, port_off, old_port, new_port,
+        );
+    }
     let csum_off = p.l4_csum_off();
     let mangled = if p.is_tcp() {
         0
@@ -112,6 +118,29 @@ fn rewrite(
             .map_err(|_| Drop::RewriteFailed)?;
         ctx.store(port_off, &new_port, 0)
             .map_err(|_| Drop::RewriteFailed)?;
+    }
+    Ok(())
+}
+
+/// [`rewrite`] for SCTP: the IPv4 header checksum for the address, the CRC32c for the port.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one address and one port, each old/new at an offset"
+)]
+#[inline(always)]
+fn rewrite_sctp(
+    ctx: &TcContext,
+    p: &Packet,
+    addr_off: usize,
+    old_addr: [u8; 4],
+    new_addr: [u8; 4],
+    port_off: usize,
+    old_port: [u8; 2],
+    new_port: [u8; 2],
+) -> Result<(), Drop> {
+    replace_ip_addr(ctx, addr_off, p.ip_csum_off(), old_addr, new_addr)?;
+    if old_port != new_port {
+        sctp::rewrite_port(ctx, p.l4_off(), p.sctp_len, port_off, old_port, new_port)?;
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Packet access: the only module that dereferences packet memory (through the bounds-checked
 //! [`ptr_at`]) or changes the packet's shape (tail, room, redirect).
 //!
-//! [`parse`] reads Ethernet + IPv4 + TCP/UDP once into a [`Packet`] of copied values, with
+//! [`parse`] reads Ethernet + IPv4 + TCP/UDP/SCTP once into a [`Packet`] of copied values, with
 //! offsets taken from the IHL. The L2 header length is the program entry's: [`ETH_HLEN`] on
 //! Ethernet devices, [`NO_L2`] on L3 devices (ipip, gre, WireGuard: the data starts at the IPv4
 //! header). Each entry passes a constant and everything is inlined into it, so every offset is
@@ -27,7 +27,12 @@
 //! - truncated TCP/UDP header, or IPv4 lengths that do not fit the packet, when at least the
 //!   ports can be read → [`Parsed::Untranslatable`]: the caller drops it if it is addressed to a
 //!   Service frontend and passes it otherwise;
-//! - protocols other than TCP and UDP → passed untouched;
+//! - SCTP: the common header and the first chunk's type, read as TCP flags (see
+//!   `proxy_common::flow_state::sctp_chunk_flags`); the other chunks are not walked. SCTP fragments are not translated
+//!   (SCTP sizes its packets to the path MTU; a port rewrite's checksum update needs the whole
+//!   packet's length, which a first fragment does not give): a first fragment is
+//!   [`Parsed::Untranslatable`] (dropped if to a Service), later ones are passed untouched;
+//! - protocols other than TCP, UDP and SCTP → passed untouched;
 //! - IPv4 total length 0 on a GSO packet (BIG TCP) → the length is the skb's, translated as usual.
 
 use core::mem::size_of;
@@ -38,7 +43,7 @@ use aya_ebpf::{
     helpers::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
-use proxy_common::{Counter, proto};
+use proxy_common::{Counter, flow_state::sctp_chunk_flags, proto};
 
 use crate::Drop;
 
@@ -52,6 +57,11 @@ pub const IPV4_HLEN: usize = 20;
 const IPV4_MAX_HLEN: usize = 60;
 pub const TCP_HLEN: usize = 20;
 pub const UDP_HLEN: usize = 8;
+/// SCTP common header (ports, verification tag, CRC32c) and the first chunk's header.
+pub const SCTP_HLEN: usize = 12;
+const SCTP_CHUNK_HLEN: usize = 4;
+/// Offset of the CRC32c in the SCTP common header.
+pub const SCTP_CSUM: usize = 8;
 /// Offsets of the IPv4 header checksum, source and destination inside the IPv4 header.
 const IP_CSUM: usize = 10;
 const IP_SADDR: usize = 12;
@@ -96,7 +106,7 @@ macro_rules! ip_header_offsets {
     };
 }
 
-/// A TCP or UDP over IPv4 packet, parsed once. Addresses and ports in network order.
+/// A TCP, UDP or SCTP over IPv4 packet, parsed once. Addresses and ports in network order.
 #[derive(Clone, Copy)]
 pub struct Packet {
     /// L2 header length: [`ETH_HLEN`] or [`NO_L2`] (a constant of the program entry).
@@ -105,17 +115,19 @@ pub struct Packet {
     pub ip_hlen: usize,
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
-    /// `proto::TCP` or `proto::UDP`.
+    /// `proto::TCP`, `proto::UDP` or `proto::SCTP`.
     pub proto: u8,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
-    /// TCP flags (0 for UDP).
+    /// TCP flags (0 for UDP; for SCTP, its first chunk as TCP flags: `sctp_chunk_flags`).
     pub tcp_flags: u8,
     /// TCP sequence and acknowledgement numbers (zero for UDP), for building a RST.
     pub tcp_seq: [u8; 4],
     pub tcp_ack: [u8; 4],
     /// TCP payload length from the IPv4 total length (0 for UDP); beyond 64 KiB for BIG TCP.
     pub tcp_payload_len: u32,
+    /// SCTP packet length (common header + chunks: what its CRC32c covers); 0 for TCP/UDP.
+    pub sctp_len: u16,
 }
 
 ip_header_offsets!(Packet);
@@ -127,7 +139,7 @@ impl Packet {
         self.l2_len + self.ip_hlen
     }
 
-    /// Offset of the TCP/UDP checksum field.
+    /// Offset of the TCP/UDP checksum field (SCTP has none: see `sctp.rs`).
     #[inline(always)]
     pub const fn l4_csum_off(&self) -> usize {
         self.l4_off() + if self.proto == proto::TCP { 16 } else { 6 }
@@ -143,10 +155,16 @@ impl Packet {
         self.proto == proto::TCP
     }
 
-    /// A TCP SYN without ACK: the first packet of a connection.
+    #[inline(always)]
+    pub const fn is_sctp(&self) -> bool {
+        self.proto == proto::SCTP
+    }
+
+    /// A TCP SYN without ACK, or an SCTP INIT: the first packet of a connection (UDP has no
+    /// flags: never).
     #[inline(always)]
     pub const fn is_syn(&self) -> bool {
-        self.is_tcp() && self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+        self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
     }
 }
 
@@ -155,7 +173,7 @@ pub const ICMP_HLEN: usize = 8;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 
-/// An ICMP error (destination unreachable, time exceeded) quoting a TCP/UDP packet. Addresses and
+/// An ICMP error (destination unreachable, time exceeded) quoting a TCP/UDP/SCTP packet. Addresses and
 /// ports in network order; offsets are frame offsets.
 #[derive(Clone, Copy)]
 pub struct IcmpError {
@@ -333,10 +351,10 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
     if proto == proto::ICMP {
         return parse_icmp_error(ctx, l2_len, l4_off, saddr, daddr);
     }
-    if proto != proto::TCP && proto != proto::UDP {
+    if proto != proto::TCP && proto != proto::UDP && proto != proto::SCTP {
         return Parsed::Pass(Counter::NotService);
     }
-    // The ports are the first 4 bytes of both TCP and UDP; without them nothing can be matched.
+    // The ports are the first 4 bytes of TCP, UDP and SCTP; without them nothing can be matched.
     let Some(ports) = read::<4>(ctx, l4_off) else {
         return Parsed::Pass(Counter::MalformedPassed);
     };
@@ -367,6 +385,7 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
         tcp_seq: [0; 4],
         tcp_ack: [0; 4],
         tcp_payload_len: 0,
+        sctp_len: 0,
     };
     if proto == proto::TCP {
         let Some(tcp) = read::<TCP_HLEN>(ctx, l4_off) else {
@@ -380,6 +399,18 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
         packet.tcp_ack = [tcp[8], tcp[9], tcp[10], tcp[11]];
         packet.tcp_flags = tcp[13];
         packet.tcp_payload_len = (l4_len - doff) as u32;
+    } else if proto == proto::SCTP {
+        if frag & IP_MF != 0 {
+            return untranslatable(Drop::Fragment);
+        }
+        let Some(sctp) = read::<{ SCTP_HLEN + SCTP_CHUNK_HLEN }>(ctx, l4_off) else {
+            return untranslatable(Drop::Malformed);
+        };
+        if l4_len < SCTP_HLEN + SCTP_CHUNK_HLEN || l4_len > u16::MAX as usize {
+            return untranslatable(Drop::Malformed);
+        }
+        packet.tcp_flags = sctp_chunk_flags(sctp[SCTP_HLEN]);
+        packet.sctp_len = l4_len as u16;
     } else if l4_len < UDP_HLEN || read::<UDP_HLEN>(ctx, l4_off).is_none() {
         return untranslatable(Drop::Malformed);
     }
@@ -398,7 +429,7 @@ fn ip_total_len(ctx: &TcContext, ip: &[u8; IPV4_HLEN], l3_len: usize) -> usize {
     tot_len
 }
 
-/// An ICMP destination-unreachable or time-exceeded message quoting TCP/UDP over IPv4 (at least
+/// An ICMP destination-unreachable or time-exceeded message quoting TCP/UDP/SCTP over IPv4 (at least
 /// the ports); anything else is passed untouched.
 #[inline(always)]
 fn parse_icmp_error(
@@ -423,7 +454,7 @@ fn parse_icmp_error(
     let inner_proto = inner[9];
     if inner[0] >> 4 != 4
         || inner_hlen < IPV4_HLEN
-        || (inner_proto != proto::TCP && inner_proto != proto::UDP)
+        || (inner_proto != proto::TCP && inner_proto != proto::UDP && inner_proto != proto::SCTP)
     {
         return not_error;
     }
@@ -458,6 +489,12 @@ pub fn first_fragment_id(ctx: &TcContext, l2_len: usize) -> Option<[u8; 2]> {
 pub fn ip_addrs(ctx: &TcContext, l2_len: usize) -> Option<([u8; 4], [u8; 4])> {
     let a = read::<8>(ctx, l2_len + IP_SADDR)?;
     Some(([a[0], a[1], a[2], a[3]], [a[4], a[5], a[6], a[7]]))
+}
+
+/// The SCTP checksum field of a packet whose SCTP header is at `l4_off`, as it is now.
+#[inline(always)]
+pub fn sctp_checksum(ctx: &TcContext, l4_off: usize) -> Option<[u8; 4]> {
+    read::<4>(ctx, l4_off + SCTP_CSUM)
 }
 
 /// The source and destination MAC addresses (bytes 0..12 of the frame).

@@ -15,6 +15,7 @@ use crate::tempdir::TempDir;
 pub enum Protocol {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl fmt::Display for Protocol {
@@ -22,6 +23,7 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         })
     }
 }
@@ -52,6 +54,15 @@ impl ServicePort {
             port,
             target_port,
             protocol: Protocol::Udp,
+        }
+    }
+
+    pub fn sctp(port: u16, target_port: u16) -> Self {
+        Self {
+            name: String::new(),
+            port,
+            target_port,
+            protocol: Protocol::Sctp,
         }
     }
 

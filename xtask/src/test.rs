@@ -11,6 +11,7 @@ const PRIVILEGED: &[(&str, &str)] = &[
     ("proxy-testenv", "topology"),
     ("proxy-userspace", "datapath"),
     ("proxy-userspace", "datapath6"),
+    ("proxy-userspace", "datapath_sctp"),
     ("proxy-userspace", "map_layer"),
     ("proxy-userspace", "netns"),
     ("proxy-userspace", "northsouth"),

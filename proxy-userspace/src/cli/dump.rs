@@ -255,9 +255,16 @@ pub fn backends_table(p: &Programmed, flows: &BTreeMap<u32, u64>) -> String {
     out
 }
 
+/// A flow's state as netfilter names it for its protocol (SCTP flows use the TCP states: see
+/// `proxy_common::flow_state`).
 fn state_name(proto: u8, state: u8) -> &'static str {
+    use proxy_common::proto::{SCTP, UDP};
     match (proto, state) {
-        (proxy_common::proto::UDP, _) => "udp",
+        (UDP, _) => "udp",
+        (SCTP, ct_state::SYN_SENT) => "cookie_wait",
+        (SCTP, ct_state::FIN_ORIGINAL) => "shutdown_client",
+        (SCTP, ct_state::FIN_REPLY) => "shutdown_backend",
+        (SCTP, ct_state::CLOSING) => "closed",
         (_, ct_state::SYN_SENT) => "syn_sent",
         (_, ct_state::ESTABLISHED) => "established",
         (_, ct_state::CLOSING) => "closing",
@@ -514,6 +521,42 @@ mod tests {
     use proxy_common::{Backend, RevNat, ServiceKey, proto, sched};
 
     use super::*;
+
+    #[test]
+    fn flow_states_are_named_per_protocol() {
+        let names = |p| {
+            [
+                ct_state::SYN_SENT,
+                ct_state::ESTABLISHED,
+                ct_state::FIN_ORIGINAL,
+                ct_state::FIN_REPLY,
+                ct_state::CLOSING,
+            ]
+            .map(|s| state_name(p, s))
+        };
+        assert_eq!(
+            names(proto::TCP),
+            [
+                "syn_sent",
+                "established",
+                "fin_client",
+                "fin_backend",
+                "closing"
+            ]
+        );
+        assert_eq!(
+            names(proto::SCTP),
+            [
+                "cookie_wait",
+                "established",
+                "shutdown_client",
+                "shutdown_backend",
+                "closed"
+            ]
+        );
+        assert_eq!(names(proto::UDP), ["udp"; 5]);
+        assert_eq!(proto_name(proto::SCTP), "SCTP");
+    }
 
     #[test]
     fn backends_table_shows_active_flows_per_backend() {

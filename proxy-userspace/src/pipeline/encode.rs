@@ -259,13 +259,26 @@ mod tests {
 
     #[test]
     fn service_key_round_trip() {
-        for protocol in [Protocol::Tcp, Protocol::Udp] {
+        for protocol in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
             let fe = Frontend { protocol, ..FE };
-            assert_eq!(decode_service_key(&service_key(&fe, 7)), Some((fe, 7)));
+            let key = service_key(&fe, 7);
+            assert_eq!(key.proto, protocol.number());
+            assert_eq!(decode_service_key(&key), Some((fe, 7)));
         }
+        assert_eq!(
+            service_key(
+                &Frontend {
+                    protocol: Protocol::Sctp,
+                    ..FE
+                },
+                0
+            )
+            .proto,
+            132
+        );
         let mut key = service_key(&FE, 0);
-        key.proto = 132;
-        assert_eq!(decode_service_key(&key), None, "SCTP is not ours");
+        key.proto = 1;
+        assert_eq!(decode_service_key(&key), None, "ICMP is not ours");
     }
 
     #[test]

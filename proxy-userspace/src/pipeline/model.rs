@@ -5,11 +5,12 @@ use std::{collections::BTreeMap, fmt, net::Ipv4Addr, sync::Arc};
 
 pub use proxy_common::Scheduler;
 
-/// L4 protocol of a Service port. SCTP is not supported by the datapath (translate reports it).
+/// L4 protocol of a Service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl Protocol {
@@ -18,6 +19,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => proxy_common::proto::TCP,
             Protocol::Udp => proxy_common::proto::UDP,
+            Protocol::Sctp => proxy_common::proto::SCTP,
         }
     }
 
@@ -25,6 +27,7 @@ impl Protocol {
         match n {
             proxy_common::proto::TCP => Some(Protocol::Tcp),
             proxy_common::proto::UDP => Some(Protocol::Udp),
+            proxy_common::proto::SCTP => Some(Protocol::Sctp),
             _ => None,
         }
     }
@@ -35,6 +38,7 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         })
     }
 }

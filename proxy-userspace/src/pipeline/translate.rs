@@ -89,8 +89,6 @@ enum ServiceError {
     BadPort { name: String, port: i32 },
     #[error("port {name:?} has unknown protocol {protocol:?}; Service skipped")]
     BadProtocol { name: String, protocol: String },
-    #[error("port {name:?} uses SCTP, which the datapath does not carry; port skipped")]
-    Sctp { name: String },
     #[error("port {port}/{protocol} is listed twice; Service skipped")]
     DuplicatePort { port: u16, protocol: Protocol },
     #[error(
@@ -439,8 +437,7 @@ fn handled(svc: &ServiceData) -> bool {
 
 struct ServiceFrontends {
     frontends: Vec<(Frontend, DesiredFrontend)>,
-    /// Problems that do not skip the Service (SCTP ports, bad source ranges, a bad scheduler
-    /// annotation).
+    /// Problems that do not skip the Service (bad source ranges, a bad scheduler annotation).
     port_problems: Vec<ServiceError>,
     /// IPv6 cluster IPs left out.
     note: Option<String>,
@@ -566,10 +563,7 @@ fn service_frontends(
         let protocol = match &sp.protocol {
             PortProtocol::Tcp => Protocol::Tcp,
             PortProtocol::Udp => Protocol::Udp,
-            PortProtocol::Sctp => {
-                port_problems.push(ServiceError::Sctp { name: port_name });
-                continue;
-            }
+            PortProtocol::Sctp => Protocol::Sctp,
             PortProtocol::Other(other) => {
                 let protocol = other.to_string();
                 return Err(ServiceError::BadProtocol {
@@ -1489,20 +1483,73 @@ mod tests {
     }
 
     #[test]
-    fn sctp_port_reported_and_other_ports_kept() {
+    fn sctp_ports_are_programmed_like_tcp_with_their_slice_ports() {
+        // The same port number on SCTP and TCP is two frontends, each with its own target port.
+        let slices = vec![slice(
+            "web",
+            "web-1",
+            json!([{"name": "sig", "port": 9001, "protocol": "SCTP"},
+                   {"name": "http", "port": 8080, "protocol": "TCP"}]),
+            vec![ready("10.0.0.1")],
+        )];
         run(Case {
             services: vec![cluster_ip(
                 "web",
                 "10.96.0.10",
-                &[("sig", 9000, "SCTP"), ("http", 80, "TCP")],
+                &[("sig", 80, "SCTP"), ("http", 80, "TCP")],
             )],
+            slices,
+            want: &[
+                Want {
+                    frontend: "10.96.0.10:80/TCP",
+                    selected: &["10.0.0.1:8080"],
+                    retained: &[],
+                },
+                Want {
+                    frontend: "10.96.0.10:80/SCTP",
+                    selected: &["10.0.0.1:9001"],
+                    retained: &[],
+                },
+            ],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn sctp_port_without_an_sctp_slice_port_has_no_endpoints() {
+        // A slice port of the same name but another protocol does not serve the SCTP port.
+        run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 9000, "SCTP")])],
             slices: vec![web_slice()],
             want: &[Want {
-                frontend: "10.96.0.10:80/TCP",
-                selected: &["10.0.0.1:8080"],
+                frontend: "10.96.0.10:9000/SCTP",
+                selected: &[],
                 retained: &[],
             }],
-            problems: &["Service demo/web: port \"sig\" uses SCTP"],
+            problems: &[],
+            notes: 0,
+        });
+    }
+
+    #[test]
+    fn unknown_protocol_is_reported_and_skips_the_service() {
+        run(Case {
+            services: vec![
+                cluster_ip(
+                    "web",
+                    "10.96.0.10",
+                    &[("x", 9000, "ICMP"), ("http", 80, "TCP")],
+                ),
+                cluster_ip("other", "10.96.0.11", &[("http", 80, "TCP")]),
+            ],
+            slices: vec![],
+            want: &[Want {
+                frontend: "10.96.0.11:80/TCP",
+                selected: &[],
+                retained: &[],
+            }],
+            problems: &["Service demo/web: port \"x\" has unknown protocol \"ICMP\""],
             notes: 0,
         });
     }
@@ -1749,6 +1796,62 @@ mod tests {
                 ("192.168.70.11:80/TCP".into(), FrontendKind::LoadBalancer),
             ]
         );
+    }
+
+    #[test]
+    fn sctp_node_port_external_ip_and_load_balancer_ip() {
+        let svc = external_service(
+            "lb",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.55",
+                   "externalIPs": ["192.168.60.11"],
+                   "ports": [{"name": "sig", "port": 3868, "nodePort": 30868,
+                              "protocol": "SCTP"}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.30"}]}}),
+        );
+        let slice = slice(
+            "lb",
+            "lb-1",
+            json!([{"name": "sig", "port": 3869, "protocol": "SCTP"}]),
+            vec![ready("10.244.2.11")],
+        );
+        let t = translate_node(vec![svc], vec![slice]);
+        let backends = vec!["10.244.2.11:3869".to_owned()];
+        assert_eq!(
+            frontends(&t),
+            vec![
+                (
+                    "10.0.0.5:30868/SCTP".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    backends.clone()
+                ),
+                (
+                    "10.96.0.55:3868/SCTP".into(),
+                    FrontendKind::ClusterIp,
+                    false,
+                    backends.clone()
+                ),
+                (
+                    "192.168.50.10:30868/SCTP".into(),
+                    FrontendKind::NodePort,
+                    false,
+                    backends.clone()
+                ),
+                (
+                    "192.168.60.11:3868/SCTP".into(),
+                    FrontendKind::ExternalIp,
+                    false,
+                    backends.clone()
+                ),
+                (
+                    "192.168.70.30:3868/SCTP".into(),
+                    FrontendKind::LoadBalancer,
+                    false,
+                    backends
+                ),
+            ]
+        );
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
     }
 
     #[test]

@@ -279,7 +279,8 @@ fn parse_slice(slice: &EndpointSlice, problems: &mut Vec<String>) -> Parsed {
         let protocol = match p.protocol.as_deref() {
             None | Some("TCP") => Protocol::Tcp,
             Some("UDP") => Protocol::Udp,
-            // SCTP (and anything else) is not carried; the Service side reports SCTP ports.
+            Some("SCTP") => Protocol::Sctp,
+            // Anything else is not carried; the Service side reports unknown protocols.
             Some(_) => continue,
         };
         // A nil port means "all ports" in the API; kube-proxy cannot use it either.

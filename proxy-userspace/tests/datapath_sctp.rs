@@ -1,0 +1,732 @@
+//! SCTP datapath table tests (IPv4): the real eBPF object run with BPF_PROG_TEST_RUN. Each step
+//! is {packet in, verdict, packet out}; every translated packet's CRC32c is recomputed here
+//! (`proxy_common::crc32c::checksum`, checked against the standard vectors in its unit tests)
+//! and compared byte for byte with the packet built with the translated fields.
+//!
+//! Privileged (root). Run:
+//! `cargo test -p proxy-userspace --test datapath_sctp -- --test-threads=1 --nocapture`
+
+mod common_packet;
+
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use common_packet::{CLIENT_MAC, Decoded, ETH_P_IP, HOST_MAC, eth};
+use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
+use proxy_common::{
+    Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
+    MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS,
+    ServiceKey, ServiceValue, SnatKey, SnatValue, crc32c, csum, ct_dir, ct_state,
+    flow_state::sctp_chunk as chunk, proto, service_flags,
+};
+
+const TC_NEXT: u32 = u32::MAX;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
+/// A ClusterIP with SCTP :3868 → backend 21 on :3869 (a port rewrite: the CRC32c changes) and
+/// SCTP :9000 → backend 22 on :9000 (address-only: the CRC32c stays as it is).
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
+const VIP_EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 99);
+const BE_21: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 21);
+const BE_22: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 22);
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 10);
+const NODE_PORT: u16 = 30868;
+const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
+const REMOTE_BE: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 20);
+
+/// An SCTP packet with one chunk, over IPv4 and Ethernet, built with a valid CRC32c.
+#[derive(Clone, Debug)]
+struct Sctp {
+    saddr: Ipv4Addr,
+    daddr: Ipv4Addr,
+    sport: u16,
+    dport: u16,
+    vtag: u32,
+    chunk: u8,
+    /// Chunk value (padded to 4 bytes by the builder).
+    value: Vec<u8>,
+    /// Raw IPv4 flags + fragment offset.
+    frag: u16,
+}
+
+impl Sctp {
+    fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, chunk: u8) -> Self {
+        Self {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            vtag: if chunk == chunk::INIT { 0 } else { 0x1122_3344 },
+            chunk,
+            value: b"sctp chunk value".to_vec(),
+            frag: 0x4000,
+        }
+    }
+
+    fn value(mut self, value: &[u8]) -> Self {
+        self.value = value.to_vec();
+        self
+    }
+
+    fn to(&self, addr: Ipv4Addr, port: u16) -> Self {
+        Self {
+            daddr: addr,
+            dport: port,
+            ..self.clone()
+        }
+    }
+
+    fn from(&self, addr: Ipv4Addr, port: u16) -> Self {
+        Self {
+            saddr: addr,
+            sport: port,
+            ..self.clone()
+        }
+    }
+
+    /// The other direction, same chunk kind unless changed.
+    fn reversed(&self, chunk: u8) -> Self {
+        Self {
+            saddr: self.daddr,
+            daddr: self.saddr,
+            sport: self.dport,
+            dport: self.sport,
+            chunk,
+            ..self.clone()
+        }
+    }
+
+    /// The SCTP packet (common header + the chunk), CRC32c in place.
+    fn sctp_bytes(&self) -> Vec<u8> {
+        let mut s = Vec::new();
+        s.extend_from_slice(&self.sport.to_be_bytes());
+        s.extend_from_slice(&self.dport.to_be_bytes());
+        s.extend_from_slice(&self.vtag.to_be_bytes());
+        s.extend_from_slice(&[0; 4]);
+        s.push(self.chunk);
+        s.push(0);
+        s.extend_from_slice(&((4 + self.value.len()) as u16).to_be_bytes());
+        s.extend_from_slice(&self.value);
+        s.resize(s.len().div_ceil(4) * 4, 0);
+        let field = crc32c::checksum(&s).to_le_bytes();
+        s[8..12].copy_from_slice(&field);
+        s
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let sctp = self.sctp_bytes();
+        let mut ip = vec![0x45, 0];
+        ip.extend_from_slice(&((20 + sctp.len()) as u16).to_be_bytes());
+        ip.extend_from_slice(&0x4321u16.to_be_bytes());
+        ip.extend_from_slice(&self.frag.to_be_bytes());
+        ip.extend_from_slice(&[64, proto::SCTP, 0, 0]);
+        ip.extend_from_slice(&self.saddr.octets());
+        ip.extend_from_slice(&self.daddr.octets());
+        let c = csum::ipv4_header(&ip).to_be_bytes();
+        ip[10..12].copy_from_slice(&c);
+        let mut f = eth(HOST_MAC, CLIENT_MAC, ETH_P_IP);
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(&sctp);
+        f
+    }
+}
+
+/// The CRC32c of the SCTP packet in `frame` verifies.
+fn crc_ok(frame: &[u8]) -> bool {
+    let d = Decoded::parse(frame);
+    let mut s = d.l4.clone();
+    let field: [u8; 4] = s[8..12].try_into().unwrap();
+    s[8..12].copy_from_slice(&[0; 4]);
+    crc32c::checksum(&s).to_le_bytes() == field
+}
+
+struct Datapath {
+    bpf: Ebpf,
+}
+
+impl Datapath {
+    fn load() -> Self {
+        let mut loader = EbpfLoader::new();
+        loader.override_global(CONFIG_GLOBAL, &DatapathConfig::DEFAULT, true);
+        for map in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK] {
+            loader.map_max_entries(map, 4096);
+        }
+        let mut bpf = loader.load(EBPF_OBJECT).unwrap_or_else(|e| {
+            panic!("loading the embedded eBPF object failed (run as root?): {e:#?}")
+        });
+        loader::load_programs(&mut bpf)
+            .unwrap_or_else(|e| panic!("verifier rejected a program: {e:#?}"));
+        Self { bpf }
+    }
+
+    /// The SCTP ClusterIP frontends (see [`VIP`]) and an empty one.
+    fn with_services() -> Self {
+        let mut dp = Self::load();
+        dp.set_frontend(VIP, 3868, 0, 1, &[(21, BE_21, 3869, 0)]);
+        dp.set_frontend(VIP, 9000, 0, 2, &[(22, BE_22, 9000, 0)]);
+        dp.set_frontend(VIP_EMPTY, 3868, 0, 3, &[]);
+        dp
+    }
+
+    fn set_frontend(
+        &mut self,
+        addr: Ipv4Addr,
+        port: u16,
+        flags: u16,
+        rev_nat_id: u32,
+        backends: &[(u32, Ipv4Addr, u16, u8)],
+    ) {
+        let key = ServiceKey::new(addr.octets(), port.to_be_bytes(), proto::SCTP, 0);
+        for (i, (id, baddr, bport, bflags)) in backends.iter().enumerate() {
+            let b = Backend {
+                addr: baddr.octets(),
+                port: bport.to_be_bytes(),
+                proto: proto::SCTP,
+                flags: *bflags,
+            };
+            self.map::<u32, Backend>(MAP_BACKENDS)
+                .insert(*id, b, 0)
+                .expect("insert backend");
+            self.map::<ServiceKey, ServiceValue>(MAP_SERVICES)
+                .insert(key.with_slot(i as u16 + 1), ServiceValue::slot(*id), 0)
+                .expect("insert slot");
+        }
+        let fe = ServiceValue::frontend_with_flags(backends.len() as u16, rev_nat_id, flags);
+        self.map::<ServiceKey, ServiceValue>(MAP_SERVICES)
+            .insert(key, fe, 0)
+            .expect("insert frontend");
+    }
+
+    fn map<K: aya::Pod, V: aya::Pod>(&mut self, name: &str) -> HashMap<&mut MapData, K, V> {
+        HashMap::try_from(self.bpf.map_mut(name).expect(name)).expect(name)
+    }
+
+    fn set_node_addr(&mut self, addr: Ipv4Addr) {
+        let mut node: Array<&mut MapData, NodeInfo> =
+            Array::try_from(self.bpf.map_mut(MAP_NODE).expect("NODE map")).expect("NODE type");
+        let info = NodeInfo {
+            snat_addr: addr.octets(),
+            flags: 0,
+        };
+        node.set(0, info, 0).expect("write NODE");
+    }
+
+    fn run(&self, prog: &str, input: &[u8]) -> (u32, Vec<u8>) {
+        let mut out = vec![0u8; input.len() + 256];
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat: 1,
+            ..Default::default()
+        };
+        let p: &SchedClassifier = self.bpf.program(prog).unwrap().try_into().unwrap();
+        let result = p
+            .test_run(opts)
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog}: {e:#?}"));
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    fn counters(&self) -> BTreeMap<&'static str, u64> {
+        let stats: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(self.bpf.map(MAP_STATS).expect("STATS map")).expect("STATS type");
+        Counter::ALL
+            .iter()
+            .map(|c| {
+                let v = stats.get(&(*c as u32), 0).expect("counter");
+                (c.name(), v.iter().sum())
+            })
+            .collect()
+    }
+
+    /// Run `input` through `prog`; the verdict must be `verdict`, the output `want` byte for
+    /// byte (a valid IPv4 checksum and CRC32c), and `counter` must have moved by one.
+    fn step(
+        &self,
+        what: &str,
+        prog: &str,
+        input: &Sctp,
+        verdict: u32,
+        want: Option<&Sctp>,
+        counter: Counter,
+    ) -> Vec<u8> {
+        let before = self.counters();
+        let (v, out) = self.run(prog, &input.bytes());
+        assert_eq!(v, verdict, "{what}: verdict");
+        if let Some(want) = want {
+            let d = Decoded::parse(&out);
+            assert!(d.ip_csum_ok(), "{what}: IPv4 header checksum invalid");
+            assert!(
+                crc_ok(&out),
+                "{what}: SCTP CRC32c invalid after translation"
+            );
+            assert_eq!(out, want.bytes(), "{what}: output differs from {want:?}");
+        }
+        let after = self.counters();
+        assert_eq!(
+            after[counter.name()] - before[counter.name()],
+            1,
+            "{what}: counter {}",
+            counter.name()
+        );
+        out
+    }
+
+    fn ct(&mut self, key: &CtKey) -> Option<CtValue> {
+        self.map::<CtKey, CtValue>(MAP_CONNTRACK).get(key, 0).ok()
+    }
+
+    fn state(&mut self, client: &Sctp) -> u8 {
+        self.ct(&original_key(client))
+            .expect("ORIGINAL conntrack entry")
+            .state
+    }
+}
+
+fn original_key(p: &Sctp) -> CtKey {
+    CtKey {
+        saddr: p.saddr.octets(),
+        daddr: p.daddr.octets(),
+        sport: p.sport.to_be_bytes(),
+        dport: p.dport.to_be_bytes(),
+        proto: proto::SCTP,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    }
+}
+
+/// An association's life through a ClusterIP whose target port differs: INIT DNATed (address,
+/// port, CRC32c), INIT_ACK reverse-NATed, COOKIE_ECHO establishing, DATA both ways (a large
+/// chunk: the CRC update's distance beyond 255 bytes), ABORT closing the flow, and a new INIT on
+/// the closed tuple starting over.
+#[test]
+fn sctp_association_is_dnated_tracked_and_reverse_natted() {
+    let mut dp = Datapath::with_services();
+    let init = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::INIT);
+    dp.step(
+        "INIT to VIP:3868 is DNATed to 10.244.1.21:3869 with a valid CRC32c",
+        PROG_TC_INGRESS,
+        &init,
+        TC_NEXT,
+        Some(&init.to(BE_21, 3869)),
+        Counter::NewFlow,
+    );
+    assert_eq!(dp.state(&init), ct_state::SYN_SENT, "INIT: COOKIE_WAIT");
+    let reply_key = CtKey {
+        saddr: BE_21.octets(),
+        daddr: CLIENT.octets(),
+        sport: 3869u16.to_be_bytes(),
+        dport: 40_000u16.to_be_bytes(),
+        proto: proto::SCTP,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    };
+    let reply = dp.ct(&reply_key).expect("REPLY entry");
+    assert_eq!(
+        (reply.frontend_addr, reply.frontend_port, reply.backend_id),
+        (VIP.octets(), 3868u16.to_be_bytes(), 21)
+    );
+
+    let init_ack = init.to(BE_21, 3869).reversed(chunk::INIT_ACK);
+    dp.step(
+        "INIT_ACK from the backend is reverse-NATed to VIP:3868",
+        PROG_TC_EGRESS,
+        &init_ack,
+        TC_NEXT,
+        Some(&init_ack.from(VIP, 3868)),
+        Counter::ReplyTranslated,
+    );
+    assert_eq!(
+        dp.state(&init),
+        ct_state::SYN_SENT,
+        "INIT_ACK keeps it opening"
+    );
+
+    for (what, c) in [
+        (
+            "COOKIE_ECHO establishes the association",
+            chunk::COOKIE_ECHO,
+        ),
+        ("DATA of the established association", chunk::DATA),
+    ] {
+        let p = Sctp::new(CLIENT, 40_000, VIP, 3868, c);
+        dp.step(
+            what,
+            PROG_TC_INGRESS,
+            &p,
+            TC_NEXT,
+            Some(&p.to(BE_21, 3869)),
+            Counter::EstablishedFlow,
+        );
+        assert_eq!(dp.state(&init), ct_state::ESTABLISHED, "{what}");
+    }
+    let big = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::DATA).value(&[0xa5; 1400]);
+    dp.step(
+        "a 1,400-byte DATA chunk keeps a valid CRC32c",
+        PROG_TC_INGRESS,
+        &big,
+        TC_NEXT,
+        Some(&big.to(BE_21, 3869)),
+        Counter::EstablishedFlow,
+    );
+    let back = big
+        .to(BE_21, 3869)
+        .reversed(chunk::DATA)
+        .value(&[0x3c; 777]);
+    dp.step(
+        "a large DATA chunk from the backend is reverse-NATed",
+        PROG_TC_EGRESS,
+        &back,
+        TC_NEXT,
+        Some(&back.from(VIP, 3868)),
+        Counter::ReplyTranslated,
+    );
+
+    let abort = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::ABORT);
+    dp.step(
+        "ABORT is DNATed and closes the flow",
+        PROG_TC_INGRESS,
+        &abort,
+        TC_NEXT,
+        Some(&abort.to(BE_21, 3869)),
+        Counter::EstablishedFlow,
+    );
+    assert_eq!(dp.state(&init), ct_state::CLOSING, "ABORT: CLOSED");
+    let again = dp.ct(&original_key(&init)).unwrap().created_ns;
+    dp.step(
+        "a new INIT on the closed tuple starts a new flow",
+        PROG_TC_INGRESS,
+        &init,
+        TC_NEXT,
+        Some(&init.to(BE_21, 3869)),
+        Counter::NewFlow,
+    );
+    assert_eq!(dp.state(&init), ct_state::SYN_SENT);
+    assert!(
+        dp.ct(&original_key(&init)).unwrap().created_ns > again,
+        "the entry is a new one"
+    );
+}
+
+/// A graceful shutdown: the client's SHUTDOWN half-closes, the backend's SHUTDOWN_ACK closes,
+/// the client's SHUTDOWN_COMPLETE keeps it closed; a backend ABORT closes a flow too.
+#[test]
+fn sctp_shutdown_and_backend_abort_close_the_flow() {
+    let mut dp = Datapath::with_services();
+    let c = |chunk| Sctp::new(CLIENT, 40_100, VIP, 3868, chunk);
+    let b = |chunk| c(chunk).to(BE_21, 3869).reversed(chunk);
+    dp.step(
+        "INIT",
+        PROG_TC_INGRESS,
+        &c(chunk::INIT),
+        TC_NEXT,
+        Some(&c(chunk::INIT).to(BE_21, 3869)),
+        Counter::NewFlow,
+    );
+    dp.step(
+        "COOKIE_ECHO",
+        PROG_TC_INGRESS,
+        &c(chunk::COOKIE_ECHO),
+        TC_NEXT,
+        None,
+        Counter::EstablishedFlow,
+    );
+    dp.step(
+        "COOKIE_ACK",
+        PROG_TC_EGRESS,
+        &b(chunk::COOKIE_ACK),
+        TC_NEXT,
+        Some(&b(chunk::COOKIE_ACK).from(VIP, 3868)),
+        Counter::ReplyTranslated,
+    );
+    assert_eq!(dp.state(&c(chunk::INIT)), ct_state::ESTABLISHED);
+    dp.step(
+        "SHUTDOWN",
+        PROG_TC_INGRESS,
+        &c(chunk::SHUTDOWN),
+        TC_NEXT,
+        None,
+        Counter::EstablishedFlow,
+    );
+    assert_eq!(
+        dp.state(&c(chunk::INIT)),
+        ct_state::FIN_ORIGINAL,
+        "SHUTDOWN_SENT"
+    );
+    dp.step(
+        "HEARTBEAT from the backend",
+        PROG_TC_EGRESS,
+        &b(chunk::HEARTBEAT),
+        TC_NEXT,
+        None,
+        Counter::ReplyTranslated,
+    );
+    assert_eq!(dp.state(&c(chunk::INIT)), ct_state::FIN_ORIGINAL);
+    dp.step(
+        "SHUTDOWN_ACK",
+        PROG_TC_EGRESS,
+        &b(chunk::SHUTDOWN_ACK),
+        TC_NEXT,
+        Some(&b(chunk::SHUTDOWN_ACK).from(VIP, 3868)),
+        Counter::ReplyTranslated,
+    );
+    assert_eq!(dp.state(&c(chunk::INIT)), ct_state::CLOSING);
+    dp.step(
+        "SHUTDOWN_COMPLETE",
+        PROG_TC_INGRESS,
+        &c(chunk::SHUTDOWN_COMPLETE),
+        TC_NEXT,
+        Some(&c(chunk::SHUTDOWN_COMPLETE).to(BE_21, 3869)),
+        Counter::EstablishedFlow,
+    );
+    assert_eq!(dp.state(&c(chunk::INIT)), ct_state::CLOSING);
+
+    let c2 = |chunk| Sctp::new(CLIENT, 40_101, VIP, 3868, chunk);
+    let b2 = |chunk| c2(chunk).to(BE_21, 3869).reversed(chunk);
+    dp.step(
+        "INIT 2",
+        PROG_TC_INGRESS,
+        &c2(chunk::INIT),
+        TC_NEXT,
+        None,
+        Counter::NewFlow,
+    );
+    dp.step(
+        "COOKIE_ECHO 2",
+        PROG_TC_INGRESS,
+        &c2(chunk::COOKIE_ECHO),
+        TC_NEXT,
+        None,
+        Counter::EstablishedFlow,
+    );
+    dp.step(
+        "ABORT from the backend",
+        PROG_TC_EGRESS,
+        &b2(chunk::ABORT),
+        TC_NEXT,
+        Some(&b2(chunk::ABORT).from(VIP, 3868)),
+        Counter::ReplyTranslated,
+    );
+    assert_eq!(dp.state(&c2(chunk::INIT)), ct_state::CLOSING);
+}
+
+/// Same port on the frontend and the backend: only the address changes, which the CRC32c does
+/// not cover: the SCTP packet leaves byte for byte as it came.
+#[test]
+fn sctp_address_only_dnat_keeps_the_crc_as_it_was() {
+    let dp = Datapath::with_services();
+    let init = Sctp::new(CLIENT, 40_200, VIP, 9000, chunk::INIT);
+    let out = dp.step(
+        "INIT to VIP:9000 is DNATed to 10.244.2.22:9000",
+        PROG_TC_INGRESS,
+        &init,
+        TC_NEXT,
+        Some(&init.to(BE_22, 9000)),
+        Counter::NewFlow,
+    );
+    assert_eq!(
+        Decoded::parse(&out).l4,
+        init.sctp_bytes(),
+        "SCTP bytes untouched"
+    );
+}
+
+/// A Service without endpoints answers an INIT with ICMP port unreachable (as for UDP, and as
+/// kube-proxy's REJECT rules do for SCTP), quoting the IPv4 header and the SCTP common header's
+/// first 8 bytes (ports and verification tag: what the client matches the error with).
+#[test]
+fn sctp_to_a_service_without_endpoints_is_answered_port_unreachable() {
+    let dp = Datapath::with_services();
+    let init = Sctp::new(CLIENT, 40_300, VIP_EMPTY, 3868, chunk::INIT);
+    let out = dp.step(
+        "INIT to a Service without endpoints",
+        PROG_TC_INGRESS,
+        &init,
+        TC_ACT_REDIRECT,
+        None,
+        Counter::NoEndpointsRejected,
+    );
+    let d = Decoded::parse(&out);
+    assert_eq!(
+        (d.proto, d.saddr, d.daddr),
+        (proto::ICMP, VIP_EMPTY, CLIENT)
+    );
+    assert!(d.ip_csum_ok() && d.l4_csum_ok(), "ICMP checksums");
+    assert_eq!((d.l4[0], d.l4[1]), (3, 3), "port unreachable");
+    let input = init.bytes();
+    assert_eq!(&d.l4[8..], &input[14..14 + 20 + 8], "quoted IPv4 + 8 bytes");
+}
+
+/// Odd SCTP packets to a Service: a header without a chunk is dropped as malformed; an IP
+/// fragment is dropped (not translated: see packet.rs). To no Service they pass untouched.
+#[test]
+fn sctp_truncated_and_fragmented_packets_to_a_service_are_dropped() {
+    let dp = Datapath::with_services();
+    let init = Sctp::new(CLIENT, 40_400, VIP, 3868, chunk::INIT);
+    let mut short = init.bytes();
+    short.truncate(14 + 20 + 12);
+    short[16..18].copy_from_slice(&32u16.to_be_bytes());
+    let c = csum::ipv4_header(&{
+        let mut h = short[14..34].to_vec();
+        h[10..12].copy_from_slice(&[0, 0]);
+        h
+    });
+    short[24..26].copy_from_slice(&c.to_be_bytes());
+    let before = dp.counters();
+    let (v, _) = dp.run(PROG_TC_INGRESS, &short);
+    assert_eq!(v, TC_ACT_SHOT, "SCTP header without a chunk");
+    assert_eq!(
+        dp.counters()[Counter::DropMalformed.name()] - before[Counter::DropMalformed.name()],
+        1
+    );
+    let first_fragment = Sctp {
+        frag: 0x2000,
+        ..init.clone()
+    };
+    dp.step(
+        "first fragment of an SCTP packet to a Service",
+        PROG_TC_INGRESS,
+        &first_fragment,
+        TC_ACT_SHOT,
+        None,
+        Counter::DropFragment,
+    );
+    let elsewhere = Sctp::new(
+        CLIENT,
+        40_400,
+        Ipv4Addr::new(10, 244, 9, 9),
+        3868,
+        chunk::INIT,
+    );
+    let (v, out) = dp.run(PROG_TC_EGRESS, &elsewhere.bytes());
+    assert_eq!(
+        (v, out),
+        (TC_NEXT, elsewhere.bytes()),
+        "untracked: untouched"
+    );
+}
+
+/// NodePort to a remote backend: DNAT on ingress, SNAT to the node (address and port, CRC32c
+/// updated) on egress, the backend's answer back to the client and out from the NodePort.
+#[test]
+fn sctp_node_port_to_a_remote_backend_is_snated_to_the_node() {
+    let mut dp = Datapath::load();
+    dp.set_frontend(
+        NODE_IP,
+        NODE_PORT,
+        service_flags::EXTERNAL,
+        50,
+        &[(200, REMOTE_BE, 3869, 0)],
+    );
+    dp.set_node_addr(NODE_IP);
+    let init = Sctp::new(EXT_CLIENT, 40_500, NODE_IP, NODE_PORT, chunk::INIT);
+    let fwd = init.to(REMOTE_BE, 3869);
+    dp.step(
+        "INIT to the NodePort: DNAT to the remote backend",
+        PROG_TC_INGRESS,
+        &init,
+        TC_NEXT,
+        Some(&fwd),
+        Counter::NewFlow,
+    );
+    let out_key = SnatKey {
+        saddr: EXT_CLIENT.octets(),
+        daddr: REMOTE_BE.octets(),
+        sport: 40_500u16.to_be_bytes(),
+        dport: 3869u16.to_be_bytes(),
+        proto: proto::SCTP,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    };
+    let snat: SnatValue = dp
+        .map::<SnatKey, SnatValue>(MAP_SNAT)
+        .get(&out_key, 0)
+        .expect("SNAT out entry");
+    assert_eq!(snat.addr, NODE_IP.octets());
+    let nat_port = u16::from_be_bytes(snat.port);
+    let snated = fwd.from(NODE_IP, nat_port);
+    dp.step(
+        "the forwarded INIT leaves from the node's address and port",
+        PROG_TC_EGRESS,
+        &fwd,
+        TC_NEXT,
+        Some(&snated),
+        Counter::SnatTranslated,
+    );
+    let ack = snated.reversed(chunk::INIT_ACK);
+    let unsnat = ack.to(EXT_CLIENT, 40_500);
+    dp.step(
+        "the backend's INIT_ACK goes back to the client",
+        PROG_TC_INGRESS,
+        &ack,
+        TC_NEXT,
+        Some(&unsnat),
+        Counter::SnatReplyTranslated,
+    );
+    dp.step(
+        "toward the client: from the NodePort",
+        PROG_TC_EGRESS,
+        &unsnat,
+        TC_NEXT,
+        Some(&unsnat.from(NODE_IP, NODE_PORT)),
+        Counter::ReplyTranslated,
+    );
+}
+
+/// An ICMP error (`type_`, `code`) from `from` to `to` quoting the IPv4 header and the first 8
+/// bytes of `quoted`'s SCTP packet.
+fn icmp_error(from: Ipv4Addr, to: Ipv4Addr, type_: u8, code: u8, quoted: &Sctp) -> Vec<u8> {
+    let q = quoted.bytes();
+    let mut icmp = vec![type_, code, 0, 0, 0, 0, 0x05, 0xdc];
+    icmp.extend_from_slice(&q[14..14 + 20 + 8]);
+    let c = csum::fold(csum::sum(&icmp, 0)).to_be_bytes();
+    icmp[2..4].copy_from_slice(&c);
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0, 0, 0, 0, 64, proto::ICMP, 0, 0]);
+    ip.extend_from_slice(&from.octets());
+    ip.extend_from_slice(&to.octets());
+    let c = csum::ipv4_header(&ip).to_be_bytes();
+    ip[10..12].copy_from_slice(&c);
+    let mut f = eth(HOST_MAC, CLIENT_MAC, ETH_P_IP);
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&icmp);
+    f
+}
+
+/// A "fragmentation needed" from the backend about a DNATed association reaches the client as
+/// if from the VIP, quoting client → VIP:port (what the client's SCTP stack matches it with).
+#[test]
+fn icmp_errors_about_sctp_flows_are_reverse_translated() {
+    let dp = Datapath::with_services();
+    let init = Sctp::new(CLIENT, 40_600, VIP, 3868, chunk::INIT);
+    let fwd = init.to(BE_21, 3869);
+    dp.step(
+        "INIT",
+        PROG_TC_INGRESS,
+        &init,
+        TC_NEXT,
+        Some(&fwd),
+        Counter::NewFlow,
+    );
+    let before = dp.counters();
+    let (v, out) = dp.run(PROG_TC_EGRESS, &icmp_error(BE_21, CLIENT, 3, 4, &fwd));
+    assert_eq!(v, TC_NEXT);
+    let counted = Counter::IcmpErrorTranslated.name();
+    assert_eq!(dp.counters()[counted] - before[counted], 1);
+    let d = Decoded::parse(&out);
+    assert!(d.ip_csum_ok() && d.l4_csum_ok(), "outer and ICMP checksums");
+    assert_eq!(d.saddr, VIP, "the error comes from the VIP");
+    let want = icmp_error(VIP, CLIENT, 3, 4, &init);
+    assert_eq!(
+        &out[14 + 20 + 8..],
+        &want[14 + 20 + 8..],
+        "quotes client → VIP:3868"
+    );
+}
