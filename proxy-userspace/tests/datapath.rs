@@ -5,6 +5,7 @@
 //! Privileged (root, bpffs not needed). Run:
 //! `cargo test -p proxy-userspace --test datapath -- --test-threads=1 --nocapture`
 
+mod common_datapath;
 mod common_packet;
 
 use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
@@ -12,11 +13,12 @@ use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap, MapData, PerCpuArray,
+        Array, HashMap, MapData,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
+use common_datapath::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_NEXT};
 use common_packet::{
     CLIENT_MAC, Decoded, ETH_HLEN, HOST_MAC, Pkt, arp_frame, eth, fragments, ipv6_frame,
     reassemble, tcp_flags::*,
@@ -36,21 +38,15 @@ use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, CLASH_PORT_MAX, CLASH_PORT_MIN,
     CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig, FragKey, FragValue,
     HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_SERVICE_CIDRS,
-    MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, MAP_STATS, NodeInfo,
-    PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice,
-    SnatKey, SnatValue, SourceRangeKey, backend_flags, bpf_log, ct_dir, ct_flags, ct_state,
-    frag_action, frag_hook,
+    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_SERVICE_CIDRS, MAP_SERVICES,
+    MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
+    PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    SourceRangeKey, backend_flags, bpf_log, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
     hash::{PortProbe, flow_hash, pick_slot},
     maglev::{self, Chunk, MaglevKey},
     proto, sched, service_cidr, service_flags,
 };
-
-/// `TC_ACT_UNSPEC` (TCX_NEXT, -1): the datapath's pass verdict, so later programs on the hook run.
-const TC_NEXT: u32 = u32::MAX;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_REDIRECT: u32 = 7;
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 /// A ClusterIP with TCP :80 and UDP :53.
@@ -94,26 +90,14 @@ impl Datapath {
     /// As [`Datapath::load_with`]; `log_level` sets the datapath trace's global (`None`: the
     /// object's default, off).
     fn load_with_log(cfg: DatapathConfig, log_level: Option<u8>) -> Self {
-        let mut loader = EbpfLoader::new();
-        loader.override_global(CONFIG_GLOBAL, &cfg, true);
-        if let Some(level) = &log_level {
-            loader.override_global(bpf_log::LOG_LEVEL_GLOBAL, level, true);
+        let maps = [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK];
+        Self {
+            bpf: common_datapath::load_object(&cfg, log_level, &maps, TEST_CAPACITY),
         }
-        for map in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK] {
-            loader.map_max_entries(map, TEST_CAPACITY);
-        }
-        let mut bpf = loader.load(EBPF_OBJECT).unwrap_or_else(|e| {
-            panic!("loading the embedded eBPF object failed (run as root?): {e:#?}")
-        });
-        // Every program, and the new-flow program in tc_ingress's tail-call array, as the agent
-        // loads them.
-        loader::load_programs(&mut bpf)
-            .unwrap_or_else(|e| panic!("verifier rejected a program: {e:#?}"));
-        Self { bpf }
     }
 
     fn prog(&self, name: &str) -> &SchedClassifier {
-        self.bpf.program(name).unwrap().try_into().unwrap()
+        common_datapath::prog(&self.bpf, name)
     }
 
     /// `repeat` runs of `prog` over `input`: (verdict, output frame, mean duration of one run).
@@ -132,16 +116,7 @@ impl Datapath {
         input: &[u8],
         repeat: u32,
     ) -> Result<(u32, Vec<u8>, Duration), aya::programs::ProgramError> {
-        let mut out = vec![0u8; input.len() + 256];
-        let opts = TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat,
-            ..Default::default()
-        };
-        let result = self.prog(prog).test_run(opts)?;
-        out.truncate(result.data_size_out as usize);
-        Ok((result.return_value, out, result.duration))
+        common_datapath::try_run(&self.bpf, prog, input, repeat)
     }
 
     /// One run of `prog` over `input` as a GSO packet (`__sk_buff` gso_size/gso_segs set, as the
@@ -202,13 +177,7 @@ impl Datapath {
     }
 
     fn set_node_addr(&mut self, addr: Ipv4Addr) {
-        let mut node: Array<&mut MapData, NodeInfo> =
-            Array::try_from(self.bpf.map_mut(MAP_NODE).expect("NODE map")).expect("NODE type");
-        let info = NodeInfo {
-            snat_addr: addr.octets(),
-            flags: 0,
-        };
-        node.set(0, info, 0).expect("write NODE");
+        common_datapath::set_node_addr(&mut self.bpf, addr);
     }
 
     /// A frontend with `service_flags` and raw backends (ids from 200 up).
@@ -323,17 +292,7 @@ impl Datapath {
     }
 
     fn counters(&self) -> BTreeMap<&'static str, u64> {
-        let stats: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(self.bpf.map(MAP_STATS).expect("STATS map")).expect("STATS type");
-        Counter::ALL
-            .iter()
-            .map(|c| {
-                let per_cpu = stats
-                    .get(&(*c as u32), 0)
-                    .unwrap_or_else(|e| panic!("read counter {}: {e}", c.name()));
-                (c.name(), per_cpu.iter().sum())
-            })
-            .collect()
+        common_datapath::counters(&self.bpf)
     }
 
     fn counter(&self, c: Counter) -> u64 {

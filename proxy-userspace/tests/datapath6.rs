@@ -6,27 +6,28 @@
 //! Privileged (root). Run:
 //! `cargo test -p proxy-userspace --test datapath6 -- --test-threads=1 --nocapture`
 
+mod common_datapath;
 mod common_packet;
 
 use std::{collections::BTreeMap, net::Ipv6Addr};
 
 use aya::{
-    Ebpf, EbpfLoader,
+    Ebpf,
     maps::{
-        Array, HashMap, MapData, PerCpuArray,
+        Array, HashMap, MapData,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::{SchedClassifier, TestRun, TestRunOptions},
 };
+use common_datapath::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_NEXT};
 use common_packet::{
     CLIENT_MAC, Decoded6, ETH_HLEN, Ext6, HOST_MAC, ICMPV6, L4, Pkt6, ext6, icmp6_frame,
     ipv6_packet, tcp_flags::*,
 };
-use kube_proxy_ebpf::dataplane::{clock::monotonic_ns, ebpf_object::EBPF_OBJECT, loader};
+use kube_proxy_ebpf::dataplane::clock::monotonic_ns;
 use proxy_common::{
-    AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, CONFIG_GLOBAL, Counter, DatapathConfig,
-    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_STATS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
-    PROG_TC_INGRESS_L3, ServiceValue, csum, ct_dir, ct_flags, ct_state,
+    AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, Counter, DatapathConfig, MAP_LC_ADJUST,
+    MAP_LC_FLOWS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
+    ServiceValue, csum, ct_dir, ct_flags, ct_state,
     hash::{PortProbe, pick_slot},
     ipv6::{
         Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
@@ -35,10 +36,6 @@ use proxy_common::{
     },
     proto, sched, service_cidr, service_flags,
 };
-
-const TC_NEXT: u32 = u32::MAX;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_REDIRECT: u32 = 7;
 
 const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 2);
 /// A ClusterIP with TCP :80 and UDP :53.
@@ -75,23 +72,15 @@ impl Datapath {
     }
 
     fn load_with(cfg: DatapathConfig) -> Self {
-        let mut l = EbpfLoader::new();
-        l.override_global(CONFIG_GLOBAL, &cfg, true);
-        for map in [
+        let maps = [
             proxy_common::MAP_SERVICES,
             proxy_common::MAP_BACKENDS,
             proxy_common::MAP_CONNTRACK,
             MAP_SERVICES6,
             MAP_BACKENDS6,
             MAP_CONNTRACK6,
-        ] {
-            l.map_max_entries(map, TEST_CAPACITY);
-        }
-        let mut bpf = l
-            .load(EBPF_OBJECT)
-            .unwrap_or_else(|e| panic!("loading the eBPF object failed (root?): {e:#?}"));
-        loader::load_programs(&mut bpf)
-            .unwrap_or_else(|e| panic!("verifier rejected a program: {e:#?}"));
+        ];
+        let bpf = common_datapath::load_object(&cfg, None, &maps, TEST_CAPACITY);
         let mut dp = Self { bpf };
         dp.set_service(VIP, 80, proto::TCP, 1, &TCP_IDS);
         dp.set_service(VIP, 53, proto::UDP, 2, &UDP_IDS);
@@ -139,31 +128,13 @@ impl Datapath {
             .unwrap();
     }
 
-    fn prog(&self, name: &str) -> &SchedClassifier {
-        self.bpf.program(name).unwrap().try_into().unwrap()
-    }
-
     fn counters(&self) -> BTreeMap<&'static str, u64> {
-        let stats: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(self.bpf.map(MAP_STATS).unwrap()).unwrap();
-        Counter::ALL
-            .iter()
-            .map(|c| (c.name(), stats.get(&(*c as u32), 0).unwrap().iter().sum()))
-            .collect()
+        common_datapath::counters(&self.bpf)
     }
 
     /// One run of `prog` over `input`, nothing checked: (verdict, output frame).
     fn run(&self, prog: &str, input: &[u8]) -> (u32, Vec<u8>) {
-        let mut out = vec![0u8; input.len() + 256];
-        let opts = TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat: 1,
-            ..Default::default()
-        };
-        let r = self.prog(prog).test_run(opts).expect("BPF_PROG_TEST_RUN");
-        out.truncate(r.data_size_out as usize);
-        (r.return_value, out)
+        common_datapath::run(&self.bpf, prog, input)
     }
 
     /// One run of `prog` over `input`; checks the verdict and that exactly the `counts` (plus
@@ -177,19 +148,9 @@ impl Datapath {
         counts: &[(Counter, u64)],
     ) -> Vec<u8> {
         let before = self.counters();
-        let mut out = vec![0u8; input.len() + 256];
-        let opts = TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat: 1,
-            ..Default::default()
-        };
-        let r = self
-            .prog(prog)
-            .test_run(opts)
+        let (v, out, _) = common_datapath::try_run(&self.bpf, prog, input, 1)
             .unwrap_or_else(|e| panic!("{what}: BPF_PROG_TEST_RUN of {prog}: {e:#?}"));
-        out.truncate(r.data_size_out as usize);
-        assert_eq!(r.return_value, verdict, "{what}: verdict");
+        assert_eq!(v, verdict, "{what}: verdict");
         let after = self.counters();
         let mut want: BTreeMap<&str, u64> = counts.iter().map(|(c, n)| (c.name(), *n)).collect();
         let packets = if prog == PROG_TC_INGRESS || prog == PROG_TC_INGRESS_L3 {
@@ -249,6 +210,23 @@ fn dnated(p: &Pkt6, id: u32) -> Pkt6 {
     d
 }
 
+impl Datapath {
+    /// `input` through `prog` passes on (TC_NEXT) moving exactly `counts`, and comes out as
+    /// `want` (see [`assert_packet`]). Returns the output frame.
+    fn translated(
+        &self,
+        what: &str,
+        prog: &str,
+        input: &Pkt6,
+        counts: &[(Counter, u64)],
+        want: &Pkt6,
+    ) -> Vec<u8> {
+        let out = self.step(what, prog, &input.bytes(), TC_NEXT, counts);
+        assert_packet(what, &out, want);
+        out
+    }
+}
+
 /// Output must be `want` byte for byte, and its L4 checksum must verify by recomputation.
 fn assert_packet(what: &str, out: &[u8], want: &Pkt6) {
     let d = Decoded6::parse(out);
@@ -257,33 +235,27 @@ fn assert_packet(what: &str, out: &[u8], want: &Pkt6) {
 }
 
 const NEW: &[(Counter, u64)] = &[(Counter::NewFlow, 1), (Counter::PickRandom, 1)];
+const REPLY: &[(Counter, u64)] = &[(Counter::ReplyTranslated, 1)];
+const ESTABLISHED: &[(Counter, u64)] = &[(Counter::EstablishedFlow, 1)];
+const NOT_SERVICE: &[(Counter, u64)] = &[(Counter::NotService, 1)];
 
 #[test]
 fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     let dp = Datapath::load();
     let syn = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
     let id = picked(&syn, &TCP_IDS);
-    let out = dp.step(
+    dp.translated(
         "SYN to the VIP",
         PROG_TC_INGRESS,
-        &syn.bytes(),
-        TC_NEXT,
+        &syn,
         NEW,
+        &dnated(&syn, id),
     );
-    assert_packet("SYN to the VIP", &out, &dnated(&syn, id));
 
     let mut dp = dp;
-    let original = Ct6Key {
-        saddr: CLIENT.octets(),
-        daddr: VIP.octets(),
-        sport: 40_000u16.to_be_bytes(),
-        dport: 80u16.to_be_bytes(),
-        proto: proto::TCP,
-        dir: ct_dir::ORIGINAL,
-        _pad: [0; 2],
-    };
+    let original = original_key(&syn);
     let ct = dp.ct(&original).expect("ORIGINAL entry");
-    let (baddr, bport) = backend_addr(id);
+    let (baddr, _) = backend_addr(id);
     assert_eq!(
         (ct.backend_id, ct.rev_nat_id, ct.state),
         (id, 1, ct_state::SYN_SENT)
@@ -292,16 +264,8 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
         (ct.backend_addr, ct.frontend_addr),
         (baddr.octets(), VIP.octets())
     );
-    let reply_key = Ct6Key {
-        saddr: baddr.octets(),
-        daddr: CLIENT.octets(),
-        sport: bport.to_be_bytes(),
-        dport: 40_000u16.to_be_bytes(),
-        proto: proto::TCP,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
-    };
-    assert!(dp.ct(&reply_key).is_some(), "REPLY entry");
+    let reply = reply_key(&syn, id);
+    assert!(dp.ct(&reply).is_some(), "REPLY entry");
 
     // The backend's SYN-ACK leaves toward the client from the VIP.
     let synack = dnated(&syn, id).reversed();
@@ -309,17 +273,8 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     if let L4::Tcp { flags, .. } = &mut synack.l4 {
         *flags = SYN | ACK;
     }
-    let out = dp.step(
-        "SYN-ACK reverse NAT",
-        PROG_TC_EGRESS,
-        &synack.bytes(),
-        TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
-    );
-    let mut want = synack.clone();
-    want.saddr = VIP;
-    set_ports(&mut want, 80, 40_000);
-    assert_packet("SYN-ACK reverse NAT", &out, &want);
+    let want = rev_natted(&synack, &syn);
+    dp.translated("SYN-ACK reverse NAT", PROG_TC_EGRESS, &synack, REPLY, &want);
     let ct = dp.ct(&original).unwrap();
     assert_ne!(
         ct.flags & ct_flags::SEEN_REPLY,
@@ -334,17 +289,16 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
 
     // Established: the same backend, through conntrack.
     let ack = Pkt6::tcp(CLIENT, 40_000, VIP, 80, ACK).payload(b"GET / HTTP/1.1\r\n\r\n");
-    let out = dp.step(
+    dp.translated(
         "ACK with data, established",
         PROG_TC_INGRESS,
-        &ack.bytes(),
-        TC_NEXT,
-        &[(Counter::EstablishedFlow, 1)],
+        &ack,
+        ESTABLISHED,
+        &dnated(&ack, id),
     );
-    assert_packet("ACK with data", &out, &dnated(&ack, id));
     assert_eq!(dp.ct(&original).unwrap().state, ct_state::ESTABLISHED);
     assert_eq!(
-        dp.ct(&reply_key).unwrap().state,
+        dp.ct(&reply).unwrap().state,
         ct_state::ESTABLISHED,
         "the state change reaches the REPLY entry"
     );
@@ -355,20 +309,10 @@ fn udp_flow_is_dnated_and_reverse_natted_with_checksums_never_zero() {
     let dp = Datapath::load();
     let q = Pkt6::udp(CLIENT, 33_000, VIP, 53).payload(b"\x12\x34query");
     let id = picked(&q, &UDP_IDS);
-    let out = dp.step("UDP query", PROG_TC_INGRESS, &q.bytes(), TC_NEXT, NEW);
-    assert_packet("UDP query", &out, &dnated(&q, id));
+    dp.translated("UDP query", PROG_TC_INGRESS, &q, NEW, &dnated(&q, id));
     let answer = dnated(&q, id).reversed();
-    let out = dp.step(
-        "UDP answer",
-        PROG_TC_EGRESS,
-        &answer.bytes(),
-        TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
-    );
-    let mut want = answer.clone();
-    want.saddr = VIP;
-    set_ports(&mut want, 53, 33_000);
-    assert_packet("UDP answer", &out, &want);
+    let want = rev_natted(&answer, &q);
+    dp.translated("UDP answer", PROG_TC_EGRESS, &answer, REPLY, &want);
 
     // A payload whose translated checksum computes to 0: it must be written as 0xffff.
     let sport = 33_001;
@@ -409,7 +353,7 @@ fn udp_flow_is_dnated_and_reverse_natted_with_checksums_never_zero() {
         PROG_TC_INGRESS,
         &zero_pod,
         TC_NEXT,
-        &[(Counter::NotService, 1)],
+        NOT_SERVICE,
     );
     assert_eq!(out, zero_pod);
 }
@@ -517,18 +461,17 @@ fn extension_headers_are_walked_kept_and_bounded() {
         .ext(Ext6::options(ext6::HOP_BY_HOP, 8))
         .ext(Ext6::options(ext6::DEST_OPTS, 16));
     let id = picked(&syn, &TCP_IDS);
-    let out = dp.step(
-        "hop-by-hop + destination options before TCP",
+    dp.translated(
+        "hop-by-hop + destination options before TCP: extension headers kept",
         PROG_TC_INGRESS,
-        &syn.bytes(),
-        TC_NEXT,
+        &syn,
         &[
             (Counter::NewFlow, 1),
             (Counter::PickRandom, 1),
             (Counter::Ipv6ExtHeaders, 1),
         ],
+        &dnated(&syn, id),
     );
-    assert_packet("extension headers kept", &out, &dnated(&syn, id));
 
     // More than MAX_EXT_HEADERS: the walk stops, the packet passes untouched (ports unknown).
     let mut long = Pkt6::tcp(CLIENT, 42_001, VIP, 80, SYN);
@@ -550,18 +493,17 @@ fn extension_headers_are_walked_kept_and_bounded() {
         max = max.ext(Ext6::options(ext6::DEST_OPTS, 8));
     }
     let id = picked(&max, &TCP_IDS);
-    let out = dp.step(
+    dp.translated(
         "MAX_EXT_HEADERS extension headers",
         PROG_TC_INGRESS,
-        &max.bytes(),
-        TC_NEXT,
+        &max,
         &[
             (Counter::NewFlow, 1),
             (Counter::PickRandom, 1),
             (Counter::Ipv6ExtHeaders, 1),
         ],
+        &dnated(&max, id),
     );
-    assert_packet("MAX_EXT_HEADERS", &out, &dnated(&max, id));
 
     // ESP: nothing behind it can be read.
     let esp = ipv6_packet(
@@ -778,13 +720,7 @@ fn neighbour_discovery_and_non_service_ipv6_are_never_modified() {
         ),
     ];
     for (what, input) in &rows {
-        let out = dp.step(
-            what,
-            PROG_TC_INGRESS,
-            input,
-            TC_NEXT,
-            &[(Counter::NotService, 1)],
-        );
+        let out = dp.step(what, PROG_TC_INGRESS, input, TC_NEXT, NOT_SERVICE);
         assert_eq!(&out, input, "{what}: ingress must pass it untouched");
         let out = dp.step(
             what,
@@ -816,7 +752,7 @@ fn l3_devices_carry_ipv6_by_the_version_nibble() {
         PROG_TC_EGRESS_L3,
         &reply.l3_bytes(),
         TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
+        REPLY,
     );
     let mut want = reply.clone();
     want.saddr = VIP;
@@ -873,18 +809,9 @@ fn round_robin_and_source_hash_pick_on_ipv6() {
 fn per_packet_cost() {
     let mut dp = Datapath::load();
     let single = |dp: &Datapath, prog: &str, frame: &[u8]| {
-        let mut out = vec![0u8; frame.len() + 256];
-        let r = dp
-            .prog(prog)
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                repeat: 1,
-                ..Default::default()
-            })
-            .unwrap();
-        assert_eq!(r.return_value, TC_NEXT);
-        r.duration
+        let (verdict, _, duration) = common_datapath::try_run(&dp.bpf, prog, frame, 1).unwrap();
+        assert_eq!(verdict, TC_NEXT);
+        duration
     };
     let mut new_flow: Vec<_> = (0..2_000u16)
         .map(|i| {
@@ -924,17 +851,7 @@ fn per_packet_cost() {
     }
     let repeated = |dp: &Datapath, prog: &str, frame: &[u8], counter: Counter| {
         let before = dp.counters()[counter.name()];
-        let mut out = vec![0u8; frame.len() + 256];
-        let r = dp
-            .prog(prog)
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                repeat: 100_000,
-                ..Default::default()
-            })
-            .unwrap();
-        out.truncate(r.data_size_out as usize);
+        let (_, out, duration) = common_datapath::try_run(&dp.bpf, prog, frame, 100_000).unwrap();
         assert_eq!(
             dp.counters()[counter.name()] - before,
             100_000,
@@ -945,7 +862,7 @@ fn per_packet_cost() {
             Decoded6::parse(&out).l4_csum_ok(),
             "checksum after 100,000 rewrites"
         );
-        r.duration
+        duration
     };
     let established = repeated(
         &dp,
@@ -962,16 +879,9 @@ fn per_packet_cost() {
     );
     let not_service = {
         let f = Pkt6::tcp(CLIENT, 50_001, POD, 80, ACK).bytes();
-        let mut out = vec![0u8; f.len() + 256];
-        dp.prog(PROG_TC_INGRESS)
-            .test_run(TestRunOptions {
-                data_in: Some(&f),
-                data_out: Some(&mut out),
-                repeat: 100_000,
-                ..Default::default()
-            })
+        common_datapath::try_run(&dp.bpf, PROG_TC_INGRESS, &f, 100_000)
             .unwrap()
-            .duration
+            .2
     };
     println!(
         "IPv6 per-packet cost (BPF_PROG_TEST_RUN): new flow median {} ns (p90 {} ns, single runs), \
@@ -1000,42 +910,23 @@ fn a_udp_flow_whose_backend_is_gone_moves_and_an_idle_one_is_picked_again() {
         .insert(key.with_slot(1), ServiceValue::slot(other), 0)
         .unwrap();
     dp.backends().remove(&id).unwrap();
-    let out = dp.step(
-        "next datagram, backend gone",
+    dp.translated(
+        "next datagram, backend gone: moved to the live backend",
         PROG_TC_INGRESS,
-        &q.bytes(),
-        TC_NEXT,
+        &q,
         &[
             (Counter::StaleBackendReselected, 1),
             (Counter::PickRandom, 1),
         ],
+        &dnated(&q, other),
     );
-    assert_packet("moved to the live backend", &out, &dnated(&q, other));
-    let (old_addr, old_port) = backend_addr(id);
-    let old_reply = Ct6Key {
-        saddr: old_addr.octets(),
-        daddr: CLIENT.octets(),
-        sport: old_port.to_be_bytes(),
-        dport: 36_000u16.to_be_bytes(),
-        proto: proto::UDP,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
-    };
     assert!(
-        dp.ct(&old_reply).is_none(),
+        dp.ct(&reply_key(&q, id)).is_none(),
         "the old REPLY entry is removed"
     );
 
     // An entry idle past its timeout is replaced by a new pick.
-    let original = Ct6Key {
-        saddr: CLIENT.octets(),
-        daddr: VIP.octets(),
-        sport: 36_000u16.to_be_bytes(),
-        dport: 53u16.to_be_bytes(),
-        proto: proto::UDP,
-        dir: ct_dir::ORIGINAL,
-        _pad: [0; 2],
-    };
+    let original = original_key(&q);
     let mut ct = dp.ct(&original).unwrap();
     ct.last_seen_ns = 1;
     dp.conntrack().insert(original, ct, 0).unwrap();
@@ -1086,14 +977,13 @@ fn load_balancer_source_ranges_take_ipv6_prefixes() {
             .unwrap();
     }
     let inside = Pkt6::tcp(CLIENT, 47_000, lb, 80, SYN);
-    let out = dp.step(
+    dp.translated(
         "from inside the range",
         PROG_TC_INGRESS,
-        &inside.bytes(),
-        TC_NEXT,
+        &inside,
         NEW,
+        &dnated(&inside, 1),
     );
-    assert_packet("from inside the range", &out, &dnated(&inside, 1));
     let outsider = Ipv6Addr::new(0xfd00, 0x999, 0, 0, 0, 0, 0, 1);
     dp.step(
         "from outside the range",
@@ -1105,8 +995,7 @@ fn load_balancer_source_ranges_take_ipv6_prefixes() {
     // The same client on another frontend without ranges is not affected.
     let id = picked(&Pkt6::tcp(outsider, 47_002, VIP, 80, SYN), &TCP_IDS);
     let syn = Pkt6::tcp(outsider, 47_002, VIP, 80, SYN);
-    let out = dp.step("a ClusterIP", PROG_TC_INGRESS, &syn.bytes(), TC_NEXT, NEW);
-    assert_packet("a ClusterIP", &out, &dnated(&syn, id));
+    dp.translated("a ClusterIP", PROG_TC_INGRESS, &syn, NEW, &dnated(&syn, id));
 }
 
 // Reply-tuple clash resolution (as tests/datapath.rs): no two live flows share a reply tuple; a
@@ -1198,24 +1087,20 @@ const REMAPPED: &[(Counter, u64)] = &[
 fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples() {
     let mut dp = two_frontends_one_backend();
     let a = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
-    let out = dp.step("first flow", PROG_TC_INGRESS, &a.bytes(), TC_NEXT, NEW);
-    assert_packet(
+    dp.translated(
         "first flow: DNAT, the client's own port",
-        &out,
+        PROG_TC_INGRESS,
+        &a,
+        NEW,
         &dnated(&a, 1),
     );
     let b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, SYN);
     let moved = clash_port(&b);
-    let out = dp.step(
-        "second flow",
+    dp.translated(
+        "second flow: same client port, other VIP, same backend: DNAT and another source port",
         PROG_TC_INGRESS,
-        &b.bytes(),
-        TC_NEXT,
+        &b,
         REMAPPED,
-    );
-    assert_packet(
-        "same client port, other VIP, same backend: DNAT and another source port",
-        &out,
         &with_sport(&dnated(&b, 1), moved),
     );
     let ct = dp.ct(&original_key(&b)).expect("second flow's ORIGINAL");
@@ -1230,42 +1115,27 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
 
     // Each backend reply goes to its own flow: source = its VIP, destination = the client port.
     let reply_b = with_dport(&dnated(&b, 1).reversed(), moved);
-    let out = dp.step(
-        "reply on the moved port",
-        PROG_TC_EGRESS,
-        &reply_b.bytes(),
-        TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "reply on the moved port: from VIP2:80, back to the client's own port",
-        &out,
+        PROG_TC_EGRESS,
+        &reply_b,
+        REPLY,
         &with_dport(&rev_natted(&reply_b, &b), 40_000),
     );
     let reply_a = dnated(&a, 1).reversed();
-    let out = dp.step(
-        "reply on the client's port",
-        PROG_TC_EGRESS,
-        &reply_a.bytes(),
-        TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "reply on the client's port: from VIP:80",
-        &out,
+        PROG_TC_EGRESS,
+        &reply_a,
+        REPLY,
         &rev_natted(&reply_a, &a),
     );
     let ack_b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, ACK);
-    let out = dp.step(
-        "the second flow's next packet",
-        PROG_TC_INGRESS,
-        &ack_b.bytes(),
-        TC_NEXT,
-        &[(Counter::EstablishedFlow, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "the second flow's next packet keeps the moved port",
-        &out,
+        PROG_TC_INGRESS,
+        &ack_b,
+        ESTABLISHED,
         &with_sport(&dnated(&ack_b, 1), moved),
     );
 
@@ -1288,16 +1158,11 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
             .is_some_and(|v| v.frontend_addr == VIP.octets()),
         "the first flow's REPLY entry survives the second flow's end"
     );
-    let out = dp.step(
-        "the first flow still answers",
-        PROG_TC_EGRESS,
-        &reply_a.bytes(),
-        TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "the first flow still answers from VIP:80",
-        &out,
+        PROG_TC_EGRESS,
+        &reply_a,
+        REPLY,
         &rev_natted(&reply_a, &a),
     );
 }
@@ -1309,7 +1174,7 @@ fn udp_datagrams_alternating_between_two_vips_come_back_from_the_right_one() {
     let q2 = Pkt6::udp(CLIENT, 41_000, VIP2, 53).payload(b"q2");
     let moved = clash_port(&q2);
     for round in 0..3 {
-        let established: &[(Counter, u64)] = &[(Counter::EstablishedFlow, 1)];
+        let established: &[(Counter, u64)] = ESTABLISHED;
         let out = dp.step(
             "to VIP",
             PROG_TC_INGRESS,
@@ -1331,29 +1196,19 @@ fn udp_datagrams_alternating_between_two_vips_come_back_from_the_right_one() {
             &with_sport(&dnated(&q2, 11), moved),
         );
         let r1 = dnated(&q1, 11).reversed().payload(b"a1");
-        let out = dp.step(
-            "answer to VIP's query",
-            PROG_TC_EGRESS,
-            &r1.bytes(),
-            TC_NEXT,
-            &[(Counter::ReplyTranslated, 1)],
-        );
-        assert_packet(
+        dp.translated(
             "answer to VIP's query: from VIP",
-            &out,
+            PROG_TC_EGRESS,
+            &r1,
+            REPLY,
             &rev_natted(&r1, &q1),
         );
         let r2 = with_dport(&dnated(&q2, 11).reversed().payload(b"a2"), moved);
-        let out = dp.step(
-            "answer to VIP2's query",
-            PROG_TC_EGRESS,
-            &r2.bytes(),
-            TC_NEXT,
-            &[(Counter::ReplyTranslated, 1)],
-        );
-        assert_packet(
+        dp.translated(
             "answer to VIP2's query: from VIP2, to the client's port",
-            &out,
+            PROG_TC_EGRESS,
+            &r2,
+            REPLY,
             &with_dport(&rev_natted(&r2, &q2), 41_000),
         );
     }
@@ -1368,55 +1223,35 @@ fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
     dp.step("VIP flow", PROG_TC_INGRESS, &v.bytes(), TC_NEXT, NEW);
     let d = Pkt6::tcp(CLIENT, 42_000, pod, pod_port, SYN);
     let moved = clash_port(&d);
-    let out = dp.step(
-        "direct flow on the VIP flow's reply tuple",
-        PROG_TC_INGRESS,
-        &d.bytes(),
-        TC_NEXT,
-        &[(Counter::DirectFlow, 1), (Counter::ReplyTupleRemapped, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "direct flow on the VIP flow's reply tuple: only its source port moves",
-        &out,
+        PROG_TC_INGRESS,
+        &d,
+        &[(Counter::DirectFlow, 1), (Counter::ReplyTupleRemapped, 1)],
         &with_sport(&d, moved),
     );
     let ack = Pkt6::tcp(CLIENT, 42_000, pod, pod_port, ACK);
-    let out = dp.step(
-        "the direct flow's next packet",
+    dp.translated(
+        "the direct flow's next packet: the direct flow keeps its moved port",
         PROG_TC_INGRESS,
-        &ack.bytes(),
-        TC_NEXT,
+        &ack,
         &[(Counter::DirectFlow, 1)],
-    );
-    assert_packet(
-        "the direct flow keeps its moved port",
-        &out,
         &with_sport(&ack, moved),
     );
     let d_reply = with_dport(&d.reversed(), moved);
-    let out = dp.step(
-        "the pod's answer to the direct flow",
-        PROG_TC_EGRESS,
-        &d_reply.bytes(),
-        TC_NEXT,
-        &[(Counter::DirectFlow, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "the pod's answer to the direct flow: from the pod, to the client's port",
-        &out,
+        PROG_TC_EGRESS,
+        &d_reply,
+        &[(Counter::DirectFlow, 1)],
         &with_dport(&d_reply, 42_000),
     );
     let v_reply = dnated(&v, 1).reversed();
-    let out = dp.step(
-        "the VIP flow's answer",
-        PROG_TC_EGRESS,
-        &v_reply.bytes(),
-        TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "the VIP flow's answer: from the VIP",
-        &out,
+        PROG_TC_EGRESS,
+        &v_reply,
+        REPLY,
         &rev_natted(&v_reply, &v),
     );
 
@@ -1427,21 +1262,16 @@ fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
         PROG_TC_INGRESS,
         &d2.bytes(),
         TC_NEXT,
-        &[(Counter::NotService, 1)],
+        NOT_SERVICE,
     );
     assert_eq!(out, d2.bytes(), "direct flow: tracked, untouched");
     let v2 = Pkt6::tcp(CLIENT, 42_100, VIP, 80, SYN);
     let moved2 = clash_port(&v2);
-    let out = dp.step(
-        "VIP flow on the direct flow's tuple",
-        PROG_TC_INGRESS,
-        &v2.bytes(),
-        TC_NEXT,
-        REMAPPED,
-    );
-    assert_packet(
+    dp.translated(
         "VIP flow on the direct flow's tuple: DNAT and another source port",
-        &out,
+        PROG_TC_INGRESS,
+        &v2,
+        REMAPPED,
         &with_sport(&dnated(&v2, 1), moved2),
     );
     let out = dp.step(
@@ -1501,19 +1331,14 @@ fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() 
         .remove(&reply_key(&live, 1))
         .expect("evict REPLY");
     let ack = Pkt6::tcp(CLIENT, 43_100, VIP, 80, ACK);
-    let out = dp.step(
-        "a packet whose REPLY entry was evicted",
+    dp.translated(
+        "a packet whose REPLY entry was evicted: DNATed, its REPLY entry written again",
         PROG_TC_INGRESS,
-        &ack.bytes(),
-        TC_NEXT,
+        &ack,
         &[
             (Counter::EstablishedFlow, 1),
             (Counter::ConntrackRestored, 1),
         ],
-    );
-    assert_packet(
-        "DNATed, its REPLY entry written again",
-        &out,
         &dnated(&ack, 1),
     );
     assert!(dp.ct(&reply_key(&live, 1)).is_some(), "REPLY back");
@@ -1521,34 +1346,24 @@ fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() 
     dp.conntrack()
         .remove(&original_key(&live))
         .expect("evict ORIGINAL");
-    let out = dp.step(
-        "a reply whose ORIGINAL entry was evicted",
+    dp.translated(
+        "a reply whose ORIGINAL entry was evicted: translated, its ORIGINAL written again",
         PROG_TC_EGRESS,
-        &reply.bytes(),
-        TC_NEXT,
+        &reply,
         &[
             (Counter::ReplyTranslated, 1),
             (Counter::ConntrackRestored, 1),
         ],
-    );
-    assert_packet(
-        "translated, its ORIGINAL written again",
-        &out,
         &rev_natted(&reply, &live),
     );
     // The Service changes: without the restored ORIGINAL, the client's next packet would be a
     // new flow to whatever the Service holds now.
     dp.set_service(VIP, 80, proto::TCP, 1, &[1, 2]);
-    let out = dp.step(
-        "the client's next packet",
-        PROG_TC_INGRESS,
-        &ack.bytes(),
-        TC_NEXT,
-        &[(Counter::EstablishedFlow, 1)],
-    );
-    assert_packet(
+    dp.translated(
         "the client's next packet keeps its backend",
-        &out,
+        PROG_TC_INGRESS,
+        &ack,
+        ESTABLISHED,
         &dnated(&ack, 1),
     );
 }
@@ -1698,16 +1513,11 @@ fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_
     let before = monotonic_ns();
     let first = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
     let chosen = picked(&first, &ids);
-    let out = dp.step(
-        "first flow",
+    dp.translated(
+        "first flow: a client's first flow: the scheduler's pick",
         PROG_TC_INGRESS,
-        &first.bytes(),
-        TC_NEXT,
+        &first,
         AFFINITY_MISS,
-    );
-    assert_packet(
-        "a client's first flow: the scheduler's pick",
-        &out,
         &dnated(&first, chosen),
     );
     let record = dp.affinity_record(CLIENT).expect("record written");
@@ -1717,16 +1527,11 @@ fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_
     for sport in 40_001..40_021 {
         let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
         hashed_elsewhere += usize::from(picked(&syn, &ids) != chosen);
-        let out = dp.step(
-            "another new flow",
-            PROG_TC_INGRESS,
-            &syn.bytes(),
-            TC_NEXT,
-            AFFINITY_HIT,
-        );
-        assert_packet(
+        dp.translated(
             "another new flow: the recorded backend",
-            &out,
+            PROG_TC_INGRESS,
+            &syn,
+            AFFINITY_HIT,
             &dnated(&syn, chosen),
         );
     }
@@ -1742,7 +1547,7 @@ fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_
         PROG_TC_INGRESS,
         &ack.bytes(),
         TC_NEXT,
-        &[(Counter::EstablishedFlow, 1)],
+        ESTABLISHED,
     );
     assert_eq!(dp.affinity_record(CLIENT).unwrap().last_used_ns, stamped);
 
@@ -1754,14 +1559,13 @@ fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_
         .unwrap();
     dp.set_affinity_record(CLIENT, chosen, 0);
     let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
-    let out = dp.step(
-        "expired record",
+    dp.translated(
+        "expired record: a fresh pick",
         PROG_TC_INGRESS,
-        &syn.bytes(),
-        TC_NEXT,
+        &syn,
         AFFINITY_MISS,
+        &dnated(&syn, other),
     );
-    assert_packet("expired record: a fresh pick", &out, &dnated(&syn, other));
     assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, other);
 
     // The recorded endpoint leaves the Service (its backend entry stays): the remaining one.
@@ -1771,16 +1575,11 @@ fn affinity_sends_an_ipv6_client_s_new_flows_to_one_backend_until_it_expires_or_
         "the backend still exists"
     );
     let syn = Pkt6::tcp(CLIENT, 43_000, VIP, 80, SYN);
-    let out = dp.step(
-        "recorded endpoint gone",
-        PROG_TC_INGRESS,
-        &syn.bytes(),
-        TC_NEXT,
-        AFFINITY_MISS,
-    );
-    assert_packet(
+    dp.translated(
         "recorded endpoint gone: a new pick among the remaining",
-        &out,
+        PROG_TC_INGRESS,
+        &syn,
+        AFFINITY_MISS,
         &dnated(&syn, chosen),
     );
     assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, chosen);
@@ -1837,7 +1636,7 @@ fn least_connection_on_ipv6_sends_new_flows_to_the_least_loaded_and_counts_follo
         PROG_TC_INGRESS,
         &rst.bytes(),
         TC_NEXT,
-        &[(Counter::EstablishedFlow, 1)],
+        ESTABLISHED,
     );
     assert_eq!(dp.lc_counts(&ids), [1, 2], "a RST ends a counted flow");
     let fin = Pkt6::tcp(CLIENT, long[1], VIP, 80, FIN | ACK);
@@ -1846,7 +1645,7 @@ fn least_connection_on_ipv6_sends_new_flows_to_the_least_loaded_and_counts_follo
         PROG_TC_INGRESS,
         &fin.bytes(),
         TC_NEXT,
-        &[(Counter::EstablishedFlow, 1)],
+        ESTABLISHED,
     );
     assert_eq!(
         dp.lc_counts(&ids),
@@ -1859,7 +1658,7 @@ fn least_connection_on_ipv6_sends_new_flows_to_the_least_loaded_and_counts_follo
         PROG_TC_EGRESS,
         &backend_fin.bytes(),
         TC_NEXT,
-        &[(Counter::ReplyTranslated, 1)],
+        REPLY,
     );
     assert_eq!(
         dp.lc_counts(&ids),
@@ -1969,26 +1768,15 @@ fn new_flows_to_no_frontend_in_the_ipv6_service_cidr_are_answered_or_dropped() {
         ),
         ("TCP SYN to a pod", Pkt6::tcp(CLIENT, 46_005, POD, 80, SYN)),
     ] {
-        let out = dp.step(
-            what,
-            PROG_TC_INGRESS,
-            &pkt.bytes(),
-            TC_NEXT,
-            &[(Counter::NotService, 1)],
-        );
+        let out = dp.step(what, PROG_TC_INGRESS, &pkt.bytes(), TC_NEXT, NOT_SERVICE);
         assert_eq!(out, pkt.bytes(), "{what}: untouched");
     }
     let syn = Pkt6::tcp(CLIENT, 46_006, VIP, 80, SYN);
-    let out = dp.step(
+    dp.translated(
         "SYN to the ClusterIP's port",
         PROG_TC_INGRESS,
-        &syn.bytes(),
-        TC_NEXT,
+        &syn,
         NEW,
-    );
-    assert_packet(
-        "SYN to the ClusterIP's port",
-        &out,
         &dnated(&syn, picked(&syn, &TCP_IDS)),
     );
     // A Service without endpoints still answers as one (not as a port of no Service).

@@ -6,27 +6,22 @@
 //! Privileged (root). Run:
 //! `cargo test -p proxy-userspace --test datapath_sctp -- --test-threads=1 --nocapture`
 
+mod common_datapath;
 mod common_packet;
 
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
 use aya::{
-    Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    Ebpf,
+    maps::{HashMap, MapData},
 };
+use common_datapath::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_NEXT};
 use common_packet::{CLIENT_MAC, Decoded, ETH_P_IP, HOST_MAC, eth};
-use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
 use proxy_common::{
-    Backend, CONFIG_GLOBAL, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_NODE, MAP_SERVICES, MAP_SNAT, MAP_STATS, NodeInfo, PROG_TC_EGRESS, PROG_TC_INGRESS,
-    ServiceKey, ServiceValue, SnatKey, SnatValue, crc32c, csum, ct_dir, ct_state,
-    flow_state::sctp_chunk as chunk, proto, service_flags,
+    Backend, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
+    MAP_SNAT, PROG_TC_EGRESS, PROG_TC_INGRESS, ServiceKey, ServiceValue, SnatKey, SnatValue,
+    crc32c, csum, ct_dir, ct_state, flow_state::sctp_chunk as chunk, proto, service_flags,
 };
-
-const TC_NEXT: u32 = u32::MAX;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_REDIRECT: u32 = 7;
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 /// A ClusterIP with SCTP :3868 → backend 21 on :3869 (a port rewrite: the CRC32c changes) and
@@ -152,17 +147,10 @@ struct Datapath {
 
 impl Datapath {
     fn load() -> Self {
-        let mut loader = EbpfLoader::new();
-        loader.override_global(CONFIG_GLOBAL, &DatapathConfig::DEFAULT, true);
-        for map in [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK] {
-            loader.map_max_entries(map, 4096);
+        let maps = [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK];
+        Self {
+            bpf: common_datapath::load_object(&DatapathConfig::DEFAULT, None, &maps, 4096),
         }
-        let mut bpf = loader.load(EBPF_OBJECT).unwrap_or_else(|e| {
-            panic!("loading the embedded eBPF object failed (run as root?): {e:#?}")
-        });
-        loader::load_programs(&mut bpf)
-            .unwrap_or_else(|e| panic!("verifier rejected a program: {e:#?}"));
-        Self { bpf }
     }
 
     /// The SCTP ClusterIP frontends (see [`VIP`]) and an empty one.
@@ -208,41 +196,15 @@ impl Datapath {
     }
 
     fn set_node_addr(&mut self, addr: Ipv4Addr) {
-        let mut node: Array<&mut MapData, NodeInfo> =
-            Array::try_from(self.bpf.map_mut(MAP_NODE).expect("NODE map")).expect("NODE type");
-        let info = NodeInfo {
-            snat_addr: addr.octets(),
-            flags: 0,
-        };
-        node.set(0, info, 0).expect("write NODE");
+        common_datapath::set_node_addr(&mut self.bpf, addr);
     }
 
     fn run(&self, prog: &str, input: &[u8]) -> (u32, Vec<u8>) {
-        let mut out = vec![0u8; input.len() + 256];
-        let opts = TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat: 1,
-            ..Default::default()
-        };
-        let p: &SchedClassifier = self.bpf.program(prog).unwrap().try_into().unwrap();
-        let result = p
-            .test_run(opts)
-            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog}: {e:#?}"));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        common_datapath::run(&self.bpf, prog, input)
     }
 
     fn counters(&self) -> BTreeMap<&'static str, u64> {
-        let stats: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(self.bpf.map(MAP_STATS).expect("STATS map")).expect("STATS type");
-        Counter::ALL
-            .iter()
-            .map(|c| {
-                let v = stats.get(&(*c as u32), 0).expect("counter");
-                (c.name(), v.iter().sum())
-            })
-            .collect()
+        common_datapath::counters(&self.bpf)
     }
 
     /// Run `input` through `prog`; the verdict must be `verdict`, the output `want` byte for
@@ -278,6 +240,16 @@ impl Datapath {
         out
     }
 
+    /// A [`Datapath::step`] through tc ingress that passes on (TC_NEXT).
+    fn ingress(&self, what: &str, input: &Sctp, want: Option<&Sctp>, counter: Counter) -> Vec<u8> {
+        self.step(what, PROG_TC_INGRESS, input, TC_NEXT, want, counter)
+    }
+
+    /// A [`Datapath::step`] through tc egress that passes on (TC_NEXT).
+    fn egress(&self, what: &str, input: &Sctp, want: Option<&Sctp>, counter: Counter) -> Vec<u8> {
+        self.step(what, PROG_TC_EGRESS, input, TC_NEXT, want, counter)
+    }
+
     fn ct(&mut self, key: &CtKey) -> Option<CtValue> {
         self.map::<CtKey, CtValue>(MAP_CONNTRACK).get(key, 0).ok()
     }
@@ -309,11 +281,9 @@ fn original_key(p: &Sctp) -> CtKey {
 fn sctp_association_is_dnated_tracked_and_reverse_natted() {
     let mut dp = Datapath::with_services();
     let init = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::INIT);
-    dp.step(
+    dp.ingress(
         "INIT to VIP:3868 is DNATed to 10.244.1.21:3869 with a valid CRC32c",
-        PROG_TC_INGRESS,
         &init,
-        TC_NEXT,
         Some(&init.to(BE_21, 3869)),
         Counter::NewFlow,
     );
@@ -334,11 +304,9 @@ fn sctp_association_is_dnated_tracked_and_reverse_natted() {
     );
 
     let init_ack = init.to(BE_21, 3869).reversed(chunk::INIT_ACK);
-    dp.step(
+    dp.egress(
         "INIT_ACK from the backend is reverse-NATed to VIP:3868",
-        PROG_TC_EGRESS,
         &init_ack,
-        TC_NEXT,
         Some(&init_ack.from(VIP, 3868)),
         Counter::ReplyTranslated,
     );
@@ -367,11 +335,9 @@ fn sctp_association_is_dnated_tracked_and_reverse_natted() {
         assert_eq!(dp.state(&init), ct_state::ESTABLISHED, "{what}");
     }
     let big = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::DATA).value(&[0xa5; 1400]);
-    dp.step(
+    dp.ingress(
         "a 1,400-byte DATA chunk keeps a valid CRC32c",
-        PROG_TC_INGRESS,
         &big,
-        TC_NEXT,
         Some(&big.to(BE_21, 3869)),
         Counter::EstablishedFlow,
     );
@@ -379,31 +345,25 @@ fn sctp_association_is_dnated_tracked_and_reverse_natted() {
         .to(BE_21, 3869)
         .reversed(chunk::DATA)
         .value(&[0x3c; 777]);
-    dp.step(
+    dp.egress(
         "a large DATA chunk from the backend is reverse-NATed",
-        PROG_TC_EGRESS,
         &back,
-        TC_NEXT,
         Some(&back.from(VIP, 3868)),
         Counter::ReplyTranslated,
     );
 
     let abort = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::ABORT);
-    dp.step(
+    dp.ingress(
         "ABORT is DNATed and closes the flow",
-        PROG_TC_INGRESS,
         &abort,
-        TC_NEXT,
         Some(&abort.to(BE_21, 3869)),
         Counter::EstablishedFlow,
     );
     assert_eq!(dp.state(&init), ct_state::CLOSING, "ABORT: CLOSED");
     let again = dp.ct(&original_key(&init)).unwrap().created_ns;
-    dp.step(
+    dp.ingress(
         "a new INIT on the closed tuple starts a new flow",
-        PROG_TC_INGRESS,
         &init,
-        TC_NEXT,
         Some(&init.to(BE_21, 3869)),
         Counter::NewFlow,
     );
@@ -421,36 +381,28 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
     let mut dp = Datapath::with_services();
     let c = |chunk| Sctp::new(CLIENT, 40_100, VIP, 3868, chunk);
     let b = |chunk| c(chunk).to(BE_21, 3869).reversed(chunk);
-    dp.step(
+    dp.ingress(
         "INIT",
-        PROG_TC_INGRESS,
         &c(chunk::INIT),
-        TC_NEXT,
         Some(&c(chunk::INIT).to(BE_21, 3869)),
         Counter::NewFlow,
     );
-    dp.step(
+    dp.ingress(
         "COOKIE_ECHO",
-        PROG_TC_INGRESS,
         &c(chunk::COOKIE_ECHO),
-        TC_NEXT,
         None,
         Counter::EstablishedFlow,
     );
-    dp.step(
+    dp.egress(
         "COOKIE_ACK",
-        PROG_TC_EGRESS,
         &b(chunk::COOKIE_ACK),
-        TC_NEXT,
         Some(&b(chunk::COOKIE_ACK).from(VIP, 3868)),
         Counter::ReplyTranslated,
     );
     assert_eq!(dp.state(&c(chunk::INIT)), ct_state::ESTABLISHED);
-    dp.step(
+    dp.ingress(
         "SHUTDOWN",
-        PROG_TC_INGRESS,
         &c(chunk::SHUTDOWN),
-        TC_NEXT,
         None,
         Counter::EstablishedFlow,
     );
@@ -459,29 +411,23 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
         ct_state::FIN_ORIGINAL,
         "SHUTDOWN_SENT"
     );
-    dp.step(
+    dp.egress(
         "HEARTBEAT from the backend",
-        PROG_TC_EGRESS,
         &b(chunk::HEARTBEAT),
-        TC_NEXT,
         None,
         Counter::ReplyTranslated,
     );
     assert_eq!(dp.state(&c(chunk::INIT)), ct_state::FIN_ORIGINAL);
-    dp.step(
+    dp.egress(
         "SHUTDOWN_ACK",
-        PROG_TC_EGRESS,
         &b(chunk::SHUTDOWN_ACK),
-        TC_NEXT,
         Some(&b(chunk::SHUTDOWN_ACK).from(VIP, 3868)),
         Counter::ReplyTranslated,
     );
     assert_eq!(dp.state(&c(chunk::INIT)), ct_state::CLOSING);
-    dp.step(
+    dp.ingress(
         "SHUTDOWN_COMPLETE",
-        PROG_TC_INGRESS,
         &c(chunk::SHUTDOWN_COMPLETE),
-        TC_NEXT,
         Some(&c(chunk::SHUTDOWN_COMPLETE).to(BE_21, 3869)),
         Counter::EstablishedFlow,
     );
@@ -489,27 +435,16 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
 
     let c2 = |chunk| Sctp::new(CLIENT, 40_101, VIP, 3868, chunk);
     let b2 = |chunk| c2(chunk).to(BE_21, 3869).reversed(chunk);
-    dp.step(
-        "INIT 2",
-        PROG_TC_INGRESS,
-        &c2(chunk::INIT),
-        TC_NEXT,
-        None,
-        Counter::NewFlow,
-    );
-    dp.step(
+    dp.ingress("INIT 2", &c2(chunk::INIT), None, Counter::NewFlow);
+    dp.ingress(
         "COOKIE_ECHO 2",
-        PROG_TC_INGRESS,
         &c2(chunk::COOKIE_ECHO),
-        TC_NEXT,
         None,
         Counter::EstablishedFlow,
     );
-    dp.step(
+    dp.egress(
         "ABORT from the backend",
-        PROG_TC_EGRESS,
         &b2(chunk::ABORT),
-        TC_NEXT,
         Some(&b2(chunk::ABORT).from(VIP, 3868)),
         Counter::ReplyTranslated,
     );
@@ -522,11 +457,9 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
 fn sctp_address_only_dnat_keeps_the_crc_as_it_was() {
     let dp = Datapath::with_services();
     let init = Sctp::new(CLIENT, 40_200, VIP, 9000, chunk::INIT);
-    let out = dp.step(
+    let out = dp.ingress(
         "INIT to VIP:9000 is DNATed to 10.244.2.22:9000",
-        PROG_TC_INGRESS,
         &init,
-        TC_NEXT,
         Some(&init.to(BE_22, 9000)),
         Counter::NewFlow,
     );
@@ -627,11 +560,9 @@ fn sctp_node_port_to_a_remote_backend_is_snated_to_the_node() {
     dp.set_node_addr(NODE_IP);
     let init = Sctp::new(EXT_CLIENT, 40_500, NODE_IP, NODE_PORT, chunk::INIT);
     let fwd = init.to(REMOTE_BE, 3869);
-    dp.step(
+    dp.ingress(
         "INIT to the NodePort: DNAT to the remote backend",
-        PROG_TC_INGRESS,
         &init,
-        TC_NEXT,
         Some(&fwd),
         Counter::NewFlow,
     );
@@ -651,29 +582,23 @@ fn sctp_node_port_to_a_remote_backend_is_snated_to_the_node() {
     assert_eq!(snat.addr, NODE_IP.octets());
     let nat_port = u16::from_be_bytes(snat.port);
     let snated = fwd.from(NODE_IP, nat_port);
-    dp.step(
+    dp.egress(
         "the forwarded INIT leaves from the node's address and port",
-        PROG_TC_EGRESS,
         &fwd,
-        TC_NEXT,
         Some(&snated),
         Counter::SnatTranslated,
     );
     let ack = snated.reversed(chunk::INIT_ACK);
     let unsnat = ack.to(EXT_CLIENT, 40_500);
-    dp.step(
+    dp.ingress(
         "the backend's INIT_ACK goes back to the client",
-        PROG_TC_INGRESS,
         &ack,
-        TC_NEXT,
         Some(&unsnat),
         Counter::SnatReplyTranslated,
     );
-    dp.step(
+    dp.egress(
         "toward the client: from the NodePort",
-        PROG_TC_EGRESS,
         &unsnat,
-        TC_NEXT,
         Some(&unsnat.from(NODE_IP, NODE_PORT)),
         Counter::ReplyTranslated,
     );
@@ -707,14 +632,7 @@ fn icmp_errors_about_sctp_flows_are_reverse_translated() {
     let dp = Datapath::with_services();
     let init = Sctp::new(CLIENT, 40_600, VIP, 3868, chunk::INIT);
     let fwd = init.to(BE_21, 3869);
-    dp.step(
-        "INIT",
-        PROG_TC_INGRESS,
-        &init,
-        TC_NEXT,
-        Some(&fwd),
-        Counter::NewFlow,
-    );
+    dp.ingress("INIT", &init, Some(&fwd), Counter::NewFlow);
     let before = dp.counters();
     let (v, out) = dp.run(PROG_TC_EGRESS, &icmp_error(BE_21, CLIENT, 3, 4, &fwd));
     assert_eq!(v, TC_NEXT);

@@ -45,6 +45,119 @@ pub enum L4 {
     },
 }
 
+/// The L4 header logic both families share; only the pseudo-header of the checksum differs.
+impl L4 {
+    pub fn tcp(sport: u16, dport: u16, flags: u8) -> Self {
+        L4::Tcp {
+            sport,
+            dport,
+            seq: 1000,
+            ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 },
+            flags,
+        }
+    }
+
+    pub fn udp(sport: u16, dport: u16) -> Self {
+        L4::Udp {
+            sport,
+            dport,
+            zero_csum: false,
+        }
+    }
+
+    pub fn proto(&self) -> u8 {
+        match self {
+            L4::Tcp { .. } => proto::TCP,
+            L4::Udp { .. } => proto::UDP,
+        }
+    }
+
+    /// Ports swapped, TCP seq/ack swapped (the header of a reply).
+    pub fn reversed(&self) -> Self {
+        match *self {
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+            } => L4::Tcp {
+                sport: dport,
+                dport: sport,
+                seq: ack,
+                ack: seq,
+                flags,
+            },
+            L4::Udp {
+                sport,
+                dport,
+                zero_csum,
+            } => L4::Udp {
+                sport: dport,
+                dport: sport,
+                zero_csum,
+            },
+        }
+    }
+
+    fn set_zero_udp_csum(&mut self) {
+        if let L4::Udp { zero_csum, .. } = self {
+            *zero_csum = true;
+        }
+    }
+
+    /// The segment (header and `payload`) with its checksum: `l4_csum(proto, segment)` is the
+    /// family's pseudo-header checksum; a computed UDP 0 is sent as 0xffff.
+    fn segment(&self, payload: &[u8], l4_csum: impl Fn(u8, &[u8]) -> u16) -> Vec<u8> {
+        let mut l4 = match *self {
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+            } => {
+                let mut h = Vec::with_capacity(20);
+                h.extend_from_slice(&sport.to_be_bytes());
+                h.extend_from_slice(&dport.to_be_bytes());
+                h.extend_from_slice(&seq.to_be_bytes());
+                h.extend_from_slice(&ack.to_be_bytes());
+                h.extend_from_slice(&[0x50, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
+                h
+            }
+            L4::Udp { sport, dport, .. } => {
+                let len = (8 + payload.len()) as u16;
+                let mut h = Vec::with_capacity(8);
+                h.extend_from_slice(&sport.to_be_bytes());
+                h.extend_from_slice(&dport.to_be_bytes());
+                h.extend_from_slice(&len.to_be_bytes());
+                h.extend_from_slice(&[0, 0]);
+                h
+            }
+        };
+        l4.extend_from_slice(payload);
+        match self {
+            L4::Tcp { .. } => {
+                let c = l4_csum(proto::TCP, &l4);
+                l4[16..18].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp {
+                zero_csum: false, ..
+            } => {
+                let c = match l4_csum(proto::UDP, &l4) {
+                    0 => 0xffff,
+                    c => c,
+                };
+                l4[6..8].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp {
+                zero_csum: true, ..
+            } => {}
+        }
+        l4
+    }
+}
+
 /// A packet to build. Defaults: client MAC → host MAC, TTL 64, DF, no options, small payload.
 #[derive(Clone, Debug)]
 pub struct Pkt {
@@ -64,29 +177,11 @@ pub struct Pkt {
 
 impl Pkt {
     pub fn tcp(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, flags: u8) -> Self {
-        Self::new(
-            saddr,
-            daddr,
-            L4::Tcp {
-                sport,
-                dport,
-                seq: 1000,
-                ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 },
-                flags,
-            },
-        )
+        Self::new(saddr, daddr, L4::tcp(sport, dport, flags))
     }
 
     pub fn udp(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16) -> Self {
-        Self::new(
-            saddr,
-            daddr,
-            L4::Udp {
-                sport,
-                dport,
-                zero_csum: false,
-            },
-        )
+        Self::new(saddr, daddr, L4::udp(sport, dport))
     }
 
     fn new(saddr: Ipv4Addr, daddr: Ipv4Addr, l4: L4) -> Self {
@@ -130,9 +225,7 @@ impl Pkt {
     }
 
     pub fn zero_udp_csum(mut self) -> Self {
-        if let L4::Udp { zero_csum, .. } = &mut self.l4 {
-            *zero_csum = true;
-        }
+        self.l4.set_zero_udp_csum();
         self
     }
 
@@ -151,38 +244,12 @@ impl Pkt {
         r.dst_mac = self.src_mac;
         r.saddr = self.daddr;
         r.daddr = self.saddr;
-        r.l4 = match self.l4 {
-            L4::Tcp {
-                sport,
-                dport,
-                seq,
-                ack,
-                flags,
-            } => L4::Tcp {
-                sport: dport,
-                dport: sport,
-                seq: ack,
-                ack: seq,
-                flags,
-            },
-            L4::Udp {
-                sport,
-                dport,
-                zero_csum,
-            } => L4::Udp {
-                sport: dport,
-                dport: sport,
-                zero_csum,
-            },
-        };
+        r.l4 = self.l4.reversed();
         r
     }
 
     pub fn proto(&self) -> u8 {
-        match self.l4 {
-            L4::Tcp { .. } => proto::TCP,
-            L4::Udp { .. } => proto::UDP,
-        }
+        self.l4.proto()
     }
 
     pub fn sport(&self) -> u16 {
@@ -198,52 +265,10 @@ impl Pkt {
     }
 
     pub fn bytes(&self) -> Vec<u8> {
-        let mut l4 = match self.l4 {
-            L4::Tcp {
-                sport,
-                dport,
-                seq,
-                ack,
-                flags,
-            } => {
-                let mut h = Vec::with_capacity(20);
-                h.extend_from_slice(&sport.to_be_bytes());
-                h.extend_from_slice(&dport.to_be_bytes());
-                h.extend_from_slice(&seq.to_be_bytes());
-                h.extend_from_slice(&ack.to_be_bytes());
-                h.extend_from_slice(&[0x50, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
-                h
-            }
-            L4::Udp { sport, dport, .. } => {
-                let len = (8 + self.payload.len()) as u16;
-                let mut h = Vec::with_capacity(8);
-                h.extend_from_slice(&sport.to_be_bytes());
-                h.extend_from_slice(&dport.to_be_bytes());
-                h.extend_from_slice(&len.to_be_bytes());
-                h.extend_from_slice(&[0, 0]);
-                h
-            }
-        };
-        l4.extend_from_slice(&self.payload);
         let (saddr, daddr) = (self.saddr.octets(), self.daddr.octets());
-        match self.l4 {
-            L4::Tcp { .. } => {
-                let c = csum::l4(saddr, daddr, proto::TCP, &l4);
-                l4[16..18].copy_from_slice(&c.to_be_bytes());
-            }
-            L4::Udp {
-                zero_csum: false, ..
-            } => {
-                let c = match csum::l4(saddr, daddr, proto::UDP, &l4) {
-                    0 => 0xffff,
-                    c => c,
-                };
-                l4[6..8].copy_from_slice(&c.to_be_bytes());
-            }
-            L4::Udp {
-                zero_csum: true, ..
-            } => {}
-        }
+        let l4 = self
+            .l4
+            .segment(&self.payload, |p, seg| csum::l4(saddr, daddr, p, seg));
         let ihl = 20 + self.ip_options.len();
         let tot_len = (ihl + l4.len()) as u16;
         let mut ip = vec![(4 << 4) | (ihl / 4) as u8, 0];
@@ -513,29 +538,11 @@ pub struct Pkt6 {
 
 impl Pkt6 {
     pub fn tcp(saddr: Ipv6Addr, sport: u16, daddr: Ipv6Addr, dport: u16, flags: u8) -> Self {
-        Self::new(
-            saddr,
-            daddr,
-            L4::Tcp {
-                sport,
-                dport,
-                seq: 1000,
-                ack: if flags & tcp_flags::ACK != 0 { 5000 } else { 0 },
-                flags,
-            },
-        )
+        Self::new(saddr, daddr, L4::tcp(sport, dport, flags))
     }
 
     pub fn udp(saddr: Ipv6Addr, sport: u16, daddr: Ipv6Addr, dport: u16) -> Self {
-        Self::new(
-            saddr,
-            daddr,
-            L4::Udp {
-                sport,
-                dport,
-                zero_csum: false,
-            },
-        )
+        Self::new(saddr, daddr, L4::udp(sport, dport))
     }
 
     fn new(saddr: Ipv6Addr, daddr: Ipv6Addr, l4: L4) -> Self {
@@ -562,9 +569,7 @@ impl Pkt6 {
     }
 
     pub fn zero_udp_csum(mut self) -> Self {
-        if let L4::Udp { zero_csum, .. } = &mut self.l4 {
-            *zero_csum = true;
-        }
+        self.l4.set_zero_udp_csum();
         self
     }
 
@@ -575,89 +580,19 @@ impl Pkt6 {
         r.dst_mac = self.src_mac;
         r.saddr = self.daddr;
         r.daddr = self.saddr;
-        r.l4 = match self.l4 {
-            L4::Tcp {
-                sport,
-                dport,
-                seq,
-                ack,
-                flags,
-            } => L4::Tcp {
-                sport: dport,
-                dport: sport,
-                seq: ack,
-                ack: seq,
-                flags,
-            },
-            L4::Udp {
-                sport,
-                dport,
-                zero_csum,
-            } => L4::Udp {
-                sport: dport,
-                dport: sport,
-                zero_csum,
-            },
-        };
+        r.l4 = self.l4.reversed();
         r
     }
 
     pub fn proto(&self) -> u8 {
-        match self.l4 {
-            L4::Tcp { .. } => proto::TCP,
-            L4::Udp { .. } => proto::UDP,
-        }
+        self.l4.proto()
     }
 
     /// The L4 segment (header with its checksum, and payload).
     pub fn segment(&self) -> Vec<u8> {
-        let mut l4 = match self.l4 {
-            L4::Tcp {
-                sport,
-                dport,
-                seq,
-                ack,
-                flags,
-            } => {
-                let mut h = Vec::with_capacity(20);
-                h.extend_from_slice(&sport.to_be_bytes());
-                h.extend_from_slice(&dport.to_be_bytes());
-                h.extend_from_slice(&seq.to_be_bytes());
-                h.extend_from_slice(&ack.to_be_bytes());
-                h.extend_from_slice(&[0x50, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
-                h
-            }
-            L4::Udp { sport, dport, .. } => {
-                let len = (8 + self.payload.len()) as u16;
-                let mut h = Vec::with_capacity(8);
-                h.extend_from_slice(&sport.to_be_bytes());
-                h.extend_from_slice(&dport.to_be_bytes());
-                h.extend_from_slice(&len.to_be_bytes());
-                h.extend_from_slice(&[0, 0]);
-                h
-            }
-        };
-        l4.extend_from_slice(&self.payload);
         let (s, d) = (self.saddr.octets(), self.daddr.octets());
-        match self.l4 {
-            L4::Tcp { .. } => {
-                let c = csum::l4_v6(s, d, proto::TCP, &l4);
-                l4[16..18].copy_from_slice(&c.to_be_bytes());
-            }
-            L4::Udp {
-                zero_csum: false, ..
-            } => {
-                let c = match csum::l4_v6(s, d, proto::UDP, &l4) {
-                    0 => 0xffff,
-                    c => c,
-                };
-                l4[6..8].copy_from_slice(&c.to_be_bytes());
-            }
-            L4::Udp {
-                zero_csum: true, ..
-            } => {}
-        }
-        l4
+        self.l4
+            .segment(&self.payload, |p, seg| csum::l4_v6(s, d, p, seg))
     }
 
     pub fn bytes(&self) -> Vec<u8> {
