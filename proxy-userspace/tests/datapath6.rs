@@ -227,6 +227,25 @@ impl Datapath {
     }
 }
 
+impl Datapath {
+    /// A new flow's first packet `p` through tc ingress is DNATed to backend `id`.
+    fn new_flow_dnated(&self, what: &str, p: &Pkt6, id: u32) -> Vec<u8> {
+        self.translated(what, PROG_TC_INGRESS, p, NEW, &dnated(p, id))
+    }
+
+    /// A backend's `reply` to `original` through tc egress comes out from `original`'s
+    /// frontend ([`rev_natted`]).
+    fn reply_rev_natted(&self, what: &str, reply: &Pkt6, original: &Pkt6) -> Vec<u8> {
+        self.translated(
+            what,
+            PROG_TC_EGRESS,
+            reply,
+            REPLY,
+            &rev_natted(reply, original),
+        )
+    }
+}
+
 /// Output must be `want` byte for byte, and its L4 checksum must verify by recomputation.
 fn assert_packet(what: &str, out: &[u8], want: &Pkt6) {
     let d = Decoded6::parse(out);
@@ -244,13 +263,7 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     let dp = Datapath::load();
     let syn = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
     let id = picked(&syn, &TCP_IDS);
-    dp.translated(
-        "SYN to the VIP",
-        PROG_TC_INGRESS,
-        &syn,
-        NEW,
-        &dnated(&syn, id),
-    );
+    dp.new_flow_dnated("SYN to the VIP", &syn, id);
 
     let mut dp = dp;
     let original = original_key(&syn);
@@ -309,7 +322,7 @@ fn udp_flow_is_dnated_and_reverse_natted_with_checksums_never_zero() {
     let dp = Datapath::load();
     let q = Pkt6::udp(CLIENT, 33_000, VIP, 53).payload(b"\x12\x34query");
     let id = picked(&q, &UDP_IDS);
-    dp.translated("UDP query", PROG_TC_INGRESS, &q, NEW, &dnated(&q, id));
+    dp.new_flow_dnated("UDP query", &q, id);
     let answer = dnated(&q, id).reversed();
     let want = rev_natted(&answer, &q);
     dp.translated("UDP answer", PROG_TC_EGRESS, &answer, REPLY, &want);
@@ -637,6 +650,44 @@ fn fragments_of_a_datagram_to_a_service_are_translated_like_the_first() {
     );
 }
 
+/// A Packet Too Big (MTU 1280) from `from` to the client, quoting the L3 packet `quoted`.
+fn packet_too_big(from: Ipv6Addr, quoted: &[u8]) -> Vec<u8> {
+    icmp6_frame(from, CLIENT, 2, 0, [0, 0, 0x05, 0x00], quoted)
+}
+
+impl Datapath {
+    /// A router's Packet Too Big quoting `quoted` leaves egress reverse translated: from
+    /// `frontend`, quoting `want_quoted`, the MTU untouched and the ICMPv6 checksum valid.
+    fn ptb_reverse_translated(
+        &self,
+        what: &str,
+        quoted: &[u8],
+        frontend: Ipv6Addr,
+        want_quoted: &[u8],
+    ) {
+        let ptb = packet_too_big(ROUTER, quoted);
+        let counts = &[(Counter::IcmpErrorTranslated, 1)];
+        let out = self.step(what, PROG_TC_EGRESS, &ptb, TC_NEXT, counts);
+        assert!(
+            Decoded6::parse(&out).l4_csum_ok(),
+            "{what}: ICMPv6 checksum after the rewrite"
+        );
+        assert_eq!(
+            out,
+            packet_too_big(frontend, want_quoted),
+            "{what}: from {frontend}, quoting the packet as the client sent it"
+        );
+    }
+
+    /// A router's Packet Too Big about a flow nobody translated leaves egress untouched.
+    fn ptb_untouched(&self, what: &str, quoted: &[u8]) {
+        let ptb = packet_too_big(ROUTER, quoted);
+        let counts = &[(Counter::ReplyNotTracked, 1)];
+        let out = self.step(what, PROG_TC_EGRESS, &ptb, TC_NEXT, counts);
+        assert_eq!(out, ptb, "{what}: untouched");
+    }
+}
+
 #[test]
 fn packet_too_big_about_a_translated_flow_is_reverse_translated() {
     let dp = Datapath::load();
@@ -645,38 +696,15 @@ fn packet_too_big_about_a_translated_flow_is_reverse_translated() {
     dp.step("SYN", PROG_TC_INGRESS, &data.bytes(), TC_NEXT, NEW);
     // A router between node and backend sends Packet Too Big about client → backend.
     let quoted = dnated(&data, id).l3_bytes();
-    let mtu = [0, 0, 0x05, 0x00];
-    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
-    let out = dp.step(
-        "PTB toward the client",
-        PROG_TC_EGRESS,
-        &ptb,
-        TC_NEXT,
-        &[(Counter::IcmpErrorTranslated, 1)],
-    );
     // Quoted as the client sent it (client → VIP:80; the quoted TCP checksum stays as it was),
     // from the VIP, the MTU untouched.
     let mut want_quoted = quoted.clone();
     want_quoted[24..40].copy_from_slice(&VIP.octets());
     want_quoted[42..44].copy_from_slice(&80u16.to_be_bytes());
-    let want = icmp6_frame(VIP, CLIENT, 2, 0, mtu, &want_quoted);
-    let d = Decoded6::parse(&out);
-    assert!(d.l4_csum_ok(), "ICMPv6 checksum after the rewrite");
-    assert_eq!(
-        out, want,
-        "outer source and quoted destination are the VIP's"
-    );
+    dp.ptb_reverse_translated("PTB toward the client", &quoted, VIP, &want_quoted);
     // The same error about a flow nobody translated passes untouched.
     let other = Pkt6::tcp(CLIENT, 43_001, POD, 80, SYN).l3_bytes();
-    let ptb_other = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &other);
-    let out = dp.step(
-        "PTB about an untranslated flow",
-        PROG_TC_EGRESS,
-        &ptb_other,
-        TC_NEXT,
-        &[(Counter::ReplyNotTracked, 1)],
-    );
-    assert_eq!(out, ptb_other);
+    dp.ptb_untouched("PTB about an untranslated flow", &other);
 }
 
 #[test]
@@ -977,13 +1005,7 @@ fn load_balancer_source_ranges_take_ipv6_prefixes() {
             .unwrap();
     }
     let inside = Pkt6::tcp(CLIENT, 47_000, lb, 80, SYN);
-    dp.translated(
-        "from inside the range",
-        PROG_TC_INGRESS,
-        &inside,
-        NEW,
-        &dnated(&inside, 1),
-    );
+    dp.new_flow_dnated("from inside the range", &inside, 1);
     let outsider = Ipv6Addr::new(0xfd00, 0x999, 0, 0, 0, 0, 0, 1);
     dp.step(
         "from outside the range",
@@ -995,7 +1017,7 @@ fn load_balancer_source_ranges_take_ipv6_prefixes() {
     // The same client on another frontend without ranges is not affected.
     let id = picked(&Pkt6::tcp(outsider, 47_002, VIP, 80, SYN), &TCP_IDS);
     let syn = Pkt6::tcp(outsider, 47_002, VIP, 80, SYN);
-    dp.translated("a ClusterIP", PROG_TC_INGRESS, &syn, NEW, &dnated(&syn, id));
+    dp.new_flow_dnated("a ClusterIP", &syn, id);
 }
 
 // Reply-tuple clash resolution (as tests/datapath.rs): no two live flows share a reply tuple; a
@@ -1087,13 +1109,7 @@ const REMAPPED: &[(Counter, u64)] = &[
 fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples() {
     let mut dp = two_frontends_one_backend();
     let a = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
-    dp.translated(
-        "first flow: DNAT, the client's own port",
-        PROG_TC_INGRESS,
-        &a,
-        NEW,
-        &dnated(&a, 1),
-    );
+    dp.new_flow_dnated("first flow: DNAT, the client's own port", &a, 1);
     let b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, SYN);
     let moved = clash_port(&b);
     dp.translated(
@@ -1123,13 +1139,7 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
         &with_dport(&rev_natted(&reply_b, &b), 40_000),
     );
     let reply_a = dnated(&a, 1).reversed();
-    dp.translated(
-        "reply on the client's port: from VIP:80",
-        PROG_TC_EGRESS,
-        &reply_a,
-        REPLY,
-        &rev_natted(&reply_a, &a),
-    );
+    dp.reply_rev_natted("reply on the client's port: from VIP:80", &reply_a, &a);
     let ack_b = Pkt6::tcp(CLIENT, 40_000, VIP2, 80, ACK);
     dp.translated(
         "the second flow's next packet keeps the moved port",
@@ -1158,13 +1168,7 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
             .is_some_and(|v| v.frontend_addr == VIP.octets()),
         "the first flow's REPLY entry survives the second flow's end"
     );
-    dp.translated(
-        "the first flow still answers from VIP:80",
-        PROG_TC_EGRESS,
-        &reply_a,
-        REPLY,
-        &rev_natted(&reply_a, &a),
-    );
+    dp.reply_rev_natted("the first flow still answers from VIP:80", &reply_a, &a);
 }
 
 #[test]
@@ -1196,13 +1200,7 @@ fn udp_datagrams_alternating_between_two_vips_come_back_from_the_right_one() {
             &with_sport(&dnated(&q2, 11), moved),
         );
         let r1 = dnated(&q1, 11).reversed().payload(b"a1");
-        dp.translated(
-            "answer to VIP's query: from VIP",
-            PROG_TC_EGRESS,
-            &r1,
-            REPLY,
-            &rev_natted(&r1, &q1),
-        );
+        dp.reply_rev_natted("answer to VIP's query: from VIP", &r1, &q1);
         let r2 = with_dport(&dnated(&q2, 11).reversed().payload(b"a2"), moved);
         dp.translated(
             "answer to VIP2's query: from VIP2, to the client's port",
@@ -1247,13 +1245,7 @@ fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
         &with_dport(&d_reply, 42_000),
     );
     let v_reply = dnated(&v, 1).reversed();
-    dp.translated(
-        "the VIP flow's answer: from the VIP",
-        PROG_TC_EGRESS,
-        &v_reply,
-        REPLY,
-        &rev_natted(&v_reply, &v),
-    );
+    dp.reply_rev_natted("the VIP flow's answer: from the VIP", &v_reply, &v);
 
     // Straight to the pod first, then through the VIP from the same port.
     let d2 = Pkt6::tcp(CLIENT, 42_100, pod, pod_port, SYN);
@@ -1380,25 +1372,12 @@ fn an_icmpv6_error_about_a_moved_flow_quotes_the_client_s_own_port() {
     dp.step("moved flow", PROG_TC_INGRESS, &b.bytes(), TC_NEXT, REMAPPED);
     // Packet Too Big about client:moved → backend, from a router on the way.
     let quoted = with_sport(&dnated(&b, 1), moved).l3_bytes();
-    let mtu = [0, 0, 0x05, 0x00];
-    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
-    let out = dp.step(
-        "PTB about the moved flow",
-        PROG_TC_EGRESS,
-        &ptb,
-        TC_NEXT,
-        &[(Counter::IcmpErrorTranslated, 1)],
-    );
+    // From VIP2, quoting client:44000 → VIP2:80.
     let mut want_quoted = quoted.clone();
     want_quoted[24..40].copy_from_slice(&VIP2.octets());
     want_quoted[40..42].copy_from_slice(&44_000u16.to_be_bytes());
     want_quoted[42..44].copy_from_slice(&80u16.to_be_bytes());
-    let want = icmp6_frame(VIP2, CLIENT, 2, 0, mtu, &want_quoted);
-    assert!(
-        Decoded6::parse(&out).l4_csum_ok(),
-        "ICMPv6 checksum after the rewrite"
-    );
-    assert_eq!(out, want, "from VIP2, quoting client:44000 → VIP2:80");
+    dp.ptb_reverse_translated("PTB about the moved flow", &quoted, VIP2, &want_quoted);
 }
 
 // Session affinity (ClientIP) and least connection on IPv6 (as tests/datapath.rs): records in
@@ -1772,13 +1751,7 @@ fn new_flows_to_no_frontend_in_the_ipv6_service_cidr_are_answered_or_dropped() {
         assert_eq!(out, pkt.bytes(), "{what}: untouched");
     }
     let syn = Pkt6::tcp(CLIENT, 46_006, VIP, 80, SYN);
-    dp.translated(
-        "SYN to the ClusterIP's port",
-        PROG_TC_INGRESS,
-        &syn,
-        NEW,
-        &dnated(&syn, picked(&syn, &TCP_IDS)),
-    );
+    dp.new_flow_dnated("SYN to the ClusterIP's port", &syn, picked(&syn, &TCP_IDS));
     // A Service without endpoints still answers as one (not as a port of no Service).
     dp.set_service_cidr6(VIP_EMPTY, 128, service_cidr::CLUSTER_IP);
     let empty = Pkt6::udp(CLIENT, 46_007, VIP_EMPTY, 53).bytes();
@@ -1798,7 +1771,6 @@ fn an_icmpv6_error_whose_quoted_packet_has_extension_headers_is_reverse_translat
     let data = Pkt6::tcp(CLIENT, 47_000, VIP, 80, SYN);
     let id = picked(&data, &TCP_IDS);
     dp.step("SYN", PROG_TC_INGRESS, &data.bytes(), TC_NEXT, NEW);
-    let mtu = [0, 0, 0x05, 0x00];
     // The quoted packet carries destination options, or is a datagram's first fragment: its
     // ports are found after the quoted extension headers.
     for (what, ext, ext_len) in [
@@ -1810,36 +1782,16 @@ fn an_icmpv6_error_whose_quoted_packet_has_extension_headers_is_reverse_translat
         ("a first fragment", Ext6::fragment(0, true, 7), 8),
     ] {
         let quoted = dnated(&data, id).ext(ext).l3_bytes();
-        let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &quoted);
-        let out = dp.step(
-            what,
-            PROG_TC_EGRESS,
-            &ptb,
-            TC_NEXT,
-            &[(Counter::IcmpErrorTranslated, 1)],
-        );
+        // From the VIP, quoting client → VIP:80.
         let mut want_quoted = quoted.clone();
         want_quoted[24..40].copy_from_slice(&VIP.octets());
         let dport = 40 + ext_len + 2;
         want_quoted[dport..dport + 2].copy_from_slice(&80u16.to_be_bytes());
-        let want = icmp6_frame(VIP, CLIENT, 2, 0, mtu, &want_quoted);
-        assert!(
-            Decoded6::parse(&out).l4_csum_ok(),
-            "{what}: ICMPv6 checksum"
-        );
-        assert_eq!(out, want, "{what}: from the VIP, quoting client → VIP:80");
+        dp.ptb_reverse_translated(what, &quoted, VIP, &want_quoted);
     }
     // A quoted later fragment has no ports to find: passed untouched.
     let later = dnated(&data, id)
         .ext(Ext6::fragment(1, false, 7))
         .l3_bytes();
-    let ptb = icmp6_frame(ROUTER, CLIENT, 2, 0, mtu, &later);
-    let out = dp.step(
-        "a quoted later fragment",
-        PROG_TC_EGRESS,
-        &ptb,
-        TC_NEXT,
-        &[(Counter::ReplyNotTracked, 1)],
-    );
-    assert_eq!(out, ptb);
+    dp.ptb_untouched("a quoted later fragment", &later);
 }
