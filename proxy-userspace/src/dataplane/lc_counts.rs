@@ -107,9 +107,10 @@ pub fn corrections(active: &[(u32, u64)], truth: &HashMap<u32, u64>) -> Vec<(u32
 }
 
 /// One reconciliation over a conntrack listing: `active` reads `LCFLOWS_V1[id]` (called first,
-/// for every id in `ids`), `now` the clock (called after), `list` the entries (after that), and
-/// `dead` says which entries the caller removes (they do not count). Returns the corrections
-/// to write to `LCADJ_V1` and the dead entries.
+/// for every id in `ids`, and again after the listing), `now` the clock (called after the first
+/// reads), `list` the entries (after that), and `dead` says which entries the caller removes
+/// (they do not count). Returns the corrections to write to `LCADJ_V1` (none for an id whose
+/// count moved during the walk) and the dead entries.
 pub fn reconcile(
     ids: impl IntoIterator<Item = u32>,
     active: impl Fn(u32) -> u64,
@@ -136,6 +137,13 @@ pub fn reconcile(
         tally.add(&key, &value, backends);
     }
     let truth = tally.finish(&originals);
+    // A count that moved while the walk listed (a flow of that backend began or ended meanwhile)
+    // is not comparable with the truth found: leave that id's correction as it is, for the next
+    // walk (otherwise a flow straddling the first read stays miscounted for a whole period).
+    let counts: Vec<(u32, u64)> = counts
+        .into_iter()
+        .filter(|&(id, n)| active(id) == n)
+        .collect();
     Reconciled {
         corrections: corrections(&counts, &truth),
         dead: dead_keys,
@@ -210,6 +218,37 @@ mod tests {
         };
         assert_eq!(original_key_of(&reply, &value), original);
         [(original, value), (reply, value)]
+    }
+
+    #[test]
+    fn a_count_that_moves_during_the_walk_is_left_for_the_next_walk() {
+        // Backend 2's flow began after the counts were read but before the clock: the listing
+        // sees it (truth 1) while the count read says 0. Its second read (1) differs, so no
+        // correction is written for it; backends 1 and 3 are corrected as usual.
+        let reads = std::cell::Cell::new(0u32);
+        let entries: Vec<_> = flow(40000, 2, ct_flags::COUNTED, 500).into_iter().collect();
+        let r = reconcile(
+            1..=3,
+            |id| {
+                if id == 2 {
+                    reads.set(reads.get() + 1);
+                    u64::from(reads.get() > 1)
+                } else {
+                    0
+                }
+            },
+            || 1_000,
+            || entries,
+            |_, _, _| false,
+            &backends(),
+        );
+        let ids: Vec<u32> = r.corrections.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, vec![1, 3]);
+        assert_eq!(
+            reads.get(),
+            2,
+            "backend 2's count read before and after the listing"
+        );
     }
 
     fn run(entries: Vec<(CtKey, CtValue)>, active: &[u64]) -> HashMap<u32, u64> {
