@@ -35,6 +35,12 @@ pub const MAP_AFFINITY_MATCH6: &str = "AFFMATCH6_V1";
 /// `crate::service_cidr::*`): the IPv6 Service address space, as `SVCCIDRS_V1` (the Service
 /// CIDRs as `UNALLOCATED`, every allocated IPv6 ClusterIP as a /128 `CLUSTER_IP`).
 pub const MAP_SERVICE_CIDRS6: &str = "SVCCIDRS6_V1";
+/// `CLUSTERCIDRS6_V1` (LPM trie, 16-byte address after the kernel's `u32` prefix length → u32,
+/// unused value 1): the cluster's IPv6 pod CIDRs, as `DatapathConfig::cluster_cidrs` for IPv4. A
+/// client inside them reaches an externalTrafficPolicy Local frontend through its in-cluster
+/// entry (`SCOPE_INTERNAL`, as on IPv4). A map and not a load-time global: the IPv4 config keeps
+/// its layout, and the lookup is made only for new flows to eTP=Local frontends.
+pub const MAP_CLUSTER_CIDRS6: &str = "CLUSTERCIDRS6_V1";
 
 /// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
 /// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
@@ -54,6 +60,8 @@ pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
 pub const AFFINITY6_CAPACITY: u32 = 16_384;
 /// One /128 per IPv6 ClusterIP plus the CIDRs (LPM tries are not preallocated).
 pub const SERVICE_CIDRS6_CAPACITY: u32 = 32_768;
+/// The IPv6 cluster CIDRs (`--cluster-cidr` has a few; LPM tries are not preallocated).
+pub const CLUSTER_CIDRS6_CAPACITY: u32 = 64;
 /// At most one per backend slot of an affinity frontend (as for IPv4).
 pub const AFFINITY_MATCH6_CAPACITY: u32 = SERVICES6_CAPACITY;
 
@@ -66,9 +74,10 @@ pub struct Service6Key {
     pub addr: [u8; 16],
     /// Frontend port (network order).
     pub port: [u8; 2],
-    /// `proto::TCP`/`proto::UDP`.
+    /// `proto::TCP`/`proto::UDP`/`proto::SCTP`.
     pub proto: u8,
-    /// `SCOPE_*`.
+    /// `SCOPE_*`: `SCOPE_INTERNAL` is the in-cluster entry of an eTP=Local frontend (its
+    /// cluster-wide endpoints, for clients in `CLUSTERCIDRS6_V1`), as for IPv4.
     pub scope: u8,
     /// 0 = the frontend entry; 1..=count = backend slots.
     pub slot: u16,

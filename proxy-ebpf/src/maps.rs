@@ -29,11 +29,12 @@ use proxy_common::{
     SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey,
     ipv6::{
         AFFINITY_MATCH6_CAPACITY, AFFINITY6_CAPACITY, Affinity6Key, Affinity6MatchKey,
-        BACKENDS6_CAPACITY, Backend6, CONNTRACK6_CAPACITY, Ct6Key, Ct6Value, FRAGMENTS6_CAPACITY,
-        Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6,
-        MAP_FRAGMENTS6, MAP_REVNAT6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOURCE_RANGES6,
-        REVNAT6_CAPACITY, RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY,
-        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
+        BACKENDS6_CAPACITY, Backend6, CLUSTER_CIDRS6_CAPACITY, CONNTRACK6_CAPACITY, Ct6Key,
+        Ct6Value, FRAGMENTS6_CAPACITY, Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6,
+        MAP_BACKENDS6, MAP_CLUSTER_CIDRS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
+        MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY, RevNat6,
+        SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY, SOURCE_RANGE6_FRONTEND_BITS,
+        SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
@@ -280,13 +281,30 @@ pub fn frontend_for(
     key: &ServiceKey,
     in_cluster: impl FnOnce() -> bool,
 ) -> Option<(ServiceKey, ServiceValue)> {
-    let frontend = service(key)?;
-    if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 && in_cluster() {
-        let internal = ServiceKey {
+    scoped_frontend(
+        key,
+        |k| ServiceKey {
             scope: SCOPE_INTERNAL,
-            ..*key
-        };
-        if let Some(value) = service(&internal) {
+            ..*k
+        },
+        service,
+        in_cluster,
+    )
+}
+
+/// [`frontend_for`] of either family: `internal` makes a key's `SCOPE_INTERNAL` twin, `lookup`
+/// reads the family's Services map.
+#[inline(always)]
+fn scoped_frontend<K: Copy>(
+    key: &K,
+    internal: impl FnOnce(&K) -> K,
+    lookup: impl Fn(&K) -> Option<ServiceValue>,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<(K, ServiceValue)> {
+    let frontend = lookup(key)?;
+    if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 && in_cluster() {
+        let internal = internal(key);
+        if let Some(value) = lookup(&internal) {
             return Some((internal, value));
         }
     }
@@ -1016,6 +1034,38 @@ static AFFINITY6_V1: LruHashMap<Affinity6Key, AffinityValue, { AFFINITY6_CAPACIT
 static AFFMATCH6_V1: HashMap<Affinity6MatchKey, u32, { AFFINITY_MATCH6_CAPACITY as usize }> =
     HashMap::new();
 
+/// The frontend entry a new IPv6 flow to `key` uses: as [`frontend_for`] (an eTP=Local
+/// frontend's in-cluster entry for clients in the cluster CIDRs, `in_cluster`).
+#[inline(always)]
+pub fn frontend6_for(
+    key: &Service6Key,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<(Service6Key, ServiceValue)> {
+    scoped_frontend(
+        key,
+        |k| Service6Key {
+            scope: SCOPE_INTERNAL,
+            ..*k
+        },
+        service6,
+        in_cluster,
+    )
+}
+
+#[btf_map]
+static CLUSTERCIDRS6_V1: LpmTrie<[u8; 16], u32, { CLUSTER_CIDRS6_CAPACITY as usize }> =
+    LpmTrie::new();
+
+/// Is the IPv6 `addr` inside the cluster's IPv6 pod CIDRs (as [`in_cluster`])?
+#[inline(always)]
+pub fn in_cluster6(addr: &[u8; 16]) -> bool {
+    let key = Key {
+        prefix_len: 128,
+        data: *addr,
+    };
+    CLUSTERCIDRS6_V1.get(&key).is_some()
+}
+
 #[btf_map]
 static SVCCIDRS6_V1: LpmTrie<[u8; 16], u32, { SERVICE_CIDRS6_CAPACITY as usize }> = LpmTrie::new();
 
@@ -1085,3 +1135,4 @@ const _: () = assert!(same(MAP_SOURCE_RANGES6, "SRCRANGES6_V1"));
 const _: () = assert!(same(MAP_AFFINITY6, "AFFINITY6_V1"));
 const _: () = assert!(same(MAP_AFFINITY_MATCH6, "AFFMATCH6_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS6, "SVCCIDRS6_V1"));
+const _: () = assert!(same(MAP_CLUSTER_CIDRS6, "CLUSTERCIDRS6_V1"));

@@ -9,11 +9,11 @@ use proxy_common::{
     AffinityValue, Counter, ServiceValue, affinity_live,
     hash::{addr_hash, pick_slot},
     ipv6::{Affinity6Key, Affinity6MatchKey, Service6Key, flow_hash6, fold_addr},
-    lc, maglev, sched, service_flags,
+    maglev, sched, service_flags,
 };
 
 use super::packet::Packet6;
-use crate::{Drop, maglev as maglev_pick, maps, stats};
+use crate::{Drop, lc as lc_pick, maglev as maglev_pick, maps, stats};
 
 /// The backend id for a new flow to `frontend` (found under `key`); `Ok(None)` without
 /// backends, `Err(Drop::NoBackend)` when the chosen slot vanished under an update.
@@ -75,7 +75,9 @@ fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<O
         },
         sched::code::LEAST_CONNECTION => {
             // lc resolves its candidates' backend ids itself.
-            let choice = least_connection(key, frontend.count, hash)?;
+            let choice = lc_pick::least_loaded(frontend.count, hash, |slot| {
+                maps::service6(&key.with_slot(slot)).map(|s| s.backend_id)
+            })?;
             if choice.is_some() {
                 stats::count_pick(sched::code::LEAST_CONNECTION);
             }
@@ -92,31 +94,4 @@ fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<O
     let slot = maps::service6(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
     stats::count_pick(frontend.scheduler);
     Ok(Some(slot.backend_id))
-}
-
-/// The least loaded of the new flow's candidate slots, as `crate::lc::choose`.
-#[inline(always)]
-fn least_connection(key: &Service6Key, count: u16, hash: u32) -> Result<Option<u32>, Drop> {
-    if count == 0 {
-        return Ok(None);
-    }
-    let mut best = 0u32;
-    let mut least = lc::Least::NONE;
-    let n = lc::candidates(count);
-    let mut i = 0u16;
-    while i < lc::CANDIDATES && i < n {
-        let slot = lc::candidate_slot(hash, i, count);
-        if let Some(s) = maps::service6(&key.with_slot(slot)) {
-            let before = least.slot;
-            least.offer(slot, maps::lc_load(s.backend_id));
-            if least.slot != before {
-                best = s.backend_id;
-            }
-        }
-        i += 1;
-    }
-    if best == 0 {
-        return Err(Drop::NoBackend); // Every candidate slot vanished under an update.
-    }
-    Ok(Some(best))
 }

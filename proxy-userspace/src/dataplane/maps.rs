@@ -4,13 +4,17 @@
 
 use std::{os::fd::AsFd as _, path::Path};
 
-use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
+use aya::maps::{
+    Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray,
+    lpm_trie::{Key as LpmKey, LpmTrie},
+};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey,
     FragValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAGMENTS,
     MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
     MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey,
     SnatValue,
+    ipv6::MAP_CLUSTER_CIDRS6,
     maglev::{Chunk, MaglevKey},
 };
 
@@ -525,6 +529,66 @@ impl NodeMap {
 
     pub fn write(&mut self, info: &NodeInfo) -> Result<()> {
         self.map.set(0, info, 0).map_err(map_err(MAP_NODE))
+    }
+}
+
+/// `CLUSTERCIDRS6_V1`: the cluster's IPv6 pod CIDRs, for the in-cluster entries of eTP=Local
+/// frontends on IPv6 (what `DatapathConfig::cluster_cidrs` is for IPv4).
+pub struct ClusterCidrs6Map {
+    map: LpmTrie<MapData, [u8; 16], u32>,
+}
+
+impl ClusterCidrs6Map {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: LpmTrie::try_from(take(ebpf, MAP_CLUSTER_CIDRS6)?)
+                .map_err(map_err(MAP_CLUSTER_CIDRS6))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: LpmTrie::try_from(Map::LpmTrie(open_pinned(pins, MAP_CLUSTER_CIDRS6)?))
+                .map_err(map_err(MAP_CLUSTER_CIDRS6))?,
+        })
+    }
+
+    /// Makes the map hold exactly `cidrs` (network address, prefix length): writes the missing
+    /// ones, then removes the others. A prefix longer than 128 bits is refused before anything
+    /// is written.
+    pub fn sync(&mut self, cidrs: &[(std::net::Ipv6Addr, u8)]) -> Result<()> {
+        if let Some((addr, len)) = cidrs.iter().find(|(_, len)| *len > 128) {
+            return Err(Error::Io {
+                what: format!("{MAP_CLUSTER_CIDRS6}: cluster CIDR {addr}/{len}"),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "an IPv6 prefix is at most 128 bits long",
+                ),
+            });
+        }
+        let wanted: std::collections::BTreeSet<(u32, [u8; 16])> = cidrs
+            .iter()
+            .map(|(addr, len)| {
+                let bits =
+                    u128::from(*addr) & (!0u128).checked_shl(128 - u32::from(*len)).unwrap_or(0);
+                (u32::from(*len), bits.to_be_bytes())
+            })
+            .collect();
+        for (len, data) in &wanted {
+            self.map
+                .insert(&LpmKey::new(*len, *data), 1, 0)
+                .map_err(map_err(MAP_CLUSTER_CIDRS6))?;
+        }
+        let stale: Vec<LpmKey<[u8; 16]>> = self
+            .map
+            .keys()
+            .filter_map(std::result::Result::ok)
+            .filter(|k| !wanted.contains(&(k.prefix_len(), k.data())))
+            .collect();
+        for k in stale {
+            self.map.remove(&k).map_err(map_err(MAP_CLUSTER_CIDRS6))?;
+        }
+        Ok(())
     }
 }
 
