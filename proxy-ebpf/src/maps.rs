@@ -22,7 +22,7 @@ use proxy_common::{
     MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE,
     MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT,
     MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS,
-    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL,
+    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
     SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY,
     SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey,
     ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
@@ -281,34 +281,29 @@ pub fn frontend_for(
     key: &ServiceKey,
     in_cluster: impl FnOnce() -> bool,
 ) -> Option<(ServiceKey, ServiceValue)> {
-    scoped_frontend(
-        key,
-        |k| ServiceKey {
-            scope: SCOPE_INTERNAL,
-            ..*k
-        },
-        service,
-        in_cluster,
-    )
+    let mut key = *key;
+    let value = scoped_frontend(&mut key, |k, scope| k.scope = scope, service, in_cluster)?;
+    Some((key, value))
 }
 
-/// [`frontend_for`] of either family: `internal` makes a key's `SCOPE_INTERNAL` twin, `lookup`
-/// reads the family's Services map.
+/// [`frontend_for`] of either family, the key moved to the scope used in place (one key on the
+/// stack): `set_scope` sets a key's scope, `lookup` reads the family's Services map.
 #[inline(always)]
-fn scoped_frontend<K: Copy>(
-    key: &K,
-    internal: impl FnOnce(&K) -> K,
+fn scoped_frontend<K>(
+    key: &mut K,
+    set_scope: impl Fn(&mut K, u8),
     lookup: impl Fn(&K) -> Option<ServiceValue>,
     in_cluster: impl FnOnce() -> bool,
-) -> Option<(K, ServiceValue)> {
+) -> Option<ServiceValue> {
     let frontend = lookup(key)?;
     if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 && in_cluster() {
-        let internal = internal(key);
-        if let Some(value) = lookup(&internal) {
-            return Some((internal, value));
+        set_scope(key, SCOPE_INTERNAL);
+        if let Some(value) = lookup(key) {
+            return Some(value);
         }
+        set_scope(key, SCOPE_EXTERNAL);
     }
-    Some((*key, frontend))
+    Some(frontend)
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock of `CtValue::last_seen_ns`).
@@ -1034,22 +1029,15 @@ static AFFINITY6_V1: LruHashMap<Affinity6Key, AffinityValue, { AFFINITY6_CAPACIT
 static AFFMATCH6_V1: HashMap<Affinity6MatchKey, u32, { AFFINITY_MATCH6_CAPACITY as usize }> =
     HashMap::new();
 
-/// The frontend entry a new IPv6 flow to `key` uses: as [`frontend_for`] (an eTP=Local
-/// frontend's in-cluster entry for clients in the cluster CIDRs, `in_cluster`).
+/// The frontend entry a new IPv6 flow to `key` (slot 0, `SCOPE_EXTERNAL`) uses, as
+/// [`frontend_for`] (an eTP=Local frontend's in-cluster entry for clients in the cluster CIDRs,
+/// `in_cluster`); `key` is left at the scope of the entry returned.
 #[inline(always)]
 pub fn frontend6_for(
-    key: &Service6Key,
+    key: &mut Service6Key,
     in_cluster: impl FnOnce() -> bool,
-) -> Option<(Service6Key, ServiceValue)> {
-    scoped_frontend(
-        key,
-        |k| Service6Key {
-            scope: SCOPE_INTERNAL,
-            ..*k
-        },
-        service6,
-        in_cluster,
-    )
+) -> Option<ServiceValue> {
+    scoped_frontend(key, |k, scope| k.scope = scope, service6, in_cluster)
 }
 
 #[btf_map]

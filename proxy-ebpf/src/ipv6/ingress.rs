@@ -148,8 +148,8 @@ fn new_flow(
     stale: bool,
 ) -> Result<Action, Drop> {
     // Clients inside the cluster reach an eTP=Local frontend through its in-cluster entry.
-    let external_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
-    let scoped = maps::frontend6_for(&external_key, || maps::in_cluster6(&p.saddr));
+    let mut frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
+    let scoped = maps::frontend6_for(&mut frontend_key, || maps::in_cluster6(&p.saddr));
     // The flow's target: a Service's backend, or (to no Service) the destination itself.
     let (backend_id, backend_addr, backend_port, rev_nat_id) = match scoped {
         None => {
@@ -178,7 +178,7 @@ fn new_flow(
             }
             (0, &p.daddr, &p.dport, 0)
         }
-        Some((frontend_key, frontend)) => {
+        Some(frontend) => {
             if frontend.flags & service_flags::SOURCE_RANGES != 0
                 && !maps::source_in_range6(SourceRange6Key {
                     frontend_addr: p.daddr,
