@@ -29,7 +29,9 @@ pub use agent::{Agent, AgentStatus, cli};
 pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
 pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer, http6_get_with_peer};
 pub use fake_apiserver::FakeApiServer;
-pub use manifests::{ManifestDir, Protocol, ServicePort, service_yaml};
+pub use manifests::{
+    FamilyService, ManifestDir, Protocol, ServicePort, family_service_yaml, service_yaml,
+};
 pub use multinode::{
     CLUSTER_CIDR, CLUSTER_CIDR_DUAL, CLUSTER_CIDR6, EXT_CLIENT_IP, EXT_CLIENT_IP6, EXT_DEVICE,
     HttpReply, L3_TUNNEL_DEVICE, L3_TUNNEL_IPS, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES,
@@ -40,8 +42,9 @@ pub use process::{Proc, run_with_timeout};
 pub use tempdir::TempDir;
 pub use topology::{
     BACKENDS, BACKENDS6, CLIENT_IP, CLIENT_IP6, ConnectOutcome, CurlReply, Exec, GATEWAY, GATEWAY6,
-    HTTP_PORT, IPERF_PORT, IperfRun, IperfSummary, Pod, Topology, UDP_PORT, UdpReply, UdpReply6,
-    http_url, ipv6_of, tcp_connect_from, tcp6_connect_from, udp_request_from, udp6_request_from,
+    HTTP_PORT, IPERF_PORT, IperfRun, IperfSummary, NODE_LOCAL_IP6, Pod, Topology, UDP_PORT,
+    UdpReply, UdpReply6, http_url, ipv6_of, tcp_connect_from, tcp6_connect_from, udp_request_from,
+    udp6_request_from,
 };
 
 /// Environment variable that `cargo xtask test` sets to run the privileged test targets.

@@ -37,6 +37,9 @@ use crate::{
 
 /// The node's gateway address as seen by pods (local on the node's loopback).
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// The node's own IPv6 address, on its loopback ([`ipv6_of`] [`GATEWAY`]: fd00:169:254:1::1):
+/// the source of the node's processes' IPv6 connections to pods.
+pub const NODE_LOCAL_IP6: Ipv6Addr = ipv6_of(GATEWAY);
 /// The pods' IPv6 gateway: a link-local address every host-side veth holds.
 pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 /// Client pod address.
@@ -398,6 +401,15 @@ impl Topology {
         node.sysctl("net.ipv4.conf.default.send_redirects", "0")?;
         node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         node.exec(&["ip", "addr", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
+        node.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{NODE_LOCAL_IP6}/128"),
+            "dev",
+            "lo",
+        ])?;
         Ok(Self {
             prefix,
             pods: BTreeMap::new(),

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use proxy_testenv::{
     BACKENDS, BACKENDS6, CLIENT_IP6, ConnectOutcome, EXT_CLIENT_IP6, MultiNode, NODE_IPS6,
-    POD_CIDRS6, Topology, http_url, http6_get_with_peer, ipv6_of, require_privileged,
+    NODE_LOCAL_IP6, POD_CIDRS6, Topology, http_url, http6_get_with_peer, ipv6_of,
+    require_privileged,
 };
 
 #[test]
@@ -99,6 +100,13 @@ fn pods_talk_over_ipv6_through_the_node() {
     assert!(
         matches!(outcome, ConnectOutcome::Error(ref e) if e == "ENETUNREACH" || e == "EHOSTUNREACH"),
         "{outcome:?}"
+    );
+    // A process of the node itself reaches a pod over IPv6, from the node's own address.
+    let v = http6_get_with_peer(topo.node(), BACKENDS6[2].1, 8080).expect("node → pod");
+    assert_eq!(v.body, "be3");
+    assert!(
+        v.client_addr.starts_with(&format!("[{NODE_LOCAL_IP6}]:")),
+        "{v:?}"
     );
     // IPv4 is unchanged beside it.
     assert_eq!(
