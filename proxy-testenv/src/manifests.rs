@@ -187,34 +187,13 @@ pub fn service_yaml_annotated(
         y,
         "spec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs: [\"{cluster_ip}\"]\n  ports:\n"
     );
-    for p in ports {
-        let _ = write!(y, "    - ");
-        if !p.name.is_empty() {
-            let _ = write!(y, "name: {}\n      ", p.name);
-        }
-        let _ = writeln!(
-            y,
-            "port: {}\n      targetPort: {}\n      protocol: {}",
-            p.port, p.target_port, p.protocol
-        );
-    }
+    service_ports(&mut y, ports, &[]);
     let _ = write!(
         y,
         "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-slice\n  \
          namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n"
     );
-    if ports.is_empty() {
-        y.push_str("ports: []\n");
-    } else {
-        y.push_str("ports:\n");
-        for p in ports {
-            let _ = writeln!(
-                y,
-                "  - name: \"{}\"\n    port: {}\n    protocol: {}",
-                p.name, p.target_port, p.protocol
-            );
-        }
-    }
+    slice_ports(&mut y, ports);
     if endpoints.is_empty() {
         y.push_str("endpoints: []\n");
     } else {
@@ -228,6 +207,40 @@ pub fn service_yaml_annotated(
         }
     }
     y
+}
+
+/// The items of a Service's `ports:` (a `nodePort` for each of `node_ports`, in order).
+fn service_ports(y: &mut String, ports: &[ServicePort], node_ports: &[u16]) {
+    for (i, p) in ports.iter().enumerate() {
+        let _ = write!(y, "    - ");
+        if !p.name.is_empty() {
+            let _ = write!(y, "name: {}\n      ", p.name);
+        }
+        let _ = writeln!(
+            y,
+            "port: {}\n      targetPort: {}\n      protocol: {}",
+            p.port, p.target_port, p.protocol
+        );
+        if let Some(np) = node_ports.get(i) {
+            let _ = writeln!(y, "      nodePort: {np}");
+        }
+    }
+}
+
+/// An EndpointSlice's `ports:` (the target ports, named as the Service's).
+fn slice_ports(y: &mut String, ports: &[ServicePort]) {
+    if ports.is_empty() {
+        y.push_str("ports: []\n");
+        return;
+    }
+    y.push_str("ports:\n");
+    for p in ports {
+        let _ = writeln!(
+            y,
+            "  - name: \"{}\"\n    port: {}\n    protocol: {}",
+            p.name, p.target_port, p.protocol
+        );
+    }
 }
 
 /// A Service of one family or both (`clusterIPs` in `cluster_ips` order, which is also
@@ -291,20 +304,7 @@ pub fn family_service_yaml(svc: &FamilyService<'_>) -> String {
         quoted(cluster_ips.iter().map(IpAddr::to_string).collect())
     );
     y.push_str("  ports:\n");
-    for (i, p) in ports.iter().enumerate() {
-        let _ = write!(y, "    - ");
-        if !p.name.is_empty() {
-            let _ = write!(y, "name: {}\n      ", p.name);
-        }
-        let _ = writeln!(
-            y,
-            "port: {}\n      targetPort: {}\n      protocol: {}",
-            p.port, p.target_port, p.protocol
-        );
-        if let Some(np) = node_ports.get(i) {
-            let _ = writeln!(y, "      nodePort: {np}");
-        }
-    }
+    service_ports(&mut y, ports, node_ports);
     let mut families: Vec<&str> = cluster_ips.iter().map(family).collect();
     families.sort();
     families.dedup();
@@ -314,15 +314,9 @@ pub fn family_service_yaml(svc: &FamilyService<'_>) -> String {
             y,
             "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: \
              {name}-{suffix}\n  namespace: {namespace}\n  labels:\n    \
-             kubernetes.io/service-name: {name}\naddressType: {fam}\nports:\n"
+             kubernetes.io/service-name: {name}\naddressType: {fam}\n"
         );
-        for p in *ports {
-            let _ = writeln!(
-                y,
-                "  - name: \"{}\"\n    port: {}\n    protocol: {}",
-                p.name, p.target_port, p.protocol
-            );
-        }
+        slice_ports(&mut y, ports);
         let mine: Vec<&IpAddr> = endpoints.iter().filter(|ip| family(ip) == fam).collect();
         if mine.is_empty() {
             y.push_str("endpoints: []\n");

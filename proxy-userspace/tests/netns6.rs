@@ -482,7 +482,7 @@ fn cluster(services: impl FnOnce(&ManifestDir)) -> Cluster {
     services(&manifests);
     let mut pins = Vec::new();
     let mut agents = Vec::new();
-    for i in 0..2 {
+    for (i, name) in NODE_NAMES.iter().enumerate() {
         let node = net.node(i);
         let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
         let args = [
@@ -491,7 +491,7 @@ fn cluster(services: impl FnOnce(&ManifestDir)) -> Cluster {
             "--devices".as_ref(),
             EXT_DEVICE.as_ref(),
             "--hostname-override".as_ref(),
-            NODE_NAMES[i].as_ref(),
+            name.as_ref(),
             "--cluster-cidr".as_ref(),
             CLUSTER_CIDR_DUAL.as_ref(),
         ];
