@@ -7,6 +7,10 @@
 //! Network safety: every namespace is created here with a unique prefix; the "node" is a
 //! namespace too; nothing is created or attached in the root network namespace and no namespace
 //! gets a route out of the machine (pods route to the node namespace, which has no default route).
+//!
+//! Dual stack: every pod, node and the external client also has an IPv6 address inside
+//! fd00::/8 ([`ipv6_of`] its IPv4 one), routed like the IPv4 ones; the helpers have IPv6
+//! variants (`udp6_*`, `tcp6_*`, [`http6_get_with_peer`], [`http_url`] for curl).
 
 // `unsafe` only where std itself requires it (`cgroup`: `Command::pre_exec`).
 #![deny(unsafe_code)]

@@ -25,6 +25,8 @@ pub const STRICT_ENV: &str = "KPE_DEMO_IPV6";
 const SERVICES6_MAP: &str = "SERVICES6_V1";
 const HTTP_REQUESTS: usize = 60;
 const UDP_REQUESTS: usize = 10;
+/// Failures printed per step (the rest are counted).
+const SHOWN_FAILURES: usize = 3;
 
 /// Whether the stage's failures count, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,20 +103,30 @@ impl Outcome {
         n: usize,
         mut step: impl FnMut(usize) -> Result<String>,
     ) {
+        let mut failed = 0;
         for i in 0..n {
             self.requests += 1;
             match step(i) {
                 Ok(backend) => *self.answered.entry(backend).or_default() += 1,
                 Err(e) => {
-                    self.failed += 1;
-                    println!("ipv6: {what}: FAILED: {e:#}");
+                    failed += 1;
+                    if failed <= SHOWN_FAILURES {
+                        println!("ipv6: {what}: FAILED: {e:#}");
+                    }
                     if !strict {
                         println!("ipv6: {what}: stopped after the first failure (not strict)");
-                        return;
+                        break;
                     }
                 }
             }
         }
+        if failed > SHOWN_FAILURES {
+            println!(
+                "ipv6: {what}: {} more failures not shown",
+                failed - SHOWN_FAILURES
+            );
+        }
+        self.failed += failed;
     }
 }
 
