@@ -175,7 +175,7 @@ pub fn http_get_with_peer(
 }
 
 /// [`http_get_with_peer`] over IPv6 (an AF_INET6 socket: the connect6 hook); `peer` reads
-/// "[addr]:port".
+/// `"[addr]:port"`.
 pub fn http6_get_with_peer(
     exec: &impl Exec,
     ip: std::net::Ipv6Addr,

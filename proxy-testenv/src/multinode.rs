@@ -423,7 +423,7 @@ impl MultiNode {
     }
 
     /// One HTTP GET from the external client (`curl --max-time 3`); an IPv6 URL has the
-    /// address in brackets ([`crate::http_url`]), and an IPv6 `client_addr` reads "[addr]:port".
+    /// address in brackets ([`crate::http_url`]), and an IPv6 `client_addr` reads `"[addr]:port"`.
     pub fn http_get(&self, url: &str) -> Result<HttpReply> {
         let out = self.client.output(
             &[
