@@ -544,4 +544,14 @@ fn ipv6_nodeport_from_the_external_client_snats_to_the_node_that_forwards() {
             )
         });
     }
+    // The same Service's IPv4 NodePort still answers, SNAT to the IPv4 node address.
+    for (i, node_ip) in proxy_testenv::NODE_IPS.iter().enumerate() {
+        let url = http_url(*node_ip, WEB_NODE_PORT);
+        let r = (c.net.http_get(&url))
+            .unwrap_or_else(|e| c.agents[i].fail(&format!("GET {url}: {e:#}")));
+        c.agents[i].check(
+            r.code == 200 && r.client_addr.starts_with(&format!("{node_ip}:")),
+            || format!("GET {url}: {r:?}"),
+        );
+    }
 }
