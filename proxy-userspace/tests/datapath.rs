@@ -5084,12 +5084,14 @@ fn every_program_verifies_with_the_datapath_trace_at_every_level() {
                 .unwrap_or_default()
         };
         report.push(format!(
-            "level {level}: tc_ingress {} tc_ingress_new {} tc_ingress_reject {} tc_egress {} sock_connect4 {}",
+            "level {level}: tc_ingress {} tc_ingress_new {} tc_ingress_reject {} tc_egress {} sock_connect4 {} sock_connect6 {} sock_recvmsg6 {}",
             count(PROG_TC_INGRESS),
             count(proxy_common::PROG_TC_INGRESS_NEW),
             count(proxy_common::PROG_TC_INGRESS_REJECT),
             count(PROG_TC_EGRESS),
             count(proxy_common::PROG_SOCK_CONNECT4),
+            count(proxy_common::PROG_SOCK_CONNECT6),
+            count(proxy_common::PROG_SOCK_RECVMSG6),
         ));
     }
     println!(
