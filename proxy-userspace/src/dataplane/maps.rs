@@ -10,7 +10,7 @@ use proxy_common::{
     FragValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAGMENTS,
     MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
     MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey,
-    SnatValue,
+    SnatValue, ipv6,
     maglev::{Chunk, MaglevKey},
 };
 
@@ -412,6 +412,37 @@ impl Conntrack {
     }
 
     pub fn remove(&mut self, key: &CtKey) {
+        let _ = self.map.remove(key);
+    }
+}
+
+/// `CONNTRACK6_V1` (LRU): the IPv6 flows, walked with the IPv4 ones (`flow_gc`), read for
+/// `dump conntrack`. (Paths spelled out: the IPv6 map wrappers live beside the IPv4 ones.)
+pub struct Conntrack6 {
+    map: HashMap<MapData, ipv6::Ct6Key, ipv6::Ct6Value>,
+}
+
+impl Conntrack6 {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, ipv6::MAP_CONNTRACK6)?)
+                .map_err(map_err(ipv6::MAP_CONNTRACK6))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, ipv6::MAP_CONNTRACK6)?))
+                .map_err(map_err(ipv6::MAP_CONNTRACK6))?,
+        })
+    }
+
+    /// All entries (a racing LRU eviction just drops an entry from the listing).
+    pub fn entries(&self) -> Vec<(ipv6::Ct6Key, ipv6::Ct6Value)> {
+        self.map.iter().filter_map(Result::ok).collect()
+    }
+
+    pub fn remove(&mut self, key: &ipv6::Ct6Key) {
         let _ = self.map.remove(key);
     }
 }
