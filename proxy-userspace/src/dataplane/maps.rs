@@ -447,6 +447,38 @@ impl Conntrack6 {
     }
 }
 
+/// What `dump` shows of the IPv6 Services: `SERVICES6_V1`, `BACKENDS6_V1` and `AFFINITY6_V1`,
+/// read whole (the agent's IPv6 programming has its own writer).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ipv6Tables {
+    pub services: std::collections::BTreeMap<ipv6::Service6Key, ServiceValue>,
+    pub backends: std::collections::BTreeMap<u32, ipv6::Backend6>,
+    pub affinity: Vec<(ipv6::Affinity6Key, AffinityValue)>,
+}
+
+impl Ipv6Tables {
+    /// Reads the pinned IPv6 maps (maps pinned by an agent without them: empty tables).
+    pub fn read_pinned(pins: &PinLayout) -> Result<Self> {
+        if !pins.map(ipv6::MAP_SERVICES6).exists() {
+            return Ok(Self::default());
+        }
+        let services: HashMap<MapData, ipv6::Service6Key, ServiceValue> =
+            HashMap::try_from(Map::HashMap(open_pinned(pins, ipv6::MAP_SERVICES6)?))
+                .map_err(map_err(ipv6::MAP_SERVICES6))?;
+        let backends: HashMap<MapData, u32, ipv6::Backend6> =
+            HashMap::try_from(Map::HashMap(open_pinned(pins, ipv6::MAP_BACKENDS6)?))
+                .map_err(map_err(ipv6::MAP_BACKENDS6))?;
+        let affinity: HashMap<MapData, ipv6::Affinity6Key, AffinityValue> =
+            HashMap::try_from(Map::LruHashMap(open_pinned(pins, ipv6::MAP_AFFINITY6)?))
+                .map_err(map_err(ipv6::MAP_AFFINITY6))?;
+        Ok(Self {
+            services: services.iter().filter_map(Result::ok).collect(),
+            backends: backends.iter().filter_map(Result::ok).collect(),
+            affinity: affinity.iter().filter_map(Result::ok).collect(),
+        })
+    }
+}
+
 /// `SNAT_V1` (LRU): read for `dump snat`, swept by the agent's SNAT garbage collection.
 pub struct Snat {
     map: HashMap<MapData, SnatKey, SnatValue>,
