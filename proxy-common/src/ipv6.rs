@@ -46,10 +46,11 @@ pub const MAP_SOCK_REVNAT6: &str = "SOCKREV6_V1";
 /// walked; a longer chain, ESP or an unknown header ends the walk (`stats::Counter::Ipv6ExtUnparsed`).
 pub const MAX_EXT_HEADERS: usize = 6;
 
-/// Compiled-in capacities (the agent may resize at load time, as for IPv4; it does not size the
-/// IPv6 maps yet). Smaller than IPv4's: the kernel preallocates hash and LRU maps whether or not
-/// the cluster has IPv6 Services (≈ 150 B per CONNTRACK6 entry: 10 MB here, ≈ 17 MB for all the
-/// IPv6 maps together), and most clusters carry fewer IPv6 Services.
+/// Compiled-in capacities (the agent may resize at load time, as for IPv4; of the IPv6 maps it
+/// sizes only `CONNTRACK6_V1`, by `--map-entries-conntrack6`). Smaller than IPv4's: the kernel
+/// preallocates hash and LRU maps whether or not the cluster has IPv6 Services (≈ 150 B per
+/// CONNTRACK6 entry: 10 MB here, ≈ 17 MB for all the IPv6 maps together), and most clusters
+/// carry fewer IPv6 Services.
 pub const SERVICES6_CAPACITY: u32 = 32_768;
 pub const BACKENDS6_CAPACITY: u32 = 32_768;
 pub const REVNAT6_CAPACITY: u32 = 8_192;
