@@ -4706,13 +4706,17 @@ impl Datapath {
             let flows = self.lc_array(MAP_LC_FLOWS);
             let ct: HashMap<&MapData, CtKey, CtValue> =
                 HashMap::try_from(self.bpf.map(MAP_CONNTRACK).unwrap()).unwrap();
+            let backends = &programmed.backends;
             lc_counts::reconcile(
                 1..=20,
                 |id| flows.get(&id, 0).unwrap(),
                 || now,
-                || ct.iter().map(Result::unwrap).collect(),
-                |k, v, now| flow_is_dead(k, v, now, &cfg, &programmed),
-                &programmed.backends,
+                lc_counts::Listing::ipv4(
+                    || ct.iter().map(Result::unwrap).collect(),
+                    |k, v, now| flow_is_dead(k, v, now, &cfg, &programmed),
+                    backends,
+                ),
+                lc_counts::Listing::none(),
             )
         };
         for key in &done.dead {

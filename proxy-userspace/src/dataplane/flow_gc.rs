@@ -279,9 +279,9 @@ impl<M: FlowMaps> Walker<M> {
             created_ns <= copied && !lock(shared).changed_since(backend_id, copied)
         };
         let maps = &self.maps;
-        let v4 = Listing::<CtValue> {
-            list: Box::new(|| maps.conntrack_entries()),
-            dead: Box::new(|key, value, now| {
+        let v4 = Listing::ipv4(
+            || maps.conntrack_entries(),
+            |key, value, now| {
                 if idle_expired(
                     value.last_seen_ns,
                     key.proto,
@@ -294,13 +294,9 @@ impl<M: FlowMaps> Walker<M> {
                 }
                 judged(value.created_ns, value.backend_id)
                     && flow_is_dead(key, value, now, config, backends)
-            }),
-            current: Box::new(|v| {
-                backends
-                    .get(&v.backend_id)
-                    .is_some_and(|b| b.addr == v.backend_addr && b.port == v.backend_port)
-            }),
-        };
+            },
+            backends,
+        );
         let v6 = Listing::<Ct6Value> {
             list: Box::new(|| maps.conntrack6_entries()),
             dead: Box::new(|key, value, now| {

@@ -197,14 +197,50 @@ pub fn corrections(active: &[(u32, u64)], truth: &HashMap<u32, u64>) -> Vec<(u32
         .collect()
 }
 
+/// Lists one family's conntrack entries.
+pub type ListFn<'a, V> = Box<dyn FnOnce() -> Vec<(<V as Tracked>::Key, V)> + 'a>;
+/// Says whether an entry is dead at the walk's clock reading.
+pub type DeadFn<'a, V> = Box<dyn FnMut(&<V as Tracked>::Key, &V, u64) -> bool + 'a>;
+
 /// One family's conntrack map as [`reconcile`] reads it.
 pub struct Listing<'a, V: Tracked> {
     /// The entries (called once, after the clock).
-    pub list: Box<dyn FnOnce() -> Vec<(V::Key, V)> + 'a>,
+    pub list: ListFn<'a, V>,
     /// Which entries the caller removes (they do not count), at the walk's clock reading.
-    pub dead: Box<dyn FnMut(&V::Key, &V, u64) -> bool + 'a>,
+    pub dead: DeadFn<'a, V>,
     /// Does the flow's backend id still name the backend it was created with?
     pub current: Box<dyn Fn(&V) -> bool + 'a>,
+}
+
+impl<'a> Listing<'a, CtValue> {
+    /// The IPv4 listing: a flow is current while `backends[id]` (the programmed backends) has
+    /// the address it was created with.
+    pub fn ipv4(
+        list: impl FnOnce() -> Vec<(CtKey, CtValue)> + 'a,
+        dead: impl FnMut(&CtKey, &CtValue, u64) -> bool + 'a,
+        backends: &'a crate::pipeline::programmed::BackendEntries,
+    ) -> Self {
+        Self {
+            list: Box::new(list),
+            dead: Box::new(dead),
+            current: Box::new(|v| {
+                backends
+                    .get(&v.backend_id)
+                    .is_some_and(|b| b.addr == v.backend_addr && b.port == v.backend_port)
+            }),
+        }
+    }
+}
+
+impl<'a, V: Tracked + 'a> Listing<'a, V> {
+    /// No entries (a family whose map the caller does not read).
+    pub fn none() -> Self {
+        Self {
+            list: Box::new(Vec::new),
+            dead: Box::new(|_, _, _| false),
+            current: Box::new(|_| true),
+        }
+    }
 }
 
 impl<V: Tracked> Listing<'_, V> {
@@ -297,16 +333,8 @@ mod tests {
         entries: Vec<(CtKey, CtValue)>,
         dead: impl FnMut(&CtKey, &CtValue, u64) -> bool + 'a,
     ) -> Listing<'a, CtValue> {
-        let backends = backends();
-        Listing {
-            list: Box::new(move || entries),
-            dead: Box::new(dead),
-            current: Box::new(move |v| {
-                backends
-                    .get(&v.backend_id)
-                    .is_some_and(|b| b.addr == v.backend_addr && b.port == v.backend_port)
-            }),
-        }
+        // Leaked: a test's few backends, for the listing's lifetime.
+        Listing::ipv4(move || entries, dead, Box::leak(Box::new(backends())))
     }
 
     /// The IPv6 listing of `entries`, judged against `backends6()`.
@@ -454,7 +482,7 @@ mod tests {
             },
             || 1_000,
             v4(entries, |_, _, _| false),
-            v6(Vec::new()),
+            Listing::none(),
         );
         let ids: Vec<u32> = r.corrections.iter().map(|&(id, _)| id).collect();
         assert_eq!(ids, vec![1, 3]);
