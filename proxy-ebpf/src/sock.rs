@@ -70,19 +70,7 @@ pub fn translate4(
     // The node's own traffic is in-cluster traffic.
     let Some((key, frontend)) = maps::frontend_for(&ServiceKey::new(addr, port, proto, 0), || true)
     else {
-        // Like tc (and upstream's filter-output): a ClusterIP's other ports are refused, the
-        // unallocated rest of the Service CIDRs fails as a dropped SYN would end.
-        return match maps::service_cidr(addr) {
-            Some(service_cidr::CLUSTER_IP) => {
-                stats::count(Counter::ClusterIpPortRejected);
-                Err(ECONNREFUSED)
-            }
-            Some(service_cidr::UNALLOCATED) => {
-                stats::count(Counter::DropUnallocatedServiceIp);
-                Err(ETIMEDOUT)
-            }
-            _ => Ok(None),
-        };
+        return not_a_frontend(maps::service_cidr(addr));
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0 && !node_in_source_ranges(&key) {
         stats::count(Counter::DropSourceRange);
@@ -127,6 +115,25 @@ pub fn translate4(
         backend_id,
     );
     Ok(Some((backend.addr, backend.port)))
+}
+
+/// An address that is no frontend, by what it is in the Service address space (`service_cidr::*`).
+/// Like tc (and upstream's filter-output): a ClusterIP's other ports are refused, the
+/// unallocated rest of the Service CIDRs fails as a dropped SYN would end, anything else is left
+/// alone.
+#[inline(always)]
+pub fn not_a_frontend<A>(cidr: Option<u32>) -> Translated<A> {
+    match cidr {
+        Some(service_cidr::CLUSTER_IP) => {
+            stats::count(Counter::ClusterIpPortRejected);
+            Err(ECONNREFUSED)
+        }
+        Some(service_cidr::UNALLOCATED) => {
+            stats::count(Counter::DropUnallocatedServiceIp);
+            Err(ETIMEDOUT)
+        }
+        _ => Ok(None),
+    }
 }
 
 /// The errno for a frontend without a backend to choose (counted).

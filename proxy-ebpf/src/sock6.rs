@@ -25,13 +25,13 @@ use aya_ebpf::{
 use proxy_common::{
     Counter, SCOPE_INTERNAL, ServiceValue,
     ipv6::{RevNat6, Service6Key, SockRev6Key, to_v4_mapped, v4_mapped},
-    proto, service_cidr, service_flags,
+    proto, service_flags,
 };
 
 use crate::{
     ipv6::pick::{self, NewFlow6},
     maps,
-    sock::{self, ALLOW, ECONNREFUSED, ETIMEDOUT, Translated},
+    sock::{self, ALLOW, ECONNREFUSED, Translated},
     stats,
 };
 
@@ -116,17 +116,7 @@ fn translate6(
         return Ok(None);
     }
     let Some((key, frontend)) = frontend_for6(&Service6Key::new(*addr, port, proto, 0)) else {
-        return match maps::service_cidr6(addr) {
-            Some(service_cidr::CLUSTER_IP) => {
-                stats::count(Counter::ClusterIpPortRejected);
-                Err(ECONNREFUSED)
-            }
-            Some(service_cidr::UNALLOCATED) => {
-                stats::count(Counter::DropUnallocatedServiceIp);
-                Err(ETIMEDOUT)
-            }
-            _ => Ok(None),
-        };
+        return sock::not_a_frontend(maps::service_cidr6(addr));
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0 {
         stats::count(Counter::DropSourceRange);

@@ -12,7 +12,10 @@ use std::{collections::BTreeMap, net::Ipv6Addr, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData},
+    maps::{
+        HashMap, MapData,
+        lpm_trie::{Key, LpmTrie},
+    },
 };
 use kube_proxy_ebpf::dataplane::{
     bpffs::PinLayout,
@@ -23,8 +26,10 @@ use kube_proxy_ebpf::dataplane::{
 use proxy_common::{
     Backend, CONFIG_GLOBAL, DatapathConfig, MAP_BACKENDS, MAP_SERVICES, SOCK_LB_GLOBAL, ServiceKey,
     ServiceValue, SockLbConfig,
-    ipv6::{Backend6, MAP_BACKENDS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, Service6Key},
-    proto,
+    ipv6::{
+        Backend6, MAP_BACKENDS6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, Service6Key,
+    },
+    proto, service_cidr,
 };
 use proxy_testenv::{Cgroup, Exec as _, NetNs, PinDir, Proc, require_privileged, unique_prefix};
 
@@ -102,6 +107,8 @@ udp("udp6_connected", vip6, 53, True)
 tcp("tcp_mapped", vip4m, 80)
 udp("udp_mapped", vip4m, 53, False)
 tcp("tcp6_empty", empty6, 80)
+tcp("tcp6_other_port", vip6, 81)
+tcp("tcp6_unallocated", "fd00:96::77", 80)
 "#;
 
 struct Node {
@@ -252,6 +259,18 @@ impl Node {
             .expect("frontend");
     }
 
+    /// The IPv6 Service CIDR fd00:96::/64 with `VIP6` allocated.
+    fn set_service_cidr6(&mut self) {
+        let mut trie: LpmTrie<_, [u8; 16], u32> =
+            LpmTrie::try_from(self.bpf.map_mut(MAP_SERVICE_CIDRS6).expect("SVCCIDRS6"))
+                .expect("map");
+        let cidr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0);
+        trie.insert(&Key::new(64, cidr.octets()), service_cidr::UNALLOCATED, 0)
+            .expect("CIDR");
+        trie.insert(&Key::new(128, VIP6.octets()), service_cidr::CLUSTER_IP, 0)
+            .expect("ClusterIP");
+    }
+
     /// Runs the client in the cgroup and the namespace: check name → its words.
     fn client(&self) -> BTreeMap<String, Vec<String>> {
         let out = self
@@ -290,7 +309,8 @@ fn words(s: &str) -> Vec<String> {
 
 /// IPv6 sockets of the node reach an IPv6 ClusterIP (TCP connect, UDP sendmsg and connected
 /// UDP) and an IPv4 one by its v4-mapped address, each at the real server on the backend address,
-/// with getpeername()/recvfrom() showing the Service; a Service without endpoints is refused.
+/// with getpeername()/recvfrom() showing the Service; a Service without endpoints and another
+/// port of a ClusterIP are refused, an unallocated Service address fails.
 #[test]
 fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
     require_privileged!();
@@ -300,6 +320,7 @@ fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
     node.set_service6(EMPTY6, 80, proto::TCP, &[]);
     node.set_service4(80, proto::TCP, 21, TCP_PORT);
     node.set_service4(53, proto::UDP, 22, UDP_PORT);
+    node.set_service_cidr6();
 
     let got = node.client();
     eprintln!("client: {got:#?}");
@@ -326,6 +347,10 @@ fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
     );
     check("udp_mapped", "from [::ffff:10.96.0.10]:53 got udp_ping");
     check("tcp6_empty", "error ECONNREFUSED");
+    // As on IPv4 (and upstream's filter-output): a ClusterIP's other port is refused, an
+    // unallocated address of the Service CIDR fails at once as a dropped SYN would end.
+    check("tcp6_other_port", "error ECONNREFUSED");
+    check("tcp6_unallocated", "error ETIMEDOUT");
 
     // The reverse map holds the IPv6 sockets' frontends (TCP, unconnected UDP, connected UDP).
     let rev: HashMap<_, proxy_common::ipv6::SockRev6Key, proxy_common::ipv6::RevNat6> =
