@@ -24,12 +24,12 @@ use kube_proxy_ebpf::dataplane::{
     sock_lb::{self, SockHook},
 };
 use proxy_common::{
-    Backend, CONFIG_GLOBAL, DatapathConfig, MAP_BACKENDS, MAP_SERVICES, SOCK_LB_GLOBAL, ServiceKey,
-    ServiceValue, SockLbConfig,
+    Backend, CONFIG_GLOBAL, DatapathConfig, MAP_BACKENDS, MAP_SERVICES, SCOPE_INTERNAL,
+    SOCK_LB_GLOBAL, ServiceKey, ServiceValue, SockLbConfig,
     ipv6::{
         Backend6, MAP_BACKENDS6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, Service6Key,
     },
-    proto, service_cidr,
+    proto, service_cidr, service_flags,
 };
 use proxy_testenv::{Cgroup, Exec as _, NetNs, PinDir, Proc, require_privileged, unique_prefix};
 
@@ -37,6 +37,8 @@ use proxy_testenv::{Cgroup, Exec as _, NetNs, PinDir, Proc, require_privileged, 
 const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 /// An IPv6 ClusterIP whose Service has no endpoints (TCP :80).
 const EMPTY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99);
+/// An externalTrafficPolicy Local frontend with no local endpoint and an in-cluster entry.
+const LOCAL6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
 /// The IPv6 backend (on the namespace's loopback).
 const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 5);
 /// An IPv4 ClusterIP (TCP :80, UDP :53), reached from IPv6 sockets as ::ffff:10.96.0.10.
@@ -109,6 +111,7 @@ udp("udp_mapped", vip4m, 53, False)
 tcp("tcp6_empty", empty6, 80)
 tcp("tcp6_other_port", vip6, 81)
 tcp("tcp6_unallocated", "fd00:96::77", 80)
+tcp("tcp6_local", sys.argv[4], 80)
 "#;
 
 struct Node {
@@ -214,6 +217,13 @@ impl Node {
 
     /// An IPv6 Service the way the agent writes one: backends → slots → frontend.
     fn set_service6(&mut self, vip: Ipv6Addr, port: u16, proto: u8, backends: &[(u32, u16)]) {
+        let key = Service6Key::new(vip.octets(), port.to_be_bytes(), proto, 0);
+        self.set_frontend6(key, 0, backends);
+    }
+
+    /// One frontend entry (any scope) with `flags` and its slots.
+    fn set_frontend6(&mut self, key: Service6Key, flags: u16, backends: &[(u32, u16)]) {
+        let proto = key.proto;
         for &(id, backend_port) in backends {
             let b = Backend6 {
                 addr: BACKEND6.octets(),
@@ -226,15 +236,13 @@ impl Node {
                     .expect("map");
             map.insert(id, b, 0).expect("backend");
         }
-        let key = Service6Key::new(vip.octets(), port.to_be_bytes(), proto, 0);
         for (slot, &(id, _)) in backends.iter().enumerate() {
             self.services6()
                 .insert(key.with_slot(slot as u16 + 1), ServiceValue::slot(id), 0)
                 .expect("slot");
         }
-        self.services6()
-            .insert(key, ServiceValue::frontend(backends.len() as u16, 1), 0)
-            .expect("frontend");
+        let value = ServiceValue::frontend_with_flags(backends.len() as u16, 1, flags);
+        self.services6().insert(key, value, 0).expect("frontend");
     }
 
     /// The IPv4 Service of a v4-mapped address.
@@ -284,6 +292,7 @@ impl Node {
                     &VIP6.to_string(),
                     &EMPTY6.to_string(),
                     "::ffff:10.96.0.10",
+                    &LOCAL6.to_string(),
                 ],
                 Duration::from_secs(30),
             )
@@ -310,7 +319,8 @@ fn words(s: &str) -> Vec<String> {
 /// IPv6 sockets of the node reach an IPv6 ClusterIP (TCP connect, UDP sendmsg and connected
 /// UDP) and an IPv4 one by its v4-mapped address, each at the real server on the backend address,
 /// with getpeername()/recvfrom() showing the Service; a Service without endpoints and another
-/// port of a ClusterIP are refused, an unallocated Service address fails.
+/// port of a ClusterIP are refused, an unallocated Service address fails, and an
+/// externalTrafficPolicy Local frontend sends the node to its in-cluster endpoints.
 #[test]
 fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
     require_privileged!();
@@ -321,6 +331,18 @@ fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
     node.set_service4(80, proto::TCP, 21, TCP_PORT);
     node.set_service4(53, proto::UDP, 22, UDP_PORT);
     node.set_service_cidr6();
+    // eTP=Local: the frontend every client uses has no endpoint here, its in-cluster entry
+    // (what the node's own traffic uses, as kube-proxy's short-circuit) has one.
+    let local = Service6Key::new(LOCAL6.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    node.set_frontend6(local, service_flags::EXTERNAL_LOCAL, &[]);
+    node.set_frontend6(
+        Service6Key {
+            scope: SCOPE_INTERNAL,
+            ..local
+        },
+        0,
+        &[(3, TCP_PORT)],
+    );
 
     let got = node.client();
     eprintln!("client: {got:#?}");
@@ -351,16 +373,26 @@ fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
     // unallocated address of the Service CIDR fails at once as a dropped SYN would end.
     check("tcp6_other_port", "error ECONNREFUSED");
     check("tcp6_unallocated", "error ETIMEDOUT");
+    check("tcp6_local", "peer [fd00:96::20]:80 got tcp_fd00:244::5");
 
-    // The reverse map holds the IPv6 sockets' frontends (TCP, unconnected UDP, connected UDP).
+    // The reverse map holds the IPv6 sockets' frontends as the client named them (TCP,
+    // unconnected UDP, connected UDP, and the eTP=Local address, not its in-cluster entry).
     let rev: HashMap<_, proxy_common::ipv6::SockRev6Key, proxy_common::ipv6::RevNat6> =
         HashMap::try_from(node.bpf.map(MAP_SOCK_REVNAT6).expect("SOCKREV6")).expect("map");
-    let entries: Vec<_> = rev.iter().filter_map(Result::ok).collect();
-    assert_eq!(entries.len(), 3, "{entries:?}");
-    assert!(
-        entries
-            .iter()
-            .all(|(k, v)| k.backend_addr == BACKEND6.octets() && v.addr == VIP6.octets()),
-        "{entries:?}"
+    let mut shown: Vec<(Ipv6Addr, u16, u8)> = rev
+        .iter()
+        .filter_map(Result::ok)
+        .inspect(|(k, _)| assert_eq!(k.backend_addr, BACKEND6.octets(), "{k:?}"))
+        .map(|(k, v)| (v.addr.into(), u16::from_be_bytes(v.port), k.proto))
+        .collect();
+    shown.sort();
+    assert_eq!(
+        shown,
+        [
+            (VIP6, 53, proto::UDP),
+            (VIP6, 53, proto::UDP),
+            (VIP6, 80, proto::TCP),
+            (LOCAL6, 80, proto::TCP),
+        ]
     );
 }
