@@ -14,9 +14,9 @@ const PRIVILEGED: &[(&str, &str)] = &[
     ("proxy-userspace", "datapath_sctp"),
     ("proxy-userspace", "map_layer"),
     ("proxy-userspace", "netns"),
-    ("proxy-userspace", "sock6"),
     ("proxy-userspace", "northsouth"),
     ("proxy-userspace", "kube_api"),
+    ("proxy-userspace", "sock6"),
 ];
 
 struct Outcome {
