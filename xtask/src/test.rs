@@ -17,6 +17,7 @@ const PRIVILEGED: &[(&str, &str)] = &[
     ("proxy-userspace", "netns6"),
     ("proxy-userspace", "northsouth"),
     ("proxy-userspace", "kube_api"),
+    ("proxy-userspace", "sock6"),
 ];
 
 struct Outcome {
