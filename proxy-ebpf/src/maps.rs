@@ -32,9 +32,10 @@ use proxy_common::{
         BACKENDS6_CAPACITY, Backend6, CLUSTER_CIDRS6_CAPACITY, CONNTRACK6_CAPACITY, Ct6Key,
         Ct6Value, FRAGMENTS6_CAPACITY, Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6,
         MAP_BACKENDS6, MAP_CLUSTER_CIDRS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
-        MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY, RevNat6,
-        SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY, SOURCE_RANGE6_FRONTEND_BITS,
-        SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
+        MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY,
+        RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY, SOCK_REVNAT6_CAPACITY,
+        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SockRev6Key,
+        SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
@@ -669,6 +670,25 @@ pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
     Some(unsafe { *ptr })
 }
 
+/// IPv6 sockets translated to IPv6 backends (`crate::sock6`), as `SOCKREV_V1`.
+#[btf_map]
+static SOCKREV6_V1: LruHashMap<SockRev6Key, RevNat6, { SOCK_REVNAT6_CAPACITY as usize }> =
+    LruHashMap::new();
+
+/// [`sock_rev_insert`] for an IPv6 socket and backend.
+#[inline(always)]
+pub fn sock_rev6_insert(key: &SockRev6Key, value: &RevNat6) -> Result<(), i32> {
+    SOCKREV6_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// [`sock_rev`] for an IPv6 socket and backend.
+#[inline(always)]
+pub fn sock_rev6(key: &SockRev6Key) -> Option<RevNat6> {
+    let ptr = SOCKREV6_V1.get_ptr(key)?;
+    // SAFETY: as in `service`: valid pointer, copied out immediately.
+    Some(unsafe { *ptr })
+}
+
 /// A session affinity record found by a lookup, to read and to refresh in place.
 pub struct AffinityRecord {
     ptr: *mut AffinityValue,
@@ -1124,3 +1144,4 @@ const _: () = assert!(same(MAP_AFFINITY6, "AFFINITY6_V1"));
 const _: () = assert!(same(MAP_AFFINITY_MATCH6, "AFFMATCH6_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS6, "SVCCIDRS6_V1"));
 const _: () = assert!(same(MAP_CLUSTER_CIDRS6, "CLUSTERCIDRS6_V1"));
+const _: () = assert!(same(MAP_SOCK_REVNAT6, "SOCKREV6_V1"));

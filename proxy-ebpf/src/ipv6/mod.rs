@@ -29,7 +29,7 @@ mod icmp;
 mod ingress;
 mod nat;
 pub(crate) mod packet;
-mod pick;
+pub(crate) mod pick;
 mod reject;
 
 pub use egress::try_egress;

@@ -15,13 +15,43 @@ use proxy_common::{
 use super::packet::Packet6;
 use crate::{Drop, lc as lc_pick, maglev as maglev_pick, maps, stats};
 
+/// What the choice may look at of a new IPv6 flow: a parsed packet on tc, the connect()/sendmsg()
+/// of a socket of the node's in `crate::sock6` (monomorphised: the tc code is as before).
+pub trait NewFlow6 {
+    /// The client's address (sh hashes it, affinity is keyed by it).
+    fn client(&self) -> &[u8; 16];
+    /// The frontend address the client sent to (dh hashes it).
+    fn frontend_addr(&self) -> &[u8; 16];
+    /// The flow's hash with `seed` (a socket's is random and ignores it).
+    fn hash(&self, seed: u32) -> u32;
+}
+
+impl NewFlow6 for Packet6 {
+    #[inline(always)]
+    fn client(&self) -> &[u8; 16] {
+        &self.saddr
+    }
+
+    #[inline(always)]
+    fn frontend_addr(&self) -> &[u8; 16] {
+        &self.daddr
+    }
+
+    #[inline(always)]
+    fn hash(&self, seed: u32) -> u32 {
+        flow_hash6(
+            seed, self.saddr, self.daddr, self.sport, self.dport, self.proto,
+        )
+    }
+}
+
 /// The backend id for a new flow to `frontend` (found under `key`); `Ok(None)` without
 /// backends, `Err(Drop::NoBackend)` when the chosen slot vanished under an update.
 #[inline(always)]
 pub fn choose(
     key: &Service6Key,
     frontend: &ServiceValue,
-    p: &Packet6,
+    p: &impl NewFlow6,
 ) -> Result<Option<u32>, Drop> {
     if frontend.flags & service_flags::AFFINITY == 0 {
         return schedule(key, frontend, p);
@@ -29,7 +59,7 @@ pub fn choose(
     let now = maps::now_ns();
     let record_key = Affinity6Key {
         affinity_id: frontend.affinity_id,
-        client: p.saddr,
+        client: *p.client(),
     };
     if let Some(record) = maps::affinity6(&record_key) {
         let (backend_id, last_used_ns) = record.get();
@@ -61,13 +91,17 @@ pub fn choose(
 
 /// The frontend's scheduler's pick.
 #[inline(always)]
-fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<Option<u32>, Drop> {
+fn schedule(
+    key: &Service6Key,
+    frontend: &ServiceValue,
+    p: &impl NewFlow6,
+) -> Result<Option<u32>, Drop> {
     let seed = if frontend.scheduler == sched::code::MAGLEV {
         maglev::FLOW_SEED
     } else {
         maps::hash_seed()
     };
-    let hash = flow_hash6(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
+    let hash = p.hash(seed);
     let slot = match frontend.scheduler {
         sched::code::ROUND_ROBIN => match maps::rr_next6(key) {
             Some(n) => sched::rr_slot(n, frontend.count),
@@ -83,8 +117,10 @@ fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<O
             }
             return Ok(choice);
         }
-        sched::code::SOURCE_HASH => pick_slot(addr_hash(fold_addr(p.saddr)), frontend.count),
-        sched::code::DESTINATION_HASH => pick_slot(addr_hash(fold_addr(p.daddr)), frontend.count),
+        sched::code::SOURCE_HASH => pick_slot(addr_hash(fold_addr(*p.client())), frontend.count),
+        sched::code::DESTINATION_HASH => {
+            pick_slot(addr_hash(fold_addr(*p.frontend_addr())), frontend.count)
+        }
         sched::code::MAGLEV => maglev_pick::slot(frontend, hash),
         _ => pick_slot(hash, frontend.count),
     };

@@ -14,7 +14,7 @@ use proxy_common::{
     MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
     MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey,
     SnatValue,
-    ipv6::MAP_CLUSTER_CIDRS6,
+    ipv6::{self, MAP_CLUSTER_CIDRS6},
     maglev::{Chunk, MaglevKey},
 };
 
@@ -417,6 +417,69 @@ impl Conntrack {
 
     pub fn remove(&mut self, key: &CtKey) {
         let _ = self.map.remove(key);
+    }
+}
+
+/// `CONNTRACK6_V1` (LRU): the IPv6 flows, walked with the IPv4 ones (`flow_gc`), read for
+/// `dump conntrack`. (Paths spelled out: the IPv6 map wrappers live beside the IPv4 ones.)
+pub struct Conntrack6 {
+    map: HashMap<MapData, ipv6::Ct6Key, ipv6::Ct6Value>,
+}
+
+impl Conntrack6 {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, ipv6::MAP_CONNTRACK6)?)
+                .map_err(map_err(ipv6::MAP_CONNTRACK6))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, ipv6::MAP_CONNTRACK6)?))
+                .map_err(map_err(ipv6::MAP_CONNTRACK6))?,
+        })
+    }
+
+    /// All entries (a racing LRU eviction just drops an entry from the listing).
+    pub fn entries(&self) -> Vec<(ipv6::Ct6Key, ipv6::Ct6Value)> {
+        self.map.iter().filter_map(Result::ok).collect()
+    }
+
+    pub fn remove(&mut self, key: &ipv6::Ct6Key) {
+        let _ = self.map.remove(key);
+    }
+}
+
+/// What `dump` shows of the IPv6 Services: `SERVICES6_V1`, `BACKENDS6_V1` and `AFFINITY6_V1`,
+/// read whole (the agent's IPv6 programming has its own writer).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ipv6Tables {
+    pub services: std::collections::BTreeMap<ipv6::Service6Key, ServiceValue>,
+    pub backends: std::collections::BTreeMap<u32, ipv6::Backend6>,
+    pub affinity: Vec<(ipv6::Affinity6Key, AffinityValue)>,
+}
+
+impl Ipv6Tables {
+    /// Reads the pinned IPv6 maps (maps pinned by an agent without them: empty tables).
+    pub fn read_pinned(pins: &PinLayout) -> Result<Self> {
+        if !pins.map(ipv6::MAP_SERVICES6).exists() {
+            return Ok(Self::default());
+        }
+        let services: HashMap<MapData, ipv6::Service6Key, ServiceValue> =
+            HashMap::try_from(Map::HashMap(open_pinned(pins, ipv6::MAP_SERVICES6)?))
+                .map_err(map_err(ipv6::MAP_SERVICES6))?;
+        let backends: HashMap<MapData, u32, ipv6::Backend6> =
+            HashMap::try_from(Map::HashMap(open_pinned(pins, ipv6::MAP_BACKENDS6)?))
+                .map_err(map_err(ipv6::MAP_BACKENDS6))?;
+        let affinity: HashMap<MapData, ipv6::Affinity6Key, AffinityValue> =
+            HashMap::try_from(Map::LruHashMap(open_pinned(pins, ipv6::MAP_AFFINITY6)?))
+                .map_err(map_err(ipv6::MAP_AFFINITY6))?;
+        Ok(Self {
+            services: services.iter().filter_map(Result::ok).collect(),
+            backends: backends.iter().filter_map(Result::ok).collect(),
+            affinity: affinity.iter().filter_map(Result::ok).collect(),
+        })
     }
 }
 
