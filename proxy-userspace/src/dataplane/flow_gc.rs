@@ -195,7 +195,10 @@ impl Written {
 
     fn get(&self, id: u32) -> Option<u64> {
         let id = id as usize;
-        let known = self.known.get(id / 64).is_some_and(|w| w & (1 << (id % 64)) != 0);
+        let known = self
+            .known
+            .get(id / 64)
+            .is_some_and(|w| w & (1 << (id % 64)) != 0);
         known.then(|| match self.pages.get(id / Self::PAGE) {
             Some(Some(page)) => page[id % Self::PAGE],
             _ => 0,
@@ -610,6 +613,10 @@ mod tests {
         assert_eq!(written.pages.iter().filter(|p| p.is_some()).count(), 1);
         assert_eq!((written.get(700), written.get(701)), (Some(5), Some(0)));
         written.set(700, 0);
-        assert_eq!(written.get(700), Some(0), "a page once allocated keeps the 0 too");
+        assert_eq!(
+            written.get(700),
+            Some(0),
+            "a page once allocated keeps the 0 too"
+        );
     }
 }
