@@ -100,6 +100,8 @@ pub struct Agent {
     health: std::sync::Arc<crate::serving::health::HealthState>,
     /// Service and EndpointSlice changes not yet carried by an applied sync (metrics).
     changes: crate::serving::metrics::ChangeTracker,
+    /// When `changes` started measuring (trigger times before it predate this agent).
+    changes_since: std::time::SystemTime,
     /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`, kept by the changed frontends.
     no_local: crate::serving::metrics::NoLocalEndpoints,
     /// A health check changed since the servers were last updated.
@@ -110,6 +112,8 @@ pub struct Agent {
     occupancy: crate::dataplane::occupancy::Occupancy,
     /// How long each part of the last sync took (the debug log, `xtask-bench change-latency`).
     last_parts: SyncParts,
+    /// A flow walk finished since the start (the first is logged at info).
+    walked_once: bool,
 }
 
 /// The parts of one [`Agent::sync`], timed.
@@ -140,6 +144,7 @@ impl Agent {
         bpf_log: crate::dataplane::bpf_log::BpfLog,
     ) -> anyhow::Result<Self> {
         let metrics = telemetry_for(&pins);
+        let changes_since = std::time::SystemTime::now();
         // An agent ran before if its Services are pinned (an older one pinned no SEED_V1).
         let adopting = pins.map(proxy_common::MAP_SERVICES).exists();
         let config = DatapathConfig {
@@ -206,12 +211,14 @@ impl Agent {
             conflict_events: ConflictEvents::default(),
             metrics,
             health,
-            changes: crate::serving::metrics::ChangeTracker::new(std::time::SystemTime::now()),
+            changes: crate::serving::metrics::ChangeTracker::new(changes_since),
+            changes_since,
             no_local: Default::default(),
             health_checks_changed: true,
             external,
             occupancy,
             last_parts: SyncParts::default(),
+            walked_once: false,
         })
     }
 
@@ -360,6 +367,9 @@ impl Agent {
         if full {
             // Freed here, not by the next (change) sync: see `release_change_list`.
             self.cache.release_change_list();
+            // Committed (empty), but its sets keep the capacity of a full sync's change list
+            // (every Service and slice name: 6 MB at 50,000 Services); a new one holds none.
+            self.changes = crate::serving::metrics::ChangeTracker::new(self.changes_since);
             crate::dataplane::sys::release_free_heap();
         }
         Ok(())
@@ -565,11 +575,21 @@ impl Agent {
         if removed > 0 {
             debug!(removed, "conntrack garbage collected");
         }
-        debug!(
-            took_us = done.took.as_micros() as u64,
-            flows = done.conntrack_listed,
-            "flow walk done"
-        );
+        if std::mem::replace(&mut self.walked_once, true) {
+            debug!(
+                took_us = done.took.as_micros() as u64,
+                flows = done.conntrack_listed,
+                "flow walk done"
+            );
+        } else {
+            // Once at info: the memory after it is the steady state (`xtask-bench footprint`).
+            info!(
+                took_us = done.took.as_micros() as u64,
+                flows = done.conntrack_listed,
+                rss_mib = rss_mib(),
+                "first flow walk done"
+            );
+        }
         self.occupancy.report(
             &self.metrics,
             "conntrack",

@@ -445,15 +445,19 @@ pub fn end_to_end(
     let mut latencies_in_order: Vec<f64> = Vec::with_capacity(changes);
     let mut slowest: Vec<(f64, usize, f64)> = Vec::new();
     let mut kinds = [0usize; 3];
+    // Each change's wall clock: written, seen in the map (against the agent log's timestamps).
+    let mut walls: Vec<(std::time::SystemTime, std::time::SystemTime)> = Vec::new();
     for n in 0..changes {
         let i = rng.below(services);
         kinds[eps[i].change(&mut rng) as usize] += 1;
         let want = eps[i].ready();
         let body = api_slice(i, &eps[i]);
         let t0 = Instant::now();
+        let t0_wall = std::time::SystemTime::now();
         api.apply(body)?;
         loop {
             if count(specs[i].vip) == Some(want) {
+                walls.push((t0_wall, std::time::SystemTime::now()));
                 latencies.push(us(t0.elapsed()));
                 latencies_in_order.push(us(t0.elapsed()));
                 slowest.push((us(t0.elapsed()), n, started.elapsed().as_secs_f64()));
@@ -538,6 +542,29 @@ pub fn end_to_end(
             .collect();
         println!("slowest, with the agent's own sync: {}", shown.join(", "));
     }
+    // With RUST_LOG=info,kube_proxy_ebpf::agent=debug,kube_proxy_ebpf::sources::kube=trace:
+    // each slow change split by the agent log's timestamps.
+    let stages = log_stages(&log);
+    if !stages.stored.is_empty() {
+        let shown: Vec<String> = (slowest.iter().take(8))
+            .filter_map(|&(_, n, _)| {
+                let (t0, seen) = walls[n];
+                let split = stages.split(secs_of_day(t0), secs_of_day(seen))?;
+                Some(format!(
+                    "#{n} {:.2} ms = watch delivery {:.2} + loop wake-up {:.2} + agent sync {:.2} + bench poll {:.2}",
+                    split.iter().sum::<f64>() * 1e3,
+                    split[0] * 1e3,
+                    split[1] * 1e3,
+                    split[2] * 1e3,
+                    split[3] * 1e3
+                ))
+            })
+            .collect();
+        println!(
+            "slowest, split by the agent log (API write → slice stored → sync starts → synced → seen):\n  {}",
+            shown.join("\n  ")
+        );
+    }
     for key in ["read_us=", "took_us="] {
         let mut v: Vec<f64> = (log.lines())
             .filter(|l| key != "took_us=" || l.contains("ops="))
@@ -556,4 +583,89 @@ pub fn end_to_end(
     drop(agent);
     drop(pins);
     Ok(())
+}
+
+/// Seconds since midnight UTC (the agent log's timestamps are UTC).
+fn secs_of_day(t: std::time::SystemTime) -> f64 {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    (d.as_secs() % 86_400) as f64 + f64::from(d.subsec_nanos()) / 1e9
+}
+
+/// The agent log's timestamps (seconds of the day) of the stages a change goes through.
+#[derive(Debug, Default)]
+struct LogStages {
+    /// An EndpointSlice watch event stored (trace level).
+    stored: Vec<f64>,
+    /// A sync began reading the source (debug level).
+    read: Vec<f64>,
+    /// A sync that changed the maps ended.
+    synced: Vec<f64>,
+}
+
+fn log_stages(log: &str) -> LogStages {
+    let mut s = LogStages::default();
+    for line in log.lines() {
+        // "2026-12-01T20:30:57.442037Z ..."
+        let Some(ts) = (line.get(11..26)).and_then(|t| {
+            let (h, rest) = t.split_once(':')?;
+            let (m, sec) = rest.split_once(':')?;
+            Some(
+                h.parse::<f64>().ok()? * 3600.0
+                    + m.parse::<f64>().ok()? * 60.0
+                    + sec.parse::<f64>().ok()?,
+            )
+        }) else {
+            continue;
+        };
+        if line.contains("watch event stored") && line.contains("EndpointSlice") {
+            s.stored.push(ts);
+        } else if line.contains("source state read") {
+            s.read.push(ts);
+        } else if line.contains(" synced ") && line.contains("ops=") {
+            s.synced.push(ts);
+        }
+    }
+    s
+}
+
+impl LogStages {
+    /// A change written at `t0` and seen at `seen`: [API write → stored, stored → sync starts,
+    /// sync, synced → seen] in seconds, from the first of each stage after the one before.
+    fn split(&self, t0: f64, seen: f64) -> Option<[f64; 4]> {
+        let after = |v: &[f64], t: f64| v.iter().copied().find(|&x| x >= t && x <= seen);
+        let stored = after(&self.stored, t0)?;
+        let read = after(&self.read, stored)?;
+        let synced = after(&self.synced, read)?;
+        Some([stored - t0, read - stored, synced - read, seen - synced])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_is_split_by_the_first_of_each_stage_after_the_one_before() {
+        let log = "\
+2026-12-01T10:00:00.000100Z TRACE kube_proxy_ebpf::sources::kube: watch event stored kind=Service
+2026-12-01T10:00:00.000500Z TRACE kube_proxy_ebpf::sources::kube: watch event stored kind=EndpointSlice
+2026-12-01T10:00:00.000700Z DEBUG kube_proxy_ebpf::agent: source state read read_us=5
+2026-12-01T10:00:00.000900Z  INFO kube_proxy_ebpf::agent: synced ops=2 full=false
+2026-12-01T10:00:00.002000Z TRACE kube_proxy_ebpf::sources::kube: watch event stored kind=EndpointSlice
+";
+        let stages = log_stages(log);
+        assert_eq!(
+            (stages.stored.len(), stages.read.len(), stages.synced.len()),
+            (2, 1, 1)
+        );
+        let split = stages.split(36_000.0, 36_000.001_1).expect("split");
+        let want = [0.0005, 0.0002, 0.0002, 0.0002];
+        for (got, want) in split.iter().zip(want) {
+            assert!((got - want).abs() < 1e-9, "{split:?}");
+        }
+        assert!(
+            stages.split(36_000.001_5, 36_000.003).is_none(),
+            "no sync after the second event"
+        );
+    }
 }

@@ -423,8 +423,13 @@ pub fn restore_time(cfg: &Config, mode: Mode, n: usize) -> Result<Programmed> {
     program_netfilter(topo.node(), topo.tmp().path(), mode, &specs, cfg)
 }
 
+/// How long after "ready" the footprint waits for the first flow walk's end before it reads the
+/// agent's memory again (`settled_*`).
+const SETTLE: Duration = Duration::from_secs(30);
+
 /// The real agent binary on a manifest folder of `n` Services in a bare node namespace: time
-/// from start to its first sync (status file), peak RSS (VmHWM) then, and what it programmed.
+/// from start to its first sync (status file), peak RSS (VmHWM) then, and what it programmed;
+/// RSS and VmHWM again after the first flow walk (within [`SETTLE`]).
 pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     let topo = Topology::bare()?;
     let specs = workload::generated(n);
@@ -467,18 +472,16 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
                 .is_ok_and(|c| c.trim().starts_with("kube-proxy-ebp"))
         })
         .context("agent process not found in the node namespace")?;
-    let proc_status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| -> Option<u64> {
-        proc_status
-            .lines()
-            .find(|l| l.starts_with(key))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()
-    };
-    let hwm = kib("VmHWM:").context("no VmHWM")?;
-    let rss = kib("VmRSS:").context("no VmRSS")?;
+    let (rss, hwm) = rss_and_hwm_kib(pid)?;
+    // Steady state: the first conntrack walk starts at "ready" (at 500,000 backends it reads
+    // and writes as many least-connection counts and keeps what it wrote): read again once the
+    // agent logged its end (bounded). This is the figure that stays between syncs.
+    let settle = Instant::now();
+    while !agent.log_tail().contains(" first flow walk done ") && settle.elapsed() < SETTLE {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let walked = agent.log_tail().contains(" first flow walk done ");
+    let (settled_rss, settled_hwm) = rss_and_hwm_kib(pid)?;
     // The agent logs its RSS at each start-up stage: where the footprint comes from.
     std::thread::sleep(Duration::from_millis(200));
     for line in agent
@@ -497,10 +500,24 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
         "start_to_first_sync_ms": first_sync_ms,
         "vm_hwm_mib": hwm as f64 / 1024.0,
         "vm_rss_mib": rss as f64 / 1024.0,
+        "settled_vm_rss_mib": settled_rss as f64 / 1024.0,
+        "settled_vm_hwm_mib": settled_hwm as f64 / 1024.0,
+        "settled_after_first_walk": walked,
         "frontends_programmed": status.frontends,
         "backends_programmed": status.backends,
         "problems": status.problems,
     }))
+}
+
+/// A process's `(VmRSS, VmHWM)` in KiB.
+fn rss_and_hwm_kib(pid: i32) -> Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| -> Result<u64> {
+        (status.lines().find(|l| l.starts_with(key)))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .with_context(|| format!("no {key} in /proc/{pid}/status"))
+    };
+    Ok((kib("VmRSS:")?, kib("VmHWM:")?))
 }
 
 fn path_str(p: &Path) -> Result<&str> {
