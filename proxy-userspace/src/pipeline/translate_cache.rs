@@ -87,6 +87,24 @@ pub struct ChangeList {
     pub health_checks: bool,
 }
 
+/// The agent's sync path (this cache) programs the IPv4 family only so far: a Service with an
+/// IPv6 cluster IP is told once (translate itself builds the IPv6 frontends, see
+/// [`translate::translate_families`]).
+fn ipv6_not_programmed(svc: &ServiceData) -> Option<Problem> {
+    let v6: Vec<String> = (svc.cluster_ips.iter())
+        .map(ToString::to_string)
+        .filter(|ip| ip.parse::<std::net::Ipv6Addr>().is_ok())
+        .collect();
+    (!v6.is_empty()).then(|| Problem {
+        source: crate::sources::endpoints::SNAPSHOT_SOURCE.to_owned(),
+        object: format!("Service {}", svc.namespaced_name()),
+        reason: format!(
+            "IPv6 cluster IP(s) {} not programmed: the agent writes IPv4 frontends only",
+            v6.join(", ")
+        ),
+    })
+}
+
 /// The translation of the last snapshot, kept per Service.
 #[derive(Debug, Default)]
 pub struct TranslateCache {
@@ -296,8 +314,14 @@ impl TranslateCache {
                 &node.node_name,
                 &mut problems,
             );
-            let translation = (entry.and_then(|e| e.service.as_ref()))
+            let service = entry.and_then(|e| e.service.as_ref());
+            let mut translation = service
                 .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
+            if let Some(note) = service.and_then(|svc| ipv6_not_programmed(svc)) {
+                let t = translation.get_or_insert_with(Default::default);
+                let remarks = t.remarks.get_or_insert_with(Default::default);
+                remarks.notes.push(note);
+            }
             (problems, translation)
         };
         if names.len() < PARALLEL_MIN {
