@@ -26,7 +26,9 @@ use crate::pipeline::model::{
 };
 
 /// A `SERVICES` key of either family: the frontend entry is slot 0, its backend slots 1..=n.
-pub trait SlotKey: Copy + Eq + Ord + Hash + fmt::Debug + Default + Send + Sync + 'static {
+pub trait SlotKey:
+    Copy + Eq + Ord + Hash + fmt::Debug + Default + Send + Sync + aya::Pod + 'static
+{
     /// The family whose key this is.
     type Family: FamilyAbi<ServiceKey = Self>;
     fn slot(&self) -> u16;
@@ -55,7 +57,7 @@ impl SlotKey for Service6Key {
 }
 
 /// A `BACKENDS` value of either family (so a decode finds the family from the value's type).
-pub trait BackendValue: Copy + Eq + fmt::Debug + Send + Sync + 'static {
+pub trait BackendValue: Copy + Eq + fmt::Debug + Send + Sync + aya::Pod + 'static {
     type Family: FamilyAbi<Backend = Self>;
 }
 
@@ -68,7 +70,7 @@ impl BackendValue for Backend6 {
 }
 
 /// A `REVNAT` value of either family.
-pub trait RevNatValue: Copy + Eq + fmt::Debug + Send + Sync + 'static {
+pub trait RevNatValue: Copy + Eq + fmt::Debug + Send + Sync + aya::Pod + 'static {
     type Family: FamilyAbi<RevNat = Self>;
 }
 
@@ -87,8 +89,13 @@ pub trait FamilyAbi: Family {
     type ServiceKey: SlotKey<Family = Self>;
     type Backend: BackendValue<Family = Self>;
     type RevNat: RevNatValue<Family = Self>;
-    type AffinityMatchKey: Copy + Eq + Ord + Hash + fmt::Debug + Send + Sync + 'static;
-    type SourceRangeKey: Copy + Eq + Ord + fmt::Debug + Send + Sync + 'static;
+    type AffinityMatchKey: Copy + Eq + Ord + Hash + fmt::Debug + Send + Sync + aya::Pod + 'static;
+    type SourceRangeKey: Copy + Eq + Ord + fmt::Debug + Send + Sync + aya::Pod + 'static;
+    /// The family's map names (`SERVICES_V1` / `SERVICES6_V1` ...).
+    const MAP_SERVICES: &'static str;
+    const MAP_BACKENDS: &'static str;
+    const MAP_REVNAT: &'static str;
+    const MAP_AFFINITY_MATCH: &'static str;
     /// Bits of the source-range key naming the frontend (the source prefix comes after).
     const SOURCE_RANGE_FRONTEND_BITS: u32;
     /// A `SERVICES` key (`scope`: `SCOPE_*`).
@@ -113,6 +120,10 @@ impl FamilyAbi for Ipv4Addr {
     type RevNat = RevNat;
     type AffinityMatchKey = AffinityMatchKey;
     type SourceRangeKey = SourceRangeKey;
+    const MAP_SERVICES: &'static str = proxy_common::MAP_SERVICES;
+    const MAP_BACKENDS: &'static str = proxy_common::MAP_BACKENDS;
+    const MAP_REVNAT: &'static str = proxy_common::MAP_REVNAT;
+    const MAP_AFFINITY_MATCH: &'static str = proxy_common::MAP_AFFINITY_MATCH;
     const SOURCE_RANGE_FRONTEND_BITS: u32 = SOURCE_RANGE_FRONTEND_BITS;
     fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> ServiceKey {
         ServiceKey {
@@ -173,6 +184,10 @@ impl FamilyAbi for Ipv6Addr {
     type RevNat = RevNat6;
     type AffinityMatchKey = Affinity6MatchKey;
     type SourceRangeKey = SourceRange6Key;
+    const MAP_SERVICES: &'static str = proxy_common::ipv6::MAP_SERVICES6;
+    const MAP_BACKENDS: &'static str = proxy_common::ipv6::MAP_BACKENDS6;
+    const MAP_REVNAT: &'static str = proxy_common::ipv6::MAP_REVNAT6;
+    const MAP_AFFINITY_MATCH: &'static str = proxy_common::ipv6::MAP_AFFINITY_MATCH6;
     const SOURCE_RANGE_FRONTEND_BITS: u32 = SOURCE_RANGE6_FRONTEND_BITS;
     fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> Service6Key {
         Service6Key {
