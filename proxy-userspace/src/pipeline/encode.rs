@@ -36,50 +36,14 @@ pub trait SlotKey:
     fn with_slot(self, slot: u16) -> Self;
 }
 
-impl SlotKey for ServiceKey {
-    type Family = Ipv4Addr;
-    fn slot(&self) -> u16 {
-        self.slot
-    }
-    fn with_slot(self, slot: u16) -> Self {
-        ServiceKey::with_slot(self, slot)
-    }
-}
-
-impl SlotKey for Service6Key {
-    type Family = Ipv6Addr;
-    fn slot(&self) -> u16 {
-        self.slot
-    }
-    fn with_slot(self, slot: u16) -> Self {
-        Service6Key::with_slot(self, slot)
-    }
-}
-
 /// A `BACKENDS` value of either family (so a decode finds the family from the value's type).
 pub trait BackendValue: Copy + Eq + fmt::Debug + Send + Sync + aya::Pod + 'static {
     type Family: FamilyAbi<Backend = Self>;
 }
 
-impl BackendValue for Backend {
-    type Family = Ipv4Addr;
-}
-
-impl BackendValue for Backend6 {
-    type Family = Ipv6Addr;
-}
-
 /// A `REVNAT` value of either family.
 pub trait RevNatValue: Copy + Eq + fmt::Debug + Send + Sync + aya::Pod + 'static {
     type Family: FamilyAbi<RevNat = Self>;
-}
-
-impl RevNatValue for RevNat {
-    type Family = Ipv4Addr;
-}
-
-impl RevNatValue for RevNat6 {
-    type Family = Ipv6Addr;
 }
 
 /// A family's map ABI: the key and value types of its `SERVICES`/`BACKENDS`/`REVNAT`/
@@ -114,133 +78,126 @@ pub trait FamilyAbi: Family {
     fn source_range(addr: Self, port: [u8; 2], proto: u8, source: Self) -> Self::SourceRangeKey;
 }
 
-impl FamilyAbi for Ipv4Addr {
-    type ServiceKey = ServiceKey;
-    type Backend = Backend;
-    type RevNat = RevNat;
-    type AffinityMatchKey = AffinityMatchKey;
-    type SourceRangeKey = SourceRangeKey;
-    const MAP_SERVICES: &'static str = proxy_common::MAP_SERVICES;
-    const MAP_BACKENDS: &'static str = proxy_common::MAP_BACKENDS;
-    const MAP_REVNAT: &'static str = proxy_common::MAP_REVNAT;
-    const MAP_AFFINITY_MATCH: &'static str = proxy_common::MAP_AFFINITY_MATCH;
-    const SOURCE_RANGE_FRONTEND_BITS: u32 = SOURCE_RANGE_FRONTEND_BITS;
-    fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> ServiceKey {
-        ServiceKey {
-            scope,
-            ..ServiceKey::new(addr.octets(), port, proto, slot)
+/// The two families' ABIs differ only in their types, map names and address length (the
+/// types' fields are named alike): one body for both.
+macro_rules! family_abi {
+    ($family:ty, $key:ident, $backend:ident, $rev_nat:ident, $matched:ident, $range:ident,
+     [$services:expr, $backends:expr, $rev_nats:expr, $matches:expr], $range_bits:expr) => {
+        impl SlotKey for $key {
+            type Family = $family;
+            fn slot(&self) -> u16 {
+                self.slot
+            }
+            fn with_slot(self, slot: u16) -> Self {
+                $key::with_slot(self, slot)
+            }
         }
-    }
-    fn service_key_parts(k: &ServiceKey) -> (Self, [u8; 2], u8, u8, u16) {
-        (Ipv4Addr::from(k.addr), k.port, k.proto, k.scope, k.slot)
-    }
-    fn backend(addr: Self, port: [u8; 2], proto: u8, flags: u8) -> Backend {
-        Backend {
-            addr: addr.octets(),
-            port,
-            proto,
-            flags,
+
+        impl BackendValue for $backend {
+            type Family = $family;
         }
-    }
-    fn backend_parts(b: &Backend) -> (Self, [u8; 2], u8, u8) {
-        (Ipv4Addr::from(b.addr), b.port, b.proto, b.flags)
-    }
-    fn rev_nat(addr: Self, port: [u8; 2]) -> RevNat {
-        RevNat {
-            addr: addr.octets(),
-            port,
-            _pad: [0; 2],
+
+        impl RevNatValue for $rev_nat {
+            type Family = $family;
         }
-    }
-    fn rev_nat_parts(r: &RevNat) -> (Self, [u8; 2]) {
-        (Ipv4Addr::from(r.addr), r.port)
-    }
-    fn affinity_match(frontend: ServiceKey, backend_id: u32) -> AffinityMatchKey {
-        AffinityMatchKey {
-            frontend,
-            backend_id,
+
+        impl FamilyAbi for $family {
+            type ServiceKey = $key;
+            type Backend = $backend;
+            type RevNat = $rev_nat;
+            type AffinityMatchKey = $matched;
+            type SourceRangeKey = $range;
+            const MAP_SERVICES: &'static str = $services;
+            const MAP_BACKENDS: &'static str = $backends;
+            const MAP_REVNAT: &'static str = $rev_nats;
+            const MAP_AFFINITY_MATCH: &'static str = $matches;
+            const SOURCE_RANGE_FRONTEND_BITS: u32 = $range_bits;
+            fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> $key {
+                $key {
+                    scope,
+                    ..$key::new(addr.octets(), port, proto, slot)
+                }
+            }
+            fn service_key_parts(k: &$key) -> (Self, [u8; 2], u8, u8, u16) {
+                (Self::from(k.addr), k.port, k.proto, k.scope, k.slot)
+            }
+            fn backend(addr: Self, port: [u8; 2], proto: u8, flags: u8) -> $backend {
+                $backend {
+                    addr: addr.octets(),
+                    port,
+                    proto,
+                    flags,
+                }
+            }
+            fn backend_parts(b: &$backend) -> (Self, [u8; 2], u8, u8) {
+                (Self::from(b.addr), b.port, b.proto, b.flags)
+            }
+            fn rev_nat(addr: Self, port: [u8; 2]) -> $rev_nat {
+                $rev_nat {
+                    addr: addr.octets(),
+                    port,
+                    _pad: [0; 2],
+                }
+            }
+            fn rev_nat_parts(r: &$rev_nat) -> (Self, [u8; 2]) {
+                (Self::from(r.addr), r.port)
+            }
+            fn affinity_match(frontend: $key, backend_id: u32) -> $matched {
+                $matched {
+                    frontend,
+                    backend_id,
+                }
+            }
+            fn affinity_match_frontend(k: &$matched) -> $key {
+                k.frontend
+            }
+            fn affinity_match_backend(k: &$matched) -> u32 {
+                k.backend_id
+            }
+            fn source_range(addr: Self, port: [u8; 2], proto: u8, source: Self) -> $range {
+                $range {
+                    frontend_addr: addr.octets(),
+                    frontend_port: port,
+                    proto,
+                    _pad: 0,
+                    source: source.octets(),
+                }
+            }
         }
-    }
-    fn affinity_match_frontend(k: &AffinityMatchKey) -> ServiceKey {
-        k.frontend
-    }
-    fn affinity_match_backend(k: &AffinityMatchKey) -> u32 {
-        k.backend_id
-    }
-    fn source_range(addr: Self, port: [u8; 2], proto: u8, source: Self) -> SourceRangeKey {
-        SourceRangeKey {
-            frontend_addr: addr.octets(),
-            frontend_port: port,
-            proto,
-            _pad: 0,
-            source: source.octets(),
-        }
-    }
+    };
 }
 
-impl FamilyAbi for Ipv6Addr {
-    type ServiceKey = Service6Key;
-    type Backend = Backend6;
-    type RevNat = RevNat6;
-    type AffinityMatchKey = Affinity6MatchKey;
-    type SourceRangeKey = SourceRange6Key;
-    const MAP_SERVICES: &'static str = proxy_common::ipv6::MAP_SERVICES6;
-    const MAP_BACKENDS: &'static str = proxy_common::ipv6::MAP_BACKENDS6;
-    const MAP_REVNAT: &'static str = proxy_common::ipv6::MAP_REVNAT6;
-    const MAP_AFFINITY_MATCH: &'static str = proxy_common::ipv6::MAP_AFFINITY_MATCH6;
-    const SOURCE_RANGE_FRONTEND_BITS: u32 = SOURCE_RANGE6_FRONTEND_BITS;
-    fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> Service6Key {
-        Service6Key {
-            scope,
-            ..Service6Key::new(addr.octets(), port, proto, slot)
-        }
-    }
-    fn service_key_parts(k: &Service6Key) -> (Self, [u8; 2], u8, u8, u16) {
-        (Ipv6Addr::from(k.addr), k.port, k.proto, k.scope, k.slot)
-    }
-    fn backend(addr: Self, port: [u8; 2], proto: u8, flags: u8) -> Backend6 {
-        Backend6 {
-            addr: addr.octets(),
-            port,
-            proto,
-            flags,
-        }
-    }
-    fn backend_parts(b: &Backend6) -> (Self, [u8; 2], u8, u8) {
-        (Ipv6Addr::from(b.addr), b.port, b.proto, b.flags)
-    }
-    fn rev_nat(addr: Self, port: [u8; 2]) -> RevNat6 {
-        RevNat6 {
-            addr: addr.octets(),
-            port,
-            _pad: [0; 2],
-        }
-    }
-    fn rev_nat_parts(r: &RevNat6) -> (Self, [u8; 2]) {
-        (Ipv6Addr::from(r.addr), r.port)
-    }
-    fn affinity_match(frontend: Service6Key, backend_id: u32) -> Affinity6MatchKey {
-        Affinity6MatchKey {
-            frontend,
-            backend_id,
-        }
-    }
-    fn affinity_match_frontend(k: &Affinity6MatchKey) -> Service6Key {
-        k.frontend
-    }
-    fn affinity_match_backend(k: &Affinity6MatchKey) -> u32 {
-        k.backend_id
-    }
-    fn source_range(addr: Self, port: [u8; 2], proto: u8, source: Self) -> SourceRange6Key {
-        SourceRange6Key {
-            frontend_addr: addr.octets(),
-            frontend_port: port,
-            proto,
-            _pad: 0,
-            source: source.octets(),
-        }
-    }
-}
+family_abi!(
+    Ipv4Addr,
+    ServiceKey,
+    Backend,
+    RevNat,
+    AffinityMatchKey,
+    SourceRangeKey,
+    [
+        proxy_common::MAP_SERVICES,
+        proxy_common::MAP_BACKENDS,
+        proxy_common::MAP_REVNAT,
+        proxy_common::MAP_AFFINITY_MATCH
+    ],
+    SOURCE_RANGE_FRONTEND_BITS
+);
+
+family_abi!(
+    Ipv6Addr,
+    Service6Key,
+    Backend6,
+    RevNat6,
+    Affinity6MatchKey,
+    SourceRange6Key,
+    [
+        proxy_common::ipv6::MAP_SERVICES6,
+        proxy_common::ipv6::MAP_BACKENDS6,
+        proxy_common::ipv6::MAP_REVNAT6,
+        proxy_common::ipv6::MAP_AFFINITY_MATCH6
+    ],
+    SOURCE_RANGE6_FRONTEND_BITS
+);
 
 const fn scope_code(scope: Scope) -> u8 {
     match scope {
