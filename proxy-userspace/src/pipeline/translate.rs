@@ -176,6 +176,20 @@ pub fn translate_families(
     out
 }
 
+/// One family's desired state and its problems (the IPv6 family's full translation in the
+/// agent, beside the IPv4 translation cache).
+pub fn translate_one_family<A: SliceFamily>(
+    snapshot: &Snapshot,
+    node: &NodeContext,
+    nodeport_addrs: &[A],
+) -> (DesiredState<A>, Vec<Problem>) {
+    let mut out = Translation::default();
+    let mut services: Vec<&ServiceData> = snapshot.services.iter().map(|s| &**s).collect();
+    services.sort_by_key(|s| (&s.namespace, &s.name));
+    let (desired, _) = translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
+    (desired, out.problems)
+}
+
 /// One family's desired state and conflicts; problems, notes and health checks into `out`.
 fn translate_family<A: SliceFamily>(
     snapshot: &Snapshot,

@@ -87,9 +87,9 @@ pub struct ChangeList {
     pub health_checks: bool,
 }
 
-/// The agent's sync path (this cache) programs the IPv4 family only so far: a Service with an
-/// IPv6 cluster IP is told once (translate itself builds the IPv6 frontends, see
-/// [`translate::translate_families`]).
+/// This cache is the IPv4 family's; the IPv6 family is programmed beside it
+/// (`crate::family6`) on a node with IPv6. On a node without, a Service with an IPv6 cluster IP
+/// is told once that its IPv6 half is not served.
 fn ipv6_not_programmed(svc: &ServiceData) -> Option<Problem> {
     let v6: Vec<String> = (svc.cluster_ips.iter())
         .map(ToString::to_string)
@@ -99,7 +99,7 @@ fn ipv6_not_programmed(svc: &ServiceData) -> Option<Problem> {
         source: crate::sources::endpoints::SNAPSHOT_SOURCE.to_owned(),
         object: format!("Service {}", svc.namespaced_name()),
         reason: format!(
-            "IPv6 cluster IP(s) {} not programmed: the agent writes IPv4 frontends only",
+            "IPv6 cluster IP(s) {} not programmed: this node has no IPv6 address",
             v6.join(", ")
         ),
     })
@@ -128,6 +128,8 @@ pub struct TranslateCache {
     last_changes: ChangeList,
     /// Taken by the next update.
     hint: Hint,
+    /// The IPv6 family is programmed beside this cache (no note about IPv6 cluster IPs).
+    ipv6_programmed: bool,
 }
 
 impl TranslateCache {
@@ -198,6 +200,15 @@ impl TranslateCache {
     pub fn expect_hints(&mut self) {
         self.seen_services.forget();
         self.seen_slices.forget();
+    }
+
+    /// Whether the IPv6 family is programmed beside this cache; a change translates every
+    /// Service again at the next update (the notes follow it).
+    pub fn set_ipv6_programmed(&mut self, on: bool) {
+        if self.ipv6_programmed != on {
+            self.ipv6_programmed = on;
+            self.node = None;
+        }
     }
 
     /// Tells the next [`TranslateCache::update`] what changed (see [`Hint`]). The changes must
@@ -317,7 +328,8 @@ impl TranslateCache {
             let service = entry.and_then(|e| e.service.as_ref());
             let mut translation = service
                 .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
-            if let Some(note) = service.and_then(|svc| ipv6_not_programmed(svc)) {
+            let note = service.filter(|_| !self.ipv6_programmed);
+            if let Some(note) = note.and_then(|svc| ipv6_not_programmed(svc)) {
                 let t = translation.get_or_insert_with(Default::default);
                 let remarks = t.remarks.get_or_insert_with(Default::default);
                 remarks.notes.push(note);
