@@ -660,8 +660,10 @@ impl Agent {
         if !self.family6.active() {
             return 0;
         }
+        let started = Instant::now();
         match (self.family6).sync(snapshot, &self.node, &self.programmed, &mut self.planner) {
             Ok(synced) => {
+                (self.metrics).ipv6_sync_applied(started.elapsed(), std::time::SystemTime::now());
                 for p in &synced.problems {
                     if self.reported.insert(p.to_string()) {
                         warn!("{p}");

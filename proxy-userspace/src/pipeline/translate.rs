@@ -437,17 +437,24 @@ pub fn translate_service<A: SliceFamily>(
         }
     };
     let cluster_ip = family.cluster_ip?;
+    // One health-check node port per Service: the IPv4 family's whenever the Service has an
+    // IPv4 cluster IP (the agent's health checks follow the IPv4 translation), else IPv6's.
+    let has_ipv4 = || (svc.cluster_ips.iter()).any(|ip| matches!(ip, ClusterIp::V4(_)));
+    let reports_health = A::NAME == Ipv4Addr::NAME || !has_ipv4();
     match service_frontends(svc, cluster_ip, slices, node, nodeport_addrs) {
-        Ok(f) if family.primary => {
-            for e in f.port_problems {
-                remarks.problems.push(service_problem(svc, e.to_string()));
+        Ok(f) => {
+            if family.primary {
+                for e in f.port_problems {
+                    remarks.problems.push(service_problem(svc, e.to_string()));
+                }
             }
+            // The secondary family: the same frontends, its Service-wide problems left to the
+            // primary's translation.
             out.frontends = frontends_box(f.frontends);
-            remarks.health_check = f.health_check;
+            if reports_health {
+                remarks.health_check = f.health_check;
+            }
         }
-        // The secondary family: the same frontends, its Service-wide remarks left to the
-        // primary's translation.
-        Ok(f) => out.frontends = frontends_box(f.frontends),
         Err(e) if family.primary => remarks.problems.push(service_problem(svc, e.to_string())),
         Err(_) => return None,
     }
@@ -1743,6 +1750,42 @@ mod tests {
             "{}",
             t.problems[0]
         );
+    }
+
+    /// One health-check node port per Service whatever its families: the IPv4 family's for a
+    /// dual-stack Service (IPv6 primary or not), the IPv6 one's for an IPv6-only Service.
+    #[test]
+    fn a_dual_stack_service_has_one_health_check() {
+        let lb = |name: &str, ips: Value, families: Value, port: i32| {
+            external_service(
+                name,
+                json!({"type": "LoadBalancer", "clusterIP": ips[0], "clusterIPs": ips,
+                       "ipFamilies": families, "externalTrafficPolicy": "Local",
+                       "healthCheckNodePort": port,
+                       "ports": [{"name": "http", "port": 80, "nodePort": port + 1}]}),
+                json!({}),
+            )
+        };
+        let t = translate_dual(
+            vec![
+                lb(
+                    "six-first",
+                    json!(["fd00::1", "10.96.0.1"]),
+                    json!(["IPv6", "IPv4"]),
+                    31000,
+                ),
+                lb(
+                    "four-first",
+                    json!(["10.96.0.2", "fd00::2"]),
+                    json!(["IPv4", "IPv6"]),
+                    31010,
+                ),
+                lb("six-only", json!(["fd00::3"]), json!(["IPv6"]), 31020),
+            ],
+            vec![],
+        );
+        let ports: Vec<u16> = t.health_checks.iter().map(|h| h.port).collect();
+        assert_eq!(ports, [31000, 31010, 31020]);
     }
 
     /// Bad family input is reported once, naming the Service, and skips it on both families;
