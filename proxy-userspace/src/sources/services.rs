@@ -418,8 +418,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<ServiceData>(), SERVICE_DATA_SIZE);
     }
 
-    /// `ServiceData`'s size before the IPv6 fields (one per Service: 50,000 of them in the
-    /// memory target of issue 11).
+    /// `ServiceData`'s size, as before `ip_families` (measured on main: the byte went into
+    /// padding; one per Service, 50,000 of them in the memory target of issue 11).
     const SERVICE_DATA_SIZE: usize = 144;
 
     /// A new resourceVersion is a new version even when nothing translate reads changed (the
