@@ -1,6 +1,6 @@
 //! The IPv6 family beside the agent's IPv4 one (upstream's second proxier behind its
 //! meta-proxier): the IPv6 maps (`SERVICES6_V1` ...), their shadow, the node's IPv6 NodePort
-//! addresses, and one sync: the snapshot's IPv6 family translated, planned against the shadow
+//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), and one sync: the snapshot's IPv6 family translated, planned against the shadow
 //! with the IPv4 family's backend and Maglev table ids avoided (one id space: `LCFLOWS_V1` and
 //! `MAGLEV_V1` are shared), written, and every written op told to the IPv4 planner so it never
 //! hands those ids out.
@@ -22,6 +22,7 @@ use crate::{
         interfaces::Patterns,
         maps::ServiceMaps,
         node_addrs::{self, NodeFamily as _},
+        source_ranges::{self, SourceRanges},
     },
     pipeline::{
         addresses::NodePortAddresses,
@@ -37,6 +38,8 @@ use crate::{
 
 pub struct Family6 {
     maps: ServiceMaps<Ipv6Addr>,
+    /// loadBalancerSourceRanges of the IPv6 LoadBalancer frontends (`SRCRANGES6_V1`).
+    ranges: SourceRanges<Ipv6Addr>,
     programmed: Programmed<Ipv6Addr>,
     capacities: Capacities,
     nodeport_cfg: NodePortAddresses,
@@ -75,8 +78,10 @@ impl Family6 {
             maglev_table_size: capacities4.maglev_table_size,
             ..capacities
         };
+        let ranges = SourceRanges::from_ebpf(ebpf)?;
         let mut out = Self {
             maps,
+            ranges,
             programmed,
             capacities,
             nodeport_cfg: NodePortAddresses::default(),
@@ -166,9 +171,11 @@ impl Family6 {
         }
         out.ops = applied;
         out.frontends = self.programmed.frontend_count();
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(out),
+        if let Some(e) = failure {
+            return Err(e);
         }
+        // The source ranges of the frontends now written (entries added, then removed).
+        self.ranges.sync(&source_ranges::wanted(&desired));
+        Ok(out)
     }
 }

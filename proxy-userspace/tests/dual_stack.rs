@@ -59,6 +59,18 @@ metadata: {name: only4-4, namespace: demo, labels: {kubernetes.io/service-name: 
 addressType: IPv4
 ports: [{name: http, port: 8080, protocol: TCP}]
 endpoints: [{addresses: [10.244.1.21]}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: "fd00:96::30"
+  ipFamilies: [IPv6]
+  loadBalancerSourceRanges: ["2001:db8:7::/48", 10.0.0.0/8]
+  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30090}]
+status:
+  loadBalancer: {ingress: [{ip: "2001:db8:70::30"}]}
 "#;
 
 /// Frontend → (kind-free) "addr:port/proto" of its slots' backends, decoded from a shadow
@@ -129,6 +141,9 @@ fn the_agent_programs_both_families_of_a_dual_stack_service() {
             list(&["fd00:244::11:8080/TCP"]),
         ),
         ("fd00:96::20:80/TCP".to_owned(), list(&[])),
+        ("fd00:50::10:30090/TCP".to_owned(), list(&[])),
+        ("fd00:96::30:80/TCP".to_owned(), list(&[])),
+        ("2001:db8:70::30:80/TCP".to_owned(), list(&[])),
     ]);
     let got6 = carried(&p6);
     agent.check(got6 == want6, || {
@@ -153,6 +168,27 @@ fn the_agent_programs_both_families_of_a_dual_stack_service() {
     agent.check(
         np.is_some_and(|v| v.flags & proxy_common::service_flags::EXTERNAL != 0),
         || format!("IPv6 NodePort frontend {np:?}"),
+    );
+
+    // The IPv6 LoadBalancer IP's source range is in SRCRANGES6_V1 (the IPv4 one is not IPv6's).
+    let trie = aya::maps::MapData::from_pin(layout.map(proxy_common::ipv6::MAP_SOURCE_RANGES6))
+        .expect("pinned SRCRANGES6_V1");
+    let trie: aya::maps::LpmTrie<_, proxy_common::ipv6::SourceRange6Key, u32> =
+        aya::maps::LpmTrie::try_from(aya::maps::Map::LpmTrie(trie)).expect("an LPM trie");
+    let ranges: Vec<(u32, [u8; 16], [u8; 16])> = (trie.keys())
+        .filter_map(Result::ok)
+        .map(|k| (k.prefix_len(), k.data().frontend_addr, k.data().source))
+        .collect();
+    let lb: std::net::Ipv6Addr = "2001:db8:70::30".parse().unwrap();
+    let source: std::net::Ipv6Addr = "2001:db8:7::".parse().unwrap();
+    agent.check(
+        ranges
+            == [(
+                proxy_common::ipv6::SOURCE_RANGE6_FRONTEND_BITS + 48,
+                lb.octets(),
+                source.octets(),
+            )],
+        || format!("SRCRANGES6_V1 holds {ranges:?}"),
     );
 
     // A restart adopts both families as they are: the maps read back the same.

@@ -60,6 +60,7 @@ pub trait FamilyAbi: Family {
     const MAP_BACKENDS: &'static str;
     const MAP_REVNAT: &'static str;
     const MAP_AFFINITY_MATCH: &'static str;
+    const MAP_SOURCE_RANGES: &'static str;
     /// Bits of the source-range key naming the frontend (the source prefix comes after).
     const SOURCE_RANGE_FRONTEND_BITS: u32;
     /// A `SERVICES` key (`scope`: `SCOPE_*`).
@@ -82,7 +83,8 @@ pub trait FamilyAbi: Family {
 /// types' fields are named alike): one body for both.
 macro_rules! family_abi {
     ($family:ty, $key:ident, $backend:ident, $rev_nat:ident, $matched:ident, $range:ident,
-     [$services:expr, $backends:expr, $rev_nats:expr, $matches:expr], $range_bits:expr) => {
+     [$services:expr, $backends:expr, $rev_nats:expr, $matches:expr, $ranges:expr],
+     $range_bits:expr) => {
         impl SlotKey for $key {
             type Family = $family;
             fn slot(&self) -> u16 {
@@ -111,6 +113,7 @@ macro_rules! family_abi {
             const MAP_BACKENDS: &'static str = $backends;
             const MAP_REVNAT: &'static str = $rev_nats;
             const MAP_AFFINITY_MATCH: &'static str = $matches;
+            const MAP_SOURCE_RANGES: &'static str = $ranges;
             const SOURCE_RANGE_FRONTEND_BITS: u32 = $range_bits;
             fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> $key {
                 $key {
@@ -178,7 +181,8 @@ family_abi!(
         proxy_common::MAP_SERVICES,
         proxy_common::MAP_BACKENDS,
         proxy_common::MAP_REVNAT,
-        proxy_common::MAP_AFFINITY_MATCH
+        proxy_common::MAP_AFFINITY_MATCH,
+        proxy_common::MAP_SOURCE_RANGES
     ],
     SOURCE_RANGE_FRONTEND_BITS
 );
@@ -194,7 +198,8 @@ family_abi!(
         proxy_common::ipv6::MAP_SERVICES6,
         proxy_common::ipv6::MAP_BACKENDS6,
         proxy_common::ipv6::MAP_REVNAT6,
-        proxy_common::ipv6::MAP_AFFINITY_MATCH6
+        proxy_common::ipv6::MAP_AFFINITY_MATCH6,
+        proxy_common::ipv6::MAP_SOURCE_RANGES6
     ],
     SOURCE_RANGE6_FRONTEND_BITS
 );
