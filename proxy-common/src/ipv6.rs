@@ -35,16 +35,28 @@ pub const MAP_AFFINITY_MATCH6: &str = "AFFMATCH6_V1";
 /// `crate::service_cidr::*`): the IPv6 Service address space, as `SVCCIDRS_V1` (the Service
 /// CIDRs as `UNALLOCATED`, every allocated IPv6 ClusterIP as a /128 `CLUSTER_IP`).
 pub const MAP_SERVICE_CIDRS6: &str = "SVCCIDRS6_V1";
+/// `CLUSTERCIDRS6_V1` (LPM trie, 16-byte address after the kernel's `u32` prefix length → u32,
+/// unused value 1): the cluster's IPv6 pod CIDRs, as `DatapathConfig::cluster_cidrs` for IPv4. A
+/// client inside them reaches an externalTrafficPolicy Local frontend through its in-cluster
+/// entry (`SCOPE_INTERNAL`, as on IPv4). A map and not a load-time global: the IPv4 config keeps
+/// its layout, and the lookup is made only for new flows to eTP=Local frontends.
+pub const MAP_CLUSTER_CIDRS6: &str = "CLUSTERCIDRS6_V1";
+/// `SOCKREV6_V1` (LRU hash, [`SockRev6Key`] → [`RevNat6`]): the IPv6 frontend a socket of the
+/// node's translated at connect()/sendmsg() asked for, shown again by getpeername()/recvmsg(), as
+/// `SOCKREV_V1` (a v4-mapped address on an IPv6 socket is translated through the IPv4 maps and
+/// recorded in `SOCKREV_V1`).
+pub const MAP_SOCK_REVNAT6: &str = "SOCKREV6_V1";
 
 /// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
 /// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
 /// walked; a longer chain, ESP or an unknown header ends the walk (`stats::Counter::Ipv6ExtUnparsed`).
 pub const MAX_EXT_HEADERS: usize = 6;
 
-/// Compiled-in capacities (the agent may resize at load time, as for IPv4; it does not size the
-/// IPv6 maps yet). Smaller than IPv4's: the kernel preallocates hash and LRU maps whether or not
-/// the cluster has IPv6 Services (≈ 150 B per CONNTRACK6 entry: 10 MB here, ≈ 17 MB for all the
-/// IPv6 maps together), and most clusters carry fewer IPv6 Services.
+/// Compiled-in capacities (the agent may resize at load time, as for IPv4; of the IPv6 maps it
+/// sizes only `CONNTRACK6_V1`, by `--map-entries-conntrack6`). Smaller than IPv4's: the kernel
+/// preallocates hash and LRU maps whether or not the cluster has IPv6 Services (≈ 150 B per
+/// CONNTRACK6 entry: 10 MB here, ≈ 17 MB for all the IPv6 maps together), and most clusters
+/// carry fewer IPv6 Services.
 pub const SERVICES6_CAPACITY: u32 = 32_768;
 pub const BACKENDS6_CAPACITY: u32 = 32_768;
 pub const REVNAT6_CAPACITY: u32 = 8_192;
@@ -54,8 +66,13 @@ pub const SOURCE_RANGES6_CAPACITY: u32 = 16_384;
 pub const AFFINITY6_CAPACITY: u32 = 16_384;
 /// One /128 per IPv6 ClusterIP plus the CIDRs (LPM tries are not preallocated).
 pub const SERVICE_CIDRS6_CAPACITY: u32 = 32_768;
+/// The IPv6 cluster CIDRs (`--cluster-cidr` has a few; LPM tries are not preallocated).
+pub const CLUSTER_CIDRS6_CAPACITY: u32 = 64;
 /// At most one per backend slot of an affinity frontend (as for IPv4).
 pub const AFFINITY_MATCH6_CAPACITY: u32 = SERVICES6_CAPACITY;
+/// Sockets of the node's translated to IPv6 backends: one entry per (socket, backend),
+/// LRU-evicted (half of IPv4's `SOCK_REVNAT_CAPACITY`, like the other IPv6 maps: ≈ 100 B each).
+pub const SOCK_REVNAT6_CAPACITY: u32 = 65_536;
 
 /// `SERVICES6_V1` key: as `crate::ServiceKey` with a 16-byte address. The value is
 /// `crate::ServiceValue` (it holds no address).
@@ -66,9 +83,10 @@ pub struct Service6Key {
     pub addr: [u8; 16],
     /// Frontend port (network order).
     pub port: [u8; 2],
-    /// `proto::TCP`/`proto::UDP`.
+    /// `proto::TCP`/`proto::UDP`/`proto::SCTP`.
     pub proto: u8,
-    /// `SCOPE_*`.
+    /// `SCOPE_*`: `SCOPE_INTERNAL` is the in-cluster entry of an eTP=Local frontend (its
+    /// cluster-wide endpoints, for clients in `CLUSTERCIDRS6_V1`), as for IPv4.
     pub scope: u8,
     /// 0 = the frontend entry; 1..=count = backend slots.
     pub slot: u16,
@@ -150,6 +168,44 @@ pub struct Ct6Value {
     pub nat_sport: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<Ct6Value>() == 64);
+
+/// `SOCKREV6_V1` key: a socket (`bpf_get_socket_cookie()`) and the IPv6 backend it was sent to,
+/// as `crate::SockRevKey`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct SockRev6Key {
+    pub cookie: u64,
+    pub backend_addr: [u8; 16],
+    pub backend_port: [u8; 2],
+    pub proto: u8,
+    pub _pad: [u8; 5],
+}
+const _: () = assert!(core::mem::size_of::<SockRev6Key>() == 32);
+
+/// The IPv4 address of a v4-mapped IPv6 address (`::ffff:a.b.c.d`), as an IPv6 socket of a
+/// dual-stack node names an IPv4 peer.
+#[inline(always)]
+pub const fn v4_mapped(a: &[u8; 16]) -> Option<[u8; 4]> {
+    let mut i = 0;
+    while i < 10 {
+        if a[i] != 0 {
+            return None;
+        }
+        i += 1;
+    }
+    if a[10] != 0xff || a[11] != 0xff {
+        return None;
+    }
+    Some([a[12], a[13], a[14], a[15]])
+}
+
+/// `::ffff:a.b.c.d`.
+#[inline(always)]
+pub const fn to_v4_mapped(a: [u8; 4]) -> [u8; 16] {
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a[0], a[1], a[2], a[3],
+    ]
+}
 
 /// `AFFINITY6_V1` key: one IPv6 client of one Service port with session affinity (the port's
 /// `ServiceValue::affinity_id`, shared with its IPv4 frontends' records: the id names the port).
@@ -253,6 +309,25 @@ pub const fn flow_hash6(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn v4_mapped_addresses_round_trip_and_nothing_else_is_one() {
+        let mapped = to_v4_mapped([10, 96, 0, 10]);
+        assert_eq!(
+            mapped,
+            "::ffff:10.96.0.10"
+                .parse::<core::net::Ipv6Addr>()
+                .unwrap()
+                .octets()
+        );
+        assert_eq!(v4_mapped(&mapped), Some([10, 96, 0, 10]));
+        let mut compat = mapped;
+        compat[11] = 0; // ::a.b.c.d (v4-compatible, deprecated) is not mapped.
+        assert_eq!(v4_mapped(&compat), None);
+        let mut other = mapped;
+        other[0] = 0xfd;
+        assert_eq!(v4_mapped(&other), None);
+    }
 
     #[test]
     fn folded_addresses_tell_flows_apart() {

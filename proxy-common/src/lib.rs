@@ -147,6 +147,11 @@ pub const PROG_SOCK_CONNECT4: &str = "sock_connect4";
 pub const PROG_SOCK_SENDMSG4: &str = "sock_sendmsg4";
 pub const PROG_SOCK_RECVMSG4: &str = "sock_recvmsg4";
 pub const PROG_SOCK_GETPEERNAME4: &str = "sock_getpeername4";
+/// The IPv6 socket hooks (IPv6 Services, and IPv4 ones through v4-mapped addresses).
+pub const PROG_SOCK_CONNECT6: &str = "sock_connect6";
+pub const PROG_SOCK_SENDMSG6: &str = "sock_sendmsg6";
+pub const PROG_SOCK_RECVMSG6: &str = "sock_recvmsg6";
+pub const PROG_SOCK_GETPEERNAME6: &str = "sock_getpeername6";
 /// Test-only classifier: counts the TCP/UDP packets it sees by 5-tuple (`TAP_V1`) and hands them
 /// on (TCX_NEXT). The agent never loads or attaches it; the chaining tests attach it before and
 /// after the agent's programs to show that both see every packet.
@@ -327,6 +332,7 @@ mod pod {
         crate::ipv6::SourceRange6Key,
         crate::ipv6::Affinity6Key,
         crate::ipv6::Affinity6MatchKey,
+        crate::ipv6::SockRev6Key,
     );
 }
 

@@ -44,7 +44,7 @@ pub const MAP_LC_ADJUST: &str = "LCADJ_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 28] = [
+pub const ALL_MAPS: [&str; 30] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -73,6 +73,8 @@ pub const ALL_MAPS: [&str; 28] = [
     crate::ipv6::MAP_AFFINITY6,
     crate::ipv6::MAP_AFFINITY_MATCH6,
     crate::ipv6::MAP_SERVICE_CIDRS6,
+    crate::ipv6::MAP_CLUSTER_CIDRS6,
+    crate::ipv6::MAP_SOCK_REVNAT6,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time

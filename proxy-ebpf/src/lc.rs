@@ -14,6 +14,19 @@ use crate::{Drop, maps};
 /// `Ok(None)` without backends.
 #[inline(always)]
 pub fn choose(key: &ServiceKey, count: u16, hash: u32) -> Result<Option<u32>, Drop> {
+    least_loaded(count, hash, |slot| {
+        maps::service(&key.with_slot(slot)).map(|s| s.backend_id)
+    })
+}
+
+/// The candidate loop of either family: `backend_of(slot)` is the backend id in that slot of
+/// the frontend's own map (`SERVICES_V1` or `SERVICES6_V1`), `None` if the slot is gone.
+#[inline(always)]
+pub fn least_loaded(
+    count: u16,
+    hash: u32,
+    backend_of: impl Fn(u16) -> Option<u32>,
+) -> Result<Option<u32>, Drop> {
     if count == 0 {
         return Ok(None);
     }
@@ -23,11 +36,11 @@ pub fn choose(key: &ServiceKey, count: u16, hash: u32) -> Result<Option<u32>, Dr
     let mut i = 0u16;
     while i < lc::CANDIDATES && i < n {
         let slot = lc::candidate_slot(hash, i, count);
-        if let Some(s) = maps::service(&key.with_slot(slot)) {
+        if let Some(backend_id) = backend_of(slot) {
             let before = least.slot;
-            least.offer(slot, maps::lc_load(s.backend_id));
+            least.offer(slot, maps::lc_load(backend_id));
             if least.slot != before {
-                best = s.backend_id;
+                best = backend_id;
             }
         }
         i += 1;

@@ -25,6 +25,7 @@ mod reject;
 mod sctp;
 mod snat;
 mod sock;
+mod sock6;
 mod stats;
 mod svc_cidr;
 mod tap;
@@ -322,6 +323,31 @@ pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx)
+}
+
+/// connect() of an IPv6 socket in the node's namespace: an IPv6 Service address (or a v4-mapped
+/// IPv4 one) becomes a backend.
+#[cgroup_sock_addr(connect6)]
+pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
+    sock6::translate(&ctx)
+}
+
+/// sendmsg() of an unconnected IPv6 UDP socket in the node's namespace: as connect().
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::translate(&ctx)
+}
+
+/// recvmsg() on a translated IPv6 UDP socket: the datagram's source shows as the Service.
+#[cgroup_sock_addr(recvmsg6)]
+pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::reverse(&ctx)
+}
+
+/// getpeername() on a translated IPv6 socket: the peer shows as the Service.
+#[cgroup_sock_addr(getpeername6)]
+pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock6::reverse(&ctx)
 }
 
 #[cfg(not(test))]

@@ -22,18 +22,20 @@ use proxy_common::{
     MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE,
     MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT,
     MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS,
-    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_INTERNAL,
+    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
     SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY,
     SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey,
     ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
     SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey,
     ipv6::{
         AFFINITY_MATCH6_CAPACITY, AFFINITY6_CAPACITY, Affinity6Key, Affinity6MatchKey,
-        BACKENDS6_CAPACITY, Backend6, CONNTRACK6_CAPACITY, Ct6Key, Ct6Value, FRAGMENTS6_CAPACITY,
-        Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6,
-        MAP_FRAGMENTS6, MAP_REVNAT6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOURCE_RANGES6,
-        REVNAT6_CAPACITY, RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY,
-        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SourceRange6Key,
+        BACKENDS6_CAPACITY, Backend6, CLUSTER_CIDRS6_CAPACITY, CONNTRACK6_CAPACITY, Ct6Key,
+        Ct6Value, FRAGMENTS6_CAPACITY, Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6,
+        MAP_BACKENDS6, MAP_CLUSTER_CIDRS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
+        MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY,
+        RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY, SOCK_REVNAT6_CAPACITY,
+        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SockRev6Key,
+        SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
@@ -280,17 +282,29 @@ pub fn frontend_for(
     key: &ServiceKey,
     in_cluster: impl FnOnce() -> bool,
 ) -> Option<(ServiceKey, ServiceValue)> {
-    let frontend = service(key)?;
+    let mut key = *key;
+    let value = scoped_frontend(&mut key, |k, scope| k.scope = scope, service, in_cluster)?;
+    Some((key, value))
+}
+
+/// [`frontend_for`] of either family, the key moved to the scope used in place (one key on the
+/// stack): `set_scope` sets a key's scope, `lookup` reads the family's Services map.
+#[inline(always)]
+fn scoped_frontend<K>(
+    key: &mut K,
+    set_scope: impl Fn(&mut K, u8),
+    lookup: impl Fn(&K) -> Option<ServiceValue>,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<ServiceValue> {
+    let frontend = lookup(key)?;
     if frontend.flags & service_flags::EXTERNAL_LOCAL != 0 && in_cluster() {
-        let internal = ServiceKey {
-            scope: SCOPE_INTERNAL,
-            ..*key
-        };
-        if let Some(value) = service(&internal) {
-            return Some((internal, value));
+        set_scope(key, SCOPE_INTERNAL);
+        if let Some(value) = lookup(key) {
+            return Some(value);
         }
+        set_scope(key, SCOPE_EXTERNAL);
     }
-    Some((*key, frontend))
+    Some(frontend)
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock of `CtValue::last_seen_ns`).
@@ -656,6 +670,25 @@ pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
     Some(unsafe { *ptr })
 }
 
+/// IPv6 sockets translated to IPv6 backends (`crate::sock6`), as `SOCKREV_V1`.
+#[btf_map]
+static SOCKREV6_V1: LruHashMap<SockRev6Key, RevNat6, { SOCK_REVNAT6_CAPACITY as usize }> =
+    LruHashMap::new();
+
+/// [`sock_rev_insert`] for an IPv6 socket and backend.
+#[inline(always)]
+pub fn sock_rev6_insert(key: &SockRev6Key, value: &RevNat6) -> Result<(), i32> {
+    SOCKREV6_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// [`sock_rev`] for an IPv6 socket and backend.
+#[inline(always)]
+pub fn sock_rev6(key: &SockRev6Key) -> Option<RevNat6> {
+    let ptr = SOCKREV6_V1.get_ptr(key)?;
+    // SAFETY: as in `service`: valid pointer, copied out immediately.
+    Some(unsafe { *ptr })
+}
+
 /// A session affinity record found by a lookup, to read and to refresh in place.
 pub struct AffinityRecord {
     ptr: *mut AffinityValue,
@@ -1016,6 +1049,31 @@ static AFFINITY6_V1: LruHashMap<Affinity6Key, AffinityValue, { AFFINITY6_CAPACIT
 static AFFMATCH6_V1: HashMap<Affinity6MatchKey, u32, { AFFINITY_MATCH6_CAPACITY as usize }> =
     HashMap::new();
 
+/// The frontend entry a new IPv6 flow to `key` (slot 0, `SCOPE_EXTERNAL`) uses, as
+/// [`frontend_for`] (an eTP=Local frontend's in-cluster entry for clients in the cluster CIDRs,
+/// `in_cluster`); `key` is left at the scope of the entry returned.
+#[inline(always)]
+pub fn frontend6_for(
+    key: &mut Service6Key,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<ServiceValue> {
+    scoped_frontend(key, |k, scope| k.scope = scope, service6, in_cluster)
+}
+
+#[btf_map]
+static CLUSTERCIDRS6_V1: LpmTrie<[u8; 16], u32, { CLUSTER_CIDRS6_CAPACITY as usize }> =
+    LpmTrie::new();
+
+/// Is the IPv6 `addr` inside the cluster's IPv6 pod CIDRs (as [`in_cluster`])?
+#[inline(always)]
+pub fn in_cluster6(addr: &[u8; 16]) -> bool {
+    let key = Key {
+        prefix_len: 128,
+        data: *addr,
+    };
+    CLUSTERCIDRS6_V1.get(&key).is_some()
+}
+
 #[btf_map]
 static SVCCIDRS6_V1: LpmTrie<[u8; 16], u32, { SERVICE_CIDRS6_CAPACITY as usize }> = LpmTrie::new();
 
@@ -1085,3 +1143,5 @@ const _: () = assert!(same(MAP_SOURCE_RANGES6, "SRCRANGES6_V1"));
 const _: () = assert!(same(MAP_AFFINITY6, "AFFINITY6_V1"));
 const _: () = assert!(same(MAP_AFFINITY_MATCH6, "AFFMATCH6_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS6, "SVCCIDRS6_V1"));
+const _: () = assert!(same(MAP_CLUSTER_CIDRS6, "CLUSTERCIDRS6_V1"));
+const _: () = assert!(same(MAP_SOCK_REVNAT6, "SOCKREV6_V1"));

@@ -491,12 +491,6 @@ pub fn ip_addrs(ctx: &TcContext, l2_len: usize) -> Option<([u8; 4], [u8; 4])> {
     Some(([a[0], a[1], a[2], a[3]], [a[4], a[5], a[6], a[7]]))
 }
 
-/// The SCTP checksum field of a packet whose SCTP header is at `l4_off`, as it is now.
-#[inline(always)]
-pub fn sctp_checksum(ctx: &TcContext, l4_off: usize) -> Option<[u8; 4]> {
-    read::<4>(ctx, l4_off + SCTP_CSUM)
-}
-
 /// The source and destination MAC addresses (bytes 0..12 of the frame).
 #[inline(always)]
 pub fn macs(ctx: &TcContext) -> Option<[u8; 12]> {

@@ -30,10 +30,14 @@ use proxy_common::{
 use crate::{log, maps, pick, stats};
 
 /// A cgroup sock_addr program's "go on" verdict (0 fails the syscall).
-const ALLOW: i32 = 1;
+pub const ALLOW: i32 = 1;
 const DENY: i32 = 0;
-const ECONNREFUSED: i32 = 111;
-const ETIMEDOUT: i32 = 110;
+pub const ECONNREFUSED: i32 = 111;
+pub const ETIMEDOUT: i32 = 110;
+
+/// What a connect()/sendmsg() of the node's becomes: `Some` backend address and port to send to
+/// instead, `None` to leave the address as it is, or the errno to fail the syscall with.
+pub type Translated<A> = Result<Option<(A, [u8; 2])>, i32>;
 
 /// connect() and sendmsg(): a Service address becomes one of its backends.
 #[inline(always)]
@@ -42,29 +46,35 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     }
     let (proto, addr, port) = user_addr(ctx);
+    match translate4(ctx, proto, addr, port) {
+        Ok(Some((addr, port))) => set_user_addr(ctx, addr, port),
+        Ok(None) => {}
+        Err(errno) => return fail(errno),
+    }
+    ALLOW
+}
+
+/// The IPv4 translation of a connect()/sendmsg() of the node's to `addr:port` (an IPv4 socket's
+/// address, or the IPv4 address inside a v4-mapped one of an IPv6 socket: `sock6`); a backend's
+/// frontend is recorded in `SOCKREV_V1`.
+#[inline(always)]
+pub fn translate4(
+    ctx: &SockAddrContext,
+    proto: u8,
+    addr: [u8; 4],
+    port: [u8; 2],
+) -> Translated<[u8; 4]> {
     if proto != proto::TCP && proto != proto::UDP {
-        return ALLOW;
+        return Ok(None);
     }
     // The node's own traffic is in-cluster traffic.
     let Some((key, frontend)) = maps::frontend_for(&ServiceKey::new(addr, port, proto, 0), || true)
     else {
-        // Like tc (and upstream's filter-output): a ClusterIP's other ports are refused, the
-        // unallocated rest of the Service CIDRs fails as a dropped SYN would end.
-        return match maps::service_cidr(addr) {
-            Some(service_cidr::CLUSTER_IP) => {
-                stats::count(Counter::ClusterIpPortRejected);
-                refuse()
-            }
-            Some(service_cidr::UNALLOCATED) => {
-                stats::count(Counter::DropUnallocatedServiceIp);
-                fail(ETIMEDOUT)
-            }
-            _ => ALLOW,
-        };
+        return not_a_frontend(maps::service_cidr(addr));
     };
     if frontend.flags & service_flags::SOURCE_RANGES != 0 && !node_in_source_ranges(&key) {
         stats::count(Counter::DropSourceRange);
-        return refuse();
+        return Err(ECONNREFUSED);
     }
     let facts = pick::FlowFacts {
         // The node as a client: its socket has no source address yet, so the node's primary
@@ -78,21 +88,14 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     };
     let Ok(choice) = pick::choose(&key, &frontend, &facts) else {
         stats::count(Counter::DropNoBackend);
-        return refuse();
+        return Err(ECONNREFUSED);
     };
     let Some(backend_id) = choice else {
-        if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
-            // Where tc drops (a Local policy served only by other nodes), the socket fails as a
-            // dropped SYN would end, without the minutes of retries.
-            stats::count(Counter::DropNoLocalEndpoints);
-            return fail(ETIMEDOUT);
-        }
-        stats::count(Counter::SockNoEndpointsRefused);
-        return refuse();
+        return Err(no_endpoints(frontend.flags));
     };
     let Some(backend) = maps::backend(backend_id) else {
         stats::count(Counter::DropNoBackend);
-        return refuse();
+        return Err(ECONNREFUSED);
     };
     let rev = rev_key(ctx, proto, backend.addr, backend.port);
     let frontend_addr = RevNat {
@@ -104,7 +107,6 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         // The connection still works; only getpeername()/recvmsg() show the backend.
         stats::count(Counter::SockRevNatFailed);
     }
-    set_user_addr(ctx, backend.addr, backend.port);
     stats::count(Counter::SockTranslated);
     log::socket(
         proto,
@@ -112,20 +114,58 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         (backend.addr, backend.port),
         backend_id,
     );
-    ALLOW
+    Ok(Some((backend.addr, backend.port)))
+}
+
+/// An address that is no frontend, by what it is in the Service address space (`service_cidr::*`).
+/// Like tc (and upstream's filter-output): a ClusterIP's other ports are refused, the
+/// unallocated rest of the Service CIDRs fails as a dropped SYN would end, anything else is left
+/// alone.
+#[inline(always)]
+pub fn not_a_frontend<A>(cidr: Option<u32>) -> Translated<A> {
+    match cidr {
+        Some(service_cidr::CLUSTER_IP) => {
+            stats::count(Counter::ClusterIpPortRejected);
+            Err(ECONNREFUSED)
+        }
+        Some(service_cidr::UNALLOCATED) => {
+            stats::count(Counter::DropUnallocatedServiceIp);
+            Err(ETIMEDOUT)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The errno for a frontend without a backend to choose (counted).
+#[inline(always)]
+pub fn no_endpoints(frontend_flags: u16) -> i32 {
+    if frontend_flags & service_flags::DROP_WHEN_EMPTY != 0 {
+        // Where tc drops (a Local policy served only by other nodes), the socket fails as a
+        // dropped SYN would end, without the minutes of retries.
+        stats::count(Counter::DropNoLocalEndpoints);
+        return ETIMEDOUT;
+    }
+    stats::count(Counter::SockNoEndpointsRefused);
+    ECONNREFUSED
 }
 
 /// getpeername() and recvmsg(): a backend address the socket was sent to shows as the frontend.
 #[inline(always)]
 pub fn reverse(ctx: &SockAddrContext) -> i32 {
     let (proto, addr, port) = user_addr(ctx);
-    let key = rev_key(ctx, proto, addr, port);
-    // Only translated sockets have entries (cookies are unique), so no netns check is needed.
-    if let Some(frontend) = maps::sock_rev(&key) {
+    if let Some(frontend) = reverse4(ctx, proto, addr, port) {
         set_user_addr(ctx, frontend.addr, frontend.port);
-        stats::count(Counter::SockReverseTranslated);
     }
     ALLOW
+}
+
+/// The frontend an IPv4 backend address shows as on this socket (counted), if it was translated.
+#[inline(always)]
+pub fn reverse4(ctx: &SockAddrContext, proto: u8, addr: [u8; 4], port: [u8; 2]) -> Option<RevNat> {
+    // Only translated sockets have entries (cookies are unique), so no netns check is needed.
+    let frontend = maps::sock_rev(&rev_key(ctx, proto, addr, port))?;
+    stats::count(Counter::SockReverseTranslated);
+    Some(frontend)
 }
 
 /// This socket and a backend it was sent to (the `SOCKREV_V1` key).
@@ -171,7 +211,7 @@ fn set_user_addr(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) {
 }
 
 #[inline(always)]
-fn in_node_netns(ctx: &SockAddrContext) -> bool {
+pub fn in_node_netns(ctx: &SockAddrContext) -> bool {
     let node = maps::sock_lb_config().netns_cookie;
     // SAFETY: the helper reads the netns of the socket behind a valid sock_addr context.
     node != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == node
@@ -193,15 +233,9 @@ fn node_in_source_ranges(key: &ServiceKey) -> bool {
     })
 }
 
-/// Fail the connect()/sendmsg() with ECONNREFUSED (a bare DENY would be EPERM).
+/// Fail the connect()/sendmsg() with `errno` (a bare DENY would be EPERM).
 #[inline(always)]
-fn refuse() -> i32 {
-    fail(ECONNREFUSED)
-}
-
-/// Fail the connect()/sendmsg() with `errno`.
-#[inline(always)]
-fn fail(errno: i32) -> i32 {
+pub fn fail(errno: i32) -> i32 {
     // SAFETY: bpf_set_retval only sets the syscall's return value (allowed in connect4/sendmsg4).
     unsafe { bpf_set_retval(-errno) };
     DENY

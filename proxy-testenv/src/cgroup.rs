@@ -146,7 +146,8 @@ pub struct SocketView {
 const HTTP_PEER_PY: &str = r#"
 import socket, sys
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)
-peer = "%s:%d" % s.getpeername()
+p = s.getpeername()
+peer = ("[%s]:%d" if ":" in p[0] else "%s:%d") % p[:2]
 s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
 data = b""
 while True:
@@ -170,6 +171,20 @@ pub fn http_get_with_peer(
     ip: std::net::Ipv4Addr,
     port: u16,
 ) -> Result<SocketView> {
+    http_get_with_peer_any(exec, ip.into(), port)
+}
+
+/// [`http_get_with_peer`] over IPv6 (an AF_INET6 socket: the connect6 hook); `peer` reads
+/// `"[addr]:port"`.
+pub fn http6_get_with_peer(
+    exec: &impl Exec,
+    ip: std::net::Ipv6Addr,
+    port: u16,
+) -> Result<SocketView> {
+    http_get_with_peer_any(exec, ip.into(), port)
+}
+
+fn http_get_with_peer_any(exec: &impl Exec, ip: std::net::IpAddr, port: u16) -> Result<SocketView> {
     let out = exec.output(
         &[
             "python3",
@@ -182,7 +197,8 @@ pub fn http_get_with_peer(
     )?;
     if !out.status.success() {
         bail!(
-            "HTTP GET {ip}:{port} failed ({}): {}",
+            "HTTP GET {} failed ({}): {}",
+            std::net::SocketAddr::new(ip, port),
             describe(out.status),
             String::from_utf8_lossy(&out.stderr)
                 .lines()

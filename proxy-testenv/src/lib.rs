@@ -7,6 +7,10 @@
 //! Network safety: every namespace is created here with a unique prefix; the "node" is a
 //! namespace too; nothing is created or attached in the root network namespace and no namespace
 //! gets a route out of the machine (pods route to the node namespace, which has no default route).
+//!
+//! Dual stack: every pod, node and the external client also has an IPv6 address inside
+//! fd00::/8 ([`ipv6_of`] its IPv4 one), routed like the IPv4 ones; the helpers have IPv6
+//! variants (`udp6_*`, `tcp6_*`, [`http6_get_with_peer`], [`http_url`] for curl).
 
 // `unsafe` only where std itself requires it (`cgroup`: `Command::pre_exec`).
 #![deny(unsafe_code)]
@@ -27,19 +31,24 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use agent::{Agent, AgentStatus, cli};
 pub use bpffs::{BPFFS_ROOT, PinDir, ensure_bpffs, is_bpffs_mounted};
-pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer};
+pub use cgroup::{Cgroup, InCgroup, SocketView, http_get_with_peer, http6_get_with_peer};
 pub use fake_apiserver::FakeApiServer;
-pub use manifests::{ManifestDir, Protocol, ServicePort, service_yaml};
+pub use manifests::{
+    FamilyService, ManifestDir, Protocol, ServicePort, family_service_yaml, service_yaml,
+};
 pub use multinode::{
-    CLUSTER_CIDR, EXT_CLIENT_IP, EXT_DEVICE, HttpReply, L3_TUNNEL_DEVICE, L3_TUNNEL_IPS, MultiNode,
-    NODE_IPS, NODE_NAMES, POD_CIDRS, VXLAN_DEVICE, VXLAN_IPS,
+    CLUSTER_CIDR, CLUSTER_CIDR_DUAL, CLUSTER_CIDR6, EXT_CLIENT_IP, EXT_CLIENT_IP6, EXT_DEVICE,
+    HttpReply, L3_TUNNEL_DEVICE, L3_TUNNEL_IPS, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES,
+    POD_CIDRS, POD_CIDRS6, SERVICE_CIDR6, VXLAN_DEVICE, VXLAN_IPS,
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};
 pub use tempdir::TempDir;
 pub use topology::{
-    BACKENDS, CLIENT_IP, ConnectOutcome, CurlReply, Exec, GATEWAY, HTTP_PORT, IPERF_PORT, IperfRun,
-    IperfSummary, Pod, Topology, UDP_PORT, UdpReply, tcp_connect_from, udp_request_from,
+    BACKENDS, BACKENDS6, CLIENT_IP, CLIENT_IP6, ConnectOutcome, CurlReply, Exec, GATEWAY, GATEWAY6,
+    HTTP_PORT, IPERF_PORT, IperfRun, IperfSummary, NODE_LOCAL_IP6, Pod, Topology, UDP_PORT,
+    UdpReply, UdpReply6, http_url, ipv6_of, tcp_connect_from, tcp6_connect_from, udp_request_from,
+    udp6_request_from,
 };
 
 /// Environment variable that `cargo xtask test` sets to run the privileged test targets.

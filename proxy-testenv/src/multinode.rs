@@ -11,15 +11,28 @@
 //! CIDRs are routed node to node over the wire like a simple routed CNI. No namespace has a
 //! default route; nothing is created in the root namespace. Drop removes the client and the wire
 //! first, then the nodes (each with its pods).
+//!
+//! Dual stack: the wire is also fd00:192:168:50::/64 (node A ::10, node B ::11, the client ::100:
+//! [`crate::ipv6_of`] the IPv4 addresses), and node i's pods are also fd00:10:244:(i+1)::/64,
+//! routed over the wire to the other node's address (the VXLAN and L3 tunnel variants carry
+//! IPv4 only; their IPv6 pod routes stay on the wire). The bridge floods multicast (no MLD
+//! snooping), so neighbour discovery between the nodes and the client needs no querier.
 
-use std::{net::Ipv4Addr, process::Command, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    process::Command,
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, bail, ensure};
 
 use crate::{
     netns::{EXEC_TIMEOUT, NetNs},
     process::{Proc, describe, run_ok},
-    topology::{ConnectOutcome, Topology, UdpReply, tcp_connect_from, udp_request_from},
+    topology::{
+        ConnectOutcome, Topology, UdpReply, UdpReply6, ipv6_of, tcp_connect_from,
+        tcp6_connect_from, udp_request_from, udp6_request_from,
+    },
 };
 
 /// The external device of each node (the agent's `--devices`).
@@ -30,10 +43,23 @@ pub const NODE_IPS: [Ipv4Addr; 2] = [
     Ipv4Addr::new(192, 168, 50, 11),
 ];
 pub const EXT_CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
+/// Node IPv6 addresses on the wire (fd00:192:168:50::10 and ::11), and the external client's
+/// (fd00:192:168:50::100); the wire is a /64.
+pub const NODE_IPS6: [Ipv6Addr; 2] = [ipv6_of(NODE_IPS[0]), ipv6_of(NODE_IPS[1])];
+pub const EXT_CLIENT_IP6: Ipv6Addr = ipv6_of(EXT_CLIENT_IP);
 /// Pod CIDR of node i is 10.244.(i+1).0/24.
 pub const POD_CIDRS: [&str; 2] = ["10.244.1.0/24", "10.244.2.0/24"];
+/// IPv6 pod CIDR of node i: fd00:10:244:(i+1)::/64.
+pub const POD_CIDRS6: [&str; 2] = ["fd00:10:244:1::/64", "fd00:10:244:2::/64"];
 /// The cluster CIDR both pod CIDRs come from (the agents' `--cluster-cidr`).
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// The IPv6 cluster CIDR both IPv6 pod CIDRs come from.
+pub const CLUSTER_CIDR6: &str = "fd00:10:244::/56";
+/// A dual-stack `--cluster-cidr` value (IPv4 first, comma-separated as upstream).
+pub const CLUSTER_CIDR_DUAL: &str = "10.244.0.0/16,fd00:10:244::/56";
+/// The IPv6 Service CIDR the examples allocate ClusterIPs from (fd00:10:96::/108, beside
+/// IPv4's 10.96.0.0/12).
+pub const SERVICE_CIDR6: &str = "fd00:10:96::/108";
 /// Node names for `--hostname-override` and EndpointSlice `nodeName`.
 pub const NODE_NAMES: [&str; 2] = ["node-a", "node-b"];
 /// The overlay device of [`MultiNode::with_vxlan`] (flannel's `flannel.1`, Calico's
@@ -101,7 +127,18 @@ impl MultiNode {
         let prefix = nodes[0].prefix().to_owned();
         let wire = NetNs::new(&format!("{prefix}-wire"))?;
         let client = NetNs::new(&format!("{prefix}-ext"))?;
-        ip_n(wire.name(), &["link", "add", "br0", "type", "bridge"])?;
+        ip_n(
+            wire.name(),
+            &[
+                "link",
+                "add",
+                "br0",
+                "type",
+                "bridge",
+                "mcast_snooping",
+                "0",
+            ],
+        )?;
         ip_n(wire.name(), &["link", "set", "br0", "up"])?;
         for (i, node) in nodes.iter().enumerate() {
             let port = format!("n{i}");
@@ -117,8 +154,33 @@ impl MultiNode {
                     EXT_DEVICE,
                 ],
             )?;
+            ip_n(
+                n.name(),
+                &[
+                    "-6",
+                    "addr",
+                    "add",
+                    &format!("{}/64", NODE_IPS6[i]),
+                    "dev",
+                    EXT_DEVICE,
+                    "nodad",
+                ],
+            )?;
             ip_n(n.name(), &["link", "set", EXT_DEVICE, "up"])?;
             let other = 1 - i;
+            ip_n(
+                n.name(),
+                &[
+                    "-6",
+                    "route",
+                    "add",
+                    POD_CIDRS6[other],
+                    "via",
+                    &NODE_IPS6[other].to_string(),
+                    "dev",
+                    EXT_DEVICE,
+                ],
+            )?;
             ip_n(
                 n.name(),
                 &[
@@ -140,6 +202,18 @@ impl MultiNode {
         ip_n(
             client.name(),
             &["addr", "add", &format!("{EXT_CLIENT_IP}/24"), "dev", "eth0"],
+        )?;
+        ip_n(
+            client.name(),
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{EXT_CLIENT_IP6}/64"),
+                "dev",
+                "eth0",
+                "nodad",
+            ],
         )?;
         ip_n(client.name(), &["link", "set", "eth0", "up"])?;
         client.sysctl("net.ipv4.tcp_max_tw_buckets", "0")?;
@@ -331,7 +405,25 @@ impl MultiNode {
         )
     }
 
-    /// One HTTP GET from the external client (`curl --max-time 3`).
+    /// [`MultiNode::route_via_node`] for an IPv6 CIDR (via the node's IPv6 address).
+    pub fn route6_via_node(&self, cidr: &str, i: usize) -> Result<()> {
+        ip_n(
+            self.client.name(),
+            &[
+                "-6",
+                "route",
+                "replace",
+                cidr,
+                "via",
+                &NODE_IPS6[i].to_string(),
+                "dev",
+                "eth0",
+            ],
+        )
+    }
+
+    /// One HTTP GET from the external client (`curl --max-time 3`); an IPv6 URL has the
+    /// address in brackets ([`crate::http_url`]), and an IPv6 `client_addr` reads `"[addr]:port"`.
     pub fn http_get(&self, url: &str) -> Result<HttpReply> {
         let out = self.client.output(
             &[
@@ -371,6 +463,21 @@ impl MultiNode {
     /// One UDP datagram from the external client; the reply within 2 s.
     pub fn udp_request(&self, ip: Ipv4Addr, port: u16, payload: &str) -> Result<UdpReply> {
         udp_request_from(&self.client, ip, port, payload)
+    }
+
+    /// [`MultiNode::udp_request`] over IPv6.
+    pub fn udp6_request(&self, ip: Ipv6Addr, port: u16, payload: &str) -> Result<UdpReply6> {
+        udp6_request_from(&self.client, ip, port, payload)
+    }
+
+    /// [`MultiNode::tcp_connect`] over IPv6.
+    pub fn tcp6_connect(
+        &self,
+        ip: Ipv6Addr,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<(ConnectOutcome, Duration)> {
+        tcp6_connect_from(&self.client, ip, port, timeout)
     }
 
     /// One TCP connect from the external client: outcome and time taken.

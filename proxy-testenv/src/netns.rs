@@ -25,7 +25,9 @@ pub struct NetNs {
 }
 
 impl NetNs {
-    /// Creates the namespace with loopback up. Fails if the name exists already.
+    /// Creates the namespace with loopback up and IPv6 duplicate address detection off (the
+    /// links are the test's own: addresses must be usable at once, not "tentative" for a
+    /// second). Fails if the name exists already.
     pub fn new(name: &str) -> Result<Self> {
         if Self::path_of(name).exists() {
             bail!("network namespace {name} exists already; refusing to adopt it");
@@ -36,6 +38,12 @@ impl NetNs {
         let ns = Self {
             name: name.to_owned(),
         };
+        ns.exec(&[
+            "sysctl",
+            "-qw",
+            "net.ipv6.conf.all.accept_dad=0",
+            "net.ipv6.conf.default.accept_dad=0",
+        ])?;
         ns.exec(&["ip", "link", "set", "lo", "up"])?;
         Ok(ns)
     }

@@ -10,10 +10,16 @@
 //! (into the node namespace, which itself has no default route: nothing leaves the machine).
 //! The node answers ARP for 169.254.1.1 because that address is local to its loopback; the
 //! host-side veths also have `proxy_arp=1` and `proxy_delay=0` like Calico's.
+//!
+//! Dual stack: every pod also has an IPv6 address, [`ipv6_of`] its IPv4 one (10.244.1.11 →
+//! fd00:10:244:1::11, /128), and a default route via fe80::1, which every host-side veth holds
+//! (Calico does the same with a fixed link-local). The node routes each pod's /128 to its veth and
+//! forwards IPv6. Neighbour discovery is real (nothing is proxied); DAD is off in every namespace
+//! ([`NetNs::new`]) so addresses are usable at once. The backend servers listen on both families.
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     path::PathBuf,
     process::Command,
     thread,
@@ -31,13 +37,26 @@ use crate::{
 
 /// The node's gateway address as seen by pods (local on the node's loopback).
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// The node's own IPv6 address, on its loopback ([`ipv6_of`] [`GATEWAY`]: fd00:169:254:1::1):
+/// the source of the node's processes' IPv6 connections to pods.
+pub const NODE_LOCAL_IP6: Ipv6Addr = ipv6_of(GATEWAY);
+/// The pods' IPv6 gateway: a link-local address every host-side veth holds.
+pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 /// Client pod address.
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
+/// Client pod IPv6 address (fd00:10:244:1::2).
+pub const CLIENT_IP6: Ipv6Addr = ipv6_of(CLIENT_IP);
 /// The three default backends.
 pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
     ("be1", Ipv4Addr::new(10, 244, 1, 11)),
     ("be2", Ipv4Addr::new(10, 244, 1, 12)),
     ("be3", Ipv4Addr::new(10, 244, 1, 13)),
+];
+/// The default backends' IPv6 addresses (fd00:10:244:1::11..13).
+pub const BACKENDS6: [(&str, Ipv6Addr); 3] = [
+    (BACKENDS[0].0, ipv6_of(BACKENDS[0].1)),
+    (BACKENDS[1].0, ipv6_of(BACKENDS[1].1)),
+    (BACKENDS[2].0, ipv6_of(BACKENDS[2].1)),
 ];
 /// HTTP port of the backend servers.
 pub const HTTP_PORT: u16 = 8080;
@@ -47,9 +66,31 @@ pub const UDP_PORT: u16 = 5353;
 /// iperf3 server port.
 pub const IPERF_PORT: u16 = 5201;
 
+/// The IPv6 address the topology gives a namespace beside `v4`: `a.b.c.d` → `fd00:a:b:c::d`
+/// with each decimal octet written as the hex group of the same digits (10.244.1.11 →
+/// fd00:10:244:1::11), so the two read alike. Always inside fd00::/8 (unique local).
+pub const fn ipv6_of(v4: Ipv4Addr) -> Ipv6Addr {
+    const fn digits(n: u8) -> u16 {
+        let n = n as u16;
+        (n / 100) * 0x100 + (n / 10 % 10) * 0x10 + n % 10
+    }
+    let [a, b, c, d] = v4.octets();
+    Ipv6Addr::new(0xfd00, digits(a), digits(b), digits(c), 0, 0, 0, digits(d))
+}
+
+/// `http://<ip>:<port>/`, with the IPv6 address in brackets.
+pub fn http_url(ip: impl Into<IpAddr>, port: u16) -> String {
+    format!("http://{}/", SocketAddr::new(ip.into(), port))
+}
+
+// Both families: an IPv4 listener on 0.0.0.0 and an IPv6-only one on :: (so IPv4 clients keep
+// their plain addresses in X-Client-Addr; IPv6 ones are written "[addr]:port").
 const SERVER_PY: &str = r#"
 import socket, socketserver, sys, threading
 name, ready = sys.argv[1], sys.argv[2]
+
+def show(a):
+    return ("[%s]:%d" if ":" in a[0] else "%s:%d") % a[:2]
 
 class Tcp(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
@@ -68,7 +109,7 @@ class Http(socketserver.BaseRequestHandler):
                     return
                 data += chunk
             body = (name + "\n").encode()
-            peer = "%s:%d" % self.client_address
+            peer = show(self.client_address)
             head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Client-Addr: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (peer, len(body))
             s.sendall(head.encode() + body)
         except OSError:
@@ -86,27 +127,44 @@ class Echo(socketserver.BaseRequestHandler):
             data = b"x" * min(int(data[4:]), 60000)
         sock.sendto(name.encode() + b":" + data, self.client_address)
 
+class V6Only:
+    address_family = socket.AF_INET6
+    def server_bind(self):
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+class Tcp6(V6Only, Tcp):
+    pass
+
+class Udp6(V6Only, Udp):
+    pass
+
 tcp = Tcp(("0.0.0.0", 8080), Http)
 udp = Udp(("0.0.0.0", 5353), Echo)
-threading.Thread(target=udp.serve_forever, daemon=True).start()
+tcp6 = Tcp6(("::", 8080), Http)
+udp6 = Udp6(("::", 5353), Echo)
+for server in (udp, tcp6, udp6):
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 with open(ready, "w") as f:
     f.write("ready\n")
 tcp.serve_forever()
 "#;
 
+// The family follows the address (IPv6 when it has a colon); an IPv6 source prints "[addr]:port".
 const UDP_CLIENT_PY: &str = r#"
 import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+v6 = ":" in sys.argv[1]
+s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
 s.settimeout(2)
 s.sendto(sys.argv[3].encode(), (sys.argv[1], int(sys.argv[2])))
 data, addr = s.recvfrom(65535)
-sys.stdout.write("%s:%d\n" % addr)
+sys.stdout.write(("[%s]:%d\n" if v6 else "%s:%d\n") % addr[:2])
 sys.stdout.write(data.decode(errors="replace"))
 "#;
 
 const CONNECT_PY: &str = r#"
 import errno, socket, sys, time
-s = socket.socket()
+s = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET)
 s.settimeout(float(sys.argv[3]))
 t = time.monotonic()
 try:
@@ -142,6 +200,34 @@ pub fn udp_request_from(
     port: u16,
     payload: &str,
 ) -> Result<UdpReply> {
+    let (from, body) = udp_exchange(ns, ip.into(), port, payload)?;
+    match from {
+        SocketAddr::V4(from) => Ok(UdpReply { from, body }),
+        SocketAddr::V6(from) => bail!("IPv4 request to {ip}:{port} answered from {from}"),
+    }
+}
+
+/// [`udp_request_from`] over IPv6.
+pub fn udp6_request_from(
+    ns: &impl Exec,
+    ip: Ipv6Addr,
+    port: u16,
+    payload: &str,
+) -> Result<UdpReply6> {
+    let (from, body) = udp_exchange(ns, ip.into(), port, payload)?;
+    match from {
+        SocketAddr::V6(from) => Ok(UdpReply6 { from, body }),
+        SocketAddr::V4(from) => bail!("IPv6 request to [{ip}]:{port} answered from {from}"),
+    }
+}
+
+fn udp_exchange(
+    ns: &impl Exec,
+    ip: IpAddr,
+    port: u16,
+    payload: &str,
+) -> Result<(SocketAddr, String)> {
+    let to = SocketAddr::new(ip, port);
     let out = ns.output(
         &[
             "python3",
@@ -155,7 +241,7 @@ pub fn udp_request_from(
     )?;
     if !out.status.success() {
         bail!(
-            "no UDP reply from {ip}:{port}: {}",
+            "no UDP reply from {to}: {}",
             String::from_utf8_lossy(&out.stderr)
                 .lines()
                 .last()
@@ -166,18 +252,35 @@ pub fn udp_request_from(
     let (from, body) = stdout
         .split_once('\n')
         .context("UDP client printed no source")?;
-    Ok(UdpReply {
-        from: from
-            .parse()
-            .with_context(|| format!("bad source {from:?}"))?,
-        body: body.to_owned(),
-    })
+    let from = from
+        .parse()
+        .with_context(|| format!("bad source {from:?}"))?;
+    Ok((from, body.to_owned()))
 }
 
 /// One TCP connect: the outcome and how long it took.
 pub fn tcp_connect_from(
     ns: &impl Exec,
     ip: Ipv4Addr,
+    port: u16,
+    timeout: Duration,
+) -> Result<(ConnectOutcome, Duration)> {
+    tcp_connect_any(ns, ip.into(), port, timeout)
+}
+
+/// [`tcp_connect_from`] over IPv6.
+pub fn tcp6_connect_from(
+    ns: &impl Exec,
+    ip: Ipv6Addr,
+    port: u16,
+    timeout: Duration,
+) -> Result<(ConnectOutcome, Duration)> {
+    tcp_connect_any(ns, ip.into(), port, timeout)
+}
+
+fn tcp_connect_any(
+    ns: &impl Exec,
+    ip: IpAddr,
     port: u16,
     timeout: Duration,
 ) -> Result<(ConnectOutcome, Duration)> {
@@ -215,6 +318,8 @@ pub fn tcp_connect_from(
 pub struct Pod {
     pub name: String,
     pub ip: Ipv4Addr,
+    /// The pod's IPv6 address, [`ipv6_of`] `ip`.
+    pub ip6: Ipv6Addr,
     /// Host-side interface in the node namespace: `veth-<name>`.
     pub host_if: String,
     // Drop order: servers before the namespace.
@@ -242,6 +347,15 @@ pub struct CurlReply {
 pub struct UdpReply {
     /// Source address of the reply as the client saw it.
     pub from: SocketAddrV4,
+    /// `<pod name>:<payload>` from the echo server.
+    pub body: String,
+}
+
+/// Reply to one UDP datagram over IPv6.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UdpReply6 {
+    /// Source address of the reply as the client saw it.
+    pub from: SocketAddrV6,
     /// `<pod name>:<payload>` from the echo server.
     pub body: String,
 }
@@ -285,7 +399,17 @@ impl Topology {
         node.sysctl("net.ipv4.ip_forward", "1")?;
         node.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
         node.sysctl("net.ipv4.conf.default.send_redirects", "0")?;
+        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         node.exec(&["ip", "addr", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
+        node.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{NODE_LOCAL_IP6}/128"),
+            "dev",
+            "lo",
+        ])?;
         Ok(Self {
             prefix,
             pods: BTreeMap::new(),
@@ -366,6 +490,32 @@ impl Topology {
                 "eth0",
             ],
         )?;
+        let ip6 = ipv6_of(ip);
+        ip_n(
+            pod,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{ip6}/128"),
+                "dev",
+                "eth0",
+                "nodad",
+            ],
+        )?;
+        ip_n(
+            pod,
+            &[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &GATEWAY6.to_string(),
+                "dev",
+                "eth0",
+            ],
+        )?;
         ns.sysctl("net.ipv4.tcp_max_tw_buckets", "0")?;
         ns.exec(&["ethtool", "-K", "eth0", "tx", "off", "rx", "off"])?;
         self.node
@@ -376,14 +526,31 @@ impl Topology {
             .sysctl(&format!("net.ipv4.conf.{host_if}.send_redirects"), "0")?;
         self.node
             .exec(&["ethtool", "-K", &host_if, "tx", "off", "rx", "off"])?;
+        ip_n(
+            node,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{GATEWAY6}/64"),
+                "dev",
+                &host_if,
+                "nodad",
+            ],
+        )?;
         ip_n(node, &["link", "set", &host_if, "up"])?;
         ip_n(
             node,
             &["route", "add", &format!("{ip}/32"), "dev", &host_if],
         )?;
+        ip_n(
+            node,
+            &["-6", "route", "add", &format!("{ip6}/128"), "dev", &host_if],
+        )?;
         let pod = Pod {
             name: name.to_owned(),
             ip,
+            ip6,
             host_if,
             servers: Vec::new(),
             ns,
@@ -456,7 +623,8 @@ impl Topology {
         self.pod("client")
     }
 
-    /// One HTTP GET from the client pod (`curl -s --max-time 3`).
+    /// One HTTP GET from the client pod (`curl -s --max-time 3`); an IPv6 URL has the address
+    /// in brackets ([`http_url`]).
     pub fn curl(&self, url: &str) -> Result<CurlReply> {
         let mut replies = self.curl_many(url, 1)?;
         replies
@@ -515,6 +683,29 @@ impl Topology {
     /// Sends one UDP datagram from the client pod and waits up to 2 s for the reply.
     pub fn udp_request(&self, ip: Ipv4Addr, port: u16, payload: &str) -> Result<UdpReply> {
         udp_request_from(&self.client()?.ns, ip, port, payload)
+    }
+
+    /// [`Topology::udp_request`] over IPv6.
+    pub fn udp6_request(&self, ip: Ipv6Addr, port: u16, payload: &str) -> Result<UdpReply6> {
+        udp6_request_from(&self.client()?.ns, ip, port, payload)
+    }
+
+    /// [`Topology::tcp_connect`] over IPv6.
+    pub fn tcp6_connect(
+        &self,
+        ip: Ipv6Addr,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<(ConnectOutcome, Duration)> {
+        tcp6_connect_from(&self.client()?.ns, ip, port, timeout)
+    }
+
+    /// [`Topology::tcp_connect_refused`] over IPv6 (RST or ICMPv6 port unreachable within 1 s).
+    pub fn tcp6_connect_refused(&self, ip: Ipv6Addr, port: u16) -> bool {
+        matches!(
+            self.tcp6_connect(ip, port, Duration::from_secs(2)),
+            Ok((ConnectOutcome::Refused, elapsed)) if elapsed < Duration::from_secs(1)
+        )
     }
 
     /// One TCP connect from the client pod; the outcome and how long it took.
@@ -680,5 +871,28 @@ mod tests {
         assert_eq!(s.seconds, 8.01);
         assert_eq!(s.retransmits, 3);
         assert_eq!(s.error, None);
+    }
+
+    #[test]
+    fn ipv6_addresses_read_like_the_ipv4_ones() {
+        assert_eq!(
+            ipv6_of(Ipv4Addr::new(10, 244, 1, 11)).to_string(),
+            "fd00:10:244:1::11"
+        );
+        assert_eq!(CLIENT_IP6.to_string(), "fd00:10:244:1::2");
+        assert_eq!(
+            ipv6_of(Ipv4Addr::new(192, 168, 50, 100)).to_string(),
+            "fd00:192:168:50::100"
+        );
+        assert_eq!(
+            ipv6_of(Ipv4Addr::new(255, 0, 9, 255)).to_string(),
+            "fd00:255:0:9::255"
+        );
+        assert_eq!(BACKENDS6[2], ("be3", "fd00:10:244:1::13".parse().unwrap()));
+        assert_eq!(
+            http_url(BACKENDS6[0].1, 8080),
+            "http://[fd00:10:244:1::11]:8080/"
+        );
+        assert_eq!(http_url(CLIENT_IP, 80), "http://10.244.1.2:80/");
     }
 }

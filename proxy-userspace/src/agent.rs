@@ -158,6 +158,7 @@ impl Agent {
             ..maps.capacities().unwrap_or_else(|_| sizes.capacities())
         };
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
+        let conntrack6 = crate::dataplane::maps::Conntrack6::from_ebpf(&mut ebpf)?;
         let snat = Snat::from_ebpf(&mut ebpf)?;
         let lc = LcCounts::from_ebpf(&mut ebpf)?;
         let loop_lc = LcCounts::open_pinned(&pins)?;
@@ -183,6 +184,7 @@ impl Agent {
         let flow_gc = FlowGc::start(
             PinnedFlowMaps {
                 conntrack,
+                conntrack6,
                 snat,
                 lc,
             },

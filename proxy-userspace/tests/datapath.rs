@@ -4706,13 +4706,17 @@ impl Datapath {
             let flows = self.lc_array(MAP_LC_FLOWS);
             let ct: HashMap<&MapData, CtKey, CtValue> =
                 HashMap::try_from(self.bpf.map(MAP_CONNTRACK).unwrap()).unwrap();
+            let backends = &programmed.backends;
             lc_counts::reconcile(
                 1..=20,
                 |id| flows.get(&id, 0).unwrap(),
                 || now,
-                || ct.iter().map(Result::unwrap).collect(),
-                |k, v, now| flow_is_dead(k, v, now, &cfg, &programmed),
-                &programmed.backends,
+                lc_counts::Listing::ipv4(
+                    || ct.iter().map(Result::unwrap).collect(),
+                    |k, v, now| flow_is_dead(k, v, now, &cfg, &programmed),
+                    backends,
+                ),
+                lc_counts::Listing::none(),
             )
         };
         for key in &done.dead {
@@ -5084,12 +5088,14 @@ fn every_program_verifies_with_the_datapath_trace_at_every_level() {
                 .unwrap_or_default()
         };
         report.push(format!(
-            "level {level}: tc_ingress {} tc_ingress_new {} tc_ingress_reject {} tc_egress {} sock_connect4 {}",
+            "level {level}: tc_ingress {} tc_ingress_new {} tc_ingress_reject {} tc_egress {} sock_connect4 {} sock_connect6 {} sock_recvmsg6 {}",
             count(PROG_TC_INGRESS),
             count(proxy_common::PROG_TC_INGRESS_NEW),
             count(proxy_common::PROG_TC_INGRESS_REJECT),
             count(PROG_TC_EGRESS),
             count(proxy_common::PROG_SOCK_CONNECT4),
+            count(proxy_common::PROG_SOCK_CONNECT6),
+            count(proxy_common::PROG_SOCK_RECVMSG6),
         ));
     }
     println!(

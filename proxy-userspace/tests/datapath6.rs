@@ -23,11 +23,11 @@ use common_packet::{
     CLIENT_MAC, Decoded6, ETH_HLEN, Ext6, HOST_MAC, ICMPV6, L4, Pkt6, ext6, icmp6_frame,
     ipv6_packet, tcp_flags::*,
 };
-use kube_proxy_ebpf::dataplane::clock::monotonic_ns;
+use kube_proxy_ebpf::dataplane::{clock::monotonic_ns, maps::ClusterCidrs6Map};
 use proxy_common::{
     AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, Counter, DatapathConfig, MAP_LC_ADJUST,
     MAP_LC_FLOWS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
-    ServiceValue, csum, ct_dir, ct_flags, ct_state,
+    SCOPE_INTERNAL, ServiceValue, csum, ct_dir, ct_flags, ct_state,
     hash::{PortProbe, pick_slot},
     ipv6::{
         Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
@@ -107,6 +107,13 @@ impl Datapath {
 
     /// A Service the way the agent writes one: backends → slots → frontend.
     fn set_service(&mut self, vip: Ipv6Addr, port: u16, proto: u8, rev_nat: u32, ids: &[u32]) {
+        let key = Service6Key::new(vip.octets(), port.to_be_bytes(), proto, 0);
+        self.set_frontend_entry(key, 0, rev_nat, ids);
+    }
+
+    /// The frontend entry at `key` (any scope) with `flags` and the test backends `ids`.
+    fn set_frontend_entry(&mut self, key: Service6Key, flags: u16, rev_nat: u32, ids: &[u32]) {
+        let proto = key.proto;
         for &id in ids {
             let (addr, port) = backend_addr(id);
             let b = Backend6 {
@@ -117,15 +124,13 @@ impl Datapath {
             };
             self.backends().insert(id, b, 0).unwrap();
         }
-        let key = Service6Key::new(vip.octets(), port.to_be_bytes(), proto, 0);
         for (i, &id) in ids.iter().enumerate() {
             self.services()
                 .insert(key.with_slot(i as u16 + 1), ServiceValue::slot(id), 0)
                 .unwrap();
         }
-        self.services()
-            .insert(key, ServiceValue::frontend(ids.len() as u16, rev_nat), 0)
-            .unwrap();
+        let fe = ServiceValue::frontend_with_flags(ids.len() as u16, rev_nat, flags);
+        self.services().insert(key, fe, 0).unwrap();
     }
 
     fn counters(&self) -> BTreeMap<&'static str, u64> {
@@ -1794,4 +1799,92 @@ fn an_icmpv6_error_whose_quoted_packet_has_extension_headers_is_reverse_translat
         .ext(Ext6::fragment(1, false, 7))
         .l3_bytes();
     dp.ptb_untouched("a quoted later fragment", &later);
+}
+
+/// An IPv6 node address with an eTP=Local NodePort and an external client.
+const NODE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x10);
+const EXT_CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x100);
+
+/// As on IPv4: a pod (inside the IPv6 cluster CIDR) reaching an eTP=Local NodePort without a
+/// local endpoint goes to the Service's cluster-wide endpoints through the in-cluster entry
+/// (its rev-NAT id in conntrack, replies from the NodePort); a client outside the CIDR, or any
+/// client while no IPv6 cluster CIDR is written, is dropped (no local endpoint).
+#[test]
+fn etp_local_on_ipv6_in_cluster_clients_use_the_cluster_endpoints_outside_clients_are_dropped() {
+    let mut dp = Datapath::load();
+    let port: u16 = 30_082;
+    let external = Service6Key::new(NODE6.octets(), port.to_be_bytes(), proto::TCP, 0);
+    let local_only =
+        service_flags::EXTERNAL | service_flags::EXTERNAL_LOCAL | service_flags::DROP_WHEN_EMPTY;
+    dp.set_frontend_entry(external, local_only, 60, &[]);
+    let internal = Service6Key {
+        scope: SCOPE_INTERNAL,
+        ..external
+    };
+    dp.set_frontend_entry(internal, 0, 61, &[2]);
+    let dropped = &[(Counter::DropNoLocalEndpoints, 1)];
+
+    let early = Pkt6::tcp(CLIENT, 44_000, NODE6, port, SYN);
+    dp.step(
+        "pod → eTP=Local NodePort, no IPv6 cluster CIDR yet: external, dropped",
+        PROG_TC_INGRESS,
+        &early.bytes(),
+        TC_ACT_SHOT,
+        dropped,
+    );
+
+    // Written as the agent writes them (host bits cleared, the old entries replaced); the map
+    // stays referenced by the programs after it is taken out of the object.
+    let mut cidrs = ClusterCidrs6Map::from_ebpf(&mut dp.bpf).unwrap();
+    cidrs
+        .sync(&[(Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, 0), 32)])
+        .unwrap();
+    cidrs
+        .sync(&[(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 7), 32)])
+        .unwrap();
+    let err = cidrs
+        .sync(&[(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0), 129)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("CLUSTERCIDRS6_V1") && err.contains("/129"),
+        "the error names the map and the prefix: {err}"
+    );
+    drop(cidrs);
+    let syn = Pkt6::tcp(CLIENT, 44_001, NODE6, port, SYN);
+    dp.new_flow_dnated(
+        "pod → eTP=Local NodePort: DNAT to the cluster-wide endpoint",
+        &syn,
+        2,
+    );
+    let ct = dp.ct(&original_key(&syn)).expect("ORIGINAL entry");
+    assert_eq!(ct.rev_nat_id, 61, "the in-cluster entry's rev-NAT id");
+    assert_eq!(
+        (ct.frontend_addr, ct.frontend_port),
+        (NODE6.octets(), port.to_be_bytes()),
+        "replies appear to come from the NodePort"
+    );
+    let synack = dnated(&syn, 2).reversed();
+    dp.reply_rev_natted("toward the pod: from the NodePort", &synack, &syn);
+
+    for (what, client) in [
+        ("an external client: dropped", EXT_CLIENT6),
+        (
+            "a source just outside the cluster CIDR is external",
+            Ipv6Addr::new(0xfd00, 0x245, 0, 0, 0, 0, 0, 1),
+        ),
+        (
+            "a source in a CIDR the last sync removed is external",
+            Ipv6Addr::new(0xfd00, 0x99, 0, 0, 0, 0, 0, 5),
+        ),
+    ] {
+        let outside = Pkt6::tcp(client, 44_002, NODE6, port, SYN);
+        dp.step(
+            what,
+            PROG_TC_INGRESS,
+            &outside.bytes(),
+            TC_ACT_SHOT,
+            dropped,
+        );
+    }
 }

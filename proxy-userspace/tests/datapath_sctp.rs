@@ -1,7 +1,8 @@
-//! SCTP datapath table tests (IPv4): the real eBPF object run with BPF_PROG_TEST_RUN. Each step
-//! is {packet in, verdict, packet out}; every translated packet's CRC32c is recomputed here
-//! (`proxy_common::crc32c::checksum`, checked against the standard vectors in its unit tests)
-//! and compared byte for byte with the packet built with the translated fields.
+//! SCTP datapath table tests, IPv4 and IPv6 (the association tables run on both families): the
+//! real eBPF object run with BPF_PROG_TEST_RUN. Each step is {packet in, verdict, packet out};
+//! every translated packet's CRC32c is recomputed here (`proxy_common::crc32c::checksum`,
+//! checked against the standard vectors in its unit tests) and compared byte for byte with the
+//! packet built with the translated fields.
 //!
 //! Privileged (root). Run:
 //! `cargo test -p proxy-userspace --test datapath_sctp -- --test-threads=1 --nocapture`
@@ -9,18 +10,27 @@
 mod common_datapath;
 mod common_packet;
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use aya::{
     Ebpf,
     maps::{HashMap, MapData},
 };
 use common_datapath::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_NEXT};
-use common_packet::{CLIENT_MAC, Decoded, ETH_P_IP, HOST_MAC, eth};
+use common_packet::{
+    CLIENT_MAC, Decoded, Decoded6, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Ext6, HOST_MAC, ICMPV6, eth,
+    icmp6_frame, ipv6_packet,
+};
 use proxy_common::{
     Backend, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
     MAP_SNAT, PROG_TC_EGRESS, PROG_TC_INGRESS, ServiceKey, ServiceValue, SnatKey, SnatValue,
-    crc32c, csum, ct_dir, ct_state, flow_state::sctp_chunk as chunk, proto, service_flags,
+    crc32c, csum, ct_dir, ct_state,
+    flow_state::sctp_chunk as chunk,
+    ipv6::{Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, Service6Key},
+    proto, service_flags,
 };
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
@@ -35,11 +45,37 @@ const NODE_PORT: u16 = 30868;
 const EXT_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 const REMOTE_BE: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 20);
 
-/// An SCTP packet with one chunk, over IPv4 and Ethernet, built with a valid CRC32c.
+/// The addresses of one family's tables (the same Services on IPv4 and IPv6).
+#[derive(Clone, Copy)]
+struct Family {
+    client: IpAddr,
+    vip: IpAddr,
+    vip_empty: IpAddr,
+    be_21: IpAddr,
+    be_22: IpAddr,
+}
+
+const V4: Family = Family {
+    client: IpAddr::V4(CLIENT),
+    vip: IpAddr::V4(VIP),
+    vip_empty: IpAddr::V4(VIP_EMPTY),
+    be_21: IpAddr::V4(BE_21),
+    be_22: IpAddr::V4(BE_22),
+};
+
+const V6: Family = Family {
+    client: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 2)),
+    vip: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x30)),
+    vip_empty: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99)),
+    be_21: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x21)),
+    be_22: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 0x22)),
+};
+
+/// An SCTP packet with one chunk, over IPv4 or IPv6 and Ethernet, built with a valid CRC32c.
 #[derive(Clone, Debug)]
 struct Sctp {
-    saddr: Ipv4Addr,
-    daddr: Ipv4Addr,
+    saddr: IpAddr,
+    daddr: IpAddr,
     sport: u16,
     dport: u16,
     vtag: u32,
@@ -48,19 +84,28 @@ struct Sctp {
     value: Vec<u8>,
     /// Raw IPv4 flags + fragment offset.
     frag: u16,
+    /// IPv6 extension headers.
+    ext: Vec<Ext6>,
 }
 
 impl Sctp {
-    fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, chunk: u8) -> Self {
+    fn new(
+        saddr: impl Into<IpAddr>,
+        sport: u16,
+        daddr: impl Into<IpAddr>,
+        dport: u16,
+        chunk: u8,
+    ) -> Self {
         Self {
-            saddr,
-            daddr,
+            saddr: saddr.into(),
+            daddr: daddr.into(),
             sport,
             dport,
             vtag: if chunk == chunk::INIT { 0 } else { 0x1122_3344 },
             chunk,
             value: b"sctp chunk value".to_vec(),
             frag: 0x4000,
+            ext: Vec::new(),
         }
     }
 
@@ -69,17 +114,17 @@ impl Sctp {
         self
     }
 
-    fn to(&self, addr: Ipv4Addr, port: u16) -> Self {
+    fn to(&self, addr: impl Into<IpAddr>, port: u16) -> Self {
         Self {
-            daddr: addr,
+            daddr: addr.into(),
             dport: port,
             ..self.clone()
         }
     }
 
-    fn from(&self, addr: Ipv4Addr, port: u16) -> Self {
+    fn from(&self, addr: impl Into<IpAddr>, port: u16) -> Self {
         Self {
-            saddr: addr,
+            saddr: addr.into(),
             sport: port,
             ..self.clone()
         }
@@ -116,13 +161,29 @@ impl Sctp {
 
     fn bytes(&self) -> Vec<u8> {
         let sctp = self.sctp_bytes();
+        let (saddr, daddr) = match (self.saddr, self.daddr) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => (s, d),
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                return ipv6_packet(
+                    HOST_MAC,
+                    CLIENT_MAC,
+                    s,
+                    d,
+                    64,
+                    &self.ext,
+                    proto::SCTP,
+                    &sctp,
+                );
+            }
+            _ => panic!("{self:?}: addresses of two families"),
+        };
         let mut ip = vec![0x45, 0];
         ip.extend_from_slice(&((20 + sctp.len()) as u16).to_be_bytes());
         ip.extend_from_slice(&0x4321u16.to_be_bytes());
         ip.extend_from_slice(&self.frag.to_be_bytes());
         ip.extend_from_slice(&[64, proto::SCTP, 0, 0]);
-        ip.extend_from_slice(&self.saddr.octets());
-        ip.extend_from_slice(&self.daddr.octets());
+        ip.extend_from_slice(&saddr.octets());
+        ip.extend_from_slice(&daddr.octets());
         let c = csum::ipv4_header(&ip).to_be_bytes();
         ip[10..12].copy_from_slice(&c);
         let mut f = eth(HOST_MAC, CLIENT_MAC, ETH_P_IP);
@@ -132,10 +193,22 @@ impl Sctp {
     }
 }
 
+fn is_ipv6(frame: &[u8]) -> bool {
+    u16::from_be_bytes([frame[12], frame[13]]) == ETH_P_IPV6
+}
+
+/// The SCTP packet (IPv4 or IPv6 payload) of `frame`.
+fn sctp_of(frame: &[u8]) -> Vec<u8> {
+    if is_ipv6(frame) {
+        Decoded6::parse(frame).l4
+    } else {
+        Decoded::parse(frame).l4
+    }
+}
+
 /// The CRC32c of the SCTP packet in `frame` verifies.
 fn crc_ok(frame: &[u8]) -> bool {
-    let d = Decoded::parse(frame);
-    let mut s = d.l4.clone();
+    let mut s = sctp_of(frame);
     let field: [u8; 4] = s[8..12].try_into().unwrap();
     s[8..12].copy_from_slice(&[0; 4]);
     crc32c::checksum(&s).to_le_bytes() == field
@@ -147,19 +220,73 @@ struct Datapath {
 
 impl Datapath {
     fn load() -> Self {
-        let maps = [MAP_SERVICES, MAP_BACKENDS, MAP_CONNTRACK];
+        let maps = [
+            MAP_SERVICES,
+            MAP_BACKENDS,
+            MAP_CONNTRACK,
+            MAP_SERVICES6,
+            MAP_BACKENDS6,
+            MAP_CONNTRACK6,
+        ];
         Self {
             bpf: common_datapath::load_object(&DatapathConfig::DEFAULT, None, &maps, 4096),
         }
     }
 
-    /// The SCTP ClusterIP frontends (see [`VIP`]) and an empty one.
+    /// The SCTP ClusterIP frontends (see [`VIP`]) and an empty one, on both families.
     fn with_services() -> Self {
         let mut dp = Self::load();
-        dp.set_frontend(VIP, 3868, 0, 1, &[(21, BE_21, 3869, 0)]);
-        dp.set_frontend(VIP, 9000, 0, 2, &[(22, BE_22, 9000, 0)]);
-        dp.set_frontend(VIP_EMPTY, 3868, 0, 3, &[]);
+        for f in [V4, V6] {
+            dp.set_family_frontend(f.vip, 3868, 1, &[(21, f.be_21, 3869)]);
+            dp.set_family_frontend(f.vip, 9000, 2, &[(22, f.be_22, 9000)]);
+            dp.set_family_frontend(f.vip_empty, 3868, 3, &[]);
+        }
         dp
+    }
+
+    /// A ClusterIP frontend of either family (no flags).
+    fn set_family_frontend(
+        &mut self,
+        addr: IpAddr,
+        port: u16,
+        rev_nat_id: u32,
+        backends: &[(u32, IpAddr, u16)],
+    ) {
+        let IpAddr::V6(addr) = addr else {
+            let IpAddr::V4(addr) = addr else {
+                unreachable!()
+            };
+            let v4: Vec<_> = backends
+                .iter()
+                .map(|&(id, b, port)| match b {
+                    IpAddr::V4(b) => (id, b, port, 0),
+                    IpAddr::V6(_) => panic!("an IPv6 backend of an IPv4 frontend"),
+                })
+                .collect();
+            return self.set_frontend(addr, port, 0, rev_nat_id, &v4);
+        };
+        let key = Service6Key::new(addr.octets(), port.to_be_bytes(), proto::SCTP, 0);
+        for (i, &(id, baddr, bport)) in backends.iter().enumerate() {
+            let IpAddr::V6(baddr) = baddr else {
+                panic!("an IPv4 backend of an IPv6 frontend")
+            };
+            let b = Backend6 {
+                addr: baddr.octets(),
+                port: bport.to_be_bytes(),
+                proto: proto::SCTP,
+                flags: 0,
+            };
+            self.map::<u32, Backend6>(MAP_BACKENDS6)
+                .insert(id, b, 0)
+                .expect("insert IPv6 backend");
+            self.map::<Service6Key, ServiceValue>(MAP_SERVICES6)
+                .insert(key.with_slot(i as u16 + 1), ServiceValue::slot(id), 0)
+                .expect("insert IPv6 slot");
+        }
+        let fe = ServiceValue::frontend(backends.len() as u16, rev_nat_id);
+        self.map::<Service6Key, ServiceValue>(MAP_SERVICES6)
+            .insert(key, fe, 0)
+            .expect("insert IPv6 frontend");
     }
 
     fn set_frontend(
@@ -208,7 +335,7 @@ impl Datapath {
     }
 
     /// Run `input` through `prog`; the verdict must be `verdict`, the output `want` byte for
-    /// byte (a valid IPv4 checksum and CRC32c), and `counter` must have moved by one.
+    /// byte (a valid IPv4 checksum, on IPv4, and CRC32c), and `counter` must have moved by one.
     fn step(
         &self,
         what: &str,
@@ -222,8 +349,10 @@ impl Datapath {
         let (v, out) = self.run(prog, &input.bytes());
         assert_eq!(v, verdict, "{what}: verdict");
         if let Some(want) = want {
-            let d = Decoded::parse(&out);
-            assert!(d.ip_csum_ok(), "{what}: IPv4 header checksum invalid");
+            if !is_ipv6(&out) {
+                let d = Decoded::parse(&out);
+                assert!(d.ip_csum_ok(), "{what}: IPv4 header checksum invalid");
+            }
             assert!(
                 crc_ok(&out),
                 "{what}: SCTP CRC32c invalid after translation"
@@ -254,17 +383,95 @@ impl Datapath {
         self.map::<CtKey, CtValue>(MAP_CONNTRACK).get(key, 0).ok()
     }
 
+    fn ct6(&mut self, key: &Ct6Key) -> Option<Ct6Value> {
+        self.map::<Ct6Key, Ct6Value>(MAP_CONNTRACK6)
+            .get(key, 0)
+            .ok()
+    }
+
+    /// The ORIGINAL entry of `client`'s flow, either family: (state, created_ns).
+    fn original(&mut self, client: &Sctp) -> Option<(u8, u64)> {
+        match client.saddr {
+            IpAddr::V4(_) => self
+                .ct(&original_key(client))
+                .map(|c| (c.state, c.created_ns)),
+            IpAddr::V6(_) => self
+                .ct6(&original_key6(client))
+                .map(|c| (c.state, c.created_ns)),
+        }
+    }
+
     fn state(&mut self, client: &Sctp) -> u8 {
-        self.ct(&original_key(client))
-            .expect("ORIGINAL conntrack entry")
-            .state
+        self.original(client).expect("ORIGINAL conntrack entry").0
+    }
+
+    /// The REPLY entry of `client`'s flow to `backend:port`, either family: (frontend address
+    /// octets, frontend port, backend id).
+    fn reply(&mut self, client: &Sctp, backend: IpAddr, port: u16) -> Option<(Vec<u8>, u16, u32)> {
+        let (sport, dport) = (port.to_be_bytes(), client.sport.to_be_bytes());
+        match (backend, client.saddr) {
+            (IpAddr::V4(b), IpAddr::V4(c)) => self
+                .ct(&CtKey {
+                    saddr: b.octets(),
+                    daddr: c.octets(),
+                    sport,
+                    dport,
+                    proto: proto::SCTP,
+                    dir: ct_dir::REPLY,
+                    _pad: [0; 2],
+                })
+                .map(|r| {
+                    let port = u16::from_be_bytes(r.frontend_port);
+                    (r.frontend_addr.to_vec(), port, r.backend_id)
+                }),
+            (IpAddr::V6(b), IpAddr::V6(c)) => self
+                .ct6(&Ct6Key {
+                    saddr: b.octets(),
+                    daddr: c.octets(),
+                    sport,
+                    dport,
+                    proto: proto::SCTP,
+                    dir: ct_dir::REPLY,
+                    _pad: [0; 2],
+                })
+                .map(|r| {
+                    let port = u16::from_be_bytes(r.frontend_port);
+                    (r.frontend_addr.to_vec(), port, r.backend_id)
+                }),
+            _ => panic!("addresses of two families"),
+        }
+    }
+}
+
+fn octets(a: IpAddr) -> Vec<u8> {
+    match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+fn original_key6(p: &Sctp) -> Ct6Key {
+    let (IpAddr::V6(s), IpAddr::V6(d)) = (p.saddr, p.daddr) else {
+        panic!("{p:?} is not IPv6")
+    };
+    Ct6Key {
+        saddr: s.octets(),
+        daddr: d.octets(),
+        sport: p.sport.to_be_bytes(),
+        dport: p.dport.to_be_bytes(),
+        proto: proto::SCTP,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
     }
 }
 
 fn original_key(p: &Sctp) -> CtKey {
+    let (IpAddr::V4(s), IpAddr::V4(d)) = (p.saddr, p.daddr) else {
+        panic!("{p:?} is not IPv4")
+    };
     CtKey {
-        saddr: p.saddr.octets(),
-        daddr: p.daddr.octets(),
+        saddr: s.octets(),
+        daddr: d.octets(),
         sport: p.sport.to_be_bytes(),
         dport: p.dport.to_be_bytes(),
         proto: proto::SCTP,
@@ -279,35 +486,34 @@ fn original_key(p: &Sctp) -> CtKey {
 /// the closed tuple starting over.
 #[test]
 fn sctp_association_is_dnated_tracked_and_reverse_natted() {
+    association(V4);
+}
+
+#[test]
+fn sctp_association_over_ipv6_is_dnated_tracked_and_reverse_natted() {
+    association(V6);
+}
+
+fn association(f: Family) {
     let mut dp = Datapath::with_services();
-    let init = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::INIT);
+    let init = Sctp::new(f.client, 40_000, f.vip, 3868, chunk::INIT);
     dp.ingress(
-        "INIT to VIP:3868 is DNATed to 10.244.1.21:3869 with a valid CRC32c",
+        "INIT to VIP:3868 is DNATed to backend 21 on :3869 with a valid CRC32c",
         &init,
-        Some(&init.to(BE_21, 3869)),
+        Some(&init.to(f.be_21, 3869)),
         Counter::NewFlow,
     );
     assert_eq!(dp.state(&init), ct_state::SYN_SENT, "INIT: COOKIE_WAIT");
-    let reply_key = CtKey {
-        saddr: BE_21.octets(),
-        daddr: CLIENT.octets(),
-        sport: 3869u16.to_be_bytes(),
-        dport: 40_000u16.to_be_bytes(),
-        proto: proto::SCTP,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
-    };
-    let reply = dp.ct(&reply_key).expect("REPLY entry");
     assert_eq!(
-        (reply.frontend_addr, reply.frontend_port, reply.backend_id),
-        (VIP.octets(), 3868u16.to_be_bytes(), 21)
+        dp.reply(&init, f.be_21, 3869).expect("REPLY entry"),
+        (octets(f.vip), 3868, 21)
     );
 
-    let init_ack = init.to(BE_21, 3869).reversed(chunk::INIT_ACK);
+    let init_ack = init.to(f.be_21, 3869).reversed(chunk::INIT_ACK);
     dp.egress(
         "INIT_ACK from the backend is reverse-NATed to VIP:3868",
         &init_ack,
-        Some(&init_ack.from(VIP, 3868)),
+        Some(&init_ack.from(f.vip, 3868)),
         Counter::ReplyTranslated,
     );
     assert_eq!(
@@ -323,53 +529,53 @@ fn sctp_association_is_dnated_tracked_and_reverse_natted() {
         ),
         ("DATA of the established association", chunk::DATA),
     ] {
-        let p = Sctp::new(CLIENT, 40_000, VIP, 3868, c);
+        let p = Sctp::new(f.client, 40_000, f.vip, 3868, c);
         dp.step(
             what,
             PROG_TC_INGRESS,
             &p,
             TC_NEXT,
-            Some(&p.to(BE_21, 3869)),
+            Some(&p.to(f.be_21, 3869)),
             Counter::EstablishedFlow,
         );
         assert_eq!(dp.state(&init), ct_state::ESTABLISHED, "{what}");
     }
-    let big = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::DATA).value(&[0xa5; 1400]);
+    let big = Sctp::new(f.client, 40_000, f.vip, 3868, chunk::DATA).value(&[0xa5; 1400]);
     dp.ingress(
         "a 1,400-byte DATA chunk keeps a valid CRC32c",
         &big,
-        Some(&big.to(BE_21, 3869)),
+        Some(&big.to(f.be_21, 3869)),
         Counter::EstablishedFlow,
     );
     let back = big
-        .to(BE_21, 3869)
+        .to(f.be_21, 3869)
         .reversed(chunk::DATA)
         .value(&[0x3c; 777]);
     dp.egress(
         "a large DATA chunk from the backend is reverse-NATed",
         &back,
-        Some(&back.from(VIP, 3868)),
+        Some(&back.from(f.vip, 3868)),
         Counter::ReplyTranslated,
     );
 
-    let abort = Sctp::new(CLIENT, 40_000, VIP, 3868, chunk::ABORT);
+    let abort = Sctp::new(f.client, 40_000, f.vip, 3868, chunk::ABORT);
     dp.ingress(
         "ABORT is DNATed and closes the flow",
         &abort,
-        Some(&abort.to(BE_21, 3869)),
+        Some(&abort.to(f.be_21, 3869)),
         Counter::EstablishedFlow,
     );
     assert_eq!(dp.state(&init), ct_state::CLOSING, "ABORT: CLOSED");
-    let again = dp.ct(&original_key(&init)).unwrap().created_ns;
+    let again = dp.original(&init).unwrap().1;
     dp.ingress(
         "a new INIT on the closed tuple starts a new flow",
         &init,
-        Some(&init.to(BE_21, 3869)),
+        Some(&init.to(f.be_21, 3869)),
         Counter::NewFlow,
     );
     assert_eq!(dp.state(&init), ct_state::SYN_SENT);
     assert!(
-        dp.ct(&original_key(&init)).unwrap().created_ns > again,
+        dp.original(&init).unwrap().1 > again,
         "the entry is a new one"
     );
 }
@@ -378,13 +584,22 @@ fn sctp_association_is_dnated_tracked_and_reverse_natted() {
 /// the client's SHUTDOWN_COMPLETE keeps it closed; a backend ABORT closes a flow too.
 #[test]
 fn sctp_shutdown_and_backend_abort_close_the_flow() {
+    shutdown_and_abort(V4);
+}
+
+#[test]
+fn sctp_over_ipv6_shutdown_and_backend_abort_close_the_flow() {
+    shutdown_and_abort(V6);
+}
+
+fn shutdown_and_abort(f: Family) {
     let mut dp = Datapath::with_services();
-    let c = |chunk| Sctp::new(CLIENT, 40_100, VIP, 3868, chunk);
-    let b = |chunk| c(chunk).to(BE_21, 3869).reversed(chunk);
+    let c = |chunk| Sctp::new(f.client, 40_100, f.vip, 3868, chunk);
+    let b = |chunk| c(chunk).to(f.be_21, 3869).reversed(chunk);
     dp.ingress(
         "INIT",
         &c(chunk::INIT),
-        Some(&c(chunk::INIT).to(BE_21, 3869)),
+        Some(&c(chunk::INIT).to(f.be_21, 3869)),
         Counter::NewFlow,
     );
     dp.ingress(
@@ -396,7 +611,7 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
     dp.egress(
         "COOKIE_ACK",
         &b(chunk::COOKIE_ACK),
-        Some(&b(chunk::COOKIE_ACK).from(VIP, 3868)),
+        Some(&b(chunk::COOKIE_ACK).from(f.vip, 3868)),
         Counter::ReplyTranslated,
     );
     assert_eq!(dp.state(&c(chunk::INIT)), ct_state::ESTABLISHED);
@@ -421,20 +636,20 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
     dp.egress(
         "SHUTDOWN_ACK",
         &b(chunk::SHUTDOWN_ACK),
-        Some(&b(chunk::SHUTDOWN_ACK).from(VIP, 3868)),
+        Some(&b(chunk::SHUTDOWN_ACK).from(f.vip, 3868)),
         Counter::ReplyTranslated,
     );
     assert_eq!(dp.state(&c(chunk::INIT)), ct_state::CLOSING);
     dp.ingress(
         "SHUTDOWN_COMPLETE",
         &c(chunk::SHUTDOWN_COMPLETE),
-        Some(&c(chunk::SHUTDOWN_COMPLETE).to(BE_21, 3869)),
+        Some(&c(chunk::SHUTDOWN_COMPLETE).to(f.be_21, 3869)),
         Counter::EstablishedFlow,
     );
     assert_eq!(dp.state(&c(chunk::INIT)), ct_state::CLOSING);
 
-    let c2 = |chunk| Sctp::new(CLIENT, 40_101, VIP, 3868, chunk);
-    let b2 = |chunk| c2(chunk).to(BE_21, 3869).reversed(chunk);
+    let c2 = |chunk| Sctp::new(f.client, 40_101, f.vip, 3868, chunk);
+    let b2 = |chunk| c2(chunk).to(f.be_21, 3869).reversed(chunk);
     dp.ingress("INIT 2", &c2(chunk::INIT), None, Counter::NewFlow);
     dp.ingress(
         "COOKIE_ECHO 2",
@@ -445,7 +660,7 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
     dp.egress(
         "ABORT from the backend",
         &b2(chunk::ABORT),
-        Some(&b2(chunk::ABORT).from(VIP, 3868)),
+        Some(&b2(chunk::ABORT).from(f.vip, 3868)),
         Counter::ReplyTranslated,
     );
     assert_eq!(dp.state(&c2(chunk::INIT)), ct_state::CLOSING);
@@ -455,19 +670,24 @@ fn sctp_shutdown_and_backend_abort_close_the_flow() {
 /// not cover: the SCTP packet leaves byte for byte as it came.
 #[test]
 fn sctp_address_only_dnat_keeps_the_crc_as_it_was() {
+    address_only(V4);
+}
+
+#[test]
+fn sctp_over_ipv6_address_only_dnat_keeps_the_crc_as_it_was() {
+    address_only(V6);
+}
+
+fn address_only(f: Family) {
     let dp = Datapath::with_services();
-    let init = Sctp::new(CLIENT, 40_200, VIP, 9000, chunk::INIT);
+    let init = Sctp::new(f.client, 40_200, f.vip, 9000, chunk::INIT);
     let out = dp.ingress(
-        "INIT to VIP:9000 is DNATed to 10.244.2.22:9000",
+        "INIT to VIP:9000 is DNATed to backend 22 on :9000",
         &init,
-        Some(&init.to(BE_22, 9000)),
+        Some(&init.to(f.be_22, 9000)),
         Counter::NewFlow,
     );
-    assert_eq!(
-        Decoded::parse(&out).l4,
-        init.sctp_bytes(),
-        "SCTP bytes untouched"
-    );
+    assert_eq!(sctp_of(&out), init.sctp_bytes(), "SCTP bytes untouched");
 }
 
 /// A Service without endpoints answers an INIT with ICMP port unreachable (as for UDP, and as
@@ -646,5 +866,136 @@ fn icmp_errors_about_sctp_flows_are_reverse_translated() {
         &out[14 + 20 + 8..],
         &want[14 + 20 + 8..],
         "quotes client → VIP:3868"
+    );
+}
+
+/// IPv6: a Service without endpoints answers an INIT with ICMPv6 destination unreachable, port
+/// unreachable (type 1 code 4), from the VIP, quoting the IPv6 header and the SCTP common
+/// header's first 8 bytes.
+#[test]
+fn sctp_over_ipv6_to_a_service_without_endpoints_is_answered_port_unreachable() {
+    let dp = Datapath::with_services();
+    let init = Sctp::new(V6.client, 40_300, V6.vip_empty, 3868, chunk::INIT);
+    let out = dp.step(
+        "INIT to a Service without endpoints",
+        PROG_TC_INGRESS,
+        &init,
+        TC_ACT_REDIRECT,
+        None,
+        Counter::NoEndpointsRejected,
+    );
+    let d = Decoded6::parse(&out);
+    assert_eq!(
+        (d.proto, IpAddr::V6(d.saddr), IpAddr::V6(d.daddr)),
+        (ICMPV6, V6.vip_empty, V6.client)
+    );
+    assert!(d.l4_csum_ok(), "ICMPv6 checksum");
+    assert_eq!((d.l4[0], d.l4[1]), (1, 4), "port unreachable");
+    let input = init.bytes();
+    assert_eq!(
+        &d.l4[8..],
+        &input[ETH_HLEN..ETH_HLEN + 40 + 8],
+        "quoted IPv6 header + 8 bytes"
+    );
+}
+
+/// The IPv6 tables' client and VIP.
+fn v6_client_vip() -> (Ipv6Addr, Ipv6Addr) {
+    match (V6.client, V6.vip) {
+        (IpAddr::V6(client), IpAddr::V6(vip)) => (client, vip),
+        _ => unreachable!("V6 holds IPv6 addresses"),
+    }
+}
+
+/// A frame from the IPv6 client to the VIP with `sctp` (any bytes) behind `ext`.
+fn sctp6_to_vip(ext: &[Ext6], sctp: &[u8]) -> Vec<u8> {
+    let (client, vip) = v6_client_vip();
+    ipv6_packet(
+        HOST_MAC,
+        CLIENT_MAC,
+        client,
+        vip,
+        64,
+        ext,
+        proto::SCTP,
+        sctp,
+    )
+}
+
+/// IPv6: an SCTP header without a chunk to a Service is dropped as malformed; the first
+/// fragment of an SCTP packet to a Service is dropped (as on IPv4: not translated), and its
+/// later fragments pass untouched; to no Service a first fragment passes untouched.
+#[test]
+fn sctp_over_ipv6_truncated_and_fragmented_packets_to_a_service_are_dropped() {
+    let dp = Datapath::with_services();
+    let (client, vip) = v6_client_vip();
+    let init = Sctp::new(client, 40_400, vip, 3868, chunk::INIT);
+    let short = sctp6_to_vip(&[], &init.sctp_bytes()[..12]);
+    let before = dp.counters();
+    let (v, _) = dp.run(PROG_TC_INGRESS, &short);
+    assert_eq!(v, TC_ACT_SHOT, "SCTP header without a chunk");
+    assert_eq!(
+        dp.counters()[Counter::DropMalformed.name()] - before[Counter::DropMalformed.name()],
+        1
+    );
+    let first_fragment = Sctp {
+        ext: vec![Ext6::fragment(0, true, 0x77)],
+        ..init.clone()
+    };
+    dp.step(
+        "first fragment of an SCTP packet to a Service",
+        PROG_TC_INGRESS,
+        &first_fragment,
+        TC_ACT_SHOT,
+        None,
+        Counter::DropFragment,
+    );
+    let later = sctp6_to_vip(&[Ext6::fragment(4, false, 0x77)], &[0; 16]);
+    let (v, out) = dp.run(PROG_TC_INGRESS, &later);
+    assert_eq!(
+        (v, out),
+        (TC_NEXT, later.clone()),
+        "a later fragment: untouched"
+    );
+    let elsewhere = first_fragment.to(Ipv6Addr::new(0xfd00, 0x244, 9, 0, 0, 0, 0, 9), 3868);
+    let (v, out) = dp.run(PROG_TC_INGRESS, &elsewhere.bytes());
+    assert_eq!(
+        (v, out),
+        (TC_NEXT, elsewhere.bytes()),
+        "to no Service: untouched"
+    );
+}
+
+/// IPv6: a Packet Too Big from a router about a DNATed association reaches the client from the
+/// VIP, quoting client → VIP:port, the ICMPv6 checksum valid.
+#[test]
+fn packet_too_big_about_an_sctp_flow_over_ipv6_is_reverse_translated() {
+    let dp = Datapath::with_services();
+    let (client, vip) = v6_client_vip();
+    let init = Sctp::new(client, 40_600, vip, 3868, chunk::INIT);
+    let fwd = init.to(V6.be_21, 3869);
+    dp.ingress("INIT", &init, Some(&fwd), Counter::NewFlow);
+    let router = Ipv6Addr::new(0xfd00, 0x1, 0, 0, 0, 0, 0, 1);
+    let ptb = |from, quoted: &Sctp| {
+        let q = quoted.bytes();
+        icmp6_frame(
+            from,
+            client,
+            2,
+            0,
+            [0, 0, 0x05, 0x00],
+            &q[ETH_HLEN..ETH_HLEN + 40 + 8],
+        )
+    };
+    let before = dp.counters();
+    let (v, out) = dp.run(PROG_TC_EGRESS, &ptb(router, &fwd));
+    assert_eq!(v, TC_NEXT);
+    let counted = Counter::IcmpErrorTranslated.name();
+    assert_eq!(dp.counters()[counted] - before[counted], 1);
+    assert!(Decoded6::parse(&out).l4_csum_ok(), "ICMPv6 checksum");
+    assert_eq!(
+        out,
+        ptb(vip, &init),
+        "from the VIP, quoting client → VIP:3868"
     );
 }

@@ -45,6 +45,7 @@ fn tiny_map_sizes() -> kube_proxy_ebpf::dataplane::loader::MapSizes {
         affinity: 64,
         conntrack: 64,
         snat: 64,
+        conntrack6: 64,
     }
 }
 
@@ -614,6 +615,7 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
     let first = MapSizes {
         conntrack: 1_024,
         snat: 2_048,
+        conntrack6: 512,
         ..MapSizes::default()
     };
     let load = |sizes: &MapSizes| {
@@ -629,6 +631,7 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
     let ebpf = load(&first);
     assert_eq!(info(MAP_CONNTRACK).max_entries(), 1_024);
     assert_eq!(info(MAP_SNAT).max_entries(), 2_048);
+    assert_eq!(info(proxy_common::ipv6::MAP_CONNTRACK6).max_entries(), 512);
     let ids = (info(MAP_CONNTRACK).id(), info(MAP_SNAT).id());
     drop(ebpf);
 

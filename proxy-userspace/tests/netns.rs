@@ -628,7 +628,7 @@ fn agent_restart_keeps_a_long_transfer_and_requests_alive() {
         format!("requests during the restart: {ok} ok, failures {failures:?}")
     });
     // The restarted agent swapped its programs into the pinned cgroup links, and they translate.
-    let adopted = "adopted=[Connect4, Sendmsg4, Recvmsg4, Getpeername4]";
+    let adopted = "adopted=[Connect4, Sendmsg4, Recvmsg4, Getpeername4, Connect6, Sendmsg6, Recvmsg6, Getpeername6]";
     let deadline = Instant::now() + Duration::from_secs(5);
     while !env.agent.log_tail().contains(adopted) && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(50));
@@ -1628,9 +1628,10 @@ fn lc_flows(env: &Env) -> BTreeMap<Ipv4Addr, u64> {
         .lines()
         .skip(1)
         .filter_map(|l| {
+            // FAMILY ID ADDRESS PROTO FLOWS FLAGS
             let f: Vec<&str> = l.split_whitespace().collect();
-            let addr = f.get(1)?.split(':').next()?.parse().ok()?;
-            Some((addr, f.get(3)?.parse().ok()?))
+            let addr = f.get(2)?.split(':').next()?.parse().ok()?;
+            Some((addr, f.get(4)?.parse().ok()?))
         })
         .collect()
 }
@@ -1791,7 +1792,7 @@ fn session_affinity_keeps_each_client_on_one_backend_through_every_frontend_unti
     wait_for_dump(&env, &dump, "the 2 s timeout", |t| {
         t.lines()
             .skip(1)
-            .all(|l| l.split_whitespace().nth(5) == Some("2"))
+            .all(|l| l.split_whitespace().nth(6) == Some("2"))
     });
     // Within it (a round, then another at once): hits; past it, every record has expired and
     // each client's next flow is a fresh pick (a miss) that renews its record.
@@ -1895,7 +1896,7 @@ impl Env {
         let col = header.iter().position(|h| *h == "SCHED")?;
         let row = text
             .lines()
-            .find(|l| l.starts_with(&format!("{vip}:80 ")))?;
+            .find(|l| l.starts_with(&format!("IPv4   {vip}:80 ")))?;
         row.split_whitespace().nth(col).map(str::to_owned)
     }
 

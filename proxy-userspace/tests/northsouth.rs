@@ -680,7 +680,7 @@ fn external_traffic_policy_local_keeps_the_client_ip_and_health_checks_steer() {
         .cli(&["dump", "services", "--pin-dir", &pin_dir])
         .unwrap_or_else(|e| env.fail(&format!("dump services: {e:#}")));
     let table = String::from_utf8_lossy(&dump.stdout);
-    let row = format!("{a}:30081 (in-cluster)");
+    let row = format!("IPv4   {a}:30081 (in-cluster)");
     if !table
         .lines()
         .any(|l| l.starts_with(&row) && l.contains(&B_LOCAL.to_string()))

@@ -1,8 +1,12 @@
 //! `cargo xtask demo`: the agent standalone on deploy/examples in a two-node topology of network
 //! namespaces ([`MultiNode`]: node-a with the client and backend pods, node-b with none, a wire and
 //! an external client), with traffic through each example Service: ClusterIPs from the client pod,
-//! and `demo/web`'s NodePort from the external client through both nodes. Needs root. Everything
-//! it creates is an RAII guard (namespaces, processes, pin dirs), removed on exit or failure.
+//! and `demo/web`'s NodePort from the external client through both nodes, then the same over IPv6
+//! (`ipv6`: the dual-stack examples' IPv6 frontends, on a line of their own and only failing the
+//! demo when that stage is strict). Needs root. Everything it creates is an RAII guard
+//! (namespaces, processes, pin dirs), removed on exit or failure.
+
+mod ipv6;
 
 use std::{collections::BTreeMap, net::Ipv4Addr, path::Path, time::Duration};
 
@@ -147,6 +151,18 @@ pub fn run() -> Result<()> {
         }
     }
 
+    let strictness = ipv6::strictness(agents[NODE_A].pin_dir());
+    eprintln!(
+        "\n==> IPv6 ({}: {})",
+        if strictness.strict {
+            "strict"
+        } else {
+            "not strict"
+        },
+        strictness.why
+    );
+    let v6 = ipv6::run(&net, NODE_A, &host_b, strictness.strict);
+
     eprintln!("\n==> TCP connect to {EMPTY}:80 (demo/empty, no endpoints)");
     let (outcome, elapsed) = topo.tcp_connect(EMPTY, 80, Duration::from_secs(3))?;
     let verdict = match &outcome {
@@ -206,7 +222,7 @@ pub fn run() -> Result<()> {
     }
 
     let backends = answered.len();
-    if failed > 0 {
+    if failed > 0 || (strictness.strict && v6.failed > 0) {
         for (agent, node) in agents.iter().zip(NODE_NAMES) {
             eprintln!("--- {node} agent log (tail) ---\n{}", agent.log_tail());
         }
@@ -223,9 +239,30 @@ pub fn run() -> Result<()> {
             );
         }
     }
+    println!(
+        "ipv6: {} requests, {} failed, backends {:?} ({}: {})",
+        v6.requests,
+        v6.failed,
+        v6.answered,
+        if strictness.strict {
+            "strict"
+        } else {
+            "not strict, not counted"
+        },
+        strictness.why
+    );
     println!("demo: {requests} requests, {backends} backends answered, {failed} failed");
     if failed > 0 || backends < 3 {
         bail!("demo failed: {failed} failed requests, {backends} backends answered (want 0 and 3)");
+    }
+    if strictness.strict && (v6.failed > 0 || v6.answered.len() < 3) {
+        bail!(
+            "demo failed over IPv6: {} failed requests, {} backends answered (want 0 and 3; \
+             strict: {})",
+            v6.failed,
+            v6.answered.len(),
+            strictness.why
+        );
     }
     Ok(())
 }

@@ -14,8 +14,10 @@ const PRIVILEGED: &[(&str, &str)] = &[
     ("proxy-userspace", "datapath_sctp"),
     ("proxy-userspace", "map_layer"),
     ("proxy-userspace", "netns"),
+    ("proxy-userspace", "netns6"),
     ("proxy-userspace", "northsouth"),
     ("proxy-userspace", "kube_api"),
+    ("proxy-userspace", "sock6"),
 ];
 
 struct Outcome {

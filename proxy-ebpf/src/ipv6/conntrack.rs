@@ -19,6 +19,7 @@ use proxy_common::{
     flow_state::{self, Segment},
     hash::PortProbe,
     ipv6::{Ct6Key, Ct6Value, flow_hash6},
+    proto,
     timeouts::idle_expired,
 };
 
@@ -26,7 +27,6 @@ use super::packet::Packet6;
 use crate::{
     Drop,
     maps::{self, Ct6Entry},
-    packet::tcp_flags,
     stats,
 };
 
@@ -172,13 +172,11 @@ pub fn expired(ct: &Ct6Value, proto: u8, now_ns: u64) -> bool {
     )
 }
 
+/// The TCP flags (SCTP: its first chunk as TCP flags) of a packet that move its flow's state
+/// (`None` for UDP).
 #[inline(always)]
 fn segment(p: &Packet6) -> Option<Segment> {
-    p.is_tcp().then_some(Segment {
-        syn: p.tcp_flags & tcp_flags::SYN != 0,
-        fin: p.tcp_flags & tcp_flags::FIN != 0,
-        rst: p.tcp_flags & tcp_flags::RST != 0,
-    })
+    (p.proto != proto::UDP).then_some(flow_state::segment_of(p.tcp_flags))
 }
 
 /// Does the backend the entry names still exist with the address it was created with?

@@ -147,9 +147,11 @@ fn new_flow(
     old: Option<Sent>,
     stale: bool,
 ) -> Result<Action, Drop> {
-    let frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
+    // Clients inside the cluster reach an eTP=Local frontend through its in-cluster entry.
+    let mut frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
+    let scoped = maps::frontend6_for(&mut frontend_key, || maps::in_cluster6(&p.saddr));
     // The flow's target: a Service's backend, or (to no Service) the destination itself.
-    let (backend_id, backend_addr, backend_port, rev_nat_id) = match maps::service6(&frontend_key) {
+    let (backend_id, backend_addr, backend_port, rev_nat_id) = match scoped {
         None => {
             if let Some(old) = old {
                 // A direct flow's entry that expired, or a gone Service.

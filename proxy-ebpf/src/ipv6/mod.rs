@@ -1,5 +1,6 @@
 //! The IPv6 datapath: ClusterIP (and every frontend in `SERVICES6_V1`) DNAT with conntrack on tc
-//! ingress, reverse NAT on tc egress, ICMPv6 port unreachable / TCP RST for Services without
+//! ingress for TCP, UDP and SCTP (its chunks as TCP flags and its CRC32c updated as on IPv4:
+//! `crate::sctp`), reverse NAT on tc egress, ICMPv6 port unreachable / TCP RST for Services without
 //! endpoints, extension headers walked under a bounded policy, fragments, and ICMPv6 errors about
 //! translated flows reverse-translated, loadBalancerSourceRanges with IPv6 prefixes
 //! (`SRCRANGES6_V1`).
@@ -15,10 +16,11 @@
 //! Reply tuples stay unique as on IPv4 (source-port clash resolution, direct flows tracked:
 //! `conntrack`).
 //!
-//! Every scheduler and session affinity pick as on IPv4 (`pick`).
+//! Every scheduler and session affinity pick as on IPv4 (`pick`); an eTP=Local frontend's
+//! in-cluster entry for clients in the IPv6 cluster CIDRs (`CLUSTERCIDRS6_V1`), as on IPv4.
 //!
-//! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT,
-//! eTP=Local in-cluster entries, the Service CIDR checks and the datapath trace.
+//! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT and
+//! the datapath trace.
 
 pub(crate) mod conntrack;
 mod egress;
@@ -27,7 +29,7 @@ mod icmp;
 mod ingress;
 mod nat;
 pub(crate) mod packet;
-mod pick;
+pub(crate) mod pick;
 mod reject;
 
 pub use egress::try_egress;

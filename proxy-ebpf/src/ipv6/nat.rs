@@ -7,15 +7,19 @@
 //! touches only the pseudo-header part for CHECKSUM_PARTIAL), as cilium does. UDP uses
 //! `BPF_F_MARK_MANGLED_0` so a computed zero is written as 0xffff: 0 is no valid UDP checksum on
 //! IPv6 (datagrams that arrive with 0 are never translated, `ipv6::packet`).
+//!
+//! SCTP has no pseudo-header: an address rewrite moves no checksum (the store keeps `skb->csum`
+//! right with `BPF_F_RECOMPUTE_CSUM`), a port rewrite updates the CRC32c (`crate::sctp`, shared
+//! with IPv4).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     helpers::bpf_csum_diff,
     programs::TcContext,
 };
 
 use super::packet::Packet6;
-use crate::Drop;
+use crate::{Drop, sctp};
 
 /// One's-complement difference of two 16-byte addresses, for the checksum helpers.
 #[inline(always)]
@@ -104,6 +108,9 @@ fn rewrite_port(
     if old_port == new_port {
         return Ok(());
     }
+    if p.is_sctp() {
+        return sctp::rewrite_port(ctx, p.l4_off, p.sctp_len, port_off, old_port, new_port);
+    }
     let from = u16::from_ne_bytes(old_port) as u64;
     let to = u16::from_ne_bytes(new_port) as u64;
     ctx.l4_csum_replace(p.l4_csum_off(), from, to, mangled(p) | 2)
@@ -127,7 +134,10 @@ fn rewrite(
     old_port: [u8; 2],
     new_port: [u8; 2],
 ) -> Result<(), Drop> {
-    if old_addr != new_addr {
+    if old_addr != new_addr && p.is_sctp() {
+        ctx.store(addr_off, new_addr, BPF_F_RECOMPUTE_CSUM as u64)
+            .map_err(|_| Drop::RewriteFailed)?;
+    } else if old_addr != new_addr {
         let diff = addr_diff(old_addr, new_addr)?;
         // Size 0: `diff` is a checksum difference, not a 2/4-byte value.
         ctx.l4_csum_replace(

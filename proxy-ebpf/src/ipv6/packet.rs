@@ -1,5 +1,5 @@
 //! IPv6 packet parsing: the IPv6 header, a bounded walk over its extension headers, and the
-//! TCP/UDP or ICMPv6 header behind them, read once into copied values (through
+//! TCP/UDP/SCTP or ICMPv6 header behind them, read once into copied values (through
 //! `crate::packet::read`, which checks the bounds).
 //!
 //! Policy (what [`parse`] reports):
@@ -9,7 +9,12 @@
 //!   of the data → [`Parsed6::Pass`] with `Ipv6ExtUnparsed`: the ports cannot be read, so whether
 //!   the packet is for a Service cannot be known; it is passed untouched (and a VIP is no
 //!   address of the node's, so nothing answers it). No next header (59) and protocols other than
-//!   TCP/UDP/ICMPv6 → passed untouched (`NotService`);
+//!   TCP/UDP/SCTP/ICMPv6 → passed untouched (`NotService`);
+//! - SCTP: the common header and the first chunk's type, read as TCP flags
+//!   (`proxy_common::flow_state::sctp_chunk_flags`), as for IPv4 (`crate::packet`); a first
+//!   fragment (more fragments follow) → [`Parsed6::Untranslatable`] with `Drop::Fragment` (a
+//!   port rewrite's CRC32c update needs the whole SCTP packet; SCTP sizes its packets to the
+//!   path MTU), its later fragments pass untouched;
 //! - fragments (fragment header): the first fragment (offset 0) carries the L4 header and is a
 //!   [`Packet6`] with `frag_id` set (translated as usual, its outcome recorded in
 //!   `FRAGMENTS6_V1`, `ipv6::frag`); a later one → [`Parsed6::Fragment`];
@@ -18,17 +23,17 @@
 //!   IPv6 does not allow (RFC 8200 8.1; the receiver drops it), is untranslatable too: nothing
 //!   in the incremental update could make it valid;
 //! - ICMPv6 destination unreachable, packet too big, time exceeded and parameter problem (types
-//!   1–4) quoting TCP/UDP right after the quoted IPv6 header → [`Parsed6::IcmpError`]; every
+//!   1–4) quoting TCP/UDP/SCTP right after the quoted IPv6 header → [`Parsed6::IcmpError`]; every
 //!   other ICMPv6 message (echo, neighbour discovery and router advertisements, 133–137) passes
 //!   untouched;
 //! - payload length 0 on a GSO packet (IPv6 BIG TCP) → the length is the skb's.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ipv6::MAX_EXT_HEADERS, proto};
+use proxy_common::{Counter, flow_state::sctp_chunk_flags, ipv6::MAX_EXT_HEADERS, proto};
 
 use crate::{
     Drop, maps,
-    packet::{self, ETH_HLEN, TCP_HLEN, UDP_HLEN, read, tcp_flags},
+    packet::{self, ETH_HLEN, SCTP_HLEN, TCP_HLEN, UDP_HLEN, read, tcp_flags},
 };
 
 pub const IPV6_HLEN: usize = 40;
@@ -43,8 +48,11 @@ const FRAGMENT: u8 = 44;
 const ESP: u8 = 50;
 const AH: u8 = 51;
 const DEST_OPTS: u8 = 60;
-/// Fragment header: offset bits of its 16-bit field (the low 3 bits are flags).
+/// Fragment header: offset bits of its 16-bit field (the low 3 bits are flags), and the M flag.
 const FRAG_OFFSET_MASK: u16 = 0xfff8;
+const FRAG_MORE: u16 = 1;
+/// The SCTP common header and the first chunk's header (type, flags, length).
+const SCTP_MIN_LEN: usize = SCTP_HLEN + 4;
 /// ICMPv6 error types (RFC 4443): destination unreachable, packet too big, time exceeded,
 /// parameter problem.
 const ICMPV6_ERROR_MAX: u8 = 4;
@@ -52,7 +60,7 @@ pub const ICMPV6_HLEN: usize = 8;
 /// Enough for the Ethernet and IPv6 headers, a few extension headers and a TCP header.
 const PULL_LEN: u32 = (ETH_HLEN + IPV6_HLEN + 64 + TCP_HLEN) as u32;
 
-/// A TCP or UDP over IPv6 packet, parsed once. Addresses and ports in network order; offsets are
+/// A TCP, UDP or SCTP over IPv6 packet, parsed once. Addresses and ports in network order; offsets are
 /// frame offsets. Lives in the per-CPU scratch ([`Scratch6`]), never on the stack.
 #[derive(Clone, Copy)]
 pub struct Packet6 {
@@ -65,10 +73,13 @@ pub struct Packet6 {
     pub proto: u8,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
+    /// TCP flags (0 for UDP; for SCTP, its first chunk as TCP flags: `sctp_chunk_flags`).
     pub tcp_flags: u8,
     pub tcp_seq: [u8; 4],
     pub tcp_ack: [u8; 4],
     pub tcp_payload_len: u32,
+    /// SCTP packet length (common header + chunks: what its CRC32c covers); 0 for TCP/UDP.
+    pub sctp_len: u16,
     /// Extension headers were walked before the L4 header.
     pub has_ext: bool,
     /// The first fragment of a datagram (fragment header with offset 0): `frag` names it.
@@ -115,10 +126,16 @@ impl Packet6 {
         self.proto == proto::TCP
     }
 
-    /// A TCP SYN without ACK.
+    #[inline(always)]
+    pub const fn is_sctp(&self) -> bool {
+        self.proto == proto::SCTP
+    }
+
+    /// A TCP SYN without ACK, or an SCTP INIT: the first packet of a connection (UDP has no
+    /// flags: never).
     #[inline(always)]
     pub const fn is_syn(&self) -> bool {
-        self.is_tcp() && self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+        self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
     }
 }
 
@@ -185,7 +202,7 @@ pub enum Parsed6 {
     Fragment(&'static Fragment6),
     /// Passed untouched; the counter says why.
     Pass(Counter),
-    /// TCP/UDP that cannot be translated (its `daddr`, `dport` and `proto` are set): dropped
+    /// TCP/UDP/SCTP that cannot be translated (its `daddr`, `dport` and `proto` are set): dropped
     /// with `reason` if to a Service.
     Untranslatable {
         to: &'static Packet6,
@@ -276,6 +293,9 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
         Err(counter) => return Parsed6::Pass(counter),
     };
     p.is_first_fragment = false;
+    // A plain bool rather than matching `w.frag` again below: LLVM may read an `Option`'s
+    // payload on the `None` path, which the verifier rejects.
+    let mut more_fragments = false;
     if let Some((field, frag)) = w.frag {
         if field & FRAG_OFFSET_MASK != 0 {
             if frag.nexthdr != proto::TCP && frag.nexthdr != proto::UDP {
@@ -291,13 +311,14 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
         }
         p.is_first_fragment = true;
         p.frag = frag;
+        more_fragments = field & FRAG_MORE != 0;
     }
     let proto = w.nexthdr;
     let l4_off = w.off;
     if proto == ICMPV6 {
         return parse_icmp_error(ctx, s, l4_off);
     }
-    if proto != proto::TCP && proto != proto::UDP {
+    if proto != proto::TCP && proto != proto::UDP && proto != proto::SCTP {
         return Parsed6::Pass(Counter::NotService);
     }
     let Some(ports) = read::<4>(ctx, l4_off) else {
@@ -312,6 +333,7 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
     p.tcp_seq = [0; 4];
     p.tcp_ack = [0; 4];
     p.tcp_payload_len = 0;
+    p.sctp_len = 0;
     // The end of the IPv6 packet: payload length, or the skb's for IPv6 BIG TCP.
     let frame_len = ctx.len() as usize;
     let payload_len = u16::from_be_bytes([head[4], head[5]]) as usize;
@@ -320,8 +342,24 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
     } else {
         l2_len + IPV6_HLEN + payload_len
     };
+    let mut reason = Drop::Malformed;
     let malformed = if end > frame_len || end < l4_off {
         true
+    } else if proto == proto::SCTP {
+        let l4_len = end - l4_off;
+        if more_fragments {
+            reason = Drop::Fragment;
+            true
+        } else {
+            match read::<SCTP_MIN_LEN>(ctx, l4_off) {
+                Some(sctp) if (SCTP_MIN_LEN..=u16::MAX as usize).contains(&l4_len) => {
+                    p.tcp_flags = sctp_chunk_flags(sctp[SCTP_HLEN]);
+                    p.sctp_len = l4_len as u16;
+                    false
+                }
+                _ => true,
+            }
+        }
     } else if proto == proto::TCP {
         let l4_len = end - l4_off;
         match read::<TCP_HLEN>(ctx, l4_off) {
@@ -347,10 +385,7 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
     };
     let s: &'static Scratch6 = s;
     if malformed {
-        return Parsed6::Untranslatable {
-            to: &s.pkt,
-            reason: Drop::Malformed,
-        };
+        return Parsed6::Untranslatable { to: &s.pkt, reason };
     }
     Parsed6::Packet(&s.pkt)
 }
@@ -391,7 +426,7 @@ fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) 
     Parsed6::IcmpError(&s.icmp)
 }
 
-/// The quoted TCP/UDP header of an ICMPv6 error.
+/// The quoted TCP/UDP/SCTP header of an ICMPv6 error.
 #[derive(Clone, Copy)]
 pub struct Quoted {
     pub proto: u8,
@@ -413,14 +448,14 @@ impl Quoted {
     }
 }
 
-/// The TCP/UDP header the error quotes, after the quoted packet's extension headers (walked
+/// The TCP/UDP/SCTP header the error quotes, after the quoted packet's extension headers (walked
 /// under the same bound as a packet's own); `None` for another protocol, a chain that is cut off
 /// or too long, or a quoted later fragment (no ports in it).
 #[inline(always)]
 pub fn quoted_l4(ctx: &TcContext, e: &Icmp6Error) -> Option<Quoted> {
     let inner_off = e.icmp_off + ICMPV6_HLEN;
     let w = walk(ctx, inner_off, e.inner_next).ok()?;
-    if (w.nexthdr != proto::TCP && w.nexthdr != proto::UDP)
+    if (w.nexthdr != proto::TCP && w.nexthdr != proto::UDP && w.nexthdr != proto::SCTP)
         || matches!(w.frag, Some((field, _)) if field & FRAG_OFFSET_MASK != 0)
     {
         return None;

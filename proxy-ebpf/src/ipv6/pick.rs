@@ -9,11 +9,41 @@ use proxy_common::{
     AffinityValue, Counter, ServiceValue, affinity_live,
     hash::{addr_hash, pick_slot},
     ipv6::{Affinity6Key, Affinity6MatchKey, Service6Key, flow_hash6, fold_addr},
-    lc, maglev, sched, service_flags,
+    maglev, sched, service_flags,
 };
 
 use super::packet::Packet6;
-use crate::{Drop, maglev as maglev_pick, maps, stats};
+use crate::{Drop, lc as lc_pick, maglev as maglev_pick, maps, stats};
+
+/// What the choice may look at of a new IPv6 flow: a parsed packet on tc, the connect()/sendmsg()
+/// of a socket of the node's in `crate::sock6` (monomorphised: the tc code is as before).
+pub trait NewFlow6 {
+    /// The client's address (sh hashes it, affinity is keyed by it).
+    fn client(&self) -> &[u8; 16];
+    /// The frontend address the client sent to (dh hashes it).
+    fn frontend_addr(&self) -> &[u8; 16];
+    /// The flow's hash with `seed` (a socket's is random and ignores it).
+    fn hash(&self, seed: u32) -> u32;
+}
+
+impl NewFlow6 for Packet6 {
+    #[inline(always)]
+    fn client(&self) -> &[u8; 16] {
+        &self.saddr
+    }
+
+    #[inline(always)]
+    fn frontend_addr(&self) -> &[u8; 16] {
+        &self.daddr
+    }
+
+    #[inline(always)]
+    fn hash(&self, seed: u32) -> u32 {
+        flow_hash6(
+            seed, self.saddr, self.daddr, self.sport, self.dport, self.proto,
+        )
+    }
+}
 
 /// The backend id for a new flow to `frontend` (found under `key`); `Ok(None)` without
 /// backends, `Err(Drop::NoBackend)` when the chosen slot vanished under an update.
@@ -21,7 +51,7 @@ use crate::{Drop, maglev as maglev_pick, maps, stats};
 pub fn choose(
     key: &Service6Key,
     frontend: &ServiceValue,
-    p: &Packet6,
+    p: &impl NewFlow6,
 ) -> Result<Option<u32>, Drop> {
     if frontend.flags & service_flags::AFFINITY == 0 {
         return schedule(key, frontend, p);
@@ -29,7 +59,7 @@ pub fn choose(
     let now = maps::now_ns();
     let record_key = Affinity6Key {
         affinity_id: frontend.affinity_id,
-        client: p.saddr,
+        client: *p.client(),
     };
     if let Some(record) = maps::affinity6(&record_key) {
         let (backend_id, last_used_ns) = record.get();
@@ -61,13 +91,17 @@ pub fn choose(
 
 /// The frontend's scheduler's pick.
 #[inline(always)]
-fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<Option<u32>, Drop> {
+fn schedule(
+    key: &Service6Key,
+    frontend: &ServiceValue,
+    p: &impl NewFlow6,
+) -> Result<Option<u32>, Drop> {
     let seed = if frontend.scheduler == sched::code::MAGLEV {
         maglev::FLOW_SEED
     } else {
         maps::hash_seed()
     };
-    let hash = flow_hash6(seed, p.saddr, p.daddr, p.sport, p.dport, p.proto);
+    let hash = p.hash(seed);
     let slot = match frontend.scheduler {
         sched::code::ROUND_ROBIN => match maps::rr_next6(key) {
             Some(n) => sched::rr_slot(n, frontend.count),
@@ -75,14 +109,18 @@ fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<O
         },
         sched::code::LEAST_CONNECTION => {
             // lc resolves its candidates' backend ids itself.
-            let choice = least_connection(key, frontend.count, hash)?;
+            let choice = lc_pick::least_loaded(frontend.count, hash, |slot| {
+                maps::service6(&key.with_slot(slot)).map(|s| s.backend_id)
+            })?;
             if choice.is_some() {
                 stats::count_pick(sched::code::LEAST_CONNECTION);
             }
             return Ok(choice);
         }
-        sched::code::SOURCE_HASH => pick_slot(addr_hash(fold_addr(p.saddr)), frontend.count),
-        sched::code::DESTINATION_HASH => pick_slot(addr_hash(fold_addr(p.daddr)), frontend.count),
+        sched::code::SOURCE_HASH => pick_slot(addr_hash(fold_addr(*p.client())), frontend.count),
+        sched::code::DESTINATION_HASH => {
+            pick_slot(addr_hash(fold_addr(*p.frontend_addr())), frontend.count)
+        }
         sched::code::MAGLEV => maglev_pick::slot(frontend, hash),
         _ => pick_slot(hash, frontend.count),
     };
@@ -92,31 +130,4 @@ fn schedule(key: &Service6Key, frontend: &ServiceValue, p: &Packet6) -> Result<O
     let slot = maps::service6(&key.with_slot(slot)).ok_or(Drop::NoBackend)?;
     stats::count_pick(frontend.scheduler);
     Ok(Some(slot.backend_id))
-}
-
-/// The least loaded of the new flow's candidate slots, as `crate::lc::choose`.
-#[inline(always)]
-fn least_connection(key: &Service6Key, count: u16, hash: u32) -> Result<Option<u32>, Drop> {
-    if count == 0 {
-        return Ok(None);
-    }
-    let mut best = 0u32;
-    let mut least = lc::Least::NONE;
-    let n = lc::candidates(count);
-    let mut i = 0u16;
-    while i < lc::CANDIDATES && i < n {
-        let slot = lc::candidate_slot(hash, i, count);
-        if let Some(s) = maps::service6(&key.with_slot(slot)) {
-            let before = least.slot;
-            least.offer(slot, maps::lc_load(s.backend_id));
-            if least.slot != before {
-                best = s.backend_id;
-            }
-        }
-        i += 1;
-    }
-    if best == 0 {
-        return Err(Drop::NoBackend); // Every candidate slot vanished under an update.
-    }
-    Ok(Some(best))
 }

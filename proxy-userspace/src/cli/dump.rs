@@ -1,11 +1,20 @@
 //! `kube-proxy-ebpf dump`: human tables decoded from the pinned maps, usable while the agent runs.
+//! The services, backends, conntrack and affinity tables show both families, one row each with
+//! its `FAMILY` (`IPv4`/`IPv6`, upstream's `ip_family` values); IPv6 endpoints print as
+//! `[addr]:port`.
 
-use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use proxy_common::{
-    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, Scheduler,
-    ServiceValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, ct_state, frag_action,
-    frag_hook, service_flags,
+    AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, SCOPE_INTERNAL,
+    Scheduler, ServiceValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, ct_state,
+    frag_action, frag_hook,
+    ipv6::{Affinity6Key, Ct6Key, Ct6Value, MAP_CONNTRACK6},
+    service_flags,
 };
 
 use crate::{
@@ -13,7 +22,10 @@ use crate::{
     dataplane::{
         bpffs::PinLayout,
         clock::monotonic_ns,
-        maps::{Affinity, Conntrack, Fragments, LcCounts, ServiceMaps, Snat, Stats},
+        maps::{
+            Affinity, Conntrack, Conntrack6, Fragments, Ipv6Tables, LcCounts, ServiceMaps, Snat,
+            Stats,
+        },
     },
     pipeline::{
         encode,
@@ -30,18 +42,34 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
         );
     }
     Ok(match what {
-        DumpWhat::Services => services_table(&ServiceMaps::open_pinned(pins)?.read_programmed()?),
+        DumpWhat::Services => services_table(
+            &ServiceMaps::open_pinned(pins)?.read_programmed()?,
+            &Ipv6Tables::read_pinned(pins)?,
+        ),
         DumpWhat::Backends => {
             let p = ServiceMaps::open_pinned(pins)?.read_programmed()?;
+            let v6 = Ipv6Tables::read_pinned(pins)?;
             // Maps pinned by an agent without least connection: no counts to show.
             let flows = match LcCounts::open_pinned(pins) {
-                Ok(lc) => p.backends.ids().map(|id| (id, lc.effective(id))).collect(),
+                Ok(lc) => (p.backends.ids().chain(v6.backends.keys().copied()))
+                    .map(|id| (id, lc.effective(id)))
+                    .collect(),
                 Err(_) => BTreeMap::new(),
             };
-            backends_table(&p, &flows)
+            backends_table(&p, &v6, &flows)
         }
         DumpWhat::Conntrack => {
-            conntrack_table(&Conntrack::open_pinned(pins)?.entries(), monotonic_ns())
+            // Maps pinned by an agent without IPv6: no IPv6 flows.
+            let flows6 = if pins.map(MAP_CONNTRACK6).exists() {
+                Conntrack6::open_pinned(pins)?.entries()
+            } else {
+                Vec::new()
+            };
+            conntrack_table(
+                &Conntrack::open_pinned(pins)?.entries(),
+                &flows6,
+                monotonic_ns(),
+            )
         }
         DumpWhat::Stats => stats_table(&Stats::open_pinned(pins)?.read()?),
         DumpWhat::Snat => snat_table(&Snat::open_pinned(pins)?.entries(), monotonic_ns()),
@@ -51,6 +79,7 @@ pub fn dump(pins: &PinLayout, what: DumpWhat) -> anyhow::Result<String> {
         DumpWhat::Affinity => affinity_table(
             &Affinity::open_pinned(pins)?.entries(),
             &ServiceMaps::open_pinned(pins)?.read_programmed()?,
+            &Ipv6Tables::read_pinned(pins)?,
             monotonic_ns(),
         ),
         DumpWhat::Maglev => {
@@ -173,8 +202,20 @@ pub fn maglev_table(p: &Programmed, entries: &BTreeMap<u32, Vec<u16>>) -> String
     out
 }
 
-/// One row per frontend: its scheduler, session affinity timeout and backends in slot order.
-pub fn services_table(p: &Programmed) -> String {
+/// `IPv4`/`IPv6`: upstream's `ip_family` label values.
+const IPV4: &str = "IPv4";
+const IPV6: &str = "IPv6";
+
+/// An IPv6 endpoint as URLs write it.
+fn endpoint6(addr: [u8; 16], port: [u8; 2]) -> String {
+    format!("[{}]:{}", Ipv6Addr::from(addr), u16::from_be_bytes(port))
+}
+
+/// One row per frontend, IPv4 then IPv6: its scheduler, session affinity timeout and backends
+/// in slot order.
+pub fn services_table(p: &Programmed, v6: &Ipv6Tables) -> String {
+    // (family, frontend, protocol, entry, targets)
+    let mut rows: Vec<(&str, String, String, ServiceValue, Vec<String>)> = Vec::new();
     let mut frontends: BTreeMap<_, (ServiceValue, Vec<String>)> = BTreeMap::new();
     for (key, value) in &p.services {
         if key.slot != 0 {
@@ -201,11 +242,36 @@ pub fn services_table(p: &Programmed) -> String {
             .collect();
         frontends.insert(fe, (value, backends));
     }
+    for (fe, (value, backends)) in frontends {
+        let name = match fe.scope {
+            Scope::AllClients => format!("{}:{}", fe.addr, fe.port),
+            Scope::InCluster => format!("{}:{} (in-cluster)", fe.addr, fe.port),
+        };
+        rows.push((IPV4, name, fe.protocol.to_string(), value, backends));
+    }
+    for (key, value) in v6.services.iter().filter(|(k, _)| k.slot == 0) {
+        let backends = (1..=value.count)
+            .map(
+                |slot| match v6.services.get(&key.with_slot(slot)).map(|s| s.backend_id) {
+                    Some(id) => match v6.backends.get(&id) {
+                        Some(b) => format!("{} (#{id})", endpoint6(b.addr, b.port)),
+                        None => format!("#{id} (missing)"),
+                    },
+                    None => format!("slot {slot} (missing)"),
+                },
+            )
+            .collect();
+        let mut name = endpoint6(key.addr, key.port);
+        if key.scope == SCOPE_INTERNAL {
+            name.push_str(" (in-cluster)");
+        }
+        rows.push((IPV6, name, proto_name(key.proto), *value, backends));
+    }
     let mut out = format!(
-        "{:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}\n",
-        "FRONTEND", "PROTO", "REVNAT", "SCHED", "AFFINITY", "BACKENDS", "TARGETS"
+        "{:<6} {:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}\n",
+        "FAMILY", "FRONTEND", "PROTO", "REVNAT", "SCHED", "AFFINITY", "BACKENDS", "TARGETS"
     );
-    for (fe, (value, backends)) in &frontends {
+    for (family, fe, protocol, value, backends) in &rows {
         let targets = if backends.is_empty() {
             "(none: rejected)".to_string()
         } else {
@@ -213,12 +279,10 @@ pub fn services_table(p: &Programmed) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}",
-            match fe.scope {
-                Scope::AllClients => format!("{}:{}", fe.addr, fe.port),
-                Scope::InCluster => format!("{}:{} (in-cluster)", fe.addr, fe.port),
-            },
-            fe.protocol,
+            "{:<6} {:<34} {:<6} {:>6} {:<6} {:>8} {:>8}  {}",
+            family,
+            fe,
+            protocol,
             value.rev_nat_id,
             scheduler_text(value.scheduler),
             affinity_text(value),
@@ -229,27 +293,33 @@ pub fn services_table(p: &Programmed) -> String {
     out
 }
 
-/// The backends, with their active-flow counts (`flows`, by id: what least connection compares;
-/// `-` when unknown).
-pub fn backends_table(p: &Programmed, flows: &BTreeMap<u32, u64>) -> String {
+/// The backends of both families, with their active-flow counts (`flows`, by id: what least
+/// connection compares; `-` when unknown).
+pub fn backends_table(p: &Programmed, v6: &Ipv6Tables, flows: &BTreeMap<u32, u64>) -> String {
     let mut out = format!(
-        "{:>6}  {:<22} {:<6} {:>6}  {}\n",
-        "ID", "ADDRESS", "PROTO", "FLOWS", "FLAGS"
+        "{:<6} {:>6}  {:<22} {:<6} {:>6}  {}\n",
+        "FAMILY", "ID", "ADDRESS", "PROTO", "FLOWS", "FLAGS"
     );
     let mut ids: Vec<_> = p.backends.ids().collect();
     ids.sort_unstable();
-    for id in ids {
+    let v4 = ids.into_iter().map(|id| {
         let b = p.backends[&id];
+        (IPV4, id, endpoint(b.addr, b.port), b.proto, b.flags)
+    });
+    let v6 = (v6.backends.iter())
+        .map(|(&id, b)| (IPV6, id, endpoint6(b.addr, b.port), b.proto, b.flags));
+    for (family, id, addr, proto, flags) in v4.chain(v6) {
         let _ = writeln!(
             out,
-            "{:>6}  {:<22} {:<6} {:>6}  {}",
+            "{:<6} {:>6}  {:<22} {:<6} {:>6}  {}",
+            family,
             id,
-            format!("{}:{}", Ipv4Addr::from(b.addr), u16::from_be_bytes(b.port)),
-            proto_name(b.proto),
+            addr,
+            proto_name(proto),
             flows
                 .get(&id)
                 .map_or_else(|| "-".to_string(), u64::to_string),
-            flags_text(b.flags)
+            flags_text(flags)
         );
     }
     out
@@ -280,6 +350,7 @@ fn endpoint(addr: [u8; 4], port: [u8; 2]) -> String {
 
 /// One translated flow entry, as both flow tables print it.
 struct FlowRow {
+    family: &'static str,
     dir: &'static str,
     proto: u8,
     src: String,
@@ -300,6 +371,7 @@ impl FlowRow {
         now: u64,
     ) -> Self {
         Self {
+            family: IPV4,
             dir,
             proto: k.proto,
             src: endpoint(k.saddr, k.sport),
@@ -314,13 +386,14 @@ impl FlowRow {
 /// A table of flow rows (conntrack, SNAT), in the given order, with one header line.
 fn flow_table(rows: Vec<FlowRow>) -> String {
     let mut out = format!(
-        "{:<6} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}\n",
-        "DIR", "PROTO", "SOURCE", "DESTINATION", "NAT", "STATE", "IDLE_S"
+        "{:<6} {:<6} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}\n",
+        "FAMILY", "DIR", "PROTO", "SOURCE", "DESTINATION", "NAT", "STATE", "IDLE_S"
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{:<6} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}",
+            "{:<6} {:<6} {:<5} {:<22} {:<22} {:<24} {:<12} {:>8}",
+            r.family,
             r.dir,
             proto_name(r.proto),
             r.src,
@@ -337,35 +410,69 @@ fn idle_s(now_ns: u64, last_seen_ns: u64) -> u64 {
     now_ns.saturating_sub(last_seen_ns) / 1_000_000_000
 }
 
-pub fn conntrack_table(entries: &[(CtKey, CtValue)], now_ns: u64) -> String {
+/// Both conntrack maps: the IPv4 flows, then the IPv6 ones, each ORIGINAL then REPLY.
+pub fn conntrack_table(
+    entries: &[(CtKey, CtValue)],
+    entries6: &[(Ct6Key, Ct6Value)],
+    now_ns: u64,
+) -> String {
+    let dir_name = |dir| {
+        if dir == ct_dir::ORIGINAL {
+            "orig"
+        } else {
+            "reply"
+        }
+    };
     let mut entries: Vec<_> = entries.iter().collect();
     entries.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
-    flow_table(
-        entries
-            .into_iter()
-            .map(|(k, v)| {
-                let (dir, nat) = if k.dir == ct_dir::ORIGINAL {
-                    ("orig", ct_translation(v, ct_dir::ORIGINAL))
-                } else {
-                    ("reply", ct_translation(v, ct_dir::REPLY))
-                };
-                FlowRow::new(k, dir, nat, v.state, v.last_seen_ns, now_ns)
-            })
-            .collect(),
-    )
+    let mut entries6: Vec<_> = entries6.iter().collect();
+    entries6.sort_by_key(|(k, _)| (k.dir, k.saddr, k.sport, k.daddr, k.dport));
+    let v4 = entries.into_iter().map(|(k, v)| {
+        let nat = ct_translation(
+            (v.flags, v.nat_sport),
+            endpoint(v.backend_addr, v.backend_port),
+            endpoint(v.frontend_addr, v.frontend_port),
+            k.dir,
+        );
+        FlowRow::new(k, dir_name(k.dir), nat, v.state, v.last_seen_ns, now_ns)
+    });
+    let v6 = entries6.into_iter().map(|(k, v)| {
+        let nat = ct_translation(
+            (v.flags, v.nat_sport),
+            endpoint6(v.backend_addr, v.backend_port),
+            endpoint6(v.frontend_addr, v.frontend_port),
+            k.dir,
+        );
+        FlowRow {
+            family: IPV6,
+            dir: dir_name(k.dir),
+            proto: k.proto,
+            src: endpoint6(k.saddr, k.sport),
+            dst: endpoint6(k.daddr, k.dport),
+            nat,
+            state: v.state,
+            idle_s: idle_s(now_ns, v.last_seen_ns),
+        }
+    });
+    flow_table(v4.chain(v6).collect())
 }
 
 /// What a conntrack entry does to its direction's packets: the address it rewrites (none for a
 /// flow straight to a pod, `direct`), and the client port a reply-tuple clash moved it to.
-fn ct_translation(v: &CtValue, dir: u8) -> String {
-    let moved = v.flags & ct_flags::SPORT_NAT != 0;
-    let port = u16::from_be_bytes(v.nat_sport);
-    let mut out = if v.flags & ct_flags::DIRECT != 0 {
+fn ct_translation(
+    (flags, nat_sport): (u8, [u8; 2]),
+    backend: String,
+    frontend: String,
+    dir: u8,
+) -> String {
+    let moved = flags & ct_flags::SPORT_NAT != 0;
+    let port = u16::from_be_bytes(nat_sport);
+    let mut out = if flags & ct_flags::DIRECT != 0 {
         "direct".to_owned()
     } else if dir == ct_dir::ORIGINAL {
-        format!("→ {}", endpoint(v.backend_addr, v.backend_port))
+        format!("→ {backend}")
     } else {
-        format!("← {}", endpoint(v.frontend_addr, v.frontend_port))
+        format!("← {frontend}")
     };
     if moved {
         out.push_str(&if dir == ct_dir::ORIGINAL {
@@ -443,9 +550,11 @@ pub fn fragments_table(entries: &[(FragKey, FragValue)], now_ns: u64) -> String 
 pub fn affinity_table(
     records: &[(AffinityKey, AffinityValue)],
     p: &Programmed,
+    v6: &Ipv6Tables,
     now_ns: u64,
 ) -> String {
-    // Affinity id → (its frontends, their timeout).
+    // Affinity id → (its frontends, their timeout); an id names a Service port, whose frontends
+    // of both families share it.
     let mut scopes: BTreeMap<u32, (Vec<String>, u32)> = BTreeMap::new();
     let mut frontends: Vec<_> = p
         .services
@@ -454,12 +563,24 @@ pub fn affinity_table(
         .filter_map(|(k, v)| Some((encode::decode_service_key(k)?.0, v)))
         .collect();
     frontends.sort_by_key(|(fe, _)| *fe);
-    for (fe, v) in frontends {
-        let scope = scopes.entry(v.affinity_id).or_default();
+    let named4 = frontends.into_iter().map(|(fe, v)| {
         let name = match fe.scope {
             Scope::AllClients => format!("{}:{}/{}", fe.addr, fe.port, fe.protocol),
             Scope::InCluster => format!("{}:{}/{} (in-cluster)", fe.addr, fe.port, fe.protocol),
         };
+        (name, v)
+    });
+    let named6 = (v6.services.iter())
+        .filter(|(k, v)| k.slot == 0 && v.flags & proxy_common::service_flags::AFFINITY != 0)
+        .map(|(k, v)| {
+            let mut name = format!("{}/{}", endpoint6(k.addr, k.port), proto_name(k.proto));
+            if k.scope == SCOPE_INTERNAL {
+                name.push_str(" (in-cluster)");
+            }
+            (name, *v)
+        });
+    for (name, v) in named4.chain(named6) {
+        let scope = scopes.entry(v.affinity_id).or_default();
         if !scope.0.contains(&name) {
             scope.0.push(name);
         }
@@ -467,22 +588,52 @@ pub fn affinity_table(
     }
     let mut records: Vec<_> = records.iter().collect();
     records.sort_by_key(|(k, _)| (k.affinity_id, k.client));
+    let mut records6: Vec<&(Affinity6Key, AffinityValue)> = v6.affinity.iter().collect();
+    records6.sort_by_key(|(k, _)| (k.affinity_id, k.client));
+    // (family, affinity id, client, record, endpoint)
+    let v4 = records.into_iter().map(|(k, v)| {
+        let endpoint = p
+            .backends
+            .get(&v.backend_id)
+            .map(|b| endpoint(b.addr, b.port));
+        (
+            IPV4,
+            k.affinity_id,
+            Ipv4Addr::from(k.client).to_string(),
+            v,
+            endpoint,
+        )
+    });
+    let v6_rows = records6.into_iter().map(|(k, v)| {
+        let endpoint = v6
+            .backends
+            .get(&v.backend_id)
+            .map(|b| endpoint6(b.addr, b.port));
+        (
+            IPV6,
+            k.affinity_id,
+            Ipv6Addr::from(k.client).to_string(),
+            v,
+            endpoint,
+        )
+    });
     let mut out = format!(
-        "{:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}
-",
-        "SCOPE", "CLIENT", "ENDPOINT", "IDLE_S", "TIMEOUT_S", "STATE", "SERVICE PORT FRONTENDS"
+        "{:<6} {:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}\n",
+        "FAMILY",
+        "SCOPE",
+        "CLIENT",
+        "ENDPOINT",
+        "IDLE_S",
+        "TIMEOUT_S",
+        "STATE",
+        "SERVICE PORT FRONTENDS"
     );
-    for (k, v) in records {
-        let endpoint = match p.backends.get(&v.backend_id) {
-            Some(b) => format!(
-                "{}:{} (#{})",
-                Ipv4Addr::from(b.addr),
-                u16::from_be_bytes(b.port),
-                v.backend_id
-            ),
+    for (family, affinity_id, client, v, endpoint) in v4.chain(v6_rows) {
+        let endpoint = match endpoint {
+            Some(e) => format!("{e} (#{})", v.backend_id),
             None => format!("#{} (gone)", v.backend_id),
         };
-        let (frontends, timeout, state) = match scopes.get(&k.affinity_id) {
+        let (frontends, timeout, state) = match scopes.get(&affinity_id) {
             Some((names, timeout)) => {
                 let live = proxy_common::affinity_live(v.last_used_ns, now_ns, *timeout);
                 (
@@ -495,9 +646,10 @@ pub fn affinity_table(
         };
         let _ = writeln!(
             out,
-            "{:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}",
-            k.affinity_id,
-            Ipv4Addr::from(k.client).to_string(),
+            "{:<6} {:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}",
+            family,
+            affinity_id,
+            client,
             endpoint,
             idle_s(now_ns, v.last_used_ns),
             timeout,
@@ -570,8 +722,8 @@ mod tests {
             };
             p.backends.insert(id, b);
         }
-        let out = backends_table(&p, &BTreeMap::from([(1, 3)]));
-        let want = "    ID  ADDRESS                PROTO   FLOWS  FLAGS\n     1  10.244.1.11:8080       TCP         3  -\n     2  10.244.1.12:8080       TCP         -  local\n";
+        let out = backends_table(&p, &Ipv6Tables::default(), &BTreeMap::from([(1, 3)]));
+        let want = "FAMILY     ID  ADDRESS                PROTO   FLOWS  FLAGS\nIPv4        1  10.244.1.11:8080       TCP         3  -\nIPv4        2  10.244.1.12:8080       TCP         -  local\n";
         assert_eq!(out, want);
     }
 
@@ -680,7 +832,7 @@ mod tests {
             },
         );
         p.services.insert(inner.with_slot(1), ServiceValue::slot(8));
-        let t = services_table(&p);
+        let t = services_table(&p, &Ipv6Tables::default());
         assert!(
             t.lines()
                 .next()
@@ -689,9 +841,13 @@ mod tests {
         );
         let row = |start: &str| {
             t.lines()
-                .find(|l| l.starts_with(start))
+                .find(|l| {
+                    l.strip_prefix("IPv4   ")
+                        .is_some_and(|r| r.starts_with(start))
+                })
                 .unwrap_or_else(|| panic!("no row {start} in\n{t}"))
                 .split_whitespace()
+                .skip(1)
                 .collect::<Vec<_>>()
         };
         assert_eq!(
@@ -715,12 +871,12 @@ mod tests {
             },
         );
         assert!(
-            services_table(&unknown).contains(" ?9 "),
+            services_table(&unknown, &Ipv6Tables::default()).contains(" ?9 "),
             "an unknown code is shown as such"
         );
         let row = t
             .lines()
-            .find(|l| l.starts_with("10.96.0.10:80 (in-cluster)"))
+            .find(|l| l.starts_with("IPv4   10.96.0.10:80 (in-cluster)"))
             .unwrap_or_else(|| panic!("no in-cluster row in\n{t}"));
         assert!(row.ends_with("  10.244.1.12:8080 (#8)"), "{row}");
         assert!(
@@ -776,16 +932,17 @@ mod tests {
                     value,
                 ),
             ],
+            &[],
             4_000_000_000,
         );
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 3, "{table}");
         assert!(
-            lines[1].starts_with("orig") && lines[1].contains("→ 10.244.1.11:8080"),
+            lines[1].starts_with("IPv4   orig") && lines[1].contains("→ 10.244.1.11:8080"),
             "{table}"
         );
         assert!(
-            lines[2].starts_with("reply") && lines[2].contains("← 10.96.0.10:80"),
+            lines[2].starts_with("IPv4   reply") && lines[2].contains("← 10.96.0.10:80"),
             "{table}"
         );
         assert!(
@@ -827,6 +984,7 @@ mod tests {
                 (key(40000, [10, 244, 1, 11], 8080, ct_dir::ORIGINAL), direct),
                 (key(40000, [10, 96, 0, 11], 80, ct_dir::ORIGINAL), moved),
             ],
+            &[],
             1,
         );
         assert!(table.contains("direct"), "{table}");
@@ -883,12 +1041,13 @@ mod tests {
                 record(5, [10, 244, 2, 4], 9, 999),
             ],
             &p,
+            &Ipv6Tables::default(),
             now,
         );
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 4, "{table}");
         assert!(
-            lines[1].starts_with("5 ")
+            lines[1].starts_with("IPv4   5 ")
                 && lines[1].contains("#9 (gone)")
                 && lines[1].contains("stale")
                 && lines[1].contains("(none)"),
@@ -1008,13 +1167,167 @@ mod tests {
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 3, "{table}");
         assert!(
-            lines[1].starts_with("out") && lines[1].contains("src → 192.168.50.10:61234"),
+            lines[1].starts_with("IPv4   out") && lines[1].contains("src → 192.168.50.10:61234"),
             "{table}"
         );
         assert!(
-            lines[2].starts_with("in") && lines[2].contains("dst → 192.168.50.100:40000"),
+            lines[2].starts_with("IPv4   in") && lines[2].contains("dst → 192.168.50.100:40000"),
             "{table}"
         );
         assert!(lines[1].contains("established"), "{table}");
+    }
+
+    /// The IPv6 maps' Services, backends, flows and affinity records: rows of family IPv6 after
+    /// the IPv4 ones, addresses as `[addr]:port`, backends resolved from `BACKENDS6_V1`, and an
+    /// affinity id shared with an IPv4 frontend names both families' frontends.
+    #[test]
+    fn ipv6_rows_follow_the_ipv4_ones_with_their_family_and_bracketed_addresses() {
+        use proxy_common::ipv6::{Backend6, Service6Key};
+        let a6 = |s: &str| s.parse::<Ipv6Addr>().unwrap().octets();
+        let mut p = Programmed::default();
+        let fe4 = ServiceKey::new([10, 96, 0, 10], 80u16.to_be_bytes(), proto::TCP, 0);
+        let affinity = ServiceValue {
+            affinity_timeout_s: 60,
+            affinity_id: 4,
+            ..ServiceValue::frontend_with_flags(1, 1, service_flags::AFFINITY)
+        };
+        p.services.insert(fe4, affinity);
+        p.services.insert(fe4.with_slot(1), ServiceValue::slot(1));
+        p.backends.insert(
+            1,
+            Backend {
+                addr: [10, 244, 1, 11],
+                port: 8080u16.to_be_bytes(),
+                proto: proto::TCP,
+                flags: 0,
+            },
+        );
+        let mut v6 = Ipv6Tables::default();
+        let fe6 = Service6Key::new(a6("fd00:96::10"), 80u16.to_be_bytes(), proto::TCP, 0);
+        v6.services.insert(
+            fe6,
+            ServiceValue {
+                rev_nat_id: 7,
+                ..affinity
+            },
+        );
+        v6.services.insert(fe6.with_slot(1), ServiceValue::slot(2));
+        let empty6 = Service6Key::new(a6("fd00:96::99"), 53u16.to_be_bytes(), proto::UDP, 0);
+        v6.services.insert(empty6, ServiceValue::frontend(0, 8));
+        v6.backends.insert(
+            2,
+            Backend6 {
+                addr: a6("fd00:244:1::11"),
+                port: 8080u16.to_be_bytes(),
+                proto: proto::TCP,
+                flags: backend_flags::LOCAL,
+            },
+        );
+        let client = a6("fd00:244:2::5");
+        v6.affinity.push((
+            Affinity6Key {
+                affinity_id: 4,
+                client,
+            },
+            AffinityValue {
+                backend_id: 2,
+                _pad: 0,
+                last_used_ns: 990_000_000_000,
+            },
+        ));
+
+        let t = services_table(&p, &v6);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        assert!(lines[0].starts_with("FAMILY FRONTEND"), "{t}");
+        assert!(lines[1].starts_with("IPv4   10.96.0.10:80 "), "{t}");
+        let row6: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(
+            row6,
+            [
+                "IPv6",
+                "[fd00:96::10]:80",
+                "TCP",
+                "7",
+                "random",
+                "60s",
+                "1",
+                "[fd00:244:1::11]:8080",
+                "(#2)"
+            ],
+            "{t}"
+        );
+        assert!(
+            lines[3].starts_with("IPv6   [fd00:96::99]:53 ")
+                && lines[3].ends_with("(none: rejected)"),
+            "{t}"
+        );
+
+        let b = backends_table(&p, &v6, &BTreeMap::from([(2, 5)]));
+        assert!(
+            b.ends_with("IPv6        2  [fd00:244:1::11]:8080  TCP         5  local\n"),
+            "{b}"
+        );
+
+        let flow = Ct6Value {
+            last_seen_ns: 1_000_000_000,
+            frontend_addr: a6("fd00:96::10"),
+            frontend_port: 80u16.to_be_bytes(),
+            backend_addr: a6("fd00:244:1::11"),
+            backend_port: 8080u16.to_be_bytes(),
+            state: ct_state::ESTABLISHED,
+            ..Default::default()
+        };
+        let original = Ct6Key {
+            saddr: client,
+            daddr: flow.frontend_addr,
+            sport: 40000u16.to_be_bytes(),
+            dport: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let reply = Ct6Key {
+            saddr: flow.backend_addr,
+            daddr: client,
+            sport: flow.backend_port,
+            dport: original.sport,
+            dir: ct_dir::REPLY,
+            ..original
+        };
+        let c = conntrack_table(&[], &[(reply, flow), (original, flow)], 3_000_000_000);
+        let lines: Vec<&str> = c.lines().collect();
+        assert_eq!(lines.len(), 3, "{c}");
+        let orig: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(
+            orig,
+            [
+                "IPv6",
+                "orig",
+                "TCP",
+                "[fd00:244:2::5]:40000",
+                "[fd00:96::10]:80",
+                "→",
+                "[fd00:244:1::11]:8080",
+                "established",
+                "2"
+            ],
+            "{c}"
+        );
+        assert!(
+            lines[2].starts_with("IPv6   reply") && lines[2].contains("← [fd00:96::10]:80"),
+            "{c}"
+        );
+
+        let a = affinity_table(&[], &p, &v6, 1_000_000_000_000);
+        let lines: Vec<&str> = a.lines().collect();
+        assert_eq!(lines.len(), 2, "{a}");
+        assert!(
+            lines[1].starts_with("IPv6   4          fd00:244:2::5")
+                && lines[1].contains("[fd00:244:1::11]:8080 (#2)")
+                && lines[1].contains("live")
+                && lines[1].ends_with("10.96.0.10:80/TCP, [fd00:96::10]:80/TCP"),
+            "{a}"
+        );
     }
 }

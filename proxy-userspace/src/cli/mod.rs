@@ -176,6 +176,12 @@ pub struct RunArgs {
     /// first created; given, it wins over --conntrack-max-per-core/--conntrack-min.
     #[arg(long, env = "KPE_MAP_SNAT")]
     pub map_entries_snat: Option<u32>,
+    /// Capacity of the IPv6 CONNTRACK6 LRU map in entries (two per flow), used when the map is
+    /// first created. Not derived from --conntrack-max-per-core: the map is preallocated
+    /// (≈ 150 B an entry) whether or not the cluster has IPv6 Services, so it keeps the built-in
+    /// 65536 entries unless given.
+    #[arg(long, env = "KPE_MAP_CONNTRACK6")]
+    pub map_entries_conntrack6: Option<u32>,
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
@@ -237,6 +243,7 @@ impl RunArgs {
             conntrack_min: self.conntrack_min,
             map_entries_conntrack: self.map_entries_conntrack,
             map_entries_snat: self.map_entries_snat,
+            map_entries_conntrack6: self.map_entries_conntrack6,
             map_entries_services: self.map_entries_services,
             map_entries_backends: self.map_entries_backends,
             map_entries_revnat: self.map_entries_revnat,

@@ -1,5 +1,6 @@
-//! The flow-map garbage collection off the sync loop: one thread walks `CONNTRACK_V1` (idle and
-//! dead flows out, least-connection counts reconciled, `crate::dataplane::lc_counts`) and sweeps
+//! The flow-map garbage collection off the sync loop: one thread walks `CONNTRACK_V1` and
+//! `CONNTRACK6_V1` (idle and dead flows out, least-connection counts reconciled over both
+//! families' flows, which share the backend ids: `crate::dataplane::lc_counts`) and sweeps
 //! `SNAT_V1` (`crate::dataplane::snat_gc`). At 500,000 backends a walk reads 500,000 counts and
 //! takes about half a second; on the loop it delayed every change that arrived meanwhile.
 //!
@@ -22,18 +23,26 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_common::{CtKey, CtValue, DatapathConfig, ct_flags, proto, timeouts::idle_expired};
+use proxy_common::{
+    CtKey, CtValue, DatapathConfig, ct_flags,
+    ipv6::{Backend6, Ct6Key, Ct6Value},
+    proto,
+    timeouts::idle_expired,
+};
 use tracing::warn;
 
 use crate::dataplane::{
     clock::monotonic_ns,
-    lc_counts,
-    maps::{Conntrack, LcCounts, Snat},
+    lc_counts::{self, Listing},
+    maps::{Conntrack, Conntrack6, LcCounts, Snat},
     snat_gc::{self, Collected},
 };
 
 /// The programmed backends by id, as the walk judges flows and counts.
 pub type Backends = crate::pipeline::programmed::BackendEntries;
+
+/// The programmed IPv6 backends by id (`BACKENDS6_V1`; ids from the same space as IPv4's).
+pub type Backends6 = std::collections::HashMap<u32, Backend6>;
 
 /// Pure: should the walk drop this conntrack entry? Idle past its timeout, or a UDP flow whose
 /// backend is gone (or whose id now names another address).
@@ -63,10 +72,46 @@ pub fn flow_is_dead(
     key.proto == proto::UDP && !backend_alive
 }
 
+/// Pure: [`flow_is_dead`] for an IPv6 flow. `backends6` `None`: the agent does not program IPv6
+/// backends (maps written by someone else), so no flow is judged by its backend, only by idle time.
+pub fn flow_is_dead6(
+    key: &Ct6Key,
+    value: &Ct6Value,
+    now_ns: u64,
+    config: &DatapathConfig,
+    backends6: Option<&Backends6>,
+) -> bool {
+    if idle_expired(
+        value.last_seen_ns,
+        key.proto,
+        value.state,
+        value.flags,
+        now_ns,
+        config,
+    ) {
+        return true;
+    }
+    if value.flags & ct_flags::DIRECT != 0 {
+        return false;
+    }
+    key.proto == proto::UDP && !backend6_current(value, backends6)
+}
+
+/// Does the IPv6 flow's backend id still name the backend it was created with (`None`: not
+/// known, taken as yes)?
+fn backend6_current(value: &Ct6Value, backends6: Option<&Backends6>) -> bool {
+    backends6.is_none_or(|b| {
+        b.get(&value.backend_id)
+            .is_some_and(|b| b.addr == value.backend_addr && b.port == value.backend_port)
+    })
+}
+
 /// The maps a walk reads and cleans (the pinned maps; a fake in tests).
 pub trait FlowMaps: Send + 'static {
     fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)>;
     fn remove_conntrack(&mut self, key: &CtKey);
+    fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)>;
+    fn remove_conntrack6(&mut self, key: &Ct6Key);
     /// Backend ids below this have a least-connection count.
     fn lc_ids(&self) -> u32;
     fn lc_active(&self, id: u32) -> u64;
@@ -77,6 +122,7 @@ pub trait FlowMaps: Send + 'static {
 /// The agent's pinned flow maps.
 pub struct PinnedFlowMaps {
     pub conntrack: Conntrack,
+    pub conntrack6: Conntrack6,
     pub snat: Snat,
     pub lc: LcCounts,
 }
@@ -88,6 +134,14 @@ impl FlowMaps for PinnedFlowMaps {
 
     fn remove_conntrack(&mut self, key: &CtKey) {
         self.conntrack.remove(key);
+    }
+
+    fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)> {
+        self.conntrack6.entries()
+    }
+
+    fn remove_conntrack6(&mut self, key: &Ct6Key) {
+        self.conntrack6.remove(key);
     }
 
     fn lc_ids(&self) -> u32 {
@@ -111,6 +165,8 @@ impl FlowMaps for PinnedFlowMaps {
 pub struct Walk {
     /// The programmed backends when the walk was asked for.
     pub backends: Backends,
+    /// The programmed IPv6 backends then (`None`: the agent does not program them).
+    pub backends6: Option<Backends6>,
     /// CLOCK_MONOTONIC when `backends` was copied.
     pub copied_ns: u64,
     /// Sweep SNAT too (the periodic pass).
@@ -122,6 +178,8 @@ pub struct Walk {
 pub struct Walked {
     pub conntrack_listed: usize,
     pub conntrack_removed: usize,
+    pub conntrack6_listed: usize,
+    pub conntrack6_removed: usize,
     pub took: Duration,
     pub snat: Option<Collected>,
 }
@@ -200,17 +258,28 @@ impl<M: FlowMaps> Walker<M> {
                 *w = None;
             }
         }
-        let programmed_max = walk.backends.ids().max().unwrap_or(0);
+        let programmed_max = walk
+            .backends
+            .ids()
+            .chain(walk.backends6.iter().flat_map(|b| b.keys().copied()))
+            .max()
+            .unwrap_or(0);
         let max_id = programmed_max
             .max(self.lc_max_id)
             .min(self.maps.lc_ids().saturating_sub(1));
-        let (config, backends, shared, copied) =
-            (&self.config, &walk.backends, &self.shared, walk.copied_ns);
+        let (config, backends, backends6, shared, copied) = (
+            &self.config,
+            &walk.backends,
+            walk.backends6.as_ref(),
+            &self.shared,
+            walk.copied_ns,
+        );
+        // Judged by its backend only if the copy still says what the id holds.
+        let judged = |created_ns: u64, backend_id: u32| {
+            created_ns <= copied && !lock(shared).changed_since(backend_id, copied)
+        };
         let maps = &self.maps;
-        let done = lc_counts::reconcile(
-            1..=max_id,
-            |id| maps.lc_active(id),
-            monotonic_ns,
+        let v4 = Listing::ipv4(
             || maps.conntrack_entries(),
             |key, value, now| {
                 if idle_expired(
@@ -223,15 +292,27 @@ impl<M: FlowMaps> Walker<M> {
                 ) {
                     return true;
                 }
-                // Judged by its backend only if the copy still says what the id holds.
-                value.created_ns <= copied
-                    && !lock(shared).changed_since(value.backend_id, copied)
+                judged(value.created_ns, value.backend_id)
                     && flow_is_dead(key, value, now, config, backends)
             },
             backends,
         );
+        let v6 = Listing::<Ct6Value> {
+            list: Box::new(|| maps.conntrack6_entries()),
+            dead: Box::new(|key, value, now| {
+                // Idle expiry first (`flow_is_dead6` with no backends judges nothing else).
+                flow_is_dead6(key, value, now, config, None)
+                    || (judged(value.created_ns, value.backend_id)
+                        && flow_is_dead6(key, value, now, config, backends6))
+            }),
+            current: Box::new(|v| backend6_current(v, backends6)),
+        };
+        let done = lc_counts::reconcile(1..=max_id, |id| maps.lc_active(id), monotonic_ns, v4, v6);
         for key in &done.dead {
             self.maps.remove_conntrack(key);
+        }
+        for key in &done.dead6 {
+            self.maps.remove_conntrack6(key);
         }
         let ids = max_id as usize + 1;
         if self.lc_written.len() < ids {
@@ -265,6 +346,8 @@ impl<M: FlowMaps> Walker<M> {
         Walked {
             conntrack_listed: done.total,
             conntrack_removed: done.dead.len(),
+            conntrack6_listed: done.total6,
+            conntrack6_removed: done.dead6.len(),
             took: started.elapsed(),
             snat,
         }
@@ -324,10 +407,17 @@ impl FlowGc {
         })
     }
 
-    /// Asks for a walk over `backends` (copied by the caller just now). Returns at once.
+    /// Asks for a walk over `backends` (copied by the caller just now), with no IPv6 backends
+    /// known (see [`Walk::backends6`]). Returns at once.
     pub fn request(&self, backends: Backends, snat: bool) {
+        self.request_dual(backends, None, snat);
+    }
+
+    /// [`FlowGc::request`] with the programmed IPv6 backends too.
+    pub fn request_dual(&self, backends: Backends, backends6: Option<Backends6>, snat: bool) {
         let walk = Walk {
             backends,
+            backends6,
             copied_ns: monotonic_ns(),
             snat,
         };
@@ -364,13 +454,14 @@ impl Drop for FlowGc {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{Backend, ct_dir, ct_state};
+    use proxy_common::{Backend, ct_dir, ct_state, ipv6::Backend6};
 
     use super::*;
 
     /// Flow maps in memory; `entries()` waits for a go from the test (a walk held mid-way).
     struct Fake {
         conntrack: Vec<(CtKey, CtValue)>,
+        conntrack6: Vec<(Ct6Key, Ct6Value)>,
         flows: Vec<u64>,
         adjust: Arc<Mutex<Vec<u64>>>,
         listing: Arc<Mutex<mpsc::Receiver<()>>>,
@@ -386,6 +477,14 @@ mod tests {
 
         fn remove_conntrack(&mut self, key: &CtKey) {
             self.conntrack.retain(|(k, _)| k != key);
+        }
+
+        fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)> {
+            self.conntrack6.clone()
+        }
+
+        fn remove_conntrack6(&mut self, key: &Ct6Key) {
+            self.conntrack6.retain(|(k, _)| k != key);
         }
 
         fn lc_ids(&self) -> u32 {
@@ -452,6 +551,7 @@ mod tests {
         let adjust = Arc::new(Mutex::new(vec![0u64; 4]));
         let fake = Fake {
             conntrack: (1..=3).map(|p| counted_flow(p, 11)).collect(),
+            conntrack6: Vec::new(),
             // The datapath counted the old backend's three flows on id 1.
             flows: vec![0, 3, 0, 0],
             adjust: adjust.clone(),
@@ -504,6 +604,7 @@ mod tests {
         let adjust = Arc::new(Mutex::new(vec![0u64; 4]));
         let fake = Fake {
             conntrack: vec![counted_flow(1, 11)],
+            conntrack6: Vec::new(),
             flows: vec![0, 1, 0, 0],
             adjust: adjust.clone(),
             listing: Arc::new(Mutex::new(listing)),
@@ -528,5 +629,96 @@ mod tests {
         // The merged walk judged by the newest copy: the flow is to the old address, so it does
         // not count; the correction makes the effective count 0.
         assert_eq!(adjust.lock().expect("adjust")[1], 1);
+    }
+
+    fn backend6(last: u8) -> Backend6 {
+        let mut addr = [0u8; 16];
+        addr[0] = 0xfd;
+        addr[15] = last;
+        Backend6 {
+            addr,
+            port: 53u16.to_be_bytes(),
+            proto: proto::UDP,
+            flags: 0,
+        }
+    }
+
+    /// An IPv6 UDP flow (ORIGINAL entry) from client port `port` to backend `id` at
+    /// `backend6(addr)`, last seen `idle_s` ago.
+    fn flow6(port: u16, id: u32, addr: u8, idle_s: u64, flags: u8) -> (Ct6Key, Ct6Value) {
+        let now = monotonic_ns();
+        let key = Ct6Key {
+            saddr: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x99],
+            daddr: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10],
+            sport: port.to_be_bytes(),
+            dport: 53u16.to_be_bytes(),
+            proto: proto::UDP,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let value = Ct6Value {
+            last_seen_ns: now.saturating_sub(idle_s * 1_000_000_000),
+            created_ns: 1,
+            backend_id: id,
+            backend_addr: backend6(addr).addr,
+            backend_port: backend6(addr).port,
+            state: ct_state::ESTABLISHED,
+            flags,
+            ..Default::default()
+        };
+        (key, value)
+    }
+
+    /// The walk cleans `CONNTRACK6_V1` as `CONNTRACK_V1`: idle flows out, UDP flows whose IPv6
+    /// backend is gone (or whose id names another address now) out when the IPv6 backends are
+    /// known, kept when they are not; and the least-connection truth of an id counts its IPv6
+    /// flows (ids are shared with IPv4).
+    #[test]
+    fn the_walk_cleans_ipv6_flows_and_counts_them_for_least_connection() {
+        let (go, listing) = mpsc::channel();
+        let (started, started_rx) = mpsc::channel();
+        let adjust = Arc::new(Mutex::new(vec![0u64; 8]));
+        let c = ct_flags::COUNTED;
+        let live = flow6(1, 5, 55, 0, c);
+        let idle = flow6(2, 5, 55, 3_600, c);
+        let gone = flow6(3, 6, 66, 0, c);
+        let moved = flow6(4, 5, 77, 0, c);
+        let fake = Fake {
+            conntrack: Vec::new(),
+            conntrack6: vec![live, idle, gone, moved],
+            // The datapath counted all four on ids 5 and 6.
+            flows: vec![0, 0, 0, 0, 0, 3, 1, 0],
+            adjust: adjust.clone(),
+            listing: Arc::new(Mutex::new(listing)),
+            started,
+        };
+        let mut gc = FlowGc::start(fake, DatapathConfig::DEFAULT).expect("thread");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        // An IPv4 backend with id 7: the walk reconciles ids 1..=7.
+        let ipv4: Backends = [(7, backend(11))].into_iter().collect();
+        // IPv6 backends not known: only the idle flow goes; the counts keep the live flows.
+        gc.request(ipv4.clone(), false);
+        started_rx.recv().expect("lists");
+        go.send(()).expect("go");
+        let first = rt.block_on(gc.walked()).expect("walk");
+        assert_eq!((first.conntrack6_listed, first.conntrack6_removed), (4, 1));
+        // Id 5's truth is its two live flows (`live`, `moved`: no address to tell), id 6's one.
+        assert_eq!(adjust.lock().expect("adjust")[5], 3 - 2);
+        assert_eq!(adjust.lock().expect("adjust")[6], 0);
+        // Known: backend 6 is gone and id 5 names backend6(55): `gone` and `moved` go too, and
+        // only `live` counts for id 5.
+        let backends6: Backends6 = [(5, backend6(55))].into_iter().collect();
+        gc.request_dual(ipv4, Some(backends6), false);
+        started_rx.recv().expect("lists");
+        go.send(()).expect("go");
+        let second = rt.block_on(gc.walked()).expect("walk");
+        assert_eq!(
+            (second.conntrack6_listed, second.conntrack6_removed),
+            (3, 2)
+        );
+        assert_eq!(adjust.lock().expect("adjust")[5], 3 - 1);
+        assert_eq!(adjust.lock().expect("adjust")[6], 1);
     }
 }

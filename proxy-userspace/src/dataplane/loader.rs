@@ -27,6 +27,8 @@ pub struct MapSizes {
     pub affinity: u32,
     pub conntrack: u32,
     pub snat: u32,
+    /// `CONNTRACK6_V1` (`--map-entries-conntrack6`, `crate::dataplane::sizing`).
+    pub conntrack6: u32,
 }
 
 impl Default for MapSizes {
@@ -38,6 +40,7 @@ impl Default for MapSizes {
             affinity: proxy_common::AFFINITY_CAPACITY,
             conntrack: CONNTRACK_CAPACITY,
             snat: SNAT_CAPACITY,
+            conntrack6: proxy_common::ipv6::CONNTRACK6_CAPACITY,
         }
     }
 }
@@ -92,6 +95,7 @@ pub fn load_pinned(
         .map_max_entries(proxy_common::MAP_AFFINITY_MATCH, sizes.services)
         .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
         .map_max_entries(MAP_SNAT, sizes.snat)
+        .map_max_entries(proxy_common::ipv6::MAP_CONNTRACK6, sizes.conntrack6)
         .map_max_entries(MAP_LC_FLOWS, sizes.lc_entries())
         .map_max_entries(MAP_LC_ADJUST, sizes.lc_entries());
     let mut ebpf = loader.load(EBPF_OBJECT)?;
@@ -271,11 +275,15 @@ pub fn load_unpinned_logging(config: &DatapathConfig, bpf_log: BpfLog) -> Result
 
 /// The object's cgroup socket programs, loaded with the tc ones; `sock_lb` attaches them (its
 /// `SockHook::program` names one each, which its tests check against this list).
-pub const SOCK_PROGRAMS: [&str; 4] = [
+pub const SOCK_PROGRAMS: [&str; 8] = [
     PROG_SOCK_CONNECT4,
     PROG_SOCK_SENDMSG4,
     PROG_SOCK_RECVMSG4,
     PROG_SOCK_GETPEERNAME4,
+    proxy_common::PROG_SOCK_CONNECT6,
+    proxy_common::PROG_SOCK_SENDMSG6,
+    proxy_common::PROG_SOCK_RECVMSG6,
+    proxy_common::PROG_SOCK_GETPEERNAME6,
 ];
 
 /// Loads (verifies) the tc programs and the socket hooks of an opened object. The socket hooks

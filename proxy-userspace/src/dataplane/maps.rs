@@ -10,11 +10,15 @@ use std::{
     path::Path,
 };
 
-use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray};
+use aya::maps::{
+    Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray,
+    lpm_trie::{Key as LpmKey, LpmTrie},
+};
 use proxy_common::{
     AffinityKey, AffinityValue, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_AFFINITY,
     MAP_CONNTRACK, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_SNAT,
     MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, ServiceValue, SnatDevice, SnatKey, SnatValue,
+    ipv6::{self, MAP_CLUSTER_CIDRS6},
     maglev::{Chunk, MaglevKey},
 };
 
@@ -480,6 +484,69 @@ impl Conntrack {
     }
 }
 
+/// `CONNTRACK6_V1` (LRU): the IPv6 flows, walked with the IPv4 ones (`flow_gc`), read for
+/// `dump conntrack`. (Paths spelled out: the IPv6 map wrappers live beside the IPv4 ones.)
+pub struct Conntrack6 {
+    map: HashMap<MapData, ipv6::Ct6Key, ipv6::Ct6Value>,
+}
+
+impl Conntrack6 {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, ipv6::MAP_CONNTRACK6)?)
+                .map_err(map_err(ipv6::MAP_CONNTRACK6))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open_pinned(pins, ipv6::MAP_CONNTRACK6)?))
+                .map_err(map_err(ipv6::MAP_CONNTRACK6))?,
+        })
+    }
+
+    /// All entries (a racing LRU eviction just drops an entry from the listing).
+    pub fn entries(&self) -> Vec<(ipv6::Ct6Key, ipv6::Ct6Value)> {
+        self.map.iter().filter_map(Result::ok).collect()
+    }
+
+    pub fn remove(&mut self, key: &ipv6::Ct6Key) {
+        let _ = self.map.remove(key);
+    }
+}
+
+/// What `dump` shows of the IPv6 Services: `SERVICES6_V1`, `BACKENDS6_V1` and `AFFINITY6_V1`,
+/// read whole (the agent's IPv6 programming has its own writer).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ipv6Tables {
+    pub services: std::collections::BTreeMap<ipv6::Service6Key, ServiceValue>,
+    pub backends: std::collections::BTreeMap<u32, ipv6::Backend6>,
+    pub affinity: Vec<(ipv6::Affinity6Key, AffinityValue)>,
+}
+
+impl Ipv6Tables {
+    /// Reads the pinned IPv6 maps (maps pinned by an agent without them: empty tables).
+    pub fn read_pinned(pins: &PinLayout) -> Result<Self> {
+        if !pins.map(ipv6::MAP_SERVICES6).exists() {
+            return Ok(Self::default());
+        }
+        let services: HashMap<MapData, ipv6::Service6Key, ServiceValue> =
+            HashMap::try_from(Map::HashMap(open_pinned(pins, ipv6::MAP_SERVICES6)?))
+                .map_err(map_err(ipv6::MAP_SERVICES6))?;
+        let backends: HashMap<MapData, u32, ipv6::Backend6> =
+            HashMap::try_from(Map::HashMap(open_pinned(pins, ipv6::MAP_BACKENDS6)?))
+                .map_err(map_err(ipv6::MAP_BACKENDS6))?;
+        let affinity: HashMap<MapData, ipv6::Affinity6Key, AffinityValue> =
+            HashMap::try_from(Map::LruHashMap(open_pinned(pins, ipv6::MAP_AFFINITY6)?))
+                .map_err(map_err(ipv6::MAP_AFFINITY6))?;
+        Ok(Self {
+            services: services.iter().filter_map(Result::ok).collect(),
+            backends: backends.iter().filter_map(Result::ok).collect(),
+            affinity: affinity.iter().filter_map(Result::ok).collect(),
+        })
+    }
+}
+
 /// `SNAT_V1` (LRU): read for `dump snat`, swept by the agent's SNAT garbage collection.
 pub struct Snat {
     map: HashMap<MapData, SnatKey, SnatValue>,
@@ -589,6 +656,66 @@ impl NodeMap {
 
     pub fn write(&mut self, info: &NodeInfo) -> Result<()> {
         self.map.set(0, info, 0).map_err(map_err(MAP_NODE))
+    }
+}
+
+/// `CLUSTERCIDRS6_V1`: the cluster's IPv6 pod CIDRs, for the in-cluster entries of eTP=Local
+/// frontends on IPv6 (what `DatapathConfig::cluster_cidrs` is for IPv4).
+pub struct ClusterCidrs6Map {
+    map: LpmTrie<MapData, [u8; 16], u32>,
+}
+
+impl ClusterCidrs6Map {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: LpmTrie::try_from(take(ebpf, MAP_CLUSTER_CIDRS6)?)
+                .map_err(map_err(MAP_CLUSTER_CIDRS6))?,
+        })
+    }
+
+    pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        Ok(Self {
+            map: LpmTrie::try_from(Map::LpmTrie(open_pinned(pins, MAP_CLUSTER_CIDRS6)?))
+                .map_err(map_err(MAP_CLUSTER_CIDRS6))?,
+        })
+    }
+
+    /// Makes the map hold exactly `cidrs` (network address, prefix length): writes the missing
+    /// ones, then removes the others. A prefix longer than 128 bits is refused before anything
+    /// is written.
+    pub fn sync(&mut self, cidrs: &[(std::net::Ipv6Addr, u8)]) -> Result<()> {
+        if let Some((addr, len)) = cidrs.iter().find(|(_, len)| *len > 128) {
+            return Err(Error::Io {
+                what: format!("{MAP_CLUSTER_CIDRS6}: cluster CIDR {addr}/{len}"),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "an IPv6 prefix is at most 128 bits long",
+                ),
+            });
+        }
+        let wanted: std::collections::BTreeSet<(u32, [u8; 16])> = cidrs
+            .iter()
+            .map(|(addr, len)| {
+                let bits =
+                    u128::from(*addr) & (!0u128).checked_shl(128 - u32::from(*len)).unwrap_or(0);
+                (u32::from(*len), bits.to_be_bytes())
+            })
+            .collect();
+        for (len, data) in &wanted {
+            self.map
+                .insert(&LpmKey::new(*len, *data), 1, 0)
+                .map_err(map_err(MAP_CLUSTER_CIDRS6))?;
+        }
+        let stale: Vec<LpmKey<[u8; 16]>> = self
+            .map
+            .keys()
+            .filter_map(std::result::Result::ok)
+            .filter(|k| !wanted.contains(&(k.prefix_len(), k.data())))
+            .collect();
+        for k in stale {
+            self.map.remove(&k).map_err(map_err(MAP_CLUSTER_CIDRS6))?;
+        }
+        Ok(())
     }
 }
 

@@ -15,8 +15,15 @@
 //! (upstream: "leave the kernel's limit") means the built-in 131072 flows here, and ignores
 //! `min` as upstream does. Sizes apply when a map is created: a restarted agent adopts its
 //! pinned maps with the size they have (see [`crate::dataplane::occupancy`], which warns about it).
+//!
+//! `CONNTRACK6_V1` (IPv6 flows) is not derived from maxPerCore: the kernel preallocates an LRU
+//! map whether or not the cluster has IPv6 Services, and an IPv6 entry (40-byte key, 64-byte
+//! value) costs about twice an IPv4 one, so sizing it like `CONNTRACK_V1` (262144 entries with
+//! upstream's defaults) would take ≈ 39 MB on every IPv4-only node. It keeps the compiled-in
+//! 65536 entries (32768 flows) unless `--map-entries-conntrack6` (`KPE_MAP_CONNTRACK6`) says
+//! otherwise. (netfilter's limit counts both families' connections together.)
 
-use proxy_common::CONNTRACK_CAPACITY;
+use proxy_common::{CONNTRACK_CAPACITY, ipv6::CONNTRACK6_CAPACITY};
 
 use crate::dataplane::loader::MapSizes;
 
@@ -53,6 +60,8 @@ pub struct FlowMaps {
     pub conntrack_basis: Basis,
     pub snat: u32,
     pub snat_basis: Basis,
+    /// `CONNTRACK6_V1`: explicit, or the compiled-in size (see the module comment).
+    pub conntrack6: u32,
 }
 
 /// What the merged settings (flags over the config file) ask of the maps' sizes; the flags
@@ -63,6 +72,7 @@ pub struct Requested {
     pub conntrack_min: u32,
     pub map_entries_conntrack: Option<u32>,
     pub map_entries_snat: Option<u32>,
+    pub map_entries_conntrack6: Option<u32>,
     pub map_entries_services: u32,
     pub map_entries_backends: u32,
     pub map_entries_revnat: u32,
@@ -84,6 +94,7 @@ pub fn flow_maps(args: &Requested, cpus: u32) -> FlowMaps {
         conntrack_basis,
         snat,
         snat_basis,
+        conntrack6: args.map_entries_conntrack6.unwrap_or(CONNTRACK6_CAPACITY),
     }
 }
 
@@ -97,6 +108,7 @@ pub fn map_sizes(args: &Requested, cpus: u32) -> MapSizes {
         affinity: args.affinity_max_entries,
         conntrack: f.conntrack,
         snat: f.snat,
+        conntrack6: f.conntrack6,
     }
 }
 
@@ -215,6 +227,21 @@ mod tests {
         let sizes = map_sizes(&args(&["--map-entries-conntrack", "1024"], ""), 2);
         assert_eq!((sizes.conntrack, sizes.snat), (1_024, 262_144));
         assert_eq!(sizes.services, SERVICES_CAPACITY);
+    }
+
+    #[test]
+    fn the_ipv6_conntrack_keeps_its_compiled_in_size_unless_given() {
+        let f = flow_maps(&args(&["--conntrack-max-per-core", "100000"], ""), 16);
+        assert_eq!(
+            f.conntrack6, CONNTRACK6_CAPACITY,
+            "not scaled with the IPv4 flows"
+        );
+        let sizes = map_sizes(&args(&["--map-entries-conntrack6", "300000"], ""), 2);
+        assert_eq!((sizes.conntrack6, sizes.conntrack), (300_000, 262_144));
+        assert_eq!(
+            map_sizes(&args(&[], ""), 2).conntrack6,
+            crate::dataplane::loader::MapSizes::default().conntrack6
+        );
     }
 
     #[test]

@@ -18,7 +18,8 @@ use aya::{
     programs::{CgroupAttachMode, links::FdLink},
 };
 use proxy_common::{
-    PROG_SOCK_CONNECT4, PROG_SOCK_GETPEERNAME4, PROG_SOCK_RECVMSG4, PROG_SOCK_SENDMSG4,
+    PROG_SOCK_CONNECT4, PROG_SOCK_CONNECT6, PROG_SOCK_GETPEERNAME4, PROG_SOCK_GETPEERNAME6,
+    PROG_SOCK_RECVMSG4, PROG_SOCK_RECVMSG6, PROG_SOCK_SENDMSG4, PROG_SOCK_SENDMSG6,
 };
 
 use super::{Error, Result, bpffs::PinLayout, link_sys, loader};
@@ -30,14 +31,24 @@ pub enum SockHook {
     Sendmsg4,
     Recvmsg4,
     Getpeername4,
+    Connect6,
+    Sendmsg6,
+    Recvmsg6,
+    Getpeername6,
 }
 
 impl SockHook {
-    pub const ALL: [SockHook; 4] = [
+    /// Both families' hooks: IPv6 sockets reach IPv6 Services, and IPv4 ones by v4-mapped
+    /// addresses (`proxy-ebpf/src/sock6.rs`).
+    pub const ALL: [SockHook; 8] = [
         SockHook::Connect4,
         SockHook::Sendmsg4,
         SockHook::Recvmsg4,
         SockHook::Getpeername4,
+        SockHook::Connect6,
+        SockHook::Sendmsg6,
+        SockHook::Recvmsg6,
+        SockHook::Getpeername6,
     ];
 
     pub const fn program(self) -> &'static str {
@@ -46,6 +57,10 @@ impl SockHook {
             SockHook::Sendmsg4 => PROG_SOCK_SENDMSG4,
             SockHook::Recvmsg4 => PROG_SOCK_RECVMSG4,
             SockHook::Getpeername4 => PROG_SOCK_GETPEERNAME4,
+            SockHook::Connect6 => PROG_SOCK_CONNECT6,
+            SockHook::Sendmsg6 => PROG_SOCK_SENDMSG6,
+            SockHook::Recvmsg6 => PROG_SOCK_RECVMSG6,
+            SockHook::Getpeername6 => PROG_SOCK_GETPEERNAME6,
         }
     }
 
@@ -55,6 +70,10 @@ impl SockHook {
             SockHook::Sendmsg4 => "sendmsg4",
             SockHook::Recvmsg4 => "recvmsg4",
             SockHook::Getpeername4 => "getpeername4",
+            SockHook::Connect6 => "connect6",
+            SockHook::Sendmsg6 => "sendmsg6",
+            SockHook::Recvmsg6 => "recvmsg6",
+            SockHook::Getpeername6 => "getpeername6",
         }
     }
 }
@@ -152,7 +171,7 @@ pub fn cgroup2_mount(mounts: &str) -> Option<PathBuf> {
     })
 }
 
-/// Makes the pinned cgroup links equal to the four hooks on `cgroup` (`None`: no hooks).
+/// Makes the pinned cgroup links equal to the eight hooks on `cgroup` (`None`: no hooks).
 pub fn reconcile(ebpf: &mut Ebpf, pins: &PinLayout, cgroup: Option<&Path>) -> Result<SockLbReport> {
     let mut report = SockLbReport::default();
     let wanted_id = match cgroup {
