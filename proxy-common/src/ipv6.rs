@@ -219,7 +219,7 @@ const _: () = assert!(core::mem::size_of::<Affinity6Key>() == 20);
 
 /// `AFFMATCH6_V1` key: an IPv6 affinity frontend (slot 0) and a backend id it may use.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Pod, Zeroable)]
 pub struct Affinity6MatchKey {
     pub frontend: Service6Key,
     pub backend_id: u32,

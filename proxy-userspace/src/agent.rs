@@ -114,6 +114,8 @@ pub struct Agent {
     last_parts: SyncParts,
     /// A flow walk finished since the start (the first is logged at info).
     walked_once: bool,
+    /// The IPv6 family's maps, shadow and sync (no work on a node without IPv6).
+    family6: crate::family6::Family6,
 }
 
 /// The parts of one [`Agent::sync`], timed.
@@ -167,8 +169,12 @@ impl Agent {
         let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
         let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
-        let mut programmed = maps.read_programmed()?;
+        let family6 = crate::family6::Family6::start(&mut ebpf, &maps, &capacities)?;
+        // The IPv6 frontends' Maglev tables are theirs (one MAGLEV_V1).
+        let mut programmed = maps.read_programmed_excluding(&family6.maglev_tables())?;
         maps.adopt_maglev(&mut programmed, config.maglev_table_size);
+        let mut planner = Planner::new(&programmed);
+        planner.share_with(family6.shared_ids());
         if adopting {
             info!(
                 pin_dir = %pins.dir.display(),
@@ -194,7 +200,7 @@ impl Agent {
             maps,
             flow_gc,
             lc: loop_lc,
-            planner: Planner::new(&programmed),
+            planner,
             cache: TranslateCache::new(),
             programmed,
             attacher: Attacher::new(pins.clone()),
@@ -219,6 +225,7 @@ impl Agent {
             occupancy,
             last_parts: SyncParts::default(),
             walked_once: false,
+            family6,
         })
     }
 
@@ -234,6 +241,7 @@ impl Agent {
     ) -> Result<(), ApplyError> {
         let started = Instant::now();
         self.external.refresh();
+        self.cache.set_ipv6_programmed(self.family6.active());
         let changes = self
             .cache
             .update(snapshot, &self.node, self.external.nodeport_addrs(), full);
@@ -329,6 +337,7 @@ impl Agent {
             skipped,
             ..Plan::default()
         });
+        let ops6 = self.sync_ipv6(snapshot, full);
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
         crate::dataplane::flow_gc::reset_freed(&mut self.lc, self.flow_gc.shared(), &freed_lc_ids);
@@ -344,7 +353,7 @@ impl Agent {
         self.status.backends = self.programmed.backends.len();
         self.status.problems = problems.len();
         self.sync_applied(started.elapsed(), kind, &problems);
-        let level_changed = op_count > 0;
+        let level_changed = op_count + ops6 > 0;
         if level_changed {
             info!(
                 ops = op_count,
@@ -664,6 +673,40 @@ impl Agent {
         }
     }
 
+    /// The IPv6 family's part of a sync ([`crate::family6`]): ops written. Its problems are
+    /// logged here (each once); a failed write is logged and retried by the next sync.
+    fn sync_ipv6(&mut self, snapshot: &Snapshot, full: bool) -> usize {
+        if full {
+            self.family6.refresh();
+        }
+        if !self.family6.active() {
+            return 0;
+        }
+        let started = Instant::now();
+        match (self.family6).sync(snapshot, &self.node, &self.programmed, &mut self.planner) {
+            Ok(synced) => {
+                (self.metrics).ipv6_sync_applied(started.elapsed(), std::time::SystemTime::now());
+                for p in &synced.problems {
+                    if self.reported.insert(p.to_string()) {
+                        warn!("{p}");
+                    }
+                }
+                if synced.ops > 0 {
+                    info!(
+                        ops = synced.ops,
+                        frontends = synced.frontends,
+                        "IPv6 maps updated"
+                    );
+                }
+                synced.ops
+            }
+            Err(e) => {
+                error!("writing the IPv6 maps failed: {e}; retried at the next sync");
+                0
+            }
+        }
+    }
+
     fn sync_failed(&mut self) {
         self.metrics.sync_failed(&self.changes.pending());
         // A failed sync is a change still waiting: /healthz turns 503 if it keeps failing.
@@ -935,6 +978,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     agent.tunnel_devices = args.tunnel_devices == crate::cli::TunnelDevices::Auto;
     info!(rss_mib = rss_mib(), "datapath loaded");
     agent.external.configure(
+        args.nodeport_addresses.clone(),
+        Patterns::parse(&args.devices),
+    );
+    agent.family6.configure(
         args.nodeport_addresses.clone(),
         Patterns::parse(&args.devices),
     );

@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod cli;
 pub mod dataplane;
+pub mod family6;
 pub mod pipeline;
 pub mod schedule;
 pub mod serving;

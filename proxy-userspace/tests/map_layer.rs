@@ -8,7 +8,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
 };
 
 use kube_proxy_ebpf::{
@@ -21,11 +21,13 @@ use kube_proxy_ebpf::{
     },
     pipeline::{
         diff,
+        encode::FamilyAbi,
+        fast_hash::HashSet,
         model::{
-            Balancing, DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Frontend,
-            FrontendKind, Protocol, ServicePortName,
+            Balancing, DesiredBackend, DesiredFrontend, DesiredState, EndpointAddr, Family,
+            Frontend, FrontendKind, Protocol, ServicePortName,
         },
-        programmed::{Capacities, MapOp, Programmed},
+        programmed::{Capacities, MapOp, Programmed, SharedIds},
     },
 };
 use proxy_common::{
@@ -48,13 +50,23 @@ fn tiny_map_sizes() -> kube_proxy_ebpf::dataplane::loader::MapSizes {
 }
 
 fn state(services: u32, backends_each: u32, offset: u32) -> DesiredState {
+    state_in(services, backends_each, offset, Ipv4Addr::from)
+}
+
+/// [`state`] in either family: `addr` makes an address of it from the IPv4 one's bits.
+fn state_in<A: Family>(
+    services: u32,
+    backends_each: u32,
+    offset: u32,
+    addr: impl Fn(u32) -> A,
+) -> DesiredState<A> {
     let mut frontends = BTreeMap::new();
     for s in 0..services {
-        let frontend = Frontend::new(Ipv4Addr::from(0x0a60_0000 + s), 80, Protocol::Tcp);
+        let frontend = Frontend::new(addr(0x0a60_0000 + s), 80, Protocol::Tcp);
         let backends = (0..backends_each)
             .map(|b| DesiredBackend {
                 endpoint: EndpointAddr {
-                    addr: Ipv4Addr::from(0x0af4_0000 + s * 16 + b + offset),
+                    addr: addr(0x0af4_0000 + s * 16 + b + offset),
                     port: 8080,
                     protocol: Protocol::Tcp,
                 },
@@ -197,21 +209,50 @@ fn batched_apply_leaves_exactly_the_plan_in_the_kernel_maps() {
     );
 }
 
+/// `d` with every frontend on the Maglev scheduler.
+fn with_maglev<A: Family>(mut d: DesiredState<A>) -> DesiredState<A> {
+    for df in d.frontends.values_mut() {
+        std::sync::Arc::make_mut(df).balancing.scheduler =
+            kube_proxy_ebpf::pipeline::model::Scheduler::Maglev;
+    }
+    d
+}
+
 /// Plans `desired` at Maglev size `m` against `shadow`, applies, and checks that the maps read
 /// back and adopted at `m` equal the shadow (every table known again, chunk for chunk).
 fn sync_maglev(maps: &mut ServiceMaps, shadow: &mut Programmed, desired: &DesiredState, m: u32) {
+    sync_family(
+        maps,
+        shadow,
+        desired,
+        m,
+        &SharedIds::default(),
+        &HashSet::default(),
+    );
+}
+
+/// [`sync_maglev`] for one family of two: its new ids avoid `other`; the IPv4 family's read
+/// leaves out `other_tables` (the IPv6 frontends' Maglev tables in the shared `MAGLEV_V1`).
+fn sync_family<A: FamilyAbi>(
+    maps: &mut ServiceMaps<A>,
+    shadow: &mut Programmed<A>,
+    desired: &DesiredState<A>,
+    m: u32,
+    other: &SharedIds,
+    other_tables: &HashSet<u32>,
+) {
     let caps = Capacities {
         maglev_table_size: m,
         ..Capacities::default()
     };
-    let plan = diff::plan(desired, shadow, &caps);
+    let plan = diff::plan_sharing(desired, shadow, &caps, other);
     assert!(plan.skipped.is_empty(), "{:?}", plan.skipped);
     let (applied, err) = maps.apply_all(&plan.ops);
     assert!(err.is_none() && applied == plan.ops.len(), "{err:?}");
     for op in &plan.ops {
         shadow.apply(op);
     }
-    let mut read = maps.read_programmed().expect("reading maps back");
+    let mut read = (maps.read_programmed_excluding(other_tables)).expect("reading maps back");
     assert!(
         read.maglev.values().all(|t| t.endpoints.is_empty()),
         "read back unknown"
@@ -219,9 +260,89 @@ fn sync_maglev(maps: &mut ServiceMaps, shadow: &mut Programmed, desired: &Desire
     maps.adopt_maglev(&mut read, m);
     assert_eq!(&read, shadow, "kernel maps differ from the shadow");
     assert!(
-        diff::plan(desired, &read, &caps).ops.is_empty(),
+        diff::plan_sharing(desired, &read, &caps, other)
+            .ops
+            .is_empty(),
         "adopted: nothing to rewrite"
     );
+}
+
+/// Both families through the real maps: the IPv6 plan lands in SERVICES6_V1/BACKENDS6_V1/
+/// REVNAT6_V1/AFFMATCH6_V1 as `Service6Key`s with 16-byte addresses, its Maglev tables in the
+/// shared MAGLEV_V1 under ids IPv4 does not use (and backend ids likewise: LCFLOWS_V1 is
+/// shared), each family reads back exactly its own entries (a restart adopts them: nothing to
+/// rewrite), and removing IPv6 leaves IPv4 as it was.
+#[test]
+fn ipv6_maps_are_written_and_read_back_beside_ipv4() {
+    require_privileged!();
+    let mut ebpf = loader::load_unpinned(&DatapathConfig::DEFAULT).expect("load");
+    let mut maps = ServiceMaps::from_ebpf(&mut ebpf).expect("maps");
+    let mut maps6 = maps.ipv6(Some(&mut ebpf), None).expect("IPv6 maps");
+    let v6 = |bits: u32| Ipv6Addr::from((0xfd00u128 << 112) | u128::from(bits));
+    let d4 = with_maglev(state(6, 4, 0));
+    let d6 = with_maglev(state_in(5, 3, 1, v6));
+    let m = 509;
+    let (mut p4, mut p6) = (Programmed::default(), Programmed::<Ipv6Addr>::default());
+    let none = HashSet::default();
+    sync_family(&mut maps, &mut p4, &d4, m, &p6.shared_ids(), &none);
+    sync_family(&mut maps6, &mut p6, &d6, m, &p4.shared_ids(), &none);
+    let tables6: HashSet<u32> = p6.maglev.keys().copied().collect();
+    // IPv4's read leaves IPv6's tables out; then IPv4 changes with IPv6 programmed.
+    sync_family(
+        &mut maps,
+        &mut p4,
+        &with_maglev(state(6, 4, 2)),
+        m,
+        &p6.shared_ids(),
+        &tables6,
+    );
+    let (ids4, ids6) = (p4.shared_ids(), p6.shared_ids());
+    assert!(
+        ids4.backends.is_disjoint(&ids6.backends),
+        "{ids4:?} {ids6:?}"
+    );
+    assert!(ids4.maglev_tables.is_disjoint(&ids6.maglev_tables));
+    assert_eq!(
+        (p6.frontend_count(), p6.backends.len(), p6.maglev.len()),
+        (5, 15, 5)
+    );
+    assert_eq!(
+        p6.affinity_matches.len(),
+        3 * 3,
+        "svc0, svc2, svc4 have affinity"
+    );
+
+    // What the kernel's SERVICES6_V1 holds for the first frontend, byte for byte.
+    let fe: [u8; 16] = v6(0x0a60_0000).octets();
+    let key0 = proxy_common::ipv6::Service6Key::new(fe, 80u16.to_be_bytes(), proto::TCP, 0);
+    let entries: BTreeMap<_, _> = maps6.services().into_iter().collect();
+    let frontend = entries
+        .get(&key0)
+        .expect("the IPv6 frontend in SERVICES6_V1");
+    assert_eq!(frontend.count, 3);
+    assert!(ids6.maglev_tables.contains(&frontend.maglev_table));
+    let slot1 = entries.get(&key0.with_slot(1)).expect("slot 1");
+    let b = maps6.backend(slot1.backend_id).expect("in BACKENDS6_V1");
+    assert_eq!(b.addr, v6(0x0af4_0000 + 1).octets());
+    assert_eq!(b.port, 8080u16.to_be_bytes());
+    assert!(
+        maps.backend(slot1.backend_id).is_none(),
+        "not in BACKENDS_V1"
+    );
+
+    // IPv6 goes: IPv4 is untouched, and its read sees no IPv6 table.
+    sync_family(
+        &mut maps6,
+        &mut p6,
+        &DesiredState::default(),
+        m,
+        &p4.shared_ids(),
+        &none,
+    );
+    assert!(maps6.services().is_empty());
+    let mut read4 = maps.read_programmed().expect("read");
+    maps.adopt_maglev(&mut read4, m);
+    assert_eq!(read4, p4);
 }
 
 /// Maglev tables through the real map: written chunk by chunk, read back and adopted (the
@@ -233,11 +354,7 @@ fn maglev_tables_are_written_adopted_rebuilt_for_another_size_and_deleted() {
     let mut ebpf = loader::load_unpinned(&DatapathConfig::DEFAULT).expect("load");
     let mut maps = ServiceMaps::from_ebpf(&mut ebpf).expect("maps");
     let mut shadow = Programmed::default();
-    let mut d = state(20, 10, 0);
-    for df in d.frontends.values_mut() {
-        std::sync::Arc::make_mut(df).balancing.scheduler =
-            kube_proxy_ebpf::pipeline::model::Scheduler::Maglev;
-    }
+    let d = with_maglev(state(20, 10, 0));
     let m = proxy_common::maglev::DEFAULT_TABLE_SIZE;
     sync_maglev(&mut maps, &mut shadow, &d, m);
     assert_eq!(shadow.maglev.len(), 20);

@@ -1,26 +1,32 @@
 //! The map layer: the only place that reads and writes the service maps from userspace. It
 //! carries out `MapOp`s, reads the maps back into a `Programmed` shadow (adoption at start-up),
-//! and reads conntrack and stats for `dump`, metrics and garbage collection.
+//! and reads conntrack and stats for `dump`, metrics and garbage collection. The service maps
+//! are per family ([`ServiceMaps`] over IPv4's `SERVICES_V1` ... or IPv6's `SERVICES6_V1` ...),
+//! with the one `MAGLEV_V1` shared.
 
-use std::{os::fd::AsFd as _, path::Path};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    os::fd::AsFd as _,
+    path::Path,
+};
 
 use aya::maps::{
     Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray,
     lpm_trie::{Key as LpmKey, LpmTrie},
 };
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, COUNTER_COUNT, CtKey, CtValue, FragKey,
-    FragValue, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK, MAP_FRAGMENTS,
-    MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_REVNAT, MAP_SERVICES, MAP_SNAT,
-    MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, RevNat, ServiceKey, ServiceValue, SnatDevice, SnatKey,
-    SnatValue,
+    AffinityKey, AffinityValue, COUNTER_COUNT, CtKey, CtValue, FragKey, FragValue, MAP_AFFINITY,
+    MAP_CONNTRACK, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE, MAP_SNAT,
+    MAP_SNAT_DEVICES, MAP_STATS, NodeInfo, ServiceValue, SnatDevice, SnatKey, SnatValue,
     ipv6::{self, MAP_CLUSTER_CIDRS6},
     maglev::{Chunk, MaglevKey},
 };
 
 use super::{Error, Result, batch, bpffs::PinLayout};
 use crate::pipeline::{
+    encode::{FamilyAbi, SlotKey as _},
     maglev::MaglevTable,
+    model::Family as _,
     programmed::{MapOp, Programmed},
 };
 
@@ -37,76 +43,130 @@ fn take(ebpf: &mut aya::Ebpf, name: &'static str) -> Result<Map> {
         .ok_or(Error::Missing { what: "map", name })
 }
 
-/// SERVICES, BACKENDS, REVNAT, AFFMATCH and MAGLEV.
-pub struct ServiceMaps {
-    services: HashMap<MapData, ServiceKey, ServiceValue>,
-    backends: HashMap<MapData, u32, Backend>,
-    rev_nats: HashMap<MapData, u32, RevNat>,
-    affinity_matches: HashMap<MapData, AffinityMatchKey, u32>,
+/// One family's SERVICES, BACKENDS, REVNAT and AFFMATCH, and MAGLEV (shared by the families:
+/// table ids come from one space).
+pub struct ServiceMaps<A: FamilyAbi = Ipv4Addr> {
+    services: HashMap<MapData, A::ServiceKey, ServiceValue>,
+    backends: HashMap<MapData, u32, A::Backend>,
+    rev_nats: HashMap<MapData, u32, A::RevNat>,
+    affinity_matches: HashMap<MapData, A::AffinityMatchKey, u32>,
     maglev: HashMap<MapData, MaglevKey, Chunk>,
 }
 
 /// The value of every `AFFMATCH_V1` entry (only the key's presence matters).
 const AFFINITY_MATCH_VALUE: u32 = 1;
 
+/// A hash map of a family, taken from a loaded object (`ebpf`) or opened from its pin.
+fn family_map<K: aya::Pod, V: aya::Pod>(
+    ebpf: Option<&mut aya::Ebpf>,
+    pins: Option<&PinLayout>,
+    name: &'static str,
+) -> Result<HashMap<MapData, K, V>> {
+    let map = match (ebpf, pins) {
+        (Some(ebpf), _) => take(ebpf, name)?,
+        (None, Some(pins)) => Map::HashMap(open_pinned(pins, name)?),
+        (None, None) => return Err(Error::Missing { what: "map", name }),
+    };
+    HashMap::try_from(map).map_err(map_err(name))
+}
+
 impl ServiceMaps {
-    /// Takes the maps out of a loaded object.
+    /// Takes the IPv4 maps out of a loaded object.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
-        Ok(Self {
-            services: HashMap::try_from(take(ebpf, MAP_SERVICES)?)
-                .map_err(map_err(MAP_SERVICES))?,
-            backends: HashMap::try_from(take(ebpf, MAP_BACKENDS)?)
-                .map_err(map_err(MAP_BACKENDS))?,
-            rev_nats: HashMap::try_from(take(ebpf, MAP_REVNAT)?).map_err(map_err(MAP_REVNAT))?,
-            affinity_matches: HashMap::try_from(take(ebpf, MAP_AFFINITY_MATCH)?)
-                .map_err(map_err(MAP_AFFINITY_MATCH))?,
-            maglev: HashMap::try_from(take(ebpf, MAP_MAGLEV)?).map_err(map_err(MAP_MAGLEV))?,
-        })
+        let maglev = family_map(Some(&mut *ebpf), None, MAP_MAGLEV)?;
+        Self::family(Some(ebpf), None, maglev)
     }
 
-    /// Opens the pinned maps (for `dump`, while an agent may be running).
+    /// Opens the pinned IPv4 maps (for `dump`, while an agent may be running).
     pub fn open_pinned(pins: &PinLayout) -> Result<Self> {
+        let maglev = family_map(None, Some(pins), MAP_MAGLEV)?;
+        Self::family(None, Some(pins), maglev)
+    }
+
+    /// The IPv6 family's maps of the same object (taken from `ebpf`, else opened from
+    /// `pins`), sharing this one's `MAGLEV_V1`.
+    pub fn ipv6(
+        &self,
+        ebpf: Option<&mut aya::Ebpf>,
+        pins: Option<&PinLayout>,
+    ) -> Result<ServiceMaps<Ipv6Addr>> {
+        let fd = (self.maglev.map().fd().as_fd().try_clone_to_owned()).map_err(|e| {
+            map_err(MAP_MAGLEV)(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                call: "dup",
+                io_error: e,
+            }))
+        })?;
+        let maglev = HashMap::try_from(Map::HashMap(
+            MapData::from_fd(fd).map_err(map_err(MAP_MAGLEV))?,
+        ))
+        .map_err(map_err(MAP_MAGLEV))?;
+        ServiceMaps::family(ebpf, pins, maglev)
+    }
+}
+
+impl<A: FamilyAbi> ServiceMaps<A> {
+    fn family(
+        mut ebpf: Option<&mut aya::Ebpf>,
+        pins: Option<&PinLayout>,
+        maglev: HashMap<MapData, MaglevKey, Chunk>,
+    ) -> Result<Self> {
         Ok(Self {
-            services: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_SERVICES)?))
-                .map_err(map_err(MAP_SERVICES))?,
-            backends: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_BACKENDS)?))
-                .map_err(map_err(MAP_BACKENDS))?,
-            rev_nats: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_REVNAT)?))
-                .map_err(map_err(MAP_REVNAT))?,
-            affinity_matches: HashMap::try_from(Map::HashMap(open_pinned(
-                pins,
-                MAP_AFFINITY_MATCH,
-            )?))
-            .map_err(map_err(MAP_AFFINITY_MATCH))?,
-            maglev: HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_MAGLEV)?))
-                .map_err(map_err(MAP_MAGLEV))?,
+            services: family_map(ebpf.as_deref_mut(), pins, A::MAP_SERVICES)?,
+            backends: family_map(ebpf.as_deref_mut(), pins, A::MAP_BACKENDS)?,
+            rev_nats: family_map(ebpf.as_deref_mut(), pins, A::MAP_REVNAT)?,
+            affinity_matches: family_map(ebpf, pins, A::MAP_AFFINITY_MATCH)?,
+            maglev,
         })
     }
 
-    /// Reads everything back. Entries that vanish while iterating are skipped.
-    pub fn read_programmed(&self) -> Result<Programmed> {
+    /// Reads everything back. Entries that vanish while iterating are skipped. The families share
+    /// `MAGLEV_V1`: IPv6 reads the tables its frontends name; IPv4 every other (leftovers
+    /// named by no frontend included, so its plan deletes them) — see
+    /// [`Self::read_programmed_excluding`].
+    pub fn read_programmed(&self) -> Result<Programmed<A>> {
+        self.read_programmed_excluding(&Default::default())
+    }
+
+    /// [`Self::read_programmed`], leaving out the Maglev tables in `other` (those the other
+    /// family's frontends name).
+    pub fn read_programmed_excluding(
+        &self,
+        other: &crate::pipeline::fast_hash::HashSet<u32>,
+    ) -> Result<Programmed<A>> {
         let mut p = Programmed::default();
         for kv in self.services.iter() {
-            let (k, v) = kv.map_err(map_err(MAP_SERVICES))?;
+            let (k, v) = kv.map_err(map_err(A::MAP_SERVICES))?;
             // As the agent wrote it: the datapath's rr position is no difference to converge.
             p.services.insert(k, v.as_programmed());
         }
         for kv in self.backends.iter() {
-            let (k, v) = kv.map_err(map_err(MAP_BACKENDS))?;
+            let (k, v) = kv.map_err(map_err(A::MAP_BACKENDS))?;
             p.backends.insert(k, v);
         }
         for kv in self.rev_nats.iter() {
-            let (k, v) = kv.map_err(map_err(MAP_REVNAT))?;
+            let (k, v) = kv.map_err(map_err(A::MAP_REVNAT))?;
             p.rev_nats.insert(k, v);
         }
         for k in self.affinity_matches.keys() {
             p.affinity_matches
-                .insert(k.map_err(map_err(MAP_AFFINITY_MATCH))?);
+                .insert(k.map_err(map_err(A::MAP_AFFINITY_MATCH))?);
         }
+        // This family's tables: those its frontends name (the other family's are its own).
+        let named: crate::pipeline::fast_hash::HashSet<u32> = (p.services.frontends())
+            .map(|(_, v)| v.maglev_table)
+            .collect();
         // Maglev tables: how many chunks each has; what they hold is checked by `adopt_maglev`.
         let mut chunks: crate::pipeline::fast_hash::HashMap<u32, u32> = Default::default();
         for k in self.maglev.keys() {
             let k = k.map_err(map_err(MAP_MAGLEV))?;
+            let ours = if A::NAME == Ipv4Addr::NAME {
+                !other.contains(&k.table)
+            } else {
+                named.contains(&k.table)
+            };
+            if !ours {
+                continue;
+            }
             let n = chunks.entry(k.table).or_default();
             *n = (*n).max(k.chunk + 1);
         }
@@ -119,7 +179,7 @@ impl ServiceMaps {
 
     /// Adoption of the Maglev tables read back by [`Self::read_programmed`]
     /// ([`Programmed::adopt_maglev`]).
-    pub fn adopt_maglev(&self, p: &mut Programmed, m: u32) {
+    pub fn adopt_maglev(&self, p: &mut Programmed<A>, m: u32) {
         p.adopt_maglev(m, |k| self.maglev.get(k, 0).ok());
     }
 
@@ -140,7 +200,7 @@ impl ServiceMaps {
     }
 
     /// Carries out one operation. Deleting an entry that is already gone is not an error.
-    pub fn apply(&mut self, op: &MapOp) -> Result<()> {
+    pub fn apply(&mut self, op: &MapOp<A>) -> Result<()> {
         let ignore_missing = |r: Result<(), aya::maps::MapError>, name| match r {
             Err(aya::maps::MapError::KeyNotFound) => Ok(()),
             Err(aya::maps::MapError::SyscallError(e))
@@ -154,24 +214,28 @@ impl ServiceMaps {
             MapOp::PutBackend { id, backend } => self
                 .backends
                 .insert(id, backend, 0)
-                .map_err(map_err(MAP_BACKENDS)),
+                .map_err(map_err(A::MAP_BACKENDS)),
             MapOp::PutRevNat { id, rev_nat } => self
                 .rev_nats
                 .insert(id, rev_nat, 0)
-                .map_err(map_err(MAP_REVNAT)),
+                .map_err(map_err(A::MAP_REVNAT)),
             MapOp::PutService { key, value } => self
                 .services
                 .insert(key, value, 0)
-                .map_err(map_err(MAP_SERVICES)),
-            MapOp::DeleteService { key } => ignore_missing(self.services.remove(key), MAP_SERVICES),
-            MapOp::DeleteRevNat { id } => ignore_missing(self.rev_nats.remove(id), MAP_REVNAT),
-            MapOp::DeleteBackend { id } => ignore_missing(self.backends.remove(id), MAP_BACKENDS),
+                .map_err(map_err(A::MAP_SERVICES)),
+            MapOp::DeleteService { key } => {
+                ignore_missing(self.services.remove(key), A::MAP_SERVICES)
+            }
+            MapOp::DeleteRevNat { id } => ignore_missing(self.rev_nats.remove(id), A::MAP_REVNAT),
+            MapOp::DeleteBackend { id } => {
+                ignore_missing(self.backends.remove(id), A::MAP_BACKENDS)
+            }
             MapOp::PutAffinityMatch { key } => self
                 .affinity_matches
                 .insert(key, AFFINITY_MATCH_VALUE, 0)
-                .map_err(map_err(MAP_AFFINITY_MATCH)),
+                .map_err(map_err(A::MAP_AFFINITY_MATCH)),
             MapOp::DeleteAffinityMatch { key } => {
-                ignore_missing(self.affinity_matches.remove(key), MAP_AFFINITY_MATCH)
+                ignore_missing(self.affinity_matches.remove(key), A::MAP_AFFINITY_MATCH)
             }
             MapOp::PutMaglevTable { id, table } => {
                 // One batch call per table; chunk by chunk only to name a failure.
@@ -199,7 +263,7 @@ impl ServiceMaps {
     }
 
     /// Every affinity match entry (for `dump affinity`: which frontends an id serves).
-    pub fn affinity_matches(&self) -> Vec<AffinityMatchKey> {
+    pub fn affinity_matches(&self) -> Vec<A::AffinityMatchKey> {
         self.affinity_matches
             .keys()
             .filter_map(|k| k.ok())
@@ -207,7 +271,7 @@ impl ServiceMaps {
     }
 
     /// Every frontend entry and slot (for `dump affinity`).
-    pub fn services(&self) -> Vec<(ServiceKey, ServiceValue)> {
+    pub fn services(&self) -> Vec<(A::ServiceKey, ServiceValue)> {
         self.services.iter().filter_map(|kv| kv.ok()).collect()
     }
 
@@ -215,9 +279,9 @@ impl ServiceMaps {
     pub fn capacities(&self) -> Result<crate::pipeline::programmed::Capacities> {
         let max = |m: &MapData, name| m.info().map(|i| i.max_entries()).map_err(map_err(name));
         Ok(crate::pipeline::programmed::Capacities {
-            services: max(self.services.map(), MAP_SERVICES)?,
-            backends: max(self.backends.map(), MAP_BACKENDS)?,
-            rev_nats: max(self.rev_nats.map(), MAP_REVNAT)?,
+            services: max(self.services.map(), A::MAP_SERVICES)?,
+            backends: max(self.backends.map(), A::MAP_BACKENDS)?,
+            rev_nats: max(self.rev_nats.map(), A::MAP_REVNAT)?,
             maglev_chunks: max(self.maglev.map(), MAP_MAGLEV)?,
             ..Default::default()
         })
@@ -226,7 +290,7 @@ impl ServiceMaps {
     /// Carries out `ops` in order, batching each run of same-kind writes into one syscall
     /// (the plan's phases keep same-kind writes together, and order within a run does not
     /// matter). Returns how many ops took effect, and the error that stopped the rest.
-    pub fn apply_all(&mut self, ops: &[MapOp]) -> (usize, Option<Error>) {
+    pub fn apply_all(&mut self, ops: &[MapOp<A>]) -> (usize, Option<Error>) {
         let mut done = 0;
         while done < ops.len() {
             let run = run_len(&ops[done..]);
@@ -241,7 +305,7 @@ impl ServiceMaps {
 
     /// One run of same-kind ops. On a batch error, finishes the run one op at a time so a
     /// missing key on delete is tolerated and a real failure names its op.
-    fn apply_run(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+    fn apply_run(&mut self, run: &[MapOp<A>]) -> (usize, Option<Error>) {
         // A run holds one variant only (see `run_len`), so each arm's pattern matches every op.
         macro_rules! puts {
             ($map:expr, $pat:pat => $kv:expr) => {{
@@ -308,7 +372,7 @@ impl ServiceMaps {
     /// A run of Maglev table writes. Building a table (~0.3 ms at M = 16381) costs more than
     /// writing it, so a first sync's thousands are built on all CPUs, a bounded group at a time
     /// (the built chunks of a group are held at once), and written in order, one batch call each.
-    fn put_maglev_tables(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+    fn put_maglev_tables(&mut self, run: &[MapOp<A>]) -> (usize, Option<Error>) {
         const GROUP: usize = 256;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut done = 0;
@@ -349,7 +413,7 @@ impl ServiceMaps {
     }
 
     /// Ops one at a time (a Maglev table op is already a run of chunk writes).
-    fn apply_singly(&mut self, run: &[MapOp]) -> (usize, Option<Error>) {
+    fn apply_singly(&mut self, run: &[MapOp<A>]) -> (usize, Option<Error>) {
         for (done, op) in run.iter().enumerate() {
             if let Err(e) = self.apply(op) {
                 return (done, Some(e));
@@ -361,8 +425,8 @@ impl ServiceMaps {
     /// A run of SERVICES writes. A full plan writes every slot (phase 2) before every frontend
     /// (phase 3); then each part is written in parallel, slots first, so no frontend is ever
     /// visible before its slots. Any other shape is written in order by one batch call.
-    fn put_services(&self, run: &[MapOp]) -> batch::BatchOutcome {
-        let (k, v): (Vec<ServiceKey>, Vec<ServiceValue>) = run
+    fn put_services(&self, run: &[MapOp<A>]) -> batch::BatchOutcome {
+        let (k, v): (Vec<A::ServiceKey>, Vec<ServiceValue>) = run
             .iter()
             .filter_map(|op| match *op {
                 MapOp::PutService { key, value } => Some((key, value)),
@@ -370,8 +434,8 @@ impl ServiceMaps {
             })
             .unzip();
         let fd = self.services.map().fd().as_fd();
-        let slots = k.iter().take_while(|key| key.slot != 0).count();
-        if !k[slots..].iter().all(|key| key.slot == 0) {
+        let slots = k.iter().take_while(|key| key.slot() != 0).count();
+        if !k[slots..].iter().all(|key| key.slot() == 0) {
             return batch::update(fd, &k, &v);
         }
         let first = batch::update_parallel(fd, &k[..slots], &v[..slots]);
@@ -386,7 +450,7 @@ impl ServiceMaps {
     }
 
     /// Backend by id (for conntrack garbage collection).
-    pub fn backend(&self, id: u32) -> Option<Backend> {
+    pub fn backend(&self, id: u32) -> Option<A::Backend> {
         self.backends.get(&id, 0).ok()
     }
 }
@@ -789,7 +853,7 @@ pub(crate) fn remove_if_exists(path: &Path) -> std::io::Result<()> {
 }
 
 /// Length of the leading run of ops of the same kind (same map, same put/delete).
-fn run_len(ops: &[MapOp]) -> usize {
+fn run_len<A: FamilyAbi>(ops: &[MapOp<A>]) -> usize {
     let kind = std::mem::discriminant(&ops[0]);
     ops.iter()
         .take_while(|op| std::mem::discriminant(*op) == kind)

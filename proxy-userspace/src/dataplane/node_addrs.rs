@@ -1,8 +1,13 @@
-//! The node's IPv4 addresses: which ones NodePorts answer on (`--nodeport-addresses`), and which
-//! one SNATed external flows leave with. Listing (getifaddrs, in the agent's network namespace)
-//! is the IO edge; the selection is pure.
+//! The node's addresses: which ones NodePorts answer on (`--nodeport-addresses`), and which
+//! one SNATed external flows leave with; per family (the IPv6 family's from [`list6`], the same
+//! selection over [`Ipv6Addr`]). Listing (getifaddrs, in the agent's network namespace) is the
+//! IO edge; the selection is pure.
 
-use std::{collections::BTreeMap, io, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use proxy_common::NodeInfo;
 use tracing::{error, info};
@@ -24,20 +29,49 @@ use crate::{
     serving::healthcheck::HealthCheckServers,
 };
 
-/// One IPv4 address of an interface of this network namespace.
+/// One address (IPv4 unless said) of an interface of this network namespace.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct IfAddr {
+pub struct IfAddr<A = Ipv4Addr> {
     pub ifname: String,
-    pub addr: Ipv4Addr,
+    pub addr: A,
 }
 
-/// What the agent derives from the node's addresses.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeAddrs {
+/// What the agent derives from the node's addresses of one family.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeAddrs<A = Ipv4Addr> {
     /// Where NodePorts answer, sorted, no duplicates.
-    pub nodeport: Vec<Ipv4Addr>,
+    pub nodeport: Vec<A>,
     /// Source address of SNATed external flows.
-    pub snat: Option<Ipv4Addr>,
+    pub snat: Option<A>,
+}
+
+impl<A> Default for NodeAddrs<A> {
+    fn default() -> Self {
+        Self {
+            nodeport: Vec::new(),
+            snat: None,
+        }
+    }
+}
+
+/// A node address family: which of its addresses may carry NodePorts.
+pub trait NodeFamily: Copy + Ord + Into<IpAddr> {
+    /// Not loopback, not unspecified; for IPv6 not link-local either (every pod veth has an
+    /// fe80:: address, and one is only reachable with its interface: NodePorts on them would
+    /// multiply the frontends by the pods for nothing upstream serves).
+    fn usable(self) -> bool;
+}
+
+impl NodeFamily for Ipv4Addr {
+    fn usable(self) -> bool {
+        !self.is_loopback() && !self.is_unspecified()
+    }
+}
+
+impl NodeFamily for Ipv6Addr {
+    fn usable(self) -> bool {
+        !self.is_loopback() && !self.is_unspecified() && !self.is_unicast_link_local()
+    }
 }
 
 /// The agent's north-south state: node addresses (NodePort frontends, the SNAT address in
@@ -260,7 +294,25 @@ pub fn list() -> io::Result<Vec<IfAddr>> {
     Ok(out)
 }
 
-/// Pure: NodePort addresses and the SNAT address from the node's addresses.
+/// The node's IPv6 addresses (as [`list`] for IPv4).
+pub fn list6() -> io::Result<Vec<IfAddr<Ipv6Addr>>> {
+    let mut out: Vec<IfAddr<Ipv6Addr>> = nix::ifaddrs::getifaddrs()?
+        .filter_map(|ifa| {
+            let sin6 = *ifa.address?.as_sockaddr_in6()?;
+            Some(IfAddr {
+                ifname: ifa.interface_name,
+                addr: sin6.ip(),
+            })
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// Pure: NodePort addresses and the SNAT address from the node's addresses of one family
+/// (`primary` and the CIDRs apply per family, as upstream: an IPv4 CIDR selects no IPv6
+/// address).
 ///
 /// - `All` (empty list): every address except loopback (upstream's nftables mode never serves
 ///   NodePorts on localhost either).
@@ -270,13 +322,17 @@ pub fn list() -> io::Result<Vec<IfAddr>> {
 ///
 /// The SNAT address is the first NodePort address on an external device, else the first address
 /// on an external device, else the first NodePort address.
-pub fn select(addrs: &[IfAddr], cfg: &NodePortAddresses, devices: &Patterns) -> NodeAddrs {
-    let usable = |a: &&IfAddr| !a.addr.is_loopback() && !a.addr.is_unspecified();
-    let on_device = |a: &&IfAddr| !devices.is_empty() && devices.matches(&a.ifname);
-    let mut nodeport: Vec<Ipv4Addr> = match cfg {
+pub fn select<A: NodeFamily>(
+    addrs: &[IfAddr<A>],
+    cfg: &NodePortAddresses,
+    devices: &Patterns,
+) -> NodeAddrs<A> {
+    let usable = |a: &&IfAddr<A>| a.addr.usable();
+    let on_device = |a: &&IfAddr<A>| !devices.is_empty() && devices.matches(&a.ifname);
+    let mut nodeport: Vec<A> = match cfg {
         NodePortAddresses::All => addrs.iter().filter(usable).map(|a| a.addr).collect(),
         NodePortAddresses::Primary => {
-            let on_devices: Vec<Ipv4Addr> = addrs
+            let on_devices: Vec<A> = addrs
                 .iter()
                 .filter(usable)
                 .filter(on_device)
@@ -407,6 +463,52 @@ mod tests {
         let none = select(&addrs(), &NodePortAddresses::Primary, &Patterns::default());
         assert_eq!(none.nodeport, vec![ip([169, 254, 1, 1])]);
         assert_eq!(none.snat, Some(ip([169, 254, 1, 1])));
+    }
+
+    /// IPv6 node addresses go through the same selection: `all` leaves out loopback and the
+    /// link-local fe80:: ones, `primary` is the devices' IPv6 addresses, CIDRs of the other
+    /// family select nothing, IPv6 CIDRs select inside them.
+    #[test]
+    fn ipv6_node_addresses_are_selected_per_family() {
+        let v6 = |s: &str| s.parse::<Ipv6Addr>().unwrap();
+        let addrs: Vec<IfAddr<Ipv6Addr>> = [
+            ("lo", "::1"),
+            ("eth0", "fe80::1"),
+            ("eth0", "2001:db8:50::10"),
+            ("eth1", "fd00:10::5"),
+            ("veth1", "fe80::2"),
+        ]
+        .into_iter()
+        .map(|(n, a)| IfAddr {
+            ifname: n.into(),
+            addr: v6(a),
+        })
+        .collect();
+        let all = select(&addrs, &NodePortAddresses::All, &Patterns::parse("eth0"));
+        assert_eq!(all.nodeport, [v6("2001:db8:50::10"), v6("fd00:10::5")]);
+        assert_eq!(all.snat, Some(v6("2001:db8:50::10")));
+        let primary = select(
+            &addrs,
+            &NodePortAddresses::Primary,
+            &Patterns::parse("eth1"),
+        );
+        assert_eq!(primary.nodeport, [v6("fd00:10::5")]);
+        let mixed = NodePortAddresses::from_list(&["10.0.0.0/8", "2001:db8::/32"]).unwrap();
+        assert_eq!(
+            select(&addrs, &mixed, &Patterns::default()).nodeport,
+            [v6("2001:db8:50::10")]
+        );
+        let v4_only = NodePortAddresses::from_list(&["10.0.0.0/8"]).unwrap();
+        assert!(
+            select(&addrs, &v4_only, &Patterns::default())
+                .nodeport
+                .is_empty()
+        );
+        // And the IPv4 selection ignores the IPv6 CIDR.
+        assert_eq!(
+            select(&super::tests::addrs(), &mixed, &Patterns::default()).nodeport,
+            [ip([10, 0, 0, 5])]
+        );
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! loadBalancerSourceRanges in `SRCRANGES_V1` (an LPM trie keyed by frontend + source prefix).
+//! loadBalancerSourceRanges in `SRCRANGES_V1` (an LPM trie keyed by frontend + source prefix),
+//! and the IPv6 family's in `SRCRANGES6_V1` (the same code over [`FamilyAbi`]).
 //!
 //! The entries depend only on the desired frontends (no ids), so they are reconciled here as a
 //! set, next to the diff's ordered plan: the wanted set is pure ([`wanted`]); the map layer adds
@@ -7,25 +8,31 @@
 //! the changed frontends and only the entries it marks are written
 //! ([`SourceRanges::sync_changed`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
 
 use aya::maps::{
     MapData,
     lpm_trie::{Key, LpmTrie},
 };
-use proxy_common::{MAP_SOURCE_RANGES, SourceRangeKey};
 use tracing::error;
 
 use crate::{
     dataplane,
-    pipeline::{encode, model::DesiredState, translate_cache::FrontendChange},
+    pipeline::{
+        encode::{self, FamilyAbi},
+        model::DesiredState,
+        translate_cache::FrontendChange,
+    },
 };
 
 /// One entry: (LPM prefix length, key data).
-pub type Entry = (u32, SourceRangeKey);
+pub type Entry<A = Ipv4Addr> = (u32, <A as FamilyAbi>::SourceRangeKey);
 
 /// Pure: every entry the desired state needs.
-pub fn wanted(desired: &DesiredState) -> BTreeSet<Entry> {
+pub fn wanted<A: FamilyAbi>(desired: &DesiredState<A>) -> BTreeSet<Entry<A>> {
     desired
         .frontends
         .iter()
@@ -85,20 +92,20 @@ impl WantedRanges {
     }
 }
 
-/// The map and what it carries.
-pub struct SourceRanges {
-    map: LpmTrie<MapData, SourceRangeKey, u32>,
-    programmed: BTreeSet<Entry>,
+/// One family's map and what it carries.
+pub struct SourceRanges<A: FamilyAbi = Ipv4Addr> {
+    map: LpmTrie<MapData, A::SourceRangeKey, u32>,
+    programmed: BTreeSet<Entry<A>>,
 }
 
-impl SourceRanges {
+impl<A: FamilyAbi> SourceRanges<A> {
     /// Takes the map out of a loaded object and reads back what it carries.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> dataplane::Result<Self> {
-        let name = MAP_SOURCE_RANGES;
+        let name = A::MAP_SOURCE_RANGES;
         let map = ebpf
             .take_map(name)
             .ok_or(dataplane::Error::Missing { what: "map", name })?;
-        let map: LpmTrie<MapData, SourceRangeKey, u32> =
+        let map: LpmTrie<MapData, A::SourceRangeKey, u32> =
             LpmTrie::try_from(map).map_err(|source| dataplane::Error::Map { name, source })?;
         let programmed = map
             .keys()
@@ -110,9 +117,12 @@ impl SourceRanges {
 
     /// Writes the entries changed since the last call (additions first; a failed one is kept
     /// for the next call), as [`SourceRanges::sync`] would for the whole set.
-    pub fn sync_changed(&mut self, wanted: &mut WantedRanges) {
+    pub fn sync_changed(&mut self, wanted: &mut WantedRanges)
+    where
+        A: FamilyAbi<SourceRangeKey = proxy_common::SourceRangeKey>,
+    {
         let changed = std::mem::take(&mut wanted.changed);
-        let (add, remove): (Vec<Entry>, Vec<Entry>) = changed
+        let (add, remove): (Vec<Entry<A>>, Vec<Entry<A>>) = changed
             .into_iter()
             .partition(|e| wanted.counts.contains_key(e));
         for (len, data) in add {
@@ -147,7 +157,10 @@ impl SourceRanges {
 
     /// Makes the map carry exactly what `wanted` counts (a full sync); entries whose write
     /// failed are left marked for the next [`SourceRanges::sync_changed`].
-    pub fn sync_all(&mut self, wanted: &mut WantedRanges) {
+    pub fn sync_all(&mut self, wanted: &mut WantedRanges)
+    where
+        A: FamilyAbi<SourceRangeKey = proxy_common::SourceRangeKey>,
+    {
         let want = wanted.entries();
         self.sync(&want);
         wanted.changed = want
@@ -158,9 +171,9 @@ impl SourceRanges {
 
     /// Makes the map carry exactly `want` (additions first). Failed writes are logged and
     /// retried on the next sync.
-    pub fn sync(&mut self, want: &BTreeSet<Entry>) {
-        let add: Vec<Entry> = want.difference(&self.programmed).copied().collect();
-        let remove: Vec<Entry> = self.programmed.difference(want).copied().collect();
+    pub fn sync(&mut self, want: &BTreeSet<Entry<A>>) {
+        let add: Vec<Entry<A>> = want.difference(&self.programmed).copied().collect();
+        let remove: Vec<Entry<A>> = self.programmed.difference(want).copied().collect();
         for (len, data) in add {
             match self.map.insert(&Key::new(len, data), 1, 0) {
                 Ok(()) => {
@@ -182,7 +195,7 @@ impl SourceRanges {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
+    use proxy_common::SourceRangeKey;
 
     use super::*;
     use crate::pipeline::model::{

@@ -30,32 +30,55 @@
 //! programmed it is left exactly as it is. Space freed by this plan's removals is used on the next
 //! sync.
 
-use std::{cmp::Reverse, sync::Arc};
+use std::{cmp::Reverse, net::Ipv4Addr, sync::Arc};
 
-use proxy_common::{
-    AffinityMatchKey, Backend, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue,
-};
+use proxy_common::{MAX_BACKENDS_PER_SERVICE, ServiceValue};
 
 use crate::pipeline::{
-    encode,
+    encode::{self, FamilyAbi, SlotKey},
     fast_hash::{HashMap, HashSet},
     ids::IdAllocator,
     maglev::MaglevTable,
-    model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend, Scheduler},
-    programmed::{Capacities, MapOp, Programmed},
+    model::{DesiredFrontend, DesiredState, EndpointAddr, Family, Frontend, Scheduler},
+    programmed::{Capacities, MapOp, Programmed, SharedIds},
 };
 
 /// What to write, in order, and which frontends could not be carried.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
-    pub ops: Vec<MapOp>,
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan<A: FamilyAbi = Ipv4Addr> {
+    pub ops: Vec<MapOp<A>>,
     /// Frontends not (re)programmed, sorted, with the reason.
-    pub skipped: Vec<(Frontend, String)>,
+    pub skipped: Vec<(Frontend<A>, String)>,
 }
 
-/// Compute the operations that make `programmed` carry `desired`, within `caps`.
-pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) -> Plan {
-    let mut admission = Admission::new(programmed, caps);
+impl<A: FamilyAbi> Default for Plan<A> {
+    fn default() -> Self {
+        Self {
+            ops: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+}
+
+/// Compute the operations that make `programmed` carry `desired`, within `caps` (one family;
+/// no other family's ids to avoid).
+pub fn plan<A: FamilyAbi>(
+    desired: &DesiredState<A>,
+    programmed: &Programmed<A>,
+    caps: &Capacities,
+) -> Plan<A> {
+    plan_sharing(desired, programmed, caps, &SharedIds::default())
+}
+
+/// [`plan`] for one family of two: new backend and Maglev table ids avoid `other` (the other
+/// family's, [`Programmed::shared_ids`]).
+pub fn plan_sharing<A: FamilyAbi>(
+    desired: &DesiredState<A>,
+    programmed: &Programmed<A>,
+    caps: &Capacities,
+    other: &SharedIds,
+) -> Plan<A> {
+    let mut admission = Admission::new(programmed, caps, other);
     // Already-programmed frontends first: they keep their place when maps are nearly full.
     let (existing, fresh): (Vec<_>, Vec<_>) = desired.frontends.iter().partition(|(fe, _)| {
         programmed
@@ -73,7 +96,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
         ..
     } = admission;
     accepted.sort_by_key(|a| a.frontend);
-    let maglev_puts = assign_maglev_tables(&mut accepted, programmed, caps, &mut skipped);
+    let maglev_puts = assign_maglev_tables(&mut accepted, programmed, caps, other, &mut skipped);
     skipped.sort();
 
     // Room for the most ops the phases below can write (every entry put, every programmed entry
@@ -90,15 +113,17 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     let mut ops = Vec::with_capacity(most);
 
     // Phase 0: affinity match entries nothing wants (a kept frontend keeps its own).
-    let wanted_matches: HashSet<AffinityMatchKey> = accepted
+    let wanted_matches: HashSet<A::AffinityMatchKey> = accepted
         .iter()
         .flat_map(|a| encode::affinity_matches(&a.key, a.df, &a.slot_ids))
         .collect();
-    let kept_frontends: HashSet<ServiceKey> = kept.iter().map(|k| k.key).collect();
-    let mut dead_matches: Vec<AffinityMatchKey> = programmed
+    let kept_frontends: HashSet<A::ServiceKey> = kept.iter().map(|k| k.key).collect();
+    let mut dead_matches: Vec<A::AffinityMatchKey> = programmed
         .affinity_matches
         .iter()
-        .filter(|k| !wanted_matches.contains(k) && !kept_frontends.contains(&k.frontend))
+        .filter(|k| {
+            !wanted_matches.contains(k) && !kept_frontends.contains(&A::affinity_match_frontend(k))
+        })
         .copied()
         .collect();
     dead_matches.sort_unstable();
@@ -112,7 +137,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     let mut referenced_tables: HashSet<u32> = accepted.iter().map(|a| a.maglev_table).collect();
 
     // Phase 1: backends (flags merged across the frontends sharing them), then rev-NAT entries.
-    let mut backends: HashMap<u32, Backend> = HashMap::default();
+    let mut backends: HashMap<u32, A::Backend> = HashMap::default();
     for a in &accepted {
         for b in a.df.backends.iter().chain(&a.df.retained) {
             let Some(&id) = backend_ids.get(&b.endpoint) else {
@@ -136,7 +161,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             .map(|(id, backend)| MapOp::PutBackend { id, backend }),
     );
 
-    let mut rev_nats: Vec<(u32, RevNat)> = accepted
+    let mut rev_nats: Vec<(u32, A::RevNat)> = accepted
         .iter()
         .map(|a| (a.rev_nat_id, encode::rev_nat(&a.frontend)))
         .collect();
@@ -156,7 +181,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     );
 
     // Phase 2: backend slots.
-    let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
+    let put_if_changed = |ops: &mut Vec<MapOp<A>>, key: A::ServiceKey, value: ServiceValue| {
         if programmed.services.get(&key) != Some(value) {
             ops.push(MapOp::PutService { key, value });
         }
@@ -166,7 +191,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             put_if_changed(&mut ops, a.key.with_slot(slot), ServiceValue::slot(*id));
         }
     }
-    let mut new_matches: Vec<AffinityMatchKey> = wanted_matches
+    let mut new_matches: Vec<A::AffinityMatchKey> = wanted_matches
         .into_iter()
         .filter(|k| !programmed.affinity_matches.contains(k))
         .collect();
@@ -194,24 +219,24 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
             ),
         );
     }
-    let counts: HashMap<ServiceKey, u16> = accepted.iter().map(|a| (a.key, a.count())).collect();
+    let counts: HashMap<A::ServiceKey, u16> = accepted.iter().map(|a| (a.key, a.count())).collect();
     let mut removed_frontends = Vec::new();
     let mut removed_slots = Vec::new();
     for (key, value) in &programmed.services {
         let frontend = key.with_slot(0);
         if let Some(&count) = counts.get(&frontend) {
-            if key.slot > count {
+            if key.slot() > count {
                 removed_slots.push(*key);
             }
         } else if kept_frontends.contains(&frontend) {
             // Left as programmed: what it points to must stay.
-            if key.slot == 0 {
+            if key.slot() == 0 {
                 referenced_rev_nats.insert(value.rev_nat_id);
                 referenced_tables.insert(value.maglev_table);
             } else {
                 referenced_backends.insert(value.backend_id);
             }
-        } else if key.slot == 0 {
+        } else if key.slot() == 0 {
             removed_frontends.push(*key);
         } else {
             removed_slots.push(*key);
@@ -225,7 +250,7 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
     );
 
     // Phase 4: slots nothing counts any more, highest first per frontend.
-    removed_slots.sort_by_key(|k| (k.with_slot(0), Reverse(k.slot)));
+    removed_slots.sort_by_key(|k| (k.with_slot(0), Reverse(k.slot())));
     ops.extend(
         removed_slots
             .into_iter()
@@ -280,17 +305,18 @@ pub fn plan(desired: &DesiredState, programmed: &Programmed, caps: &Capacities) 
 /// The Maglev table of every accepted Maglev frontend with backends (see the module doc), and
 /// the new tables to write, by id. A frontend whose new table does not fit `MAGLEV_V1` gets none
 /// (the datapath picks by flow hash) and is reported.
-fn assign_maglev_tables(
-    accepted: &mut [Accepted<'_>],
-    programmed: &Programmed,
+fn assign_maglev_tables<A: FamilyAbi>(
+    accepted: &mut [Accepted<'_, A>],
+    programmed: &Programmed<A>,
     caps: &Capacities,
-    skipped: &mut Vec<(Frontend, String)>,
-) -> Vec<(u32, Arc<MaglevTable>)> {
+    other: &SharedIds,
+    skipped: &mut Vec<(Frontend<A>, String)>,
+) -> Vec<(u32, Arc<MaglevTable<A>>)> {
     let mut puts = Vec::new();
     if !accepted.iter().any(|a| wants_maglev(a.df)) {
         return puts;
     }
-    let mut programmed_ids: HashMap<&MaglevTable, u32> = HashMap::default();
+    let mut programmed_ids: HashMap<&MaglevTable<A>, u32> = HashMap::default();
     for (id, t) in &programmed.maglev {
         programmed_ids
             .entry(&**t)
@@ -301,11 +327,11 @@ fn assign_maglev_tables(
         programmed
             .services
             .iter()
-            .filter(|(k, _)| k.slot == 0)
+            .filter(|(k, _)| k.slot() == 0)
             .map(|(_, v)| v.maglev_table),
     );
-    let mut alloc = IdAllocator::new(used);
-    let mut planned: HashMap<Arc<MaglevTable>, u32> = HashMap::default();
+    let mut alloc = IdAllocator::new(used.chain(other.maglev_tables.iter().copied()));
+    let mut planned: HashMap<Arc<MaglevTable<A>>, u32> = HashMap::default();
     let mut chunks = programmed.maglev_chunks();
     for a in accepted.iter_mut() {
         if !wants_maglev(a.df) || a.slot_ids.is_empty() {
@@ -346,30 +372,31 @@ fn assign_maglev_tables(
 }
 
 /// Does the frontend's scheduler use a Maglev table?
-pub fn wants_maglev(df: &DesiredFrontend) -> bool {
+pub fn wants_maglev<A: Family>(df: &DesiredFrontend<A>) -> bool {
     df.balancing.scheduler == Scheduler::Maglev
 }
 
 /// The Maglev table a frontend needs: its backends in slot order.
-pub fn maglev_table(df: &DesiredFrontend, size: u32) -> Arc<MaglevTable> {
+pub fn maglev_table<A: Family>(df: &DesiredFrontend<A>, size: u32) -> Arc<MaglevTable<A>> {
     MaglevTable::new(size, df.backends.iter().map(|b| b.endpoint).collect())
 }
 
 /// One backend id may serve several frontends whose EndpointSlices disagree for a moment: it is
 /// local if any says so, terminating only if all say so (a backend some Service still selects as
 /// ready must not look terminating to it).
-fn merge_flags(a: Backend, b: Backend) -> Backend {
+pub fn merge_flags<B: encode::BackendValue>(a: B, b: B) -> B {
     use proxy_common::backend_flags::{LOCAL, TERMINATING};
-    let flags = ((a.flags | b.flags) & LOCAL) | (a.flags & b.flags & TERMINATING);
-    Backend { flags, ..a }
+    let (fa, fb) = (encode::flags_of(&a), encode::flags_of(&b));
+    let flags = ((fa | fb) & LOCAL) | (fa & fb & TERMINATING);
+    encode::with_backend_flags(&a, flags)
 }
 
 /// A frontend that will be written.
-struct Accepted<'a> {
-    frontend: Frontend,
+struct Accepted<'a, A: FamilyAbi> {
+    frontend: Frontend<A>,
     /// Slot-0 key.
-    key: ServiceKey,
-    df: &'a DesiredFrontend,
+    key: A::ServiceKey,
+    df: &'a DesiredFrontend<A>,
     rev_nat_id: u32,
     /// Backend id per slot (slot i+1 = index i).
     slot_ids: Vec<u32>,
@@ -377,7 +404,7 @@ struct Accepted<'a> {
     maglev_table: u32,
 }
 
-impl Accepted<'_> {
+impl<A: FamilyAbi> Accepted<'_, A> {
     fn count(&self) -> u16 {
         // Admission bounds the length by MAX_BACKENDS_PER_SERVICE.
         u16::try_from(self.slot_ids.len()).unwrap_or(u16::MAX)
@@ -385,33 +412,33 @@ impl Accepted<'_> {
 }
 
 /// A programmed frontend whose update did not fit: left untouched.
-struct Kept<'a> {
-    key: ServiceKey,
-    df: &'a DesiredFrontend,
+struct Kept<'a, A: FamilyAbi> {
+    key: A::ServiceKey,
+    df: &'a DesiredFrontend<A>,
 }
 
 /// Decides, frontend by frontend, what fits and which ids it uses.
-struct Admission<'a> {
-    programmed: &'a Programmed,
+struct Admission<'a, A: FamilyAbi> {
+    programmed: &'a Programmed<A>,
     caps: &'a Capacities,
     /// Entries the maps hold at their peak during the plan, so far.
     used_services: u64,
     used_backends: u64,
     used_rev_nats: u64,
     /// Endpoint → backend id: programmed ones (smallest id per endpoint), then new ones.
-    backend_ids: HashMap<EndpointAddr, u32>,
+    backend_ids: HashMap<EndpointAddr<A>, u32>,
     backend_alloc: IdAllocator,
     rev_nat_alloc: IdAllocator,
     /// Rev-NAT ids claimed by accepted frontends, with the value each needs.
-    rev_nat_claims: HashMap<u32, RevNat>,
-    accepted: Vec<Accepted<'a>>,
-    kept: Vec<Kept<'a>>,
-    skipped: Vec<(Frontend, String)>,
+    rev_nat_claims: HashMap<u32, A::RevNat>,
+    accepted: Vec<Accepted<'a, A>>,
+    kept: Vec<Kept<'a, A>>,
+    skipped: Vec<(Frontend<A>, String)>,
 }
 
-impl<'a> Admission<'a> {
-    fn new(programmed: &'a Programmed, caps: &'a Capacities) -> Self {
-        let mut backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
+impl<'a, A: FamilyAbi> Admission<'a, A> {
+    fn new(programmed: &'a Programmed<A>, caps: &'a Capacities, other: &SharedIds) -> Self {
+        let mut backend_ids: HashMap<EndpointAddr<A>, u32> = HashMap::default();
         for (id, b) in programmed.backends.iter() {
             if let Some(ep) = encode::decode_endpoint(b) {
                 backend_ids
@@ -421,12 +448,11 @@ impl<'a> Admission<'a> {
             }
         }
         // Ids a programmed entry still names are not free, even if their target is missing.
-        let slot_ids = programmed.services.iter().filter(|(k, _)| k.slot > 0);
-        let used_backend_ids = programmed
-            .backends
-            .ids()
-            .chain(slot_ids.map(|(_, v)| v.backend_id));
-        let frontend_entries = programmed.services.iter().filter(|(k, _)| k.slot == 0);
+        let slot_ids = programmed.services.iter().filter(|(k, _)| k.slot() > 0);
+        let used_backend_ids = (programmed.backends.ids())
+            .chain(slot_ids.map(|(_, v)| v.backend_id))
+            .chain(other.backends.iter().copied());
+        let frontend_entries = programmed.services.iter().filter(|(k, _)| k.slot() == 0);
         let used_rev_nat_ids = programmed
             .rev_nats
             .keys()
@@ -448,7 +474,7 @@ impl<'a> Admission<'a> {
         }
     }
 
-    fn admit(&mut self, frontend: Frontend, df: &'a DesiredFrontend) {
+    fn admit(&mut self, frontend: Frontend<A>, df: &'a DesiredFrontend<A>) {
         let key = encode::service_key(&frontend, 0);
         let programmed_entry = self.programmed.services.get(&key);
         match self.try_admit(frontend, key, programmed_entry, df) {
@@ -466,10 +492,10 @@ impl<'a> Admission<'a> {
 
     fn try_admit(
         &mut self,
-        frontend: Frontend,
-        key: ServiceKey,
+        frontend: Frontend<A>,
+        key: A::ServiceKey,
         programmed_entry: Option<ServiceValue>,
-        df: &'a DesiredFrontend,
+        df: &'a DesiredFrontend<A>,
     ) -> Result<(), String> {
         let service = &df.service;
         let count = u16::try_from(df.backends.len())
@@ -489,7 +515,7 @@ impl<'a> Admission<'a> {
             + (1..=count)
                 .filter(|s| !services.contains_key(&key.with_slot(*s)))
                 .count() as u64;
-        let mut missing: Vec<EndpointAddr> = df
+        let mut missing: Vec<EndpointAddr<A>> = df
             .backends
             .iter()
             .chain(&df.retained)
@@ -574,7 +600,7 @@ impl<'a> Admission<'a> {
 mod tests {
     use std::{collections::BTreeMap, net::Ipv4Addr, sync::Arc};
 
-    use proxy_common::backend_flags;
+    use proxy_common::{AffinityMatchKey, ServiceKey, backend_flags};
 
     use super::*;
     use crate::pipeline::model::{DesiredBackend, Protocol, ServicePortName};
@@ -665,17 +691,17 @@ mod tests {
 
     /// What the datapath can reach must exist: every slot of every frontend, every backend a
     /// slot names, every rev-NAT a frontend names. Checked after every single op.
-    fn assert_consistent(p: &Programmed, after: &MapOp) {
+    fn assert_consistent<A: FamilyAbi>(p: &Programmed<A>, after: &MapOp<A>) {
         // An affinity match names an existing backend (one its frontend selects before or after
         // the plan: slots are rewritten one by one, so mid-plan it may sit in none of them; the
         // match set is exact once a plan is through, see `sync`).
         for m in &p.affinity_matches {
             assert!(
-                p.backends.contains_key(&m.backend_id),
+                p.backends.contains_key(&A::affinity_match_backend(m)),
                 "match {m:?} without its backend after {after:?}"
             );
         }
-        for (key, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
+        for (key, v) in p.services.iter().filter(|(k, _)| k.slot() == 0) {
             assert_ne!(v.rev_nat_id, 0);
             assert!(
                 p.rev_nats.contains_key(&v.rev_nat_id),
@@ -702,7 +728,7 @@ mod tests {
         }
     }
 
-    fn apply_checked(p: &mut Programmed, ops: &[MapOp]) {
+    fn apply_checked<A: FamilyAbi>(p: &mut Programmed<A>, ops: &[MapOp<A>]) {
         for op in ops {
             p.apply(op);
             assert_consistent(p, op);
@@ -711,13 +737,13 @@ mod tests {
 
     /// Decode what the maps make the datapath do: frontend → selected endpoints in slot order,
     /// plus every programmed backend.
-    fn carried(p: &Programmed) -> BTreeMap<Frontend, Vec<DesiredBackend>> {
+    fn carried<A: FamilyAbi>(p: &Programmed<A>) -> BTreeMap<Frontend<A>, Vec<DesiredBackend<A>>> {
         let mut out = BTreeMap::new();
-        for (key, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
+        for (key, v) in p.services.iter().filter(|(k, _)| k.slot() == 0) {
             let (frontend, _) = encode::decode_service_key(key).expect("our key");
             let rev = p.rev_nats.get(&v.rev_nat_id).expect("rev-NAT");
             assert_eq!(encode::decode_rev_nat(rev), (frontend.addr, frontend.port));
-            let backends: Vec<DesiredBackend> = (1..=v.count)
+            let backends: Vec<DesiredBackend<A>> = (1..=v.count)
                 .map(|s| {
                     let id = p.services.get(&key.with_slot(s)).expect("slot").backend_id;
                     encode::decode_backend(p.backends.get(&id).expect("backend")).expect("decodes")
@@ -726,7 +752,7 @@ mod tests {
             if v.scheduler == proxy_common::sched::code::MAGLEV && v.count > 0 {
                 // The table holds exactly the frontend's slots.
                 let t = p.maglev.get(&v.maglev_table).expect("Maglev table");
-                let slots: Vec<EndpointAddr> = backends.iter().map(|b| b.endpoint).collect();
+                let slots: Vec<EndpointAddr<A>> = backends.iter().map(|b| b.endpoint).collect();
                 assert_eq!(t.endpoints, slots, "{frontend}");
             } else {
                 assert_eq!(v.maglev_table, 0, "{frontend}: a table without Maglev");
@@ -741,8 +767,17 @@ mod tests {
 
     /// Plan, apply op by op (checking consistency), check the result carries `d` and that a
     /// second plan is empty.
-    fn sync(d: &DesiredState, p: &mut Programmed) -> Plan {
-        let plan = plan(d, p, &CAPS);
+    fn sync<A: FamilyAbi>(d: &DesiredState<A>, p: &mut Programmed<A>) -> Plan<A> {
+        sync_sharing(d, p, &SharedIds::default())
+    }
+
+    /// [`sync`] for one family of two (`other`: the other family's ids).
+    fn sync_sharing<A: FamilyAbi>(
+        d: &DesiredState<A>,
+        p: &mut Programmed<A>,
+        other: &SharedIds,
+    ) -> Plan<A> {
+        let plan = plan_sharing(d, p, &CAPS, other);
         assert_eq!(plan.skipped, []);
         apply_checked(p, &plan.ops);
         let want: BTreeMap<_, _> = d
@@ -761,7 +796,7 @@ mod tests {
             }
         }
         // Affinity match entries: exactly every backend slot of every affinity frontend.
-        let mut want_matches: HashSet<AffinityMatchKey> = HashSet::default();
+        let mut want_matches: HashSet<A::AffinityMatchKey> = HashSet::default();
         for (f, df) in &d.frontends {
             let k = encode::service_key(f, 0);
             let count = p.services.get(&k).unwrap().count;
@@ -780,7 +815,7 @@ mod tests {
             }
         }
         assert_eq!(p.affinity_matches, want_matches);
-        let again = super::plan(d, p, &CAPS);
+        let again = super::plan_sharing(d, p, &CAPS, other);
         assert_eq!(again.ops, [], "plan must be idempotent");
         plan
     }
@@ -1463,6 +1498,145 @@ mod tests {
         DesiredState { frontends }
     }
 
+    /// The IPv6 twin of an IPv4 state: every address a.b.c.d becomes fd00::a.b.c.d (same
+    /// ports, flags, policies), so the random IPv4 states drive the IPv6 plan too.
+    fn to_v6(d: &DesiredState) -> DesiredState<std::net::Ipv6Addr> {
+        let v6 =
+            |a: Ipv4Addr| std::net::Ipv6Addr::from((0xfd00u128 << 112) | u128::from(u32::from(a)));
+        let backend = |b: &DesiredBackend| DesiredBackend {
+            endpoint: EndpointAddr {
+                addr: v6(b.endpoint.addr),
+                port: b.endpoint.port,
+                protocol: b.endpoint.protocol,
+            },
+            terminating: b.terminating,
+            local: b.local,
+        };
+        let frontends = (d.frontends.iter())
+            .map(|(f, df)| {
+                let fe6 = Frontend {
+                    addr: v6(f.addr),
+                    port: f.port,
+                    protocol: f.protocol,
+                    scope: f.scope,
+                };
+                let df6 = DesiredFrontend {
+                    service: df.service.clone(),
+                    kind: df.kind,
+                    balancing: df.balancing,
+                    external_local: df.external_local,
+                    drop_when_empty: df.drop_when_empty,
+                    source_ranges: (df.source_ranges.iter())
+                        .map(|(a, l)| (v6(*a), l + 96))
+                        .collect(),
+                    backends: df.backends.iter().map(backend).collect(),
+                    retained: df.retained.iter().map(backend).collect(),
+                };
+                (fe6, Arc::new(df6))
+            })
+            .collect();
+        DesiredState { frontends }
+    }
+
+    /// IPv6 is planned by the same code over `SERVICES6_V1` keys (16-byte addresses); both
+    /// families' backend and Maglev table ids come from one space (LCFLOWS_V1 and MAGLEV_V1 are
+    /// shared): whatever the two families go through, no id is held by both, each family's
+    /// maps stay consistent op by op, carry its desired state, and a second plan is empty.
+    #[test]
+    fn ipv6_plans_share_the_id_spaces_with_ipv4_over_random_transitions() {
+        for seed in 1..=25u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut p4 = Programmed::default();
+            let mut p6: Programmed<std::net::Ipv6Addr> = Programmed::default();
+            for step in 0..20 {
+                let d4 = random_state(&mut rng);
+                let d6 = to_v6(&random_state(&mut rng));
+                // Alternate which family plans first.
+                if step % 2 == 0 {
+                    sync_sharing(&d4, &mut p4, &p6.shared_ids());
+                    sync_sharing(&d6, &mut p6, &p4.shared_ids());
+                } else {
+                    sync_sharing(&d6, &mut p6, &p4.shared_ids());
+                    sync_sharing(&d4, &mut p4, &p6.shared_ids());
+                }
+                let (ids4, ids6) = (p4.shared_ids(), p6.shared_ids());
+                assert!(
+                    ids4.backends.is_disjoint(&ids6.backends),
+                    "seed {seed} step {step}: backend ids in both families"
+                );
+                assert!(
+                    ids4.maglev_tables.is_disjoint(&ids6.maglev_tables),
+                    "seed {seed} step {step}: Maglev tables in both families"
+                );
+            }
+            sync(&DesiredState::default(), &mut p6);
+            assert_eq!(p6, Programmed::default(), "seed {seed}");
+        }
+    }
+
+    /// What an IPv6 plan writes: `Service6Key`/`Backend6`/`RevNat6` with the 16-byte addresses
+    /// in network order, ids after the IPv4 family's.
+    #[test]
+    fn ipv6_plan_writes_ipv6_entries_with_ids_after_ipv4s() {
+        let mut p4 = Programmed::default();
+        sync(&state(&[(1, &[1, 2]), (2, &[3])]), &mut p4);
+        let d6 = to_v6(&state(&[(1, &[1, 4])]));
+        let mut p6 = Programmed::default();
+        let plan = sync_sharing(&d6, &mut p6, &p4.shared_ids());
+        let fe6: std::net::Ipv6Addr = "fd00::a60:1".parse().unwrap();
+        let be = |last: u8| {
+            let mut a = [0u8; 16];
+            a[..2].copy_from_slice(&[0xfd, 0]);
+            a[12..].copy_from_slice(&[10, 244, 0, last]);
+            a
+        };
+        let key0 = proxy_common::ipv6::Service6Key::new(fe6.octets(), 80u16.to_be_bytes(), 6, 0);
+        assert_eq!(
+            plan.ops,
+            [
+                MapOp::PutBackend {
+                    id: 4,
+                    backend: proxy_common::ipv6::Backend6 {
+                        addr: be(1),
+                        port: 8080u16.to_be_bytes(),
+                        proto: 6,
+                        flags: 0
+                    }
+                },
+                MapOp::PutBackend {
+                    id: 5,
+                    backend: proxy_common::ipv6::Backend6 {
+                        addr: be(4),
+                        port: 8080u16.to_be_bytes(),
+                        proto: 6,
+                        flags: 0
+                    }
+                },
+                MapOp::PutRevNat {
+                    id: 1,
+                    rev_nat: proxy_common::ipv6::RevNat6 {
+                        addr: fe6.octets(),
+                        port: 80u16.to_be_bytes(),
+                        _pad: [0; 2]
+                    }
+                },
+                MapOp::PutService {
+                    key: key0.with_slot(1),
+                    value: ServiceValue::slot(4)
+                },
+                MapOp::PutService {
+                    key: key0.with_slot(2),
+                    value: ServiceValue::slot(5)
+                },
+                MapOp::PutService {
+                    key: key0,
+                    value: ServiceValue::frontend(2, 1)
+                },
+            ],
+            "backend ids 1-3 are IPv4's; rev-NAT ids are per family (REVNAT6_V1)"
+        );
+    }
+
     #[test]
     fn idempotent_and_consistent_over_random_transitions() {
         for seed in 1..=40u64 {
@@ -1602,7 +1776,7 @@ mod tests {
         let old_id = p
             .backends
             .iter()
-            .find(|(_, b)| encode::decode_endpoint(b) == Some(be(2 * f + 1).endpoint))
+            .find(|(_, b)| encode::decode_endpoint(*b) == Some(be(2 * f + 1).endpoint))
             .map(|(id, _)| id)
             .expect("old backend programmed");
         let new_id = 2 * n + 1; // ids 1..=2n are taken

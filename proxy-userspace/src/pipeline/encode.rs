@@ -1,49 +1,243 @@
-//! Host types ↔ map ABI. The only place that turns `Ipv4Addr`/`u16`/`Protocol` into the
-//! network-order byte arrays of `proxy_common` (and back, for adoption and `dump`).
+//! Host types ↔ map ABI. The only place that turns addresses/`u16`/`Protocol` into the
+//! network-order byte arrays of `proxy_common` (and back, for adoption and `dump`), for both
+//! families: [`FamilyAbi`] names each family's key and value types (`SERVICES_V1` /
+//! `SERVICES6_V1` ...), and every function here is generic over it.
 
-use std::net::Ipv4Addr;
+use std::{
+    fmt,
+    hash::Hash,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use proxy_common::{
     AffinityMatchKey, Backend, ClusterCidrs, Ipv4Prefix, MAX_CLUSTER_CIDRS, RevNat, SCOPE_EXTERNAL,
     SCOPE_INTERNAL, SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SourceRangeKey,
-    backend_flags, service_flags,
+    backend_flags,
+    ipv6::{
+        Affinity6MatchKey, Backend6, RevNat6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key,
+        SourceRange6Key,
+    },
+    service_flags,
 };
 
 use crate::pipeline::model::{
-    DesiredBackend, DesiredFrontend, EndpointAddr, Frontend, Protocol, Scope, ServicePortName,
+    DesiredBackend, DesiredFrontend, EndpointAddr, Family, Frontend, Protocol, Scope,
+    ServicePortName,
 };
 
-/// The `SERVICES` key of one slot of a frontend (slot 0 = the frontend entry).
-pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
-    ServiceKey {
-        scope: match frontend.scope {
-            Scope::AllClients => SCOPE_EXTERNAL,
-            Scope::InCluster => SCOPE_INTERNAL,
-        },
-        ..ServiceKey::new(
-            frontend.addr.octets(),
-            frontend.port.to_be_bytes(),
-            frontend.protocol.number(),
-            slot,
-        )
+/// A `SERVICES` key of either family: the frontend entry is slot 0, its backend slots 1..=n.
+pub trait SlotKey:
+    Copy + Eq + Ord + Hash + fmt::Debug + Default + Send + Sync + aya::Pod + 'static
+{
+    /// The family whose key this is.
+    type Family: FamilyAbi<ServiceKey = Self>;
+    fn slot(&self) -> u16;
+    /// The same frontend, another slot.
+    fn with_slot(self, slot: u16) -> Self;
+}
+
+/// A `BACKENDS` value of either family (so a decode finds the family from the value's type).
+pub trait BackendValue: Copy + Eq + fmt::Debug + Send + Sync + aya::Pod + 'static {
+    type Family: FamilyAbi<Backend = Self>;
+}
+
+/// A `REVNAT` value of either family.
+pub trait RevNatValue: Copy + Eq + fmt::Debug + Send + Sync + aya::Pod + 'static {
+    type Family: FamilyAbi<RevNat = Self>;
+}
+
+/// A family's map ABI: the key and value types of its `SERVICES`/`BACKENDS`/`REVNAT`/
+/// `AFFMATCH`/`SRCRANGES` maps (IPv4: `SERVICES_V1` ...; IPv6: `SERVICES6_V1` ...), and how
+/// host values are laid into them. `ServiceValue` (no address) is the same for both.
+pub trait FamilyAbi: Family {
+    type ServiceKey: SlotKey<Family = Self>;
+    type Backend: BackendValue<Family = Self>;
+    type RevNat: RevNatValue<Family = Self>;
+    type AffinityMatchKey: Copy + Eq + Ord + Hash + fmt::Debug + Send + Sync + aya::Pod + 'static;
+    type SourceRangeKey: Copy + Eq + Ord + fmt::Debug + Send + Sync + aya::Pod + 'static;
+    /// The family's map names (`SERVICES_V1` / `SERVICES6_V1` ...).
+    const MAP_SERVICES: &'static str;
+    const MAP_BACKENDS: &'static str;
+    const MAP_REVNAT: &'static str;
+    const MAP_AFFINITY_MATCH: &'static str;
+    const MAP_SOURCE_RANGES: &'static str;
+    /// Bits of the source-range key naming the frontend (the source prefix comes after).
+    const SOURCE_RANGE_FRONTEND_BITS: u32;
+    /// A `SERVICES` key (`scope`: `SCOPE_*`).
+    fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> Self::ServiceKey;
+    /// (address, port, protocol, scope, slot) of a key.
+    fn service_key_parts(key: &Self::ServiceKey) -> (Self, [u8; 2], u8, u8, u16);
+    fn backend(addr: Self, port: [u8; 2], proto: u8, flags: u8) -> Self::Backend;
+    /// (address, port, protocol, flags) of a `BACKENDS` value.
+    fn backend_parts(b: &Self::Backend) -> (Self, [u8; 2], u8, u8);
+    fn rev_nat(addr: Self, port: [u8; 2]) -> Self::RevNat;
+    fn rev_nat_parts(r: &Self::RevNat) -> (Self, [u8; 2]);
+    fn affinity_match(frontend: Self::ServiceKey, backend_id: u32) -> Self::AffinityMatchKey;
+    /// The frontend (slot-0 key) an affinity match entry belongs to.
+    fn affinity_match_frontend(k: &Self::AffinityMatchKey) -> Self::ServiceKey;
+    fn affinity_match_backend(k: &Self::AffinityMatchKey) -> u32;
+    fn source_range(addr: Self, port: [u8; 2], proto: u8, source: Self) -> Self::SourceRangeKey;
+}
+
+/// The two families' ABIs differ only in their types, map names and address length (the
+/// types' fields are named alike): one body for both.
+macro_rules! family_abi {
+    ($family:ty, $key:ident, $backend:ident, $rev_nat:ident, $matched:ident, $range:ident,
+     [$services:expr, $backends:expr, $rev_nats:expr, $matches:expr, $ranges:expr],
+     $range_bits:expr) => {
+        impl SlotKey for $key {
+            type Family = $family;
+            fn slot(&self) -> u16 {
+                self.slot
+            }
+            fn with_slot(self, slot: u16) -> Self {
+                $key::with_slot(self, slot)
+            }
+        }
+
+        impl BackendValue for $backend {
+            type Family = $family;
+        }
+
+        impl RevNatValue for $rev_nat {
+            type Family = $family;
+        }
+
+        impl FamilyAbi for $family {
+            type ServiceKey = $key;
+            type Backend = $backend;
+            type RevNat = $rev_nat;
+            type AffinityMatchKey = $matched;
+            type SourceRangeKey = $range;
+            const MAP_SERVICES: &'static str = $services;
+            const MAP_BACKENDS: &'static str = $backends;
+            const MAP_REVNAT: &'static str = $rev_nats;
+            const MAP_AFFINITY_MATCH: &'static str = $matches;
+            const MAP_SOURCE_RANGES: &'static str = $ranges;
+            const SOURCE_RANGE_FRONTEND_BITS: u32 = $range_bits;
+            fn service_key(addr: Self, port: [u8; 2], proto: u8, scope: u8, slot: u16) -> $key {
+                $key {
+                    scope,
+                    ..$key::new(addr.octets(), port, proto, slot)
+                }
+            }
+            fn service_key_parts(k: &$key) -> (Self, [u8; 2], u8, u8, u16) {
+                (Self::from(k.addr), k.port, k.proto, k.scope, k.slot)
+            }
+            fn backend(addr: Self, port: [u8; 2], proto: u8, flags: u8) -> $backend {
+                $backend {
+                    addr: addr.octets(),
+                    port,
+                    proto,
+                    flags,
+                }
+            }
+            fn backend_parts(b: &$backend) -> (Self, [u8; 2], u8, u8) {
+                (Self::from(b.addr), b.port, b.proto, b.flags)
+            }
+            fn rev_nat(addr: Self, port: [u8; 2]) -> $rev_nat {
+                $rev_nat {
+                    addr: addr.octets(),
+                    port,
+                    _pad: [0; 2],
+                }
+            }
+            fn rev_nat_parts(r: &$rev_nat) -> (Self, [u8; 2]) {
+                (Self::from(r.addr), r.port)
+            }
+            fn affinity_match(frontend: $key, backend_id: u32) -> $matched {
+                $matched {
+                    frontend,
+                    backend_id,
+                }
+            }
+            fn affinity_match_frontend(k: &$matched) -> $key {
+                k.frontend
+            }
+            fn affinity_match_backend(k: &$matched) -> u32 {
+                k.backend_id
+            }
+            fn source_range(addr: Self, port: [u8; 2], proto: u8, source: Self) -> $range {
+                $range {
+                    frontend_addr: addr.octets(),
+                    frontend_port: port,
+                    proto,
+                    _pad: 0,
+                    source: source.octets(),
+                }
+            }
+        }
+    };
+}
+
+family_abi!(
+    Ipv4Addr,
+    ServiceKey,
+    Backend,
+    RevNat,
+    AffinityMatchKey,
+    SourceRangeKey,
+    [
+        proxy_common::MAP_SERVICES,
+        proxy_common::MAP_BACKENDS,
+        proxy_common::MAP_REVNAT,
+        proxy_common::MAP_AFFINITY_MATCH,
+        proxy_common::MAP_SOURCE_RANGES
+    ],
+    SOURCE_RANGE_FRONTEND_BITS
+);
+
+family_abi!(
+    Ipv6Addr,
+    Service6Key,
+    Backend6,
+    RevNat6,
+    Affinity6MatchKey,
+    SourceRange6Key,
+    [
+        proxy_common::ipv6::MAP_SERVICES6,
+        proxy_common::ipv6::MAP_BACKENDS6,
+        proxy_common::ipv6::MAP_REVNAT6,
+        proxy_common::ipv6::MAP_AFFINITY_MATCH6,
+        proxy_common::ipv6::MAP_SOURCE_RANGES6
+    ],
+    SOURCE_RANGE6_FRONTEND_BITS
+);
+
+const fn scope_code(scope: Scope) -> u8 {
+    match scope {
+        Scope::AllClients => SCOPE_EXTERNAL,
+        Scope::InCluster => SCOPE_INTERNAL,
     }
+}
+
+/// The `SERVICES` key of one slot of a frontend (slot 0 = the frontend entry).
+pub fn service_key<A: FamilyAbi>(frontend: &Frontend<A>, slot: u16) -> A::ServiceKey {
+    A::service_key(
+        frontend.addr,
+        frontend.port.to_be_bytes(),
+        frontend.protocol.number(),
+        scope_code(frontend.scope),
+        slot,
+    )
 }
 
 /// The frontend a `SERVICES` key belongs to; `None` for a protocol or scope this agent does not
 /// write.
-pub fn decode_service_key(key: &ServiceKey) -> Option<(Frontend, u16)> {
-    let scope = match key.scope {
+pub fn decode_service_key<K: SlotKey>(key: &K) -> Option<(Frontend<K::Family>, u16)> {
+    let (addr, port, proto, scope, slot) = K::Family::service_key_parts(key);
+    let scope = match scope {
         SCOPE_EXTERNAL => Scope::AllClients,
         SCOPE_INTERNAL => Scope::InCluster,
         _ => return None,
     };
     let frontend = Frontend {
-        addr: Ipv4Addr::from(key.addr),
-        port: u16::from_be_bytes(key.port),
-        protocol: Protocol::from_number(key.proto)?,
+        addr,
+        port: u16::from_be_bytes(port),
+        protocol: Protocol::from_number(proto)?,
         scope,
     };
-    Some((frontend, key.slot))
+    Some((frontend, slot))
 }
 
 /// The datapath's cluster CIDRs from (network, prefix length) pairs: host bits cleared, at most
@@ -63,7 +257,7 @@ pub fn cluster_cidrs(cidrs: &[(Ipv4Addr, u8)]) -> (ClusterCidrs, &[(Ipv4Addr, u8
 }
 
 /// `service_flags` bits of a frontend entry.
-pub fn frontend_flags(frontend: &Frontend, df: &DesiredFrontend) -> u16 {
+pub fn frontend_flags<A: Family>(frontend: &Frontend<A>, df: &DesiredFrontend<A>) -> u16 {
     let mut flags = 0;
     // An in-cluster entry (pods and the node reaching an eTP=Local external frontend) carries
     // in-cluster traffic: like upstream, which sends it to KUBE-SVC without masquerading, it is
@@ -93,9 +287,9 @@ pub struct FrontendRefs {
 }
 
 /// The `SERVICES` frontend entry (slot 0) of a frontend with `count` backend slots.
-pub fn frontend_value(
-    frontend: &Frontend,
-    df: &DesiredFrontend,
+pub fn frontend_value<A: Family>(
+    frontend: &Frontend<A>,
+    df: &DesiredFrontend<A>,
     count: u16,
     rev_nat_id: u32,
     refs: FrontendRefs,
@@ -135,7 +329,7 @@ pub fn affinity_id(service: &ServicePortName) -> u32 {
 }
 
 /// The ids a frontend entry of `df` refers to that depend on it alone (the affinity scope).
-pub fn frontend_refs(df: &DesiredFrontend) -> FrontendRefs {
+pub fn frontend_refs<A: Family>(df: &DesiredFrontend<A>) -> FrontendRefs {
     FrontendRefs {
         affinity_id: df
             .balancing
@@ -147,20 +341,17 @@ pub fn frontend_refs(df: &DesiredFrontend) -> FrontendRefs {
 
 /// The `AFFMATCH_V1` entries of a frontend (slot-0 key `key`) with backend slots `slot_ids`:
 /// every backend of an affinity frontend, none otherwise; sorted.
-pub fn affinity_matches(
-    key: &ServiceKey,
-    df: &DesiredFrontend,
+pub fn affinity_matches<A: FamilyAbi>(
+    key: &A::ServiceKey,
+    df: &DesiredFrontend<A>,
     slot_ids: &[u32],
-) -> Vec<AffinityMatchKey> {
+) -> Vec<A::AffinityMatchKey> {
     if df.balancing.affinity_timeout_s.is_none() {
         return Vec::new();
     }
-    let mut out: Vec<AffinityMatchKey> = slot_ids
+    let mut out: Vec<A::AffinityMatchKey> = slot_ids
         .iter()
-        .map(|&backend_id| AffinityMatchKey {
-            frontend: *key,
-            backend_id,
-        })
+        .map(|&backend_id| A::affinity_match(*key, backend_id))
         .collect();
     out.sort();
     out.dedup();
@@ -168,19 +359,21 @@ pub fn affinity_matches(
 }
 
 /// The `SRCRANGES_V1` entries (LPM prefix length, key data) allowing a frontend's source ranges.
-pub fn source_range_keys(frontend: &Frontend, df: &DesiredFrontend) -> Vec<(u32, SourceRangeKey)> {
+pub fn source_range_keys<A: FamilyAbi>(
+    frontend: &Frontend<A>,
+    df: &DesiredFrontend<A>,
+) -> Vec<(u32, A::SourceRangeKey)> {
     df.source_ranges
         .iter()
         .map(|(net, len)| {
             (
-                SOURCE_RANGE_FRONTEND_BITS + u32::from(*len),
-                SourceRangeKey {
-                    frontend_addr: frontend.addr.octets(),
-                    frontend_port: frontend.port.to_be_bytes(),
-                    proto: frontend.protocol.number(),
-                    _pad: 0,
-                    source: net.octets(),
-                },
+                A::SOURCE_RANGE_FRONTEND_BITS + u32::from(*len),
+                A::source_range(
+                    frontend.addr,
+                    frontend.port.to_be_bytes(),
+                    frontend.protocol.number(),
+                    *net,
+                ),
             )
         })
         .collect()
@@ -199,45 +392,55 @@ pub fn backend_flags(terminating: bool, local: bool) -> u8 {
 }
 
 /// The `BACKENDS` value for a backend.
-pub fn backend(b: &DesiredBackend) -> Backend {
-    Backend {
-        addr: b.endpoint.addr.octets(),
-        port: b.endpoint.port.to_be_bytes(),
-        proto: b.endpoint.protocol.number(),
-        flags: backend_flags(b.terminating, b.local),
-    }
+pub fn backend<A: FamilyAbi>(b: &DesiredBackend<A>) -> A::Backend {
+    A::backend(
+        b.endpoint.addr,
+        b.endpoint.port.to_be_bytes(),
+        b.endpoint.protocol.number(),
+        backend_flags(b.terminating, b.local),
+    )
 }
 
 /// The endpoint a `BACKENDS` value names (identity only, flags ignored).
-pub fn decode_endpoint(b: &Backend) -> Option<EndpointAddr> {
+pub fn decode_endpoint<B: BackendValue>(b: &B) -> Option<EndpointAddr<B::Family>> {
+    let (addr, port, proto, _) = B::Family::backend_parts(b);
     Some(EndpointAddr {
-        addr: Ipv4Addr::from(b.addr),
-        port: u16::from_be_bytes(b.port),
-        protocol: Protocol::from_number(b.proto)?,
+        addr,
+        port: u16::from_be_bytes(port),
+        protocol: Protocol::from_number(proto)?,
     })
 }
 
 /// A `BACKENDS` value back in host types; `None` for an unknown protocol.
-pub fn decode_backend(b: &Backend) -> Option<DesiredBackend> {
+pub fn decode_backend<B: BackendValue>(b: &B) -> Option<DesiredBackend<B::Family>> {
+    let flags = B::Family::backend_parts(b).3;
     Some(DesiredBackend {
         endpoint: decode_endpoint(b)?,
-        terminating: b.flags & backend_flags::TERMINATING != 0,
-        local: b.flags & backend_flags::LOCAL != 0,
+        terminating: flags & backend_flags::TERMINATING != 0,
+        local: flags & backend_flags::LOCAL != 0,
     })
 }
 
+/// A `BACKENDS` value with other flags.
+pub fn with_backend_flags<B: BackendValue>(b: &B, flags: u8) -> B {
+    let (addr, port, proto, _) = B::Family::backend_parts(b);
+    B::Family::backend(addr, port, proto, flags)
+}
+
+/// A `BACKENDS` value's flags.
+pub fn flags_of<B: BackendValue>(b: &B) -> u8 {
+    B::Family::backend_parts(b).3
+}
+
 /// The `REVNAT` value for a frontend: the source a reply must appear to come from.
-pub fn rev_nat(frontend: &Frontend) -> RevNat {
-    RevNat {
-        addr: frontend.addr.octets(),
-        port: frontend.port.to_be_bytes(),
-        _pad: [0; 2],
-    }
+pub fn rev_nat<A: FamilyAbi>(frontend: &Frontend<A>) -> A::RevNat {
+    A::rev_nat(frontend.addr, frontend.port.to_be_bytes())
 }
 
 /// A `REVNAT` value back in host types.
-pub fn decode_rev_nat(r: &RevNat) -> (Ipv4Addr, u16) {
-    (Ipv4Addr::from(r.addr), u16::from_be_bytes(r.port))
+pub fn decode_rev_nat<R: RevNatValue>(r: &R) -> (R::Family, u16) {
+    let (addr, port) = R::Family::rev_nat_parts(r);
+    (addr, u16::from_be_bytes(port))
 }
 
 #[cfg(test)]

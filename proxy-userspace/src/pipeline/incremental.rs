@@ -31,10 +31,11 @@ use crate::{
     pipeline::{
         diff::{self, Plan},
         encode,
+        encode::FamilyAbi,
         fast_hash::{HashMap, HashSet},
         maglev::MaglevTable,
         model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
-        programmed::{Capacities, MapOp, Programmed},
+        programmed::{Capacities, MapOp, Programmed, SharedIds},
         translate_cache::FrontendChange,
     },
     serving::metrics::SyncKind,
@@ -226,6 +227,9 @@ pub struct Planner {
     needs_full: bool,
     /// Empty maps are being filled in groups (see [`Planner::begin_fill`]).
     filling: bool,
+    /// The other family's ids in the spaces both share (backend and Maglev table ids): never
+    /// handed out here, by the shortcut or the full plan ([`Planner::share_with`]).
+    other: SharedIds,
 }
 
 impl Planner {
@@ -248,6 +252,7 @@ impl Planner {
             touched: HashSet::default(),
             needs_full: true,
             filling: false,
+            other: SharedIds::default(),
         };
         let mut empty = Programmed::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
@@ -375,7 +380,47 @@ impl Planner {
         if !full && let Some(plan) = self.plan_changes(desired, programmed, caps) {
             return (plan, SyncKind::Partial);
         }
-        (diff::plan(desired, programmed, caps), SyncKind::Full)
+        let plan = diff::plan_sharing(desired, programmed, caps, &self.other);
+        (plan, SyncKind::Full)
+    }
+
+    /// The other family holds `other` (its maps as adopted at start-up): those ids are taken.
+    pub fn share_with(&mut self, other: SharedIds) {
+        for &id in &other.backends {
+            self.free_backend_ids.take(id);
+        }
+        for &id in &other.maglev_tables {
+            self.free_table_ids.take(id);
+        }
+        self.other = other;
+    }
+
+    /// The other family applied `op` (to its maps, `programmed` being this family's): its
+    /// backend and Maglev table ids stay out of this family's free ids while it holds them.
+    pub fn other_applied<B: FamilyAbi>(&mut self, programmed: &Programmed, op: &MapOp<B>) {
+        match *op {
+            MapOp::PutBackend { id, .. } => {
+                self.other.backends.insert(id);
+                self.free_backend_ids.take(id);
+            }
+            MapOp::DeleteBackend { id }
+                if self.other.backends.remove(&id) && !self.backend_used(programmed, id) =>
+            {
+                self.free_backend_ids.give(id);
+            }
+            MapOp::PutMaglevTable { id, .. } => {
+                self.other.maglev_tables.insert(id);
+                self.free_table_ids.take(id);
+            }
+            MapOp::DeleteMaglevTable { id, .. }
+                if self.other.maglev_tables.remove(&id)
+                    && !programmed.maglev.contains_key(&id)
+                    && self.table_refs.get(id) == 0 =>
+            {
+                self.free_table_ids.give(id);
+            }
+            _ => {}
+        }
     }
 
     /// Record an operation before it is applied to `programmed` (which still holds the value it
@@ -1014,6 +1059,112 @@ impl Planner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With IPv6 holding backend and Maglev table ids, the IPv4 planner hands out neither, in
+    /// its shortcut or its full plan, and has them back once IPv6 lets them go.
+    #[test]
+    fn ids_the_other_family_holds_are_never_handed_out() {
+        use std::net::{Ipv4Addr, Ipv6Addr};
+
+        use crate::pipeline::model::{DesiredBackend, Protocol, Scheduler, ServicePortName};
+        let frontend = |i: u8| Frontend::new(Ipv4Addr::new(10, 96, 0, i), 80, Protocol::Tcp);
+        let df = |i: u8, backends: &[u8]| {
+            Arc::new(DesiredFrontend {
+                service: ServicePortName {
+                    namespace: "ns".into(),
+                    name: format!("s{i}"),
+                    port_name: String::new(),
+                },
+                kind: Default::default(),
+                balancing: crate::pipeline::model::Balancing {
+                    scheduler: Scheduler::Maglev,
+                    affinity_timeout_s: None,
+                },
+                external_local: false,
+                drop_when_empty: false,
+                source_ranges: Vec::new(),
+                backends: (backends.iter())
+                    .map(|b| DesiredBackend {
+                        endpoint: EndpointAddr {
+                            addr: Ipv4Addr::new(10, 244, 0, *b),
+                            port: 8080,
+                            protocol: Protocol::Tcp,
+                        },
+                        terminating: false,
+                        local: false,
+                    })
+                    .collect(),
+                retained: Vec::new(),
+            })
+        };
+        let caps = Capacities {
+            maglev_table_size: 251,
+            ..Capacities::default()
+        };
+        let ipv6_put = |id: u32| MapOp::<Ipv6Addr>::PutBackend {
+            id,
+            backend: proxy_common::ipv6::Backend6::default(),
+        };
+        let ipv6_table = |id: u32| MapOp::<Ipv6Addr>::PutMaglevTable {
+            id,
+            table: MaglevTable::new(251, Vec::new()),
+        };
+        let mut p = Programmed::default();
+        let mut planner = Planner::new(&p);
+        planner.share_with(SharedIds {
+            backends: [1, 3].into_iter().collect(),
+            maglev_tables: [1].into_iter().collect(),
+        });
+        planner.other_applied(&p, &ipv6_put(4));
+        planner.other_applied(&p, &ipv6_table(2));
+        let apply = |planner: &mut Planner, p: &mut Programmed, plan: &Plan| {
+            for op in &plan.ops {
+                planner.observe(p, op);
+                p.apply(op);
+            }
+            planner.applied(plan);
+        };
+        // First plan (full).
+        let mut d = DesiredState::default();
+        d.frontends.insert(frontend(1), df(1, &[1, 2, 3]));
+        let changes = [FrontendChange {
+            frontend: frontend(1),
+            old: None,
+        }];
+        planner.desired_changes(&changes, &d);
+        let (plan, kind) = planner.plan_with_kind(&d, &p, &caps, false);
+        assert_eq!(kind, SyncKind::Full);
+        apply(&mut planner, &mut p, &plan);
+        let ids: BTreeSet<u32> = p.backends.ids().collect();
+        assert_eq!(ids, BTreeSet::from([2, 5, 6]), "1, 3, 4 are IPv6's");
+        assert_eq!(p.maglev.keys().copied().collect::<Vec<_>>(), [3]);
+        // A change (the shortcut): a new frontend with a new backend and table.
+        planner.other_applied(&p, &MapOp::<Ipv6Addr>::DeleteBackend { id: 3 });
+        planner.other_applied(&p, &ipv6_put(7));
+        let old = d.frontends.get(&frontend(2)).cloned();
+        d.frontends.insert(frontend(2), df(2, &[9]));
+        let changes = [FrontendChange {
+            frontend: frontend(2),
+            old,
+        }];
+        planner.desired_changes(&changes, &d);
+        let (plan, kind) = planner.plan_with_kind(&d, &p, &caps, false);
+        assert_eq!(kind, SyncKind::Partial);
+        assert_eq!(
+            plan,
+            diff::plan_sharing(&d, &p, &caps, &planner.other),
+            "the shortcut equals the full plan"
+        );
+        apply(&mut planner, &mut p, &plan);
+        let ids: BTreeSet<u32> = p.backends.ids().collect();
+        assert_eq!(
+            ids,
+            BTreeSet::from([2, 3, 5, 6]),
+            "3 is free again, 7 is not"
+        );
+        assert_eq!(p.maglev.len(), 2);
+        assert!(!p.maglev.contains_key(&1) && !p.maglev.contains_key(&2));
+    }
 
     #[test]
     fn free_ids_smallest_first_split_and_merge() {

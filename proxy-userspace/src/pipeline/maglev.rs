@@ -4,23 +4,23 @@
 //! when it writes them (the shadow never holds 32 KiB per table). The shadow
 //! ([`crate::pipeline::programmed`]) holds these descriptions and adopts read-back tables by them.
 
-use std::sync::Arc;
+use std::{net::Ipv4Addr, sync::Arc};
 
 use proxy_common::maglev::{self, CHUNK_ENTRIES, Chunk, MaglevKey, Permutation};
 
-use crate::pipeline::model::EndpointAddr;
+use crate::pipeline::model::{EndpointAddr, Family};
 
 /// One Maglev table: M and the endpoints of slots 1..=n (the frontend's sorted backends).
 /// An adopted table whose content did not match what this agent would build has no endpoints
 /// ([`MaglevTable::unknown`]): no frontend wants it, so it is replaced and deleted.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct MaglevTable {
+pub struct MaglevTable<A: Family = Ipv4Addr> {
     pub size: u32,
-    pub endpoints: Vec<EndpointAddr>,
+    pub endpoints: Vec<EndpointAddr<A>>,
 }
 
-impl MaglevTable {
-    pub fn new(size: u32, endpoints: Vec<EndpointAddr>) -> Arc<Self> {
+impl<A: Family> MaglevTable<A> {
+    pub fn new(size: u32, endpoints: Vec<EndpointAddr<A>>) -> Arc<Self> {
         Arc::new(Self { size, endpoints })
     }
 
@@ -43,8 +43,8 @@ impl MaglevTable {
             .endpoints
             .iter()
             .map(|e| {
-                let id =
-                    maglev::identity(e.addr.octets(), e.port.to_be_bytes(), e.protocol.number());
+                let addr = e.addr.maglev_word().to_be_bytes();
+                let id = maglev::identity(addr, e.port.to_be_bytes(), e.protocol.number());
                 Permutation::new(id, self.size)
             })
             .collect();

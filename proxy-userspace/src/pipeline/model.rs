@@ -1,9 +1,72 @@
 //! The desired state: what the maps should carry, in host types (no byte order, no ids).
 //! `translate` produces it from Services/EndpointSlices; `diff` turns it into map operations.
 
-use std::{collections::BTreeMap, fmt, net::Ipv4Addr, sync::Arc};
+use std::{
+    collections::BTreeMap,
+    fmt,
+    hash::Hash,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::Arc,
+};
 
 pub use proxy_common::Scheduler;
+
+/// An address family as the pipeline sees it: its address type. Every desired-state type is
+/// generic over it with IPv4 as the default, so the IPv4 pipeline is the code it always was
+/// (monomorphised, no enum to match per address) and the IPv6 one is the same code over
+/// [`Ipv6Addr`] — upstream's one proxier per family. Each family's frontends are built from its
+/// own cluster IPs, external addresses and EndpointSlices only.
+pub trait Family: Copy + Ord + Hash + fmt::Debug + fmt::Display + Send + Sync + 'static {
+    /// Upstream's name (`spec.ipFamilies`, EndpointSlice `addressType`, the `ip_family` label).
+    const NAME: &'static str;
+    /// Address length in bits (the longest prefix).
+    const BITS: u8;
+    /// The address if it is of this family.
+    fn of(addr: IpAddr) -> Option<Self>;
+    /// The network of `self` with prefix length `len` (host bits cleared; `len` ≤ [`Self::BITS`]).
+    fn network(self, len: u8) -> Self;
+    /// 32 bits standing for the address in a Maglev permutation's identity (the address itself
+    /// for IPv4; the four words folded for IPv6: only the table's balance depends on it).
+    fn maglev_word(self) -> u32;
+}
+
+impl Family for Ipv4Addr {
+    const NAME: &'static str = "IPv4";
+    const BITS: u8 = 32;
+    fn of(addr: IpAddr) -> Option<Self> {
+        match addr {
+            IpAddr::V4(a) => Some(a),
+            IpAddr::V6(_) => None,
+        }
+    }
+    fn network(self, len: u8) -> Self {
+        let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+        Ipv4Addr::from(u32::from(self) & mask)
+    }
+    fn maglev_word(self) -> u32 {
+        u32::from(self)
+    }
+}
+
+impl Family for Ipv6Addr {
+    const NAME: &'static str = "IPv6";
+    const BITS: u8 = 128;
+    fn of(addr: IpAddr) -> Option<Self> {
+        match addr {
+            IpAddr::V6(a) => Some(a),
+            IpAddr::V4(_) => None,
+        }
+    }
+    fn network(self, len: u8) -> Self {
+        let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+        Ipv6Addr::from(u128::from(self) & mask)
+    }
+    fn maglev_word(self) -> u32 {
+        let v = u128::from(self);
+        // Rotations keep addresses that differ in one word apart from those differing in another.
+        (0..4).fold(0u32, |acc, i| acc.rotate_left(7) ^ (v >> (32 * i)) as u32)
+    }
+}
 
 /// L4 protocol of a Service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -58,16 +121,16 @@ pub enum Scope {
 /// Where clients send: a Service's ClusterIP, externalIP, LoadBalancer IP or node address, and
 /// port; `scope` tells the in-cluster entry of an eTP=Local external frontend from the frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Frontend {
-    pub addr: Ipv4Addr,
+pub struct Frontend<A: Family = Ipv4Addr> {
+    pub addr: A,
     pub port: u16,
     pub protocol: Protocol,
     pub scope: Scope,
 }
 
-impl Frontend {
+impl<A: Family> Frontend<A> {
     /// The frontend every client uses.
-    pub const fn new(addr: Ipv4Addr, port: u16, protocol: Protocol) -> Self {
+    pub const fn new(addr: A, port: u16, protocol: Protocol) -> Self {
         Self {
             addr,
             port,
@@ -94,7 +157,7 @@ impl Frontend {
     }
 }
 
-impl fmt::Display for Frontend {
+impl<A: Family> fmt::Display for Frontend<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)?;
         match self.scope {
@@ -107,13 +170,13 @@ impl fmt::Display for Frontend {
 /// An endpoint address as the datapath sends to it. Its identity (addr, port, protocol) is what
 /// a backend id stands for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EndpointAddr {
-    pub addr: Ipv4Addr,
+pub struct EndpointAddr<A: Family = Ipv4Addr> {
+    pub addr: A,
     pub port: u16,
     pub protocol: Protocol,
 }
 
-impl fmt::Display for EndpointAddr {
+impl<A: Family> fmt::Display for EndpointAddr<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
     }
@@ -121,8 +184,8 @@ impl fmt::Display for EndpointAddr {
 
 /// One backend of a frontend, with the conditions the datapath keeps as flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DesiredBackend {
-    pub endpoint: EndpointAddr,
+pub struct DesiredBackend<A: Family = Ipv4Addr> {
+    pub endpoint: EndpointAddr<A>,
     /// The endpoint is terminating (selected only through the terminating fallback, or retained).
     pub terminating: bool,
     /// The endpoint's nodeName is this node.
@@ -210,7 +273,7 @@ pub struct Balancing {
 
 /// What one frontend should do.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DesiredFrontend {
+pub struct DesiredFrontend<A: Family = Ipv4Addr> {
     pub service: ServicePortName,
     pub kind: FrontendKind,
     /// Scheduler and session affinity (the same for all frontends of a Service port).
@@ -224,31 +287,39 @@ pub struct DesiredFrontend {
     /// none, so new flows are dropped rather than rejected (upstream's verdicts;
     /// `service_flags::DROP_WHEN_EMPTY`). False whenever `backends` is non-empty.
     pub drop_when_empty: bool,
-    /// loadBalancerSourceRanges of a LoadBalancer frontend (IPv4 network, prefix length), sorted;
-    /// empty = any source.
-    pub source_ranges: Vec<(Ipv4Addr, u8)>,
+    /// loadBalancerSourceRanges of a LoadBalancer frontend of this family (network, prefix
+    /// length), sorted; empty = any source.
+    pub source_ranges: Vec<(A, u8)>,
     /// Backends that receive new flows, sorted and without duplicates. Empty = reject new flows
     /// (drop them with `drop_when_empty`).
-    pub backends: Vec<DesiredBackend>,
+    pub backends: Vec<DesiredBackend<A>>,
     /// Backends that receive no new flows but must stay in BACKENDS so established flows to them
     /// finish (serving + terminating endpoints not selected). Sorted, disjoint from `backends`.
-    pub retained: Vec<DesiredBackend>,
+    pub retained: Vec<DesiredBackend<A>>,
 }
 
-/// Everything the maps should carry.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DesiredState {
+/// Everything one family's maps should carry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredState<A: Family = Ipv4Addr> {
     /// Shared with the translation cache's per-Service results (one copy of each frontend).
-    pub frontends: BTreeMap<Frontend, Arc<DesiredFrontend>>,
+    pub frontends: BTreeMap<Frontend<A>, Arc<DesiredFrontend<A>>>,
+}
+
+impl<A: Family> Default for DesiredState<A> {
+    fn default() -> Self {
+        Self {
+            frontends: BTreeMap::new(),
+        }
+    }
 }
 
 /// Two Services ask for one frontend (address, port, protocol): `winner` holds it, `loser` goes
 /// without it; the loser's other frontends are programmed. Reported as a [`Problem`], a metric
 /// and (Kubernetes) an Event on the loser.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct FrontendConflict {
+pub struct FrontendConflict<A: Family = Ipv4Addr> {
     /// The contested frontend (scope [`Scope::AllClients`]; its in-cluster entry goes along).
-    pub frontend: Frontend,
+    pub frontend: Frontend<A>,
     pub loser: ServicePortName,
     pub loser_kind: FrontendKind,
     pub winner: ServicePortName,

@@ -4,15 +4,15 @@
 //! the maps by applying every operation to both. `diff` compares it with the desired state; ids
 //! are derived from it, so no other allocator state exists to drift.
 
-use std::sync::Arc;
+use std::{net::Ipv4Addr, sync::Arc};
 
 use proxy_common::{
-    AffinityMatchKey, Backend, RevNat, ServiceKey, ServiceValue,
+    Backend, ServiceKey, ServiceValue,
     maglev::{Chunk, MaglevKey},
 };
 
 use crate::pipeline::{
-    encode,
+    encode::{self, BackendValue, FamilyAbi, SlotKey},
     fast_hash::{HashMap, HashSet},
     maglev::MaglevTable,
 };
@@ -21,28 +21,30 @@ use crate::pipeline::{
 /// every step: backends → rev-NAT → Maglev tables → slots → frontends; shrinking in reverse.
 /// Affinity match entries (`AFFMATCH_V1`) leave first (a record naming a backend on its way out
 /// of a frontend stops matching before anything else changes) and come with the slots.
+/// One family's maps (`A`: IPv4 writes `SERVICES_V1` ..., IPv6 `SERVICES6_V1` ...; Maglev
+/// tables are in the one `MAGLEV_V1`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum MapOp {
+pub enum MapOp<A: FamilyAbi = Ipv4Addr> {
     DeleteAffinityMatch {
-        key: AffinityMatchKey,
+        key: A::AffinityMatchKey,
     },
     PutBackend {
         id: u32,
-        backend: Backend,
+        backend: A::Backend,
     },
     PutRevNat {
         id: u32,
-        rev_nat: RevNat,
+        rev_nat: A::RevNat,
     },
     PutService {
-        key: ServiceKey,
+        key: A::ServiceKey,
         value: ServiceValue,
     },
     PutAffinityMatch {
-        key: AffinityMatchKey,
+        key: A::AffinityMatchKey,
     },
     DeleteService {
-        key: ServiceKey,
+        key: A::ServiceKey,
     },
     DeleteRevNat {
         id: u32,
@@ -53,7 +55,7 @@ pub enum MapOp {
     /// Write every chunk of Maglev table `id` (built from its description by the map layer).
     PutMaglevTable {
         id: u32,
-        table: Arc<MaglevTable>,
+        table: Arc<MaglevTable<A>>,
     },
     /// Delete the `chunks` chunks of Maglev table `id`.
     DeleteMaglevTable {
@@ -62,19 +64,63 @@ pub enum MapOp {
     },
 }
 
-/// The maps' contents as last written (or read back at start-up).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Programmed {
-    pub services: ServiceEntries,
-    pub backends: BackendEntries,
-    pub rev_nats: HashMap<u32, RevNat>,
+/// One family's maps' contents as last written (or read back at start-up).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Programmed<A: FamilyAbi = Ipv4Addr> {
+    pub services: ServiceEntries<A::ServiceKey>,
+    pub backends: BackendEntries<A::Backend>,
+    pub rev_nats: HashMap<u32, A::RevNat>,
     /// `AFFMATCH_V1`: (affinity frontend, backend id in its slots).
-    pub affinity_matches: HashSet<AffinityMatchKey>,
-    /// Maglev table id → what it holds.
-    pub maglev: HashMap<u32, Arc<MaglevTable>>,
+    pub affinity_matches: HashSet<A::AffinityMatchKey>,
+    /// Maglev table id → what it holds (this family's tables of the shared `MAGLEV_V1`).
+    pub maglev: HashMap<u32, Arc<MaglevTable<A>>>,
 }
 
-impl Programmed {
+impl<A: FamilyAbi> Default for Programmed<A> {
+    fn default() -> Self {
+        Self {
+            services: ServiceEntries::default(),
+            backends: BackendEntries::default(),
+            rev_nats: HashMap::default(),
+            affinity_matches: HashSet::default(),
+            maglev: HashMap::default(),
+        }
+    }
+}
+
+/// Ids the other family's maps hold in the spaces both share: backend ids (least-connection
+/// counts in `LCFLOWS_V1` are indexed by them) and Maglev table ids (one `MAGLEV_V1`). A plan
+/// never hands these out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SharedIds {
+    pub backends: HashSet<u32>,
+    pub maglev_tables: HashSet<u32>,
+}
+
+impl SharedIds {
+    pub fn is_empty(&self) -> bool {
+        self.backends.is_empty() && self.maglev_tables.is_empty()
+    }
+}
+
+impl<A: FamilyAbi> Programmed<A> {
+    /// The shared-space ids these maps hold or name (for the other family's plan).
+    pub fn shared_ids(&self) -> SharedIds {
+        let mut out = SharedIds::default();
+        for (key, v) in &self.services {
+            if key.slot() == 0 {
+                out.maglev_tables.insert(v.maglev_table);
+            } else {
+                out.backends.insert(v.backend_id);
+            }
+        }
+        out.backends.extend(self.backends.ids());
+        out.maglev_tables.extend(self.maglev.keys().copied());
+        out.backends.remove(&0);
+        out.maglev_tables.remove(&0);
+        out
+    }
+
     /// Adoption of the Maglev tables read back from the maps (all [`MaglevTable::unknown`]): a
     /// table that a frontend names and that holds exactly what this agent builds for that
     /// frontend's slots at size `m` (`read` gives a chunk as the map holds it) becomes known — kept
@@ -84,7 +130,7 @@ impl Programmed {
         let mut checked: HashSet<u32> = HashSet::default();
         let mut known = Vec::new();
         for (key, v) in &self.services {
-            if key.slot != 0 || v.maglev_table == 0 || !checked.insert(v.maglev_table) {
+            if key.slot() != 0 || v.maglev_table == 0 || !checked.insert(v.maglev_table) {
                 continue;
             }
             let Some(have) = self.maglev.get(&v.maglev_table) else {
@@ -113,7 +159,7 @@ impl Programmed {
     }
 
     /// Record an operation the map layer has carried out.
-    pub fn apply(&mut self, op: &MapOp) {
+    pub fn apply(&mut self, op: &MapOp<A>) {
         match *op {
             MapOp::PutBackend { id, backend } => {
                 self.backends.insert(id, backend);
@@ -151,7 +197,7 @@ impl Programmed {
     /// Makes room for the entries `ops` puts, before they are applied one by one: a first sync's
     /// hundreds of thousands of puts then never grow a table by doubling (which held the old and
     /// the new table at once).
-    pub fn reserve_for(&mut self, ops: &[MapOp]) {
+    pub fn reserve_for(&mut self, ops: &[MapOp<A>]) {
         let (mut services, mut slots, mut backends, mut rev_nats) = (0, 0, 0, 0);
         for op in ops {
             match op {
@@ -171,14 +217,11 @@ impl Programmed {
 
     /// The affinity match entries of frontend `key` (slot 0) whose backend a programmed slot of
     /// it names (those a plan keeps in step with the slots), sorted.
-    pub fn affinity_matches_of(&self, key: &ServiceKey) -> Vec<AffinityMatchKey> {
+    pub fn affinity_matches_of(&self, key: &A::ServiceKey) -> Vec<A::AffinityMatchKey> {
         let count = self.services.get(key).map_or(0, |v| v.count);
-        let mut out: Vec<AffinityMatchKey> = (1..=count)
+        let mut out: Vec<A::AffinityMatchKey> = (1..=count)
             .filter_map(|s| self.services.get(&key.with_slot(s)))
-            .map(|v| AffinityMatchKey {
-                frontend: *key,
-                backend_id: v.backend_id,
-            })
+            .map(|v| A::affinity_match(*key, v.backend_id))
             .filter(|k| self.affinity_matches.contains(k))
             .collect();
         out.sort();
@@ -203,18 +246,18 @@ impl Programmed {
 /// (frontends, and any slot value another writer left) is kept whole. A key is in one of the two.
 /// Values are returned by copy.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ServiceEntries {
-    whole: HashMap<ServiceKey, ServiceValue>,
-    slots: HashMap<ServiceKey, u32>,
+pub struct ServiceEntries<K: SlotKey = ServiceKey> {
+    whole: HashMap<K, ServiceValue>,
+    slots: HashMap<K, u32>,
 }
 
-impl ServiceEntries {
-    fn compact(key: &ServiceKey, value: &ServiceValue) -> bool {
-        key.slot > 0 && *value == ServiceValue::slot(value.backend_id)
+impl<K: SlotKey> ServiceEntries<K> {
+    fn compact(key: &K, value: &ServiceValue) -> bool {
+        key.slot() > 0 && *value == ServiceValue::slot(value.backend_id)
     }
 
-    pub fn get(&self, key: &ServiceKey) -> Option<ServiceValue> {
-        if key.slot > 0
+    pub fn get(&self, key: &K) -> Option<ServiceValue> {
+        if key.slot() > 0
             && let Some(&id) = self.slots.get(key)
         {
             return Some(ServiceValue::slot(id));
@@ -222,12 +265,12 @@ impl ServiceEntries {
         self.whole.get(key).copied()
     }
 
-    pub fn contains_key(&self, key: &ServiceKey) -> bool {
-        (key.slot > 0 && self.slots.contains_key(key)) || self.whole.contains_key(key)
+    pub fn contains_key(&self, key: &K) -> bool {
+        (key.slot() > 0 && self.slots.contains_key(key)) || self.whole.contains_key(key)
     }
 
     /// Sets `key` to `value`; the value it had.
-    pub fn insert(&mut self, key: ServiceKey, value: ServiceValue) -> Option<ServiceValue> {
+    pub fn insert(&mut self, key: K, value: ServiceValue) -> Option<ServiceValue> {
         let old = self.remove(&key);
         if Self::compact(&key, &value) {
             self.slots.insert(key, value.backend_id);
@@ -237,8 +280,8 @@ impl ServiceEntries {
         old
     }
 
-    pub fn remove(&mut self, key: &ServiceKey) -> Option<ServiceValue> {
-        if key.slot > 0
+    pub fn remove(&mut self, key: &K) -> Option<ServiceValue> {
+        if key.slot() > 0
             && let Some(id) = self.slots.remove(key)
         {
             return Some(ServiceValue::slot(id));
@@ -261,7 +304,7 @@ impl ServiceEntries {
     }
 
     /// Every entry, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&ServiceKey, ServiceValue)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = (&K, ServiceValue)> + '_ {
         (self.whole.iter().map(|(k, v)| (k, *v))).chain(
             self.slots
                 .iter()
@@ -270,13 +313,13 @@ impl ServiceEntries {
     }
 
     /// The frontend entries (slot 0), without walking the slots.
-    pub fn frontends(&self) -> impl Iterator<Item = (&ServiceKey, ServiceValue)> + '_ {
+    pub fn frontends(&self) -> impl Iterator<Item = (&K, ServiceValue)> + '_ {
         (self.whole.iter())
-            .filter(|(k, _)| k.slot == 0)
+            .filter(|(k, _)| k.slot() == 0)
             .map(|(k, v)| (k, *v))
     }
 
-    pub fn keys(&self) -> impl Iterator<Item = &ServiceKey> + '_ {
+    pub fn keys(&self) -> impl Iterator<Item = &K> + '_ {
         self.whole.keys().chain(self.slots.keys())
     }
 
@@ -285,24 +328,24 @@ impl ServiceEntries {
     }
 }
 
-impl<'a> IntoIterator for &'a ServiceEntries {
-    type Item = (&'a ServiceKey, ServiceValue);
-    type IntoIter = Box<dyn Iterator<Item = (&'a ServiceKey, ServiceValue)> + 'a>;
+impl<'a, K: SlotKey> IntoIterator for &'a ServiceEntries<K> {
+    type Item = (&'a K, ServiceValue);
+    type IntoIter = Box<dyn Iterator<Item = (&'a K, ServiceValue)> + 'a>;
     fn into_iter(self) -> Self::IntoIter {
         Box::new(self.iter())
     }
 }
 
-impl FromIterator<(ServiceKey, ServiceValue)> for ServiceEntries {
-    fn from_iter<I: IntoIterator<Item = (ServiceKey, ServiceValue)>>(iter: I) -> Self {
+impl<K: SlotKey> FromIterator<(K, ServiceValue)> for ServiceEntries<K> {
+    fn from_iter<I: IntoIterator<Item = (K, ServiceValue)>>(iter: I) -> Self {
         let mut out = Self::default();
         out.extend(iter);
         out
     }
 }
 
-impl Extend<(ServiceKey, ServiceValue)> for ServiceEntries {
-    fn extend<I: IntoIterator<Item = (ServiceKey, ServiceValue)>>(&mut self, iter: I) {
+impl<K: SlotKey> Extend<(K, ServiceValue)> for ServiceEntries<K> {
+    fn extend<I: IntoIterator<Item = (K, ServiceValue)>>(&mut self, iter: I) {
         for (k, v) in iter {
             self.insert(k, v);
         }
@@ -316,15 +359,25 @@ const DENSE_BACKEND_IDS: u32 = 1 << 21;
 
 /// `BACKENDS` as the shadow holds it: backend id → value, as a vector by id (see
 /// [`DENSE_BACKEND_IDS`]). Same contents, same equality as a map from id to value.
-#[derive(Clone, Debug, Default)]
-pub struct BackendEntries {
-    dense: Vec<Option<Backend>>,
-    sparse: HashMap<u32, Backend>,
+#[derive(Clone, Debug)]
+pub struct BackendEntries<B: BackendValue = Backend> {
+    dense: Vec<Option<B>>,
+    sparse: HashMap<u32, B>,
     len: usize,
 }
 
-impl BackendEntries {
-    pub fn get(&self, id: &u32) -> Option<&Backend> {
+impl<B: BackendValue> Default for BackendEntries<B> {
+    fn default() -> Self {
+        Self {
+            dense: Vec::new(),
+            sparse: HashMap::default(),
+            len: 0,
+        }
+    }
+}
+
+impl<B: BackendValue> BackendEntries<B> {
+    pub fn get(&self, id: &u32) -> Option<&B> {
         if *id < DENSE_BACKEND_IDS {
             self.dense.get(*id as usize)?.as_ref()
         } else {
@@ -337,7 +390,7 @@ impl BackendEntries {
     }
 
     /// Sets backend `id`; the value it had.
-    pub fn insert(&mut self, id: u32, backend: Backend) -> Option<Backend> {
+    pub fn insert(&mut self, id: u32, backend: B) -> Option<B> {
         let old = if id < DENSE_BACKEND_IDS {
             let i = id as usize;
             if self.dense.len() <= i {
@@ -351,7 +404,7 @@ impl BackendEntries {
         old
     }
 
-    pub fn remove(&mut self, id: &u32) -> Option<Backend> {
+    pub fn remove(&mut self, id: &u32) -> Option<B> {
         let old = if *id < DENSE_BACKEND_IDS {
             self.dense.get_mut(*id as usize)?.take()
         } else {
@@ -387,7 +440,7 @@ impl BackendEntries {
     }
 
     /// Every backend by id, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (u32, &Backend)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &B)> + '_ {
         let dense = (0u32..).zip(&self.dense);
         (dense.filter_map(|(id, b)| Some((id, b.as_ref()?))))
             .chain(self.sparse.iter().map(|(id, b)| (*id, b)))
@@ -397,22 +450,22 @@ impl BackendEntries {
         self.iter().map(|(id, _)| id)
     }
 
-    pub fn values(&self) -> impl Iterator<Item = &Backend> + '_ {
+    pub fn values(&self) -> impl Iterator<Item = &B> + '_ {
         self.iter().map(|(_, b)| b)
     }
 }
 
 /// Equal when they hold the same backends (however long the vectors grew).
-impl PartialEq for BackendEntries {
+impl<B: BackendValue> PartialEq for BackendEntries<B> {
     fn eq(&self, other: &Self) -> bool {
         self.len == other.len && self.iter().all(|(id, b)| other.get(&id) == Some(b))
     }
 }
 
-impl Eq for BackendEntries {}
+impl<B: BackendValue> Eq for BackendEntries<B> {}
 
-impl FromIterator<(u32, Backend)> for BackendEntries {
-    fn from_iter<I: IntoIterator<Item = (u32, Backend)>>(iter: I) -> Self {
+impl<B: BackendValue> FromIterator<(u32, B)> for BackendEntries<B> {
+    fn from_iter<I: IntoIterator<Item = (u32, B)>>(iter: I) -> Self {
         let mut out = Self::default();
         for (id, b) in iter {
             out.insert(id, b);
@@ -421,9 +474,9 @@ impl FromIterator<(u32, Backend)> for BackendEntries {
     }
 }
 
-impl std::ops::Index<&u32> for BackendEntries {
-    type Output = Backend;
-    fn index(&self, id: &u32) -> &Backend {
+impl<B: BackendValue> std::ops::Index<&u32> for BackendEntries<B> {
+    type Output = B;
+    fn index(&self, id: &u32) -> &B {
         self.get(id).expect("no such backend")
     }
 }
@@ -438,6 +491,20 @@ pub struct Capacities {
     pub maglev_chunks: u32,
     /// M of every Maglev table (`DatapathConfig::maglev_table_size`).
     pub maglev_table_size: u32,
+}
+
+impl Capacities {
+    /// The IPv6 maps' capacities (`SERVICES6_V1` ...; Maglev tables share `MAGLEV_V1`).
+    pub fn ipv6(maglev_chunks: u32, maglev_table_size: u32) -> Self {
+        use proxy_common::ipv6;
+        Self {
+            services: ipv6::SERVICES6_CAPACITY,
+            backends: ipv6::BACKENDS6_CAPACITY,
+            rev_nats: ipv6::REVNAT6_CAPACITY,
+            maglev_chunks,
+            maglev_table_size,
+        }
+    }
 }
 
 impl Default for Capacities {

@@ -1,7 +1,12 @@
 //! Which endpoints of a Service port receive new flows on this node (upstream
 //! `pkg/proxy/topology.go` `CategorizeEndpoints`, for ClusterIP traffic).
 
-use crate::{pipeline::model::DesiredBackend, sources::endpoints::EndpointInfo};
+use std::net::Ipv4Addr;
+
+use crate::{
+    pipeline::model::{DesiredBackend, Family},
+    sources::endpoints::EndpointInfo,
+};
 
 /// How a Service port picks endpoints.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -11,20 +16,20 @@ pub struct Policy {
 }
 
 /// The endpoints chosen for new flows, and the ones kept only for established flows.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Categorized {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Categorized<A: Family = Ipv4Addr> {
     /// Receive new flows. Sorted, no duplicates.
-    pub selected: Vec<DesiredBackend>,
+    pub selected: Vec<DesiredBackend<A>>,
     /// Serving and terminating but not selected: kept so established flows finish. Sorted,
     /// disjoint from `selected`.
-    pub retained: Vec<DesiredBackend>,
+    pub retained: Vec<DesiredBackend<A>>,
     /// The Service port has a usable endpoint somewhere in the cluster (upstream
     /// `hasAnyEndpoints`): ready, or serving and terminating, on any node. With a Local policy
     /// and nothing `selected`, this tells "drop" (served elsewhere) from "reject" (nowhere).
     pub usable_anywhere: bool,
 }
 
-impl Categorized {
+impl<A: Family> Categorized<A> {
     /// Nothing selected but usable endpoints elsewhere: with a Local policy, new flows are
     /// dropped (upstream), not rejected.
     pub fn drops(&self) -> bool {
@@ -49,13 +54,17 @@ enum Topology<'a> {
 /// the serving-and-terminating ones (no narrowing: hints are only used when some ready
 /// endpoint matches them). Local policy: this node's ready endpoints; if none, this node's
 /// serving-and-terminating ones; hints are not used.
-pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>) -> Categorized {
+pub fn categorize<A: Family>(
+    endpoints: &[EndpointInfo<A>],
+    policy: Policy,
+    zone: Option<&str>,
+) -> Categorized<A> {
     let topology = if policy.local_only {
         Topology::None
     } else {
         topology(endpoints, zone)
     };
-    let in_scope = |ep: &EndpointInfo| {
+    let in_scope = |ep: &EndpointInfo<A>| {
         if policy.local_only {
             return ep.local;
         }
@@ -65,7 +74,7 @@ pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>
             Topology::SameZone(z) => ep.zone_hints.contains(z),
         }
     };
-    let mut selected: Vec<DesiredBackend> = endpoints
+    let mut selected: Vec<DesiredBackend<A>> = endpoints
         .iter()
         .filter(|ep| ep.ready && in_scope(ep))
         .map(backend)
@@ -80,12 +89,12 @@ pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>
     selected.sort();
     selected.dedup();
     // `selected` is sorted by endpoint first (field order of DesiredBackend).
-    let is_selected = |b: &DesiredBackend| {
+    let is_selected = |b: &DesiredBackend<A>| {
         selected
             .binary_search_by(|s| s.endpoint.cmp(&b.endpoint))
             .is_ok()
     };
-    let mut retained: Vec<DesiredBackend> = endpoints
+    let mut retained: Vec<DesiredBackend<A>> = endpoints
         .iter()
         .filter(|ep| ep.serving && ep.terminating)
         .map(backend)
@@ -112,7 +121,7 @@ pub fn categorize(endpoints: &[EndpointInfo], policy: Policy, zone: Option<&str>
 /// and one names this node; else zone hints if every ready endpoint carries some and one names
 /// this node's zone; else none (a partial rollout of hints must not funnel traffic to the few
 /// hinted endpoints).
-fn topology<'a>(endpoints: &[EndpointInfo], zone: Option<&'a str>) -> Topology<'a> {
+fn topology<'a, A: Family>(endpoints: &[EndpointInfo<A>], zone: Option<&'a str>) -> Topology<'a> {
     let zone = zone.unwrap_or_default();
     let mut ready = false;
     let (mut all_node_hints, mut for_node) = (true, false);
@@ -135,7 +144,7 @@ fn topology<'a>(endpoints: &[EndpointInfo], zone: Option<&'a str>) -> Topology<'
     }
 }
 
-fn backend(ep: &EndpointInfo) -> DesiredBackend {
+fn backend<A: Family>(ep: &EndpointInfo<A>) -> DesiredBackend<A> {
     DesiredBackend {
         endpoint: ep.endpoint,
         terminating: ep.terminating,

@@ -9,10 +9,20 @@
 //! ([`resolve`]): a ClusterIP beats any other kind, then the older Service wins, then
 //! namespace/name order. The loser goes without that frontend only (a [`FrontendConflict`],
 //! reported as a Problem); its other frontends are programmed.
+//!
+//! Per address family, like upstream's dual-stack proxier (one proxier per family behind a
+//! meta-proxier): the functions are generic over the family ([`Family`]), and a family's
+//! frontends come only from the Service's cluster IP of that family (`spec.ipFamilies` /
+//! `spec.clusterIPs`, upstream `GetClusterIPByFamily`), its externalIPs, LoadBalancer IPs,
+//! source ranges and node addresses of that family, and its EndpointSlices of that
+//! `addressType`. A dual-stack Service whose slices are all IPv4 thus gets IPv6 frontends
+//! without backends (rejected, as upstream). A Service not of a family has nothing in it. What
+//! is wrong with the Service as a whole (ports, affinity, scheduler, a bad address) is reported
+//! by its primary family's translation only, so each problem is reported once.
 
 use std::{
     collections::{HashMap, hash_map::Entry},
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     sync::Arc,
 };
 
@@ -24,14 +34,14 @@ pub use crate::sources::services::{
 use crate::{
     pipeline::{
         model::{
-            Balancing, ClaimRule, DesiredFrontend, DesiredState, Frontend, FrontendConflict,
-            FrontendKind, Problem, Protocol, Scheduler, Scope, ServicePortName,
+            Balancing, ClaimRule, DesiredFrontend, DesiredState, Family, Frontend,
+            FrontendConflict, FrontendKind, Problem, Protocol, Scheduler, Scope, ServicePortName,
         },
         topology::{self, Policy},
     },
     sources::{
-        endpoints::{SNAPSHOT_SOURCE, SliceIndex},
-        services::{ClusterIp, PortProtocol, ServiceData, ServiceType},
+        endpoints::{SNAPSHOT_SOURCE, SliceFamily, SliceIndex},
+        services::{ClusterIp, IpFamilies, PortProtocol, ServiceData, ServiceType},
         snapshot::Snapshot,
     },
 };
@@ -56,6 +66,8 @@ pub struct NodeContext {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Translation {
     pub desired: DesiredState,
+    /// The IPv6 family's desired state (`SERVICES6_V1` ...).
+    pub desired6: DesiredState<Ipv6Addr>,
     /// Invalid or unsupported objects (or parts of them) that were skipped.
     pub problems: Vec<Problem>,
     /// Deliberate, expected skips worth telling the user once (e.g. the IPv6 half of a
@@ -67,6 +79,8 @@ pub struct Translation {
     /// Frontends two or more Services asked for, one per losing claim, sorted (each is also in
     /// `problems`).
     pub conflicts: Vec<FrontendConflict>,
+    /// The same for IPv6 frontends.
+    pub conflicts6: Vec<FrontendConflict<Ipv6Addr>>,
 }
 
 /// A `spec.healthCheckNodePort` and what it reports (upstream `pkg/proxy/healthcheck`).
@@ -85,6 +99,16 @@ pub struct HealthCheck {
 enum ServiceError {
     #[error("clusterIP {0:?} is not an IP address; Service skipped")]
     BadClusterIp(String),
+    #[error("spec.ipFamilies is not one or two distinct families of IPv4, IPv6; Service skipped")]
+    BadIpFamilies,
+    #[error(
+        "spec.clusterIPs {ips:?} do not match spec.ipFamilies {families:?} (one address of each \
+         family, in order); Service skipped"
+    )]
+    FamilyMismatch {
+        ips: Vec<String>,
+        families: Vec<&'static str>,
+    },
     #[error("port {name:?} has invalid number {port} (must be 1-65535); Service skipped")]
     BadPort { name: String, port: i32 },
     #[error("port {name:?} has unknown protocol {protocol:?}; Service skipped")]
@@ -120,23 +144,67 @@ pub fn translate(snapshot: &Snapshot, node: &NodeContext) -> Translation {
     translate_for_node(snapshot, node, &[])
 }
 
-/// Turn a snapshot into the desired state for this node; NodePorts answer on `nodeport_addrs`
-/// (the node's addresses selected by `--nodeport-addresses`).
+/// Turn a snapshot into the IPv4 desired state for this node; NodePorts answer on
+/// `nodeport_addrs` (the node's addresses selected by `--nodeport-addresses`). IPv6 frontends
+/// without NodePorts; see [`translate_families`].
 pub fn translate_for_node(
     snapshot: &Snapshot,
     node: &NodeContext,
     nodeport_addrs: &[Ipv4Addr],
 ) -> Translation {
+    translate_families(snapshot, node, nodeport_addrs, &[])
+}
+
+/// Turn a snapshot into both families' desired states for this node, each family's NodePorts on
+/// that family's node addresses.
+pub fn translate_families(
+    snapshot: &Snapshot,
+    node: &NodeContext,
+    nodeport_addrs: &[Ipv4Addr],
+    nodeport_addrs6: &[Ipv6Addr],
+) -> Translation {
     let mut out = Translation::default();
-    let slices = SliceIndex::new(
-        snapshot.endpoint_slices.iter().map(|s| &**s),
-        &node.node_name,
-        &mut out.problems,
-    );
     // Sorted so that health checks sharing a port come in the same order whatever order the
     // source listed the Services in (claims do not depend on it: see `resolve`).
     let mut services: Vec<&ServiceData> = snapshot.services.iter().map(|s| &**s).collect();
     services.sort_by_key(|s| (&s.namespace, &s.name));
+    (out.desired, out.conflicts) =
+        translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
+    (out.desired6, out.conflicts6) =
+        translate_family(snapshot, &services, node, nodeport_addrs6, &mut out);
+    out.health_checks.sort_by_key(|h| h.port);
+    out
+}
+
+/// One family's desired state and its problems (the IPv6 family's full translation in the
+/// agent, beside the IPv4 translation cache).
+pub fn translate_one_family<A: SliceFamily>(
+    snapshot: &Snapshot,
+    node: &NodeContext,
+    nodeport_addrs: &[A],
+) -> (DesiredState<A>, Vec<Problem>) {
+    let mut out = Translation::default();
+    let mut services: Vec<&ServiceData> = snapshot.services.iter().map(|s| &**s).collect();
+    services.sort_by_key(|s| (&s.namespace, &s.name));
+    let (desired, _) = translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
+    (desired, out.problems)
+}
+
+/// One family's desired state and conflicts; problems, notes and health checks into `out`.
+fn translate_family<A: SliceFamily>(
+    snapshot: &Snapshot,
+    services: &[&ServiceData],
+    node: &NodeContext,
+    nodeport_addrs: &[A],
+    out: &mut Translation,
+) -> (DesiredState<A>, Vec<FrontendConflict<A>>) {
+    let slices: SliceIndex<'_, A> = SliceIndex::new(
+        snapshot.endpoint_slices.iter().map(|s| &**s),
+        &node.node_name,
+        &mut out.problems,
+    );
+    let mut desired = DesiredState::default();
+    let mut all_conflicts = Vec::new();
     let mut translations = Vec::with_capacity(services.len());
     for svc in services {
         let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
@@ -155,30 +223,32 @@ pub fn translate_for_node(
         translations.push(t);
     }
     // Grouped by frontend (a stable sort: claimants stay in name order within a group).
-    let mut claims: Vec<Claim<'_>> = translations.iter().flat_map(|t| t.claims()).collect();
+    let mut claims: Vec<Claim<'_, A>> = translations.iter().flat_map(|t| t.claims()).collect();
     claims.sort_by_key(|c| c.frontend);
     for list in claims.chunk_by(|a, b| a.frontend == b.frontend) {
         let Some((winner, conflicts)) = resolve(list) else {
             continue;
         };
         for (frontend, df) in list[winner].entries {
-            out.desired.frontends.insert(*frontend, df.clone());
+            desired.frontends.insert(*frontend, df.clone());
         }
         out.problems.extend(conflicts.iter().map(conflict_problem));
-        out.conflicts.extend(conflicts);
+        all_conflicts.extend(conflicts);
     }
-    out.conflicts.sort();
-    out.health_checks.sort_by_key(|h| h.port);
-    out
+    all_conflicts.sort();
+    (desired, all_conflicts)
 }
 
+/// A frontend and what it should do, as translations share it with the desired state.
+pub type FrontendEntry<A = Ipv4Addr> = (Frontend<A>, Arc<DesiredFrontend<A>>);
+
 /// One Service's part of a translation, before the frontend claims between Services.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ServiceTranslation {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceTranslation<A: Family = Ipv4Addr> {
     /// The frontends the Service asks for, in Service port order, each address:port/protocol
     /// once (an in-cluster entry right after its all-clients entry). Each is claimed on its own
     /// ([`resolve`]). Empty when the Service is skipped.
-    pub frontends: Box<[(Frontend, Arc<DesiredFrontend>)]>,
+    pub frontends: Box<[FrontendEntry<A>]>,
     /// The Service's `metadata.creationTimestamp` (the older Service wins a contested frontend).
     pub created: Option<Timestamp>,
     /// Problems, notes and the health check, which most Services have none of (`None`: none;
@@ -201,7 +271,17 @@ impl Remarks {
     }
 }
 
-impl ServiceTranslation {
+impl<A: Family> Default for ServiceTranslation<A> {
+    fn default() -> Self {
+        Self {
+            frontends: Box::new([]),
+            created: None,
+            remarks: None,
+        }
+    }
+}
+
+impl<A: Family> ServiceTranslation<A> {
     pub fn problems(&self) -> &[Problem] {
         self.remarks.as_ref().map_or(&[], |r| &r.problems)
     }
@@ -221,13 +301,13 @@ impl ServiceTranslation {
     }
 
     /// The Service's claims, one per address:port/protocol it asks for.
-    pub fn claims(&self) -> impl Iterator<Item = Claim<'_>> {
+    pub fn claims(&self) -> impl Iterator<Item = Claim<'_, A>> {
         (0..self.frontends.len()).filter_map(|i| self.claim_at(i))
     }
 
     /// The claim whose all-clients entry is `frontends[entry]` (`None` for an in-cluster entry
     /// or an index out of range).
-    pub fn claim_at(&self, entry: usize) -> Option<Claim<'_>> {
+    pub fn claim_at(&self, entry: usize) -> Option<Claim<'_, A>> {
         let (frontend, desired) = self.frontends.get(entry)?;
         if frontend.scope != Scope::AllClients {
             return None;
@@ -248,16 +328,16 @@ impl ServiceTranslation {
 
 /// One Service's claim on a frontend (address, port, protocol, for every client).
 #[derive(Clone, Copy, Debug)]
-pub struct Claim<'a> {
-    pub frontend: Frontend,
-    desired: &'a DesiredFrontend,
+pub struct Claim<'a, A: Family = Ipv4Addr> {
+    pub frontend: Frontend<A>,
+    desired: &'a DesiredFrontend<A>,
     created: Option<Timestamp>,
     /// What the claim programs if it wins: the frontend, and for an externalTrafficPolicy Local
     /// external frontend the in-cluster entry beside it.
-    pub entries: &'a [(Frontend, Arc<DesiredFrontend>)],
+    pub entries: &'a [FrontendEntry<A>],
 }
 
-impl Claim<'_> {
+impl<A: Family> Claim<'_, A> {
     /// Lower wins: a ClusterIP first, then the older Service (one without a creationTimestamp,
     /// as in manifests, after every one with), then namespace/name.
     fn rank(&self) -> (bool, bool, Option<Timestamp>, &str, &str) {
@@ -275,7 +355,7 @@ impl Claim<'_> {
 /// Settles one frontend between the Services claiming it, in any order: the winning claim's
 /// position in `claims`, and a conflict for each other claim. `None` when `claims` is empty.
 /// Pure and per frontend, so the full and the incremental translation agree.
-pub fn resolve(claims: &[Claim<'_>]) -> Option<(usize, Vec<FrontendConflict>)> {
+pub fn resolve<A: Family>(claims: &[Claim<'_, A>]) -> Option<(usize, Vec<FrontendConflict<A>>)> {
     let (winner, w) = claims
         .iter()
         .enumerate()
@@ -308,7 +388,7 @@ pub fn resolve(claims: &[Claim<'_>]) -> Option<(usize, Vec<FrontendConflict>)> {
 }
 
 /// The problem reported for the loser of a conflict.
-pub fn conflict_problem(c: &FrontendConflict) -> Problem {
+pub fn conflict_problem<A: Family>(c: &FrontendConflict<A>) -> Problem {
     Problem {
         source: SNAPSHOT_SOURCE.to_owned(),
         object: format!("Service {}/{}", c.loser.namespace, c.loser.name),
@@ -329,38 +409,54 @@ pub fn conflict_problem(c: &FrontendConflict) -> Problem {
     }
 }
 
-/// Translate one Service with the endpoints of `slices` (which may hold only this Service's
-/// slices). `None`: the Service is not for this proxy (ExternalName, headless, another proxy's).
-pub fn translate_service(
+/// Translate one Service for family `A` with the endpoints of `slices` (which may hold only this
+/// Service's slices). `None`: the Service is not for this proxy (ExternalName, headless, another
+/// proxy's), or has no cluster IP of this family (and, unless `A` is its primary family, when
+/// it is skipped: its primary family reports why).
+pub fn translate_service<A: SliceFamily>(
     svc: &ServiceData,
-    slices: &SliceIndex,
+    slices: &SliceIndex<'_, A>,
     node: &NodeContext,
-    nodeport_addrs: &[Ipv4Addr],
-) -> Option<ServiceTranslation> {
+    nodeport_addrs: &[A],
+) -> Option<ServiceTranslation<A>> {
     if !handled(svc) {
         return None;
     }
     let mut out = ServiceTranslation::default();
     let mut remarks = Remarks::default();
-    match service_frontends(svc, slices, node, nodeport_addrs) {
-        Ok(f) => {
-            for e in f.port_problems {
-                remarks.problems.push(service_problem(svc, e.to_string()));
+    let family = match family_cluster_ip::<A>(svc) {
+        Ok(f) => f,
+        Err((e, primary)) => {
+            if !primary {
+                return None;
             }
-            if let Some(note) = f.note {
-                remarks.notes.push(service_problem(svc, note));
-            }
-            // Collected into a box of its exact length (a collect into a `Vec` would reuse the
-            // grown buffer of (Frontend, DesiredFrontend), kept for the Service's lifetime in
-            // the cache).
-            out.frontends = dedup_own(f.frontends)
-                .into_iter()
-                .map(|(frontend, df)| (frontend, Arc::new(df)))
-                .collect::<Vec<_>>()
-                .into_boxed_slice();
-            remarks.health_check = f.health_check;
+            remarks.problems.push(service_problem(svc, e.to_string()));
+            out.remarks = Some(Box::new(remarks));
+            out.created = svc.created;
+            return Some(out);
         }
-        Err(e) => remarks.problems.push(service_problem(svc, e.to_string())),
+    };
+    let cluster_ip = family.cluster_ip?;
+    // One health-check node port per Service: the IPv4 family's whenever the Service has an
+    // IPv4 cluster IP (the agent's health checks follow the IPv4 translation), else IPv6's.
+    let has_ipv4 = || (svc.cluster_ips.iter()).any(|ip| matches!(ip, ClusterIp::V4(_)));
+    let reports_health = A::NAME == Ipv4Addr::NAME || !has_ipv4();
+    match service_frontends(svc, cluster_ip, slices, node, nodeport_addrs) {
+        Ok(f) => {
+            if family.primary {
+                for e in f.port_problems {
+                    remarks.problems.push(service_problem(svc, e.to_string()));
+                }
+            }
+            // The secondary family: the same frontends, its Service-wide problems left to the
+            // primary's translation.
+            out.frontends = frontends_box(f.frontends);
+            if reports_health {
+                remarks.health_check = f.health_check;
+            }
+        }
+        Err(e) if family.primary => remarks.problems.push(service_problem(svc, e.to_string())),
+        Err(_) => return None,
     }
     if !remarks.is_empty() {
         out.remarks = Some(Box::new(remarks));
@@ -369,11 +465,89 @@ pub fn translate_service(
     Some(out)
 }
 
+/// A Service's frontends as a translation keeps them: collected into a box of its exact length
+/// (a collect into a `Vec` would reuse the grown buffer of (Frontend, DesiredFrontend), kept for
+/// the Service's lifetime in the cache).
+type FrontendList<A> = Vec<(Frontend<A>, DesiredFrontend<A>)>;
+
+fn frontends_box<A: Family>(frontends: FrontendList<A>) -> Box<[FrontendEntry<A>]> {
+    dedup_own(frontends)
+        .into_iter()
+        .map(|(frontend, df)| (frontend, Arc::new(df)))
+        .collect::<Vec<_>>()
+        .into_boxed_slice()
+}
+
+/// A Service's cluster IP of one family.
+struct FamilyIp<A> {
+    /// Upstream `GetClusterIPByFamily`: `clusterIPs[i]` where `ipFamilies[i]` is the family
+    /// (without ipFamilies, the cluster IP if it is of the family).
+    cluster_ip: Option<A>,
+    /// The family is the Service's primary one (`ipFamilies[0]`, else the first cluster IP's).
+    primary: bool,
+}
+
+/// The Service's cluster IP of family `A`. Err: the cluster IPs or families are bad, with
+/// whether `A` reports it (IPv4 when the primary family cannot be told).
+fn family_cluster_ip<A: Family>(svc: &ServiceData) -> Result<FamilyIp<A>, (ServiceError, bool)> {
+    let ipv4_reports = A::NAME == Ipv4Addr::NAME;
+    let mut ips: Vec<IpAddr> = Vec::with_capacity(svc.cluster_ips.len());
+    for ip in svc.cluster_ips.iter() {
+        match ip {
+            ClusterIp::V4(a) => ips.push(IpAddr::V4(*a)),
+            ClusterIp::Other(raw) => match raw.parse::<IpAddr>() {
+                Ok(a) => ips.push(a),
+                Err(_) => return Err((ServiceError::BadClusterIp(raw.to_string()), ipv4_reports)),
+            },
+        }
+    }
+    let families = svc.ip_families.names();
+    if svc.ip_families == IpFamilies::Invalid {
+        return Err((ServiceError::BadIpFamilies, ipv4_reports));
+    }
+    let family_name = |a: &IpAddr| {
+        if a.is_ipv4() {
+            Ipv4Addr::NAME
+        } else {
+            Ipv6Addr::NAME
+        }
+    };
+    let primary_name = families
+        .first()
+        .copied()
+        .or_else(|| ips.first().map(family_name))
+        .unwrap_or(Ipv4Addr::NAME);
+    let primary = primary_name == A::NAME;
+    let mismatch = if families.is_empty() {
+        // Without ipFamilies (manifests, old objects): the addresses say; one of each at most.
+        ips.len() > 2 || (ips.len() == 2 && family_name(&ips[0]) == family_name(&ips[1]))
+    } else {
+        // Upstream validation: clusterIPs[i] is of family ipFamilies[i]; a Service may list
+        // fewer cluster IPs than families only while it has none (headless is skipped above).
+        ips.len() != families.len()
+            || ips
+                .iter()
+                .zip(families)
+                .any(|(ip, f)| family_name(ip) != *f)
+    };
+    if mismatch {
+        let e = ServiceError::FamilyMismatch {
+            ips: ips.iter().map(ToString::to_string).collect(),
+            families: families.to_vec(),
+        };
+        return Err((e, primary));
+    }
+    Ok(FamilyIp {
+        cluster_ip: ips.into_iter().find_map(A::of),
+        primary,
+    })
+}
+
 /// One Service asking twice for one address:port/protocol (an externalIP equal to its own
 /// ClusterIP, a NodePort equal to another port on an externalIP that is a node address): its
 /// ClusterIP entry is kept, else the first; a dropped external entry takes its in-cluster entry
 /// along.
-fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, DesiredFrontend)> {
+fn dedup_own<A: Family>(frontends: FrontendList<A>) -> FrontendList<A> {
     // The usual case, cheaply: no address:port/protocol twice (a few frontends: compared
     // pairwise without allocating; many: sorted).
     let keys = || (frontends.iter().map(|(f, _)| *f)).filter(|f| f.scope == Scope::AllClients);
@@ -382,14 +556,14 @@ fn dedup_own(frontends: Vec<(Frontend, DesiredFrontend)>) -> Vec<(Frontend, Desi
             .enumerate()
             .all(|(i, a)| keys().skip(i + 1).all(|b| a != b))
     } else {
-        let mut sorted: Vec<Frontend> = keys().collect();
+        let mut sorted: Vec<Frontend<A>> = keys().collect();
         sorted.sort_unstable();
         sorted.windows(2).all(|w| w[0] != w[1])
     };
     if unique {
         return frontends;
     }
-    let mut kept: HashMap<Frontend, usize> = HashMap::with_capacity(frontends.len());
+    let mut kept: HashMap<Frontend<A>, usize> = HashMap::with_capacity(frontends.len());
     for (i, (f, df)) in frontends.iter().enumerate() {
         if f.scope != Scope::AllClients {
             continue;
@@ -435,23 +609,19 @@ fn handled(svc: &ServiceData) -> bool {
     !(external_name || svc.other_proxy || headless)
 }
 
-struct ServiceFrontends {
-    frontends: Vec<(Frontend, DesiredFrontend)>,
+struct ServiceFrontends<A: Family> {
+    frontends: FrontendList<A>,
     /// Problems that do not skip the Service (bad source ranges, a bad scheduler annotation).
     port_problems: Vec<ServiceError>,
-    /// IPv6 cluster IPs left out.
-    note: Option<String>,
     health_check: Option<HealthCheck>,
 }
 
 /// spec.externalIPs and status.loadBalancer.ingress[].ip (unless ipMode is Proxy: the load
-/// balancer then proxies and sends to the node, not to the VIP). IPv4 only; unparsable or IPv6
-/// addresses are left out (upstream logs and ignores them too).
-fn external_addrs(svc: &ServiceData) -> Vec<(FrontendKind, Ipv4Addr)> {
-    let v4 = |ip: &str| match ip.parse::<IpAddr>() {
-        Ok(IpAddr::V4(a)) => Some(a),
-        _ => None,
-    };
+/// balancer then proxies and sends to the node, not to the VIP) of family `A`; unparsable
+/// addresses and the other family's are left out (upstream logs and ignores them too, and
+/// filters them per family).
+fn external_addrs<A: Family>(svc: &ServiceData) -> Vec<(FrontendKind, A)> {
+    let v4 = |ip: &str| ip.parse::<IpAddr>().ok().and_then(A::of);
     let external_ips = (svc.extra().external_ips.iter())
         .filter_map(|ip| v4(ip))
         .map(|a| (FrontendKind::ExternalIp, a));
@@ -465,9 +635,10 @@ fn external_addrs(svc: &ServiceData) -> Vec<(FrontendKind, Ipv4Addr)> {
     all
 }
 
-/// loadBalancerSourceRanges (or the legacy annotation) as IPv4 networks, host bits cleared;
-/// IPv6 ranges are left out (they apply to IPv6 frontends), unparsable ones reported.
-fn source_ranges(svc: &ServiceData) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) {
+/// loadBalancerSourceRanges (or the legacy annotation) of family `A` as networks, host bits
+/// cleared; the other family's ranges are left out (they apply to its frontends: upstream
+/// filters them per family), unparsable ones reported.
+fn source_ranges<A: Family>(svc: &ServiceData) -> (Vec<(A, u8)>, Vec<ServiceError>) {
     let field: Vec<String> = (svc.extra().load_balancer_source_ranges.iter())
         .map(|s| s.to_string())
         .collect();
@@ -482,16 +653,11 @@ fn source_ranges(svc: &ServiceData) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) 
     let mut bad = Vec::new();
     for item in items.iter().filter(|s| !s.is_empty()) {
         match item.parse::<crate::pipeline::addresses::Cidr>() {
-            Ok(crate::pipeline::addresses::Cidr {
-                addr: IpAddr::V4(a),
-                prefix_len,
-            }) => {
-                let mask = u32::MAX
-                    .checked_shl(32 - u32::from(prefix_len))
-                    .unwrap_or(0);
-                ranges.push((Ipv4Addr::from(u32::from(a) & mask), prefix_len));
+            Ok(cidr) => {
+                if let Some(a) = A::of(cidr.addr) {
+                    ranges.push((a.network(cidr.prefix_len), cidr.prefix_len));
+                }
             }
-            Ok(_) => {}
             Err(_) => bad.push(ServiceError::BadSourceRange(item.clone())),
         }
     }
@@ -500,36 +666,17 @@ fn source_ranges(svc: &ServiceData) -> (Vec<(Ipv4Addr, u8)>, Vec<ServiceError>) 
     (ranges, bad)
 }
 
-fn service_frontends(
+/// The frontends of family `A` of a Service whose cluster IP of that family is `cluster_ip`.
+fn service_frontends<A: SliceFamily>(
     svc: &ServiceData,
-    slices: &SliceIndex,
+    cluster_ip: A,
+    slices: &SliceIndex<'_, A>,
     node: &NodeContext,
-    nodeport_addrs: &[Ipv4Addr],
-) -> Result<ServiceFrontends, ServiceError> {
+    nodeport_addrs: &[A],
+) -> Result<ServiceFrontends<A>, ServiceError> {
     let namespace = svc.namespace.as_deref().unwrap_or("default");
     let name = svc.name.as_deref().unwrap_or_default();
-    let mut addrs = Vec::new();
-    let mut ipv6 = Vec::new();
-    for ip in svc.cluster_ips.iter() {
-        let raw = match ip {
-            ClusterIp::V4(a) => {
-                addrs.push(*a);
-                continue;
-            }
-            ClusterIp::Other(raw) => &**raw,
-        };
-        match raw.parse::<IpAddr>() {
-            Ok(IpAddr::V4(a)) => addrs.push(a),
-            Ok(IpAddr::V6(_)) => ipv6.push(raw),
-            Err(_) => return Err(ServiceError::BadClusterIp(raw.to_owned())),
-        }
-    }
-    let note = (!ipv6.is_empty()).then(|| {
-        format!(
-            "IPv6 cluster IP(s) {} not programmed: the datapath is IPv4-only",
-            ipv6.join(", ")
-        )
-    });
+    let addrs = [cluster_ip];
 
     let policy = policy(svc);
     let mut balancing_problems = Vec::new();
@@ -542,12 +689,12 @@ fn service_frontends(
     let external_policy = Policy {
         local_only: external_local,
     };
-    let external = external_addrs(svc);
+    let external = external_addrs::<A>(svc);
     let health_check_port = (svc.extra().health_check_node_port)
         .and_then(|p| u16::try_from(p).ok())
         .filter(|p| *p != 0 && external_local && svc.type_ == ServiceType::LoadBalancer);
     let mut local_endpoints = 0usize;
-    let (lb_source_ranges, bad_ranges) = source_ranges(svc);
+    let (lb_source_ranges, bad_ranges) = source_ranges::<A>(svc);
     let mut port_problems = balancing_problems;
     port_problems.extend(bad_ranges);
     let (affinity_timeout_s, affinity_problem) = session_affinity(svc);
@@ -612,7 +759,7 @@ fn service_frontends(
             .node_port
             .and_then(|p| u16::try_from(p).ok())
             .filter(|p| *p != 0 && node_ports);
-        let mut external_frontends: Vec<(FrontendKind, Ipv4Addr, u16)> = external
+        let mut external_frontends: Vec<(FrontendKind, A, u16)> = external
             .iter()
             .map(|(kind, addr)| (*kind, *addr, port))
             .collect();
@@ -670,7 +817,6 @@ fn service_frontends(
     Ok(ServiceFrontends {
         frontends,
         port_problems,
-        note,
         health_check,
     })
 }
@@ -1412,30 +1558,312 @@ mod tests {
         }
     }
 
+    /// Both families' frontends as "addr:port/proto kind -> backends" (IPv4 first), to compare
+    /// whole translations.
+    fn by_family(t: &Translation) -> (Vec<String>, Vec<String>) {
+        fn one<A: Family>(state: &DesiredState<A>) -> Vec<String> {
+            (state.frontends.iter())
+                .map(|(fe, df)| {
+                    let backends: Vec<String> = (df.backends.iter())
+                        .map(|b| format!("{}", b.endpoint))
+                        .collect();
+                    let ranges: Vec<String> = df
+                        .source_ranges
+                        .iter()
+                        .map(|(a, l)| format!("{a}/{l}"))
+                        .collect();
+                    let mut line = format!("{fe} {} -> [{}]", df.kind.label(), backends.join(" "));
+                    if !ranges.is_empty() {
+                        line.push_str(&format!(" from {}", ranges.join(" ")));
+                    }
+                    if df.drop_when_empty {
+                        line.push_str(" drop");
+                    }
+                    line
+                })
+                .collect()
+        }
+        (one(&t.desired), one(&t.desired6))
+    }
+
+    fn translate_dual(services: Vec<Service>, slices: Vec<EndpointSlice>) -> Translation {
+        let snapshot = Snapshot::new(services, slices);
+        let node = NodeContext {
+            scheduler: Default::default(),
+            node_name: NODE.into(),
+            zone: Some(ZONE.into()),
+        };
+        let v6: Ipv6Addr = "2001:db8:50::10".parse().unwrap();
+        translate_families(&snapshot, &node, &NODE_ADDRS[..1], &[v6])
+    }
+
+    fn slice6(service: &str, name: &str, endpoints: Vec<Value>) -> EndpointSlice {
+        slice_typed(service, name, "IPv6", http_port(8080), endpoints)
+    }
+
+    /// A dual-stack Service gets frontends on both families, each with its own family's
+    /// endpoints (the IPv6 slice feeds IPv6 frontends only), NodePorts on each family's node
+    /// addresses, externalIPs / LB IPs / source ranges split by family.
     #[test]
-    fn ipv6_cluster_ip_skipped_with_a_note() {
-        let dual = service(
+    fn dual_stack_service_gets_both_families_from_their_own_slices() {
+        let svc = external_service(
             "dual",
-            json!({"clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00::10"],
-                                          "ports": [{"name": "http", "port": 80}]}),
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.10",
+                   "clusterIPs": ["10.96.0.10", "fd00:96::10"], "ipFamilies": ["IPv4", "IPv6"],
+                   "externalIPs": ["192.168.60.10", "2001:db8:60::10"],
+                   "loadBalancerSourceRanges": ["192.168.0.0/16", "2001:db8:1:2::3/48"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30080}]}),
+            json!({"loadBalancer": {"ingress": [{"ip": "192.168.70.10"},
+                                                {"ip": "2001:db8:70::10"}]}}),
         );
-        let v6 = service(
+        let t = translate_dual(
+            vec![svc],
+            vec![
+                slice("dual", "dual-4", http_port(8080), vec![ready("10.244.1.1")]),
+                slice6(
+                    "dual",
+                    "dual-6",
+                    vec![ready("fd00:244::1"), ready("fd00:244::2")],
+                ),
+            ],
+        );
+        assert_eq!(t.problems, [], "{:?}", t.problems);
+        let (v4, v6) = by_family(&t);
+        assert_eq!(
+            v4,
+            [
+                "10.96.0.10:80/TCP cluster_ip -> [10.244.1.1:8080/TCP]",
+                "192.168.50.10:30080/TCP node_port -> [10.244.1.1:8080/TCP]",
+                "192.168.60.10:80/TCP external_ip -> [10.244.1.1:8080/TCP]",
+                "192.168.70.10:80/TCP load_balancer -> [10.244.1.1:8080/TCP] from 192.168.0.0/16",
+            ]
+        );
+        let six = "[fd00:244::1:8080/TCP fd00:244::2:8080/TCP]";
+        assert_eq!(
+            v6,
+            [
+                format!("2001:db8:50::10:30080/TCP node_port -> {six}"),
+                format!("2001:db8:60::10:80/TCP external_ip -> {six}"),
+                format!("2001:db8:70::10:80/TCP load_balancer -> {six} from 2001:db8:1::/48"),
+                format!("fd00:96::10:80/TCP cluster_ip -> {six}"),
+            ]
+        );
+    }
+
+    /// An IPv6-only Service has IPv6 frontends only (its IPv4 externalIP included: upstream's
+    /// IPv4 proxier skips a Service without an IPv4 cluster IP), and reports its problems once.
+    #[test]
+    fn ipv6_only_service_has_no_ipv4_frontends() {
+        let svc = external_service(
             "v6",
-            json!({"clusterIP": "fd00::20", "ports": [{"port": 80}]}),
+            json!({"type": "NodePort", "clusterIP": "fd00:96::20", "ipFamilies": ["IPv6"],
+                   "externalIPs": ["192.168.60.20", "2001:db8:60::20"],
+                   "sessionAffinity": "ClientIP",
+                   "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}},
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30081}]}),
+            json!({}),
         );
-        let t = run(Case {
-            services: vec![dual, v6],
-            slices: vec![],
-            want: &[Want {
-                frontend: "10.96.0.10:80/TCP",
-                selected: &[],
-                retained: &[],
-            }],
-            problems: &[],
-            notes: 2,
-        });
-        assert!(t.notes[0].reason.contains("fd00::10"), "{}", t.notes[0]);
-        assert_eq!(t.notes[1].object, "Service demo/v6");
+        let t = translate_dual(
+            vec![svc],
+            vec![slice6("v6", "v6-1", vec![ready("fd00:244::5")])],
+        );
+        let (v4, v6) = by_family(&t);
+        assert_eq!(v4, Vec::<String>::new());
+        assert_eq!(
+            v6,
+            [
+                "2001:db8:50::10:30081/TCP node_port -> [fd00:244::5:8080/TCP]",
+                "2001:db8:60::20:80/TCP external_ip -> [fd00:244::5:8080/TCP]",
+                "fd00:96::20:80/TCP cluster_ip -> [fd00:244::5:8080/TCP]",
+            ]
+        );
+        assert!(
+            t.desired6
+                .frontends
+                .values()
+                .all(|df| df.balancing.affinity_timeout_s == Some(DEFAULT_AFFINITY_TIMEOUT_S)),
+            "affinity on IPv6 too"
+        );
+        assert_eq!(
+            t.problems.len(),
+            1,
+            "the bad timeout once: {:?}",
+            t.problems
+        );
+        assert!(t.problems[0].reason.contains("timeoutSeconds 0"));
+    }
+
+    /// Upstream's dual-stack rule: a dual-stack Service whose slices are all IPv4 works on IPv4
+    /// and has IPv6 frontends without backends (rejected: ICMPv6 unreachable), never IPv4
+    /// backends behind an IPv6 frontend; IPv6 slices never feed IPv4 frontends.
+    #[test]
+    fn each_family_gets_its_own_slices_only() {
+        let dual = |name: &str, v4: &str, v6: &str| {
+            service(
+                name,
+                json!({"clusterIP": v4, "clusterIPs": [v4, v6], "ipFamilies": ["IPv4", "IPv6"],
+                       "internalTrafficPolicy": "Local", "ports": [{"name": "http", "port": 80}]}),
+            )
+        };
+        let t = translate_dual(
+            vec![
+                dual("only4", "10.96.0.30", "fd00:96::30"),
+                dual("only6", "10.96.0.31", "fd00:96::31"),
+            ],
+            vec![
+                slice(
+                    "only4",
+                    "only4-1",
+                    http_port(8080),
+                    vec![ep("10.244.1.30", NODE, (Some(true), None, None))],
+                ),
+                slice6(
+                    "only6",
+                    "only6-1",
+                    vec![ep("fd00:244::31", NODE, (Some(true), None, None))],
+                ),
+                // An IPv4 address in an IPv6 slice is not an IPv6 endpoint.
+                slice6("only4", "only4-6", vec![ready("10.244.1.99")]),
+            ],
+        );
+        let (v4, v6) = by_family(&t);
+        assert_eq!(
+            v4,
+            [
+                "10.96.0.30:80/TCP cluster_ip -> [10.244.1.30:8080/TCP]",
+                "10.96.0.31:80/TCP cluster_ip -> []",
+            ]
+        );
+        assert_eq!(
+            v6,
+            [
+                "fd00:96::30:80/TCP cluster_ip -> []",
+                "fd00:96::31:80/TCP cluster_ip -> [fd00:244::31:8080/TCP]",
+            ]
+        );
+        // No endpoint of the family anywhere: rejected (not dropped as "served elsewhere").
+        assert!(t.desired6.frontends.values().all(|df| !df.drop_when_empty));
+        assert_eq!(t.problems.len(), 1, "{:?}", t.problems);
+        assert!(
+            t.problems[0].object == "EndpointSlice demo/only4-6"
+                && t.problems[0].reason.contains("not an IPv6 address"),
+            "{}",
+            t.problems[0]
+        );
+    }
+
+    /// One health-check node port per Service whatever its families: the IPv4 family's for a
+    /// dual-stack Service (IPv6 primary or not), the IPv6 one's for an IPv6-only Service.
+    #[test]
+    fn a_dual_stack_service_has_one_health_check() {
+        let lb = |name: &str, ips: Value, families: Value, port: i32| {
+            external_service(
+                name,
+                json!({"type": "LoadBalancer", "clusterIP": ips[0], "clusterIPs": ips,
+                       "ipFamilies": families, "externalTrafficPolicy": "Local",
+                       "healthCheckNodePort": port,
+                       "ports": [{"name": "http", "port": 80, "nodePort": port + 1}]}),
+                json!({}),
+            )
+        };
+        let t = translate_dual(
+            vec![
+                lb(
+                    "six-first",
+                    json!(["fd00::1", "10.96.0.1"]),
+                    json!(["IPv6", "IPv4"]),
+                    31000,
+                ),
+                lb(
+                    "four-first",
+                    json!(["10.96.0.2", "fd00::2"]),
+                    json!(["IPv4", "IPv6"]),
+                    31010,
+                ),
+                lb("six-only", json!(["fd00::3"]), json!(["IPv6"]), 31020),
+            ],
+            vec![],
+        );
+        let ports: Vec<u16> = t.health_checks.iter().map(|h| h.port).collect();
+        assert_eq!(ports, [31000, 31010, 31020]);
+    }
+
+    /// Bad family input is reported once, naming the Service, and skips it on both families;
+    /// other Services are kept.
+    #[test]
+    fn bad_dual_stack_input_is_reported_once() {
+        let t = translate_dual(
+            vec![
+                // Two IPv6 addresses (no ipFamilies).
+                service(
+                    "two6",
+                    json!({"clusterIP": "fd00::1", "clusterIPs": ["fd00::1", "fd00::2"],
+                                       "ports": [{"port": 80}]}),
+                ),
+                // The families say IPv4 first; the first address is IPv6.
+                service(
+                    "swapped",
+                    json!({"clusterIP": "fd00::3",
+                    "clusterIPs": ["fd00::3", "10.96.0.3"], "ipFamilies": ["IPv4", "IPv6"],
+                    "ports": [{"port": 80}]}),
+                ),
+                // A bad second address: the Service is skipped on both families.
+                service(
+                    "bad6",
+                    json!({"clusterIP": "10.96.0.4",
+                    "clusterIPs": ["10.96.0.4", "fd00::zz"], "ports": [{"port": 80}]}),
+                ),
+                service(
+                    "families",
+                    json!({"clusterIP": "10.96.0.5", "ipFamilies": ["IPv4", "IPv4"],
+                    "ports": [{"port": 80}]}),
+                ),
+                // A bad IPv6 source range is reported (by the primary family only).
+                service(
+                    "ranges",
+                    json!({"type": "LoadBalancer", "clusterIP": "fd00::6",
+                    "clusterIPs": ["fd00::6", "10.96.0.6"], "ipFamilies": ["IPv6", "IPv4"],
+                    "loadBalancerSourceRanges": ["2001:db8::/129"],
+                    "ports": [{"port": 80}]}),
+                ),
+                service(
+                    "good",
+                    json!({"clusterIP": "fd00::7", "ports": [{"port": 80}]}),
+                ),
+            ],
+            vec![],
+        );
+        let (v4, v6) = by_family(&t);
+        assert_eq!(v4, ["10.96.0.6:80/TCP cluster_ip -> []"]);
+        assert_eq!(
+            v6,
+            [
+                "fd00::6:80/TCP cluster_ip -> []",
+                "fd00::7:80/TCP cluster_ip -> []"
+            ]
+        );
+        let mut reported: Vec<(String, String)> = (t.problems.iter())
+            .map(|p| (p.object.clone(), p.reason.clone()))
+            .collect();
+        reported.sort();
+        let objects: Vec<&str> = reported.iter().map(|(o, _)| o.as_str()).collect();
+        assert_eq!(
+            objects,
+            [
+                "Service demo/bad6",
+                "Service demo/families",
+                "Service demo/ranges",
+                "Service demo/swapped",
+                "Service demo/two6",
+            ],
+            "{reported:#?}"
+        );
+        assert!(reported[0].1.contains("\"fd00::zz\" is not an IP address"));
+        assert!(reported[1].1.contains("spec.ipFamilies"));
+        assert!(reported[2].1.contains("\"2001:db8::/129\""));
+        assert!(reported[3].1.contains("do not match spec.ipFamilies"));
+        assert!(reported[4].1.contains("do not match"));
+        assert_eq!(t.notes, []);
     }
 
     #[test]

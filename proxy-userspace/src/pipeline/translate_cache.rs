@@ -87,6 +87,24 @@ pub struct ChangeList {
     pub health_checks: bool,
 }
 
+/// This cache is the IPv4 family's; the IPv6 family is programmed beside it
+/// (`crate::family6`) on a node with IPv6. On a node without, a Service with an IPv6 cluster IP
+/// is told once that its IPv6 half is not served.
+fn ipv6_not_programmed(svc: &ServiceData) -> Option<Problem> {
+    let v6: Vec<String> = (svc.cluster_ips.iter())
+        .map(ToString::to_string)
+        .filter(|ip| ip.parse::<std::net::Ipv6Addr>().is_ok())
+        .collect();
+    (!v6.is_empty()).then(|| Problem {
+        source: crate::sources::endpoints::SNAPSHOT_SOURCE.to_owned(),
+        object: format!("Service {}", svc.namespaced_name()),
+        reason: format!(
+            "IPv6 cluster IP(s) {} not programmed: this node has no IPv6 address",
+            v6.join(", ")
+        ),
+    })
+}
+
 /// The translation of the last snapshot, kept per Service.
 #[derive(Debug, Default)]
 pub struct TranslateCache {
@@ -110,6 +128,8 @@ pub struct TranslateCache {
     last_changes: ChangeList,
     /// Taken by the next update.
     hint: Hint,
+    /// The IPv6 family is programmed beside this cache (no note about IPv6 cluster IPs).
+    ipv6_programmed: bool,
 }
 
 impl TranslateCache {
@@ -180,6 +200,15 @@ impl TranslateCache {
     pub fn expect_hints(&mut self) {
         self.seen_services.forget();
         self.seen_slices.forget();
+    }
+
+    /// Whether the IPv6 family is programmed beside this cache; a change translates every
+    /// Service again at the next update (the notes follow it).
+    pub fn set_ipv6_programmed(&mut self, on: bool) {
+        if self.ipv6_programmed != on {
+            self.ipv6_programmed = on;
+            self.node = None;
+        }
     }
 
     /// Tells the next [`TranslateCache::update`] what changed (see [`Hint`]). The changes must
@@ -296,8 +325,15 @@ impl TranslateCache {
                 &node.node_name,
                 &mut problems,
             );
-            let translation = (entry.and_then(|e| e.service.as_ref()))
+            let service = entry.and_then(|e| e.service.as_ref());
+            let mut translation = service
                 .and_then(|svc| translate::translate_service(svc, &index, node, nodeport_addrs));
+            let note = service.filter(|_| !self.ipv6_programmed);
+            if let Some(note) = note.and_then(|svc| ipv6_not_programmed(svc)) {
+                let t = translation.get_or_insert_with(Default::default);
+                let remarks = t.remarks.get_or_insert_with(Default::default);
+                remarks.notes.push(note);
+            }
             (problems, translation)
         };
         if names.len() < PARALLEL_MIN {

@@ -23,9 +23,11 @@
 //!   conntrack reconciler (stale UDP flows removed after a sync) is our conntrack garbage
 //!   collection (every 30 s and after a sync that removed UDP backends): its duration, and the
 //!   conntrack entries it removed (idle ones and flows to a gone UDP backend).
-//! - The series upstream labels with `ip_family` carry `ip_family="IPv4"` (the one family this
-//!   datapath programs): sync durations (all three), network programming, last (queued)
-//!   timestamp, no-local-endpoints and the conntrack reconciler pair.
+//! - The series upstream labels with `ip_family` carry `ip_family="IPv4"`: sync durations (all
+//!   three), network programming, last (queued) timestamp, no-local-endpoints and the conntrack
+//!   reconciler pair. On a node that programs IPv6 too (`crate::family6`), the IPv6 family's
+//!   syncs add `ip_family="IPv6"` series of the sync durations (its syncs are full ones) and the
+//!   last sync timestamp, created at its first sync (an IPv4-only node shows none).
 //! - `/proxyMode` on the metrics port answers `ebpf` (upstream answers its mode, e.g.
 //!   `nftables`; no upstream mode describes this datapath, and tools that branch on the answer
 //!   should not take it for one of theirs).
@@ -86,11 +88,37 @@ fn ipv4() -> Labels {
 fn ipv4_series<M, C>(r: &mut Registry, name: &str, help: &str, family: Family<Labels, M, C>) -> M
 where
     M: EncodeMetric + TypedMetric + Clone + fmt::Debug + Send + Sync + 'static,
-    C: MetricConstructor<M> + fmt::Debug + Send + Sync + 'static,
+    C: MetricConstructor<M> + Clone + fmt::Debug + Send + Sync + 'static,
+{
+    family_series(r, name, help, family).0
+}
+
+/// [`ipv4_series`], and the family itself (for the `ip_family="IPv6"` series, made when first
+/// used).
+fn family_series<M, C>(
+    r: &mut Registry,
+    name: &str,
+    help: &str,
+    family: Family<Labels, M, C>,
+) -> (M, Family<Labels, M, C>)
+where
+    M: EncodeMetric + TypedMetric + Clone + fmt::Debug + Send + Sync + 'static,
+    C: MetricConstructor<M> + Clone + fmt::Debug + Send + Sync + 'static,
 {
     let series = family.get_or_create(&ipv4()).clone();
-    r.register(name, help, family);
-    series
+    r.register(name, help, family.clone());
+    (series, family)
+}
+
+fn ipv6() -> Labels {
+    vec![("ip_family", "IPv6".to_owned())]
+}
+
+/// The families whose `ip_family="IPv6"` series the IPv6 syncs fill.
+struct Ipv6Syncs {
+    duration: HistogramFamily,
+    full_duration: HistogramFamily,
+    last_sync: Family<Labels, Gauge<f64, AtomicU64>>,
 }
 
 /// Which kind of sync was applied (see the module doc).
@@ -151,6 +179,7 @@ pub struct Metrics {
     map_capacity: Family<Labels, Gauge>,
     sync_problems: Gauge,
     frontend_conflicts: Family<Labels, Gauge>,
+    ipv6_syncs: Ipv6Syncs,
 }
 
 impl fmt::Debug for Metrics {
@@ -229,13 +258,13 @@ impl Metrics {
     fn build(datapath: Option<DatapathReader>) -> Self {
         let mut r = Registry::default();
         let histograms = |make: fn() -> Histogram| HistogramFamily::new_with_constructor(make);
-        let sync_duration = ipv4_series(
+        let (sync_duration, duration6) = family_series(
             &mut r,
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds (translate, plan and map update; full and partial syncs)",
             histograms(sync_histogram),
         );
-        let sync_full_duration = ipv4_series(
+        let (sync_full_duration, full_duration6) = family_series(
             &mut r,
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds for full resyncs",
@@ -265,7 +294,7 @@ impl Metrics {
             "In Cluster Network Programming Latency in seconds (EndpointSlice trigger time to the sync that applied it)",
             histograms(network_programming_histogram),
         );
-        let last_sync = ipv4_series(
+        let (last_sync, last_sync6) = family_series(
             &mut r,
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
@@ -378,6 +407,11 @@ impl Metrics {
             map_capacity,
             sync_problems,
             frontend_conflicts,
+            ipv6_syncs: Ipv6Syncs {
+                duration: duration6,
+                full_duration: full_duration6,
+                last_sync: last_sync6,
+            },
         }
     }
 
@@ -391,6 +425,20 @@ impl Metrics {
         self.service_changes_pending.set(gauge(changes.services));
         self.endpoint_changes_pending
             .set(gauge(changes.endpoint_slices));
+    }
+
+    /// The IPv6 family's part of a sync (always a full one) took `took`, finishing at `now`.
+    pub fn ipv6_sync_applied(&self, took: Duration, now: SystemTime) {
+        let s = &self.ipv6_syncs;
+        s.duration
+            .get_or_create(&ipv6())
+            .observe(took.as_secs_f64());
+        s.full_duration
+            .get_or_create(&ipv6())
+            .observe(took.as_secs_f64());
+        s.last_sync
+            .get_or_create(&ipv6())
+            .set(seconds_since_epoch(now));
     }
 
     /// A sync of `kind` took `took` and applied `changes`, finishing at `now`.
@@ -1097,5 +1145,46 @@ mod tests {
         metrics.set_frontend_conflicts(&[]);
         let series = "kube_proxy_ebpf_frontend_conflicts{kind=\"external_ip\"}";
         assert_eq!(sample(&metrics.encode_text(), series), Some(0.0));
+    }
+
+    /// An IPv4-only node shows no `ip_family="IPv6"` series; the IPv6 family's syncs add them
+    /// beside the IPv4 ones (which they leave alone).
+    #[test]
+    fn ipv6_syncs_get_their_own_ip_family_series() {
+        let m = Metrics::new();
+        m.sync_applied(
+            Duration::from_micros(300),
+            SyncKind::Partial,
+            &Changes::default(),
+            SystemTime::now(),
+        );
+        assert!(!m.encode_text().contains("ip_family=\"IPv6\""));
+        m.ipv6_sync_applied(Duration::from_micros(700), SystemTime::now());
+        m.ipv6_sync_applied(Duration::from_micros(900), SystemTime::now());
+        let text = m.encode_text();
+        let value = |series: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{series} not in:\n{text}"))
+        };
+        assert_eq!(
+            value("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"}"),
+            2.0
+        );
+        assert_eq!(
+            value("kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"}"),
+            2.0
+        );
+        assert_eq!(
+            value("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}"),
+            1.0,
+            "IPv4's series unchanged"
+        );
+        assert!(
+            value("kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv6\"}") > 0.0
+        );
+        assert!(!text.contains(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"}"
+        ));
     }
 }

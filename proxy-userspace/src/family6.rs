@@ -1,0 +1,181 @@
+//! The IPv6 family beside the agent's IPv4 one (upstream's second proxier behind its
+//! meta-proxier): the IPv6 maps (`SERVICES6_V1` ...), their shadow, the node's IPv6 NodePort
+//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), and one sync: the snapshot's IPv6 family translated, planned against the shadow
+//! with the IPv4 family's backend and Maglev table ids avoided (one id space: `LCFLOWS_V1` and
+//! `MAGLEV_V1` are shared), written, and every written op told to the IPv4 planner so it never
+//! hands those ids out.
+//!
+//! First step: the IPv6 family is translated and planned in full at each sync that runs it
+//! (O(cluster); the IPv4 family keeps its incremental path). It runs only on a node with an
+//! IPv6 address (upstream's dual-stack detection goes by the node's IPs too), or while the
+//! IPv6 maps still hold entries to remove: an IPv4-only node does no IPv6 work.
+//!
+//! May call: `dataplane` (the maps, node addresses), `pipeline`, `sources`.
+
+use std::net::Ipv6Addr;
+
+use tracing::error;
+
+use crate::{
+    dataplane::{
+        self,
+        interfaces::Patterns,
+        maps::ServiceMaps,
+        node_addrs::{self, NodeFamily as _},
+        source_ranges::{self, SourceRanges},
+    },
+    pipeline::{
+        addresses::NodePortAddresses,
+        diff,
+        fast_hash::HashSet,
+        incremental::Planner,
+        model::Problem,
+        programmed::{Capacities, Programmed, SharedIds},
+        translate::{self, NodeContext},
+    },
+    sources::snapshot::Snapshot,
+};
+
+pub struct Family6 {
+    maps: ServiceMaps<Ipv6Addr>,
+    /// loadBalancerSourceRanges of the IPv6 LoadBalancer frontends (`SRCRANGES6_V1`).
+    ranges: SourceRanges<Ipv6Addr>,
+    programmed: Programmed<Ipv6Addr>,
+    capacities: Capacities,
+    nodeport_cfg: NodePortAddresses,
+    devices: Patterns,
+    nodeport: Vec<Ipv6Addr>,
+    /// The node has a usable IPv6 address.
+    enabled: bool,
+}
+
+/// What one IPv6 sync did.
+#[derive(Debug, Default)]
+pub struct Synced {
+    pub problems: Vec<Problem>,
+    pub ops: usize,
+    pub frontends: usize,
+}
+
+impl Family6 {
+    /// Takes the IPv6 maps out of the loaded object and reads back what they carry (adoption,
+    /// as for IPv4), Maglev tables at size `m`.
+    pub fn start(
+        ebpf: &mut aya::Ebpf,
+        maps4: &ServiceMaps,
+        capacities4: &Capacities,
+    ) -> dataplane::Result<Self> {
+        let maps = maps4.ipv6(Some(ebpf), None)?;
+        let mut programmed = maps.read_programmed()?;
+        maps.adopt_maglev(&mut programmed, capacities4.maglev_table_size);
+        let capacities = Capacities {
+            maglev_chunks: capacities4.maglev_chunks,
+            ..maps.capacities().unwrap_or_else(|_| {
+                Capacities::ipv6(capacities4.maglev_chunks, capacities4.maglev_table_size)
+            })
+        };
+        let capacities = Capacities {
+            maglev_table_size: capacities4.maglev_table_size,
+            ..capacities
+        };
+        let ranges = SourceRanges::from_ebpf(ebpf)?;
+        let mut out = Self {
+            maps,
+            ranges,
+            programmed,
+            capacities,
+            nodeport_cfg: NodePortAddresses::default(),
+            devices: Patterns::default(),
+            nodeport: Vec::new(),
+            enabled: false,
+        };
+        out.refresh();
+        Ok(out)
+    }
+
+    /// `--nodeport-addresses` and `--devices`, as for IPv4 (CIDRs and `primary` per family).
+    pub fn configure(&mut self, nodeport: NodePortAddresses, devices: Patterns) {
+        self.nodeport_cfg = nodeport;
+        self.devices = devices;
+        self.refresh();
+    }
+
+    /// Lists the node's IPv6 addresses again.
+    pub fn refresh(&mut self) {
+        match node_addrs::list6() {
+            Ok(all) => {
+                self.enabled = all.iter().any(|a| a.addr.usable());
+                self.nodeport =
+                    node_addrs::select(&all, &self.nodeport_cfg, &self.devices).nodeport;
+            }
+            Err(e) => {
+                error!("listing the node's IPv6 addresses failed: {e}; keeping the previous ones")
+            }
+        }
+    }
+
+    /// The Maglev tables the IPv6 frontends name (the IPv4 family's read leaves them out).
+    pub fn maglev_tables(&self) -> HashSet<u32> {
+        self.programmed.maglev.keys().copied().collect()
+    }
+
+    /// The ids the IPv6 maps hold in the shared spaces.
+    pub fn shared_ids(&self) -> SharedIds {
+        self.programmed.shared_ids()
+    }
+
+    /// Whether a sync has IPv6 work: the node has IPv6, or the maps hold entries to remove.
+    pub fn active(&self) -> bool {
+        self.enabled || !self.programmed.services.is_empty()
+    }
+
+    pub fn frontend_count(&self) -> usize {
+        self.programmed.frontend_count()
+    }
+
+    /// One IPv6 sync (see the module doc). `programmed4`/`planner4`: the IPv4 family's shadow
+    /// and planner. Stops at the first failed write (the plan's order keeps every prefix
+    /// consistent); the next sync plans in full again anyway.
+    pub fn sync(
+        &mut self,
+        snapshot: &Snapshot,
+        node: &NodeContext,
+        programmed4: &Programmed,
+        planner4: &mut Planner,
+    ) -> Result<Synced, dataplane::Error> {
+        let (desired, problems) = if self.enabled {
+            translate::translate_one_family(snapshot, node, &self.nodeport)
+        } else {
+            Default::default()
+        };
+        let plan = diff::plan_sharing(
+            &desired,
+            &self.programmed,
+            &self.capacities,
+            &programmed4.shared_ids(),
+        );
+        let mut out = Synced {
+            problems,
+            ..Synced::default()
+        };
+        out.problems
+            .extend(plan.skipped.iter().map(|(frontend, reason)| Problem {
+                source: "dataplane".into(),
+                object: format!("frontend {frontend}"),
+                reason: reason.clone(),
+            }));
+        let (applied, failure) = self.maps.apply_all(&plan.ops);
+        for op in &plan.ops[..applied] {
+            planner4.other_applied(programmed4, op);
+            self.programmed.apply(op);
+        }
+        out.ops = applied;
+        out.frontends = self.programmed.frontend_count();
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        // The source ranges of the frontends now written (entries added, then removed).
+        self.ranges.sync(&source_ranges::wanted(&desired));
+        Ok(out)
+    }
+}
