@@ -32,6 +32,7 @@ use crate::{
     },
     pipeline::{
         diff::Plan,
+        encode::FamilyAbi,
         incremental::Planner,
         model::Problem,
         programmed::{Capacities, MapOp, Programmed},
@@ -321,7 +322,7 @@ impl Agent {
         // reset at once, on this thread (a freed id is reused by the next new endpoint, which
         // must not inherit the old one's flow count), and a walk is asked for too. The rest
         // (idle flows) is the periodic walk's: a TCP-only change elsewhere does not walk.
-        let walk_conntrack_now =
+        let mut walk_conntrack_now =
             filled.walk_conntrack || walks_conntrack_after(&plan.ops, &self.programmed);
         let freed_lc_ids = freed_least_connection_ids(&plan.ops, &self.programmed);
         let op_count = filled.ops + plan.ops.len();
@@ -337,10 +338,12 @@ impl Agent {
             skipped,
             ..Plan::default()
         });
-        let ops6 = self.sync_ipv6(snapshot, full);
+        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(snapshot, full);
+        walk_conntrack_now |= walk6;
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
         crate::dataplane::flow_gc::reset_freed(&mut self.lc, self.flow_gc.shared(), &freed_lc_ids);
+        crate::dataplane::flow_gc::reset_freed(&mut self.lc, self.flow_gc.shared(), &freed_lc_ids6);
         if walk_conntrack_now {
             self.gc_conntrack();
         }
@@ -553,24 +556,28 @@ impl Agent {
     /// Returns at once (the copy of the backends is the loop's cost, a few ms at 500,000).
     pub fn gc_conntrack(&mut self) {
         self.flow_gc
-            .request(self.programmed.backends.clone(), false);
+            .request_dual(self.programmed.backends.clone(), self.backends6(), false);
+    }
+
+    /// The IPv6 backends for a flow walk: `None` (not judged) while the IPv6 family is off.
+    fn backends6(&self) -> Option<crate::dataplane::flow_gc::Backends6> {
+        self.family6
+            .active()
+            .then(|| self.family6.backends().clone())
     }
 
     /// The periodic pass: a conntrack walk and a SNAT sweep on the flow garbage collection
     /// thread, and the occupancy sample of the maps no other pass lists.
     pub fn gc_flows(&mut self) {
-        self.flow_gc.request(self.programmed.backends.clone(), true);
+        (self.flow_gc).request_dual(self.programmed.backends.clone(), self.backends6(), true);
         self.sample_maps();
     }
 
     /// Records that these ops put or deleted backends (a walk running meanwhile leaves those
     /// ids alone).
     fn backends_changed(&self, ops: &[MapOp]) {
-        let ids = ops.iter().filter_map(|op| match op {
-            MapOp::PutBackend { id, .. } | MapOp::DeleteBackend { id } => Some(*id),
-            _ => None,
-        });
-        crate::dataplane::flow_gc::lock(self.flow_gc.shared()).note_changed(ids);
+        crate::dataplane::flow_gc::lock(self.flow_gc.shared())
+            .note_changed(changed_backend_ids(ops));
     }
 
     /// Resolves with the next finished flow walk (see [`Agent::walked`]).
@@ -675,15 +682,33 @@ impl Agent {
 
     /// The IPv6 family's part of a sync ([`crate::family6`]): ops written. Its problems are
     /// logged here (each once); a failed write is logged and retried by the next sync.
-    fn sync_ipv6(&mut self, snapshot: &Snapshot, full: bool) -> usize {
+    /// Also returns the least-connection ids it freed and whether its writes call for a
+    /// conntrack walk (as [`freed_least_connection_ids`] and [`walks_conntrack_after`] on IPv4).
+    fn sync_ipv6(&mut self, snapshot: &Snapshot, full: bool) -> (usize, Vec<u32>, bool) {
         if full {
             self.family6.refresh();
         }
         if !self.family6.active() {
-            return 0;
+            return (0, Vec::new(), false);
         }
         let started = Instant::now();
-        match (self.family6).sync(snapshot, &self.node, &self.programmed, &mut self.planner) {
+        let (mut freed, mut walk) = (Vec::new(), false);
+        let flow_gc = &self.flow_gc;
+        let before_apply = |ops: &[MapOp<std::net::Ipv6Addr>], programmed6: &Programmed<_>| {
+            freed = freed_least_connection_ids(ops, programmed6);
+            walk = walks_conntrack_after(ops, programmed6);
+            // Before the apply, so a walk running meanwhile leaves these ids alone.
+            crate::dataplane::flow_gc::lock(flow_gc.shared())
+                .note_changed(changed_backend_ids(ops));
+        };
+        let synced = (self.family6).sync(
+            snapshot,
+            &self.node,
+            &self.programmed,
+            &mut self.planner,
+            before_apply,
+        );
+        let ops = match synced {
             Ok(synced) => {
                 (self.metrics).ipv6_sync_applied(started.elapsed(), std::time::SystemTime::now());
                 for p in &synced.problems {
@@ -704,7 +729,8 @@ impl Agent {
                 error!("writing the IPv6 maps failed: {e}; retried at the next sync");
                 0
             }
-        }
+        };
+        (ops, freed, walk)
     }
 
     fn sync_failed(&mut self) {
@@ -817,13 +843,15 @@ fn rss_mib() -> u64 {
 /// right after the sync)?
 /// Whether the conntrack walk runs right after applying `ops` (see [`Agent::sync`]): a removed
 /// backend that is UDP, or any removed backend when a least-connection frontend is rewritten.
-fn walks_conntrack_after(ops: &[MapOp], programmed: &Programmed) -> bool {
+pub fn walks_conntrack_after<A: FamilyAbi>(ops: &[MapOp<A>], programmed: &Programmed<A>) -> bool {
     let mut removed = false;
     let mut lc_rewritten = false;
     for op in ops {
         match op {
             MapOp::DeleteBackend { id } => {
-                if (programmed.backends.get(id)).is_some_and(|b| b.proto == proto::UDP) {
+                if (programmed.backends.get(id))
+                    .is_some_and(|b| A::backend_parts(b).2 == proto::UDP)
+                {
                     return true;
                 }
                 removed |= programmed.backends.contains_key(id);
@@ -837,9 +865,20 @@ fn walks_conntrack_after(ops: &[MapOp], programmed: &Programmed) -> bool {
     removed && lc_rewritten
 }
 
+/// Pure: the backend ids `ops` put or delete.
+fn changed_backend_ids<A: FamilyAbi>(ops: &[MapOp<A>]) -> impl Iterator<Item = u32> + '_ {
+    ops.iter().filter_map(|op| match op {
+        MapOp::PutBackend { id, .. } | MapOp::DeleteBackend { id } => Some(*id),
+        _ => None,
+    })
+}
+
 /// Pure: which backend ids applying `ops` to `programmed` frees from a least-connection
 /// frontend rewritten by them (their counts are reset at once, `flow_gc::reset_freed`).
-fn freed_least_connection_ids(ops: &[MapOp], programmed: &Programmed) -> Vec<u32> {
+pub fn freed_least_connection_ids<A: FamilyAbi>(
+    ops: &[MapOp<A>],
+    programmed: &Programmed<A>,
+) -> Vec<u32> {
     let lc_rewritten = ops.iter().any(|op| {
         matches!(op, MapOp::PutService { value, .. }
             if value.scheduler == proxy_common::sched::code::LEAST_CONNECTION)
@@ -973,6 +1012,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.bpf_log,
     )?;
     crate::dataplane::bpf_log::spawn_logger(&mut agent.ebpf, args.bpf_log)?;
+    // IPv6 pods inside --cluster-cidr are in-cluster clients of eTP=Local frontends (the IPv4
+    // prefixes are in the datapath config).
+    let cidrs6 =
+        crate::cli::config::in_cluster_prefixes6(args.detect_local_mode, &args.cluster_cidr);
+    crate::dataplane::maps::ClusterCidrs6Map::from_ebpf(&mut agent.ebpf)?
+        .sync(&cidrs6)
+        .map_err(|e| anyhow::anyhow!("writing the IPv6 cluster CIDRs: {e}"))?;
     agent.status_file = args.status_file.clone();
     agent.events = events;
     agent.tunnel_devices = args.tunnel_devices == crate::cli::TunnelDevices::Auto;

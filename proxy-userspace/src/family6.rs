@@ -129,6 +129,13 @@ impl Family6 {
         self.enabled || !self.programmed.services.is_empty()
     }
 
+    /// The IPv6 backends as programmed (the flow walks judge `CONNTRACK6_V1` by them).
+    pub fn backends(
+        &self,
+    ) -> &crate::pipeline::programmed::BackendEntries<proxy_common::ipv6::Backend6> {
+        &self.programmed.backends
+    }
+
     pub fn frontend_count(&self) -> usize {
         self.programmed.frontend_count()
     }
@@ -142,6 +149,10 @@ impl Family6 {
         node: &NodeContext,
         programmed4: &Programmed,
         planner4: &mut Planner,
+        before_apply: impl FnOnce(
+            &[crate::pipeline::programmed::MapOp<Ipv6Addr>],
+            &Programmed<Ipv6Addr>,
+        ),
     ) -> Result<Synced, dataplane::Error> {
         let (desired, problems) = if self.enabled {
             translate::translate_one_family(snapshot, node, &self.nodeport)
@@ -164,6 +175,7 @@ impl Family6 {
                 object: format!("frontend {frontend}"),
                 reason: reason.clone(),
             }));
+        before_apply(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         for op in &plan.ops[..applied] {
             planner4.other_applied(programmed4, op);

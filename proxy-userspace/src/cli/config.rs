@@ -100,6 +100,23 @@ impl DetectLocal {
     }
 }
 
+/// The IPv6 prefixes of `cidrs` the datapath treats as in-cluster sources (`CLUSTERCIDRS6_V1`,
+/// an LPM trie: no count limit), under the same mode rule as [`in_cluster_prefixes`].
+pub fn in_cluster_prefixes6(
+    mode: DetectLocalMode,
+    cidrs: &[Cidr],
+) -> Vec<(std::net::Ipv6Addr, u8)> {
+    if mode != DetectLocalMode::ClusterCidr {
+        return Vec::new();
+    }
+    (cidrs.iter())
+        .filter_map(|c| match c.addr {
+            IpAddr::V6(a) => Some((a, c.prefix_len)),
+            IpAddr::V4(_) => None,
+        })
+        .collect()
+}
+
 /// The IPv4 prefixes the datapath treats as in-cluster sources, and what to tell the operator.
 /// Upstream: detectLocalMode ClusterCIDR without a clusterCIDR detects nothing (no
 /// short-circuit); this proxy implements only the ClusterCIDR mode, the others detect nothing.
@@ -827,6 +844,21 @@ mod tests {
 
     use super::*;
     use crate::cli::{Cli, Command};
+
+    #[test]
+    fn dual_stack_cluster_cidr_gives_each_family_its_prefixes() {
+        let cidrs: Vec<Cidr> = ["10.244.0.0/16", "fd00:10:244::/56"]
+            .iter()
+            .map(|c| crate::pipeline::addresses::parse_cidr(c).expect("cidr"))
+            .collect();
+        let (v4, _) = in_cluster_prefixes(DetectLocalMode::ClusterCidr, &cidrs);
+        assert_eq!(v4, [(Ipv4Addr::new(10, 244, 0, 0), 16)]);
+        assert_eq!(
+            in_cluster_prefixes6(DetectLocalMode::ClusterCidr, &cidrs),
+            [("fd00:10:244::".parse().expect("v6"), 56)]
+        );
+        assert!(in_cluster_prefixes6(DetectLocalMode::NodeCidr, &cidrs).is_empty());
+    }
 
     const ANY_V4: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
     const HEAD: &str =

@@ -42,7 +42,7 @@ use crate::dataplane::{
 pub type Backends = crate::pipeline::programmed::BackendEntries;
 
 /// The programmed IPv6 backends by id (`BACKENDS6_V1`; ids from the same space as IPv4's).
-pub type Backends6 = std::collections::HashMap<u32, Backend6>;
+pub type Backends6 = crate::pipeline::programmed::BackendEntries<Backend6>;
 
 /// Pure: should the walk drop this conntrack entry? Idle past its timeout, or a UDP flow whose
 /// backend is gone (or whose id now names another address).
@@ -309,7 +309,7 @@ impl<M: FlowMaps> Walker<M> {
         let programmed_max = walk
             .backends
             .ids()
-            .chain(walk.backends6.iter().flat_map(|b| b.keys().copied()))
+            .chain(walk.backends6.iter().flat_map(|b| b.ids()))
             .max()
             .unwrap_or(0);
         let max_id = programmed_max
