@@ -3,9 +3,9 @@
 //!
 //! What runs today: with the agent serving IPv4 Services, IPv6 traffic that is not for a Service
 //! (pod to pod, node to pod, ICMPv6 echo, neighbour discovery, router solicitations and
-//! advertisements) passes the tc programs untouched. What needs the IPv6 control plane (issue
-//! 12: IPv6 ClusterIPs, NodePorts on node IPv6 addresses, connect6) is `#[ignore]`d until it
-//! lands: run those with `-- --ignored`.
+//! advertisements) passes the tc programs untouched; IPv6 ClusterIPs (tc and connect6) and
+//! dual-stack Services work (issue 12). Still `#[ignore]`d (run with `-- --ignored`): IPv6
+//! NodePort SNAT, and the quick ICMPv6 refusal (see that test).
 //!
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! RAII guards remove namespaces, agents and pins even when an assertion fails.
@@ -361,7 +361,6 @@ fn distribution(env: &Env, url: &str, vip: IpAddr, n: usize) -> BTreeMap<String,
 }
 
 #[test]
-#[ignore = "needs the IPv6 control plane (issue 12)"]
 fn ipv6_clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
     require_privileged!();
     let env = Env::start(|m| {
@@ -398,7 +397,6 @@ fn ipv6_clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
 }
 
 #[test]
-#[ignore = "needs the IPv6 control plane (issue 12)"]
 fn the_same_dual_stack_service_answers_on_both_families() {
     require_privileged!();
     let mut both = addrs(BACKENDS);
@@ -412,7 +410,13 @@ fn the_same_dual_stack_service_answers_on_both_families() {
 }
 
 #[test]
-#[ignore = "needs the IPv6 control plane (issue 12)"]
+// The first SYN's ICMPv6 port unreachable is built and delivered (Icmp6InDestUnreachs counts
+// it) but reaches tcp_v6_err while connect() still owns the socket (the round trip runs in
+// the softirq at connect's bh-enable): TcpExt LockDroppedIcmps +1, the error is kept only as
+// sk_err_soft and the refusal comes with the SYN retransmit 1 s later. Measured with the
+// neighbour cold and warm alike; the IPv4 twin also counts LockDroppedIcmps yet is refused
+// at once, a difference not yet explained.
+#[ignore = "first ICMPv6 error lands while connect() owns the socket (LockDroppedIcmps)"]
 fn a_dual_stack_service_with_ipv4_endpoints_only_rejects_on_ipv6() {
     require_privileged!();
     let env = Env::start(|m| web(m, &[WEB.into(), WEB6.into()], &addrs(BACKENDS), &[]));
@@ -431,7 +435,6 @@ fn a_dual_stack_service_with_ipv4_endpoints_only_rejects_on_ipv6() {
 }
 
 #[test]
-#[ignore = "needs the IPv6 control plane (issue 12)"]
 fn node_processes_reach_an_ipv6_clusterip_through_connect6() {
     require_privileged!();
     let env = Env::start(|m| {
