@@ -5,7 +5,7 @@
 //! (pod to pod, node to pod, ICMPv6 echo, neighbour discovery, router solicitations and
 //! advertisements) passes the tc programs untouched; IPv6 ClusterIPs (tc and connect6) and
 //! dual-stack Services work (issue 12). Still `#[ignore]`d (run with `-- --ignored`): IPv6
-//! NodePort SNAT, and the quick ICMPv6 refusal (see that test).
+//! NodePort SNAT.
 //!
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! RAII guards remove namespaces, agents and pins even when an assertion fails.
@@ -409,29 +409,52 @@ fn the_same_dual_stack_service_answers_on_both_families() {
     });
 }
 
+/// `Icmp6InDestUnreachs` of the client pod's namespace (/proc/net/snmp6 is per namespace).
+fn client_icmp6_dest_unreachs(env: &Env) -> u64 {
+    let snmp6 = env
+        .topo
+        .pod("client")
+        .and_then(|c| c.ns().exec(&["cat", "/proc/net/snmp6"]))
+        .unwrap_or_else(|e| env.fail(&format!("reading the client's snmp6: {e:#}")));
+    snmp6
+        .lines()
+        .find_map(|l| l.strip_prefix("Icmp6InDestUnreachs")?.trim().parse().ok())
+        .unwrap_or_else(|| env.fail("no Icmp6InDestUnreachs in the client's snmp6"))
+}
+
 #[test]
-// The first SYN's ICMPv6 port unreachable is built and delivered (Icmp6InDestUnreachs counts
-// it) but reaches tcp_v6_err while connect() still owns the socket (the round trip runs in
-// the softirq at connect's bh-enable): TcpExt LockDroppedIcmps +1, the error is kept only as
-// sk_err_soft and the refusal comes with the SYN retransmit 1 s later. Measured with the
-// neighbour cold and warm alike; the IPv4 twin also counts LockDroppedIcmps yet is refused
-// at once, a difference not yet explained.
-#[ignore = "first ICMPv6 error lands while connect() owns the socket (LockDroppedIcmps)"]
 fn a_dual_stack_service_with_ipv4_endpoints_only_rejects_on_ipv6() {
     require_privileged!();
     let env = Env::start(|m| web(m, &[WEB.into(), WEB6.into()], &addrs(BACKENDS), &[]));
     let v4 = distribution(&env, &http_url(WEB, 80), WEB.into(), 10);
     env.check(!v4.is_empty(), || "IPv4 half unanswered".to_owned());
     // As upstream: each family's frontends come from its own slices; the IPv6 one has none, so
-    // a new connection gets ICMPv6 destination unreachable (port) → ECONNREFUSED, quickly.
+    // a new connection gets ICMPv6 destination unreachable (port) → ECONNREFUSED.
+    //
+    // Not within 1 s as for IPv4, and inherent to the kernel, not the datapath: the whole
+    // round trip (pod SYN → veth → node tc → ICMPv6 → pod) runs in the softirq at the bh-enable
+    // inside connect(), so tcp_v6_err finds the socket owned by the user (TcpExt
+    // LockDroppedIcmps +1) and keeps ECONNREFUSED as sk_err_soft only; the SYN retransmitted
+    // after the 1 s initial RTO gets the second ICMPv6, which ends the connect. IPv4 meets the
+    // same lock, but on this kernel the ICMP error also lands on the socket's error queue
+    // (seen with IP_RECVERR off), which wakes poll() and SO_ERROR returns sk_err_soft at once;
+    // IPv6 queues nothing. The kernel's own ICMPv6 from the node (no route, generated in the
+    // node's softirq as upstream's ip6tables REJECT is) takes the same ~1.02 s, its IPv4 twin
+    // ~50 µs. So: refused (not dropped: that would time out), by the ICMPv6 (the client counted
+    // it; a RST would not), within the first SYN retransmission (2 s, before the second at 3 s).
+    let unreachs = client_icmp6_dest_unreachs(&env);
     let (outcome, elapsed) = env
         .topo
         .tcp6_connect(WEB6, 80, Duration::from_secs(3))
         .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
     env.check(
-        outcome == ConnectOutcome::Refused && elapsed < Duration::from_secs(1),
-        || format!("IPv6 connect: {outcome:?} after {elapsed:?}, want refused within 1 s"),
+        outcome == ConnectOutcome::Refused && elapsed < Duration::from_secs(2),
+        || format!("IPv6 connect: {outcome:?} after {elapsed:?}, want refused within 2 s"),
     );
+    let after = client_icmp6_dest_unreachs(&env);
+    env.check(after > unreachs, || {
+        format!("the client counted no ICMPv6 destination unreachable ({unreachs} → {after})")
+    });
 }
 
 #[test]
