@@ -1077,6 +1077,11 @@ fn reply_key(p: &Pkt6, id: u32) -> Ct6Key {
 /// The source port the datapath moves a clashing flow to when the first probe is free (the
 /// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX`, proxy-ebpf `ipv6::conntrack`).
 fn clash_port(p: &Pkt6) -> u16 {
+    first_probe(p, CLASH_PORT_MIN, CLASH_PORT_MAX)
+}
+
+/// The first port a bounded probe over `min..=max` from `p`'s flow hash tries.
+fn first_probe(p: &Pkt6, min: u16, max: u16) -> u16 {
     let (sport, dport) = ports(p);
     let hash = flow_hash6(
         DatapathConfig::DEFAULT.hash_seed,
@@ -1086,7 +1091,7 @@ fn clash_port(p: &Pkt6) -> u16 {
         dport.to_be_bytes(),
         p.proto(),
     );
-    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(0)
+    PortProbe::new(hash, min, max).port(0)
 }
 
 fn with_sport(p: &Pkt6, port: u16) -> Pkt6 {
@@ -1923,16 +1928,7 @@ impl Datapath {
 
 /// The first SNAT port a flow (after DNAT: client → backend) probes.
 fn snat_start_port(p: &Pkt6) -> u16 {
-    let (sport, dport) = ports(p);
-    let h = flow_hash6(
-        0,
-        p.saddr.octets(),
-        p.daddr.octets(),
-        sport.to_be_bytes(),
-        dport.to_be_bytes(),
-        p.proto(),
-    );
-    PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX).port(0)
+    first_probe(p, SNAT_PORT_MIN, SNAT_PORT_MAX)
 }
 
 /// `p` (client → backend) as it leaves the node SNATed to `NODE6`:`port`.
