@@ -169,11 +169,6 @@ fn new_flow(
     let mut frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
     let scoped = maps::frontend6_for(&mut frontend_key, || maps::in_cluster6(&p.saddr));
     // The flow's target: a Service's backend, or (to no Service) the destination itself.
-    // Whether the flow needs SNAT lives in per-CPU map memory, not in a register: the verifier
-    // then sees the paths after the decision as one (its program stays under the 1M limit).
-    if let Some(s) = maps::snat6_scratch() {
-        s.masquerade = false;
-    }
     let (backend_id, backend_addr, backend_port, rev_nat_id) = match scoped {
         None => {
             if let Some(old) = old {
@@ -227,6 +222,9 @@ fn new_flow(
                 return Err(Drop::TailCall);
             };
             let backend = maps::backend6_ref(backend_id).ok_or(Drop::NoBackend)?;
+            // Whether the flow needs SNAT lives in per-CPU map memory, not in a register: the
+            // verifier then sees the paths after the decision as one (its program stays under
+            // the 1M limit). Read below for Service flows only (written on their every path).
             if let Some(s) = maps::snat6_scratch() {
                 s.masquerade = crate::snat::external_needed(&frontend, backend.flags, || {
                     maps::in_cluster6(&p.saddr)
@@ -258,7 +256,8 @@ fn new_flow(
     if let Some(sport) = moved {
         nat::source_port(ctx, p, sport)?;
     }
-    if let Some(s) = maps::snat6_scratch()
+    if !direct
+        && let Some(s) = maps::snat6_scratch()
         && s.masquerade
     {
         // The port is allocated by the SNAT program (its own stack), on the DNATed packet. If
