@@ -46,6 +46,13 @@ pub const MAP_CLUSTER_CIDRS6: &str = "CLUSTERCIDRS6_V1";
 /// `SOCKREV_V1` (a v4-mapped address on an IPv6 socket is translated through the IPv4 maps and
 /// recorded in `SOCKREV_V1`).
 pub const MAP_SOCK_REVNAT6: &str = "SOCKREV6_V1";
+/// `SNAT6_V1` (LRU hash, [`Snat6Key`] → [`Snat6Value`]): SNAT to the node of IPv6 flows, as
+/// `SNAT_V1` (an `out` and an `in` entry per flow, the same ports `crate::SNAT_PORT_MIN`..=
+/// `crate::SNAT_PORT_MAX`, the same idle rule for the agent's sweep).
+pub const MAP_SNAT6: &str = "SNAT6_V1";
+/// `NODE6_V1` (array, one [`Node6Info`] at index 0): the node's IPv6 SNAT address, written by the
+/// agent. A map of its own: `crate::NodeInfo` keeps its layout.
+pub const MAP_NODE6: &str = "NODE6_V1";
 
 /// How many IPv6 extension headers the datapath walks before the L4 header (cilium's
 /// `IPV6_MAX_HEADERS` is 4): hop-by-hop, routing, destination options, fragment and AH are
@@ -73,6 +80,8 @@ pub const AFFINITY_MATCH6_CAPACITY: u32 = SERVICES6_CAPACITY;
 /// Sockets of the node's translated to IPv6 backends: one entry per (socket, backend),
 /// LRU-evicted (half of IPv4's `SOCK_REVNAT_CAPACITY`, like the other IPv6 maps: ≈ 100 B each).
 pub const SOCK_REVNAT6_CAPACITY: u32 = 65_536;
+/// Two entries per SNATed IPv6 flow (out and in).
+pub const SNAT6_CAPACITY: u32 = 32_768;
 
 /// `SERVICES6_V1` key: as `crate::ServiceKey` with a 16-byte address. The value is
 /// `crate::ServiceValue` (it holds no address).
@@ -168,6 +177,37 @@ pub struct Ct6Value {
     pub nat_sport: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<Ct6Value>() == 64);
+
+/// `SNAT6_V1` key: a `Ct6Key`-shaped tuple, in the meaning of `crate::SnatKey` (`ORIGINAL`:
+/// the forwarded packet client → backend as tc egress sees it; `REPLY`: backend → node
+/// address:port as tc ingress sees it).
+pub type Snat6Key = Ct6Key;
+
+/// `SNAT6_V1` value: `crate::SnatValue` with a 16-byte address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
+pub struct Snat6Value {
+    /// CLOCK_MONOTONIC ns of the last packet through this entry.
+    pub last_seen_ns: u64,
+    /// Translated address/port (out: node address/port; in: client address/port).
+    pub addr: [u8; 16],
+    pub port: [u8; 2],
+    /// `crate::ct_state::*`.
+    pub state: u8,
+    /// `crate::ct_flags::SEEN_REPLY` once the backend has answered; other bits unused.
+    pub flags: u8,
+    pub _pad: [u8; 4],
+}
+const _: () = assert!(core::mem::size_of::<Snat6Value>() == 32);
+
+/// `NODE6_V1` value: the source address of SNATed IPv6 flows (`::` = none known: such flows go
+/// out unSNATed and are counted as `snat_no_node_addr`, as on IPv4).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
+pub struct Node6Info {
+    pub snat_addr: [u8; 16],
+}
+const _: () = assert!(core::mem::size_of::<Node6Info>() == 16);
 
 /// `SOCKREV6_V1` key: a socket (`bpf_get_socket_cookie()`) and the IPv6 backend it was sent to,
 /// as `crate::SockRevKey`.

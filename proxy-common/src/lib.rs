@@ -110,20 +110,32 @@ pub const PROG_TC_INGRESS6_REJECT_L3: &str = "tc_ingress6_reject_l3";
 /// `tc_ingress6` when a packet has no usable conntrack entry: each half has its own stack.
 pub const PROG_TC_INGRESS6_NEW: &str = "tc_ingress6_new";
 pub const PROG_TC_INGRESS6_NEW_L3: &str = "tc_ingress6_new_l3";
+/// The IPv6 egress SNAT program (a forwarded external flow's source to the node), tail-called
+/// by `tc_egress6` for a packet with a `SNAT6_V1` out entry: its own stack.
+pub const PROG_TC_EGRESS6_SNAT: &str = "tc_egress6_snat";
+pub const PROG_TC_EGRESS6_SNAT_L3: &str = "tc_egress6_snat_l3";
+/// The IPv6 ingress SNAT program (the node port of a new flow that needs SNAT), tail-called by
+/// `tc_ingress6_new` after DNAT: its own stack.
+pub const PROG_TC_INGRESS6_SNAT: &str = "tc_ingress6_snat";
+pub const PROG_TC_INGRESS6_SNAT_L3: &str = "tc_ingress6_snat_l3";
 /// Indices of the IPv6 programs in `MAP_TAIL_CALLS` (the L3 variants at `+ TAIL_CALL6_L3`).
 pub const TAIL_CALL_INGRESS6: u32 = 6;
 pub const TAIL_CALL_EGRESS6: u32 = 7;
 pub const TAIL_CALL_REJECT6: u32 = 8;
 pub const TAIL_CALL_NEW6: u32 = 9;
-pub const TAIL_CALL6_L3: u32 = 4;
+pub const TAIL_CALL_SNAT6: u32 = 10;
+pub const TAIL_CALL_SNAT6_NEW: u32 = 11;
+pub const TAIL_CALL6_L3: u32 = 6;
 /// Entries of `MAP_TAIL_CALLS`.
-pub const TAIL_CALL_COUNT: u32 = 14;
+pub const TAIL_CALL_COUNT: u32 = 18;
 /// The tail-called programs with their `MAP_TAIL_CALLS` index.
-pub const TAIL_CALLS: [(&str, u32); 14] = [
+pub const TAIL_CALLS: [(&str, u32); 18] = [
     (PROG_TC_INGRESS6, TAIL_CALL_INGRESS6),
     (PROG_TC_EGRESS6, TAIL_CALL_EGRESS6),
     (PROG_TC_INGRESS6_REJECT, TAIL_CALL_REJECT6),
     (PROG_TC_INGRESS6_NEW, TAIL_CALL_NEW6),
+    (PROG_TC_EGRESS6_SNAT, TAIL_CALL_SNAT6),
+    (PROG_TC_INGRESS6_SNAT, TAIL_CALL_SNAT6_NEW),
     (PROG_TC_INGRESS6_L3, TAIL_CALL6_L3 + TAIL_CALL_INGRESS6),
     (PROG_TC_EGRESS6_L3, TAIL_CALL6_L3 + TAIL_CALL_EGRESS6),
     (
@@ -131,6 +143,11 @@ pub const TAIL_CALLS: [(&str, u32); 14] = [
         TAIL_CALL6_L3 + TAIL_CALL_REJECT6,
     ),
     (PROG_TC_INGRESS6_NEW_L3, TAIL_CALL6_L3 + TAIL_CALL_NEW6),
+    (PROG_TC_EGRESS6_SNAT_L3, TAIL_CALL6_L3 + TAIL_CALL_SNAT6),
+    (
+        PROG_TC_INGRESS6_SNAT_L3,
+        TAIL_CALL6_L3 + TAIL_CALL_SNAT6_NEW,
+    ),
     (PROG_TC_INGRESS_NEW, TAIL_CALL_NEW_FLOW),
     (PROG_TC_INGRESS_DIRECT, TAIL_CALL_DIRECT_FLOW),
     (PROG_TC_INGRESS_REJECT, TAIL_CALL_REJECT),
@@ -333,6 +350,8 @@ mod pod {
         crate::ipv6::Affinity6Key,
         crate::ipv6::Affinity6MatchKey,
         crate::ipv6::SockRev6Key,
+        crate::ipv6::Snat6Value,
+        crate::ipv6::Node6Info,
     );
 }
 

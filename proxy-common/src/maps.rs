@@ -44,7 +44,7 @@ pub const MAP_LC_ADJUST: &str = "LCADJ_V1";
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 30] = [
+pub const ALL_MAPS: [&str; 32] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -75,6 +75,8 @@ pub const ALL_MAPS: [&str; 30] = [
     crate::ipv6::MAP_SERVICE_CIDRS6,
     crate::ipv6::MAP_CLUSTER_CIDRS6,
     crate::ipv6::MAP_SOCK_REVNAT6,
+    crate::ipv6::MAP_SNAT6,
+    crate::ipv6::MAP_NODE6,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time

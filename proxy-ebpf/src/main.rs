@@ -293,6 +293,30 @@ pub fn tc_egress6_l3(ctx: TcContext) -> i32 {
     verdict(ipv6::try_egress(&ctx, NO_L2))
 }
 
+/// IPv6 SNAT port allocation of a new external flow, tail-called by `tc_ingress6_new`.
+#[classifier]
+pub fn tc_ingress6_snat(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_new_snat(&ctx, ETH_HLEN))
+}
+
+/// `tc_ingress6_snat` for L3 devices.
+#[classifier]
+pub fn tc_ingress6_snat_l3(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_new_snat(&ctx, NO_L2))
+}
+
+/// IPv6 SNAT of a forwarded external flow to the node, tail-called by `tc_egress6`.
+#[classifier]
+pub fn tc_egress6_snat(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_egress_snat(&ctx, ETH_HLEN))
+}
+
+/// `tc_egress6_snat` for L3 devices.
+#[classifier]
+pub fn tc_egress6_snat_l3(ctx: TcContext) -> i32 {
+    verdict(ipv6::try_egress_snat(&ctx, NO_L2))
+}
+
 /// Test-only, never attached by the agent: counts the TCP/UDP packets it sees (`tap`) and hands
 /// every packet on with TCX_NEXT. The chaining tests attach it before and after our programs.
 #[classifier]

@@ -31,11 +31,11 @@ use proxy_common::{
         AFFINITY_MATCH6_CAPACITY, AFFINITY6_CAPACITY, Affinity6Key, Affinity6MatchKey,
         BACKENDS6_CAPACITY, Backend6, CLUSTER_CIDRS6_CAPACITY, CONNTRACK6_CAPACITY, Ct6Key,
         Ct6Value, FRAGMENTS6_CAPACITY, Frag6Key, Frag6Value, MAP_AFFINITY_MATCH6, MAP_AFFINITY6,
-        MAP_BACKENDS6, MAP_CLUSTER_CIDRS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_REVNAT6,
-        MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, REVNAT6_CAPACITY,
-        RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY, SOCK_REVNAT6_CAPACITY,
-        SOURCE_RANGE6_FRONTEND_BITS, SOURCE_RANGES6_CAPACITY, Service6Key, SockRev6Key,
-        SourceRange6Key,
+        MAP_BACKENDS6, MAP_CLUSTER_CIDRS6, MAP_CONNTRACK6, MAP_FRAGMENTS6, MAP_NODE6, MAP_REVNAT6,
+        MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SNAT6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6,
+        Node6Info, REVNAT6_CAPACITY, RevNat6, SERVICE_CIDRS6_CAPACITY, SERVICES6_CAPACITY,
+        SNAT6_CAPACITY, SOCK_REVNAT6_CAPACITY, SOURCE_RANGE6_FRONTEND_BITS,
+        SOURCE_RANGES6_CAPACITY, Service6Key, Snat6Key, Snat6Value, SockRev6Key, SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
     service_flags,
@@ -940,6 +940,19 @@ pub fn ct6_new_value() -> Option<&'static mut Ct6Value> {
     Some(unsafe { &mut *ptr })
 }
 
+/// Where IPv6 SNAT port allocation builds its keys and values (one per CPU, not pinned).
+#[btf_map]
+static SNAT6SCRATCH: PerCpuArray<crate::ipv6::snat::Snat6Scratch, 1> = PerCpuArray::new();
+
+/// This CPU's SNAT allocation scratch (`ipv6::snat` only).
+#[inline(always)]
+pub fn snat6_scratch() -> Option<&'static mut crate::ipv6::snat::Snat6Scratch> {
+    let ptr = SNAT6SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: as in `scratch6`; `ipv6::snat` takes it once per allocation or check, and no
+    // reference outlives the call that took it.
+    Some(unsafe { &mut *ptr })
+}
+
 /// Where a new IPv6 flow's reply-tuple probe keeps its candidate keys (one per CPU, not pinned).
 #[btf_map]
 static CLASH6: PerCpuArray<crate::ipv6::conntrack::Clash6, 1> = PerCpuArray::new();
@@ -1145,3 +1158,61 @@ const _: () = assert!(same(MAP_AFFINITY_MATCH6, "AFFMATCH6_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS6, "SVCCIDRS6_V1"));
 const _: () = assert!(same(MAP_CLUSTER_CIDRS6, "CLUSTERCIDRS6_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT6, "SOCKREV6_V1"));
+const _: () = assert!(same(MAP_SNAT6, "SNAT6_V1"));
+const _: () = assert!(same(MAP_NODE6, "NODE6_V1"));
+
+#[btf_map]
+static SNAT6_V1: LruHashMap<Snat6Key, Snat6Value, { SNAT6_CAPACITY as usize }> = LruHashMap::new();
+
+#[btf_map]
+static NODE6_V1: Array<Node6Info, 1> = Array::new();
+
+impl Stamped for Snat6Value {
+    unsafe fn stamp_fields(ptr: *mut Self) -> (*mut u64, *mut u8) {
+        // SAFETY: as for `CtValue`.
+        unsafe { (&raw mut (*ptr).last_seen_ns, &raw mut (*ptr).state) }
+    }
+
+    unsafe fn flags_field(ptr: *mut Self) -> *mut u8 {
+        // SAFETY: as for `CtValue`.
+        unsafe { &raw mut (*ptr).flags }
+    }
+
+    const FLAGS_OFFSET: usize = core::mem::offset_of!(Snat6Value, flags);
+}
+
+pub type Snat6Entry = FlowEntry<Snat6Value>;
+
+/// The node's IPv6 SNAT address (`::` while the agent has written none).
+#[inline(always)]
+pub fn node6_addr() -> [u8; 16] {
+    match NODE6_V1.get_ptr(0) {
+        // SAFETY: array slots are preallocated; the pointer is valid and the value copied at once.
+        Some(ptr) => unsafe { (*ptr).snat_addr },
+        None => [0; 16],
+    }
+}
+
+/// Look up an IPv6 SNAT entry.
+#[inline(always)]
+pub fn snat6_entry(key: &Snat6Key) -> Option<Snat6Entry> {
+    SNAT6_V1.get_ptr_mut(key).map(|ptr| FlowEntry { ptr })
+}
+
+/// Insert an IPv6 SNAT entry only if the key is free (the atomic claim of a port).
+#[inline(always)]
+pub fn snat6_claim(key: &Snat6Key, value: &Snat6Value) -> Result<(), i32> {
+    SNAT6_V1.insert(key, value, BPF_NOEXIST as u64)
+}
+
+/// Insert or overwrite an IPv6 SNAT entry.
+#[inline(always)]
+pub fn snat6_insert(key: &Snat6Key, value: &Snat6Value) -> Result<(), i32> {
+    SNAT6_V1.insert(key, value, BPF_ANY as u64)
+}
+
+/// Remove an IPv6 SNAT entry (absent is fine).
+#[inline(always)]
+pub fn snat6_remove(key: &Snat6Key) {
+    let _ = SNAT6_V1.remove(key);
+}

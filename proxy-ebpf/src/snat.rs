@@ -45,16 +45,32 @@ use crate::{
 /// here, the backend can answer them directly). And hairpin flows (the client is the backend).
 #[inline(always)]
 pub fn needed(client: [u8; 4], frontend: &ServiceValue, backend: &Backend) -> bool {
-    (frontend.flags & service_flags::EXTERNAL != 0
+    external_needed(frontend, backend.flags, || maps::in_cluster(client)) || client == backend.addr
+}
+
+/// The family-neutral part of [`needed`] (IPv6 too): an external eTP=Cluster frontend's flow to
+/// a remote backend, or to a local one from a client outside the cluster CIDRs.
+#[inline(always)]
+pub fn external_needed(
+    frontend: &ServiceValue,
+    backend_bits: u8,
+    client_in_cluster: impl FnOnce() -> bool,
+) -> bool {
+    frontend.flags & service_flags::EXTERNAL != 0
         && frontend.flags & service_flags::EXTERNAL_LOCAL == 0
-        && (backend.flags & backend_flags::LOCAL == 0 || !maps::in_cluster(client)))
-        || client == backend.addr
+        && (backend_bits & backend_flags::LOCAL == 0 || !client_in_cluster())
 }
 
 /// Can this packet be a reply to a SNATed flow (destination port in the SNAT range)?
 #[inline(always)]
 pub fn may_be_reply(p: &Packet) -> bool {
-    u16::from_be_bytes(p.dport) >= SNAT_PORT_MIN
+    is_snat_port(p.dport)
+}
+
+/// Is `port` (network order) in the SNAT range (both families)?
+#[inline(always)]
+pub fn is_snat_port(port: [u8; 2]) -> bool {
+    u16::from_be_bytes(port) >= SNAT_PORT_MIN
 }
 
 /// A flow after DNAT: client → backend.

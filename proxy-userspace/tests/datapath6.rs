@@ -23,16 +23,21 @@ use common_packet::{
     CLIENT_MAC, Decoded6, ETH_HLEN, Ext6, HOST_MAC, ICMPV6, L4, Pkt6, ext6, icmp6_frame,
     ipv6_packet, tcp_flags::*,
 };
-use kube_proxy_ebpf::dataplane::{clock::monotonic_ns, maps::ClusterCidrs6Map};
+use kube_proxy_ebpf::dataplane::{
+    clock::monotonic_ns,
+    maps::{ClusterCidrs6Map, Node6Map},
+};
 use proxy_common::{
     AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, Counter, DatapathConfig, MAP_LC_ADJUST,
     MAP_LC_FLOWS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
-    SCOPE_INTERNAL, ServiceValue, csum, ct_dir, ct_flags, ct_state,
+    SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceValue, backend_flags, csum, ct_dir,
+    ct_flags, ct_state,
     hash::{PortProbe, pick_slot},
     ipv6::{
         Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
-        MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICE_CIDRS6, MAP_SERVICES6,
-        MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key, flow_hash6,
+        MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SNAT6,
+        MAP_SOURCE_RANGES6, SOURCE_RANGE6_FRONTEND_BITS, Service6Key, Snat6Key, Snat6Value,
+        SourceRange6Key, flow_hash6,
     },
     proto, sched, service_cidr, service_flags,
 };
@@ -1072,6 +1077,11 @@ fn reply_key(p: &Pkt6, id: u32) -> Ct6Key {
 /// The source port the datapath moves a clashing flow to when the first probe is free (the
 /// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX`, proxy-ebpf `ipv6::conntrack`).
 fn clash_port(p: &Pkt6) -> u16 {
+    first_probe(p, CLASH_PORT_MIN, CLASH_PORT_MAX)
+}
+
+/// The first port a bounded probe over `min..=max` from `p`'s flow hash tries.
+fn first_probe(p: &Pkt6, min: u16, max: u16) -> u16 {
     let (sport, dport) = ports(p);
     let hash = flow_hash6(
         DatapathConfig::DEFAULT.hash_seed,
@@ -1081,7 +1091,7 @@ fn clash_port(p: &Pkt6) -> u16 {
         dport.to_be_bytes(),
         p.proto(),
     );
-    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(0)
+    PortProbe::new(hash, min, max).port(0)
 }
 
 fn with_sport(p: &Pkt6, port: u16) -> Pkt6 {
@@ -1885,6 +1895,245 @@ fn etp_local_on_ipv6_in_cluster_clients_use_the_cluster_endpoints_outside_client
             &outside.bytes(),
             TC_ACT_SHOT,
             dropped,
+        );
+    }
+}
+
+/// SNAT to the node on IPv6 (`SNAT6_V1`, the node address in `NODE6_V1`), as on IPv4.
+impl Datapath {
+    fn snat6(&mut self) -> HashMap<&mut MapData, Snat6Key, Snat6Value> {
+        HashMap::try_from(self.bpf.map_mut(MAP_SNAT6).unwrap()).unwrap()
+    }
+
+    /// The node's IPv6 SNAT address, written as the agent writes it.
+    fn set_node6(&mut self, addr: Ipv6Addr) {
+        Node6Map::from_ebpf(&mut self.bpf)
+            .unwrap()
+            .set(addr)
+            .unwrap();
+    }
+
+    /// An eTP=Cluster NodePort on `NODE6` (TCP `port`) to the test backends `ids`, their
+    /// `backend_flags` set to `flags`.
+    fn set_nodeport(&mut self, port: u16, ids: &[u32], flags: u8) {
+        let key = Service6Key::new(NODE6.octets(), port.to_be_bytes(), proto::TCP, 0);
+        self.set_frontend_entry(key, service_flags::EXTERNAL, 70, ids);
+        for &id in ids {
+            let mut b = self.backends().get(&id, 0).unwrap();
+            b.flags = flags;
+            self.backends().insert(id, b, 0).unwrap();
+        }
+    }
+}
+
+/// The first SNAT port a flow (after DNAT: client → backend) probes.
+fn snat_start_port(p: &Pkt6) -> u16 {
+    first_probe(p, SNAT_PORT_MIN, SNAT_PORT_MAX)
+}
+
+/// `p` (client → backend) as it leaves the node SNATed to `NODE6`:`port`.
+fn snated(p: &Pkt6, port: u16) -> Pkt6 {
+    let mut q = p.clone();
+    q.saddr = NODE6;
+    set_ports(&mut q, port, ports(p).1);
+    q
+}
+
+const SNAT_NEW: &[(Counter, u64)] = &[
+    (Counter::NewFlow, 1),
+    (Counter::PickRandom, 1),
+    (Counter::SnatNew, 1),
+];
+
+/// An external client's NodePort flow to a backend on another node leaves with the node's IPv6
+/// address and a port of the SNAT range (pseudo-header checksum kept valid); the backend's reply
+/// to that address:port is put back to the client on ingress, then reverse-DNATed on egress
+/// toward the client so it comes from the NodePort.
+#[test]
+fn a_nodeport_flow_to_a_remote_backend_is_snated_to_the_node_and_its_reply_comes_back() {
+    let mut dp = Datapath::load();
+    dp.set_node6(NODE6);
+    let port: u16 = 30_090;
+    dp.set_nodeport(port, &[2], 0);
+    for (what, syn) in [
+        ("TCP", Pkt6::tcp(EXT_CLIENT6, 45_000, NODE6, port, SYN)),
+        // Same backend over UDP (the frontend entry is per protocol).
+        ("UDP", Pkt6::udp(EXT_CLIENT6, 45_001, NODE6, port)),
+    ] {
+        if what == "UDP" {
+            let key = Service6Key::new(NODE6.octets(), port.to_be_bytes(), proto::UDP, 0);
+            dp.set_frontend_entry(key, service_flags::EXTERNAL, 71, &[12]);
+        }
+        let id = if what == "TCP" { 2 } else { 12 };
+        let forwarded = dnated(&syn, id);
+        dp.translated(
+            &format!("{what}: ingress DNATs and allocates"),
+            PROG_TC_INGRESS,
+            &syn,
+            SNAT_NEW,
+            &forwarded,
+        );
+        let snat_port = snat_start_port(&forwarded);
+        assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&snat_port));
+        let out = dp.translated(
+            &format!("{what}: egress toward the remote backend: source is the node"),
+            PROG_TC_EGRESS,
+            &forwarded,
+            &[(Counter::SnatTranslated, 1)],
+            &snated(&forwarded, snat_port),
+        );
+        let d = Decoded6::parse(&out);
+        assert_eq!(d.saddr, NODE6, "{what}: source address");
+
+        let (backend, backend_port) = backend_addr(id);
+        let in_key = Snat6Key {
+            saddr: backend.octets(),
+            daddr: NODE6.octets(),
+            sport: backend_port.to_be_bytes(),
+            dport: snat_port.to_be_bytes(),
+            proto: syn.proto(),
+            dir: ct_dir::REPLY,
+            _pad: [0; 2],
+        };
+        let client = dp.snat6().get(&in_key, 0).expect("the `in` entry");
+        assert_eq!(
+            (client.addr, u16::from_be_bytes(client.port)),
+            (EXT_CLIENT6.octets(), ports(&syn).0)
+        );
+
+        let reply = snated(&forwarded, snat_port).reversed();
+        let mut to_client = reply.clone();
+        to_client.daddr = EXT_CLIENT6;
+        set_ports(&mut to_client, backend_port, ports(&syn).0);
+        dp.translated(
+            &format!("{what}: the backend's reply on ingress goes back to the client"),
+            PROG_TC_INGRESS,
+            &reply,
+            &[(Counter::SnatReplyTranslated, 1)],
+            &to_client,
+        );
+        dp.translated(
+            &format!("{what}: toward the client it comes from the NodePort"),
+            PROG_TC_EGRESS,
+            &to_client,
+            REPLY,
+            &rev_natted(&to_client, &syn),
+        );
+        let seen = dp.snat6().get(&in_key, 0).unwrap();
+        assert_ne!(seen.flags & ct_flags::SEEN_REPLY, 0, "{what}: answered");
+    }
+}
+
+/// A pod (inside the IPv6 cluster CIDR) reaching a NodePort whose backend is local keeps its
+/// own address (the backend answers it directly); a client outside the cluster CIDR is SNATed
+/// even to a local backend, as kube-proxy masquerades it; without a node IPv6 address such a
+/// flow goes out unSNATed and is counted.
+#[test]
+fn a_local_backend_keeps_an_in_cluster_client_s_address_and_snats_an_outside_one() {
+    let mut dp = Datapath::load();
+    let port: u16 = 30_091;
+    dp.set_nodeport(port, &[1], backend_flags::LOCAL);
+    ClusterCidrs6Map::from_ebpf(&mut dp.bpf)
+        .unwrap()
+        .sync(&[(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0), 32)])
+        .unwrap();
+
+    let pod = Pkt6::tcp(CLIENT, 45_100, NODE6, port, SYN);
+    dp.new_flow_dnated("pod → NodePort, local backend: DNAT only", &pod, 1);
+    let forwarded = dnated(&pod, 1);
+    dp.translated(
+        "egress: the pod's own address",
+        PROG_TC_EGRESS,
+        &forwarded,
+        &[(Counter::ReplyNotTracked, 1)],
+        &forwarded,
+    );
+
+    let outside = Pkt6::tcp(EXT_CLIENT6, 45_101, NODE6, port, SYN);
+    dp.translated(
+        "an outside client, no node IPv6 address yet: DNAT, unSNATed",
+        PROG_TC_INGRESS,
+        &outside,
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::PickRandom, 1),
+            (Counter::SnatNoNodeAddr, 1),
+        ],
+        &dnated(&outside, 1),
+    );
+    dp.set_node6(NODE6);
+    let outside = Pkt6::tcp(EXT_CLIENT6, 45_102, NODE6, port, SYN);
+    let forwarded = dnated(&outside, 1);
+    dp.translated(
+        "an outside client to a local backend is SNATed",
+        PROG_TC_INGRESS,
+        &outside,
+        SNAT_NEW,
+        &forwarded,
+    );
+    dp.translated(
+        "egress: source is the node",
+        PROG_TC_EGRESS,
+        &forwarded,
+        &[(Counter::SnatTranslated, 1)],
+        &snated(&forwarded, snat_start_port(&forwarded)),
+    );
+}
+
+/// Two clients whose flows to one backend probe the same first SNAT port: the second gets
+/// another port of the range, and each reply goes back to its own client.
+#[test]
+fn two_clients_clashing_on_a_snat_port_get_different_ports() {
+    let mut dp = Datapath::load();
+    dp.set_node6(NODE6);
+    let port: u16 = 30_092;
+    dp.set_nodeport(port, &[2], 0);
+    let first = Pkt6::tcp(EXT_CLIENT6, 45_200, NODE6, port, SYN);
+    let taken = snat_start_port(&dnated(&first, 2));
+    let other = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x101);
+    let second = (1_024..=u16::MAX)
+        .map(|sport| Pkt6::tcp(other, sport, NODE6, port, SYN))
+        .find(|p| snat_start_port(&dnated(p, 2)) == taken)
+        .expect("a client port whose flow probes the same first SNAT port");
+
+    let mut got = Vec::new();
+    for (what, syn) in [("first", &first), ("second", &second)] {
+        let forwarded = dnated(syn, 2);
+        dp.translated(what, PROG_TC_INGRESS, syn, SNAT_NEW, &forwarded);
+        let out = dp.step(
+            what,
+            PROG_TC_EGRESS,
+            &forwarded.bytes(),
+            TC_NEXT,
+            &[(Counter::SnatTranslated, 1)],
+        );
+        let d = Decoded6::parse(&out);
+        assert!(d.l4_csum_ok(), "{what}: checksum");
+        assert_eq!(d.saddr, NODE6, "{what}: source is the node");
+        let sport = u16::from_be_bytes([d.l4[0], d.l4[1]]);
+        assert!(
+            (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&sport),
+            "{what}: {sport}"
+        );
+        assert_packet(what, &out, &snated(&forwarded, sport));
+        got.push((syn.clone(), forwarded, sport));
+    }
+    assert_eq!(got[0].2, taken, "the first flow has its first probe");
+    assert_ne!(
+        got[1].2, got[0].2,
+        "the clashing flow moved to another port"
+    );
+    for (syn, forwarded, sport) in &got {
+        let reply = snated(forwarded, *sport).reversed();
+        let mut to_client = reply.clone();
+        to_client.daddr = syn.saddr;
+        set_ports(&mut to_client, ports(forwarded).1, ports(syn).0);
+        dp.translated(
+            "each reply back to its own client",
+            PROG_TC_INGRESS,
+            &reply,
+            &[(Counter::SnatReplyTranslated, 1)],
+            &to_client,
         );
     }
 }

@@ -179,6 +179,18 @@ fn segment(p: &Packet6) -> Option<Segment> {
     (p.proto != proto::UDP).then_some(flow_state::segment_of(p.tcp_flags))
 }
 
+/// State of a flow after a client packet (as `crate::conntrack::next_state`).
+#[inline(always)]
+pub fn next_state(p: &Packet6, state: u8) -> u8 {
+    flow_state::after_client(state, segment(p))
+}
+
+/// State of a flow after a backend packet (as `crate::conntrack::next_reply_state`).
+#[inline(always)]
+pub fn next_reply_state(p: &Packet6, state: u8) -> u8 {
+    flow_state::after_backend(state, segment(p))
+}
+
 /// Does the backend the entry names still exist with the address it was created with?
 #[inline(always)]
 pub fn backend_valid(ct: &Ct6Value) -> bool {

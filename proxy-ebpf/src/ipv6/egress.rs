@@ -1,12 +1,13 @@
 //! IPv6 tc egress: reverse NAT of replies (backend → frontend) for flows in `CONNTRACK6_V1`, and
-//! of ICMPv6 errors about them (`icmp`).
+//! of ICMPv6 errors about them (`icmp`); SNAT to the node of forwarded external flows (`snat`).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, ct_flags, frag_hook};
+use proxy_common::{Counter, TAIL_CALL_SNAT6, ct_flags, frag_hook};
 
 use super::{
     conntrack, frag, icmp, nat,
     packet::{self, Packet6, Parsed6},
+    snat,
 };
 use crate::{Action, Drop, maps, stats};
 
@@ -31,7 +32,7 @@ pub fn try_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
 #[inline(always)]
 fn reply(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     let Some(entry) = maps::ct6_entry(&conntrack::reply_key(p)) else {
-        return Ok(Action::pass(Counter::ReplyNotTracked));
+        return forwarded(ctx, p);
     };
     let ct = entry.get();
     conntrack::reply_passed(p, &entry, &ct, maps::now_ns());
@@ -45,4 +46,44 @@ fn reply(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     } else {
         Counter::ReplyTranslated
     }))
+}
+
+/// Not a reply: maybe an external flow forwarded to a remote backend, to SNAT to the node in
+/// the SNAT program (its own stack: the port allocation does not fit beside this one's).
+#[inline(always)]
+fn forwarded(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
+    let Some(s) = maps::snat6_scratch() else {
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    };
+    if snat::out_entry_of_forwarded(p, s).is_none() {
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    }
+    maps::tail_call6(ctx, TAIL_CALL_SNAT6, p.l2_len);
+    Err(Drop::TailCall)
+}
+
+/// The SNAT program, tail-called by `tc_egress6`: parses again, rewrites the source of a
+/// forwarded flow with an `out` entry to the node's address and port (allocated again if its
+/// port was reclaimed after a long silence).
+#[inline(always)]
+pub fn try_egress_snat(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed6::Packet(p) = packet::parse(ctx, l2_len) else {
+        return Err(Drop::TailCall);
+    };
+    let result = masquerade(ctx, p);
+    frag::first_done(ctx, l2_len, p, frag_hook::EGRESS, &result);
+    result
+}
+
+#[inline(always)]
+fn masquerade(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
+    let s = maps::snat6_scratch().ok_or(Drop::TailCall)?;
+    let Some(out) = snat::out_entry_of_forwarded(p, s) else {
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    };
+    if !snat::forwarded(p, out, s, maps::now_ns())? {
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    }
+    nat::snat(ctx, p, &s.out.addr, s.out.port)?;
+    Ok(Action::pass(Counter::SnatTranslated))
 }

@@ -47,6 +47,20 @@ pub fn first_done(
     hook: u8,
     result: &Result<Action, Drop>,
 ) {
+    first_done_from(ctx, l2_len, p, (&p.saddr, &p.daddr), hook, result);
+}
+
+/// As [`first_done`], for a program that parsed the packet after an earlier one rewrote it:
+/// `arrived` are the addresses it arrived at the hook with (what its later fragments carry).
+#[inline(always)]
+pub fn first_done_from(
+    ctx: &TcContext,
+    l2_len: usize,
+    p: &Packet6,
+    arrived: (&[u8; 16], &[u8; 16]),
+    hook: u8,
+    result: &Result<Action, Drop>,
+) {
     if !p.is_first_fragment {
         return;
     }
@@ -54,7 +68,7 @@ pub fn first_done(
         stats::count(Counter::FragmentNotRecorded);
         return;
     };
-    rec.key = key(p.saddr, p.daddr, p.frag.id, p.frag.nexthdr, hook);
+    rec.key = key(*arrived.0, *arrived.1, p.frag.id, p.frag.nexthdr, hook);
     rec.value.created_ns = maps::now_ns();
     rec.value.action = frag_action::DROP;
     if matches!(result, Ok(a) if a.verdict == TC_ACT_UNSPEC) {

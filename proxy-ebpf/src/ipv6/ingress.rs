@@ -3,7 +3,7 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, ct_flags, ct_state, frag_hook,
+    Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, TAIL_CALL_SNAT6_NEW, ct_flags, ct_state, frag_hook,
     ipv6::{Ct6Key, Ct6Value, Service6Key, SourceRange6Key},
     service_cidr, service_flags,
 };
@@ -12,7 +12,7 @@ use super::{
     conntrack::{self, NewFlow6, Sent},
     frag, nat,
     packet::{self, Packet6, Parsed6},
-    pick, reject,
+    pick, reject, snat,
 };
 use crate::{
     Action, Drop,
@@ -57,9 +57,11 @@ pub fn try_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
 #[inline(always)]
 fn established(ctx: &TcContext, p: &Packet6) -> Option<Result<Action, Drop>> {
     let key = conntrack::original_key(p);
-    let entry = maps::ct6_entry(&key)?;
-    let ct = entry.peek();
     let now = maps::now_ns();
+    let Some(entry) = maps::ct6_entry(&key) else {
+        return snat_reply(ctx, p, now);
+    };
+    let ct = entry.peek();
     if conntrack::expired(ct, p.proto, now)
         || (p.is_syn() && ct.state == ct_state::CLOSING)
         || (ct.flags & ct_flags::DIRECT == 0 && !conntrack::backend_valid(ct))
@@ -67,6 +69,22 @@ fn established(ctx: &TcContext, p: &Packet6) -> Option<Result<Action, Drop>> {
         return None;
     }
     Some(pass_tracked(ctx, p, &key, &entry, ct, now))
+}
+
+/// A remote backend's reply to a SNATed flow (no conntrack entry of its own): back to the
+/// client; tc egress toward the client then reverse-DNATs it like any reply. `None`: not one.
+#[inline(always)]
+fn snat_reply(ctx: &TcContext, p: &Packet6, now: u64) -> Option<Result<Action, Drop>> {
+    if !crate::snat::is_snat_port(p.dport) {
+        return None;
+    }
+    let entry = maps::snat6_entry(&snat::in_key_of_reply(p))?;
+    let client = entry.get();
+    snat::reply_passed(p, &entry, &client, now);
+    Some(
+        nat::dnat(ctx, p, &client.addr, client.port)
+            .map(|()| Action::pass(Counter::SnatReplyTranslated)),
+    )
 }
 
 /// A packet of a tracked flow with a usable entry: straight to a pod (only its source port moves,
@@ -204,6 +222,14 @@ fn new_flow(
                 return Err(Drop::TailCall);
             };
             let backend = maps::backend6_ref(backend_id).ok_or(Drop::NoBackend)?;
+            // Whether the flow needs SNAT lives in per-CPU map memory, not in a register: the
+            // verifier then sees the paths after the decision as one (its program stays under
+            // the 1M limit). Read below for Service flows only (written on their every path).
+            if let Some(s) = maps::snat6_scratch() {
+                s.masquerade = crate::snat::external_needed(&frontend, backend.flags, || {
+                    maps::in_cluster6(&p.saddr)
+                });
+            }
             (
                 backend_id,
                 &backend.addr,
@@ -230,6 +256,18 @@ fn new_flow(
     if let Some(sport) = moved {
         nat::source_port(ctx, p, sport)?;
     }
+    if !direct
+        && let Some(s) = maps::snat6_scratch()
+        && s.masquerade
+    {
+        // The port is allocated by the SNAT program (its own stack), on the DNATed packet. If
+        // it is not there the packet is dropped; the entries expire unused.
+        s.original = *key;
+        s.state = conntrack::next_state(p, ct_state::UDP);
+        s.stale = stale;
+        maps::tail_call6(ctx, TAIL_CALL_SNAT6_NEW, p.l2_len);
+        return Err(Drop::TailCall);
+    }
     Ok(Action::pass(if direct {
         if moved.is_some() {
             Counter::DirectFlow
@@ -241,6 +279,48 @@ fn new_flow(
     } else {
         Counter::NewFlow
     }))
+}
+
+/// The ingress SNAT program, tail-called by the new-flow program for a new flow that needs SNAT
+/// to the node (`snat`): parses the DNATed packet again and allocates the flow's node port; a
+/// flow that gets none is dropped and its conntrack entries removed.
+#[inline(always)]
+pub fn try_new_snat(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
+    let Parsed6::Packet(p) = packet::parse(ctx, l2_len) else {
+        return Err(Drop::TailCall);
+    };
+    let Some(s) = maps::snat6_scratch() else {
+        return Err(Drop::TailCall);
+    };
+    let (state, stale) = (s.state, s.stale);
+    let result = match snat::allocate(&snat::Flow6::of_forwarded(p), s, state, maps::now_ns()) {
+        Ok(_) => Ok(Action::pass(if stale && !p.is_tcp() {
+            Counter::StaleBackendReselected
+        } else {
+            Counter::NewFlow
+        })),
+        Err(drop) => {
+            conntrack::remove(
+                &s.original,
+                Sent {
+                    backend_addr: p.daddr,
+                    backend_port: p.dport,
+                    sport: p.sport,
+                    has_reply: true,
+                },
+            );
+            Err(drop)
+        }
+    };
+    frag::first_done_from(
+        ctx,
+        l2_len,
+        p,
+        (&s.original.saddr, &s.original.daddr),
+        frag_hook::INGRESS,
+        &result,
+    );
+    result
 }
 
 /// The reject program: ICMPv6 port unreachable for a new flow to a Service without endpoints, a

@@ -19,8 +19,10 @@
 //! Every scheduler and session affinity pick as on IPv4 (`pick`); an eTP=Local frontend's
 //! in-cluster entry for clients in the IPv6 cluster CIDRs (`CLUSTERCIDRS6_V1`), as on IPv4.
 //!
-//! Not carried on IPv6 yet: SNAT for external frontends to remote backends, hairpin SNAT and
-//! the datapath trace.
+//! SNAT to the node of external flows to remote backends (and from outside the cluster CIDRs),
+//! as on IPv4 (`snat`, `SNAT6_V1`, the node address in `NODE6_V1`).
+//!
+//! Not carried on IPv6 yet: hairpin SNAT, per-device SNAT addresses and the datapath trace.
 
 pub(crate) mod conntrack;
 mod egress;
@@ -31,6 +33,7 @@ mod nat;
 pub(crate) mod packet;
 pub(crate) mod pick;
 mod reject;
+pub(crate) mod snat;
 
-pub use egress::try_egress;
-pub use ingress::{try_ingress, try_new_flow, try_reject};
+pub use egress::{try_egress, try_egress_snat};
+pub use ingress::{try_ingress, try_new_flow, try_new_snat, try_reject};

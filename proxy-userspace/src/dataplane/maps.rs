@@ -659,6 +659,28 @@ impl NodeMap {
     }
 }
 
+/// `NODE6_V1`: the node's IPv6 SNAT address (`::` clears it: IPv6 flows that need SNAT then go
+/// out unSNATed, counted as `snat_no_node_addr`).
+pub struct Node6Map {
+    map: Array<MapData, ipv6::Node6Info>,
+}
+
+impl Node6Map {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        let name = ipv6::MAP_NODE6;
+        Ok(Self {
+            map: Array::try_from(take(ebpf, name)?).map_err(map_err(name))?,
+        })
+    }
+
+    pub fn set(&mut self, addr: std::net::Ipv6Addr) -> Result<()> {
+        let info = ipv6::Node6Info {
+            snat_addr: addr.octets(),
+        };
+        self.map.set(0, info, 0).map_err(map_err(ipv6::MAP_NODE6))
+    }
+}
+
 /// `CLUSTERCIDRS6_V1`: the cluster's IPv6 pod CIDRs, for the in-cluster entries of eTP=Local
 /// frontends on IPv6 (what `DatapathConfig::cluster_cidrs` is for IPv4).
 pub struct ClusterCidrs6Map {

@@ -1,0 +1,235 @@
+//! IPv6 SNAT to the node (`SNAT6_V1`), as `crate::snat` for IPv4: external flows (NodePort,
+//! externalIP, LoadBalancer frontends with eTP=Cluster) to a remote backend, and such flows from
+//! outside the IPv6 cluster CIDRs to a local one, leave with the node's IPv6 address
+//! (`NODE6_V1`) and a port of the SNAT range, so the backend's replies come back through this
+//! node. Same split as IPv4: tc ingress allocates the port (new-flow program), tc egress rewrites
+//! the forwarded packet's source, a reply on ingress gets its destination put back to the client
+//! and tc egress toward the client then reverse-DNATs it like any reply.
+//!
+//! Which flows are masqueraded is decided by the family-neutral `crate::snat::external_needed`.
+//! Not on IPv6 (yet): hairpin SNAT and per-device source addresses (`SNATDEV_V1`): the source is
+//! always the node's address.
+
+use proxy_common::{
+    Counter, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ct_dir, ct_flags,
+    hash::PortProbe,
+    ipv6::{Ct6Key, Snat6Key, Snat6Value, flow_hash6},
+    timeouts::idle_expired,
+};
+
+use super::{conntrack, packet::Packet6};
+use crate::{
+    Drop,
+    maps::{self, Snat6Entry},
+    stats,
+};
+
+/// The keys and values of a port allocation (one per CPU, `maps::snat6_scratch`): 40-byte keys
+/// and 32-byte values do not fit on the stack of the programs that allocate. `out` holds the
+/// result (the node address and port a flow leaves with); `original`, `state` and `stale` are
+/// what the new-flow program leaves for the ingress SNAT program it tail-calls.
+#[derive(Clone, Copy)]
+pub struct Snat6Scratch {
+    pub out_key: Snat6Key,
+    pub in_key: Snat6Key,
+    pub client: Snat6Value,
+    pub out: Snat6Value,
+    pub node: [u8; 16],
+    pub original: Ct6Key,
+    pub state: u8,
+    pub stale: bool,
+    /// Set by the new-flow program: the flow it is creating needs SNAT.
+    pub masquerade: bool,
+}
+
+/// A flow after DNAT: client → backend.
+pub struct Flow6<'a> {
+    pub client: &'a [u8; 16],
+    pub client_port: [u8; 2],
+    pub backend: &'a [u8; 16],
+    pub backend_port: [u8; 2],
+    pub proto: u8,
+}
+
+impl<'a> Flow6<'a> {
+    /// The forwarded packet as egress sees it (client → backend).
+    #[inline(always)]
+    pub fn of_forwarded(p: &'a Packet6) -> Self {
+        Self {
+            client: &p.saddr,
+            client_port: p.sport,
+            backend: &p.daddr,
+            backend_port: p.dport,
+            proto: p.proto,
+        }
+    }
+
+    #[inline(always)]
+    fn set_out_key(&self, key: &mut Snat6Key) {
+        key.saddr = *self.client;
+        key.daddr = *self.backend;
+        key.sport = self.client_port;
+        key.dport = self.backend_port;
+        key.proto = self.proto;
+        key.dir = ct_dir::ORIGINAL;
+        key._pad = [0; 2];
+    }
+
+    /// The `in` key for node address `node` and port `port`.
+    #[inline(always)]
+    fn set_in_key(&self, key: &mut Snat6Key, node: &[u8; 16], port: [u8; 2]) {
+        key.saddr = *self.backend;
+        key.daddr = *node;
+        key.sport = self.backend_port;
+        key.dport = port;
+        key.proto = self.proto;
+        key.dir = ct_dir::REPLY;
+        key._pad = [0; 2];
+    }
+
+    /// The `in` entry of the `out` value in `s.out` (its key left in `s.in_key`), if it still
+    /// belongs to this flow (not reclaimed by another).
+    #[inline(always)]
+    fn own_in_entry(&self, s: &mut Snat6Scratch) -> Option<Snat6Entry> {
+        let (addr, port) = (s.out.addr, s.out.port);
+        self.set_in_key(&mut s.in_key, &addr, port);
+        let entry = maps::snat6_entry(&s.in_key)?;
+        let v = entry.peek();
+        (v.addr == *self.client && v.port == self.client_port).then_some(entry)
+    }
+}
+
+/// The `in` key of a packet arriving on ingress (backend → node address:port).
+#[inline(always)]
+pub fn in_key_of_reply(p: &Packet6) -> Snat6Key {
+    // The packet's own tuple as seen, tagged REPLY: what `conntrack::reply_key` builds.
+    conntrack::reply_key(p)
+}
+
+/// The `out` entry of a packet leaving on egress (client → backend), its key in `s.out_key`.
+#[inline(always)]
+pub fn out_entry_of_forwarded(p: &Packet6, s: &mut Snat6Scratch) -> Option<Snat6Entry> {
+    Flow6::of_forwarded(p).set_out_key(&mut s.out_key);
+    maps::snat6_entry(&s.out_key)
+}
+
+/// Give a flow the node's address and a port (reusing its entries if they are still its own):
+/// `Ok(true)` with them in `s.out`; `Ok(false)`: the node has no IPv6 SNAT address yet (counted;
+/// the flow goes out unSNATed).
+#[inline(always)]
+pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<bool, Drop> {
+    s.node = maps::node6_addr();
+    if s.node == [0; 16] {
+        stats::count(Counter::SnatNoNodeAddr);
+        return Ok(false);
+    }
+    f.set_out_key(&mut s.out_key);
+    if let Some(out) = maps::snat6_entry(&s.out_key) {
+        s.out = out.get();
+        if let Some(own) = f.own_in_entry(s) {
+            if s.out.addr == s.node {
+                own.touch(now, state);
+                out.touch(now, state);
+                return Ok(true);
+            }
+            // Its port on an old node address: free it for other flows.
+            maps::snat6_remove(&s.in_key);
+        }
+    }
+    let cfg = maps::config_ref();
+    s.client = Snat6Value {
+        last_seen_ns: now,
+        addr: *f.client,
+        port: f.client_port,
+        state,
+        flags: 0,
+        _pad: [0; 4],
+    };
+    let hash = flow_hash6(
+        maps::hash_seed(),
+        *f.client,
+        *f.backend,
+        f.client_port,
+        f.backend_port,
+        f.proto,
+    );
+    let probe = PortProbe::new(hash, SNAT_PORT_MIN, SNAT_PORT_MAX);
+    let node = s.node;
+    f.set_in_key(&mut s.in_key, &node, [0; 2]);
+    let mut i = 0;
+    while i < SNAT_PROBES {
+        let port = probe.port(i).to_be_bytes();
+        s.in_key.dport = port;
+        let claimed = maps::snat6_claim(&s.in_key, &s.client).is_ok()
+            || match maps::snat6_entry(&s.in_key) {
+                Some(taken) => {
+                    let old = taken.peek();
+                    idle_expired(old.last_seen_ns, f.proto, old.state, old.flags, now, cfg)
+                        && maps::snat6_insert(&s.in_key, &s.client).is_ok()
+                }
+                // Evicted between the claim and the lookup: take it.
+                None => maps::snat6_insert(&s.in_key, &s.client).is_ok(),
+            };
+        if claimed {
+            s.out = s.client;
+            s.out.addr = node;
+            s.out.port = port;
+            if maps::snat6_insert(&s.out_key, &s.out).is_err() {
+                maps::snat6_remove(&s.in_key);
+                return Err(Drop::ConntrackFull);
+            }
+            stats::count(Counter::SnatNew);
+            return Ok(true);
+        }
+        i += 1;
+    }
+    Err(Drop::SnatPortsExhausted)
+}
+
+/// Egress: the node address and port (`s.out`) of a forwarded packet whose flow has the `out`
+/// entry `out` (key in `s.out_key`), its entries refreshed (re-allocated if its port was
+/// reclaimed after a long silence). `Ok(false)`: no node address (the packet goes unSNATed).
+#[inline(always)]
+pub fn forwarded(
+    p: &Packet6,
+    out: Snat6Entry,
+    s: &mut Snat6Scratch,
+    now: u64,
+) -> Result<bool, Drop> {
+    s.out = out.get();
+    let state = conntrack::next_state(p, s.out.state);
+    let f = Flow6::of_forwarded(p);
+    if let Some(own) = f.own_in_entry(s) {
+        own.touch(now, conntrack::next_state(p, own.peek().state));
+        out.touch(now, state);
+        return Ok(true);
+    }
+    allocate(&f, s, state, now)
+}
+
+/// Ingress: a remote backend's reply to a SNATed flow passes through its `in` entry (refreshed,
+/// moved by the backend's FIN/RST, `SEEN_REPLY` on it and, the first time, on the `out` entry).
+#[inline(always)]
+pub fn reply_passed(p: &Packet6, inn: &Snat6Entry, client: &Snat6Value, now: u64) {
+    let first = !inn.has_flags(ct_flags::SEEN_REPLY);
+    inn.touch_flags(
+        now,
+        conntrack::next_reply_state(p, client.state),
+        ct_flags::SEEN_REPLY,
+    );
+    if first {
+        let f = Flow6 {
+            client: &client.addr,
+            client_port: client.port,
+            backend: &p.saddr,
+            backend_port: p.sport,
+            proto: p.proto,
+        };
+        if let Some(s) = maps::snat6_scratch() {
+            f.set_out_key(&mut s.out_key);
+            if let Some(out) = maps::snat6_entry(&s.out_key) {
+                out.set_flags(ct_flags::SEEN_REPLY);
+            }
+        }
+    }
+}
