@@ -14,7 +14,7 @@
 
 use std::net::Ipv6Addr;
 
-use tracing::error;
+use tracing::{error, info};
 
 use crate::{
     dataplane::{
@@ -45,6 +45,10 @@ pub struct Family6 {
     nodeport_cfg: NodePortAddresses,
     devices: Patterns,
     nodeport: Vec<Ipv6Addr>,
+    /// `NODE6_V1`: the IPv6 address external flows to remote backends are SNATed to.
+    node6: crate::dataplane::maps::Node6Map,
+    /// What `node6` holds (written only when it changes; `::`: none, nothing SNATed).
+    snat: Ipv6Addr,
     /// The node has a usable IPv6 address.
     enabled: bool,
 }
@@ -79,7 +83,11 @@ impl Family6 {
             ..capacities
         };
         let ranges = SourceRanges::from_ebpf(ebpf)?;
+        let node6 = crate::dataplane::maps::Node6Map::from_ebpf(ebpf)?;
         let mut out = Self {
+            node6,
+            // Unknown: the first refresh writes (an adopted map may hold a stale address).
+            snat: Ipv6Addr::from_bits(1),
             maps,
             ranges,
             programmed,
@@ -105,12 +113,30 @@ impl Family6 {
         match node_addrs::list6() {
             Ok(all) => {
                 self.enabled = all.iter().any(|a| a.addr.usable());
-                self.nodeport =
-                    node_addrs::select(&all, &self.nodeport_cfg, &self.devices).nodeport;
+                let selected = node_addrs::select(&all, &self.nodeport_cfg, &self.devices);
+                self.nodeport = selected.nodeport;
+                self.write_snat(selected.snat.unwrap_or(Ipv6Addr::UNSPECIFIED));
             }
             Err(e) => {
                 error!("listing the node's IPv6 addresses failed: {e}; keeping the previous ones")
             }
+        }
+    }
+
+    /// Writes the node's IPv6 SNAT source (the IPv4 rule: a NodePort address on a `--devices`
+    /// device first) into `NODE6_V1` when it changed.
+    fn write_snat(&mut self, addr: Ipv6Addr) {
+        if addr == self.snat {
+            return;
+        }
+        match self.node6.set(addr) {
+            Ok(()) => {
+                info!(snat = %addr, "IPv6 SNAT source of external flows to remote backends");
+                self.snat = addr;
+            }
+            Err(e) => error!(
+                "writing the node's IPv6 SNAT address failed: {e}; retried at the next refresh"
+            ),
         }
     }
 

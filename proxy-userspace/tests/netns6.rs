@@ -4,8 +4,8 @@
 //! What runs today: with the agent serving IPv4 Services, IPv6 traffic that is not for a Service
 //! (pod to pod, node to pod, ICMPv6 echo, neighbour discovery, router solicitations and
 //! advertisements) passes the tc programs untouched; IPv6 ClusterIPs (tc and connect6) and
-//! dual-stack Services work (issue 12). Still `#[ignore]`d (run with `-- --ignored`): IPv6
-//! NodePort SNAT.
+//! dual-stack Services work, and an IPv6 NodePort from the external client is SNATed to the
+//! node that forwards it (issue 12).
 //!
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! RAII guards remove namespaces, agents and pins even when an assertion fails.
@@ -546,7 +546,6 @@ fn cluster(services: impl FnOnce(&ManifestDir)) -> Cluster {
 }
 
 #[test]
-#[ignore = "needs the IPv6 control plane (issue 12)"]
 fn ipv6_nodeport_from_the_external_client_snats_to_the_node_that_forwards() {
     require_privileged!();
     let mut both = addrs(BACKENDS);
