@@ -5,6 +5,8 @@
 //! Each test builds its own topology, pin dir and manifests; RAII guards remove them even when
 //! an assertion fails. Nothing is created in the root network namespace.
 
+mod common_netns;
+
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
@@ -22,9 +24,10 @@ use aya::{
         tc::{NlOptions, TcAttachOptions},
     },
 };
+use common_netns::{BIN, Env};
 use proxy_common::TapKey;
 use proxy_testenv::{
-    Agent, BACKENDS, ConnectOutcome, CurlReply, ManifestDir, PinDir, ServicePort, Topology,
+    Agent, BACKENDS, ConnectOutcome, ManifestDir, PinDir, ServicePort, Topology,
     http_get_with_peer, require_privileged, tcp_connect_from, udp_request_from,
 };
 
@@ -33,94 +36,6 @@ const ECHO: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 const BULK: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
 const STREAM: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 60);
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
-
-/// Field order is drop order: the agent dies first, then pins, manifests and namespaces go.
-struct Env {
-    agent: Agent,
-    pins: PinDir,
-    manifests: ManifestDir,
-    topo: Topology,
-}
-
-impl Env {
-    /// Topology + manifests written by `services` + agent synced and attached to all pods.
-    fn start(services: impl FnOnce(&ManifestDir)) -> Self {
-        Self::start_with_flags(services, &[])
-    }
-
-    /// As [`Env::start`], with extra `run` flags.
-    fn start_with_flags(services: impl FnOnce(&ManifestDir), flags: &[&str]) -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let topo = Topology::new().expect("creating the topology");
-        Self::start_on_with_flags(topo, services, flags)
-    }
-
-    /// As [`Env::start`] on a topology the test prepared (programs already on its interfaces).
-    fn start_on(topo: Topology, services: impl FnOnce(&ManifestDir)) -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        Self::start_on_with_flags(topo, services, &[])
-    }
-
-    fn start_on_with_flags(
-        topo: Topology,
-        services: impl FnOnce(&ManifestDir),
-        flags: &[&str],
-    ) -> Self {
-        let manifests = ManifestDir::new().expect("manifest dir");
-        services(&manifests);
-        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-        let mut args = vec!["--manifests".as_ref(), manifests.path().as_os_str()];
-        args.extend(flags.iter().map(std::ffi::OsStr::new));
-        let mut agent = Agent::start_with(
-            Path::new(BIN),
-            topo.node(),
-            &args,
-            pins.path(),
-            topo.tmp().path(),
-        )
-        .expect("starting the agent");
-        agent
-            .wait_attached(&topo.pod_interfaces())
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        Self {
-            agent,
-            pins,
-            manifests,
-            topo,
-        }
-    }
-
-    /// Panics with the message and the agent's log tail.
-    fn fail(&self, msg: &str) -> ! {
-        self.agent.fail(msg)
-    }
-
-    fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
-        self.agent.check(cond, msg)
-    }
-
-    /// `n` requests to http://WEB/; every one must succeed from the VIP. Counts per backend.
-    fn web_distribution(&self, n: usize) -> BTreeMap<String, usize> {
-        let replies = self
-            .topo
-            .curl_many(&format!("http://{WEB}/"), n)
-            .unwrap_or_else(|e| self.fail(&format!("curl_many: {e:#}")));
-        let mut counts = BTreeMap::new();
-        for (i, reply) in replies.into_iter().enumerate() {
-            match reply {
-                Ok(CurlReply { body, remote_ip }) => {
-                    self.check(remote_ip == WEB.to_string(), || {
-                        format!("request {i}: answered by {remote_ip}, not the VIP {WEB}")
-                    });
-                    *counts.entry(body).or_insert(0) += 1;
-                }
-                Err(e) => self.fail(&format!("request {i} of {n} to {WEB} failed: {e}")),
-            }
-        }
-        counts
-    }
-}
 
 fn web(manifests: &ManifestDir, backends: &[Ipv4Addr]) {
     manifests
@@ -153,7 +68,7 @@ fn clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
         echo(m);
     });
 
-    let counts = env.web_distribution(300);
+    let counts = env.distribution(WEB, 80, 300);
     eprintln!("HTTP distribution over 300 requests: {counts:?}");
     for (name, _) in BACKENDS {
         let got = counts.get(name).copied().unwrap_or(0);
@@ -165,22 +80,7 @@ fn clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
         format!("unexpected answers: {counts:?}")
     });
 
-    let mut udp: BTreeMap<String, usize> = BTreeMap::new();
-    for i in 0..30 {
-        let payload = format!("ping{i}");
-        let reply = env
-            .topo
-            .udp_request(ECHO, 53, &payload)
-            .unwrap_or_else(|e| env.fail(&format!("UDP request {i} to {ECHO}:53: {e:#}")));
-        env.check(*reply.from.ip() == ECHO && reply.from.port() == 53, || {
-            format!("UDP reply from {} instead of {ECHO}:53", reply.from)
-        });
-        let (backend, echoed) = reply.body.split_once(':').unwrap_or_default();
-        env.check(echoed == payload, || {
-            format!("UDP echo {:?} for {payload}", reply.body)
-        });
-        *udp.entry(backend.to_owned()).or_insert(0) += 1;
-    }
+    let udp = env.udp_echo_distribution(ECHO.into(), 53, 30);
     eprintln!("UDP distribution over 30 datagrams: {udp:?}");
     env.check(udp.len() == 3, || {
         format!("UDP reached {udp:?}, want all three backends")
@@ -487,7 +387,7 @@ fn node_processes_reach_clusterips_through_the_socket_hooks() {
 fn endpoint_removal_and_addition_take_effect_within_a_second() {
     require_privileged!();
     let mut env = Env::start(|m| web(m, &all_backends()));
-    let counts = env.web_distribution(30);
+    let counts = env.distribution(WEB, 80, 30);
     env.check(counts.len() == 3, || {
         format!("before the change: {counts:?}")
     });
@@ -518,7 +418,7 @@ fn endpoint_removal_and_addition_take_effect_within_a_second() {
     env.check(converged < Duration::from_secs(1), || {
         format!("be3 still got new connections {converged:?} after its removal (want < 1 s)")
     });
-    let counts = env.web_distribution(60);
+    let counts = env.distribution(WEB, 80, 60);
     env.check(!counts.contains_key(be3) && counts.len() == 2, || {
         format!("after removing be3: {counts:?}")
     });
@@ -547,7 +447,7 @@ fn endpoint_removal_and_addition_take_effect_within_a_second() {
         }
     }
     eprintln!("addition: first connection to be4 at {first_be4:?} after the manifest change");
-    let counts = env.web_distribution(60);
+    let counts = env.distribution(WEB, 80, 60);
     env.check(
         counts.contains_key("be4") && !counts.contains_key(be3),
         || format!("after adding be4: {counts:?}"),
@@ -1388,7 +1288,7 @@ impl ChainTaps {
     /// 20 requests through the VIP (all answered from it), then: every program saw every packet,
     /// untranslated in front of ours, translated behind; and at least `min_requests` requests.
     fn check(&self, env: &Env, when: &str, min_requests: u64) -> u64 {
-        let counts = env.web_distribution(20);
+        let counts = env.distribution(WEB, 80, 20);
         eprintln!("{when}: 20 requests through {WEB}: {counts:?}");
         let want = |t: &[(&str, u64); 12]| {
             let (requests, replies) = (t[0].1, t[6].1);
@@ -1914,27 +1814,6 @@ impl Env {
             thread::sleep(Duration::from_millis(100));
         }
     }
-
-    /// `n` requests to http://`vip`/ from `pod`, every one answered from the VIP; per backend.
-    fn distribution_from(&self, pod: &str, vip: Ipv4Addr, n: usize) -> BTreeMap<String, usize> {
-        let replies = self
-            .topo
-            .curl_many_from(pod, &format!("http://{vip}/"), n)
-            .unwrap_or_else(|e| self.fail(&format!("curl_many from {pod}: {e:#}")));
-        let mut counts = BTreeMap::new();
-        for (i, reply) in replies.into_iter().enumerate() {
-            match reply {
-                Ok(CurlReply { body, remote_ip }) => {
-                    self.check(remote_ip == vip.to_string(), || {
-                        format!("{pod} request {i}: answered by {remote_ip}, not the VIP {vip}")
-                    });
-                    *counts.entry(body).or_insert(0) += 1;
-                }
-                Err(e) => self.fail(&format!("{pod} request {i} of {n} to {vip} failed: {e}")),
-            }
-        }
-        counts
-    }
 }
 
 /// Requests per backend for each scheduler, chosen per Service by the annotation: 30 requests
@@ -1966,7 +1845,7 @@ fn requests_per_backend_for_each_scheduler_annotation() {
         let picks_before = env.agent.counter(counter).expect("pick counter");
         let per_client: Vec<BTreeMap<String, usize>> = clients
             .iter()
-            .map(|c| env.distribution_from(c, vip, PER_CLIENT))
+            .map(|c| env.distribution_from(c, vip, 80, PER_CLIENT))
             .collect();
         let picks = env.agent.counter(counter).expect("pick counter") - picks_before;
         env.check(picks == (PER_CLIENT * clients.len()) as u64, || {
@@ -2032,7 +1911,7 @@ fn requests_per_backend_for_each_scheduler_annotation() {
     env.wait_scheduler(sched_vip(k), "dh");
     let mut after: BTreeMap<String, usize> = BTreeMap::new();
     for c in clients {
-        for (b, n) in env.distribution_from(c, sched_vip(k), PER_CLIENT) {
+        for (b, n) in env.distribution_from(c, sched_vip(k), 80, PER_CLIENT) {
             *after.entry(b).or_default() += n;
         }
     }

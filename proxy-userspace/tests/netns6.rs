@@ -10,6 +10,8 @@
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! RAII guards remove namespaces, agents and pins even when an assertion fails.
 
+mod common_netns;
+
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -17,62 +19,17 @@ use std::{
     time::Duration,
 };
 
+use common_netns::{Cluster, Env};
 use proxy_testenv::{
-    Agent, BACKENDS, BACKENDS6, CLIENT_IP6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_CLIENT_IP6,
-    EXT_DEVICE, FamilyService, GATEWAY6, ManifestDir, MultiNode, NODE_IPS6, NODE_NAMES, NetNs,
-    PinDir, Proc, ServicePort, Topology, http_url, http6_get_with_peer, require_privileged,
-    udp6_request_from,
+    BACKENDS, BACKENDS6, CLIENT_IP6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_CLIENT_IP6,
+    FamilyService, GATEWAY6, ManifestDir, MultiNode, NODE_IPS6, NetNs, Proc, ServicePort, http_url,
+    http6_get_with_peer, require_privileged, udp6_request_from,
 };
 
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
 const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const WEB6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10);
 const ECHO6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x20);
 const WEB_NODE_PORT: u16 = 30080;
-
-/// Field order is drop order: the agent dies first, then pins, manifests and namespaces go.
-struct Env {
-    agent: Agent,
-    _pins: PinDir,
-    _manifests: ManifestDir,
-    topo: Topology,
-}
-
-impl Env {
-    /// The standard topology, `services` written, the agent synced and attached to every pod.
-    fn start(services: impl FnOnce(&ManifestDir)) -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let topo = Topology::new().expect("creating the topology");
-        let manifests = ManifestDir::new().expect("manifest dir");
-        services(&manifests);
-        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-        let mut agent = Agent::start(
-            Path::new(BIN),
-            topo.node(),
-            manifests.path(),
-            pins.path(),
-            topo.tmp().path(),
-        )
-        .expect("starting the agent");
-        agent
-            .wait_attached(&topo.pod_interfaces())
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        Self {
-            agent,
-            _pins: pins,
-            _manifests: manifests,
-            topo,
-        }
-    }
-
-    fn fail(&self, msg: &str) -> ! {
-        self.agent.fail(msg)
-    }
-
-    fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
-        self.agent.check(cond, msg)
-    }
-}
 
 fn addrs<const N: usize>(list: [(&str, impl Into<IpAddr> + Copy); N]) -> Vec<IpAddr> {
     list.iter().map(|(_, ip)| (*ip).into()).collect()
@@ -336,30 +293,6 @@ fn ipv6_pod_traffic_and_neighbour_discovery_pass_untouched_beside_ipv4_services(
 
 // ----- What issue 12 lists; needs the IPv6 control plane (v6ctl) to program SERVICES6_V1.
 
-/// `n` requests to `url` from the client; every reply must come from `vip`. Counts per backend.
-fn distribution(env: &Env, url: &str, vip: IpAddr, n: usize) -> BTreeMap<String, usize> {
-    let replies = env
-        .topo
-        .curl_many(url, n)
-        .unwrap_or_else(|e| env.fail(&format!("curl_many {url}: {e:#}")));
-    let mut counts = BTreeMap::new();
-    for (i, r) in replies.into_iter().enumerate() {
-        match r {
-            Ok(r) => {
-                env.check(r.remote_ip == vip.to_string(), || {
-                    format!(
-                        "request {i}: answered by {}, not the VIP {vip}",
-                        r.remote_ip
-                    )
-                });
-                *counts.entry(r.body).or_insert(0) += 1;
-            }
-            Err(e) => env.fail(&format!("request {i} of {n} to {url}: {e}")),
-        }
-    }
-    counts
-}
-
 #[test]
 fn ipv6_clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
     require_privileged!();
@@ -367,7 +300,7 @@ fn ipv6_clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
         web(m, &[WEB6.into()], &addrs(BACKENDS6), &[]);
         echo6(m);
     });
-    let counts = distribution(&env, &http_url(WEB6, 80), WEB6.into(), 60);
+    let counts = env.distribution(WEB6, 80, 60);
     env.check(counts.len() == 3, || {
         format!("60 requests reached {counts:?}")
     });
@@ -379,20 +312,7 @@ fn ipv6_clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
         v.client_addr.starts_with(&format!("[{CLIENT_IP6}]:")),
         || format!("{v:?}"),
     );
-    let mut udp = BTreeMap::new();
-    for i in 0..15 {
-        let payload = format!("ping{i}");
-        let r = env
-            .topo
-            .udp6_request(ECHO6, 53, &payload)
-            .unwrap_or_else(|e| env.fail(&format!("UDP {i} to [{ECHO6}]:53: {e:#}")));
-        env.check(*r.from.ip() == ECHO6 && r.from.port() == 53, || {
-            format!("reply from {}, want [{ECHO6}]:53", r.from)
-        });
-        let (backend, echoed) = r.body.split_once(':').unwrap_or_default();
-        env.check(echoed == payload, || format!("{:?}", r.body));
-        *udp.entry(backend.to_owned()).or_insert(0) += 1;
-    }
+    let udp = env.udp_echo_distribution(ECHO6.into(), 53, 15);
     env.check(udp.len() >= 2, || format!("15 datagrams reached {udp:?}"));
 }
 
@@ -402,8 +322,8 @@ fn the_same_dual_stack_service_answers_on_both_families() {
     let mut both = addrs(BACKENDS);
     both.extend(addrs(BACKENDS6));
     let env = Env::start(|m| web(m, &[WEB.into(), WEB6.into()], &both, &[]));
-    let v4 = distribution(&env, &http_url(WEB, 80), WEB.into(), 30);
-    let v6 = distribution(&env, &http_url(WEB6, 80), WEB6.into(), 30);
+    let v4 = env.distribution(WEB, 80, 30);
+    let v6 = env.distribution(WEB6, 80, 30);
     env.check(v4.len() == 3 && v6.len() == 3, || {
         format!("IPv4 {v4:?}, IPv6 {v6:?}")
     });
@@ -426,7 +346,7 @@ fn client_icmp6_dest_unreachs(env: &Env) -> u64 {
 fn a_dual_stack_service_with_ipv4_endpoints_only_rejects_on_ipv6() {
     require_privileged!();
     let env = Env::start(|m| web(m, &[WEB.into(), WEB6.into()], &addrs(BACKENDS), &[]));
-    let v4 = distribution(&env, &http_url(WEB, 80), WEB.into(), 10);
+    let v4 = env.distribution(WEB, 80, 10);
     env.check(!v4.is_empty(), || "IPv4 half unanswered".to_owned());
     // As upstream: each family's frontends come from its own slices; the IPv6 one has none, so
     // a new connection gets ICMPv6 destination unreachable (port) → ECONNREFUSED.
@@ -490,59 +410,14 @@ fn node_processes_reach_an_ipv6_clusterip_through_connect6() {
     });
 }
 
-/// Both nodes' agents on the same manifests, dual-stack cluster CIDR.
-struct Cluster {
-    agents: Vec<Agent>,
-    _pins: Vec<PinDir>,
-    _manifests: ManifestDir,
-    net: MultiNode,
-}
-
+/// Both nodes' agents on the same manifests, dual-stack cluster CIDR, the IPv4 backends on
+/// node A.
 fn cluster(services: impl FnOnce(&ManifestDir)) -> Cluster {
-    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
     let mut net = MultiNode::new().expect("two nodes");
     for (name, ip) in BACKENDS {
         net.add_backend(0, name, ip).expect("backend on node A");
     }
-    let manifests = ManifestDir::new().expect("manifest dir");
-    services(&manifests);
-    let mut pins = Vec::new();
-    let mut agents = Vec::new();
-    for (i, name) in NODE_NAMES.iter().enumerate() {
-        let node = net.node(i);
-        let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
-        let args = [
-            "--manifests".as_ref(),
-            manifests.path().as_os_str(),
-            "--devices".as_ref(),
-            EXT_DEVICE.as_ref(),
-            "--hostname-override".as_ref(),
-            name.as_ref(),
-            "--cluster-cidr".as_ref(),
-            CLUSTER_CIDR_DUAL.as_ref(),
-        ];
-        let mut agent = Agent::start_with(
-            Path::new(BIN),
-            node.node(),
-            &args,
-            pin.path(),
-            node.tmp().path(),
-        )
-        .expect("starting an agent");
-        let mut want = node.pod_interfaces();
-        want.push(EXT_DEVICE.to_owned());
-        agent
-            .wait_attached(&want)
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        pins.push(pin);
-        agents.push(agent);
-    }
-    Cluster {
-        agents,
-        _pins: pins,
-        _manifests: manifests,
-        net,
-    }
+    Cluster::start_on(net, CLUSTER_CIDR_DUAL, services)
 }
 
 #[test]

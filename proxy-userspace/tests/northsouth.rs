@@ -8,12 +8,15 @@
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! Everything lives in network namespaces the test creates; RAII guards remove them.
 
-use std::{net::Ipv4Addr, path::Path, time::Duration};
+mod common_netns;
 
+use std::{net::Ipv4Addr, time::Duration};
+
+use common_netns::Cluster;
 use proxy_testenv::{
-    Agent, CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, L3_TUNNEL_DEVICE,
-    L3_TUNNEL_IPS, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES, PinDir, VXLAN_DEVICE, VXLAN_IPS,
-    http_get_with_peer, require_privileged, udp_request_from,
+    CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, L3_TUNNEL_DEVICE, L3_TUNNEL_IPS,
+    MultiNode, NODE_IPS, NODE_NAMES, VXLAN_DEVICE, VXLAN_IPS, http_get_with_peer,
+    require_privileged, udp_request_from,
 };
 
 /// Connected UDP socket: send one datagram, print "refused" if an ICMP port unreachable comes
@@ -32,7 +35,6 @@ except ConnectionRefusedError:
 except socket.timeout:
     print("timeout")
 "#;
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
 const NODE_A: usize = 0;
 const NODE_B: usize = 1;
 /// Backends: on node B only (eTP=Cluster via node A must SNAT), and one on each node.
@@ -44,13 +46,8 @@ const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 70, 10);
 const HC_PORT: u16 = 32_000;
 
-/// Field order is drop order: agents first, then pins, manifests, namespaces.
-struct Env {
-    agents: Vec<Agent>,
-    _pins: Vec<PinDir>,
-    _manifests: ManifestDir,
-    net: MultiNode,
-}
+/// Both nodes' agents (the shared two-node harness) with this suite's pods.
+type Env = Cluster;
 
 impl Env {
     /// Both nodes with backends on node B, `yaml` written, both agents synced and attached.
@@ -63,62 +60,15 @@ impl Env {
 
     /// As [`Env::start`] on `net`.
     fn start_in(mut net: MultiNode, yaml: &str) -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
         net.add_backend(NODE_B, "b-web", B_WEB)
             .expect("backend b-web");
         net.add_backend(NODE_B, "b-loc", B_LOCAL)
             .expect("backend b-loc");
         net.add_backend(NODE_A, "a-cli", A_CLIENT)
             .expect("pod a-cli");
-        let manifests = ManifestDir::new().expect("manifest dir");
-        std::fs::write(manifests.path().join("services.yaml"), yaml).expect("writing manifests");
-        let mut agents = Vec::new();
-        let mut pins = Vec::new();
-        for i in [NODE_A, NODE_B] {
-            let node = net.node(i);
-            let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
-            let args: Vec<&std::ffi::OsStr> = [
-                "--manifests".as_ref(),
-                manifests.path().as_os_str(),
-                "--devices".as_ref(),
-                EXT_DEVICE.as_ref(),
-                "--hostname-override".as_ref(),
-                NODE_NAMES[i].as_ref(),
-                "--cluster-cidr".as_ref(),
-                CLUSTER_CIDR.as_ref(),
-            ]
-            .to_vec();
-            let mut agent = Agent::start_with(
-                Path::new(BIN),
-                node.node(),
-                &args,
-                pin.path(),
-                node.tmp().path(),
-            )
-            .expect("starting the agent");
-            let mut want = node.pod_interfaces();
-            want.push(EXT_DEVICE.to_owned());
-            agent
-                .wait_attached(&want)
-                .unwrap_or_else(|e| panic!("node {i}: {e:#}"));
-            agents.push(agent);
-            pins.push(pin);
-        }
-        Self {
-            agents,
-            _pins: pins,
-            _manifests: manifests,
-            net,
-        }
-    }
-
-    /// Panics with the message and both agents' log tails.
-    fn fail(&self, msg: &str) -> ! {
-        panic!(
-            "{msg}\n--- node A agent log (tail) ---\n{}\n--- node B agent log (tail) ---\n{}",
-            self.agents[NODE_A].log_tail(),
-            self.agents[NODE_B].log_tail()
-        )
+        Self::start_on(net, CLUSTER_CIDR, |m| {
+            std::fs::write(m.path().join("services.yaml"), yaml).expect("writing manifests");
+        })
     }
 
     fn get(&self, url: &str) -> proxy_testenv::HttpReply {

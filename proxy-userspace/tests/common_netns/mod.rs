@@ -1,0 +1,237 @@
+//! Harness shared by the network-namespace suites (netns.rs, netns6.rs, northsouth.rs, and the
+//! suites written after their pattern): the agent running standalone on the standard one-node
+//! topology ([`Env`]) or on each node of the two-node topology ([`Cluster`]), and the request
+//! loops that count which backend answered a Service while checking every reply came from it.
+//! Everything lives in namespaces, pin dirs and manifest dirs the test creates; the RAII guards
+//! here remove them (agents first) even when an assertion fails.
+
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the helpers"
+)]
+
+use std::{
+    collections::BTreeMap,
+    ffi::OsStr,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+};
+
+use proxy_testenv::{
+    Agent, CurlReply, EXT_DEVICE, ManifestDir, MultiNode, NODE_NAMES, PinDir, Topology, http_url,
+};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+
+/// One agent on the standard topology. Field order is drop order: the agent dies first, then
+/// pins, manifests and namespaces go.
+pub struct Env {
+    pub agent: Agent,
+    pub pins: PinDir,
+    pub manifests: ManifestDir,
+    pub topo: Topology,
+}
+
+impl Env {
+    /// Topology + manifests written by `services` + agent synced and attached to all pods.
+    pub fn start(services: impl FnOnce(&ManifestDir)) -> Self {
+        Self::start_with_flags(services, &[])
+    }
+
+    /// As [`Env::start`], with extra `run` flags.
+    pub fn start_with_flags(services: impl FnOnce(&ManifestDir), flags: &[&str]) -> Self {
+        let topo = Topology::new().expect("creating the topology");
+        Self::start_on_with_flags(topo, services, flags)
+    }
+
+    /// As [`Env::start`] on a topology the test prepared (programs already on its interfaces).
+    pub fn start_on(topo: Topology, services: impl FnOnce(&ManifestDir)) -> Self {
+        Self::start_on_with_flags(topo, services, &[])
+    }
+
+    /// As [`Env::start_on`], with extra `run` flags.
+    pub fn start_on_with_flags(
+        topo: Topology,
+        services: impl FnOnce(&ManifestDir),
+        flags: &[&str],
+    ) -> Self {
+        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+        let manifests = ManifestDir::new().expect("manifest dir");
+        services(&manifests);
+        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
+        let mut args = vec!["--manifests".as_ref(), manifests.path().as_os_str()];
+        args.extend(flags.iter().map(OsStr::new));
+        let mut agent = Agent::start_with(
+            Path::new(BIN),
+            topo.node(),
+            &args,
+            pins.path(),
+            topo.tmp().path(),
+        )
+        .expect("starting the agent");
+        agent
+            .wait_attached(&topo.pod_interfaces())
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        Self {
+            agent,
+            pins,
+            manifests,
+            topo,
+        }
+    }
+
+    /// Panics with the message and the agent's log tail.
+    pub fn fail(&self, msg: &str) -> ! {
+        self.agent.fail(msg)
+    }
+
+    pub fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
+        self.agent.check(cond, msg)
+    }
+
+    /// `n` HTTP requests from the client pod to `vip`:`port`; see [`Env::distribution_from`].
+    pub fn distribution(
+        &self,
+        vip: impl Into<IpAddr>,
+        port: u16,
+        n: usize,
+    ) -> BTreeMap<String, usize> {
+        self.distribution_from("client", vip, port, n)
+    }
+
+    /// `n` HTTP requests (one TCP connection each) from `pod` to `vip`:`port`; every one must be
+    /// answered, from the VIP. Counts per backend (the reply body is its pod name).
+    pub fn distribution_from(
+        &self,
+        pod: &str,
+        vip: impl Into<IpAddr>,
+        port: u16,
+        n: usize,
+    ) -> BTreeMap<String, usize> {
+        let vip = vip.into();
+        let url = http_url(vip, port);
+        let replies = self
+            .topo
+            .curl_many_from(pod, &url, n)
+            .unwrap_or_else(|e| self.fail(&format!("curl_many from {pod} to {url}: {e:#}")));
+        let mut counts = BTreeMap::new();
+        for (i, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Ok(CurlReply { body, remote_ip }) => {
+                    self.check(remote_ip == vip.to_string(), || {
+                        format!("{pod} request {i}: answered by {remote_ip}, not the VIP {vip}")
+                    });
+                    *counts.entry(body).or_insert(0) += 1;
+                }
+                Err(e) => self.fail(&format!("{pod} request {i} of {n} to {url} failed: {e}")),
+            }
+        }
+        counts
+    }
+
+    /// `n` UDP datagrams `ping<i>` from the client pod to `vip`:`port` (a Service on the
+    /// backends' echo servers); every one must be echoed back, from `vip`:`port`. Counts per
+    /// backend (the echo is `<pod name>:<payload>`).
+    pub fn udp_echo_distribution(
+        &self,
+        vip: IpAddr,
+        port: u16,
+        n: usize,
+    ) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for i in 0..n {
+            let payload = format!("ping{i}");
+            let reply = match vip {
+                IpAddr::V4(ip) => (self.topo.udp_request(ip, port, &payload))
+                    .map(|r| (SocketAddr::V4(r.from), r.body)),
+                IpAddr::V6(ip) => (self.topo.udp6_request(ip, port, &payload))
+                    .map(|r| (SocketAddr::V6(r.from), r.body)),
+            };
+            let to = SocketAddr::new(vip, port);
+            let (from, body) =
+                reply.unwrap_or_else(|e| self.fail(&format!("UDP request {i} to {to}: {e:#}")));
+            self.check(from.ip() == vip && from.port() == port, || {
+                format!("UDP reply from {from} instead of {to}")
+            });
+            let (backend, echoed) = body.split_once(':').unwrap_or_default();
+            self.check(echoed == payload, || {
+                format!("UDP echo {body:?} for {payload}")
+            });
+            *counts.entry(backend.to_owned()).or_insert(0) += 1;
+        }
+        counts
+    }
+}
+
+/// One agent on each node of the two-node topology, all on the same manifests. Field order is
+/// drop order: agents first, then pins, manifests, namespaces.
+pub struct Cluster {
+    pub agents: Vec<Agent>,
+    _pins: Vec<PinDir>,
+    _manifests: ManifestDir,
+    pub net: MultiNode,
+}
+
+impl Cluster {
+    /// `services` written, then on each node of `net` (its pods already added) an agent with
+    /// `--devices ext0 --hostname-override <node> --cluster-cidr <cluster_cidr>`, synced and
+    /// attached to its pods and ext0.
+    pub fn start_on(
+        net: MultiNode,
+        cluster_cidr: &str,
+        services: impl FnOnce(&ManifestDir),
+    ) -> Self {
+        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+        let manifests = ManifestDir::new().expect("manifest dir");
+        services(&manifests);
+        let mut agents = Vec::new();
+        let mut pins = Vec::new();
+        for (i, name) in NODE_NAMES.iter().enumerate() {
+            let node = net.node(i);
+            let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
+            let args = [
+                "--manifests".as_ref(),
+                manifests.path().as_os_str(),
+                "--devices".as_ref(),
+                EXT_DEVICE.as_ref(),
+                "--hostname-override".as_ref(),
+                name.as_ref(),
+                "--cluster-cidr".as_ref(),
+                cluster_cidr.as_ref(),
+            ];
+            let mut agent = Agent::start_with(
+                Path::new(BIN),
+                node.node(),
+                &args,
+                pin.path(),
+                node.tmp().path(),
+            )
+            .expect("starting the agent");
+            let mut want = node.pod_interfaces();
+            want.push(EXT_DEVICE.to_owned());
+            agent
+                .wait_attached(&want)
+                .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            agents.push(agent);
+            pins.push(pin);
+        }
+        Self {
+            agents,
+            _pins: pins,
+            _manifests: manifests,
+            net,
+        }
+    }
+
+    /// Panics with the message and every node's agent log tail.
+    pub fn fail(&self, msg: &str) -> ! {
+        let mut text = msg.to_owned();
+        for (name, agent) in NODE_NAMES.iter().zip(&self.agents) {
+            text.push_str(&format!(
+                "\n--- {name} agent log (tail) ---\n{}",
+                agent.log_tail()
+            ));
+        }
+        panic!("{text}")
+    }
+}
