@@ -214,6 +214,41 @@ fn crc_ok(frame: &[u8]) -> bool {
     crc32c::checksum(&s).to_le_bytes() == field
 }
 
+/// The conntrack entry fields these tests read, either family.
+struct Entry {
+    state: u8,
+    created_ns: u64,
+    frontend_addr: Vec<u8>,
+    frontend_port: u16,
+    backend_id: u32,
+}
+
+/// [`Datapath::entry`] in one family's map: the IPv4 and IPv6 conntrack keys and values have
+/// the same fields, only the address widths differ.
+macro_rules! sctp_entry {
+    ($dp:expr, $map:expr, $key:ident, $value:ident, $s:expr, $d:expr, $sport:expr, $dport:expr, $dir:expr) => {{
+        let key = $key {
+            saddr: $s.octets(),
+            daddr: $d.octets(),
+            sport: $sport.to_be_bytes(),
+            dport: $dport.to_be_bytes(),
+            proto: proto::SCTP,
+            dir: $dir,
+            _pad: [0; 2],
+        };
+        $dp.map::<$key, $value>($map)
+            .get(&key, 0)
+            .ok()
+            .map(|c| Entry {
+                state: c.state,
+                created_ns: c.created_ns,
+                frontend_addr: c.frontend_addr.to_vec(),
+                frontend_port: u16::from_be_bytes(c.frontend_port),
+                backend_id: c.backend_id,
+            })
+    }};
+}
+
 struct Datapath {
     bpf: Ebpf,
 }
@@ -369,6 +404,12 @@ impl Datapath {
         out
     }
 
+    /// `frame` through `prog` passes on (TC_NEXT) byte for byte as it came.
+    fn passes_untouched(&self, what: &str, prog: &str, frame: &[u8]) {
+        let (v, out) = self.run(prog, frame);
+        assert_eq!((v, out.as_slice()), (TC_NEXT, frame), "{what}");
+    }
+
     /// A [`Datapath::step`] through tc ingress that passes on (TC_NEXT).
     fn ingress(&self, what: &str, input: &Sctp, want: Option<&Sctp>, counter: Counter) -> Vec<u8> {
         self.step(what, PROG_TC_INGRESS, input, TC_NEXT, want, counter)
@@ -379,26 +420,38 @@ impl Datapath {
         self.step(what, PROG_TC_EGRESS, input, TC_NEXT, want, counter)
     }
 
-    fn ct(&mut self, key: &CtKey) -> Option<CtValue> {
-        self.map::<CtKey, CtValue>(MAP_CONNTRACK).get(key, 0).ok()
-    }
-
-    fn ct6(&mut self, key: &Ct6Key) -> Option<Ct6Value> {
-        self.map::<Ct6Key, Ct6Value>(MAP_CONNTRACK6)
-            .get(key, 0)
-            .ok()
+    /// The conntrack entry of `saddr:sport → daddr:dport` in direction `dir`, either family.
+    fn entry(
+        &mut self,
+        (saddr, sport): (IpAddr, u16),
+        (daddr, dport): (IpAddr, u16),
+        dir: u8,
+    ) -> Option<Entry> {
+        match (saddr, daddr) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                sctp_entry!(self, MAP_CONNTRACK, CtKey, CtValue, s, d, sport, dport, dir)
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                sctp_entry!(
+                    self,
+                    MAP_CONNTRACK6,
+                    Ct6Key,
+                    Ct6Value,
+                    s,
+                    d,
+                    sport,
+                    dport,
+                    dir
+                )
+            }
+            _ => panic!("{saddr} and {daddr}: addresses of two families"),
+        }
     }
 
     /// The ORIGINAL entry of `client`'s flow, either family: (state, created_ns).
     fn original(&mut self, client: &Sctp) -> Option<(u8, u64)> {
-        match client.saddr {
-            IpAddr::V4(_) => self
-                .ct(&original_key(client))
-                .map(|c| (c.state, c.created_ns)),
-            IpAddr::V6(_) => self
-                .ct6(&original_key6(client))
-                .map(|c| (c.state, c.created_ns)),
-        }
+        let (from, to) = ((client.saddr, client.sport), (client.daddr, client.dport));
+        (self.entry(from, to, ct_dir::ORIGINAL)).map(|e| (e.state, e.created_ns))
     }
 
     fn state(&mut self, client: &Sctp) -> u8 {
@@ -408,38 +461,9 @@ impl Datapath {
     /// The REPLY entry of `client`'s flow to `backend:port`, either family: (frontend address
     /// octets, frontend port, backend id).
     fn reply(&mut self, client: &Sctp, backend: IpAddr, port: u16) -> Option<(Vec<u8>, u16, u32)> {
-        let (sport, dport) = (port.to_be_bytes(), client.sport.to_be_bytes());
-        match (backend, client.saddr) {
-            (IpAddr::V4(b), IpAddr::V4(c)) => self
-                .ct(&CtKey {
-                    saddr: b.octets(),
-                    daddr: c.octets(),
-                    sport,
-                    dport,
-                    proto: proto::SCTP,
-                    dir: ct_dir::REPLY,
-                    _pad: [0; 2],
-                })
-                .map(|r| {
-                    let port = u16::from_be_bytes(r.frontend_port);
-                    (r.frontend_addr.to_vec(), port, r.backend_id)
-                }),
-            (IpAddr::V6(b), IpAddr::V6(c)) => self
-                .ct6(&Ct6Key {
-                    saddr: b.octets(),
-                    daddr: c.octets(),
-                    sport,
-                    dport,
-                    proto: proto::SCTP,
-                    dir: ct_dir::REPLY,
-                    _pad: [0; 2],
-                })
-                .map(|r| {
-                    let port = u16::from_be_bytes(r.frontend_port);
-                    (r.frontend_addr.to_vec(), port, r.backend_id)
-                }),
-            _ => panic!("addresses of two families"),
-        }
+        let (from, to) = ((backend, port), (client.saddr, client.sport));
+        (self.entry(from, to, ct_dir::REPLY))
+            .map(|e| (e.frontend_addr, e.frontend_port, e.backend_id))
     }
 }
 
@@ -447,36 +471,6 @@ fn octets(a: IpAddr) -> Vec<u8> {
     match a {
         IpAddr::V4(a) => a.octets().to_vec(),
         IpAddr::V6(a) => a.octets().to_vec(),
-    }
-}
-
-fn original_key6(p: &Sctp) -> Ct6Key {
-    let (IpAddr::V6(s), IpAddr::V6(d)) = (p.saddr, p.daddr) else {
-        panic!("{p:?} is not IPv6")
-    };
-    Ct6Key {
-        saddr: s.octets(),
-        daddr: d.octets(),
-        sport: p.sport.to_be_bytes(),
-        dport: p.dport.to_be_bytes(),
-        proto: proto::SCTP,
-        dir: ct_dir::ORIGINAL,
-        _pad: [0; 2],
-    }
-}
-
-fn original_key(p: &Sctp) -> CtKey {
-    let (IpAddr::V4(s), IpAddr::V4(d)) = (p.saddr, p.daddr) else {
-        panic!("{p:?} is not IPv4")
-    };
-    CtKey {
-        saddr: s.octets(),
-        daddr: d.octets(),
-        sport: p.sport.to_be_bytes(),
-        dport: p.dport.to_be_bytes(),
-        proto: proto::SCTP,
-        dir: ct_dir::ORIGINAL,
-        _pad: [0; 2],
     }
 }
 
@@ -757,12 +751,7 @@ fn sctp_truncated_and_fragmented_packets_to_a_service_are_dropped() {
         3868,
         chunk::INIT,
     );
-    let (v, out) = dp.run(PROG_TC_EGRESS, &elsewhere.bytes());
-    assert_eq!(
-        (v, out),
-        (TC_NEXT, elsewhere.bytes()),
-        "untracked: untouched"
-    );
+    dp.passes_untouched("untracked: untouched", PROG_TC_EGRESS, &elsewhere.bytes());
 }
 
 /// NodePort to a remote backend: DNAT on ingress, SNAT to the node (address and port, CRC32c
@@ -951,18 +940,12 @@ fn sctp_over_ipv6_truncated_and_fragmented_packets_to_a_service_are_dropped() {
         Counter::DropFragment,
     );
     let later = sctp6_to_vip(&[Ext6::fragment(4, false, 0x77)], &[0; 16]);
-    let (v, out) = dp.run(PROG_TC_INGRESS, &later);
-    assert_eq!(
-        (v, out),
-        (TC_NEXT, later.clone()),
-        "a later fragment: untouched"
-    );
+    dp.passes_untouched("a later fragment: untouched", PROG_TC_INGRESS, &later);
     let elsewhere = first_fragment.to(Ipv6Addr::new(0xfd00, 0x244, 9, 0, 0, 0, 0, 9), 3868);
-    let (v, out) = dp.run(PROG_TC_INGRESS, &elsewhere.bytes());
-    assert_eq!(
-        (v, out),
-        (TC_NEXT, elsewhere.bytes()),
-        "to no Service: untouched"
+    dp.passes_untouched(
+        "to no Service: untouched",
+        PROG_TC_INGRESS,
+        &elsewhere.bytes(),
     );
 }
 
