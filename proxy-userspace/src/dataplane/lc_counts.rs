@@ -51,69 +51,52 @@ pub struct FlowFacts {
     pub flags: u8,
 }
 
-impl Tracked for CtValue {
-    type Key = CtKey;
+/// [`Tracked`] for one family's conntrack value: the IPv4 and IPv6 keys and values have the
+/// same fields (only the address widths differ), so one body serves both.
+macro_rules! tracked {
+    ($value:ident, $key:ident) => {
+        impl Tracked for $value {
+            type Key = $key;
 
-    fn dir(key: &CtKey) -> u8 {
-        key.dir
-    }
+            fn dir(key: &$key) -> u8 {
+                key.dir
+            }
 
-    fn proto(key: &CtKey) -> u8 {
-        key.proto
-    }
+            fn proto(key: &$key) -> u8 {
+                key.proto
+            }
 
-    fn original_key_of(reply: &CtKey, value: &Self) -> CtKey {
-        original_key_of(reply, value)
-    }
+            fn original_key_of(reply: &$key, v: &Self) -> $key {
+                $key {
+                    saddr: reply.daddr,
+                    daddr: v.frontend_addr,
+                    sport: if v.flags & ct_flags::SPORT_NAT != 0 {
+                        v.nat_sport
+                    } else {
+                        reply.dport
+                    },
+                    dport: v.frontend_port,
+                    proto: reply.proto,
+                    dir: ct_dir::ORIGINAL,
+                    _pad: [0; 2],
+                }
+            }
 
-    fn facts(&self) -> FlowFacts {
-        FlowFacts {
-            last_seen_ns: self.last_seen_ns,
-            created_ns: self.created_ns,
-            backend_id: self.backend_id,
-            state: self.state,
-            flags: self.flags,
+            fn facts(&self) -> FlowFacts {
+                FlowFacts {
+                    last_seen_ns: self.last_seen_ns,
+                    created_ns: self.created_ns,
+                    backend_id: self.backend_id,
+                    state: self.state,
+                    flags: self.flags,
+                }
+            }
         }
-    }
+    };
 }
 
-impl Tracked for Ct6Value {
-    type Key = Ct6Key;
-
-    fn dir(key: &Ct6Key) -> u8 {
-        key.dir
-    }
-
-    fn proto(key: &Ct6Key) -> u8 {
-        key.proto
-    }
-
-    fn original_key_of(reply: &Ct6Key, v: &Self) -> Ct6Key {
-        Ct6Key {
-            saddr: reply.daddr,
-            daddr: v.frontend_addr,
-            sport: if v.flags & ct_flags::SPORT_NAT != 0 {
-                v.nat_sport
-            } else {
-                reply.dport
-            },
-            dport: v.frontend_port,
-            proto: reply.proto,
-            dir: ct_dir::ORIGINAL,
-            _pad: [0; 2],
-        }
-    }
-
-    fn facts(&self) -> FlowFacts {
-        FlowFacts {
-            last_seen_ns: self.last_seen_ns,
-            created_ns: self.created_ns,
-            backend_id: self.backend_id,
-            state: self.state,
-            flags: self.flags,
-        }
-    }
-}
+tracked!(CtValue, CtKey);
+tracked!(Ct6Value, Ct6Key);
 
 /// The flows the walk found per backend id, in one family's listing.
 #[derive(Debug)]
@@ -166,24 +149,6 @@ impl<K: Copy + Eq + Hash> Tally<K> {
             }
         }
         self.counts
-    }
-}
-
-/// The ORIGINAL key of the flow whose REPLY key and value these are (as the datapath's
-/// `conntrack::original_key_of`).
-pub fn original_key_of(reply: &CtKey, v: &CtValue) -> CtKey {
-    CtKey {
-        saddr: reply.daddr,
-        daddr: v.frontend_addr,
-        sport: if v.flags & ct_flags::SPORT_NAT != 0 {
-            v.nat_sport
-        } else {
-            reply.dport
-        },
-        dport: v.frontend_port,
-        proto: reply.proto,
-        dir: ct_dir::ORIGINAL,
-        _pad: [0; 2],
     }
 }
 
@@ -374,43 +339,6 @@ mod tests {
         a
     }
 
-    /// The ORIGINAL and REPLY entries of an IPv6 flow from client port `port` to backend `id`.
-    fn flow6(port: u16, id: u32, flags: u8, created: u64) -> [(Ct6Key, Ct6Value); 2] {
-        let value = Ct6Value {
-            last_seen_ns: created,
-            created_ns: created,
-            backend_id: id,
-            rev_nat_id: 1,
-            frontend_addr: addr6(0x10),
-            backend_addr: addr6(id as u8),
-            frontend_port: 80u16.to_be_bytes(),
-            backend_port: 80u16.to_be_bytes(),
-            state: ct_state::ESTABLISHED,
-            flags,
-            nat_sport: [0; 2],
-        };
-        let original = Ct6Key {
-            saddr: addr6(0x99),
-            daddr: value.frontend_addr,
-            sport: port.to_be_bytes(),
-            dport: 80u16.to_be_bytes(),
-            proto: 6,
-            dir: ct_dir::ORIGINAL,
-            _pad: [0; 2],
-        };
-        let reply = Ct6Key {
-            saddr: value.backend_addr,
-            daddr: original.saddr,
-            sport: value.backend_port,
-            dport: original.sport,
-            proto: 6,
-            dir: ct_dir::REPLY,
-            _pad: [0; 2],
-        };
-        assert_eq!(Ct6Value::original_key_of(&reply, &value), original);
-        [(original, value), (reply, value)]
-    }
-
     fn backends() -> BackendEntries {
         [1u32, 2, 3]
             .into_iter()
@@ -426,41 +354,79 @@ mod tests {
             .collect()
     }
 
+    /// The ORIGINAL and REPLY entries of a flow from client `client`:`port` to `frontend`:80,
+    /// served by backend `id` at `backend`:80, either family (the keys and values of both have
+    /// the same fields). Checks the REPLY entry leads back to the ORIGINAL one.
+    macro_rules! flow_entries {
+        ($key:ident, $value:ident, $client:expr, $frontend:expr, $backend:expr,
+         $port:expr, $id:expr, $flags:expr, $created:expr) => {{
+            let value = $value {
+                last_seen_ns: $created,
+                created_ns: $created,
+                backend_id: $id,
+                rev_nat_id: 1,
+                frontend_addr: $frontend,
+                backend_addr: $backend,
+                frontend_port: 80u16.to_be_bytes(),
+                backend_port: 80u16.to_be_bytes(),
+                state: ct_state::ESTABLISHED,
+                flags: $flags,
+                nat_sport: [0; 2],
+            };
+            let original = $key {
+                saddr: $client,
+                daddr: value.frontend_addr,
+                sport: $port.to_be_bytes(),
+                dport: 80u16.to_be_bytes(),
+                proto: 6,
+                dir: ct_dir::ORIGINAL,
+                _pad: [0; 2],
+            };
+            let reply = $key {
+                saddr: value.backend_addr,
+                daddr: original.saddr,
+                sport: value.backend_port,
+                dport: original.sport,
+                proto: 6,
+                dir: ct_dir::REPLY,
+                _pad: [0; 2],
+            };
+            assert_eq!($value::original_key_of(&reply, &value), original);
+            [(original, value), (reply, value)]
+        }};
+    }
+
+    /// The ORIGINAL and REPLY entries of a flow from client port `port` to backend `id`, over
+    /// IPv6.
+    fn flow6(port: u16, id: u32, flags: u8, created: u64) -> [(Ct6Key, Ct6Value); 2] {
+        let (client, frontend) = (addr6(0x99), addr6(0x10));
+        flow_entries!(
+            Ct6Key,
+            Ct6Value,
+            client,
+            frontend,
+            addr6(id as u8),
+            port,
+            id,
+            flags,
+            created
+        )
+    }
+
     /// The ORIGINAL and REPLY entries of a flow from client port `port` to backend `id`.
     fn flow(port: u16, id: u32, flags: u8, created: u64) -> [(CtKey, CtValue); 2] {
-        let value = CtValue {
-            last_seen_ns: created,
-            created_ns: created,
-            backend_id: id,
-            rev_nat_id: 1,
-            frontend_addr: [10, 96, 0, 1],
-            backend_addr: [10, 0, 0, id as u8],
-            frontend_port: 80u16.to_be_bytes(),
-            backend_port: 80u16.to_be_bytes(),
-            state: ct_state::ESTABLISHED,
+        let (client, frontend) = ([10, 244, 0, 1], [10, 96, 0, 1]);
+        flow_entries!(
+            CtKey,
+            CtValue,
+            client,
+            frontend,
+            [10, 0, 0, id as u8],
+            port,
+            id,
             flags,
-            nat_sport: [0; 2],
-        };
-        let original = CtKey {
-            saddr: [10, 244, 0, 1],
-            daddr: [10, 96, 0, 1],
-            sport: port.to_be_bytes(),
-            dport: 80u16.to_be_bytes(),
-            proto: 6,
-            dir: ct_dir::ORIGINAL,
-            _pad: [0; 2],
-        };
-        let reply = CtKey {
-            saddr: value.backend_addr,
-            daddr: original.saddr,
-            sport: value.backend_port,
-            dport: original.sport,
-            proto: 6,
-            dir: ct_dir::REPLY,
-            _pad: [0; 2],
-        };
-        assert_eq!(original_key_of(&reply, &value), original);
-        [(original, value), (reply, value)]
+            created
+        )
     }
 
     #[test]
