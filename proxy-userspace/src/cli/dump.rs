@@ -6,14 +6,14 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use proxy_common::{
     AffinityKey, AffinityValue, Counter, CtKey, CtValue, FragKey, FragValue, SCOPE_INTERNAL,
     Scheduler, ServiceValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, ct_state,
     frag_action, frag_hook,
-    ipv6::{Affinity6Key, Ct6Key, Ct6Value, MAP_CONNTRACK6},
+    ipv6::{Ct6Key, Ct6Value, MAP_CONNTRACK6},
     service_flags,
 };
 
@@ -586,37 +586,18 @@ pub fn affinity_table(
         }
         scope.1 = scope.1.max(v.affinity_timeout_s);
     }
-    let mut records: Vec<_> = records.iter().collect();
-    records.sort_by_key(|(k, _)| (k.affinity_id, k.client));
-    let mut records6: Vec<&(Affinity6Key, AffinityValue)> = v6.affinity.iter().collect();
-    records6.sort_by_key(|(k, _)| (k.affinity_id, k.client));
-    // (family, affinity id, client, record, endpoint)
-    let v4 = records.into_iter().map(|(k, v)| {
-        let endpoint = p
-            .backends
-            .get(&v.backend_id)
-            .map(|b| endpoint(b.addr, b.port));
-        (
-            IPV4,
-            k.affinity_id,
-            Ipv4Addr::from(k.client).to_string(),
-            v,
-            endpoint,
-        )
-    });
-    let v6_rows = records6.into_iter().map(|(k, v)| {
-        let endpoint = v6
-            .backends
-            .get(&v.backend_id)
-            .map(|b| endpoint6(b.addr, b.port));
-        (
-            IPV6,
-            k.affinity_id,
-            Ipv6Addr::from(k.client).to_string(),
-            v,
-            endpoint,
-        )
-    });
+    let v4 = affinity_rows(
+        IPV4,
+        records,
+        |k| (k.affinity_id, Ipv4Addr::from(k.client)),
+        |id| p.backends.get(&id).map(|b| endpoint(b.addr, b.port)),
+    );
+    let v6_rows = affinity_rows(
+        IPV6,
+        &v6.affinity,
+        |k| (k.affinity_id, Ipv6Addr::from(k.client)),
+        |id| v6.backends.get(&id).map(|b| endpoint6(b.addr, b.port)),
+    );
     let mut out = format!(
         "{:<6} {:<10} {:<15} {:<28} {:>8} {:>9} {:<8} {}\n",
         "FAMILY",
@@ -628,7 +609,7 @@ pub fn affinity_table(
         "STATE",
         "SERVICE PORT FRONTENDS"
     );
-    for (family, affinity_id, client, v, endpoint) in v4.chain(v6_rows) {
+    for (family, affinity_id, client, v, endpoint) in v4.into_iter().chain(v6_rows) {
         let endpoint = match endpoint {
             Some(e) => format!("{e} (#{})", v.backend_id),
             None => format!("#{} (gone)", v.backend_id),
@@ -660,6 +641,31 @@ pub fn affinity_table(
     out
 }
 
+/// One family's affinity records as `affinity_table` rows, sorted by (affinity id, client):
+/// (family, affinity id, client, record, the endpoint its backend id names, if any).
+fn affinity_rows<'a, K: 'a, C: Ord + Into<IpAddr>>(
+    family: &'static str,
+    records: impl IntoIterator<Item = &'a (K, AffinityValue)>,
+    id_and_client: impl Fn(&K) -> (u32, C),
+    endpoint: impl Fn(u32) -> Option<String>,
+) -> Vec<(&'static str, u32, String, &'a AffinityValue, Option<String>)> {
+    let mut rows: Vec<_> = (records.into_iter())
+        .map(|(k, v)| (id_and_client(k), v))
+        .collect();
+    rows.sort_by(|(a, _), (b, _)| a.cmp(b));
+    (rows.into_iter())
+        .map(|((id, client), v)| {
+            (
+                family,
+                id,
+                client.into().to_string(),
+                v,
+                endpoint(v.backend_id),
+            )
+        })
+        .collect()
+}
+
 pub fn stats_table(values: &[u64]) -> String {
     let mut out = format!("{:<28} {:>14}\n", "COUNTER", "PACKETS");
     for (c, v) in Counter::ALL.iter().zip(values) {
@@ -670,9 +676,19 @@ pub fn stats_table(values: &[u64]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{Backend, RevNat, ServiceKey, proto, sched};
+    use proxy_common::{Backend, RevNat, ServiceKey, ipv6::Affinity6Key, proto, sched};
 
     use super::*;
+
+    /// A TCP backend at 10.244.1.`last`:8080.
+    fn web_backend(last: u8) -> Backend {
+        Backend {
+            addr: [10, 244, 1, last],
+            port: 8080u16.to_be_bytes(),
+            proto: proto::TCP,
+            flags: 0,
+        }
+    }
 
     #[test]
     fn flow_states_are_named_per_protocol() {
@@ -789,24 +805,8 @@ mod tests {
         );
         p.services.insert(fe.with_slot(1), ServiceValue::slot(7));
         p.services.insert(fe.with_slot(2), ServiceValue::slot(8));
-        p.backends.insert(
-            7,
-            Backend {
-                addr: [10, 244, 1, 11],
-                port: 8080u16.to_be_bytes(),
-                proto: proto::TCP,
-                flags: 0,
-            },
-        );
-        p.backends.insert(
-            8,
-            Backend {
-                addr: [10, 244, 1, 12],
-                port: 8080u16.to_be_bytes(),
-                proto: proto::TCP,
-                flags: 0,
-            },
-        );
+        p.backends.insert(7, web_backend(11));
+        p.backends.insert(8, web_backend(12));
         p.rev_nats.insert(
             1,
             RevNat {
@@ -1011,15 +1011,7 @@ mod tests {
             ServiceKey::new([10, 96, 0, 11], 53u16.to_be_bytes(), proto::UDP, 0),
             ServiceValue::frontend(0, 3),
         );
-        p.backends.insert(
-            7,
-            Backend {
-                addr: [10, 244, 1, 11],
-                port: 8080u16.to_be_bytes(),
-                proto: proto::TCP,
-                flags: 0,
-            },
-        );
+        p.backends.insert(7, web_backend(11));
         let record = |id, client, backend_id, last_used_s: u64| {
             (
                 AffinityKey {
@@ -1193,15 +1185,7 @@ mod tests {
         };
         p.services.insert(fe4, affinity);
         p.services.insert(fe4.with_slot(1), ServiceValue::slot(1));
-        p.backends.insert(
-            1,
-            Backend {
-                addr: [10, 244, 1, 11],
-                port: 8080u16.to_be_bytes(),
-                proto: proto::TCP,
-                flags: 0,
-            },
-        );
+        p.backends.insert(1, web_backend(11));
         let mut v6 = Ipv6Tables::default();
         let fe6 = Service6Key::new(a6("fd00:96::10"), 80u16.to_be_bytes(), proto::TCP, 0);
         v6.services.insert(
