@@ -505,6 +505,33 @@ mod tests {
         started: mpsc::Sender<()>,
     }
 
+    /// The test's side of a [`Fake`]: `go` lets one held listing proceed, `started` says a walk
+    /// began listing, `adjust` is what the walks wrote to `LCADJ_V1`.
+    type Held = (mpsc::Sender<()>, mpsc::Receiver<()>, Arc<Mutex<Vec<u64>>>);
+
+    impl Fake {
+        /// A fake with these flows and `LCFLOWS_V1` counts (`flows[id]`), and the test's side of
+        /// it.
+        fn held(
+            conntrack: Vec<(CtKey, CtValue)>,
+            conntrack6: Vec<(Ct6Key, Ct6Value)>,
+            flows: Vec<u64>,
+        ) -> (Self, Held) {
+            let (go, listing) = mpsc::channel();
+            let (started, started_rx) = mpsc::channel();
+            let adjust = Arc::new(Mutex::new(vec![0u64; flows.len()]));
+            let fake = Fake {
+                conntrack,
+                conntrack6,
+                flows,
+                adjust: adjust.clone(),
+                listing: Arc::new(Mutex::new(listing)),
+                started,
+            };
+            (fake, (go, started_rx, adjust))
+        }
+    }
+
     impl FlowMaps for Fake {
         fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)> {
             let _ = self.started.send(());
@@ -583,18 +610,12 @@ mod tests {
     /// change writes last, from the new copy (the old backend's flows no longer count).
     #[test]
     fn a_walk_in_flight_never_writes_a_stale_correction_over_a_freed_and_reused_id() {
-        let (go, listing) = mpsc::channel();
-        let (started, started_rx) = mpsc::channel();
-        let adjust = Arc::new(Mutex::new(vec![0u64; 4]));
-        let fake = Fake {
-            conntrack: (1..=3).map(|p| counted_flow(p, 11)).collect(),
-            conntrack6: Vec::new(),
-            // The datapath counted the old backend's three flows on id 1.
-            flows: vec![0, 3, 0, 0],
-            adjust: adjust.clone(),
-            listing: Arc::new(Mutex::new(listing)),
-            started,
-        };
+        // The datapath counted the old backend's three flows on id 1.
+        let (fake, (go, started_rx, adjust)) = Fake::held(
+            (1..=3).map(|p| counted_flow(p, 11)).collect(),
+            Vec::new(),
+            vec![0, 3, 0, 0],
+        );
         let mut gc = FlowGc::start(fake, DatapathConfig::DEFAULT).expect("thread");
         let old: Backends = [(1, backend(11))].into_iter().collect();
         gc.request(old, true);
@@ -636,17 +657,8 @@ mod tests {
     /// Requests queued behind a running walk make one walk, with the newest backends.
     #[test]
     fn walks_asked_for_during_a_walk_are_merged_into_one() {
-        let (go, listing) = mpsc::channel();
-        let (started, started_rx) = mpsc::channel();
-        let adjust = Arc::new(Mutex::new(vec![0u64; 4]));
-        let fake = Fake {
-            conntrack: vec![counted_flow(1, 11)],
-            conntrack6: Vec::new(),
-            flows: vec![0, 1, 0, 0],
-            adjust: adjust.clone(),
-            listing: Arc::new(Mutex::new(listing)),
-            started,
-        };
+        let (fake, (go, started_rx, adjust)) =
+            Fake::held(vec![counted_flow(1, 11)], Vec::new(), vec![0, 1, 0, 0]);
         let mut gc = FlowGc::start(fake, DatapathConfig::DEFAULT).expect("thread");
         let with = |addr| -> Backends { [(1, backend(addr))].into_iter().collect() };
         gc.request(with(11), false);
@@ -712,23 +724,17 @@ mod tests {
     /// flows (ids are shared with IPv4).
     #[test]
     fn the_walk_cleans_ipv6_flows_and_counts_them_for_least_connection() {
-        let (go, listing) = mpsc::channel();
-        let (started, started_rx) = mpsc::channel();
-        let adjust = Arc::new(Mutex::new(vec![0u64; 8]));
         let c = ct_flags::COUNTED;
         let live = flow6(1, 5, 55, 0, c);
         let idle = flow6(2, 5, 55, 3_600, c);
         let gone = flow6(3, 6, 66, 0, c);
         let moved = flow6(4, 5, 77, 0, c);
-        let fake = Fake {
-            conntrack: Vec::new(),
-            conntrack6: vec![live, idle, gone, moved],
-            // The datapath counted all four on ids 5 and 6.
-            flows: vec![0, 0, 0, 0, 0, 3, 1, 0],
-            adjust: adjust.clone(),
-            listing: Arc::new(Mutex::new(listing)),
-            started,
-        };
+        // The datapath counted all four on ids 5 and 6.
+        let (fake, (go, started_rx, adjust)) = Fake::held(
+            Vec::new(),
+            vec![live, idle, gone, moved],
+            vec![0, 0, 0, 0, 0, 3, 1, 0],
+        );
         let mut gc = FlowGc::start(fake, DatapathConfig::DEFAULT).expect("thread");
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()

@@ -1590,28 +1590,22 @@ mod tests {
             a[12..].copy_from_slice(&[10, 244, 0, last]);
             a
         };
+        // Backend `id` at [fd00::10.244.0.`last`]:8080/TCP.
+        let put_backend = |id, last| MapOp::PutBackend {
+            id,
+            backend: proxy_common::ipv6::Backend6 {
+                addr: be(last),
+                port: 8080u16.to_be_bytes(),
+                proto: 6,
+                flags: 0,
+            },
+        };
         let key0 = proxy_common::ipv6::Service6Key::new(fe6.octets(), 80u16.to_be_bytes(), 6, 0);
         assert_eq!(
             plan.ops,
             [
-                MapOp::PutBackend {
-                    id: 4,
-                    backend: proxy_common::ipv6::Backend6 {
-                        addr: be(1),
-                        port: 8080u16.to_be_bytes(),
-                        proto: 6,
-                        flags: 0
-                    }
-                },
-                MapOp::PutBackend {
-                    id: 5,
-                    backend: proxy_common::ipv6::Backend6 {
-                        addr: be(4),
-                        port: 8080u16.to_be_bytes(),
-                        proto: 6,
-                        flags: 0
-                    }
-                },
+                put_backend(4, 1),
+                put_backend(5, 4),
                 MapOp::PutRevNat {
                     id: 1,
                     rev_nat: proxy_common::ipv6::RevNat6 {
