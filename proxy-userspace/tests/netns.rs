@@ -824,21 +824,7 @@ fn an_external_ip_cannot_take_another_service_s_cluster_ip() {
         }),
         || "the clash is not reported in the agent's log".to_owned(),
     );
-    let metrics = env
-        .topo
-        .node()
-        .output(
-            &[
-                "curl",
-                "-sS",
-                "--max-time",
-                "3",
-                "http://127.0.0.1:10249/metrics",
-            ],
-            Duration::from_secs(5),
-        )
-        .unwrap_or_else(|e| env.fail(&format!("scraping /metrics: {e:#}")));
-    let metrics = String::from_utf8_lossy(&metrics.stdout).into_owned();
+    let metrics = env.metrics();
     env.check(
         metrics
             .lines()
@@ -1066,21 +1052,7 @@ fn a_long_tcp_stream_keeps_flowing_while_twice_the_conntrack_capacity_of_udp_flo
         || format!("the TCP stream stalled under conntrack pressure: {report}"),
     );
     // Every sized map's occupancy is exported with its real capacity.
-    let scrape = env
-        .topo
-        .node()
-        .output(
-            &[
-                "curl",
-                "-s",
-                "--max-time",
-                "3",
-                "http://127.0.0.1:10249/metrics",
-            ],
-            Duration::from_secs(10),
-        )
-        .unwrap_or_else(|e| env.fail(&format!("scraping /metrics: {e:#}")));
-    let metrics = String::from_utf8_lossy(&scrape.stdout);
+    let metrics = env.metrics();
     for (map, capacity) in [
         ("services", None),
         ("backends", None),

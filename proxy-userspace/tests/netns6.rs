@@ -61,6 +61,12 @@ fn echo6(m: &ManifestDir) {
     .expect("writing demo/echo6");
 }
 
+/// IPv6-only demo/web (on the IPv6 backends) and demo/echo6.
+fn web6_and_echo6(m: &ManifestDir) {
+    web(m, &[WEB6.into()], &addrs(BACKENDS6), &[]);
+    echo6(m);
+}
+
 /// One ICMPv6 echo request (identifier 0x4b50, sequence 1, data argv[2]) and its reply within
 /// 3 s: prints the reply's source, identifier, sequence and data.
 const ECHO6_PY: &str = r#"
@@ -296,10 +302,7 @@ fn ipv6_pod_traffic_and_neighbour_discovery_pass_untouched_beside_ipv4_services(
 #[test]
 fn ipv6_clusterip_tcp_and_udp_reach_all_backends_from_the_vip() {
     require_privileged!();
-    let env = Env::start(|m| {
-        web(m, &[WEB6.into()], &addrs(BACKENDS6), &[]);
-        echo6(m);
-    });
+    let env = Env::start(web6_and_echo6);
     let counts = env.distribution(WEB6, 80, 60);
     env.check(counts.len() == 3, || {
         format!("60 requests reached {counts:?}")
@@ -380,10 +383,7 @@ fn a_dual_stack_service_with_ipv4_endpoints_only_rejects_on_ipv6() {
 #[test]
 fn node_processes_reach_an_ipv6_clusterip_through_connect6() {
     require_privileged!();
-    let env = Env::start(|m| {
-        web(m, &[WEB6.into()], &addrs(BACKENDS6), &[]);
-        echo6(m);
-    });
+    let env = Env::start(web6_and_echo6);
     let host = env.agent.host(env.topo.node());
     let mut seen = BTreeMap::new();
     for i in 0..20 {

@@ -15,6 +15,7 @@ use std::{
     ffi::OsStr,
     net::{IpAddr, SocketAddr},
     path::Path,
+    time::Duration,
 };
 
 use proxy_testenv::{
@@ -22,6 +23,8 @@ use proxy_testenv::{
 };
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+/// The agent's metrics endpoint (its default `--metrics-bind-address`), in the node namespace.
+pub const METRICS_URL: &str = "http://127.0.0.1:10249/metrics";
 
 /// One agent on the standard topology. Field order is drop order: the agent dies first, then
 /// pins, manifests and namespaces go.
@@ -61,17 +64,7 @@ impl Env {
         let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
         let mut args = vec!["--manifests".as_ref(), manifests.path().as_os_str()];
         args.extend(flags.iter().map(OsStr::new));
-        let mut agent = Agent::start_with(
-            Path::new(BIN),
-            topo.node(),
-            &args,
-            pins.path(),
-            topo.tmp().path(),
-        )
-        .expect("starting the agent");
-        agent
-            .wait_attached(&topo.pod_interfaces())
-            .unwrap_or_else(|e| panic!("{e:#}"));
+        let agent = start_agent(&topo, &args, &pins, topo.pod_interfaces(), "the agent");
         Self {
             agent,
             pins,
@@ -87,6 +80,17 @@ impl Env {
 
     pub fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
         self.agent.check(cond, msg)
+    }
+
+    /// The agent's Prometheus metrics, scraped from the node namespace.
+    pub fn metrics(&self) -> String {
+        let out = (self.topo.node())
+            .output(
+                &["curl", "-sS", "--max-time", "3", METRICS_URL],
+                Duration::from_secs(10),
+            )
+            .unwrap_or_else(|e| self.fail(&format!("scraping /metrics: {e:#}")));
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     /// `n` HTTP requests from the client pod to `vip`:`port`; see [`Env::distribution_from`].
@@ -163,6 +167,29 @@ impl Env {
     }
 }
 
+/// The agent in `topo`'s node namespace with `args`, pinning under `pins` (its status and log
+/// in `topo`'s temporary dir), once it has attached to `interfaces`; `what` names it in a panic.
+fn start_agent(
+    topo: &Topology,
+    args: &[&OsStr],
+    pins: &PinDir,
+    interfaces: Vec<String>,
+    what: &str,
+) -> Agent {
+    let mut agent = Agent::start_with(
+        Path::new(BIN),
+        topo.node(),
+        args,
+        pins.path(),
+        topo.tmp().path(),
+    )
+    .unwrap_or_else(|e| panic!("starting {what}: {e:#}"));
+    agent
+        .wait_attached(&interfaces)
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    agent
+}
+
 /// One agent on each node of the two-node topology, all on the same manifests. Field order is
 /// drop order: agents first, then pins, manifests, namespaces.
 pub struct Cluster {
@@ -199,19 +226,9 @@ impl Cluster {
                 "--cluster-cidr".as_ref(),
                 cluster_cidr.as_ref(),
             ];
-            let mut agent = Agent::start_with(
-                Path::new(BIN),
-                node.node(),
-                &args,
-                pin.path(),
-                node.tmp().path(),
-            )
-            .expect("starting the agent");
             let mut want = node.pod_interfaces();
             want.push(EXT_DEVICE.to_owned());
-            agent
-                .wait_attached(&want)
-                .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            let agent = start_agent(node, &args, &pin, want, name);
             agents.push(agent);
             pins.push(pin);
         }
