@@ -404,6 +404,15 @@ impl Datapath {
         out
     }
 
+    /// `frame` through tc ingress is dropped (TC_ACT_SHOT), counted once under `counter`.
+    fn ingress_drops(&self, what: &str, frame: &[u8], counter: Counter) {
+        let before = self.counters();
+        let (v, _) = self.run(PROG_TC_INGRESS, frame);
+        assert_eq!(v, TC_ACT_SHOT, "{what}: verdict");
+        let c = counter.name();
+        assert_eq!(self.counters()[c] - before[c], 1, "{what}: counter {c}");
+    }
+
     /// `frame` through `prog` passes on (TC_NEXT) byte for byte as it came.
     fn passes_untouched(&self, what: &str, prog: &str, frame: &[u8]) {
         let (v, out) = self.run(prog, frame);
@@ -725,23 +734,18 @@ fn sctp_truncated_and_fragmented_packets_to_a_service_are_dropped() {
         h
     });
     short[24..26].copy_from_slice(&c.to_be_bytes());
-    let before = dp.counters();
-    let (v, _) = dp.run(PROG_TC_INGRESS, &short);
-    assert_eq!(v, TC_ACT_SHOT, "SCTP header without a chunk");
-    assert_eq!(
-        dp.counters()[Counter::DropMalformed.name()] - before[Counter::DropMalformed.name()],
-        1
+    dp.ingress_drops(
+        "SCTP header without a chunk",
+        &short,
+        Counter::DropMalformed,
     );
     let first_fragment = Sctp {
         frag: 0x2000,
         ..init.clone()
     };
-    dp.step(
+    dp.ingress_drops(
         "first fragment of an SCTP packet to a Service",
-        PROG_TC_INGRESS,
-        &first_fragment,
-        TC_ACT_SHOT,
-        None,
+        &first_fragment.bytes(),
         Counter::DropFragment,
     );
     let elsewhere = Sctp::new(
@@ -920,23 +924,18 @@ fn sctp_over_ipv6_truncated_and_fragmented_packets_to_a_service_are_dropped() {
     let (client, vip) = v6_client_vip();
     let init = Sctp::new(client, 40_400, vip, 3868, chunk::INIT);
     let short = sctp6_to_vip(&[], &init.sctp_bytes()[..12]);
-    let before = dp.counters();
-    let (v, _) = dp.run(PROG_TC_INGRESS, &short);
-    assert_eq!(v, TC_ACT_SHOT, "SCTP header without a chunk");
-    assert_eq!(
-        dp.counters()[Counter::DropMalformed.name()] - before[Counter::DropMalformed.name()],
-        1
+    dp.ingress_drops(
+        "SCTP header without a chunk",
+        &short,
+        Counter::DropMalformed,
     );
     let first_fragment = Sctp {
         ext: vec![Ext6::fragment(0, true, 0x77)],
         ..init.clone()
     };
-    dp.step(
+    dp.ingress_drops(
         "first fragment of an SCTP packet to a Service",
-        PROG_TC_INGRESS,
-        &first_fragment,
-        TC_ACT_SHOT,
-        None,
+        &first_fragment.bytes(),
         Counter::DropFragment,
     );
     let later = sctp6_to_vip(&[Ext6::fragment(4, false, 0x77)], &[0; 16]);
