@@ -10,6 +10,8 @@
 //!   prints RSS, first-sync time and API→map latency at 10,000 Services (numbers, no asserts;
 //!   `KPE_SCALE_SERVICES=N` for another scale).
 
+mod common_netns;
+
 use std::{
     collections::BTreeMap,
     net::Ipv4Addr,
@@ -33,7 +35,7 @@ use proxy_common::{
     MAP_SERVICE_CIDRS, MAP_SERVICES, ServiceKey, ServiceValue, proto, service_cidr,
 };
 use proxy_testenv::{
-    Agent, BACKENDS, ConnectOutcome, CurlReply, FakeApiServer, PinDir, Topology,
+    Agent, BACKENDS, ConnectOutcome, FakeApiServer, PinDir, Topology,
     fake_apiserver::{Kind, wait_for},
     require_privileged,
 };
@@ -512,23 +514,7 @@ impl Env {
 
     /// `n` requests to http://vip/; all must succeed from the VIP. Counts per backend name.
     fn distribution(&self, vip: Ipv4Addr, n: usize) -> BTreeMap<String, usize> {
-        let replies = self
-            .topo
-            .curl_many(&format!("http://{vip}/"), n)
-            .unwrap_or_else(|e| self.fail(&format!("curl_many: {e:#}")));
-        let mut counts = BTreeMap::new();
-        for (i, reply) in replies.into_iter().enumerate() {
-            match reply {
-                Ok(CurlReply { body, remote_ip }) => {
-                    self.check(remote_ip == vip.to_string(), || {
-                        format!("request {i}: answered by {remote_ip}, not the VIP {vip}")
-                    });
-                    *counts.entry(body).or_insert(0) += 1;
-                }
-                Err(e) => self.fail(&format!("request {i} of {n} to {vip} failed: {e}")),
-            }
-        }
-        counts
+        common_netns::distribution(&self.topo, &self.agent, "client", vip.into(), 80, n)
     }
 
     fn names(counts: &BTreeMap<String, usize>) -> Vec<&str> {

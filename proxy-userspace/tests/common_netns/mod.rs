@@ -103,8 +103,7 @@ impl Env {
         self.distribution_from("client", vip, port, n)
     }
 
-    /// `n` HTTP requests (one TCP connection each) from `pod` to `vip`:`port`; every one must be
-    /// answered, from the VIP. Counts per backend (the reply body is its pod name).
+    /// `n` HTTP requests from `pod` to `vip`:`port`; see [`distribution`].
     pub fn distribution_from(
         &self,
         pod: &str,
@@ -112,25 +111,7 @@ impl Env {
         port: u16,
         n: usize,
     ) -> BTreeMap<String, usize> {
-        let vip = vip.into();
-        let url = http_url(vip, port);
-        let replies = self
-            .topo
-            .curl_many_from(pod, &url, n)
-            .unwrap_or_else(|e| self.fail(&format!("curl_many from {pod} to {url}: {e:#}")));
-        let mut counts = BTreeMap::new();
-        for (i, reply) in replies.into_iter().enumerate() {
-            match reply {
-                Ok(CurlReply { body, remote_ip }) => {
-                    self.check(remote_ip == vip.to_string(), || {
-                        format!("{pod} request {i}: answered by {remote_ip}, not the VIP {vip}")
-                    });
-                    *counts.entry(body).or_insert(0) += 1;
-                }
-                Err(e) => self.fail(&format!("{pod} request {i} of {n} to {url} failed: {e}")),
-            }
-        }
-        counts
+        distribution(&self.topo, &self.agent, pod, vip.into(), port, n)
     }
 
     /// `n` UDP datagrams `ping<i>` from the client pod to `vip`:`port` (a Service on the
@@ -165,6 +146,36 @@ impl Env {
         }
         counts
     }
+}
+
+/// `n` HTTP requests (one TCP connection each) from `pod` of `topo` to `vip`:`port`; every one
+/// must be answered, from the VIP (a failure shows `agent`'s log). Counts per backend (the reply
+/// body is its pod name).
+pub fn distribution(
+    topo: &Topology,
+    agent: &Agent,
+    pod: &str,
+    vip: IpAddr,
+    port: u16,
+    n: usize,
+) -> BTreeMap<String, usize> {
+    let url = http_url(vip, port);
+    let replies = topo
+        .curl_many_from(pod, &url, n)
+        .unwrap_or_else(|e| agent.fail(&format!("curl_many from {pod} to {url}: {e:#}")));
+    let mut counts = BTreeMap::new();
+    for (i, reply) in replies.into_iter().enumerate() {
+        match reply {
+            Ok(CurlReply { body, remote_ip }) => {
+                agent.check(remote_ip == vip.to_string(), || {
+                    format!("{pod} request {i}: answered by {remote_ip}, not the VIP {vip}")
+                });
+                *counts.entry(body).or_insert(0) += 1;
+            }
+            Err(e) => agent.fail(&format!("{pod} request {i} of {n} to {url} failed: {e}")),
+        }
+    }
+    counts
 }
 
 /// The agent in `topo`'s node namespace with `args`, pinning under `pins` (its status and log
