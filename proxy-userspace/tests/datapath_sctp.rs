@@ -404,6 +404,14 @@ impl Datapath {
         out
     }
 
+    /// `init` to a Service without endpoints through tc ingress: the verdict TC_ACT_REDIRECT
+    /// (the ICMP error goes back out), counted under `NoEndpointsRejected`. Returns the error.
+    fn rejected(&self, init: &Sctp) -> Vec<u8> {
+        let what = "INIT to a Service without endpoints";
+        let counter = Counter::NoEndpointsRejected;
+        self.step(what, PROG_TC_INGRESS, init, TC_ACT_REDIRECT, None, counter)
+    }
+
     /// `frame` through tc ingress is dropped (TC_ACT_SHOT), counted once under `counter`.
     fn ingress_drops(&self, what: &str, frame: &[u8], counter: Counter) {
         let before = self.counters();
@@ -700,14 +708,7 @@ fn address_only(f: Family) {
 fn sctp_to_a_service_without_endpoints_is_answered_port_unreachable() {
     let dp = Datapath::with_services();
     let init = Sctp::new(CLIENT, 40_300, VIP_EMPTY, 3868, chunk::INIT);
-    let out = dp.step(
-        "INIT to a Service without endpoints",
-        PROG_TC_INGRESS,
-        &init,
-        TC_ACT_REDIRECT,
-        None,
-        Counter::NoEndpointsRejected,
-    );
+    let out = dp.rejected(&init);
     let d = Decoded::parse(&out);
     assert_eq!(
         (d.proto, d.saddr, d.daddr),
@@ -869,14 +870,7 @@ fn icmp_errors_about_sctp_flows_are_reverse_translated() {
 fn sctp_over_ipv6_to_a_service_without_endpoints_is_answered_port_unreachable() {
     let dp = Datapath::with_services();
     let init = Sctp::new(V6.client, 40_300, V6.vip_empty, 3868, chunk::INIT);
-    let out = dp.step(
-        "INIT to a Service without endpoints",
-        PROG_TC_INGRESS,
-        &init,
-        TC_ACT_REDIRECT,
-        None,
-        Counter::NoEndpointsRejected,
-    );
+    let out = dp.rejected(&init);
     let d = Decoded6::parse(&out);
     assert_eq!(
         (d.proto, IpAddr::V6(d.saddr), IpAddr::V6(d.daddr)),
