@@ -170,7 +170,8 @@ impl Agent {
         let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
         let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
-        let family6 = crate::family6::Family6::start(&mut ebpf, &maps, &capacities)?;
+        let family6 =
+            crate::family6::Family6::start(&mut ebpf, &maps, &capacities, health.clone())?;
         // The IPv6 frontends' Maglev tables are theirs (one MAGLEV_V1).
         let mut programmed = maps.read_programmed_excluding(&family6.maglev_tables())?;
         maps.adopt_maglev(&mut programmed, config.maglev_table_size);

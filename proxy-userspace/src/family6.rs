@@ -1,6 +1,8 @@
 //! The IPv6 family beside the agent's IPv4 one (upstream's second proxier behind its
 //! meta-proxier): the IPv6 maps (`SERVICES6_V1` ...), their shadow, the node's IPv6 NodePort
-//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), and one sync: the snapshot's IPv6 family translated, planned against the shadow
+//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), its health-check node ports
+//! (upstream's per-family ServiceHealthServer: on the IPv6 NodePort addresses, counting IPv6
+//! endpoints), and one sync: the snapshot's IPv6 family translated, planned against the shadow
 //! with the IPv4 family's backend and Maglev table ids avoided (one id space: `LCFLOWS_V1` and
 //! `MAGLEV_V1` are shared), written, and every written op told to the IPv4 planner so it never
 //! hands those ids out.
@@ -10,7 +12,8 @@
 //! IPv6 address (upstream's dual-stack detection goes by the node's IPs too), or while the
 //! IPv6 maps still hold entries to remove: an IPv4-only node does no IPv6 work.
 //!
-//! May call: `dataplane` (the maps, node addresses), `pipeline`, `sources`.
+//! May call: `dataplane` (the maps, node addresses), `pipeline`, `serving` (the health-check
+//! servers), `sources`.
 
 use std::net::Ipv6Addr;
 
@@ -31,8 +34,9 @@ use crate::{
         incremental::Planner,
         model::Problem,
         programmed::{Capacities, Programmed, SharedIds},
-        translate::{self, NodeContext},
+        translate::{self, HealthCheck, NodeContext},
     },
+    serving::{health::HealthState, healthcheck::HealthCheckServers},
     sources::snapshot::Snapshot,
 };
 
@@ -51,6 +55,9 @@ pub struct Family6 {
     snat: Ipv6Addr,
     /// The node has a usable IPv6 address.
     enabled: bool,
+    /// The IPv6 family's health-check node ports, and the checks they were last given.
+    health_checks: HealthCheckServers<Ipv6Addr>,
+    served_checks: Option<Vec<HealthCheck>>,
 }
 
 /// What one IPv6 sync did.
@@ -59,15 +66,19 @@ pub struct Synced {
     pub problems: Vec<Problem>,
     pub ops: usize,
     pub frontends: usize,
+    /// The IPv6 family's health checks (served on the IPv6 NodePort addresses).
+    pub health_checks: Vec<HealthCheck>,
 }
 
 impl Family6 {
     /// Takes the IPv6 maps out of the loaded object and reads back what they carry (adoption,
-    /// as for IPv4), Maglev tables at size `m`.
+    /// as for IPv4), Maglev tables at size `m`. `proxy`: the agent's health, reported by the
+    /// health-check node ports.
     pub fn start(
         ebpf: &mut aya::Ebpf,
         maps4: &ServiceMaps,
         capacities4: &Capacities,
+        proxy: std::sync::Arc<HealthState>,
     ) -> dataplane::Result<Self> {
         let maps = maps4.ipv6(Some(ebpf), None)?;
         let mut programmed = maps.read_programmed()?;
@@ -96,6 +107,8 @@ impl Family6 {
             devices: Patterns::default(),
             nodeport: Vec::new(),
             enabled: false,
+            health_checks: HealthCheckServers::new(proxy),
+            served_checks: None,
         };
         out.refresh();
         Ok(out)
@@ -180,10 +193,18 @@ impl Family6 {
             &Programmed<Ipv6Addr>,
         ),
     ) -> Result<Synced, dataplane::Error> {
-        let (desired, problems) = if self.enabled {
+        let translate::OneFamily {
+            desired,
+            problems,
+            health_checks,
+        } = if self.enabled {
             translate::translate_one_family(snapshot, node, &self.nodeport)
         } else {
-            Default::default()
+            translate::OneFamily {
+                desired: Default::default(),
+                problems: Vec::new(),
+                health_checks: Vec::new(),
+            }
         };
         let plan = diff::plan_sharing(
             &desired,
@@ -214,6 +235,24 @@ impl Family6 {
         }
         // The source ranges of the frontends now written (entries added, then removed).
         self.ranges.sync(&source_ranges::wanted(&desired));
+        self.serve_health_checks(&health_checks);
+        out.health_checks = health_checks;
         Ok(out)
+    }
+
+    /// The health-check servers to `checks` on the IPv6 NodePort addresses, when the checks
+    /// changed or a server needs starting again (as the IPv4 family's, see
+    /// [`HealthCheckServers::settled`]).
+    fn serve_health_checks(&mut self, checks: &[HealthCheck]) {
+        let changed = self.served_checks.as_deref() != Some(checks);
+        if changed || !self.health_checks.settled(&self.nodeport) {
+            self.health_checks.update(checks, &self.nodeport);
+            self.served_checks = Some(checks.to_vec());
+        }
+    }
+
+    /// The health-check node ports served on IPv6.
+    pub fn health_check_ports(&self) -> Vec<u16> {
+        self.health_checks.ports()
     }
 }
