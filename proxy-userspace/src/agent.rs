@@ -427,6 +427,7 @@ impl Agent {
         }
         self.health.set_node_eligible(state.node_eligible);
         self.external.set_api_service_cidrs(state.service_cidrs);
+        self.family6.set_api_service_cidrs(state.service_cidrs6);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
         self.sync(&state.snapshot, state.problems, full)?;
         if full && source.cheap_to_read() {
@@ -1037,6 +1038,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .set_service_cidrs(crate::pipeline::addresses::ipv4_prefixes(
             &args.service_cidr,
         ));
+    (agent.family6).set_service_cidrs(crate::dataplane::service_cidrs::prefixes(
+        &args.service_cidr,
+    ));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that

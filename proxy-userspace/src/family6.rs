@@ -1,6 +1,7 @@
 //! The IPv6 family beside the agent's IPv4 one (upstream's second proxier behind its
 //! meta-proxier): the IPv6 maps (`SERVICES6_V1` ...), their shadow, the node's IPv6 NodePort
-//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), its health-check node ports
+//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), its Service address space
+//! (`SVCCIDRS6_V1`: the IPv6 Service CIDRs and ClusterIPs), its health-check node ports
 //! (upstream's per-family ServiceHealthServer: on the IPv6 NodePort addresses, counting IPv6
 //! endpoints), and one sync: the snapshot's IPv6 family translated, planned against the shadow
 //! with the IPv4 family's backend and Maglev table ids avoided (one id space: `LCFLOWS_V1` and
@@ -25,6 +26,7 @@ use crate::{
         interfaces::Patterns,
         maps::ServiceMaps,
         node_addrs::{self, NodeFamily as _},
+        service_cidrs::{self, ServiceCidrs},
         source_ranges::{self, SourceRanges},
     },
     pipeline::{
@@ -44,6 +46,11 @@ pub struct Family6 {
     maps: ServiceMaps<Ipv6Addr>,
     /// loadBalancerSourceRanges of the IPv6 LoadBalancer frontends (`SRCRANGES6_V1`).
     ranges: SourceRanges<Ipv6Addr>,
+    /// `SVCCIDRS6_V1`, and the IPv6 Service CIDRs of `--service-cidr` and of the cluster's
+    /// ServiceCIDR objects (both apply).
+    service_cidrs: ServiceCidrs<Ipv6Addr>,
+    service_cidr_flag: Vec<(Ipv6Addr, u8)>,
+    service_cidr_api: Vec<(Ipv6Addr, u8)>,
     programmed: Programmed<Ipv6Addr>,
     capacities: Capacities,
     nodeport_cfg: NodePortAddresses,
@@ -94,6 +101,7 @@ impl Family6 {
             ..capacities
         };
         let ranges = SourceRanges::from_ebpf(ebpf)?;
+        let service_cidrs = ServiceCidrs::from_ebpf(ebpf)?;
         let node6 = crate::dataplane::maps::Node6Map::from_ebpf(ebpf)?;
         let mut out = Self {
             node6,
@@ -101,6 +109,9 @@ impl Family6 {
             snat: Ipv6Addr::from_bits(1),
             maps,
             ranges,
+            service_cidrs,
+            service_cidr_flag: Vec::new(),
+            service_cidr_api: Vec::new(),
             programmed,
             capacities,
             nodeport_cfg: NodePortAddresses::default(),
@@ -119,6 +130,16 @@ impl Family6 {
         self.nodeport_cfg = nodeport;
         self.devices = devices;
         self.refresh();
+    }
+
+    /// The IPv6 Service CIDRs of `--service-cidr`.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<(Ipv6Addr, u8)>) {
+        node_addrs::set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
+    }
+
+    /// The IPv6 Service CIDRs of the cluster's ServiceCIDR objects (read at each sync).
+    pub fn set_api_service_cidrs(&mut self, cidrs: Vec<(Ipv6Addr, u8)>) {
+        node_addrs::set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
     }
 
     /// Lists the node's IPv6 addresses again.
@@ -235,6 +256,13 @@ impl Family6 {
         }
         // The source ranges of the frontends now written (entries added, then removed).
         self.ranges.sync(&source_ranges::wanted(&desired));
+        // The ClusterIPs now written and the Service CIDRs (new flows to no frontend there are
+        // rejected or dropped, as on IPv4).
+        let cidrs: Vec<(Ipv6Addr, u8)> = (self.service_cidr_flag.iter())
+            .chain(&self.service_cidr_api)
+            .copied()
+            .collect();
+        (self.service_cidrs).sync(&service_cidrs::wanted(&desired, &cidrs));
         self.serve_health_checks(&health_checks);
         out.health_checks = health_checks;
         Ok(out)
