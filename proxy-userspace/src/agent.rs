@@ -339,7 +339,7 @@ impl Agent {
             skipped,
             ..Plan::default()
         });
-        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(snapshot, full);
+        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(snapshot);
         walk_conntrack_now |= walk6;
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
@@ -686,10 +686,9 @@ impl Agent {
     /// logged here (each once); a failed write is logged and retried by the next sync.
     /// Also returns the least-connection ids it freed and whether its writes call for a
     /// conntrack walk (as [`freed_least_connection_ids`] and [`walks_conntrack_after`] on IPv4).
-    fn sync_ipv6(&mut self, snapshot: &Snapshot, full: bool) -> (usize, Vec<u32>, bool) {
-        if full {
-            self.family6.refresh();
-        }
+    fn sync_ipv6(&mut self, snapshot: &Snapshot) -> (usize, Vec<u32>, bool) {
+        // Every sync, as the IPv4 family's `external.refresh()`.
+        self.family6.refresh();
         if !self.family6.active() {
             return (0, Vec::new(), false);
         }
@@ -1109,8 +1108,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             Some(()) = links.recv() => {
                 agent.reconcile_interfaces();
-                // An address event: NodePort frontends and the SNAT address follow.
-                if agent.external.refresh() {
+                // An address event: NodePort frontends and the SNAT address follow (each
+                // family's; both listed).
+                if agent.external.refresh() | agent.family6.refresh() {
                     schedule.changed();
                 }
             }

@@ -142,17 +142,26 @@ impl Family6 {
         node_addrs::set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
     }
 
-    /// Lists the node's IPv6 addresses again.
-    pub fn refresh(&mut self) {
+    /// Lists the node's IPv6 addresses again (at every sync, and on each address event, as the
+    /// IPv4 family's: one getifaddrs); true when the NodePort addresses or whether the node has
+    /// IPv6 changed (a sync is due).
+    pub fn refresh(&mut self) -> bool {
         match node_addrs::list6() {
             Ok(all) => {
-                self.enabled = all.iter().any(|a| a.addr.usable());
+                let enabled = all.iter().any(|a| a.addr.usable());
                 let selected = node_addrs::select(&all, &self.nodeport_cfg, &self.devices);
-                self.nodeport = selected.nodeport;
                 self.write_snat(selected.snat.unwrap_or(Ipv6Addr::UNSPECIFIED));
+                let changed = enabled != self.enabled || selected.nodeport != self.nodeport;
+                if changed {
+                    info!(nodeport = ?selected.nodeport, enabled, "node IPv6 addresses");
+                }
+                self.enabled = enabled;
+                self.nodeport = selected.nodeport;
+                changed
             }
             Err(e) => {
-                error!("listing the node's IPv6 addresses failed: {e}; keeping the previous ones")
+                error!("listing the node's IPv6 addresses failed: {e}; keeping the previous ones");
+                false
             }
         }
     }

@@ -6,6 +6,8 @@
 //!   the IPv4 node address with the IPv4 family's local endpoints and the IPv6 port on the IPv6
 //!   node address with the IPv6 family's: an IPv6-only externalTrafficPolicy Local LoadBalancer
 //!   Service gets a health check at all, and a dual-stack one reports each family's own count.
+//! - IPv6 node addresses followed like IPv4's: a NodePort on an IPv6 address added to a node is
+//!   served without waiting for a full sync (the address event, then every sync, lists them).
 //! - The IPv6 Service address space (`SVCCIDRS6_V1`) from `--service-cidr`, on the one-node
 //!   topology: a ClusterIP's other ports refused, the unallocated rest dropped, as on IPv4;
 //!   and from the IPv6 CIDRs of ServiceCIDR objects (the fake API server), following the API.
@@ -15,7 +17,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{IpAddr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Duration,
 };
@@ -26,11 +28,11 @@ use aya::maps::{
 };
 use proxy_common::{ipv6::MAP_SERVICE_CIDRS6, service_cidr};
 use proxy_testenv::{
-    Agent, BACKENDS6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_DEVICE, FakeApiServer, FamilyService,
-    HttpReply, ManifestDir, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES, PinDir, ServicePort,
-    Topology,
+    Agent, BACKENDS, BACKENDS6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_DEVICE, FakeApiServer,
+    FamilyService, HttpReply, ManifestDir, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES, PinDir,
+    ServicePort, Topology,
     fake_apiserver::{Kind, wait_for},
-    http_url, require_privileged, tcp6_connect_from,
+    family_service_yaml, http_url, require_privileged, tcp6_connect_from,
 };
 use serde_json::json;
 
@@ -50,9 +52,14 @@ struct Env {
 }
 
 impl Env {
-    fn start(yaml: &str) -> Self {
+    /// Both nodes, `backends` (node, pod name, IPv4 address; the pods are dual-stack), `yaml`
+    /// written, both agents synced and attached.
+    fn start(backends: &[(usize, &str, Ipv4Addr)], yaml: &str) -> Self {
         proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let net = MultiNode::new().expect("creating the two-node topology");
+        let mut net = MultiNode::new().expect("creating the two-node topology");
+        for &(i, name, ip) in backends {
+            net.add_backend(i, name, ip).expect("backend");
+        }
         let manifests = ManifestDir::new().expect("manifest dir");
         std::fs::write(manifests.path().join("services.yaml"), yaml).expect("writing manifests");
         let mut agents = Vec::new();
@@ -202,7 +209,7 @@ fn health_check_node_ports_answer_per_family_with_that_familys_local_endpoints()
         // IPv4: one endpoint on node A; IPv6: one on node B.
         &[("10.244.1.31", a), ("fd00:10:244:2::31", b)],
     );
-    let env = Env::start(&yaml);
+    let env = Env::start(&[], &yaml);
     let [a4, b4] = NODE_IPS.map(IpAddr::from);
     let [a6, b6] = NODE_IPS6.map(IpAddr::from);
 
@@ -220,6 +227,65 @@ fn health_check_node_ports_answer_per_family_with_that_familys_local_endpoints()
     env.expect(NODE_A, a6, HC_DUAL, "dual", 0);
     env.expect(NODE_B, b4, HC_DUAL, "dual", 0);
     env.expect(NODE_B, b6, HC_DUAL, "dual", 1);
+}
+
+/// A new IPv6 address on node A: the agent sees the address event and serves the NodePort on
+/// it (no full sync comes in these seconds: the periodic pass is minutes away), as the IPv4
+/// path does in northsouth.rs.
+#[test]
+fn a_nodeport_answers_on_a_newly_added_node_ipv6_address() {
+    require_privileged!();
+    const WEB_NODE_PORT: u16 = 30080;
+    let mut endpoints: Vec<IpAddr> = BACKENDS.iter().map(|(_, ip)| (*ip).into()).collect();
+    endpoints.extend(BACKENDS6.iter().map(|(_, ip)| IpAddr::from(*ip)));
+    let yaml = family_service_yaml(&FamilyService {
+        namespace: "demo",
+        name: "web",
+        cluster_ips: &[
+            "10.96.0.10".parse().unwrap(),
+            "fd00:10:96::10".parse().unwrap(),
+        ],
+        ports: &[ServicePort::tcp(80, 8080)],
+        node_ports: &[WEB_NODE_PORT],
+        endpoints: &endpoints,
+    });
+    let backends: Vec<(usize, &str, Ipv4Addr)> =
+        BACKENDS.iter().map(|&(n, ip)| (NODE_A, n, ip)).collect();
+    let env = Env::start(&backends, &yaml);
+    let get = |addr: IpAddr| env.net.http_get(&http_url(addr, WEB_NODE_PORT));
+    // Served on the node's IPv6 address from the start.
+    let first = get(NODE_IPS6[NODE_A].into());
+    if !first
+        .as_ref()
+        .is_ok_and(|r| BACKENDS.iter().any(|(n, _)| *n == r.body))
+    {
+        env.fail(&format!("IPv6 NodePort of node A: {first:?}"));
+    }
+    let added = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x50, 0, 0, 0, 0x20);
+    env.net
+        .node(NODE_A)
+        .node()
+        .exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{added}/64"),
+            "dev",
+            EXT_DEVICE,
+            "nodad",
+        ])
+        .unwrap_or_else(|e| env.fail(&format!("adding {added}: {e:#}")));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match get(added.into()) {
+            Ok(r) if BACKENDS.iter().any(|(n, _)| *n == r.body) => break,
+            other if std::time::Instant::now() >= deadline => env.fail(&format!(
+                "NodePort on the new address {added} not served within 5 s: {other:?}"
+            )),
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
 }
 
 /// The pinned `SVCCIDRS6_V1` entries: (prefix length, address) → `service_cidr::*`.
