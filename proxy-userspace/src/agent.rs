@@ -257,7 +257,8 @@ impl Agent {
             self.no_local.update(&changes, desired);
         }
         let listed = self.cache.last_changes();
-        self.changes.add(listed);
+        let cache = &self.cache;
+        (self.changes).add_classified(listed, |slice| cache.is_ipv6_slice(slice));
         self.health_checks_changed |= listed.health_checks || full;
         problems.extend(self.cache.problems());
         let mut parts = SyncParts {
@@ -614,6 +615,13 @@ impl Agent {
             (done.conntrack_listed - removed) as u64,
         );
         self.metrics.conntrack_reconciled(done.took, removed as u64);
+        if self.family6.active() {
+            let removed6 = done.conntrack6_removed;
+            let left6 = done.conntrack6_listed.saturating_sub(removed6);
+            self.occupancy
+                .report(&self.metrics, "conntrack6", left6 as u64);
+            (self.metrics).conntrack_reconciled6(done.took, removed6 as u64);
+        }
         if let Some(snat) = done.snat {
             if snat.removed > 0 {
                 debug!(
@@ -711,7 +719,15 @@ impl Agent {
         );
         let ops = match synced {
             Ok(synced) => {
-                (self.metrics).ipv6_sync_applied(started.elapsed(), std::time::SystemTime::now());
+                let now = std::time::SystemTime::now();
+                (self.metrics).ipv6_sync_applied(started.elapsed(), now);
+                let trigger_times6 = self.changes.pending().trigger_times6;
+                (self.metrics).observe_network_programming6(&trigger_times6, now);
+                let (internal, external) = synced.no_local_endpoints;
+                self.metrics.set_no_local_endpoints6(internal, external);
+                for (map, n) in self.family6.occupancy() {
+                    self.occupancy.report(&self.metrics, map, n);
+                }
                 for p in &synced.problems {
                     if self.reported.insert(p.to_string()) {
                         warn!("{p}");

@@ -75,6 +75,9 @@ pub struct Synced {
     pub frontends: usize,
     /// The IPv6 family's health checks (served on the IPv6 NodePort addresses).
     pub health_checks: Vec<HealthCheck>,
+    /// Its Service ports with a Local policy and no local endpoints (internal, external), as
+    /// `crate::serving::metrics::no_local_endpoints`.
+    pub no_local_endpoints: (u64, u64),
 }
 
 impl Family6 {
@@ -209,6 +212,16 @@ impl Family6 {
         self.programmed.frontend_count()
     }
 
+    /// Entries of the IPv6 maps the shadow counts, by occupancy label.
+    pub fn occupancy(&self) -> [(&'static str, u64); 3] {
+        let p = &self.programmed;
+        [
+            ("services6", p.services.len() as u64),
+            ("backends6", p.backends.len() as u64),
+            ("rev_nat6", p.rev_nats.len() as u64),
+        ]
+    }
+
     /// One IPv6 sync (see the module doc). `programmed4`/`planner4`: the IPv4 family's shadow
     /// and planner. Stops at the first failed write (the plan's order keeps every prefix
     /// consistent); the next sync plans in full again anyway.
@@ -244,6 +257,7 @@ impl Family6 {
         );
         let mut out = Synced {
             problems,
+            no_local_endpoints: crate::serving::metrics::no_local_endpoints(&desired),
             ..Synced::default()
         };
         out.problems

@@ -11,6 +11,8 @@
 //! - The IPv6 Service address space (`SVCCIDRS6_V1`) from `--service-cidr`, on the one-node
 //!   topology: a ClusterIP's other ports refused, the unallocated rest dropped, as on IPv4;
 //!   and from the IPv6 CIDRs of ServiceCIDR objects (the fake API server), following the API.
+//! - /metrics of an agent programming IPv6: the IPv6 maps' occupancy (`map="services6"` ...)
+//!   and the IPv6 family's `ip_family="IPv6"` series.
 //!
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! Everything lives in network namespaces the test creates; RAII guards remove them.
@@ -402,6 +404,52 @@ fn ipv6_service_cidr_rejects_other_ports_of_cluster_ips_and_drops_unallocated_ad
     agent.check(rejected >= 2 && dropped >= 2, || {
         format!("cluster_ip_port_rejected={rejected} drop_unallocated_service_ip={dropped}, want ≥ 2 each")
     });
+
+    // /metrics: the IPv6 maps as the IPv6 shadow holds them (three backends, one reverse NAT
+    // entry for the one port), each with its capacity; the IPv6 family's own series.
+    let scraped = topo
+        .node()
+        .output(
+            &[
+                "curl",
+                "-sS",
+                "--max-time",
+                "3",
+                "http://127.0.0.1:10249/metrics",
+            ],
+            Duration::from_secs(5),
+        )
+        .unwrap_or_else(|e| agent.fail(&format!("scraping /metrics: {e:#}")));
+    let text = String::from_utf8_lossy(&scraped.stdout).into_owned();
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| l.rsplit_once(' ').filter(|(s, _)| *s == series))
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or_else(|| agent.fail(&format!("no {series} in /metrics:\n{text}")))
+    };
+    agent.check(
+        value("kube_proxy_ebpf_map_entries{map=\"backends6\"}") == 3.0
+            && value("kube_proxy_ebpf_map_entries{map=\"rev_nat6\"}") == 1.0,
+        || format!("IPv6 map occupancy:\n{text}"),
+    );
+    for map in [
+        "services6",
+        "backends6",
+        "rev_nat6",
+        "conntrack6",
+        "snat6",
+        "sock_rev6",
+    ] {
+        let capacity = value(&format!("kube_proxy_ebpf_map_capacity{{map=\"{map}\"}}"));
+        agent.check(capacity > 0.0, || format!("{map} capacity {capacity}"));
+    }
+    for series in [
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv6\",traffic_policy=\"internal\"}",
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv6\",traffic_policy=\"external\"}",
+    ] {
+        agent.check(value(series) == 0.0, || format!("{series}:\n{text}"));
+    }
 }
 
 /// ServiceCIDR objects (networking.k8s.io/v1): their IPv6 CIDRs go into `SVCCIDRS6_V1` (their
