@@ -19,6 +19,7 @@
 
 use std::{
     collections::BTreeMap,
+    ffi::OsStr,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Duration,
@@ -31,8 +32,8 @@ use aya::maps::{
 use proxy_common::{ipv6::MAP_SERVICE_CIDRS6, service_cidr};
 use proxy_testenv::{
     Agent, BACKENDS, BACKENDS6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_DEVICE, FakeApiServer,
-    FamilyService, HttpReply, ManifestDir, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES, PinDir,
-    ServicePort, Topology,
+    FamilyService, HttpReply, ManifestDir, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES, NetNs,
+    PinDir, ServicePort, Topology,
     fake_apiserver::{Kind, wait_for},
     family_service_yaml, http_url, require_privileged, tcp6_connect_from,
 };
@@ -79,20 +80,15 @@ impl Env {
                 "--cluster-cidr".as_ref(),
                 CLUSTER_CIDR_DUAL.as_ref(),
             ];
-            let mut agent = Agent::start_with(
-                Path::new(BIN),
-                node.node(),
-                &args,
-                pin.path(),
-                node.tmp().path(),
-            )
-            .expect("starting the agent");
             let mut want = node.pod_interfaces();
             want.push(EXT_DEVICE.to_owned());
-            agent
-                .wait_attached(&want)
-                .unwrap_or_else(|e| panic!("node {i}: {e:#}"));
-            agents.push(agent);
+            agents.push(start_agent(
+                node.node(),
+                &args,
+                &pin,
+                node.tmp().path(),
+                &want,
+            ));
             pins.push(pin);
         }
         Self {
@@ -145,6 +141,22 @@ impl Env {
             ));
         }
     }
+}
+
+/// The agent on `node` with `args`, synced and attached to the interfaces `attached`.
+fn start_agent(
+    node: &NetNs,
+    args: &[&OsStr],
+    pins: &PinDir,
+    work: &Path,
+    attached: &[String],
+) -> Agent {
+    let mut agent = Agent::start_with(Path::new(BIN), node, args, pins.path(), work)
+        .expect("starting the agent");
+    agent
+        .wait_attached(attached)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    agent
 }
 
 /// A LoadBalancer Service (eTP=Local) on `cluster_ips` plus one EndpointSlice per family with
@@ -331,17 +343,13 @@ fn ipv6_service_cidr_rejects_other_ports_of_cluster_ips_and_drops_unallocated_ad
         "--service-cidr".as_ref(),
         "10.96.0.0/16,fd00:10:96::/112".as_ref(),
     ];
-    let mut agent = Agent::start_with(
-        Path::new(BIN),
+    let agent = start_agent(
         topo.node(),
         &args,
-        pins.path(),
+        &pins,
         topo.tmp().path(),
-    )
-    .expect("starting the agent");
-    agent
-        .wait_attached(&topo.pod_interfaces())
-        .unwrap_or_else(|e| panic!("{e:#}"));
+        &topo.pod_interfaces(),
+    );
 
     let entries = service_cidr6_entries(pins.path());
     let want = BTreeMap::from([
@@ -489,23 +497,21 @@ fn ipv6_cidrs_of_service_cidr_objects_follow_the_api() {
         .write_kubeconfig(&topo.tmp().path().join("kubeconfig"))
         .expect("kubeconfig");
     let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-    let mut agent = Agent::start_kube(
-        Path::new(BIN),
+    let args = [
+        "--kubeconfig".as_ref(),
+        kubeconfig.as_os_str(),
+        "--hostname-override".as_ref(),
+        "node-a".as_ref(),
+        "--service-cidr".as_ref(),
+        "fd00:20::/64".as_ref(),
+    ];
+    let agent = start_agent(
         topo.node(),
-        &kubeconfig,
-        &[
-            "--hostname-override",
-            "node-a",
-            "--service-cidr",
-            "fd00:20::/64",
-        ],
-        pins.path(),
+        &args,
+        &pins,
         topo.tmp().path(),
-    )
-    .expect("starting the agent");
-    agent
-        .wait_attached(&topo.pod_interfaces())
-        .unwrap_or_else(|e| panic!("{e:#}"));
+        &topo.pod_interfaces(),
+    );
     let want = |api_cidr: bool| {
         let mut m = BTreeMap::from([
             ((64, FLAG), service_cidr::UNALLOCATED),

@@ -331,7 +331,7 @@ mod tests {
     use super::*;
     use crate::pipeline::model::{Protocol, ServicePortName};
 
-    fn frontend(kind: FrontendKind) -> Arc<DesiredFrontend> {
+    fn frontend<A: Family>(kind: FrontendKind) -> Arc<DesiredFrontend<A>> {
         Arc::new(DesiredFrontend {
             balancing: Default::default(),
             service: ServicePortName {
@@ -402,19 +402,7 @@ mod tests {
         );
         let mut desired: DesiredState<Ipv6Addr> = DesiredState::default();
         let vip = v6("fd00:10:96::10");
-        let df = |kind| {
-            let f = frontend(kind);
-            Arc::new(DesiredFrontend::<Ipv6Addr> {
-                balancing: f.balancing,
-                service: f.service.clone(),
-                kind,
-                external_local: false,
-                drop_when_empty: false,
-                source_ranges: vec![],
-                backends: vec![],
-                retained: vec![],
-            })
-        };
+        let df = frontend::<Ipv6Addr>;
         desired.frontends.insert(
             Frontend::new(vip, 80, Protocol::Tcp),
             df(FrontendKind::ClusterIp),
