@@ -79,7 +79,8 @@ use crate::{
 
 /// What `/proxyMode` answers.
 pub const PROXY_MODE: &str = "ebpf";
-/// The `ip_family` label value of the series upstream labels per family (IPv4 only here).
+/// The `ip_family` label value of the IPv4 family's series (the IPv6 family's are made when it
+/// first reports, see the module doc).
 pub const IP_FAMILY: &str = "IPv4";
 
 type Labels = Vec<(&'static str, String)>;
