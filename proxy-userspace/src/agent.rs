@@ -170,7 +170,8 @@ impl Agent {
         let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
         let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
-        let family6 = crate::family6::Family6::start(&mut ebpf, &maps, &capacities)?;
+        let family6 =
+            crate::family6::Family6::start(&mut ebpf, &maps, &capacities, health.clone())?;
         // The IPv6 frontends' Maglev tables are theirs (one MAGLEV_V1).
         let mut programmed = maps.read_programmed_excluding(&family6.maglev_tables())?;
         maps.adopt_maglev(&mut programmed, config.maglev_table_size);
@@ -256,7 +257,8 @@ impl Agent {
             self.no_local.update(&changes, desired);
         }
         let listed = self.cache.last_changes();
-        self.changes.add(listed);
+        let cache = &self.cache;
+        (self.changes).add_classified(listed, |slice| cache.is_ipv6_slice(slice));
         self.health_checks_changed |= listed.health_checks || full;
         problems.extend(self.cache.problems());
         let mut parts = SyncParts {
@@ -338,7 +340,7 @@ impl Agent {
             skipped,
             ..Plan::default()
         });
-        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(snapshot, full);
+        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(snapshot);
         walk_conntrack_now |= walk6;
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
@@ -426,6 +428,7 @@ impl Agent {
         }
         self.health.set_node_eligible(state.node_eligible);
         self.external.set_api_service_cidrs(state.service_cidrs);
+        self.family6.set_api_service_cidrs(state.service_cidrs6);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
         self.sync(&state.snapshot, state.problems, full)?;
         if full && source.cheap_to_read() {
@@ -612,6 +615,13 @@ impl Agent {
             (done.conntrack_listed - removed) as u64,
         );
         self.metrics.conntrack_reconciled(done.took, removed as u64);
+        if self.family6.active() {
+            let removed6 = done.conntrack6_removed;
+            let left6 = done.conntrack6_listed.saturating_sub(removed6);
+            self.occupancy
+                .report(&self.metrics, "conntrack6", left6 as u64);
+            (self.metrics).conntrack_reconciled6(done.took, removed6 as u64);
+        }
         if let Some(snat) = done.snat {
             if snat.removed > 0 {
                 debug!(
@@ -684,10 +694,9 @@ impl Agent {
     /// logged here (each once); a failed write is logged and retried by the next sync.
     /// Also returns the least-connection ids it freed and whether its writes call for a
     /// conntrack walk (as [`freed_least_connection_ids`] and [`walks_conntrack_after`] on IPv4).
-    fn sync_ipv6(&mut self, snapshot: &Snapshot, full: bool) -> (usize, Vec<u32>, bool) {
-        if full {
-            self.family6.refresh();
-        }
+    fn sync_ipv6(&mut self, snapshot: &Snapshot) -> (usize, Vec<u32>, bool) {
+        // Every sync, as the IPv4 family's `external.refresh()`.
+        self.family6.refresh();
         if !self.family6.active() {
             return (0, Vec::new(), false);
         }
@@ -710,7 +719,15 @@ impl Agent {
         );
         let ops = match synced {
             Ok(synced) => {
-                (self.metrics).ipv6_sync_applied(started.elapsed(), std::time::SystemTime::now());
+                let now = std::time::SystemTime::now();
+                (self.metrics).ipv6_sync_applied(started.elapsed(), now);
+                let trigger_times6 = self.changes.pending().trigger_times6;
+                (self.metrics).observe_network_programming6(&trigger_times6, now);
+                let (internal, external) = synced.no_local_endpoints;
+                self.metrics.set_no_local_endpoints6(internal, external);
+                for (map, n) in self.family6.occupancy() {
+                    self.occupancy.report(&self.metrics, map, n);
+                }
                 for p in &synced.problems {
                     if self.reported.insert(p.to_string()) {
                         warn!("{p}");
@@ -1036,6 +1053,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .set_service_cidrs(crate::pipeline::addresses::ipv4_prefixes(
             &args.service_cidr,
         ));
+    (agent.family6).set_service_cidrs(crate::dataplane::service_cidrs::prefixes(
+        &args.service_cidr,
+    ));
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that
@@ -1104,8 +1124,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             Some(()) = links.recv() => {
                 agent.reconcile_interfaces();
-                // An address event: NodePort frontends and the SNAT address follow.
-                if agent.external.refresh() {
+                // An address event: NodePort frontends and the SNAT address follow (each
+                // family's; both listed).
+                if agent.external.refresh() | agent.family6.refresh() {
                     schedule.changed();
                 }
             }

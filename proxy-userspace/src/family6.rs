@@ -1,6 +1,9 @@
 //! The IPv6 family beside the agent's IPv4 one (upstream's second proxier behind its
 //! meta-proxier): the IPv6 maps (`SERVICES6_V1` ...), their shadow, the node's IPv6 NodePort
-//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), and one sync: the snapshot's IPv6 family translated, planned against the shadow
+//! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), its Service address space
+//! (`SVCCIDRS6_V1`: the IPv6 Service CIDRs and ClusterIPs), its health-check node ports
+//! (upstream's per-family ServiceHealthServer: on the IPv6 NodePort addresses, counting IPv6
+//! endpoints), and one sync: the snapshot's IPv6 family translated, planned against the shadow
 //! with the IPv4 family's backend and Maglev table ids avoided (one id space: `LCFLOWS_V1` and
 //! `MAGLEV_V1` are shared), written, and every written op told to the IPv4 planner so it never
 //! hands those ids out.
@@ -10,7 +13,8 @@
 //! IPv6 address (upstream's dual-stack detection goes by the node's IPs too), or while the
 //! IPv6 maps still hold entries to remove: an IPv4-only node does no IPv6 work.
 //!
-//! May call: `dataplane` (the maps, node addresses), `pipeline`, `sources`.
+//! May call: `dataplane` (the maps, node addresses), `pipeline`, `serving` (the health-check
+//! servers), `sources`.
 
 use std::net::Ipv6Addr;
 
@@ -22,6 +26,7 @@ use crate::{
         interfaces::Patterns,
         maps::ServiceMaps,
         node_addrs::{self, NodeFamily as _},
+        service_cidrs::{self, ServiceCidrs},
         source_ranges::{self, SourceRanges},
     },
     pipeline::{
@@ -31,8 +36,9 @@ use crate::{
         incremental::Planner,
         model::Problem,
         programmed::{Capacities, Programmed, SharedIds},
-        translate::{self, NodeContext},
+        translate::{self, HealthCheck, NodeContext},
     },
+    serving::{health::HealthState, healthcheck::HealthCheckServers},
     sources::snapshot::Snapshot,
 };
 
@@ -40,6 +46,11 @@ pub struct Family6 {
     maps: ServiceMaps<Ipv6Addr>,
     /// loadBalancerSourceRanges of the IPv6 LoadBalancer frontends (`SRCRANGES6_V1`).
     ranges: SourceRanges<Ipv6Addr>,
+    /// `SVCCIDRS6_V1`, and the IPv6 Service CIDRs of `--service-cidr` and of the cluster's
+    /// ServiceCIDR objects (both apply).
+    service_cidrs: ServiceCidrs<Ipv6Addr>,
+    service_cidr_flag: Vec<(Ipv6Addr, u8)>,
+    service_cidr_api: Vec<(Ipv6Addr, u8)>,
     programmed: Programmed<Ipv6Addr>,
     capacities: Capacities,
     nodeport_cfg: NodePortAddresses,
@@ -51,6 +62,9 @@ pub struct Family6 {
     snat: Ipv6Addr,
     /// The node has a usable IPv6 address.
     enabled: bool,
+    /// The IPv6 family's health-check node ports, and the checks they were last given.
+    health_checks: HealthCheckServers<Ipv6Addr>,
+    served_checks: Option<Vec<HealthCheck>>,
 }
 
 /// What one IPv6 sync did.
@@ -59,15 +73,22 @@ pub struct Synced {
     pub problems: Vec<Problem>,
     pub ops: usize,
     pub frontends: usize,
+    /// The IPv6 family's health checks (served on the IPv6 NodePort addresses).
+    pub health_checks: Vec<HealthCheck>,
+    /// Its Service ports with a Local policy and no local endpoints (internal, external), as
+    /// `crate::serving::metrics::no_local_endpoints`.
+    pub no_local_endpoints: (u64, u64),
 }
 
 impl Family6 {
     /// Takes the IPv6 maps out of the loaded object and reads back what they carry (adoption,
-    /// as for IPv4), Maglev tables at size `m`.
+    /// as for IPv4), Maglev tables at size `m`. `proxy`: the agent's health, reported by the
+    /// health-check node ports.
     pub fn start(
         ebpf: &mut aya::Ebpf,
         maps4: &ServiceMaps,
         capacities4: &Capacities,
+        proxy: std::sync::Arc<HealthState>,
     ) -> dataplane::Result<Self> {
         let maps = maps4.ipv6(Some(ebpf), None)?;
         let mut programmed = maps.read_programmed()?;
@@ -83,6 +104,7 @@ impl Family6 {
             ..capacities
         };
         let ranges = SourceRanges::from_ebpf(ebpf)?;
+        let service_cidrs = ServiceCidrs::from_ebpf(ebpf)?;
         let node6 = crate::dataplane::maps::Node6Map::from_ebpf(ebpf)?;
         let mut out = Self {
             node6,
@@ -90,12 +112,17 @@ impl Family6 {
             snat: Ipv6Addr::from_bits(1),
             maps,
             ranges,
+            service_cidrs,
+            service_cidr_flag: Vec::new(),
+            service_cidr_api: Vec::new(),
             programmed,
             capacities,
             nodeport_cfg: NodePortAddresses::default(),
             devices: Patterns::default(),
             nodeport: Vec::new(),
             enabled: false,
+            health_checks: HealthCheckServers::new(proxy),
+            served_checks: None,
         };
         out.refresh();
         Ok(out)
@@ -108,17 +135,36 @@ impl Family6 {
         self.refresh();
     }
 
-    /// Lists the node's IPv6 addresses again.
-    pub fn refresh(&mut self) {
+    /// The IPv6 Service CIDRs of `--service-cidr`.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<(Ipv6Addr, u8)>) {
+        node_addrs::set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
+    }
+
+    /// The IPv6 Service CIDRs of the cluster's ServiceCIDR objects (read at each sync).
+    pub fn set_api_service_cidrs(&mut self, cidrs: Vec<(Ipv6Addr, u8)>) {
+        node_addrs::set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
+    }
+
+    /// Lists the node's IPv6 addresses again (at every sync, and on each address event, as the
+    /// IPv4 family's: one getifaddrs); true when the NodePort addresses or whether the node has
+    /// IPv6 changed (a sync is due).
+    pub fn refresh(&mut self) -> bool {
         match node_addrs::list6() {
             Ok(all) => {
-                self.enabled = all.iter().any(|a| a.addr.usable());
+                let enabled = all.iter().any(|a| a.addr.usable());
                 let selected = node_addrs::select(&all, &self.nodeport_cfg, &self.devices);
-                self.nodeport = selected.nodeport;
                 self.write_snat(selected.snat.unwrap_or(Ipv6Addr::UNSPECIFIED));
+                let changed = enabled != self.enabled || selected.nodeport != self.nodeport;
+                if changed {
+                    info!(nodeport = ?selected.nodeport, enabled, "node IPv6 addresses");
+                }
+                self.enabled = enabled;
+                self.nodeport = selected.nodeport;
+                changed
             }
             Err(e) => {
-                error!("listing the node's IPv6 addresses failed: {e}; keeping the previous ones")
+                error!("listing the node's IPv6 addresses failed: {e}; keeping the previous ones");
+                false
             }
         }
     }
@@ -166,6 +212,16 @@ impl Family6 {
         self.programmed.frontend_count()
     }
 
+    /// Entries of the IPv6 maps the shadow counts, by occupancy label.
+    pub fn occupancy(&self) -> [(&'static str, u64); 3] {
+        let p = &self.programmed;
+        [
+            ("services6", p.services.len() as u64),
+            ("backends6", p.backends.len() as u64),
+            ("rev_nat6", p.rev_nats.len() as u64),
+        ]
+    }
+
     /// One IPv6 sync (see the module doc). `programmed4`/`planner4`: the IPv4 family's shadow
     /// and planner. Stops at the first failed write (the plan's order keeps every prefix
     /// consistent); the next sync plans in full again anyway.
@@ -180,10 +236,18 @@ impl Family6 {
             &Programmed<Ipv6Addr>,
         ),
     ) -> Result<Synced, dataplane::Error> {
-        let (desired, problems) = if self.enabled {
+        let translate::OneFamily {
+            desired,
+            problems,
+            health_checks,
+        } = if self.enabled {
             translate::translate_one_family(snapshot, node, &self.nodeport)
         } else {
-            Default::default()
+            translate::OneFamily {
+                desired: Default::default(),
+                problems: Vec::new(),
+                health_checks: Vec::new(),
+            }
         };
         let plan = diff::plan_sharing(
             &desired,
@@ -193,6 +257,7 @@ impl Family6 {
         );
         let mut out = Synced {
             problems,
+            no_local_endpoints: crate::serving::metrics::no_local_endpoints(&desired),
             ..Synced::default()
         };
         out.problems
@@ -214,6 +279,31 @@ impl Family6 {
         }
         // The source ranges of the frontends now written (entries added, then removed).
         self.ranges.sync(&source_ranges::wanted(&desired));
+        // The ClusterIPs now written and the Service CIDRs (new flows to no frontend there are
+        // rejected or dropped, as on IPv4).
+        let cidrs: Vec<(Ipv6Addr, u8)> = (self.service_cidr_flag.iter())
+            .chain(&self.service_cidr_api)
+            .copied()
+            .collect();
+        (self.service_cidrs).sync(&service_cidrs::wanted(&desired, &cidrs));
+        self.serve_health_checks(&health_checks);
+        out.health_checks = health_checks;
         Ok(out)
+    }
+
+    /// The health-check servers to `checks` on the IPv6 NodePort addresses, when the checks
+    /// changed or a server needs starting again (as the IPv4 family's, see
+    /// [`HealthCheckServers::settled`]).
+    fn serve_health_checks(&mut self, checks: &[HealthCheck]) {
+        let changed = self.served_checks.as_deref() != Some(checks);
+        if changed || !self.health_checks.settled(&self.nodeport) {
+            self.health_checks.update(checks, &self.nodeport);
+            self.served_checks = Some(checks.to_vec());
+        }
+    }
+
+    /// The health-check node ports served on IPv6.
+    pub fn health_check_ports(&self) -> Vec<u16> {
+        self.health_checks.ports()
     }
 }

@@ -210,7 +210,7 @@ pub struct RunArgs {
     /// Service's cluster-wide endpoints, like upstream's short-circuit. IPv4, at most 4.
     #[arg(long, value_delimiter = ',', value_parser = crate::pipeline::addresses::parse_cidr)]
     pub cluster_cidr: Vec<crate::pipeline::addresses::Cidr>,
-    /// The Service CIDRs (comma-separated, IPv4 used): a new flow to an address inside them
+    /// The Service CIDRs (comma-separated, both families): a new flow to an address inside them
     /// that no Service has is dropped, and to a ClusterIP on a port none of its Services has,
     /// rejected (kube-proxy nftables' behaviour). In Kubernetes mode the cluster's ServiceCIDR
     /// objects (networking.k8s.io/v1) are added to these.

@@ -22,7 +22,7 @@ use crate::{
     },
     pipeline::{
         addresses::{Cidr, NodePortAddresses},
-        model::DesiredState,
+        model::{DesiredState, Family},
         translate::HealthCheck,
         translate_cache::FrontendChange,
     },
@@ -265,15 +265,15 @@ impl External {
     }
 }
 
-/// Replaces a list of Service CIDRs, logging when it changed.
-fn set_cidrs(list: &mut Vec<(Ipv4Addr, u8)>, mut cidrs: Vec<(Ipv4Addr, u8)>, from: &str) -> bool {
+/// Replaces a list of Service CIDRs (of either family), logging when it changed.
+pub fn set_cidrs<A: Family>(list: &mut Vec<(A, u8)>, mut cidrs: Vec<(A, u8)>, from: &str) -> bool {
     cidrs.sort();
     cidrs.dedup();
     if cidrs == *list {
         return false;
     }
     let shown: Vec<String> = cidrs.iter().map(|(a, l)| format!("{a}/{l}")).collect();
-    info!(service_cidrs = ?shown, "Service CIDRs from {from}");
+    info!(service_cidrs = ?shown, "{} Service CIDRs from {from}", A::NAME);
     *list = cidrs;
     true
 }

@@ -3,20 +3,31 @@
 //! a map crosses [`WARN_PERCENT`] of its capacity (logged once per crossing: the alarm re-arms
 //! only after the map fell below [`REARM_PERCENT`]).
 //!
+//! The IPv6 family's maps (`SERVICES6_V1` ...) are labelled by their own names (`services6`,
+//! `conntrack6` ...): per family, as the pinned maps are.
+//!
 //! Counts come from where they are cheap: SERVICES, BACKENDS, REVNAT and MAGLEV (chunks) from
-//! the agent's shadow
-//! after each sync; CONNTRACK and SNAT from the garbage-collection pass that lists them anyway;
-//! SRCRANGES, SOCKREV and AFFINITY by walking their keys in that same pass (every 30 s, bounded by their
-//! capacity). Capacities are the maps' real `max_entries`, so an adopted map of another size
+//! the agent's shadow after each sync (the IPv6 ones from the IPv6 family's shadow after its
+//! sync); CONNTRACK, CONNTRACK6 and SNAT from the garbage-collection pass that lists them anyway;
+//! SRCRANGES, SOCKREV and AFFINITY (and their IPv6 twins, and SNAT6, which no pass lists) by
+//! walking their keys in that same pass (every 30 s, bounded by their capacity). Capacities are the maps' real `max_entries`, so an adopted map of another size
 //! shows what it really holds. `NODE_V1` and `STATS_V1` are arrays (always full) and left out.
 
 use std::collections::BTreeSet;
 
-use aya::maps::{HashMap, LpmTrie, Map, MapData};
+use aya::{
+    Pod,
+    maps::{HashMap, LpmTrie, Map, MapData},
+};
 use proxy_common::{
     AffinityKey, AffinityValue, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_MAGLEV, MAP_REVNAT,
     MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, SockRevKey, SockRevValue,
     SourceRangeKey,
+    ipv6::{
+        Affinity6Key, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_REVNAT6, MAP_SERVICES6,
+        MAP_SNAT6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, RevNat6, Snat6Key, Snat6Value,
+        SockRev6Key, SourceRange6Key,
+    },
 };
 use tracing::{info, warn};
 
@@ -41,7 +52,7 @@ pub enum Kind {
 }
 
 /// Every map with a size limit: (metric label, pinned name, kind).
-pub const MAPS: [(&str, &str, Kind); 9] = [
+pub const MAPS: [(&str, &str, Kind); 17] = [
     ("services", MAP_SERVICES, Kind::Programmed),
     ("maglev", MAP_MAGLEV, Kind::Programmed),
     ("backends", MAP_BACKENDS, Kind::Programmed),
@@ -51,7 +62,38 @@ pub const MAPS: [(&str, &str, Kind); 9] = [
     ("snat", MAP_SNAT, Kind::Lru),
     ("sock_rev", MAP_SOCK_REVNAT, Kind::Lru),
     ("affinity", MAP_AFFINITY, Kind::Lru),
+    ("services6", MAP_SERVICES6, Kind::Programmed),
+    ("backends6", MAP_BACKENDS6, Kind::Programmed),
+    ("rev_nat6", MAP_REVNAT6, Kind::Programmed),
+    ("source_ranges6", MAP_SOURCE_RANGES6, Kind::Programmed),
+    ("conntrack6", MAP_CONNTRACK6, Kind::Lru),
+    ("snat6", MAP_SNAT6, Kind::Lru),
+    ("sock_rev6", MAP_SOCK_REVNAT6, Kind::Lru),
+    ("affinity6", MAP_AFFINITY6, Kind::Lru),
 ];
+
+/// Counts a map's keys, at most the bound given.
+type KeyCounter = Box<dyn Fn(usize) -> usize + Send + Sync>;
+
+/// A [`KeyCounter`] of a pinned (LRU) hash map.
+fn hash_keys<K: Pod + Send + Sync, V: Pod + Send + Sync>(
+    data: MapData,
+    lru: bool,
+) -> Option<KeyCounter> {
+    let map = if lru {
+        Map::LruHashMap(data)
+    } else {
+        Map::HashMap(data)
+    };
+    let map: HashMap<MapData, K, V> = HashMap::try_from(map).ok()?;
+    Some(Box::new(move |bound| map.keys().take(bound).count()))
+}
+
+/// A [`KeyCounter`] of a pinned LPM trie.
+fn trie_keys<K: Pod + Send + Sync>(data: MapData) -> Option<KeyCounter> {
+    let map: LpmTrie<MapData, K, u32> = LpmTrie::try_from(Map::LpmTrie(data)).ok()?;
+    Some(Box::new(move |bound| map.keys().take(bound).count()))
+}
 
 /// A threshold crossing worth one log line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,9 +132,8 @@ impl Alarms {
 pub struct Occupancy {
     capacities: Vec<(&'static str, u32)>,
     alarms: Alarms,
-    source_ranges: Option<LpmTrie<MapData, SourceRangeKey, u32>>,
-    sock_rev: Option<HashMap<MapData, SockRevKey, SockRevValue>>,
-    affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
+    /// The maps [`Occupancy::sample`] walks, by metric label (those that could be opened).
+    walked: Vec<(&'static str, KeyCounter)>,
 }
 
 /// The real `max_entries` of a pinned map.
@@ -143,14 +184,42 @@ impl Occupancy {
             capacities.push((label, capacity));
         }
         let open = |name| MapData::from_pin(pins.map(name)).ok();
+        let walked: [(&'static str, Option<KeyCounter>); 7] = [
+            (
+                "source_ranges",
+                open(MAP_SOURCE_RANGES).and_then(trie_keys::<SourceRangeKey>),
+            ),
+            (
+                "sock_rev",
+                open(MAP_SOCK_REVNAT).and_then(|m| hash_keys::<SockRevKey, SockRevValue>(m, true)),
+            ),
+            (
+                "affinity",
+                open(MAP_AFFINITY).and_then(|m| hash_keys::<AffinityKey, AffinityValue>(m, true)),
+            ),
+            (
+                "source_ranges6",
+                open(MAP_SOURCE_RANGES6).and_then(trie_keys::<SourceRange6Key>),
+            ),
+            (
+                "snat6",
+                open(MAP_SNAT6).and_then(|m| hash_keys::<Snat6Key, Snat6Value>(m, true)),
+            ),
+            (
+                "sock_rev6",
+                open(MAP_SOCK_REVNAT6).and_then(|m| hash_keys::<SockRev6Key, RevNat6>(m, true)),
+            ),
+            (
+                "affinity6",
+                open(MAP_AFFINITY6).and_then(|m| hash_keys::<Affinity6Key, AffinityValue>(m, true)),
+            ),
+        ];
         Self {
             capacities,
             alarms: Alarms::default(),
-            source_ranges: open(MAP_SOURCE_RANGES)
-                .and_then(|m| LpmTrie::try_from(Map::LpmTrie(m)).ok()),
-            sock_rev: open(MAP_SOCK_REVNAT)
-                .and_then(|m| HashMap::try_from(Map::LruHashMap(m)).ok()),
-            affinity: open(MAP_AFFINITY).and_then(|m| HashMap::try_from(Map::LruHashMap(m)).ok()),
+            walked: (walked.into_iter())
+                .filter_map(|(label, c)| Some((label, c?)))
+                .collect(),
         }
     }
 
@@ -196,30 +265,14 @@ impl Occupancy {
         }
     }
 
-    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY), bounded by their
-    /// capacity.
+    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY, their IPv6 twins and
+    /// SNAT6), bounded by their capacity.
     pub fn sample(&mut self, metrics: &Metrics) {
-        let bound = |label| self.capacity(label).unwrap_or(0) as usize;
-        let ranges = self
-            .source_ranges
-            .as_ref()
-            .map(|m| m.keys().take(bound("source_ranges")).count());
-        let socks = self
-            .sock_rev
-            .as_ref()
-            .map(|m| m.keys().take(bound("sock_rev")).count());
-        let records = self
-            .affinity
-            .as_ref()
-            .map(|m| m.keys().take(bound("affinity")).count());
-        for (label, n) in [
-            ("source_ranges", ranges),
-            ("sock_rev", socks),
-            ("affinity", records),
-        ] {
-            if let Some(n) = n {
-                self.report(metrics, label, n as u64);
-            }
+        let counts: Vec<(&'static str, usize)> = (self.walked.iter())
+            .map(|(label, count)| (*label, count(self.capacity(label).unwrap_or(0) as usize)))
+            .collect();
+        for (label, n) in counts {
+            self.report(metrics, label, n as u64);
         }
     }
 }

@@ -1,6 +1,7 @@
-//! The Service address space in `SVCCIDRS_V1` (an LPM trie keyed by IPv4 address): the Service
-//! CIDRs (ServiceCIDR objects in Kubernetes mode, `--service-cidr` otherwise) and every
-//! allocated ClusterIP as a /32. The datapath looks it up when a new flow's destination is no
+//! The Service address space in `SVCCIDRS_V1` (an LPM trie keyed by IPv4 address), and the IPv6
+//! family's in `SVCCIDRS6_V1` (the same code over [`CidrFamily`]): the Service CIDRs of that
+//! family (ServiceCIDR objects in Kubernetes mode, `--service-cidr` otherwise) and every
+//! allocated ClusterIP as a host entry (/32, /128). The datapath looks it up when a new flow's destination is no
 //! frontend: a ClusterIP's other ports are rejected, the rest of the CIDRs dropped (upstream
 //! nftables' cluster-ips-check).
 //!
@@ -8,62 +9,99 @@
 //! ids): the wanted set is pure ([`wanted`]), the map layer writes what differs, then removes
 //! what is no longer wanted. The shadow is read back from the pinned map at start-up.
 //!
-//! Between full syncs the ClusterIPs are kept by [`ClusterIps`] from the changed frontends
+//! IPv4: between full syncs the ClusterIPs are kept by [`ClusterIps`] from the changed frontends
 //! (one count per frontend on the address), and only the addresses whose count crossed zero
-//! are written ([`ServiceCidrs::sync_changed`]); a full sync compares the whole set.
+//! are written ([`ServiceCidrs::sync_changed`]); a full sync compares the whole set. IPv6 (the
+//! family translated in full at each of its syncs, `crate::family6`): the whole set, compared
+//! with what the map holds, each sync ([`ServiceCidrs::sync`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    fmt,
+    net::{Ipv4Addr, Ipv6Addr},
 };
 
 use aya::maps::{
     MapData,
     lpm_trie::{Key, LpmTrie},
 };
-use proxy_common::{MAP_SERVICE_CIDRS, service_cidr};
+use proxy_common::{MAP_SERVICE_CIDRS, ipv6::MAP_SERVICE_CIDRS6, service_cidr};
 use tracing::{error, info};
 
 use crate::{
     dataplane,
     pipeline::{
-        model::{DesiredFrontend, DesiredState, Frontend, FrontendKind, Scope},
+        addresses::Cidr,
+        model::{DesiredFrontend, DesiredState, Family, Frontend, FrontendKind, Scope},
         translate_cache::FrontendChange,
     },
 };
 
+/// A family's Service address space map: its name and key bytes.
+pub trait CidrFamily: Family {
+    /// The address in network order (the trie key's data).
+    type Octets: Copy + Ord + fmt::Debug + aya::Pod;
+    const MAP: &'static str;
+    fn octets(self) -> Self::Octets;
+}
+
+impl CidrFamily for Ipv4Addr {
+    type Octets = [u8; 4];
+    const MAP: &'static str = MAP_SERVICE_CIDRS;
+    fn octets(self) -> [u8; 4] {
+        Ipv4Addr::octets(&self)
+    }
+}
+
+impl CidrFamily for Ipv6Addr {
+    type Octets = [u8; 16];
+    const MAP: &'static str = MAP_SERVICE_CIDRS6;
+    fn octets(self) -> [u8; 16] {
+        Ipv6Addr::octets(&self)
+    }
+}
+
 /// (prefix length, network address in network order) → `service_cidr::*`.
-pub type Entries = BTreeMap<(u32, [u8; 4]), u32>;
+pub type Entries<A = Ipv4Addr> = BTreeMap<(u32, <A as CidrFamily>::Octets), u32>;
+
+/// Pure: the prefixes of family `A` of `cidrs` (`--service-cidr` lists both families).
+pub fn prefixes<A: Family>(cidrs: &[Cidr]) -> Vec<(A, u8)> {
+    (cidrs.iter())
+        .filter_map(|c| Some((A::of(c.addr)?, c.prefix_len)))
+        .collect()
+}
 
 /// Pure: every entry the desired state and the Service CIDRs (network, prefix length) need.
-pub fn wanted(desired: &DesiredState, cidrs: &[(Ipv4Addr, u8)]) -> Entries {
+pub fn wanted<A: CidrFamily>(desired: &DesiredState<A>, cidrs: &[(A, u8)]) -> Entries<A> {
     let ips = (desired.frontends.iter())
         .filter(|(fe, df)| is_cluster_ip(fe, df))
         .map(|(fe, _)| fe.addr.octets());
     entries(cidrs, ips)
 }
 
-/// The CIDRs' entries, then the ClusterIPs' (a /32 CIDR that is also a ClusterIP is that
+/// The CIDRs' entries, then the ClusterIPs' (a host CIDR that is also a ClusterIP is that
 /// ClusterIP).
-fn entries(cidrs: &[(Ipv4Addr, u8)], cluster_ips: impl Iterator<Item = [u8; 4]>) -> Entries {
-    let mut out: Entries = cidrs
+fn entries<A: CidrFamily>(
+    cidrs: &[(A, u8)],
+    cluster_ips: impl Iterator<Item = A::Octets>,
+) -> Entries<A> {
+    let mut out: Entries<A> = cidrs
         .iter()
         .map(|&c| (cidr_key(c), service_cidr::UNALLOCATED))
         .collect();
     for ip in cluster_ips {
-        out.insert((32, ip), service_cidr::CLUSTER_IP);
+        out.insert((u32::from(A::BITS), ip), service_cidr::CLUSTER_IP);
     }
     out
 }
 
 /// The trie key of a CIDR (host bits cleared).
-fn cidr_key((net, len): (Ipv4Addr, u8)) -> (u32, [u8; 4]) {
-    let len = u32::from(len).min(32);
-    let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
-    (len, (u32::from(net) & mask).to_be_bytes())
+fn cidr_key<A: CidrFamily>((net, len): (A, u8)) -> (u32, A::Octets) {
+    let len = len.min(A::BITS);
+    (u32::from(len), net.network(len).octets())
 }
 
-fn is_cluster_ip(fe: &Frontend, df: &DesiredFrontend) -> bool {
+fn is_cluster_ip<A: Family>(fe: &Frontend<A>, df: &DesiredFrontend<A>) -> bool {
     df.kind == FrontendKind::ClusterIp && fe.scope == Scope::AllClients
 }
 
@@ -130,22 +168,22 @@ impl ClusterIps {
     }
 }
 
-/// The map and what it carries.
-pub struct ServiceCidrs {
-    map: LpmTrie<MapData, [u8; 4], u32>,
-    programmed: Entries,
+/// One family's map and what it carries.
+pub struct ServiceCidrs<A: CidrFamily = Ipv4Addr> {
+    map: LpmTrie<MapData, A::Octets, u32>,
+    programmed: Entries<A>,
     /// The last sync had writes that failed (logged once until one succeeds again).
     failing: bool,
 }
 
-impl ServiceCidrs {
+impl<A: CidrFamily> ServiceCidrs<A> {
     /// Takes the map out of a loaded object and reads back what it carries.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> dataplane::Result<Self> {
-        let name = MAP_SERVICE_CIDRS;
+        let name = A::MAP;
         let map = ebpf
             .take_map(name)
             .ok_or(dataplane::Error::Missing { what: "map", name })?;
-        let map: LpmTrie<MapData, [u8; 4], u32> =
+        let map: LpmTrie<MapData, A::Octets, u32> =
             LpmTrie::try_from(map).map_err(|source| dataplane::Error::Map { name, source })?;
         let programmed = map
             .iter()
@@ -159,6 +197,13 @@ impl ServiceCidrs {
         })
     }
 
+    /// What the map carries (as written by this agent or read back at start-up).
+    pub fn programmed(&self) -> &Entries<A> {
+        &self.programmed
+    }
+}
+
+impl ServiceCidrs {
     /// Writes the entries of the ClusterIPs that changed since the last call (a failed write is
     /// kept for the next), as [`ServiceCidrs::sync`] would for the whole set.
     pub fn sync_changed(&mut self, ips: &mut ClusterIps, cidrs: &[(Ipv4Addr, u8)]) {
@@ -212,10 +257,12 @@ impl ServiceCidrs {
             .map(|(_, ip)| ip)
             .collect();
     }
+}
 
+impl<A: CidrFamily> ServiceCidrs<A> {
     /// Makes the map carry exactly `want` (writes first, then removals). Failed writes are
     /// retried on the next sync and logged once (the map full: one line, not one per entry).
-    pub fn sync(&mut self, want: &Entries) {
+    pub fn sync(&mut self, want: &Entries<A>) {
         let mut failed = 0usize;
         let mut first_error = None;
         for (&(len, net), &kind) in want {
@@ -232,7 +279,7 @@ impl ServiceCidrs {
                 }
             }
         }
-        let stale: Vec<(u32, [u8; 4])> = self
+        let stale: Vec<(u32, A::Octets)> = self
             .programmed
             .keys()
             .filter(|k| !want.contains_key(k))
@@ -258,14 +305,18 @@ impl ServiceCidrs {
             Some(e) if !self.failing => {
                 error!(
                     failed,
-                    "{MAP_SERVICE_CIDRS}: {failed} ClusterIP/Service CIDR entries not written \
-                     ({e}); those addresses pass unchecked; retrying on every sync"
+                    "{}: {failed} ClusterIP/Service CIDR entries not written ({e}); those \
+                     addresses pass unchecked; retrying on every sync",
+                    A::MAP
                 );
                 self.failing = true;
             }
             Some(_) => {}
             None if self.failing => {
-                info!("{MAP_SERVICE_CIDRS}: every ClusterIP/Service CIDR entry written again");
+                info!(
+                    "{}: every ClusterIP/Service CIDR entry written again",
+                    A::MAP
+                );
                 self.failing = false;
             }
             None => {}
@@ -280,7 +331,7 @@ mod tests {
     use super::*;
     use crate::pipeline::model::{Protocol, ServicePortName};
 
-    fn frontend(kind: FrontendKind) -> Arc<DesiredFrontend> {
+    fn frontend<A: Family>(kind: FrontendKind) -> Arc<DesiredFrontend<A>> {
         Arc::new(DesiredFrontend {
             balancing: Default::default(),
             service: ServicePortName {
@@ -329,8 +380,47 @@ mod tests {
         .collect();
         assert_eq!(w, want);
         assert!(
-            wanted(&DesiredState::default(), &[]).is_empty(),
+            wanted::<Ipv4Addr>(&DesiredState::default(), &[]).is_empty(),
             "nothing: the map stays empty"
         );
+    }
+
+    /// The IPv6 family's entries: its CIDRs of a mixed `--service-cidr` list (host bits
+    /// cleared), its ClusterIPs as /128 host entries, nothing of the IPv4 family.
+    #[test]
+    fn ipv6_entries_are_the_ipv6_cidrs_and_clusterips() {
+        let cidrs: Vec<Cidr> = ["10.96.0.0/16", "fd00:10:96::1:2/108", "fd00:20::/64"]
+            .iter()
+            .map(|c| c.parse().unwrap())
+            .collect();
+        let six = prefixes::<Ipv6Addr>(&cidrs);
+        let v6 = |s: &str| s.parse::<Ipv6Addr>().unwrap();
+        assert_eq!(six, [(v6("fd00:10:96::1:2"), 108), (v6("fd00:20::"), 64)]);
+        assert_eq!(
+            prefixes::<Ipv4Addr>(&cidrs),
+            [(Ipv4Addr::new(10, 96, 0, 0), 16)]
+        );
+        let mut desired: DesiredState<Ipv6Addr> = DesiredState::default();
+        let vip = v6("fd00:10:96::10");
+        let df = frontend::<Ipv6Addr>;
+        desired.frontends.insert(
+            Frontend::new(vip, 80, Protocol::Tcp),
+            df(FrontendKind::ClusterIp),
+        );
+        desired.frontends.insert(
+            Frontend::new(v6("2001:db8:50::10"), 30080, Protocol::Tcp),
+            df(FrontendKind::NodePort),
+        );
+        let want: Entries<Ipv6Addr> = [
+            (
+                (108, v6("fd00:10:96::").octets()),
+                service_cidr::UNALLOCATED,
+            ),
+            ((64, v6("fd00:20::").octets()), service_cidr::UNALLOCATED),
+            ((128, vip.octets()), service_cidr::CLUSTER_IP),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(wanted(&desired, &six), want);
     }
 }

@@ -73,9 +73,13 @@ pub struct Translation {
     /// Deliberate, expected skips worth telling the user once (e.g. the IPv6 half of a
     /// dual-stack Service): not errors.
     pub notes: Vec<Problem>,
-    /// Health-check node ports to serve (externalTrafficPolicy Local LoadBalancer Services),
-    /// sorted by port.
+    /// Health-check node ports to serve on the IPv4 NodePort addresses (externalTrafficPolicy
+    /// Local LoadBalancer Services with an IPv4 cluster IP), sorted by port; counts of the IPv4
+    /// family's local endpoints.
     pub health_checks: Vec<HealthCheck>,
+    /// The same for the IPv6 family (served on the IPv6 NodePort addresses, counting IPv6
+    /// endpoints): upstream runs one ServiceHealthServer per family's proxier.
+    pub health_checks6: Vec<HealthCheck>,
     /// Frontends two or more Services asked for, one per losing claim, sorted (each is also in
     /// `problems`).
     pub conflicts: Vec<FrontendConflict>,
@@ -168,36 +172,51 @@ pub fn translate_families(
     // source listed the Services in (claims do not depend on it: see `resolve`).
     let mut services: Vec<&ServiceData> = snapshot.services.iter().map(|s| &**s).collect();
     services.sort_by_key(|s| (&s.namespace, &s.name));
-    (out.desired, out.conflicts) =
-        translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
-    (out.desired6, out.conflicts6) =
-        translate_family(snapshot, &services, node, nodeport_addrs6, &mut out);
-    out.health_checks.sort_by_key(|h| h.port);
+    let four = translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
+    (out.desired, out.conflicts, out.health_checks) = four;
+    let six = translate_family(snapshot, &services, node, nodeport_addrs6, &mut out);
+    (out.desired6, out.conflicts6, out.health_checks6) = six;
     out
 }
 
-/// One family's desired state and its problems (the IPv6 family's full translation in the
-/// agent, beside the IPv4 translation cache).
+/// What [`translate_one_family`] makes of one family.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OneFamily<A: Family> {
+    pub desired: DesiredState<A>,
+    pub problems: Vec<Problem>,
+    /// This family's health-check node ports, sorted by port (see
+    /// [`Translation::health_checks6`]).
+    pub health_checks: Vec<HealthCheck>,
+}
+
+/// One family's desired state, problems and health checks (the IPv6 family's full translation
+/// in the agent, beside the IPv4 translation cache).
 pub fn translate_one_family<A: SliceFamily>(
     snapshot: &Snapshot,
     node: &NodeContext,
     nodeport_addrs: &[A],
-) -> (DesiredState<A>, Vec<Problem>) {
+) -> OneFamily<A> {
     let mut out = Translation::default();
     let mut services: Vec<&ServiceData> = snapshot.services.iter().map(|s| &**s).collect();
     services.sort_by_key(|s| (&s.namespace, &s.name));
-    let (desired, _) = translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
-    (desired, out.problems)
+    let (desired, _, health_checks) =
+        translate_family(snapshot, &services, node, nodeport_addrs, &mut out);
+    OneFamily {
+        desired,
+        problems: out.problems,
+        health_checks,
+    }
 }
 
-/// One family's desired state and conflicts; problems, notes and health checks into `out`.
+/// One family's desired state, conflicts and health checks (sorted by port); problems and notes
+/// into `out`.
 fn translate_family<A: SliceFamily>(
     snapshot: &Snapshot,
     services: &[&ServiceData],
     node: &NodeContext,
     nodeport_addrs: &[A],
     out: &mut Translation,
-) -> (DesiredState<A>, Vec<FrontendConflict<A>>) {
+) -> (DesiredState<A>, Vec<FrontendConflict<A>>, Vec<HealthCheck>) {
     let slices: SliceIndex<'_, A> = SliceIndex::new(
         snapshot.endpoint_slices.iter().map(|s| &**s),
         &node.node_name,
@@ -206,6 +225,7 @@ fn translate_family<A: SliceFamily>(
     let mut desired = DesiredState::default();
     let mut all_conflicts = Vec::new();
     let mut translations = Vec::with_capacity(services.len());
+    let mut health_checks = Vec::new();
     for svc in services {
         let Some(mut t) = translate_service(svc, &slices, node, nodeport_addrs) else {
             continue;
@@ -218,7 +238,7 @@ fn translate_family<A: SliceFamily>(
             } = *remarks;
             out.problems.append(&mut problems);
             out.notes.append(&mut notes);
-            out.health_checks.extend(health_check);
+            health_checks.extend(health_check);
         }
         translations.push(t);
     }
@@ -236,7 +256,8 @@ fn translate_family<A: SliceFamily>(
         all_conflicts.extend(conflicts);
     }
     all_conflicts.sort();
-    (desired, all_conflicts)
+    health_checks.sort_by_key(|h| h.port);
+    (desired, all_conflicts, health_checks)
 }
 
 /// A frontend and what it should do, as translations share it with the desired state.
@@ -437,10 +458,6 @@ pub fn translate_service<A: SliceFamily>(
         }
     };
     let cluster_ip = family.cluster_ip?;
-    // One health-check node port per Service: the IPv4 family's whenever the Service has an
-    // IPv4 cluster IP (the agent's health checks follow the IPv4 translation), else IPv6's.
-    let has_ipv4 = || (svc.cluster_ips.iter()).any(|ip| matches!(ip, ClusterIp::V4(_)));
-    let reports_health = A::NAME == Ipv4Addr::NAME || !has_ipv4();
     match service_frontends(svc, cluster_ip, slices, node, nodeport_addrs) {
         Ok(f) => {
             if family.primary {
@@ -451,9 +468,9 @@ pub fn translate_service<A: SliceFamily>(
             // The secondary family: the same frontends, its Service-wide problems left to the
             // primary's translation.
             out.frontends = frontends_box(f.frontends);
-            if reports_health {
-                remarks.health_check = f.health_check;
-            }
+            // Each family its own health check (its own endpoints; upstream's per-family
+            // proxiers each run a ServiceHealthServer), served on its own node addresses.
+            remarks.health_check = f.health_check;
         }
         Err(e) if family.primary => remarks.problems.push(service_problem(svc, e.to_string())),
         Err(_) => return None,
@@ -1752,10 +1769,12 @@ mod tests {
         );
     }
 
-    /// One health-check node port per Service whatever its families: the IPv4 family's for a
-    /// dual-stack Service (IPv6 primary or not), the IPv6 one's for an IPv6-only Service.
+    /// One health-check node port per family, as upstream's per-family proxiers: each family
+    /// lists the Services with a cluster IP of that family (IPv6 primary or not), and counts
+    /// only that family's local ready endpoints (a dual-stack Service with local IPv4 endpoints
+    /// only is healthy on IPv4 and not on IPv6).
     #[test]
-    fn a_dual_stack_service_has_one_health_check() {
+    fn health_checks_are_per_family_with_each_familys_local_endpoints() {
         let lb = |name: &str, ips: Value, families: Value, port: i32| {
             external_service(
                 name,
@@ -1766,6 +1785,7 @@ mod tests {
                 json!({}),
             )
         };
+        let local = |a: &str| ep(a, NODE, (Some(true), Some(true), Some(false)));
         let t = translate_dual(
             vec![
                 lb(
@@ -1782,10 +1802,68 @@ mod tests {
                 ),
                 lb("six-only", json!(["fd00::3"]), json!(["IPv6"]), 31020),
             ],
-            vec![],
+            vec![
+                // six-first: one local IPv4 endpoint, two local IPv6 ones and a remote one.
+                slice(
+                    "six-first",
+                    "sf-4",
+                    http_port(8080),
+                    vec![local("10.244.1.5")],
+                ),
+                slice6(
+                    "six-first",
+                    "sf-6",
+                    vec![
+                        local("fd00:244:1::5"),
+                        local("fd00:244:1::6"),
+                        ready("fd00:244:2::5"),
+                    ],
+                ),
+                // four-first: local IPv4 endpoints only.
+                slice(
+                    "four-first",
+                    "ff-4",
+                    http_port(8080),
+                    vec![local("10.244.1.7"), local("10.244.1.8")],
+                ),
+                slice6("six-only", "so-6", vec![local("fd00:244:1::9")]),
+            ],
         );
-        let ports: Vec<u16> = t.health_checks.iter().map(|h| h.port).collect();
-        assert_eq!(ports, [31000, 31010, 31020]);
+        let counts = |checks: &[HealthCheck]| -> Vec<(String, u16, usize)> {
+            (checks.iter())
+                .map(|h| (h.name.clone(), h.port, h.local_endpoints))
+                .collect()
+        };
+        assert_eq!(
+            counts(&t.health_checks),
+            [
+                ("six-first".into(), 31000, 1),
+                ("four-first".into(), 31010, 2)
+            ]
+        );
+        assert_eq!(
+            counts(&t.health_checks6),
+            [
+                ("six-first".into(), 31000, 2),
+                ("four-first".into(), 31010, 0),
+                ("six-only".into(), 31020, 1)
+            ]
+        );
+        // The one-family translation the agent's IPv6 family runs reports the same.
+        let snapshot = Snapshot::new(
+            vec![lb("six-only", json!(["fd00::3"]), json!(["IPv6"]), 31020)],
+            vec![slice6("six-only", "so-6", vec![local("fd00:244:1::9")])],
+        );
+        let node = NodeContext {
+            scheduler: Default::default(),
+            node_name: NODE.into(),
+            zone: Some(ZONE.into()),
+        };
+        let v6: Ipv6Addr = "2001:db8:50::10".parse().unwrap();
+        let one = translate_one_family(&snapshot, &node, &[v6]);
+        assert_eq!(counts(&one.health_checks), [("six-only".into(), 31020, 1)]);
+        let four = translate_one_family(&snapshot, &node, &NODE_ADDRS[..1]);
+        assert!(four.health_checks.is_empty(), "{:?}", four.health_checks);
     }
 
     /// Bad family input is reported once, naming the Service, and skips it on both families;

@@ -147,6 +147,14 @@ impl TranslateCache {
         &self.last_changes
     }
 
+    /// Whether a slice of the last update is of addressType IPv6 (the metrics tell the IPv6
+    /// family's network programming apart by it).
+    pub fn is_ipv6_slice(&self, (service, slice): &SliceName) -> bool {
+        (self.entries.get(service))
+            .and_then(|e| e.slices.get(slice))
+            .is_some_and(|s| s.address_type == crate::sources::endpoints::AddressType::Ipv6)
+    }
+
     /// Problems of the last update (as [`translate::Translation::problems`], in another order).
     pub fn problems(&self) -> Vec<Problem> {
         let troubled = || self.troubled.iter().filter_map(|n| self.entries.get(n));

@@ -4,7 +4,11 @@
 //!
 //! One small HTTP/1.1 server per port, listening on the NodePort addresses only (like upstream
 //! with `nodePortAddresses` set; never on 0.0.0.0, so loopback and addresses outside
-//! `--nodeport-addresses` do not expose it); every request (any path) is answered with
+//! `--nodeport-addresses` do not expose it). One [`HealthCheckServers`] per family, as upstream
+//! runs one ServiceHealthServer per family's proxier: the IPv4 one on the IPv4 NodePort
+//! addresses with the IPv4 family's counts, the IPv6 one on the IPv6 NodePort addresses with the
+//! IPv6 family's (a dual-stack Service's port answers on both, each with its own family's local
+//! endpoints). Every request (any path) is answered with
 //! `{"service":{"namespace":NS,"name":NAME},"localEndpoints":N,"serviceProxyHealthy":BOOL}` and
 //! `X-Load-Balancing-Endpoint-Weight: N`, status 200 iff N > 0 and the proxy is healthy, else 503.
 //! "Healthy" is evaluated per request, as upstream does: the same freshness rule as /healthz (no
@@ -17,7 +21,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
@@ -46,21 +50,21 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time a client has to take the answer.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
-struct Server {
+struct Server<A> {
     report: Arc<Mutex<Report>>,
     /// The addresses listened on (the NodePort addresses when the server started).
-    addrs: Vec<Ipv4Addr>,
+    addrs: Vec<A>,
     /// One accept loop per address.
     tasks: Vec<JoinHandle<()>>,
 }
 
-impl Server {
+impl<A> Server<A> {
     fn is_finished(&self) -> bool {
         self.tasks.iter().any(|t| t.is_finished())
     }
 }
 
-impl Drop for Server {
+impl<A> Drop for Server<A> {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
@@ -68,17 +72,17 @@ impl Drop for Server {
     }
 }
 
-/// The running health-check servers, reconciled after every sync.
-#[derive(Default)]
-pub struct HealthCheckServers {
-    servers: BTreeMap<u16, Server>,
+/// The running health-check servers of one address family (`A`: [`Ipv4Addr`] or
+/// [`std::net::Ipv6Addr`]), reconciled after every sync.
+pub struct HealthCheckServers<A = Ipv4Addr> {
+    servers: BTreeMap<u16, Server<A>>,
     /// The proxy's health (/healthz's state); none known = healthy.
     proxy: Arc<HealthState>,
     /// The last update left a wanted port without a server (retried by the next update).
     incomplete: bool,
 }
 
-impl HealthCheckServers {
+impl<A: Copy + Eq + Into<IpAddr>> HealthCheckServers<A> {
     /// Servers answering with `proxy`'s health (the agent's /healthz state).
     pub fn new(proxy: Arc<HealthState>) -> Self {
         Self {
@@ -91,14 +95,14 @@ impl HealthCheckServers {
     /// Whether [`HealthCheckServers::update`] with the same checks on `addrs` would change
     /// nothing: every wanted port served, no server stopped, none on other addresses. (The
     /// agent calls `update` only when this is false or the checks changed.)
-    pub fn settled(&self, addrs: &[Ipv4Addr]) -> bool {
+    pub fn settled(&self, addrs: &[A]) -> bool {
         !self.incomplete && (self.servers.values()).all(|s| !s.is_finished() && s.addrs == addrs)
     }
 
     /// Serves exactly `checks` (starting and stopping servers), with the current counts, on
     /// `addrs` (the NodePort addresses; a server whose addresses changed is started again).
     /// Outside a tokio runtime (tests, benchmarks) nothing is served.
-    pub fn update(&mut self, checks: &[HealthCheck], addrs: &[Ipv4Addr]) {
+    pub fn update(&mut self, checks: &[HealthCheck], addrs: &[A]) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
@@ -139,7 +143,7 @@ impl HealthCheckServers {
             let listeners: Result<Vec<TcpListener>, _> = addrs
                 .iter()
                 .map(|&a| {
-                    std::net::TcpListener::bind(SocketAddr::from((a, port))).and_then(|l| {
+                    std::net::TcpListener::bind(SocketAddr::new(a.into(), port)).and_then(|l| {
                         l.set_nonblocking(true)?;
                         TcpListener::from_std(l)
                     })
@@ -153,7 +157,8 @@ impl HealthCheckServers {
                     continue;
                 }
             };
-            info!(port, %service, ?addrs, "serving health-check node port");
+            let shown: Vec<IpAddr> = addrs.iter().map(|&a| a.into()).collect();
+            info!(port, %service, addrs = ?shown, "serving health-check node port");
             let report = Arc::new(Mutex::new(report));
             let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
             let tasks = listeners

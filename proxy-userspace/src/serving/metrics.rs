@@ -25,9 +25,13 @@
 //!   conntrack entries it removed (idle ones and flows to a gone UDP backend).
 //! - The series upstream labels with `ip_family` carry `ip_family="IPv4"`: sync durations (all
 //!   three), network programming, last (queued) timestamp, no-local-endpoints and the conntrack
-//!   reconciler pair. On a node that programs IPv6 too (`crate::family6`), the IPv6 family's
-//!   syncs add `ip_family="IPv6"` series of the sync durations (its syncs are full ones) and the
-//!   last sync timestamp, created at its first sync (an IPv4-only node shows none).
+//!   reconciler pair. On a node that programs IPv6 too (`crate::family6`), the IPv6 family adds
+//!   `ip_family="IPv6"` series, created when first reported (an IPv4-only node shows none): the
+//!   sync durations (its syncs are full ones) and last sync timestamp; network programming of
+//!   the IPv6 EndpointSlices (addressType IPv6; the IPv4 series measures the others), observed
+//!   when the IPv6 family's sync applied them; its no-local-endpoints; and the conntrack
+//!   reconciler over `CONNTRACK6_V1` (one walk covers both families' conntrack maps, so both
+//!   families' duration is that walk's; each family counts its own deleted entries).
 //! - `/proxyMode` on the metrics port answers `ebpf` (upstream answers its mode, e.g.
 //!   `nftables`; no upstream mode describes this datapath, and tools that branch on the answer
 //!   should not take it for one of theirs).
@@ -75,7 +79,8 @@ use crate::{
 
 /// What `/proxyMode` answers.
 pub const PROXY_MODE: &str = "ebpf";
-/// The `ip_family` label value of the series upstream labels per family (IPv4 only here).
+/// The `ip_family` label value of the IPv4 family's series (the IPv6 family's are made when it
+/// first reports, see the module doc).
 pub const IP_FAMILY: &str = "IPv4";
 
 type Labels = Vec<(&'static str, String)>;
@@ -114,11 +119,14 @@ fn ipv6() -> Labels {
     vec![("ip_family", "IPv6".to_owned())]
 }
 
-/// The families whose `ip_family="IPv6"` series the IPv6 syncs fill.
+/// The families whose `ip_family="IPv6"` series the IPv6 family fills.
 struct Ipv6Syncs {
     duration: HistogramFamily,
     full_duration: HistogramFamily,
     last_sync: Family<Labels, Gauge<f64, AtomicU64>>,
+    network_programming: HistogramFamily,
+    conntrack_reconciler_duration: HistogramFamily,
+    conntrack_reconciler_deleted: Family<Labels, Counter>,
 }
 
 /// Which kind of sync was applied (see the module doc).
@@ -276,19 +284,19 @@ impl Metrics {
             "SyncProxyRules latency in seconds for partial resyncs",
             histograms(sync_histogram),
         );
-        let conntrack_reconciler_duration = ipv4_series(
+        let (conntrack_reconciler_duration, reconciler_duration6) = family_series(
             &mut r,
             "kubeproxy_conntrack_reconciler_sync_duration_seconds",
             "ReconcileConntrackFlowsLatency latency in seconds (one conntrack garbage collection)",
             histograms(conntrack_reconciler_histogram),
         );
-        let conntrack_reconciler_deleted = ipv4_series(
+        let (conntrack_reconciler_deleted, reconciler_deleted6) = family_series(
             &mut r,
             "kubeproxy_conntrack_reconciler_deleted_entries",
             "Cumulative conntrack flows deleted by conntrack reconciler (garbage collection)",
             Family::<Labels, Counter>::default(),
         );
-        let network_programming = ipv4_series(
+        let (network_programming, network_programming6) = family_series(
             &mut r,
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds (EndpointSlice trigger time to the sync that applied it)",
@@ -411,6 +419,9 @@ impl Metrics {
                 duration: duration6,
                 full_duration: full_duration6,
                 last_sync: last_sync6,
+                network_programming: network_programming6,
+                conntrack_reconciler_duration: reconciler_duration6,
+                conntrack_reconciler_deleted: reconciler_deleted6,
             },
         }
     }
@@ -471,11 +482,35 @@ impl Metrics {
         }
     }
 
+    /// The IPv6 family's sync that applied IPv6 EndpointSlices with these trigger times
+    /// finished at `applied_at` (as [`Metrics::observe_network_programming`], `ip_family="IPv6"`).
+    pub fn observe_network_programming6(
+        &self,
+        trigger_times: &[SystemTime],
+        applied_at: SystemTime,
+    ) {
+        let series = || self.ipv6_syncs.network_programming.get_or_create(&ipv6());
+        for t in trigger_times {
+            if let Ok(d) = applied_at.duration_since(*t) {
+                series().observe(d.as_secs_f64());
+            }
+        }
+    }
+
     /// Service ports with a Local traffic policy, endpoints elsewhere and none on this node.
     pub fn set_no_local_endpoints(&self, internal: u64, external: u64) {
+        self.set_no_local(IP_FAMILY, internal, external);
+    }
+
+    /// The same for the IPv6 family's Service ports (`ip_family="IPv6"`).
+    pub fn set_no_local_endpoints6(&self, internal: u64, external: u64) {
+        self.set_no_local("IPv6", internal, external);
+    }
+
+    fn set_no_local(&self, family: &str, internal: u64, external: u64) {
         for (policy, n) in [("internal", internal), ("external", external)] {
             self.no_local_endpoints
-                .get_or_create(&no_local_labels(policy))
+                .get_or_create(&family_no_local_labels(family, policy))
                 .set(gauge(n));
         }
     }
@@ -486,6 +521,13 @@ impl Metrics {
         self.conntrack_reconciler_duration
             .observe(took.as_secs_f64());
         self.conntrack_reconciler_deleted.inc_by(deleted);
+    }
+
+    /// The same walk over `CONNTRACK6_V1` removed `deleted` IPv6 entries (`ip_family="IPv6"`).
+    pub fn conntrack_reconciled6(&self, took: Duration, deleted: u64) {
+        let s = &self.ipv6_syncs;
+        (s.conntrack_reconciler_duration.get_or_create(&ipv6())).observe(took.as_secs_f64());
+        (s.conntrack_reconciler_deleted.get_or_create(&ipv6())).inc_by(deleted);
     }
 
     pub fn set_map(&self, map: &str, entries: u64, capacity: u64) {
@@ -571,8 +613,12 @@ pub fn pinned_stats_reader(pins: PinLayout) -> DatapathReader {
 }
 
 fn no_local_labels(policy: &str) -> Labels {
+    family_no_local_labels(IP_FAMILY, policy)
+}
+
+fn family_no_local_labels(family: &str, policy: &str) -> Labels {
     vec![
-        ("ip_family", IP_FAMILY.to_owned()),
+        ("ip_family", family.to_owned()),
         ("traffic_policy", policy.to_owned()),
     ]
 }
@@ -630,8 +676,10 @@ pub struct Changes {
     pub services: u64,
     /// EndpointSlices added, changed or removed.
     pub endpoint_slices: u64,
-    /// Trigger times of the changed (not removed) slices, newer than the tracker's start.
+    /// Trigger times of the changed (not removed) slices, newer than the tracker's start: of the
+    /// IPv4 family's (and FQDN) slices, and of the IPv6 ones (addressType IPv6).
     pub trigger_times: Vec<SystemTime>,
+    pub trigger_times6: Vec<SystemTime>,
 }
 
 /// The Service and EndpointSlice changes of the syncs since the last applied one, from the
@@ -641,8 +689,9 @@ pub struct Changes {
 pub struct ChangeTracker {
     started: SystemTime,
     services: HashSet<ServiceName>,
-    /// Each changed slice with the trigger time of its latest version (`None`: removed).
-    slices: HashMap<SliceName, Option<SystemTime>>,
+    /// Each changed slice with the trigger time of its latest version (`None`: removed), and
+    /// whether it is an IPv6 slice.
+    slices: HashMap<SliceName, (Option<SystemTime>, bool)>,
 }
 
 impl ChangeTracker {
@@ -655,25 +704,37 @@ impl ChangeTracker {
         }
     }
 
-    /// One update's changes (applied or not yet).
+    /// One update's changes (applied or not yet), every slice taken as the IPv4 family's.
     pub fn add(&mut self, list: &ChangeList) {
+        self.add_classified(list, |_| false);
+    }
+
+    /// [`ChangeTracker::add`], `is_ipv6` telling the IPv6 slices (addressType IPv6) apart (only
+    /// asked about slices with a trigger time).
+    pub fn add_classified(&mut self, list: &ChangeList, is_ipv6: impl Fn(&SliceName) -> bool) {
         self.services.extend(list.services.iter().cloned());
         for (slice, trigger) in &list.slices {
-            self.slices.insert(slice.clone(), *trigger);
+            let ipv6 = trigger.is_some() && is_ipv6(slice);
+            self.slices.insert(slice.clone(), (*trigger, ipv6));
         }
     }
 
     /// What changed since the last commit.
     pub fn pending(&self) -> Changes {
-        let mut trigger_times: Vec<SystemTime> = (self.slices.values())
-            .filter_map(|t| *t)
-            .filter(|t| *t > self.started)
-            .collect();
-        trigger_times.sort();
+        let times = |ipv6: bool| {
+            let mut v: Vec<SystemTime> = (self.slices.values())
+                .filter(|(_, six)| *six == ipv6)
+                .filter_map(|(t, _)| *t)
+                .filter(|t| *t > self.started)
+                .collect();
+            v.sort();
+            v
+        };
         Changes {
             services: self.services.len() as u64,
             endpoint_slices: self.slices.len() as u64,
-            trigger_times,
+            trigger_times: times(false),
+            trigger_times6: times(true),
         }
     }
 
@@ -686,7 +747,10 @@ impl ChangeTracker {
 
 /// Whether a frontend counts for `no_local_endpoints`, and for which policy (0 internal, 1
 /// external).
-fn no_local_policy(fe: &Frontend, df: &DesiredFrontend) -> Option<usize> {
+fn no_local_policy<A: crate::pipeline::model::Family>(
+    fe: &Frontend<A>,
+    df: &DesiredFrontend<A>,
+) -> Option<usize> {
     (df.drop_when_empty && fe.scope == Scope::AllClients)
         .then(|| usize::from(df.kind.is_external()))
 }
@@ -752,7 +816,9 @@ impl NoLocalEndpoints {
 /// their frontends drop new flows (`drop_when_empty`). `internal`: iTP=Local, seen on the
 /// ClusterIP frontends; `external`: eTP=Local, seen on the NodePort/externalIP/LoadBalancer
 /// frontends. Each Service port counts once per policy however many addresses it has.
-pub fn no_local_endpoints(desired: &DesiredState) -> (u64, u64) {
+pub fn no_local_endpoints<A: crate::pipeline::model::Family>(
+    desired: &DesiredState<A>,
+) -> (u64, u64) {
     let mut ports = [HashSet::new(), HashSet::new()];
     for (fe, df) in &desired.frontends {
         if let Some(policy) = no_local_policy(fe, df) {
@@ -955,6 +1021,7 @@ mod tests {
             services: 3,
             endpoint_slices: 5,
             trigger_times: vec![now - Duration::from_millis(40)],
+            trigger_times6: Vec::new(),
         };
         metrics.sync_failed(&changes);
         let pending = metrics.encode_text();
@@ -1186,5 +1253,88 @@ mod tests {
         assert!(!text.contains(
             "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"}"
         ));
+    }
+
+    /// The IPv6 family's series (`ip_family="IPv6"`, none before it reports): network
+    /// programming of the IPv6 slices only (the IPv4 series keeps the IPv4 ones), its
+    /// no-local-endpoints and its conntrack reconciler.
+    #[test]
+    fn ipv6_family_metrics_carry_their_own_ip_family_series() {
+        let start = at("2025-01-01T00:00:00Z");
+        let mut t = ChangeTracker::new(start);
+        let mut cache = TranslateCache::new();
+        let six: k8s_openapi::api::discovery::v1::EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"namespace": "default", "name": "d-6",
+                         "labels": {"kubernetes.io/service-name": "d"},
+                         "annotations": {ANNOTATION_TRIGGER_TIME: "2025-01-01T00:00:10Z"}},
+            "addressType": "IPv6",
+            "endpoints": [{"addresses": ["fd00:10:244:1::5"], "nodeName": "node-a",
+                           "conditions": {"ready": true}}],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]
+        }))
+        .expect("slice");
+        let snap = Snapshot::new(
+            vec![service("d", "10.96.0.3", None, None)],
+            vec![
+                slice("d-4", "d", "node-a", Some("2025-01-01T00:00:05Z")),
+                six,
+            ],
+        );
+        cache.update(&snap, &NodeContext::default(), &[], false);
+        t.add_classified(cache.last_changes(), |s| cache.is_ipv6_slice(s));
+        let pending = t.pending();
+        assert_eq!(pending.trigger_times, [at("2025-01-01T00:00:05Z")]);
+        assert_eq!(pending.trigger_times6, [at("2025-01-01T00:00:10Z")]);
+
+        let m = Metrics::new();
+        let applied = at("2025-01-01T00:00:12Z");
+        m.sync_applied(Duration::from_millis(1), SyncKind::Full, &pending, applied);
+        m.conntrack_reconciled(Duration::from_millis(3), 4);
+        assert!(!m.encode_text().contains("ip_family=\"IPv6\""));
+        m.observe_network_programming6(&pending.trigger_times6, applied);
+        m.set_no_local_endpoints6(1, 2);
+        m.conntrack_reconciled6(Duration::from_millis(3), 5);
+        let text = m.encode_text();
+        let value = |series: &str| {
+            sample(&text, series).unwrap_or_else(|| panic!("{series} not in:\n{text}"))
+        };
+        let programming = "kubeproxy_network_programming_duration_seconds";
+        assert_eq!(
+            value(&format!("{programming}_sum{{ip_family=\"IPv4\"}}")),
+            7.0
+        );
+        assert_eq!(
+            value(&format!("{programming}_count{{ip_family=\"IPv4\"}}")),
+            1.0
+        );
+        assert_eq!(
+            value(&format!("{programming}_sum{{ip_family=\"IPv6\"}}")),
+            2.0
+        );
+        assert_eq!(
+            value(&format!("{programming}_count{{ip_family=\"IPv6\"}}")),
+            1.0
+        );
+        let no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total";
+        for (family, policy, n) in [
+            ("IPv4", "internal", 0.0),
+            ("IPv4", "external", 0.0),
+            ("IPv6", "internal", 1.0),
+            ("IPv6", "external", 2.0),
+        ] {
+            assert_eq!(
+                value(&format!(
+                    "{no_local}{{ip_family=\"{family}\",traffic_policy=\"{policy}\"}}"
+                )),
+                n
+            );
+        }
+        let deleted = "kubeproxy_conntrack_reconciler_deleted_entries_total";
+        assert_eq!(value(&format!("{deleted}{{ip_family=\"IPv4\"}}")), 4.0);
+        assert_eq!(value(&format!("{deleted}{{ip_family=\"IPv6\"}}")), 5.0);
+        assert_eq!(
+            value("kubeproxy_conntrack_reconciler_sync_duration_seconds_count{ip_family=\"IPv6\"}"),
+            1.0
+        );
     }
 }

@@ -87,6 +87,8 @@ pub struct SourceState {
     pub node_eligible: bool,
     /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (none from manifests).
     pub service_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+    /// Their IPv6 CIDRs.
+    pub service_cidrs6: Vec<(std::net::Ipv6Addr, u8)>,
     /// What changed since the last read, where the source knows it (the Kubernetes stores);
     /// the whole snapshot is compared otherwise.
     pub changes: Changes,
@@ -133,6 +135,7 @@ impl Source {
                     zone: None,
                     node_eligible: true,
                     service_cidrs: Vec::new(),
+                    service_cidrs6: Vec::new(),
                     changes: Changes::default(),
                 }
             }
@@ -144,6 +147,7 @@ impl Source {
                     zone: k.zone(),
                     node_eligible: k.node_eligible(),
                     service_cidrs: k.service_cidrs(),
+                    service_cidrs6: k.service_cidrs(),
                     changes,
                 }
             }

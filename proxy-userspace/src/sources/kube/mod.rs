@@ -254,20 +254,17 @@ impl KubeSource {
         )
     }
 
-    /// The IPv4 CIDRs of the cluster's ServiceCIDR objects (`spec.cidrs`; IPv6 ones and
-    /// unparsable ones left out), sorted.
-    pub fn service_cidrs(&self) -> Vec<(std::net::Ipv4Addr, u8)> {
-        let mut out: Vec<(std::net::Ipv4Addr, u8)> = self
+    /// The CIDRs of family `A` of the cluster's ServiceCIDR objects (`spec.cidrs`; the other
+    /// family's and unparsable ones left out), sorted.
+    pub fn service_cidrs<A: crate::pipeline::model::Family>(&self) -> Vec<(A, u8)> {
+        let mut out: Vec<(A, u8)> = self
             .service_cidrs
             .state()
             .iter()
             .filter_map(|c| c.spec.as_ref()?.cidrs.as_ref())
             .flatten()
             .filter_map(|c| c.parse::<crate::pipeline::addresses::Cidr>().ok())
-            .filter_map(|c| match c.addr {
-                std::net::IpAddr::V4(a) => Some((a, c.prefix_len)),
-                std::net::IpAddr::V6(_) => None,
-            })
+            .filter_map(|c| Some((A::of(c.addr)?, c.prefix_len)))
             .collect();
         out.sort();
         out.dedup();
