@@ -19,7 +19,6 @@
 
 use std::{
     collections::BTreeMap,
-    ffi::OsStr,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Duration,
@@ -31,82 +30,36 @@ use aya::maps::{
 };
 use proxy_common::{ipv6::MAP_SERVICE_CIDRS6, service_cidr};
 use proxy_testenv::{
-    Agent, BACKENDS, BACKENDS6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_DEVICE, FakeApiServer,
-    FamilyService, HttpReply, ManifestDir, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES, NetNs,
-    PinDir, ServicePort, Topology,
+    BACKENDS, BACKENDS6, CLUSTER_CIDR_DUAL, ConnectOutcome, EXT_DEVICE, FakeApiServer,
+    FamilyService, HttpReply, ManifestDir, MultiNode, NODE_IPS, NODE_IPS6, NODE_NAMES, PinDir,
+    ServicePort, Topology,
     fake_apiserver::{Kind, wait_for},
     family_service_yaml, http_url, require_privileged, tcp6_connect_from,
 };
 use serde_json::json;
 
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+mod common_netns;
+use common_netns::{Cluster, start_agent};
+
 const NODE_A: usize = 0;
 const NODE_B: usize = 1;
 /// The IPv6-only Service's health-check port, and the dual-stack one's.
 const HC_SIX: u16 = 32_100;
 const HC_DUAL: u16 = 32_200;
 
-/// Field order is drop order: agents first, then pins, manifests, namespaces.
-struct Env {
-    agents: Vec<Agent>,
-    _pins: Vec<PinDir>,
-    _manifests: ManifestDir,
-    net: MultiNode,
+/// Both nodes, `backends` (node, pod name, IPv4 address; the pods are dual-stack), `yaml`
+/// written, both agents synced and attached.
+fn start(backends: &[(usize, &str, Ipv4Addr)], yaml: &str) -> Cluster {
+    let mut net = MultiNode::new().expect("creating the two-node topology");
+    for &(i, name, ip) in backends {
+        net.add_backend(i, name, ip).expect("backend");
+    }
+    Cluster::start_on(net, CLUSTER_CIDR_DUAL, |manifests| {
+        std::fs::write(manifests.path().join("services.yaml"), yaml).expect("writing manifests")
+    })
 }
 
-impl Env {
-    /// Both nodes, `backends` (node, pod name, IPv4 address; the pods are dual-stack), `yaml`
-    /// written, both agents synced and attached.
-    fn start(backends: &[(usize, &str, Ipv4Addr)], yaml: &str) -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let mut net = MultiNode::new().expect("creating the two-node topology");
-        for &(i, name, ip) in backends {
-            net.add_backend(i, name, ip).expect("backend");
-        }
-        let manifests = ManifestDir::new().expect("manifest dir");
-        std::fs::write(manifests.path().join("services.yaml"), yaml).expect("writing manifests");
-        let mut agents = Vec::new();
-        let mut pins = Vec::new();
-        for i in [NODE_A, NODE_B] {
-            let node = net.node(i);
-            let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
-            let args = [
-                "--manifests".as_ref(),
-                manifests.path().as_os_str(),
-                "--devices".as_ref(),
-                EXT_DEVICE.as_ref(),
-                "--hostname-override".as_ref(),
-                NODE_NAMES[i].as_ref(),
-                "--cluster-cidr".as_ref(),
-                CLUSTER_CIDR_DUAL.as_ref(),
-            ];
-            let mut want = node.pod_interfaces();
-            want.push(EXT_DEVICE.to_owned());
-            agents.push(start_agent(
-                node.node(),
-                &args,
-                &pin,
-                node.tmp().path(),
-                &want,
-            ));
-            pins.push(pin);
-        }
-        Self {
-            agents,
-            _pins: pins,
-            _manifests: manifests,
-            net,
-        }
-    }
-
-    fn fail(&self, msg: &str) -> ! {
-        panic!(
-            "{msg}\n--- node A agent log (tail) ---\n{}\n--- node B agent log (tail) ---\n{}",
-            self.agents[NODE_A].log_tail(),
-            self.agents[NODE_B].log_tail()
-        )
-    }
-
+impl Cluster {
     /// The health check at `addr:port` from the external client. The server is bound by the
     /// first sync (before the agent attaches), so one try normally does; a few more (bounded)
     /// cover a bind the agent retries at its next sync.
@@ -141,22 +94,6 @@ impl Env {
             ));
         }
     }
-}
-
-/// The agent on `node` with `args`, synced and attached to the interfaces `attached`.
-fn start_agent(
-    node: &NetNs,
-    args: &[&OsStr],
-    pins: &PinDir,
-    work: &Path,
-    attached: &[String],
-) -> Agent {
-    let mut agent = Agent::start_with(Path::new(BIN), node, args, pins.path(), work)
-        .expect("starting the agent");
-    agent
-        .wait_attached(attached)
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    agent
 }
 
 /// A LoadBalancer Service (eTP=Local) on `cluster_ips` plus one EndpointSlice per family with
@@ -223,7 +160,7 @@ fn health_check_node_ports_answer_per_family_with_that_familys_local_endpoints()
         // IPv4: one endpoint on node A; IPv6: one on node B.
         &[("10.244.1.31", a), ("fd00:10:244:2::31", b)],
     );
-    let env = Env::start(&[], &yaml);
+    let env = start(&[], &yaml);
     let [a4, b4] = NODE_IPS.map(IpAddr::from);
     let [a6, b6] = NODE_IPS6.map(IpAddr::from);
 
@@ -265,7 +202,7 @@ fn a_nodeport_answers_on_a_newly_added_node_ipv6_address() {
     });
     let backends: Vec<(usize, &str, Ipv4Addr)> =
         BACKENDS.iter().map(|&(n, ip)| (NODE_A, n, ip)).collect();
-    let env = Env::start(&backends, &yaml);
+    let env = start(&backends, &yaml);
     let get = |addr: IpAddr| env.net.http_get(&http_url(addr, WEB_NODE_PORT));
     // Served on the node's IPv6 address from the start.
     let first = get(NODE_IPS6[NODE_A].into());
@@ -343,13 +280,7 @@ fn ipv6_service_cidr_rejects_other_ports_of_cluster_ips_and_drops_unallocated_ad
         "--service-cidr".as_ref(),
         "10.96.0.0/16,fd00:10:96::/112".as_ref(),
     ];
-    let agent = start_agent(
-        topo.node(),
-        &args,
-        &pins,
-        topo.tmp().path(),
-        &topo.pod_interfaces(),
-    );
+    let agent = start_agent(&topo, &args, &pins, topo.pod_interfaces(), "the agent");
 
     let entries = service_cidr6_entries(pins.path());
     let want = BTreeMap::from([
@@ -505,13 +436,7 @@ fn ipv6_cidrs_of_service_cidr_objects_follow_the_api() {
         "--service-cidr".as_ref(),
         "fd00:20::/64".as_ref(),
     ];
-    let agent = start_agent(
-        topo.node(),
-        &args,
-        &pins,
-        topo.tmp().path(),
-        &topo.pod_interfaces(),
-    );
+    let agent = start_agent(&topo, &args, &pins, topo.pod_interfaces(), "the agent");
     let want = |api_cidr: bool| {
         let mut m = BTreeMap::from([
             ((64, FLAG), service_cidr::UNALLOCATED),

@@ -180,7 +180,7 @@ pub fn distribution(
 
 /// The agent in `topo`'s node namespace with `args`, pinning under `pins` (its status and log
 /// in `topo`'s temporary dir), once it has attached to `interfaces`; `what` names it in a panic.
-fn start_agent(
+pub fn start_agent(
     topo: &Topology,
     args: &[&OsStr],
     pins: &PinDir,
