@@ -1193,6 +1193,17 @@ pub fn node6_addr() -> [u8; 16] {
     }
 }
 
+/// Has the agent written no IPv6 SNAT address (`::`)? Compared in place (nothing copied to the
+/// stack).
+#[inline(always)]
+pub fn node6_unset() -> bool {
+    match NODE6_V1.get_ptr(0) {
+        // SAFETY: as in `node6_addr`.
+        Some(ptr) => unsafe { (*ptr).snat_addr == [0; 16] },
+        None => true,
+    }
+}
+
 /// Look up an IPv6 SNAT entry.
 #[inline(always)]
 pub fn snat6_entry(key: &Snat6Key) -> Option<Snat6Entry> {

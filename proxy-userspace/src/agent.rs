@@ -166,6 +166,7 @@ impl Agent {
         let conntrack = Conntrack::from_ebpf(&mut ebpf)?;
         let conntrack6 = crate::dataplane::maps::Conntrack6::from_ebpf(&mut ebpf)?;
         let snat = Snat::from_ebpf(&mut ebpf)?;
+        let snat6 = crate::dataplane::maps::Snat6::from_ebpf(&mut ebpf)?;
         let lc = LcCounts::from_ebpf(&mut ebpf)?;
         let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
@@ -193,6 +194,7 @@ impl Agent {
                 conntrack,
                 conntrack6,
                 snat,
+                snat6,
                 lc,
             },
             config,

@@ -50,8 +50,19 @@ fn reply(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
 
 /// Not a reply: maybe an external flow forwarded to a remote backend, to SNAT to the node in
 /// the SNAT program (its own stack: the port allocation does not fit beside this one's).
+///
+/// The `out` lookup (a 40-byte key hashed) is skipped when no entry can be used: an entry is
+/// written for a hairpin flow (the forwarded packet goes from a pod to itself) or on the
+/// node's IPv6 address. With `::` in `NODE6_V1` (none, or the address left the node) flows
+/// SNATed on a former address go out with their own source, as netfilter drops the
+/// masquerade of flows whose address left the device; once an address is written again they
+/// are SNATed again on the address they had (their entries stay until the sweep or the LRU
+/// takes them).
 #[inline(always)]
 fn forwarded(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
+    if p.saddr != p.daddr && maps::node6_unset() {
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    }
     let Some(s) = maps::snat6_scratch() else {
         return Ok(Action::pass(Counter::ReplyNotTracked));
     };

@@ -226,9 +226,11 @@ fn new_flow(
             // verifier then sees the paths after the decision as one (its program stays under
             // the 1M limit). Read below for Service flows only (written on their every path).
             if let Some(s) = maps::snat6_scratch() {
-                s.masquerade = crate::snat::external_needed(&frontend, backend.flags, || {
-                    maps::in_cluster6(&p.saddr)
-                });
+                // Hairpin (the client picked as its own backend) or an external flow.
+                s.masquerade = p.saddr == backend.addr
+                    || crate::snat::external_needed(&frontend, backend.flags, || {
+                        maps::in_cluster6(&p.saddr)
+                    });
             }
             (
                 backend_id,
@@ -263,6 +265,8 @@ fn new_flow(
         // The port is allocated by the SNAT program (its own stack), on the DNATed packet. If
         // it is not there the packet is dropped; the entries expire unused.
         s.original = *key;
+        // A hairpin flow leaves from the frontend the client sent to (`snat`).
+        s.hairpin = key.daddr;
         s.state = conntrack::next_state(p, ct_state::UDP);
         s.stale = stale;
         maps::tail_call6(ctx, TAIL_CALL_SNAT6_NEW, p.l2_len);

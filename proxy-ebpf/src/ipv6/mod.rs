@@ -20,9 +20,10 @@
 //! in-cluster entry for clients in the IPv6 cluster CIDRs (`CLUSTERCIDRS6_V1`), as on IPv4.
 //!
 //! SNAT to the node of external flows to remote backends (and from outside the cluster CIDRs),
-//! as on IPv4 (`snat`, `SNAT6_V1`, the node address in `NODE6_V1`).
+//! as on IPv4 (`snat`, `SNAT6_V1`, the node address in `NODE6_V1`); hairpin flows SNATed to
+//! their frontend address (`snat` says why not a link-local one as on IPv4).
 //!
-//! Not carried on IPv6 yet: hairpin SNAT, per-device SNAT addresses and the datapath trace.
+//! Not carried on IPv6 yet: per-device SNAT addresses and the datapath trace.
 
 pub(crate) mod conntrack;
 mod egress;

@@ -6,9 +6,23 @@
 //! the forwarded packet's source, a reply on ingress gets its destination put back to the client
 //! and tc egress toward the client then reverse-DNATs it like any reply.
 //!
-//! Which flows are masqueraded is decided by the family-neutral `crate::snat::external_needed`.
-//! Not on IPv6 (yet): hairpin SNAT and per-device source addresses (`SNATDEV_V1`): the source is
-//! always the node's address.
+//! Which flows are masqueraded is decided by the family-neutral `crate::snat::external_needed`,
+//! and hairpin flows (a pod sent to a Service and was picked as its own backend) too.
+//!
+//! A hairpin flow's source is the Service address the pod sent to (its frontend: ClusterIP,
+//! NodePort address, ...), as Cilium's service loopback, not a fixed link-local address as on
+//! IPv4: an IPv6 pod treats `fe80::/64` as on-link and would look for the address by neighbour
+//! discovery on its own link, where nothing answers, instead of sending its reply to the node.
+//! The frontend address is reached through the pod's default route (the pod has just sent to
+//! it) and is never one of the pod's own addresses. kube-proxy masquerades hairpin flows to the
+//! node's (or bridge's) address instead; that would make hairpin depend on the agent having
+//! written `NODE6_V1` and share the node's SNAT ports with external flows. The `in` entry is
+//! keyed on the frontend address: the pod's reply to it is put back to the pod as client on
+//! ingress, before routing sees it. (The server side of the pod sees the Service address as
+//! its peer, as with Cilium.)
+//!
+//! Not on IPv6 (yet): per-device source addresses (`SNATDEV_V1`): an external flow's source
+//! is always the node's address.
 
 use proxy_common::{
     Counter, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ct_dir, ct_flags,
@@ -27,14 +41,17 @@ use crate::{
 /// The keys and values of a port allocation (one per CPU, `maps::snat6_scratch`): 40-byte keys
 /// and 32-byte values do not fit on the stack of the programs that allocate. `out` holds the
 /// result (the node address and port a flow leaves with); `original`, `state` and `stale` are
-/// what the new-flow program leaves for the ingress SNAT program it tail-calls.
+/// what the new-flow program leaves for the ingress SNAT program it tail-calls. `hairpin`: the
+/// source of a hairpin flow (its frontend address), set by the caller of [`allocate`].
 #[derive(Clone, Copy)]
 pub struct Snat6Scratch {
     pub out_key: Snat6Key,
     pub in_key: Snat6Key,
     pub client: Snat6Value,
     pub out: Snat6Value,
+    /// The source address being allocated on (the node's, or `hairpin`).
     pub node: [u8; 16],
+    pub hairpin: [u8; 16],
     pub original: Ct6Key,
     pub state: u8,
     pub stale: bool,
@@ -52,6 +69,12 @@ pub struct Flow6<'a> {
 }
 
 impl<'a> Flow6<'a> {
+    /// A hairpin flow: the client is its own backend.
+    #[inline(always)]
+    pub fn is_hairpin(&self) -> bool {
+        self.client == self.backend
+    }
+
     /// The forwarded packet as egress sees it (client → backend).
     #[inline(always)]
     pub fn of_forwarded(p: &'a Packet6) -> Self {
@@ -113,12 +136,16 @@ pub fn out_entry_of_forwarded(p: &Packet6, s: &mut Snat6Scratch) -> Option<Snat6
     maps::snat6_entry(&s.out_key)
 }
 
-/// Give a flow the node's address and a port (reusing its entries if they are still its own):
-/// `Ok(true)` with them in `s.out`; `Ok(false)`: the node has no IPv6 SNAT address yet (counted;
-/// the flow goes out unSNATed).
+/// Give a flow the node's address (a hairpin flow: `s.hairpin`) and a port (reusing its entries
+/// if they are still its own): `Ok(true)` with them in `s.out`; `Ok(false)`: the node has no
+/// IPv6 SNAT address yet (counted; the flow goes out unSNATed).
 #[inline(always)]
 pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<bool, Drop> {
-    s.node = maps::node6_addr();
+    s.node = if f.is_hairpin() {
+        s.hairpin
+    } else {
+        maps::node6_addr()
+    };
     if s.node == [0; 16] {
         stats::count(Counter::SnatNoNodeAddr);
         return Ok(false);
@@ -132,7 +159,7 @@ pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<
                 out.touch(now, state);
                 return Ok(true);
             }
-            // Its port on an old node address: free it for other flows.
+            // Its port on an old node address (or frontend): free it for other flows.
             maps::snat6_remove(&s.in_key);
         }
     }
@@ -178,7 +205,11 @@ pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<
                 maps::snat6_remove(&s.in_key);
                 return Err(Drop::ConntrackFull);
             }
-            stats::count(Counter::SnatNew);
+            stats::count(if f.is_hairpin() {
+                Counter::HairpinSnat
+            } else {
+                Counter::SnatNew
+            });
             return Ok(true);
         }
         i += 1;
@@ -188,7 +219,8 @@ pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<
 
 /// Egress: the node address and port (`s.out`) of a forwarded packet whose flow has the `out`
 /// entry `out` (key in `s.out_key`), its entries refreshed (re-allocated if its port was
-/// reclaimed after a long silence). `Ok(false)`: no node address (the packet goes unSNATed).
+/// reclaimed after a long silence; a hairpin flow on the frontend address it had). `Ok(false)`:
+/// no node address (the packet goes unSNATed).
 #[inline(always)]
 pub fn forwarded(
     p: &Packet6,
@@ -197,6 +229,7 @@ pub fn forwarded(
     now: u64,
 ) -> Result<bool, Drop> {
     s.out = out.get();
+    s.hairpin = s.out.addr;
     let state = conntrack::next_state(p, s.out.state);
     let f = Flow6::of_forwarded(p);
     if let Some(own) = f.own_in_entry(s) {

@@ -1,7 +1,7 @@
 //! The flow-map garbage collection off the sync loop: one thread walks `CONNTRACK_V1` and
 //! `CONNTRACK6_V1` (idle and dead flows out, least-connection counts reconciled over both
 //! families' flows, which share the backend ids: `crate::dataplane::lc_counts`) and sweeps
-//! `SNAT_V1` (`crate::dataplane::snat_gc`). At 500,000 backends a walk reads 500,000 counts and
+//! `SNAT_V1` and `SNAT6_V1` (`crate::dataplane::snat_gc`). At 500,000 backends a walk reads 500,000 counts and
 //! takes about half a second; on the loop it delayed every change that arrived meanwhile.
 //!
 //! The loop hands each walk a copy of the programmed backends and the time it was taken; walks
@@ -34,7 +34,7 @@ use tracing::warn;
 use crate::dataplane::{
     clock::monotonic_ns,
     lc_counts::{self, Listing},
-    maps::{Conntrack, Conntrack6, LcCounts, Snat},
+    maps::{Conntrack, Conntrack6, LcCounts, Snat, Snat6},
     snat_gc::{self, Collected},
 };
 
@@ -117,6 +117,7 @@ pub trait FlowMaps: Send + 'static {
     fn lc_active(&self, id: u32) -> u64;
     fn set_lc_adjust(&mut self, id: u32, value: u64) -> Result<(), crate::dataplane::Error>;
     fn collect_snat(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected;
+    fn collect_snat6(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected;
 }
 
 /// The agent's pinned flow maps.
@@ -124,6 +125,7 @@ pub struct PinnedFlowMaps {
     pub conntrack: Conntrack,
     pub conntrack6: Conntrack6,
     pub snat: Snat,
+    pub snat6: Snat6,
     pub lc: LcCounts,
 }
 
@@ -159,6 +161,10 @@ impl FlowMaps for PinnedFlowMaps {
     fn collect_snat(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected {
         snat_gc::collect(&mut self.snat, now_ns, config)
     }
+
+    fn collect_snat6(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected {
+        snat_gc::collect(&mut self.snat6, now_ns, config)
+    }
 }
 
 /// One walk asked for.
@@ -169,7 +175,7 @@ pub struct Walk {
     pub backends6: Option<Backends6>,
     /// CLOCK_MONOTONIC when `backends` was copied.
     pub copied_ns: u64,
-    /// Sweep SNAT too (the periodic pass).
+    /// Sweep SNAT (both families) too (the periodic pass).
     pub snat: bool,
 }
 
@@ -182,6 +188,8 @@ pub struct Walked {
     pub conntrack6_removed: usize,
     pub took: Duration,
     pub snat: Option<Collected>,
+    /// `SNAT6_V1`'s sweep, with `snat`.
+    pub snat6: Option<Collected>,
 }
 
 /// State shared by the loop and the walker (held for a few map writes at most).
@@ -377,9 +385,11 @@ impl<M: FlowMaps> Walker<M> {
             }
         }
         self.lc_max_id = programmed_max;
-        let snat = walk
+        let now = monotonic_ns();
+        let snat = walk.snat.then(|| self.maps.collect_snat(now, &self.config));
+        let snat6 = walk
             .snat
-            .then(|| self.maps.collect_snat(monotonic_ns(), &self.config));
+            .then(|| self.maps.collect_snat6(now, &self.config));
         Walked {
             conntrack_listed: done.total,
             conntrack_removed: done.dead.len(),
@@ -387,6 +397,7 @@ impl<M: FlowMaps> Walker<M> {
             conntrack6_removed: done.dead6.len(),
             took: started.elapsed(),
             snat,
+            snat6,
         }
     }
 }
@@ -565,6 +576,10 @@ mod tests {
         }
 
         fn collect_snat(&mut self, _: u64, _: &DatapathConfig) -> Collected {
+            Collected::default()
+        }
+
+        fn collect_snat6(&mut self, _: u64, _: &DatapathConfig) -> Collected {
             Collected::default()
         }
     }
@@ -815,6 +830,112 @@ mod tests {
             written.get(700),
             Some(0),
             "a page once allocated keeps the 0 too"
+        );
+    }
+
+    /// Flow maps with SNAT entries only (both families, in memory).
+    struct SnatMaps {
+        snat: StdHashMap<proxy_common::SnatKey, proxy_common::SnatValue>,
+        snat6: StdHashMap<proxy_common::ipv6::Snat6Key, proxy_common::ipv6::Snat6Value>,
+    }
+
+    impl FlowMaps for SnatMaps {
+        fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)> {
+            Vec::new()
+        }
+
+        fn remove_conntrack(&mut self, _: &CtKey) {}
+
+        fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)> {
+            Vec::new()
+        }
+
+        fn remove_conntrack6(&mut self, _: &Ct6Key) {}
+
+        fn lc_ids(&self) -> u32 {
+            0
+        }
+
+        fn lc_active(&self, _: u32) -> u64 {
+            0
+        }
+
+        fn set_lc_adjust(&mut self, _: u32, _: u64) -> Result<(), crate::dataplane::Error> {
+            Ok(())
+        }
+
+        fn collect_snat(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected {
+            snat_gc::collect(&mut self.snat, now_ns, config)
+        }
+
+        fn collect_snat6(&mut self, now_ns: u64, config: &DatapathConfig) -> Collected {
+            snat_gc::collect(&mut self.snat6, now_ns, config)
+        }
+    }
+
+    /// The periodic walk sweeps `SNAT6_V1` beside `SNAT_V1` and reports each (the numbers the
+    /// loop's occupancy and metrics take); a walk without SNAT touches neither.
+    #[test]
+    fn the_periodic_walk_sweeps_both_families_snat_maps_and_reports_each() {
+        use proxy_common::ipv6::{Snat6Key, Snat6Value};
+        let config = DatapathConfig {
+            udp_timeout_s: 1,
+            udp_stream_timeout_s: 1,
+            ..DatapathConfig::DEFAULT
+        };
+        let now = monotonic_ns();
+        // UDP flows through the node: one dead (10 s idle), one live (just seen).
+        let flow6 = |cport: u16, last_seen_ns: u64| {
+            let value = |addr: [u8; 16], port: u16| Snat6Value {
+                last_seen_ns,
+                addr,
+                port: port.to_be_bytes(),
+                state: ct_state::UDP,
+                ..Snat6Value::default()
+            };
+            let out_key = Snat6Key {
+                saddr: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+                daddr: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x20],
+                sport: cport.to_be_bytes(),
+                dport: 53u16.to_be_bytes(),
+                proto: proto::UDP,
+                dir: ct_dir::ORIGINAL,
+                _pad: [0; 2],
+            };
+            let out = value(
+                [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10],
+                61_000 + cport,
+            );
+            let in_key = snat_gc::in_key_of_out(&out_key, &out);
+            [(out_key, out), (in_key, value(out_key.saddr, cport))]
+        };
+        let ten_s_ago = now.saturating_sub(10_000_000_000);
+        let maps = SnatMaps {
+            snat: StdHashMap::new(),
+            snat6: flow6(1, ten_s_ago)
+                .into_iter()
+                .chain(flow6(2, now))
+                .collect(),
+        };
+        let mut gc = FlowGc::start(maps, config).expect("thread");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        gc.request(Backends::default(), false);
+        let quiet = rt.block_on(gc.walked()).expect("walk");
+        assert_eq!((quiet.snat, quiet.snat6), (None, None));
+        gc.request(Backends::default(), true);
+        let walked = rt.block_on(gc.walked()).expect("walk");
+        assert_eq!(walked.snat, Some(Collected::default()), "IPv4: empty");
+        assert_eq!(
+            walked.snat6,
+            Some(Collected {
+                flows: 1,
+                orphans: 0,
+                removed: 2,
+                remaining: 2,
+            }),
+            "IPv6: the dead flow's two entries out, the live one's two left"
         );
     }
 }

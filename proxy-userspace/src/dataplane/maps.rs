@@ -587,6 +587,43 @@ impl Snat {
     }
 }
 
+/// `SNAT6_V1` (LRU): the IPv6 SNAT entries, swept by the agent's SNAT garbage collection as
+/// `SNAT_V1`.
+pub struct Snat6 {
+    map: HashMap<MapData, ipv6::Snat6Key, ipv6::Snat6Value>,
+}
+
+impl Snat6 {
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self> {
+        Ok(Self {
+            map: HashMap::try_from(take(ebpf, ipv6::MAP_SNAT6)?)
+                .map_err(map_err(ipv6::MAP_SNAT6))?,
+        })
+    }
+
+    /// All entries (a racing LRU eviction just drops an entry from the listing).
+    pub fn entries(&self) -> Vec<(ipv6::Snat6Key, ipv6::Snat6Value)> {
+        self.map.iter().filter_map(Result::ok).collect()
+    }
+
+    /// One entry as it is now (`None` if gone).
+    pub fn get(&self, key: &ipv6::Snat6Key) -> Option<ipv6::Snat6Value> {
+        self.map.get(key, 0).ok()
+    }
+
+    /// Writes one entry (tests and tools; the datapath allocates SNAT entries itself).
+    pub fn insert(&mut self, key: &ipv6::Snat6Key, value: &ipv6::Snat6Value) -> Result<()> {
+        self.map
+            .insert(key, value, 0)
+            .map_err(map_err(ipv6::MAP_SNAT6))
+    }
+
+    /// Removes one entry (already gone is fine).
+    pub fn remove(&mut self, key: &ipv6::Snat6Key) {
+        let _ = self.map.remove(key);
+    }
+}
+
 /// `AFFINITY_V1` (LRU): session affinity records, read for `dump affinity` (the datapath
 /// alone writes them; tests seed records).
 pub struct Affinity {

@@ -1,50 +1,101 @@
-//! SNAT garbage collection: removes the `SNAT_V1` entries of flows that went idle past their
-//! timeout (vanished without FIN/RST, or closed), so they stop holding their node port and stop
-//! showing in `dump snat`. The LRU still evicts under pressure; the datapath still reclaims an
-//! idle port when it probes.
+//! SNAT garbage collection: removes the `SNAT_V1` and `SNAT6_V1` entries of flows that went
+//! idle past their timeout (vanished without FIN/RST, or closed), so they stop holding their
+//! node port and stop showing in `dump snat`. The LRU still evicts under pressure; the datapath
+//! still reclaims an idle port when it probes.
 //!
-//! A SNATed flow has two entries (proxy-ebpf `snat.rs`): `out` (client → backend, value: node
-//! address:port) and `in` (backend → node address:port, value: client address:port). Both are
-//! refreshed by the client's forwarded packets, but the backend's replies refresh only `in`, so
-//! `in` carries the flow's last activity. A flow is dead by the datapath's own reclaim rule: its
-//! `in` entry is idle past its timeout (`proxy_common::timeouts::idle_expired`, by protocol and
-//! the `in` entry's state). A dead flow loses both entries; an `out` entry whose `in` entry is
-//! alive is kept however old its own timestamp. An entry without its partner (the partner was
-//! evicted, or the port was reclaimed by another flow) is removed when it is itself idle past
-//! its timeout, and never takes the other flow's entry with it.
+//! A SNATed flow has two entries (proxy-ebpf `snat.rs`, `ipv6/snat.rs`): `out` (client →
+//! backend, value: node address:port) and `in` (backend → node address:port, value: client
+//! address:port). Both are refreshed by the client's forwarded packets, but the backend's
+//! replies refresh only `in`, so `in` carries the flow's last activity. A flow is dead by the
+//! datapath's own reclaim rule: its `in` entry is idle past its timeout
+//! (`proxy_common::timeouts::idle_expired`, by protocol and the `in` entry's state). A dead flow
+//! loses both entries; an `out` entry whose `in` entry is alive is kept however old its own
+//! timestamp. An entry without its partner (the partner was evicted, or the port was reclaimed
+//! by another flow) is removed when it is itself idle past its timeout, and never takes the
+//! other flow's entry with it.
+//!
+//! Both families' entries have the same fields (IPv6 with 16-byte addresses) and the same rules:
+//! the sweep is written once over [`SnatFamily`].
 
-use std::collections::HashMap;
+use std::{collections::HashMap, fmt::Debug, hash::Hash};
 
-use proxy_common::{DatapathConfig, SnatKey, SnatValue, ct_dir, timeouts::idle_expired};
+use proxy_common::{
+    DatapathConfig, SnatKey, SnatValue, ct_dir,
+    ipv6::{Snat6Key, Snat6Value},
+    timeouts::idle_expired,
+};
 
-use crate::dataplane::maps::Snat;
+use crate::dataplane::maps::{Snat, Snat6};
 
-/// The `in` key of a flow from its `out` entry (proxy-ebpf `Flow::in_key`): the backend's reply
-/// to the node address and port the flow was given.
-pub fn in_key_of_out(out_key: &SnatKey, out: &SnatValue) -> SnatKey {
-    SnatKey {
-        saddr: out_key.daddr,
-        daddr: out.addr,
-        sport: out_key.dport,
-        dport: out.port,
-        proto: out_key.proto,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
-    }
+/// One family's SNAT key (`SnatKey`, `Snat6Key`) and what the sweep reads of it and its value.
+pub trait SnatFamily: Copy + Eq + Hash + Debug {
+    type Value: Copy + Debug;
+    fn dir(&self) -> u8;
+    fn proto(&self) -> u8;
+    /// (last seen, state, flags) of a value.
+    fn stamp(value: &Self::Value) -> (u64, u8, u8);
+    /// The `in` key of a flow from its `out` entry (proxy-ebpf `Flow::in_key`).
+    fn in_key_of_out(&self, out: &Self::Value) -> Self;
+    /// The `out` key of a flow from its `in` entry (proxy-ebpf `Flow::out_key`).
+    fn out_key_of_in(&self, inn: &Self::Value) -> Self;
 }
 
-/// The `out` key of a flow from its `in` entry (proxy-ebpf `Flow::out_key`): the client's
-/// forwarded packet to the backend.
-pub fn out_key_of_in(in_key: &SnatKey, inn: &SnatValue) -> SnatKey {
-    SnatKey {
-        saddr: inn.addr,
-        daddr: in_key.saddr,
-        sport: inn.port,
-        dport: in_key.sport,
-        proto: in_key.proto,
-        dir: ct_dir::ORIGINAL,
-        _pad: [0; 2],
-    }
+/// The two key types have the same fields (only the address width differs).
+macro_rules! snat_family {
+    ($key:ty, $value:ty) => {
+        impl SnatFamily for $key {
+            type Value = $value;
+
+            fn dir(&self) -> u8 {
+                self.dir
+            }
+
+            fn proto(&self) -> u8 {
+                self.proto
+            }
+
+            fn stamp(v: &$value) -> (u64, u8, u8) {
+                (v.last_seen_ns, v.state, v.flags)
+            }
+
+            fn in_key_of_out(&self, out: &$value) -> Self {
+                Self {
+                    saddr: self.daddr,
+                    daddr: out.addr,
+                    sport: self.dport,
+                    dport: out.port,
+                    proto: self.proto,
+                    dir: ct_dir::REPLY,
+                    _pad: [0; 2],
+                }
+            }
+
+            fn out_key_of_in(&self, inn: &$value) -> Self {
+                Self {
+                    saddr: inn.addr,
+                    daddr: self.saddr,
+                    sport: inn.port,
+                    dport: self.sport,
+                    proto: self.proto,
+                    dir: ct_dir::ORIGINAL,
+                    _pad: [0; 2],
+                }
+            }
+        }
+    };
+}
+snat_family!(SnatKey, SnatValue);
+snat_family!(Snat6Key, Snat6Value);
+
+/// The `in` key of a flow from its `out` entry: the backend's reply to the node address and
+/// port the flow was given.
+pub fn in_key_of_out<K: SnatFamily>(out_key: &K, out: &K::Value) -> K {
+    out_key.in_key_of_out(out)
+}
+
+/// The `out` key of a flow from its `in` entry: the client's forwarded packet to the backend.
+pub fn out_key_of_in<K: SnatFamily>(in_key: &K, inn: &K::Value) -> K {
+    in_key.out_key_of_in(inn)
 }
 
 /// One SNATed flow's addresses (ip, port): the client, the backend it was sent to, and the node
@@ -87,40 +138,47 @@ impl FlowAddrs {
 
 /// Are these one flow's two entries? Each must name the other (proxy-ebpf `own_in_entry`): an
 /// `in` entry reclaimed by another flow no longer points back at the old `out` entry.
-pub fn is_pair(out_key: &SnatKey, out: &SnatValue, in_key: &SnatKey, inn: &SnatValue) -> bool {
-    out_key.dir == ct_dir::ORIGINAL
-        && in_key.dir == ct_dir::REPLY
+pub fn is_pair<K: SnatFamily>(out_key: &K, out: &K::Value, in_key: &K, inn: &K::Value) -> bool {
+    out_key.dir() == ct_dir::ORIGINAL
+        && in_key.dir() == ct_dir::REPLY
         && in_key_of_out(out_key, out) == *in_key
         && out_key_of_in(in_key, inn) == *out_key
 }
 
 /// Is this entry idle past its flow's timeout?
-fn idle(key: &SnatKey, value: &SnatValue, now_ns: u64, cfg: &DatapathConfig) -> bool {
-    idle_expired(
-        value.last_seen_ns,
-        key.proto,
-        value.state,
-        value.flags,
-        now_ns,
-        cfg,
-    )
+fn idle<K: SnatFamily>(key: &K, value: &K::Value, now_ns: u64, cfg: &DatapathConfig) -> bool {
+    let (last_seen_ns, state, flags) = K::stamp(value);
+    idle_expired(last_seen_ns, key.proto(), state, flags, now_ns, cfg)
 }
 
 /// What one pass removes.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Sweep {
+#[derive(Debug, PartialEq, Eq)]
+pub struct Sweep<K = SnatKey> {
     /// Dead flows, as (`in` key, `out` key): the `in` entry is idle past its timeout.
-    pub flows: Vec<(SnatKey, SnatKey)>,
+    pub flows: Vec<(K, K)>,
     /// Entries without their partner, idle past their own timeout.
-    pub orphans: Vec<SnatKey>,
+    pub orphans: Vec<K>,
+}
+
+impl<K> Default for Sweep<K> {
+    fn default() -> Self {
+        Self {
+            flows: Vec::new(),
+            orphans: Vec::new(),
+        }
+    }
 }
 
 /// Pure: which entries of `entries` (one listing of the map) are dead at `now_ns`. O(entries).
-pub fn sweep(entries: &[(SnatKey, SnatValue)], now_ns: u64, cfg: &DatapathConfig) -> Sweep {
-    let index: HashMap<SnatKey, SnatValue> = entries.iter().copied().collect();
+pub fn sweep<K: SnatFamily>(
+    entries: &[(K, K::Value)],
+    now_ns: u64,
+    cfg: &DatapathConfig,
+) -> Sweep<K> {
+    let index: HashMap<K, K::Value> = entries.iter().copied().collect();
     let mut out = Sweep::default();
     for (key, value) in entries {
-        match key.dir {
+        match key.dir() {
             ct_dir::REPLY => {
                 if !idle(key, value, now_ns, cfg) {
                     continue;
@@ -161,10 +219,68 @@ pub struct Collected {
     pub remaining: usize,
 }
 
-/// Lists `SNAT_V1`, removes what [`sweep`] calls dead. Each removal first reads its entry again
+/// A SNAT map as the collection reads and cleans it (`SNAT_V1`, `SNAT6_V1`; a fake in tests).
+pub trait SnatTable<K: SnatFamily> {
+    /// One listing (a racing LRU eviction just drops an entry from it).
+    fn entries(&self) -> Vec<(K, K::Value)>;
+    /// One entry as it is now (`None` if gone).
+    fn get(&self, key: &K) -> Option<K::Value>;
+    /// Removes one entry (already gone is fine).
+    fn remove(&mut self, key: &K);
+}
+
+impl SnatTable<SnatKey> for Snat {
+    fn entries(&self) -> Vec<(SnatKey, SnatValue)> {
+        Snat::entries(self)
+    }
+
+    fn get(&self, key: &SnatKey) -> Option<SnatValue> {
+        Snat::get(self, key)
+    }
+
+    fn remove(&mut self, key: &SnatKey) {
+        Snat::remove(self, key)
+    }
+}
+
+impl SnatTable<Snat6Key> for Snat6 {
+    fn entries(&self) -> Vec<(Snat6Key, Snat6Value)> {
+        Snat6::entries(self)
+    }
+
+    fn get(&self, key: &Snat6Key) -> Option<Snat6Value> {
+        Snat6::get(self, key)
+    }
+
+    fn remove(&mut self, key: &Snat6Key) {
+        Snat6::remove(self, key)
+    }
+}
+
+/// A map in memory (tests: the fake of a pinned map).
+#[cfg(test)]
+impl<K: SnatFamily> SnatTable<K> for HashMap<K, K::Value> {
+    fn entries(&self) -> Vec<(K, K::Value)> {
+        self.iter().map(|(k, v)| (*k, *v)).collect()
+    }
+
+    fn get(&self, key: &K) -> Option<K::Value> {
+        HashMap::get(self, key).copied()
+    }
+
+    fn remove(&mut self, key: &K) {
+        HashMap::remove(self, key);
+    }
+}
+
+/// Lists the map, removes what [`sweep`] calls dead. Each removal first reads its entry again
 /// and checks it is still dead: a packet may have refreshed the flow since the listing, or the
 /// datapath may have reclaimed the port for a new flow (its fresh `in` entry is kept).
-pub fn collect(snat: &mut Snat, now_ns: u64, cfg: &DatapathConfig) -> Collected {
+pub fn collect<K: SnatFamily>(
+    snat: &mut impl SnatTable<K>,
+    now_ns: u64,
+    cfg: &DatapathConfig,
+) -> Collected {
     let entries = snat.entries();
     let total = entries.len();
     let sweep = sweep(&entries, now_ns, cfg);
@@ -420,5 +536,209 @@ mod tests {
         s.flows.sort_by_key(|(k, _)| k.dport);
         assert_eq!(s.flows, want_flows);
         assert!(s.orphans.is_empty());
+    }
+
+    // IPv6 (`SNAT6_V1`): the same rules through the same code, and `collect` over a map in
+    // memory.
+
+    const NODE6: [u8; 16] = [0xfd, 0, 0, 0x50, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
+    const BACKEND6: [u8; 16] = [0xfd, 0, 0, 0x10, 2, 0x44, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0x20];
+    const CLIENT6: [u8; 16] = [0xfd, 0, 0, 0x50, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+    const VIP6: [u8; 16] = [0xfd, 0, 0, 0x10, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x30];
+
+    /// One IPv6 flow's two entries as the datapath writes them (`pair` for IPv6): client:cport →
+    /// `backend`:8080 leaves as `node`:`nport`.
+    #[allow(clippy::too_many_arguments)]
+    fn pair6(
+        client: [u8; 16],
+        cport: u16,
+        backend: [u8; 16],
+        node: [u8; 16],
+        nport: u16,
+        proto: u8,
+        state: u8,
+        idle_s: u64,
+    ) -> [(Snat6Key, Snat6Value); 2] {
+        let value = |addr, port: u16| Snat6Value {
+            last_seen_ns: NOW - idle_s * S,
+            addr,
+            port: port.to_be_bytes(),
+            state,
+            flags: 0,
+            _pad: [0; 4],
+        };
+        let out_key = Snat6Key {
+            saddr: client,
+            daddr: backend,
+            sport: cport.to_be_bytes(),
+            dport: 8080u16.to_be_bytes(),
+            proto,
+            dir: ct_dir::ORIGINAL,
+            _pad: [0; 2],
+        };
+        let out = value(node, nport);
+        [
+            (out_key, out),
+            (in_key_of_out(&out_key, &out), value(client, cport)),
+        ]
+    }
+
+    fn tcp6(cport: u16, nport: u16, state: u8, idle_s: u64) -> [(Snat6Key, Snat6Value); 2] {
+        pair6(
+            CLIENT6,
+            cport,
+            BACKEND6,
+            NODE6,
+            nport,
+            proto::TCP,
+            state,
+            idle_s,
+        )
+    }
+
+    #[test]
+    fn ipv6_pair_keys_derive_from_each_other_hairpin_included() {
+        for [(ok, ov), (ik, iv)] in [
+            tcp6(40_001, 61_234, ct_state::ESTABLISHED, 0),
+            // Hairpin: the client is its own backend, SNATed to the frontend it sent to.
+            pair6(
+                BACKEND6,
+                33_000,
+                BACKEND6,
+                VIP6,
+                61_000,
+                proto::UDP,
+                ct_state::UDP,
+                0,
+            ),
+        ] {
+            assert_eq!(ik.saddr, ok.daddr, "in: from the backend");
+            assert_eq!(ik.daddr, ov.addr, "in: to the SNAT address");
+            assert_eq!(out_key_of_in(&ik, &iv), ok);
+            assert!(is_pair(&ok, &ov, &ik, &iv));
+            assert!(!is_pair(&ik, &iv, &ok, &ov), "directions swapped");
+        }
+        let [(ok, ov), (ik, _)] = tcp6(40_001, 61_234, ct_state::ESTABLISHED, 0);
+        let [_, (_, other_client)] = tcp6(40_002, 61_234, ct_state::ESTABLISHED, 0);
+        assert!(
+            !is_pair(&ok, &ov, &ik, &other_client),
+            "an in entry reclaimed by another flow"
+        );
+    }
+
+    #[test]
+    fn ipv6_flows_die_by_the_same_timeouts_as_ipv4() {
+        for (state, idle_s) in [
+            (ct_state::ESTABLISHED, 50),
+            (ct_state::ESTABLISHED, 101),
+            (ct_state::SYN_SENT, 11),
+            (ct_state::SYN_SENT, 9),
+            (ct_state::CLOSING, 11),
+            (ct_state::FIN_ORIGINAL, 11),
+        ] {
+            let v4 = tcp(1, 61_001, state, idle_s);
+            let v6 = tcp6(1, 61_001, state, idle_s);
+            let (d4, d6) = (sweep(&v4, NOW, &CFG), sweep(&v6, NOW, &CFG));
+            assert_eq!(
+                d4.flows.len(),
+                d6.flows.len(),
+                "state {state}, idle {idle_s} s: {d4:?} vs {d6:?}"
+            );
+            let want6 = if d4.flows.is_empty() {
+                vec![]
+            } else {
+                vec![(v6[1].0, v6[0].0)]
+            };
+            assert_eq!(d6.flows, want6, "state {state}, idle {idle_s} s");
+            assert!(d6.orphans.is_empty());
+        }
+        let udp6 = |idle_s| {
+            pair6(
+                CLIENT6,
+                5353,
+                BACKEND6,
+                NODE6,
+                61_500,
+                proto::UDP,
+                ct_state::UDP,
+                idle_s,
+            )
+        };
+        assert_eq!(sweep(&udp6(6), NOW, &CFG).flows.len(), 1, "udp 6 s of 5");
+        assert!(sweep(&udp6(4), NOW, &CFG).flows.is_empty(), "udp 4 s of 5");
+    }
+
+    /// A table of dead, live, orphaned, reclaimed and hairpin IPv6 entries: `collect` removes
+    /// exactly the dead flows' pairs and the idle orphans, and reports what is left.
+    #[test]
+    fn ipv6_collect_removes_dead_flows_and_idle_orphans_and_keeps_the_rest() {
+        let dead = tcp6(1, 61_001, ct_state::ESTABLISHED, 200);
+        let live = tcp6(2, 61_002, ct_state::ESTABLISHED, 1);
+        // Only the backend sends: the `in` entry is fresh, the old `out` entry stays.
+        let mut replied = tcp6(3, 61_003, ct_state::ESTABLISHED, 1_000);
+        replied[1].1.last_seen_ns = NOW - S;
+        let [orphan_out, _] = tcp6(4, 61_004, ct_state::ESTABLISHED, 200);
+        let [_, young_orphan_in] = tcp6(5, 61_005, ct_state::ESTABLISHED, 1);
+        // Flow A went silent and its port was reclaimed by flow B: A's `out` is an orphan.
+        let [a_out, _] = tcp6(6, 61_006, ct_state::ESTABLISHED, 1_000);
+        let b = tcp6(7, 61_006, ct_state::ESTABLISHED, 0);
+        let hairpin = |cport, idle_s| {
+            pair6(
+                BACKEND6,
+                cport,
+                BACKEND6,
+                VIP6,
+                cport + 20_000,
+                proto::TCP,
+                ct_state::ESTABLISHED,
+                idle_s,
+            )
+        };
+        let (hairpin_dead, hairpin_live) = (hairpin(41_000, 200), hairpin(41_001, 1));
+
+        let mut table = HashMap::<Snat6Key, Snat6Value>::new();
+        for (k, v) in [dead, live, replied, b, hairpin_dead, hairpin_live]
+            .into_iter()
+            .flatten()
+            .chain([orphan_out, young_orphan_in, a_out])
+        {
+            table.insert(k, v);
+        }
+        let before = table.len();
+        let done = collect(&mut table, NOW, &CFG);
+        assert_eq!(
+            done,
+            Collected {
+                flows: 2,
+                orphans: 2,
+                removed: 6,
+                remaining: before - 6,
+            }
+        );
+        for (k, _) in dead
+            .iter()
+            .chain(&hairpin_dead)
+            .chain([&orphan_out, &a_out])
+        {
+            assert!(!table.contains_key(k), "removed: {k:?}");
+        }
+        for (k, _) in live
+            .iter()
+            .chain(&replied)
+            .chain(&b)
+            .chain(&hairpin_live)
+            .chain([&young_orphan_in])
+        {
+            assert!(table.contains_key(k), "kept: {k:?}");
+        }
+        assert_eq!(table.len(), done.remaining);
+        assert_eq!(
+            collect(&mut table, NOW, &CFG),
+            Collected {
+                remaining: done.remaining,
+                ..Collected::default()
+            },
+            "a second pass finds nothing"
+        );
     }
 }

@@ -1,0 +1,115 @@
+//! Privileged IPv6 hairpin test on the dual-stack topology (proxy-testenv, as tests/netns6.rs):
+//! a pod that reaches an IPv6 ClusterIP whose only endpoint is itself gets its own connection
+//! (TCP) and its own answer (UDP), SNATed by the datapath to the ClusterIP (`ipv6::snat` says
+//! why that source), so it never sees a packet from its own address.
+//!
+//! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
+//! RAII guards remove namespaces, agents and pins even when an assertion fails.
+
+use std::{net::Ipv6Addr, path::Path};
+
+use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
+use proxy_testenv::{
+    Agent, BACKENDS6, FamilyService, ManifestDir, PinDir, ServicePort, Topology,
+    http6_get_with_peer, require_privileged, udp6_request_from,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+/// demo/self6: TCP 80 → 8080 and UDP 53 → 5353, its only endpoint the pod be1.
+const SELF6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x30);
+
+/// Field order is drop order: the agent dies first, then pins, manifests and namespaces go.
+struct Env {
+    agent: Agent,
+    _pins: PinDir,
+    _manifests: ManifestDir,
+    topo: Topology,
+}
+
+impl Env {
+    /// The standard topology, demo/self6 written, the agent synced and attached to every pod.
+    fn start() -> Self {
+        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+        let topo = Topology::new().expect("creating the topology");
+        let manifests = ManifestDir::new().expect("manifest dir");
+        manifests
+            .write_family_service(&FamilyService {
+                namespace: "demo",
+                name: "self6",
+                cluster_ips: &[SELF6.into()],
+                ports: &[ServicePort::tcp(80, 8080), ServicePort::udp(53, 5353)],
+                node_ports: &[],
+                endpoints: &[BACKENDS6[0].1.into()],
+            })
+            .expect("writing demo/self6");
+        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
+        let mut agent = Agent::start(
+            Path::new(BIN),
+            topo.node(),
+            manifests.path(),
+            pins.path(),
+            topo.tmp().path(),
+        )
+        .expect("starting the agent");
+        agent
+            .wait_attached(&topo.pod_interfaces())
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        Self {
+            agent,
+            _pins: pins,
+            _manifests: manifests,
+            topo,
+        }
+    }
+
+    fn fail(&self, msg: &str) -> ! {
+        self.agent.fail(msg)
+    }
+
+    fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
+        self.agent.check(cond, msg)
+    }
+}
+
+/// The port of a "[addr]:port" client address whose address is `addr`.
+fn port_from(client_addr: &str, addr: Ipv6Addr) -> Option<u16> {
+    client_addr
+        .strip_prefix(&format!("[{addr}]:"))?
+        .parse()
+        .ok()
+}
+
+#[test]
+fn a_pod_reaches_itself_through_an_ipv6_clusterip() {
+    require_privileged!();
+    let env = Env::start();
+    let (name, ip6) = BACKENDS6[0];
+    let pod = env
+        .topo
+        .pod(name)
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    for i in 0..3 {
+        let v = http6_get_with_peer(pod.ns(), SELF6, 80)
+            .unwrap_or_else(|e| env.fail(&format!("hairpin GET {i} [{SELF6}]:80: {e:#}")));
+        env.check(v.body == name, || format!("request {i}: {v:?}"));
+        env.check(v.peer == format!("[{SELF6}]:80"), || format!("{v:?}"));
+        // The server side saw the ClusterIP and a SNAT port, never its own address.
+        let port = port_from(&v.client_addr, SELF6);
+        env.check(
+            port.is_some_and(|p| (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&p)),
+            || format!("request {i}: {name} saw its client as {v:?}, want [{SELF6}]:<SNAT port>"),
+        );
+        env.check(!v.client_addr.contains(&ip6.to_string()), || {
+            format!("{v:?}")
+        });
+    }
+    for i in 0..3 {
+        let payload = format!("self6-{i}-0123456789");
+        let u = udp6_request_from(pod.ns(), SELF6, 53, &payload)
+            .unwrap_or_else(|e| env.fail(&format!("hairpin UDP {i} [{SELF6}]:53: {e:#}")));
+        env.check(*u.from.ip() == SELF6 && u.from.port() == 53, || {
+            format!("reply from {}, want [{SELF6}]:53", u.from)
+        });
+        env.check(u.body == format!("{name}:{payload}"), || format!("{u:?}"));
+    }
+}
