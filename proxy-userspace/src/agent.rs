@@ -624,9 +624,11 @@ impl Agent {
                 .report(&self.metrics, "conntrack6", left6 as u64);
             (self.metrics).conntrack_reconciled6(done.took, removed6 as u64);
         }
-        if let Some(snat) = done.snat {
+        for (map, snat) in [("snat", done.snat), ("snat6", done.snat6)] {
+            let Some(snat) = snat else { continue };
             if snat.removed > 0 {
                 debug!(
+                    map,
                     removed = snat.removed,
                     flows = snat.flows,
                     orphans = snat.orphans,
@@ -634,7 +636,7 @@ impl Agent {
                 );
             }
             self.occupancy
-                .report(&self.metrics, "snat", snat.remaining as u64);
+                .report(&self.metrics, map, snat.remaining as u64);
         }
     }
 

@@ -25,8 +25,7 @@ use proxy_common::{
     SourceRangeKey,
     ipv6::{
         Affinity6Key, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_REVNAT6, MAP_SERVICES6,
-        MAP_SNAT6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, RevNat6, Snat6Key, Snat6Value,
-        SockRev6Key, SourceRange6Key,
+        MAP_SNAT6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, RevNat6, SockRev6Key, SourceRange6Key,
     },
 };
 use tracing::{info, warn};
@@ -184,7 +183,7 @@ impl Occupancy {
             capacities.push((label, capacity));
         }
         let open = |name| MapData::from_pin(pins.map(name)).ok();
-        let walked: [(&'static str, Option<KeyCounter>); 7] = [
+        let walked: [(&'static str, Option<KeyCounter>); 6] = [
             (
                 "source_ranges",
                 open(MAP_SOURCE_RANGES).and_then(trie_keys::<SourceRangeKey>),
@@ -200,10 +199,6 @@ impl Occupancy {
             (
                 "source_ranges6",
                 open(MAP_SOURCE_RANGES6).and_then(trie_keys::<SourceRange6Key>),
-            ),
-            (
-                "snat6",
-                open(MAP_SNAT6).and_then(|m| hash_keys::<Snat6Key, Snat6Value>(m, true)),
             ),
             (
                 "sock_rev6",
@@ -265,8 +260,8 @@ impl Occupancy {
         }
     }
 
-    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY, their IPv6 twins and
-    /// SNAT6), bounded by their capacity.
+    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY and their IPv6 twins;
+    /// the SNAT maps are counted by their sweep), bounded by their capacity.
     pub fn sample(&mut self, metrics: &Metrics) {
         let counts: Vec<(&'static str, usize)> = (self.walked.iter())
             .map(|(label, count)| (*label, count(self.capacity(label).unwrap_or(0) as usize)))
