@@ -224,14 +224,14 @@ impl Loader {
             }
         };
         let meta = k.meta_mut();
-        let Some(name) = meta.name.clone().filter(|n| !n.is_empty()) else {
+        if meta.name.as_deref().is_none_or(str::is_empty) {
             self.problem(
                 path,
                 format!("{} ({label})", K::KIND),
                 "metadata.name is missing",
             );
             return None;
-        };
+        }
         meta.namespace.get_or_insert_with(|| "default".to_owned());
         Some(k)
     }
