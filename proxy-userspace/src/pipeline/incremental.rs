@@ -1144,7 +1144,7 @@ mod tests {
         let mut planner = Planner::new(&Programmed::default());
         // 70,000 frontends: every one local, every other one terminating.
         let n = 70_000u32;
-        let each = |i: u32| df(true, i % 2 == 0);
+        let each = |i: u32| df(true, i.is_multiple_of(2));
         for i in 0..n {
             planner.desired_changed(frontend(i), None, Some(&each(i)));
         }
