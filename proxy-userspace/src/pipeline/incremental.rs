@@ -107,17 +107,54 @@ impl FreeIds {
 }
 
 /// One endpoint as the maps and the desired state know it: one map entry for both sides
-/// (two maps of 500,000 endpoints each were 36 MB at 50,000 Services).
+/// (two maps of 500,000 endpoints each were 36 MB at 50,000 Services). 12 bytes: at 500,000
+/// endpoints the map has 2²⁰ slots, so each byte of an entry is 1 MiB.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Endpoint {
     /// Programmed side: its smallest programmed backend id (0: none; a backend with id 0 is
     /// irregular).
     id: u32,
     /// Desired side: how many frontends use it (backends and retained lists), as local, as
-    /// terminating.
+    /// terminating. The last two in 16 bits; both [`WIDE`] when they are kept in
+    /// `Planner::wide_uses` instead (a count past 65,534: exact, though no cluster gets there).
     frontends: u32,
-    local: u32,
-    terminating: u32,
+    local: u16,
+    terminating: u16,
+}
+
+/// [`Endpoint::local`] and [`Endpoint::terminating`]: the counts are in `Planner::wide_uses`.
+const WIDE: u16 = u16::MAX;
+
+impl Endpoint {
+    /// Counts one more (`add`) or one fewer use as local and/or as terminating (`which`).
+    fn count_uses(
+        &mut self,
+        wide: &mut HashMap<EndpointAddr, [u32; 2]>,
+        ep: EndpointAddr,
+        which: [bool; 2],
+        add: bool,
+    ) {
+        let step = |counts: &mut [u32; 2]| {
+            for (n, _) in counts.iter_mut().zip(which).filter(|(_, w)| *w) {
+                *n = if add { *n + 1 } else { n.saturating_sub(1) };
+            }
+        };
+        if self.local == WIDE {
+            step(wide.entry(ep).or_default());
+            return;
+        }
+        let mut counts = [u32::from(self.local), u32::from(self.terminating)];
+        step(&mut counts);
+        match counts.map(u16::try_from) {
+            [Ok(local), Ok(terminating)] if local < WIDE && terminating < WIDE => {
+                (self.local, self.terminating) = (local, terminating);
+            }
+            _ => {
+                (self.local, self.terminating) = (WIDE, WIDE);
+                wide.insert(ep, counts);
+            }
+        }
+    }
 }
 
 /// Ids below this are counted in a vector (the allocators hand out the lowest free id, so ids
@@ -201,6 +238,9 @@ pub struct Planner {
     /// Endpoint → its smallest programmed backend id and how the desired frontends use it
     /// (an entry while either is there).
     endpoints: HashMap<EndpointAddr, Endpoint>,
+    /// The local and terminating use counts of endpoints whose counts do not fit
+    /// [`Endpoint`]'s 16 bits.
+    wide_uses: HashMap<EndpointAddr, [u32; 2]>,
     /// Programmed backends that are not their endpoint's smallest id, or do not decode.
     irregular_backends: HashSet<u32>,
     /// Slots naming each backend id.
@@ -237,6 +277,7 @@ impl Planner {
     pub fn new(programmed: &Programmed) -> Self {
         let mut p = Self {
             endpoints: HashMap::default(),
+            wide_uses: HashMap::default(),
             irregular_backends: HashSet::default(),
             slot_refs: RefCounts::default(),
             rev_nat_refs: RefCounts::default(),
@@ -338,20 +379,23 @@ impl Planner {
                     self.touched.insert(b.endpoint);
                 }
                 let u = self.endpoints.entry(b.endpoint).or_default();
-                let delta = |n: &mut u32, by: bool| {
-                    if by {
-                        *n = if add { *n + 1 } else { n.saturating_sub(1) };
-                    }
+                u.frontends = if add {
+                    u.frontends + 1
+                } else {
+                    u.frontends.saturating_sub(1)
                 };
-                delta(&mut u.frontends, true);
-                delta(&mut u.local, b.local);
-                delta(&mut u.terminating, b.terminating);
                 if u.frontends == 0 {
                     // No frontend uses it: the desired side starts again from nothing.
+                    if u.local == WIDE {
+                        self.wide_uses.remove(&b.endpoint);
+                    }
                     (u.local, u.terminating) = (0, 0);
                     if u.id == 0 {
                         self.endpoints.remove(&b.endpoint);
                     }
+                } else if b.local || b.terminating {
+                    let which = [b.local, b.terminating];
+                    u.count_uses(&mut self.wide_uses, b.endpoint, which, add);
                 }
             }
         }
@@ -559,9 +603,15 @@ impl Planner {
         }
     }
 
-    /// How the desired frontends use the endpoint (`None`: no frontend does).
-    fn endpoint_use(&self, ep: &EndpointAddr) -> Option<&Endpoint> {
-        self.endpoints.get(ep).filter(|e| e.frontends > 0)
+    /// How many desired frontends use the endpoint: `(all, as local, as terminating)`
+    /// (`None`: no frontend does).
+    fn endpoint_use(&self, ep: &EndpointAddr) -> Option<(u32, u32, u32)> {
+        let e = self.endpoints.get(ep).filter(|e| e.frontends > 0)?;
+        let [local, terminating] = match e.local {
+            WIDE => self.wide_uses.get(ep).copied().unwrap_or_default(),
+            _ => [e.local, e.terminating].map(u32::from),
+        };
+        Some((e.frontends, local, terminating))
     }
 
     /// Endpoint → smallest programmed backend id (tests: the programmed side alone).
@@ -907,13 +957,13 @@ impl Planner {
         let mut dead_backends = Vec::new();
         for ep in touched {
             match self.endpoint_use(ep) {
-                Some(u) => {
+                Some((frontends, local, terminating)) => {
                     let id = id_of(ep)?;
                     let backend = proxy_common::Backend {
                         addr: ep.addr.octets(),
                         port: ep.port.to_be_bytes(),
                         proto: ep.protocol.number(),
-                        flags: encode::backend_flags(u.terminating == u.frontends, u.local > 0),
+                        flags: encode::backend_flags(terminating == frontends, local > 0),
                     };
                     if programmed.backends.get(&id) != Some(&backend) {
                         puts.push((id, backend));
@@ -1059,6 +1109,64 @@ impl Planner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The local and terminating counts are exact past their 16 bits (moved to `wide_uses`
+    /// and back to nothing when the last frontend goes), and give the same flags.
+    #[test]
+    fn use_counts_past_16_bits_stay_exact() {
+        use std::net::Ipv4Addr;
+
+        use crate::pipeline::model::{DesiredBackend, Protocol, ServicePortName};
+        let ep = EndpointAddr {
+            addr: Ipv4Addr::new(10, 244, 0, 1),
+            port: 8080,
+            protocol: Protocol::Tcp,
+        };
+        let df = |local: bool, terminating: bool| DesiredFrontend {
+            service: ServicePortName {
+                namespace: "ns".into(),
+                name: "s".into(),
+                port_name: String::new(),
+            },
+            kind: Default::default(),
+            balancing: Default::default(),
+            external_local: false,
+            drop_when_empty: false,
+            source_ranges: Vec::new(),
+            backends: vec![DesiredBackend {
+                endpoint: ep,
+                terminating,
+                local,
+            }],
+            retained: Vec::new(),
+        };
+        let frontend = |i: u32| Frontend::new(Ipv4Addr::from(0x0a60_0000 + i), 80, Protocol::Tcp);
+        let mut planner = Planner::new(&Programmed::default());
+        // 70,000 frontends: every one local, every other one terminating.
+        let n = 70_000u32;
+        let each = |i: u32| df(true, i.is_multiple_of(2));
+        for i in 0..n {
+            planner.desired_changed(frontend(i), None, Some(&each(i)));
+        }
+        assert_eq!(planner.endpoint_use(&ep), Some((n, n, n / 2)));
+        assert_eq!(planner.wide_uses.len(), 1);
+        // All but one go (the last one terminating): back under 16 bits, still exact.
+        for i in 0..n - 2 {
+            planner.desired_changed(frontend(i), Some(&each(i)), None);
+        }
+        assert_eq!(planner.endpoint_use(&ep), Some((2, 2, 1)));
+        planner.desired_changed(frontend(n - 1), Some(&each(n - 1)), None);
+        assert_eq!(planner.endpoint_use(&ep), Some((1, 1, 1)));
+        planner.desired_changed(frontend(n - 2), Some(&each(n - 2)), None);
+        assert_eq!(planner.endpoint_use(&ep), None);
+        assert!(planner.wide_uses.is_empty() && planner.endpoints.is_empty());
+        // Small counts stay in the entry.
+        planner.desired_changed(frontend(0), None, Some(&df(false, true)));
+        planner.desired_changed(frontend(1), None, Some(&df(true, false)));
+        assert_eq!(planner.endpoint_use(&ep), Some((2, 1, 1)));
+        assert!(planner.wide_uses.is_empty());
+        assert_eq!(std::mem::size_of::<Endpoint>(), 12);
+    }
 
     /// With IPv6 holding backend and Maglev table ids, the IPv4 planner hands out neither, in
     /// its shortcut or its full plan, and has them back once IPv6 lets them go.

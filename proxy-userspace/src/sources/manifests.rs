@@ -28,7 +28,7 @@ use serde_json::Value;
 
 use crate::{
     pipeline::model::Problem,
-    sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot},
+    sources::{endpoints::SliceData, names::Name, services::ServiceData, snapshot::Snapshot},
 };
 
 /// File name endings read from the folder.
@@ -108,8 +108,14 @@ fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
 #[derive(Default)]
 struct Loader {
     out: ManifestLoad,
-    /// "Kind ns/name" → file it was first loaded from, to report duplicates.
-    seen: HashMap<String, String>,
+    /// (Service?, namespace, name) of each object loaded → the index in `files` of the file it
+    /// was first loaded from, to report duplicates. The names are the loaded objects' own
+    /// `Arc`s and the file an index: no string per object is allocated while the folder loads
+    /// (at 50,000 Services such strings, freed after the load, left holes among the objects'
+    /// allocations that stayed resident: 3–6 MiB of RSS, depending on the folder's path length).
+    seen: HashMap<(bool, Name, Name), u32>,
+    /// The files read so far, in order.
+    files: Vec<String>,
 }
 
 impl Loader {
@@ -126,6 +132,7 @@ impl Loader {
             Ok(text) => text,
             Err(e) => return self.problem(path, "file", format!("cannot read: {e}")),
         };
+        self.files.push(path.display().to_string());
         let is_json = path.extension().is_some_and(|e| e == "json");
         // One document at a time: only one parsed document is alive at once (a big folder's
         // peak memory is its objects, not every document's JSON tree).
@@ -158,13 +165,18 @@ impl Loader {
             (Service::API_VERSION, Service::KIND) => {
                 if let Some(svc) = self.object::<Service>(path, label, value) {
                     let svc = ServiceData::from(&svc);
-                    Arc::make_mut(&mut self.out.snapshot.services).push(Arc::new(svc));
+                    if self.first_copy::<Service>(path, &svc.namespace, &svc.name) {
+                        Arc::make_mut(&mut self.out.snapshot.services).push(Arc::new(svc));
+                    }
                 }
             }
             (EndpointSlice::API_VERSION, EndpointSlice::KIND) => {
                 if let Some(slice) = self.object::<EndpointSlice>(path, label, value) {
                     let slice = SliceData::from(&slice);
-                    Arc::make_mut(&mut self.out.snapshot.endpoint_slices).push(Arc::new(slice));
+                    if self.first_copy::<EndpointSlice>(path, &slice.namespace, &slice.name) {
+                        let slices = Arc::make_mut(&mut self.out.snapshot.endpoint_slices);
+                        slices.push(Arc::new(slice));
+                    }
                 }
             }
             ("v1", "List" | "ServiceList") | ("discovery.k8s.io/v1", "EndpointSliceList") => {
@@ -198,8 +210,7 @@ impl Loader {
         }
     }
 
-    /// Deserialize one object, fill in the default namespace, and check it has a name and is
-    /// not a duplicate.
+    /// Deserialize one object, fill in the default namespace, and check it has a name.
     fn object<K>(&mut self, path: &Path, label: &str, value: Value) -> Option<K>
     where
         K: Resource + DeserializeOwned + HasMeta,
@@ -213,31 +224,43 @@ impl Loader {
             }
         };
         let meta = k.meta_mut();
-        let Some(name) = meta.name.clone().filter(|n| !n.is_empty()) else {
+        if meta.name.as_deref().is_none_or(str::is_empty) {
             self.problem(
                 path,
                 format!("{} ({label})", K::KIND),
                 "metadata.name is missing",
             );
             return None;
+        }
+        meta.namespace.get_or_insert_with(|| "default".to_owned());
+        Some(k)
+    }
+
+    /// Whether the object of kind `K` named `namespace`/`name` (as converted from an object
+    /// [`Loader::object`] accepted: both set) is the first of that name; a later copy is
+    /// reported and skipped.
+    fn first_copy<K: Resource>(
+        &mut self,
+        path: &Path,
+        namespace: &Option<Name>,
+        name: &Option<Name>,
+    ) -> bool {
+        let (Some(namespace), Some(name)) = (namespace, name) else {
+            return true;
         };
-        let namespace = meta
-            .namespace
-            .get_or_insert_with(|| "default".to_owned())
-            .clone();
-        let object = format!("{} {namespace}/{name}", K::KIND);
-        match self.seen.entry(object.clone()) {
+        let file = u32::try_from(self.files.len().saturating_sub(1)).unwrap_or(u32::MAX);
+        let key = (K::KIND == Service::KIND, namespace.clone(), name.clone());
+        match self.seen.entry(key) {
             Entry::Occupied(first) => {
-                let reason = format!(
-                    "duplicate: already loaded from {}; this copy is skipped",
-                    first.get()
-                );
-                self.problem(path, object, reason);
-                None
+                let first = (self.files.get(*first.get() as usize)).map_or("?", |f| f.as_str());
+                let reason =
+                    format!("duplicate: already loaded from {first}; this copy is skipped");
+                self.problem(path, format!("{} {namespace}/{name}", K::KIND), reason);
+                false
             }
             Entry::Vacant(v) => {
-                v.insert(path.display().to_string());
-                Some(k)
+                v.insert(file);
+                true
             }
         }
     }
@@ -589,6 +612,44 @@ mod tests {
             panic!("{:?}", load.problems)
         };
         assert_eq!(p.object, "document 1");
+    }
+
+    #[test]
+    fn a_duplicate_is_per_kind_and_namespace() {
+        // A Service and a slice of one name, one name in two namespaces: no duplicates; the
+        // slice again (its namespace left out: `default`) in another file is one.
+        let slice_as = |name: &str| SLICE.replace("name: a-1", &format!("name: {name}"));
+        let dir = TempDir::new(&[
+            (
+                "a.yaml",
+                &format!("{}---\n{}", svc_yaml("a-1", "10.96.0.1"), slice_as("a-1")),
+            ),
+            (
+                "b.yaml",
+                &svc_yaml("a-1", "10.96.0.2").replace("ns\n", "other\n"),
+            ),
+            (
+                "c.yaml",
+                &format!("{}---\n{}", slice_as("a-1"), slice_as("a-2")),
+            ),
+        ]);
+        let load = load_dir(&dir.0);
+        assert_eq!(
+            names(&load),
+            ["ns/a-1", "other/a-1", "default/a-1", "default/a-2"]
+        );
+        let [p] = load.problems.as_slice() else {
+            panic!("{:?}", load.problems)
+        };
+        assert_eq!(p.object, "EndpointSlice default/a-1");
+        assert!(p.source.ends_with("c.yaml"), "{p}");
+        assert_eq!(
+            p.reason,
+            format!(
+                "duplicate: already loaded from {}; this copy is skipped",
+                dir.0.join("a.yaml").display()
+            )
+        );
     }
 
     #[test]

@@ -482,12 +482,15 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     }
     let walked = agent.log_tail().contains(" first flow walk done ");
     let (settled_rss, settled_hwm) = rss_and_hwm_kib(pid)?;
-    // The agent logs its RSS at each start-up stage: where the footprint comes from.
+    // Heap and stacks vs the binary's mapped pages (file-backed, counted in VmRSS too).
+    let (settled_anon, settled_file) = (status_kib(pid, "RssAnon:")?, status_kib(pid, "RssFile:")?);
+    // The agent logs its RSS at each start-up stage (where the footprint comes from), and each
+    // sync (how many ran before the readings).
     std::thread::sleep(Duration::from_millis(200));
     for line in agent
         .log_tail()
         .lines()
-        .filter(|l| l.contains("rss_mib") && !l.contains("DEBUG"))
+        .filter(|l| (l.contains("rss_mib") || l.contains(" synced ")) && !l.contains("DEBUG"))
     {
         eprintln!(
             "  agent: {}",
@@ -502,6 +505,8 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
         "vm_rss_mib": rss as f64 / 1024.0,
         "settled_vm_rss_mib": settled_rss as f64 / 1024.0,
         "settled_vm_hwm_mib": settled_hwm as f64 / 1024.0,
+        "settled_rss_anon_mib": settled_anon as f64 / 1024.0,
+        "settled_rss_file_mib": settled_file as f64 / 1024.0,
         "settled_after_first_walk": walked,
         "frontends_programmed": status.frontends,
         "backends_programmed": status.backends,
@@ -511,13 +516,15 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
 
 /// A process's `(VmRSS, VmHWM)` in KiB.
 fn rss_and_hwm_kib(pid: i32) -> Result<(u64, u64)> {
+    Ok((status_kib(pid, "VmRSS:")?, status_kib(pid, "VmHWM:")?))
+}
+
+/// One `key: N kB` line of a process's `/proc/PID/status`, in KiB.
+fn status_kib(pid: i32, key: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| -> Result<u64> {
-        (status.lines().find(|l| l.starts_with(key)))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            .with_context(|| format!("no {key} in /proc/{pid}/status"))
-    };
-    Ok((kib("VmRSS:")?, kib("VmHWM:")?))
+    (status.lines().find(|l| l.starts_with(key)))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .with_context(|| format!("no {key} in /proc/{pid}/status"))
 }
 
 fn path_str(p: &Path) -> Result<&str> {
