@@ -701,7 +701,9 @@ impl Agent {
     fn sync_ipv6(&mut self, snapshot: &Snapshot) -> (usize, Vec<u32>, bool) {
         // Every sync, as the IPv4 family's `external.refresh()`.
         self.family6.refresh();
-        if !self.family6.active() {
+        if !self.family6.active()
+            || !(self.family6).wants_sync(self.cache.last_changes(), &self.cache)
+        {
             return (0, Vec::new(), false);
         }
         let started = Instant::now();

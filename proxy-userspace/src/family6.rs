@@ -37,6 +37,7 @@ use crate::{
         model::Problem,
         programmed::{Capacities, Programmed, SharedIds},
         translate::{self, HealthCheck, NodeContext},
+        translate_cache::{ChangeList, ServiceName, TranslateCache, has_ipv6_family, service_name},
     },
     serving::{health::HealthState, healthcheck::HealthCheckServers},
     sources::snapshot::Snapshot,
@@ -51,6 +52,10 @@ pub struct Family6 {
     service_cidrs: ServiceCidrs<Ipv6Addr>,
     service_cidr_flag: Vec<(Ipv6Addr, u8)>,
     service_cidr_api: Vec<(Ipv6Addr, u8)>,
+    /// The Services of the last sync that have an IPv6 family (see [`Family6::wants_sync`]).
+    ipv6_services: HashSet<ServiceName>,
+    /// Something besides the Services changed (addresses, CIDRs, a failed write): sync next time.
+    pending: bool,
     programmed: Programmed<Ipv6Addr>,
     capacities: Capacities,
     nodeport_cfg: NodePortAddresses,
@@ -115,6 +120,8 @@ impl Family6 {
             service_cidrs,
             service_cidr_flag: Vec::new(),
             service_cidr_api: Vec::new(),
+            ipv6_services: HashSet::default(),
+            pending: true,
             programmed,
             capacities,
             nodeport_cfg: NodePortAddresses::default(),
@@ -132,17 +139,19 @@ impl Family6 {
     pub fn configure(&mut self, nodeport: NodePortAddresses, devices: Patterns) {
         self.nodeport_cfg = nodeport;
         self.devices = devices;
+        self.pending = true;
         self.refresh();
     }
 
     /// The IPv6 Service CIDRs of `--service-cidr`.
     pub fn set_service_cidrs(&mut self, cidrs: Vec<(Ipv6Addr, u8)>) {
-        node_addrs::set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
+        self.pending |= node_addrs::set_cidrs(&mut self.service_cidr_flag, cidrs, "--service-cidr");
     }
 
     /// The IPv6 Service CIDRs of the cluster's ServiceCIDR objects (read at each sync).
     pub fn set_api_service_cidrs(&mut self, cidrs: Vec<(Ipv6Addr, u8)>) {
-        node_addrs::set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
+        self.pending |=
+            node_addrs::set_cidrs(&mut self.service_cidr_api, cidrs, "ServiceCIDR objects");
     }
 
     /// Lists the node's IPv6 addresses again (at every sync, and on each address event, as the
@@ -160,6 +169,7 @@ impl Family6 {
                 }
                 self.enabled = enabled;
                 self.nodeport = selected.nodeport;
+                self.pending |= changed;
                 changed
             }
             Err(e) => {
@@ -225,6 +235,21 @@ impl Family6 {
     /// One IPv6 sync (see the module doc). `programmed4`/`planner4`: the IPv4 family's shadow
     /// and planner. Stops at the first failed write (the plan's order keeps every prefix
     /// consistent); the next sync plans in full again anyway.
+    /// Whether this sync has IPv6 work: a full update, a change besides the Services
+    /// (`pending`), a health-check server to start again, or a changed Service (or slice of
+    /// one) that has an IPv6 family now or had one at the last sync. A change among IPv4-only
+    /// Services costs the IPv6 family nothing; its own changes still translate in full.
+    pub fn wants_sync(&self, changes: &ChangeList, cache: &TranslateCache) -> bool {
+        let touches =
+            |name: &ServiceName| self.ipv6_services.contains(name) || cache.service_has_ipv6(name);
+        self.pending
+            || changes.all
+            || !self.health_checks.settled(&self.nodeport)
+            || changes.services.iter().any(touches)
+            || (changes.slices.iter())
+                .any(|(slice, _)| touches(&slice.0) || cache.is_ipv6_slice(slice))
+    }
+
     pub fn sync(
         &mut self,
         snapshot: &Snapshot,
@@ -236,6 +261,12 @@ impl Family6 {
             &Programmed<Ipv6Addr>,
         ),
     ) -> Result<Synced, dataplane::Error> {
+        // Set again below unless every write lands.
+        self.pending = true;
+        self.ipv6_services = (snapshot.services.iter())
+            .filter(|s| has_ipv6_family(s))
+            .filter_map(|s| service_name(s))
+            .collect();
         let translate::OneFamily {
             desired,
             problems,
@@ -288,6 +319,7 @@ impl Family6 {
         (self.service_cidrs).sync(&service_cidrs::wanted(&desired, &cidrs));
         self.serve_health_checks(&health_checks);
         out.health_checks = health_checks;
+        self.pending = false;
         Ok(out)
     }
 

@@ -147,6 +147,13 @@ impl TranslateCache {
         &self.last_changes
     }
 
+    /// Whether the Service `name` (as of the last update) has an IPv6 family.
+    pub fn service_has_ipv6(&self, name: &ServiceName) -> bool {
+        (self.entries.get(name))
+            .and_then(|e| e.service.as_deref())
+            .is_some_and(has_ipv6_family)
+    }
+
     /// Whether a slice of the last update is of addressType IPv6 (the metrics tell the IPv6
     /// family's network programming apart by it).
     pub fn is_ipv6_slice(&self, (service, slice): &SliceName) -> bool {
@@ -760,6 +767,18 @@ fn replaced<K: PartialEq>(old: Option<Arc<K>>, new: &Arc<K>) -> bool {
 }
 
 /// A Service's key in the cache (namespace `default` when unset).
+/// Whether the Service may have IPv6 frontends: `spec.ipFamilies` names IPv6, or a cluster IP
+/// is an IPv6 address (upstream's per-family proxier skips a Service without a cluster IP of
+/// its family). Conservative: the IPv6 family's sync decides the rest.
+pub fn has_ipv6_family(svc: &ServiceData) -> bool {
+    use crate::sources::services::{ClusterIp, IpFamilies};
+    matches!(
+        svc.ip_families,
+        IpFamilies::V6 | IpFamilies::V4V6 | IpFamilies::V6V4
+    ) || (svc.cluster_ips.iter())
+        .any(|ip| matches!(ip, ClusterIp::Other(raw) if raw.parse::<std::net::Ipv6Addr>().is_ok()))
+}
+
 pub fn service_name(svc: &ServiceData) -> Option<ServiceName> {
     let name = svc.name.clone()?;
     Some((namespace_of(&svc.namespace), name))
@@ -786,6 +805,39 @@ mod tests {
 
     use super::*;
     use crate::pipeline::model::FrontendKind;
+
+    /// The IPv6 family skips changes among Services without an IPv6 family; which ones have one.
+    #[test]
+    fn a_service_has_an_ipv6_family_by_its_families_or_cluster_ips() {
+        let svc = |spec: Value| -> ServiceData {
+            let s: Service = serde_json::from_value(
+                json!({"metadata": {"namespace": "demo", "name": "web"}, "spec": spec}),
+            )
+            .expect("service");
+            ServiceData::from(&s)
+        };
+        let ports = json!([{"port": 80}]);
+        for (spec, want) in [
+            (json!({"clusterIP": "10.96.0.1", "ports": ports}), false),
+            (json!({"clusterIP": "None", "ports": ports}), false),
+            (json!({"clusterIP": "not-an-ip", "ports": ports}), false),
+            (json!({"clusterIP": "fd00:10:96::1", "ports": ports}), true),
+            (
+                json!({"clusterIPs": ["10.96.0.1", "fd00:10:96::1"], "ports": ports}),
+                true,
+            ),
+            (
+                json!({"clusterIP": "None", "ipFamilies": ["IPv4", "IPv6"], "ports": ports}),
+                true,
+            ),
+            (
+                json!({"clusterIP": "10.96.0.1", "ipFamilies": ["IPv4"], "ports": ports}),
+                false,
+            ),
+        ] {
+            assert_eq!(has_ipv6_family(&svc(spec.clone())), want, "{spec}");
+        }
+    }
 
     /// xorshift64*: deterministic "random" snapshots without a dependency.
     struct Rng(u64);
