@@ -745,6 +745,11 @@ impl Agent {
                         frontends = synced.frontends,
                         "IPv6 maps updated"
                     );
+                } else {
+                    debug!(
+                        took_us = started.elapsed().as_micros() as u64,
+                        "IPv6 family synced, nothing to change"
+                    );
                 }
                 synced.ops
             }
