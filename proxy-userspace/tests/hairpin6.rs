@@ -6,32 +6,23 @@
 //! Run by `sudo cargo xtask test` (sets KPE_PRIVILEGED=1, one test thread); skipped otherwise.
 //! RAII guards remove namespaces, agents and pins even when an assertion fails.
 
-use std::{net::Ipv6Addr, path::Path};
+use std::net::Ipv6Addr;
 
 use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
 use proxy_testenv::{
-    Agent, BACKENDS6, FamilyService, ManifestDir, PinDir, ServicePort, Topology,
-    http6_get_with_peer, require_privileged, udp6_request_from,
+    BACKENDS6, FamilyService, ServicePort, http6_get_with_peer, require_privileged,
+    udp6_request_from,
 };
 
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
+mod common_netns;
+use common_netns::Env;
+
 /// demo/self6: TCP 80 → 8080 and UDP 53 → 5353, its only endpoint the pod be1.
 const SELF6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x30);
 
-/// Field order is drop order: the agent dies first, then pins, manifests and namespaces go.
-struct Env {
-    agent: Agent,
-    _pins: PinDir,
-    _manifests: ManifestDir,
-    topo: Topology,
-}
-
-impl Env {
-    /// The standard topology, demo/self6 written, the agent synced and attached to every pod.
-    fn start() -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let topo = Topology::new().expect("creating the topology");
-        let manifests = ManifestDir::new().expect("manifest dir");
+/// The standard topology, demo/self6 written, the agent synced and attached to every pod.
+fn start() -> Env {
+    Env::start(|manifests| {
         manifests
             .write_family_service(&FamilyService {
                 namespace: "demo",
@@ -42,33 +33,7 @@ impl Env {
                 endpoints: &[BACKENDS6[0].1.into()],
             })
             .expect("writing demo/self6");
-        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-        let mut agent = Agent::start(
-            Path::new(BIN),
-            topo.node(),
-            manifests.path(),
-            pins.path(),
-            topo.tmp().path(),
-        )
-        .expect("starting the agent");
-        agent
-            .wait_attached(&topo.pod_interfaces())
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        Self {
-            agent,
-            _pins: pins,
-            _manifests: manifests,
-            topo,
-        }
-    }
-
-    fn fail(&self, msg: &str) -> ! {
-        self.agent.fail(msg)
-    }
-
-    fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
-        self.agent.check(cond, msg)
-    }
+    })
 }
 
 /// The port of a "[addr]:port" client address whose address is `addr`.
@@ -82,7 +47,7 @@ fn port_from(client_addr: &str, addr: Ipv6Addr) -> Option<u16> {
 #[test]
 fn a_pod_reaches_itself_through_an_ipv6_clusterip() {
     require_privileged!();
-    let env = Env::start();
+    let env = start();
     let (name, ip6) = BACKENDS6[0];
     let pod = env
         .topo
