@@ -18,10 +18,11 @@ fn test_targets(package: &str) -> Result<Vec<String>> {
     let mut targets = Vec::new();
     for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
         let path = entry?.path();
-        if path.is_file() && path.extension().is_some_and(|e| e == "rs") {
-            if let Some(stem) = path.file_stem().and_then(|s| s.to_str()) {
-                targets.push(stem.to_owned());
-            }
+        if path.is_file()
+            && path.extension().is_some_and(|e| e == "rs")
+            && let Some(stem) = path.file_stem().and_then(|s| s.to_str())
+        {
+            targets.push(stem.to_owned());
         }
     }
     targets.sort();
