@@ -4,8 +4,8 @@
 //! send, for kube-proxy's `tcpCloseWaitTimeout`); a FIN from the other side too, or a RST, closes
 //! it (`CLOSING`, the transitory timeout).
 //!
-//! SCTP flows use the same rule, their packet's first chunk read as TCP flags by the datapath
-//! (netfilter's SCTP states, folded onto these): INIT → SYN (SYN_SENT = COOKIE_WAIT and
+//! SCTP flows use the same rule, their packet's chunks read as TCP flags by the datapath
+//! ([`SctpChunks`]; netfilter's SCTP states, folded onto these): INIT → SYN (SYN_SENT = COOKIE_WAIT and
 //! COOKIE_ECHOED), any later client chunk (COOKIE_ECHO, DATA) → ESTABLISHED, SHUTDOWN and
 //! SHUTDOWN_ACK → FIN (SHUTDOWN_SENT/RECD/ACK_SENT), ABORT and SHUTDOWN_COMPLETE → RST (CLOSED).
 //! Their timeouts are SCTP's (see `timeouts`).
@@ -34,12 +34,10 @@ pub mod sctp_chunk {
     pub const SHUTDOWN_COMPLETE: u8 = 14;
 }
 
-/// An SCTP packet's first chunk read as TCP flags, so that one state machine serves both: INIT
-/// starts an association (SYN), INIT_ACK answers it (SYN+ACK), SHUTDOWN and SHUTDOWN_ACK close
-/// one side each (FIN), ABORT and SHUTDOWN_COMPLETE end it (RST); anything else (DATA, SACK,
-/// COOKIE_ECHO, HEARTBEAT…) is mid-association (ACK). Only the first chunk is read: INIT,
-/// INIT_ACK and SHUTDOWN_COMPLETE are never bundled (RFC 9260 6.10); an ABORT or SHUTDOWN
-/// bundled behind other chunks is missed, and the flow then ends by its idle timeout.
+/// An SCTP chunk read as TCP flags, so that one state machine serves both: INIT starts an
+/// association (SYN), INIT_ACK answers it (SYN+ACK), SHUTDOWN and SHUTDOWN_ACK close one side
+/// each (FIN), ABORT and SHUTDOWN_COMPLETE end it (RST); anything else (DATA, SACK, COOKIE_ECHO,
+/// HEARTBEAT…) is mid-association (ACK). A packet's chunks are folded by [`SctpChunks`].
 #[inline(always)]
 pub const fn sctp_chunk_flags(chunk_type: u8) -> u8 {
     use tcp_bits::*;
@@ -50,6 +48,97 @@ pub const fn sctp_chunk_flags(chunk_type: u8) -> u8 {
         sctp_chunk::ABORT | sctp_chunk::SHUTDOWN_COMPLETE => RST | ACK,
         _ => ACK,
     }
+}
+
+/// Chunks after the first that the datapath reads for a packet's state (a bound for the
+/// verifier; netfilter walks them all). A SHUTDOWN or ABORT bundled further back is missed, and
+/// the flow then ends by its idle timeout.
+pub const SCTP_BUNDLED_CHUNKS: usize = 3;
+
+/// The SCTP common header's length; chunk offsets below count from its start.
+const SCTP_COMMON_HLEN: usize = 12;
+
+/// One SCTP packet's chunks folded into TCP flags, as netfilter's SCTP tracker reads them
+/// (`do_basic_checks` and the per-chunk state walk of `nf_conntrack_proto_sctp.c`): a packet is
+/// invalid (`None`; netfilter marks it INVALID and kube-proxy's rules drop it) when a chunk has
+/// length 0, when INIT, INIT_ACK or SHUTDOWN_COMPLETE is bundled with any other chunk, or when
+/// COOKIE_ECHO or COOKIE_ACK is not the first. Of the valid bundles an ABORT (or
+/// SHUTDOWN_COMPLETE) anywhere ends the association (RST), else a SHUTDOWN or SHUTDOWN_ACK shuts
+/// it down (FIN), else the first chunk decides: DATA + SHUTDOWN shuts down, SACK + ABORT aborts,
+/// as netfilter's walk of the same chunks ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SctpChunks {
+    flags: u8,
+    /// The first chunk must be alone (INIT, INIT_ACK, SHUTDOWN_COMPLETE).
+    alone: bool,
+    /// Offset of the next chunk from the SCTP header's start.
+    next: usize,
+}
+
+impl SctpChunks {
+    /// The packet's first chunk, of `chunk_type` and `len` bytes (its length field).
+    #[inline(always)]
+    pub const fn first(chunk_type: u8, len: u16) -> Option<Self> {
+        if len == 0 {
+            return None;
+        }
+        Some(Self {
+            flags: sctp_chunk_flags(chunk_type),
+            alone: matches!(
+                chunk_type,
+                sctp_chunk::INIT | sctp_chunk::INIT_ACK | sctp_chunk::SHUTDOWN_COMPLETE
+            ),
+            next: SCTP_COMMON_HLEN + padded(len),
+        })
+    }
+
+    /// One more chunk, of `chunk_type` and `len` bytes, at [`Self::next_offset`].
+    #[inline(always)]
+    pub const fn bundled(self, chunk_type: u8, len: u16) -> Option<Self> {
+        use tcp_bits::*;
+        let must_be_first = matches!(
+            chunk_type,
+            sctp_chunk::INIT
+                | sctp_chunk::INIT_ACK
+                | sctp_chunk::SHUTDOWN_COMPLETE
+                | sctp_chunk::COOKIE_ECHO
+                | sctp_chunk::COOKIE_ACK
+        );
+        if len == 0 || self.alone || must_be_first {
+            return None;
+        }
+        let more = sctp_chunk_flags(chunk_type);
+        let flags = if (self.flags | more) & RST != 0 {
+            RST | ACK
+        } else if more & FIN != 0 {
+            FIN | ACK
+        } else {
+            self.flags
+        };
+        Some(Self {
+            flags,
+            alone: false,
+            next: self.next + padded(len),
+        })
+    }
+
+    /// Where the next chunk would start, from the SCTP header's start (beyond the packet: none).
+    #[inline(always)]
+    pub const fn next_offset(&self) -> usize {
+        self.next
+    }
+
+    /// The packet's chunks as TCP flags.
+    #[inline(always)]
+    pub const fn flags(&self) -> u8 {
+        self.flags
+    }
+}
+
+/// A chunk's length field rounded up to the 4-byte boundary the next chunk starts at.
+#[inline(always)]
+const fn padded(len: u16) -> usize {
+    (len as usize + 3) & !3
 }
 
 /// The [`Segment`] of TCP flags (or of an SCTP chunk's [`sctp_chunk_flags`]).
@@ -166,6 +255,43 @@ mod tests {
             assert_eq!(after_client(CLOSING, seg), CLOSING);
             assert_eq!(after_backend(CLOSING, seg), CLOSING);
         }
+    }
+
+    #[test]
+    fn bundled_sctp_chunks_fold_like_netfilter_s_walk() {
+        use super::{SctpChunks, sctp_chunk::*, tcp_bits::*};
+        let fold = |chunks: &[(u8, u16)]| {
+            let (&(t, len), rest) = chunks.split_first().unwrap();
+            let mut c = SctpChunks::first(t, len)?;
+            for &(t, len) in rest {
+                c = c.bundled(t, len)?;
+            }
+            Some(c.flags())
+        };
+        assert_eq!(fold(&[(DATA, 20)]), Some(ACK));
+        assert_eq!(fold(&[(DATA, 20), (SHUTDOWN, 8)]), Some(FIN | ACK));
+        assert_eq!(fold(&[(3 /* SACK */, 16), (ABORT, 4)]), Some(RST | ACK));
+        assert_eq!(fold(&[(SHUTDOWN, 8), (ABORT, 4)]), Some(RST | ACK));
+        assert_eq!(fold(&[(ABORT, 4), (DATA, 20)]), Some(RST | ACK));
+        assert_eq!(fold(&[(COOKIE_ECHO, 36), (DATA, 20)]), Some(ACK));
+        assert_eq!(fold(&[(INIT, 20)]), Some(SYN));
+        // Invalid bundles (netfilter's do_basic_checks).
+        assert_eq!(fold(&[(INIT, 20), (DATA, 20)]), None, "INIT not alone");
+        assert_eq!(fold(&[(DATA, 20), (INIT, 20)]), None);
+        assert_eq!(fold(&[(INIT_ACK, 20), (DATA, 20)]), None);
+        assert_eq!(fold(&[(DATA, 20), (SHUTDOWN_COMPLETE, 4)]), None);
+        assert_eq!(
+            fold(&[(DATA, 20), (COOKIE_ECHO, 36)]),
+            None,
+            "COOKIE_ECHO not first"
+        );
+        assert_eq!(fold(&[(DATA, 20), (COOKIE_ACK, 4)]), None);
+        assert_eq!(fold(&[(DATA, 0)]), None, "zero length");
+        assert_eq!(fold(&[(DATA, 20), (SHUTDOWN, 0)]), None);
+        // Offsets: 12-byte header, lengths padded to 4.
+        let c = SctpChunks::first(DATA, 17).unwrap();
+        assert_eq!(c.next_offset(), 12 + 20);
+        assert_eq!(c.bundled(DATA, 4).unwrap().next_offset(), 12 + 20 + 4);
     }
 
     #[test]

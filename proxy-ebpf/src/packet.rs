@@ -27,8 +27,9 @@
 //! - truncated TCP/UDP header, or IPv4 lengths that do not fit the packet, when at least the
 //!   ports can be read → [`Parsed::Untranslatable`]: the caller drops it if it is addressed to a
 //!   Service frontend and passes it otherwise;
-//! - SCTP: the common header and the first chunk's type, read as TCP flags (see
-//!   `proxy_common::flow_state::sctp_chunk_flags`); the other chunks are not walked. SCTP fragments are not translated
+//! - SCTP: the common header and the chunks' types (the first and up to three bundled ones,
+//!   `crate::sctp::packet_flags`), read as TCP flags; an invalid bundle (INIT not alone, a
+//!   zero-length chunk ...) → [`Parsed::Untranslatable`] as netfilter's INVALID. SCTP fragments are not translated
 //!   (SCTP sizes its packets to the path MTU; a port rewrite's checksum update needs the whole
 //!   packet's length, which a first fragment does not give): a first fragment is
 //!   [`Parsed::Untranslatable`] (dropped if to a Service), later ones are passed untouched;
@@ -43,7 +44,7 @@ use aya_ebpf::{
     helpers::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
-use proxy_common::{Counter, flow_state::sctp_chunk_flags, proto};
+use proxy_common::{Counter, proto};
 
 use crate::Drop;
 
@@ -119,7 +120,7 @@ pub struct Packet {
     pub proto: u8,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
-    /// TCP flags (0 for UDP; for SCTP, its first chunk as TCP flags: `sctp_chunk_flags`).
+    /// TCP flags (0 for UDP; for SCTP, its chunks as TCP flags: `crate::sctp::packet_flags`).
     pub tcp_flags: u8,
     /// TCP sequence and acknowledgement numbers (zero for UDP), for building a RST.
     pub tcp_seq: [u8; 4],
@@ -409,7 +410,11 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
         if l4_len < SCTP_HLEN + SCTP_CHUNK_HLEN || l4_len > u16::MAX as usize {
             return untranslatable(Drop::Malformed);
         }
-        packet.tcp_flags = sctp_chunk_flags(sctp[SCTP_HLEN]);
+        let first = [sctp[12], sctp[13], sctp[14], sctp[15]];
+        let Some(flags) = crate::sctp::packet_flags(ctx, l4_off, l4_len, first) else {
+            return untranslatable(Drop::Malformed);
+        };
+        packet.tcp_flags = flags;
         packet.sctp_len = l4_len as u16;
     } else if l4_len < UDP_HLEN || read::<UDP_HLEN>(ctx, l4_off).is_none() {
         return untranslatable(Drop::Malformed);

@@ -10,7 +10,10 @@
 //! sum over the packet, which SCTP's CRC does not replace) follows the bytes that changed.
 
 use aya_ebpf::{bindings::BPF_F_RECOMPUTE_CSUM, programs::TcContext};
-use proxy_common::crc32c;
+use proxy_common::{
+    crc32c,
+    flow_state::{SCTP_BUNDLED_CHUNKS, SctpChunks},
+};
 
 use crate::{Drop, packet::SCTP_CSUM};
 
@@ -40,4 +43,22 @@ pub fn rewrite_port(
         .map_err(|_| Drop::RewriteFailed)?;
     ctx.store(l4_off + SCTP_CSUM, &field, BPF_F_RECOMPUTE_CSUM as u64)
         .map_err(|_| Drop::RewriteFailed)
+}
+
+/// The TCP flags standing for the state of the SCTP packet of `l4_len` bytes at `l4_off`, whose
+/// first chunk header is `first`: its bundled chunks walked (up to [`SCTP_BUNDLED_CHUNKS`] after
+/// the first, read with `bpf_skb_load_bytes`), folded as netfilter does ([`SctpChunks`]).
+/// `None`: an invalid bundle (netfilter's INVALID), dropped when to a Service.
+#[inline(always)]
+pub fn packet_flags(ctx: &TcContext, l4_off: usize, l4_len: usize, first: [u8; 4]) -> Option<u8> {
+    let mut chunks = SctpChunks::first(first[0], u16::from_be_bytes([first[2], first[3]]))?;
+    for _ in 0..SCTP_BUNDLED_CHUNKS {
+        let off = chunks.next_offset();
+        if off + 4 > l4_len {
+            break;
+        }
+        let h: [u8; 4] = ctx.load(l4_off + off).ok()?;
+        chunks = chunks.bundled(h[0], u16::from_be_bytes([h[2], h[3]]))?;
+    }
+    Some(chunks.flags())
 }

@@ -71,7 +71,8 @@ const V6: Family = Family {
     be_22: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 0x22)),
 };
 
-/// An SCTP packet with one chunk, over IPv4 or IPv6 and Ethernet, built with a valid CRC32c.
+/// An SCTP packet with one chunk (and any bundled behind it), over IPv4 or IPv6 and Ethernet,
+/// built with a valid CRC32c.
 #[derive(Clone, Debug)]
 struct Sctp {
     saddr: IpAddr,
@@ -86,6 +87,8 @@ struct Sctp {
     frag: u16,
     /// IPv6 extension headers.
     ext: Vec<Ext6>,
+    /// Chunks bundled after the first: (type, value).
+    bundled: Vec<(u8, Vec<u8>)>,
 }
 
 impl Sctp {
@@ -106,7 +109,14 @@ impl Sctp {
             value: b"sctp chunk value".to_vec(),
             frag: 0x4000,
             ext: Vec::new(),
+            bundled: Vec::new(),
         }
+    }
+
+    /// The same packet with a chunk of `chunk` type bundled behind its chunks.
+    fn bundle(mut self, chunk: u8, value: &[u8]) -> Self {
+        self.bundled.push((chunk, value.to_vec()));
+        self
     }
 
     fn value(mut self, value: &[u8]) -> Self {
@@ -149,11 +159,15 @@ impl Sctp {
         s.extend_from_slice(&self.dport.to_be_bytes());
         s.extend_from_slice(&self.vtag.to_be_bytes());
         s.extend_from_slice(&[0; 4]);
-        s.push(self.chunk);
-        s.push(0);
-        s.extend_from_slice(&((4 + self.value.len()) as u16).to_be_bytes());
-        s.extend_from_slice(&self.value);
-        s.resize(s.len().div_ceil(4) * 4, 0);
+        for (chunk, value) in std::iter::once((self.chunk, &self.value))
+            .chain(self.bundled.iter().map(|(c, v)| (*c, v)))
+        {
+            s.push(chunk);
+            s.push(0);
+            s.extend_from_slice(&((4 + value.len()) as u16).to_be_bytes());
+            s.extend_from_slice(value);
+            s.resize(s.len().div_ceil(4) * 4, 0);
+        }
         let field = crc32c::checksum(&s).to_le_bytes();
         s[8..12].copy_from_slice(&field);
         s
@@ -973,5 +987,122 @@ fn packet_too_big_about_an_sctp_flow_over_ipv6_is_reverse_translated() {
         out,
         ptb(vip, &init),
         "from the VIP, quoting client → VIP:3868"
+    );
+}
+
+/// Bundled chunks move the flow as netfilter's walk of all chunks does: DATA + SHUTDOWN shuts
+/// the client's side down, SACK + ABORT from the backend ends the association. Before, only the
+/// first chunk was read and such flows stayed ESTABLISHED (210 s).
+#[test]
+fn sctp_bundled_shutdown_and_abort_move_the_flow() {
+    bundled_shutdown_and_abort(V4);
+}
+
+#[test]
+fn sctp_over_ipv6_bundled_shutdown_and_abort_move_the_flow() {
+    bundled_shutdown_and_abort(V6);
+}
+
+const SACK: u8 = 3;
+
+fn bundled_shutdown_and_abort(f: Family) {
+    let mut dp = Datapath::with_services();
+    let c = |port, chunk| Sctp::new(f.client, port, f.vip, 3868, chunk);
+    let establish = |dp: &mut Datapath, port| {
+        let init = c(port, chunk::INIT);
+        dp.ingress(
+            "INIT",
+            &init,
+            Some(&init.to(f.be_21, 3869)),
+            Counter::NewFlow,
+        );
+        let echo = c(port, chunk::COOKIE_ECHO).bundle(chunk::DATA, b"first data");
+        let out = dp.ingress(
+            "COOKIE_ECHO + DATA",
+            &echo,
+            Some(&echo.to(f.be_21, 3869)),
+            Counter::EstablishedFlow,
+        );
+        assert!(crc_ok(&out));
+        assert_eq!(dp.state(&init), ct_state::ESTABLISHED);
+    };
+    establish(&mut dp, 40_500);
+    let data_shutdown = c(40_500, chunk::DATA).bundle(chunk::SHUTDOWN, &[0, 0, 0, 1]);
+    dp.ingress(
+        "DATA + SHUTDOWN",
+        &data_shutdown,
+        Some(&data_shutdown.to(f.be_21, 3869)),
+        Counter::EstablishedFlow,
+    );
+    assert_eq!(
+        dp.state(&c(40_500, chunk::INIT)),
+        ct_state::FIN_ORIGINAL,
+        "SHUTDOWN bundled behind DATA: SHUTDOWN_SENT"
+    );
+
+    establish(&mut dp, 40_501);
+    let sack_abort = c(40_501, SACK)
+        .to(f.be_21, 3869)
+        .reversed(SACK)
+        .bundle(chunk::ABORT, &[]);
+    dp.egress(
+        "SACK + ABORT from the backend",
+        &sack_abort,
+        Some(&sack_abort.from(f.vip, 3868)),
+        Counter::ReplyTranslated,
+    );
+    assert_eq!(
+        dp.state(&c(40_501, chunk::INIT)),
+        ct_state::CLOSING,
+        "ABORT bundled behind SACK: CLOSED"
+    );
+}
+
+/// Bundles netfilter's SCTP tracker calls INVALID (kube-proxy drops INVALID packets): INIT with
+/// another chunk, COOKIE_ECHO behind DATA, a zero-length chunk. To a Service they are dropped as
+/// malformed, and no flow is created; to no Service they pass untouched.
+#[test]
+fn sctp_invalid_bundles_to_a_service_are_dropped() {
+    invalid_bundles(V4);
+}
+
+#[test]
+fn sctp_over_ipv6_invalid_bundles_to_a_service_are_dropped() {
+    invalid_bundles(V6);
+}
+
+fn invalid_bundles(f: Family) {
+    let mut dp = Datapath::with_services();
+    let init_data = Sctp::new(f.client, 40_600, f.vip, 3868, chunk::INIT).bundle(chunk::DATA, b"x");
+    let echo_late =
+        Sctp::new(f.client, 40_601, f.vip, 3868, chunk::DATA).bundle(chunk::COOKIE_ECHO, b"cookie");
+    let mut zero = Sctp::new(f.client, 40_602, f.vip, 3868, chunk::DATA).bundle(chunk::DATA, b"");
+    zero.value = b"abcd".to_vec();
+    let mut zero_bytes = zero.bytes();
+    // The bundled chunk's length field (the frame's last two of its 4 header bytes) to 0, CRC
+    // recomputed so only the chunk is wrong.
+    let end = zero_bytes.len();
+    zero_bytes[end - 2..].copy_from_slice(&[0, 0]);
+    let l4 = if is_ipv6(&zero_bytes) {
+        ETH_HLEN + 40
+    } else {
+        ETH_HLEN + 20
+    };
+    zero_bytes[l4 + 8..l4 + 12].copy_from_slice(&[0; 4]);
+    let field = crc32c::checksum(&zero_bytes[l4..]).to_le_bytes();
+    zero_bytes[l4 + 8..l4 + 12].copy_from_slice(&field);
+    for (what, frame) in [
+        ("INIT bundled with DATA", init_data.bytes()),
+        ("COOKIE_ECHO behind DATA", echo_late.bytes()),
+        ("a zero-length bundled chunk", zero_bytes),
+    ] {
+        dp.ingress_drops(what, &frame, Counter::DropMalformed);
+    }
+    assert_eq!(dp.original(&init_data), None, "no flow for an invalid INIT");
+    let elsewhere = init_data.to(f.be_22, 3868);
+    dp.passes_untouched(
+        "an invalid bundle to no Service",
+        PROG_TC_INGRESS,
+        &elsewhere.bytes(),
     );
 }

@@ -10,8 +10,8 @@
 //!   the packet is for a Service cannot be known; it is passed untouched (and a VIP is no
 //!   address of the node's, so nothing answers it). No next header (59) and protocols other than
 //!   TCP/UDP/SCTP/ICMPv6 → passed untouched (`NotService`);
-//! - SCTP: the common header and the first chunk's type, read as TCP flags
-//!   (`proxy_common::flow_state::sctp_chunk_flags`), as for IPv4 (`crate::packet`); a first
+//! - SCTP: the common header and the chunks' types read as TCP flags
+//!   (`crate::sctp::packet_flags`, invalid bundles malformed), as for IPv4 (`crate::packet`); a first
 //!   fragment (more fragments follow) → [`Parsed6::Untranslatable`] with `Drop::Fragment` (a
 //!   port rewrite's CRC32c update needs the whole SCTP packet; SCTP sizes its packets to the
 //!   path MTU), its later fragments pass untouched;
@@ -29,7 +29,7 @@
 //! - payload length 0 on a GSO packet (IPv6 BIG TCP) → the length is the skb's.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, flow_state::sctp_chunk_flags, ipv6::MAX_EXT_HEADERS, proto};
+use proxy_common::{Counter, ipv6::MAX_EXT_HEADERS, proto};
 
 use crate::{
     Drop, maps,
@@ -73,7 +73,7 @@ pub struct Packet6 {
     pub proto: u8,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
-    /// TCP flags (0 for UDP; for SCTP, its first chunk as TCP flags: `sctp_chunk_flags`).
+    /// TCP flags (0 for UDP; for SCTP, its chunks as TCP flags: `crate::sctp::packet_flags`).
     pub tcp_flags: u8,
     pub tcp_seq: [u8; 4],
     pub tcp_ack: [u8; 4],
@@ -353,9 +353,15 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed6 {
         } else {
             match read::<SCTP_MIN_LEN>(ctx, l4_off) {
                 Some(sctp) if (SCTP_MIN_LEN..=u16::MAX as usize).contains(&l4_len) => {
-                    p.tcp_flags = sctp_chunk_flags(sctp[SCTP_HLEN]);
-                    p.sctp_len = l4_len as u16;
-                    false
+                    let first = [sctp[12], sctp[13], sctp[14], sctp[15]];
+                    match crate::sctp::packet_flags(ctx, l4_off, l4_len, first) {
+                        Some(flags) => {
+                            p.tcp_flags = flags;
+                            p.sctp_len = l4_len as u16;
+                            false
+                        }
+                        None => true,
+                    }
                 }
                 _ => true,
             }
