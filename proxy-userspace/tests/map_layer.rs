@@ -2,7 +2,8 @@
 //! exactly what the plan says, in any mix of puts and deletes, including deletes of keys that are
 //! already gone. SNAT garbage collection must remove exactly the dead flows' entries. A pinned
 //! stats array from an agent with fewer counters, or any pinned map of another shape, is replaced
-//! at load; the flow hash seed is pinned and kept.
+//! at load; the flow hash seed is pinned and kept; an agent from before IPv6 has its IPv4 state
+//! adopted.
 //!
 //! Run by `sudo cargo xtask test` (KPE_PRIVILEGED=1); skipped otherwise.
 
@@ -799,4 +800,165 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
         others,
         "the well-shaped pins are adopted, not replaced"
     );
+}
+
+/// Upgrade from the last agent before IPv6 (56a459a^1): its pins are the 19 IPv4 maps of that
+/// release, with a 6-entry tail-call array and 56 counters. The IPv6 work kept every IPv4 map's
+/// shape (separate maps per family, README "ABI"), so an upgraded agent adopts those maps with
+/// their state (a live flow's conntrack entries, a Service, a client's affinity record: the same
+/// kernel maps, entries as they were), replaces only the two program-side arrays that grew (the
+/// tail calls, the counters: no flow state in them) and creates the IPv6 maps beside them.
+#[test]
+fn a_pre_ipv6_agents_pins_are_adopted_with_their_ipv4_flow_state() {
+    require_privileged!();
+    use aya::maps::{HashMap, Map, MapData};
+    use kube_proxy_ebpf::dataplane::{
+        bpffs::PinLayout, ebpf_object::EBPF_OBJECT, loader::MapSizes,
+    };
+    use proxy_common::{
+        AffinityKey, AffinityValue, COUNTER_COUNT, CtKey, CtValue, MAP_AFFINITY, MAP_CONNTRACK,
+        MAP_SERVICES, MAP_STATS, MAP_TAIL_CALLS, SockLbConfig, TAIL_CALL_COUNT, ct_dir,
+        maps::ALL_MAPS,
+    };
+
+    /// The pre-IPv6 release's pinned set (its `ALL_MAPS`) and the two sizes that differ now.
+    const PRE_IPV6_MAPS: usize = 19;
+    const PRE_IPV6_TAIL_CALLS: u32 = 6;
+    const PRE_IPV6_COUNTERS: u32 = 56;
+    let old_maps = &ALL_MAPS[..PRE_IPV6_MAPS];
+    assert!(
+        old_maps
+            .iter()
+            .all(|m| m.ends_with("_V1") && !m.contains('6')),
+        "ALL_MAPS keeps the pre-IPv6 maps first: {old_maps:?}"
+    );
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let dir = proxy_testenv::PinDir::new(&format!("{}-pre6", proxy_testenv::unique_prefix()))
+        .expect("pin dir");
+    let pins = PinLayout::new(dir.path());
+    pins.create().expect("pin directories");
+    let info = |name: &str| {
+        MapData::from_pin(pins.map(name))
+            .and_then(|m| m.info())
+            .unwrap_or_else(|e| panic!("pinned {name}: {e}"))
+    };
+    // Opens a pinned hash map (CONNTRACK and AFFINITY are LRU hashes) as `HashMap<K, V>`.
+    fn open<K: aya::Pod, V: aya::Pod>(pins: &PinLayout, name: &str) -> HashMap<MapData, K, V> {
+        let data = MapData::from_pin(pins.map(name)).expect(name);
+        let map = match data.info().expect(name).map_type() {
+            Ok(aya::maps::MapType::LruHash) => Map::LruHashMap(data),
+            _ => Map::HashMap(data),
+        };
+        HashMap::try_from(map).expect(name)
+    }
+    let mut old = aya::EbpfLoader::new();
+    for &m in old_maps {
+        old.map_pin_path(m, pins.map(m));
+    }
+    old.map_max_entries(MAP_TAIL_CALLS, PRE_IPV6_TAIL_CALLS)
+        .map_max_entries(MAP_STATS, PRE_IPV6_COUNTERS);
+    drop(old.load(EBPF_OBJECT).expect("the older agent's load"));
+    assert!(
+        !pins.map(proxy_common::ipv6::MAP_CONNTRACK6).exists(),
+        "the older agent pinned no IPv6 maps"
+    );
+
+    // Its state: a flow (both conntrack entries), a Service, an affinity record.
+    let original = CtKey {
+        saddr: [10, 244, 1, 2],
+        daddr: [10, 96, 0, 10],
+        sport: 40_000u16.to_be_bytes(),
+        dport: 80u16.to_be_bytes(),
+        proto: proto::TCP,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    };
+    let reply = CtKey {
+        saddr: [10, 244, 2, 7],
+        daddr: [10, 244, 1, 2],
+        sport: 8080u16.to_be_bytes(),
+        dport: 40_000u16.to_be_bytes(),
+        dir: ct_dir::REPLY,
+        ..original
+    };
+    let flow = CtValue {
+        last_seen_ns: 123_456_789,
+        created_ns: 100_000_000,
+        backend_id: 7,
+        rev_nat_id: 3,
+        frontend_addr: [10, 96, 0, 10],
+        backend_addr: [10, 244, 2, 7],
+        frontend_port: 80u16.to_be_bytes(),
+        backend_port: 8080u16.to_be_bytes(),
+        state: ct_state::ESTABLISHED,
+        ..CtValue::default()
+    };
+    let service = ServiceKey::new([10, 96, 0, 10], 80u16.to_be_bytes(), proto::TCP, 0);
+    let service_value = ServiceValue {
+        count: 1,
+        rev_nat_id: 3,
+        ..ServiceValue::default()
+    };
+    let client = AffinityKey {
+        affinity_id: 5,
+        client: [10, 244, 1, 2],
+    };
+    let record = AffinityValue {
+        backend_id: 7,
+        _pad: 0,
+        last_used_ns: 123_000_000,
+    };
+    {
+        let mut ct: HashMap<_, CtKey, CtValue> = open(&pins, MAP_CONNTRACK);
+        ct.insert(original, flow, 0).expect("original entry");
+        ct.insert(reply, flow, 0).expect("reply entry");
+        let mut svc: HashMap<_, ServiceKey, ServiceValue> = open(&pins, MAP_SERVICES);
+        svc.insert(service, service_value, 0).expect("service");
+        let mut aff: HashMap<_, AffinityKey, AffinityValue> = open(&pins, MAP_AFFINITY);
+        aff.insert(client, record, 0).expect("affinity");
+    }
+    let ids: Vec<(&str, u32)> = (old_maps.iter()).map(|&m| (m, info(m).id())).collect();
+
+    let ebpf = loader::load_pinned(
+        &pins,
+        &DatapathConfig::DEFAULT,
+        &MapSizes::default(),
+        &SockLbConfig::default(),
+        BpfLog::Off,
+    )
+    .expect("the upgraded agent's load");
+    for (m, id) in &ids {
+        let replaced = [MAP_TAIL_CALLS, MAP_STATS].contains(m);
+        assert_eq!(
+            info(m).id() == *id,
+            !replaced,
+            "{m}: {}",
+            if replaced {
+                "must be replaced (it grew)"
+            } else {
+                "must be adopted, not replaced"
+            }
+        );
+    }
+    assert_eq!(info(MAP_TAIL_CALLS).max_entries(), TAIL_CALL_COUNT);
+    assert_eq!(info(MAP_STATS).max_entries(), COUNTER_COUNT);
+    for m in &ALL_MAPS[PRE_IPV6_MAPS..] {
+        assert!(
+            pins.map(m).exists(),
+            "{m}: the IPv6 map is created and pinned"
+        );
+    }
+    let ct: HashMap<_, CtKey, CtValue> = open(&pins, MAP_CONNTRACK);
+    assert_eq!(
+        ct.get(&original, 0).ok(),
+        Some(flow),
+        "the flow's ORIGINAL entry kept"
+    );
+    assert_eq!(ct.get(&reply, 0).ok(), Some(flow), "its REPLY entry kept");
+    let svc: HashMap<_, ServiceKey, ServiceValue> = open(&pins, MAP_SERVICES);
+    assert_eq!(svc.get(&service, 0).ok(), Some(service_value));
+    let aff: HashMap<_, AffinityKey, AffinityValue> = open(&pins, MAP_AFFINITY);
+    assert_eq!(aff.get(&client, 0).ok(), Some(record));
+    drop(ebpf);
 }
