@@ -541,15 +541,27 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
     );
 }
 
+/// The agent's load of the object with its pins under `pins`, default sizes and settings.
+fn load_pinned_default(pins: &kube_proxy_ebpf::dataplane::bpffs::PinLayout) -> aya::Ebpf {
+    use kube_proxy_ebpf::dataplane::loader::MapSizes;
+    let sock = proxy_common::SockLbConfig::default();
+    loader::load_pinned(
+        pins,
+        &DatapathConfig::DEFAULT,
+        &MapSizes::default(),
+        &sock,
+        BpfLog::Off,
+    )
+    .expect("load with the pins")
+}
+
 /// An agent with more datapath counters than the one that pinned the maps replaces the pinned
 /// STATS array (adopting it would silently drop the new counters); the other maps are adopted.
 #[test]
 fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
     require_privileged!();
-    use kube_proxy_ebpf::dataplane::{
-        bpffs::PinLayout, ebpf_object::EBPF_OBJECT, loader::MapSizes,
-    };
-    use proxy_common::{COUNTER_COUNT, MAP_SERVICES, MAP_STATS, SockLbConfig};
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, ebpf_object::EBPF_OBJECT};
+    use proxy_common::{COUNTER_COUNT, MAP_SERVICES, MAP_STATS};
 
     proxy_testenv::ensure_bpffs().expect("bpffs");
     let dir = proxy_testenv::PinDir::new(&format!("{}-stats", proxy_testenv::unique_prefix()))
@@ -575,14 +587,7 @@ fn a_pinned_stats_array_with_fewer_counters_is_replaced() {
         .expect("services")
         .id();
 
-    let ebpf = loader::load_pinned(
-        &pins,
-        &DatapathConfig::DEFAULT,
-        &MapSizes::default(),
-        &SockLbConfig::default(),
-        BpfLog::Off,
-    )
-    .expect("load");
+    let ebpf = load_pinned_default(&pins);
     assert_eq!(max_entries(MAP_STATS), COUNTER_COUNT);
     let adopted = aya::maps::MapData::from_pin(pins.map(MAP_SERVICES))
         .and_then(|m| m.info())
@@ -812,13 +817,10 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
 fn a_pre_ipv6_agents_pins_are_adopted_with_their_ipv4_flow_state() {
     require_privileged!();
     use aya::maps::{HashMap, Map, MapData};
-    use kube_proxy_ebpf::dataplane::{
-        bpffs::PinLayout, ebpf_object::EBPF_OBJECT, loader::MapSizes,
-    };
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, ebpf_object::EBPF_OBJECT};
     use proxy_common::{
         AffinityKey, AffinityValue, COUNTER_COUNT, CtKey, CtValue, MAP_AFFINITY, MAP_CONNTRACK,
-        MAP_SERVICES, MAP_STATS, MAP_TAIL_CALLS, SockLbConfig, TAIL_CALL_COUNT, ct_dir,
-        maps::ALL_MAPS,
+        MAP_SERVICES, MAP_STATS, MAP_TAIL_CALLS, TAIL_CALL_COUNT, ct_dir, maps::ALL_MAPS,
     };
 
     /// The pre-IPv6 release's pinned set (its `ALL_MAPS`) and the two sizes that differ now.
@@ -920,14 +922,7 @@ fn a_pre_ipv6_agents_pins_are_adopted_with_their_ipv4_flow_state() {
     }
     let ids: Vec<(&str, u32)> = (old_maps.iter()).map(|&m| (m, info(m).id())).collect();
 
-    let ebpf = loader::load_pinned(
-        &pins,
-        &DatapathConfig::DEFAULT,
-        &MapSizes::default(),
-        &SockLbConfig::default(),
-        BpfLog::Off,
-    )
-    .expect("the upgraded agent's load");
+    let ebpf = load_pinned_default(&pins);
     for (m, id) in &ids {
         let replaced = [MAP_TAIL_CALLS, MAP_STATS].contains(m);
         assert_eq!(
