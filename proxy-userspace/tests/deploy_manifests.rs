@@ -265,17 +265,18 @@ fn daemonset_replaces_kube_proxy() {
     assert!(config_path.ends_with("config.yaml"));
     assert_eq!(run.hostname_override.as_deref(), Some("node-1"));
 
-    // bpffs from the host, so pins outlive the pod.
-    let bpf_mount = mounts
-        .iter()
-        .find(|m| m.mount_path == "/sys/fs/bpf")
-        .expect("bpffs mount");
-    let bpf_volume = volumes
-        .iter()
-        .find(|v| v.name == bpf_mount.name)
-        .and_then(|v| v.host_path.as_ref())
-        .expect("bpffs is a hostPath");
-    assert_eq!(bpf_volume.path, "/sys/fs/bpf");
+    // Pins on the host's bpffs, so they outlive the pod; `dump` run in the container (kubectl
+    // exec) finds them through KPE_PIN_DIR.
+    assert_eq!(
+        host_pin_dir(&run.pins.pin_dir, mounts, volumes),
+        Path::new(proxy_common::DEFAULT_PIN_DIR)
+    );
+    let pin_env = c
+        .env
+        .as_ref()
+        .and_then(|e| e.iter().find(|v| v.name == "KPE_PIN_DIR"))
+        .and_then(|v| v.value.as_deref());
+    assert_eq!(pin_env.map(Path::new), Some(run.pins.pin_dir.as_path()));
 
     // Socket hooks on the host's cgroup v2 root (not the container's private cgroup namespace).
     let kube_proxy_ebpf::dataplane::sock_lb::SockLbCgroup::Path(cgroup) = &run.socket_lb_cgroup
@@ -338,7 +339,43 @@ fn cleanup_daemonset_runs_the_cleanup_command() {
     let init = &pod.init_containers.as_ref().expect("init containers")[0];
     let argv: Vec<String> = init.command.clone().unwrap_or_default();
     let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
-    assert!(matches!(cli.command, Command::Cleanup(_)), "{argv:?}");
+    let Command::Cleanup(pins) = cli.command else {
+        panic!("{argv:?} is not `cleanup`")
+    };
+    // The same host directory the agent pins in.
+    let mounts = init.volume_mounts.as_deref().unwrap_or_default();
+    let volumes = pod.volumes.as_deref().unwrap_or_default();
+    assert_eq!(
+        host_pin_dir(&pins.pin_dir, mounts, volumes),
+        Path::new(proxy_common::DEFAULT_PIN_DIR)
+    );
+}
+
+/// Where `pin_dir` (a path in the container) is on the host: it must be on a hostPath mount of
+/// the host's /sys/fs/bpf, mounted outside /sys (the runtimes' default AppArmor profiles deny
+/// writes under /sys/fs/ but the cgroup fs, and pinning or unpinning is a write).
+fn host_pin_dir(
+    pin_dir: &Path,
+    mounts: &[k8s_openapi::api::core::v1::VolumeMount],
+    volumes: &[k8s_openapi::api::core::v1::Volume],
+) -> PathBuf {
+    let mount = mounts
+        .iter()
+        .find(|m| pin_dir.starts_with(&m.mount_path))
+        .unwrap_or_else(|| panic!("--pin-dir {} is on no mounted volume", pin_dir.display()));
+    assert!(
+        !Path::new(&mount.mount_path).starts_with("/sys"),
+        "the bpffs is mounted at {} (under /sys: default AppArmor profiles deny pinning there)",
+        mount.mount_path
+    );
+    let host = volumes
+        .iter()
+        .find(|v| v.name == mount.name)
+        .and_then(|v| v.host_path.as_ref())
+        .unwrap_or_else(|| panic!("--pin-dir's volume {} is not a hostPath", mount.name));
+    assert_eq!(host.path, "/sys/fs/bpf", "the pins are on the host's bpffs");
+    let rel = pin_dir.strip_prefix(&mount.mount_path).expect("prefix");
+    Path::new(&host.path).join(rel)
 }
 
 #[test]
