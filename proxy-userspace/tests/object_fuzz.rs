@@ -32,6 +32,36 @@ use proxy_common::Scheduler;
 
 const NS: &str = "fuzz";
 
+/// Counts the bytes each thread holds (allocated minus freed on it), so a test can measure what
+/// the pipeline keeps per object while other tests run on other threads.
+struct Counting;
+
+thread_local! {
+    static LIVE: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator; the counter is a const-initialized thread-local
+// Cell (no allocation, no reentrancy).
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let _ = LIVE.try_with(|l| l.set(l.get() + layout.size() as isize));
+        // SAFETY: the caller's layout contract is passed on unchanged.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        let _ = LIVE.try_with(|l| l.set(l.get() - layout.size() as isize));
+        // SAFETY: `ptr` came from `alloc` above with this layout.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn live() -> isize {
+    LIVE.with(|l| l.get())
+}
+
 /// xorshift64*: a deterministic stream per seed (no dependency, reproducible from the seed).
 struct Rng(u64);
 
@@ -710,4 +740,66 @@ fn hostile_manifests_are_skipped_with_a_named_problem_and_the_rest_loads() {
             o.name
         );
     }
+}
+
+/// What the sources and the translation keep of one object is bounded by what the pipeline
+/// needs of it, not by the object's size: a Service with 1 MiB of annotations (none this proxy
+/// reads) costs about what a plain one does, plus its name; a slice costs a bounded amount per
+/// endpoint.
+#[test]
+fn retained_memory_per_object_is_bounded() {
+    let mut rng = Rng::new(3);
+    let goods: Vec<Obj> = (0..50).map(|i| good(i, &mut rng)).collect();
+    // Bytes held after converting `objs` and translating them (inputs dropped first).
+    let retained = |objs: &[&Obj]| -> isize {
+        let before = live();
+        let services: Vec<Service> = objs.iter().map(|o| service(o)).collect();
+        let slices: Vec<EndpointSlice> = objs
+            .iter()
+            .flat_map(|o| o.slices.iter().map(slice))
+            .collect();
+        // Snapshot::new converts and drops the API objects.
+        let snapshot = Snapshot::new(services, slices);
+        let mut cache = TranslateCache::new();
+        cache.update(&snapshot, &node(), &[], true);
+        cache.release_change_list();
+        let held = live() - before;
+        drop((snapshot, cache));
+        held
+    };
+    let base: Vec<&Obj> = goods.iter().collect();
+    let plain = retained(&base);
+
+    let mut huge = hostile_base("hostile-annotated".into(), 1);
+    huge.annotations = (0..100)
+        .map(|k| (format!("fuzz/{k}-{}", "k".repeat(1000)), "v".repeat(10_000)))
+        .collect();
+    let annotation_bytes: usize = huge
+        .annotations
+        .iter()
+        .map(|(k, v)| k.len() + v.len())
+        .sum();
+    let mut with = base.clone();
+    with.push(&huge);
+    let annotated = retained(&with) - plain;
+    eprintln!(
+        "50 Services: {plain} B; one more with {annotation_bytes} B of annotations: +{annotated} B"
+    );
+    assert!(
+        annotated < 64 * 1024,
+        "a Service with {annotation_bytes} B of annotations keeps {annotated} B"
+    );
+
+    let mut big = hostile_base("hostile-big".into(), 2);
+    big.slices[0].addresses = (0..10_000u32)
+        .map(|j| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 246, 0, 0)) + j).to_string())
+        .collect();
+    let mut with = base.clone();
+    with.push(&big);
+    let per_endpoint = (retained(&with) - plain) / 10_000;
+    eprintln!("one slice of 10,000 endpoints: {per_endpoint} B per endpoint");
+    assert!(
+        per_endpoint < 512,
+        "{per_endpoint} B kept per endpoint of a 10,000-endpoint slice"
+    );
 }
