@@ -2321,6 +2321,13 @@ mod tests {
                 ("192.168.70.11:80/TCP".into(), FrontendKind::LoadBalancer),
             ]
         );
+        // The unparsable entry is reported on the Service (the other family's is not a problem).
+        let problems: Vec<String> = t.problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("Service demo/lb") && problems[0].contains("\"not-an-ip\""),
+            "{problems:?}"
+        );
     }
 
     #[test]
