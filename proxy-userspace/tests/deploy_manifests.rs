@@ -1,7 +1,12 @@
 //! Unprivileged: every YAML document under deploy/ (examples included) parses into its
 //! k8s-openapi type by kind without losing a field (a misspelt field fails here, not in a
 //! cluster), the ConfigMap's KubeProxyConfiguration passes this proxy's own parser without a
-//! warning, and the DaemonSet's command line parses with the agent's own CLI.
+//! warning, and the DaemonSet's command line parses with the agent's own CLI. Least privilege
+//! (issue 13): every container drops all capabilities and adds only BPF, NET_ADMIN, PERFMON, runs
+//! with a read-only root filesystem, no privilege escalation and the runtime's default seccomp
+//! profile (the one privileged exception is the bpffs mount step); hostPath volumes are the bpffs
+//! and the cgroup root only; the ClusterRole is get/list/watch plus Event create/patch; /metrics
+//! binds to loopback. tests/least_privilege.rs checks the agent works with exactly these caps.
 
 use std::{
     collections::BTreeMap,
@@ -260,17 +265,18 @@ fn daemonset_replaces_kube_proxy() {
     assert!(config_path.ends_with("config.yaml"));
     assert_eq!(run.hostname_override.as_deref(), Some("node-1"));
 
-    // bpffs from the host, so pins outlive the pod.
-    let bpf_mount = mounts
-        .iter()
-        .find(|m| m.mount_path == "/sys/fs/bpf")
-        .expect("bpffs mount");
-    let bpf_volume = volumes
-        .iter()
-        .find(|v| v.name == bpf_mount.name)
-        .and_then(|v| v.host_path.as_ref())
-        .expect("bpffs is a hostPath");
-    assert_eq!(bpf_volume.path, "/sys/fs/bpf");
+    // Pins on the host's bpffs, so they outlive the pod; `dump` run in the container (kubectl
+    // exec) finds them through KPE_PIN_DIR.
+    assert_eq!(
+        host_pin_dir(&run.pins.pin_dir, mounts, volumes),
+        Path::new(proxy_common::DEFAULT_PIN_DIR)
+    );
+    let pin_env = c
+        .env
+        .as_ref()
+        .and_then(|e| e.iter().find(|v| v.name == "KPE_PIN_DIR"))
+        .and_then(|v| v.value.as_deref());
+    assert_eq!(pin_env.map(Path::new), Some(run.pins.pin_dir.as_path()));
 
     // Socket hooks on the host's cgroup v2 root (not the container's private cgroup namespace).
     let kube_proxy_ebpf::dataplane::sock_lb::SockLbCgroup::Path(cgroup) = &run.socket_lb_cgroup
@@ -333,7 +339,43 @@ fn cleanup_daemonset_runs_the_cleanup_command() {
     let init = &pod.init_containers.as_ref().expect("init containers")[0];
     let argv: Vec<String> = init.command.clone().unwrap_or_default();
     let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
-    assert!(matches!(cli.command, Command::Cleanup(_)), "{argv:?}");
+    let Command::Cleanup(pins) = cli.command else {
+        panic!("{argv:?} is not `cleanup`")
+    };
+    // The same host directory the agent pins in.
+    let mounts = init.volume_mounts.as_deref().unwrap_or_default();
+    let volumes = pod.volumes.as_deref().unwrap_or_default();
+    assert_eq!(
+        host_pin_dir(&pins.pin_dir, mounts, volumes),
+        Path::new(proxy_common::DEFAULT_PIN_DIR)
+    );
+}
+
+/// Where `pin_dir` (a path in the container) is on the host: it must be on a hostPath mount of
+/// the host's /sys/fs/bpf, mounted outside /sys (the runtimes' default AppArmor profiles deny
+/// writes under /sys/fs/ but the cgroup fs, and pinning or unpinning is a write).
+fn host_pin_dir(
+    pin_dir: &Path,
+    mounts: &[k8s_openapi::api::core::v1::VolumeMount],
+    volumes: &[k8s_openapi::api::core::v1::Volume],
+) -> PathBuf {
+    let mount = mounts
+        .iter()
+        .find(|m| pin_dir.starts_with(&m.mount_path))
+        .unwrap_or_else(|| panic!("--pin-dir {} is on no mounted volume", pin_dir.display()));
+    assert!(
+        !Path::new(&mount.mount_path).starts_with("/sys"),
+        "the bpffs is mounted at {} (under /sys: default AppArmor profiles deny pinning there)",
+        mount.mount_path
+    );
+    let host = volumes
+        .iter()
+        .find(|v| v.name == mount.name)
+        .and_then(|v| v.host_path.as_ref())
+        .unwrap_or_else(|| panic!("--pin-dir's volume {} is not a hostPath", mount.name));
+    assert_eq!(host.path, "/sys/fs/bpf", "the pins are on the host's bpffs");
+    let rel = pin_dir.strip_prefix(&mount.mount_path).expect("prefix");
+    Path::new(&host.path).join(rel)
 }
 
 #[test]
@@ -354,19 +396,26 @@ fn rbac_is_least_privilege() {
         ("", "services" | "nodes")
         | ("discovery.k8s.io", "endpointslices")
         | ("networking.k8s.io", "servicecidrs") => matches!(v, "get" | "list" | "watch"),
-        ("" | "events.k8s.io", "events") => matches!(v, "create" | "patch" | "update"),
+        // kube-rs's Recorder: events.k8s.io/v1 only, create then patch for a repeat.
+        ("events.k8s.io", "events") => matches!(v, "create" | "patch"),
         _ => false,
     };
     for (g, r, v) in &granted {
         assert!(allowed(g, r, v), "ClusterRole grants {v} on {g}/{r}");
     }
-    for (g, r, v) in [
-        ("", "services", "watch"),
-        ("", "nodes", "get"),
-        ("discovery.k8s.io", "endpointslices", "list"),
-        ("networking.k8s.io", "servicecidrs", "watch"),
+    let mut needed = vec![
         ("events.k8s.io", "events", "create"),
+        ("events.k8s.io", "events", "patch"),
+    ];
+    for (g, r) in [
+        ("", "services"),
+        ("", "nodes"),
+        ("discovery.k8s.io", "endpointslices"),
+        ("networking.k8s.io", "servicecidrs"),
     ] {
+        needed.extend(["get", "list", "watch"].map(|v| (g, r, v)));
+    }
+    for (g, r, v) in needed {
         assert!(
             granted.contains(&(g.into(), r.into(), v.into())),
             "missing {v} on {g}/{r}"
@@ -384,4 +433,195 @@ fn rbac_is_least_privilege() {
         o.service_accounts[0].metadata.name.as_deref()
     );
     assert_eq!(subject.namespace.as_deref(), Some("kube-system"));
+}
+
+/// The capabilities a container of deploy/ may add (issue 13); anything else fails here.
+const ALLOWED_CAPS: [&str; 3] = ["BPF", "NET_ADMIN", "PERFMON"];
+
+/// Every container and init container of every DaemonSet, with its DaemonSet's name.
+fn containers(o: &Objects) -> Vec<(String, bool, &k8s_openapi::api::core::v1::Container)> {
+    let mut out = Vec::new();
+    for (name, ds) in &o.daemonsets {
+        let pod = ds.spec.template.spec.as_ref();
+        let pod = pod.unwrap_or_else(|| panic!("DaemonSet {name}: no pod spec"));
+        for c in pod.init_containers.iter().flatten() {
+            out.push((name.clone(), true, c));
+        }
+        for c in &pod.containers {
+            out.push((name.clone(), false, c));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_container_runs_with_least_privilege() {
+    let o = load_all();
+    let mut checked = 0;
+    for (ds, init, c) in containers(&o) {
+        let at = format!("DaemonSet {ds} container {}", c.name);
+        let sc = c
+            .security_context
+            .as_ref()
+            .unwrap_or_else(|| panic!("{at}: no securityContext"));
+        assert_eq!(
+            sc.read_only_root_filesystem,
+            Some(true),
+            "{at}: readOnlyRootFilesystem"
+        );
+        if sc.privileged == Some(true) {
+            // The one exception, justified in daemonset.yaml: mounting a bpffs needs
+            // CAP_SYS_ADMIN, Bidirectional propagation needs privileged. It must stay a
+            // short init step that does nothing else.
+            assert!(
+                init && ds == "kube-proxy-ebpf" && c.name == "mount-bpffs",
+                "{at}: privileged"
+            );
+            let script = c.command.iter().flatten().cloned().collect::<Vec<_>>();
+            assert!(
+                script
+                    .iter()
+                    .any(|a| a.contains("mount -t bpf bpf /sys/fs/bpf")),
+                "{at}: the privileged step only mounts the bpffs: {script:?}"
+            );
+            let mounts = c.volume_mounts.as_deref().unwrap_or_default();
+            assert_eq!(mounts.len(), 1, "{at}: only the bpffs mount");
+            assert_eq!(mounts[0].mount_path, "/sys/fs/bpf", "{at}");
+            checked += 1;
+            continue;
+        }
+        assert_eq!(
+            sc.allow_privilege_escalation,
+            Some(false),
+            "{at}: allowPrivilegeEscalation"
+        );
+        let caps = sc
+            .capabilities
+            .as_ref()
+            .unwrap_or_else(|| panic!("{at}: no capabilities"));
+        assert_eq!(
+            caps.drop.as_deref(),
+            Some(&["ALL".to_owned()][..]),
+            "{at}: drop ALL"
+        );
+        for cap in caps.add.iter().flatten() {
+            assert!(ALLOWED_CAPS.contains(&cap.as_str()), "{at}: adds {cap}");
+        }
+        let seccomp = sc
+            .seccomp_profile
+            .as_ref()
+            .unwrap_or_else(|| panic!("{at}: no seccompProfile"));
+        assert_eq!(seccomp.type_, "RuntimeDefault", "{at}: seccompProfile");
+        checked += 1;
+    }
+    assert_eq!(checked, 4, "agent, its bpffs step, cleanup and its idler");
+
+    for (name, ds) in &o.daemonsets {
+        let pod = ds.spec.template.spec.as_ref();
+        let pod = pod.expect("pod spec");
+        assert_ne!(pod.host_pid, Some(true), "DaemonSet {name}: hostPID");
+        assert_ne!(pod.host_ipc, Some(true), "DaemonSet {name}: hostIPC");
+        if let Some(sc) = &pod.security_context
+            && let Some(p) = &sc.seccomp_profile
+        {
+            assert_ne!(
+                p.type_, "Unconfined",
+                "DaemonSet {name}: pod seccompProfile"
+            );
+        }
+        for v in pod.volumes.iter().flatten() {
+            if let Some(hp) = &v.host_path {
+                assert!(
+                    matches!(hp.path.as_str(), "/sys/fs/bpf" | "/sys/fs/cgroup"),
+                    "DaemonSet {name} volume {}: hostPath {}",
+                    v.name,
+                    hp.path
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn agent_and_cleanup_add_exactly_what_they_use() {
+    let o = load_all();
+    let added = |ds: &str, name: &str| {
+        let (_, _, c) = containers(&o)
+            .into_iter()
+            .find(|(d, _, c)| d == ds && c.name == name)
+            .unwrap_or_else(|| panic!("DaemonSet {ds} has no container {name}"));
+        let mut add = (c.security_context.as_ref())
+            .and_then(|s| s.capabilities.as_ref())
+            .and_then(|c| c.add.clone())
+            .unwrap_or_default();
+        add.sort();
+        add
+    };
+    assert_eq!(
+        added("kube-proxy-ebpf", "kube-proxy-ebpf"),
+        ["BPF", "NET_ADMIN", "PERFMON"]
+    );
+    // cleanup loads no program: no PERFMON (tests/least_privilege.rs runs it with these two).
+    assert_eq!(
+        added("kube-proxy-ebpf-cleanup", "cleanup"),
+        ["BPF", "NET_ADMIN"]
+    );
+    assert!(added("kube-proxy-ebpf-cleanup", "done").is_empty());
+}
+
+#[test]
+fn metrics_bind_to_loopback_as_deployed_and_by_default() {
+    use kube_proxy_ebpf::cli::RunArgs;
+    let o = load_all();
+    let file = config::parse("config.yaml", &config_text(&o))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config;
+    let ds = &o.daemonsets["kube-proxy-ebpf"];
+    let c = &ds.spec.template.spec.as_ref().expect("pod").containers[0];
+    let argv: Vec<String> = c
+        .command
+        .iter()
+        .flatten()
+        .chain(c.args.iter().flatten())
+        .map(|a| a.replace("$(NODE_NAME)", "node-1"))
+        .collect();
+    let effective = |argv: &[String], file: &config::FileConfig| -> RunArgs {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let matches = Cli::command()
+            .try_get_matches_from(argv)
+            .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        let explicit = config::explicit_args(matches.subcommand_matches("run").expect("run"));
+        let Command::Run(mut run) = Cli::from_arg_matches(&matches).expect("cli").command else {
+            panic!("{argv:?} is not `run`")
+        };
+        config::apply(&mut run, file, &explicit).unwrap_or_else(|e| panic!("{e}"));
+        run
+    };
+    let loopback = |run: &RunArgs| run.metrics_bind_address.0.map(|a| a.ip().is_loopback());
+    // As deployed: the DaemonSet's flags over the ConfigMap.
+    let run = effective(&argv, &file);
+    assert_eq!(
+        run.metrics_bind_address.to_string(),
+        "127.0.0.1:10249",
+        "/metrics as deployed"
+    );
+    // The agent's own default, with a config file that does not set it.
+    let bare: Vec<String> = ["kube-proxy-ebpf", "run", "--manifests", "/m"]
+        .map(String::from)
+        .to_vec();
+    const HEAD: &str =
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+    let empty = config::parse("empty.yaml", HEAD)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config;
+    assert_eq!(loopback(&effective(&bare, &empty)), Some(true), "default");
+    // kube-proxy's `metricsBindAddress: ""` means the default, not every address.
+    let blank = config::parse("blank.yaml", &format!("{HEAD}metricsBindAddress: \"\"\n"))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config;
+    assert_eq!(
+        loopback(&effective(&bare, &blank)),
+        Some(true),
+        "empty value"
+    );
 }

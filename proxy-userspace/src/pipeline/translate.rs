@@ -124,6 +124,10 @@ enum ServiceError {
     )]
     BadSourceRange(String),
     #[error(
+        "externalIPs entry {0:?} is not an IP address; entry ignored (the other frontends apply)"
+    )]
+    BadExternalIp(String),
+    #[error(
         "sessionAffinityConfig.clientIP.timeoutSeconds {0} is outside 1-{MAX_AFFINITY_TIMEOUT_S}; \
          the default {DEFAULT_AFFINITY_TIMEOUT_S} s applies"
     )]
@@ -636,7 +640,7 @@ struct ServiceFrontends<A: Family> {
 /// spec.externalIPs and status.loadBalancer.ingress[].ip (unless ipMode is Proxy: the load
 /// balancer then proxies and sends to the node, not to the VIP) of family `A`; unparsable
 /// addresses and the other family's are left out (upstream logs and ignores them too, and
-/// filters them per family).
+/// filters them per family); unparsable externalIPs are reported by [`bad_external_ips`].
 fn external_addrs<A: Family>(svc: &ServiceData) -> Vec<(FrontendKind, A)> {
     let v4 = |ip: &str| ip.parse::<IpAddr>().ok().and_then(A::of);
     let external_ips = (svc.extra().external_ips.iter())
@@ -650,6 +654,14 @@ fn external_addrs<A: Family>(svc: &ServiceData) -> Vec<(FrontendKind, A)> {
     all.sort();
     all.dedup_by_key(|(_, a)| *a);
     all
+}
+
+/// spec.externalIPs entries that are not IP addresses (the API server refuses them; a manifest
+/// may hold them): one problem each, the Service's other frontends programmed.
+fn bad_external_ips(svc: &ServiceData) -> impl Iterator<Item = ServiceError> + '_ {
+    (svc.extra().external_ips.iter())
+        .filter(|ip| ip.parse::<IpAddr>().is_err())
+        .map(|ip| ServiceError::BadExternalIp(ip.to_string()))
 }
 
 /// loadBalancerSourceRanges (or the legacy annotation) of family `A` as networks, host bits
@@ -714,6 +726,7 @@ fn service_frontends<A: SliceFamily>(
     let (lb_source_ranges, bad_ranges) = source_ranges::<A>(svc);
     let mut port_problems = balancing_problems;
     port_problems.extend(bad_ranges);
+    port_problems.extend(bad_external_ips(svc));
     let (affinity_timeout_s, affinity_problem) = session_affinity(svc);
     let balancing = Balancing {
         affinity_timeout_s,
@@ -2307,6 +2320,13 @@ mod tests {
                 ("192.168.70.10:80/TCP".into(), FrontendKind::LoadBalancer),
                 ("192.168.70.11:80/TCP".into(), FrontendKind::LoadBalancer),
             ]
+        );
+        // The unparsable entry is reported on the Service (the other family's is not a problem).
+        let problems: Vec<String> = t.problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("Service demo/lb") && problems[0].contains("\"not-an-ip\""),
+            "{problems:?}"
         );
     }
 
