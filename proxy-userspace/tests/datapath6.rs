@@ -2156,12 +2156,8 @@ fn snat_out_key(forwarded: &Pkt6) -> Snat6Key {
     }
 }
 
-/// A pod picked as its own backend through an IPv6 ClusterIP: DNATed to itself and, as it could
-/// not accept a packet from its own address, SNATed to the ClusterIP (its frontend) and a port
-/// of the SNAT range, with no node IPv6 address written (hairpin needs none); its answer to
-/// that address:port goes back to it as client and comes from the ClusterIP's port.
-#[test]
-fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vip() {
+/// `VIP_HAIRPIN`:80/TCP with the pod `CLIENT`:8080 as its only backend.
+fn hairpin_datapath() -> Datapath {
     let mut dp = Datapath::load();
     let itself = Backend6 {
         addr: CLIENT.octets(),
@@ -2177,6 +2173,16 @@ fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vi
     dp.services()
         .insert(key, ServiceValue::frontend_with_flags(1, 80, 0), 0)
         .unwrap();
+    dp
+}
+
+/// A pod picked as its own backend through an IPv6 ClusterIP: DNATed to itself and, as it could
+/// not accept a packet from its own address, SNATed to the ClusterIP (its frontend) and a port
+/// of the SNAT range, with no node IPv6 address written (hairpin needs none); its answer to
+/// that address:port goes back to it as client and comes from the ClusterIP's port.
+#[test]
+fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vip() {
+    let mut dp = hairpin_datapath();
 
     let syn = Pkt6::tcp(CLIENT, 46_000, VIP_HAIRPIN, 80, SYN);
     let forwarded = with_dport(
@@ -2260,6 +2266,85 @@ fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vi
         &[(Counter::SnatTranslated, 1)],
         &ack_out,
     );
+}
+
+/// A pod that reached itself through its ClusterIP (hairpin) answers the packet it received
+/// (VIP:port → pod:8080) with an ICMPv6 error (Packet Too Big) to the VIP: tc ingress sends it
+/// back to the pod as client, quoting pod:46000 → pod:8080 (its `in` entry), and tc egress toward
+/// the pod makes it come from the ClusterIP and quote pod:46000 → VIP:80, the packet the pod
+/// sent; each step keeps the ICMPv6 checksum valid and the MTU as it was.
+#[test]
+fn an_icmpv6_error_about_a_hairpin_flow_comes_back_from_the_vip_quoting_the_client_s_packet() {
+    let dp = hairpin_datapath();
+    let syn = Pkt6::tcp(CLIENT, 46_000, VIP_HAIRPIN, 80, SYN);
+    let forwarded = with_dport(
+        &Pkt6 {
+            daddr: CLIENT,
+            ..syn.clone()
+        },
+        8080,
+    );
+    dp.run(PROG_TC_INGRESS, &syn.bytes());
+    let (_, out) = dp.run(PROG_TC_EGRESS, &forwarded.bytes());
+    let received = Decoded6::parse(&out);
+    assert_eq!(received.saddr, VIP_HAIRPIN, "the hairpin source");
+    let port = u16::from_be_bytes([received.l4[0], received.l4[1]]);
+    // The pod's error about the segment it received, quoted as it arrived.
+    let quoted = out[ETH_HLEN..].to_vec();
+    let mtu = [0, 0, 0x05, 0x00];
+    let err = icmp6_frame(CLIENT, VIP_HAIRPIN, 2, 0, mtu, &quoted);
+    let counts = &[(Counter::IcmpErrorTranslated, 1)];
+    let mid = dp.step(
+        "ingress: the pod's error to the VIP:port",
+        PROG_TC_INGRESS,
+        &err,
+        TC_NEXT,
+        counts,
+    );
+    // To the pod as client, quoting the packet before the hairpin SNAT (pod:46000 → pod:8080;
+    // the quoted TCP checksum stays as it was).
+    let mut want_quoted = quoted.clone();
+    want_quoted[8..24].copy_from_slice(&CLIENT.octets());
+    want_quoted[40..42].copy_from_slice(&46_000u16.to_be_bytes());
+    assert!(
+        Decoded6::parse(&mid).l4_csum_ok(),
+        "ingress: ICMPv6 checksum after the rewrite"
+    );
+    assert_eq!(
+        mid,
+        icmp6_frame(CLIENT, CLIENT, 2, 0, mtu, &want_quoted),
+        "ingress: to the pod as client, quoting pod:46000 → pod:8080 (SNAT port {port} undone)"
+    );
+    let out = dp.step(
+        "egress: the error toward the pod as client",
+        PROG_TC_EGRESS,
+        &mid,
+        TC_NEXT,
+        counts,
+    );
+    want_quoted[24..40].copy_from_slice(&VIP_HAIRPIN.octets());
+    want_quoted[42..44].copy_from_slice(&80u16.to_be_bytes());
+    assert!(
+        Decoded6::parse(&out).l4_csum_ok(),
+        "egress: ICMPv6 checksum after the rewrite"
+    );
+    assert_eq!(
+        out,
+        icmp6_frame(VIP_HAIRPIN, CLIENT, 2, 0, mtu, &want_quoted),
+        "egress: from the VIP, quoting pod:46000 → VIP:80"
+    );
+    // An error quoting a SNAT-range port nobody allocated passes untouched.
+    let mut stray_quoted = quoted.clone();
+    stray_quoted[40..42].copy_from_slice(&port.wrapping_add(1).max(SNAT_PORT_MIN).to_be_bytes());
+    let stray = icmp6_frame(CLIENT, VIP_HAIRPIN, 2, 0, mtu, &stray_quoted);
+    let out = dp.step(
+        "ingress: an error about no SNATed flow",
+        PROG_TC_INGRESS,
+        &stray,
+        TC_NEXT,
+        NOT_SERVICE,
+    );
+    assert_eq!(out, stray, "untouched");
 }
 
 /// The egress `out` lookup is skipped while the node has no IPv6 SNAT address, except for a

@@ -10,7 +10,7 @@ use proxy_common::{
 
 use super::{
     conntrack::{self, NewFlow6, Sent},
-    frag, nat,
+    frag, icmp, nat,
     packet::{self, Packet6, Parsed6},
     pick, reject, snat,
 };
@@ -28,8 +28,9 @@ pub fn try_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
     let p = match packet::parse(ctx, l2_len) {
         Parsed6::Packet(p) => p,
         Parsed6::Fragment(f) => return frag::later(ctx, f, frag_hook::INGRESS),
-        // ICMPv6 errors toward a pod are reverse-translated on egress; from a pod, they pass.
-        Parsed6::IcmpError(_) => return Ok(Action::pass(Counter::NotService)),
+        // An error about a SNATed flow goes back to its client here; the reverse DNAT of errors
+        // toward a client is on egress.
+        Parsed6::IcmpError(e) => return icmp::snat_reply(ctx, e),
         Parsed6::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed6::Untranslatable { to, reason } => {
             return match maps::service6(&Service6Key::new(to.daddr, to.dport, to.proto, 0)) {
