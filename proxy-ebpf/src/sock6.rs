@@ -31,7 +31,7 @@ use proxy_common::{
 
 use crate::{
     ipv6::pick::{self, NewFlow6},
-    maps,
+    log, maps,
     sock::{self, ALLOW, ECONNREFUSED, Translated},
     stats,
 };
@@ -163,6 +163,12 @@ fn translate6(
         stats::count(Counter::SockRevNatFailed);
     }
     stats::count(Counter::SockTranslated);
+    log::socket6(
+        proto,
+        (addr, port),
+        (&backend.addr, backend.port),
+        backend_id,
+    );
     Ok(Some((backend.addr, backend.port)))
 }
 

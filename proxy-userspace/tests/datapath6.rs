@@ -77,6 +77,12 @@ impl Datapath {
     }
 
     fn load_with(cfg: DatapathConfig) -> Self {
+        Self::load_with_log(cfg, None)
+    }
+
+    /// As [`Datapath::load_with`], the datapath trace at `log_level` (`None`: the object's
+    /// default, off).
+    fn load_with_log(cfg: DatapathConfig, log_level: Option<u8>) -> Self {
         let maps = [
             proxy_common::MAP_SERVICES,
             proxy_common::MAP_BACKENDS,
@@ -85,7 +91,7 @@ impl Datapath {
             MAP_BACKENDS6,
             MAP_CONNTRACK6,
         ];
-        let bpf = common_datapath::load_object(&cfg, None, &maps, TEST_CAPACITY);
+        let bpf = common_datapath::load_object(&cfg, log_level, &maps, TEST_CAPACITY);
         let mut dp = Self { bpf };
         dp.set_service(VIP, 80, proto::TCP, 1, &TCP_IDS);
         dp.set_service(VIP, 53, proto::UDP, 2, &UDP_IDS);
@@ -2424,4 +2430,91 @@ fn egress_cost_of_an_untranslated_packet_with_and_without_a_node_address() {
         unset.as_nanos(),
         set.as_nanos()
     );
+}
+
+/// The datapath trace's records as aya-log decodes them: (level, target, message).
+#[derive(Clone, Default)]
+struct Records(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String, String)>>>);
+
+impl log::Log for Records {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record) {
+        self.0.lock().unwrap().push((
+            record.level(),
+            record.target().to_owned(),
+            record.args().to_string(),
+        ));
+    }
+
+    fn flush(&self) {}
+}
+
+/// A new IPv6 TCP flow and two replies, a SYN to a Service without endpoints and an untracked
+/// egress packet through `dp` (as tests/datapath.rs's `traced_flows`): (level, message) of the
+/// records its trace wrote, each checked to be under the trace's target.
+fn traced_flows6(dp: &mut Datapath) -> (u32, Vec<(log::Level, String)>) {
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("the object carries aya-log's ring buffer");
+    let syn = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let id = picked(&syn, &TCP_IDS);
+    assert_eq!(dp.run(PROG_TC_INGRESS, &syn.bytes()).0, TC_NEXT, "new flow");
+    let reply = dnated(&syn, id).reversed();
+    for _ in 0..2 {
+        assert_eq!(dp.run(PROG_TC_EGRESS, &reply.bytes()).0, TC_NEXT, "reply");
+    }
+    let empty = Pkt6::tcp(CLIENT, 40_001, VIP_EMPTY, 80, SYN);
+    assert_eq!(
+        dp.run(PROG_TC_INGRESS, &empty.bytes()).0,
+        TC_ACT_REDIRECT,
+        "rejected"
+    );
+    let untracked = Pkt6::udp(POD, 1_234, CLIENT, 5_678);
+    assert_eq!(dp.run(PROG_TC_EGRESS, &untracked.bytes()).0, TC_NEXT);
+    logger.flush();
+    let got = records.0.lock().unwrap().clone();
+    let got = got
+        .into_iter()
+        .map(|(level, target, msg)| {
+            assert_eq!(target, proxy_common::bpf_log::TARGET, "{msg}");
+            (level, msg)
+        })
+        .collect();
+    (id, got)
+}
+
+/// `--bpf-log` on IPv6: the records of one or two addresses as IPv4's at the same levels
+/// (addresses in brackets), only those at or above the level loaded, none when off. (The new
+/// flow and its replies have no IPv6 record: `proxy-ebpf/src/log.rs` says why.)
+#[test]
+fn the_datapath_trace_names_each_ipv6_flow_at_its_level_and_is_silent_when_off() {
+    use log::Level::{Info, Trace};
+    use proxy_common::bpf_log;
+    let (_, got) = traced_flows6(&mut Datapath::load_with_log(
+        DatapathConfig::DEFAULT,
+        Some(bpf_log::TRACE),
+    ));
+    let want = [
+        (
+            Info,
+            format!("tcp [{CLIENT}]:40001 -> [{VIP_EMPTY}]:80: no endpoints: rejected"),
+        ),
+        (
+            Trace,
+            format!("no conntrack entry: udp [{POD}]:1234 -> [{CLIENT}]:5678: passed"),
+        ),
+    ];
+    assert_eq!(got, want.to_vec(), "at trace: every record, in order");
+
+    let (_, got) = traced_flows6(&mut Datapath::load_with_log(
+        DatapathConfig::DEFAULT,
+        Some(bpf_log::INFO),
+    ));
+    assert_eq!(got, vec![want[0].clone()], "at info: only the refused flow");
+
+    let (_, got) = traced_flows6(&mut Datapath::load());
+    assert!(got.is_empty(), "off by default: {got:?}");
 }
