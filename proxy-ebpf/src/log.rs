@@ -22,7 +22,10 @@
 //!   dispatch is in a global function too.
 //!
 //! Levels (`proxy_common::bpf_log`): warn for a flow dropped for want of resources, info for a
-//! new flow refused, debug once per flow, trace per packet.
+//! new flow refused, debug once per flow, trace per packet. The IPv6 programs write the same
+//! records of one or two addresses (`*6`: refusals, untracked packets, socket rewrites,
+//! affinity hits; see there for the others), their addresses passed through a per-CPU slot
+//! (`maps::log6_addrs`, the only map this module uses).
 
 use aya_log_ebpf::{debug, info, trace, warn};
 use proxy_common::{
@@ -30,6 +33,16 @@ use proxy_common::{
     proto,
     sched::code as sched,
 };
+
+use crate::maps;
+
+/// The addresses of an IPv6 record, in this CPU's `LOG6` slot (`maps::log6_addrs`): written by
+/// the program that logs, read by the record function it calls.
+#[derive(Clone, Copy)]
+pub struct Addrs6 {
+    pub a: [u8; 16],
+    pub b: [u8; 16],
+}
 
 /// The level (`proxy_common::bpf_log`), 0 = off. Set by the agent with
 /// `EbpfLoader::override_global(LOG_LEVEL_GLOBAL, ..)`; off in an object loaded any other way.
@@ -370,6 +383,184 @@ pub extern "C" fn kpe_log_affinity(client: u64, backend_id: u32) -> i32 {
         target: TARGET,
         "affinity: client {:i} keeps backend {}",
         addr(client),
+        backend_id
+    );
+    0
+}
+
+// IPv6 records: the records of one or two addresses, at the same levels, the addresses in
+// brackets. A 16-byte address does not fit in a register, and the IPv6 programs' stacks have
+// little room left: the caller writes the addresses into the per-CPU `LOG6` slot (map memory,
+// no stack) and passes ports and ids in registers; the record function reads the slot. Both
+// only under the level check. Not on IPv6: the records of three addresses (new flow, reply,
+// SNAT failure): aya-log copies each argument to the record function's stack, 72 bytes for
+// three 16-byte addresses, and tc_ingress6_new and tc_egress6 (448) or tc_ingress6_snat (464)
+// leave 64 or 48 of the 512 (the verifier refused tc_egress6 at 528).
+
+/// Two ports (network order) in one register, the first in the low bits.
+#[inline(always)]
+fn ports2(a: [u8; 2], b: [u8; 2]) -> u64 {
+    u64::from(u16::from_be_bytes(a)) | u64::from(u16::from_be_bytes(b)) << 16
+}
+
+/// Port `i` (0, 1) of a [`ports2`] register, host order.
+#[inline(always)]
+fn port_of(ports: u64, i: u32) -> u16 {
+    (ports >> (16 * i)) as u16
+}
+
+/// Writes one or two addresses into this CPU's `LOG6` slot; false if there is none.
+#[inline(always)]
+fn addrs6(a: &[u8; 16], b: Option<&[u8; 16]>) -> bool {
+    match maps::log6_addrs() {
+        Some(slot) => {
+            slot.a = *a;
+            if let Some(b) = b {
+                slot.b = *b;
+            }
+            true
+        }
+        None => false,
+    }
+}
+
+/// A new IPv6 flow was refused (dropped, rejected or reset): at info.
+#[inline(always)]
+pub fn refused6(
+    why: Refused,
+    proto: u8,
+    client: (&[u8; 16], [u8; 2]),
+    frontend: (&[u8; 16], [u8; 2]),
+) {
+    if enabled(bpf_log::INFO) && addrs6(client.0, Some(frontend.0)) {
+        let ports = ports2(client.1, frontend.1);
+        match why {
+            Refused::SourceRange => kpe_log6_refused_source_range(proto, ports),
+            Refused::NoLocalEndpoints => kpe_log6_refused_no_local_endpoints(proto, ports),
+            Refused::NoEndpoints => kpe_log6_refused_no_endpoints(proto, ports),
+            Refused::NoSuchPort => kpe_log6_refused_no_such_port(proto, ports),
+            Refused::BackendGone => kpe_log6_refused_backend_gone(proto, ports),
+        };
+    }
+}
+
+/// Defines the IPv6 record function `$name` of a new flow refused for reason `$why`.
+macro_rules! refused6_record {
+    ($name:ident, $why:literal) => {
+        #[unsafe(no_mangle)]
+        #[inline(never)]
+        pub extern "C" fn $name(proto: u8, ports: u64) -> i32 {
+            let Some(a) = maps::log6_addrs() else {
+                return 0;
+            };
+            info!(
+                (),
+                target: TARGET,
+                "{} [{:i}]:{} -> [{:i}]:{}: {}",
+                proto_name(proto),
+                a.a,
+                port_of(ports, 0),
+                a.b,
+                port_of(ports, 1),
+                $why
+            );
+            0
+        }
+    };
+}
+
+refused6_record!(
+    kpe_log6_refused_source_range,
+    "outside loadBalancerSourceRanges: dropped"
+);
+refused6_record!(
+    kpe_log6_refused_no_local_endpoints,
+    "no local endpoints: dropped"
+);
+refused6_record!(kpe_log6_refused_no_endpoints, "no endpoints: rejected");
+refused6_record!(
+    kpe_log6_refused_no_such_port,
+    "no Service on this port: rejected"
+);
+refused6_record!(kpe_log6_refused_backend_gone, "backend gone: reset");
+
+/// An IPv6 egress packet without a conntrack entry: passed untouched. Per packet, at trace.
+#[inline(always)]
+pub fn untracked6(proto: u8, source: (&[u8; 16], [u8; 2]), dest: (&[u8; 16], [u8; 2])) {
+    if enabled(bpf_log::TRACE) && addrs6(source.0, Some(dest.0)) {
+        kpe_log6_untracked(proto, ports2(source.1, dest.1));
+    }
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpe_log6_untracked(proto: u8, ports: u64) -> i32 {
+    let Some(a) = maps::log6_addrs() else {
+        return 0;
+    };
+    trace!(
+        (),
+        target: TARGET,
+        "no conntrack entry: {} [{:i}]:{} -> [{:i}]:{}: passed",
+        proto_name(proto),
+        a.a,
+        port_of(ports, 0),
+        a.b,
+        port_of(ports, 1)
+    );
+    0
+}
+
+/// An IPv6 socket hook sent a connect()/sendmsg() of the node's to a backend: at debug.
+#[inline(always)]
+pub fn socket6(proto: u8, frontend: (&[u8; 16], [u8; 2]), backend: (&[u8; 16], [u8; 2]), id: u32) {
+    if enabled(bpf_log::DEBUG) && addrs6(frontend.0, Some(backend.0)) {
+        kpe_log6_socket(
+            u64::from(id) | u64::from(proto) << 32,
+            ports2(frontend.1, backend.1),
+        );
+    }
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpe_log6_socket(meta: u64, ports: u64) -> i32 {
+    let Some(a) = maps::log6_addrs() else {
+        return 0;
+    };
+    debug!(
+        (),
+        target: TARGET,
+        "socket {} -> [{:i}]:{}: backend {} [{:i}]:{}",
+        proto_name((meta >> 32) as u8),
+        a.a,
+        port_of(ports, 0),
+        meta as u32,
+        a.b,
+        port_of(ports, 1)
+    );
+    0
+}
+
+/// Session affinity kept an IPv6 client on its recorded backend: at debug.
+#[inline(always)]
+pub fn affinity_hit6(client: &[u8; 16], backend_id: u32) {
+    if enabled(bpf_log::DEBUG) && addrs6(client, None) {
+        kpe_log6_affinity(backend_id);
+    }
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kpe_log6_affinity(backend_id: u32) -> i32 {
+    let Some(a) = maps::log6_addrs() else {
+        return 0;
+    };
+    debug!(
+        (),
+        target: TARGET,
+        "affinity: client {:i} keeps backend {}",
+        a.a,
         backend_id
     );
     0

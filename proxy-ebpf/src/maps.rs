@@ -953,6 +953,19 @@ pub fn snat6_scratch() -> Option<&'static mut crate::ipv6::snat::Snat6Scratch> {
     Some(unsafe { &mut *ptr })
 }
 
+/// Where an IPv6 trace record's addresses go between the program that logs and the record
+/// function (`log`): one per CPU, not pinned, used only when the trace is on.
+#[btf_map]
+static LOG6: PerCpuArray<crate::log::Addrs6, 1> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn log6_addrs() -> Option<&'static mut crate::log::Addrs6> {
+    let ptr = LOG6.get_ptr_mut(0)?;
+    // SAFETY: as in `scratch6`: a per-CPU slot, a program run is not preempted on its CPU, and
+    // `log` takes it once to write and once (in the record function it then calls) to read.
+    Some(unsafe { &mut *ptr })
+}
+
 /// Where a new IPv6 flow's reply-tuple probe keeps its candidate keys (one per CPU, not pinned).
 #[btf_map]
 static CLASH6: PerCpuArray<crate::ipv6::conntrack::Clash6, 1> = PerCpuArray::new();

@@ -13,9 +13,10 @@
 //! an externalTrafficPolicy Local frontend, no endpoints refused (ECONNREFUSED) or failed as a
 //! dropped SYN (ETIMEDOUT), a ClusterIP's other ports refused and the unallocated IPv6 Service
 //! CIDR failed (`SVCCIDRS6_V1`), affinity and the frontend's scheduler (`ipv6::pick`).
-//! What differs: the datapath has no IPv6 address of the node yet, so the node as a client is
-//! `::` for session affinity and source hashing, and a LoadBalancer IP with
-//! loadBalancerSourceRanges refuses the node (it cannot be shown to be inside a range).
+//! The node as a client is its IPv6 address in `NODE6_V1` (the agent writes it; `::` before it
+//! knows one), as `sock` uses the IPv4 node address: session affinity and source hashing see it,
+//! and a LoadBalancer IP with loadBalancerSourceRanges lets the node through only if a range
+//! holds it (`::` is in no range the agent writes but `::/0`).
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -24,13 +25,13 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Counter,
-    ipv6::{RevNat6, Service6Key, SockRev6Key, to_v4_mapped, v4_mapped},
+    ipv6::{RevNat6, Service6Key, SockRev6Key, SourceRange6Key, to_v4_mapped, v4_mapped},
     proto, service_flags,
 };
 
 use crate::{
     ipv6::pick::{self, NewFlow6},
-    maps,
+    log, maps,
     sock::{self, ALLOW, ECONNREFUSED, Translated},
     stats,
 };
@@ -79,16 +80,15 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
 
 /// The node's socket as a new IPv6 flow for `ipv6::pick`.
 struct SockFlow6<'a> {
+    /// The node's IPv6 address (see the module comment).
+    client: [u8; 16],
     frontend_addr: &'a [u8; 16],
 }
-
-/// The node as a client has no IPv6 address in the datapath yet (see the module comment).
-const NODE_CLIENT6: [u8; 16] = [0; 16];
 
 impl NewFlow6 for SockFlow6<'_> {
     #[inline(always)]
     fn client(&self) -> &[u8; 16] {
-        &NODE_CLIENT6
+        &self.client
     }
 
     #[inline(always)]
@@ -121,11 +121,24 @@ fn translate6(
     let Some(frontend) = maps::frontend6_for(&mut key, || true) else {
         return sock::not_a_frontend(maps::service_cidr6(addr));
     };
-    if frontend.flags & service_flags::SOURCE_RANGES != 0 {
+    // The node as a client: its socket has no source address yet, so the node's IPv6 address
+    // (what a flow of the node's toward another node's NodePort would come from) stands for all
+    // of the node's processes, as on IPv4.
+    let node = maps::node6_addr();
+    if frontend.flags & service_flags::SOURCE_RANGES != 0
+        && !maps::source_in_range6(SourceRange6Key {
+            frontend_addr: key.addr,
+            frontend_port: key.port,
+            proto: key.proto,
+            _pad: 0,
+            source: node,
+        })
+    {
         stats::count(Counter::DropSourceRange);
         return Err(ECONNREFUSED);
     }
     let flow = SockFlow6 {
+        client: node,
         frontend_addr: addr,
     };
     let Ok(choice) = pick::choose(&key, &frontend, &flow) else {
@@ -150,6 +163,12 @@ fn translate6(
         stats::count(Counter::SockRevNatFailed);
     }
     stats::count(Counter::SockTranslated);
+    log::socket6(
+        proto,
+        (addr, port),
+        (&backend.addr, backend.port),
+        backend_id,
+    );
     Ok(Some((backend.addr, backend.port)))
 }
 

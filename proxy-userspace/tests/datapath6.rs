@@ -77,6 +77,12 @@ impl Datapath {
     }
 
     fn load_with(cfg: DatapathConfig) -> Self {
+        Self::load_with_log(cfg, None)
+    }
+
+    /// As [`Datapath::load_with`], the datapath trace at `log_level` (`None`: the object's
+    /// default, off).
+    fn load_with_log(cfg: DatapathConfig, log_level: Option<u8>) -> Self {
         let maps = [
             proxy_common::MAP_SERVICES,
             proxy_common::MAP_BACKENDS,
@@ -85,7 +91,7 @@ impl Datapath {
             MAP_BACKENDS6,
             MAP_CONNTRACK6,
         ];
-        let bpf = common_datapath::load_object(&cfg, None, &maps, TEST_CAPACITY);
+        let bpf = common_datapath::load_object(&cfg, log_level, &maps, TEST_CAPACITY);
         let mut dp = Self { bpf };
         dp.set_service(VIP, 80, proto::TCP, 1, &TCP_IDS);
         dp.set_service(VIP, 53, proto::UDP, 2, &UDP_IDS);
@@ -2156,12 +2162,8 @@ fn snat_out_key(forwarded: &Pkt6) -> Snat6Key {
     }
 }
 
-/// A pod picked as its own backend through an IPv6 ClusterIP: DNATed to itself and, as it could
-/// not accept a packet from its own address, SNATed to the ClusterIP (its frontend) and a port
-/// of the SNAT range, with no node IPv6 address written (hairpin needs none); its answer to
-/// that address:port goes back to it as client and comes from the ClusterIP's port.
-#[test]
-fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vip() {
+/// `VIP_HAIRPIN`:80/TCP with the pod `CLIENT`:8080 as its only backend.
+fn hairpin_datapath() -> Datapath {
     let mut dp = Datapath::load();
     let itself = Backend6 {
         addr: CLIENT.octets(),
@@ -2177,6 +2179,16 @@ fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vi
     dp.services()
         .insert(key, ServiceValue::frontend_with_flags(1, 80, 0), 0)
         .unwrap();
+    dp
+}
+
+/// A pod picked as its own backend through an IPv6 ClusterIP: DNATed to itself and, as it could
+/// not accept a packet from its own address, SNATed to the ClusterIP (its frontend) and a port
+/// of the SNAT range, with no node IPv6 address written (hairpin needs none); its answer to
+/// that address:port goes back to it as client and comes from the ClusterIP's port.
+#[test]
+fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vip() {
+    let mut dp = hairpin_datapath();
 
     let syn = Pkt6::tcp(CLIENT, 46_000, VIP_HAIRPIN, 80, SYN);
     let forwarded = with_dport(
@@ -2262,6 +2274,85 @@ fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vi
     );
 }
 
+/// A pod that reached itself through its ClusterIP (hairpin) answers the packet it received
+/// (VIP:port → pod:8080) with an ICMPv6 error (Packet Too Big) to the VIP: tc ingress sends it
+/// back to the pod as client, quoting pod:46000 → pod:8080 (its `in` entry), and tc egress toward
+/// the pod makes it come from the ClusterIP and quote pod:46000 → VIP:80, the packet the pod
+/// sent; each step keeps the ICMPv6 checksum valid and the MTU as it was.
+#[test]
+fn an_icmpv6_error_about_a_hairpin_flow_comes_back_from_the_vip_quoting_the_client_s_packet() {
+    let dp = hairpin_datapath();
+    let syn = Pkt6::tcp(CLIENT, 46_000, VIP_HAIRPIN, 80, SYN);
+    let forwarded = with_dport(
+        &Pkt6 {
+            daddr: CLIENT,
+            ..syn.clone()
+        },
+        8080,
+    );
+    dp.run(PROG_TC_INGRESS, &syn.bytes());
+    let (_, out) = dp.run(PROG_TC_EGRESS, &forwarded.bytes());
+    let received = Decoded6::parse(&out);
+    assert_eq!(received.saddr, VIP_HAIRPIN, "the hairpin source");
+    let port = u16::from_be_bytes([received.l4[0], received.l4[1]]);
+    // The pod's error about the segment it received, quoted as it arrived.
+    let quoted = out[ETH_HLEN..].to_vec();
+    let mtu = [0, 0, 0x05, 0x00];
+    let err = icmp6_frame(CLIENT, VIP_HAIRPIN, 2, 0, mtu, &quoted);
+    let counts = &[(Counter::IcmpErrorTranslated, 1)];
+    let mid = dp.step(
+        "ingress: the pod's error to the VIP:port",
+        PROG_TC_INGRESS,
+        &err,
+        TC_NEXT,
+        counts,
+    );
+    // To the pod as client, quoting the packet before the hairpin SNAT (pod:46000 → pod:8080;
+    // the quoted TCP checksum stays as it was).
+    let mut want_quoted = quoted.clone();
+    want_quoted[8..24].copy_from_slice(&CLIENT.octets());
+    want_quoted[40..42].copy_from_slice(&46_000u16.to_be_bytes());
+    assert!(
+        Decoded6::parse(&mid).l4_csum_ok(),
+        "ingress: ICMPv6 checksum after the rewrite"
+    );
+    assert_eq!(
+        mid,
+        icmp6_frame(CLIENT, CLIENT, 2, 0, mtu, &want_quoted),
+        "ingress: to the pod as client, quoting pod:46000 → pod:8080 (SNAT port {port} undone)"
+    );
+    let out = dp.step(
+        "egress: the error toward the pod as client",
+        PROG_TC_EGRESS,
+        &mid,
+        TC_NEXT,
+        counts,
+    );
+    want_quoted[24..40].copy_from_slice(&VIP_HAIRPIN.octets());
+    want_quoted[42..44].copy_from_slice(&80u16.to_be_bytes());
+    assert!(
+        Decoded6::parse(&out).l4_csum_ok(),
+        "egress: ICMPv6 checksum after the rewrite"
+    );
+    assert_eq!(
+        out,
+        icmp6_frame(VIP_HAIRPIN, CLIENT, 2, 0, mtu, &want_quoted),
+        "egress: from the VIP, quoting pod:46000 → VIP:80"
+    );
+    // An error quoting a SNAT-range port nobody allocated passes untouched.
+    let mut stray_quoted = quoted.clone();
+    stray_quoted[40..42].copy_from_slice(&port.wrapping_add(1).max(SNAT_PORT_MIN).to_be_bytes());
+    let stray = icmp6_frame(CLIENT, VIP_HAIRPIN, 2, 0, mtu, &stray_quoted);
+    let out = dp.step(
+        "ingress: an error about no SNATed flow",
+        PROG_TC_INGRESS,
+        &stray,
+        TC_NEXT,
+        NOT_SERVICE,
+    );
+    assert_eq!(out, stray, "untouched");
+}
+
 /// The egress `out` lookup is skipped while the node has no IPv6 SNAT address, except for a
 /// pod's packet to itself (hairpin, found above with no node address): a flow SNATed on an
 /// address the agent then removed (`::` written) goes out with its own source, as netfilter
@@ -2339,4 +2430,91 @@ fn egress_cost_of_an_untranslated_packet_with_and_without_a_node_address() {
         unset.as_nanos(),
         set.as_nanos()
     );
+}
+
+/// The datapath trace's records as aya-log decodes them: (level, target, message).
+#[derive(Clone, Default)]
+struct Records(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String, String)>>>);
+
+impl log::Log for Records {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record) {
+        self.0.lock().unwrap().push((
+            record.level(),
+            record.target().to_owned(),
+            record.args().to_string(),
+        ));
+    }
+
+    fn flush(&self) {}
+}
+
+/// A new IPv6 TCP flow and two replies, a SYN to a Service without endpoints and an untracked
+/// egress packet through `dp` (as tests/datapath.rs's `traced_flows`): (level, message) of the
+/// records its trace wrote, each checked to be under the trace's target.
+fn traced_flows6(dp: &mut Datapath) -> (u32, Vec<(log::Level, String)>) {
+    let records = Records::default();
+    let mut logger = aya_log::EbpfLogger::init_with_logger(&mut dp.bpf, records.clone())
+        .expect("the object carries aya-log's ring buffer");
+    let syn = Pkt6::tcp(CLIENT, 40_000, VIP, 80, SYN);
+    let id = picked(&syn, &TCP_IDS);
+    assert_eq!(dp.run(PROG_TC_INGRESS, &syn.bytes()).0, TC_NEXT, "new flow");
+    let reply = dnated(&syn, id).reversed();
+    for _ in 0..2 {
+        assert_eq!(dp.run(PROG_TC_EGRESS, &reply.bytes()).0, TC_NEXT, "reply");
+    }
+    let empty = Pkt6::tcp(CLIENT, 40_001, VIP_EMPTY, 80, SYN);
+    assert_eq!(
+        dp.run(PROG_TC_INGRESS, &empty.bytes()).0,
+        TC_ACT_REDIRECT,
+        "rejected"
+    );
+    let untracked = Pkt6::udp(POD, 1_234, CLIENT, 5_678);
+    assert_eq!(dp.run(PROG_TC_EGRESS, &untracked.bytes()).0, TC_NEXT);
+    logger.flush();
+    let got = records.0.lock().unwrap().clone();
+    let got = got
+        .into_iter()
+        .map(|(level, target, msg)| {
+            assert_eq!(target, proxy_common::bpf_log::TARGET, "{msg}");
+            (level, msg)
+        })
+        .collect();
+    (id, got)
+}
+
+/// `--bpf-log` on IPv6: the records of one or two addresses as IPv4's at the same levels
+/// (addresses in brackets), only those at or above the level loaded, none when off. (The new
+/// flow and its replies have no IPv6 record: `proxy-ebpf/src/log.rs` says why.)
+#[test]
+fn the_datapath_trace_names_each_ipv6_flow_at_its_level_and_is_silent_when_off() {
+    use log::Level::{Info, Trace};
+    use proxy_common::bpf_log;
+    let (_, got) = traced_flows6(&mut Datapath::load_with_log(
+        DatapathConfig::DEFAULT,
+        Some(bpf_log::TRACE),
+    ));
+    let want = [
+        (
+            Info,
+            format!("tcp [{CLIENT}]:40001 -> [{VIP_EMPTY}]:80: no endpoints: rejected"),
+        ),
+        (
+            Trace,
+            format!("no conntrack entry: udp [{POD}]:1234 -> [{CLIENT}]:5678: passed"),
+        ),
+    ];
+    assert_eq!(got, want.to_vec(), "at trace: every record, in order");
+
+    let (_, got) = traced_flows6(&mut Datapath::load_with_log(
+        DatapathConfig::DEFAULT,
+        Some(bpf_log::INFO),
+    ));
+    assert_eq!(got, vec![want[0].clone()], "at info: only the refused flow");
+
+    let (_, got) = traced_flows6(&mut Datapath::load());
+    assert!(got.is_empty(), "off by default: {got:?}");
 }

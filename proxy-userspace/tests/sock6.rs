@@ -13,7 +13,7 @@ use std::{collections::BTreeMap, net::Ipv6Addr, time::Duration};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        HashMap, MapData,
+        Array, HashMap, MapData,
         lpm_trie::{Key, LpmTrie},
     },
 };
@@ -24,10 +24,12 @@ use kube_proxy_ebpf::dataplane::{
     sock_lb::{self, SockHook},
 };
 use proxy_common::{
-    Backend, CONFIG_GLOBAL, DatapathConfig, MAP_BACKENDS, MAP_SERVICES, SCOPE_INTERNAL,
-    SOCK_LB_GLOBAL, ServiceKey, ServiceValue, SockLbConfig,
+    AffinityValue, Backend, CONFIG_GLOBAL, DatapathConfig, MAP_BACKENDS, MAP_SERVICES,
+    SCOPE_INTERNAL, SOCK_LB_GLOBAL, ServiceKey, ServiceValue, SockLbConfig,
     ipv6::{
-        Backend6, MAP_BACKENDS6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SOCK_REVNAT6, Service6Key,
+        Affinity6Key, Backend6, MAP_AFFINITY6, MAP_BACKENDS6, MAP_NODE6, MAP_SERVICE_CIDRS6,
+        MAP_SERVICES6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, Node6Info,
+        SOURCE_RANGE6_FRONTEND_BITS, Service6Key, SourceRange6Key,
     },
     proto, service_cidr, service_flags,
 };
@@ -44,6 +46,14 @@ const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 5);
 /// An IPv4 ClusterIP (TCP :80, UDP :53), reached from IPv6 sockets as ::ffff:10.96.0.10.
 const VIP4: [u8; 4] = [10, 96, 0, 10];
 const BACKEND4: [u8; 4] = [10, 244, 0, 5];
+/// The node's IPv6 address as the agent writes it to `NODE6_V1` (on no interface: the hooks
+/// only use it as the node's client address).
+const NODE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 1);
+/// An IPv6 LoadBalancer IP whose source ranges hold `NODE6`, and one whose ranges do not.
+const LB_IN6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xab, 0, 0, 0, 0, 0, 1);
+const LB_OUT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xab, 0, 0, 0, 0, 0, 2);
+/// An IPv6 ClusterIP with ClientIP session affinity (TCP :80).
+const AFFINITY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x30);
 const TCP_PORT: u16 = 8080;
 const UDP_PORT: u16 = 5353;
 
@@ -112,6 +122,9 @@ tcp("tcp6_empty", empty6, 80)
 tcp("tcp6_other_port", vip6, 81)
 tcp("tcp6_unallocated", "fd00:96::77", 80)
 tcp("tcp6_local", sys.argv[4], 80)
+tcp("tcp6_lb_in", sys.argv[5], 80)
+tcp("tcp6_lb_out", sys.argv[6], 80)
+tcp("tcp6_affinity", sys.argv[7], 80)
 "#;
 
 struct Node {
@@ -223,6 +236,17 @@ impl Node {
 
     /// One frontend entry (any scope) with `flags` and its slots.
     fn set_frontend6(&mut self, key: Service6Key, flags: u16, backends: &[(u32, u16)]) {
+        let value = ServiceValue::frontend_with_flags(backends.len() as u16, 1, flags);
+        self.set_frontend6_value(key, value, backends);
+    }
+
+    /// One frontend entry with its value as given (its `count` from `backends`) and its slots.
+    fn set_frontend6_value(
+        &mut self,
+        key: Service6Key,
+        value: ServiceValue,
+        backends: &[(u32, u16)],
+    ) {
         let proto = key.proto;
         for &(id, backend_port) in backends {
             let b = Backend6 {
@@ -241,8 +265,45 @@ impl Node {
                 .insert(key.with_slot(slot as u16 + 1), ServiceValue::slot(id), 0)
                 .expect("slot");
         }
-        let value = ServiceValue::frontend_with_flags(backends.len() as u16, 1, flags);
+        let value = ServiceValue {
+            count: backends.len() as u16,
+            ..value
+        };
         self.services6().insert(key, value, 0).expect("frontend");
+    }
+
+    /// The node's IPv6 address in `NODE6_V1`, as the agent writes it.
+    fn set_node6(&mut self, addr: Ipv6Addr) {
+        let mut node: Array<_, Node6Info> =
+            Array::try_from(self.bpf.map_mut(MAP_NODE6).expect("NODE6")).expect("map");
+        node.set(
+            0,
+            Node6Info {
+                snat_addr: addr.octets(),
+            },
+            0,
+        )
+        .expect("node address");
+    }
+
+    /// A loadBalancerSourceRanges prefix of an IPv6 frontend (TCP :80).
+    fn set_source_range6(&mut self, lb: Ipv6Addr, range: Ipv6Addr, prefix_len: u32) {
+        let mut trie: LpmTrie<_, SourceRange6Key, u32> =
+            LpmTrie::try_from(self.bpf.map_mut(MAP_SOURCE_RANGES6).expect("SRCRANGES6"))
+                .expect("map");
+        let data = SourceRange6Key {
+            frontend_addr: lb.octets(),
+            frontend_port: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            _pad: 0,
+            source: range.octets(),
+        };
+        trie.insert(
+            &Key::new(SOURCE_RANGE6_FRONTEND_BITS + prefix_len, data),
+            1,
+            0,
+        )
+        .expect("source range");
     }
 
     /// The IPv4 Service of a v4-mapped address.
@@ -293,6 +354,9 @@ impl Node {
                     &EMPTY6.to_string(),
                     "::ffff:10.96.0.10",
                     &LOCAL6.to_string(),
+                    &LB_IN6.to_string(),
+                    &LB_OUT6.to_string(),
+                    &AFFINITY6.to_string(),
                 ],
                 Duration::from_secs(30),
             )
@@ -395,4 +459,56 @@ fn ipv6_sockets_reach_ipv6_and_v4_mapped_clusterips_through_the_socket_hooks() {
             (LOCAL6, 80, proto::TCP),
         ]
     );
+}
+
+/// The node as an IPv6 client is its address in `NODE6_V1` (as the IPv4 hooks use the node's
+/// IPv4 address): a LoadBalancer IP with source ranges lets the node through when a range holds
+/// that address and refuses it otherwise, and the session affinity record of the node's
+/// connect() is keyed by that address.
+#[test]
+fn the_node_as_an_ipv6_client_is_its_node6_address() {
+    require_privileged!();
+    let mut node = Node::start();
+    node.set_node6(NODE6);
+    node.set_service_cidr6();
+    for lb in [LB_IN6, LB_OUT6] {
+        let key = Service6Key::new(lb.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+        node.set_frontend6(key, service_flags::SOURCE_RANGES, &[(4, TCP_PORT)]);
+    }
+    // NODE6's /64 for LB_IN6; another /64 for LB_OUT6.
+    node.set_source_range6(LB_IN6, Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0), 64);
+    node.set_source_range6(LB_OUT6, Ipv6Addr::new(0xfd00, 0x11, 0, 0, 0, 0, 0, 0), 64);
+    let affinity = Service6Key::new(AFFINITY6.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+    node.set_frontend6_value(
+        affinity,
+        ServiceValue {
+            affinity_timeout_s: 300,
+            affinity_id: 7,
+            ..ServiceValue::frontend_with_flags(0, 1, service_flags::AFFINITY)
+        },
+        &[(5, TCP_PORT)],
+    );
+
+    let got = node.client();
+    eprintln!("client: {got:#?}");
+    let check = |name: &str, want: &str| {
+        assert_eq!(
+            got.get(name),
+            Some(&words(want)),
+            "{name}: the client saw {:?}",
+            got.get(name)
+        );
+    };
+    check("tcp6_lb_in", "peer [fd00:ab::1]:80 got tcp_fd00:244::5");
+    check("tcp6_lb_out", "error ECONNREFUSED");
+    check("tcp6_affinity", "peer [fd00:96::30]:80 got tcp_fd00:244::5");
+
+    let records: HashMap<_, Affinity6Key, AffinityValue> =
+        HashMap::try_from(node.bpf.map(MAP_AFFINITY6).expect("AFFINITY6")).expect("map");
+    let records: Vec<(u32, Ipv6Addr, u32)> = records
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| (k.affinity_id, k.client.into(), v.backend_id))
+        .collect();
+    assert_eq!(records, [(7, NODE6, 5)], "the node's affinity record");
 }

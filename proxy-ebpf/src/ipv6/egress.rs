@@ -9,7 +9,7 @@ use super::{
     packet::{self, Packet6, Parsed6},
     snat,
 };
-use crate::{Action, Drop, maps, stats};
+use crate::{Action, Drop, log, maps, stats};
 
 #[inline(always)]
 pub fn try_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
@@ -61,12 +61,14 @@ fn reply(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
 #[inline(always)]
 fn forwarded(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     if p.saddr != p.daddr && maps::node6_unset() {
+        log::untracked6(p.proto, (&p.saddr, p.sport), (&p.daddr, p.dport));
         return Ok(Action::pass(Counter::ReplyNotTracked));
     }
     let Some(s) = maps::snat6_scratch() else {
         return Ok(Action::pass(Counter::ReplyNotTracked));
     };
     if snat::out_entry_of_forwarded(p, s).is_none() {
+        log::untracked6(p.proto, (&p.saddr, p.sport), (&p.daddr, p.dport));
         return Ok(Action::pass(Counter::ReplyNotTracked));
     }
     maps::tail_call6(ctx, TAIL_CALL_SNAT6, p.l2_len);

@@ -1,8 +1,12 @@
 //! Reverse translation of ICMPv6 errors (destination unreachable, packet too big, time exceeded,
-//! parameter problem) about translated flows, on tc egress toward the client: an error about
-//! client → backend (from the backend, or a router on its path: Packet Too Big above all, so
-//! that PMTU discovery works through a VIP) is made to come from the frontend and to quote
-//! client → frontend, as for IPv4 (`crate::icmp`).
+//! parameter problem) about translated flows, as for IPv4 (`crate::icmp`):
+//!
+//! - tc egress toward the client: an error about client → backend (from the backend, or a router
+//!   on its path: Packet Too Big above all, so that PMTU discovery works through a VIP) is made to
+//!   come from the frontend and to quote client → frontend.
+//! - tc ingress: an error about a SNATed flow (`SNAT6_V1`), quoting node:port → backend from a
+//!   remote backend, or frontend:port → pod from a pod that reached itself (hairpin), is sent on
+//!   to the client and quotes client → backend; tc egress then does the step above.
 //!
 //! Checksums: the ICMPv6 checksum covers the pseudo-header (outer addresses) and the whole
 //! message (the quoted packet): each rewrite adjusts it by its difference, with
@@ -17,7 +21,7 @@ use super::{
     nat,
     packet::{self, Icmp6Error},
 };
-use crate::{Action, Drop, maps, nat::replace_quoted_port};
+use crate::{Action, Drop, maps, nat::replace_quoted_port, snat::is_snat_port};
 
 #[inline(always)]
 pub fn reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
@@ -53,5 +57,47 @@ pub fn reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
         replace_quoted_port(ctx, q.sport_off(), csum, q.sport, ct.nat_sport)?;
     }
     nat::replace_icmp_covered_addr(ctx, e.saddr_off(), csum, e.saddr, ct.frontend_addr, true)?;
+    Ok(Action::pass(Counter::IcmpErrorTranslated))
+}
+
+/// Ingress: an error about a SNATed flow (quoting node:port → backend, or a hairpin flow's
+/// frontend:port → pod), back to the client: the outer destination and the quoted source become
+/// the client's.
+///
+/// A function of its own (a BPF-to-BPF call from `tc_ingress6`): inlined there, bpf-linker
+/// 0.13 (LLVM 22) crashes in its post-RA pseudo instruction expansion of `tc_ingress6`.
+#[inline(never)]
+pub fn snat_reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
+    let Some(q) = packet::quoted_l4(ctx, e) else {
+        return Ok(Action::pass(Counter::NotService));
+    };
+    if !is_snat_port(q.sport) {
+        return Ok(Action::pass(Counter::NotService));
+    }
+    // The quoted packet is node:port → backend: its `in` entry is backend → node:port. The
+    // 40-byte key is built in the per-CPU SNAT scratch, not on `tc_ingress6`'s stack.
+    let Some(s) = maps::snat6_scratch() else {
+        return Ok(Action::pass(Counter::NotService));
+    };
+    let key = &mut s.in_key;
+    key.saddr = e.inner_daddr;
+    key.daddr = e.inner_saddr;
+    key.sport = q.dport;
+    key.dport = q.sport;
+    key.proto = q.proto;
+    key.dir = ct_dir::REPLY;
+    key._pad = [0; 2];
+    let Some(entry) = maps::snat6_entry(key) else {
+        return Ok(Action::pass(Counter::NotService));
+    };
+    // The client's address and port only (the entry's other fields need no room on the stack).
+    let (addr, port) = {
+        let client = entry.peek();
+        (client.addr, client.port)
+    };
+    let csum = e.icmp_csum_off();
+    nat::replace_icmp_covered_addr(ctx, e.inner_saddr_off(), csum, e.inner_saddr, addr, false)?;
+    replace_quoted_port(ctx, q.sport_off(), csum, q.sport, port)?;
+    nat::replace_icmp_covered_addr(ctx, e.daddr_off(), csum, e.daddr, addr, true)?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
 }

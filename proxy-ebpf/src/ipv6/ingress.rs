@@ -10,12 +10,13 @@ use proxy_common::{
 
 use super::{
     conntrack::{self, NewFlow6, Sent},
-    frag, nat,
+    frag, icmp, nat,
     packet::{self, Packet6, Parsed6},
     pick, reject, snat,
 };
 use crate::{
     Action, Drop,
+    log::{self, Refused},
     maps::{self, Ct6Entry},
     packet::tcp_flags,
     stats,
@@ -28,8 +29,9 @@ pub fn try_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
     let p = match packet::parse(ctx, l2_len) {
         Parsed6::Packet(p) => p,
         Parsed6::Fragment(f) => return frag::later(ctx, f, frag_hook::INGRESS),
-        // ICMPv6 errors toward a pod are reverse-translated on egress; from a pod, they pass.
-        Parsed6::IcmpError(_) => return Ok(Action::pass(Counter::NotService)),
+        // An error about a SNATed flow goes back to its client here; the reverse DNAT of errors
+        // toward a client is on egress.
+        Parsed6::IcmpError(e) => return icmp::snat_reply(ctx, e),
         Parsed6::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed6::Untranslatable { to, reason } => {
             return match maps::service6(&Service6Key::new(to.daddr, to.dport, to.proto, 0)) {
@@ -141,6 +143,12 @@ fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone: reset, never send to the dead address.
             conntrack::remove(&key, Sent::of(&key, ct));
+            log::refused6(
+                Refused::BackendGone,
+                p.proto,
+                (&p.saddr, p.sport),
+                (&p.daddr, p.dport),
+            );
             if p.tcp_flags & tcp_flags::RST != 0 {
                 return Err(Drop::NoBackend);
             }
@@ -209,6 +217,12 @@ fn new_flow(
                 if let Some(old) = old {
                     conntrack::remove(key, old);
                 }
+                log::refused6(
+                    Refused::SourceRange,
+                    p.proto,
+                    (&p.saddr, p.sport),
+                    (&p.daddr, p.dport),
+                );
                 return Err(Drop::SourceRange);
             }
             let Some(backend_id) = pick::choose(&frontend_key, &frontend, p)? else {
@@ -216,6 +230,12 @@ fn new_flow(
                     conntrack::remove(key, old);
                 }
                 if frontend.flags & service_flags::DROP_WHEN_EMPTY != 0 {
+                    log::refused6(
+                        Refused::NoLocalEndpoints,
+                        p.proto,
+                        (&p.saddr, p.sport),
+                        (&p.daddr, p.dport),
+                    );
                     return Err(Drop::NoLocalEndpoints);
                 }
                 maps::tail_call6(ctx, TAIL_CALL_REJECT6, p.l2_len);
@@ -346,18 +366,18 @@ fn answer(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     // Tail-called for a flow whose backend is gone (a TCP segment of a flow whose Service still
     // has endpoints) or for a new flow to a Service without endpoints.
     if p.is_tcp() && !p.is_syn() && frontend.is_none_or(|f| f.count != 0) {
+        // Logged where the flow was found without its backend (`flow`).
         let verdict = reject::tcp_reset(ctx, p)?;
         return Ok(Action::redirect(verdict, Counter::StaleBackendReset));
     }
     let verdict = reject::port_unreachable(ctx, p)?;
     // A Service without endpoints, or (`new_flow`) a ClusterIP's port that is none of its
     // Services'.
-    Ok(Action::redirect(
-        verdict,
-        if frontend.is_some() {
-            Counter::NoEndpointsRejected
-        } else {
-            Counter::ClusterIpPortRejected
-        },
-    ))
+    let (counter, why) = if frontend.is_some() {
+        (Counter::NoEndpointsRejected, Refused::NoEndpoints)
+    } else {
+        (Counter::ClusterIpPortRejected, Refused::NoSuchPort)
+    };
+    log::refused6(why, p.proto, (&p.saddr, p.sport), (&p.daddr, p.dport));
+    Ok(Action::redirect(verdict, counter))
 }

@@ -57,6 +57,9 @@ const SCTP_MIN_LEN: usize = SCTP_HLEN + 4;
 /// parameter problem.
 const ICMPV6_ERROR_MAX: u8 = 4;
 pub const ICMPV6_HLEN: usize = 8;
+/// The largest ICMPv6 header offset [`parse`] finds: Ethernet, the IPv6 header and
+/// `MAX_EXT_HEADERS` extension headers of at most 2048 bytes each.
+const ICMP_OFF_MAX: usize = 14 + IPV6_HLEN + MAX_EXT_HEADERS * 2048;
 /// Enough for the Ethernet and IPv6 headers, a few extension headers and a TCP header.
 const PULL_LEN: u32 = (ETH_HLEN + IPV6_HLEN + 64 + TCP_HLEN) as u32;
 
@@ -144,6 +147,7 @@ impl Packet6 {
 pub struct Icmp6Error {
     pub l2_len: usize,
     pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
     /// Offset of the ICMPv6 header.
     pub icmp_off: usize,
     pub inner_saddr: [u8; 16],
@@ -159,6 +163,11 @@ impl Icmp6Error {
     }
 
     #[inline(always)]
+    pub const fn daddr_off(&self) -> usize {
+        self.l2_len + DADDR
+    }
+
+    #[inline(always)]
     pub const fn icmp_csum_off(&self) -> usize {
         self.icmp_off + 2
     }
@@ -166,6 +175,11 @@ impl Icmp6Error {
     #[inline(always)]
     const fn inner_off(&self) -> usize {
         self.icmp_off + ICMPV6_HLEN
+    }
+
+    #[inline(always)]
+    pub const fn inner_saddr_off(&self) -> usize {
+        self.inner_off() + SADDR
     }
 
     #[inline(always)]
@@ -424,6 +438,7 @@ fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) 
     let e = &mut s.icmp;
     e.l2_len = s.pkt.l2_len;
     e.saddr = s.pkt.saddr;
+    e.daddr = s.pkt.daddr;
     e.icmp_off = icmp_off;
     e.inner_saddr = src;
     e.inner_daddr = dst;
@@ -459,7 +474,14 @@ impl Quoted {
 /// or too long, or a quoted later fragment (no ports in it).
 #[inline(always)]
 pub fn quoted_l4(ctx: &TcContext, e: &Icmp6Error) -> Option<Quoted> {
-    let inner_off = e.icmp_off + ICMPV6_HLEN;
+    // Read back from the per-CPU scratch (`icmp::snat_reply` is a function of its own), the
+    // offset is any number to the verifier: bounded here by what `parse` can produce (an
+    // Ethernet header, the IPv6 header and its longest extension header chain).
+    let icmp_off = e.icmp_off;
+    if icmp_off > ICMP_OFF_MAX {
+        return None;
+    }
+    let inner_off = icmp_off + ICMPV6_HLEN;
     let w = walk(ctx, inner_off, e.inner_next).ok()?;
     if (w.nexthdr != proto::TCP && w.nexthdr != proto::UDP && w.nexthdr != proto::SCTP)
         || matches!(w.frag, Some((field, _)) if field & FRAG_OFFSET_MASK != 0)

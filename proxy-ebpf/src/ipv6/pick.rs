@@ -13,7 +13,7 @@ use proxy_common::{
 };
 
 use super::packet::Packet6;
-use crate::{Drop, lc as lc_pick, maglev as maglev_pick, maps, stats};
+use crate::{Drop, lc as lc_pick, log, maglev as maglev_pick, maps, stats};
 
 /// What the choice may look at of a new IPv6 flow: a parsed packet on tc, the connect()/sendmsg()
 /// of a socket of the node's in `crate::sock6` (monomorphised: the tc code is as before).
@@ -72,6 +72,7 @@ pub fn choose(
             // Only new flows look at or refresh records (as kube-proxy's `recent` set).
             record.touch(now);
             stats::count(Counter::AffinityHit);
+            log::affinity_hit6(p.client(), backend_id);
             return Ok(Some(backend_id));
         }
     }
