@@ -398,6 +398,11 @@ impl Agent {
         Ok(())
     }
 
+    /// IPv6 frontend entries programmed (benches: the IPv6 family is on).
+    pub fn ipv6_frontends(&self) -> usize {
+        self.family6.frontend_count()
+    }
+
     /// How long each part of the last applied sync took.
     pub fn last_sync_parts(&self) -> SyncParts {
         self.last_parts
