@@ -171,13 +171,14 @@ impl Agent {
         let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
         let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
-        let family6 =
+        let mut family6 =
             crate::family6::Family6::start(&mut ebpf, &maps, &capacities, health.clone())?;
         // The IPv6 frontends' Maglev tables are theirs (one MAGLEV_V1).
         let mut programmed = maps.read_programmed_excluding(&family6.maglev_tables())?;
         maps.adopt_maglev(&mut programmed, config.maglev_table_size);
         let mut planner = Planner::new(&programmed);
         planner.share_with(family6.shared_ids());
+        family6.share_with(programmed.shared_ids());
         if adopting {
             info!(
                 pin_dir = %pins.dir.display(),
@@ -288,6 +289,7 @@ impl Agent {
                     &mut self.maps,
                     &mut self.planner,
                     &mut self.programmed,
+                    &mut self.family6,
                     group.ops,
                 ) {
                     self.sync_failed();
@@ -333,8 +335,13 @@ impl Agent {
         let Plan { ops, skipped } = plan;
         // Before the apply, so a walk running meanwhile leaves these ids alone either way.
         self.backends_changed(&ops);
-        if let Err(e) = apply_recorded(&mut self.maps, &mut self.planner, &mut self.programmed, ops)
-        {
+        if let Err(e) = apply_recorded(
+            &mut self.maps,
+            &mut self.planner,
+            &mut self.programmed,
+            &mut self.family6,
+            ops,
+        ) {
             self.sync_failed();
             return Err(e);
         }
@@ -342,7 +349,7 @@ impl Agent {
             skipped,
             ..Plan::default()
         });
-        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(snapshot);
+        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6();
         walk_conntrack_now |= walk6;
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
@@ -389,6 +396,11 @@ impl Agent {
             crate::dataplane::sys::release_free_heap();
         }
         Ok(())
+    }
+
+    /// IPv6 frontend entries programmed (benches: the IPv6 family is on).
+    pub fn ipv6_frontends(&self) -> usize {
+        self.family6.frontend_count()
     }
 
     /// How long each part of the last applied sync took.
@@ -698,7 +710,7 @@ impl Agent {
     /// logged here (each once); a failed write is logged and retried by the next sync.
     /// Also returns the least-connection ids it freed and whether its writes call for a
     /// conntrack walk (as [`freed_least_connection_ids`] and [`walks_conntrack_after`] on IPv4).
-    fn sync_ipv6(&mut self, snapshot: &Snapshot) -> (usize, Vec<u32>, bool) {
+    fn sync_ipv6(&mut self) -> (usize, Vec<u32>, bool) {
         // Every sync, as the IPv4 family's `external.refresh()`.
         self.family6.refresh();
         if !self.family6.active()
@@ -717,7 +729,7 @@ impl Agent {
                 .note_changed(changed_backend_ids(ops));
         };
         let synced = (self.family6).sync(
-            snapshot,
+            &self.cache,
             &self.node,
             &self.programmed,
             &mut self.planner,
@@ -807,18 +819,23 @@ struct Filled {
     took: Duration,
 }
 
-/// Writes `ops` in order and records the ones the maps took in the planner and the shadow; on a
-/// failed write, the planner plans in full next time and the failed op is reported.
+/// Writes `ops` in order and records the ones the maps took in the planner and the shadow (and
+/// tells the IPv6 family, which shares the backend and Maglev table ids); on a failed write,
+/// the planner plans in full next time and the failed op is reported.
 fn apply_recorded(
     maps: &mut ServiceMaps,
     planner: &mut Planner,
     programmed: &mut Programmed,
+    family6: &mut crate::family6::Family6,
     mut ops: Vec<MapOp>,
 ) -> Result<(), ApplyError> {
     let (applied, failure) = maps.apply_all(&ops);
     let failed_op = failure.is_some().then(|| ops[applied].clone());
     programmed.reserve_for(&ops[..applied]);
     ops.truncate(applied);
+    for op in &ops {
+        family6.ipv4_applied(op);
+    }
     record_applied(planner, programmed, ops);
     match (failure, failed_op) {
         (Some(source), Some(op)) => {

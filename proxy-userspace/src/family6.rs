@@ -3,20 +3,23 @@
 //! addresses, its loadBalancerSourceRanges (`SRCRANGES6_V1`), its Service address space
 //! (`SVCCIDRS6_V1`: the IPv6 Service CIDRs and ClusterIPs), its health-check node ports
 //! (upstream's per-family ServiceHealthServer: on the IPv6 NodePort addresses, counting IPv6
-//! endpoints), and one sync: the snapshot's IPv6 family translated, planned against the shadow
-//! with the IPv4 family's backend and Maglev table ids avoided (one id space: `LCFLOWS_V1` and
-//! `MAGLEV_V1` are shared), written, and every written op told to the IPv4 planner so it never
-//! hands those ids out.
+//! endpoints), and one sync: the IPv6 family translated and planned, written, and every written
+//! op told to the IPv4 planner so it never hands those ids out (one id space for backends and
+//! Maglev tables: `LCFLOWS_V1` and `MAGLEV_V1` are shared; the IPv4 family's written ops are told
+//! to the IPv6 planner the same way, [`Family6::ipv4_applied`]).
 //!
-//! First step: the IPv6 family is translated and planned in full at each sync that runs it
-//! (O(cluster); the IPv4 family keeps its incremental path). It runs only on a node with an
-//! IPv6 address (upstream's dual-stack detection goes by the node's IPs too), or while the
-//! IPv6 maps still hold entries to remove: an IPv4-only node does no IPv6 work.
+//! Incremental as the IPv4 family: the translation ([`FamilyCache`]) follows the IPv4
+//! translation cache's change list (the Services and slices that changed are translated again
+//! for IPv6; all of them at a full update or when the node's context changed), and the
+//! [`Planner`] plans the changed frontends against the shadow, so an IPv6 endpoint change costs
+//! what it changes. It runs only on a node with an IPv6 address (upstream's dual-stack detection
+//! goes by the node's IPs too), or while the IPv6 maps still hold entries to remove: an
+//! IPv4-only node does no IPv6 work, and the cache holds nothing for IPv4-only Services.
 //!
 //! May call: `dataplane` (the maps, node addresses), `pipeline`, `serving` (the health-check
 //! servers), `sources`.
 
-use std::net::Ipv6Addr;
+use std::{net::Ipv6Addr, sync::Arc};
 
 use tracing::{error, info};
 
@@ -31,16 +34,14 @@ use crate::{
     },
     pipeline::{
         addresses::NodePortAddresses,
-        diff,
         fast_hash::HashSet,
         incremental::Planner,
-        model::Problem,
+        model::{DesiredFrontend, FrontendKind, Problem, Scope},
         programmed::{Capacities, Programmed, SharedIds},
-        translate::{self, HealthCheck, NodeContext},
-        translate_cache::{ChangeList, ServiceName, TranslateCache, has_ipv6_family, service_name},
+        translate::{HealthCheck, NodeContext},
+        translate_cache::{ChangeList, FamilyCache, ServiceName, TranslateCache},
     },
-    serving::{health::HealthState, healthcheck::HealthCheckServers},
-    sources::snapshot::Snapshot,
+    serving::{health::HealthState, healthcheck::HealthCheckServers, metrics::NoLocalEndpoints},
 };
 
 pub struct Family6 {
@@ -54,6 +55,13 @@ pub struct Family6 {
     service_cidr_api: Vec<(Ipv6Addr, u8)>,
     /// The Services of the last sync that have an IPv6 family (see [`Family6::wants_sync`]).
     ipv6_services: HashSet<ServiceName>,
+    /// The IPv6 translation, per Service, following the IPv4 cache's change list.
+    cache: FamilyCache<Ipv6Addr>,
+    /// Plans the changed IPv6 frontends against `programmed`, the IPv4 family's ids avoided.
+    planner: Planner<Ipv6Addr>,
+    no_local: NoLocalEndpoints,
+    /// A write failed: the next sync compares the source ranges and Service CIDRs in full.
+    walk_external: bool,
     /// Something besides the Services changed (addresses, CIDRs, a failed write): sync next time.
     pending: bool,
     programmed: Programmed<Ipv6Addr>,
@@ -121,6 +129,10 @@ impl Family6 {
             service_cidr_flag: Vec::new(),
             service_cidr_api: Vec::new(),
             ipv6_services: HashSet::default(),
+            cache: FamilyCache::default(),
+            planner: Planner::new(&programmed),
+            no_local: NoLocalEndpoints::default(),
+            walk_external: false,
             pending: true,
             programmed,
             capacities,
@@ -206,6 +218,17 @@ impl Family6 {
         self.programmed.shared_ids()
     }
 
+    /// The IPv4 maps hold `ids` (as adopted at start-up): the IPv6 planner never hands them out.
+    pub fn share_with(&mut self, ids: SharedIds) {
+        self.planner.share_with(ids);
+    }
+
+    /// The IPv4 family applied `op`: its backend and Maglev table ids stay out of the IPv6
+    /// planner's free ids while it holds them (one id space, see the module doc).
+    pub fn ipv4_applied(&mut self, op: &crate::pipeline::programmed::MapOp) {
+        self.planner.other_applied(&self.programmed, op);
+    }
+
     /// Whether a sync has IPv6 work: the node has IPv6, or the maps hold entries to remove.
     pub fn active(&self) -> bool {
         self.enabled || !self.programmed.services.is_empty()
@@ -232,16 +255,16 @@ impl Family6 {
         ]
     }
 
-    /// One IPv6 sync (see the module doc). `programmed4`/`planner4`: the IPv4 family's shadow
-    /// and planner. Stops at the first failed write (the plan's order keeps every prefix
-    /// consistent); the next sync plans in full again anyway.
     /// Whether this sync has IPv6 work: a full update, a change besides the Services
     /// (`pending`), a health-check server to start again, or a changed Service (or slice of
     /// one) that has an IPv6 family now or had one at the last sync. A change among IPv4-only
-    /// Services costs the IPv6 family nothing; its own changes still translate in full.
+    /// Services costs the IPv6 family nothing.
     pub fn wants_sync(&self, changes: &ChangeList, cache: &TranslateCache) -> bool {
-        let touches =
-            |name: &ServiceName| self.ipv6_services.contains(name) || cache.service_has_ipv6(name);
+        let touches = |name: &ServiceName| {
+            self.ipv6_services.contains(name)
+                || cache.service_has_ipv6(name)
+                || self.cache.holds(name)
+        };
         self.pending
             || changes.all
             || !self.health_checks.settled(&self.nodeport)
@@ -250,9 +273,13 @@ impl Family6 {
                 .any(|(slice, _)| touches(&slice.0) || cache.is_ipv6_slice(slice))
     }
 
+    /// One IPv6 sync (see the module doc): `cache4`, the IPv4 translation cache just updated
+    /// (its objects and change list), `programmed4`/`planner4`, the IPv4 family's shadow and
+    /// planner. Stops at the first failed write (the plan's order keeps every prefix
+    /// consistent); the next sync plans in full.
     pub fn sync(
         &mut self,
-        snapshot: &Snapshot,
+        cache4: &TranslateCache,
         node: &NodeContext,
         programmed4: &Programmed,
         planner4: &mut Planner,
@@ -262,33 +289,29 @@ impl Family6 {
         ),
     ) -> Result<Synced, dataplane::Error> {
         // Set again below unless every write lands.
-        self.pending = true;
-        self.ipv6_services = (snapshot.services.iter())
-            .filter(|s| has_ipv6_family(s))
-            .filter_map(|s| service_name(s))
-            .collect();
-        let translate::OneFamily {
-            desired,
-            problems,
-            health_checks,
-        } = if self.enabled {
-            translate::translate_one_family(snapshot, node, &self.nodeport)
+        let was_pending = std::mem::replace(&mut self.pending, true);
+        let (changes, all) = if self.enabled {
+            self.cache.update(cache4, node, &self.nodeport, false)
         } else {
-            translate::OneFamily {
-                desired: Default::default(),
-                problems: Vec::new(),
-                health_checks: Vec::new(),
-            }
+            (self.cache.clear(), true)
         };
-        let plan = diff::plan_sharing(
-            &desired,
-            &self.programmed,
-            &self.capacities,
-            &programmed4.shared_ids(),
-        );
+        self.track_ipv6_services(cache4, all);
+        let desired = self.cache.desired();
+        self.planner.desired_changes(&changes, desired);
+        let (plan, _) =
+            (self.planner).plan_with_kind(desired, &self.programmed, &self.capacities, all);
+        if all {
+            self.no_local.rebuild(desired);
+        } else {
+            self.no_local.update(&changes, desired);
+        }
         let mut out = Synced {
-            problems,
-            no_local_endpoints: crate::serving::metrics::no_local_endpoints(&desired),
+            problems: if self.enabled {
+                self.cache.problems()
+            } else {
+                Vec::new()
+            },
+            no_local_endpoints: self.no_local.counts(),
             ..Synced::default()
         };
         out.problems
@@ -301,26 +324,75 @@ impl Family6 {
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         for op in &plan.ops[..applied] {
             planner4.other_applied(programmed4, op);
+            self.planner.observe(&self.programmed, op);
             self.programmed.apply(op);
         }
         out.ops = applied;
         out.frontends = self.programmed.frontend_count();
         if let Some(e) = failure {
+            self.planner.failed();
+            self.walk_external = true;
             return Err(e);
         }
-        // The source ranges of the frontends now written (entries added, then removed).
-        self.ranges.sync(&source_ranges::wanted(&desired));
-        // The ClusterIPs now written and the Service CIDRs (new flows to no frontend there are
-        // rejected or dropped, as on IPv4).
-        let cidrs: Vec<(Ipv6Addr, u8)> = (self.service_cidr_flag.iter())
-            .chain(&self.service_cidr_api)
-            .copied()
-            .collect();
-        (self.service_cidrs).sync(&service_cidrs::wanted(&desired, &cidrs));
+        self.planner.applied(&plan);
+        // The source ranges of the frontends now written (entries added, then removed), and
+        // the ClusterIPs now written and the Service CIDRs (new flows to no frontend there are
+        // rejected or dropped, as on IPv4): both are walks over the desired state, so only
+        // when a changed frontend has a source range or a ClusterIP entry (an endpoint change
+        // has neither), a full update, or the CIDRs or addresses changed.
+        let walk = std::mem::take(&mut self.walk_external)
+            || all
+            || was_pending
+            || changes.iter().any(|c| {
+                let new = self.cache.desired().frontends.get(&c.frontend);
+                let ranges = |df: Option<&Arc<DesiredFrontend<Ipv6Addr>>>| {
+                    df.is_some_and(|df| !df.source_ranges.is_empty())
+                };
+                let cluster_ip = |df: Option<&Arc<DesiredFrontend<Ipv6Addr>>>| {
+                    df.is_some_and(|df| {
+                        df.kind == FrontendKind::ClusterIp && c.frontend.scope == Scope::AllClients
+                    })
+                };
+                ranges(c.old.as_ref())
+                    || ranges(new)
+                    || cluster_ip(c.old.as_ref()) != cluster_ip(new)
+            });
+        if walk {
+            let desired = self.cache.desired();
+            self.ranges.sync(&source_ranges::wanted(desired));
+            let cidrs: Vec<(Ipv6Addr, u8)> = (self.service_cidr_flag.iter())
+                .chain(&self.service_cidr_api)
+                .copied()
+                .collect();
+            (self.service_cidrs).sync(&service_cidrs::wanted(desired, &cidrs));
+        }
+        let health_checks = if self.enabled {
+            self.cache.health_checks()
+        } else {
+            Vec::new()
+        };
         self.serve_health_checks(&health_checks);
         out.health_checks = health_checks;
         self.pending = false;
         Ok(out)
+    }
+
+    /// The Services with an IPv6 family, as of this sync: every Service at a full update, else
+    /// the changed ones looked at again.
+    fn track_ipv6_services(&mut self, cache4: &TranslateCache, all: bool) {
+        let changes = cache4.last_changes();
+        if all {
+            self.ipv6_services = cache4.ipv6_service_names().collect();
+            return;
+        }
+        let changed = (changes.services.iter()).chain(changes.slices.iter().map(|(s, _)| &s.0));
+        for name in changed {
+            if cache4.service_has_ipv6(name) {
+                self.ipv6_services.insert(name.clone());
+            } else {
+                self.ipv6_services.remove(name);
+            }
+        }
     }
 
     /// The health-check servers to `checks` on the IPv6 NodePort addresses, when the checks

@@ -22,19 +22,20 @@
 use std::{
     cmp::Reverse,
     collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
     sync::Arc,
 };
 
-use proxy_common::{AffinityMatchKey, MAX_BACKENDS_PER_SERVICE, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{MAX_BACKENDS_PER_SERVICE, ServiceValue};
 
 use crate::{
     pipeline::{
         diff::{self, Plan},
         encode,
-        encode::FamilyAbi,
+        encode::{FamilyAbi, SlotKey as _},
         fast_hash::{HashMap, HashSet},
         maglev::MaglevTable,
-        model::{DesiredFrontend, DesiredState, EndpointAddr, Frontend},
+        model::{DesiredFrontend, DesiredState, EndpointAddr, Family, Frontend},
         programmed::{Capacities, MapOp, Programmed, SharedIds},
         translate_cache::FrontendChange,
     },
@@ -127,10 +128,10 @@ const WIDE: u16 = u16::MAX;
 
 impl Endpoint {
     /// Counts one more (`add`) or one fewer use as local and/or as terminating (`which`).
-    fn count_uses(
+    fn count_uses<A: Family>(
         &mut self,
-        wide: &mut HashMap<EndpointAddr, [u32; 2]>,
-        ep: EndpointAddr,
+        wide: &mut HashMap<EndpointAddr<A>, [u32; 2]>,
+        ep: EndpointAddr<A>,
         which: [bool; 2],
         add: bool,
     ) {
@@ -219,28 +220,28 @@ impl PartialEq for RefCounts {
 
 /// A changed frontend the plan carries: frontend, its slot-0 key, desired value, programmed
 /// entry, rev-NAT id, backend ids of its slots.
-type Accepted<'a> = (
-    Frontend,
-    ServiceKey,
-    &'a Arc<DesiredFrontend>,
+type Accepted<'a, A> = (
+    Frontend<A>,
+    <A as FamilyAbi>::ServiceKey,
+    &'a Arc<DesiredFrontend<A>>,
     Option<ServiceValue>,
     u32,
     Vec<u32>,
 );
 
 /// A Maglev table to write: id and content.
-type TablePut = (u32, Arc<MaglevTable>);
+type TablePut<A> = (u32, Arc<MaglevTable<A>>);
 
 /// Indexes over the programmed shadow and the desired state, and what changed since the last
 /// plan.
 #[derive(Debug)]
-pub struct Planner {
+pub struct Planner<A: FamilyAbi = Ipv4Addr> {
     /// Endpoint → its smallest programmed backend id and how the desired frontends use it
     /// (an entry while either is there).
-    endpoints: HashMap<EndpointAddr, Endpoint>,
+    endpoints: HashMap<EndpointAddr<A>, Endpoint>,
     /// The local and terminating use counts of endpoints whose counts do not fit
     /// [`Endpoint`]'s 16 bits.
-    wide_uses: HashMap<EndpointAddr, [u32; 2]>,
+    wide_uses: HashMap<EndpointAddr<A>, [u32; 2]>,
     /// Programmed backends that are not their endpoint's smallest id, or do not decode.
     irregular_backends: HashSet<u32>,
     /// Slots naming each backend id.
@@ -251,7 +252,7 @@ pub struct Planner {
     free_rev_nat_ids: FreeIds,
     frontends: usize,
     /// Maglev table content → its smallest programmed id.
-    table_ids: HashMap<Arc<MaglevTable>, u32>,
+    table_ids: HashMap<Arc<MaglevTable<A>>, u32>,
     /// Programmed tables that are not their content's smallest id.
     irregular_tables: HashSet<u32>,
     /// Frontend entries naming each Maglev table id.
@@ -260,9 +261,9 @@ pub struct Planner {
     /// `MAGLEV_V1` chunks the programmed tables take.
     table_chunks: u64,
     /// Frontends whose desired value changed since the last applied plan.
-    pending: BTreeSet<Frontend>,
+    pending: BTreeSet<Frontend<A>>,
     /// Endpoints those changes added or removed.
-    touched: HashSet<EndpointAddr>,
+    touched: HashSet<EndpointAddr<A>>,
     /// The next plan must be a full one.
     needs_full: bool,
     /// Empty maps are being filled in groups (see [`Planner::begin_fill`]).
@@ -272,9 +273,9 @@ pub struct Planner {
     other: SharedIds,
 }
 
-impl Planner {
+impl<A: FamilyAbi> Planner<A> {
     /// Indexes for what `programmed` holds, with an empty desired state.
-    pub fn new(programmed: &Programmed) -> Self {
+    pub fn new(programmed: &Programmed<A>) -> Self {
         let mut p = Self {
             endpoints: HashMap::default(),
             wide_uses: HashMap::default(),
@@ -295,7 +296,7 @@ impl Planner {
             filling: false,
             other: SharedIds::default(),
         };
-        let mut empty = Programmed::default();
+        let mut empty = Programmed::<A>::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
         backends.sort_by_key(|(id, _)| *id);
         let mut tables: Vec<_> = programmed.maglev.iter().collect();
@@ -332,7 +333,7 @@ impl Planner {
 
     /// Whether the indexes over the programmed maps equal `other`'s (tests: kept up to date
     /// versus rebuilt).
-    pub fn same_indexes(&self, other: &Planner) -> bool {
+    pub fn same_indexes(&self, other: &Planner<A>) -> bool {
         self.endpoint_ids() == other.endpoint_ids()
             && self.irregular_backends == other.irregular_backends
             && self.slot_refs == other.slot_refs
@@ -353,7 +354,7 @@ impl Planner {
     }
 
     /// The translation cache's changes of one update, against the desired state after it.
-    pub fn desired_changes(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+    pub fn desired_changes(&mut self, changes: &[FrontendChange<A>], desired: &DesiredState<A>) {
         for c in changes {
             let new = desired.frontends.get(&c.frontend).map(|d| &**d);
             self.desired_changed(c.frontend, c.old.as_deref(), new);
@@ -363,9 +364,9 @@ impl Planner {
     /// A frontend's desired value changed from `old` to `new` (as the desired state now says).
     pub fn desired_changed(
         &mut self,
-        frontend: Frontend,
-        old: Option<&DesiredFrontend>,
-        new: Option<&DesiredFrontend>,
+        frontend: Frontend<A>,
+        old: Option<&DesiredFrontend<A>>,
+        new: Option<&DesiredFrontend<A>>,
     ) {
         self.pending.insert(frontend);
         for (df, add) in [(old, false), (new, true)] {
@@ -405,22 +406,22 @@ impl Planner {
     /// when the shortcut declines (see the module doc).
     pub fn plan(
         &self,
-        desired: &DesiredState,
-        programmed: &Programmed,
+        desired: &DesiredState<A>,
+        programmed: &Programmed<A>,
         caps: &Capacities,
         full: bool,
-    ) -> Plan {
+    ) -> Plan<A> {
         self.plan_with_kind(desired, programmed, caps, full).0
     }
 
     /// [`Planner::plan`], and whether the full plan ran (`full`, or the shortcut declined).
     pub fn plan_with_kind(
         &self,
-        desired: &DesiredState,
-        programmed: &Programmed,
+        desired: &DesiredState<A>,
+        programmed: &Programmed<A>,
         caps: &Capacities,
         full: bool,
-    ) -> (Plan, SyncKind) {
+    ) -> (Plan<A>, SyncKind) {
         if !full && let Some(plan) = self.plan_changes(desired, programmed, caps) {
             return (plan, SyncKind::Partial);
         }
@@ -441,7 +442,7 @@ impl Planner {
 
     /// The other family applied `op` (to its maps, `programmed` being this family's): its
     /// backend and Maglev table ids stay out of this family's free ids while it holds them.
-    pub fn other_applied<B: FamilyAbi>(&mut self, programmed: &Programmed, op: &MapOp<B>) {
+    pub fn other_applied<B: FamilyAbi>(&mut self, programmed: &Programmed<A>, op: &MapOp<B>) {
         match *op {
             MapOp::PutBackend { id, .. } => {
                 self.other.backends.insert(id);
@@ -469,7 +470,7 @@ impl Planner {
 
     /// Record an operation before it is applied to `programmed` (which still holds the value it
     /// replaces).
-    pub fn observe(&mut self, programmed: &Programmed, op: &MapOp) {
+    pub fn observe(&mut self, programmed: &Programmed<A>, op: &MapOp<A>) {
         match *op {
             MapOp::PutBackend { id, backend } => {
                 let was_used = self.backend_used(programmed, id);
@@ -501,7 +502,7 @@ impl Planner {
                 if let Some(old) = programmed.services.get(&key) {
                     self.unref_service(programmed, &key, &old);
                 }
-                if key.slot == 0 {
+                if key.slot() == 0 {
                     self.frontends += 1;
                     self.rev_nat_refs.incr(value.rev_nat_id);
                     self.free_rev_nat_ids.take(value.rev_nat_id);
@@ -540,7 +541,7 @@ impl Planner {
     }
 
     /// The plan was applied in full.
-    pub fn applied(&mut self, plan: &Plan) {
+    pub fn applied(&mut self, plan: &Plan<A>) {
         self.pending.clear();
         self.filling = false;
         // A full sync touches every endpoint: do not keep a table that size for the next one.
@@ -559,12 +560,17 @@ impl Planner {
         self.filling = false;
     }
 
-    fn backend_used(&self, programmed: &Programmed, id: u32) -> bool {
+    fn backend_used(&self, programmed: &Programmed<A>, id: u32) -> bool {
         programmed.backends.contains_key(&id) || self.slot_refs.get(id) > 0
     }
 
-    fn unref_service(&mut self, programmed: &Programmed, key: &ServiceKey, old: &ServiceValue) {
-        if key.slot == 0 {
+    fn unref_service(
+        &mut self,
+        programmed: &Programmed<A>,
+        key: &A::ServiceKey,
+        old: &ServiceValue,
+    ) {
+        if key.slot() == 0 {
             self.frontends = self.frontends.saturating_sub(1);
             let id = old.rev_nat_id;
             if self.rev_nat_refs.decr(id) == Some(0) && !programmed.rev_nats.contains_key(&id) {
@@ -586,15 +592,15 @@ impl Planner {
     }
 
     /// The endpoint's smallest programmed backend id.
-    fn endpoint_id(&self, ep: &EndpointAddr) -> Option<u32> {
+    fn endpoint_id(&self, ep: &EndpointAddr<A>) -> Option<u32> {
         self.endpoints.get(ep).map(|e| e.id).filter(|id| *id != 0)
     }
 
-    fn set_endpoint_id(&mut self, ep: EndpointAddr, id: u32) {
+    fn set_endpoint_id(&mut self, ep: EndpointAddr<A>, id: u32) {
         self.endpoints.entry(ep).or_default().id = id;
     }
 
-    fn clear_endpoint_id(&mut self, ep: &EndpointAddr) {
+    fn clear_endpoint_id(&mut self, ep: &EndpointAddr<A>) {
         if let Some(e) = self.endpoints.get_mut(ep) {
             e.id = 0;
             if e.frontends == 0 {
@@ -605,7 +611,7 @@ impl Planner {
 
     /// How many desired frontends use the endpoint: `(all, as local, as terminating)`
     /// (`None`: no frontend does).
-    fn endpoint_use(&self, ep: &EndpointAddr) -> Option<(u32, u32, u32)> {
+    fn endpoint_use(&self, ep: &EndpointAddr<A>) -> Option<(u32, u32, u32)> {
         let e = self.endpoints.get(ep).filter(|e| e.frontends > 0)?;
         let [local, terminating] = match e.local {
             WIDE => self.wide_uses.get(ep).copied().unwrap_or_default(),
@@ -615,14 +621,14 @@ impl Planner {
     }
 
     /// Endpoint → smallest programmed backend id (tests: the programmed side alone).
-    fn endpoint_ids(&self) -> HashMap<EndpointAddr, u32> {
+    fn endpoint_ids(&self) -> HashMap<EndpointAddr<A>, u32> {
         (self.endpoints.iter())
             .filter(|(_, e)| e.id != 0)
             .map(|(ep, e)| (*ep, e.id))
             .collect()
     }
 
-    fn register_backend(&mut self, id: u32, ep: Option<EndpointAddr>) {
+    fn register_backend(&mut self, id: u32, ep: Option<EndpointAddr<A>>) {
         let Some(ep) = ep.filter(|_| id != 0) else {
             self.irregular_backends.insert(id);
             return;
@@ -640,7 +646,7 @@ impl Planner {
         }
     }
 
-    fn register_table(&mut self, id: u32, table: &Arc<MaglevTable>) {
+    fn register_table(&mut self, id: u32, table: &Arc<MaglevTable<A>>) {
         self.table_chunks += u64::from(table.chunks());
         match self.table_ids.get(table).copied() {
             None => {
@@ -658,7 +664,12 @@ impl Planner {
     }
 
     /// Table `id` (holding `table`, still in `programmed`) goes or is replaced.
-    fn unregister_table(&mut self, programmed: &Programmed, id: u32, table: &Arc<MaglevTable>) {
+    fn unregister_table(
+        &mut self,
+        programmed: &Programmed<A>,
+        id: u32,
+        table: &Arc<MaglevTable<A>>,
+    ) {
         self.table_chunks = self.table_chunks.saturating_sub(u64::from(table.chunks()));
         if self.irregular_tables.remove(&id) {
             return;
@@ -681,7 +692,12 @@ impl Planner {
         }
     }
 
-    fn unregister_backend(&mut self, programmed: &Programmed, id: u32, ep: Option<EndpointAddr>) {
+    fn unregister_backend(
+        &mut self,
+        programmed: &Programmed<A>,
+        id: u32,
+        ep: Option<EndpointAddr<A>>,
+    ) {
         if self.irregular_backends.remove(&id) {
             return;
         }
@@ -715,13 +731,13 @@ impl Planner {
     /// plan reports that) or no id is left.
     fn assign_tables(
         &self,
-        accepted: &[Accepted<'_>],
-        programmed: &Programmed,
+        accepted: &[Accepted<'_, A>],
+        programmed: &Programmed<A>,
         caps: &Capacities,
-    ) -> Option<(Vec<u32>, Vec<TablePut>)> {
+    ) -> Option<(Vec<u32>, Vec<TablePut<A>>)> {
         let mut tables = Vec::with_capacity(accepted.len());
-        let mut puts: Vec<TablePut> = Vec::new();
-        let mut planned: HashMap<Arc<MaglevTable>, u32> = HashMap::default();
+        let mut puts: Vec<TablePut<A>> = Vec::new();
+        let mut planned: HashMap<Arc<MaglevTable<A>>, u32> = HashMap::default();
         let mut alloc = self.free_table_ids.iter();
         let mut chunks = self.table_chunks;
         for (_, _, df, entry, _, slot_ids) in accepted {
@@ -758,10 +774,10 @@ impl Planner {
     /// [`diff::plan`] (then [`Planner::plan`] runs the full one).
     pub fn plan_changes(
         &self,
-        desired: &DesiredState,
-        programmed: &Programmed,
+        desired: &DesiredState<A>,
+        programmed: &Programmed<A>,
         caps: &Capacities,
-    ) -> Option<Plan> {
+    ) -> Option<Plan<A>> {
         if self.needs_full || self.irregular() {
             return None;
         }
@@ -778,7 +794,11 @@ impl Planner {
     /// started.
     /// `programmed` gets room for the whole fill at once (no table grows by doubling, which
     /// holds the old and the new table together).
-    pub fn begin_fill(&mut self, desired: &DesiredState, programmed: &mut Programmed) -> bool {
+    pub fn begin_fill(
+        &mut self,
+        desired: &DesiredState<A>,
+        programmed: &mut Programmed<A>,
+    ) -> bool {
         self.filling = self.needs_full
             && !self.irregular()
             && programmed.services.is_empty()
@@ -806,16 +826,16 @@ impl Planner {
     /// then the full plan carries the rest.
     pub fn plan_fill_group(
         &self,
-        desired: &DesiredState,
-        programmed: &Programmed,
+        desired: &DesiredState<A>,
+        programmed: &Programmed<A>,
         caps: &Capacities,
         frontends: usize,
-    ) -> Option<Plan> {
+    ) -> Option<Plan<A>> {
         if !self.filling || self.pending.is_empty() {
             return None;
         }
         let group = || self.pending.iter().take(frontends.max(1));
-        let mut touched: Vec<EndpointAddr> = group()
+        let mut touched: Vec<EndpointAddr<A>> = group()
             .filter_map(|fe| desired.frontends.get(fe))
             .flat_map(|df| df.backends.iter().chain(&df.retained))
             .map(|b| b.endpoint)
@@ -843,12 +863,12 @@ impl Planner {
     /// endpoints `touched`, or `None` where it could differ from [`diff::plan`].
     fn plan_for<'f>(
         &self,
-        frontends: impl IntoIterator<Item = &'f Frontend>,
-        touched: impl IntoIterator<Item = &'f EndpointAddr>,
-        desired: &DesiredState,
-        programmed: &Programmed,
+        frontends: impl IntoIterator<Item = &'f Frontend<A>>,
+        touched: impl IntoIterator<Item = &'f EndpointAddr<A>>,
+        desired: &DesiredState<A>,
+        programmed: &Programmed<A>,
         caps: &Capacities,
-    ) -> Option<Plan> {
+    ) -> Option<Plan<A>> {
         // Admission, as diff::plan: programmed frontends first, then new ones, in order.
         let mut existing = Vec::new();
         let mut fresh = Vec::new();
@@ -866,10 +886,10 @@ impl Planner {
         let mut used_services = programmed.services.len() as u64;
         let mut used_backends = programmed.backends.len() as u64;
         let mut used_rev_nats = programmed.rev_nats.len() as u64;
-        let mut new_backend_ids: HashMap<EndpointAddr, u32> = HashMap::default();
+        let mut new_backend_ids: HashMap<EndpointAddr<A>, u32> = HashMap::default();
         let mut backend_alloc = self.free_backend_ids.iter();
         let mut rev_nat_alloc = self.free_rev_nat_ids.iter();
-        let mut accepted: Vec<Accepted<'_>> = Vec::new();
+        let mut accepted: Vec<Accepted<'_, A>> = Vec::new();
         for (fe, key, df, entry) in existing.into_iter().chain(fresh) {
             let count = u16::try_from(df.backends.len())
                 .ok()
@@ -878,7 +898,7 @@ impl Planner {
                 + (1..=count)
                     .filter(|s| !programmed.services.contains_key(&key.with_slot(*s)))
                     .count() as u64;
-            let mut missing: Vec<EndpointAddr> = df
+            let mut missing: Vec<EndpointAddr<A>> = df
                 .backends
                 .iter()
                 .chain(&df.retained)
@@ -911,7 +931,7 @@ impl Planner {
             used_services += new_services;
             used_backends += missing.len() as u64;
             used_rev_nats += new_rev_nats;
-            let id_of = |ep: &EndpointAddr| {
+            let id_of = |ep: &EndpointAddr<A>| {
                 (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied())
             };
             let slot_ids: Vec<u32> = df
@@ -923,14 +943,15 @@ impl Planner {
         }
         accepted.sort_by_key(|a| a.0);
         let (tables, table_puts) = self.assign_tables(&accepted, programmed, caps)?;
-        let id_of =
-            |ep: &EndpointAddr| (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied());
+        let id_of = |ep: &EndpointAddr<A>| {
+            (self.endpoint_id(ep)).or_else(|| new_backend_ids.get(ep).copied())
+        };
 
         let mut ops = Vec::new();
         // Phase 0: affinity match entries of the changed frontends that go. Other frontends'
         // are as the last plan left them: exactly their wanted ones.
-        let mut dead_matches: Vec<AffinityMatchKey> = Vec::new();
-        let mut new_matches: Vec<AffinityMatchKey> = Vec::new();
+        let mut dead_matches: Vec<A::AffinityMatchKey> = Vec::new();
+        let mut new_matches: Vec<A::AffinityMatchKey> = Vec::new();
         for (_, key, df, _, _, slot_ids) in &accepted {
             let wanted = encode::affinity_matches(key, df, slot_ids);
             let have = programmed.affinity_matches_of(key);
@@ -959,12 +980,12 @@ impl Planner {
             match self.endpoint_use(ep) {
                 Some((frontends, local, terminating)) => {
                     let id = id_of(ep)?;
-                    let backend = proxy_common::Backend {
-                        addr: ep.addr.octets(),
-                        port: ep.port.to_be_bytes(),
-                        proto: ep.protocol.number(),
-                        flags: encode::backend_flags(terminating == frontends, local > 0),
-                    };
+                    let backend = A::backend(
+                        ep.addr,
+                        ep.port.to_be_bytes(),
+                        ep.protocol.number(),
+                        encode::backend_flags(terminating == frontends, local > 0),
+                    );
                     if programmed.backends.get(&id) != Some(&backend) {
                         puts.push((id, backend));
                     }
@@ -981,7 +1002,7 @@ impl Planner {
             puts.into_iter()
                 .map(|(id, backend)| MapOp::PutBackend { id, backend }),
         );
-        let mut rev_nats: Vec<(u32, RevNat)> = accepted
+        let mut rev_nats: Vec<(u32, A::RevNat)> = accepted
             .iter()
             .map(|a| (a.4, encode::rev_nat(&a.0)))
             .collect();
@@ -1001,7 +1022,7 @@ impl Planner {
         );
 
         // Phase 2: backend slots.
-        let put_if_changed = |ops: &mut Vec<MapOp>, key: ServiceKey, value: ServiceValue| {
+        let put_if_changed = |ops: &mut Vec<MapOp<A>>, key: A::ServiceKey, value: ServiceValue| {
             if programmed.services.get(&key) != Some(value) {
                 ops.push(MapOp::PutService { key, value });
             }
@@ -1066,7 +1087,7 @@ impl Planner {
         }
 
         // Phase 4: slots beyond the new counts, highest first per frontend.
-        removed_slots.sort_by_key(|k| (k.with_slot(0), Reverse(k.slot)));
+        removed_slots.sort_by_key(|k| (k.with_slot(0), Reverse(k.slot())));
         ops.extend(
             removed_slots
                 .into_iter()

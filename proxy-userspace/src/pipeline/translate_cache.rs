@@ -37,11 +37,13 @@ use std::{
 use crate::{
     pipeline::{
         fast_hash::{HashMap, HashSet},
-        model::{DesiredFrontend, DesiredState, Frontend, FrontendConflict, Problem, Scope},
+        model::{
+            DesiredFrontend, DesiredState, Family, Frontend, FrontendConflict, Problem, Scope,
+        },
         translate::{self, HealthCheck, NodeContext, ServiceTranslation},
     },
     sources::{
-        endpoints::{SliceData, SliceIndex},
+        endpoints::{SliceData, SliceFamily, SliceIndex},
         names::{self, Name},
         services::ServiceData,
         snapshot::{Changed, Changes, Snapshot},
@@ -65,9 +67,9 @@ pub type ServiceName = (Name, Name);
 /// A frontend whose desired value changed in an update, with the value it had before (`None`:
 /// it did not exist). The new value is in [`TranslateCache::desired`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FrontendChange {
-    pub frontend: Frontend,
-    pub old: Option<Arc<DesiredFrontend>>,
+pub struct FrontendChange<A: Family = Ipv4Addr> {
+    pub frontend: Frontend<A>,
+    pub old: Option<Arc<DesiredFrontend<A>>>,
 }
 
 /// An EndpointSlice's Service and its own name (the slice's namespace is the Service's).
@@ -152,6 +154,13 @@ impl TranslateCache {
         (self.entries.get(name))
             .and_then(|e| e.service.as_deref())
             .is_some_and(has_ipv6_family)
+    }
+
+    /// The Services (as of the last update) that have an IPv6 family.
+    pub fn ipv6_service_names(&self) -> impl Iterator<Item = ServiceName> + '_ {
+        (self.entries.iter())
+            .filter(|(_, e)| e.service.as_deref().is_some_and(has_ipv6_family))
+            .map(|(name, _)| name.clone())
     }
 
     /// Whether a slice of the last update is of addressType IPv6 (the metrics tell the IPv6
@@ -547,6 +556,221 @@ impl TranslateCache {
             }
         }
         changes
+    }
+}
+
+/// One more family's translation (the IPv6 family beside this cache's IPv4 one), kept per
+/// Service from the objects a [`TranslateCache`] holds and following its change list: after a
+/// change only the changed Services are translated again for that family, and their frontends
+/// settled again between their claimants, as [`TranslateCache::update`] does. The result equals
+/// [`translate::translate_one_family`] of the same snapshot (tested below).
+///
+/// Holds nothing for a Service without a translation or a slice problem of that family (an
+/// IPv4-only cluster: only the empty tables), so the memory follows that family's Services.
+#[derive(Debug)]
+pub struct FamilyCache<A: Family> {
+    /// The node context of the last update; another one translates every Service again.
+    context: Option<(NodeContext, Vec<A>)>,
+    entries: HashMap<ServiceName, FamilyEntry<A>>,
+    candidates: HashMap<Frontend<A>, Claimants>,
+    conflicts: HashMap<Frontend<A>, Vec<FrontendConflict<A>>>,
+    health_checks: BTreeMap<ServiceName, HealthCheck>,
+    troubled: BTreeSet<ServiceName>,
+    desired: DesiredState<A>,
+}
+
+/// A Service's part of a [`FamilyCache`]: its slice problems and translation for that family.
+#[derive(Debug)]
+struct FamilyEntry<A: Family> {
+    slice_problems: Box<[Problem]>,
+    translation: Option<ServiceTranslation<A>>,
+}
+
+impl<A: Family> Default for FamilyCache<A> {
+    fn default() -> Self {
+        Self {
+            context: None,
+            entries: HashMap::default(),
+            candidates: HashMap::default(),
+            conflicts: HashMap::default(),
+            health_checks: BTreeMap::new(),
+            troubled: BTreeSet::new(),
+            desired: DesiredState::default(),
+        }
+    }
+}
+
+impl<A: SliceFamily> FamilyCache<A> {
+    /// The desired state of the last update.
+    pub fn desired(&self) -> &DesiredState<A> {
+        &self.desired
+    }
+
+    /// Whether the Service has a translation or problems of this family (as of the last
+    /// update).
+    pub fn holds(&self, name: &ServiceName) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Forgets everything (the family is not programmed): the frontends it held, as changes to
+    /// nothing. The next update translates every Service.
+    pub fn clear(&mut self) -> Vec<FrontendChange<A>> {
+        let old = std::mem::take(self);
+        (old.desired.frontends.into_iter())
+            .map(|(frontend, df)| FrontendChange {
+                frontend,
+                old: Some(df),
+            })
+            .collect()
+    }
+
+    /// Brings the translation up to `source` (updated for the same snapshot just before):
+    /// the Services its last change list names, or every Service when `full`, when that list
+    /// was a full one, or when the node's context changed. Returns the frontends whose
+    /// desired value changed (sorted) and whether every Service was translated again.
+    pub fn update(
+        &mut self,
+        source: &TranslateCache,
+        node: &NodeContext,
+        nodeport_addrs: &[A],
+        full: bool,
+    ) -> (Vec<FrontendChange<A>>, bool) {
+        let changes = source.last_changes();
+        let context = (node.clone(), nodeport_addrs.to_vec());
+        let all = full || changes.all || self.context.as_ref() != Some(&context);
+        let mut dirty: HashSet<ServiceName> = HashSet::default();
+        if all {
+            dirty.extend(source.entries.keys().cloned());
+            dirty.extend(self.entries.keys().cloned());
+            self.context = Some(context);
+        } else {
+            dirty.extend(changes.services.iter().cloned());
+            dirty.extend(
+                changes
+                    .slices
+                    .iter()
+                    .map(|((service, _), _)| service.clone()),
+            );
+        }
+        let mut contested: Vec<Frontend<A>> = Vec::new();
+        for name in dirty {
+            let input = source.entries.get(&name);
+            let mut problems = Vec::new();
+            let slices: SliceIndex<'_, A> = SliceIndex::new(
+                input.into_iter().flat_map(|e| e.slices.values()),
+                &node.node_name,
+                &mut problems,
+            );
+            let mut new = (input.and_then(|e| e.service.as_deref()))
+                .and_then(|svc| translate::translate_service(svc, &slices, node, nodeport_addrs));
+            let hc = new.as_mut().and_then(|t| t.take_health_check());
+            match hc {
+                Some(hc) => self.health_checks.insert(name.clone(), hc),
+                None => self.health_checks.remove(&name),
+            };
+            let troubled =
+                !problems.is_empty() || (new.as_ref()).is_some_and(|t| t.remarks.is_some());
+            if troubled {
+                self.troubled.insert(name.clone());
+            } else {
+                self.troubled.remove(&name);
+            }
+            let old = if new.is_none() && problems.is_empty() {
+                self.entries.remove(&name).and_then(|e| e.translation)
+            } else {
+                let entry = self.entries.entry(name.clone()).or_insert(FamilyEntry {
+                    slice_problems: Box::new([]),
+                    translation: None,
+                });
+                entry.slice_problems = problems.into();
+                std::mem::replace(&mut entry.translation, new)
+            };
+            for claim in old.iter().flat_map(|t| t.claims()) {
+                contested.push(claim.frontend);
+                if let Some(c) = self.candidates.get_mut(&claim.frontend)
+                    && c.remove(&name)
+                {
+                    self.candidates.remove(&claim.frontend);
+                }
+            }
+            let Some(t) = self.entries.get(&name).and_then(|e| e.translation.as_ref()) else {
+                continue;
+            };
+            for (i, (f, _)) in t.frontends.iter().enumerate() {
+                if t.claim_at(i).is_some() {
+                    contested.push(*f);
+                    let claim = (name.clone(), index(i));
+                    match self.candidates.entry(*f) {
+                        MapEntry::Occupied(mut o) => o.get_mut().push(claim),
+                        MapEntry::Vacant(v) => {
+                            v.insert(Claimants::One(claim));
+                        }
+                    }
+                }
+            }
+        }
+        contested.sort_unstable();
+        contested.dedup();
+        (self.settle(&contested), all)
+    }
+
+    /// [`TranslateCache::settle`] for this family.
+    fn settle(&mut self, frontends: &[Frontend<A>]) -> Vec<FrontendChange<A>> {
+        let mut changes = Vec::new();
+        let mut claims: Vec<translate::Claim<'_, A>> = Vec::new();
+        for &frontend in frontends {
+            claims.clear();
+            claims.extend(
+                (self.candidates.get(&frontend))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(name, i)| {
+                        let t = self.entries.get(name)?.translation.as_ref()?;
+                        t.claim_at(*i as usize)
+                    }),
+            );
+            // [all clients, in-cluster]
+            let mut new: [Option<Arc<DesiredFrontend<A>>>; 2] = [None, None];
+            self.conflicts.remove(&frontend);
+            if let Some((winner, conflicts)) = translate::resolve(&claims) {
+                for (f, df) in claims[winner].entries {
+                    new[usize::from(f.scope == Scope::InCluster)] = Some(df.clone());
+                }
+                if !conflicts.is_empty() {
+                    self.conflicts.insert(frontend, conflicts);
+                }
+            }
+            for (f, new) in [frontend, frontend.in_cluster()].into_iter().zip(new) {
+                let old = match new {
+                    Some(df) => self.desired.frontends.insert(f, df),
+                    None => self.desired.frontends.remove(&f),
+                };
+                if old.as_ref() != self.desired.frontends.get(&f) {
+                    changes.push(FrontendChange { frontend: f, old });
+                }
+            }
+        }
+        changes
+    }
+
+    /// Problems of the last update (as [`translate::OneFamily::problems`], in another order).
+    pub fn problems(&self) -> Vec<Problem> {
+        let troubled = || self.troubled.iter().filter_map(|n| self.entries.get(n));
+        let slices = troubled().flat_map(|e| &e.slice_problems[..]);
+        let services = troubled()
+            .filter_map(|e| e.translation.as_ref())
+            .flat_map(|t| t.problems());
+        let conflicts = (self.conflicts.values())
+            .flatten()
+            .map(translate::conflict_problem);
+        slices.chain(services).cloned().chain(conflicts).collect()
+    }
+
+    /// Health-check node ports, sorted by port (as [`translate::OneFamily::health_checks`]).
+    pub fn health_checks(&self) -> Vec<HealthCheck> {
+        let mut v: Vec<HealthCheck> = self.health_checks.values().cloned().collect();
+        v.sort_by_key(|h| h.port);
+        v
     }
 }
 
@@ -1392,5 +1616,222 @@ mod tests {
             crate::pipeline::model::Protocol::Tcp,
         );
         assert_eq!(holder(&cache, cip).as_deref(), Some("a/new"));
+    }
+
+    /// [`random_lb_service`] in the IPv6 family, dual-stack, or left IPv4-only: cluster IPs
+    /// fd00:10:96::n beside (or instead of) 10.96.0.n, externalIPs and ingress addresses moved
+    /// to IPv6 too (shared between Services, so frontends collide), IPv6 source ranges.
+    fn random_service6(rng: &mut Rng, i: u32) -> Service {
+        let mut svc = random_lb_service(rng, i);
+        let spec = svc.spec.get_or_insert_with(Default::default);
+        let v6 = |ip: &str| match ip.parse::<Ipv4Addr>() {
+            Ok(a) => format!("fd00:{:x}::{:x}", a.octets()[0], a.octets()[3]),
+            Err(_) => ip.to_owned(),
+        };
+        let ip4 = spec.cluster_ip.clone().unwrap_or_default();
+        let ip6 = v6(&ip4);
+        let valid = ip4.parse::<Ipv4Addr>().is_ok();
+        match rng.below(4) {
+            0 => {} // IPv4 only
+            1 => {
+                spec.cluster_ip = Some(ip6.clone());
+                spec.cluster_ips = Some(vec![ip6]);
+                spec.ip_families = Some(vec!["IPv6".into()]);
+            }
+            2 if valid => {
+                spec.cluster_ips = Some(vec![ip4, ip6]);
+                spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+            }
+            _ if valid => {
+                spec.cluster_ip = Some(ip6.clone());
+                spec.cluster_ips = Some(vec![ip6, ip4]);
+                spec.ip_families = Some(vec!["IPv6".into(), "IPv4".into()]);
+            }
+            _ => {}
+        }
+        if let Some(ips) = spec.external_ips.as_mut() {
+            *ips = ips.iter().map(|ip| v6(ip)).collect();
+        }
+        if let Some(ranges) = spec.load_balancer_source_ranges.as_mut()
+            && rng.below(2) == 0
+        {
+            *ranges = vec!["fd00:1::/32".into()];
+        }
+        if let Some(status) = svc.status.as_mut()
+            && let Some(lb) = status.load_balancer.as_mut()
+        {
+            for ingress in lb.ingress.iter_mut().flatten() {
+                ingress.ip = ingress.ip.as_deref().map(v6);
+            }
+        }
+        svc
+    }
+
+    /// [`random_slice`], of addressType IPv6 (endpoints fd00:244::n) two times in three.
+    fn random_slice6(rng: &mut Rng, i: u32, part: u32) -> SliceData {
+        let mut slice = random_api_slice(rng, i, part);
+        if rng.below(3) != 0 {
+            slice.address_type = "IPv6".into();
+            for ep in slice.endpoints.iter_mut().flatten() {
+                for addr in &mut ep.addresses {
+                    if let Ok(a) = addr.parse::<Ipv4Addr>() {
+                        *addr = format!("fd00:244::{:x}", a.octets()[3]);
+                    }
+                }
+            }
+        }
+        SliceData::from(&slice)
+    }
+
+    /// The IPv6 family's incremental path over random IPv6, dual-stack and IPv4-only changes
+    /// (full updates and node context changes among them): the [`FamilyCache`] equals the full
+    /// IPv6 translation of each snapshot (desired state, problems, health checks, the changes it
+    /// reports), and the IPv6 [`crate::pipeline::incremental::Planner`] fed those changes,
+    /// with IPv4 holding ids in the shared spaces, leaves the shadow equal to the full plan's
+    /// and never hands out an IPv4 id.
+    #[test]
+    fn ipv6_family_cache_and_planner_equal_the_full_path_over_random_changes() {
+        use std::net::Ipv6Addr;
+
+        use crate::pipeline::{
+            diff,
+            incremental::Planner,
+            model::Scheduler,
+            programmed::{Capacities, MapOp, Programmed, SharedIds},
+        };
+        let caps = Capacities {
+            maglev_table_size: 251,
+            ..Capacities::ipv6(1 << 16, 251)
+        };
+        let (mut partial, mut contended, mut maglev) = (0, 0, 0);
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut services: BTreeMap<u32, Arc<ServiceData>> = BTreeMap::new();
+            let mut slices: BTreeMap<(u32, u32), Arc<SliceData>> = BTreeMap::new();
+            let mut node = NodeContext {
+                scheduler: Default::default(),
+                node_name: "node-a".into(),
+                zone: Some("zone-a".into()),
+            };
+            let addrs4 = vec![Ipv4Addr::new(192, 168, 1, 1)];
+            let mut addrs6 = vec!["fd00:192::1".parse::<Ipv6Addr>().expect("addr")];
+            let mut cache4 = TranslateCache::new();
+            cache4.set_ipv6_programmed(true);
+            let mut cache6 = FamilyCache::<Ipv6Addr>::default();
+            let mut prev = DesiredState::<Ipv6Addr>::default();
+            // The incremental shadow and the full plan's, from the same empty maps.
+            let mut p = Programmed::<Ipv6Addr>::default();
+            let mut p_full = Programmed::<Ipv6Addr>::default();
+            let mut planner = Planner::<Ipv6Addr>::new(&p);
+            // IPv4 holds backend ids 1, 3 and Maglev table 2, and later takes and frees more.
+            let mut ipv4 = SharedIds {
+                backends: [1, 3].into_iter().collect(),
+                maglev_tables: [2].into_iter().collect(),
+            };
+            planner.share_with(ipv4.clone());
+            for step in 0..40 {
+                for _ in 0..=rng.below(4) {
+                    let i = rng.below(10);
+                    match rng.below(7) {
+                        0 => {
+                            services.remove(&i);
+                        }
+                        1 | 2 => {
+                            let svc = random_service6(&mut rng, i);
+                            services.insert(i, Arc::new(ServiceData::from(svc)));
+                        }
+                        3 => {
+                            slices.remove(&(i, rng.below(2)));
+                        }
+                        4 => {
+                            if let Some(s) = services.get(&i) {
+                                let copy = Arc::new((**s).clone());
+                                services.insert(i, copy);
+                            }
+                        }
+                        _ => {
+                            let part = rng.below(2);
+                            slices.insert((i, part), Arc::new(random_slice6(&mut rng, i, part)));
+                        }
+                    }
+                }
+                if rng.below(10) == 0 {
+                    node.zone = Some(["zone-a", "zone-b"][rng.below(2) as usize].into());
+                }
+                if rng.below(10) == 0 {
+                    node.scheduler = [Scheduler::Random, Scheduler::Maglev][rng.below(2) as usize];
+                }
+                if rng.below(10) == 0 {
+                    addrs6 = vec![
+                        format!("fd00:192::{}", 1 + rng.below(2))
+                            .parse()
+                            .expect("addr"),
+                    ];
+                }
+                // IPv4 takes a backend id or frees one of its own.
+                let id = 1 + rng.below(12);
+                let op: MapOp = if ipv4.backends.contains(&id) {
+                    ipv4.backends.remove(&id);
+                    MapOp::DeleteBackend { id }
+                } else if !p.backends.contains_key(&id) {
+                    ipv4.backends.insert(id);
+                    MapOp::PutBackend {
+                        id,
+                        backend: Default::default(),
+                    }
+                } else {
+                    MapOp::DeleteRevNat { id: 0 }
+                };
+                planner.other_applied(&p, &op);
+                let snapshot = Snapshot {
+                    services: Arc::new(services.values().cloned().collect()),
+                    endpoint_slices: Arc::new(slices.values().cloned().collect()),
+                };
+                let full = rng.below(10) == 0;
+                cache4.update(&snapshot, &node, &addrs4, full);
+                let (changes, all) = cache6.update(&cache4, &node, &addrs6, full);
+                let want = translate::translate_one_family::<Ipv6Addr>(&snapshot, &node, &addrs6);
+                let at = format!("seed {seed} step {step}");
+                assert_eq!(cache6.desired(), &want.desired, "{at}");
+                contended += usize::from(!cache6.conflicts.is_empty());
+                assert_eq!(sorted(cache6.problems()), sorted(want.problems), "{at}");
+                assert_eq!(cache6.health_checks(), want.health_checks, "{at}");
+                let mut expected: Vec<FrontendChange<Ipv6Addr>> = (prev.frontends.keys())
+                    .chain(want.desired.frontends.keys())
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .filter(|f| prev.frontends.get(f) != want.desired.frontends.get(f))
+                    .map(|f| FrontendChange {
+                        frontend: *f,
+                        old: prev.frontends.get(f).cloned(),
+                    })
+                    .collect();
+                expected.sort_by_key(|c| c.frontend);
+                assert_eq!(changes, expected, "{at}");
+                prev = want.desired.clone();
+
+                planner.desired_changes(&changes, cache6.desired());
+                let (plan, kind) = planner.plan_with_kind(cache6.desired(), &p, &caps, all);
+                partial += usize::from(kind == crate::serving::metrics::SyncKind::Partial);
+                for op in &plan.ops {
+                    planner.observe(&p, op);
+                    p.apply(op);
+                }
+                planner.applied(&plan);
+                for op in diff::plan_sharing(&want.desired, &p_full, &caps, &ipv4).ops {
+                    p_full.apply(&op);
+                }
+                assert_eq!(p, p_full, "{at}: the shadow equals the full plan's");
+                maglev += usize::from(!p.maglev.is_empty());
+                for id in &ipv4.backends {
+                    assert!(!p.backends.contains_key(id), "{at}: IPv4's backend id {id}");
+                }
+                for id in &ipv4.maglev_tables {
+                    assert!(!p.maglev.contains_key(id), "{at}: IPv4's table id {id}");
+                }
+            }
+        }
+        assert!(partial > 400, "most plans were incremental ({partial})");
+        assert!(contended > 100 && maglev > 100, "{contended} {maglev}");
     }
 }

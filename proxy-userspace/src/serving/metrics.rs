@@ -765,7 +765,11 @@ pub struct NoLocalEndpoints {
 
 impl NoLocalEndpoints {
     /// The frontends of one update changed (`desired`: their new values).
-    pub fn update(&mut self, changes: &[FrontendChange], desired: &DesiredState) {
+    pub fn update<A: crate::pipeline::model::Family>(
+        &mut self,
+        changes: &[FrontendChange<A>],
+        desired: &DesiredState<A>,
+    ) {
         for c in changes {
             if let Some(old) = &c.old {
                 self.count(&c.frontend, old, false);
@@ -777,14 +781,19 @@ impl NoLocalEndpoints {
     }
 
     /// Counted again from the whole desired state (full syncs).
-    pub fn rebuild(&mut self, desired: &DesiredState) {
+    pub fn rebuild<A: crate::pipeline::model::Family>(&mut self, desired: &DesiredState<A>) {
         *self = Self::default();
         for (fe, df) in &desired.frontends {
             self.count(fe, df, true);
         }
     }
 
-    fn count(&mut self, fe: &Frontend, df: &DesiredFrontend, add: bool) {
+    fn count<A: crate::pipeline::model::Family>(
+        &mut self,
+        fe: &Frontend<A>,
+        df: &DesiredFrontend<A>,
+        add: bool,
+    ) {
         let Some(policy) = no_local_policy(fe, df) else {
             return;
         };

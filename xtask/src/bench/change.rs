@@ -4,10 +4,13 @@
 //! attached) synced to N Services × 10 endpoints, then K single-endpoint changes (an endpoint
 //! added, removed or its ready condition flipped, in a random Service), each followed by the
 //! change-triggered [`Agent::sync`]; each sync's parts are timed by the agent
-//! ([`Agent::last_sync_parts`]).
+//! ([`Agent::last_sync_parts`]). `--family ipv6|dual`: the Services are IPv6-only or dual-stack
+//! (one IPv4 and one IPv6 slice each; a change hits either), and the agent runs on a thread
+//! inside a node namespace the bench creates (its IPv6 address turns the IPv6 family on; still
+//! nothing attached).
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -36,11 +39,36 @@ impl Rng {
     }
 }
 
+/// The Services' families in the in-process bench.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+    Dual,
+}
+
+/// The IPv6 twin of a generated IPv4 address (fd00::/8, inside the bench's namespace only).
+fn v6(a: Ipv4Addr) -> Ipv6Addr {
+    Ipv6Addr::from((0xfd00_u128 << 112) | u128::from(u32::from(a)))
+}
+
+/// Service `i`'s endpoint `j` in the slice's address family.
+fn endpoint_addr(i: usize, j: u32, ipv6: bool) -> String {
+    let a = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32 + j);
+    if ipv6 {
+        v6(a).to_string()
+    } else {
+        a.to_string()
+    }
+}
+
 /// The generated Services as the API would hold them (every object with a resourceVersion).
 pub struct Cluster {
     pub specs: Vec<workload::SvcSpec>,
     pub services: Vec<Service>,
+    /// One slice per Service (dual-stack: its IPv4 slice, then its IPv6 one).
     pub slices: Vec<EndpointSlice>,
+    family: Family,
     version: u64,
 }
 
@@ -53,7 +81,8 @@ pub enum Change {
 }
 
 impl Cluster {
-    pub fn new(n: usize, endpoints: usize) -> Self {
+    /// `n` generated Services of `family`, `endpoints` each.
+    pub fn new(n: usize, endpoints: usize, family: Family) -> Self {
         let mut specs = workload::generated(n);
         for (i, s) in specs.iter_mut().enumerate() {
             let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32;
@@ -65,17 +94,56 @@ impl Cluster {
             services: Vec::new(),
             slices: Vec::new(),
             specs,
+            family,
             version: 1,
         };
         for i in 0..c.specs.len() {
             let mut svc = workload::service(&c.specs[i]);
             svc.metadata.resource_version = Some(c.next_version());
-            let mut slice = workload::slice(&c.specs[i]);
-            slice.metadata.resource_version = Some(c.next_version());
+            let vip = c.specs[i].vip;
+            let spec = svc.spec.as_mut().expect("generated spec");
+            match family {
+                Family::Ipv4 => {}
+                Family::Ipv6 => {
+                    spec.cluster_ip = Some(v6(vip).to_string());
+                    spec.cluster_ips = Some(vec![v6(vip).to_string()]);
+                    spec.ip_families = Some(vec!["IPv6".into()]);
+                }
+                Family::Dual => {
+                    spec.cluster_ips = Some(vec![vip.to_string(), v6(vip).to_string()]);
+                    spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+                    spec.ip_family_policy = Some("RequireDualStack".into());
+                }
+            }
             c.services.push(svc);
-            c.slices.push(slice);
+            let slice = workload::slice(&c.specs[i]);
+            let mut slice6 = slice.clone();
+            slice6.address_type = "IPv6".into();
+            slice6.metadata.name = Some(format!("{}-slice6", c.specs[i].name));
+            for e in slice6.endpoints.iter_mut().flatten() {
+                for a in &mut e.addresses {
+                    *a = v6(a.parse().expect("generated IPv4 endpoint")).to_string();
+                }
+            }
+            let own = match family {
+                Family::Ipv4 => vec![slice],
+                Family::Ipv6 => vec![slice6],
+                Family::Dual => vec![slice, slice6],
+            };
+            for mut slice in own {
+                slice.metadata.resource_version = Some(c.next_version());
+                c.slices.push(slice);
+            }
         }
         c
+    }
+
+    /// The index in `slices` of a slice of Service `i` (dual-stack: either family's).
+    pub fn slice_of(&self, rng: &mut Rng, i: usize) -> usize {
+        match self.family {
+            Family::Dual => 2 * i + rng.below(2),
+            _ => i,
+        }
     }
 
     fn next_version(&mut self) -> String {
@@ -83,11 +151,17 @@ impl Cluster {
         self.version.to_string()
     }
 
-    /// One endpoint of Service `i` added (below 2 endpoints less than at start, never above 60),
-    /// removed, or its ready condition flipped.
-    pub fn change(&mut self, rng: &mut Rng, i: usize) -> Change {
+    /// One endpoint of the slice at `s` in `slices` (see [`Cluster::slice_of`]) added (below 2
+    /// endpoints less than at start, never above 60), removed, or its ready condition flipped.
+    pub fn change(&mut self, rng: &mut Rng, s: usize) -> Change {
         let version = self.next_version();
-        let slice = &mut self.slices[i];
+        let i = if self.family == Family::Dual {
+            s / 2
+        } else {
+            s
+        };
+        let slice = &mut self.slices[s];
+        let ipv6 = slice.address_type == "IPv6";
         slice.metadata.resource_version = Some(version);
         let eps = slice.endpoints.get_or_insert_with(Vec::new);
         let kind = match rng.below(3) {
@@ -98,10 +172,9 @@ impl Cluster {
         match kind {
             Change::Added => {
                 let mut e = eps[0].clone();
-                let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * 64) as u32;
                 let used: Vec<String> = eps.iter().map(|e| e.addresses[0].clone()).collect();
                 let free = (0..64u32)
-                    .map(|j| Ipv4Addr::from(base + j).to_string())
+                    .map(|j| endpoint_addr(i, j, ipv6))
                     .find(|a| !used.contains(a))
                     .expect("fewer than 64 endpoints");
                 e.addresses = vec![free];
@@ -204,12 +277,42 @@ fn thread_cpu() -> Duration {
         .unwrap_or_default()
 }
 
-/// Part (a): in process, every Service scheduled by `scheduler` (the node's default).
+/// Part (a): in process, every Service scheduled by `scheduler` (the node's default), of
+/// `family` (IPv6 or dual-stack: on a thread inside a fresh node namespace with an IPv6
+/// address, see the module doc).
 pub fn in_process(
     services: usize,
     endpoints: usize,
     changes: usize,
     scheduler: Scheduler,
+    family: Family,
+) -> Result<()> {
+    if family == Family::Ipv4 {
+        return in_process_here(services, endpoints, changes, scheduler, family);
+    }
+    let topo = proxy_testenv::Topology::bare()?;
+    let netns = topo.node().path();
+    std::thread::scope(|s| {
+        s.spawn(|| -> Result<()> {
+            let ns = std::fs::File::open(&netns)
+                .with_context(|| format!("opening {}", netns.display()))?;
+            // Moves only this thread (and the threads it starts).
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                .with_context(|| format!("entering {}", netns.display()))?;
+            in_process_here(services, endpoints, changes, scheduler, family)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("bench thread panicked"))?
+    })
+}
+
+/// [`in_process`] in the calling thread's network namespace.
+fn in_process_here(
+    services: usize,
+    endpoints: usize,
+    changes: usize,
+    scheduler: Scheduler,
+    family: Family,
 ) -> Result<()> {
     proxy_testenv::ensure_bpffs()?;
     let pin_dir =
@@ -231,22 +334,31 @@ pub fn in_process(
         kube_proxy_ebpf::dataplane::bpf_log::BpfLog::Off,
     )
     .context("starting the agent's datapath (root needed)")?;
-    let mut cluster = Cluster::new(services, endpoints);
+    let mut cluster = Cluster::new(services, endpoints, family);
     let mut snap = cluster.snapshot();
     let t = Instant::now();
     agent.sync(&snap, Vec::new(), true)?;
     println!(
-        "first sync of {services} Services × {endpoints} endpoints: {:.1} ms",
-        t.elapsed().as_secs_f64() * 1e3
+        "first sync of {services} {family:?} Services × {endpoints} endpoints: {:.1} ms \
+         ({} IPv6 frontends programmed)",
+        t.elapsed().as_secs_f64() * 1e3,
+        agent.ipv6_frontends()
     );
+    if family != Family::Ipv4 {
+        anyhow::ensure!(
+            agent.ipv6_frontends() >= services,
+            "the IPv6 family is not programmed"
+        );
+    }
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut samples = Samples::default();
     let mut kinds = [0usize; 3];
     for _ in 0..changes {
         let i = rng.below(services);
-        kinds[cluster.change(&mut rng, i) as usize] += 1;
+        let s = cluster.slice_of(&mut rng, i);
+        kinds[cluster.change(&mut rng, s) as usize] += 1;
         // As the Kubernetes store does: the changed object gets a new Arc, the others keep theirs.
-        Arc::make_mut(&mut snap.endpoint_slices)[i] = Arc::new(SliceData::from(&cluster.slices[i]));
+        Arc::make_mut(&mut snap.endpoint_slices)[s] = Arc::new(SliceData::from(&cluster.slices[s]));
         agent.queued();
         let (t, cpu) = (Instant::now(), thread_cpu());
         agent.sync(&snap, Vec::new(), false)?;

@@ -69,6 +69,10 @@ enum Command {
         /// table).
         #[arg(long, default_value = "random", value_parser = parse_scheduler)]
         scheduler: proxy_common::Scheduler,
+        /// The Services' families for the in-process part (`ipv6`, `dual`: the agent runs in a
+        /// node namespace the bench creates, with an IPv6 address).
+        #[arg(long, value_enum, default_value = "ipv4")]
+        family: change::Family,
         /// The release agent binary: also measure end to end (API event → map write).
         #[arg(long)]
         agent_bin: Option<PathBuf>,
@@ -241,11 +245,12 @@ fn main() -> std::process::ExitCode {
             endpoints,
             changes,
             scheduler,
+            family,
             agent_bin,
             agent_sync_period,
         } => {
             let (endpoints, changes) = (endpoints.clamp(1, 60), changes.clamp(1, 100_000));
-            change::in_process(services, endpoints, changes, scheduler).and_then(|()| {
+            change::in_process(services, endpoints, changes, scheduler, family).and_then(|()| {
                 match &agent_bin {
                     Some(bin) => change::end_to_end(
                         services,
