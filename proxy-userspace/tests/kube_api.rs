@@ -10,6 +10,7 @@
 //!   prints RSS, first-sync time and API→map latency at 10,000 Services (numbers, no asserts;
 //!   `KPE_SCALE_SERVICES=N` for another scale).
 
+mod common_kube;
 mod common_netns;
 
 use std::{
@@ -21,8 +22,12 @@ use std::{
 };
 
 use aya::maps::{
-    HashMap as BpfHashMap, Map, MapData,
+    Map, MapData,
     lpm_trie::{Key, LpmTrie},
+};
+use common_kube::{
+    BIN, Cond, Env, NODE, backend_ips, frontend_count, node, open_services, ready, rss_kib,
+    scale_endpoints, scale_vip, service, service_cidr, slice, status_kib,
 };
 use kube_proxy_ebpf::{
     pipeline::translate::{self, NodeContext},
@@ -31,83 +36,17 @@ use kube_proxy_ebpf::{
         kube::{Connection, KubeSource},
     },
 };
-use proxy_common::{
-    MAP_SERVICE_CIDRS, MAP_SERVICES, ServiceKey, ServiceValue, proto, service_cidr,
-};
+use proxy_common::{MAP_SERVICE_CIDRS, service_cidr};
 use proxy_testenv::{
-    Agent, BACKENDS, ConnectOutcome, FakeApiServer, PinDir, Topology,
+    Agent, ConnectOutcome, FakeApiServer, PinDir, Topology,
     fake_apiserver::{Kind, wait_for},
     require_privileged,
 };
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
-const NODE: &str = "node-1";
 const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const OTHER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const NEW: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
-
-// ---------------------------------------------------------------------------------------------
-// Objects
-
-fn service(name: &str, vip: Ipv4Addr, port: u16) -> Value {
-    json!({"apiVersion": "v1", "kind": "Service",
-           "metadata": {"name": name, "namespace": "demo",
-                        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}"},
-                        "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
-           "spec": {"type": "ClusterIP", "clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()],
-                    "selector": {"app": name},
-                    "ports": [{"name": "http", "port": port, "protocol": "TCP", "targetPort": 8080}]}})
-}
-
-/// Endpoint conditions.
-#[derive(Clone, Copy)]
-enum Cond {
-    Ready,
-    /// Terminating but still serving (the fallback when nothing is ready).
-    TerminatingServing,
-}
-
-fn slice(service: &str, suffix: &str, endpoints: &[(Ipv4Addr, Cond)]) -> Value {
-    let eps: Vec<Value> = endpoints
-        .iter()
-        .map(|(ip, c)| {
-            let conditions = match c {
-                Cond::Ready => json!({"ready": true, "serving": true, "terminating": false}),
-                Cond::TerminatingServing => {
-                    json!({"ready": false, "serving": true, "terminating": true})
-                }
-            };
-            json!({"addresses": [ip.to_string()], "conditions": conditions, "nodeName": NODE,
-                   "targetRef": {"kind": "Pod", "namespace": "demo", "name": format!("{service}-{ip}")}})
-        })
-        .collect();
-    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-           "metadata": {"name": format!("{service}-{suffix}"), "namespace": "demo",
-                        "labels": {"kubernetes.io/service-name": service,
-                                   "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
-           "endpoints": eps,
-           "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]})
-}
-
-fn node(zone: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "Node",
-           "metadata": {"name": NODE, "labels": {"topology.kubernetes.io/zone": zone}},
-           "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.1"}]}})
-}
-
-fn service_cidr(name: &str, cidr: &str) -> Value {
-    json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
-           "metadata": {"name": name}, "spec": {"cidrs": [cidr, "fd00:10:96::/112"]}})
-}
-
-fn ready(ips: &[Ipv4Addr]) -> Vec<(Ipv4Addr, Cond)> {
-    ips.iter().map(|ip| (*ip, Cond::Ready)).collect()
-}
-
-fn backend_ips() -> Vec<Ipv4Addr> {
-    BACKENDS.iter().map(|(_, ip)| *ip).collect()
-}
 
 // ---------------------------------------------------------------------------------------------
 // Unprivileged: the reflectors alone
@@ -427,100 +366,7 @@ async fn an_unreachable_api_server_leaves_the_stores_as_they_were() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Privileged: the agent, real traffic
-
-/// The count of the frontend `vip:port/TCP` in the pinned SERVICES map (None: absent).
-fn frontend_count(
-    services: &BpfHashMap<MapData, ServiceKey, ServiceValue>,
-    vip: Ipv4Addr,
-    port: u16,
-) -> Option<u16> {
-    let key = ServiceKey::new(vip.octets(), port.to_be_bytes(), proto::TCP, 0);
-    services.get(&key, 0).ok().map(|v| v.count)
-}
-
-fn open_services(pin_dir: &Path) -> BpfHashMap<MapData, ServiceKey, ServiceValue> {
-    let data = MapData::from_pin(pin_dir.join(MAP_SERVICES)).expect("pinned SERVICES map");
-    BpfHashMap::try_from(Map::HashMap(data)).expect("SERVICES is a hash map")
-}
-
-/// Field order is drop order: agent, then API server, pins, namespaces.
-struct Env {
-    agent: Agent,
-    api: FakeApiServer,
-    pins: PinDir,
-    topo: Topology,
-}
-
-impl Env {
-    /// Topology, fake API server in the node namespace with `objects`, agent synced from it and
-    /// attached to every pod.
-    fn start(objects: Vec<Value>) -> Self {
-        proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
-        let topo = Topology::new().expect("creating the topology");
-        let api = FakeApiServer::start_in(Some(&topo.node().path())).expect("fake API server");
-        api.apply(node("zone-a")).expect("node");
-        api.apply_all(objects).expect("objects");
-        let kubeconfig = api
-            .write_kubeconfig(&topo.tmp().path().join("kubeconfig"))
-            .expect("kubeconfig");
-        let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
-        let mut agent = Agent::start_kube(
-            Path::new(BIN),
-            topo.node(),
-            &kubeconfig,
-            &["--hostname-override", NODE],
-            pins.path(),
-            topo.tmp().path(),
-        )
-        .expect("starting the agent");
-        agent
-            .wait_attached(&topo.pod_interfaces())
-            .unwrap_or_else(|e| panic!("{e:#}"));
-        Self {
-            agent,
-            api,
-            pins,
-            topo,
-        }
-    }
-
-    /// Panics with the message and the agent's log tail.
-    fn fail(&self, msg: &str) -> ! {
-        self.agent.fail(msg)
-    }
-
-    fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
-        self.agent.check(cond, msg)
-    }
-
-    /// Waits until the pinned map's frontend `vip:80` has `count` slots (None: absent).
-    fn wait_frontend(&self, vip: Ipv4Addr, count: Option<u16>, timeout: Duration) -> Duration {
-        let services = open_services(self.pins.path());
-        let started = Instant::now();
-        loop {
-            let now = frontend_count(&services, vip, 80);
-            if now == count {
-                return started.elapsed();
-            }
-            if started.elapsed() > timeout {
-                self.fail(&format!(
-                    "frontend {vip}:80 has {now:?} slots after {timeout:?}, want {count:?}"
-                ));
-            }
-            thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// `n` requests to http://vip/; all must succeed from the VIP. Counts per backend name.
-    fn distribution(&self, vip: Ipv4Addr, n: usize) -> BTreeMap<String, usize> {
-        common_netns::distribution(&self.topo, &self.agent, "client", vip.into(), 80, n)
-    }
-
-    fn names(counts: &BTreeMap<String, usize>) -> Vec<&str> {
-        counts.keys().map(String::as_str).collect()
-    }
-}
+// Privileged: the agent, real traffic ([`common_kube::Env`])
 
 #[test]
 fn service_created_through_the_api_carries_traffic_and_follows_scaling() {
@@ -913,32 +759,6 @@ async fn service_cidr_api_not_served_is_asked_once_and_left_alone() {
 
 // ---------------------------------------------------------------------------------------------
 // Numbers (printed, not asserted)
-
-fn rss_kib(pid: u32) -> u64 {
-    status_kib(pid, "VmRSS:")
-}
-
-/// A `/proc/PID/status` field in KiB (0 when unreadable).
-fn status_kib(pid: u32, key: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-fn scale_vip(i: usize) -> Ipv4Addr {
-    let i = u32::try_from(i).expect("index");
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i)
-}
-
-fn scale_endpoints(i: usize, n: usize) -> Vec<(Ipv4Addr, Cond)> {
-    let base = u32::from(Ipv4Addr::new(10, 128, 0, 0)) + u32::try_from(i * 16).expect("index");
-    (0..n)
-        .map(|j| (Ipv4Addr::from(base + j as u32), Cond::Ready))
-        .collect()
-}
 
 /// The log without terminal colour codes (ESC [ ... m).
 fn strip_ansi(s: &str) -> String {

@@ -1,10 +1,11 @@
-//! `cargo xtask setup | build-ebpf | test | demo | bench`.
+//! `cargo xtask setup | build-ebpf | test | demo | bench | soak`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod build_ebpf;
 mod demo;
 mod setup;
+mod soak;
 mod test;
 mod util;
 
@@ -43,6 +44,10 @@ enum Command {
     /// Benchmarks: datapath ns/packet vs Services, control-plane times, agent RSS, end-to-end
     /// rate/latency/throughput vs kube-proxy's iptables and nftables rule sets. Needs root.
     Bench(bench::Args),
+    /// The long churn soak: endpoint changes at a fixed rate across many Services through the
+    /// fake API server with traffic running (0 failed requests, flat RSS, map occupancy back at
+    /// its baseline). Release build; 600 s and 1,000 Services unless told. Needs root.
+    Soak(soak::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -53,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Test { no_setup } => test::run(no_setup),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
+        Command::Soak(args) => soak::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
