@@ -119,11 +119,14 @@ fn pod6(n: u8) -> IpAddr {
     v6([0xfd00, 0x244, 0, 0, 0, 0, (n / 10 + 1) as u16, n as u16])
 }
 
+/// An address of a family from a host part.
+type AddrOf<T> = fn(T) -> IpAddr;
+
 /// The Services of both families.
 fn cluster() -> Vec<Svc> {
     let mut out = Vec::new();
     for family6 in [false, true] {
-        let (vip, pod): (fn(u16) -> IpAddr, fn(u8) -> IpAddr) = if family6 {
+        let (vip, pod): (AddrOf<u16>, AddrOf<u8>) = if family6 {
             (|h| v6([0xfd00, 0x96, 0, 0, 0, 0, 0, h]), pod6)
         } else {
             (|h| v4(10, 96, (h >> 8) as u8, h as u8), pod4)
@@ -819,7 +822,7 @@ impl Gen {
                     let units = upper.len().div_ceil(8);
                     match self.rng.below(3) {
                         0 => {
-                            let n = 1 + self.rng.below(units as u64 - 1).max(0) as usize;
+                            let n = 1 + self.rng.below(units as u64 - 1) as usize;
                             (&upper[..(n * 8).min(upper.len())], 0x2000u16)
                         }
                         1 => {
