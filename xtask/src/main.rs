@@ -1,9 +1,10 @@
-//! `cargo xtask setup | build-ebpf | test | demo | bench`.
+//! `cargo xtask setup | build-ebpf | test | demo | bench | fuzz`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod build_ebpf;
 mod demo;
+mod fuzz;
 mod setup;
 mod test;
 mod util;
@@ -43,6 +44,9 @@ enum Command {
     /// Benchmarks: datapath ns/packet vs Services, control-plane times, agent RSS, end-to-end
     /// rate/latency/throughput vs kube-proxy's iptables and nftables rule sets. Needs root.
     Bench(bench::Args),
+    /// Packet fuzz of every tc program (BPF_PROG_TEST_RUN, release build, 10^6 packets by
+    /// default): prints the seed, packets/s and packets per verdict. Needs root.
+    Fuzz(fuzz::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -53,6 +57,7 @@ fn main() -> std::process::ExitCode {
         Command::Test { no_setup } => test::run(no_setup),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
+        Command::Fuzz(args) => fuzz::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
