@@ -350,7 +350,10 @@ pub fn parse(ctx: &TcContext, l2_len: usize) -> Parsed {
     }
     let l4_off = l2_len + ip_hlen;
     if proto == proto::ICMP {
-        return parse_icmp_error(ctx, l2_len, l4_off, saddr, daddr);
+        // The quote must lie inside the IP packet (bytes after it, such as a trailer, are not
+        // covered by the ICMP checksum and are cut off by the stack).
+        let ip_end = l2_len + u16::from_be_bytes([ip[2], ip[3]]) as usize;
+        return parse_icmp_error(ctx, l2_len, l4_off, ip_end, saddr, daddr);
     }
     if proto != proto::TCP && proto != proto::UDP && proto != proto::SCTP {
         return Parsed::Pass(Counter::NotService);
@@ -441,6 +444,7 @@ fn parse_icmp_error(
     ctx: &TcContext,
     l2_len: usize,
     l4_off: usize,
+    ip_end: usize,
     saddr: [u8; 4],
     daddr: [u8; 4],
 ) -> Parsed {
@@ -466,6 +470,9 @@ fn parse_icmp_error(
     let Some(ports) = read::<4>(ctx, inner_off + inner_hlen) else {
         return not_error;
     };
+    if inner_off + inner_hlen + 4 > ip_end {
+        return not_error;
+    }
     Parsed::IcmpError(IcmpError {
         l2_len,
         saddr,

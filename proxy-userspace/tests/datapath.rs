@@ -3915,6 +3915,40 @@ fn icmp_errors_about_translated_flows_are_reverse_translated() {
     );
 }
 
+/// Found by the packet fuzz (`fuzz_packets`): an ICMP error whose IPv4 total length ends before
+/// the quoted ports (the bytes after it, a trailer or padding, are not part of the packet, and its
+/// ICMP checksum does not cover them) passes untouched; translating it rewrote those bytes and
+/// adjusted the checksum for them, so the ICMP checksum over the real packet no longer verified.
+#[test]
+fn icmp_error_whose_quoted_ports_lie_beyond_the_ip_total_length_passes_untouched() {
+    let dp = Datapath::load().with_services();
+    let dgram = Pkt::udp(CLIENT, 5002, VIP, 53).payload(b"query");
+    let id = expected_pick(&dgram, &[11, 12]);
+    dp.run(PROG_TC_INGRESS, &dgram.bytes());
+    let (be, _) = backend_addr(id);
+    let mut err = icmp_error(be, CLIENT, &dnated(&dgram, id));
+    // The IPv4 packet as sent ends after the quoted IPv4 header (ICMP checksum over these 28
+    // bytes, header checksum right); the quoted ports follow as trailing bytes of the frame.
+    let icmp_end = ETH_HLEN + 20 + 8 + 20;
+    let tot_len = (icmp_end - ETH_HLEN) as u16;
+    err[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&tot_len.to_be_bytes());
+    err[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&[0, 0]);
+    let c = proxy_common::csum::ipv4_header(&err[ETH_HLEN..ETH_HLEN + 20]).to_be_bytes();
+    err[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c);
+    let icmp = ETH_HLEN + 20;
+    err[icmp + 2..icmp + 4].copy_from_slice(&[0, 0]);
+    let c = proxy_common::csum::fold(proxy_common::csum::sum(&err[icmp..icmp_end], 0));
+    err[icmp + 2..icmp + 4].copy_from_slice(&c.to_be_bytes());
+    let (verdict, out) = dp.run(PROG_TC_EGRESS, &err);
+    assert_eq!(verdict, TC_NEXT, "verdict");
+    let d = Decoded::parse(&out);
+    assert!(
+        d.l4_csum_ok(),
+        "the ICMP checksum over the IPv4 packet still verifies"
+    );
+    assert_eq!(out, err, "passed untouched");
+}
+
 /// Per-packet cost of the NodePort path with SNAT (medians of single runs, never asserted), next
 /// to the ClusterIP path measured the same way.
 #[test]

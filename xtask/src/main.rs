@@ -1,9 +1,10 @@
-//! `cargo xtask setup | build-ebpf | test | demo | bench | soak`.
+//! `cargo xtask setup | build-ebpf | test | demo | bench | soak | fuzz`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod build_ebpf;
 mod demo;
+mod fuzz;
 mod setup;
 mod soak;
 mod test;
@@ -48,6 +49,9 @@ enum Command {
     /// fake API server with traffic running (0 failed requests, flat RSS, map occupancy back at
     /// its baseline). Release build; 600 s and 1,000 Services unless told. Needs root.
     Soak(soak::Args),
+    /// Packet fuzz of every tc program (BPF_PROG_TEST_RUN, release build, 10^6 packets by
+    /// default): prints the seed, packets/s and packets per verdict. Needs root.
+    Fuzz(fuzz::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -59,6 +63,7 @@ fn main() -> std::process::ExitCode {
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),
         Command::Soak(args) => soak::run(&args),
+        Command::Fuzz(args) => fuzz::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
