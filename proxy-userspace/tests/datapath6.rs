@@ -2518,3 +2518,24 @@ fn the_datapath_trace_names_each_ipv6_flow_at_its_level_and_is_silent_when_off()
     let (_, got) = traced_flows6(&mut Datapath::load());
     assert!(got.is_empty(), "off by default: {got:?}");
 }
+
+/// Found by the packet fuzz (`fuzz_packets`, seed 0x5eed2026): a Packet Too Big whose IPv6
+/// payload length ends inside its quote (the rest of the quote follows as a trailer the ICMPv6
+/// checksum does not cover and the stack cuts off) passes untouched, as on IPv4. Translating it
+/// rewrote the quoted addresses and ports beyond the packet and adjusted the checksum for them.
+#[test]
+fn packet_too_big_whose_quote_ends_beyond_the_payload_length_passes_untouched() {
+    let dp = Datapath::load();
+    let data = Pkt6::tcp(CLIENT, 43_100, VIP, 80, SYN);
+    let id = picked(&data, &TCP_IDS);
+    dp.step("SYN", PROG_TC_INGRESS, &data.bytes(), TC_NEXT, NEW);
+    let quoted = dnated(&data, id).l3_bytes();
+    // Cut inside the quoted IPv6 header, and after it inside the quoted ports.
+    for cut in [36, 42] {
+        let mut frame = packet_too_big(ROUTER, &quoted[..cut]);
+        frame.extend_from_slice(&quoted[cut..]);
+        let (verdict, out) = dp.run(PROG_TC_EGRESS, &frame);
+        assert_eq!(verdict, TC_NEXT, "quote cut at {cut}: verdict");
+        assert_eq!(out, frame, "quote cut at {cut}: passed untouched");
+    }
+}

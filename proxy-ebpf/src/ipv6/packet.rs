@@ -157,6 +157,20 @@ pub struct Icmp6Error {
 }
 
 impl Icmp6Error {
+    /// Whether `len` bytes at `off` lie inside the outer IPv6 packet (its payload length): the
+    /// ICMPv6 checksum covers only those, bytes after them are a trailer the stack cuts off. Read
+    /// with `bpf_skb_load_bytes` (scalars only: a packet-pointer read here made LLVM emit a
+    /// pointer mask the verifier refuses).
+    #[inline(always)]
+    pub fn inside(&self, ctx: &TcContext, off: usize, len: usize) -> bool {
+        match ctx.load::<[u8; 2]>(self.l2_len + 4) {
+            Ok(plen) => off + len <= self.l2_len + IPV6_HLEN + u16::from_be_bytes(plen) as usize,
+            Err(_) => false,
+        }
+    }
+}
+
+impl Icmp6Error {
     #[inline(always)]
     pub const fn saddr_off(&self) -> usize {
         self.l2_len + SADDR
@@ -443,6 +457,11 @@ fn parse_icmp_error(ctx: &TcContext, s: &'static mut Scratch6, icmp_off: usize) 
     e.inner_saddr = src;
     e.inner_daddr = dst;
     e.inner_next = head[6];
+    // The quoted header must lie inside the outer packet (fuzz: a Packet Too Big whose payload
+    // length ended inside its quote had addresses rewritten beyond the checksummed bytes).
+    if !e.inside(ctx, inner_off, IPV6_HLEN) {
+        return not_error;
+    }
     let s: &'static Scratch6 = s;
     Parsed6::IcmpError(&s.icmp)
 }
@@ -486,6 +505,9 @@ pub fn quoted_l4(ctx: &TcContext, e: &Icmp6Error) -> Option<Quoted> {
     if (w.nexthdr != proto::TCP && w.nexthdr != proto::UDP && w.nexthdr != proto::SCTP)
         || matches!(w.frag, Some((field, _)) if field & FRAG_OFFSET_MASK != 0)
     {
+        return None;
+    }
+    if !e.inside(ctx, w.off, 4) {
         return None;
     }
     let ports = read::<4>(ctx, w.off)?;
