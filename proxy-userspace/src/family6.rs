@@ -220,7 +220,7 @@ impl Family6 {
 
     /// The IPv4 maps hold `ids` (as adopted at start-up): the IPv6 planner never hands them out.
     pub fn share_with(&mut self, ids: SharedIds) {
-        self.planner.share_with(ids);
+        self.planner.share_by_shadow(ids);
     }
 
     /// The IPv4 family applied `op`: its backend and Maglev table ids stay out of the IPv6
@@ -298,8 +298,13 @@ impl Family6 {
         self.track_ipv6_services(cache4, all);
         let desired = self.cache.desired();
         self.planner.desired_changes(&changes, desired);
-        let (plan, _) =
-            (self.planner).plan_with_kind(desired, &self.programmed, &self.capacities, all);
+        let (plan, _) = (self.planner).plan_with_kind_reading(
+            desired,
+            &self.programmed,
+            &self.capacities,
+            all,
+            || programmed4.shared_ids(),
+        );
         if all {
             self.no_local.rebuild(desired);
         } else {

@@ -271,6 +271,8 @@ pub struct Planner<A: FamilyAbi = Ipv4Addr> {
     /// The other family's ids in the spaces both share (backend and Maglev table ids): never
     /// handed out here, by the shortcut or the full plan ([`Planner::share_with`]).
     other: SharedIds,
+    /// `other` is kept (see [`Planner::share_by_shadow`]).
+    other_kept: bool,
 }
 
 impl<A: FamilyAbi> Planner<A> {
@@ -429,6 +431,34 @@ impl<A: FamilyAbi> Planner<A> {
         (plan, SyncKind::Full)
     }
 
+    /// [`Planner::plan_with_kind`] for a planner sharing by [`Planner::share_by_shadow`]: a full
+    /// plan avoids the ids `other` reads from the other family's shadow (only then: a full plan is
+    /// rare, the other family's ids are not kept between them).
+    pub fn plan_with_kind_reading(
+        &self,
+        desired: &DesiredState<A>,
+        programmed: &Programmed<A>,
+        caps: &Capacities,
+        full: bool,
+        other: impl FnOnce() -> SharedIds,
+    ) -> (Plan<A>, SyncKind) {
+        if !full && let Some(plan) = self.plan_changes(desired, programmed, caps) {
+            return (plan, SyncKind::Partial);
+        }
+        let plan = diff::plan_sharing(desired, programmed, caps, &other());
+        (plan, SyncKind::Full)
+    }
+
+    /// As [`Planner::share_with`], without keeping a copy of `other`: its ids only leave the free
+    /// ids, and later ones follow [`Planner::other_applied`] there. For the IPv6 planner beside
+    /// the IPv4 one, whose 500,000 backend ids at 50,000 Services would cost ~5 MB as a set; its
+    /// full plans read them with [`Planner::plan_with_kind_reading`].
+    pub fn share_by_shadow(&mut self, other: SharedIds) {
+        self.share_with(other);
+        self.other = SharedIds::default();
+        self.other_kept = false;
+    }
+
     /// The other family holds `other` (its maps as adopted at start-up): those ids are taken.
     pub fn share_with(&mut self, other: SharedIds) {
         for &id in &other.backends {
@@ -443,6 +473,24 @@ impl<A: FamilyAbi> Planner<A> {
     /// The other family applied `op` (to its maps, `programmed` being this family's): its
     /// backend and Maglev table ids stay out of this family's free ids while it holds them.
     pub fn other_applied<B: FamilyAbi>(&mut self, programmed: &Programmed<A>, op: &MapOp<B>) {
+        if !self.other_kept {
+            // The other family held the id it deletes (never this one's): free it unless this
+            // family uses it.
+            match *op {
+                MapOp::PutBackend { id, .. } => self.free_backend_ids.take(id),
+                MapOp::DeleteBackend { id } if !self.backend_used(programmed, id) => {
+                    self.free_backend_ids.give(id)
+                }
+                MapOp::PutMaglevTable { id, .. } => self.free_table_ids.take(id),
+                MapOp::DeleteMaglevTable { id, .. }
+                    if !programmed.maglev.contains_key(&id) && self.table_refs.get(id) == 0 =>
+                {
+                    self.free_table_ids.give(id)
+                }
+                _ => {}
+            }
+            return;
+        }
         match *op {
             MapOp::PutBackend { id, .. } => {
                 self.other.backends.insert(id);
