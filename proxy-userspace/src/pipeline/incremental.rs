@@ -297,6 +297,7 @@ impl<A: FamilyAbi> Planner<A> {
             needs_full: true,
             filling: false,
             other: SharedIds::default(),
+            other_kept: true,
         };
         let mut empty = Programmed::<A>::default();
         let mut backends: Vec<_> = programmed.backends.iter().collect();
