@@ -43,6 +43,19 @@ pub const MAP_LC_ADJUST: &str = "LCADJ_V1";
 /// reads it and a new program may start with a fresh one.
 pub const MAP_FRAG_SCRATCH: &str = "FRAGSCRATCH";
 
+/// The pin directory's layout marker: a two-entry `u32` array (`[0]` the layout of the pins,
+/// `[1]` the oldest layout whose agents can use them) that the agent creates and pins beside the
+/// maps. Not in the object (no program reads it) and not versioned in its name: every release
+/// reads it before it adopts anything.
+pub const MAP_LAYOUT: &str = "LAYOUT";
+/// The layout of the pinned maps this release reads and writes: their names, types, keys and
+/// values. Raise it (with a migration in the agent's `dataplane::layout`) when a pinned map's
+/// key or value changes. Pins without a marker (releases before it) are layout 1.
+pub const LAYOUT_VERSION: u32 = 1;
+/// The oldest layout whose agents can run on pins of [`LAYOUT_VERSION`]: a layout that only adds
+/// maps keeps it (an older agent ignores them), one that changes a map raises it to itself.
+pub const LAYOUT_OLDEST_READER: u32 = 1;
+
 /// All maps the agent pins and adopts.
 pub const ALL_MAPS: [&str; 32] = [
     crate::MAP_TAIL_CALLS,

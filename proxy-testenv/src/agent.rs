@@ -112,6 +112,19 @@ impl Agent {
         self.restart()
     }
 
+    /// Starts `bin` instead of the current binary, with the same flags, pins, cgroup and log:
+    /// what a DaemonSet rolling to another image does (the old agent stopped first, by
+    /// [`Agent::stop`]).
+    pub fn restart_as(&mut self, bin: &Path) -> Result<()> {
+        self.bin = bin.to_path_buf();
+        self.restart()
+    }
+
+    /// The binary this agent runs (and [`Agent::cli`] uses).
+    pub fn bin(&self) -> &Path {
+        &self.bin
+    }
+
     /// Starts the agent again (after [`Agent::stop`] or [`Agent::kill`]) with the same flags.
     /// The old status file is removed first so `wait_synced` sees this run's syncs only.
     pub fn restart(&mut self) -> Result<()> {

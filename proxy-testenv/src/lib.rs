@@ -23,6 +23,7 @@ pub mod fake_apiserver;
 mod manifests;
 mod multinode;
 mod netns;
+pub mod prev_release;
 mod process;
 mod tempdir;
 mod topology;

@@ -117,6 +117,8 @@ pub struct Agent {
     walked_once: bool,
     /// The IPv6 family's maps, shadow and sync (no work on a node without IPv6).
     family6: crate::family6::Family6,
+    /// The pinned maps' layout and what is left of a migration (`dataplane::layout`).
+    layout: crate::dataplane::layout::Migrator,
 }
 
 /// The parts of one [`Agent::sync`], timed.
@@ -150,11 +152,30 @@ impl Agent {
         let changes_since = std::time::SystemTime::now();
         // An agent ran before if its Services are pinned (an older one pinned no SEED_V1).
         let adopting = pins.map(proxy_common::MAP_SERVICES).exists();
+        // Pins of a layout this agent cannot use are refused here, before anything is adopted.
+        let layout = crate::dataplane::layout::Migrator::for_this_release(&pins)?;
         let config = DatapathConfig {
             hash_seed: loader::node_seed(&pins)?,
             ..config
         };
         let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb, bpf_log)?;
+        let migrated = layout.after_load()?;
+        if layout.pending() > 0 {
+            info!(
+                verdict = ?layout.verdict(),
+                migrations = layout.pending(),
+                entries = migrated,
+                "pinned maps of an older layout: entries copied into the new maps, the rest follows the program swap"
+            );
+        } else if let crate::dataplane::layout::Verdict::AdoptNewer { pins: marker } =
+            layout.verdict()
+        {
+            info!(
+                pins_layout = marker.layout,
+                this_layout = proxy_common::LAYOUT_VERSION,
+                "pinned maps of a newer layout this agent can use (it only added maps): adopted, its marker kept"
+            );
+        }
         let occupancy =
             crate::dataplane::occupancy::Occupancy::open(&pins, &sizes, adopting, &metrics);
         let maps = ServiceMaps::from_ebpf(&mut ebpf)?;
@@ -231,6 +252,7 @@ impl Agent {
             last_parts: SyncParts::default(),
             walked_once: false,
             family6,
+            layout,
         })
     }
 
@@ -1118,6 +1140,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     agent.reconcile_interfaces();
     if let Err(e) = agent.attach_socket_lb(sock_cgroup.as_deref()) {
         error!("socket hooks: {e:#}; the node's own processes cannot reach Services");
+    }
+    // The new programs are attached: a layout migration copies what the old ones created
+    // since the load, then retires the old maps.
+    if agent.layout.pending() > 0 {
+        match agent.layout.after_attach() {
+            Ok(entries) => info!(entries, "map layout migration finished"),
+            Err(e) => error!("finishing the map layout migration: {e}; the next start retries it"),
+        }
     }
     info!(rss_mib = rss_mib(), "ready");
 

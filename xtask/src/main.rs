@@ -1,10 +1,11 @@
-//! `cargo xtask setup | build-ebpf | test | demo | bench | soak | fuzz`.
+//! `cargo xtask setup | build-ebpf | prev-release | test | demo | bench | soak | fuzz`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod build_ebpf;
 mod demo;
 mod fuzz;
+mod prev_release;
 mod setup;
 mod soak;
 mod test;
@@ -31,6 +32,14 @@ enum Command {
     /// Build the agent (its build.rs builds the eBPF object) and list the object's programs and
     /// maps.
     BuildEbpf,
+    /// Build (or find cached) the previous release's agent, the upgrade test's fixture: a
+    /// `git archive` of a pinned earlier commit built under target/prev-release/. Prints its
+    /// path and how long the build took.
+    PrevRelease {
+        /// The commit to build (default: the one tests/upgrade.rs starts from).
+        #[arg(long)]
+        commit: Option<String>,
+    },
     /// Run every test tier: fmt, clippy (host and eBPF), unprivileged tests, privileged tests.
     /// Needs root.
     Test {
@@ -59,6 +68,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Setup { check } => setup::run(check),
         Command::BuildEbpf => build_ebpf::run().map(|_| ()),
+        Command::PrevRelease { commit } => prev_release::run(commit.as_deref()).map(|_| ()),
         Command::Test { no_setup } => test::run(no_setup),
         Command::Demo => demo::run(),
         Command::Bench(args) => bench::run(&args),

@@ -102,6 +102,12 @@ pub fn run(no_setup: bool) -> Result<()> {
             .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
             .env_remove(proxy_testenv::PRIVILEGED_ENV),
     );
+    // The upgrade test's fixture (the previous release's agent), built here so its time shows;
+    // a clone without that commit fails this step and the upgrade test with the same message.
+    step(
+        "previous release (fixture)",
+        cargo().args(["xtask", "prev-release"]),
+    );
     // One cargo invocation: `-p A -p B --test x --test y` picks each target from its package.
     let mut privileged: Vec<String> = Vec::new();
     let mut names: Vec<String> = Vec::new();

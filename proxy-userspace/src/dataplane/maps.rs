@@ -896,12 +896,13 @@ impl Stats {
     }
 }
 
-/// Removes every pinned map file (the kernel frees a map once no program or fd holds it).
+/// Removes every pinned map file and the layout marker (the kernel frees a map once no program or fd holds it).
 pub fn unpin_all(pins: &PinLayout) -> std::io::Result<()> {
     for name in proxy_common::ALL_MAPS {
         remove_if_exists(&pins.map(name))?;
     }
-    Ok(())
+    // The layout marker last: pins without it read as layout 1.
+    remove_if_exists(&pins.map(proxy_common::MAP_LAYOUT))
 }
 
 pub(crate) fn remove_if_exists(path: &Path) -> std::io::Result<()> {

@@ -17,6 +17,7 @@ pub mod clock;
 pub mod ebpf_object;
 pub mod flow_gc;
 pub mod interfaces;
+pub mod layout;
 pub mod lc_counts;
 #[allow(unsafe_code)]
 pub mod link_sys;
@@ -81,6 +82,21 @@ pub enum Error {
     },
     #[error("{what}: {source}")]
     Io { what: String, source: io::Error },
+    #[error(
+        "the pinned maps under {dir} are of map layout {found} (usable by agents of layout \
+         {oldest_reader} and later), and this agent knows layouts up to {known}: a newer release \
+         pinned them. Run that release, or remove its pins with `kube-proxy-ebpf cleanup \
+         --pin-dir {dir}` (every flow is dropped; the Services are programmed again from the \
+         source) and start this one"
+    )]
+    NewerLayout {
+        dir: PathBuf,
+        found: u32,
+        oldest_reader: u32,
+        known: u32,
+    },
+    #[error("map layout: {what}")]
+    Layout { what: String },
     #[error("the datapath log (--bpf-log): {0}")]
     BpfLog(#[from] aya_log::Error),
 }
