@@ -221,7 +221,10 @@ impl Nodes {
         let result = (|| -> anyhow::Result<()> {
             let mut agents = self.agents();
             let status = agents[i].stop()?;
-            anyhow::ensure!(status.success(), "the old agent exited with {status} on SIGTERM");
+            anyhow::ensure!(
+                status.success(),
+                "the old agent exited with {status} on SIGTERM"
+            );
             agents[i].restart_as(bin)?;
             agents[i].wait_attached(&want)?;
             Ok(())
@@ -290,7 +293,8 @@ impl Nodes {
 /// The previous release's agent binary: built (or cached) by the fixture; a clone without its
 /// commit fails here, never skips.
 fn previous_release() -> PathBuf {
-    let workspace = proxy_testenv::prev_release::workspace_of(Path::new(env!("CARGO_MANIFEST_DIR")));
+    let workspace =
+        proxy_testenv::prev_release::workspace_of(Path::new(env!("CARGO_MANIFEST_DIR")));
     let prev = proxy_testenv::prev_release::previous_release(&workspace)
         .unwrap_or_else(|e| panic!("the previous release's agent (fixture): {e:#}"));
     if let Some(took) = prev.built_in {
@@ -483,7 +487,10 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
                 let mut t = tallies[p].lock().expect("tally");
                 for (what, r) in [
                     ("ClusterIP", pod),
-                    ("NodePort", ext.map(|r| r.body).map_err(|e| format!("{e:#}"))),
+                    (
+                        "NodePort",
+                        ext.map(|r| r.body).map_err(|e| format!("{e:#}")),
+                    ),
                 ] {
                     match r {
                         Ok(body) if body == "b-web" || body == "b-two" => t.ok += 1,
@@ -525,15 +532,17 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
     // The streams end: every byte the servers sent must have arrived, on the one connection.
     std::fs::write(&stop_file, "stop\n").expect("stop file");
     let mut stream_bytes = Vec::new();
-    for ((what, mut client, log, _), (mut server, server_log)) in clients.into_iter().zip(servers)
-    {
+    for ((what, mut client, log, _), (mut server, server_log)) in clients.into_iter().zip(servers) {
         let done = client
             .wait_timeout(Duration::from_secs(30))
             .expect("waiting for a stream client");
-        nodes.check(done.is_some(), || format!("the {what} stream client did not finish"));
+        nodes.check(done.is_some(), || {
+            format!("the {what} stream client did not finish")
+        });
         let _ = server.wait_timeout(Duration::from_secs(10));
-        let summary = stream_summary(&log)
-            .unwrap_or_else(|| nodes.fail(&format!("no {what} stream summary in {}", log.display())));
+        let summary = stream_summary(&log).unwrap_or_else(|| {
+            nodes.fail(&format!("no {what} stream summary in {}", log.display()))
+        });
         let server_said = std::fs::read_to_string(&server_log).unwrap_or_default();
         let sent: Option<u64> = server_said
             .split_whitespace()
@@ -613,14 +622,21 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
     );
     nodes.check(
         !snat_rows(&snat).is_empty() && snat_rows(&snat) == snat_rows(&old_snat),
-        || format!("the NodePort stream's SNAT entries: old agent {:?}, new agent {:?}", snat_rows(&old_snat), snat_rows(&snat)),
+        || {
+            format!(
+                "the NodePort stream's SNAT entries: old agent {:?}, new agent {:?}",
+                snat_rows(&old_snat),
+                snat_rows(&snat)
+            )
+        },
     );
     // Rolled back: the previous release reads the same flows from the pins the new one used.
     let back = after_rollback.expect("the rollback ran");
     for ((src, dst, what), old_row) in flows.iter().zip(&old_rows) {
-        nodes.check(original_row(&back, src, dst).as_deref() == Some(old_row.as_str()), || {
-            format!("after the rollback, the {what} stream flow {src} → {dst}:\n{back}")
-        });
+        nodes.check(
+            original_row(&back, src, dst).as_deref() == Some(old_row.as_str()),
+            || format!("after the rollback, the {what} stream flow {src} → {dst}:\n{back}"),
+        );
     }
     let client_entry = affinity.lines().find(|l| l.contains(&A_CLI.to_string()));
     eprintln!("UPGRADE affinity entry in the new agent's dump: {client_entry:?}");
@@ -637,7 +653,9 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
     );
     let after = sticky(&nodes, "after the rollback");
     nodes.check(after == sticky_backend, || {
-        format!("the affinity client was on {sticky_backend}, after the upgrade and rollback on {after}")
+        format!(
+            "the affinity client was on {sticky_backend}, after the upgrade and rollback on {after}"
+        )
     });
     eprintln!(
         "UPGRADE summary: streams {stream_bytes:?}, flows kept {}, affinity kept on {sticky_backend}",

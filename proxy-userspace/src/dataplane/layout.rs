@@ -459,7 +459,7 @@ mod tests {
 
     #[test]
     fn this_release_migrates_every_older_layout() {
-        assert!(LAYOUT_OLDEST_READER <= LAYOUT_VERSION);
+        const { assert!(LAYOUT_OLDEST_READER <= LAYOUT_VERSION) };
         assert_eq!(
             chain(MIGRATIONS, UNMARKED_LAYOUT, LAYOUT_VERSION)
                 .unwrap()
