@@ -193,11 +193,11 @@ impl Nodes {
             _manifests: manifests,
             net,
         };
-        for i in 0..2 {
+        for (i, name) in NODE_NAMES.iter().enumerate() {
             let want = nodes.interfaces(i);
             let ready = nodes.agents()[i].wait_attached(&want).map(|_| ());
             if let Err(e) = ready {
-                nodes.fail(&format!("{} agent: {e:#}", NODE_NAMES[i]));
+                nodes.fail(&format!("{name} agent: {e:#}"));
             }
         }
         nodes
