@@ -1236,7 +1236,7 @@ fn not_serving_backend_keeps_tcp_flows_udp_is_reselected_new_flows_avoid_it() {
         &syn,
         x,
         TCP_REVNAT,
-        ct_state::SYN_SENT,
+        ct_state::ESTABLISHED,
     );
     // Its SYN retransmitted (the handshake started before the endpoint turned not ready):
     // the same backend, like a netfilter conntrack entry.
