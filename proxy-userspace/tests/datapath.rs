@@ -1261,7 +1261,10 @@ fn not_serving_backend_keeps_tcp_flows_udp_is_reselected_new_flows_avoid_it() {
             &[(Counter::NewFlow, 1)],
         ));
     }
-    assert!(would_have > 5, "some flows hashed to the not-serving backend");
+    assert!(
+        would_have > 5,
+        "some flows hashed to the not-serving backend"
+    );
 
     // UDP: the next datagram is re-picked to the serving backend; both entries move.
     dp.check(ingress(
@@ -1271,14 +1274,7 @@ fn not_serving_backend_keeps_tcp_flows_udp_is_reselected_new_flows_avoid_it() {
         Expect::Packet(dnated(&q, ulive)),
         &[(Counter::StaleBackendReselected, 1)],
     ));
-    assert_flow(
-        &mut dp,
-        "UDP moved",
-        &q,
-        ulive,
-        UDP_REVNAT,
-        ct_state::UDP,
-    );
+    assert_flow(&mut dp, "UDP moved", &q, ulive, UDP_REVNAT, ct_state::UDP);
     assert!(
         dp.ct(&reply_key(&q, ux)).is_none(),
         "the not-serving backend's REPLY entry is removed"
@@ -1332,11 +1328,17 @@ fn affinity_record_of_a_not_serving_backend_is_not_honoured() {
     for sport in 41_001..41_011 {
         let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
         let got = dp.new_flow_backend(&syn);
-        assert_ne!(got, chosen, "a new flow of the client avoids the not-serving backend");
+        assert_ne!(
+            got, chosen,
+            "a new flow of the client avoids the not-serving backend"
+        );
         assert!(rest.contains(&got));
     }
     let again = dp.affinity_record(CLIENT).unwrap().backend_id;
-    assert!(rest.contains(&again), "the record now names a serving backend");
+    assert!(
+        rest.contains(&again),
+        "the record now names a serving backend"
+    );
     let ack = Pkt::tcp(CLIENT, 41_000, VIP, 80, ACK);
     dp.check(ingress(
         "the client's established flow keeps its backend",

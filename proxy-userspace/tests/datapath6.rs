@@ -532,7 +532,10 @@ fn not_serving_backend_keeps_tcp_flows_udp_is_reselected() {
         would_have += usize::from(picked(&syn, &TCP_IDS) == x);
         dp.new_flow_dnated("a new flow: the serving backend", &syn, live);
     }
-    assert!(would_have > 5, "some flows hashed to the not-serving backend");
+    assert!(
+        would_have > 5,
+        "some flows hashed to the not-serving backend"
+    );
     dp.translated(
         "UDP to a not-serving backend is reselected",
         PROG_TC_INGRESS,
@@ -544,7 +547,10 @@ fn not_serving_backend_keeps_tcp_flows_udp_is_reselected() {
         &dnated(&q, ulive),
     );
     assert_eq!(dp.ct(&original_key(&q)).unwrap().backend_id, ulive);
-    assert!(dp.ct(&reply_key(&q, ux)).is_none(), "old REPLY entry removed");
+    assert!(
+        dp.ct(&reply_key(&q, ux)).is_none(),
+        "old REPLY entry removed"
+    );
     assert_eq!(dp.ct(&original_key(&syn)).unwrap().backend_id, x);
 
     // Gone from the slices: the entry goes, the next segment is reset.

@@ -621,7 +621,12 @@ fn sctp_association_over_ipv6_keeps_a_not_serving_backend() {
 fn not_serving_keeps_the_association(f: Family) {
     let mut dp = Datapath::with_services();
     let init = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::INIT);
-    dp.ingress("INIT", &init, Some(&init.to(f.be_21, 3869)), Counter::NewFlow);
+    dp.ingress(
+        "INIT",
+        &init,
+        Some(&init.to(f.be_21, 3869)),
+        Counter::NewFlow,
+    );
     let echo = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::COOKIE_ECHO);
     let to_21 = echo.to(f.be_21, 3869);
     dp.ingress("COOKIE_ECHO", &echo, Some(&to_21), Counter::EstablishedFlow);
@@ -630,7 +635,9 @@ fn not_serving_keeps_the_association(f: Family) {
         IpAddr::V4(vip) => {
             let mut b = dp.map::<u32, Backend>(MAP_BACKENDS).get(&21, 0).unwrap();
             b.flags = backend_flags::NOT_SERVING;
-            dp.map::<u32, Backend>(MAP_BACKENDS).insert(21, b, 0).unwrap();
+            dp.map::<u32, Backend>(MAP_BACKENDS)
+                .insert(21, b, 0)
+                .unwrap();
             dp.set_family_frontend(f.vip, 3868, 1, &[]);
             let slot = ServiceKey::new(vip.octets(), 3868u16.to_be_bytes(), proto::SCTP, 1);
             dp.map::<ServiceKey, ServiceValue>(MAP_SERVICES)
@@ -640,7 +647,9 @@ fn not_serving_keeps_the_association(f: Family) {
         IpAddr::V6(vip) => {
             let mut b = dp.map::<u32, Backend6>(MAP_BACKENDS6).get(&21, 0).unwrap();
             b.flags = backend_flags::NOT_SERVING;
-            dp.map::<u32, Backend6>(MAP_BACKENDS6).insert(21, b, 0).unwrap();
+            dp.map::<u32, Backend6>(MAP_BACKENDS6)
+                .insert(21, b, 0)
+                .unwrap();
             dp.set_family_frontend(f.vip, 3868, 1, &[]);
             let slot = Service6Key::new(vip.octets(), 3868u16.to_be_bytes(), proto::SCTP, 1);
             dp.map::<Service6Key, ServiceValue>(MAP_SERVICES6)

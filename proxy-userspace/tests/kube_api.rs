@@ -586,7 +586,10 @@ fn a_not_ready_endpoint_keeps_its_tcp_connections_until_it_leaves_the_slice() {
     let server_py = script("flap_server.py", FLAP_STREAM_SERVER_PY);
     let client_py = script("flap_client.py", FLAP_STREAM_CLIENT_PY);
     let udp_py = script("flap_udp.py", FLAP_UDP_FLOW_PY);
-    let be1 = env.topo.pod("be1").unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    let be1 = env
+        .topo
+        .pod("be1")
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
     // Stream A lasts 6 s (it ends while X is not ready); stream B 40 s (X leaves the slice
     // before it ends).
     let mut servers = Vec::new();
@@ -607,8 +610,10 @@ fn a_not_ready_endpoint_keeps_its_tcp_connections_until_it_leaves_the_slice() {
                 Some(&log),
             )
             .unwrap_or_else(|e| env.fail(&format!("stream server {port}: {e:#}")));
-        wait_for(Duration::from_secs(10), "the stream server", || ready.exists())
-            .unwrap_or_else(|e| env.fail(&format!("stream server {port}: {e:#}")));
+        wait_for(Duration::from_secs(10), "the stream server", || {
+            ready.exists()
+        })
+        .unwrap_or_else(|e| env.fail(&format!("stream server {port}: {e:#}")));
         servers.push(server);
         logs.push(log);
     }
@@ -692,14 +697,19 @@ fn a_not_ready_endpoint_keeps_its_tcp_connections_until_it_leaves_the_slice() {
     });
     let (sent_a, done_a) = sent(&logs[0]);
     let (sent_b, _) = sent(&logs[1]);
-    eprintln!("stream A: {a} (server sent {sent_a}, done {done_a}); stream B: {b} (server sent {sent_b})");
+    eprintln!(
+        "stream A: {a} (server sent {sent_a}, done {done_a}); stream B: {b} (server sent {sent_b})"
+    );
     eprintln!("UDP flow: {udp}");
     env.check(
         a["error"].is_null() && a["eof"] == true && a["mismatch"].is_null(),
         || format!("the transfer to X broke when X turned not ready: {a}"),
     );
     env.check(done_a && sent_a > 0 && a["bytes"] == sent_a, || {
-        format!("the client received {} of the {sent_a} bytes sent", a["bytes"])
+        format!(
+            "the client received {} of the {sent_a} bytes sent",
+            a["bytes"]
+        )
     });
 
     // The UDP flow: X's answers first, then only the others', every datagram answered from
@@ -712,8 +722,7 @@ fn a_not_ready_endpoint_keeps_its_tcp_connections_until_it_leaves_the_slice() {
     );
     let moved = replies.iter().position(|r| !from_x(r));
     env.check(
-        from_x(&replies[0])
-            && moved.is_some_and(|m| replies[m..].iter().all(|r| !from_x(r))),
+        from_x(&replies[0]) && moved.is_some_and(|m| replies[m..].iter().all(|r| !from_x(r))),
         || format!("the UDP flow moved from X to another backend, once: {udp}"),
     );
 

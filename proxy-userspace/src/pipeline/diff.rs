@@ -1581,8 +1581,8 @@ mod tests {
                 df.balancing.affinity_timeout_s = Some(1 + rng.below(100));
             }
             for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
-                let (t, l, n) = *(flags.entry(b.endpoint))
-                    .or_insert((b.terminating, b.local, b.not_serving));
+                let (t, l, n) =
+                    *(flags.entry(b.endpoint)).or_insert((b.terminating, b.local, b.not_serving));
                 b.terminating = t;
                 b.local = l;
                 b.not_serving = n;

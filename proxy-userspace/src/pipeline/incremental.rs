@@ -160,7 +160,8 @@ impl Endpoint {
             u8::try_from(not_serving).ok().filter(|n| *n < u8::MAX),
         ) {
             (Some(local), Some(terminating), Some(not_serving)) => {
-                (self.local, self.terminating, self.not_serving) = (local, terminating, not_serving);
+                (self.local, self.terminating, self.not_serving) =
+                    (local, terminating, not_serving);
             }
             _ => {
                 (self.local, self.terminating, self.not_serving) = (WIDE, 0, 0);

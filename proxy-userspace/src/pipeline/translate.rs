@@ -1282,11 +1282,7 @@ mod tests {
                         (Some(false), Some(false), Some(false)),
                     ), // not ready (a failing readiness probe): the same
                     // Not ready yet serving (the API allows it): retained, not flagged.
-                    ep(
-                        "10.0.0.5",
-                        "node-b",
-                        (Some(false), Some(true), Some(false)),
-                    ),
+                    ep("10.0.0.5", "node-b", (Some(false), Some(true), Some(false))),
                 ],
             )],
             want: &[Want {
