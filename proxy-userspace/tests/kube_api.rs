@@ -620,8 +620,8 @@ fn a_not_ready_endpoint_keeps_its_tcp_connections_until_it_leaves_the_slice() {
     let sent = |log: &Path| -> (u64, bool) {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let n = (text.lines())
-            .filter_map(|l| l.strip_prefix("sent ")?.trim().parse().ok())
-            .last()
+            .rev()
+            .find_map(|l| l.strip_prefix("sent ")?.trim().parse().ok())
             .unwrap_or(0);
         (n, text.lines().any(|l| l.starts_with("done ")))
     };
