@@ -365,6 +365,19 @@ mod tests {
     }
 
     #[test]
+    fn not_serving_backends_keep_tcp_and_sctp_flows_only() {
+        use backend_flags::{LOCAL, NOT_SERVING, TERMINATING, keeps_flow};
+        for p in [proto::TCP, proto::UDP, proto::SCTP] {
+            assert!(keeps_flow(0, p));
+            assert!(keeps_flow(TERMINATING | LOCAL, p));
+        }
+        assert!(keeps_flow(NOT_SERVING, proto::TCP));
+        assert!(keeps_flow(NOT_SERVING | TERMINATING, proto::SCTP));
+        assert!(!keeps_flow(NOT_SERVING, proto::UDP));
+        assert!(!keeps_flow(NOT_SERVING | LOCAL, proto::UDP));
+    }
+
+    #[test]
     fn cluster_cidrs_match_sources_inside_their_prefixes_only() {
         let mut c = ClusterCidrs::NONE;
         assert!(

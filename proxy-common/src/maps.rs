@@ -286,6 +286,21 @@ pub mod backend_flags {
     pub const TERMINATING: u8 = 1 << 0;
     /// The endpoint runs on this node.
     pub const LOCAL: u8 = 1 << 1;
+    /// The endpoint is still listed in an EndpointSlice of every Service that uses this id, but
+    /// none of them serves it (not ready, and not serving-terminating): it is in no slot table,
+    /// Maglev table or affinity match, so no new flow picks it; the entry stays so that its
+    /// established TCP and SCTP flows go on, as netfilter keeps their conntrack entries, while
+    /// its UDP flows are re-picked, as upstream clears UDP conntrack for non-serving endpoints
+    /// ([`keeps_flow`]). Set only when no Service listing the endpoint serves it.
+    pub const NOT_SERVING: u8 = 1 << 2;
+
+    /// May a tracked flow of protocol `proto` (the backend's own) go on to a backend with
+    /// `flags`? Yes unless the backend is [`NOT_SERVING`] and the flow is UDP. One flag test on
+    /// the value the datapath already read to revalidate the flow.
+    #[inline(always)]
+    pub const fn keeps_flow(flags: u8, proto: u8) -> bool {
+        flags & NOT_SERVING == 0 || proto != crate::proto::UDP
+    }
 }
 
 /// `BACKENDS`: backend id (u32, ids start at 1; 0 = none) → where to send.

@@ -17,7 +17,7 @@
 pub use proxy_common::timeouts::idle_expired;
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, CtKey, CtValue, DatapathConfig,
-    ct_dir, ct_flags, ct_state,
+    backend_flags, ct_dir, ct_flags, ct_state,
     flow_state::{self, Segment},
     hash::{PortProbe, flow_hash},
     proto,
@@ -215,11 +215,17 @@ pub fn reply_passed(p: &Packet, reply: &CtEntry, reply_ct: &CtValue, now: u64) {
     }
 }
 
-/// Does the backend the entry names still exist with the address it was created with?
+/// Does the backend the entry names still exist with the address it was created with, and may
+/// the flow keep it? A `NOT_SERVING` backend keeps its TCP and SCTP flows, not its UDP ones
+/// (`backend_flags::keeps_flow`): those are chosen again.
 #[inline(always)]
 pub fn backend_valid(ct: &CtValue) -> bool {
     match maps::backend(ct.backend_id) {
-        Some(b) => b.addr == ct.backend_addr && b.port == ct.backend_port,
+        Some(b) => {
+            b.addr == ct.backend_addr
+                && b.port == ct.backend_port
+                && backend_flags::keeps_flow(b.flags, b.proto)
+        }
         None => false,
     }
 }

@@ -25,7 +25,8 @@ enum Replacing {
     Nothing,
     /// The entry was idle for longer than its timeout, or a SYN reuses a closing flow's tuple.
     Old,
-    /// The entry's backend is gone (UDP, or a TCP SYN).
+    /// The entry's backend is gone (UDP, SCTP, or a TCP SYN), or a UDP flow's backend is no
+    /// longer serving (`backend_flags::NOT_SERVING`: TCP and SCTP flows keep such a backend).
     Stale,
 }
 
@@ -85,7 +86,8 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
             }
             return Ok(Action::pass(Counter::EstablishedFlow));
         } else if p.is_tcp() && !p.is_syn() {
-            // Mid-connection and the backend is gone: never send to the dead address, reset.
+            // Mid-connection and the backend is gone (a not-serving one keeps its TCP flows):
+            // never send to the dead address, reset.
             conntrack::remove(&key, &ct);
             log::refused(
                 Refused::BackendGone,

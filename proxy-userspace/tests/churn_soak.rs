@@ -5,9 +5,10 @@
 //! ([`common_kube::Env`]), synced from [`proxy_testenv::FakeApiServer`]. `KPE_SOAK_SERVICES`
 //! Services (default 200) carry EndpointSlices: three *hot* Services whose endpoints are the real
 //! backend pods (be1..be3, HTTP on 8080), one plain, one with `sessionAffinity: ClientIP`, one
-//! with the `mh` (Maglev) scheduler; an *anchor* Service lists the same pods and is never
-//! changed ([`ANCHOR`]); the rest are *cold* Services with addresses no pod has,
-//! some with affinity, some with Maglev. For `KPE_SOAK_SECS` seconds (default 40) the test applies
+//! with the `mh` (Maglev) scheduler; the rest are *cold* Services with addresses no pod has,
+//! some with affinity, some with Maglev. A connection open while its pod turns not ready in
+//! every hot Service keeps working (the backend entry stays, flagged not serving, as kube-proxy
+//! keeps such TCP flows); only a pod removed from every hot slice loses its entry. For `KPE_SOAK_SECS` seconds (default 40) the test applies
 //! `KPE_SOAK_RATE` (default 20) changes per second — add an endpoint, remove one, flip one's
 //! readiness (ready / not ready / terminating-serving) — chosen by a fixed-seed generator, a
 //! quarter of them to the hot Services, which always keep at least one ready endpoint. All the
@@ -60,12 +61,6 @@ const HOT: [Ipv4Addr; 3] = [
     Ipv4Addr::new(10, 96, 0, 11),
     Ipv4Addr::new(10, 96, 0, 12),
 ];
-/// The anchor Service (never changed, no traffic) lists the three pods, ready: their backend
-/// ids stay programmed whatever the churn does to the hot Services, so a connection open while
-/// its backend leaves a hot Service keeps working (kube-proxy keeps such TCP flows). Without it,
-/// a backend unready in all three hot Services at once is *gone* and the datapath resets its
-/// open connections by design (`StaleBackendReset`; a 300 s run saw 2 in 105,100 requests).
-const ANCHOR: usize = HOT.len();
 /// Requests per curl process of the traffic loop (each on its own connection).
 const BATCH: usize = 10;
 /// A cold Service holds at most this many endpoints (of the 16 addresses `cold_addr` gives it).
@@ -100,10 +95,10 @@ impl Settings {
             s.secs
         );
         assert!(
-            (ANCHOR + 2..=20_000).contains(&s.services),
+            (HOT.len() + 1..=20_000).contains(&s.services),
             "KPE_SOAK_SERVICES={} out of {}..=20000",
             s.services,
-            ANCHOR + 2
+            HOT.len() + 1
         );
         assert!(
             (1..=1_000).contains(&s.rate),
@@ -180,12 +175,12 @@ fn service_object(i: usize) -> Value {
     svc
 }
 
-/// Every Service's initial endpoints: the three pods for the hot ones and the anchor, three addresses of their
+/// Every Service's initial endpoints: the three pods for the hot ones, three addresses of their
 /// own for the cold ones; all ready.
 fn initial_endpoints(services: usize) -> Vec<Vec<(Ipv4Addr, Cond)>> {
     (0..services)
         .map(|i| {
-            if is_hot(i) || i == ANCHOR {
+            if is_hot(i) {
                 BACKENDS.iter().map(|(_, ip)| (*ip, Cond::Ready)).collect()
             } else {
                 (0..COLD_INITIAL)
@@ -430,7 +425,7 @@ fn endpoint_churn_keeps_traffic_memory_and_maps_steady() {
             let i = if rng.below(4) == 0 {
                 rng.below(HOT.len())
             } else {
-                ANCHOR + 1 + rng.below(settings.services - ANCHOR - 1)
+                HOT.len() + rng.below(settings.services - HOT.len())
             };
             let kind = churn(i, &mut current[i], &mut rng);
             *kinds.entry(kind).or_default() += 1;

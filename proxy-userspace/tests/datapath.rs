@@ -1155,6 +1155,200 @@ fn service_without_endpoints_answers_icmp_port_unreachable() {
     );
 }
 
+impl Datapath {
+    /// Backend `id` rewritten with `backend_flags` (as the agent does when its endpoint turns
+    /// not ready: the entry stays, flagged; its slot goes).
+    fn set_backend_flags(&mut self, id: u32, proto: u8, flags: u8) {
+        let (addr, port) = backend_addr(id);
+        let b = Backend {
+            addr: addr.octets(),
+            port: port.to_be_bytes(),
+            proto,
+            flags,
+        };
+        self.backends().insert(id, b, 0).expect("rewrite backend");
+    }
+
+    /// The agent's writes for a Service port whose endpoint `gone` turned not ready: the
+    /// remaining ids' slots and frontend, the last slot removed, `gone` flagged NOT_SERVING.
+    fn mark_not_serving(&mut self, port: u16, proto_: u8, rev_nat: u32, keep: &[u32], gone: u32) {
+        self.set_backend_flags(gone, proto_, backend_flags::NOT_SERVING);
+        self.set_service(VIP, port, proto_, rev_nat, keep);
+        self.services()
+            .remove(&ServiceKey::new(
+                VIP.octets(),
+                port.to_be_bytes(),
+                proto_,
+                keep.len() as u16 + 1,
+            ))
+            .expect("remove the last slot");
+    }
+}
+
+/// A pod whose readiness probe fails keeps its established TCP connections (netfilter keeps
+/// their conntrack entries; only rules for new connections change): its backend entry stays,
+/// flagged NOT_SERVING, and is in no slot. New flows never pick it; a UDP flow to it is picked
+/// anew (upstream clears UDP conntrack for endpoints no longer serving). Once the endpoint
+/// leaves the slices (entry deleted), the TCP flow is reset as before.
+#[test]
+fn not_serving_backend_keeps_tcp_flows_udp_is_reselected_new_flows_avoid_it() {
+    let mut dp = Datapath::load().with_services();
+
+    let syn = Pkt::tcp(CLIENT, 35_000, VIP, 80, SYN);
+    let x = expected_pick(&syn, &[1, 2]);
+    let live = if x == 1 { 2 } else { 1 };
+    dp.check(ingress(
+        "TCP flow created",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, x)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let q = Pkt::udp(CLIENT, 35_001, VIP, 53);
+    let ux = expected_pick(&q, &[11, 12]);
+    let ulive = if ux == 11 { 12 } else { 11 };
+    dp.check(ingress(
+        "UDP flow created",
+        q.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&q, ux)),
+        &[(Counter::NewFlow, 1)],
+    ));
+
+    dp.mark_not_serving(80, proto::TCP, TCP_REVNAT, &[live], x);
+    dp.mark_not_serving(53, proto::UDP, UDP_REVNAT, &[ulive], ux);
+
+    for (i, len) in [1usize, 300, 1400].into_iter().enumerate() {
+        let data = Pkt::tcp(CLIENT, 35_000, VIP, 80, PSH | ACK)
+            .seq_ack(1001 + i as u32 * 2000, 777)
+            .payload(&vec![9; len]);
+        dp.check(ingress(
+            "established TCP to a not-serving backend is still DNATed to it",
+            data.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&data, x)),
+            &[(Counter::EstablishedFlow, 1)],
+        ));
+    }
+    assert_flow(
+        &mut dp,
+        "TCP entry kept",
+        &syn,
+        x,
+        TCP_REVNAT,
+        ct_state::ESTABLISHED,
+    );
+    // Its SYN retransmitted (the handshake started before the endpoint turned not ready):
+    // the same backend, like a netfilter conntrack entry.
+    dp.check(ingress(
+        "SYN retransmit of a tracked flow keeps its not-serving backend",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, x)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+
+    // New TCP flows never pick it, though the hash would have sent some there.
+    let mut would_have = 0;
+    for sport in 36_000..36_040 {
+        let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
+        would_have += usize::from(expected_pick(&syn, &[1, 2]) == x);
+        dp.check(ingress(
+            "a new TCP flow goes to the serving backend",
+            syn.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&syn, live)),
+            &[(Counter::NewFlow, 1)],
+        ));
+    }
+    assert!(
+        would_have > 5,
+        "some flows hashed to the not-serving backend"
+    );
+
+    // UDP: the next datagram is re-picked to the serving backend; both entries move.
+    dp.check(ingress(
+        "UDP to a not-serving backend is reselected",
+        q.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&q, ulive)),
+        &[(Counter::StaleBackendReselected, 1)],
+    ));
+    assert_flow(&mut dp, "UDP moved", &q, ulive, UDP_REVNAT, ct_state::UDP);
+    assert!(
+        dp.ct(&reply_key(&q, ux)).is_none(),
+        "the not-serving backend's REPLY entry is removed"
+    );
+
+    // Ready again: the flow goes on, new flows may pick it again.
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1, 2]);
+    let ack = Pkt::tcp(CLIENT, 35_000, VIP, 80, ACK).seq_ack(9001, 777);
+    dp.check(ingress(
+        "ready again: still its backend",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&ack, x)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+
+    // The endpoint leaves the slices: its entry goes, the flow is reset (as before).
+    dp.mark_not_serving(80, proto::TCP, TCP_REVNAT, &[live], x);
+    dp.remove_backend(x);
+    dp.check(ingress(
+        "TCP to a backend gone from the slices is reset",
+        ack.bytes(),
+        TC_ACT_REDIRECT,
+        Expect::Rst {
+            seq: 777,
+            ack: 0,
+            flags: RST,
+        },
+        &[(Counter::StaleBackendReset, 1)],
+    ));
+    assert!(dp.ct(&original_key(&syn)).is_none(), "entry deleted");
+}
+
+/// A client's affinity record naming a backend that turned not ready is not honoured: its
+/// match entry left with its slot, so the client's next new flow is scheduled (and recorded)
+/// among the serving backends, while its established flow to the old one goes on.
+#[test]
+fn affinity_record_of_a_not_serving_backend_is_not_honoured() {
+    let mut dp = Datapath::load();
+    let key = clusterip_key(80, proto::TCP);
+    dp.set_affinity_frontend(key, TCP_REVNAT, 0, Some(600), &[1, 2, 3, 4]);
+    let first = Pkt::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    let chosen = dp.new_flow_backend(&first);
+    assert_eq!(dp.affinity_record(CLIENT).unwrap().backend_id, chosen);
+    let rest: Vec<u32> = [1, 2, 3, 4].into_iter().filter(|b| *b != chosen).collect();
+    dp.set_affinity_frontend(key, TCP_REVNAT, 0, Some(600), &rest);
+    dp.services()
+        .remove(&key.with_slot(4))
+        .expect("remove the last slot");
+    dp.set_backend_flags(chosen, proto::TCP, backend_flags::NOT_SERVING);
+    for sport in 41_001..41_011 {
+        let syn = Pkt::tcp(CLIENT, sport, VIP, 80, SYN);
+        let got = dp.new_flow_backend(&syn);
+        assert_ne!(
+            got, chosen,
+            "a new flow of the client avoids the not-serving backend"
+        );
+        assert!(rest.contains(&got));
+    }
+    let again = dp.affinity_record(CLIENT).unwrap().backend_id;
+    assert!(
+        rest.contains(&again),
+        "the record now names a serving backend"
+    );
+    let ack = Pkt::tcp(CLIENT, 41_000, VIP, 80, ACK);
+    dp.check(ingress(
+        "the client's established flow keeps its backend",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&ack, chosen)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+}
+
 #[test]
 fn stale_backend_udp_is_reselected_tcp_is_reset() {
     let mut dp = Datapath::load().with_services();

@@ -483,6 +483,90 @@ fn a_tcp_segment_whose_backend_is_gone_is_reset() {
     assert_eq!(d.l4.len(), 20);
 }
 
+impl Datapath {
+    /// The agent's writes for a Service port on `VIP` whose endpoint `gone` turned not ready:
+    /// `keep`'s slots and frontend, the last slot removed, `gone`'s entry kept flagged
+    /// NOT_SERVING.
+    fn mark_not_serving(&mut self, port: u16, proto_: u8, rev_nat: u32, keep: &[u32], gone: u32) {
+        let mut b = self.backends().get(&gone, 0).unwrap();
+        b.flags = backend_flags::NOT_SERVING;
+        self.backends().insert(gone, b, 0).unwrap();
+        self.set_service(VIP, port, proto_, rev_nat, keep);
+        let last = Service6Key::new(VIP.octets(), port.to_be_bytes(), proto_, 0)
+            .with_slot(keep.len() as u16 + 1);
+        self.services().remove(&last).unwrap();
+    }
+}
+
+/// IPv6 twin of the IPv4 table: established TCP to a NOT_SERVING backend is still DNATed to it
+/// (both halves of the program: `tc_ingress6` and its new-flow program), new flows never pick
+/// it, UDP to it is picked anew, and once its entry is gone the flow is reset.
+#[test]
+fn not_serving_backend_keeps_tcp_flows_udp_is_reselected() {
+    let mut dp = Datapath::load();
+    let syn = Pkt6::tcp(CLIENT, 43_000, VIP, 80, SYN);
+    let x = picked(&syn, &TCP_IDS);
+    let live = if x == 1 { 2 } else { 1 };
+    dp.new_flow_dnated("SYN", &syn, x);
+    let q = Pkt6::udp(CLIENT, 43_001, VIP, 53);
+    let ux = picked(&q, &UDP_IDS);
+    let ulive = if ux == 11 { 12 } else { 11 };
+    dp.new_flow_dnated("UDP", &q, ux);
+
+    dp.mark_not_serving(80, proto::TCP, 1, &[live], x);
+    dp.mark_not_serving(53, proto::UDP, 2, &[ulive], ux);
+
+    for len in [1usize, 1000] {
+        let data = Pkt6::tcp(CLIENT, 43_000, VIP, 80, PSH | ACK).payload(&vec![5; len]);
+        dp.translated(
+            "established TCP to a not-serving backend: still DNATed to it",
+            PROG_TC_INGRESS,
+            &data,
+            ESTABLISHED,
+            &dnated(&data, x),
+        );
+    }
+    let mut would_have = 0;
+    for sport in 44_000..44_040 {
+        let syn = Pkt6::tcp(CLIENT, sport, VIP, 80, SYN);
+        would_have += usize::from(picked(&syn, &TCP_IDS) == x);
+        dp.new_flow_dnated("a new flow: the serving backend", &syn, live);
+    }
+    assert!(
+        would_have > 5,
+        "some flows hashed to the not-serving backend"
+    );
+    dp.translated(
+        "UDP to a not-serving backend is reselected",
+        PROG_TC_INGRESS,
+        &q,
+        &[
+            (Counter::StaleBackendReselected, 1),
+            (Counter::PickRandom, 1),
+        ],
+        &dnated(&q, ulive),
+    );
+    assert_eq!(dp.ct(&original_key(&q)).unwrap().backend_id, ulive);
+    assert!(
+        dp.ct(&reply_key(&q, ux)).is_none(),
+        "old REPLY entry removed"
+    );
+    assert_eq!(dp.ct(&original_key(&syn)).unwrap().backend_id, x);
+
+    // Gone from the slices: the entry goes, the next segment is reset.
+    dp.backends().remove(&x).unwrap();
+    let ack = Pkt6::tcp(CLIENT, 43_000, VIP, 80, ACK).payload(b"xyz");
+    let out = dp.step(
+        "ACK once the backend is gone",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_ACT_REDIRECT,
+        &[(Counter::StaleBackendReset, 1)],
+    );
+    let d = Decoded6::parse(&out);
+    assert_eq!(d.l4[13], RST, "RST");
+}
+
 #[test]
 fn extension_headers_are_walked_kept_and_bounded() {
     let dp = Datapath::load();

@@ -27,7 +27,7 @@ use common_packet::{
 use proxy_common::{
     Backend, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
     MAP_SNAT, PROG_TC_EGRESS, PROG_TC_INGRESS, ServiceKey, ServiceValue, SnatKey, SnatValue,
-    crc32c, csum, ct_dir, ct_state,
+    backend_flags, crc32c, csum, ct_dir, ct_state,
     flow_state::sctp_chunk as chunk,
     ipv6::{Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, Service6Key},
     proto, service_flags,
@@ -603,6 +603,70 @@ fn association(f: Family) {
         dp.original(&init).unwrap().1 > again,
         "the entry is a new one"
     );
+}
+
+/// Like TCP, an SCTP association keeps a backend that turned not ready (`NOT_SERVING`, no slot
+/// left: every endpoint of the Service not ready), while a new association is rejected as for
+/// any Service without endpoints (kube-proxy's REJECT matches new connections only).
+#[test]
+fn sctp_association_keeps_a_not_serving_backend() {
+    not_serving_keeps_the_association(V4);
+}
+
+#[test]
+fn sctp_association_over_ipv6_keeps_a_not_serving_backend() {
+    not_serving_keeps_the_association(V6);
+}
+
+fn not_serving_keeps_the_association(f: Family) {
+    let mut dp = Datapath::with_services();
+    let init = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::INIT);
+    dp.ingress(
+        "INIT",
+        &init,
+        Some(&init.to(f.be_21, 3869)),
+        Counter::NewFlow,
+    );
+    let echo = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::COOKIE_ECHO);
+    let to_21 = echo.to(f.be_21, 3869);
+    dp.ingress("COOKIE_ECHO", &echo, Some(&to_21), Counter::EstablishedFlow);
+    // Backend 21 turns not ready: its entry stays, flagged; the frontend has no slot left.
+    match f.vip {
+        IpAddr::V4(vip) => {
+            let mut b = dp.map::<u32, Backend>(MAP_BACKENDS).get(&21, 0).unwrap();
+            b.flags = backend_flags::NOT_SERVING;
+            dp.map::<u32, Backend>(MAP_BACKENDS)
+                .insert(21, b, 0)
+                .unwrap();
+            dp.set_family_frontend(f.vip, 3868, 1, &[]);
+            let slot = ServiceKey::new(vip.octets(), 3868u16.to_be_bytes(), proto::SCTP, 1);
+            dp.map::<ServiceKey, ServiceValue>(MAP_SERVICES)
+                .remove(&slot)
+                .unwrap();
+        }
+        IpAddr::V6(vip) => {
+            let mut b = dp.map::<u32, Backend6>(MAP_BACKENDS6).get(&21, 0).unwrap();
+            b.flags = backend_flags::NOT_SERVING;
+            dp.map::<u32, Backend6>(MAP_BACKENDS6)
+                .insert(21, b, 0)
+                .unwrap();
+            dp.set_family_frontend(f.vip, 3868, 1, &[]);
+            let slot = Service6Key::new(vip.octets(), 3868u16.to_be_bytes(), proto::SCTP, 1);
+            dp.map::<Service6Key, ServiceValue>(MAP_SERVICES6)
+                .remove(&slot)
+                .unwrap();
+        }
+    }
+    let data = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::DATA).value(&[7; 600]);
+    dp.ingress(
+        "DATA of the association to a not-serving backend is still DNATed to it",
+        &data,
+        Some(&data.to(f.be_21, 3869)),
+        Counter::EstablishedFlow,
+    );
+    assert_eq!(dp.state(&init), ct_state::ESTABLISHED);
+    let other = Sctp::new(f.client, 40_501, f.vip, 3868, chunk::INIT);
+    dp.rejected(&other);
 }
 
 /// A graceful shutdown: the client's SHUTDOWN half-closes, the backend's SHUTDOWN_ACK closes,

@@ -236,6 +236,7 @@ fn desired<A: Family>(svcs: &[Svc], conv: impl Fn(IpAddr) -> Option<A>) -> Desir
             },
             terminating: false,
             local,
+            not_serving: false,
         };
         let mut backends: Vec<_> = s.backends.iter().map(backend).collect();
         backends.sort();
@@ -280,6 +281,7 @@ fn desired<A: Family>(svcs: &[Svc], conv: impl Fn(IpAddr) -> Option<A>) -> Desir
                     },
                     terminating: false,
                     local: false,
+                    not_serving: false,
                 }];
             }
             frontends.insert(in_cluster, Arc::new(all));

@@ -36,7 +36,7 @@ use kube_proxy_ebpf::{
         kube::{Connection, KubeSource},
     },
 };
-use proxy_common::{MAP_SERVICE_CIDRS, service_cidr};
+use proxy_common::{Backend, MAP_BACKENDS, MAP_SERVICE_CIDRS, backend_flags, service_cidr};
 use proxy_testenv::{
     Agent, ConnectOutcome, FakeApiServer, PinDir, Topology,
     fake_apiserver::{Kind, wait_for},
@@ -450,6 +450,294 @@ fn terminating_endpoints_serve_only_when_nothing_is_ready() {
     env.check(Env::names(&c) == ["be3"], || {
         format!("a ready endpoint present: only it: {c:?}")
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Readiness: an endpoint that turns not ready keeps its established TCP connections
+
+/// demo/flap's ClusterIP: HTTP 80 → 8080, two streams (9000, 9001) and UDP echo 53 → 5353.
+const FLAP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
+
+fn flap_service() -> Value {
+    let mut svc = service("flap", FLAP, 80);
+    svc["spec"]["ports"] = json!([
+        {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+        {"name": "stream-a", "port": 9000, "protocol": "TCP", "targetPort": 9000},
+        {"name": "stream-b", "port": 9001, "protocol": "TCP", "targetPort": 9001},
+        {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+    ]);
+    svc
+}
+
+fn flap_slice(endpoints: &[(Ipv4Addr, Cond)]) -> Value {
+    let mut s = slice("flap", "a", endpoints);
+    s["ports"] = json!([
+        {"name": "http", "port": 8080, "protocol": "TCP"},
+        {"name": "stream-a", "port": 9000, "protocol": "TCP"},
+        {"name": "stream-b", "port": 9001, "protocol": "TCP"},
+        {"name": "dns", "port": 5353, "protocol": "UDP"},
+    ]);
+    s
+}
+
+/// Sends a 251-periodic byte pattern to its one client for `seconds`, paced (16 KiB every
+/// 5 ms), then closes; prints the bytes sent. Args: port, seconds, ready file.
+const FLAP_STREAM_SERVER_PY: &str = r#"
+import socket, sys, time
+port, seconds, ready = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+ls = socket.socket()
+ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("0.0.0.0", port))
+ls.listen(1)
+open(ready, "w").write("ready\n")
+conn, _ = ls.accept()
+chunk = bytes(i % 251 for i in range(251 * 64))
+sent, end = 0, time.monotonic() + seconds
+try:
+    while time.monotonic() < end:
+        conn.sendall(chunk)
+        sent += len(chunk)
+        print("sent", sent, flush=True)
+        time.sleep(0.005)
+    conn.shutdown(socket.SHUT_WR)
+except OSError as e:
+    print("error", repr(e), flush=True)
+print("done", sent, flush=True)
+"#;
+
+/// Receives the stream until EOF or an error, checking every byte against the pattern; prints
+/// one JSON line. Args: ip, port, recv timeout (s).
+const FLAP_STREAM_CLIENT_PY: &str = r#"
+import json, socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+s.settimeout(float(sys.argv[3]))
+big = bytes(i % 251 for i in range(251 * 300))
+total, bad, err, eof = 0, None, None, False
+try:
+    while True:
+        data = s.recv(65536)
+        if not data:
+            eof = True
+            break
+        o = total % 251
+        if bad is None and data != big[o:o + len(data)]:
+            bad = total + next(j for j in range(len(data)) if data[j] != big[o + j])
+        total += len(data)
+except Exception as e:
+    err = repr(e)
+print(json.dumps({"bytes": total, "mismatch": bad, "error": err, "eof": eof}))
+"#;
+
+/// One UDP socket (one 5-tuple) sending `n` datagrams `gap` seconds apart, each answered within
+/// 1 s or recorded as lost; prints a JSON list of [source, body] (null: lost). Args: ip, port,
+/// n, gap.
+const FLAP_UDP_FLOW_PY: &str = r#"
+import json, socket, sys, time
+ip, port, n, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(1)
+out = []
+for i in range(n):
+    s.sendto(b"u%d" % i, (ip, port))
+    try:
+        data, addr = s.recvfrom(65535)
+        out.append(["%s:%d" % addr[:2], data.decode(errors="replace")])
+    except socket.timeout:
+        out.append(None)
+    time.sleep(gap)
+print(json.dumps(out))
+"#;
+
+/// The pinned BACKENDS_V1 entries for `addr` (port, proto, flags).
+fn backend_entries(pin_dir: &Path, addr: Ipv4Addr) -> Vec<(u16, u8, u8)> {
+    let data = MapData::from_pin(pin_dir.join(MAP_BACKENDS)).expect("pinned BACKENDS map");
+    let map: aya::maps::HashMap<MapData, u32, Backend> =
+        aya::maps::HashMap::try_from(Map::HashMap(data)).expect("BACKENDS is a hash map");
+    let mut out: Vec<(u16, u8, u8)> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, b)| b.addr == addr.octets())
+        .map(|(_, b)| (u16::from_be_bytes(b.port), b.proto, b.flags))
+        .collect();
+    out.sort();
+    out
+}
+
+/// A pod whose readiness probe fails keeps its open TCP connections, as with kube-proxy: a long
+/// transfer through the ClusterIP to pod X (be1) completes with every byte after X turns not
+/// ready, new requests never reach X, and a UDP flow to X moves to another backend (upstream
+/// clears UDP conntrack for endpoints no longer serving). Once X leaves the EndpointSlice its
+/// backend entry goes and its other open connection is reset (the datapath answers the client's
+/// next segment with a RST).
+#[test]
+fn a_not_ready_endpoint_keeps_its_tcp_connections_until_it_leaves_the_slice() {
+    require_privileged!();
+    let ips = backend_ips();
+    let (x, others) = (ips[0], &ips[1..]);
+    let env = Env::start(vec![flap_service(), flap_slice(&[(x, Cond::Ready)])]);
+    env.wait_frontend(FLAP, Some(1), Duration::from_secs(10));
+
+    let tmp = env.topo.tmp().path().to_path_buf();
+    let script = |name: &str, text: &str| {
+        let path = tmp.join(name);
+        std::fs::write(&path, text).expect("writing a helper script");
+        path.to_str().expect("utf-8 path").to_owned()
+    };
+    let server_py = script("flap_server.py", FLAP_STREAM_SERVER_PY);
+    let client_py = script("flap_client.py", FLAP_STREAM_CLIENT_PY);
+    let udp_py = script("flap_udp.py", FLAP_UDP_FLOW_PY);
+    let be1 = env
+        .topo
+        .pod("be1")
+        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+    // Stream A lasts 6 s (it ends while X is not ready); stream B 40 s (X leaves the slice
+    // before it ends).
+    let mut servers = Vec::new();
+    let mut logs = Vec::new();
+    for (port, secs) in [(9000u16, 6u32), (9001, 40)] {
+        let ready = tmp.join(format!("flap-{port}.ready"));
+        let log = tmp.join(format!("flap-{port}.log"));
+        let server = be1
+            .ns()
+            .spawn(
+                &[
+                    "python3",
+                    &server_py,
+                    &port.to_string(),
+                    &secs.to_string(),
+                    ready.to_str().expect("utf-8 path"),
+                ],
+                Some(&log),
+            )
+            .unwrap_or_else(|e| env.fail(&format!("stream server {port}: {e:#}")));
+        wait_for(Duration::from_secs(10), "the stream server", || {
+            ready.exists()
+        })
+        .unwrap_or_else(|e| env.fail(&format!("stream server {port}: {e:#}")));
+        servers.push(server);
+        logs.push(log);
+    }
+    let sent = |log: &Path| -> (u64, bool) {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let n = (text.lines())
+            .rev()
+            .find_map(|l| l.strip_prefix("sent ")?.trim().parse().ok())
+            .unwrap_or(0);
+        (n, text.lines().any(|l| l.starts_with("done ")))
+    };
+    let client = env.topo.pod("client").expect("client pod").ns();
+    let resets_before = env.agent.counter("stale_backend_reset").unwrap_or(0);
+    let report = |out: anyhow::Result<std::process::Output>, what: &str| -> Value {
+        let out = out.unwrap_or_else(|e| env.fail(&format!("{what}: {e:#}")));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            env.fail(&format!(
+                "{what} printed no report ({e}): {} {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        })
+    };
+    let vip = FLAP.to_string();
+    let (a, b, udp) = thread::scope(|s| {
+        let stream = |port: &'static str, limit: u64| {
+            let (vip, client_py) = (&vip, &client_py);
+            s.spawn(move || {
+                client.output(
+                    &["python3", client_py, vip, port, "5"],
+                    Duration::from_secs(limit),
+                )
+            })
+        };
+        let a = stream("9000", 30);
+        let b = stream("9001", 60);
+        let udp = s.spawn(|| {
+            client.output(
+                &["python3", &udp_py, &vip, "53", "60", "0.1"],
+                Duration::from_secs(30),
+            )
+        });
+        // Both streams and the UDP flow run to X; then X turns not ready and two ready
+        // endpoints appear.
+        thread::sleep(Duration::from_millis(1500));
+        let flows_to_x = env.agent.counter("established_flow").unwrap_or(0);
+        env.check(flows_to_x > 0, || "no established flow yet".to_owned());
+        let mut eps = vec![(x, Cond::NotReady)];
+        eps.extend(others.iter().map(|ip| (*ip, Cond::Ready)));
+        env.api.apply(flap_slice(&eps)).expect("X not ready");
+        env.wait_frontend(FLAP, Some(2), Duration::from_secs(10));
+        let entries = backend_entries(env.pins.path(), x);
+        env.check(
+            [9000, 9001, 8080, 5353].iter().all(|port| {
+                entries
+                    .iter()
+                    .any(|(p, _, f)| p == port && f & backend_flags::NOT_SERVING != 0)
+            }),
+            || format!("X's backend entries stay, flagged not serving: {entries:?}"),
+        );
+        // New requests never reach X.
+        let c = env.distribution(FLAP, 40);
+        env.check(!c.is_empty() && !c.contains_key("be1"), || {
+            format!("new requests after X turned not ready: {c:?}")
+        });
+        let a = report(a.join().expect("stream A thread"), "stream A");
+        let udp = report(udp.join().expect("UDP thread"), "UDP flow");
+        // X leaves the slice: its entries go, stream B (still open) is reset.
+        env.api
+            .apply(flap_slice(&eps[1..]))
+            .expect("X removed from the slice");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !backend_entries(env.pins.path(), x).is_empty() {
+            env.check(Instant::now() < deadline, || {
+                "X's backend entries are still there 10 s after it left the slice".to_owned()
+            });
+            thread::sleep(Duration::from_millis(20));
+        }
+        let b = report(b.join().expect("stream B thread"), "stream B");
+        (a, b, udp)
+    });
+    let (sent_a, done_a) = sent(&logs[0]);
+    let (sent_b, _) = sent(&logs[1]);
+    eprintln!(
+        "stream A: {a} (server sent {sent_a}, done {done_a}); stream B: {b} (server sent {sent_b})"
+    );
+    eprintln!("UDP flow: {udp}");
+    env.check(
+        a["error"].is_null() && a["eof"] == true && a["mismatch"].is_null(),
+        || format!("the transfer to X broke when X turned not ready: {a}"),
+    );
+    env.check(done_a && sent_a > 0 && a["bytes"] == sent_a, || {
+        format!(
+            "the client received {} of the {sent_a} bytes sent",
+            a["bytes"]
+        )
+    });
+
+    // The UDP flow: X's answers first, then only the others', every datagram answered from
+    // the VIP.
+    let replies = udp.as_array().cloned().unwrap_or_default();
+    let from_x = |r: &Value| r[1].as_str().is_some_and(|b| b.starts_with("be1:"));
+    env.check(
+        replies.len() == 60 && replies.iter().all(|r| r[0] == format!("{FLAP}:53")),
+        || format!("every datagram answered from {FLAP}:53: {udp}"),
+    );
+    let moved = replies.iter().position(|r| !from_x(r));
+    env.check(
+        from_x(&replies[0]) && moved.is_some_and(|m| replies[m..].iter().all(|r| !from_x(r))),
+        || format!("the UDP flow moved from X to another backend, once: {udp}"),
+    );
+
+    // Stream B: reset once X left the slice (before its server finished).
+    let resets = env.agent.counter("stale_backend_reset").unwrap_or(0) - resets_before;
+    env.check(
+        b["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ConnectionResetError"))
+            && b["eof"] == false
+            && b["mismatch"].is_null()
+            && resets > 0,
+        || format!("stream B: {b}; {resets} resets counted"),
+    );
+    drop(servers);
 }
 
 #[test]

@@ -73,6 +73,7 @@ fn state_in<A: Family>(
                 },
                 terminating: false,
                 local: false,
+                not_serving: false,
             })
             .collect();
         let service = ServicePortName {

@@ -15,7 +15,8 @@
 //! when its end is seen or its entries are replaced, as `crate::lc`.
 
 use proxy_common::{
-    CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, ct_dir, ct_flags, ct_state,
+    CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, backend_flags, ct_dir, ct_flags,
+    ct_state,
     flow_state::{self, Segment},
     hash::PortProbe,
     ipv6::{Ct6Key, Ct6Value, flow_hash6},
@@ -191,11 +192,17 @@ pub fn next_reply_state(p: &Packet6, state: u8) -> u8 {
     flow_state::after_backend(state, segment(p))
 }
 
-/// Does the backend the entry names still exist with the address it was created with?
+/// Does the backend the entry names still exist with the address it was created with, and may
+/// the flow keep it (as `crate::conntrack::backend_valid`: a `NOT_SERVING` backend keeps TCP and
+/// SCTP flows, not UDP ones)?
 #[inline(always)]
 pub fn backend_valid(ct: &Ct6Value) -> bool {
     match maps::backend6(ct.backend_id) {
-        Some(b) => b.addr == ct.backend_addr && b.port == ct.backend_port,
+        Some(b) => {
+            b.addr == ct.backend_addr
+                && b.port == ct.backend_port
+                && backend_flags::keeps_flow(b.flags, b.proto)
+        }
         None => false,
     }
 }

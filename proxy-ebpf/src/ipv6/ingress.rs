@@ -141,7 +141,8 @@ fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
             // Became usable since `tc_ingress6` looked (another CPU): carry on with it.
             return pass_tracked(ctx, p, &key, &entry, ct, now);
         } else if p.is_tcp() && !p.is_syn() {
-            // Mid-connection and the backend is gone: reset, never send to the dead address.
+            // Mid-connection and the backend is gone (a not-serving one keeps its TCP flows):
+            // reset, never send to the dead address.
             conntrack::remove(&key, Sent::of(&key, ct));
             log::refused6(
                 Refused::BackendGone,

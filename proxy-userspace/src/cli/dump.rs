@@ -120,6 +120,9 @@ fn flags_text(flags: u8) -> String {
     if flags & backend_flags::LOCAL != 0 {
         parts.push("local");
     }
+    if flags & backend_flags::NOT_SERVING != 0 {
+        parts.push("not-serving");
+    }
     if parts.is_empty() {
         "-".into()
     } else {
@@ -724,6 +727,16 @@ mod tests {
         );
         assert_eq!(names(proto::UDP), ["udp"; 5]);
         assert_eq!(proto_name(proto::SCTP), "SCTP");
+    }
+
+    #[test]
+    fn backend_flags_are_named() {
+        assert_eq!(flags_text(0), "-");
+        assert_eq!(
+            flags_text(backend_flags::TERMINATING | backend_flags::NOT_SERVING),
+            "terminating,not-serving"
+        );
+        assert_eq!(flags_text(backend_flags::NOT_SERVING), "not-serving");
     }
 
     #[test]

@@ -383,11 +383,12 @@ pub fn maglev_table<A: Family>(df: &DesiredFrontend<A>, size: u32) -> Arc<Maglev
 
 /// One backend id may serve several frontends whose EndpointSlices disagree for a moment: it is
 /// local if any says so, terminating only if all say so (a backend some Service still selects as
-/// ready must not look terminating to it).
+/// ready must not look terminating to it), not serving only if all say so (a backend one Service
+/// still serves keeps its UDP flows, whichever Service they came through).
 pub fn merge_flags<B: encode::BackendValue>(a: B, b: B) -> B {
-    use proxy_common::backend_flags::{LOCAL, TERMINATING};
+    use proxy_common::backend_flags::{LOCAL, NOT_SERVING, TERMINATING};
     let (fa, fb) = (encode::flags_of(&a), encode::flags_of(&b));
-    let flags = ((fa | fb) & LOCAL) | (fa & fb & TERMINATING);
+    let flags = ((fa | fb) & LOCAL) | (fa & fb & (TERMINATING | NOT_SERVING));
     encode::with_backend_flags(&a, flags)
 }
 
@@ -620,12 +621,21 @@ mod tests {
             },
             terminating: false,
             local: false,
+            not_serving: false,
         }
     }
 
     fn term(i: u32) -> DesiredBackend {
         DesiredBackend {
             terminating: true,
+            ..be(i)
+        }
+    }
+
+    /// A retained backend that is not ready (and not serving).
+    fn not_serving(i: u32) -> DesiredBackend {
+        DesiredBackend {
+            not_serving: true,
             ..be(i)
         }
     }
@@ -1077,6 +1087,88 @@ mod tests {
         assert_eq!(plan.ops, [MapOp::DeleteBackend { id: 2 }]);
     }
 
+    /// A backend that turns not ready keeps its id and entry, flagged NOT_SERVING, but loses its
+    /// slot, its affinity match and its place in the Maglev table; it goes only when it leaves
+    /// the slices, and the id is then free again (nothing leaks).
+    #[test]
+    fn not_ready_backend_keeps_its_entry_flagged_without_slot_match_or_maglev_place() {
+        let with = |retained: Vec<DesiredBackend>, backends: &[u32]| {
+            let mut df = dfe(1, backends.iter().map(|b| be(*b)).collect(), retained);
+            df.balancing.affinity_timeout_s = Some(30);
+            df.balancing.scheduler = Scheduler::Maglev;
+            let mut d = DesiredState::default();
+            d.frontends.insert(fe(1), Arc::new(df));
+            d
+        };
+        let mut p = Programmed::default();
+        sync(&with(vec![], &[1, 2, 3]), &mut p);
+        let baseline = p.clone();
+        let id_of = |p: &Programmed, b: u32| {
+            p.backends
+                .iter()
+                .find(|(_, v)| encode::decode_endpoint(*v) == Some(be(b).endpoint))
+                .map(|(id, _)| id)
+                .expect("backend programmed")
+        };
+        let id2 = id_of(&p, 2);
+        sync(&with(vec![not_serving(2)], &[1, 3]), &mut p);
+        assert_eq!(id_of(&p, 2), id2, "same id while it is listed");
+        let mut flagged = encode::backend(&be(2));
+        flagged.flags = backend_flags::NOT_SERVING;
+        assert_eq!(p.backends.get(&id2), Some(&flagged));
+        let slots: Vec<u32> = (1..=p.services.get(&key(1, 0)).unwrap().count)
+            .map(|s| p.services.get(&key(1, s)).unwrap().backend_id)
+            .collect();
+        assert!(!slots.contains(&id2), "slots {slots:?}");
+        assert!(
+            !p.affinity_matches
+                .iter()
+                .any(|m| m.backend_id == id2 && m.frontend == key(1, 0)),
+            "no affinity match for a not-serving backend"
+        );
+        let table = table_of(&p, 1);
+        let entries = p.maglev.get(&table).expect("table");
+        assert_eq!(
+            entries.endpoints,
+            [be(1).endpoint, be(3).endpoint],
+            "not in the Maglev table"
+        );
+        // Ready again: back in its slot with its flags cleared; gone from the slices: deleted.
+        sync(&with(vec![], &[1, 2, 3]), &mut p);
+        assert_eq!(p.backends.get(&id2), Some(&encode::backend(&be(2))));
+        sync(&with(vec![not_serving(2)], &[1, 3]), &mut p);
+        let plan = sync(&with(vec![], &[1, 3]), &mut p);
+        assert!(plan.ops.contains(&MapOp::DeleteBackend { id: id2 }));
+        assert_eq!(p.backends.len(), 2);
+        // Occupancy after the churn is the baseline's again (no leaked ids or entries).
+        sync(&with(vec![], &[1, 2, 3]), &mut p);
+        assert_eq!(p.backends.len(), baseline.backends.len());
+        assert_eq!(p.services.len(), baseline.services.len());
+        assert_eq!(p.affinity_matches.len(), baseline.affinity_matches.len());
+    }
+
+    #[test]
+    fn shared_backend_not_serving_only_when_no_frontend_serves_it() {
+        let mut d = DesiredState::default();
+        d.frontends
+            .insert(fe(1), dfe(1, vec![be(1)], vec![]).into());
+        d.frontends
+            .insert(fe(2), dfe(2, vec![be(2)], vec![not_serving(1)]).into());
+        let mut p = Programmed::default();
+        sync(&d, &mut p);
+        assert!(
+            p.backends.values().all(|b| b.flags == 0),
+            "frontend 1 serves it: {:?}",
+            p.backends
+        );
+        d.frontends
+            .insert(fe(1), dfe(1, vec![], vec![not_serving(1)]).into());
+        sync(&d, &mut p);
+        let flags: Vec<u8> = p.backends.values().map(|b| b.flags).collect();
+        assert!(flags.contains(&backend_flags::NOT_SERVING), "{flags:?}");
+        assert_eq!(p.backends.len(), 2);
+    }
+
     fn maglev_dfe(i: u32, bs: &[u32]) -> DesiredFrontend {
         let mut df = dfe(i, bs.iter().map(|b| be(*b)).collect(), vec![]);
         df.balancing.scheduler = Scheduler::Maglev;
@@ -1450,6 +1542,7 @@ mod tests {
                         ..be(b)
                     }),
                     2 => retained.push(term(b)),
+                    3 => retained.push(not_serving(b)),
                     _ => {}
                 }
             }
@@ -1481,16 +1574,18 @@ mod tests {
             }
         }
         // Shared backends must agree on flags for the round trip to be exact.
-        let mut flags: HashMap<EndpointAddr, (bool, bool)> = HashMap::default();
+        let mut flags: HashMap<EndpointAddr, (bool, bool, bool)> = HashMap::default();
         for df in frontends.values_mut() {
             let df = Arc::make_mut(df);
             if rng.below(3) == 0 {
                 df.balancing.affinity_timeout_s = Some(1 + rng.below(100));
             }
             for b in df.backends.iter_mut().chain(df.retained.iter_mut()) {
-                let (t, l) = *flags.entry(b.endpoint).or_insert((b.terminating, b.local));
+                let (t, l, n) =
+                    *(flags.entry(b.endpoint)).or_insert((b.terminating, b.local, b.not_serving));
                 b.terminating = t;
                 b.local = l;
+                b.not_serving = n;
             }
             df.backends.sort();
             df.retained.sort();
@@ -1511,6 +1606,7 @@ mod tests {
             },
             terminating: b.terminating,
             local: b.local,
+            not_serving: b.not_serving,
         };
         let frontends = (d.frontends.iter())
             .map(|(f, df)| {
@@ -2217,6 +2313,7 @@ mod tests {
             },
             terminating: false,
             local,
+            not_serving: false,
         };
         let both = vec![ep(1, 11, true), ep(2, 11, false)];
         let np = Frontend::new(node_addr, 30080, Protocol::Tcp);

@@ -380,13 +380,16 @@ pub fn source_range_keys<A: FamilyAbi>(
 }
 
 /// `backend_flags` bits for a backend's conditions.
-pub fn backend_flags(terminating: bool, local: bool) -> u8 {
+pub fn backend_flags(terminating: bool, local: bool, not_serving: bool) -> u8 {
     let mut flags = 0;
     if terminating {
         flags |= backend_flags::TERMINATING;
     }
     if local {
         flags |= backend_flags::LOCAL;
+    }
+    if not_serving {
+        flags |= backend_flags::NOT_SERVING;
     }
     flags
 }
@@ -397,7 +400,7 @@ pub fn backend<A: FamilyAbi>(b: &DesiredBackend<A>) -> A::Backend {
         b.endpoint.addr,
         b.endpoint.port.to_be_bytes(),
         b.endpoint.protocol.number(),
-        backend_flags(b.terminating, b.local),
+        backend_flags(b.terminating, b.local, b.not_serving),
     )
 }
 
@@ -418,6 +421,7 @@ pub fn decode_backend<B: BackendValue>(b: &B) -> Option<DesiredBackend<B::Family
         endpoint: decode_endpoint(b)?,
         terminating: flags & backend_flags::TERMINATING != 0,
         local: flags & backend_flags::LOCAL != 0,
+        not_serving: flags & backend_flags::NOT_SERVING != 0,
     })
 }
 
@@ -530,7 +534,8 @@ mod tests {
 
     #[test]
     fn backend_round_trip_with_flags() {
-        for (terminating, local) in [(false, false), (true, false), (false, true), (true, true)] {
+        for bits in 0..8u8 {
+            let (terminating, local, not_serving) = (bits & 1 != 0, bits & 2 != 0, bits & 4 != 0);
             let b = DesiredBackend {
                 endpoint: EndpointAddr {
                     addr: Ipv4Addr::new(10, 244, 1, 11),
@@ -539,10 +544,18 @@ mod tests {
                 },
                 terminating,
                 local,
+                not_serving,
             };
             let raw = backend(&b);
             assert_eq!(raw.port, 8080u16.to_be_bytes());
             assert_eq!(raw.proto, 17);
+            // The flag bits are the ABI's (the datapath tests them).
+            assert_eq!(
+                raw.flags,
+                (u8::from(terminating) * backend_flags::TERMINATING)
+                    | (u8::from(local) * backend_flags::LOCAL)
+                    | (u8::from(not_serving) * backend_flags::NOT_SERVING)
+            );
             assert_eq!(decode_backend(&raw), Some(b));
         }
     }

@@ -116,26 +116,29 @@ struct Endpoint {
     /// irregular).
     id: u32,
     /// Desired side: how many frontends use it (backends and retained lists), as local, as
-    /// terminating. The last two in 16 bits; both [`WIDE`] when they are kept in
-    /// `Planner::wide_uses` instead (a count past 65,534: exact, though no cluster gets there).
+    /// terminating, as not serving. The last three in 16, 8 and 8 bits; `local` is [`WIDE`] when
+    /// they are kept in `Planner::wide_uses` instead (a local count past 65,534 or another past
+    /// 254: exact, though few endpoints get there).
     frontends: u32,
     local: u16,
-    terminating: u16,
+    terminating: u8,
+    not_serving: u8,
 }
 
-/// [`Endpoint::local`] and [`Endpoint::terminating`]: the counts are in `Planner::wide_uses`.
+/// [`Endpoint::local`]: the counts are in `Planner::wide_uses`.
 const WIDE: u16 = u16::MAX;
 
 impl Endpoint {
-    /// Counts one more (`add`) or one fewer use as local and/or as terminating (`which`).
+    /// Counts one more (`add`) or one fewer use as local, as terminating and/or as not serving
+    /// (`which`).
     fn count_uses<A: Family>(
         &mut self,
-        wide: &mut HashMap<EndpointAddr<A>, [u32; 2]>,
+        wide: &mut HashMap<EndpointAddr<A>, [u32; 3]>,
         ep: EndpointAddr<A>,
-        which: [bool; 2],
+        which: [bool; 3],
         add: bool,
     ) {
-        let step = |counts: &mut [u32; 2]| {
+        let step = |counts: &mut [u32; 3]| {
             for (n, _) in counts.iter_mut().zip(which).filter(|(_, w)| *w) {
                 *n = if add { *n + 1 } else { n.saturating_sub(1) };
             }
@@ -144,14 +147,24 @@ impl Endpoint {
             step(wide.entry(ep).or_default());
             return;
         }
-        let mut counts = [u32::from(self.local), u32::from(self.terminating)];
+        let mut counts = [
+            u32::from(self.local),
+            u32::from(self.terminating),
+            u32::from(self.not_serving),
+        ];
         step(&mut counts);
-        match counts.map(u16::try_from) {
-            [Ok(local), Ok(terminating)] if local < WIDE && terminating < WIDE => {
-                (self.local, self.terminating) = (local, terminating);
+        let [local, terminating, not_serving] = counts;
+        match (
+            u16::try_from(local).ok().filter(|n| *n < WIDE),
+            u8::try_from(terminating).ok().filter(|n| *n < u8::MAX),
+            u8::try_from(not_serving).ok().filter(|n| *n < u8::MAX),
+        ) {
+            (Some(local), Some(terminating), Some(not_serving)) => {
+                (self.local, self.terminating, self.not_serving) =
+                    (local, terminating, not_serving);
             }
             _ => {
-                (self.local, self.terminating) = (WIDE, WIDE);
+                (self.local, self.terminating, self.not_serving) = (WIDE, 0, 0);
                 wide.insert(ep, counts);
             }
         }
@@ -239,9 +252,9 @@ pub struct Planner<A: FamilyAbi = Ipv4Addr> {
     /// Endpoint → its smallest programmed backend id and how the desired frontends use it
     /// (an entry while either is there).
     endpoints: HashMap<EndpointAddr<A>, Endpoint>,
-    /// The local and terminating use counts of endpoints whose counts do not fit
-    /// [`Endpoint`]'s 16 bits.
-    wide_uses: HashMap<EndpointAddr<A>, [u32; 2]>,
+    /// The local, terminating and not-serving use counts of endpoints whose counts do not fit
+    /// [`Endpoint`]'s fields.
+    wide_uses: HashMap<EndpointAddr<A>, [u32; 3]>,
     /// Programmed backends that are not their endpoint's smallest id, or do not decode.
     irregular_backends: HashSet<u32>,
     /// Slots naming each backend id.
@@ -393,12 +406,12 @@ impl<A: FamilyAbi> Planner<A> {
                     if u.local == WIDE {
                         self.wide_uses.remove(&b.endpoint);
                     }
-                    (u.local, u.terminating) = (0, 0);
+                    (u.local, u.terminating, u.not_serving) = (0, 0, 0);
                     if u.id == 0 {
                         self.endpoints.remove(&b.endpoint);
                     }
-                } else if b.local || b.terminating {
-                    let which = [b.local, b.terminating];
+                } else if b.local || b.terminating || b.not_serving {
+                    let which = [b.local, b.terminating, b.not_serving];
                     u.count_uses(&mut self.wide_uses, b.endpoint, which, add);
                 }
             }
@@ -658,15 +671,19 @@ impl<A: FamilyAbi> Planner<A> {
         }
     }
 
-    /// How many desired frontends use the endpoint: `(all, as local, as terminating)`
-    /// (`None`: no frontend does).
-    fn endpoint_use(&self, ep: &EndpointAddr<A>) -> Option<(u32, u32, u32)> {
+    /// How many desired frontends use the endpoint: `(all, as local, as terminating, as not
+    /// serving)` (`None`: no frontend does).
+    fn endpoint_use(&self, ep: &EndpointAddr<A>) -> Option<(u32, u32, u32, u32)> {
         let e = self.endpoints.get(ep).filter(|e| e.frontends > 0)?;
-        let [local, terminating] = match e.local {
+        let [local, terminating, not_serving] = match e.local {
             WIDE => self.wide_uses.get(ep).copied().unwrap_or_default(),
-            _ => [e.local, e.terminating].map(u32::from),
+            _ => [
+                u32::from(e.local),
+                u32::from(e.terminating),
+                u32::from(e.not_serving),
+            ],
         };
-        Some((e.frontends, local, terminating))
+        Some((e.frontends, local, terminating, not_serving))
     }
 
     /// Endpoint → smallest programmed backend id (tests: the programmed side alone).
@@ -1027,13 +1044,17 @@ impl<A: FamilyAbi> Planner<A> {
         let mut dead_backends = Vec::new();
         for ep in touched {
             match self.endpoint_use(ep) {
-                Some((frontends, local, terminating)) => {
+                Some((frontends, local, terminating, not_serving)) => {
                     let id = id_of(ep)?;
                     let backend = A::backend(
                         ep.addr,
                         ep.port.to_be_bytes(),
                         ep.protocol.number(),
-                        encode::backend_flags(terminating == frontends, local > 0),
+                        encode::backend_flags(
+                            terminating == frontends,
+                            local > 0,
+                            not_serving == frontends,
+                        ),
                     );
                     if programmed.backends.get(&id) != Some(&backend) {
                         puts.push((id, backend));
@@ -1180,8 +1201,8 @@ impl<A: FamilyAbi> Planner<A> {
 mod tests {
     use super::*;
 
-    /// The local and terminating counts are exact past their 16 bits (moved to `wide_uses`
-    /// and back to nothing when the last frontend goes), and give the same flags.
+    /// The local, terminating and not-serving counts are exact past their 16 and 8 bits (moved
+    /// to `wide_uses` and back to nothing when the last frontend goes), and give the same flags.
     #[test]
     fn use_counts_past_16_bits_stay_exact() {
         use std::net::Ipv4Addr;
@@ -1192,7 +1213,7 @@ mod tests {
             port: 8080,
             protocol: Protocol::Tcp,
         };
-        let df = |local: bool, terminating: bool| DesiredFrontend {
+        let df = |local: bool, terminating: bool, not_serving: bool| DesiredFrontend {
             service: ServicePortName {
                 namespace: "ns".into(),
                 name: "s".into(),
@@ -1207,33 +1228,47 @@ mod tests {
                 endpoint: ep,
                 terminating,
                 local,
+                not_serving,
             }],
             retained: Vec::new(),
         };
         let frontend = |i: u32| Frontend::new(Ipv4Addr::from(0x0a60_0000 + i), 80, Protocol::Tcp);
         let mut planner = Planner::new(&Programmed::default());
-        // 70,000 frontends: every one local, every other one terminating.
+        // 70,000 frontends: every one local, every other one terminating, every fourth one not
+        // serving.
         let n = 70_000u32;
-        let each = |i: u32| df(true, i.is_multiple_of(2));
+        let each = |i: u32| df(true, i.is_multiple_of(2), i.is_multiple_of(4));
         for i in 0..n {
             planner.desired_changed(frontend(i), None, Some(&each(i)));
         }
-        assert_eq!(planner.endpoint_use(&ep), Some((n, n, n / 2)));
+        assert_eq!(planner.endpoint_use(&ep), Some((n, n, n / 2, n / 4)));
         assert_eq!(planner.wide_uses.len(), 1);
-        // All but one go (the last one terminating): back under 16 bits, still exact.
-        for i in 0..n - 2 {
+        // All but one go (the last one terminating and not serving): back under 16 bits, still
+        // exact.
+        for i in 0..n - 4 {
             planner.desired_changed(frontend(i), Some(&each(i)), None);
         }
-        assert_eq!(planner.endpoint_use(&ep), Some((2, 2, 1)));
-        planner.desired_changed(frontend(n - 1), Some(&each(n - 1)), None);
-        assert_eq!(planner.endpoint_use(&ep), Some((1, 1, 1)));
-        planner.desired_changed(frontend(n - 2), Some(&each(n - 2)), None);
+        for i in n - 3..n {
+            planner.desired_changed(frontend(i), Some(&each(i)), None);
+        }
+        assert_eq!(planner.endpoint_use(&ep), Some((1, 1, 1, 1)));
+        planner.desired_changed(frontend(n - 4), Some(&each(n - 4)), None);
         assert_eq!(planner.endpoint_use(&ep), None);
         assert!(planner.wide_uses.is_empty() && planner.endpoints.is_empty());
+        // 300 not-serving uses and nothing local: past 8 bits, to `wide_uses`, exact.
+        for i in 0..300 {
+            planner.desired_changed(frontend(i), None, Some(&df(false, false, true)));
+        }
+        assert_eq!(planner.endpoint_use(&ep), Some((300, 0, 0, 300)));
+        assert_eq!(planner.wide_uses.len(), 1);
+        for i in 0..300 {
+            planner.desired_changed(frontend(i), Some(&df(false, false, true)), None);
+        }
+        assert!(planner.wide_uses.is_empty() && planner.endpoints.is_empty());
         // Small counts stay in the entry.
-        planner.desired_changed(frontend(0), None, Some(&df(false, true)));
-        planner.desired_changed(frontend(1), None, Some(&df(true, false)));
-        assert_eq!(planner.endpoint_use(&ep), Some((2, 1, 1)));
+        planner.desired_changed(frontend(0), None, Some(&df(false, true, true)));
+        planner.desired_changed(frontend(1), None, Some(&df(true, false, false)));
+        assert_eq!(planner.endpoint_use(&ep), Some((2, 1, 1, 1)));
         assert!(planner.wide_uses.is_empty());
         assert_eq!(std::mem::size_of::<Endpoint>(), 12);
     }
@@ -1270,6 +1305,7 @@ mod tests {
                         },
                         terminating: false,
                         local: false,
+                        not_serving: false,
                     })
                     .collect(),
                 retained: Vec::new(),

@@ -190,6 +190,10 @@ pub struct DesiredBackend<A: Family = Ipv4Addr> {
     pub terminating: bool,
     /// The endpoint's nodeName is this node.
     pub local: bool,
+    /// Retained only: the endpoint is not serving (not ready, and not serving-terminating), so
+    /// its UDP flows are re-picked while TCP and SCTP ones go on
+    /// (`backend_flags::NOT_SERVING`). Never set on a backend that receives new flows.
+    pub not_serving: bool,
 }
 
 /// Which Service port a frontend belongs to (for messages, dumps and metrics).
@@ -294,7 +298,9 @@ pub struct DesiredFrontend<A: Family = Ipv4Addr> {
     /// (drop them with `drop_when_empty`).
     pub backends: Vec<DesiredBackend<A>>,
     /// Backends that receive no new flows but must stay in BACKENDS so established flows to them
-    /// finish (serving + terminating endpoints not selected). Sorted, disjoint from `backends`.
+    /// finish: endpoints still listed in the Service's slices but not selected, either serving
+    /// and terminating, or not ready (`not_serving` when not serving either). Sorted, disjoint
+    /// from `backends`.
     pub retained: Vec<DesiredBackend<A>>,
 }
 

@@ -20,8 +20,9 @@ pub struct Policy {
 pub struct Categorized<A: Family = Ipv4Addr> {
     /// Receive new flows. Sorted, no duplicates.
     pub selected: Vec<DesiredBackend<A>>,
-    /// Serving and terminating but not selected: kept so established flows finish. Sorted,
-    /// disjoint from `selected`.
+    /// Not selected but kept so established flows finish: serving and terminating endpoints,
+    /// and not-ready ones (flagged `not_serving` unless serving). A ready endpoint left out by
+    /// topology or a Local policy is not kept. Sorted, disjoint from `selected`.
     pub retained: Vec<DesiredBackend<A>>,
     /// The Service port has a usable endpoint somewhere in the cluster (upstream
     /// `hasAnyEndpoints`): ready, or serving and terminating, on any node. With a Local policy
@@ -94,10 +95,15 @@ pub fn categorize<A: Family>(
             .binary_search_by(|s| s.endpoint.cmp(&b.endpoint))
             .is_ok()
     };
+    // A pod whose readiness probe fails keeps its established connections, as with netfilter:
+    // only new flows stop going to it.
     let mut retained: Vec<DesiredBackend<A>> = endpoints
         .iter()
-        .filter(|ep| ep.serving && ep.terminating)
-        .map(backend)
+        .filter(|ep| (ep.serving && ep.terminating) || !ep.ready)
+        .map(|ep| DesiredBackend {
+            not_serving: !ep.serving,
+            ..backend(ep)
+        })
         .filter(|b| !is_selected(b))
         .collect();
     retained.sort();
@@ -149,5 +155,6 @@ fn backend<A: Family>(ep: &EndpointInfo<A>) -> DesiredBackend<A> {
         endpoint: ep.endpoint,
         terminating: ep.terminating,
         local: ep.local,
+        not_serving: false,
     }
 }

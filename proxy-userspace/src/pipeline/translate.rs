@@ -981,7 +981,7 @@ mod tests {
     }
 
     /// What a test expects of one frontend: selected and retained backends as
-    /// "addr:port" + " T" (terminating) + " L" (local).
+    /// "addr:port" + " T" (terminating) + " L" (local) + " N" (not serving).
     struct Want<'a> {
         frontend: &'a str,
         selected: &'a [&'a str],
@@ -1004,6 +1004,9 @@ mod tests {
         }
         if b.local {
             s.push_str(" L");
+        }
+        if b.not_serving {
+            s.push_str(" N");
         }
         s
     }
@@ -1271,18 +1274,26 @@ mod tests {
                 vec![
                     ready("10.0.0.1"),
                     terminating("10.0.0.2", true),
-                    terminating("10.0.0.3", false), // not serving: dropped entirely
+                    // Not serving: retained for its established TCP/SCTP flows, flagged.
+                    terminating("10.0.0.3", false),
                     ep(
                         "10.0.0.4",
                         "node-b",
                         (Some(false), Some(false), Some(false)),
-                    ), // not ready
+                    ), // not ready (a failing readiness probe): the same
+                    // Not ready yet serving (the API allows it): retained, not flagged.
+                    ep("10.0.0.5", "node-b", (Some(false), Some(true), Some(false))),
                 ],
             )],
             want: &[Want {
                 frontend: "10.96.0.10:80/TCP",
                 selected: &["10.0.0.1:8080"],
-                retained: &["10.0.0.2:8080 T"],
+                retained: &[
+                    "10.0.0.2:8080 T",
+                    "10.0.0.3:8080 T N",
+                    "10.0.0.4:8080 N",
+                    "10.0.0.5:8080",
+                ],
             }],
             problems: &[],
             notes: 0,
@@ -1305,11 +1316,36 @@ mod tests {
             want: &[Want {
                 frontend: "10.96.0.10:80/TCP",
                 selected: &["10.0.0.2:8080 T"],
-                retained: &[],
+                retained: &["10.0.0.3:8080 T N"],
             }],
             problems: &[],
             notes: 0,
         });
+    }
+
+    /// Every endpoint not ready: nothing selected (new flows rejected), all retained flagged
+    /// not serving, so established TCP flows go on (kube-proxy's REJECT matches NEW only).
+    #[test]
+    fn none_ready_selects_nothing_and_retains_all_not_serving() {
+        let not_ready = |a: &str| ep(a, "node-b", (Some(false), Some(false), Some(false)));
+        let t = run(Case {
+            services: vec![cluster_ip("web", "10.96.0.10", &[("http", 80, "TCP")])],
+            slices: vec![slice(
+                "web",
+                "web-1",
+                http_port(8080),
+                vec![not_ready("10.0.0.1"), not_ready("10.0.0.2")],
+            )],
+            want: &[Want {
+                frontend: "10.96.0.10:80/TCP",
+                selected: &[],
+                retained: &["10.0.0.1:8080 N", "10.0.0.2:8080 N"],
+            }],
+            problems: &[],
+            notes: 0,
+        });
+        let df = t.desired.frontends.values().next().expect("frontend");
+        assert!(!df.drop_when_empty, "rejected, not dropped");
     }
 
     #[test]
@@ -1323,14 +1359,15 @@ mod tests {
                 vec![
                     // No conditions at all: ready.
                     json!({"addresses": ["10.0.0.1"]}),
-                    // Not ready, terminating, serving unset = not serving: no fallback, not retained.
+                    // Not ready, terminating, serving unset = not serving: no fallback,
+                    // retained flagged not serving.
                     ep("10.0.0.2", "node-b", (Some(false), None, Some(true))),
                 ],
             )],
             want: &[Want {
                 frontend: "10.96.0.10:80/TCP",
                 selected: &["10.0.0.1:8080"],
-                retained: &[],
+                retained: &["10.0.0.2:8080 T N"],
             }],
             problems: &[],
             notes: 0,
@@ -1434,7 +1471,8 @@ mod tests {
             want: &[Want {
                 frontend: "10.96.0.10:80/TCP",
                 selected: &["10.0.0.1:8080", "10.0.0.3:8080"],
-                retained: &[],
+                // A ready endpoint of another zone is not kept; a not-ready one is.
+                retained: &["10.0.0.4:8080 T N"],
             }],
             problems: &[],
             notes: 0,

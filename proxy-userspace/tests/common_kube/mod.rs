@@ -46,7 +46,8 @@ pub enum Cond {
     Ready,
     /// Terminating but still serving (the fallback when nothing is ready).
     TerminatingServing,
-    /// Neither ready nor serving (a failing readiness probe): never a backend.
+    /// Neither ready nor serving (a failing readiness probe): never chosen for a new flow; its
+    /// established TCP flows go on.
     NotReady,
 }
 

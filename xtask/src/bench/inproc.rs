@@ -725,6 +725,7 @@ pub fn maglev_memory(services: usize) -> Result<Value> {
                 },
                 terminating: false,
                 local: false,
+                not_serving: false,
             })
             .collect();
         let df = DesiredFrontend {
