@@ -292,7 +292,9 @@ fn an_ipv4_only_node_gets_one_entry_ipv6_maps_and_a_restart_with_ipv6_sizes_them
         .exec(&["ip", "-6", "addr", "add", "fd00:50::10/128", "dev", "lo"])
         .expect("node IPv6 address");
     if let Err(e) = agent.wait_status(Duration::from_secs(30), |s| s.problems > 0) {
-        agent.fail(&format!("no problem reported for the full IPv6 maps: {e:#}"));
+        agent.fail(&format!(
+            "no problem reported for the full IPv6 maps: {e:#}"
+        ));
     }
     // The whole log (the agent's, in the work directory given to `Agent::start_with`).
     let log = std::fs::read_to_string(topo.tmp().path().join("agent.log")).expect("agent log");
@@ -312,7 +314,8 @@ fn an_ipv4_only_node_gets_one_entry_ipv6_maps_and_a_restart_with_ipv6_sizes_them
         .unwrap_or_else(|e| agent.fail(&format!("{e:#}")));
     let sizes: Vec<(&str, u32)> = six.iter().map(|n| (*n, entries(n))).collect();
     agent.check(
-        sizes.iter().all(|(_, n)| *n > 1) && entries(ipv6::MAP_SERVICES6) == ipv6::SERVICES6_CAPACITY,
+        sizes.iter().all(|(_, n)| *n > 1)
+            && entries(ipv6::MAP_SERVICES6) == ipv6::SERVICES6_CAPACITY,
         || format!("after a restart with IPv6: {sizes:?}"),
     );
     let (got4, got6) = read();

@@ -695,9 +695,11 @@ fn ipv6_maps_get_their_sizes_and_one_entry_each_on_a_node_without_ipv6() {
     // The kernel's own account of a map's memory (`memlock` in its fd's fdinfo).
     let memlock = |name: &str| -> u64 {
         let map = data(name);
-        let fdinfo =
-            std::fs::read_to_string(format!("/proc/self/fdinfo/{}", map.fd().as_fd().as_raw_fd()))
-                .expect("fdinfo");
+        let fdinfo = std::fs::read_to_string(format!(
+            "/proc/self/fdinfo/{}",
+            map.fd().as_fd().as_raw_fd()
+        ))
+        .expect("fdinfo");
         (fdinfo.lines())
             .find_map(|l| l.strip_prefix("memlock:"))
             .and_then(|v| v.trim().parse().ok())
@@ -846,7 +848,10 @@ fn a_failed_ipv6_source_range_or_service_cidr_write_is_reported_and_written_by_a
     assert_eq!(ranges.programmed(), &BTreeSet::from([a]));
     assert!(!ranges.sync(&BTreeSet::from([b])), "b still does not fit");
     assert!(ranges.programmed().is_empty(), "a removed");
-    assert!(ranges.sync(&BTreeSet::from([b])), "written by the next call");
+    assert!(
+        ranges.sync(&BTreeSet::from([b])),
+        "written by the next call"
+    );
     assert_eq!(ranges.programmed(), &BTreeSet::from([b]));
 
     let mut cidrs = ServiceCidrs::<Ipv6Addr>::from_ebpf(&mut ebpf).expect("SVCCIDRS6_V1");
@@ -859,11 +864,17 @@ fn a_failed_ipv6_source_range_or_service_cidr_write_is_reported_and_written_by_a
     let want = |keys: &[(u32, [u8; 16])]| -> BTreeMap<(u32, [u8; 16]), u32> {
         keys.iter().map(|k| (*k, kind)).collect()
     };
-    assert!(!cidrs.sync(&want(&[net(1), net(2)])), "the second does not fit");
+    assert!(
+        !cidrs.sync(&want(&[net(1), net(2)])),
+        "the second does not fit"
+    );
     assert_eq!(cidrs.programmed().len(), 1);
     let written = *cidrs.programmed().keys().next().expect("one");
     let other = if written == net(1) { net(2) } else { net(1) };
-    assert!(!cidrs.sync(&want(&[other])), "still full: the stale one goes after");
+    assert!(
+        !cidrs.sync(&want(&[other])),
+        "still full: the stale one goes after"
+    );
     assert!(cidrs.sync(&want(&[other])), "written by the next call");
     assert_eq!(cidrs.programmed(), &want(&[other]));
 }

@@ -338,7 +338,11 @@ mod tests {
         );
         assert_eq!(
             (s.conntrack6, s.sock_rev6, s.fragments6),
-            (CONNTRACK6_CAPACITY, SOCK_REVNAT6_CAPACITY, FRAGMENTS6_CAPACITY)
+            (
+                CONNTRACK6_CAPACITY,
+                SOCK_REVNAT6_CAPACITY,
+                FRAGMENTS6_CAPACITY
+            )
         );
         assert_eq!(
             (s.services, s.backends),
@@ -368,7 +372,10 @@ mod tests {
             (with_v6.services, with_v6.conntrack)
         );
         for (argv, file) in [
-            (&["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"][..], ""),
+            (
+                &["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"][..],
+                "",
+            ),
             (&["--service-cidr", "fd00:96::/112"][..], ""),
             (&["--nodeport-addresses", "fd00:50::/64"][..], ""),
             (&["--ipv6-maps", "full"][..], ""),
