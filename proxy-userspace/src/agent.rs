@@ -340,6 +340,10 @@ impl Agent {
                 reason: reason.clone(),
             });
         }
+        // The IPv6 family's problems are reported with these, as of its last sync (updated
+        // below once it synced: an IPv6 frontend that does not fit is reported like an IPv4 one).
+        let ipv4_problems = problems.len();
+        problems.extend_from_slice(self.family6.problems());
         self.report_problems(&problems);
         self.report_conflicts(snapshot);
         parts.report = lap.elapsed();
@@ -372,6 +376,11 @@ impl Agent {
             ..Plan::default()
         });
         let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6();
+        if problems[ipv4_problems..] != *self.family6.problems() {
+            problems.truncate(ipv4_problems);
+            problems.extend_from_slice(self.family6.problems());
+            self.report_problems(&problems);
+        }
         walk_conntrack_now |= walk6;
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
@@ -768,11 +777,6 @@ impl Agent {
                 for (map, n) in self.family6.occupancy() {
                     self.occupancy.report(&self.metrics, map, n);
                 }
-                for p in &synced.problems {
-                    if self.reported.insert(p.to_string()) {
-                        warn!("{p}");
-                    }
-                }
                 if synced.ops > 0 {
                     info!(
                         ops = synced.ops,
@@ -1049,7 +1053,27 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let cpus = crate::dataplane::sizing::online_cpus();
-    let sizes = crate::dataplane::sizing::map_sizes(&args.map_request(), cpus);
+    let node_has_ipv6 = crate::dataplane::sizing::node_has_ipv6();
+    let sizes = crate::dataplane::sizing::map_sizes(&args.map_request(), cpus, node_has_ipv6);
+    if sizes.ipv6_minimal() {
+        info!(
+            mode = ?args.ipv6_maps,
+            node_has_ipv6,
+            "IPv6 maps created with one entry each (no IPv6 address or IPv6 configuration on \
+             this node; restart the agent once it has IPv6, or pass --ipv6-maps full)"
+        );
+    } else {
+        info!(
+            mode = ?args.ipv6_maps,
+            services6 = sizes.services6,
+            backends6 = sizes.backends6,
+            rev_nat6 = sizes.rev_nats6,
+            conntrack6 = sizes.conntrack6,
+            snat6 = sizes.snat6,
+            affinity6 = sizes.affinity6,
+            "IPv6 map sizes (used when the maps are created)"
+        );
+    }
     let flow_maps = crate::dataplane::sizing::flow_maps(&args.map_request(), cpus);
     info!(
         cpus,

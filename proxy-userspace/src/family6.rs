@@ -21,7 +21,7 @@
 
 use std::{net::Ipv6Addr, sync::Arc};
 
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::{
     dataplane::{
@@ -78,12 +78,14 @@ pub struct Family6 {
     /// The IPv6 family's health-check node ports, and the checks they were last given.
     health_checks: HealthCheckServers<Ipv6Addr>,
     served_checks: Option<Vec<HealthCheck>>,
+    /// The last sync's problems (bad IPv6 input, frontends that did not fit the IPv6 maps),
+    /// reported by the agent with the IPv4 family's ([`Family6::problems`]).
+    problems: Vec<Problem>,
 }
 
 /// What one IPv6 sync did.
 #[derive(Debug, Default)]
 pub struct Synced {
-    pub problems: Vec<Problem>,
     pub ops: usize,
     pub frontends: usize,
     /// The IPv6 family's health checks (served on the IPv6 NodePort addresses).
@@ -142,6 +144,7 @@ impl Family6 {
             enabled: false,
             health_checks: HealthCheckServers::new(proxy),
             served_checks: None,
+            problems: Vec::new(),
         };
         out.refresh();
         Ok(out)
@@ -178,6 +181,15 @@ impl Family6 {
                 let changed = enabled != self.enabled || selected.nodeport != self.nodeport;
                 if changed {
                     info!(nodeport = ?selected.nodeport, enabled, "node IPv6 addresses");
+                }
+                if enabled && !self.enabled && self.minimal_maps() {
+                    warn!(
+                        services6 = self.capacities.services,
+                        "the node has IPv6 now, but the IPv6 maps were created with one entry each \
+                         (no IPv6 when they were created, `--ipv6-maps auto`): IPv6 frontends \
+                         that do not fit are reported; restart the agent to size the maps (or \
+                         run it with --ipv6-maps full)"
+                    );
                 }
                 self.enabled = enabled;
                 self.nodeport = selected.nodeport;
@@ -227,6 +239,17 @@ impl Family6 {
     /// planner's free ids while it holds them (one id space, see the module doc).
     pub fn ipv4_applied(&mut self, op: &crate::pipeline::programmed::MapOp) {
         self.planner.other_applied(&self.programmed, op);
+    }
+
+    /// Whether the IPv6 maps are the one-entry ones of a node without IPv6
+    /// (`crate::dataplane::sizing`).
+    pub fn minimal_maps(&self) -> bool {
+        self.capacities.services <= crate::dataplane::sizing::MINIMAL_ENTRIES
+    }
+
+    /// The problems of the last IPv6 sync (none while the family is off).
+    pub fn problems(&self) -> &[Problem] {
+        if self.active() { &self.problems } else { &[] }
     }
 
     /// Whether a sync has IPv6 work: the node has IPv6, or the maps hold entries to remove.
@@ -310,21 +333,20 @@ impl Family6 {
         } else {
             self.no_local.update(&changes, desired);
         }
+        self.problems = if self.enabled {
+            self.cache.problems()
+        } else {
+            Vec::new()
+        };
+        (self.problems).extend(plan.skipped.iter().map(|(frontend, reason)| Problem {
+            source: "dataplane".into(),
+            object: format!("frontend {frontend}"),
+            reason: reason.clone(),
+        }));
         let mut out = Synced {
-            problems: if self.enabled {
-                self.cache.problems()
-            } else {
-                Vec::new()
-            },
             no_local_endpoints: self.no_local.counts(),
             ..Synced::default()
         };
-        out.problems
-            .extend(plan.skipped.iter().map(|(frontend, reason)| Problem {
-                source: "dataplane".into(),
-                object: format!("frontend {frontend}"),
-                reason: reason.clone(),
-            }));
         before_apply(&plan.ops, &self.programmed);
         let (applied, failure) = self.maps.apply_all(&plan.ops);
         for op in &plan.ops[..applied] {
@@ -362,15 +384,18 @@ impl Family6 {
                     || ranges(new)
                     || cluster_ip(c.old.as_ref()) != cluster_ip(new)
             });
+        // A write that failed here is retried by the next sync (as IPv4's): it walks again.
+        let mut written = true;
         if walk {
             let desired = self.cache.desired();
-            self.ranges.sync(&source_ranges::wanted(desired));
+            written &= self.ranges.sync(&source_ranges::wanted(desired));
             let cidrs: Vec<(Ipv6Addr, u8)> = (self.service_cidr_flag.iter())
                 .chain(&self.service_cidr_api)
                 .copied()
                 .collect();
-            (self.service_cidrs).sync(&service_cidrs::wanted(desired, &cidrs));
+            written &= (self.service_cidrs).sync(&service_cidrs::wanted(desired, &cidrs));
         }
+        self.walk_external = !written;
         let health_checks = if self.enabled {
             self.cache.health_checks()
         } else {
@@ -378,7 +403,7 @@ impl Family6 {
         };
         self.serve_health_checks(&health_checks);
         out.health_checks = health_checks;
-        self.pending = false;
+        self.pending = !written;
         Ok(out)
     }
 

@@ -218,3 +218,113 @@ fn the_agent_programs_both_families_of_a_dual_stack_service() {
     });
     agent.stop().expect("stopping the agent");
 }
+
+/// `--ipv6-maps auto` on a node without IPv6: every IPv6 hash and LRU map is created with one
+/// entry (nothing preallocated for a family the node does not carry) and the IPv4 family is
+/// programmed as always. The node then gets an IPv6 address: the IPv6 family starts on the
+/// one-entry maps, and what does not fit is reported like a full IPv4 map (status `problems`,
+/// a `skipped: ... SERVICES6 map full` line). A restart sizes the maps (the one-entry pins
+/// replaced) and programs every IPv6 frontend.
+#[test]
+fn an_ipv4_only_node_gets_one_entry_ipv6_maps_and_a_restart_with_ipv6_sizes_them() {
+    require_privileged!();
+    use proxy_common::ipv6;
+    proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
+    let topo = Topology::new().expect("creating the topology");
+    // An IPv4-only node: the topology's IPv6 node address removed (link-local ones stay).
+    topo.node()
+        .exec(&["ip", "-6", "addr", "flush", "scope", "global"])
+        .expect("removing the node's IPv6 addresses");
+    let manifests = ManifestDir::new().expect("manifest dir");
+    std::fs::write(manifests.path().join("dual.yaml"), DUAL).expect("writing the manifests");
+    let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
+    let args = ["--manifests".as_ref(), manifests.path().as_os_str()];
+    let mut agent = Agent::start_with(
+        Path::new(BIN),
+        topo.node(),
+        &args,
+        pins.path(),
+        topo.tmp().path(),
+    )
+    .expect("starting the agent");
+    let first = agent
+        .wait_synced(1, Duration::from_secs(30))
+        .unwrap_or_else(|e| agent.fail(&format!("{e:#}")));
+    let layout = PinLayout::new(pins.path());
+    let entries = |name: &str| {
+        aya::maps::MapData::from_pin(layout.map(name))
+            .and_then(|m| m.info())
+            .map(|i| i.max_entries())
+            .expect("pinned map info")
+    };
+    let six = [
+        ipv6::MAP_SERVICES6,
+        ipv6::MAP_BACKENDS6,
+        ipv6::MAP_REVNAT6,
+        ipv6::MAP_AFFINITY_MATCH6,
+        ipv6::MAP_CONNTRACK6,
+        ipv6::MAP_SNAT6,
+        ipv6::MAP_AFFINITY6,
+        ipv6::MAP_SOCK_REVNAT6,
+        ipv6::MAP_FRAGMENTS6,
+    ];
+    let sizes: Vec<(&str, u32)> = six.iter().map(|n| (*n, entries(n))).collect();
+    agent.check(sizes.iter().all(|(_, n)| *n == 1), || {
+        format!("a node without IPv6: IPv6 maps {sizes:?}, want one entry each")
+    });
+    let read = || {
+        let maps = ServiceMaps::open_pinned(&layout).expect("pinned IPv4 maps");
+        let maps6 = maps.ipv6(None, Some(&layout)).expect("pinned IPv6 maps");
+        (
+            carried(&maps.read_programmed().expect("read IPv4")),
+            carried(&maps6.read_programmed().expect("read IPv6")),
+        )
+    };
+    let (got4, got6) = read();
+    agent.check(
+        got4.get("10.96.0.10:80/TCP").map(Vec::len) == Some(2) && got6.is_empty(),
+        || format!("IPv4 {got4:#?}, IPv6 {got6:#?}"),
+    );
+    agent.check(first.problems == 0, || format!("status {first:?}"));
+
+    // IPv6 arrives: the family runs on the one-entry maps and reports what does not fit.
+    topo.node()
+        .exec(&["ip", "-6", "addr", "add", "fd00:50::10/128", "dev", "lo"])
+        .expect("node IPv6 address");
+    if let Err(e) = agent.wait_status(Duration::from_secs(30), |s| s.problems > 0) {
+        agent.fail(&format!(
+            "no problem reported for the full IPv6 maps: {e:#}"
+        ));
+    }
+    // The whole log (the agent's, in the work directory given to `Agent::start_with`).
+    let log = std::fs::read_to_string(topo.tmp().path().join("agent.log")).expect("agent log");
+    agent.check(
+        log.contains("skipped: ") && log.contains("SERVICES6 map full"),
+        || "no `SERVICES6 map full` line".to_owned(),
+    );
+    agent.check(
+        log.contains("the IPv6 maps were created with one entry each"),
+        || "no warning about the one-entry IPv6 maps".to_owned(),
+    );
+
+    // A restart sizes them and programs every IPv6 frontend.
+    agent.restart().expect("restarting the agent");
+    let status = agent
+        .wait_synced(1, Duration::from_secs(30))
+        .unwrap_or_else(|e| agent.fail(&format!("{e:#}")));
+    let sizes: Vec<(&str, u32)> = six.iter().map(|n| (*n, entries(n))).collect();
+    agent.check(
+        sizes.iter().all(|(_, n)| *n > 1)
+            && entries(ipv6::MAP_SERVICES6) == ipv6::SERVICES6_CAPACITY,
+        || format!("after a restart with IPv6: {sizes:?}"),
+    );
+    let (got4, got6) = read();
+    agent.check(
+        got6.get("fd00:96::10:80/TCP") == Some(&vec!["fd00:244::11:8080/TCP".to_owned()])
+            && got6.get("fd00:50::10:30080/TCP") == Some(&vec!["fd00:244::11:8080/TCP".to_owned()])
+            && got4.get("10.96.0.10:80/TCP").map(Vec::len) == Some(2),
+        || format!("IPv4 {got4:#?}, IPv6 {got6:#?}"),
+    );
+    agent.check(status.problems == 0, || format!("status {status:?}"));
+    agent.stop().expect("stopping the agent");
+}

@@ -47,6 +47,13 @@ fn tiny_map_sizes() -> kube_proxy_ebpf::dataplane::loader::MapSizes {
         conntrack: 64,
         snat: 64,
         conntrack6: 64,
+        services6: 64,
+        backends6: 64,
+        rev_nats6: 64,
+        snat6: 64,
+        affinity6: 64,
+        sock_rev6: 64,
+        fragments6: 64,
     }
 }
 
@@ -664,6 +671,213 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
         "{text}"
     );
     drop(ebpf);
+}
+
+/// The IPv6 maps are created with the sizes asked for (`--map-entries-*6`, `AFFMATCH6_V1` like
+/// `SERVICES6_V1`, the least-connection arrays covering both families' ids); on a node without
+/// IPv6 (`sizing::MINIMAL_ENTRIES`) every IPv6 hash and LRU map has one entry and the kernel's
+/// account of them (memlock) is a small part of the sized ones'; a restarted agent that sizes
+/// them replaces those one-entry pins (the IPv4 maps adopted as they are), and a restart asking
+/// for one entry again adopts the sized maps with their entries.
+#[test]
+fn ipv6_maps_get_their_sizes_and_one_entry_each_on_a_node_without_ipv6() {
+    require_privileged!();
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes, sizing};
+    use proxy_common::{MAP_LC_FLOWS, MAP_SERVICES, SockLbConfig, ipv6};
+
+    proxy_testenv::ensure_bpffs().expect("bpffs");
+    let dir = proxy_testenv::PinDir::new(&format!("{}-sizes6", proxy_testenv::unique_prefix()))
+        .expect("pin dir");
+    let pins = PinLayout::new(dir.path());
+    let data = |name: &str| aya::maps::MapData::from_pin(pins.map(name)).expect("pinned map");
+    let info = |name: &str| data(name).info().expect("map info");
+    // The kernel's own account of a map's memory (`memlock` in its fd's fdinfo).
+    let memlock = |name: &str| -> u64 {
+        let map = data(name);
+        let fdinfo = std::fs::read_to_string(format!(
+            "/proc/self/fdinfo/{}",
+            map.fd().as_fd().as_raw_fd()
+        ))
+        .expect("fdinfo");
+        (fdinfo.lines())
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("memlock line")
+    };
+    let load = |sizes: &MapSizes| {
+        loader::load_pinned(
+            &pins,
+            &DatapathConfig::DEFAULT,
+            sizes,
+            &SockLbConfig::default(),
+            BpfLog::Off,
+        )
+        .expect("load")
+    };
+    let six = [
+        ipv6::MAP_SERVICES6,
+        ipv6::MAP_BACKENDS6,
+        ipv6::MAP_REVNAT6,
+        ipv6::MAP_AFFINITY_MATCH6,
+        ipv6::MAP_CONNTRACK6,
+        ipv6::MAP_SNAT6,
+        ipv6::MAP_AFFINITY6,
+        ipv6::MAP_SOCK_REVNAT6,
+        ipv6::MAP_FRAGMENTS6,
+    ];
+
+    // A node without IPv6: one entry each.
+    let m = sizing::MINIMAL_ENTRIES;
+    let minimal = MapSizes {
+        services6: m,
+        backends6: m,
+        rev_nats6: m,
+        conntrack6: m,
+        snat6: m,
+        affinity6: m,
+        sock_rev6: m,
+        fragments6: m,
+        ..MapSizes::default()
+    };
+    let ebpf = load(&minimal);
+    for name in six {
+        assert_eq!(info(name).max_entries(), m, "{name}");
+    }
+    assert_eq!(
+        info(MAP_LC_FLOWS).max_entries(),
+        minimal.lc_entries(),
+        "one least-connection slot per id of both families"
+    );
+    let services4 = info(MAP_SERVICES).id();
+    let ids6: Vec<u32> = six.iter().map(|n| info(n).id()).collect();
+    let minimal_bytes: u64 = six.iter().map(|n| memlock(n)).sum();
+    drop(ebpf);
+
+    // The node has IPv6 now: sized (the pins of one entry replaced, IPv4's adopted).
+    let sized = MapSizes {
+        services6: 3_000,
+        backends6: 2_000,
+        rev_nats6: 300,
+        conntrack6: 4_096,
+        snat6: 1_024,
+        affinity6: 512,
+        ..MapSizes::default()
+    };
+    let ebpf = load(&sized);
+    let want = [
+        (ipv6::MAP_SERVICES6, 3_000),
+        (ipv6::MAP_BACKENDS6, 2_000),
+        (ipv6::MAP_REVNAT6, 300),
+        (ipv6::MAP_AFFINITY_MATCH6, 3_000),
+        (ipv6::MAP_CONNTRACK6, 4_096),
+        (ipv6::MAP_SNAT6, 1_024),
+        (ipv6::MAP_AFFINITY6, 512),
+        (ipv6::MAP_SOCK_REVNAT6, ipv6::SOCK_REVNAT6_CAPACITY),
+        (ipv6::MAP_FRAGMENTS6, ipv6::FRAGMENTS6_CAPACITY),
+    ];
+    for (name, entries) in want {
+        assert_eq!(info(name).max_entries(), entries, "{name}");
+    }
+    assert_eq!(info(MAP_SERVICES).id(), services4, "SERVICES_V1 adopted");
+    for (name, old) in six.iter().zip(&ids6) {
+        assert_ne!(info(name).id(), *old, "{name}: the one-entry map replaced");
+    }
+    let sized_bytes: u64 = six.iter().map(|n| memlock(n)).sum();
+    eprintln!("IPv6 maps' memlock: {minimal_bytes} B with one entry each, {sized_bytes} B sized");
+    assert!(
+        minimal_bytes * 20 < sized_bytes,
+        "one-entry maps {minimal_bytes} B vs sized {sized_bytes} B"
+    );
+    // An entry written by this agent is kept by a restart asking for one entry again.
+    let key = ipv6::Service6Key::new([0xfd; 16], 80u16.to_be_bytes(), proto::TCP, 0);
+    {
+        let mut services6: aya::maps::HashMap<_, ipv6::Service6Key, ServiceValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data(ipv6::MAP_SERVICES6)))
+                .expect("hash map");
+        services6
+            .insert(key, ServiceValue::default(), 0)
+            .expect("insert");
+    }
+    let sized_ids: Vec<u32> = six.iter().map(|n| info(n).id()).collect();
+    drop(ebpf);
+    let ebpf = load(&minimal);
+    let adopted: Vec<u32> = six.iter().map(|n| info(n).id()).collect();
+    assert_eq!(adopted, sized_ids, "sized maps adopted as they are");
+    assert_eq!(info(ipv6::MAP_SERVICES6).max_entries(), 3_000);
+    let services6: aya::maps::HashMap<_, ipv6::Service6Key, ServiceValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data(ipv6::MAP_SERVICES6)))
+            .expect("hash map");
+    assert!(services6.get(&key, 0).is_ok(), "the entry kept");
+    drop(ebpf);
+}
+
+/// A failed IPv6 source-range or Service CIDR write is reported to the caller (the IPv6 family
+/// then syncs again at the next sync, as the IPv4 family retries its marked entries), and a
+/// later call writes what is still missing: on tries of one entry, `{a, b}` writes `a` and
+/// fails `b`; asking for `{b}` then fails `b` again (added before `a` is removed) and removes
+/// `a`; the next call writes `b`.
+#[test]
+fn a_failed_ipv6_source_range_or_service_cidr_write_is_reported_and_written_by_a_later_sync() {
+    require_privileged!();
+    use kube_proxy_ebpf::dataplane::{
+        ebpf_object::EBPF_OBJECT, service_cidrs::ServiceCidrs, source_ranges::SourceRanges,
+    };
+    use proxy_common::ipv6::{MAP_SERVICE_CIDRS6, MAP_SOURCE_RANGES6, SourceRange6Key};
+
+    let mut ebpf = aya::EbpfLoader::new()
+        .map_max_entries(MAP_SOURCE_RANGES6, 1)
+        .map_max_entries(MAP_SERVICE_CIDRS6, 1)
+        .load(EBPF_OBJECT)
+        .expect("load");
+    let mut ranges = SourceRanges::<Ipv6Addr>::from_ebpf(&mut ebpf).expect("SRCRANGES6_V1");
+    let range = |last: u8| {
+        let mut source = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        source[4] = last;
+        let key = SourceRange6Key {
+            frontend_addr: [0xfd; 16],
+            frontend_port: 80u16.to_be_bytes(),
+            proto: proto::TCP,
+            _pad: 0,
+            source,
+        };
+        (proxy_common::ipv6::SOURCE_RANGE6_FRONTEND_BITS + 48, key)
+    };
+    let (a, b) = (range(1), range(2));
+    assert!(!ranges.sync(&BTreeSet::from([a, b])), "b does not fit");
+    assert_eq!(ranges.programmed(), &BTreeSet::from([a]));
+    assert!(!ranges.sync(&BTreeSet::from([b])), "b still does not fit");
+    assert!(ranges.programmed().is_empty(), "a removed");
+    assert!(
+        ranges.sync(&BTreeSet::from([b])),
+        "written by the next call"
+    );
+    assert_eq!(ranges.programmed(), &BTreeSet::from([b]));
+
+    let mut cidrs = ServiceCidrs::<Ipv6Addr>::from_ebpf(&mut ebpf).expect("SVCCIDRS6_V1");
+    let net = |last: u8| {
+        let mut o = [0xfd, 0, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        o[15] = last;
+        (128u32, o)
+    };
+    let kind = proxy_common::service_cidr::CLUSTER_IP;
+    let want = |keys: &[(u32, [u8; 16])]| -> BTreeMap<(u32, [u8; 16]), u32> {
+        keys.iter().map(|k| (*k, kind)).collect()
+    };
+    assert!(
+        !cidrs.sync(&want(&[net(1), net(2)])),
+        "the second does not fit"
+    );
+    assert_eq!(cidrs.programmed().len(), 1);
+    let written = *cidrs.programmed().keys().next().expect("one");
+    let other = if written == net(1) { net(2) } else { net(1) };
+    assert!(
+        !cidrs.sync(&want(&[other])),
+        "still full: the stale one goes after"
+    );
+    assert!(cidrs.sync(&want(&[other])), "written by the next call");
+    assert_eq!(cidrs.programmed(), &want(&[other]));
 }
 
 /// The flow hash seed is random per node and kept across agent restarts: the first load draws a

@@ -182,6 +182,32 @@ pub struct RunArgs {
     /// 65536 entries unless given.
     #[arg(long, env = "KPE_MAP_CONNTRACK6")]
     pub map_entries_conntrack6: Option<u32>,
+    /// Capacity of the SERVICES6 map (IPv6 frontends and their backend slots; default 32768),
+    /// used when the map is first created, as --map-entries-services.
+    #[arg(long, env = "KPE_MAP_SERVICES6")]
+    pub map_entries_services6: Option<u32>,
+    /// Capacity of the BACKENDS6 map (distinct IPv6 endpoints; default 32768).
+    #[arg(long, env = "KPE_MAP_BACKENDS6")]
+    pub map_entries_backends6: Option<u32>,
+    /// Capacity of the REVNAT6 map (IPv6 frontends; default 8192).
+    #[arg(long, env = "KPE_MAP_REVNAT6")]
+    pub map_entries_revnat6: Option<u32>,
+    /// Capacity of the SNAT6 LRU map (two entries per SNATed IPv6 flow; default 32768).
+    #[arg(long, env = "KPE_MAP_SNAT6")]
+    pub map_entries_snat6: Option<u32>,
+    /// Capacity of the IPv6 session affinity map (AFFINITY6_V1, LRU; default 16384).
+    #[arg(long, env = "KPE_AFFINITY_MAX_ENTRIES6")]
+    pub affinity_max_entries6: Option<u32>,
+    /// How the IPv6 maps are sized when they are created (every hash and LRU map is
+    /// preallocated by the kernel, ≈ 32 MB for the IPv6 ones at their default sizes): `auto`
+    /// sizes them (the --map-entries-*6 flags or their defaults) when the node has a usable
+    /// IPv6 address at start, an IPv6 prefix is configured (--cluster-cidr, --service-cidr,
+    /// --nodeport-addresses) or a --map-entries-*6 / --affinity-max-entries6 flag is given, and
+    /// creates them with one entry each otherwise (an IPv4-only node; restart the agent once the
+    /// node has IPv6: the one-entry maps are then replaced); `full` always sizes them; `minimal`
+    /// never does.
+    #[arg(long, env = "KPE_IPV6_MAPS", value_enum, default_value_t = crate::dataplane::sizing::Ipv6Maps::Auto)]
+    pub ipv6_maps: crate::dataplane::sizing::Ipv6Maps,
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
@@ -236,6 +262,30 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// Whether the configuration names IPv6 (for `--ipv6-maps auto`): an IPv6 prefix in
+    /// --cluster-cidr, --service-cidr or --nodeport-addresses, or an IPv6 map size given.
+    pub fn ipv6_configured(&self) -> bool {
+        use crate::pipeline::addresses::NodePortAddresses;
+        let v6 = |c: &crate::pipeline::addresses::Cidr| c.addr.is_ipv6();
+        let nodeport = match &self.nodeport_addresses {
+            NodePortAddresses::Cidrs(cidrs) => cidrs.iter().any(v6),
+            NodePortAddresses::All | NodePortAddresses::Primary => false,
+        };
+        nodeport
+            || self.cluster_cidr.iter().any(v6)
+            || self.service_cidr.iter().any(v6)
+            || [
+                self.map_entries_conntrack6,
+                self.map_entries_services6,
+                self.map_entries_backends6,
+                self.map_entries_revnat6,
+                self.map_entries_snat6,
+                self.affinity_max_entries6,
+            ]
+            .iter()
+            .any(Option::is_some)
+    }
+
     /// The map sizes these settings ask for, for [`crate::dataplane::sizing`] to turn into entries.
     pub fn map_request(&self) -> crate::dataplane::sizing::Requested {
         crate::dataplane::sizing::Requested {
@@ -244,6 +294,13 @@ impl RunArgs {
             map_entries_conntrack: self.map_entries_conntrack,
             map_entries_snat: self.map_entries_snat,
             map_entries_conntrack6: self.map_entries_conntrack6,
+            map_entries_services6: self.map_entries_services6,
+            map_entries_backends6: self.map_entries_backends6,
+            map_entries_revnat6: self.map_entries_revnat6,
+            map_entries_snat6: self.map_entries_snat6,
+            affinity_max_entries6: self.affinity_max_entries6,
+            ipv6_maps: self.ipv6_maps,
+            ipv6_configured: self.ipv6_configured(),
             map_entries_services: self.map_entries_services,
             map_entries_backends: self.map_entries_backends,
             map_entries_revnat: self.map_entries_revnat,

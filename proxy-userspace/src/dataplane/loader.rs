@@ -8,7 +8,7 @@ use proxy_common::{
     MAP_TAIL_CALLS, PROG_SOCK_CONNECT4, PROG_SOCK_GETPEERNAME4, PROG_SOCK_RECVMSG4,
     PROG_SOCK_SENDMSG4, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
     REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
-    bpf_log::LOG_LEVEL_GLOBAL,
+    bpf_log::LOG_LEVEL_GLOBAL, ipv6,
 };
 
 use super::{Error, Result, bpf_log::BpfLog, bpffs::PinLayout};
@@ -29,6 +29,15 @@ pub struct MapSizes {
     pub snat: u32,
     /// `CONNTRACK6_V1` (`--map-entries-conntrack6`, `crate::dataplane::sizing`).
     pub conntrack6: u32,
+    /// The other IPv6 hash and LRU maps (`--map-entries-*6`; one entry each on a node without
+    /// IPv6: `crate::dataplane::sizing`). `AFFMATCH6_V1` is sized like `SERVICES6_V1`.
+    pub services6: u32,
+    pub backends6: u32,
+    pub rev_nats6: u32,
+    pub snat6: u32,
+    pub affinity6: u32,
+    pub sock_rev6: u32,
+    pub fragments6: u32,
 }
 
 impl Default for MapSizes {
@@ -40,17 +49,61 @@ impl Default for MapSizes {
             affinity: proxy_common::AFFINITY_CAPACITY,
             conntrack: CONNTRACK_CAPACITY,
             snat: SNAT_CAPACITY,
-            conntrack6: proxy_common::ipv6::CONNTRACK6_CAPACITY,
+            conntrack6: ipv6::CONNTRACK6_CAPACITY,
+            services6: ipv6::SERVICES6_CAPACITY,
+            backends6: ipv6::BACKENDS6_CAPACITY,
+            rev_nats6: ipv6::REVNAT6_CAPACITY,
+            snat6: ipv6::SNAT6_CAPACITY,
+            affinity6: ipv6::AFFINITY6_CAPACITY,
+            sock_rev6: ipv6::SOCK_REVNAT6_CAPACITY,
+            fragments6: ipv6::FRAGMENTS6_CAPACITY,
         }
     }
 }
 
 impl MapSizes {
     /// Entries of the least-connection arrays: one per backend id (ids are the smallest free
-    /// ≥ 1, so at most the BACKENDS entries), never below the object's (adoption requires an
-    /// array at least that long).
+    /// ≥ 1 of the one space both families share, so at most the BACKENDS and BACKENDS6 entries
+    /// together), never below the object's (adoption requires an array at least that long).
     pub fn lc_entries(&self) -> u32 {
-        self.backends.max(BACKENDS_CAPACITY).saturating_add(1)
+        (self.backends.max(BACKENDS_CAPACITY))
+            .saturating_add(self.backends6)
+            .saturating_add(1)
+    }
+
+    /// The size asked for the pinned map `name`, for the maps sized at load.
+    pub fn wanted(&self, name: &str) -> Option<u32> {
+        Some(match name {
+            MAP_SERVICES | proxy_common::MAP_AFFINITY_MATCH => self.services,
+            MAP_BACKENDS => self.backends,
+            MAP_REVNAT => self.rev_nats,
+            proxy_common::MAP_AFFINITY => self.affinity,
+            MAP_CONNTRACK => self.conntrack,
+            MAP_SNAT => self.snat,
+            MAP_LC_FLOWS | MAP_LC_ADJUST => self.lc_entries(),
+            _ => return self.wanted6(name),
+        })
+    }
+
+    /// [`MapSizes::wanted`] of the IPv6 maps sized at load (the ones shrunk on a node without
+    /// IPv6).
+    pub fn wanted6(&self, name: &str) -> Option<u32> {
+        Some(match name {
+            ipv6::MAP_SERVICES6 | ipv6::MAP_AFFINITY_MATCH6 => self.services6,
+            ipv6::MAP_BACKENDS6 => self.backends6,
+            ipv6::MAP_REVNAT6 => self.rev_nats6,
+            ipv6::MAP_CONNTRACK6 => self.conntrack6,
+            ipv6::MAP_SNAT6 => self.snat6,
+            ipv6::MAP_AFFINITY6 => self.affinity6,
+            ipv6::MAP_SOCK_REVNAT6 => self.sock_rev6,
+            ipv6::MAP_FRAGMENTS6 => self.fragments6,
+            _ => return None,
+        })
+    }
+
+    /// Whether the IPv6 maps are the one-entry ones of a node without IPv6.
+    pub fn ipv6_minimal(&self) -> bool {
+        self.services6 <= crate::dataplane::sizing::MINIMAL_ENTRIES
     }
 
     pub fn capacities(&self) -> Capacities {
@@ -75,7 +128,7 @@ pub fn load_pinned(
     bpf_log: BpfLog,
 ) -> Result<Ebpf> {
     pins.create()?;
-    replace_mismatched_pins(pins)?;
+    replace_mismatched_pins(pins, sizes)?;
     let paths: Vec<(&'static str, std::path::PathBuf)> =
         ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
     let log_level = bpf_log.code();
@@ -87,17 +140,11 @@ pub fn load_pinned(
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
-    loader
-        .map_max_entries(MAP_SERVICES, sizes.services)
-        .map_max_entries(MAP_BACKENDS, sizes.backends)
-        .map_max_entries(MAP_REVNAT, sizes.rev_nats)
-        .map_max_entries(proxy_common::MAP_AFFINITY, sizes.affinity)
-        .map_max_entries(proxy_common::MAP_AFFINITY_MATCH, sizes.services)
-        .map_max_entries(MAP_CONNTRACK, sizes.conntrack)
-        .map_max_entries(MAP_SNAT, sizes.snat)
-        .map_max_entries(proxy_common::ipv6::MAP_CONNTRACK6, sizes.conntrack6)
-        .map_max_entries(MAP_LC_FLOWS, sizes.lc_entries())
-        .map_max_entries(MAP_LC_ADJUST, sizes.lc_entries());
+    for name in SIZED_MAPS {
+        if let Some(entries) = sizes.wanted(name) {
+            loader.map_max_entries(name, entries);
+        }
+    }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     load_programs(&mut ebpf)?;
     let map_err = |source| Error::Map {
@@ -142,6 +189,28 @@ fn pinned_seed(pins: &PinLayout) -> Option<u32> {
     let map: Array<_, u32> = Array::try_from(aya::maps::Map::Array(data)).ok()?;
     map.get(&0, 0).ok().filter(|&s| s != 0)
 }
+
+/// The maps whose entries [`MapSizes`] gives at creation ([`MapSizes::wanted`]).
+pub const SIZED_MAPS: [&str; 18] = [
+    MAP_SERVICES,
+    MAP_BACKENDS,
+    MAP_REVNAT,
+    proxy_common::MAP_AFFINITY,
+    proxy_common::MAP_AFFINITY_MATCH,
+    MAP_CONNTRACK,
+    MAP_SNAT,
+    MAP_LC_FLOWS,
+    MAP_LC_ADJUST,
+    ipv6::MAP_SERVICES6,
+    ipv6::MAP_BACKENDS6,
+    ipv6::MAP_REVNAT6,
+    ipv6::MAP_AFFINITY_MATCH6,
+    ipv6::MAP_CONNTRACK6,
+    ipv6::MAP_SNAT6,
+    ipv6::MAP_AFFINITY6,
+    ipv6::MAP_SOCK_REVNAT6,
+    ipv6::MAP_FRAGMENTS6,
+];
 
 /// What a map must be for the datapath to use it: kernel map type, key and value sizes, flags and
 /// entries.
@@ -196,6 +265,15 @@ pub fn pin_mismatch(want: &MapShape, pinned: &MapShape) -> Option<&'static str> 
     }
 }
 
+/// Pure: whether the pinned IPv6 map `name` of `pinned_entries` is the one-entry map of a node
+/// that had no IPv6 when it was created (`crate::dataplane::sizing`), while this agent sizes
+/// it: it is replaced rather than adopted (adopted maps keep their size), losing at most one
+/// entry. Any other size is adopted as it is, as for every hash map.
+pub fn minimal_outgrown(name: &str, pinned_entries: u32, sizes: &MapSizes) -> bool {
+    use crate::dataplane::sizing::MINIMAL_ENTRIES;
+    pinned_entries <= MINIMAL_ENTRIES && sizes.wanted6(name).is_some_and(|w| w > MINIMAL_ENTRIES)
+}
+
 /// The shapes the embedded object declares for the pinned maps.
 fn object_shapes() -> Result<Vec<(&'static str, MapShape)>> {
     let obj = aya_obj::Object::parse(EBPF_OBJECT).map_err(|e| Error::Io {
@@ -227,8 +305,10 @@ fn object_shapes() -> Result<Vec<(&'static str, MapShape)>> {
 /// without a new `_V` name, another tool, a corrupted upgrade) is unpinned, so the load creates
 /// one this datapath can use, instead of adopting a map the programs would misread. Logged with
 /// both shapes; its entries are lost (the old programs keep it until their links get the new
-/// ones). The same rule replaces a STATS array from an agent with fewer counters.
-fn replace_mismatched_pins(pins: &PinLayout) -> Result<()> {
+/// ones). The same rule replaces a STATS array from an agent with fewer counters, and the
+/// one-entry IPv6 maps of a node without IPv6 when this agent sizes them
+/// ([`minimal_outgrown`]).
+fn replace_mismatched_pins(pins: &PinLayout, sizes: &MapSizes) -> Result<()> {
     for (name, want) in object_shapes()? {
         let path = pins.map(name);
         let Ok(info) = aya::maps::MapData::from_pin(&path).and_then(|m| m.info()) else {
@@ -241,7 +321,11 @@ fn replace_mismatched_pins(pins: &PinLayout) -> Result<()> {
             max_entries: info.max_entries(),
             flags: info.map_flags(),
         };
-        let Some(why) = pin_mismatch(&want, &pinned) else {
+        let why = pin_mismatch(&want, &pinned).or_else(|| {
+            minimal_outgrown(name, pinned.max_entries, sizes)
+                .then_some("entries (a one-entry IPv6 map of a node that had no IPv6)")
+        });
+        let Some(why) = why else {
             continue;
         };
         tracing::warn!(
@@ -430,6 +514,54 @@ mod tests {
             pin_mismatch(&tail_calls, &shape(BPF_MAP_TYPE_PROG_ARRAY, 3)),
             Some("fewer entries"),
             "a program array without slots for the L3-device programs is replaced"
+        );
+    }
+
+    #[test]
+    fn only_a_one_entry_ipv6_map_is_replaced_for_its_size() {
+        let sized = MapSizes::default();
+        let minimal = MapSizes {
+            services6: 1,
+            backends6: 1,
+            conntrack6: 1,
+            ..MapSizes::default()
+        };
+        assert!(minimal_outgrown(ipv6::MAP_SERVICES6, 1, &sized));
+        assert!(minimal_outgrown(ipv6::MAP_CONNTRACK6, 1, &sized));
+        assert!(minimal_outgrown(ipv6::MAP_AFFINITY_MATCH6, 1, &sized));
+        assert!(
+            !minimal_outgrown(ipv6::MAP_SERVICES6, 1, &minimal),
+            "still minimal: adopted"
+        );
+        assert!(
+            !minimal_outgrown(ipv6::MAP_SERVICES6, 4_096, &sized),
+            "another size: adopted as it is"
+        );
+        assert!(
+            !minimal_outgrown(ipv6::MAP_SERVICES6, 4_096, &minimal),
+            "a sized map is kept on a node that lost IPv6"
+        );
+        assert!(
+            !minimal_outgrown(MAP_SERVICES, 1, &sized),
+            "IPv4 maps keep the hash-map rule"
+        );
+        assert!(
+            !minimal_outgrown(ipv6::MAP_NODE6, 1, &sized),
+            "an array of one"
+        );
+    }
+
+    #[test]
+    fn every_sized_map_is_pinned_and_has_a_wanted_size() {
+        let sizes = MapSizes::default();
+        for name in SIZED_MAPS {
+            assert!(ALL_MAPS.contains(&name), "{name}");
+            assert!(sizes.wanted(name).is_some(), "{name}");
+        }
+        assert_eq!(
+            sizes.lc_entries(),
+            BACKENDS_CAPACITY + ipv6::BACKENDS6_CAPACITY + 1,
+            "one least-connection slot per id of both families"
         );
     }
 

@@ -148,15 +148,7 @@ impl Occupancy {
     /// Reads the pinned maps' capacities into `metrics`, and warns about adopted maps whose size
     /// differs from what the settings ask for (aya adopts a pin as it is).
     pub fn open(pins: &PinLayout, sizes: &MapSizes, adopted: bool, metrics: &Metrics) -> Self {
-        let wanted = |name: &str| match name {
-            MAP_SERVICES => Some(sizes.services),
-            MAP_BACKENDS => Some(sizes.backends),
-            MAP_REVNAT => Some(sizes.rev_nats),
-            MAP_CONNTRACK => Some(sizes.conntrack),
-            MAP_SNAT => Some(sizes.snat),
-            MAP_AFFINITY => Some(sizes.affinity),
-            _ => None,
-        };
+        let wanted = |name: &str| sizes.wanted(name);
         let mut capacities = Vec::new();
         for (label, name, _) in MAPS {
             let Some(capacity) = pinned_capacity(pins, name) else {

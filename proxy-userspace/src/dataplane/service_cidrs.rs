@@ -243,7 +243,7 @@ impl ServiceCidrs {
     /// entries whose write failed are left marked for the next [`ServiceCidrs::sync_changed`].
     pub fn sync_all(&mut self, ips: &mut ClusterIps, cidrs: &[(Ipv4Addr, u8)]) {
         let want = ips.entries(cidrs);
-        self.sync(&want);
+        let _all_written = self.sync(&want);
         ips.changed = (want.iter())
             .filter(|(k, v)| self.programmed.get(k) != Some(v))
             .map(|(k, _)| *k)
@@ -261,8 +261,9 @@ impl ServiceCidrs {
 
 impl<A: CidrFamily> ServiceCidrs<A> {
     /// Makes the map carry exactly `want` (writes first, then removals). Failed writes are
-    /// retried on the next sync and logged once (the map full: one line, not one per entry).
-    pub fn sync(&mut self, want: &Entries<A>) {
+    /// logged once (the map full: one line, not one per entry); false when one failed (the
+    /// caller calls again at its next sync).
+    pub fn sync(&mut self, want: &Entries<A>) -> bool {
         let mut failed = 0usize;
         let mut first_error = None;
         for (&(len, net), &kind) in want {
@@ -297,6 +298,7 @@ impl<A: CidrFamily> ServiceCidrs<A> {
             }
         }
         self.report(failed, first_error);
+        failed == 0
     }
 
     /// Logs failed writes once until a sync writes everything again.

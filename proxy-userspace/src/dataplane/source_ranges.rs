@@ -162,24 +162,29 @@ impl<A: FamilyAbi> SourceRanges<A> {
         A: FamilyAbi<SourceRangeKey = proxy_common::SourceRangeKey>,
     {
         let want = wanted.entries();
-        self.sync(&want);
+        let _all_written = self.sync(&want);
         wanted.changed = want
             .symmetric_difference(&self.programmed)
             .copied()
             .collect();
     }
 
-    /// Makes the map carry exactly `want` (additions first). Failed writes are logged and
-    /// retried on the next sync.
-    pub fn sync(&mut self, want: &BTreeSet<Entry<A>>) {
+    /// Makes the map carry exactly `want` (additions first). Failed writes are logged; false
+    /// when one failed (the caller calls again at its next sync: what was written is not
+    /// written twice).
+    pub fn sync(&mut self, want: &BTreeSet<Entry<A>>) -> bool {
         let add: Vec<Entry<A>> = want.difference(&self.programmed).copied().collect();
         let remove: Vec<Entry<A>> = self.programmed.difference(want).copied().collect();
+        let mut written = true;
         for (len, data) in add {
             match self.map.insert(&Key::new(len, data), 1, 0) {
                 Ok(()) => {
                     self.programmed.insert((len, data));
                 }
-                Err(e) => error!("loadBalancerSourceRanges entry {data:?}/{len}: {e}"),
+                Err(e) => {
+                    written = false;
+                    error!("loadBalancerSourceRanges entry {data:?}/{len}: {e}");
+                }
             }
         }
         for (len, data) in remove {
@@ -187,9 +192,18 @@ impl<A: FamilyAbi> SourceRanges<A> {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {
                     self.programmed.remove(&(len, data));
                 }
-                Err(e) => error!("removing loadBalancerSourceRanges entry {data:?}/{len}: {e}"),
+                Err(e) => {
+                    written = false;
+                    error!("removing loadBalancerSourceRanges entry {data:?}/{len}: {e}");
+                }
             }
         }
+        written
+    }
+
+    /// What the map carries (as written by this agent or read back at start-up).
+    pub fn programmed(&self) -> &BTreeSet<Entry<A>> {
+        &self.programmed
     }
 }
 

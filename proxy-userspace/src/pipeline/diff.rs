@@ -536,22 +536,24 @@ impl<'a, A: FamilyAbi> Admission<'a, A> {
         let new_rev_nats =
             u64::from(reuse_rev_nat.is_none_or(|id| !self.programmed.rev_nats.contains_key(&id)));
 
+        // Named as the family's map (`SERVICES` / `SERVICES6` ..., the layout version left out).
         let full = |map: &str, used: u64, new: u64, cap: u32| {
             (used + new > u64::from(cap)).then(|| {
+                let map = map.trim_end_matches("_V1");
                 format!(
                     "{service}: {map} map full (needs {new} more entries, {used} of {cap} in use)"
                 )
             })
         };
         if let Some(reason) = full(
-            "SERVICES",
+            A::MAP_SERVICES,
             self.used_services,
             new_services,
             self.caps.services,
         )
         .or_else(|| {
             full(
-                "BACKENDS",
+                A::MAP_BACKENDS,
                 self.used_backends,
                 missing.len() as u64,
                 self.caps.backends,
@@ -559,7 +561,7 @@ impl<'a, A: FamilyAbi> Admission<'a, A> {
         })
         .or_else(|| {
             full(
-                "REVNAT",
+                A::MAP_REVNAT,
                 self.used_rev_nats,
                 new_rev_nats,
                 self.caps.rev_nats,

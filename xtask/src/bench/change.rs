@@ -323,7 +323,14 @@ fn in_process_here(
         zone: None,
         scheduler,
     };
-    let sizes = inproc::sizes_for(services * endpoints.div_ceil(10).max(1) * 2);
+    let mut sizes = inproc::sizes_for(services * endpoints.div_ceil(10).max(1) * 2);
+    if !matches!(family, Family::Ipv4) {
+        // The IPv6 maps sized like the IPv4 ones (the compiled-in SERVICES6_V1 holds ~2,900
+        // Services × 10 endpoints).
+        sizes.services6 = sizes.services;
+        sizes.backends6 = sizes.backends;
+        sizes.rev_nats6 = sizes.rev_nats;
+    }
     let mut agent = Agent::start(
         pins,
         DatapathConfig::DEFAULT,

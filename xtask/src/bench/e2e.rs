@@ -484,6 +484,8 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     let (settled_rss, settled_hwm) = rss_and_hwm_kib(pid)?;
     // Heap and stacks vs the binary's mapped pages (file-backed, counted in VmRSS too).
     let (settled_anon, settled_file) = (status_kib(pid, "RssAnon:")?, status_kib(pid, "RssFile:")?);
+    // Kernel memory of the pinned maps (not in the RSS): all of them, and the IPv6 ones.
+    let (maps_memlock, maps6_memlock) = pinned_memlock(pins.path());
     // The agent logs its RSS at each start-up stage (where the footprint comes from), and each
     // sync (how many ran before the readings).
     std::thread::sleep(Duration::from_millis(200));
@@ -508,10 +510,41 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
         "settled_rss_anon_mib": settled_anon as f64 / 1024.0,
         "settled_rss_file_mib": settled_file as f64 / 1024.0,
         "settled_after_first_walk": walked,
+        "maps_memlock_mib": maps_memlock as f64 / (1024.0 * 1024.0),
+        "ipv6_maps_memlock_mib": maps6_memlock as f64 / (1024.0 * 1024.0),
         "frontends_programmed": status.frontends,
         "backends_programmed": status.backends,
         "problems": status.problems,
     }))
+}
+
+/// The kernel's account (`memlock` in the fd's fdinfo) of every pinned map under `pin_dir`, and
+/// of the IPv6 ones among them, in bytes (a map that cannot be opened counts 0).
+fn pinned_memlock(pin_dir: &Path) -> (u64, u64) {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let pins = kube_proxy_ebpf::dataplane::bpffs::PinLayout::new(pin_dir);
+    let memlock = |name: &str| -> u64 {
+        let Ok(map) = aya::maps::MapData::from_pin(pins.map(name)) else {
+            return 0;
+        };
+        let fd = map.fd().as_fd().as_raw_fd();
+        (std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok())
+            .and_then(|info| {
+                (info.lines())
+                    .find_map(|l| l.strip_prefix("memlock:"))
+                    .and_then(|v| v.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    };
+    let all: Vec<(&str, u64)> = (proxy_common::ALL_MAPS.iter())
+        .map(|&name| (name, memlock(name)))
+        .collect();
+    let total = all.iter().map(|(_, b)| b).sum();
+    let six = (all.iter())
+        .filter(|(name, _)| name.contains('6'))
+        .map(|(_, b)| b)
+        .sum();
+    (total, six)
 }
 
 /// A process's `(VmRSS, VmHWM)` in KiB.

@@ -116,7 +116,7 @@ pub fn sizes_for(n: usize) -> MapSizes {
         affinity: proxy_common::AFFINITY_CAPACITY,
         conntrack: proxy_common::CONNTRACK_CAPACITY,
         snat: proxy_common::SNAT_CAPACITY,
-        conntrack6: proxy_common::ipv6::CONNTRACK6_CAPACITY,
+        ..MapSizes::default()
     }
 }
 
