@@ -697,8 +697,11 @@ impl Agent {
                 }
             }
             PinCheck::Repaired(paths) => {
-                let shown: Vec<String> =
-                    paths.iter().take(8).map(|p| p.display().to_string()).collect();
+                let shown: Vec<String> = paths
+                    .iter()
+                    .take(8)
+                    .map(|p| p.display().to_string())
+                    .collect();
                 warn!(
                     pin_dir = %self.pins.dir.display(),
                     repaired = paths.len(),
@@ -1200,7 +1203,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     info!(rss_mib = rss_mib(), "ready");
 
     let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);
-    let mut pin_check = tokio::time::interval(args.pin_check_period.max(Duration::from_millis(100)));
+    let mut pin_check =
+        tokio::time::interval(args.pin_check_period.max(Duration::from_millis(100)));
     pin_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is at once: the first walk runs now (on its own thread).
     let mut schedule = crate::schedule::Schedule::new(

@@ -9,7 +9,7 @@
 //! faults suite instead (issue 13, item 5): proxy-userspace's `faults` target with
 //! `KPE_FAULT_OUTAGE_SECS` (default 300: the API server gone for 5 minutes under load) and
 //! `KPE_FAULT_SERVICES` (default 20,000: the first sync SIGKILLed). Its figures are the
-//! `FAULT ...` lines. The short form runs in `cargo xtask test` (10 s outage, same Services).
+//! `FAULT ...` lines. The short form runs in `cargo xtask test` (10 s outage, 6,000 Services).
 
 use anyhow::{Result, bail};
 

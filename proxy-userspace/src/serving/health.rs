@@ -332,7 +332,11 @@ mod tests {
             "{body}"
         );
         let (code, body) = respond("/livez", &h.health_at(at(1)), &m);
-        assert_eq!(code, StatusCode::OK, "a restart would not bring the pins back");
+        assert_eq!(
+            code,
+            StatusCode::OK,
+            "a restart would not bring the pins back"
+        );
         assert!(!body.contains("pinsProblem"), "{body}");
         h.set_pins_problem(None);
         let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
