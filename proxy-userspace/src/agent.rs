@@ -119,6 +119,12 @@ pub struct Agent {
     family6: crate::family6::Family6,
     /// The pinned maps' layout and what is left of a migration (`dataplane::layout`).
     layout: crate::dataplane::layout::Migrator,
+    /// Every pinned map and link held open, pinned again if removed (`dataplane::pin_keeper`).
+    keeper: crate::dataplane::pin_keeper::PinKeeper,
+    /// The pins' problem last reported (logged once, /healthz fails while it lasts).
+    pins_problem: Option<String>,
+    /// The last sync skipped frontends for room and freed some: the loop syncs again at once.
+    retry_skipped: bool,
 }
 
 /// The parts of one [`Agent::sync`], timed.
@@ -211,6 +217,8 @@ impl Agent {
         } else {
             info!(pin_dir = %pins.dir.display(), "created new pinned maps");
         }
+        let mut keeper = crate::dataplane::pin_keeper::PinKeeper::new(pins.clone());
+        keeper.hold_new(false);
         let flow_gc = FlowGc::start(
             PinnedFlowMaps {
                 conntrack,
@@ -253,6 +261,9 @@ impl Agent {
             walked_once: false,
             family6,
             layout,
+            keeper,
+            pins_problem: None,
+            retry_skipped: false,
         })
     }
 
@@ -358,6 +369,10 @@ impl Agent {
             filled.walk_conntrack || walks_conntrack_after(&plan.ops, &self.programmed);
         let freed_lc_ids = freed_least_connection_ids(&plan.ops, &self.programmed);
         let op_count = filled.ops + plan.ops.len();
+        // Frontends skipped for room while this plan frees some (its removals come after its
+        // additions, so the room is only there afterwards): sync again at once rather than at
+        // the next change or periodic pass.
+        self.retry_skipped = !plan.skipped.is_empty() && plan.ops.iter().any(frees_room);
         let Plan { ops, skipped } = plan;
         // Before the apply, so a walk running meanwhile leaves these ids alone either way.
         self.backends_changed(&ops);
@@ -427,6 +442,12 @@ impl Agent {
             crate::dataplane::sys::release_free_heap();
         }
         Ok(())
+    }
+
+    /// Whether the last sync skipped frontends for room while freeing some (then another sync
+    /// may carry them); cleared by reading.
+    pub fn take_retry_skipped(&mut self) -> bool {
+        std::mem::take(&mut self.retry_skipped)
     }
 
     /// IPv6 frontend entries programmed (benches: the IPv6 family is on).
@@ -533,7 +554,15 @@ impl Agent {
             }
         }
         let l3 = links::l3_devices(&links);
+        let before = self.attacher.pin_names();
         let report = self.attacher.reconcile(&mut self.ebpf, &wanted, &l3);
+        // Links this agent let go of are not kept attached by a held fd; new ones are held.
+        let after = self.attacher.pin_names();
+        let released: Vec<String> = (before.difference(&after).cloned())
+            .chain(report.released.iter().map(|l| l.pin_name()))
+            .collect();
+        self.keeper.forget(released.iter().map(String::as_str));
+        self.keeper.hold_new(true);
         let attached = self.attacher.interfaces();
         self.external.set_tunnels(
             tunnels
@@ -578,7 +607,11 @@ impl Agent {
 
     /// Attaches the socket hooks to `cgroup` (adopting pinned links), or releases them (`None`).
     pub fn attach_socket_lb(&mut self, cgroup: Option<&std::path::Path>) -> anyhow::Result<()> {
-        let report = sock_lb::reconcile(&mut self.ebpf, &self.pins, cgroup)?;
+        let report = sock_lb::reconcile(&mut self.ebpf, &self.pins, cgroup);
+        // The cgroup links it released (detached, unpinned) are not held any more; new ones are.
+        self.keeper.forget_gone("cgroup_");
+        self.keeper.hold_new(true);
+        let report = report?;
         if report.released > 0 {
             info!(
                 links = report.released,
@@ -681,6 +714,42 @@ impl Agent {
             self.occupancy
                 .report(&self.metrics, map, snat.remaining as u64);
         }
+    }
+
+    /// The periodic pin check (`dataplane::pin_keeper`): missing pins are pinned again from the
+    /// held fds (a warning); pins that cannot be put back are logged once and fail /healthz
+    /// until they can.
+    pub fn check_pins(&mut self) {
+        use crate::dataplane::pin_keeper::PinCheck;
+        match self.keeper.check() {
+            PinCheck::Intact => {
+                if self.pins_problem.take().is_some() {
+                    info!(pin_dir = %self.pins.dir.display(), "pins in place again");
+                }
+            }
+            PinCheck::Repaired(paths) => {
+                let shown: Vec<String> = paths
+                    .iter()
+                    .take(8)
+                    .map(|p| p.display().to_string())
+                    .collect();
+                warn!(
+                    pin_dir = %self.pins.dir.display(),
+                    repaired = paths.len(),
+                    held = self.keeper.held(),
+                    first = %shown.join(","),
+                    "pins removed under the running agent: pinned again from the maps and links it holds open"
+                );
+                self.pins_problem = None;
+            }
+            PinCheck::Lost(why) => {
+                if self.pins_problem.as_deref() != Some(why.as_str()) {
+                    error!("{why}; /healthz fails until the pins are back");
+                }
+                self.pins_problem = Some(why);
+            }
+        }
+        self.health.set_pins_problem(self.pins_problem.clone());
     }
 
     /// Counts the maps no other pass lists (source ranges, socket reverse NAT) for the
@@ -936,6 +1005,18 @@ pub fn walks_conntrack_after<A: FamilyAbi>(ops: &[MapOp<A>], programmed: &Progra
     removed && lc_rewritten
 }
 
+/// Pure: does `op` remove an entry (room for a frontend a plan skipped)?
+fn frees_room<A: FamilyAbi>(op: &MapOp<A>) -> bool {
+    matches!(
+        op,
+        MapOp::DeleteService { .. }
+            | MapOp::DeleteBackend { .. }
+            | MapOp::DeleteRevNat { .. }
+            | MapOp::DeleteMaglevTable { .. }
+            | MapOp::DeleteAffinityMatch { .. }
+    )
+}
+
 /// Pure: the backend ids `ops` put or delete.
 fn changed_backend_ids<A: FamilyAbi>(ops: &[MapOp<A>]) -> impl Iterator<Item = u32> + '_ {
     ops.iter().filter_map(|op| match op {
@@ -1168,6 +1249,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // The new programs are attached: a layout migration copies what the old ones created
     // since the load, then retires the old maps.
     if agent.layout.pending() > 0 {
+        let retiring = agent.layout.retiring();
+        agent.keeper.forget_maps(retiring.iter().copied());
         match agent.layout.after_attach() {
             Ok(entries) => info!(entries, "map layout migration finished"),
             Err(e) => error!("finishing the map layout migration: {e}; the next start retries it"),
@@ -1176,6 +1259,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     info!(rss_mib = rss_mib(), "ready");
 
     let mut gc = tokio::time::interval(CONNTRACK_GC_PERIOD);
+    let mut pin_check =
+        tokio::time::interval(args.pin_check_period.max(Duration::from_millis(100)));
+    pin_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is at once: the first walk runs now (on its own thread).
     let mut schedule = crate::schedule::Schedule::new(
         Instant::now(),
@@ -1214,6 +1300,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             Some(done) = agent.next_walk() => agent.walked(done),
             _ = gc.tick() => agent.gc_flows(),
+            _ = pin_check.tick() => agent.check_pins(),
             () = std::future::ready(()), if work => match step {
                 crate::schedule::Step::Sync { full } => {
                     let result = agent.sync_from(&source, full);
@@ -1221,6 +1308,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                         error!("sync failed: {e}; retrying in {SYNC_RETRY:?}");
                     }
                     schedule.synced(Instant::now(), full, result.is_ok(), SYNC_RETRY);
+                    if agent.take_retry_skipped() {
+                        schedule.changed();
+                    }
                 }
                 crate::schedule::Step::Slice { from } => {
                     let started = *pass_started.get_or_insert_with(Instant::now);

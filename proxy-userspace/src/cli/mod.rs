@@ -123,6 +123,11 @@ pub struct RunArgs {
     /// Longest time between two full syncs.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     pub sync_period: Duration,
+    /// How often the pins under --pin-dir are checked: a removed pin is pinned again from the
+    /// maps and links the agent holds open; a pin directory no longer on a bpffs (unmounted)
+    /// fails /healthz until it is back.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub pin_check_period: Duration,
     /// Idle timeout of established TCP flows (kube-proxy's `--conntrack-tcp-timeout-established`,
     /// also accepted; 0 = the kernel's 5 days).
     #[arg(long, alias = "conntrack-tcp-timeout-established", value_parser = parse_duration, default_value = "24h")]

@@ -130,6 +130,11 @@ impl Attacher {
         self.current.iter().map(|l| l.ifname.clone()).collect()
     }
 
+    /// The pin names (under `links/`) of the links this process attached or adopted.
+    pub fn pin_names(&self) -> BTreeSet<String> {
+        self.current.iter().map(LinkId::pin_name).collect()
+    }
+
     fn pin_path(&self, id: &LinkId) -> PathBuf {
         self.pins.links_dir().join(id.pin_name())
     }

@@ -1,7 +1,7 @@
-//! The three link syscalls aya 0.14 does not offer on a pinned link: BPF_OBJ_GET (open the pin),
-//! BPF_LINK_DETACH (leave the hook now) and BPF_LINK_UPDATE (swap the program, atomically). The
-//! attr layouts are the kernel's `union bpf_attr` members `obj_get`, `link_detach` and
-//! `link_update`.
+//! The link syscalls aya 0.14 does not offer on a pinned link: BPF_OBJ_GET (open the pin),
+//! BPF_OBJ_PIN (pin an fd held open again, `super::pin_keeper`), BPF_LINK_DETACH (leave the hook
+//! now) and BPF_LINK_UPDATE (swap the program, atomically). The attr layouts are the kernel's
+//! `union bpf_attr` members `obj_get` (BPF_OBJ_PIN shares it), `link_detach` and `link_update`.
 
 use std::{
     io,
@@ -9,6 +9,7 @@ use std::{
     path::Path,
 };
 
+const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_DETACH: libc::c_long = 34;
@@ -44,6 +45,28 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     )?;
     // SAFETY: the kernel returned a new fd that we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Pins the BPF object (map, link, program) behind `fd` at `path` (on a bpffs; fails with
+/// EEXIST if the path is taken).
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    #[repr(C)]
+    struct ObjPin {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    sys_bpf(
+        BPF_OBJ_PIN,
+        &ObjPin {
+            pathname: c_path.as_ptr() as u64,
+            bpf_fd: fd.as_raw_fd() as u32,
+            file_flags: 0,
+        },
+    )
+    .map(drop)
 }
 
 /// Detaches the link from its hook now (dropping the last reference would, later).

@@ -27,6 +27,7 @@ pub mod maps;
 pub mod netlink;
 pub mod node_addrs;
 pub mod occupancy;
+pub mod pin_keeper;
 pub mod port_range;
 pub mod service_cidrs;
 pub mod sizing;

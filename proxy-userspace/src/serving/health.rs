@@ -21,6 +21,11 @@
 //!   the node. Body adds `"nodeEligible"` after `currentTime`; `healthy` stays the proxy's own
 //!   health. Standalone mode has no Node: always eligible. The Kubernetes source calls
 //!   [`HealthState::set_node_eligible`] with [`node_eligible`].
+//! - `/healthz` is also 503 while the agent's pins are lost and cannot be put back (bpffs
+//!   unmounted under it, [`crate::dataplane::pin_keeper`]): the datapath still runs on the maps
+//!   and links it holds open, but a restarted agent would start from empty maps. The body then
+//!   carries `"pinsProblem"` (not upstream's). `/livez` stays the sync's health: restarting the
+//!   agent would not bring the pins back.
 //! - Times are RFC 3339 wall-clock times like Go's `time.Time` in JSON. The top-level
 //!   `lastUpdated` is the current time in a 200 answer (upstream keeps that old meaning for
 //!   compatibility), else the last sync (`0001-01-01T00:00:00Z`, Go's zero time, before the
@@ -51,6 +56,8 @@ struct Inner {
     last_updated: Option<SystemTime>,
     oldest_queued: Option<SystemTime>,
     node_eligible: bool,
+    /// Why the pins under the pin directory cannot be kept (bpffs unmounted), if they cannot.
+    pins_problem: Option<String>,
 }
 
 /// The proxy's health, shared between the sync loop, the Node watch and the HTTP server.
@@ -66,11 +73,14 @@ impl Default for HealthState {
 }
 
 /// One health verdict.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Health {
     /// Synced recently enough (what `/livez` answers).
     pub healthy: bool,
     pub node_eligible: bool,
+    /// The agent's maps and links are pinned where a restarted agent finds them
+    /// ([`crate::dataplane::pin_keeper`]); else why not (`/healthz` answers 503).
+    pub pins_problem: Option<String>,
     pub last_updated: Option<SystemTime>,
     pub current_time: SystemTime,
 }
@@ -84,6 +94,7 @@ impl HealthState {
                 last_updated: None,
                 oldest_queued: None,
                 node_eligible: true,
+                pins_problem: None,
             }),
         }
     }
@@ -126,6 +137,11 @@ impl HealthState {
         i.node_eligible = eligible;
     }
 
+    /// The pins are lost and cannot be restored (`Some(why)`), or are in place again (`None`).
+    pub fn set_pins_problem(&self, problem: Option<String>) {
+        self.lock().pins_problem = problem;
+    }
+
     pub fn health_at(&self, now: SystemTime) -> Health {
         let i = self.lock();
         let overdue = i
@@ -134,6 +150,7 @@ impl HealthState {
         Health {
             healthy: !overdue,
             node_eligible: i.node_eligible,
+            pins_problem: i.pins_problem.clone(),
             last_updated: i.last_updated,
             current_time: now,
         }
@@ -174,6 +191,9 @@ struct Payload {
     #[serde(skip_serializing_if = "Option::is_none")]
     node_eligible: Option<bool>,
     healthy: bool,
+    /// `/healthz` only, and only while the pins are lost: why (not in upstream's answer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pins_problem: Option<String>,
     /// Per IP family (`IPv4`); absent before the first sync.
     #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<Status>,
@@ -197,7 +217,7 @@ struct FamilyHealth {
 pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, String) {
     let (ok, node_eligible) = match path {
         "/healthz" => (
-            health.healthy && health.node_eligible,
+            health.healthy && health.node_eligible && health.pins_problem.is_none(),
             Some(health.node_eligible),
         ),
         "/livez" => (health.healthy, None),
@@ -223,6 +243,9 @@ pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, S
         current_time,
         node_eligible,
         healthy: health.healthy,
+        pins_problem: (path == "/healthz")
+            .then(|| health.pins_problem.clone())
+            .flatten(),
         status: health.last_updated.map(|t| Status {
             ipv4: FamilyHealth {
                 last_updated: go_time(Some(t)),
@@ -294,6 +317,31 @@ mod tests {
             }
             assert_eq!(h.health_at(at(t)).healthy, healthy, "{what}");
         }
+    }
+
+    #[test]
+    fn lost_pins_fail_healthz_with_the_reason_not_livez() {
+        let m = Metrics::new();
+        let h = HealthState::default();
+        h.updated_at(at(0));
+        h.set_pins_problem(Some("bpffs unmounted".into()));
+        let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            body.contains(r#""healthy":true,"pinsProblem":"bpffs unmounted""#),
+            "{body}"
+        );
+        let (code, body) = respond("/livez", &h.health_at(at(1)), &m);
+        assert_eq!(
+            code,
+            StatusCode::OK,
+            "a restart would not bring the pins back"
+        );
+        assert!(!body.contains("pinsProblem"), "{body}");
+        h.set_pins_problem(None);
+        let (code, body) = respond("/healthz", &h.health_at(at(1)), &m);
+        assert_eq!(code, StatusCode::OK);
+        assert!(!body.contains("pinsProblem"), "{body}");
     }
 
     #[test]
