@@ -202,7 +202,10 @@ impl Migrator {
     /// The old maps the pending steps unpin in [`Migrator::after_attach`] (the pin keeper must
     /// stop holding them, or it would pin them again).
     pub fn retiring(&self) -> Vec<&'static str> {
-        self.steps.iter().flat_map(|s| s.retired.iter().copied()).collect()
+        self.steps
+            .iter()
+            .flat_map(|s| s.retired.iter().copied())
+            .collect()
     }
 
     /// After the new programs are attached (the old ones no longer write the old maps): copies
