@@ -24,12 +24,16 @@ use common_packet::{
     CLIENT_MAC, Decoded, Decoded6, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Ext6, HOST_MAC, ICMPV6, eth,
     icmp6_frame, ipv6_packet,
 };
+use kube_proxy_ebpf::dataplane::maps::Node6Map;
 use proxy_common::{
     Backend, Counter, CtKey, CtValue, DatapathConfig, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICES,
     MAP_SNAT, PROG_TC_EGRESS, PROG_TC_INGRESS, ServiceKey, ServiceValue, SnatKey, SnatValue,
     backend_flags, crc32c, csum, ct_dir, ct_state,
     flow_state::sctp_chunk as chunk,
-    ipv6::{Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, Service6Key},
+    ipv6::{
+        Backend6, Ct6Key, Ct6Value, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICES6, MAP_SNAT6,
+        Service6Key, Snat6Key, Snat6Value,
+    },
     proto, service_flags,
 };
 
@@ -301,6 +305,18 @@ impl Datapath {
         rev_nat_id: u32,
         backends: &[(u32, IpAddr, u16)],
     ) {
+        self.set_family_frontend_with_flags(addr, port, 0, rev_nat_id, backends);
+    }
+
+    /// A frontend of either family with `service_flags` `flags`.
+    fn set_family_frontend_with_flags(
+        &mut self,
+        addr: IpAddr,
+        port: u16,
+        flags: u16,
+        rev_nat_id: u32,
+        backends: &[(u32, IpAddr, u16)],
+    ) {
         let IpAddr::V6(addr) = addr else {
             let IpAddr::V4(addr) = addr else {
                 unreachable!()
@@ -312,7 +328,7 @@ impl Datapath {
                     IpAddr::V6(_) => panic!("an IPv6 backend of an IPv4 frontend"),
                 })
                 .collect();
-            return self.set_frontend(addr, port, 0, rev_nat_id, &v4);
+            return self.set_frontend(addr, port, flags, rev_nat_id, &v4);
         };
         let key = Service6Key::new(addr.octets(), port.to_be_bytes(), proto::SCTP, 0);
         for (i, &(id, baddr, bport)) in backends.iter().enumerate() {
@@ -332,7 +348,7 @@ impl Datapath {
                 .insert(key.with_slot(i as u16 + 1), ServiceValue::slot(id), 0)
                 .expect("insert IPv6 slot");
         }
-        let fe = ServiceValue::frontend(backends.len() as u16, rev_nat_id);
+        let fe = ServiceValue::frontend_with_flags(backends.len() as u16, rev_nat_id, flags);
         self.map::<Service6Key, ServiceValue>(MAP_SERVICES6)
             .insert(key, fe, 0)
             .expect("insert IPv6 frontend");
@@ -894,6 +910,79 @@ fn sctp_node_port_to_a_remote_backend_is_snated_to_the_node() {
         Some(&unsnat.from(NODE_IP, NODE_PORT)),
         Counter::ReplyTranslated,
     );
+}
+
+/// IPv6: an INIT from outside the cluster to a NodePort whose backend is on another node is
+/// DNATed, SNATed to the node's IPv6 address on the way out (`SNAT6_V1`), and the backend's
+/// INIT_ACK goes back to the client from the NodePort, every CRC32c valid.
+#[test]
+fn sctp_over_ipv6_node_port_to_a_remote_backend_is_snated_to_the_node() {
+    let node = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x10);
+    let ext_client = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x100);
+    let remote_be = Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 0x20);
+    let mut dp = Datapath::load();
+    dp.set_family_frontend_with_flags(
+        IpAddr::V6(node),
+        NODE_PORT,
+        service_flags::EXTERNAL,
+        50,
+        &[(200, IpAddr::V6(remote_be), 3869)],
+    );
+    Node6Map::from_ebpf(&mut dp.bpf)
+        .expect("NODE6 map")
+        .set(node)
+        .expect("node IPv6 address");
+    let init = Sctp::new(ext_client, 40_500, node, NODE_PORT, chunk::INIT);
+    let fwd = init.to(remote_be, 3869);
+    let out = dp.ingress(
+        "INIT to the IPv6 NodePort: DNAT to the remote backend",
+        &init,
+        Some(&fwd),
+        Counter::NewFlow,
+    );
+    assert!(crc_ok(&out), "CRC32c after DNAT");
+    let out_key = Snat6Key {
+        saddr: ext_client.octets(),
+        daddr: remote_be.octets(),
+        sport: 40_500u16.to_be_bytes(),
+        dport: 3869u16.to_be_bytes(),
+        proto: proto::SCTP,
+        dir: ct_dir::ORIGINAL,
+        _pad: [0; 2],
+    };
+    let snat: Snat6Value = dp
+        .map::<Snat6Key, Snat6Value>(MAP_SNAT6)
+        .get(&out_key, 0)
+        .expect("SNAT6 out entry");
+    assert_eq!(
+        snat.addr,
+        node.octets(),
+        "SNATed to the node's IPv6 address"
+    );
+    let nat_port = u16::from_be_bytes(snat.port);
+    let snated = fwd.from(node, nat_port);
+    let out = dp.egress(
+        "the forwarded INIT leaves from the node's IPv6 address and port",
+        &fwd,
+        Some(&snated),
+        Counter::SnatTranslated,
+    );
+    assert!(crc_ok(&out), "CRC32c after SNAT");
+    let ack = snated.reversed(chunk::INIT_ACK);
+    let unsnat = ack.to(ext_client, 40_500);
+    dp.ingress(
+        "the backend's INIT_ACK goes back to the client",
+        &ack,
+        Some(&unsnat),
+        Counter::SnatReplyTranslated,
+    );
+    let out = dp.egress(
+        "toward the client: from the NodePort",
+        &unsnat,
+        Some(&unsnat.from(node, NODE_PORT)),
+        Counter::ReplyTranslated,
+    );
+    assert!(crc_ok(&out), "CRC32c of the answer");
 }
 
 /// An ICMP error (`type_`, `code`) from `from` to `to` quoting the IPv4 header and the first 8
