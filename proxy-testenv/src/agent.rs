@@ -209,7 +209,17 @@ impl Agent {
     /// Waits for the first sync (30 s), then until `interfaces` all carry the programs (10 s;
     /// the agent attaches after its first sync). Either failure names what was missing.
     pub fn wait_attached(&mut self, interfaces: &[String]) -> Result<AgentStatus> {
-        self.wait_synced(1, Duration::from_secs(30))?;
+        self.wait_attached_within(interfaces, Duration::from_secs(30))
+    }
+
+    /// [`Agent::wait_attached`] with another bound on the first sync (a test starting several
+    /// agents at once on a loaded machine: a bound, not a measurement).
+    pub fn wait_attached_within(
+        &mut self,
+        interfaces: &[String],
+        first_sync: Duration,
+    ) -> Result<AgentStatus> {
+        self.wait_synced(1, first_sync)?;
         self.wait_status(Duration::from_secs(10), |s| {
             interfaces.iter().all(|w| s.interfaces.contains(w))
         })

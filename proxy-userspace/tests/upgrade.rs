@@ -50,6 +50,10 @@ const STREAM_NP_PORT: u16 = 9001;
 const STREAM_NODEPORT: u16 = 30_901;
 const STICKY: Ipv4Addr = Ipv4Addr::new(10, 96, 5, 30);
 
+/// How long an agent may take to its first sync here: two debug agents (the previous release's
+/// and this one) start and swap on a 2-core machine that CI may share; a bound, never a figure.
+const FIRST_SYNC_BOUND: Duration = Duration::from_secs(90);
+
 /// web (NodePort, both backends), stream (its two ports, b-web only), sticky (ClientIP
 /// affinity, both backends).
 fn manifests_yaml() -> String {
@@ -195,7 +199,9 @@ impl Nodes {
         };
         for (i, name) in NODE_NAMES.iter().enumerate() {
             let want = nodes.interfaces(i);
-            let ready = nodes.agents()[i].wait_attached(&want).map(|_| ());
+            let ready = nodes.agents()[i]
+                .wait_attached_within(&want, FIRST_SYNC_BOUND)
+                .map(|_| ());
             if let Err(e) = ready {
                 nodes.fail(&format!("{name} agent: {e:#}"));
             }
@@ -226,7 +232,7 @@ impl Nodes {
                 "the old agent exited with {status} on SIGTERM"
             );
             agents[i].restart_as(bin)?;
-            agents[i].wait_attached(&want)?;
+            agents[i].wait_attached_within(&want, FIRST_SYNC_BOUND)?;
             Ok(())
         })();
         if let Err(e) = result {
