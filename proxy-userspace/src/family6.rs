@@ -244,7 +244,7 @@ impl Family6 {
     /// Whether the IPv6 maps are the one-entry ones of a node without IPv6
     /// (`crate::dataplane::sizing`).
     pub fn minimal_maps(&self) -> bool {
-        self.capacities.services <= crate::dataplane::sizing::MINIMAL_ENTRIES
+        self.capacities.services <= crate::dataplane::loader::MINIMAL_ENTRIES
     }
 
     /// The problems of the last IPv6 sync (none while the family is off).

@@ -675,7 +675,7 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
 
 /// The IPv6 maps are created with the sizes asked for (`--map-entries-*6`, `AFFMATCH6_V1` like
 /// `SERVICES6_V1`, the least-connection arrays covering both families' ids); on a node without
-/// IPv6 (`sizing::MINIMAL_ENTRIES`) every IPv6 hash and LRU map has one entry and the kernel's
+/// IPv6 (`loader::MINIMAL_ENTRIES`) every IPv6 hash and LRU map has one entry and the kernel's
 /// account of them (memlock) is a small part of the sized ones'; a restarted agent that sizes
 /// them replaces those one-entry pins (the IPv4 maps adopted as they are), and a restart asking
 /// for one entry again adopts the sized maps with their entries.
@@ -684,7 +684,7 @@ fn ipv6_maps_get_their_sizes_and_one_entry_each_on_a_node_without_ipv6() {
     require_privileged!();
     use std::os::fd::{AsFd as _, AsRawFd as _};
 
-    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes, sizing};
+    use kube_proxy_ebpf::dataplane::{bpffs::PinLayout, loader::MapSizes};
     use proxy_common::{MAP_LC_FLOWS, MAP_SERVICES, SockLbConfig, ipv6};
 
     proxy_testenv::ensure_bpffs().expect("bpffs");
@@ -729,7 +729,7 @@ fn ipv6_maps_get_their_sizes_and_one_entry_each_on_a_node_without_ipv6() {
     ];
 
     // A node without IPv6: one entry each.
-    let m = sizing::MINIMAL_ENTRIES;
+    let m = kube_proxy_ebpf::dataplane::loader::MINIMAL_ENTRIES;
     let minimal = MapSizes {
         services6: m,
         backends6: m,

@@ -14,6 +14,10 @@ use proxy_common::{
 use super::{Error, Result, bpf_log::BpfLog, bpffs::PinLayout};
 use crate::{dataplane::ebpf_object::EBPF_OBJECT, pipeline::programmed::Capacities};
 
+/// Entries of each IPv6 hash and LRU map on a node without IPv6 (`dataplane::sizing`'s module
+/// doc says why; defined here, beside [`MapSizes`], so the loader needs nothing of the sizing).
+pub const MINIMAL_ENTRIES: u32 = 1;
+
 /// Map sizes used when the maps are first created (adopted maps keep their size: aya opens an
 /// existing pin as it is). The agent derives the flow maps' from `conntrack.maxPerCore`
 /// (`crate::dataplane::sizing`).
@@ -103,7 +107,7 @@ impl MapSizes {
 
     /// Whether the IPv6 maps are the one-entry ones of a node without IPv6.
     pub fn ipv6_minimal(&self) -> bool {
-        self.services6 <= crate::dataplane::sizing::MINIMAL_ENTRIES
+        self.services6 <= MINIMAL_ENTRIES
     }
 
     pub fn capacities(&self) -> Capacities {
@@ -270,7 +274,6 @@ pub fn pin_mismatch(want: &MapShape, pinned: &MapShape) -> Option<&'static str> 
 /// it: it is replaced rather than adopted (adopted maps keep their size), losing at most one
 /// entry. Any other size is adopted as it is, as for every hash map.
 pub fn minimal_outgrown(name: &str, pinned_entries: u32, sizes: &MapSizes) -> bool {
-    use crate::dataplane::sizing::MINIMAL_ENTRIES;
     pinned_entries <= MINIMAL_ENTRIES && sizes.wanted6(name).is_some_and(|w| w > MINIMAL_ENTRIES)
 }
 

@@ -49,7 +49,7 @@ use proxy_common::{
     },
 };
 
-use crate::dataplane::loader::MapSizes;
+use crate::dataplane::loader::{MINIMAL_ENTRIES, MapSizes};
 
 /// Upstream's `conntrack.maxPerCore` default.
 pub const DEFAULT_MAX_PER_CORE: u32 = 32_768;
@@ -67,9 +67,6 @@ pub fn flows(max_per_core: u32, min: u32, cpus: u32) -> u32 {
     }
     max_per_core.saturating_mul(cpus.max(1)).max(min)
 }
-
-/// Entries of each IPv6 hash and LRU map on a node without IPv6 (see the module doc).
-pub const MINIMAL_ENTRIES: u32 = 1;
 
 /// `--ipv6-maps`: how the IPv6 maps are sized when created (see the module doc).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
