@@ -659,7 +659,7 @@ impl Topology {
             "-H",
             "Connection: close",
             "-w",
-            "\x1e%{remote_ip}\x1e%{http_code}\x1e%{exitcode}\x1e%{errormsg}\x1d",
+            "\x1e%{remote_ip}\x1e%{http_code}\x1e%{exitcode}\x1e%{errormsg}\x1e%{local_port}\x1d",
         ];
         args.extend(std::iter::repeat_n(url, n));
         let timeout = Duration::from_secs(10) + Duration::from_secs(4) * n as u32;
@@ -812,8 +812,12 @@ fn parse_curl_record(record: &str) -> Result<CurlReply, String> {
     let code = fields.next().unwrap_or_default();
     let exit = fields.next().unwrap_or_default();
     let msg = fields.next().unwrap_or_default();
+    let local_port = fields.next().unwrap_or_default();
     if exit != "0" || code != "200" {
-        return Err(format!("curl exit {exit}, HTTP {code}: {msg}"));
+        // The client port names the flow in a capture or a conntrack dump.
+        return Err(format!(
+            "curl exit {exit}, HTTP {code}, from local port {local_port}: {msg}"
+        ));
     }
     Ok(CurlReply { body, remote_ip })
 }
@@ -858,8 +862,10 @@ mod tests {
                 remote_ip: "10.96.0.10".into()
             })
         );
-        let err = parse_curl_record("\x1e10.96.0.10\x1e000\x1e7\x1eFailed to connect").unwrap_err();
+        let err = parse_curl_record("\x1e10.96.0.10\x1e000\x1e7\x1eFailed to connect\x1e41234")
+            .unwrap_err();
         assert!(err.contains("exit 7"), "{err}");
+        assert!(err.contains("local port 41234"), "{err}");
     }
 
     #[test]

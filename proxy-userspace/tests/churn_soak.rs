@@ -483,6 +483,10 @@ fn endpoint_churn_keeps_traffic_memory_and_maps_steady() {
         status.syncs
     );
     eprintln!("SOAK occupancy after churn: {after:?} (before {baseline:?}, needed {want:?})");
+    eprintln!(
+        "SOAK datapath counters (non-zero): {}",
+        datapath_counters(&env)
+    );
 
     let failed = traffic.failed.lock().expect("failure list").clone();
     env.check(failures == 0 && requests > 0, || {
@@ -531,4 +535,23 @@ fn wait_occupancy(
         thread::sleep(Duration::from_millis(50));
     }
     occupancy(pins)
+}
+
+/// The datapath's non-zero counters (`dump stats` of the agent's pins), `name=value` joined: what
+/// the flows of the run went through (new, established, remapped, dropped and why).
+fn datapath_counters(env: &Env) -> String {
+    let pins = env.pins.path().to_string_lossy().into_owned();
+    match env.agent.cli(&["dump", "stats", "--pin-dir", &pins]) {
+        Ok(out) => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let (name, value) = (f.next()?, f.next()?);
+                (value != "0").then(|| format!("{name}={value}"))
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        Err(e) => format!("(dump stats failed: {e:#})"),
+    }
 }
