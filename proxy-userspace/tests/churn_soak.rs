@@ -487,6 +487,12 @@ fn endpoint_churn_keeps_traffic_memory_and_maps_steady() {
         "SOAK datapath counters (non-zero): {}",
         datapath_counters(&env)
     );
+    for pod in std::iter::once("client").chain(BACKENDS.iter().map(|(n, _)| *n)) {
+        eprintln!(
+            "SOAK {pod} TCP counters (non-zero): {}",
+            tcp_counters(&env, pod)
+        );
+    }
 
     let failed = traffic.failed.lock().expect("failure list").clone();
     env.check(failures == 0 && requests > 0, || {
@@ -554,4 +560,53 @@ fn datapath_counters(env: &Env) -> String {
             .join(" "),
         Err(e) => format!("(dump stats failed: {e:#})"),
     }
+}
+
+/// A pod's non-zero TCP counters that tell a lost or refused connection attempt (its namespace's
+/// `/proc/net/snmp` and `/proc/net/netstat`): SYN retransmits, PAWS and TIME_WAIT rejects, resets.
+fn tcp_counters(env: &Env, pod: &str) -> String {
+    const WANTED: [&str; 14] = [
+        "TcpActiveOpens",
+        "TcpPassiveOpens",
+        "TcpAttemptFails",
+        "TcpEstabResets",
+        "TcpRetransSegs",
+        "TcpOutRsts",
+        "TcpExtTCPSynRetrans",
+        "TcpExtPAWSEstab",
+        "TcpExtPAWSEstabRejected",
+        "TcpExtTCPACKSkippedTimeWait",
+        "TcpExtTW",
+        "TcpExtTWRecycled",
+        "TcpExtTCPTimeouts",
+        "TcpExtListenDrops",
+    ];
+    let out = env.topo.pod(pod).and_then(|p| {
+        p.ns().output(
+            &["cat", "/proc/net/snmp", "/proc/net/netstat"],
+            std::time::Duration::from_secs(10),
+        )
+    });
+    let text = match out {
+        Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
+        Err(e) => return format!("(reading /proc/net failed: {e:#})"),
+    };
+    // Each table is a header line `Prefix: names…` followed by `Prefix: values…`.
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for pair in lines.chunks(2) {
+        let [names, values] = pair else { continue };
+        let (Some((prefix, names)), Some((_, values))) =
+            (names.split_once(':'), values.split_once(':'))
+        else {
+            continue;
+        };
+        for (name, value) in names.split_whitespace().zip(values.split_whitespace()) {
+            let full = format!("{prefix}{name}");
+            if WANTED.contains(&full.as_str()) && value != "0" {
+                found.push(format!("{full}={value}"));
+            }
+        }
+    }
+    found.join(" ")
 }
