@@ -411,6 +411,13 @@ pub mod ct_flags {
     /// given back) when the datapath sees the flow end (TCP close, replacement, removal). The
     /// REPLY entry's copy only carries it over when an evicted ORIGINAL entry is written again.
     pub const COUNTED: u8 = 1 << 3;
+    /// A REPLY entry kept after its flow ended and a new connection reopened the flow's ORIGINAL
+    /// tuple (a SYN on a closing flow) and was sent elsewhere: it translates nothing and only
+    /// holds the reply tuple until it idles out as a closing flow, because the old backend may
+    /// still hold that connection in TIME_WAIT (Linux: 60 s). Another flow given the tuple now,
+    /// with its own ISN and timestamp offset (the client derives them from the frontend address),
+    /// would meet that TIME_WAIT socket: its SYN PAWS-rejected, the connection delayed or lost.
+    pub const RETIRED: u8 = 1 << 4;
 }
 
 /// Source ports a flow may be moved to when its reply tuple clashes (netfilter's range for

@@ -130,12 +130,15 @@ pub fn original_value_of(reply_dport: [u8; 2], ct: &CtValue) -> CtValue {
     v
 }
 
-/// Is this REPLY entry the one of the flow with this ORIGINAL key?
+/// Is this REPLY entry (`reply_dport`: its key's destination port, the port the flow left with)
+/// the one of the flow with this ORIGINAL key? Same frontend and the same client port: a REPLY
+/// entry of another client port's flow to the same frontend (its own port, or moved after a
+/// clash) is not ours, even where our probe reaches its key.
 #[inline(always)]
-fn owns_reply(original: &CtKey, reply: &CtValue) -> bool {
-    reply.frontend_addr == original.daddr
-        && reply.frontend_port == original.dport
-        && (reply.flags & ct_flags::SPORT_NAT == 0 || reply.nat_sport == original.sport)
+fn owns_reply(original: &CtKey, reply_dport: [u8; 2], held: &CtValue) -> bool {
+    held.frontend_addr == original.daddr
+        && held.frontend_port == original.dport
+        && client_port_of_reply(reply_dport, held) == original.sport
 }
 
 /// Has the entry been idle for longer than its timeout?
@@ -284,20 +287,27 @@ fn reply_tuple_taken(original: &CtKey, reply: &CtKey, now: u64) -> bool {
     let cfg = maps::config_ref();
     if let Some(entry) = maps::ct_entry(reply) {
         let held = entry.peek();
-        if owns_reply(original, held) {
+        if owns_reply(original, reply.dport, held) {
             return false; // Our own entry from an earlier pick: overwritten.
         }
-        let other = original_key_of(reply, held);
         let held_live = !expired(held, reply.proto, now, cfg);
-        let other_live = match maps::ct_entry(&other) {
-            Some(o) => !expired(o.peek(), reply.proto, now, cfg),
-            None => false,
-        };
-        if other_live || held_live {
-            return true;
+        if held.flags & ct_flags::RETIRED != 0 {
+            // Held for the old backend's TIME_WAIT; its ORIGINAL key is another flow's now.
+            if held_live {
+                return true;
+            }
+        } else {
+            let other = original_key_of(reply, held);
+            let other_live = match maps::ct_entry(&other) {
+                Some(o) => !expired(o.peek(), reply.proto, now, cfg),
+                None => false,
+            };
+            if other_live || held_live {
+                return true;
+            }
+            // Both entries idle: that flow is over, its tuple free again.
+            forget_original(&other);
         }
-        // Both entries idle: that flow is over, its tuple free again.
-        forget_original(&other);
         maps::ct_remove(reply);
         stats::count(Counter::ReplyTupleReclaimed);
     }
@@ -379,7 +389,11 @@ fn clash_resolution(original: &CtKey, backend: &Backend, now: u64) -> Result<(u8
 #[inline(always)]
 pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Result<CtValue, Drop> {
     if let Some(old) = replaced {
-        remove(flow.original, old);
+        if old.state == ct_state::CLOSING && p.is_tcp() {
+            retire(flow.original, old);
+        } else {
+            remove(flow.original, old);
+        }
     }
     let (flags, nat_sport) = clash_resolution(flow.original, flow.backend, flow.now_ns)?;
     let value = CtValue {
@@ -473,9 +487,28 @@ pub fn remove(original: &CtKey, ct: &CtValue) {
     }
     let reply = reply_key_of(original, ct);
     if let Some(entry) = maps::ct_entry(&reply)
-        && owns_reply(original, entry.peek())
+        && owns_reply(original, reply.dport, entry.peek())
     {
         maps::ct_remove(&reply);
+    }
+}
+
+/// Forget a closed TCP flow whose ORIGINAL tuple a new connection reopens: its ORIGINAL entry
+/// goes, its REPLY entry stays as a `ct_flags::RETIRED` holder of the reply tuple until it idles
+/// out (see there). A new flow that picks the same backend and port overwrites it: the same
+/// four-tuple at the backend, with the client's next ISN, which TIME_WAIT accepts.
+#[inline(always)]
+fn retire(original: &CtKey, ct: &CtValue) {
+    forget_original(original);
+    if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
+        return;
+    }
+    let reply = reply_key_of(original, ct);
+    if let Some(entry) = maps::ct_entry(&reply)
+        && owns_reply(original, reply.dport, entry.peek())
+    {
+        // In place: its last-seen time (the flow's end) keeps timing it out.
+        entry.set_flags(ct_flags::RETIRED);
     }
 }
 

@@ -43,6 +43,11 @@ pub fn try_tc_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         return Ok(Action::pass(Counter::SnatTranslated));
     };
     let ct = entry.get();
+    if ct.flags & ct_flags::RETIRED != 0 {
+        // A closed flow's reply tuple, only held (see `ct_flags::RETIRED`): like netfilter after
+        // the flow's entry is gone, the packet passes as it is.
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    }
     if ct.flags & ct_flags::DIRECT == 0 {
         log::reply(
             ct.flags & ct_flags::SEEN_REPLY == 0,

@@ -565,7 +565,7 @@ fn datapath_counters(env: &Env) -> String {
 /// A pod's non-zero TCP counters that tell a lost or refused connection attempt (its namespace's
 /// `/proc/net/snmp` and `/proc/net/netstat`): SYN retransmits, PAWS and TIME_WAIT rejects, resets.
 fn tcp_counters(env: &Env, pod: &str) -> String {
-    const WANTED: [&str; 14] = [
+    const WANTED: [&str; 17] = [
         "TcpActiveOpens",
         "TcpPassiveOpens",
         "TcpAttemptFails",
@@ -575,6 +575,9 @@ fn tcp_counters(env: &Env, pod: &str) -> String {
         "TcpExtTCPSynRetrans",
         "TcpExtPAWSEstab",
         "TcpExtPAWSEstabRejected",
+        "TcpExtPAWSTimewait",
+        "TcpExtPAWSActive",
+        "TcpExtTWKilled",
         "TcpExtTCPACKSkippedTimeWait",
         "TcpExtTW",
         "TcpExtTWRecycled",

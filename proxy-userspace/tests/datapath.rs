@@ -36,10 +36,10 @@ use kube_proxy_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, CLASH_PORT_MAX, CLASH_PORT_MIN,
-    CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig, FragKey, FragValue,
-    HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
-    MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_SERVICE_CIDRS, MAP_SERVICES,
-    MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
+    CLASH_PROBES, CONFIG_GLOBAL, ClusterCidrs, Counter, CtKey, CtValue, DatapathConfig, FragKey,
+    FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS,
+    MAP_CONNTRACK, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_SERVICE_CIDRS,
+    MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
     PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN,
     SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
     SourceRangeKey, backend_flags, bpf_log, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
@@ -4228,6 +4228,11 @@ const VIP2_UDP_REVNAT: u32 = 6;
 /// The source port the datapath moves a clashing flow to when the first probe is free: the
 /// flow-hash start in `CLASH_PORT_MIN..=CLASH_PORT_MAX` (proxy-ebpf `conntrack::choose_sport`).
 fn clash_port(p: &Pkt) -> u16 {
+    clash_probe(p, 0)
+}
+
+/// The `n`-th source port the clash probe of `p`'s flow tries.
+fn clash_probe(p: &Pkt, n: u32) -> u16 {
     let hash = flow_hash(
         DatapathConfig::DEFAULT.hash_seed,
         p.saddr.octets(),
@@ -4236,7 +4241,7 @@ fn clash_port(p: &Pkt) -> u16 {
         p.dport().to_be_bytes(),
         p.proto(),
     );
-    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(0)
+    PortProbe::new(hash, CLASH_PORT_MIN, CLASH_PORT_MAX).port(n)
 }
 
 fn with_dport(p: &Pkt, port: u16) -> Pkt {
@@ -4336,6 +4341,63 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
         reply_a.bytes(),
         TC_NEXT,
         Expect::Packet(rev_natted(&reply_a, &a)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+}
+
+/// A clash probe that reaches the REPLY key of another client port's live flow to the same
+/// frontend and backend must treat it as taken, never as "our own entry" to overwrite: that
+/// would send the other flow's replies to this flow's client port (the other connection then
+/// never completes: its SYN-ACKs reach the wrong socket).
+#[test]
+fn a_clash_probe_never_takes_the_reply_tuple_of_another_port_s_flow_to_the_same_frontend() {
+    let mut dp = two_frontends_one_backend();
+    let b = Pkt::tcp(CLIENT, 45_000, VIP, 80, SYN);
+    let probed = clash_probe(&b, 0);
+    assert_ne!(probed, 45_000);
+    // Through VIP2, client port 45000 holds the reply tuple (backend 1 → client:45000).
+    let c = Pkt::tcp(CLIENT, 45_000, VIP2, 80, SYN);
+    dp.check(ingress(
+        "VIP2 flow from 45000",
+        c.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&c, 1)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    // Through VIP, from the port b's first probe will try, with its own port.
+    let a = Pkt::tcp(CLIENT, probed, VIP, 80, SYN);
+    dp.check(ingress(
+        "VIP flow from the probed port",
+        a.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&a, 1)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let next = (1..CLASH_PROBES)
+        .map(|n| clash_probe(&b, n))
+        .find(|&port| port != 45_000 && port != probed)
+        .expect("a later probe");
+    dp.check(ingress(
+        "VIP flow from 45000: its own tuple and its first probe are held, the next probe is free",
+        b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&dnated(&b, 1), next)),
+        &[(Counter::NewFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    ));
+    let reply_a = reply_from(&a, 1);
+    dp.check(egress(
+        "the probed port's flow still gets its own replies",
+        reply_a.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&reply_a, &a)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+    let reply_b = with_dport(&reply_from(&b, 1), next);
+    dp.check(egress(
+        "the moved flow's replies go back to 45000",
+        reply_b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dport(&rev_natted(&reply_b, &b), 45_000)),
         &[(Counter::ReplyTranslated, 1)],
     ));
 }
@@ -4538,6 +4600,135 @@ fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() 
         TC_NEXT,
         Expect::Packet(dnated(&ack, 1)),
         &[(Counter::EstablishedFlow, 1)],
+    ));
+}
+
+/// A new connection on a closed flow's tuple (netfilter: "reopen") is chosen again; when it goes
+/// to another backend, the old flow's reply tuple stays held (`ct_flags::RETIRED`) until it idles
+/// out, because the old backend may still keep that connection in TIME_WAIT: a flow from the same
+/// client port through another frontend to that backend must not meet it (its SYN would carry
+/// another ISN and timestamp offset, which TIME_WAIT's PAWS check rejects).
+#[test]
+fn a_reopened_flow_s_old_reply_tuple_stays_held_while_the_backend_may_be_in_time_wait() {
+    let mut dp = Datapath::load();
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1]);
+    dp.set_service(VIP2, 80, proto::TCP, VIP2_TCP_REVNAT, &[1]);
+    let a = Pkt::tcp(CLIENT, 44_000, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &a.bytes());
+    let rst = Pkt::tcp(CLIENT, 44_000, VIP, 80, RST | ACK);
+    dp.run(PROG_TC_INGRESS, &rst.bytes());
+    assert_flow(&mut dp, "closed", &a, 1, TCP_REVNAT, ct_state::CLOSING);
+
+    // The Service now sends to backend 2; the same client port opens a new connection.
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[2]);
+    dp.check(ingress(
+        "a SYN on the closed flow's tuple is a new flow, to the Service's backend now",
+        a.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&a, 2)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    assert_flow(&mut dp, "reopened", &a, 2, TCP_REVNAT, ct_state::SYN_SENT);
+    let retired = dp
+        .ct(&reply_key(&a, 1))
+        .expect("the old flow's REPLY entry stays");
+    assert_eq!(
+        retired.flags & ct_flags::RETIRED,
+        ct_flags::RETIRED,
+        "the old REPLY entry is retired: {retired:?}"
+    );
+    assert_eq!(retired.state, ct_state::CLOSING, "retired entry state");
+    dp.check(egress(
+        "a late packet from the old backend passes untranslated (its flow is over)",
+        reply_from(&a, 1).bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+    let answer = reply_from(&a, 2);
+    dp.check(egress(
+        "the new backend's answer comes from the VIP",
+        answer.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&answer, &a)),
+        &[(Counter::ReplyTranslated, 1)],
+    ));
+
+    // Same client port, another frontend, the old backend: the held tuple moves the new flow.
+    let b = Pkt::tcp(CLIENT, 44_000, VIP2, 80, SYN);
+    let moved = clash_port(&b);
+    dp.check(ingress(
+        "a flow onto the retired tuple gets another source port",
+        b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&dnated(&b, 1), moved)),
+        &[(Counter::NewFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    ));
+
+    // Once the retired entry idled out (the old backend's TIME_WAIT is over), its tuple is free.
+    let mut aged = dp.ct(&reply_key(&a, 1)).expect("retired entry");
+    aged.last_seen_ns = 0;
+    dp.conntrack()
+        .insert(reply_key(&a, 1), aged, 0)
+        .expect("age the retired entry");
+    let (pod, pod_port) = backend_addr(1);
+    dp.check(ingress(
+        "a direct connection on the idle retired tuple keeps its port",
+        Pkt::tcp(CLIENT, 44_000, pod, pod_port, SYN).bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::NotService, 1), (Counter::ReplyTupleReclaimed, 1)],
+    ));
+    assert!(
+        dp.ct(&reply_key(&a, 1)).is_none(),
+        "the idle retired entry is gone"
+    );
+    assert_flow(
+        &mut dp,
+        "the reopened flow is untouched",
+        &a,
+        2,
+        TCP_REVNAT,
+        ct_state::SYN_SENT,
+    );
+
+    // A reopened flow that picks the same backend takes its old tuple back (the backend sees the
+    // same four-tuple with the client's next ISN, which TIME_WAIT accepts).
+    let c = Pkt::tcp(CLIENT, 44_100, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &c.bytes());
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt::tcp(CLIENT, 44_100, VIP, 80, RST | ACK).bytes(),
+    );
+    dp.check(ingress(
+        "reopened to the same backend",
+        c.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&c, 2)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let own = assert_flow(
+        &mut dp,
+        "same backend",
+        &c,
+        2,
+        TCP_REVNAT,
+        ct_state::SYN_SENT,
+    );
+    assert_eq!(own.flags & ct_flags::SPORT_NAT, 0, "the client's own port");
+    let reply = dp.ct(&reply_key(&c, 2)).expect("REPLY entry");
+    assert_eq!(
+        reply.flags & ct_flags::RETIRED,
+        0,
+        "its own live REPLY entry"
+    );
+    let answer = reply_from(&c, 2);
+    dp.check(egress(
+        "the backend's answer comes from the VIP",
+        answer.bytes(),
+        TC_NEXT,
+        Expect::Packet(rev_natted(&answer, &c)),
+        &[(Counter::ReplyTranslated, 1)],
     ));
 }
 

@@ -28,10 +28,10 @@ use kube_proxy_ebpf::dataplane::{
     maps::{ClusterCidrs6Map, Node6Map},
 };
 use proxy_common::{
-    AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, Counter, DatapathConfig, MAP_LC_ADJUST,
-    MAP_LC_FLOWS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
-    SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceValue, backend_flags, csum, ct_dir,
-    ct_flags, ct_state,
+    AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, DatapathConfig,
+    MAP_LC_ADJUST, MAP_LC_FLOWS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
+    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceValue, backend_flags,
+    csum, ct_dir, ct_flags, ct_state,
     hash::{PortProbe, pick_slot},
     ipv6::{
         Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
@@ -1172,6 +1172,11 @@ fn clash_port(p: &Pkt6) -> u16 {
 
 /// The first port a bounded probe over `min..=max` from `p`'s flow hash tries.
 fn first_probe(p: &Pkt6, min: u16, max: u16) -> u16 {
+    nth_probe(p, min, max, 0)
+}
+
+/// The `n`-th port a bounded probe over `min..=max` from `p`'s flow hash tries.
+fn nth_probe(p: &Pkt6, min: u16, max: u16, n: u32) -> u16 {
     let (sport, dport) = ports(p);
     let hash = flow_hash6(
         DatapathConfig::DEFAULT.hash_seed,
@@ -1181,7 +1186,7 @@ fn first_probe(p: &Pkt6, min: u16, max: u16) -> u16 {
         dport.to_be_bytes(),
         p.proto(),
     );
-    PortProbe::new(hash, min, max).port(0)
+    PortProbe::new(hash, min, max).port(n)
 }
 
 fn with_sport(p: &Pkt6, port: u16) -> Pkt6 {
@@ -1274,6 +1279,48 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
         "the first flow's REPLY entry survives the second flow's end"
     );
     dp.reply_rev_natted("the first flow still answers from VIP:80", &reply_a, &a);
+}
+
+/// As tests/datapath.rs: a clash probe reaching another client port's live flow to the same
+/// frontend and backend treats it as taken, never as its own entry to overwrite.
+#[test]
+fn a_clash_probe_never_takes_the_reply_tuple_of_another_port_s_flow_to_the_same_frontend() {
+    let mut dp = two_frontends_one_backend();
+    let b = Pkt6::tcp(CLIENT, 45_000, VIP, 80, SYN);
+    let probed = clash_port(&b);
+    dp.new_flow_dnated(
+        "VIP2 flow from 45000",
+        &Pkt6::tcp(CLIENT, 45_000, VIP2, 80, SYN),
+        1,
+    );
+    let a = Pkt6::tcp(CLIENT, probed, VIP, 80, SYN);
+    dp.new_flow_dnated("VIP flow from the probed port", &a, 1);
+    let next = (1..CLASH_PROBES)
+        .map(|n| nth_probe(&b, CLASH_PORT_MIN, CLASH_PORT_MAX, n))
+        .find(|&port| port != 45_000 && port != probed)
+        .expect("a later probe");
+    dp.translated(
+        "VIP flow from 45000: its own tuple and first probe held, the next probe free",
+        PROG_TC_INGRESS,
+        &b,
+        REMAPPED,
+        &with_sport(&dnated(&b, 1), next),
+    );
+    let reply_a = dnated(&a, 1).reversed();
+    dp.reply_rev_natted(
+        "the probed port's flow still gets its own replies",
+        &reply_a,
+        &a,
+    );
+    let reply_b = with_dport(&dnated(&b, 1).reversed(), next);
+    dp.translated(
+        "the moved flow's replies go back to 45000",
+        PROG_TC_EGRESS,
+        &reply_b,
+        REPLY,
+        &with_dport(&rev_natted(&reply_b, &b), 45_000),
+    );
+    let _ = dp.ct(&original_key(&b)).expect("moved flow tracked");
 }
 
 #[test]
@@ -1379,6 +1426,73 @@ fn a_vip_flow_and_a_direct_flow_from_one_port_to_one_pod_keep_their_replies() {
         &[(Counter::ReplyNotTracked, 1)],
     );
     assert_eq!(out, d2.reversed().bytes(), "passes untranslated");
+}
+
+/// As tests/datapath.rs: a connection reopening a closed flow's tuple to another backend leaves
+/// the old reply tuple held (`ct_flags::RETIRED`) while that backend may be in TIME_WAIT.
+#[test]
+fn a_reopened_flow_s_old_reply_tuple_stays_held_while_the_backend_may_be_in_time_wait() {
+    let mut dp = two_frontends_one_backend();
+    let a = Pkt6::tcp(CLIENT, 44_000, VIP, 80, SYN);
+    dp.new_flow_dnated("first connection", &a, 1);
+    dp.run(
+        PROG_TC_INGRESS,
+        &Pkt6::tcp(CLIENT, 44_000, VIP, 80, RST | ACK).bytes(),
+    );
+    dp.set_service(VIP, 80, proto::TCP, 1, &[2]);
+    dp.new_flow_dnated(
+        "a SYN on the closed flow's tuple: to the new backend",
+        &a,
+        2,
+    );
+    let retired = dp.ct(&reply_key(&a, 1)).expect("the old REPLY entry stays");
+    assert_eq!(
+        retired.flags & ct_flags::RETIRED,
+        ct_flags::RETIRED,
+        "retired: {retired:?}"
+    );
+    let out = dp.step(
+        "a late packet from the old backend",
+        PROG_TC_EGRESS,
+        &dnated(&a, 1).reversed().bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
+    );
+    assert_eq!(out, dnated(&a, 1).reversed().bytes(), "passes untranslated");
+    dp.reply_rev_natted(
+        "the new backend's answer comes from the VIP",
+        &dnated(&a, 2).reversed(),
+        &a,
+    );
+    let b = Pkt6::tcp(CLIENT, 44_000, VIP2, 80, SYN);
+    dp.translated(
+        "a flow onto the retired tuple gets another source port",
+        PROG_TC_INGRESS,
+        &b,
+        REMAPPED,
+        &with_sport(&dnated(&b, 1), clash_port(&b)),
+    );
+    let mut aged = retired;
+    aged.last_seen_ns = 0;
+    dp.conntrack()
+        .insert(reply_key(&a, 1), aged, 0)
+        .expect("age the retired entry");
+    let (pod, pod_port) = backend_addr(1);
+    let d = Pkt6::tcp(CLIENT, 44_000, pod, pod_port, SYN);
+    let out = dp.step(
+        "a direct connection on the idle retired tuple",
+        PROG_TC_INGRESS,
+        &d.bytes(),
+        TC_NEXT,
+        &[(Counter::NotService, 1), (Counter::ReplyTupleReclaimed, 1)],
+    );
+    assert_eq!(out, d.bytes(), "it keeps its port");
+    assert!(
+        dp.ct(&reply_key(&a, 1)).is_none(),
+        "the idle retired entry is gone"
+    );
+    let reopened = dp.ct(&original_key(&a)).expect("the reopened flow stays");
+    assert_eq!(reopened.backend_addr, backend_addr(2).0.octets());
 }
 
 #[test]

@@ -283,12 +283,15 @@ pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64
     }
 }
 
-/// Is this REPLY entry the one of the flow with this ORIGINAL key?
+/// Is this REPLY entry (`reply_dport`: its key's destination port, the port the flow left with)
+/// the one of the flow with this ORIGINAL key? Same frontend and the same client port: a REPLY
+/// entry of another client port's flow to the same frontend (its own port, or moved after a
+/// clash) is not ours, even where our probe reaches its key.
 #[inline(always)]
-fn owns_reply(original: &Ct6Key, reply: &Ct6Value) -> bool {
-    reply.frontend_addr == original.daddr
-        && reply.frontend_port == original.dport
-        && (reply.flags & ct_flags::SPORT_NAT == 0 || reply.nat_sport == original.sport)
+fn owns_reply(original: &Ct6Key, reply_dport: [u8; 2], held: &Ct6Value) -> bool {
+    held.frontend_addr == original.daddr
+        && held.frontend_port == original.dport
+        && client_port_of_reply(reply_dport, held) == original.sport
 }
 
 /// A new flow's translation. `direct`: a flow straight to a pod (no Service), the backend the pod
@@ -320,27 +323,34 @@ pub struct Clash6 {
 fn reply_tuple_taken(original: &Ct6Key, s: &mut Clash6, now: u64) -> bool {
     if let Some(entry) = maps::ct6_entry(&s.candidate) {
         let held = entry.peek();
-        if owns_reply(original, held) {
+        if owns_reply(original, s.candidate.dport, held) {
             return false; // Our own entry from an earlier pick: overwritten.
         }
-        // Field by field: the keys stay in map memory (the new-flow stack is nearly full).
-        s.other.saddr = s.candidate.daddr;
-        s.other.daddr = held.frontend_addr;
-        s.other.sport = client_port_of_reply(s.candidate.dport, held);
-        s.other.dport = held.frontend_port;
-        s.other.proto = original.proto;
-        s.other.dir = ct_dir::ORIGINAL;
-        s.other._pad = [0; 2];
         let held_live = !expired(held, original.proto, now);
-        let other_live = match maps::ct6_entry(&s.other) {
-            Some(o) => !expired(o.peek(), original.proto, now),
-            None => false,
-        };
-        if held_live || other_live {
-            return true;
+        if held.flags & ct_flags::RETIRED != 0 {
+            // Held for the old backend's TIME_WAIT; its ORIGINAL key is another flow's now.
+            if held_live {
+                return true;
+            }
+        } else {
+            // Field by field: the keys stay in map memory (the new-flow stack is nearly full).
+            s.other.saddr = s.candidate.daddr;
+            s.other.daddr = held.frontend_addr;
+            s.other.sport = client_port_of_reply(s.candidate.dport, held);
+            s.other.dport = held.frontend_port;
+            s.other.proto = original.proto;
+            s.other.dir = ct_dir::ORIGINAL;
+            s.other._pad = [0; 2];
+            let other_live = match maps::ct6_entry(&s.other) {
+                Some(o) => !expired(o.peek(), original.proto, now),
+                None => false,
+            };
+            if held_live || other_live {
+                return true;
+            }
+            // Both entries idle: that flow is over, its tuple free again.
+            forget_original(&s.other);
         }
-        // Both entries idle: that flow is over, its tuple free again.
-        forget_original(&s.other);
         maps::ct6_remove(&s.candidate);
         stats::count(Counter::ReplyTupleReclaimed);
     }
@@ -432,7 +442,11 @@ pub fn create(
     replaced: Option<Sent>,
 ) -> Result<Option<[u8; 2]>, Drop> {
     if let Some(old) = replaced {
-        remove(flow.original, old);
+        if old.closed && p.is_tcp() {
+            retire(flow.original, old);
+        } else {
+            remove(flow.original, old);
+        }
     }
     let (flags, nat_sport) = match choose_sport(
         flow.original,
@@ -510,6 +524,8 @@ pub struct Sent {
     pub sport: [u8; 2],
     /// A REPLY entry exists (all but plain direct flows).
     pub has_reply: bool,
+    /// The flow had closed (`ct_state::CLOSING`).
+    pub closed: bool,
 }
 
 impl Sent {
@@ -520,6 +536,7 @@ impl Sent {
             backend_port: ct.backend_port,
             sport: translated_sport(original, ct),
             has_reply: !plain_direct(ct),
+            closed: ct.state == ct_state::CLOSING,
         }
     }
 }
@@ -533,9 +550,26 @@ pub fn remove(original: &Ct6Key, sent: Sent) {
     }
     let reply = reply_key_with(original, sent.backend_addr, sent.backend_port, sent.sport);
     if let Some(entry) = maps::ct6_entry(&reply)
-        && owns_reply(original, entry.peek())
+        && owns_reply(original, reply.dport, entry.peek())
     {
         maps::ct6_remove(&reply);
+    }
+}
+
+/// Forget a closed TCP flow whose ORIGINAL tuple a new connection reopens, as
+/// `crate::conntrack::retire`: its REPLY entry stays as a `ct_flags::RETIRED` holder of the
+/// reply tuple until it idles out.
+#[inline(always)]
+fn retire(original: &Ct6Key, sent: Sent) {
+    forget_original(original);
+    if !sent.has_reply {
+        return;
+    }
+    let reply = reply_key_with(original, sent.backend_addr, sent.backend_port, sent.sport);
+    if let Some(entry) = maps::ct6_entry(&reply)
+        && owns_reply(original, reply.dport, entry.peek())
+    {
+        entry.set_flags(ct_flags::RETIRED);
     }
 }
 

@@ -35,6 +35,10 @@ fn reply(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
         return forwarded(ctx, p);
     };
     let ct = entry.get();
+    if ct.flags & ct_flags::RETIRED != 0 {
+        // A closed flow's reply tuple, only held (see `ct_flags::RETIRED`): passes as it is.
+        return Ok(Action::pass(Counter::ReplyNotTracked));
+    }
     conntrack::reply_passed(p, &entry, &ct, maps::now_ns());
     nat::snat(ctx, p, &ct.frontend_addr, ct.frontend_port)?;
     if ct.flags & ct_flags::SPORT_NAT != 0 {

@@ -332,6 +332,7 @@ pub fn try_new_snat(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
                     backend_port: p.dport,
                     sport: p.sport,
                     has_reply: true,
+                    closed: false,
                 },
             );
             Err(drop)

@@ -470,7 +470,10 @@ fn ct_translation(
 ) -> String {
     let moved = flags & ct_flags::SPORT_NAT != 0;
     let port = u16::from_be_bytes(nat_sport);
-    let mut out = if flags & ct_flags::DIRECT != 0 {
+    let mut out = if flags & ct_flags::RETIRED != 0 {
+        // A closed flow's reply tuple, held while the backend may be in TIME_WAIT.
+        "retired (tuple held)".to_owned()
+    } else if flags & ct_flags::DIRECT != 0 {
         "direct".to_owned()
     } else if dir == ct_dir::ORIGINAL {
         format!("→ {backend}")
