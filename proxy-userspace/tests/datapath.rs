@@ -4732,6 +4732,40 @@ fn a_reopened_flow_s_old_reply_tuple_stays_held_while_the_backend_may_be_in_time
     ));
 }
 
+/// The flow walk judges entries from a listing and removes the dead ones afterwards; meanwhile
+/// the datapath may reuse a key (a reopened tuple) or see a packet of that flow. Removal only
+/// takes an entry still as it was listed, never the live flow that replaced it.
+#[test]
+fn the_flow_walk_removes_an_entry_only_if_it_is_still_as_listed() {
+    let mut dp = Datapath::load().with_services();
+    let syn = Pkt::tcp(CLIENT, 46_000, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &syn.bytes());
+    let key = original_key(&syn);
+    let listed = dp.ct(&key).expect("flow");
+    std::thread::sleep(Duration::from_millis(2));
+    let ack = Pkt::tcp(CLIENT, 46_000, VIP, 80, ACK);
+    dp.run(PROG_TC_INGRESS, &ack.bytes());
+    let touched = dp.ct(&key).expect("flow");
+    assert!(
+        touched.last_seen_ns > listed.last_seen_ns,
+        "the packet touched it"
+    );
+    let mut ct =
+        kube_proxy_ebpf::dataplane::maps::Conntrack::from_ebpf(&mut dp.bpf).expect("conntrack map");
+    assert!(
+        !ct.remove_if_unchanged(&key, &listed),
+        "an entry touched since it was listed stays"
+    );
+    assert!(
+        ct.remove_if_unchanged(&key, &touched),
+        "an entry still as listed is removed"
+    );
+    assert!(
+        ct.entries().iter().all(|(k, _)| *k != key),
+        "and is gone from the map"
+    );
+}
+
 // Session affinity (ClientIP): records in AFFINITY_V1 per (Service port scope, client), usable
 // while the frontend's AFFMATCH_V1 names the backend and the last use is within the timeout.
 
@@ -5138,7 +5172,7 @@ impl Datapath {
                 lc_counts::Listing::none(),
             )
         };
-        for key in &done.dead {
+        for (key, _) in &done.dead {
             self.conntrack().remove(key).expect("remove dead entry");
         }
         let mut adjust: Array<&mut MapData, u64> =

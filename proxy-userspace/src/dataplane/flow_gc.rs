@@ -109,9 +109,12 @@ fn backend6_current(value: &Ct6Value, backends6: Option<&Backends6>) -> bool {
 /// The maps a walk reads and cleans (the pinned maps; a fake in tests).
 pub trait FlowMaps: Send + 'static {
     fn conntrack_entries(&self) -> Vec<(CtKey, CtValue)>;
-    fn remove_conntrack(&mut self, key: &CtKey);
+    /// Remove `key` if it still holds the flow `listed` was read from (see
+    /// `Conntrack::remove_if_unchanged`); was it removed?
+    fn remove_conntrack(&mut self, key: &CtKey, listed: &CtValue) -> bool;
     fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)>;
-    fn remove_conntrack6(&mut self, key: &Ct6Key);
+    /// As [`FlowMaps::remove_conntrack`], IPv6.
+    fn remove_conntrack6(&mut self, key: &Ct6Key, listed: &Ct6Value) -> bool;
     /// Backend ids below this have a least-connection count.
     fn lc_ids(&self) -> u32;
     fn lc_active(&self, id: u32) -> u64;
@@ -134,16 +137,16 @@ impl FlowMaps for PinnedFlowMaps {
         self.conntrack.entries()
     }
 
-    fn remove_conntrack(&mut self, key: &CtKey) {
-        self.conntrack.remove(key);
+    fn remove_conntrack(&mut self, key: &CtKey, listed: &CtValue) -> bool {
+        self.conntrack.remove_if_unchanged(key, listed)
     }
 
     fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)> {
         self.conntrack6.entries()
     }
 
-    fn remove_conntrack6(&mut self, key: &Ct6Key) {
-        self.conntrack6.remove(key);
+    fn remove_conntrack6(&mut self, key: &Ct6Key, listed: &Ct6Value) -> bool {
+        self.conntrack6.remove_if_unchanged(key, listed)
     }
 
     fn lc_ids(&self) -> u32 {
@@ -364,12 +367,17 @@ impl<M: FlowMaps> Walker<M> {
             current: Box::new(|v| backend6_current(v, backends6)),
         };
         let done = lc_counts::reconcile(1..=max_id, |id| maps.lc_active(id), monotonic_ns, v4, v6);
-        for key in &done.dead {
-            self.maps.remove_conntrack(key);
-        }
-        for key in &done.dead6 {
-            self.maps.remove_conntrack6(key);
-        }
+        // Only entries still as listed: the datapath may have reused a key meanwhile.
+        let removed = done
+            .dead
+            .iter()
+            .filter(|(key, listed)| self.maps.remove_conntrack(key, listed))
+            .count();
+        let removed6 = done
+            .dead6
+            .iter()
+            .filter(|(key, listed)| self.maps.remove_conntrack6(key, listed))
+            .count();
         for chunk in done.corrections.chunks(1024) {
             let shared = lock(&self.shared);
             for &(id, adjust) in chunk {
@@ -392,9 +400,9 @@ impl<M: FlowMaps> Walker<M> {
             .then(|| self.maps.collect_snat6(now, &self.config));
         Walked {
             conntrack_listed: done.total,
-            conntrack_removed: done.dead.len(),
+            conntrack_removed: removed,
             conntrack6_listed: done.total6,
-            conntrack6_removed: done.dead6.len(),
+            conntrack6_removed: removed6,
             took: started.elapsed(),
             snat,
             snat6,
@@ -550,16 +558,20 @@ mod tests {
             self.conntrack.clone()
         }
 
-        fn remove_conntrack(&mut self, key: &CtKey) {
-            self.conntrack.retain(|(k, _)| k != key);
+        fn remove_conntrack(&mut self, key: &CtKey, listed: &CtValue) -> bool {
+            let before = self.conntrack.len();
+            self.conntrack.retain(|(k, v)| k != key || v != listed);
+            self.conntrack.len() < before
         }
 
         fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)> {
             self.conntrack6.clone()
         }
 
-        fn remove_conntrack6(&mut self, key: &Ct6Key) {
-            self.conntrack6.retain(|(k, _)| k != key);
+        fn remove_conntrack6(&mut self, key: &Ct6Key, listed: &Ct6Value) -> bool {
+            let before = self.conntrack6.len();
+            self.conntrack6.retain(|(k, v)| k != key || v != listed);
+            self.conntrack6.len() < before
         }
 
         fn lc_ids(&self) -> u32 {
@@ -844,13 +856,17 @@ mod tests {
             Vec::new()
         }
 
-        fn remove_conntrack(&mut self, _: &CtKey) {}
+        fn remove_conntrack(&mut self, _: &CtKey, _: &CtValue) -> bool {
+            false
+        }
 
         fn conntrack6_entries(&self) -> Vec<(Ct6Key, Ct6Value)> {
             Vec::new()
         }
 
-        fn remove_conntrack6(&mut self, _: &Ct6Key) {}
+        fn remove_conntrack6(&mut self, _: &Ct6Key, _: &Ct6Value) -> bool {
+            false
+        }
 
         fn lc_ids(&self) -> u32 {
             0

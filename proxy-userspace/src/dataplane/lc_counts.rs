@@ -210,7 +210,7 @@ impl<'a, V: Tracked + 'a> Listing<'a, V> {
 
 impl<V: Tracked> Listing<'_, V> {
     /// Lists, sorts out the dead entries and adds the live ones to the truth.
-    fn tally(self, now: u64, truth: &mut HashMap<u32, u64>) -> (Vec<V::Key>, usize) {
+    fn tally(self, now: u64, truth: &mut HashMap<u32, u64>) -> (Vec<(V::Key, V)>, usize) {
         let Listing {
             list,
             mut dead,
@@ -223,7 +223,7 @@ impl<V: Tracked> Listing<'_, V> {
         let mut dead_keys = Vec::new();
         for (key, value) in entries {
             if dead(&key, &value, now) {
-                dead_keys.push(key);
+                dead_keys.push((key, value));
                 continue;
             }
             if V::dir(&key) == ct_dir::ORIGINAL {
@@ -276,12 +276,12 @@ pub fn reconcile(
 pub struct Reconciled {
     /// `(backend id, LCADJ_V1 value)`.
     pub corrections: Vec<(u32, u64)>,
-    /// `CONNTRACK_V1` entries to remove.
-    pub dead: Vec<CtKey>,
+    /// `CONNTRACK_V1` entries to remove, with the values they were judged by.
+    pub dead: Vec<(CtKey, CtValue)>,
     /// `CONNTRACK_V1` entries listed.
     pub total: usize,
-    /// `CONNTRACK6_V1` entries to remove.
-    pub dead6: Vec<Ct6Key>,
+    /// `CONNTRACK6_V1` entries to remove, with the values they were judged by.
+    pub dead6: Vec<(Ct6Key, Ct6Value)>,
     /// `CONNTRACK6_V1` entries listed.
     pub total6: usize,
 }
@@ -535,8 +535,8 @@ mod tests {
             v6(closed.to_vec()),
         );
         assert_eq!((r.total, r.total6), (2, 2));
-        assert_eq!(r.dead, vec![flow(1, 1, 0, 10)[1].0]);
-        assert_eq!(r.dead6, vec![closed[0].0, closed[1].0]);
+        assert_eq!(r.dead, vec![flow(1, 1, 0, 10)[1]]);
+        assert_eq!(r.dead6, vec![closed[0], closed[1]]);
     }
 
     #[test]

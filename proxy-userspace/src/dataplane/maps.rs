@@ -482,6 +482,23 @@ impl Conntrack {
     pub fn remove(&mut self, key: &CtKey) {
         let _ = self.map.remove(key);
     }
+
+    /// Remove `key` only if it still holds the flow `listed` was read from (same creation and
+    /// last-seen times): between a walk's listing and its removal the datapath may have given
+    /// the key to a new flow (a reopened tuple, a reused reply tuple) or seen a packet of this
+    /// one, and a blind removal would drop a live flow's entry. Was it removed? (A packet in the
+    /// microseconds between this read and the removal is the window left.)
+    pub fn remove_if_unchanged(&mut self, key: &CtKey, listed: &CtValue) -> bool {
+        match self.map.get(key, 0) {
+            Ok(now)
+                if now.created_ns == listed.created_ns
+                    && now.last_seen_ns == listed.last_seen_ns =>
+            {
+                self.map.remove(key).is_ok()
+            }
+            _ => false,
+        }
+    }
 }
 
 /// `CONNTRACK6_V1` (LRU): the IPv6 flows, walked with the IPv4 ones (`flow_gc`), read for
@@ -512,6 +529,23 @@ impl Conntrack6 {
 
     pub fn remove(&mut self, key: &ipv6::Ct6Key) {
         let _ = self.map.remove(key);
+    }
+
+    /// Remove `key` only if it still holds the flow `listed` was read from (same creation and
+    /// last-seen times): between a walk's listing and its removal the datapath may have given
+    /// the key to a new flow (a reopened tuple, a reused reply tuple) or seen a packet of this
+    /// one, and a blind removal would drop a live flow's entry. Was it removed? (A packet in the
+    /// microseconds between this read and the removal is the window left.)
+    pub fn remove_if_unchanged(&mut self, key: &ipv6::Ct6Key, listed: &ipv6::Ct6Value) -> bool {
+        match self.map.get(key, 0) {
+            Ok(now)
+                if now.created_ns == listed.created_ns
+                    && now.last_seen_ns == listed.last_seen_ns =>
+            {
+                self.map.remove(key).is_ok()
+            }
+            _ => false,
+        }
     }
 }
 
