@@ -481,16 +481,7 @@ pub fn direct_flow(p: &Packet, key: &CtKey, now: u64) -> Result<Option<[u8; 2]>,
 /// Forget a flow: its ORIGINAL entry, and its REPLY entry if that is still its own.
 #[inline(always)]
 pub fn remove(original: &CtKey, ct: &CtValue) {
-    forget_original(original);
-    if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
-        return;
-    }
-    let reply = reply_key_of(original, ct);
-    if let Some(entry) = maps::ct_entry(&reply)
-        && owns_reply(original, reply.dport, entry.peek())
-    {
-        maps::ct_remove(&reply);
-    }
+    forget(original, ct, false);
 }
 
 /// Forget a closed TCP flow whose ORIGINAL tuple a new connection reopens: its ORIGINAL entry
@@ -499,6 +490,12 @@ pub fn remove(original: &CtKey, ct: &CtValue) {
 /// four-tuple at the backend, with the client's next ISN, which TIME_WAIT accepts.
 #[inline(always)]
 fn retire(original: &CtKey, ct: &CtValue) {
+    forget(original, ct, true);
+}
+
+/// [`remove`] (`retire_reply` false) or [`retire`] (true).
+#[inline(always)]
+fn forget(original: &CtKey, ct: &CtValue, retire_reply: bool) {
     forget_original(original);
     if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
         return;
@@ -507,8 +504,12 @@ fn retire(original: &CtKey, ct: &CtValue) {
     if let Some(entry) = maps::ct_entry(&reply)
         && owns_reply(original, reply.dport, entry.peek())
     {
-        // In place: its last-seen time (the flow's end) keeps timing it out.
-        entry.set_flags(ct_flags::RETIRED);
+        if retire_reply {
+            // In place: its last-seen time (the flow's end) keeps timing it out.
+            entry.set_flags(ct_flags::RETIRED);
+        } else {
+            maps::ct_remove(&reply);
+        }
     }
 }
 

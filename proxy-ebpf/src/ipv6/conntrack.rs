@@ -544,16 +544,7 @@ impl Sent {
 /// Forget a flow: its ORIGINAL entry, and its REPLY entry if that is still its own.
 #[inline(always)]
 pub fn remove(original: &Ct6Key, sent: Sent) {
-    forget_original(original);
-    if !sent.has_reply {
-        return;
-    }
-    let reply = reply_key_with(original, sent.backend_addr, sent.backend_port, sent.sport);
-    if let Some(entry) = maps::ct6_entry(&reply)
-        && owns_reply(original, reply.dport, entry.peek())
-    {
-        maps::ct6_remove(&reply);
-    }
+    forget(original, sent, false);
 }
 
 /// Forget a closed TCP flow whose ORIGINAL tuple a new connection reopens, as
@@ -561,6 +552,12 @@ pub fn remove(original: &Ct6Key, sent: Sent) {
 /// reply tuple until it idles out.
 #[inline(always)]
 fn retire(original: &Ct6Key, sent: Sent) {
+    forget(original, sent, true);
+}
+
+/// [`remove`] (`retire_reply` false) or [`retire`] (true).
+#[inline(always)]
+fn forget(original: &Ct6Key, sent: Sent, retire_reply: bool) {
     forget_original(original);
     if !sent.has_reply {
         return;
@@ -569,7 +566,11 @@ fn retire(original: &Ct6Key, sent: Sent) {
     if let Some(entry) = maps::ct6_entry(&reply)
         && owns_reply(original, reply.dport, entry.peek())
     {
-        entry.set_flags(ct_flags::RETIRED);
+        if retire_reply {
+            entry.set_flags(ct_flags::RETIRED);
+        } else {
+            maps::ct6_remove(&reply);
+        }
     }
 }
 

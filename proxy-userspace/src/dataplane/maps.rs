@@ -22,7 +22,7 @@ use proxy_common::{
     maglev::{Chunk, MaglevKey},
 };
 
-use super::{Error, Result, batch, bpffs::PinLayout};
+use super::{Error, Result, batch, bpffs::PinLayout, lc_counts::Tracked};
 use crate::pipeline::{
     encode::{FamilyAbi, SlotKey as _},
     maglev::MaglevTable,
@@ -455,6 +455,26 @@ impl<A: FamilyAbi> ServiceMaps<A> {
     }
 }
 
+/// Remove a conntrack entry only if it still holds the flow `listed` was read from (same
+/// creation and last-seen times): between a walk's listing and its removal the datapath may have
+/// given the key to a new flow (a reopened tuple, a reused reply tuple) or seen a packet of this
+/// one, and a blind removal would drop a live flow's entry. Was it removed? (A packet in the
+/// microseconds between this read and the removal is the window left.)
+fn remove_flow_if_unchanged<K: aya::Pod, V: aya::Pod + Tracked>(
+    map: &mut HashMap<MapData, K, V>,
+    key: &K,
+    listed: &V,
+) -> bool {
+    let stamps = |v: &V| {
+        let f = v.facts();
+        (f.created_ns, f.last_seen_ns)
+    };
+    match map.get(key, 0) {
+        Ok(now) if stamps(&now) == stamps(listed) => map.remove(key).is_ok(),
+        _ => false,
+    }
+}
+
 /// The conntrack LRU map.
 pub struct Conntrack {
     map: HashMap<MapData, CtKey, CtValue>,
@@ -483,21 +503,10 @@ impl Conntrack {
         let _ = self.map.remove(key);
     }
 
-    /// Remove `key` only if it still holds the flow `listed` was read from (same creation and
-    /// last-seen times): between a walk's listing and its removal the datapath may have given
-    /// the key to a new flow (a reopened tuple, a reused reply tuple) or seen a packet of this
-    /// one, and a blind removal would drop a live flow's entry. Was it removed? (A packet in the
-    /// microseconds between this read and the removal is the window left.)
+    /// Remove `key` only if it still holds the flow `listed` was read from: see
+    /// [`remove_flow_if_unchanged`]. Was it removed?
     pub fn remove_if_unchanged(&mut self, key: &CtKey, listed: &CtValue) -> bool {
-        match self.map.get(key, 0) {
-            Ok(now)
-                if now.created_ns == listed.created_ns
-                    && now.last_seen_ns == listed.last_seen_ns =>
-            {
-                self.map.remove(key).is_ok()
-            }
-            _ => false,
-        }
+        remove_flow_if_unchanged(&mut self.map, key, listed)
     }
 }
 
@@ -531,21 +540,10 @@ impl Conntrack6 {
         let _ = self.map.remove(key);
     }
 
-    /// Remove `key` only if it still holds the flow `listed` was read from (same creation and
-    /// last-seen times): between a walk's listing and its removal the datapath may have given
-    /// the key to a new flow (a reopened tuple, a reused reply tuple) or seen a packet of this
-    /// one, and a blind removal would drop a live flow's entry. Was it removed? (A packet in the
-    /// microseconds between this read and the removal is the window left.)
+    /// Remove `key` only if it still holds the flow `listed` was read from: see
+    /// [`remove_flow_if_unchanged`]. Was it removed?
     pub fn remove_if_unchanged(&mut self, key: &ipv6::Ct6Key, listed: &ipv6::Ct6Value) -> bool {
-        match self.map.get(key, 0) {
-            Ok(now)
-                if now.created_ns == listed.created_ns
-                    && now.last_seen_ns == listed.last_seen_ns =>
-            {
-                self.map.remove(key).is_ok()
-            }
-            _ => false,
-        }
+        remove_flow_if_unchanged(&mut self.map, key, listed)
     }
 }
 
