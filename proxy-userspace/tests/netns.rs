@@ -676,12 +676,19 @@ for port in range(48000, 48030):
     s = bound(socket.SOCK_STREAM, port); s.connect((a, 80)); get(s); s.close()
 ok = bad = 0
 for port in range(48000, 48030):
+    stage = "connect"
     try:
         s = bound(socket.SOCK_STREAM, port); s.connect((pod, 8080))
-        ok, bad = (ok + 1, bad) if get(s) else (ok, bad + 1)
+        stage = "request"
+        if get(s):
+            ok += 1
+        else:
+            bad += 1
+            print("direct_after_vip: port", port, "wrong answer", file=sys.stderr)
         s.close()
-    except OSError:
+    except OSError as e:
         bad += 1
+        print("direct_after_vip: port", port, stage, repr(e), file=sys.stderr)
 print("direct_after_vip", ok, bad)
 "#;
 
@@ -726,6 +733,20 @@ fn one_client_port_to_one_pod_through_two_vips_and_directly_keeps_every_reply_it
         let mut f = line.split_whitespace().skip(1).map(|n| n.parse().unwrap());
         (f.next().unwrap(), f.next().unwrap())
     };
+    if stdout
+        .lines()
+        .any(|l| l.split_whitespace().nth(2).is_some_and(|bad| bad != "0"))
+    {
+        let pins = env.agent.pin_dir().to_string_lossy().into_owned();
+        for what in ["conntrack", "stats"] {
+            if let Ok(out) = env.agent.cli(&["dump", what, "--pin-dir", &pins]) {
+                eprintln!(
+                    "--- dump {what} ---\n{}",
+                    String::from_utf8_lossy(&out.stdout)
+                );
+            }
+        }
+    }
     for (case, want) in [
         ("udp_two_vips", 40),
         ("tcp_two_vips", 10),
