@@ -2906,6 +2906,11 @@ fn snat_in_key(backend: Ipv4Addr, bport: u16, node_port: u16, proto: u8) -> Snat
 
 /// Where the datapath's port probe starts for a flow (the same pure hash).
 fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
+    snat_probe_port(client, backend, bport, 0)
+}
+
+/// The `n`-th port the datapath's SNAT probe tries for a flow to `backend:bport`.
+fn snat_probe_port(client: &Pkt, backend: Ipv4Addr, bport: u16, n: u32) -> u16 {
     let h = flow_hash(
         0,
         client.saddr.octets(),
@@ -2914,7 +2919,7 @@ fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
         bport.to_be_bytes(),
         client.proto(),
     );
-    PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX).port(0)
+    PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX).port(n)
 }
 
 /// BPF_PROG_TEST_RUN runs on the loopback device (ifindex 1), which stands for a tunnel device.
@@ -3355,15 +3360,11 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         .snat()
         .get(&snat_out_key(&other, REMOTE_BE, 8080), 0)
         .expect("second out entry");
-    let want = if start == SNAT_PORT_MAX {
-        SNAT_PORT_MIN
-    } else {
-        start + 1
-    };
+    let want = snat_probe_port(&other, REMOTE_BE, 8080, 1);
     assert_eq!(
         u16::from_be_bytes(got.port),
         want,
-        "probe moved past the taken port"
+        "probe moved on to its second port"
     );
     assert_eq!(
         dp.snat()
@@ -4362,6 +4363,53 @@ fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples
         Expect::Packet(rev_natted(&reply_a, &a)),
         &[(Counter::ReplyTranslated, 1)],
     ));
+}
+
+/// One client's flows through a VIP hold a block of consecutive reply tuples (the kernel hands
+/// out ports in sequence). A clashing flow whose probe starts inside that block must still find
+/// a free port: a walk over consecutive ports found 16 held ones there and dropped the SYN
+/// (`drop_reply_tuple_exhausted`; the netns clash test lost 1 connection in ~150 runs to it).
+#[test]
+fn a_clash_probe_starting_in_a_block_of_held_consecutive_ports_still_finds_a_free_one() {
+    let mut dp = two_frontends_one_backend();
+    let b = Pkt::tcp(CLIENT, 45_000, VIP, 80, SYN);
+    let first = clash_probe(&b, 0);
+    let range = (CLASH_PORT_MAX - CLASH_PORT_MIN) as u32 + 1;
+    let block: Vec<u16> = (0..64u32)
+        .map(|k| ((first - CLASH_PORT_MIN) as u32 + k) % range)
+        .map(|off| (CLASH_PORT_MIN as u32 + off) as u16)
+        .filter(|&port| port != 45_000)
+        .collect();
+    for &port in &block {
+        let a = Pkt::tcp(CLIENT, port, VIP2, 80, SYN);
+        dp.check(ingress(
+            "a VIP2 flow from a port of the block, with its own port",
+            a.bytes(),
+            TC_NEXT,
+            Expect::Packet(dnated(&a, 1)),
+            &[(Counter::NewFlow, 1)],
+        ));
+    }
+    let c = Pkt::tcp(CLIENT, 45_000, VIP2, 80, SYN);
+    dp.check(ingress(
+        "VIP2 flow from 45000",
+        c.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&c, 1)),
+        &[(Counter::NewFlow, 1)],
+    ));
+    let free = (1..CLASH_PROBES)
+        .map(|n| clash_probe(&b, n))
+        .find(|port| *port != 45_000 && !block.contains(port))
+        .expect("a probe outside the block");
+    dp.check(ingress(
+        "VIP flow from 45000: its tuple and the block are held, a probe outside is free",
+        b.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_sport(&dnated(&b, 1), free)),
+        &[(Counter::NewFlow, 1), (Counter::ReplyTupleRemapped, 1)],
+    ));
+    assert_eq!(dp.counter(Counter::DropReplyTupleExhausted), 0);
 }
 
 /// A clash probe that reaches the REPLY key of another client port's live flow to the same
