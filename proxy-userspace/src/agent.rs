@@ -34,7 +34,7 @@ use crate::{
         diff::Plan,
         encode::FamilyAbi,
         incremental::Planner,
-        model::Problem,
+        model::{Problem, SkippedFrontend},
         programmed::{Capacities, MapOp, Programmed},
         translate::NodeContext,
         translate_cache::TranslateCache,
@@ -44,7 +44,7 @@ use crate::{
         ManifestSource, Source,
         kube::{
             Connection, KubeSource,
-            events::{ConflictEvents, EventSink},
+            events::{ConflictEvents, EventSink, SkipEvents},
         },
         snapshot::Snapshot,
     },
@@ -96,6 +96,9 @@ pub struct Agent {
     /// Kubernetes mode: Events on Services that lose a frontend, one per conflict appearance.
     events: Option<EventSink>,
     conflict_events: ConflictEvents,
+    skip_events: SkipEvents,
+    /// The IPv4 plan's skipped frontends, as of the last sync that planned.
+    skipped: Vec<SkippedFrontend>,
     /// Telemetry: /metrics and /healthz state, and what changed between applied syncs.
     metrics: std::sync::Arc<crate::serving::metrics::Metrics>,
     health: std::sync::Arc<crate::serving::health::HealthState>,
@@ -249,6 +252,8 @@ impl Agent {
             reported: BTreeSet::new(),
             events: None,
             conflict_events: ConflictEvents::default(),
+            skip_events: SkipEvents::default(),
+            skipped: Vec::new(),
             metrics,
             health,
             changes: crate::serving::metrics::ChangeTracker::new(changes_since),
@@ -344,6 +349,8 @@ impl Agent {
         };
         parts.plan = lap.elapsed().saturating_sub(filled.took);
         lap = Instant::now();
+        // Complete: a skipped frontend makes every plan full until it fits.
+        self.skipped = SkippedFrontend::of_plan(&plan.skipped, desired);
         for (frontend, reason) in &plan.skipped {
             problems.push(Problem {
                 source: "dataplane".into(),
@@ -397,6 +404,7 @@ impl Agent {
             self.report_problems(&problems);
         }
         walk_conntrack_now |= walk6;
+        self.report_skipped(snapshot);
         parts.apply = lap.elapsed() + filled.took;
         lap = Instant::now();
         crate::dataplane::flow_gc::reset_freed(&mut self.lc, self.flow_gc.shared(), &freed_lc_ids);
@@ -524,6 +532,15 @@ impl Agent {
         }
     }
 
+    /// Frontends the plans skipped (both families): an Event on each Service that newly has one
+    /// (Kubernetes mode; the Problem is logged by [`Agent::report_problems`]).
+    fn report_skipped(&mut self, snapshot: &Snapshot) {
+        let Some(sink) = &self.events else { return };
+        let mut skipped = self.skipped.clone();
+        skipped.extend_from_slice(self.family6.skipped());
+        sink.send(self.skip_events.appeared(&skipped, snapshot));
+    }
+
     /// Attaches to every matching interface and (`--tunnel-devices auto`) every tunnel device,
     /// new ones included; releases gone ones. Devices without an Ethernet header (ipip, gre,
     /// WireGuard) get the `_l3` programs.
@@ -558,8 +575,11 @@ impl Agent {
         let report = self.attacher.reconcile(&mut self.ebpf, &wanted, &l3);
         // Links this agent let go of are not kept attached by a held fd; new ones are held.
         let after = self.attacher.pin_names();
+        // A link attached anew where one was pinned (a failed adoption) replaced that pin
+        // itself: held anew, not taken for a stranger.
         let released: Vec<String> = (before.difference(&after).cloned())
             .chain(report.released.iter().map(|l| l.pin_name()))
+            .chain(report.attached.iter().map(|l| l.pin_name()))
             .collect();
         self.keeper.forget(released.iter().map(String::as_str));
         self.keeper.hold_new(true);
@@ -608,8 +628,9 @@ impl Agent {
     /// Attaches the socket hooks to `cgroup` (adopting pinned links), or releases them (`None`).
     pub fn attach_socket_lb(&mut self, cgroup: Option<&std::path::Path>) -> anyhow::Result<()> {
         let report = sock_lb::reconcile(&mut self.ebpf, &self.pins, cgroup);
-        // The cgroup links it released (detached, unpinned) are not held any more; new ones are.
-        self.keeper.forget_gone("cgroup_");
+        // The cgroup links it released (detached, unpinned) or replaced are not held any more;
+        // new ones are.
+        self.keeper.forget_changed("cgroup_");
         self.keeper.hold_new(true);
         let report = report?;
         if report.released > 0 {
@@ -727,19 +748,29 @@ impl Agent {
                     info!(pin_dir = %self.pins.dir.display(), "pins in place again");
                 }
             }
-            PinCheck::Repaired(paths) => {
-                let shown: Vec<String> = paths
-                    .iter()
-                    .take(8)
-                    .map(|p| p.display().to_string())
-                    .collect();
-                warn!(
-                    pin_dir = %self.pins.dir.display(),
-                    repaired = paths.len(),
-                    held = self.keeper.held(),
-                    first = %shown.join(","),
-                    "pins removed under the running agent: pinned again from the maps and links it holds open"
-                );
+            PinCheck::Repaired { missing, replaced } => {
+                if !missing.is_empty() {
+                    let shown: Vec<String> = missing
+                        .iter()
+                        .take(8)
+                        .map(|p| p.display().to_string())
+                        .collect();
+                    warn!(
+                        pin_dir = %self.pins.dir.display(),
+                        repaired = missing.len(),
+                        held = self.keeper.held(),
+                        first = %shown.join(","),
+                        "pins removed under the running agent: pinned again from the maps and links it holds open"
+                    );
+                }
+                for r in &replaced {
+                    warn!(
+                        pin = %self.pins.dir.join(&r.pin).display(),
+                        found = %r.found,
+                        ours = %r.ours,
+                        "pin replaced by another object under the running agent: this agent's object pinned back in its place"
+                    );
+                }
                 self.pins_problem = None;
             }
             PinCheck::Lost(why) => {

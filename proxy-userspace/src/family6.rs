@@ -36,7 +36,7 @@ use crate::{
         addresses::NodePortAddresses,
         fast_hash::HashSet,
         incremental::Planner,
-        model::{DesiredFrontend, FrontendKind, Problem, Scope},
+        model::{DesiredFrontend, FrontendKind, Problem, Scope, SkippedFrontend},
         programmed::{Capacities, Programmed, SharedIds},
         translate::{HealthCheck, NodeContext},
         translate_cache::{ChangeList, FamilyCache, ServiceName, TranslateCache},
@@ -81,6 +81,8 @@ pub struct Family6 {
     /// The last sync's problems (bad IPv6 input, frontends that did not fit the IPv6 maps),
     /// reported by the agent with the IPv4 family's ([`Family6::problems`]).
     problems: Vec<Problem>,
+    /// The last plan's skipped frontends (for the Events; their Problems are in `problems`).
+    skipped: Vec<SkippedFrontend>,
 }
 
 /// What one IPv6 sync did.
@@ -145,6 +147,7 @@ impl Family6 {
             health_checks: HealthCheckServers::new(proxy),
             served_checks: None,
             problems: Vec::new(),
+            skipped: Vec::new(),
         };
         out.refresh();
         Ok(out)
@@ -252,6 +255,11 @@ impl Family6 {
         if self.active() { &self.problems } else { &[] }
     }
 
+    /// The frontends the last IPv6 plan skipped (none while the family is off).
+    pub fn skipped(&self) -> &[SkippedFrontend] {
+        if self.active() { &self.skipped } else { &[] }
+    }
+
     /// Whether a sync has IPv6 work: the node has IPv6, or the maps hold entries to remove.
     pub fn active(&self) -> bool {
         self.enabled || !self.programmed.services.is_empty()
@@ -338,6 +346,7 @@ impl Family6 {
         } else {
             Vec::new()
         };
+        self.skipped = SkippedFrontend::of_plan(&plan.skipped, desired);
         (self.problems).extend(plan.skipped.iter().map(|(frontend, reason)| Problem {
             source: "dataplane".into(),
             object: format!("frontend {frontend}"),

@@ -482,6 +482,16 @@ fn endpoint_churn_keeps_traffic_memory_and_maps_steady() {
         status_kib(pid, "VmHWM:") as f64 / 1024.0,
         status.syncs
     );
+    // Every 30th sample (about 30 s apart) and the last (right after the restore burst): a
+    // plateau and a steady climb look different here, which the min/max above cannot tell.
+    let timeline: Vec<String> = (rss.iter().enumerate())
+        .filter(|(i, _)| i % 30 == 0 || *i + 1 == rss.len())
+        .map(|(_, kib)| format!("{:.1}", *kib as f64 / 1024.0))
+        .collect();
+    eprintln!(
+        "SOAK agent RSS timeline (MiB, every 30 s, last after the restore): {}",
+        timeline.join(" ")
+    );
     eprintln!("SOAK occupancy after churn: {after:?} (before {baseline:?}, needed {want:?})");
     eprintln!(
         "SOAK datapath counters (non-zero): {}",

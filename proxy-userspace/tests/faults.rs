@@ -12,12 +12,14 @@
 //!   holding exactly what the objects need.
 //! - `map_full_programs_what_fits_reports_the_rest_and_retries_after_a_delete`: small
 //!   `--map-entries-*`; the Services that fit carry traffic, the others are logged by name and
-//!   map and counted in the problems metric; deleting one frees room and a skipped one is
-//!   programmed.
+//!   map, counted in the problems metric and get one Warning Event each (`DataplaneLimit`);
+//!   deleting one frees room and a skipped one is programmed.
 //! - `removed_pins_are_repaired_and_an_unmounted_bpffs_fails_healthz`: the pins under a
 //!   private bpffs removed, then the bpffs unmounted, under a running agent: traffic keeps
 //!   flowing on the maps and links it holds open; removed pins are pinned again; an unmounted
-//!   bpffs fails /healthz until it is mounted again; a restarted agent adopts the pins.
+//!   bpffs fails /healthz until it is mounted again; a restarted agent adopts the pins. Pins
+//!   renamed over others (a map's, a link's) are put back to the agent's own objects (by kernel
+//!   id); a writer that keeps replacing one fails /healthz until it stops.
 //!
 //! Each prints `FAULT ...` lines with its figures.
 
@@ -784,10 +786,44 @@ fn map_full_programs_what_fits_reports_the_rest_and_retries_after_a_delete() {
             skipped.len()
         )
     });
+    // One Warning Event on each skipped Service, naming the map; none on the others.
+    let skipped_names: BTreeSet<&str> = skipped.iter().map(|i| names[*i].as_str()).collect();
+    let limit_events = || -> Vec<(String, String)> {
+        (rig.api.events().iter())
+            .filter(|e| e.method == "POST" && e.body["reason"] == "DataplaneLimit")
+            .map(|e| {
+                let b = &e.body;
+                let name = b["regarding"]["name"].as_str().unwrap_or_default();
+                (
+                    name.to_owned(),
+                    b["note"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let events_took = rig.wait(
+        "a DataplaneLimit Event on each skipped Service",
+        Duration::from_secs(10),
+        || limit_events().len() >= skipped.len(),
+    );
+    thread::sleep(Duration::from_millis(500));
+    let events = limit_events();
+    let regarding: BTreeSet<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    rig.check(
+        events.len() == skipped.len() && regarding == skipped_names,
+        || format!("want one DataplaneLimit Event on each of {skipped_names:?}, got {events:?}"),
+    );
+    rig.check(
+        events.iter().all(|(n, note)| {
+            note.contains(&format!("demo/{n}")) && note.contains("SERVICES map full")
+        }),
+        || format!("Event notes do not name the Service and the map: {events:?}"),
+    );
     eprintln!(
         "FAULT map-full: SERVICES map of 14 entries, 6 Services of 4 entries: programmed {:?} \
          (each answered 9 of 9 requests), skipped {:?} (logged by name and map; \
-         kube_proxy_ebpf_sync_problems {problems:?})",
+         kube_proxy_ebpf_sync_problems {problems:?}; a DataplaneLimit Event on each, {events_took:?} \
+         after the attach)",
         now.iter().map(|i| &names[*i]).collect::<Vec<_>>(),
         skipped.iter().map(|i| &names[*i]).collect::<Vec<_>>()
     );
@@ -814,6 +850,12 @@ fn map_full_programs_what_fits_reports_the_rest_and_retries_after_a_delete() {
     for &i in &after {
         rig.served(vips[i], 9, &format!("{} after the delete", names[i]));
     }
+    rig.check(limit_events().len() == skipped.len(), || {
+        format!(
+            "a new DataplaneLimit Event after the delete: {:?}",
+            limit_events()
+        )
+    });
     eprintln!(
         "FAULT map-full: deleting {} let {:?} in {took:?} after the delete; programmed now {:?}",
         names[gone],
@@ -895,6 +937,7 @@ fn removed_pins_are_repaired_and_an_unmounted_bpffs_fails_healthz() {
          pinned again in {took:?}; /healthz 200",
         pinned.len()
     );
+    replaced_pins_are_pinned_back(&rig, &pinned);
     // A restarted agent finds the repaired pins and adopts them.
     restart_and_check_adoption(&mut rig, "after the repair");
 
@@ -934,6 +977,151 @@ fn removed_pins_are_repaired_and_an_unmounted_bpffs_fails_healthz() {
         pinned.len()
     );
     restart_and_check_adoption(&mut rig, "after the remount");
+}
+
+/// The kernel ids of the objects pinned at `pins` (relative to `dir`; `links/...` are links,
+/// the rest maps), read with bpftool.
+fn pinned_ids(dir: &Path, pins: &BTreeSet<String>) -> BTreeMap<String, u64> {
+    pins.iter()
+        .filter_map(|rel| {
+            let kind = if rel.starts_with("links/") {
+                "link"
+            } else {
+                "map"
+            };
+            let out = Command::new("bpftool")
+                .args(["-j", kind, "show", "pinned"])
+                .arg(dir.join(rel))
+                .output()
+                .ok()?;
+            let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+            Some((rel.clone(), v["id"].as_u64()?))
+        })
+        .collect()
+}
+
+/// `from` renamed over `to` (bpffs renames replace): `to` now holds `from`'s object and `from`
+/// is gone. Skipped (false) while `from` is missing.
+fn rename_pin_over(dir: &Path, from: &str, to: &str) -> bool {
+    std::fs::rename(dir.join(from), dir.join(to)).is_ok()
+}
+
+/// (a2) A map pin and a link pin each renamed over another of its kind: the agent pins its own
+/// objects back in both places (every pin holds the object it held before, by kernel id), logs
+/// the stranger's id, and /healthz stays 200. Then a writer that keeps replacing a pin: /healthz
+/// fails naming it while it goes on, and is 200 again once it stops, with every pin back.
+fn replaced_pins_are_pinned_back(rig: &Rig, pinned: &BTreeSet<String>) {
+    let dir = &rig.pin_dir;
+    let ids = pinned_ids(dir, pinned);
+    rig.check(ids.len() == pinned.len(), || {
+        format!(
+            "bpftool identified {} of {} pins: {ids:?}",
+            ids.len(),
+            pinned.len()
+        )
+    });
+    let maps: Vec<&String> = pinned.iter().filter(|p| !p.starts_with("links/")).collect();
+    let links: Vec<&String> = pinned.iter().filter(|p| p.starts_with("links/")).collect();
+    rig.check(maps.len() >= 2 && links.len() >= 2, || {
+        format!("want two maps and two links pinned: {pinned:?}")
+    });
+    let log_before = rig.log().len();
+    for pair in [&maps, &links] {
+        assert!(
+            rename_pin_over(dir, pair[0], pair[1]),
+            "renaming {} over {}",
+            pair[0],
+            pair[1]
+        );
+    }
+    let watched: BTreeSet<String> = [maps[0], maps[1], links[0], links[1]]
+        .into_iter()
+        .cloned()
+        .collect();
+    let took = rig.wait(
+        "the replaced pins pinned back",
+        Duration::from_secs(10),
+        || {
+            pinned_ids(dir, &watched)
+                .iter()
+                .all(|(p, id)| ids[p] == *id)
+                && pinned_ids(dir, &watched).len() == watched.len()
+        },
+    );
+    rig.check(pinned_ids(dir, pinned) == ids, || {
+        format!(
+            "pins after the repair: {:?}, before: {ids:?}",
+            pinned_ids(dir, pinned)
+        )
+    });
+    let log = rig.log();
+    let lines: Vec<&str> = log[log_before..]
+        .lines()
+        .filter(|l| l.contains("pin replaced by another object"))
+        .collect();
+    for (to, from) in [(maps[1], maps[0]), (links[1], links[0])] {
+        let found = format!("id {}", ids[from.as_str()]);
+        rig.check(
+            lines
+                .iter()
+                .any(|l| l.contains(to.as_str()) && l.contains(&found)),
+            || format!("no log line naming {to} and the stranger's {found}: {lines:?}"),
+        );
+    }
+    rig.served(WEB, 9, "web after the replaced pins were put back");
+    rig.check(rig.healthz() == "200", || {
+        "/healthz after one replacement".into()
+    });
+    eprintln!(
+        "FAULT pins-replaced: map {} and link {} renamed over {} and {}: pinned back in {took:?} \
+         (every pin's kernel id as before), /healthz 200",
+        maps[0], links[0], maps[1], links[1]
+    );
+
+    // A writer that keeps at it (every 100 ms, for at most 3 s): /healthz fails meanwhile. First
+    // two check periods with nothing replaced, so the failure is the writer's doing.
+    thread::sleep(Duration::from_secs(1));
+    let stop = AtomicBool::new(false);
+    let contested = thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let started = Instant::now();
+            let mut renames = 0;
+            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(3) {
+                renames += usize::from(rename_pin_over(dir, maps[0], maps[1]));
+                thread::sleep(Duration::from_millis(100));
+            }
+            renames
+        });
+        let took = rig.wait(
+            "/healthz 503 while a pin keeps being replaced",
+            Duration::from_secs(3),
+            || rig.healthz() == "503",
+        );
+        stop.store(true, Ordering::Relaxed);
+        (took, writer.join().expect("writer"))
+    });
+    let (took_503, renames) = contested;
+    let log = rig.log();
+    rig.check(
+        log.contains("replaced by other objects again since the last check"),
+        || "no log line for the pin that keeps being replaced".into(),
+    );
+    let back = rig.wait(
+        "/healthz 200 after the writer stopped",
+        Duration::from_secs(10),
+        || rig.healthz() == "200",
+    );
+    rig.wait(
+        "every pin back after the writer stopped",
+        Duration::from_secs(10),
+        || pinned_ids(dir, pinned) == ids,
+    );
+    rig.served(WEB, 9, "web after the contested pin");
+    eprintln!(
+        "FAULT pins-contested: {renames} renames of {} over {} in 100 ms steps: /healthz 503 after \
+         {took_503:?}; writer stopped: /healthz 200 after {back:?}, every pin back",
+        maps[0], maps[1]
+    );
 }
 
 /// SIGKILL and restart: the new agent adopts the pinned maps (with the frontend) and links, and

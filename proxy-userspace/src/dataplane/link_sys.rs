@@ -1,7 +1,9 @@
 //! The link syscalls aya 0.14 does not offer on a pinned link: BPF_OBJ_GET (open the pin),
-//! BPF_OBJ_PIN (pin an fd held open again, `super::pin_keeper`), BPF_LINK_DETACH (leave the hook
-//! now) and BPF_LINK_UPDATE (swap the program, atomically). The attr layouts are the kernel's
-//! `union bpf_attr` members `obj_get` (BPF_OBJ_PIN shares it), `link_detach` and `link_update`.
+//! BPF_OBJ_PIN (pin an fd held open again, `super::pin_keeper`), BPF_OBJ_GET_INFO_BY_FD (which
+//! object a pin holds, [`obj_identity`]), BPF_LINK_DETACH (leave the hook now) and
+//! BPF_LINK_UPDATE (swap the program, atomically). The attr layouts are the kernel's
+//! `union bpf_attr` members `obj_get` (BPF_OBJ_PIN shares it), `info`, `link_detach` and
+//! `link_update`.
 
 use std::{
     io,
@@ -11,6 +13,7 @@ use std::{
 
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_DETACH: libc::c_long = 34;
 
@@ -67,6 +70,69 @@ pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
         },
     )
     .map(drop)
+}
+
+/// Which kind of BPF object an fd refers to: ids are unique only within a kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjKind {
+    Map,
+    Link,
+    Program,
+}
+
+/// A BPF object's identity: its kind and kernel id (`bpftool map|link|prog show id N`). Two fds
+/// refer to the same object exactly when their identities are equal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ObjIdentity {
+    pub kind: ObjKind,
+    pub id: u32,
+}
+
+impl std::fmt::Display for ObjIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.kind {
+            ObjKind::Map => "map",
+            ObjKind::Link => "link",
+            ObjKind::Program => "prog",
+        };
+        write!(f, "{kind} id {}", self.id)
+    }
+}
+
+/// The identity of the BPF object behind `fd`. The kind comes from the fd's anon inode name
+/// (`anon_inode:bpf-map`, `bpf_link` or `bpf-link`, `bpf-prog`), the id from BPF_OBJ_GET_INFO_BY_FD: the
+/// `bpf_map_info`, `bpf_link_info` and `bpf_prog_info` structs all start with `type` and `id`
+/// (u32 each), and the kernel fills at most `info_len` bytes.
+pub fn obj_identity(fd: BorrowedFd<'_>) -> io::Result<ObjIdentity> {
+    let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    let kind = match target.to_str() {
+        Some("anon_inode:bpf-map") => ObjKind::Map,
+        // `bpf_link` when created, `bpf-link` when opened from a pin (`bpf_link_new_fd`).
+        Some("anon_inode:bpf_link" | "anon_inode:bpf-link") => ObjKind::Link,
+        Some("anon_inode:bpf-prog") => ObjKind::Program,
+        _ => {
+            return Err(io::Error::other(format!(
+                "not a BPF map, link or program ({})",
+                target.display()
+            )));
+        }
+    };
+    #[repr(C)]
+    struct InfoByFd {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut info = [0u32; 2];
+    sys_bpf(
+        BPF_OBJ_GET_INFO_BY_FD,
+        &InfoByFd {
+            bpf_fd: fd.as_raw_fd() as u32,
+            info_len: size_of_val(&info) as u32,
+            info: info.as_mut_ptr() as u64,
+        },
+    )?;
+    Ok(ObjIdentity { kind, id: info[1] })
 }
 
 /// Detaches the link from its hook now (dropping the last reference would, later).

@@ -12,36 +12,70 @@
 //! periodically ([`PinKeeper::check`]):
 //! - a pin missing from a directory still on a bpffs (the directory recreated if its parent is a
 //!   bpffs): pinned again from the held fd (`BPF_OBJ_PIN`) — repaired, logged as a warning;
+//! - a pin that holds another object than the one held (its kind and kernel id differ: a pin
+//!   renamed over another, or another tool or agent pinning its own object there): that pin is
+//!   removed and the held object pinned in its place. The attached programs use the held
+//!   objects, so those are what a restarted agent must adopt; adopting the stranger would start
+//!   it on a wrong map (or leave an interface's link unpinned, detached when this agent exits).
+//!   A pin replaced again at the next check means something keeps writing there (a second agent
+//!   on the same pin directory?): that is reported as a problem too, while each check still puts
+//!   this agent's objects back;
 //! - the directory not on a bpffs and not creatable there (bpffs unmounted): nothing can be
 //!   pinned; reported as a problem (the agent logs it once and fails `/healthz`) until a bpffs is
 //!   mounted there again, when the next check pins everything back.
 //!
-//! The agent forgets the links it releases itself ([`PinKeeper::forget`]), so a released link is
-//! never kept attached by its held fd.
+//! The agent forgets the links it releases or attaches anew itself ([`PinKeeper::forget`]), so a
+//! released link is never kept attached by its held fd, and a link it pins anew at a path is
+//! not taken for a stranger.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     os::fd::{AsFd as _, OwnedFd},
     path::{Path, PathBuf},
 };
 
-use super::{bpffs::PinLayout, link_sys};
+use super::{
+    bpffs::PinLayout,
+    link_sys::{self, ObjIdentity},
+};
 
 /// What one check found.
 #[derive(Debug, PartialEq, Eq)]
 pub enum PinCheck {
     /// Every held object is pinned where it was.
     Intact,
-    /// These pins (relative to the pin directory) were missing and are pinned again.
-    Repaired(Vec<PathBuf>),
-    /// The pins cannot be put back; why.
+    /// Pins (relative to the pin directory) put back: `missing` ones pinned again, `replaced`
+    /// ones (holding another object) swapped back to the held object.
+    Repaired {
+        missing: Vec<PathBuf>,
+        replaced: Vec<Replaced>,
+    },
+    /// The pins cannot be put back, or keep being replaced; why.
     Lost(String),
+}
+
+/// A pin found holding another object than the one held, and put back.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Replaced {
+    pub pin: PathBuf,
+    /// What the pin held.
+    pub found: ObjIdentity,
+    /// The held object, pinned there again.
+    pub ours: ObjIdentity,
+}
+
+/// One held object: the fd that keeps it alive and who it is.
+struct Held {
+    fd: OwnedFd,
+    identity: ObjIdentity,
 }
 
 /// The pinned objects this agent holds open, by path relative to the pin directory.
 pub struct PinKeeper {
     pins: PinLayout,
-    held: BTreeMap<PathBuf, OwnedFd>,
+    held: BTreeMap<PathBuf, Held>,
+    /// The pins the last check found replaced: replaced again means a writer that keeps at it.
+    replaced_last: BTreeSet<PathBuf>,
 }
 
 impl PinKeeper {
@@ -49,6 +83,7 @@ impl PinKeeper {
         Self {
             pins,
             held: BTreeMap::new(),
+            replaced_last: BTreeSet::new(),
         }
     }
 
@@ -83,9 +118,11 @@ impl PinKeeper {
                 if self.held.contains_key(&rel) {
                     continue;
                 }
-                match link_sys::obj_get(&path) {
-                    Ok(fd) => {
-                        self.held.insert(rel, fd);
+                match link_sys::obj_get(&path)
+                    .and_then(|fd| Ok((link_sys::obj_identity(fd.as_fd())?, fd)))
+                {
+                    Ok((identity, fd)) => {
+                        self.held.insert(rel, Held { fd, identity });
                         added += 1;
                     }
                     Err(e) => {
@@ -112,18 +149,20 @@ impl PinKeeper {
         }
     }
 
-    /// Stops holding the links under `links/` named `<prefix>...` whose pin is gone: right after
-    /// the agent itself released some (the socket hooks of another cgroup, detached and unpinned
-    /// at start), so a detached link is never pinned again.
-    pub fn forget_gone(&mut self, prefix: &str) {
+    /// Stops holding the links under `links/` named `<prefix>...` whose pin is gone or holds
+    /// another link: right after the agent itself released or attached some (the socket hooks
+    /// of another cgroup, detached and unpinned at start; a hook attached anew where adopting
+    /// the pinned one failed), so a detached link is never pinned again and a new one is held by
+    /// the next [`PinKeeper::hold_new`].
+    pub fn forget_changed(&mut self, prefix: &str) {
         let dir = self.pins.dir.clone();
-        self.held.retain(|rel, _| {
+        self.held.retain(|rel, held| {
             let is_link = rel
                 .strip_prefix("links")
                 .ok()
                 .and_then(Path::to_str)
                 .is_some_and(|n| n.starts_with(prefix));
-            !is_link || dir.join(rel).symlink_metadata().is_ok()
+            !is_link || pinned_identity(&dir.join(rel)) == Some(held.identity)
         });
     }
 
@@ -143,18 +182,44 @@ impl PinKeeper {
                 ));
             }
         }
-        let mut repaired = Vec::new();
+        let mut missing = Vec::new();
+        let mut replaced = Vec::new();
         let mut failed = Vec::new();
-        for (rel, fd) in &self.held {
+        for (rel, held) in &self.held {
             let path = dir.join(rel);
             if path.symlink_metadata().is_ok() {
+                let Some(found) = pinned_identity(&path) else {
+                    continue;
+                };
+                if found == held.identity {
+                    continue;
+                }
+                // Another object under our pin: ours back in its place.
+                if let Err(e) = std::fs::remove_file(&path) {
+                    failed.push(format!("{} (holds {found}): {e}", path.display()));
+                    continue;
+                }
+                match link_sys::obj_pin(held.fd.as_fd(), &path) {
+                    Ok(()) => replaced.push(Replaced {
+                        pin: rel.clone(),
+                        found,
+                        ours: held.identity,
+                    }),
+                    Err(e) => failed.push(format!("{}: {e}", path.display())),
+                }
                 continue;
             }
-            match link_sys::obj_pin(fd.as_fd(), &path) {
-                Ok(()) => repaired.push(rel.clone()),
+            match link_sys::obj_pin(held.fd.as_fd(), &path) {
+                Ok(()) => missing.push(rel.clone()),
                 Err(e) => failed.push(format!("{}: {e}", path.display())),
             }
         }
+        let again: Vec<String> = replaced
+            .iter()
+            .filter(|r| self.replaced_last.contains(&r.pin))
+            .map(|r| format!("{} (found {}, ours {})", r.pin.display(), r.found, r.ours))
+            .collect();
+        self.replaced_last = replaced.iter().map(|r| r.pin.clone()).collect();
         if !failed.is_empty() {
             return PinCheck::Lost(format!(
                 "cannot pin again {} of the agent's maps and links under {}: {}",
@@ -163,12 +228,33 @@ impl PinKeeper {
                 failed.join("; ")
             ));
         }
-        if repaired.is_empty() {
+        if !again.is_empty() {
+            return PinCheck::Lost(format!(
+                "{} pins under {} were replaced by other objects again since the last check: {}; \
+                 something keeps pinning there (a second agent or tool on this pin directory?). \
+                 Each check pins this agent's objects back, but a restarted agent adopts whatever \
+                 is pinned; stop the other writer",
+                again.len(),
+                dir.display(),
+                again.join(", ")
+            ));
+        }
+        if missing.is_empty() && replaced.is_empty() {
             PinCheck::Intact
         } else {
-            PinCheck::Repaired(repaired)
+            PinCheck::Repaired { missing, replaced }
         }
     }
+}
+
+/// The identity of the object pinned at `path`, if it is a BPF object this process can open.
+fn pinned_identity(path: &Path) -> Option<ObjIdentity> {
+    let fd = link_sys::obj_get(path)
+        .map_err(|e| tracing::debug!(pin = %path.display(), "cannot open pin: {e}"))
+        .ok()?;
+    link_sys::obj_identity(fd.as_fd())
+        .map_err(|e| tracing::debug!(pin = %path.display(), "cannot identify pin: {e}"))
+        .ok()
 }
 
 fn relative(dir: &Path, path: &Path) -> Option<PathBuf> {

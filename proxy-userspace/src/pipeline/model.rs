@@ -196,6 +196,36 @@ pub struct DesiredBackend<A: Family = Ipv4Addr> {
     pub not_serving: bool,
 }
 
+/// A frontend a plan could not program as desired (a map full, too many backends), with its
+/// Service port: what the problem is reported as, and (Kubernetes mode) an Event on the Service.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SkippedFrontend {
+    pub service: ServicePortName,
+    /// The frontend, as shown (`10.96.0.10:80/TCP`).
+    pub frontend: String,
+    pub reason: String,
+}
+
+impl SkippedFrontend {
+    /// The skipped frontends of a plan (`plan.skipped`), each with the Service port `desired`
+    /// wants it for.
+    pub fn of_plan<A: Family>(
+        skipped: &[(Frontend<A>, String)],
+        desired: &DesiredState<A>,
+    ) -> Vec<Self> {
+        skipped
+            .iter()
+            .filter_map(|(frontend, reason)| {
+                Some(Self {
+                    service: desired.frontends.get(frontend)?.service.clone(),
+                    frontend: frontend.to_string(),
+                    reason: reason.clone(),
+                })
+            })
+            .collect()
+    }
+}
+
 /// Which Service port a frontend belongs to (for messages, dumps and metrics).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServicePortName {

@@ -1,10 +1,14 @@
-//! Events about Services (Kubernetes mode): a Warning on a Service that lost a frontend to
-//! another Service ([`FrontendConflict`]).
+//! Events about Services (Kubernetes mode), Warnings:
+//! - on a Service that lost a frontend to another Service ([`FrontendConflict`],
+//!   [`ConflictEvents`]);
+//! - on a Service whose frontend the dataplane could not program as desired: a map full, more
+//!   backends than a frontend carries ([`SkippedFrontend`], [`SkipEvents`]).
 //!
-//! Bounded: an Event is published when a conflict appears (not at every sync while it lasts; a
-//! conflict that goes away and comes back is published again), the conflicts a sync finds
-//! between the same two Services make one Event, and the queue to the publishing task is bounded
-//! (a full queue drops, with a debug line: the Problem is logged and counted anyway).
+//! Bounded: an Event is published when a problem appears (not at every sync while it lasts; one
+//! that goes away and comes back is published again), the problems a sync finds for the same
+//! Service (and, for conflicts, the same winner) make one Event, and the queue to the publishing
+//! task is bounded (a full queue drops, with a debug line: the Problem is logged and counted
+//! anyway).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -17,7 +21,10 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::{
-    pipeline::{model::FrontendConflict, translate},
+    pipeline::{
+        model::{FrontendConflict, SkippedFrontend},
+        translate,
+    },
     sources::{services::ServiceData, snapshot::Snapshot},
 };
 
@@ -27,14 +34,23 @@ pub const REPORTING_CONTROLLER: &str = "kube-proxy-ebpf";
 pub const REASON_FRONTEND_CONFLICT: &str = "FrontendConflict";
 /// `action` of that Event: the frontend was not programmed for this Service.
 pub const ACTION_SKIP_FRONTEND: &str = "SkipFrontend";
+/// `reason` of the Event on a Service whose frontend hit a dataplane limit (a map full, too
+/// many backends).
+pub const REASON_DATAPLANE_LIMIT: &str = "DataplaneLimit";
+/// `action` of that Event: programming the frontend (not done, or done without its Maglev
+/// table, as the note says).
+pub const ACTION_PROGRAM_FRONTEND: &str = "ProgramFrontend";
 /// Events waiting for the publishing task, at most.
 const QUEUE: usize = 256;
 /// The API's limit on an Event's note.
 const NOTE_MAX_BYTES: usize = 1024;
 
-/// One Event to publish: about `regarding` (the losing Service), related to the winner.
+/// One Event to publish: about `regarding` (the Service with the problem), related to another
+/// (a conflict's winner).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ServiceEvent {
+    pub reason: &'static str,
+    pub action: &'static str,
     pub regarding: ObjectReference,
     pub related: Option<ObjectReference>,
     pub note: String,
@@ -63,27 +79,77 @@ impl ConflictEvents {
         if pairs.is_empty() {
             return Vec::new();
         }
-        let uids: BTreeMap<ServiceKey, Option<String>> = snapshot
-            .services
-            .iter()
-            .filter_map(|s| Some((key_of(s)?, s.uid.as_deref().map(str::to_owned))))
-            .collect();
-        let reference = |key: &ServiceKey| ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Service".into()),
-            namespace: Some(key.0.clone()),
-            name: Some(key.1.clone()),
-            uid: uids.get(key).cloned().flatten(),
-            ..Default::default()
-        };
+        let reference = references(snapshot);
         pairs
             .into_iter()
             .map(|((loser, winner), reasons)| ServiceEvent {
+                reason: REASON_FRONTEND_CONFLICT,
+                action: ACTION_SKIP_FRONTEND,
                 regarding: reference(&loser),
                 related: Some(reference(&winner)),
                 note: truncate(reasons.join("; "), NOTE_MAX_BYTES),
             })
             .collect()
+    }
+}
+
+/// Which skipped frontends were already published (pure; the agent keeps one).
+#[derive(Debug, Default)]
+pub struct SkipEvents {
+    /// (Service, frontend) pairs skipped at the last call.
+    published: BTreeSet<(ServiceKey, String)>,
+}
+
+impl SkipEvents {
+    /// The Events for the frontends in `now` that were not skipped at the last call, one per
+    /// Service (its new frontends' reasons in the note); the plan retries a skipped frontend at
+    /// every sync, so `now` is the whole list each time.
+    pub fn appeared(&mut self, now: &[SkippedFrontend], snapshot: &Snapshot) -> Vec<ServiceEvent> {
+        let mut by_service: BTreeMap<ServiceKey, Vec<String>> = BTreeMap::new();
+        let mut current = BTreeSet::new();
+        for skip in now {
+            let key = service_key(&skip.service);
+            if current.insert((key.clone(), skip.frontend.clone()))
+                && !self
+                    .published
+                    .contains(&(key.clone(), skip.frontend.clone()))
+            {
+                (by_service.entry(key).or_default())
+                    .push(format!("frontend {}: {}", skip.frontend, skip.reason));
+            }
+        }
+        self.published = current;
+        if by_service.is_empty() {
+            return Vec::new();
+        }
+        let reference = references(snapshot);
+        by_service
+            .into_iter()
+            .map(|(service, reasons)| ServiceEvent {
+                reason: REASON_DATAPLANE_LIMIT,
+                action: ACTION_PROGRAM_FRONTEND,
+                regarding: reference(&service),
+                related: None,
+                note: truncate(reasons.join("; "), NOTE_MAX_BYTES),
+            })
+            .collect()
+    }
+}
+
+/// A Service's object reference (with its uid from `snapshot`, when it has one).
+fn references(snapshot: &Snapshot) -> impl Fn(&ServiceKey) -> ObjectReference {
+    let uids: BTreeMap<ServiceKey, Option<String>> = snapshot
+        .services
+        .iter()
+        .filter_map(|s| Some((key_of(s)?, s.uid.as_deref().map(str::to_owned))))
+        .collect();
+    move |key: &ServiceKey| ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Service".into()),
+        namespace: Some(key.0.clone()),
+        name: Some(key.1.clone()),
+        uid: uids.get(key).cloned().flatten(),
+        ..Default::default()
     }
 }
 
@@ -134,9 +200,9 @@ impl EventSink {
             while let Some(e) = rx.recv().await {
                 let event = Event {
                     type_: EventType::Warning,
-                    reason: REASON_FRONTEND_CONFLICT.into(),
+                    reason: e.reason.into(),
                     note: Some(e.note),
-                    action: ACTION_SKIP_FRONTEND.into(),
+                    action: e.action.into(),
                     secondary: e.related,
                 };
                 if let Err(err) = recorder.publish(&event, &e.regarding).await {
@@ -239,6 +305,58 @@ mod tests {
             "a conflict that comes back is published again"
         );
         assert!(back[0].note.contains(":54/UDP") && !back[0].note.contains(":53/UDP"));
+        assert_eq!(events.appeared(&[], &snapshot), []);
+    }
+
+    #[test]
+    fn a_skipped_frontend_becomes_one_event_per_service_when_it_first_appears() {
+        let snapshot = Snapshot {
+            services: Arc::new(vec![Arc::new(ServiceData::from(
+                serde_json::from_value::<k8s_openapi::api::core::v1::Service>(
+                    json!({"metadata": {"namespace": "demo", "name": "full-1", "uid": "u-1"}}),
+                )
+                .expect("Service"),
+            ))]),
+            endpoint_slices: Arc::default(),
+        };
+        let skip = |name: &str, frontend: &str| SkippedFrontend {
+            service: port("demo", name, "http"),
+            frontend: frontend.into(),
+            reason: format!(
+                "demo/{name}:http: SERVICES map full (needs 4 more entries, 12 of 14 in use); not programmed"
+            ),
+        };
+        let all = [
+            skip("full-1", "10.96.1.1:80/TCP"),
+            skip("full-1", "10.96.1.1:81/TCP"),
+            skip("full-2", "10.96.1.2:80/TCP"),
+        ];
+        let mut events = SkipEvents::default();
+        let first = events.appeared(&all, &snapshot);
+        assert_eq!(first.len(), 2, "one Event per Service: {first:?}");
+        let e = &first[0];
+        assert_eq!(
+            (e.reason, e.action),
+            (REASON_DATAPLANE_LIMIT, ACTION_PROGRAM_FRONTEND)
+        );
+        assert_eq!(e.regarding.name.as_deref(), Some("full-1"));
+        assert_eq!(e.regarding.uid.as_deref(), Some("u-1"));
+        assert_eq!(e.related, None);
+        assert!(
+            e.note
+                .contains("frontend 10.96.1.1:80/TCP: demo/full-1:http: SERVICES map full")
+                && e.note.contains("frontend 10.96.1.1:81/TCP"),
+            "{}",
+            e.note
+        );
+        assert_eq!(first[1].regarding.name.as_deref(), Some("full-2"));
+        assert_eq!(first[1].regarding.uid, None, "not in the snapshot");
+
+        assert_eq!(events.appeared(&all, &snapshot), [], "no Event per sync");
+        assert_eq!(events.appeared(&all[..1], &snapshot), [], "two fit now");
+        let back = events.appeared(&all, &snapshot);
+        assert_eq!(back.len(), 2, "skipped again, published again: {back:?}");
+        assert!(back[0].note.contains(":81/TCP") && !back[0].note.contains(":80/TCP"));
         assert_eq!(events.appeared(&[], &snapshot), []);
     }
 
