@@ -105,6 +105,25 @@ impl Agent {
         Ok(agent)
     }
 
+    /// Starts a second agent like this one, on the same pins and node, with its own cgroup, log
+    /// and status file under `work_dir`: two agents on one node (the second must wait for the
+    /// first's pin directory lock).
+    pub fn start_second(&self, work_dir: &Path) -> Result<Self> {
+        let mut agent = Self {
+            cgroup: Cgroup::new(&format!("kpe-test-{}", crate::unique_prefix()))?,
+            proc: None,
+            bin: self.bin.clone(),
+            node_ns: self.node_ns.clone(),
+            source_args: self.source_args.clone(),
+            pin_dir: self.pin_dir.clone(),
+            status_file: work_dir.join("agent-status.json"),
+            log: work_dir.join("agent.log"),
+            pod_interfaces: self.pod_interfaces.clone(),
+        };
+        agent.restart()?;
+        Ok(agent)
+    }
+
     /// Starts the agent again with other source flags (e.g. a flag added or dropped), on the same
     /// pins, cgroup and log: what an upgrade with a changed DaemonSet does.
     pub fn restart_with(&mut self, source_args: &[&std::ffi::OsStr]) -> Result<()> {

@@ -1205,6 +1205,34 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}; pass --socket-lb-cgroup none to run without socket hooks"))?,
         },
     };
+    // One agent per pin directory: wait for any other to exit before touching the pins.
+    pins.create()?;
+    let _pin_lock = {
+        use crate::dataplane::pin_lock::{PinDirLock, held_message};
+        let waiting = Instant::now();
+        let mut warned: Option<Instant> = None;
+        loop {
+            if let Some(lock) = PinDirLock::try_acquire(&pins)? {
+                if warned.is_some() {
+                    info!(waited_s = waiting.elapsed().as_secs(), pin_dir = %pins.dir.display(), "pin directory free: the other agent exited");
+                }
+                break lock;
+            }
+            if warned.is_none_or(|at| at.elapsed() >= READY_LOG_INTERVAL) {
+                warn!(
+                    waited_s = waiting.elapsed().as_secs(),
+                    "{}",
+                    held_message(&pins)
+                );
+                warned = Some(Instant::now());
+            }
+            tokio::select! {
+                _ = sigterm.recv() => return Ok(()),
+                _ = sigint.recv() => return Ok(()),
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    };
     let mut agent = Agent::start(
         pins,
         datapath_config(&args),

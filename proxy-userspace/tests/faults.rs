@@ -20,6 +20,8 @@
 //!   bpffs fails /healthz until it is mounted again; a restarted agent adopts the pins. Pins
 //!   renamed over others (a map's, a link's) are put back to the agent's own objects (by kernel
 //!   id); a writer that keeps replacing one fails /healthz until it stops.
+//! - `a_second_agent_on_the_same_pins_waits_for_the_first_and_cleanup_refuses_while_one_runs`:
+//!   the pin directory's lock; the second agent adopts the pins once the first is SIGKILLed.
 //!
 //! Each prints `FAULT ...` lines with its figures.
 
@@ -1122,6 +1124,90 @@ fn replaced_pins_are_pinned_back(rig: &Rig, pinned: &BTreeSet<String>) {
          {took_503:?}; writer stopped: /healthz 200 after {back:?}, every pin back",
         maps[0], maps[1]
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Two agents on one pin directory
+
+#[test]
+fn a_second_agent_on_the_same_pins_waits_for_the_first_and_cleanup_refuses_while_one_runs() {
+    require_privileged!();
+    let ips = backend_ips();
+    let mut rig = Rig::start(
+        vec![service("web", WEB, 80), slice("web", "a", &ready(&ips))],
+        &[],
+        false,
+    )
+    .attached();
+    rig.served(WEB, 9, "web");
+    let pinned = pinned_files(&rig.pin_dir);
+    let ids = pinned_ids(&rig.pin_dir, &pinned);
+
+    // The second agent waits, touching nothing.
+    let work = rig.topo.tmp().path().join("second");
+    std::fs::create_dir_all(&work).expect("second agent's work dir");
+    let mut second = rig
+        .agent
+        .start_second(&work)
+        .expect("starting the second agent");
+    let second_log_path = second.log_path().to_path_buf();
+    let second_log = || strip_ansi(&std::fs::read_to_string(&second_log_path).unwrap_or_default());
+    rig.wait(
+        "the second agent waiting for the lock",
+        Duration::from_secs(30),
+        || second_log().contains("another kube-proxy-ebpf holds the pin directory"),
+    );
+    thread::sleep(Duration::from_secs(1));
+    rig.check(second.is_running(), || {
+        format!("the second agent exited:\n{}", second_log())
+    });
+    rig.check(
+        !second_log().contains("adopted pinned maps") && pinned_ids(&rig.pin_dir, &pinned) == ids,
+        || {
+            format!(
+                "the second agent touched the pins while the first ran:\n{}",
+                second_log()
+            )
+        },
+    );
+    rig.served(WEB, 9, "web with a second agent waiting");
+
+    // cleanup refuses while an agent holds the lock, and leaves every pin.
+    let pin = rig.pin_dir.to_string_lossy().into_owned();
+    let out = rig
+        .agent
+        .cli(&["cleanup", "--pin-dir", &pin])
+        .expect("running cleanup");
+    let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
+    rig.check(
+        !out.status.success() && stderr.contains("an agent is running on the pin directory"),
+        || format!("cleanup with an agent running: {}: {stderr}", out.status),
+    );
+    rig.check(pinned_ids(&rig.pin_dir, &pinned) == ids, || {
+        "cleanup removed pins".into()
+    });
+
+    // The first dies: the second adopts the pins and serves.
+    let killed = Instant::now();
+    rig.agent.kill().expect("SIGKILL the first agent");
+    second
+        .wait_attached(&rig.topo.pod_interfaces())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let took = killed.elapsed();
+    let log = second_log();
+    rig.check(
+        log.contains("pin directory free")
+            && log.contains("adopted pinned maps")
+            && !log.contains("created new pinned maps"),
+        || format!("the second agent did not adopt the first's pins:\n{log}"),
+    );
+    rig.served(WEB, 9, "web served by the second agent");
+    eprintln!(
+        "FAULT two-agents: the second waited without touching the {} pins, cleanup refused; \
+         SIGKILL of the first: the second adopted the pins and attached {took:?} later",
+        pinned.len()
+    );
+    second.stop().expect("stopping the second agent");
 }
 
 /// SIGKILL and restart: the new agent adopts the pinned maps (with the frontend) and links, and

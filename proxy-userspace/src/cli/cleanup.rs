@@ -3,13 +3,22 @@
 
 use tracing::info;
 
-use crate::dataplane::{attach, bpffs::PinLayout, maps};
+use crate::dataplane::{attach, bpffs::PinLayout, maps, pin_lock::PinDirLock};
 
 pub fn cleanup(pins: &PinLayout) -> anyhow::Result<()> {
     if !pins.dir.exists() {
         info!(pin_dir = %pins.dir.display(), "nothing to clean up");
         return Ok(());
     }
+    // The running agent's lock (`dataplane::pin_lock`): cleaning up under it would detach its
+    // programs while it keeps pinning them back.
+    let Some(_lock) = PinDirLock::try_acquire(pins)? else {
+        anyhow::bail!(
+            "an agent is running on the pin directory {} (it holds the directory's lock): stop \
+             it first, then clean up",
+            pins.dir.display()
+        );
+    };
     let links = attach::release_all(pins)?;
     maps::unpin_all(pins)?;
     for dir in [pins.links_dir(), pins.dir.clone()] {

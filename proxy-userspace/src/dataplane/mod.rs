@@ -28,6 +28,7 @@ pub mod netlink;
 pub mod node_addrs;
 pub mod occupancy;
 pub mod pin_keeper;
+pub mod pin_lock;
 pub mod port_range;
 pub mod service_cidrs;
 pub mod sizing;

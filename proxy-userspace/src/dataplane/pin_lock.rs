@@ -1,0 +1,85 @@
+//! One agent per pin directory: an exclusive `flock` on the directory, held for the agent's
+//! life.
+//!
+//! Two agents on the same pins would both adopt the maps and swap their programs into the same
+//! links, then each overwrite the other's Services, conntrack walks and pins (a second copy
+//! started by hand on a node to debug, or a DaemonSet rolled with `maxSurge`). The second agent
+//! therefore waits for the lock before it touches anything: until the first exits (the kernel
+//! drops the lock with its last fd, also on SIGKILL), then it adopts the pins as after any
+//! restart. `cleanup` refuses to run while an agent holds the lock.
+//!
+//! The lock is on the directory's inode: if the directory is removed and recreated under a
+//! running agent (`super::pin_keeper` recreates it), the new one is not locked until that agent
+//! restarts.
+
+use std::{
+    fs::{File, TryLockError},
+    path::Path,
+};
+
+use super::{Error, Result, bpffs::PinLayout};
+
+/// The held lock (released when dropped or when the process exits).
+#[derive(Debug)]
+pub struct PinDirLock {
+    _dir: File,
+}
+
+impl PinDirLock {
+    /// Takes the pin directory's lock if no other process holds it (`None` if one does). The
+    /// directory must exist.
+    pub fn try_acquire(pins: &PinLayout) -> Result<Option<Self>> {
+        let dir = open(&pins.dir)?;
+        match dir.try_lock() {
+            Ok(()) => Ok(Some(Self { _dir: dir })),
+            Err(TryLockError::WouldBlock) => Ok(None),
+            Err(TryLockError::Error(source)) => Err(Error::Io {
+                what: format!("locking the pin directory {}", pins.dir.display()),
+                source,
+            }),
+        }
+    }
+}
+
+fn open(dir: &Path) -> Result<File> {
+    File::open(dir).map_err(|source| Error::Io {
+        what: format!("opening the pin directory {} to lock it", dir.display()),
+        source,
+    })
+}
+
+/// What the agent says while another process holds the lock.
+pub fn held_message(pins: &PinLayout) -> String {
+    format!(
+        "another kube-proxy-ebpf holds the pin directory {} (a second agent on this node?); \
+         waiting for it to exit before touching the maps and links",
+        pins.dir.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_holder_at_a_time_and_the_next_gets_it_once_the_first_lets_go() {
+        let dir = std::env::temp_dir().join(format!("kpe-pin-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let pins = PinLayout::new(&dir);
+        let first = PinDirLock::try_acquire(&pins).expect("lock").expect("free");
+        // flock locks belong to the open file: a second open, even in this process, is refused.
+        assert!(PinDirLock::try_acquire(&pins).expect("lock").is_none());
+        drop(first);
+        let second = PinDirLock::try_acquire(&pins).expect("lock");
+        assert!(second.is_some(), "free again once the first is dropped");
+        drop(second);
+        std::fs::remove_dir(&dir).expect("removing the temp dir");
+    }
+
+    #[test]
+    fn a_missing_directory_is_an_error_naming_it() {
+        let pins = PinLayout::new("/nonexistent/kpe-pins");
+        let e = PinDirLock::try_acquire(&pins).expect_err("missing");
+        assert!(e.to_string().contains("/nonexistent/kpe-pins"), "{e}");
+    }
+}
