@@ -1207,7 +1207,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     // One agent per pin directory: wait for any other to exit before touching the pins.
     pins.create()?;
-    let _pin_lock = {
+    let pin_lock = {
         use crate::dataplane::pin_lock::{PinDirLock, held_message};
         let waiting = Instant::now();
         let mut warned: Option<Instant> = None;
@@ -1242,6 +1242,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         sock_lb,
         args.bpf_log,
     )?;
+    // Held for the agent's life, and taken again on a recreated pin directory.
+    agent.keeper.keep_lock(pin_lock);
     crate::dataplane::bpf_log::spawn_logger(&mut agent.ebpf, args.bpf_log)?;
     // IPv6 pods inside --cluster-cidr are in-cluster clients of eTP=Local frontends (the IPv4
     // prefixes are in the datapath config).

@@ -19,7 +19,9 @@
 //!   flowing on the maps and links it holds open; removed pins are pinned again; an unmounted
 //!   bpffs fails /healthz until it is mounted again; a restarted agent adopts the pins. Pins
 //!   renamed over others (a map's, a link's) are put back to the agent's own objects (by kernel
-//!   id); a writer that keeps replacing one fails /healthz until it stops.
+//!   id); a writer that keeps replacing one fails /healthz until it stops. A recreated pin
+//!   directory is locked again (a second agent waits on it); while another process holds its
+//!   lock the agent pins nothing there and fails /healthz.
 //! - `a_second_agent_on_the_same_pins_waits_for_the_first_and_cleanup_refuses_while_one_runs`:
 //!   the pin directory's lock; the second agent adopts the pins once the first is SIGKILLed.
 //!
@@ -274,6 +276,26 @@ impl Rig {
             )
             .unwrap_or_else(|e| self.fail(&format!("GET /healthz: {e:#}")));
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Starts a second agent on the same pins (its files under `name` in the temp dir) and
+    /// waits until it logs that it waits for the pin directory's lock; returns it and a reader
+    /// of its log.
+    fn second_agent_waiting(&self, name: &str) -> (Agent, impl Fn() -> String + use<>) {
+        let work = self.topo.tmp().path().join(name);
+        std::fs::create_dir_all(&work).expect("second agent's work dir");
+        let second = self
+            .agent
+            .start_second(&work)
+            .expect("starting the second agent");
+        let log_path = second.log_path().to_path_buf();
+        let log = move || strip_ansi(&std::fs::read_to_string(&log_path).unwrap_or_default());
+        self.wait(
+            &format!("the second agent ({name}) waiting for the pin directory's lock"),
+            Duration::from_secs(30),
+            || log().contains("another kube-proxy-ebpf holds the pin directory"),
+        );
+        (second, log)
     }
 
     fn wait(&self, what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> Duration {
@@ -940,6 +962,7 @@ fn removed_pins_are_repaired_and_an_unmounted_bpffs_fails_healthz() {
         pinned.len()
     );
     replaced_pins_are_pinned_back(&rig, &pinned);
+    recreated_pin_dir_is_locked_again(&rig, &pinned);
     // A restarted agent finds the repaired pins and adopts them.
     restart_and_check_adoption(&mut rig, "after the repair");
 
@@ -979,6 +1002,77 @@ fn removed_pins_are_repaired_and_an_unmounted_bpffs_fails_healthz() {
         pinned.len()
     );
     restart_and_check_adoption(&mut rig, "after the remount");
+}
+
+/// The pin directory removed and recreated under the agent: the agent takes the lock on the new
+/// directory before pinning back (so a second agent still waits); while another process holds
+/// that lock it pins nothing there and fails /healthz.
+fn recreated_pin_dir_is_locked_again(rig: &Rig, pinned: &BTreeSet<String>) {
+    let log_before = rig.log().len();
+    // Recreated by someone else, who holds its lock (as an agent started on it would).
+    std::fs::remove_dir_all(&rig.pin_dir).expect("removing the pins");
+    std::fs::create_dir(&rig.pin_dir).expect("recreating the pin directory");
+    let holder = std::fs::File::open(&rig.pin_dir).expect("opening the new pin directory");
+    holder.try_lock().expect("locking the new pin directory");
+    let refused = rig.wait(
+        "/healthz 503 with the recreated directory locked by another",
+        Duration::from_secs(10),
+        || rig.healthz() == "503",
+    );
+    rig.served(
+        WEB,
+        9,
+        "web with the recreated pin directory locked by another",
+    );
+    let log = rig.log();
+    rig.check(
+        log[log_before..].contains("was recreated and another process holds its lock"),
+        || {
+            format!(
+                "no log line naming the held lock:
+{}",
+                &log[log_before..]
+            )
+        },
+    );
+    let stray = pinned_files(&rig.pin_dir);
+    rig.check(stray.is_empty(), || {
+        format!("the agent pinned into a directory another process holds: {stray:?}")
+    });
+    drop(holder);
+    let back = rig.wait(
+        "the pins back once the other let go",
+        Duration::from_secs(10),
+        || pinned_files(&rig.pin_dir) == *pinned,
+    );
+    rig.wait("/healthz 200 again", Duration::from_secs(10), || {
+        rig.healthz() == "200"
+    });
+    rig.check(rig.log()[log_before..].contains("locked again"), || {
+        "no log line for taking the lock again".into()
+    });
+
+    // The agent holds the new directory's lock: a second agent waits and touches nothing.
+    let ids = pinned_ids(&rig.pin_dir, pinned);
+    let (mut second, second_log) = rig.second_agent_waiting("second-after-recreate");
+    rig.check(
+        second.is_running()
+            && !second_log().contains("adopted pinned maps")
+            && pinned_ids(&rig.pin_dir, pinned) == ids,
+        || {
+            format!(
+                "the second agent did not wait on the recreated directory:\n{}",
+                second_log()
+            )
+        },
+    );
+    second.stop().expect("stopping the second agent");
+    eprintln!(
+        "FAULT pin-dir-recreated: recreated and locked by another process: /healthz 503 after \
+         {refused:?}, nothing pinned there, traffic intact (9 of 9); let go: the agent locked it \
+         and pinned the {} pins back in {back:?}; a second agent then waited on it",
+        pinned.len()
+    );
 }
 
 /// The kernel ids of the objects pinned at `pins` (relative to `dir`; `links/...` are links,
@@ -1144,19 +1238,7 @@ fn a_second_agent_on_the_same_pins_waits_for_the_first_and_cleanup_refuses_while
     let ids = pinned_ids(&rig.pin_dir, &pinned);
 
     // The second agent waits, touching nothing.
-    let work = rig.topo.tmp().path().join("second");
-    std::fs::create_dir_all(&work).expect("second agent's work dir");
-    let mut second = rig
-        .agent
-        .start_second(&work)
-        .expect("starting the second agent");
-    let second_log_path = second.log_path().to_path_buf();
-    let second_log = || strip_ansi(&std::fs::read_to_string(&second_log_path).unwrap_or_default());
-    rig.wait(
-        "the second agent waiting for the lock",
-        Duration::from_secs(30),
-        || second_log().contains("another kube-proxy-ebpf holds the pin directory"),
-    );
+    let (mut second, second_log) = rig.second_agent_waiting("second");
     thread::sleep(Duration::from_secs(1));
     rig.check(second.is_running(), || {
         format!("the second agent exited:\n{}", second_log())

@@ -24,6 +24,12 @@
 //!   pinned; reported as a problem (the agent logs it once and fails `/healthz`) until a bpffs is
 //!   mounted there again, when the next check pins everything back.
 //!
+//! The keeper also holds the pin directory's lock (`super::pin_lock`): a directory recreated
+//! under the agent (by the check, or by someone else) is a new inode the old lock does not
+//! cover, so the check takes the lock on it again before pinning anything back; if another
+//! process holds that one (an agent started on the empty directory), nothing is pinned there
+//! and the check reports it.
+//!
 //! The agent forgets the links it releases or attaches anew itself ([`PinKeeper::forget`]), so a
 //! released link is never kept attached by its held fd, and a link it pins anew at a path is
 //! not taken for a stranger.
@@ -37,6 +43,7 @@ use std::{
 use super::{
     bpffs::PinLayout,
     link_sys::{self, ObjIdentity},
+    pin_lock::PinDirLock,
 };
 
 /// What one check found.
@@ -76,6 +83,8 @@ pub struct PinKeeper {
     held: BTreeMap<PathBuf, Held>,
     /// The pins the last check found replaced: replaced again means a writer that keeps at it.
     replaced_last: BTreeSet<PathBuf>,
+    /// The pin directory's lock, once the agent hands it over ([`PinKeeper::keep_lock`]).
+    lock: Option<PinDirLock>,
 }
 
 impl PinKeeper {
@@ -84,7 +93,13 @@ impl PinKeeper {
             pins,
             held: BTreeMap::new(),
             replaced_last: BTreeSet::new(),
+            lock: None,
         }
+    }
+
+    /// Holds the pin directory's lock from now on, taking it again on a recreated directory.
+    pub fn keep_lock(&mut self, lock: PinDirLock) {
+        self.lock = Some(lock);
     }
 
     /// How many objects are held.
@@ -168,7 +183,7 @@ impl PinKeeper {
 
     /// Puts back every missing pin of a held object (see the module docs).
     pub fn check(&mut self) -> PinCheck {
-        let dir = &self.pins.dir;
+        let dir = &self.pins.dir.clone();
         if !super::bpffs::is_bpffs(dir) || !super::bpffs::is_bpffs(&self.pins.links_dir()) {
             // Gone (removed, or its bpffs unmounted): recreate it if its parent is a bpffs.
             if let Err(e) = self.pins.create() {
@@ -181,6 +196,9 @@ impl PinKeeper {
                     self.held.len()
                 ));
             }
+        }
+        if let Err(why) = self.relock() {
+            return PinCheck::Lost(why);
         }
         let mut missing = Vec::new();
         let mut replaced = Vec::new();
@@ -243,6 +261,35 @@ impl PinKeeper {
             PinCheck::Intact
         } else {
             PinCheck::Repaired { missing, replaced }
+        }
+    }
+}
+
+impl PinKeeper {
+    /// Takes the lock again if the pin directory is not the one locked (recreated since).
+    fn relock(&mut self) -> Result<(), String> {
+        let Some(lock) = &self.lock else {
+            return Ok(());
+        };
+        let dir = &self.pins.dir;
+        if lock.covers(dir) {
+            return Ok(());
+        }
+        match PinDirLock::try_acquire(&self.pins) {
+            Ok(Some(new)) => {
+                tracing::info!(pin_dir = %dir.display(), "pin directory recreated: locked again");
+                self.lock = Some(new);
+                Ok(())
+            }
+            Ok(None) => Err(format!(
+                "the pin directory {} was recreated and another process holds its lock (an agent \
+                 started on it after it was removed?); this agent pins nothing there while it \
+                 does. The datapath keeps running on the {} maps and links this agent holds \
+                 open; stop one of the two agents",
+                dir.display(),
+                self.held.len()
+            )),
+            Err(e) => Err(format!("locking the recreated pin directory: {e}")),
         }
     }
 }

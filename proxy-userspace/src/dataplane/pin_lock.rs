@@ -8,12 +8,13 @@
 //! drops the lock with its last fd, also on SIGKILL), then it adopts the pins as after any
 //! restart. `cleanup` refuses to run while an agent holds the lock.
 //!
-//! The lock is on the directory's inode: if the directory is removed and recreated under a
-//! running agent (`super::pin_keeper` recreates it), the new one is not locked until that agent
-//! restarts.
+//! The lock is on the directory's inode, so a directory removed and recreated under a running
+//! agent would come back unlocked: `super::pin_keeper` holds the lock and takes it again on the
+//! new directory ([`PinDirLock::covers`]) before it pins anything back there.
 
 use std::{
     fs::{File, TryLockError},
+    os::unix::fs::MetadataExt as _,
     path::Path,
 };
 
@@ -22,7 +23,8 @@ use super::{Error, Result, bpffs::PinLayout};
 /// The held lock (released when dropped or when the process exits).
 #[derive(Debug)]
 pub struct PinDirLock {
-    _dir: File,
+    /// The open directory the `flock` is on.
+    dir: File,
 }
 
 impl PinDirLock {
@@ -31,12 +33,21 @@ impl PinDirLock {
     pub fn try_acquire(pins: &PinLayout) -> Result<Option<Self>> {
         let dir = open(&pins.dir)?;
         match dir.try_lock() {
-            Ok(()) => Ok(Some(Self { _dir: dir })),
+            Ok(()) => Ok(Some(Self { dir })),
             Err(TryLockError::WouldBlock) => Ok(None),
             Err(TryLockError::Error(source)) => Err(Error::Io {
                 what: format!("locking the pin directory {}", pins.dir.display()),
                 source,
             }),
+        }
+    }
+
+    /// Whether `dir` is still the directory this lock is on (same device and inode), and not
+    /// one recreated at its path since.
+    pub fn covers(&self, dir: &Path) -> bool {
+        match (self.dir.metadata(), std::fs::metadata(dir)) {
+            (Ok(held), Ok(now)) => held.dev() == now.dev() && held.ino() == now.ino(),
+            _ => false,
         }
     }
 }
@@ -73,6 +84,27 @@ mod tests {
         let second = PinDirLock::try_acquire(&pins).expect("lock");
         assert!(second.is_some(), "free again once the first is dropped");
         drop(second);
+        std::fs::remove_dir(&dir).expect("removing the temp dir");
+    }
+
+    #[test]
+    fn a_lock_covers_its_directory_and_not_one_recreated_at_the_same_path() {
+        let dir = std::env::temp_dir().join(format!("kpe-pin-relock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let pins = PinLayout::new(&dir);
+        let lock = PinDirLock::try_acquire(&pins).expect("lock").expect("free");
+        assert!(lock.covers(&dir));
+        // Recreated while the old inode is still open (held by the lock): a new inode.
+        std::fs::remove_dir(&dir).expect("removing");
+        assert!(!lock.covers(&dir), "gone");
+        std::fs::create_dir(&dir).expect("recreating");
+        assert!(!lock.covers(&dir), "recreated");
+        let relock = PinDirLock::try_acquire(&pins).expect("lock");
+        assert!(
+            relock.is_some(),
+            "the new directory is not locked by the old lock"
+        );
+        drop((lock, relock));
         std::fs::remove_dir(&dir).expect("removing the temp dir");
     }
 
