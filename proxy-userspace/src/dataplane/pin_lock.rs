@@ -70,42 +70,62 @@ pub fn held_message(pins: &PinLayout) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use super::*;
+
+    /// A fresh pin directory under the temp dir, removed when dropped (also when a test fails).
+    struct TempPins {
+        dir: PathBuf,
+        pins: PinLayout,
+    }
+
+    impl TempPins {
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("kpe-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let pins = PinLayout::new(&dir);
+            Self { dir, pins }
+        }
+
+        fn lock(&self) -> Option<PinDirLock> {
+            PinDirLock::try_acquire(&self.pins).expect("lock")
+        }
+    }
+
+    impl Drop for TempPins {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
 
     #[test]
     fn one_holder_at_a_time_and_the_next_gets_it_once_the_first_lets_go() {
-        let dir = std::env::temp_dir().join(format!("kpe-pin-lock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let pins = PinLayout::new(&dir);
-        let first = PinDirLock::try_acquire(&pins).expect("lock").expect("free");
+        let temp = TempPins::new("pin-lock");
+        let first = temp.lock().expect("free");
         // flock locks belong to the open file: a second open, even in this process, is refused.
-        assert!(PinDirLock::try_acquire(&pins).expect("lock").is_none());
+        assert!(temp.lock().is_none());
         drop(first);
-        let second = PinDirLock::try_acquire(&pins).expect("lock");
-        assert!(second.is_some(), "free again once the first is dropped");
-        drop(second);
-        std::fs::remove_dir(&dir).expect("removing the temp dir");
+        assert!(
+            temp.lock().is_some(),
+            "free again once the first is dropped"
+        );
     }
 
     #[test]
     fn a_lock_covers_its_directory_and_not_one_recreated_at_the_same_path() {
-        let dir = std::env::temp_dir().join(format!("kpe-pin-relock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let pins = PinLayout::new(&dir);
-        let lock = PinDirLock::try_acquire(&pins).expect("lock").expect("free");
-        assert!(lock.covers(&dir));
+        let temp = TempPins::new("pin-relock");
+        let lock = temp.lock().expect("free");
+        assert!(lock.covers(&temp.dir));
         // Recreated while the old inode is still open (held by the lock): a new inode.
-        std::fs::remove_dir(&dir).expect("removing");
-        assert!(!lock.covers(&dir), "gone");
-        std::fs::create_dir(&dir).expect("recreating");
-        assert!(!lock.covers(&dir), "recreated");
-        let relock = PinDirLock::try_acquire(&pins).expect("lock");
+        std::fs::remove_dir(&temp.dir).expect("removing");
+        assert!(!lock.covers(&temp.dir), "gone");
+        std::fs::create_dir(&temp.dir).expect("recreating");
+        assert!(!lock.covers(&temp.dir), "recreated");
         assert!(
-            relock.is_some(),
+            temp.lock().is_some(),
             "the new directory is not locked by the old lock"
         );
-        drop((lock, relock));
-        std::fs::remove_dir(&dir).expect("removing the temp dir");
     }
 
     #[test]
