@@ -542,7 +542,12 @@ fn api_server_outage_under_load() {
         rig.api.resume().expect("resume");
         let back = Instant::now();
         let deadline = back + Duration::from_secs(120);
-        while view.frontend(NEW, 80).is_none() || view.frontend(OTHER, 80).is_some() {
+        // Converged: the new Service with its endpoint (its slice may be relisted after the
+        // Service, by another watch still in backoff; until then it rejects, as kube-proxy's
+        // would) and the deleted one gone.
+        while view.frontend(NEW, 80).is_none_or(|fe| fe.count != 1)
+            || view.frontend(OTHER, 80).is_some()
+        {
             if Instant::now() > deadline {
                 stop.store(true, Ordering::Relaxed);
                 rig.fail("the changes made during the outage did not reach the maps in 120 s");
