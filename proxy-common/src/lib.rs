@@ -37,6 +37,7 @@ pub mod ipv6;
 pub mod lc;
 pub mod maglev;
 pub mod maps;
+pub mod presence;
 pub mod ratelimit;
 pub mod sched;
 pub mod stats;
@@ -169,6 +170,10 @@ pub const PROG_SOCK_CONNECT6: &str = "sock_connect6";
 pub const PROG_SOCK_SENDMSG6: &str = "sock_sendmsg6";
 pub const PROG_SOCK_RECVMSG6: &str = "sock_recvmsg6";
 pub const PROG_SOCK_GETPEERNAME6: &str = "sock_getpeername6";
+/// The bind hooks: another Service proxy binding its port while no agent runs hands the datapath
+/// over (`presence`).
+pub const PROG_SOCK_BIND4: &str = "sock_bind4";
+pub const PROG_SOCK_BIND6: &str = "sock_bind6";
 /// Test-only classifier: counts the TCP/UDP packets it sees by 5-tuple (`TAP_V1`) and hands them
 /// on (TCX_NEXT). The agent never loads or attaches it; the chaining tests attach it before and
 /// after the agent's programs to show that both see every packet.
@@ -327,6 +332,7 @@ mod pod {
         crate::DatapathConfig,
         crate::SnatValue,
         crate::NodeInfo,
+        crate::presence::AgentPresence,
         crate::SnatDevice,
         crate::AffinityKey,
         crate::AffinityValue,

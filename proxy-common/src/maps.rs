@@ -57,7 +57,7 @@ pub const LAYOUT_VERSION: u32 = 1;
 pub const LAYOUT_OLDEST_READER: u32 = 1;
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 32] = [
+pub const ALL_MAPS: [&str; 33] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -90,6 +90,7 @@ pub const ALL_MAPS: [&str; 32] = [
     crate::ipv6::MAP_SOCK_REVNAT6,
     crate::ipv6::MAP_SNAT6,
     crate::ipv6::MAP_NODE6,
+    crate::presence::MAP_AGENT,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time

@@ -162,6 +162,15 @@ counters! {
     /// A new flow of a Maglev (`mh`) frontend whose table (or the chunk of its position) was
     /// missing or empty there: picked by the flow hash instead.
     MaglevFallback = "maglev_fallback",
+    /// A packet of no translated flow passed to the node's stack as it is, without the Service
+    /// lookup: the datapath has handed over to another Service proxy (`presence`); flows
+    /// translated before keep their translation.
+    HandedOver = "handed_over",
+    /// A bind of another proxy's port while no agent ran: the datapath handed over (once).
+    HandOverBind = "hand_over_bind",
+    /// A connect()/sendmsg() of a pod's socket to a Service sent to a backend by the socket
+    /// hooks, while no agent ran to attach the pod's interface.
+    SockPodTranslated = "sock_pod_translated",
     /// An IPv6 TCP/UDP packet with extension headers before its L4 header (walked, kept).
     Ipv6ExtHeaders = "ipv6_ext_headers",
     /// IPv6 whose extension header chain could not be walked to a TCP/UDP/ICMPv6 header (more

@@ -50,8 +50,8 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
             reason,
         } => {
             return match maps::service(&ServiceKey::new(daddr, dport, proto, 0)) {
-                Some(_) => Err(reason),
-                None => Ok(Action::pass(Counter::NotService)),
+                Some(_) if !maps::handed_over(maps::now_ns()) => Err(reason),
+                _ => Ok(Action::pass(Counter::NotService)),
             };
         }
     };
@@ -85,6 +85,10 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
                 nat::source_port(ctx, &p, ct.nat_sport)?;
             }
             return Ok(Action::pass(Counter::EstablishedFlow));
+        } else if maps::handed_over(now) {
+            // Its backend is gone and another proxy carries the node's Services now: the packet
+            // is that proxy's to decide on.
+            return Ok(Action::pass(Counter::HandedOver));
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone (a not-serving one keeps its TCP flows):
             // never send to the dead address, reset.
@@ -116,6 +120,11 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         snat::reply_passed(&p, &entry, &client, now);
         nat::dnat(ctx, &p, client.addr, client.port)?;
         return Ok(Action::pass(Counter::SnatReplyTranslated));
+    }
+    if maps::handed_over(now) {
+        // Another proxy took over while no agent ran: new flows are its (flows translated before
+        // keep their translation above, until they end).
+        return Ok(Action::pass(Counter::HandedOver));
     }
     if maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_none() {
         // To no Service: mid-connection TCP passes right here; a connection's first packet or a

@@ -374,6 +374,19 @@ pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
     sock6::reverse(&ctx)
 }
 
+/// bind() in the node's namespace: another Service proxy taking its port while no agent runs
+/// hands the datapath over (`proxy_common::presence`).
+#[cgroup_sock_addr(bind4)]
+pub fn sock_bind4(ctx: SockAddrContext) -> i32 {
+    sock::bind(&ctx)
+}
+
+/// bind() of an IPv6 (or dual-stack) socket: as `sock_bind4`.
+#[cgroup_sock_addr(bind6)]
+pub fn sock_bind6(ctx: SockAddrContext) -> i32 {
+    sock6::bind(&ctx)
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

@@ -38,6 +38,7 @@ use proxy_common::{
         SOURCE_RANGES6_CAPACITY, Service6Key, Snat6Key, Snat6Value, SockRev6Key, SourceRange6Key,
     },
     maglev::{self, Chunk, MaglevKey},
+    presence::AgentPresence,
     service_flags,
 };
 
@@ -592,6 +593,52 @@ pub fn ct_remove(key: &CtKey) {
     let _ = CONNTRACK_V1.remove(key);
 }
 
+/// Whether an agent runs and whether the datapath handed over (`proxy_common::presence`):
+/// written by the agent and by the bind hooks.
+#[btf_map]
+static AGENT_V1: Array<AgentPresence, 1> = Array::new();
+
+/// Have new flows been handed over to the node's stack (another proxy took over while no agent
+/// ran)? Read only where a packet would start a translation.
+#[inline(always)]
+pub fn handed_over(now: u64) -> bool {
+    let Some(ptr) = AGENT_V1.get_ptr(0) else {
+        return false;
+    };
+    // SAFETY: array slots are preallocated; the pointer is valid for the map's life.
+    unsafe { (*ptr).handed_over(now) }
+}
+
+/// Is an agent running on the datapath now (its heartbeat fresh)?
+#[inline(always)]
+pub fn agent_alive(now: u64) -> bool {
+    let Some(ptr) = AGENT_V1.get_ptr(0) else {
+        return false;
+    };
+    // SAFETY: as in `handed_over`.
+    unsafe { (*ptr).agent_alive(now) }
+}
+
+/// A bind of `port` (host order) in the node's namespace: hands over when it is another proxy's
+/// port while no agent runs. Returns whether this bind handed over.
+#[inline(always)]
+pub fn hand_over_on_bind(port: u16, now: u64) -> bool {
+    let Some(ptr) = AGENT_V1.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: as in `handed_over`; one 32-byte value copied out and written back whole (two
+    // binds racing both hand over, which is the same outcome).
+    unsafe {
+        match (*ptr).after_bind(port, now) {
+            Some(next) => {
+                *ptr = next;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// A copy of the node facts (`NODE_V1[0]`).
 #[inline(always)]
 pub fn node() -> Option<NodeInfo> {
@@ -874,6 +921,7 @@ const _: () = assert!(same(MAP_FRAG_SCRATCH, "FRAGSCRATCH"));
 const _: () = assert!(same(MAP_SNAT_DEVICES, "SNATDEV_V1"));
 const _: () = assert!(same(MAP_TAP, "TAP_V1"));
 const _: () = assert!(same(MAP_SEED, "SEED_V1"));
+const _: () = assert!(same(proxy_common::presence::MAP_AGENT, "AGENT_V1"));
 const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));
 const _: () = assert!(same(MAP_AFFINITY, "AFFINITY_V1"));

@@ -7,7 +7,12 @@
 //!
 //! Only sockets of the node's namespace are touched (netns cookie from the load-time
 //! `SockLbConfig`): pods keep their tc path, so a flow is never translated twice, and a cgroup
-//! that also holds processes of other namespaces is unaffected for them.
+//! that also holds processes of other namespaces is unaffected for them. The exception is a time
+//! without agent (`proxy_common::presence`): a pod created then has no tc programs on its
+//! interface until an agent attaches them, so while no agent runs pods' sockets are translated
+//! here too (as the node's: the socket has no source address yet, so session affinity and
+//! source hashing see the node's address, and loadBalancerSourceRanges the node's). Once the
+//! datapath handed over to another proxy, no socket is translated.
 //!
 //! Frontend choice for the node as a client follows kube-proxy: the node's own traffic is
 //! in-cluster traffic, so an externalTrafficPolicy Local frontend sends it to the Service's
@@ -42,16 +47,84 @@ pub type Translated<A> = Result<Option<(A, [u8; 2])>, i32>;
 /// connect() and sendmsg(): a Service address becomes one of its backends.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext) -> i32 {
-    if !in_node_netns(ctx) {
+    let Some(client) = client_of(ctx) else {
         return ALLOW;
-    }
+    };
     let (proto, addr, port) = user_addr(ctx);
     match translate4(ctx, proto, addr, port) {
-        Ok(Some((addr, port))) => set_user_addr(ctx, addr, port),
+        Ok(Some((addr, port))) => {
+            set_user_addr(ctx, addr, port);
+            client.count_translated();
+        }
         Ok(None) => {}
         Err(errno) => return fail(errno),
     }
     ALLOW
+}
+
+/// bind() of the node's processes: another Service proxy binding its port while no agent runs
+/// (kube-proxy reinstated after the agent was removed) hands the datapath over to it. Never
+/// refuses the bind.
+#[inline(always)]
+pub fn bound(ctx: &SockAddrContext, port: [u8; 2]) -> i32 {
+    let node = maps::sock_lb_config().netns_cookie;
+    // SAFETY: the helper reads the netns of the socket behind a valid sock_addr context.
+    if node == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } != node {
+        return ALLOW;
+    }
+    if maps::hand_over_on_bind(u16::from_be_bytes(port), maps::now_ns()) {
+        stats::count(Counter::HandOverBind);
+    }
+    ALLOW
+}
+
+/// bind4: see [`bound`].
+#[inline(always)]
+pub fn bind(ctx: &SockAddrContext) -> i32 {
+    let (_, _, port) = user_addr(ctx);
+    bound(ctx, port)
+}
+
+/// Whose socket a connect()/sendmsg() is, for the translation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum SockClient {
+    /// A process of the node's own namespace: always translated here (no tc hook on its path).
+    Node,
+    /// A pod's process while no agent runs: its interface may have no tc programs yet (created
+    /// while the agent was away), so the socket is translated here instead, once.
+    PodWithoutAgent,
+}
+
+impl SockClient {
+    #[inline(always)]
+    pub fn count_translated(self) {
+        if self == SockClient::PodWithoutAgent {
+            stats::count(Counter::SockPodTranslated);
+        }
+    }
+}
+
+/// Whose socket this is, or `None` to leave it alone: the node's own sockets are translated,
+/// pods' only while no agent runs (otherwise tc on their interfaces translates them, and a flow
+/// is never translated twice); nothing once the datapath handed over to another proxy.
+#[inline(always)]
+pub fn client_of(ctx: &SockAddrContext) -> Option<SockClient> {
+    let node = maps::sock_lb_config().netns_cookie;
+    if node == 0 {
+        return None;
+    }
+    let now = maps::now_ns();
+    if maps::handed_over(now) {
+        return None;
+    }
+    // SAFETY: the helper reads the netns of the socket behind a valid sock_addr context.
+    if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == node {
+        return Some(SockClient::Node);
+    }
+    if maps::agent_alive(now) {
+        return None;
+    }
+    Some(SockClient::PodWithoutAgent)
 }
 
 /// The IPv4 translation of a connect()/sendmsg() of the node's to `addr:port` (an IPv4 socket's
@@ -208,13 +281,6 @@ fn set_user_addr(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) {
         sa.user_ip4 = u32::from_ne_bytes(addr);
         sa.user_port = u32::from(u16::from_ne_bytes(port));
     }
-}
-
-#[inline(always)]
-pub fn in_node_netns(ctx: &SockAddrContext) -> bool {
-    let node = maps::sock_lb_config().netns_cookie;
-    // SAFETY: the helper reads the netns of the socket behind a valid sock_addr context.
-    node != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == node
 }
 
 /// loadBalancerSourceRanges for the node as a client: allowed when a range holds the node's

@@ -40,9 +40,9 @@ use crate::{
 /// its backends.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext) -> i32 {
-    if !sock::in_node_netns(ctx) {
+    let Some(client) = sock::client_of(ctx) else {
         return ALLOW;
-    }
+    };
     let (proto, addr, port) = user_addr6(ctx);
     let result = match v4_mapped(&addr) {
         Some(addr4) => sock::translate4(ctx, proto, addr4, port)
@@ -50,11 +50,21 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         None => translate6(ctx, proto, &addr, port),
     };
     match result {
-        Ok(Some((addr, port))) => set_user_addr6(ctx, &addr, port),
+        Ok(Some((addr, port))) => {
+            set_user_addr6(ctx, &addr, port);
+            client.count_translated();
+        }
         Ok(None) => {}
         Err(errno) => return sock::fail(errno),
     }
     ALLOW
+}
+
+/// bind6(): see `sock::bound` (Go's listeners bind `[::]`, dual-stack).
+#[inline(always)]
+pub fn bind(ctx: &SockAddrContext) -> i32 {
+    let (_, _, port) = user_addr6(ctx);
+    sock::bound(ctx, port)
 }
 
 /// recvmsg6() and getpeername6(): a backend address the socket was sent to shows as the frontend.

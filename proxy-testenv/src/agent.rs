@@ -185,6 +185,17 @@ impl Agent {
         self.cgroup.in_ns(node)
     }
 
+    /// The agent's cgroup (its socket hooks are attached there).
+    pub fn cgroup_path(&self) -> &Path {
+        self.cgroup.path()
+    }
+
+    /// `args` as a process of the node (in `node` and the agent's cgroup), to spawn: a
+    /// hostNetwork program that the socket hooks see (another Service proxy, say).
+    pub fn host_command(&self, node: &NetNs, args: &[&str]) -> std::process::Command {
+        self.cgroup.command(node, args)
+    }
+
     /// The current status file, `None` before the first sync of this run.
     pub fn status(&self) -> Result<Option<AgentStatus>> {
         match std::fs::read_to_string(&self.status_file) {

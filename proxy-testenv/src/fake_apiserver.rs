@@ -2,7 +2,9 @@
 //!
 //! It speaks just enough of the API for list+watch clients (kube-rs reflectors, client-go
 //! informers): `GET` list and `?watch=true` on `/api/v1/services`,
-//! `/apis/discovery.k8s.io/v1/endpointslices` and `/api/v1/nodes` (cluster-wide), with
+//! `/apis/discovery.k8s.io/v1/endpointslices`, `/api/v1/nodes`, `/apis/apps/v1/daemonsets`
+//! (cluster-wide, or one namespace's `.../namespaces/{ns}/{plural}`; `GET` of one namespaced
+//! object by name too), with
 //! `labelSelector` (`k`, `!k`, `k=v`, `k!=v`), `fieldSelector` (`metadata.name`,
 //! `metadata.namespace`), `limit`/`continue` paging, `resourceVersion`, `timeoutSeconds`,
 //! BOOKMARK events when `allowWatchBookmarks=true`, and "410 Gone" (an ERROR event with code 410,
@@ -43,14 +45,16 @@ pub enum Kind {
     EndpointSlice,
     Node,
     ServiceCidr,
+    DaemonSet,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [
+    const ALL: [Kind; 5] = [
         Kind::Service,
         Kind::EndpointSlice,
         Kind::Node,
         Kind::ServiceCidr,
+        Kind::DaemonSet,
     ];
 
     pub fn path(self) -> &'static str {
@@ -59,6 +63,7 @@ impl Kind {
             Kind::EndpointSlice => "/apis/discovery.k8s.io/v1/endpointslices",
             Kind::Node => "/api/v1/nodes",
             Kind::ServiceCidr => "/apis/networking.k8s.io/v1/servicecidrs",
+            Kind::DaemonSet => "/apis/apps/v1/daemonsets",
         }
     }
 
@@ -67,6 +72,7 @@ impl Kind {
             Kind::Service | Kind::Node => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::ServiceCidr => "networking.k8s.io/v1",
+            Kind::DaemonSet => "apps/v1",
         }
     }
 
@@ -76,6 +82,7 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
             Kind::ServiceCidr => "ServiceCIDR",
+            Kind::DaemonSet => "DaemonSet",
         }
     }
 
@@ -88,8 +95,21 @@ impl Kind {
         Self::ALL.into_iter().find(|k| k.kind() == kind)
     }
 
-    fn from_path(path: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.path() == path)
+    /// The kind a request path names, and for a namespaced path
+    /// (`<group>/namespaces/{ns}/{plural}[/{name}]`) its namespace and object name.
+    fn route(path: &str) -> Option<(Self, Option<String>, Option<String>)> {
+        Self::ALL.into_iter().find_map(|k| {
+            if k.path() == path {
+                return Some((k, None, None));
+            }
+            let (group, plural) = k.path().rsplit_once('/')?;
+            let rest = path.strip_prefix(group)?.strip_prefix("/namespaces/")?;
+            let mut parts = rest.split('/');
+            let (ns, p) = (parts.next()?, parts.next()?);
+            let name = parts.next().map(str::to_owned);
+            (p == plural && parts.next().is_none() && !k.cluster_scoped())
+                .then(|| (k, Some(ns.to_owned()), name))
+        })
     }
 }
 
@@ -451,6 +471,9 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>, stop: &AtomicBool) 
 struct Request {
     kind: Option<Kind>,
     query: HashMap<String, String>,
+    /// A namespaced path's namespace, and object name (a GET of one object).
+    namespace: Option<String>,
+    name: Option<String>,
 }
 
 fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
@@ -494,10 +517,23 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let req = Request {
-            kind: Kind::from_path(path).filter(|k| !unserved.contains(k)),
+        let route = Kind::route(path).filter(|(k, _, _)| !unserved.contains(k));
+        let mut req = Request {
+            kind: route.as_ref().map(|r| r.0),
             query: parse_query(query),
+            namespace: route.as_ref().and_then(|r| r.1.clone()),
+            name: route.and_then(|r| r.2),
         };
+        if let Some(ns) = &req.namespace {
+            // A namespace's collection: the cluster-wide one with a namespace field selector.
+            let fields = req.query.remove("fieldSelector").unwrap_or_default();
+            let joined = if fields.is_empty() {
+                format!("metadata.namespace={ns}")
+            } else {
+                format!("{fields},metadata.namespace={ns}")
+            };
+            req.query.insert("fieldSelector".into(), joined);
+        }
         if let Some(namespace) = event_namespace(method, path) {
             let Ok(body) = serde_json::from_slice::<Value>(&body) else {
                 let status = status_json(400, "BadRequest", "body is not JSON");
@@ -525,6 +561,7 @@ fn serve_connection(stream: TcpStream, shared: &Shared) -> Result<()> {
             ("GET", Some(kind)) if req.query.get("watch").is_some_and(|w| w == "true") => {
                 return serve_watch(&mut out, shared, kind, &req);
             }
+            ("GET", Some(kind)) if req.name.is_some() => serve_get(&mut out, shared, kind, &req)?,
             ("GET", Some(kind)) => serve_list(&mut out, shared, kind, &req)?,
             _ => {
                 let body = status_json(404, "NotFound", &format!("{method} {path} not served"));
@@ -605,6 +642,26 @@ fn serve_list(out: &mut TcpStream, shared: &Shared, kind: Kind, req: &Request) -
         "items": items.iter().map(|v| (**v).clone()).collect::<Vec<_>>(),
     });
     write_response(out, "200 OK", &body)?;
+    Ok(())
+}
+
+/// `GET .../namespaces/{ns}/{plural}/{name}`: the object, or 404 NotFound as the API says it.
+fn serve_get(out: &mut TcpStream, shared: &Shared, kind: Kind, req: &Request) -> Result<()> {
+    let ns = req.namespace.clone().unwrap_or_default();
+    let name = req.name.clone().unwrap_or_default();
+    let found = shared
+        .state()
+        .objects
+        .get(&(kind, ns, name.clone()))
+        .cloned();
+    match found {
+        Some(obj) => write_response(out, "200 OK", &obj)?,
+        None => {
+            let plural = kind.path().rsplit('/').next().unwrap_or_default();
+            let body = status_json(404, "NotFound", &format!("{plural} \"{name}\" not found"));
+            write_response(out, "404 Not Found", &body)?;
+        }
+    }
     Ok(())
 }
 
@@ -915,6 +972,44 @@ mod tests {
             rest.contains("\"c\"") && !rest.contains("\"continue\""),
             "{rest}"
         );
+    }
+
+    #[test]
+    fn namespaced_paths_list_one_namespace_and_get_one_object() {
+        let server = FakeApiServer::start().expect("start");
+        let ds = |ns: &str, name: &str| {
+            json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                   "metadata": {"name": name, "namespace": ns}})
+        };
+        server.apply(ds("kube-system", "agent")).expect("agent");
+        server.apply(ds("other", "agent")).expect("other");
+        let list = get(
+            &server,
+            "/apis/apps/v1/namespaces/kube-system/daemonsets?fieldSelector=metadata.name%3Dagent",
+        );
+        assert!(
+            list.contains("kube-system") && !list.contains("\"other\""),
+            "{list}"
+        );
+        let one = get(
+            &server,
+            "/apis/apps/v1/namespaces/kube-system/daemonsets/agent",
+        );
+        assert!(
+            one.starts_with("HTTP/1.1 200") && one.contains("\"agent\""),
+            "{one}"
+        );
+        assert!(server.delete(Kind::DaemonSet, "kube-system", "agent"));
+        let gone = get(
+            &server,
+            "/apis/apps/v1/namespaces/kube-system/daemonsets/agent",
+        );
+        assert!(
+            gone.starts_with("HTTP/1.1 404") && gone.contains("NotFound"),
+            "{gone}"
+        );
+        let nodes = get(&server, "/api/v1/namespaces/x/nodes");
+        assert!(nodes.starts_with("HTTP/1.1 404"), "cluster-scoped: {nodes}");
     }
 
     #[test]

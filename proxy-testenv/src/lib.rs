@@ -20,11 +20,13 @@ mod bpffs;
 #[allow(unsafe_code)]
 mod cgroup;
 pub mod fake_apiserver;
+pub mod kube_proxy;
 mod manifests;
 mod multinode;
 mod netns;
 pub mod prev_release;
 mod process;
+mod stream;
 mod tempdir;
 mod topology;
 
@@ -44,6 +46,7 @@ pub use multinode::{
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};
+pub use stream::{ByteStream, StreamSummary};
 pub use tempdir::TempDir;
 pub use topology::{
     BACKENDS, BACKENDS6, CLIENT_IP, CLIENT_IP6, ConnectOutcome, CurlReply, Exec, GATEWAY, GATEWAY6,

@@ -128,6 +128,8 @@ pub struct Agent {
     pins_problem: Option<String>,
     /// The last sync skipped frontends for room and freed some: the loop syncs again at once.
     retry_skipped: bool,
+    /// The maps were adopted from an earlier agent (they carry its Services from the start).
+    adopted: bool,
 }
 
 /// The parts of one [`Agent::sync`], timed.
@@ -269,7 +271,21 @@ impl Agent {
             keeper,
             pins_problem: None,
             retry_skipped: false,
+            adopted: adopting,
         })
+    }
+
+    /// Removes this node's datapath (the agent is being uninstalled): every link detached, every
+    /// pin removed, under the pin directory's lock the agent holds. Flows lose their translation.
+    pub fn uninstall(self) -> anyhow::Result<()> {
+        let Self {
+            pins, keeper, ebpf, ..
+        } = self;
+        let result = crate::cli::cleanup::remove_datapath(&pins);
+        // The held maps and links, and then the lock, go only now: nothing pins them back.
+        drop(ebpf);
+        drop(keeper);
+        result
     }
 
     /// One sync: translate the Services that changed, plan the frontends that changed against
@@ -545,6 +561,17 @@ impl Agent {
     /// new ones included; releases gone ones. Devices without an Ethernet header (ipip, gre,
     /// WireGuard) get the `_l3` programs.
     pub fn reconcile_interfaces(&mut self) {
+        self.reconcile_interfaces_as(false);
+    }
+
+    /// Before the first sync on adopted maps: attaches to the wanted interfaces that have no
+    /// programs yet (a pod created while no agent ran gets its Services from the maps as they
+    /// are), leaving pinned links with the program they run until the first sync.
+    pub fn attach_new_interfaces(&mut self) {
+        self.reconcile_interfaces_as(true);
+    }
+
+    fn reconcile_interfaces_as(&mut self, missing_only: bool) {
         let mut wanted = match interfaces::list() {
             Ok(all) => all
                 .into_iter()
@@ -572,7 +599,11 @@ impl Agent {
         }
         let l3 = links::l3_devices(&links);
         let before = self.attacher.pin_names();
-        let report = self.attacher.reconcile(&mut self.ebpf, &wanted, &l3);
+        let report = if missing_only {
+            self.attacher.attach_missing(&mut self.ebpf, &wanted, &l3)
+        } else {
+            self.attacher.reconcile(&mut self.ebpf, &wanted, &l3)
+        };
         // Links this agent let go of are not kept attached by a held fd; new ones are held.
         let after = self.attacher.pin_names();
         // A link attached anew where one was pinned (a failed adoption) replaced that pin
@@ -1161,7 +1192,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             };
             let client = connection.client().await?;
             events = Some(EventSink::start(client.clone(), &node.node_name));
-            Source::Kube(KubeSource::start(client, &node.node_name))
+            Source::Kube(KubeSource::start(
+                client,
+                &node.node_name,
+                args.daemonset.clone(),
+            ))
         }
     };
     let cpus = crate::dataplane::sizing::online_cpus();
@@ -1272,6 +1307,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     (agent.family6).set_service_cidrs(crate::dataplane::service_cidrs::prefixes(
         &args.service_cidr,
     ));
+    // Adopted maps already carry the Services: interfaces that have no programs yet (pods
+    // created while no agent ran) get them now, before any list, and as they appear while the
+    // lists are awaited; the running programs are replaced only after the first sync.
+    let mut links = netlink::watch_links()?;
+    if agent.adopted {
+        agent.attach_new_interfaces();
+    }
+    // From here the datapath knows an agent runs (before the health port is bound: that bind is
+    // ours, not another proxy's).
+    let heartbeat = start_heartbeat(&mut agent, &args)?;
     agent.serve_telemetry(&args);
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that
@@ -1280,8 +1325,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     loop {
         tokio::select! {
             () = source.wait_ready() => break,
-            _ = sigterm.recv() => return Ok(()),
-            _ = sigint.recv() => return Ok(()),
+            _ = sigterm.recv() => return stop(agent, &source, heartbeat).await,
+            _ = sigint.recv() => return stop(agent, &source, heartbeat).await,
+            Some(()) = links.recv(), if agent.adopted => agent.attach_new_interfaces(),
             () = tokio::time::sleep(READY_LOG_INTERVAL) => {
                 warn!(waited_s = waiting.elapsed().as_secs(), "still waiting for the initial lists of Services, EndpointSlices and the Node; dataplane unchanged");
             }
@@ -1302,7 +1348,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             false
         }
     };
-    let mut links = netlink::watch_links()?;
     agent.reconcile_interfaces();
     if let Err(e) = agent.attach_socket_lb(sock_cgroup.as_deref()) {
         error!("socket hooks: {e:#}; the node's own processes cannot reach Services");
@@ -1401,8 +1446,57 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             tokio::task::yield_now().await;
         }
     }
-    info!("stopping; maps and links stay pinned so traffic keeps flowing");
-    Ok(())
+    stop(agent, &source, heartbeat).await
+}
+
+/// Starts the heartbeat in `AGENT_V1` (`dataplane::presence`), taking the datapath back if it had
+/// handed over to another proxy while no agent ran.
+fn start_heartbeat(
+    agent: &mut Agent,
+    args: &RunArgs,
+) -> anyhow::Result<crate::dataplane::presence::Heartbeat> {
+    use crate::dataplane::presence::{AgentMap, Heartbeat};
+    let handover_after = (!args.handover_after.is_zero()).then_some(args.handover_after);
+    let (heartbeat, found) =
+        Heartbeat::start(AgentMap::from_ebpf(&mut agent.ebpf)?, handover_after)?;
+    if let Some(h) = found {
+        warn!(
+            ago_s = h.ago.as_secs(),
+            port = h.port,
+            "the datapath had handed new flows over to the node's stack (another proxy bound port \
+             {} while no agent ran); this agent is the node's Service proxy again: stop the other \
+             one (kube-proxy) or remove this agent",
+            h.port
+        );
+    }
+    Ok(heartbeat)
+}
+
+/// The agent stops (SIGTERM, SIGINT): the datapath stays for the next agent, unless this is an
+/// uninstall (`sources::kube::uninstall`), which removes it.
+async fn stop(
+    agent: Agent,
+    source: &Source,
+    heartbeat: crate::dataplane::presence::Heartbeat,
+) -> anyhow::Result<()> {
+    use crate::sources::kube::uninstall::Stop;
+    let verdict = match source {
+        Source::Kube(k) => k.stop_kind().await,
+        Source::Manifests(_) => Stop::Keep("standalone: a stop keeps the datapath".into()),
+    };
+    heartbeat.stop();
+    match verdict {
+        Stop::Keep(why) => {
+            info!(%why, "stopping; maps and links stay pinned so traffic keeps flowing");
+            Ok(())
+        }
+        Stop::Uninstall(why) => {
+            warn!(%why, "uninstalling: removing the datapath from this node");
+            agent.uninstall()?;
+            info!("uninstalled: programs detached, maps and links unpinned");
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use k8s_openapi::{
         apps::v1::DaemonSet,
         core::v1::{ConfigMap, Service, ServiceAccount},
         discovery::v1::EndpointSlice,
-        rbac::v1::{ClusterRole, ClusterRoleBinding},
+        rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
     },
     serde::{Serialize, de::DeserializeOwned},
 };
@@ -98,6 +98,8 @@ struct Objects {
     service_accounts: Vec<ServiceAccount>,
     cluster_roles: Vec<ClusterRole>,
     bindings: Vec<ClusterRoleBinding>,
+    roles: Vec<Role>,
+    role_bindings: Vec<RoleBinding>,
     config_maps: Vec<ConfigMap>,
     services: usize,
     slices: usize,
@@ -133,6 +135,12 @@ fn load_all() -> Objects {
                 }
                 (Some("rbac.authorization.k8s.io/v1"), Some("ClusterRoleBinding")) => {
                     objects.bindings.push(typed(&doc, &at))
+                }
+                (Some("rbac.authorization.k8s.io/v1"), Some("Role")) => {
+                    objects.roles.push(typed(&doc, &at))
+                }
+                (Some("rbac.authorization.k8s.io/v1"), Some("RoleBinding")) => {
+                    objects.role_bindings.push(typed(&doc, &at))
                 }
                 (Some("v1"), Some("ConfigMap")) => objects.config_maps.push(typed(&doc, &at)),
                 (Some("v1"), Some("Service")) => {
@@ -240,12 +248,29 @@ fn daemonset_replaces_kube_proxy() {
         .iter()
         .flatten()
         .chain(c.args.iter().flatten())
-        .map(|a| a.replace("$(NODE_NAME)", "node-1"))
+        .map(|a| {
+            a.replace("$(NODE_NAME)", "node-1")
+                .replace("$(POD_NAMESPACE)", "kube-system")
+        })
         .collect();
     let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
     let Command::Run(run) = cli.command else {
         panic!("{argv:?} is not `run`")
     };
+    // --daemonset names this DaemonSet (uninstall or restart is read from it), in the pod's own
+    // namespace.
+    assert_eq!(
+        run.daemonset.as_ref().map(ToString::to_string).as_deref(),
+        Some("kube-system/kube-proxy-ebpf")
+    );
+    let pod_namespace = c
+        .env
+        .as_ref()
+        .and_then(|e| e.iter().find(|v| v.name == "POD_NAMESPACE"))
+        .and_then(|v| v.value_from.as_ref())
+        .and_then(|f| f.field_ref.as_ref())
+        .map(|f| f.field_path.as_str());
+    assert_eq!(pod_namespace, Some("metadata.namespace"));
     let config_path = run.config.expect("--config");
     let mounts = c.volume_mounts.as_ref().expect("mounts");
     let config_mount = mounts
@@ -421,6 +446,35 @@ fn rbac_is_least_privilege() {
             "missing {v} on {g}/{r}"
         );
     }
+    // The namespaced Role: read the agent's own DaemonSet (uninstall or restart), nothing else.
+    assert_eq!(o.roles.len(), 1, "one Role");
+    let ns_role = &o.roles[0];
+    assert_eq!(ns_role.metadata.namespace.as_deref(), Some("kube-system"));
+    for rule in ns_role.rules.iter().flatten() {
+        assert_eq!(rule.api_groups.as_deref(), Some(&["apps".to_owned()][..]));
+        assert_eq!(
+            rule.resources.as_deref(),
+            Some(&["daemonsets".to_owned()][..])
+        );
+        assert_eq!(
+            rule.resource_names.as_deref(),
+            Some(&["kube-proxy-ebpf".to_owned()][..]),
+            "only the agent's own DaemonSet"
+        );
+        for v in &rule.verbs {
+            assert!(
+                matches!(v.as_str(), "get" | "list" | "watch"),
+                "Role grants {v}"
+            );
+        }
+    }
+    let rb = &o.role_bindings[0];
+    assert_eq!(rb.role_ref.kind, "Role");
+    assert_eq!(
+        Some(rb.role_ref.name.as_str()),
+        ns_role.metadata.name.as_deref()
+    );
+    assert_eq!(rb.metadata.namespace.as_deref(), Some("kube-system"));
     let b = &o.bindings[0];
     assert_eq!(
         b.role_ref.name,
@@ -583,7 +637,10 @@ fn metrics_bind_to_loopback_as_deployed_and_by_default() {
         .iter()
         .flatten()
         .chain(c.args.iter().flatten())
-        .map(|a| a.replace("$(NODE_NAME)", "node-1"))
+        .map(|a| {
+            a.replace("$(NODE_NAME)", "node-1")
+                .replace("$(POD_NAMESPACE)", "kube-system")
+        })
         .collect();
     let effective = |argv: &[String], file: &config::FileConfig| -> RunArgs {
         use clap::{CommandFactory as _, FromArgMatches as _};

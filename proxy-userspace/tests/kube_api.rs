@@ -108,7 +108,7 @@ async fn client_for(server: &FakeApiServer) -> kube::Client {
 
 async fn connect(server: &FakeApiServer) -> Source {
     let client = client_for(server).await;
-    let source = Source::Kube(KubeSource::start(client, NODE));
+    let source = Source::Kube(KubeSource::start(client, NODE, None));
     tokio::time::timeout(Duration::from_secs(10), source.wait_ready())
         .await
         .expect("initial lists within 10 s");

@@ -35,8 +35,8 @@ pub fn try_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         Parsed6::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed6::Untranslatable { to, reason } => {
             return match maps::service6(&Service6Key::new(to.daddr, to.dport, to.proto, 0)) {
-                Some(_) => Err(reason),
-                None => Ok(Action::pass(Counter::NotService)),
+                Some(_) if !maps::handed_over(maps::now_ns()) => Err(reason),
+                _ => Ok(Action::pass(Counter::NotService)),
             };
         }
     };
@@ -140,6 +140,9 @@ fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
         } else if ct.flags & ct_flags::DIRECT != 0 || conntrack::backend_valid(ct) {
             // Became usable since `tc_ingress6` looked (another CPU): carry on with it.
             return pass_tracked(ctx, p, &key, &entry, ct, now);
+        } else if maps::handed_over(now) {
+            // Its backend is gone and another proxy carries the node's Services now.
+            return Ok(Action::pass(Counter::HandedOver));
         } else if p.is_tcp() && !p.is_syn() {
             // Mid-connection and the backend is gone (a not-serving one keeps its TCP flows):
             // reset, never send to the dead address.
@@ -159,6 +162,10 @@ fn flow(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
             stale = true;
         }
         old = Some(Sent::of(&key, ct));
+    }
+    if maps::handed_over(now) {
+        // Another proxy took over while no agent ran: new flows are its.
+        return Ok(Action::pass(Counter::HandedOver));
     }
     new_flow(ctx, p, &key, now, old, stale)
 }

@@ -19,6 +19,12 @@ pub fn cleanup(pins: &PinLayout) -> anyhow::Result<()> {
             pins.dir.display()
         );
     };
+    remove_datapath(pins)
+}
+
+/// Detaches every pinned link (tc and cgroup) and unpins every map, then removes the pin
+/// directory. The caller holds the directory's lock (`cleanup`, or an agent uninstalling itself).
+pub fn remove_datapath(pins: &PinLayout) -> anyhow::Result<()> {
     let links = attach::release_all(pins)?;
     maps::unpin_all(pins)?;
     for dir in [pins.links_dir(), pins.dir.clone()] {

@@ -216,6 +216,18 @@ pub struct RunArgs {
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
+    /// This agent's DaemonSet, NAMESPACE/NAME (deploy/daemonset.yaml sets it). It tells an
+    /// uninstall from a restart: stopped while the DaemonSet is deleted or being deleted, or
+    /// while its pod template no longer selects this node (a node opting out by label), the
+    /// agent removes its datapath (programs detached, pins removed); any other stop keeps it for
+    /// the next agent. Without it every stop keeps the datapath.
+    #[arg(long, env = "KPE_DAEMONSET", value_name = "NAMESPACE/NAME")]
+    pub daemonset: Option<crate::sources::kube::uninstall::DaemonSetRef>,
+    /// Hand new flows over to the node's stack (stop translating them with frozen maps) also
+    /// once no agent has run for this long; 0 = never by time. Another Service proxy binding
+    /// kube-proxy's ports (10256, 10249) while no agent runs hands over at once either way.
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub handover_after: Duration,
     /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1). Flags given explicitly
     /// override it; it overrides flag defaults.
     #[arg(long, env = "KPE_CONFIG")]

@@ -110,6 +110,15 @@ pub struct AttachReport {
     pub failed: Vec<(LinkId, String)>,
 }
 
+/// What a reconcile may do.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reconcile {
+    /// Attach, adopt (swapping the program in) and release.
+    Full,
+    /// Attach where nothing is pinned; touch no pinned link.
+    MissingOnly,
+}
+
 /// Keeps the programs attached to exactly the wanted interfaces.
 pub struct Attacher {
     pins: PinLayout,
@@ -151,6 +160,30 @@ impl Attacher {
         wanted: &[Interface],
         l3: &BTreeSet<u32>,
     ) -> AttachReport {
+        self.reconcile_as(ebpf, wanted, l3, Reconcile::Full)
+    }
+
+    /// Attaches where no link is pinned yet, and nothing else: pinned links keep the program
+    /// they run and gone interfaces keep their pins until the next [`Attacher::reconcile`]. For
+    /// the time before the first sync on adopted maps, when a pod's new interface must get
+    /// programs at once (the maps already carry the Services) but the running ones are only
+    /// replaced once the maps carry this agent's state.
+    pub fn attach_missing(
+        &mut self,
+        ebpf: &mut Ebpf,
+        wanted: &[Interface],
+        l3: &BTreeSet<u32>,
+    ) -> AttachReport {
+        self.reconcile_as(ebpf, wanted, l3, Reconcile::MissingOnly)
+    }
+
+    fn reconcile_as(
+        &mut self,
+        ebpf: &mut Ebpf,
+        wanted: &[Interface],
+        l3: &BTreeSet<u32>,
+        how: Reconcile,
+    ) -> AttachReport {
         let mut report = AttachReport::default();
         let wanted: BTreeSet<LinkId> = wanted
             .iter()
@@ -163,6 +196,22 @@ impl Attacher {
             })
             .collect();
         let pinned = self.pinned_links();
+        if how == Reconcile::MissingOnly {
+            for id in wanted.difference(&pinned) {
+                if self.current.contains(id) {
+                    continue;
+                }
+                let program = id.hook.program(l3.contains(&id.ifindex));
+                match self.attach(ebpf, id, program) {
+                    Ok(()) => {
+                        self.current.insert(id.clone());
+                        report.attached.push(id.clone());
+                    }
+                    Err(e) => report.failed.push((id.clone(), e.to_string())),
+                }
+            }
+            return report;
+        }
 
         for id in pinned.difference(&wanted) {
             let _ = super::maps::remove_if_exists(&self.pin_path(id));

@@ -362,7 +362,7 @@ pub fn load_unpinned_logging(config: &DatapathConfig, bpf_log: BpfLog) -> Result
 
 /// The object's cgroup socket programs, loaded with the tc ones; `sock_lb` attaches them (its
 /// `SockHook::program` names one each, which its tests check against this list).
-pub const SOCK_PROGRAMS: [&str; 8] = [
+pub const SOCK_PROGRAMS: [&str; 10] = [
     PROG_SOCK_CONNECT4,
     PROG_SOCK_SENDMSG4,
     PROG_SOCK_RECVMSG4,
@@ -371,6 +371,8 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     proxy_common::PROG_SOCK_SENDMSG6,
     proxy_common::PROG_SOCK_RECVMSG6,
     proxy_common::PROG_SOCK_GETPEERNAME6,
+    proxy_common::PROG_SOCK_BIND4,
+    proxy_common::PROG_SOCK_BIND6,
 ];
 
 /// Loads (verifies) the tc programs and the socket hooks of an opened object. The socket hooks

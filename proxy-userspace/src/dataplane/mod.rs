@@ -30,6 +30,7 @@ pub mod occupancy;
 pub mod pin_keeper;
 pub mod pin_lock;
 pub mod port_range;
+pub mod presence;
 pub mod service_cidrs;
 pub mod sizing;
 pub mod snat_gc;

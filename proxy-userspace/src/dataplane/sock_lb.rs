@@ -18,8 +18,9 @@ use aya::{
     programs::{CgroupAttachMode, links::FdLink},
 };
 use proxy_common::{
-    PROG_SOCK_CONNECT4, PROG_SOCK_CONNECT6, PROG_SOCK_GETPEERNAME4, PROG_SOCK_GETPEERNAME6,
-    PROG_SOCK_RECVMSG4, PROG_SOCK_RECVMSG6, PROG_SOCK_SENDMSG4, PROG_SOCK_SENDMSG6,
+    PROG_SOCK_BIND4, PROG_SOCK_BIND6, PROG_SOCK_CONNECT4, PROG_SOCK_CONNECT6,
+    PROG_SOCK_GETPEERNAME4, PROG_SOCK_GETPEERNAME6, PROG_SOCK_RECVMSG4, PROG_SOCK_RECVMSG6,
+    PROG_SOCK_SENDMSG4, PROG_SOCK_SENDMSG6,
 };
 
 use super::{Error, Result, bpffs::PinLayout, link_sys, loader};
@@ -35,12 +36,15 @@ pub enum SockHook {
     Sendmsg6,
     Recvmsg6,
     Getpeername6,
+    Bind4,
+    Bind6,
 }
 
 impl SockHook {
     /// Both families' hooks: IPv6 sockets reach IPv6 Services, and IPv4 ones by v4-mapped
-    /// addresses (`proxy-ebpf/src/sock6.rs`).
-    pub const ALL: [SockHook; 8] = [
+    /// addresses (`proxy-ebpf/src/sock6.rs`); the bind hooks watch for another proxy taking
+    /// over (`proxy_common::presence`).
+    pub const ALL: [SockHook; 10] = [
         SockHook::Connect4,
         SockHook::Sendmsg4,
         SockHook::Recvmsg4,
@@ -49,6 +53,8 @@ impl SockHook {
         SockHook::Sendmsg6,
         SockHook::Recvmsg6,
         SockHook::Getpeername6,
+        SockHook::Bind4,
+        SockHook::Bind6,
     ];
 
     pub const fn program(self) -> &'static str {
@@ -61,6 +67,8 @@ impl SockHook {
             SockHook::Sendmsg6 => PROG_SOCK_SENDMSG6,
             SockHook::Recvmsg6 => PROG_SOCK_RECVMSG6,
             SockHook::Getpeername6 => PROG_SOCK_GETPEERNAME6,
+            SockHook::Bind4 => PROG_SOCK_BIND4,
+            SockHook::Bind6 => PROG_SOCK_BIND6,
         }
     }
 
@@ -74,6 +82,8 @@ impl SockHook {
             SockHook::Sendmsg6 => "sendmsg6",
             SockHook::Recvmsg6 => "recvmsg6",
             SockHook::Getpeername6 => "getpeername6",
+            SockHook::Bind4 => "bind4",
+            SockHook::Bind6 => "bind6",
         }
     }
 }
@@ -171,7 +181,7 @@ pub fn cgroup2_mount(mounts: &str) -> Option<PathBuf> {
     })
 }
 
-/// Makes the pinned cgroup links equal to the eight hooks on `cgroup` (`None`: no hooks).
+/// Makes the pinned cgroup links equal to the hooks on `cgroup` (`None`: no hooks).
 pub fn reconcile(ebpf: &mut Ebpf, pins: &PinLayout, cgroup: Option<&Path>) -> Result<SockLbReport> {
     let mut report = SockLbReport::default();
     let wanted_id = match cgroup {
@@ -295,7 +305,7 @@ mod tests {
         }
         assert_eq!(CgroupLinkId::from_pin_name("3_eth0_ingress"), None);
         assert_eq!(CgroupLinkId::from_pin_name("cgroup_x_connect4"), None);
-        assert_eq!(CgroupLinkId::from_pin_name("cgroup_1_bind4"), None);
+        assert_eq!(CgroupLinkId::from_pin_name("cgroup_1_listen4"), None);
     }
 
     #[test]

@@ -19,6 +19,7 @@ use k8s_openapi::{
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
 use kube_proxy_ebpf::sources::{endpoints::SliceData, snapshot::Snapshot};
+use proxy_testenv::kube_proxy::{self, KubeProxyService, short_hash};
 
 pub const NAMESPACE: &str = "bench";
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
@@ -186,27 +187,6 @@ pub fn write_manifests(dir: &Path, specs: &[SvcSpec]) -> Result<()> {
     Ok(())
 }
 
-/// kube-proxy's short hash for chain names: 64-bit FNV-1a → base32 (kube-proxy uses SHA-256 →
-/// base32; only the shape matters here).
-fn short_hash(s: &str, len: usize) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
-    let mut out = String::with_capacity(len);
-    let mut x = h;
-    for i in 0..len {
-        if i == 12 {
-            x = h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15;
-        }
-        out.push(ALPHABET[(x & 31) as usize] as char);
-        x >>= 5;
-    }
-    out
-}
-
 /// The nat table kube-proxy's iptables mode writes for these Services (ClusterIP part: portals
 /// in PREROUTING/OUTPUT → linear KUBE-SERVICES → KUBE-SVC-* with `statistic random` → KUBE-SEP-*
 /// with DNAT; masquerade marking as upstream). For `iptables-restore`.
@@ -274,68 +254,17 @@ pub fn iptables_restore(specs: &[SvcSpec]) -> String {
 }
 
 /// The `table ip kube-proxy` kube-proxy's nftables mode writes for these Services (ClusterIP
-/// part: `service-ips` verdict map → per-service chain with `numgen random mod N vmap` →
-/// endpoint chains with `dnat to`; masquerade marking as upstream). For `nft -f`.
+/// part), from the one generator the roll-back tests use too (`proxy_testenv::kube_proxy`). For
+/// `nft -f`.
 pub fn nft_ruleset(specs: &[SvcSpec]) -> String {
-    let mut out = String::new();
-    out.push_str(
-        "add table ip kube-proxy { comment \"rules for kube-proxy\" ; }\n\
-         add chain ip kube-proxy mark-for-masquerade\n\
-         add rule ip kube-proxy mark-for-masquerade mark set mark or 0x4000\n\
-         add chain ip kube-proxy masquerading\n\
-         add rule ip kube-proxy masquerading mark and 0x4000 == 0 return\n\
-         add rule ip kube-proxy masquerading mark set mark xor 0x4000\n\
-         add rule ip kube-proxy masquerading masquerade fully-random\n\
-         add chain ip kube-proxy services\n\
-         add chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -100 ; }\n\
-         add rule ip kube-proxy nat-prerouting jump services\n\
-         add chain ip kube-proxy nat-output { type nat hook output priority -100 ; }\n\
-         add rule ip kube-proxy nat-output jump services\n\
-         add chain ip kube-proxy nat-postrouting { type nat hook postrouting priority 100 ; }\n\
-         add rule ip kube-proxy nat-postrouting jump masquerading\n\
-         add map ip kube-proxy service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; comment \"ClusterIP, ExternalIP and LoadBalancer IP traffic\" ; }\n\
-         add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips\n",
-    );
-    for s in specs {
-        let spn = format!("{NAMESPACE}/{}/tcp/p{}", s.name, s.port);
-        let chain = format!("service-{}-{spn}", short_hash(&spn, 8));
-        let _ = writeln!(out, "add chain ip kube-proxy {chain}");
-        let _ = writeln!(
-            out,
-            "add rule ip kube-proxy {chain} ip daddr {} tcp dport {} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade",
-            s.vip, s.port
-        );
-        let mut vmap = Vec::with_capacity(s.endpoints.len());
-        for (i, ep) in s.endpoints.iter().enumerate() {
-            let epn = format!("{spn}__{ep}/{}", s.target_port);
-            let ep_chain = format!("endpoint-{}-{epn}", short_hash(&epn, 8));
-            let _ = writeln!(out, "add chain ip kube-proxy {ep_chain}");
-            let _ = writeln!(
-                out,
-                "add rule ip kube-proxy {ep_chain} ip saddr {ep} jump mark-for-masquerade"
-            );
-            let _ = writeln!(
-                out,
-                "add rule ip kube-proxy {ep_chain} meta l4proto tcp dnat to {ep}:{}",
-                s.target_port
-            );
-            vmap.push(format!("{i} : goto {ep_chain}"));
-        }
-        if !vmap.is_empty() {
-            let _ = writeln!(
-                out,
-                "add rule ip kube-proxy {chain} numgen random mod {} vmap {{ {} }}",
-                vmap.len(),
-                vmap.join(" , ")
-            );
-        }
-        let _ = writeln!(
-            out,
-            "add element ip kube-proxy service-ips {{ {} . tcp . {} : goto {chain} }}",
-            s.vip, s.port
-        );
-    }
-    out
+    let services: Vec<KubeProxyService> = specs
+        .iter()
+        .map(|s| {
+            KubeProxyService::tcp(NAMESPACE, &s.name, s.vip, s.port)
+                .target(s.target_port, &s.endpoints)
+        })
+        .collect();
+    kube_proxy::nft_ruleset(&services, CLUSTER_CIDR)
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@
 pub mod events;
 pub mod prune;
 pub mod store;
+pub mod uninstall;
 
 use std::{
     fmt::Debug,
@@ -33,6 +34,7 @@ use std::{
 
 use futures::StreamExt as _;
 use k8s_openapi::api::{
+    apps::v1::DaemonSet,
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
     networking::v1::ServiceCIDR,
@@ -142,14 +144,25 @@ pub struct KubeSource {
     /// The cluster's ServiceCIDR objects (networking.k8s.io/v1, Kubernetes 1.33+); stays empty
     /// where the API is not served or not granted.
     service_cidrs: Store<ServiceCIDR>,
+    /// The agent's own DaemonSet (`--daemonset`), watched to tell an uninstall from a restart.
+    owner: Option<Box<OwnerWatch>>,
+    node_name: String,
     changed: Arc<Notify>,
     reachability: Arc<Reachability>,
     tasks: Vec<JoinHandle<()>>,
 }
 
+/// The watch on the agent's DaemonSet ([`uninstall`]).
+struct OwnerWatch {
+    ds: uninstall::DaemonSetRef,
+    api: Api<DaemonSet>,
+    store: Store<DaemonSet>,
+}
+
 impl KubeSource {
-    /// Starts the reflectors. Returns at once; see [`KubeSource::wait_ready`].
-    pub fn start(client: Client, node_name: &str) -> Self {
+    /// Starts the reflectors (and, with `owner`, a watch on the agent's DaemonSet). Returns at
+    /// once; see [`KubeSource::wait_ready`].
+    pub fn start(client: Client, node_name: &str, owner: Option<uninstall::DaemonSetRef>) -> Self {
         let changed = Arc::new(Notify::new());
         let reachability = Arc::new(Reachability::new(client.clone()));
         let services = Arc::new(SharedOrdered::default());
@@ -189,6 +202,21 @@ impl KubeSource {
             reachability.clone(),
             Required::Yes,
         );
+        let mut tasks = Vec::new();
+        let owner = owner.map(|ds| {
+            let api = Api::<DaemonSet>::namespaced(client.clone(), &ds.namespace);
+            // Its changes wake nobody: it is read only when the agent stops.
+            let (store, task) = reflect(
+                api.clone(),
+                watcher::Config::default().fields(&format!("metadata.name={}", ds.name)),
+                uninstall::prune,
+                Arc::new(Notify::new()),
+                reachability.clone(),
+                Required::No,
+            );
+            tasks.push(task);
+            Box::new(OwnerWatch { ds, api, store })
+        });
         let (service_cidrs, t4) = reflect(
             Api::<ServiceCIDR>::all(client),
             watcher::Config::default(),
@@ -202,15 +230,57 @@ impl KubeSource {
             reachability.clone(),
             Required::No,
         );
+        tasks.extend([t1, t2, t3, t4]);
         Self {
             services,
             slices,
             node,
             service_cidrs,
+            owner,
+            node_name: node_name.to_owned(),
             changed,
             reachability,
-            tasks: vec![t1, t2, t3, t4],
+            tasks,
         }
+    }
+
+    /// What a stop now does with the datapath ([`uninstall`]): decided from the agent's
+    /// DaemonSet, confirmed by a fresh GET (at most [`uninstall::CONFIRM_TIMEOUT`]; the watch's
+    /// view when the API server does not answer), and this node's Node.
+    pub async fn stop_kind(&self) -> uninstall::Stop {
+        let Some(owner) = &self.owner else {
+            return uninstall::Stop::Keep("no --daemonset: a stop keeps the datapath".into());
+        };
+        let listed = futures::FutureExt::now_or_never(owner.store.wait_until_ready()).is_some();
+        let watched = owner.store.state().into_iter().next();
+        let fresh = tokio::time::timeout(
+            uninstall::CONFIRM_TIMEOUT,
+            owner.api.get_opt(&owner.ds.name),
+        )
+        .await;
+        let confirmed = match fresh {
+            Ok(Ok(found)) => Some(found.map(|ds| Arc::new(uninstall::prune(ds)))),
+            Ok(Err(e)) => {
+                warn!(daemonset = %owner.ds, "reading the DaemonSet at the stop failed ({e}); going by the watch");
+                None
+            }
+            Err(_) => {
+                warn!(daemonset = %owner.ds, "the API server did not answer within {:?} at the stop; going by the watch", uninstall::CONFIRM_TIMEOUT);
+                None
+            }
+        };
+        let known = match confirmed {
+            Some(found) => Some(found),
+            None if listed => Some(watched),
+            None => None,
+        };
+        let owner_state = match &known {
+            None => uninstall::Owner::Unknown,
+            Some(None) => uninstall::Owner::Gone,
+            Some(Some(ds)) => uninstall::Owner::Present(ds),
+        };
+        let node = self.node.state().into_iter().next();
+        uninstall::decide(&owner.ds, owner_state, node.as_deref(), &self.node_name)
     }
 
     /// Resolves once every reflector has completed its initial list.

@@ -29,7 +29,6 @@ const SERVICE_ANNOTATIONS: [&str; 3] = [
 const SERVICE_LABELS: [&str; 1] = [translate::LABEL_SERVICE_PROXY_NAME];
 const SLICE_ANNOTATIONS: [&str; 1] = [ANNOTATION_LAST_CHANGE_TRIGGER_TIME];
 const SLICE_LABELS: [&str; 1] = [LABEL_SERVICE_NAME];
-const NODE_LABELS: [&str; 1] = [LABEL_ZONE];
 
 /// Keeps name, namespace, resourceVersion and the listed labels and annotations.
 fn prune_meta(meta: &mut ObjectMeta, labels: &[&str], annotations: &[&str]) {
@@ -78,11 +77,14 @@ pub fn endpoint_slice(slice: &mut EndpointSlice) {
     }
 }
 
-/// A Node keeps its name, zone label, deletion timestamp and the autoscaler's deletion taint
-/// (what /healthz's node eligibility reads): the rest (status, images, conditions) is large and
-/// changes every few seconds.
+/// A Node keeps its name, labels (the zone; the agent's DaemonSet may select nodes by any of
+/// them: `uninstall`), deletion timestamp and the autoscaler's deletion taint (what /healthz's
+/// node eligibility reads): the rest (status, images, conditions) is large and changes every few
+/// seconds.
 pub fn node(node: &mut Node) {
-    prune_meta(&mut node.metadata, &NODE_LABELS, &[]);
+    let labels = node.metadata.labels.take();
+    prune_meta(&mut node.metadata, &[], &[]);
+    node.metadata.labels = labels;
     let taints = node.spec.take().and_then(|s| s.taints).map(|t| {
         t.into_iter()
             .filter(|t| t.key == crate::serving::health::TAINT_TO_BE_DELETED)
@@ -166,10 +168,12 @@ mod tests {
         .expect("node");
         node(&mut n);
         let v = serde_json::to_value(&n).expect("json");
+        // Every label stays: the agent's DaemonSet may select nodes by any of them.
         assert_eq!(
             v,
             json!({"apiVersion": "v1", "kind": "Node",
-                   "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a"}}})
+                   "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a",
+                                                         "kubernetes.io/os": "linux"}}})
         );
     }
 
