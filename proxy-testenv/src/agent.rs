@@ -39,10 +39,13 @@ pub struct Agent {
     pin_dir: PathBuf,
     status_file: PathBuf,
     log: PathBuf,
-    pod_interfaces: String,
+    /// `--pod-interfaces` (`None`: the agent's default, detection).
+    pod_interfaces: Option<String>,
     /// The agent's own cgroup for its socket hooks (`--socket-lb-cgroup`): clients run in it
     /// ([`Agent::host`]) reach Services from the node's namespace. Dropped after the process.
     cgroup: Cgroup,
+    /// Environment variables given to the agent (the kubelet's, say).
+    env: Vec<(String, String)>,
 }
 
 impl Agent {
@@ -83,6 +86,31 @@ impl Agent {
         pin_dir: &Path,
         work_dir: &Path,
     ) -> Result<Self> {
+        Self::start_with_env(bin, node, source_args, &[], pin_dir, work_dir)
+    }
+
+    /// [`Agent::start_with`] with environment variables (what a pod's container gets).
+    pub fn start_with_env(
+        bin: &Path,
+        node: &NetNs,
+        source_args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        pin_dir: &Path,
+        work_dir: &Path,
+    ) -> Result<Self> {
+        let mut agent = Self::unstarted(bin, node, source_args, env, pin_dir, work_dir)?;
+        agent.restart()?;
+        Ok(agent)
+    }
+
+    fn unstarted(
+        bin: &Path,
+        node: &NetNs,
+        source_args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        pin_dir: &Path,
+        work_dir: &Path,
+    ) -> Result<Self> {
         let cgroup_name = format!(
             "kpe-test-{}",
             pin_dir
@@ -90,7 +118,7 @@ impl Agent {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(crate::unique_prefix)
         );
-        let mut agent = Self {
+        let agent = Self {
             cgroup: Cgroup::new(&cgroup_name)?,
             proc: None,
             bin: bin.to_path_buf(),
@@ -99,8 +127,26 @@ impl Agent {
             pin_dir: pin_dir.to_path_buf(),
             status_file: work_dir.join("agent-status.json"),
             log: work_dir.join("agent.log"),
-            pod_interfaces: "veth-*".to_owned(),
+            pod_interfaces: Some("veth-*".to_owned()),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
         };
+        Ok(agent)
+    }
+
+    /// [`Agent::start_with`] leaving the interfaces to the agent's detection (no
+    /// `--pod-interfaces veth-*`): what a DaemonSet with default flags does.
+    pub fn start_detecting(
+        bin: &Path,
+        node: &NetNs,
+        source_args: &[&std::ffi::OsStr],
+        pin_dir: &Path,
+        work_dir: &Path,
+    ) -> Result<Self> {
+        let mut agent = Self::unstarted(bin, node, source_args, &[], pin_dir, work_dir)?;
+        agent.pod_interfaces = None;
         agent.restart()?;
         Ok(agent)
     }
@@ -119,6 +165,7 @@ impl Agent {
             status_file: work_dir.join("agent-status.json"),
             log: work_dir.join("agent.log"),
             pod_interfaces: self.pod_interfaces.clone(),
+            env: self.env.clone(),
         };
         agent.restart()?;
         Ok(agent)
@@ -158,8 +205,11 @@ impl Agent {
             .args(&self.source_args)
             .arg("--pin-dir")
             .arg(&self.pin_dir)
-            .arg("--pod-interfaces")
-            .arg(&self.pod_interfaces)
+            .args(
+                self.pod_interfaces
+                    .iter()
+                    .flat_map(|p| ["--pod-interfaces", p.as_str()]),
+            )
             .arg("--status-file")
             .arg(&self.status_file)
             .arg("--socket-lb-cgroup")
@@ -167,6 +217,7 @@ impl Agent {
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         {
             use std::io::Write as _;
             let mut log = std::fs::File::options()
@@ -273,6 +324,33 @@ impl Agent {
                 bail!(
                     "agent status {:?} did not reach the expected state within {timeout:?}; log:\n{}",
                     self.status().ok().flatten(),
+                    self.log_tail()
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until a line of this run's log (since the last start) contains every one of
+    /// `needles`; returns how long it waited. Fails with the log tail on timeout or if the agent
+    /// exits.
+    pub fn wait_log(&mut self, needles: &[&str], timeout: Duration) -> Result<Duration> {
+        let started = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let run = text.rsplit("--- starting ").next().unwrap_or_default();
+            if run.lines().any(|l| needles.iter().all(|n| l.contains(n))) {
+                return Ok(started.elapsed());
+            }
+            if !self.is_running() {
+                bail!(
+                    "the agent exited before logging {needles:?}:\n{}",
+                    self.log_tail()
+                );
+            }
+            if started.elapsed() > timeout {
+                bail!(
+                    "no log line with {needles:?} within {timeout:?}:\n{}",
                     self.log_tail()
                 );
             }

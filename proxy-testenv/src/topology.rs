@@ -449,7 +449,13 @@ impl Topology {
 
     /// Creates a pod namespace wired to the node (no servers).
     pub fn add_pod(&mut self, name: &str, ip: Ipv4Addr) -> Result<&Pod> {
-        let host_if = format!("veth-{name}");
+        self.add_pod_on(name, ip, &format!("veth-{name}"))
+    }
+
+    /// [`Topology::add_pod`] with the host side of its veth named `host_if` (as another CNI
+    /// names it: `eni0abc`, `azv12`, `cali1234`).
+    pub fn add_pod_on(&mut self, name: &str, ip: Ipv4Addr, host_if: &str) -> Result<&Pod> {
+        let host_if = host_if.to_owned();
         ensure!(
             host_if.len() <= 15,
             "pod name {name} too long for interface {host_if}"

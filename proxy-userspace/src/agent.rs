@@ -85,7 +85,12 @@ pub struct Agent {
     pins: PinLayout,
     capacities: Capacities,
     node: NodeContext,
-    patterns: Patterns,
+    /// How pod-facing and external interfaces are chosen (detected, or globs).
+    choices: crate::dataplane::devices::Choices,
+    /// The interfaces chosen last, for the log (logged when they change).
+    chosen: crate::dataplane::devices::Selection,
+    /// The external devices changed what the node's addresses select: a sync is due.
+    devices_changed: bool,
     /// `--tunnel-devices auto`: attach to tunnel devices found by link kind too.
     tunnel_devices: bool,
     /// Tunnel devices already named in the log (once each).
@@ -154,7 +159,7 @@ impl Agent {
         pins: PinLayout,
         config: DatapathConfig,
         node: NodeContext,
-        patterns: Patterns,
+        choices: crate::dataplane::devices::Choices,
         sizes: MapSizes,
         sock_lb: SockLbConfig,
         bpf_log: crate::dataplane::bpf_log::BpfLog,
@@ -246,7 +251,9 @@ impl Agent {
             pins,
             capacities,
             node,
-            patterns,
+            choices,
+            chosen: Default::default(),
+            devices_changed: false,
             tunnel_devices: true,
             reported_tunnels: BTreeSet::new(),
             status: Status::default(),
@@ -564,6 +571,12 @@ impl Agent {
         self.reconcile_interfaces_as(false);
     }
 
+    /// Whether the last interface scans changed the node's selected addresses (cleared by
+    /// reading): the caller schedules a sync.
+    pub fn take_devices_changed(&mut self) -> bool {
+        std::mem::take(&mut self.devices_changed)
+    }
+
     /// Before the first sync on adopted maps: attaches to the wanted interfaces that have no
     /// programs yet (a pod created while no agent ran gets its Services from the maps as they
     /// are), leaving pinned links with the program they run until the first sync.
@@ -572,25 +585,46 @@ impl Agent {
     }
 
     fn reconcile_interfaces_as(&mut self, missing_only: bool) {
-        let mut wanted = match interfaces::list() {
-            Ok(all) => all
-                .into_iter()
-                .filter(|i| self.patterns.matches(&i.name))
-                .collect::<Vec<_>>(),
-            Err(e) => {
-                error!("listing interfaces failed: {e}");
-                return;
-            }
-        };
         let links = match links::dump() {
             Ok(l) => l,
             Err(e) => {
-                error!(
-                    "listing link kinds (RTM_GETLINK) failed: {e}; tunnel devices not attached, every device taken as Ethernet"
-                );
-                Vec::new()
+                error!("listing interfaces (RTM_GETLINK) failed: {e}; interfaces unchanged");
+                return;
             }
         };
+        let addressed = crate::dataplane::node_addrs::addressed_interfaces().unwrap_or_else(|e| {
+            error!(
+                "listing the node's addresses failed: {e}; external devices by default route only"
+            );
+            Default::default()
+        });
+        let default_routes = links::default_route_devices().unwrap_or_else(|e| {
+            error!("listing default routes (RTM_GETROUTE) failed: {e}; external devices by address only");
+            Default::default()
+        });
+        let facts = crate::dataplane::devices::Facts {
+            links: &links,
+            addressed: &addressed,
+            default_routes: &default_routes,
+        };
+        let chosen =
+            crate::dataplane::devices::select(&facts, &self.choices.pods, &self.choices.external);
+        if chosen != self.chosen {
+            info!(
+                pods = chosen.pods.len(),
+                external = ?chosen.external.iter().map(|i| &i.name).collect::<Vec<_>>(),
+                pod_interfaces = %self.choices.pods,
+                devices = %self.choices.external,
+                "interfaces chosen"
+            );
+            let names = || Patterns::exact(chosen.external.iter().map(|i| i.name.clone()));
+            // The external devices' addresses are the `primary` NodePort and SNAT addresses: a
+            // change calls for a sync.
+            self.devices_changed |= self.external.set_devices(names());
+            self.devices_changed |= self.family6.set_devices(names());
+            self.chosen = chosen.clone();
+        }
+        let mut wanted = chosen.all();
         let tunnels = self.tunnels(&links);
         for t in &tunnels {
             if !wanted.iter().any(|i| i.index == t.index) {
@@ -1169,11 +1203,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         // --scheduler, else KubeProxyConfiguration ipvs.scheduler (merged by config::resolve).
         scheduler: args.scheduler,
     };
-    let mut patterns_str = args.pod_interfaces.clone();
-    if !args.devices.is_empty() {
-        patterns_str = format!("{patterns_str},{}", args.devices);
-    }
-    let patterns = Patterns::parse(&patterns_str);
+    let choices = crate::dataplane::devices::Choices {
+        pods: crate::dataplane::devices::Choice::parse(&args.pod_interfaces),
+        external: crate::dataplane::devices::Choice::parse(&args.devices),
+    };
+    let patterns_str = format!(
+        "pods {}, external devices {}",
+        choices.pods, choices.external
+    );
     let source_name = match &args.manifests {
         Some(dir) => format!("manifests {}", dir.display()),
         None => "kubernetes api".to_owned(),
@@ -1183,14 +1220,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut events = None;
+    let mut api_url = None;
     let mut source = match &args.manifests {
         Some(dir) => Source::Manifests(ManifestSource::new(dir.clone())),
         None => {
             let connection = Connection {
                 kubeconfig: args.kubeconfig.clone(),
                 master: args.master.clone(),
+                service_account_dir: args.service_account_dir.clone(),
             };
-            let client = connection.client().await?;
+            let (client, url) = connection.client().await?;
+            info!(api_server = %url, "Kubernetes API");
+            api_url = Some(url);
             events = Some(EventSink::start(client.clone(), &node.node_name));
             Source::Kube(KubeSource::start(
                 client,
@@ -1272,7 +1313,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         pins,
         datapath_config(&args),
         node,
-        patterns,
+        choices.clone(),
         sizes,
         sock_lb,
         args.bpf_log,
@@ -1291,14 +1332,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     agent.events = events;
     agent.tunnel_devices = args.tunnel_devices == crate::cli::TunnelDevices::Auto;
     info!(rss_mib = rss_mib(), "datapath loaded");
-    agent.external.configure(
-        args.nodeport_addresses.clone(),
-        Patterns::parse(&args.devices),
-    );
-    agent.family6.configure(
-        args.nodeport_addresses.clone(),
-        Patterns::parse(&args.devices),
-    );
+    // The external devices until the first interface scan names them: the globs given, if any.
+    let devices = match &choices.external {
+        crate::dataplane::devices::Choice::Globs(p) => p.clone(),
+        crate::dataplane::devices::Choice::Auto => Patterns::default(),
+    };
+    agent
+        .external
+        .configure(args.nodeport_addresses.clone(), devices.clone());
+    agent
+        .family6
+        .configure(args.nodeport_addresses.clone(), devices);
     agent
         .external
         .set_service_cidrs(crate::pipeline::addresses::ipv4_prefixes(
@@ -1318,6 +1362,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // ours, not another proxy's).
     let heartbeat = start_heartbeat(&mut agent, &args)?;
     agent.serve_telemetry(&args);
+
+    if let Some(url) = &api_url {
+        let address = check_api_address(&agent, url, &args);
+        let why = match address {
+            Some(advice) => advice,
+            None => format!("waiting for the API server at {url}"),
+        };
+        agent
+            .health
+            .waiting_for_lists(std::time::SystemTime::now(), why);
+    }
 
     // The sources' initial lists, then a sync, then attach: programs only ever see maps that
     // already carry the current state, and an empty store is never programmed over a live one.
@@ -1375,7 +1430,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.sync_period,
         source.cheap_to_read(),
     );
-    if !first_ok {
+    if !first_ok || agent.take_devices_changed() {
         schedule.changed();
     }
     let mut pass_started: Option<Instant> = None;
@@ -1400,7 +1455,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 agent.reconcile_interfaces();
                 // An address event: NodePort frontends and the SNAT address follow (each
                 // family's; both listed).
-                if agent.external.refresh() | agent.family6.refresh() {
+                if agent.external.refresh() | agent.family6.refresh() | agent.take_devices_changed() {
                     schedule.changed();
                 }
             }
@@ -1447,6 +1502,45 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     stop(agent, &source, heartbeat).await
+}
+
+/// Says so (one log line, and a reason in /healthz) when the API server at `url` is reached
+/// through an address this agent's own datapath translates (`sources::kube::bootstrap`);
+/// returns the advice then.
+fn check_api_address(agent: &Agent, url: &http::Uri, args: &RunArgs) -> Option<String> {
+    use crate::sources::kube::bootstrap::{self, Translated};
+    let host = url.host()?;
+    let port = url
+        .port_u16()
+        .unwrap_or(if url.scheme_str() == Some("http") {
+            80
+        } else {
+            443
+        });
+    let pinned = |addr: std::net::SocketAddr| match addr.ip() {
+        std::net::IpAddr::V4(ip) => {
+            agent
+                .programmed
+                .services
+                .contains_key(&proxy_common::ServiceKey::new(
+                    ip.octets(),
+                    addr.port().to_be_bytes(),
+                    proto::TCP,
+                    0,
+                ))
+        }
+        std::net::IpAddr::V6(_) => false,
+    };
+    let env = |k: &str| std::env::var(k).ok();
+    let known = Translated {
+        master_service: bootstrap::kubelet_master_service(env),
+        service_cidrs: &args.service_cidr,
+        pinned_frontend: &pinned,
+    };
+    let advice = bootstrap::advice(&bootstrap::translated_here(host, port, &known)?);
+    error!("{advice}");
+    agent.health.set_api_address_problem(Some(advice.clone()));
+    Some(advice)
 }
 
 /// Starts the heartbeat in `AGENT_V1` (`dataplane::presence`), taking the datapath back if it had

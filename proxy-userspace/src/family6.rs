@@ -153,6 +153,15 @@ impl Family6 {
         Ok(out)
     }
 
+    /// The external devices, as for IPv4 ([`crate::dataplane::node_addrs::External::set_devices`]).
+    pub fn set_devices(&mut self, devices: Patterns) -> bool {
+        if devices == self.devices {
+            return false;
+        }
+        self.devices = devices;
+        self.refresh()
+    }
+
     /// `--nodeport-addresses` and `--devices`, as for IPv4 (CIDRs and `primary` per family).
     pub fn configure(&mut self, nodeport: NodePortAddresses, devices: Patterns) {
         self.nodeport_cfg = nodeport;

@@ -29,24 +29,6 @@ const LATE2: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 32);
 /// Longer than a heartbeat vouches for a killed agent (`proxy_common::presence::ALIVE_FOR_MS`).
 const AFTER_HEARTBEAT: Duration = Duration::from_millis(1_300);
 
-/// Waits until the agent's log says it attached `interface`; the time it took.
-fn wait_attached_in_log(env: &Env, interface: &str, timeout: Duration) -> Duration {
-    let started = Instant::now();
-    loop {
-        let log = env.agent.log_tail();
-        if log
-            .lines()
-            .any(|l| l.contains(" attached") && l.contains(&format!("interface={interface}")))
-        {
-            return started.elapsed();
-        }
-        if started.elapsed() > timeout {
-            env.fail(&format!("{interface} was not attached within {timeout:?}"));
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `n` requests from `pod` (outside the hooked cgroup: only tc can translate them) all answered
 /// by a backend of the Service.
 fn answered_by_tc(env: &Env, pod: &str, n: usize) {
@@ -73,6 +55,10 @@ fn pods_created_while_no_agent_runs_reach_services() {
         slice("web", "1", &ready(&backend_ips())),
     ]);
     env.wait_frontend(VIP, Some(3), Duration::from_secs(10));
+    // The socket hooks are attached after the interfaces: wait for the whole start.
+    env.agent
+        .wait_log(&["agent: ready"], Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e:#}"));
 
     // Killed: nothing attaches the interfaces of pods created from now on.
     env.agent.kill().expect("SIGKILL");
@@ -99,9 +85,22 @@ fn pods_created_while_no_agent_runs_reach_services() {
     env.api.stop();
     let started = Instant::now();
     env.agent.restart().expect("restart");
-    let first = wait_attached_in_log(&env, "veth-late1", Duration::from_secs(30));
+    let attached = |iface: &str| format!("interface={iface}");
+    let first = env
+        .agent
+        .wait_log(
+            &[" attached", &attached("veth-late1")],
+            Duration::from_secs(30),
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
     env.topo.add_pod("late2", LATE2).expect("pod late2");
-    let late2 = wait_attached_in_log(&env, "veth-late2", Duration::from_secs(10));
+    let late2 = env
+        .agent
+        .wait_log(
+            &[" attached", &attached("veth-late2")],
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
     answered_by_tc(&env, "late1", 6);
     answered_by_tc(&env, "late2", 6);
     let syncs = env.agent.status().ok().flatten().map_or(0, |s| s.syncs);

@@ -216,7 +216,8 @@ fn daemonset_replaces_kube_proxy() {
     assert_eq!(ds.metadata.namespace.as_deref(), Some("kube-system"));
     let pod = ds.spec.template.spec.as_ref().expect("pod spec");
     assert_eq!(pod.host_network, Some(true));
-    assert_eq!(pod.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
+    // The node's resolver: cluster DNS is a ClusterIP the agent itself translates.
+    assert_eq!(pod.dns_policy.as_deref(), Some("Default"));
     assert_eq!(
         pod.priority_class_name.as_deref(),
         Some("system-node-critical")
@@ -271,6 +272,32 @@ fn daemonset_replaces_kube_proxy() {
         .and_then(|f| f.field_ref.as_ref())
         .map(|f| f.field_path.as_str());
     assert_eq!(pod_namespace, Some("metadata.namespace"));
+    // The API server through kubeadm's kube-proxy kubeconfig (clientConnection.kubeconfig in
+    // the ConfigMap), mounted from kubeadm's `kube-proxy` ConfigMap, optional.
+    let kubeconfig_volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "kube-proxy-kubeconfig")
+        .and_then(|v| v.config_map.as_ref())
+        .expect("kubeadm's kube-proxy ConfigMap volume");
+    assert_eq!(kubeconfig_volume.name, "kube-proxy");
+    assert_eq!(kubeconfig_volume.optional, Some(true));
+    let file = config::parse("config.yaml", &config_text(&o))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config;
+    let kubeconfig = file.kubeconfig.expect("clientConnection.kubeconfig");
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "kube-proxy-kubeconfig")
+        .expect("the kubeconfig volume is mounted");
+    assert_eq!(
+        kubeconfig.strip_prefix(&mount.mount_path).ok(),
+        Some(Path::new("kubeconfig.conf")),
+        "clientConnection.kubeconfig names the mounted kubeadm kubeconfig"
+    );
     let config_path = run.config.expect("--config");
     let mounts = c.volume_mounts.as_ref().expect("mounts");
     let config_mount = mounts

@@ -99,11 +99,12 @@ async fn client_for(server: &FakeApiServer) -> kube::Client {
         .expect("kubeconfig");
     Connection {
         kubeconfig: Some(kubeconfig),
-        master: None,
+        ..Connection::default()
     }
     .client()
     .await
     .expect("client")
+    .0
 }
 
 async fn connect(server: &FakeApiServer) -> Source {

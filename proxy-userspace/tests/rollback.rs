@@ -188,6 +188,10 @@ impl Env {
         agent
             .wait_attached(&want)
             .unwrap_or_else(|e| panic!("{e:#}"));
+        // The socket and bind hooks are attached after the interfaces.
+        agent
+            .wait_log(&["agent: ready"], Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{e:#}"));
         let env = Self {
             agent,
             api,

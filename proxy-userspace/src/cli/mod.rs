@@ -88,21 +88,31 @@ pub struct RunArgs {
     /// service account).
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
-    /// The API server's URL; overrides the one in the kubeconfig.
-    #[arg(long)]
+    /// The API server's URL; overrides the one in the kubeconfig. Without a kubeconfig the
+    /// pod's service account (token and CA) is used with it: the way to name the real API
+    /// server in place of the `kubernetes` Service's ClusterIP, which this agent itself must
+    /// translate.
+    #[arg(long, env = "KPE_MASTER")]
     pub master: Option<String>,
+    /// Where the pod's service account token, CA and namespace are mounted (in-cluster
+    /// configuration).
+    #[arg(long, env = "KPE_SERVICE_ACCOUNT_DIR", default_value = crate::sources::kube::bootstrap::SERVICE_ACCOUNT_DIR, hide = true)]
+    pub service_account_dir: PathBuf,
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Pod-facing interfaces to attach to (comma-separated globs); interfaces created later are
-    /// attached as they appear.
-    #[arg(
-        long,
-        env = "KPE_POD_INTERFACES",
-        default_value = "veth*,cali*,lxc*,cni*"
-    )]
+    /// Pod-facing interfaces to attach to: `auto` (every veth or netkit device whose peer is in
+    /// another network namespace, whatever the CNI names it; not the ports of a bond, nor of a
+    /// bridge that is an external device) or comma-separated globs, which replace the
+    /// detection. Interfaces created later are attached as they appear.
+    #[arg(long, env = "KPE_POD_INTERFACES", default_value = "auto")]
     pub pod_interfaces: String,
-    /// The node's external devices to attach to (comma-separated globs).
-    #[arg(long, env = "KPE_DEVICES", default_value = "")]
+    /// The node's external devices (NodePorts, externalIPs and LoadBalancer IPs arrive there;
+    /// `primary` NodePort addresses and the SNAT address come from them): empty or `auto`
+    /// (every device with a global address or a default route: physical NICs, bonds, VLANs;
+    /// bridges, veths, Open vSwitch and dummy devices only with a default route; not loopback,
+    /// tunnels or the ports of a bond or bridge), or comma-separated globs, which replace the
+    /// detection.
+    #[arg(long, env = "KPE_DEVICES", default_value = "auto")]
     pub devices: String,
     /// Tunnel devices carrying pod traffic between nodes (flannel.1, vxlan.calico, geneve, tunl0,
     /// wg0...): `auto` also attaches to every vxlan, geneve and gretap device and every L3 tunnel

@@ -17,6 +17,12 @@ impl Patterns {
         )
     }
 
+    /// Patterns matching exactly these names (detected devices; a name with `*` or `?`, which
+    /// Linux allows, would match more).
+    pub fn exact<S: Into<String>>(names: impl IntoIterator<Item = S>) -> Self {
+        Self(names.into_iter().map(Into::into).collect())
+    }
+
     pub fn matches(&self, name: &str) -> bool {
         self.0
             .iter()

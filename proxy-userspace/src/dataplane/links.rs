@@ -1,5 +1,9 @@
-//! Tunnel devices of this network namespace (flannel.1, vxlan.calico, tunl0, wg0, ...), found by
-//! link kind (`IFLA_INFO_KIND`) in an `RTM_GETLINK` dump. Flows that leave through a tunnel must
+//! The links of this network namespace and what they are, from an `RTM_GETLINK` dump: kind
+//! (`IFLA_INFO_KIND`), hardware type, master (a bond's or bridge's port), and whether a pair
+//! device's peer lives in another namespace (`IFLA_LINK_NETNSID`: a pod's veth); and the devices
+//! carrying a default route, from an `RTM_GETROUTE` dump (`dataplane::devices` decides from these
+//! which interfaces get the programs). Tunnel devices (flannel.1, vxlan.calico, tunl0, wg0, ...)
+//! are found by link kind. Flows that leave through a tunnel must
 //! be translated there too (SNAT of forwarded external flows), so the agent attaches to them
 //! without their being named in `--devices`. The dump also tells which devices carry bare IP
 //! packets (L3 devices: ipip, gre, WireGuard), which get the `_l3` programs. Parsing the dump is
@@ -15,6 +19,7 @@ use netlink_packet_core::{
 use netlink_packet_route::{
     RouteNetlinkMessage,
     link::{InfoKind, LinkAttribute, LinkHeader, LinkInfo, LinkMessage},
+    route::{RouteAttribute, RouteHeader, RouteLwEnCapType, RouteMessage},
 };
 
 use super::interfaces::Interface;
@@ -38,6 +43,8 @@ const ARPHRD_L3: [u16; 6] = [768, 769, 776, 778, 823, 65534];
 /// `RTM_NEWLINK`, the type of each message of the dump (netlink-packet-route keeps its constant
 /// private).
 const RTM_NEWLINK: u16 = 16;
+/// `RTM_NEWROUTE`, the type of each message of a route dump.
+const RTM_NEWROUTE: u16 = 24;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
 /// Bound on the dump's datagrams (each holds many links): a namespace with more is cut short.
@@ -52,6 +59,11 @@ pub struct Link {
     pub kind: Option<String>,
     /// `ifi_type` (`ARPHRD_*`).
     pub hw_type: u16,
+    /// `IFLA_MASTER`: the bond or bridge this device is a port of.
+    pub master: Option<u32>,
+    /// `IFLA_LINK_NETNSID`: the namespace (id as seen from here) of a pair device's peer, when
+    /// it lives in another namespace.
+    pub peer_netns: Option<i32>,
 }
 
 impl Link {
@@ -104,27 +116,48 @@ pub fn tunnels(links: &[Link]) -> Vec<Tunnel> {
 
 /// Every interface of this network namespace with its kind (`RTM_GETLINK` dump).
 pub fn dump() -> io::Result<Vec<Link>> {
+    dump_of(
+        RouteNetlinkMessage::GetLink(LinkMessage::default()),
+        RTM_NEWLINK,
+        parse_link,
+    )
+}
+
+/// The ifindexes of the devices carrying a default route (IPv4 or IPv6, main table; every
+/// next hop of a multipath one), from an `RTM_GETROUTE` dump.
+pub fn default_route_devices() -> io::Result<BTreeSet<u32>> {
+    let routes = dump_of(
+        RouteNetlinkMessage::GetRoute(RouteMessage::default()),
+        RTM_NEWROUTE,
+        parse_default_route,
+    )?;
+    Ok(routes.into_iter().flatten().collect())
+}
+
+/// One dump: `request` sent, every message of type `ty` parsed by `parse`.
+fn dump_of<T>(
+    request: RouteNetlinkMessage,
+    ty: u16,
+    parse: fn(&[u8]) -> Option<T>,
+) -> io::Result<Vec<T>> {
     let socket = super::netlink::route_socket(0)?;
-    socket.send(&dump_request(1), 0)?;
-    let mut links = Vec::new();
+    socket.send(&dump_request(request, 1), 0)?;
+    let mut out = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
     for _ in 0..MAX_DUMP_READS {
         let n = socket.recv(&mut &mut buf[..], 0)?;
-        match parse_dump(&buf[..n.min(buf.len())], &mut links) {
-            Ok(true) => return Ok(links),
+        match parse_dump(&buf[..n.min(buf.len())], ty, parse, &mut out) {
+            Ok(true) => return Ok(out),
             Ok(false) => {}
             Err(errno) => return Err(io::Error::from_raw_os_error(errno)),
         }
     }
-    Ok(links)
+    Ok(out)
 }
 
-/// The `RTM_GETLINK` dump request (an empty ifinfomsg: every family, every link).
-fn dump_request(seq: u32) -> Vec<u8> {
-    let mut msg = NetlinkMessage::new(
-        NetlinkHeader::default(),
-        NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())),
-    );
+/// A dump request (`request`'s header empty: every family, every object).
+fn dump_request(request: RouteNetlinkMessage, seq: u32) -> Vec<u8> {
+    let mut msg = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::from(request));
     msg.header.flags = NLM_F_REQUEST | NLM_F_DUMP;
     msg.header.sequence_number = seq;
     msg.finalize();
@@ -133,9 +166,44 @@ fn dump_request(seq: u32) -> Vec<u8> {
     buf
 }
 
-/// Pure: appends the links of one datagram of the dump. `Ok(true)` at the end of the dump,
-/// `Err(errno)` if the kernel answered with an error. A truncated message ends the datagram.
-fn parse_dump(mut b: &[u8], out: &mut Vec<Link>) -> Result<bool, i32> {
+/// Pure: the output devices of one `RTM_NEWROUTE` message if it is a default route of the main
+/// table (`None` otherwise).
+fn parse_default_route(payload: &[u8]) -> Option<Vec<u32>> {
+    let header = RouteHeader::parse(payload).ok()?;
+    if header.destination_prefix_length != 0 {
+        return None;
+    }
+    let mut table = u32::from(header.table);
+    let mut devices = Vec::new();
+    let attrs = payload.get(header.buffer_len()..).unwrap_or_default();
+    for nla in NlasIterator::new(attrs) {
+        let Ok(nla) = nla else { break };
+        let param = (
+            header.address_family,
+            header.kind,
+            RouteLwEnCapType::default(),
+        );
+        match RouteAttribute::parse_with_param(&nla, param) {
+            Ok(RouteAttribute::Oif(index)) => devices.push(index),
+            Ok(RouteAttribute::Table(t)) => table = t,
+            Ok(RouteAttribute::MultiPath(hops)) => {
+                devices.extend(hops.iter().map(|h| h.interface_index));
+            }
+            _ => {}
+        }
+    }
+    (table == u32::from(RouteHeader::RT_TABLE_MAIN)).then_some(devices)
+}
+
+/// Pure: appends the objects of type `ty` of one datagram of a dump. `Ok(true)` at the end of
+/// the dump, `Err(errno)` if the kernel answered with an error. A truncated message ends the
+/// datagram.
+fn parse_dump<T>(
+    mut b: &[u8],
+    ty: u16,
+    parse: fn(&[u8]) -> Option<T>,
+    out: &mut Vec<T>,
+) -> Result<bool, i32> {
     while let Ok(msg) = NetlinkBuffer::new_checked(b) {
         let len = msg.length() as usize;
         match msg.message_type() {
@@ -149,7 +217,7 @@ fn parse_dump(mut b: &[u8], out: &mut Vec<Link>) -> Result<bool, i32> {
                     None => Ok(true),
                 };
             }
-            RTM_NEWLINK => out.extend(parse_link(msg.payload())),
+            t if t == ty => out.extend(parse(msg.payload())),
             _ => {}
         }
         b = b.get(len.next_multiple_of(4)..).unwrap_or_default();
@@ -167,12 +235,16 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
         name: String::new(),
         kind: None,
         hw_type: header.link_layer_type.into(),
+        master: None,
+        peer_netns: None,
     };
     let attrs = payload.get(header.buffer_len()..).unwrap_or_default();
     for nla in NlasIterator::new(attrs) {
         let Ok(nla) = nla else { break };
         match LinkAttribute::parse_with_param(&nla, header.interface_family) {
             Ok(LinkAttribute::IfName(name)) => link.name = name,
+            Ok(LinkAttribute::Controller(master)) if master != 0 => link.master = Some(master),
+            Ok(LinkAttribute::LinkNetNsId(id)) if id >= 0 => link.peer_netns = Some(id),
             Ok(LinkAttribute::LinkInfo(infos)) => {
                 link.kind = infos.iter().find_map(|i| match i {
                     LinkInfo::Kind(k) => Some(k.to_string()),
@@ -251,9 +323,17 @@ mod tests {
         datagram.extend(newlink(10, 65534, "tailscale0", Some("tun")));
         datagram.extend(newlink(11, 1, "tap-vm1", Some("tun")));
         let mut links = Vec::new();
-        assert_eq!(parse_dump(&datagram, &mut links), Ok(false));
         assert_eq!(
-            parse_dump(&message(NLMSG_DONE, &[0; 4]), &mut links),
+            parse_dump(&datagram, RTM_NEWLINK, parse_link, &mut links),
+            Ok(false)
+        );
+        assert_eq!(
+            parse_dump(
+                &message(NLMSG_DONE, &[0; 4]),
+                RTM_NEWLINK,
+                parse_link,
+                &mut links
+            ),
             Ok(true)
         );
         let names: Vec<_> = links
@@ -307,7 +387,12 @@ mod tests {
         body.extend(linkinfo);
         let mut links = Vec::new();
         assert_eq!(
-            parse_dump(&message(RTM_NEWLINK, &body), &mut links),
+            parse_dump(
+                &message(RTM_NEWLINK, &body),
+                RTM_NEWLINK,
+                parse_link,
+                &mut links
+            ),
             Ok(false)
         );
         assert_eq!(
@@ -317,6 +402,8 @@ mod tests {
                 name: "vxlan.calico".into(),
                 kind: Some("vxlan".into()),
                 hw_type: 1,
+                master: None,
+                peer_netns: None,
             }]
         );
     }
@@ -327,11 +414,24 @@ mod tests {
         let mut err = (-libc::EPERM).to_ne_bytes().to_vec();
         err.extend([0u8; 16]);
         assert_eq!(
-            parse_dump(&message(NLMSG_ERROR, &err), &mut links),
+            parse_dump(
+                &message(NLMSG_ERROR, &err),
+                RTM_NEWLINK,
+                parse_link,
+                &mut links
+            ),
             Err(libc::EPERM)
         );
         let whole = newlink(3, 1, "vxlan0", Some("vxlan"));
-        assert_eq!(parse_dump(&whole[..whole.len() - 8], &mut links), Ok(false));
+        assert_eq!(
+            parse_dump(
+                &whole[..whole.len() - 8],
+                RTM_NEWLINK,
+                parse_link,
+                &mut links
+            ),
+            Ok(false)
+        );
         assert!(links.is_empty(), "a truncated message is not half-read");
     }
 
@@ -344,7 +444,34 @@ mod tests {
         want.extend_from_slice(&7u32.to_ne_bytes()); // sequence
         want.extend_from_slice(&0u32.to_ne_bytes()); // port
         want.extend_from_slice(&[0u8; IFINFOMSG_LEN]);
-        assert_eq!(dump_request(7), want);
+        assert_eq!(
+            dump_request(RouteNetlinkMessage::GetLink(LinkMessage::default()), 7),
+            want
+        );
+    }
+
+    /// An `RTM_NEWROUTE` of family `family` to a /`dst_len` in `table`, out of `oif`.
+    fn newroute(family: u8, dst_len: u8, table: u32, oif: u32) -> Vec<u8> {
+        // struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags.
+        let mut body = vec![family, dst_len, 0, 0, 254, 3, 0, 1, 0, 0, 0, 0];
+        body.extend(attr(15, &table.to_ne_bytes())); // RTA_TABLE
+        body.extend(attr(4, &oif.to_ne_bytes())); // RTA_OIF
+        message(RTM_NEWROUTE, &body)
+    }
+
+    #[test]
+    fn default_routes_of_the_main_table_name_their_devices() {
+        let mut datagram = newroute(2, 0, 254, 3);
+        datagram.extend(newroute(2, 24, 254, 4)); // a subnet route
+        datagram.extend(newroute(10, 0, 254, 5)); // IPv6 default
+        datagram.extend(newroute(2, 0, 255, 6)); // the local table
+        let mut routes = Vec::new();
+        assert_eq!(
+            parse_dump(&datagram, RTM_NEWROUTE, parse_default_route, &mut routes),
+            Ok(false)
+        );
+        let devices: BTreeSet<u32> = routes.into_iter().flatten().collect();
+        assert_eq!(devices, BTreeSet::from([3, 5]));
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod batch;
 pub mod bpf_log;
 pub mod bpffs;
 pub mod clock;
+pub mod devices;
 pub mod ebpf_object;
 pub mod flow_gc;
 pub mod interfaces;

@@ -149,6 +149,16 @@ impl External {
         self.refresh();
     }
 
+    /// The external devices (detected, or `--devices`): `primary` NodePort addresses and the
+    /// SNAT address come from them. True when the selection changed (a sync is due).
+    pub fn set_devices(&mut self, devices: Patterns) -> bool {
+        if devices == self.devices {
+            return false;
+        }
+        self.devices = devices;
+        self.refresh()
+    }
+
     /// Lists the node's addresses again; true when the selection changed (a sync is due).
     pub fn refresh(&mut self) -> bool {
         let all = match list() {
@@ -292,6 +302,20 @@ pub fn list() -> io::Result<Vec<IfAddr>> {
     out.sort();
     out.dedup();
     Ok(out)
+}
+
+/// The interfaces holding a usable address of either family (not loopback, not link-local):
+/// what `dataplane::devices` takes for a device carrying the node's traffic.
+pub fn addressed_interfaces() -> io::Result<std::collections::BTreeSet<String>> {
+    let v4 = list()?
+        .into_iter()
+        .filter(|a| a.addr.usable())
+        .map(|a| a.ifname);
+    let v6 = list6()?
+        .into_iter()
+        .filter(|a| a.addr.usable())
+        .map(|a| a.ifname);
+    Ok(v4.chain(v6).collect())
 }
 
 /// The node's IPv6 addresses (as [`list`] for IPv4).

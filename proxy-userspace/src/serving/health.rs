@@ -26,6 +26,13 @@
 //!   and links it holds open, but a restarted agent would start from empty maps. The body then
 //!   carries `"pinsProblem"` (not upstream's). `/livez` stays the sync's health: restarting the
 //!   agent would not bring the pins back.
+//! - `/healthz` is also 503 while the sources' initial lists (Services, EndpointSlices, the
+//!   Node) have been missing for longer than the health timeout since the agent started
+//!   ([`HealthState::waiting_for_lists`]): an agent that never reaches its API server is not
+//!   ready, whatever its datapath still does. The body then carries `"initialListsMissing"`.
+//!   And while the agent reaches the API server through an address its own datapath translates
+//!   (the `kubernetes` Service's ClusterIP, say: `sources::kube::bootstrap`), the body carries
+//!   `"apiServerAddress"` saying so, 200 or not. Neither is upstream's.
 //! - Times are RFC 3339 wall-clock times like Go's `time.Time` in JSON. The top-level
 //!   `lastUpdated` is the current time in a 200 answer (upstream keeps that old meaning for
 //!   compatibility), else the last sync (`0001-01-01T00:00:00Z`, Go's zero time, before the
@@ -58,6 +65,11 @@ struct Inner {
     node_eligible: bool,
     /// Why the pins under the pin directory cannot be kept (bpffs unmounted), if they cannot.
     pins_problem: Option<String>,
+    /// Since when the sources' initial lists are awaited, and what is known of why (cleared by
+    /// the first sync).
+    waiting_for_lists: Option<(SystemTime, String)>,
+    /// The API server is reached through an address this agent's datapath translates.
+    api_address: Option<String>,
 }
 
 /// The proxy's health, shared between the sync loop, the Node watch and the HTTP server.
@@ -83,6 +95,10 @@ pub struct Health {
     pub pins_problem: Option<String>,
     pub last_updated: Option<SystemTime>,
     pub current_time: SystemTime,
+    /// The initial lists have been missing longer than the timeout: why (`/healthz` is 503).
+    pub lists_missing: Option<String>,
+    /// The API server address warning ([`HealthState::set_api_address_problem`]).
+    pub api_address: Option<String>,
 }
 
 impl HealthState {
@@ -95,8 +111,21 @@ impl HealthState {
                 oldest_queued: None,
                 node_eligible: true,
                 pins_problem: None,
+                waiting_for_lists: None,
+                api_address: None,
             }),
         }
+    }
+
+    /// The agent waits for the sources' initial lists from `since`; `why` says what it waits
+    /// for (shown once the wait is overdue). Cleared by the first applied sync.
+    pub fn waiting_for_lists(&self, since: SystemTime, why: String) {
+        self.lock().waiting_for_lists = Some((since, why));
+    }
+
+    /// The API server is reached through an address this agent translates (`Some(why)`).
+    pub fn set_api_address_problem(&self, problem: Option<String>) {
+        self.lock().api_address = problem;
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -126,6 +155,7 @@ impl HealthState {
         let mut i = self.lock();
         i.last_updated = Some(now);
         i.oldest_queued = None;
+        i.waiting_for_lists = None;
     }
 
     /// Whether this node should receive load-balancer traffic (see [`node_eligible`]).
@@ -147,12 +177,24 @@ impl HealthState {
         let overdue = i
             .oldest_queued
             .is_some_and(|q| now.duration_since(q).unwrap_or_default() > i.timeout);
+        let lists_missing = i.waiting_for_lists.as_ref().and_then(|(since, why)| {
+            let waited = now.duration_since(*since).unwrap_or_default();
+            (waited > i.timeout).then(|| {
+                format!(
+                    "the initial lists of Services, EndpointSlices and the Node have been \
+                     missing for {} s: {why}",
+                    waited.as_secs()
+                )
+            })
+        });
         Health {
             healthy: !overdue,
             node_eligible: i.node_eligible,
             pins_problem: i.pins_problem.clone(),
             last_updated: i.last_updated,
             current_time: now,
+            lists_missing,
+            api_address: i.api_address.clone(),
         }
     }
 }
@@ -194,6 +236,13 @@ struct Payload {
     /// `/healthz` only, and only while the pins are lost: why (not in upstream's answer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pins_problem: Option<String>,
+    /// `/healthz` only: the initial lists are overdue, and why (not upstream's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    initial_lists_missing: Option<String>,
+    /// `/healthz` only: the API server is reached through an address this agent translates
+    /// (not upstream's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api_server_address: Option<String>,
     /// Per IP family (`IPv4`); absent before the first sync.
     #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<Status>,
@@ -217,7 +266,10 @@ struct FamilyHealth {
 pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, String) {
     let (ok, node_eligible) = match path {
         "/healthz" => (
-            health.healthy && health.node_eligible && health.pins_problem.is_none(),
+            health.healthy
+                && health.node_eligible
+                && health.pins_problem.is_none()
+                && health.lists_missing.is_none(),
             Some(health.node_eligible),
         ),
         "/livez" => (health.healthy, None),
@@ -245,6 +297,12 @@ pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, S
         healthy: health.healthy,
         pins_problem: (path == "/healthz")
             .then(|| health.pins_problem.clone())
+            .flatten(),
+        initial_lists_missing: (path == "/healthz")
+            .then(|| health.lists_missing.clone())
+            .flatten(),
+        api_server_address: (path == "/healthz")
+            .then(|| health.api_address.clone())
             .flatten(),
         status: health.last_updated.map(|t| Status {
             ipv4: FamilyHealth {
@@ -317,6 +375,32 @@ mod tests {
             }
             assert_eq!(h.health_at(at(t)).healthy, healthy, "{what}");
         }
+    }
+
+    #[test]
+    fn initial_lists_missing_past_the_timeout_fail_healthz_with_the_reason_not_livez() {
+        let m = Metrics::new();
+        let h = HealthState::new(Duration::from_secs(60));
+        h.waiting_for_lists(at(0), "API server unreachable".into());
+        h.set_api_address_problem(Some("10.96.0.1 is a ClusterIP".into()));
+        let (code, body) = respond("/healthz", &h.health_at(at(30)), &m);
+        assert_eq!(code, StatusCode::OK, "within the timeout: {body}");
+        assert!(
+            body.contains("\"apiServerAddress\":\"10.96.0.1 is a ClusterIP\""),
+            "{body}"
+        );
+        let (code, body) = respond("/healthz", &h.health_at(at(61)), &m);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(
+            body.contains("\"initialListsMissing\":\"the initial lists of Services, EndpointSlices and the Node have been missing for 61 s: API server unreachable\""),
+            "{body}"
+        );
+        let (code, _) = respond("/livez", &h.health_at(at(61)), &m);
+        assert_eq!(code, StatusCode::OK, "liveness: restarting would not help");
+        h.updated_at(at(62));
+        let (code, body) = respond("/healthz", &h.health_at(at(63)), &m);
+        assert_eq!(code, StatusCode::OK, "{body}");
+        assert!(!body.contains("initialListsMissing"), "{body}");
     }
 
     #[test]

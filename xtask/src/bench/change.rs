@@ -19,7 +19,7 @@ use anyhow::{Context as _, Result};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube_proxy_ebpf::{
     agent::{Agent, SyncParts},
-    dataplane::{bpffs::PinLayout, interfaces::Patterns},
+    dataplane::bpffs::PinLayout,
     pipeline::translate::NodeContext,
     sources::{endpoints::SliceData, services::ServiceData, snapshot::Snapshot},
 };
@@ -335,7 +335,7 @@ fn in_process_here(
         pins,
         DatapathConfig::DEFAULT,
         node,
-        Patterns::parse(""),
+        kube_proxy_ebpf::dataplane::devices::Choices::none(),
         sizes,
         SockLbConfig::default(),
         kube_proxy_ebpf::dataplane::bpf_log::BpfLog::Off,

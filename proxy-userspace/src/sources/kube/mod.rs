@@ -20,6 +20,7 @@
 //! Gone (history compacted, relist) is the normal path: debug only. Other errors (403 after an
 //! RBAC change, say) keep a warning per reflector every 10 s.
 
+pub mod bootstrap;
 pub mod events;
 pub mod prune;
 pub mod store;
@@ -70,7 +71,11 @@ const ERROR_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("reading kubeconfig {path}: {source}; check --kubeconfig")]
+    #[error(
+        "reading kubeconfig {path}: {source}; check --kubeconfig or clientConnection.kubeconfig \
+         (deploy/ takes kubeadm's kube-proxy kubeconfig from its `kube-proxy` ConfigMap; without \
+         it set clientConnection.kubeconfig to \"\" and KPE_MASTER to https://HOST:PORT)"
+    )]
     Kubeconfig {
         path: PathBuf,
         source: kube::config::KubeconfigError,
@@ -88,18 +93,23 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// How to reach the API server (kube-proxy's `--kubeconfig` and `--master`).
+/// How to reach the API server (kube-proxy's `--kubeconfig` and `--master`; [`bootstrap`]).
 #[derive(Clone, Debug, Default)]
 pub struct Connection {
-    /// A kubeconfig file; without it `KUBECONFIG`, `~/.kube/config` or the in-cluster service
-    /// account are tried (unless `master` is given alone).
+    /// A kubeconfig file (kube-proxy's, kubeadm's `kube-proxy` ConfigMap's `kubeconfig.conf`).
     pub kubeconfig: Option<PathBuf>,
-    /// Overrides the server URL of the kubeconfig.
+    /// Overrides the server URL of the kubeconfig; alone, the URL used with the pod's service
+    /// account (token and CA).
     pub master: Option<String>,
+    /// Where the pod's service account is mounted.
+    pub service_account_dir: PathBuf,
 }
 
 impl Connection {
-    pub async fn client(&self) -> Result<Client> {
+    /// The client, and the API server's URL it talks to. Without a kubeconfig: the service
+    /// account (with `master`, or `KUBERNETES_SERVICE_HOST`/`_PORT`), else the URL of `master`
+    /// alone, else `KUBECONFIG` or `~/.kube/config`.
+    pub async fn client(&self) -> Result<(Client, http::Uri)> {
         let master = match &self.master {
             Some(url) => Some(url.parse::<http::Uri>().map_err(|e| Error::Master {
                 url: url.clone(),
@@ -107,22 +117,31 @@ impl Connection {
             })?),
             None => None,
         };
-        let mut config = match (&self.kubeconfig, &master) {
-            (Some(path), _) => {
-                let kubeconfig =
-                    Kubeconfig::read_from(path).map_err(|source| Error::Kubeconfig {
-                        path: path.clone(),
-                        source,
-                    })?;
-                Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                    .await
-                    .map_err(|source| Error::Kubeconfig {
-                        path: path.clone(),
-                        source,
-                    })?
+        let from_file = async |path: &PathBuf, kubeconfig: Result<Kubeconfig, _>| {
+            let kubeconfig = kubeconfig.map_err(|source| Error::Kubeconfig {
+                path: path.clone(),
+                source,
+            })?;
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|source| Error::Kubeconfig {
+                    path: path.clone(),
+                    source,
+                })
+        };
+        let in_cluster = bootstrap::in_cluster_kubeconfig(
+            &self.service_account_dir,
+            self.master.as_deref(),
+            |k| std::env::var(k).ok(),
+        );
+        let mut config = match (&self.kubeconfig, in_cluster, &master) {
+            (Some(path), _, _) => from_file(path, Kubeconfig::read_from(path)).await?,
+            (None, Some(text), _) => {
+                let dir = &self.service_account_dir;
+                from_file(dir, Kubeconfig::from_yaml(&text)).await?
             }
-            (None, Some(url)) => Config::new(url.clone()),
-            (None, None) => Config::infer().await?,
+            (None, None, Some(url)) => Config::new(url.clone()),
+            (None, None, None) => Config::infer().await?,
         };
         if let Some(url) = master {
             config.cluster_url = url;
@@ -130,7 +149,8 @@ impl Connection {
         // Watches are long polls; the read timeout must not cut them (the watcher sets its own
         // server-side timeout and resumes).
         config.read_timeout = None;
-        Ok(Client::try_from(config)?)
+        let url = config.cluster_url.clone();
+        Ok((Client::try_from(config)?, url))
     }
 }
 
