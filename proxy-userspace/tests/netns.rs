@@ -528,7 +528,8 @@ fn agent_restart_keeps_a_long_transfer_and_requests_alive() {
         format!("requests during the restart: {ok} ok, failures {failures:?}")
     });
     // The restarted agent swapped its programs into the pinned cgroup links, and they translate.
-    let adopted = "adopted=[Connect4, Sendmsg4, Recvmsg4, Getpeername4, Connect6, Sendmsg6, Recvmsg6, Getpeername6]";
+    let adopted = "adopted=[Connect4, Sendmsg4, Recvmsg4, Getpeername4, Connect6, Sendmsg6, \
+                   Recvmsg6, Getpeername6, Bind4, Bind6]";
     let deadline = Instant::now() + Duration::from_secs(5);
     while !env.agent.log_tail().contains(adopted) && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(50));
