@@ -524,6 +524,7 @@ impl Agent {
             self.node.zone = state.zone;
         }
         self.health.set_node_eligible(state.node_eligible);
+        self.health.set_ipv6(self.family6.active());
         self.external.set_api_service_cidrs(state.service_cidrs);
         self.family6.set_api_service_cidrs(state.service_cidrs6);
         debug!(read_us, rss_mib = rss_mib(), "source state read");
@@ -1196,7 +1197,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.cleanup {
         return crate::cli::cleanup::cleanup(&pins);
     }
+    let init_only = args.kube_proxy.init_only == Some(true);
+    let node_settings = write_nf_conntrack(&args, init_only);
+    if init_only {
+        return node_settings;
+    }
     crate::dataplane::port_range::check_node()?;
+    if let Some(adj) = args.kube_proxy.oom_score_adj {
+        // kube-proxy's --oom-score-adj: lowering the score needs CAP_SYS_RESOURCE, which the
+        // DaemonSet does not grant (its priority class already shields it).
+        match std::fs::write("/proc/self/oom_score_adj", adj.to_string()) {
+            Ok(()) => info!(oom_score_adj = adj, "OOM score adjusted"),
+            Err(e) => {
+                warn!("--oom-score-adj {adj}: writing /proc/self/oom_score_adj: {e}; left as it is")
+            }
+        }
+    }
     let node = NodeContext {
         node_name: node_name(&args),
         zone: None,
@@ -1434,6 +1450,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         schedule.changed();
     }
     let mut pass_started: Option<Instant> = None;
+    let config_watch = args.config.clone().map(crate::cli::config::FileWatch::new);
+    let mut config_check = tokio::time::interval(crate::cli::config::FILE_WATCH_PERIOD);
+    config_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let step = schedule.next(Instant::now());
         let wait_until = match step {
@@ -1462,6 +1481,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             Some(done) = agent.next_walk() => agent.walked(done),
             _ = gc.tick() => agent.gc_flows(),
             _ = pin_check.tick() => agent.check_pins(),
+            _ = config_check.tick(), if config_watch.is_some() => {
+                if let Some(watch) = config_watch.as_ref().filter(|w| w.changed()) {
+                    error!(
+                        file = %watch.path().display(),
+                        "the configuration file changed: exiting so that the pod restarts with it, as kube-proxy does (the datapath stays)"
+                    );
+                    stop(agent, &source, heartbeat).await?;
+                    anyhow::bail!("the configuration file {} changed", watch.path().display());
+                }
+            }
             () = std::future::ready(()), if work => match step {
                 crate::schedule::Step::Sync { full } => {
                     let result = agent.sync_from(&source, full);
@@ -1541,6 +1570,56 @@ fn check_api_address(agent: &Agent, url: &http::Uri, args: &RunArgs) -> Option<S
     error!("{advice}");
     agent.health.set_api_address_problem(Some(advice.clone()));
     Some(advice)
+}
+
+/// kube-proxy's nf_conntrack settings (`dataplane::nf_conntrack`): written where not in place.
+/// The agent's own container cannot write them (read-only /proc/sys): there a difference is
+/// named once; `--init-only` (the privileged init container) fails on one.
+fn write_nf_conntrack(args: &RunArgs, init_only: bool) -> anyhow::Result<()> {
+    use crate::dataplane::nf_conntrack::{self, Conntrack};
+    let cpus = u64::from(crate::dataplane::sizing::online_cpus());
+    let max = match u64::from(args.conntrack_max_per_core) {
+        0 => 0,
+        per_core => (per_core * cpus).max(u64::from(args.conntrack_min)),
+    };
+    let wanted = nf_conntrack::wanted(&Conntrack {
+        max,
+        tcp_established: args.conntrack_tcp_established_timeout,
+        tcp_close_wait: args.conntrack_tcp_timeout_close_wait,
+        udp: args.conntrack_udp_timeout,
+        udp_stream: args.conntrack_udp_timeout_stream,
+        tcp_be_liberal: args.kube_proxy.conntrack_tcp_be_liberal == Some(true),
+    });
+    let report = nf_conntrack::apply(&wanted);
+    for (path, value) in &report.written {
+        info!(setting = %path.display(), value, "nf_conntrack setting written");
+    }
+    if report.failed.is_empty() {
+        if init_only {
+            info!(
+                written = report.written.len(),
+                in_place = report.in_place,
+                host_only = report.host_only,
+                "--init-only: node settings done"
+            );
+        }
+        return Ok(());
+    }
+    let failed: Vec<String> = (report.failed.iter())
+        .map(|(path, e)| format!("{}: {e}", path.display()))
+        .collect();
+    if init_only {
+        anyhow::bail!(
+            "--init-only: nf_conntrack settings not written: {}",
+            failed.join("; ")
+        );
+    }
+    warn!(
+        "nf_conntrack settings not in place and not writable from here (the DaemonSet's \
+         privileged init container writes them with --init-only): {}",
+        failed.join("; ")
+    );
+    Ok(())
 }
 
 /// Starts the heartbeat in `AGENT_V1` (`dataplane::presence`), taking the datapath back if it had

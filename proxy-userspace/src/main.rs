@@ -27,7 +27,10 @@ static MALLOC_CONF: &[u8; 44] = b"narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0\0"
 
 fn main() -> anyhow::Result<()> {
     // ArgMatches, not just the parsed struct: `--config` needs to know which flags were given.
-    let matches = Cli::command().get_matches();
+    // kube-proxy's command line runs as it is: no subcommand means `run`.
+    let argv =
+        kube_proxy_ebpf::cli::kube_proxy::with_default_subcommand(std::env::args_os().collect());
+    let matches = Cli::command().get_matches_from(argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
     tracing_subscriber::fmt()

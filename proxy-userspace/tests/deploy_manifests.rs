@@ -4,7 +4,8 @@
 //! warning, and the DaemonSet's command line parses with the agent's own CLI. Least privilege
 //! (issue 13): every container drops all capabilities and adds only BPF, NET_ADMIN, PERFMON, runs
 //! with a read-only root filesystem, no privilege escalation and the runtime's default seccomp
-//! profile (the one privileged exception is the bpffs mount step); hostPath volumes are the bpffs
+//! profile (the privileged exceptions are the bpffs mount step and the node-settings step,
+//! which only runs `--init-only`); hostPath volumes are the bpffs
 //! and the cgroup root only; the ClusterRole is get/list/watch plus Event create/patch; /metrics
 //! binds to loopback. tests/least_privilege.rs checks the agent works with exactly these caps.
 
@@ -550,8 +551,35 @@ fn every_container_runs_with_least_privilege() {
             Some(true),
             "{at}: readOnlyRootFilesystem"
         );
+        if sc.privileged == Some(true) && c.name == "node-settings" {
+            // The second exception, justified in daemonset.yaml: /proc/sys is read-only in an
+            // unprivileged container. It only runs `--init-only` (nf_conntrack settings) and
+            // sees only the read-only ConfigMap.
+            assert!(init && ds == "kube-proxy-ebpf", "{at}: privileged");
+            let argv: Vec<String> = c.command.iter().flatten().cloned().collect();
+            assert_eq!(
+                argv.get(1).map(String::as_str),
+                Some("--init-only"),
+                "{at}: the privileged step only writes the node's settings: {argv:?}"
+            );
+            let cli =
+                Cli::try_parse_from(kube_proxy_ebpf::cli::kube_proxy::with_default_subcommand(
+                    argv.iter().map(Into::into).collect(),
+                ))
+                .unwrap_or_else(|e| panic!("{at}: {argv:?}: {e}"));
+            let Command::Run(run) = cli.command else {
+                panic!("{at}: not `run`")
+            };
+            assert_eq!(run.kube_proxy.init_only, Some(true));
+            let mounts = c.volume_mounts.as_deref().unwrap_or_default();
+            assert_eq!(mounts.len(), 1, "{at}: only the ConfigMap");
+            assert_eq!(mounts[0].name, "config", "{at}");
+            assert_eq!(mounts[0].read_only, Some(true), "{at}");
+            checked += 1;
+            continue;
+        }
         if sc.privileged == Some(true) {
-            // The one exception, justified in daemonset.yaml: mounting a bpffs needs
+            // The one other exception, justified in daemonset.yaml: mounting a bpffs needs
             // CAP_SYS_ADMIN, Bidirectional propagation needs privileged. It must stay a
             // short init step that does nothing else.
             assert!(
@@ -595,7 +623,10 @@ fn every_container_runs_with_least_privilege() {
         assert_eq!(seccomp.type_, "RuntimeDefault", "{at}: seccompProfile");
         checked += 1;
     }
-    assert_eq!(checked, 4, "agent, its bpffs step, cleanup and its idler");
+    assert_eq!(
+        checked, 5,
+        "agent, its bpffs and node-settings steps, cleanup and its idler"
+    );
 
     for (name, ds) in &o.daemonsets {
         let pod = ds.spec.template.spec.as_ref();

@@ -158,6 +158,8 @@ pub fn in_cluster_prefixes(
 /// applies).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FileConfig {
+    /// `conntrack.tcpBeLiberal` (netfilter's `nf_conntrack_tcp_be_liberal`).
+    pub conntrack_tcp_be_liberal: Option<bool>,
     pub bind_address: Option<IpAddr>,
     pub healthz_bind_address: Option<BindAddress>,
     pub metrics_bind_address: Option<BindAddress>,
@@ -239,7 +241,6 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
             "udpTimeout",
         ],
     ),
-    ("conntrack", &["tcpBeLiberal"]),
 ];
 
 fn unsupported(block: &str, field: &str) -> bool {
@@ -312,6 +313,15 @@ impl Walker<'_> {
             return Ok(None);
         };
         parse_duration(&s).map(Some).map_err(|e| self.err(field, e))
+    }
+
+    /// A boolean; `null` reads as unset.
+    fn boolean(&self, field: &str, v: &Value) -> Result<Option<bool>> {
+        match v {
+            Value::Null => Ok(None),
+            Value::Bool(b) => Ok(Some(*b)),
+            _ => Err(self.err(field, format!("expected true or false, found {}", show(v)))),
+        }
     }
 
     /// An int32 that must not be negative; `null` reads as unset.
@@ -548,6 +558,10 @@ impl Walker<'_> {
                                 self.out.config.conntrack_max_per_core = self.count(&field, v)?
                             }
                             "min" => self.out.config.conntrack_min = self.count(&field, v)?,
+                            "tcpBeLiberal" => {
+                                self.out.config.conntrack_tcp_be_liberal =
+                                    self.boolean(&field, v)?;
+                            }
                             _ => self.other("conntrack", &k, v),
                         }
                     }
@@ -730,6 +744,9 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
         &file.conntrack_min,
     );
     set(from_file("scheduler"), &mut args.scheduler, &file.scheduler);
+    if file.conntrack_tcp_be_liberal.is_some() {
+        args.kube_proxy.conntrack_tcp_be_liberal = file.conntrack_tcp_be_liberal;
+    }
     if from_file("cluster_cidr") && !file.cluster_cidrs.is_empty() {
         args.cluster_cidr.clone_from(&file.cluster_cidrs);
     }
@@ -748,10 +765,127 @@ pub fn apply(args: &mut RunArgs, file: &FileConfig, explicit: &BTreeSet<String>)
     validate(args)
 }
 
-/// For `run`: reads `--config` if given, logs its warnings and notes, merges it under the
-/// explicitly given flags, checks the result and logs the effective settings.
+/// kube-proxy's flags (clap ids) for settings its configuration file holds: with `--config`
+/// the file decides them, as with kube-proxy, and these flags are ignored.
+pub const FILE_DECIDES: [&str; 12] = [
+    "kubeconfig",
+    "healthz_bind_address",
+    "metrics_bind_address",
+    "nodeport_addresses",
+    "cluster_cidr",
+    "detect_local_mode",
+    "conntrack_max_per_core",
+    "conntrack_min",
+    "conntrack_tcp_established_timeout",
+    "conntrack_tcp_timeout_close_wait",
+    "conntrack_udp_timeout",
+    "conntrack_udp_timeout_stream",
+];
+
+/// With `--config`: kube-proxy's flags for settings of the file are ignored, as with
+/// kube-proxy (only `--hostname-override` and `--master` override the file): each one given is
+/// put back to its default (the file then sets it, or the default stands) and named in a warning.
+/// Returns `explicit` without them. The agent's own flags keep winning over the file.
+pub fn file_decides(args: &mut RunArgs, explicit: &BTreeSet<String>) -> BTreeSet<String> {
+    let given: Vec<&str> = FILE_DECIDES
+        .into_iter()
+        .filter(|id| explicit.contains(*id))
+        .collect();
+    if !given.is_empty() {
+        let d = RunArgs::defaults();
+        for id in &given {
+            tracing::warn!(
+                "--{} ignored: with --config the configuration file decides, as with kube-proxy \
+                 (only --hostname-override and --master override it)",
+                id.replace('_', "-")
+            );
+            match *id {
+                "kubeconfig" => args.kubeconfig.clone_from(&d.kubeconfig),
+                "healthz_bind_address" => args.healthz_bind_address = d.healthz_bind_address,
+                "metrics_bind_address" => args.metrics_bind_address = d.metrics_bind_address,
+                "nodeport_addresses" => args.nodeport_addresses.clone_from(&d.nodeport_addresses),
+                "cluster_cidr" => args.cluster_cidr.clone_from(&d.cluster_cidr),
+                "detect_local_mode" => args.detect_local_mode = d.detect_local_mode,
+                "conntrack_max_per_core" => args.conntrack_max_per_core = d.conntrack_max_per_core,
+                "conntrack_min" => args.conntrack_min = d.conntrack_min,
+                "conntrack_tcp_established_timeout" => {
+                    args.conntrack_tcp_established_timeout = d.conntrack_tcp_established_timeout;
+                }
+                "conntrack_tcp_timeout_close_wait" => {
+                    args.conntrack_tcp_timeout_close_wait = d.conntrack_tcp_timeout_close_wait;
+                }
+                "conntrack_udp_timeout" => args.conntrack_udp_timeout = d.conntrack_udp_timeout,
+                "conntrack_udp_timeout_stream" => {
+                    args.conntrack_udp_timeout_stream = d.conntrack_udp_timeout_stream;
+                }
+                _ => {}
+            }
+        }
+    }
+    let compat = std::mem::take(&mut args.kube_proxy);
+    let had_compat = compat.proxy_mode.is_some()
+        || compat.sync_periods() != (None, None)
+        || compat.ipvs_scheduler.is_some()
+        || compat.healthz_port.is_some()
+        || compat.metrics_port.is_some();
+    if had_compat {
+        tracing::warn!(
+            "kube-proxy's --proxy-mode, --iptables-*/--ipvs-* sync periods and scheduler and \
+             --healthz-port/--metrics-port ignored: with --config the configuration file decides"
+        );
+    }
+    // What stays the node's business whatever the file says.
+    args.kube_proxy.oom_score_adj = compat.oom_score_adj;
+    args.kube_proxy.conntrack_tcp_be_liberal = compat.conntrack_tcp_be_liberal;
+    args.kube_proxy.init_only = compat.init_only;
+    explicit
+        .iter()
+        .filter(|id| !FILE_DECIDES.contains(&id.as_str()))
+        .cloned()
+        .collect()
+}
+
+/// Without `--config`: kube-proxy's own flags with their kube-proxy meaning (the sync periods
+/// of `--proxy-mode`, `--ipvs-scheduler`, `--healthz-port`, `--metrics-port`), each under the
+/// agent's equivalent flag when that one was given too.
+pub fn apply_kube_proxy_flags(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
+    let k = args.kube_proxy.clone();
+    let (period, min) = k.sync_periods();
+    if let Some(p) = period.filter(|_| !explicit.contains("sync_period")) {
+        args.sync_period = p;
+    }
+    if let Some(p) = min.filter(|_| !explicit.contains("min_sync_period")) {
+        args.min_sync_period = p;
+    }
+    if let Some(name) = k.ipvs_scheduler.filter(|_| !explicit.contains("scheduler")) {
+        args.scheduler = crate::cli::parse_scheduler(&name).map_err(|reason| Error::Merged {
+            what: "--ipvs-scheduler".into(),
+            reason,
+        })?;
+    }
+    let with_port = |b: &mut BindAddress, port: Option<u16>| {
+        if let (Some(addr), Some(port)) = (b.0.as_mut(), port) {
+            addr.set_port(port);
+        }
+    };
+    if !explicit.contains("healthz_bind_address") {
+        with_port(&mut args.healthz_bind_address, k.healthz_port);
+    }
+    if !explicit.contains("metrics_bind_address") {
+        with_port(&mut args.metrics_bind_address, k.metrics_port);
+    }
+    Ok(())
+}
+
+/// For `run`: kube-proxy's flags warned about or put to use, `--config` read if given (its
+/// warnings and notes logged) and merged as kube-proxy merges it, the result checked and the
+/// effective settings logged.
 pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
+    for w in args.kube_proxy.ignored() {
+        tracing::warn!("{w}");
+    }
     if let Some(path) = args.config.clone() {
+        let explicit = file_decides(args, explicit);
         let parsed = load(path.as_path())?;
         for w in &parsed.warnings {
             tracing::warn!("{w}");
@@ -759,9 +893,14 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
         for n in &parsed.notes {
             tracing::info!("{n}");
         }
-        apply(args, &parsed.config, explicit)?;
+        apply(args, &parsed.config, &explicit)?;
     } else {
+        apply_kube_proxy_flags(args, explicit)?;
         validate(args)?;
+    }
+    // kube-proxy's normalisation of the node name.
+    if let Some(name) = &mut args.hostname_override {
+        *name = name.trim().to_lowercase();
     }
     let timeouts = conntrack_timeouts(args);
     tracing::info!(
@@ -782,6 +921,38 @@ pub fn resolve(args: &mut RunArgs, explicit: &BTreeSet<String>) -> Result<()> {
         "settings"
     );
     Ok(())
+}
+
+/// The `--config` file as the agent started with it: kube-proxy exits when its configuration
+/// file changes, so that the pod restarts with the new ConfigMap; the agent does the same (the
+/// datapath stays, as on any restart).
+#[derive(Debug)]
+pub struct FileWatch {
+    path: PathBuf,
+    content: Option<Vec<u8>>,
+}
+
+/// How often the `--config` file is read again.
+pub const FILE_WATCH_PERIOD: Duration = Duration::from_secs(2);
+
+impl FileWatch {
+    pub fn new(path: PathBuf) -> Self {
+        let content = std::fs::read(&path).ok();
+        Self { path, content }
+    }
+
+    /// Whether the file's content differs from the start's (a file that cannot be read for a
+    /// moment, as during a ConfigMap's swap, is not a change).
+    pub fn changed(&self) -> bool {
+        match std::fs::read(&self.path) {
+            Ok(now) => self.content.as_deref() != Some(now.as_slice()),
+            Err(_) => false,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// The kernel's own conntrack timeouts, which kube-proxy leaves in place when a
@@ -1178,10 +1349,7 @@ mod tests {
                 "featureGates:\n  Foo: true",
                 &["config.yaml: featureGates: set to"],
             ),
-            (
-                "conntrack:\n  tcpBeLiberal: true",
-                &["config.yaml: conntrack.tcpBeLiberal: set to true"],
-            ),
+            ("conntrack:\n  tcpBeLiberal: true", &[]),
             ("conntrack:\n  maxPerCore: 65536\n  min: 0", &[]),
             // Another mode's block: ignored upstream too, so quiet (its scheduler is read); but
             // typos still warn.
@@ -1382,6 +1550,87 @@ winkernel:
             "from the file"
         );
         assert_eq!(args.conntrack_udp_timeout, Duration::from_secs(9));
+    }
+
+    #[test]
+    fn a_changed_config_file_is_seen_a_vanished_one_is_not() {
+        let dir = std::env::temp_dir().join(format!("kpe-cfgwatch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("config.yaml");
+        std::fs::write(&file, "mode: nftables\n").expect("write");
+        let watch = FileWatch::new(file.clone());
+        assert!(!watch.changed());
+        std::fs::remove_file(&file).expect("rm");
+        assert!(!watch.changed(), "gone for a moment (a ConfigMap swap)");
+        std::fs::write(&file, "mode: ipvs\n").expect("write");
+        assert!(watch.changed());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn with_config_kube_proxy_s_flags_yield_to_the_file_but_hostname_override() {
+        let file = parse_ok(
+            "healthzBindAddress: 127.0.0.1:1\nhostnameOverride: from-file\n\
+             clientConnection:\n  kubeconfig: /file/kubeconfig\n",
+        )
+        .config;
+        let (mut args, explicit) = run_args_kube(&[
+            "--kubeconfig",
+            "/flag/kubeconfig",
+            "--metrics-bind-address",
+            "",
+            "--cluster-cidr",
+            "100.64.0.0/10",
+            "--hostname-override",
+            "from-flag",
+            "--sync-period",
+            "40s",
+            "--iptables-sync-period",
+            "50s",
+            "--healthz-port",
+            "1234",
+        ]);
+        let explicit = file_decides(&mut args, &explicit);
+        apply(&mut args, &file, &explicit).expect("apply");
+        assert_eq!(
+            args.kubeconfig.as_deref(),
+            Some(Path::new("/file/kubeconfig")),
+            "the file's"
+        );
+        assert_eq!(args.healthz_bind_address.to_string(), "127.0.0.1:1");
+        assert_eq!(
+            args.metrics_bind_address.to_string(),
+            "127.0.0.1:10249",
+            "the flag ignored, the file silent: the default"
+        );
+        assert!(args.cluster_cidr.is_empty(), "ignored flag, default");
+        assert_eq!(args.hostname_override.as_deref(), Some("from-flag"));
+        assert_eq!(
+            args.sync_period,
+            Duration::from_secs(40),
+            "the agent's own flag still wins"
+        );
+
+        // Without --config kube-proxy's flags mean what they mean to kube-proxy.
+        let (mut args, explicit) = run_args(&[
+            "--iptables-sync-period",
+            "50s",
+            "--iptables-min-sync-period",
+            "5s",
+            "--ipvs-scheduler",
+            "sh",
+            "--healthz-port",
+            "1234",
+        ]);
+        apply_kube_proxy_flags(&mut args, &explicit).expect("kube-proxy flags");
+        assert_eq!(args.sync_period, Duration::from_secs(50));
+        assert_eq!(args.min_sync_period, Duration::from_secs(5));
+        assert_eq!(args.scheduler, Scheduler::SourceHash);
+        assert_eq!(args.healthz_bind_address.to_string(), "0.0.0.0:1234");
+        let (mut args, explicit) =
+            run_args(&["--proxy-mode", "ipvs", "--iptables-sync-period", "50s"]);
+        apply_kube_proxy_flags(&mut args, &explicit).expect("kube-proxy flags");
+        assert_eq!(args.sync_period, Duration::from_secs(30), "not ipvs mode's");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 pub mod cleanup;
 pub mod config;
 pub mod dump;
+pub mod kube_proxy;
 
 use std::{path::PathBuf, time::Duration};
 
@@ -286,9 +287,20 @@ pub struct RunArgs {
     /// unless RUST_LOG names that target itself.
     #[arg(long, env = "KPE_BPF_LOG", value_enum, ignore_case = true, value_name = "LEVEL", default_value_t = crate::dataplane::bpf_log::BpfLog::Off)]
     pub bpf_log: crate::dataplane::bpf_log::BpfLog,
+    /// kube-proxy's flags that are not the agent's own (hidden; `kube_proxy`).
+    #[command(flatten)]
+    pub kube_proxy: kube_proxy::KubeProxyFlags,
 }
 
 impl RunArgs {
+    /// Every setting at its default (what `run` alone parses to; `KPE_*` variables apply).
+    pub fn defaults() -> Self {
+        match Cli::try_parse_from(["kube-proxy-ebpf", "run"]).map(|c| c.command) {
+            Ok(Command::Run(args)) => args,
+            other => unreachable!("`run` alone always parses: {other:?}"),
+        }
+    }
+
     /// Whether the configuration names IPv6 (for `--ipv6-maps auto`): an IPv6 prefix in
     /// --cluster-cidr, --service-cidr or --nodeport-addresses, or an IPv6 map size given.
     pub fn ipv6_configured(&self) -> bool {

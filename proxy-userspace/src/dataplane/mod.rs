@@ -26,6 +26,7 @@ pub mod links;
 pub mod loader;
 pub mod maps;
 pub mod netlink;
+pub mod nf_conntrack;
 pub mod node_addrs;
 pub mod occupancy;
 pub mod pin_keeper;

@@ -14,12 +14,15 @@
 //!   retry is silent. Queuing here makes broken map writes visible; documented choice.)
 //! - `/livez`: 200 when healthy, else 503. Body as v1.36's `ProxyHealth`:
 //!   `{"lastUpdated":..,"currentTime":..,"healthy":BOOL,"status":{"IPv4":{"lastUpdated":..,
-//!   "healthy":BOOL}}}`; `status` has one entry per IP family the proxy programs (IPv4 only
-//!   here) and is left out before the first sync, as upstream's empty map is.
+//!   "healthy":BOOL},"IPv6":{..}}}`; `status` has one entry per IP family the node runs (IPv6
+//!   once the node has IPv6 Services) and is left out before the first sync, as upstream's
+//!   empty map is.
+//! - The listener on `0.0.0.0` takes IPv6 too, as Go's does (`serving::http`).
 //! - `/healthz`: as `/livez`, and also 503 when the node is not eligible (the Node is being
 //!   deleted or carries the `ToBeDeletedByClusterAutoscaler` taint), so load balancers drain
-//!   the node. Body adds `"nodeEligible"` after `currentTime`; `healthy` stays the proxy's own
-//!   health. Standalone mode has no Node: always eligible. The Kubernetes source calls
+//!   the node, and when the Node is missing (listed and not there, or deleted), as upstream. Body
+//!   adds `"nodeEligible"` after `currentTime`; `healthy` stays the proxy's own health.
+//!   Standalone mode has no Node: always eligible. The Kubernetes source calls
 //!   [`HealthState::set_node_eligible`] with [`node_eligible`].
 //! - `/healthz` is also 503 while the agent's pins are lost and cannot be put back (bpffs
 //!   unmounted under it, [`crate::dataplane::pin_keeper`]): the datapath still runs on the maps
@@ -70,6 +73,8 @@ struct Inner {
     waiting_for_lists: Option<(SystemTime, String)>,
     /// The API server is reached through an address this agent's datapath translates.
     api_address: Option<String>,
+    /// The node runs IPv6 Services too (`status` then has an `IPv6` entry).
+    ipv6: bool,
 }
 
 /// The proxy's health, shared between the sync loop, the Node watch and the HTTP server.
@@ -99,6 +104,8 @@ pub struct Health {
     pub lists_missing: Option<String>,
     /// The API server address warning ([`HealthState::set_api_address_problem`]).
     pub api_address: Option<String>,
+    /// The node runs IPv6 Services too.
+    pub ipv6: bool,
 }
 
 impl HealthState {
@@ -113,6 +120,7 @@ impl HealthState {
                 pins_problem: None,
                 waiting_for_lists: None,
                 api_address: None,
+                ipv6: false,
             }),
         }
     }
@@ -121,6 +129,11 @@ impl HealthState {
     /// for (shown once the wait is overdue). Cleared by the first applied sync.
     pub fn waiting_for_lists(&self, since: SystemTime, why: String) {
         self.lock().waiting_for_lists = Some((since, why));
+    }
+
+    /// Whether the node runs IPv6 Services (each sync says; `status` follows).
+    pub fn set_ipv6(&self, ipv6: bool) {
+        self.lock().ipv6 = ipv6;
     }
 
     /// The API server is reached through an address this agent translates (`Some(why)`).
@@ -195,6 +208,7 @@ impl HealthState {
             current_time: now,
             lists_missing,
             api_address: i.api_address.clone(),
+            ipv6: i.ipv6,
         }
     }
 }
@@ -248,10 +262,13 @@ struct Payload {
     status: Option<Status>,
 }
 
+/// One entry per IP family the node runs, as upstream's map keyed by family.
 #[derive(Serialize)]
 struct Status {
     #[serde(rename = "IPv4")]
     ipv4: FamilyHealth,
+    #[serde(rename = "IPv6", skip_serializing_if = "Option::is_none")]
+    ipv6: Option<FamilyHealth>,
 }
 
 /// Upstream's `ProxierHealth`: one IP family's proxier.
@@ -304,11 +321,16 @@ pub fn respond(path: &str, health: &Health, metrics: &Metrics) -> (StatusCode, S
         api_server_address: (path == "/healthz")
             .then(|| health.api_address.clone())
             .flatten(),
-        status: health.last_updated.map(|t| Status {
-            ipv4: FamilyHealth {
+        status: health.last_updated.map(|t| {
+            // One sync carries both families.
+            let family = || FamilyHealth {
                 last_updated: go_time(Some(t)),
                 healthy: health.healthy,
-            },
+            };
+            Status {
+                ipv4: family(),
+                ipv6: health.ipv6.then(family),
+            }
         }),
     };
     (code, serde_json::to_string(&body).unwrap_or_default())
@@ -401,6 +423,24 @@ mod tests {
         let (code, body) = respond("/healthz", &h.health_at(at(63)), &m);
         assert_eq!(code, StatusCode::OK, "{body}");
         assert!(!body.contains("initialListsMissing"), "{body}");
+    }
+
+    #[test]
+    fn status_has_an_entry_per_family_the_node_runs() {
+        let m = Metrics::new();
+        let h = HealthState::default();
+        h.updated_at(at(0));
+        let (_, body) = respond("/healthz", &h.health_at(at(1)), &m);
+        assert!(
+            body.contains("\"IPv4\"") && !body.contains("\"IPv6\""),
+            "{body}"
+        );
+        h.set_ipv6(true);
+        let (_, body) = respond("/healthz", &h.health_at(at(1)), &m);
+        assert!(
+            body.contains("\"IPv4\"") && body.contains("\"IPv6\":{\"lastUpdated\""),
+            "{body}"
+        );
     }
 
     #[test]

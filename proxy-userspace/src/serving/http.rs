@@ -68,9 +68,15 @@ where
 pub async fn bind_with_retry(what: &str, addr: SocketAddr) -> TcpListener {
     let mut logged = false;
     loop {
-        match TcpListener::bind(addr).await {
+        let bound = match dual_stack(addr) {
+            Some(Ok(l)) => Ok(l),
+            // No IPv6 on this node: the IPv4 wildcard alone.
+            Some(Err(_)) | None => TcpListener::bind(addr).await,
+        };
+        match bound {
             Ok(l) => {
-                info!("{what} serving on http://{addr}");
+                let shown = l.local_addr().unwrap_or(addr);
+                info!("{what} serving on http://{shown}");
                 return l;
             }
             Err(e) => {
@@ -84,6 +90,44 @@ pub async fn bind_with_retry(what: &str, addr: SocketAddr) -> TcpListener {
             }
         }
     }
+}
+
+/// For the IPv4 wildcard (`0.0.0.0:port`), a listener on `[::]:port` that also accepts IPv4
+/// (IPV6_V6ONLY off whatever `net.ipv6.bindv6only` says), as Go's listener on `0.0.0.0` is and
+/// kube-proxy's /healthz therefore answers on both families. `None` for any other address.
+fn dual_stack(addr: SocketAddr) -> Option<std::io::Result<TcpListener>> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, SockaddrIn6, bind, listen, setsockopt, socket,
+        sockopt,
+    };
+    let SocketAddr::V4(v4) = addr else {
+        return None;
+    };
+    if !v4.ip().is_unspecified() {
+        return None;
+    }
+    let listener = (|| -> nix::Result<std::net::TcpListener> {
+        let fd = socket(
+            AddressFamily::Inet6,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+            None,
+        )?;
+        setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+        setsockopt(&fd, sockopt::Ipv6V6Only, &false)?;
+        let any = std::net::SocketAddrV6::new(std::net::Ipv6Addr::UNSPECIFIED, v4.port(), 0, 0);
+        bind(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            &SockaddrIn6::from(any),
+        )?;
+        listen(&fd, Backlog::new(1024)?)?;
+        Ok(std::net::TcpListener::from(fd))
+    })();
+    Some(
+        listener
+            .map_err(std::io::Error::from)
+            .and_then(TcpListener::from_std),
+    )
 }
 
 /// A plain HTTP/1.1 GET over a real TCP connection, for tests (blocking std I/O on a worker).
@@ -110,5 +154,33 @@ pub(crate) mod test_http {
         })
         .await
         .expect("client thread")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_ipv4_wildcard_listens_on_both_families_like_go() {
+        let l = bind_with_retry("test", (Ipv4Addr::UNSPECIFIED, 0).into()).await;
+        let port = l.local_addr().expect("addr").port();
+        tokio::spawn(serve(l, |_| {
+            reply(StatusCode::OK, "text/plain", "ok".into())
+        }));
+        for ip in [
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ] {
+            let (code, _, body) = test_http::get((ip, port).into(), "/", "*/*").await;
+            assert_eq!((code, body.as_str()), (200, "ok"), "over {ip}");
+        }
+        let l = bind_with_retry("test", (Ipv4Addr::LOCALHOST, 0).into()).await;
+        assert!(
+            l.local_addr().expect("addr").is_ipv4(),
+            "a given address stays itself"
+        );
     }
 }

@@ -373,12 +373,15 @@ impl KubeSource {
     }
 
     /// Is this node eligible for traffic (/healthz)? Not when its Node is being deleted or carries
-    /// the cluster autoscaler's deletion taint; eligible while the Node has not been seen.
+    /// the cluster autoscaler's deletion taint, nor when the Node is missing once listed
+    /// (deleted, or never created: upstream's healthz says the same); eligible before the first
+    /// list.
     pub fn node_eligible(&self) -> bool {
-        self.node
-            .state()
-            .first()
-            .is_none_or(|n| crate::serving::health::node_eligible(n))
+        let listed = futures::FutureExt::now_or_never(self.node.wait_until_ready()).is_some();
+        match self.node.state().first() {
+            Some(n) => crate::serving::health::node_eligible(n),
+            None => !listed,
+        }
     }
 
     /// Object counts (Services, EndpointSlices), for logs.
