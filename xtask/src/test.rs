@@ -96,12 +96,28 @@ pub fn run(no_setup: bool) -> Result<()> {
             ])
             .args(["-Z", "build-std=core", "--", "-D", "warnings"]),
     );
-    step(
-        "unprivileged tests",
-        cargo()
-            .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
-            .env_remove(proxy_testenv::PRIVILEGED_ENV),
-    );
+    // The privileged packages' integration targets all run in the privileged step below (the
+    // BPF_PROG_TEST_RUN tables need only root, so here they would run twice): only their unit
+    // and doc tests run here, and every test of the other packages.
+    let mut others = cargo();
+    others.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
+    let mut units = cargo();
+    units.arg("test");
+    let mut docs = cargo();
+    docs.arg("test");
+    for package in PRIVILEGED_PACKAGES {
+        others.args(["--exclude", package]);
+        units.args(["-p", package]);
+        docs.args(["-p", package]);
+    }
+    units.args(["--lib", "--bins"]);
+    docs.arg("--doc");
+    for cmd in [&mut others, &mut units, &mut docs] {
+        cmd.env_remove(proxy_testenv::PRIVILEGED_ENV);
+    }
+    step("unprivileged tests", &mut others);
+    step("unit tests (agent)", &mut units);
+    step("doc tests (agent)", &mut docs);
     // The upgrade test's fixture (the previous release's agent), built here so its time shows;
     // a clone without that commit fails this step and the upgrade test with the same message.
     step(

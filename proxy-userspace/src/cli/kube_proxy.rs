@@ -12,7 +12,7 @@
 
 use std::{ffi::OsString, time::Duration};
 
-use super::parse_duration;
+use super::duration::parse_duration;
 
 /// Subcommands of the agent; a command line naming none of them is `run`'s.
 const SUBCOMMANDS: [&str; 4] = ["run", "dump", "cleanup", "help"];
