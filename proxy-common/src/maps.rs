@@ -22,6 +22,14 @@ pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
 /// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
 pub const MAP_SEED: &str = "SEED_V1";
 pub const MAP_SERVICE_CIDRS: &str = "SVCCIDRS_V1";
+/// `FRONTGEN_V1` (array, one `u32` at index 0): the frontend generation, which the agent moves
+/// on after every sync that adds a frontend (a ClusterIP, NodePort, externalIP or LB IP port)
+/// or gives one its first endpoint. A direct flow (`ct_flags::DIRECT`) keeps in its
+/// `CtValue::backend_id` the generation it was last checked at; a packet of it seen under
+/// another generation looks its destination up once more, so a flow that began before its
+/// destination was a Service frontend is translated from its next packet (a TCP connection
+/// already established keeps going straight, as netfilter keeps its NAT decision).
+pub const MAP_FRONTEND_GEN: &str = "FRONTGEN_V1";
 /// `MAGLEV_V1` (hash without preallocation, `crate::maglev::MaglevKey` → `crate::maglev::Chunk`):
 /// the Maglev lookup tables, only for the backend sets of frontends whose scheduler is `mh`.
 pub const MAP_MAGLEV: &str = "MAGLEV_V1";
@@ -57,7 +65,7 @@ pub const LAYOUT_VERSION: u32 = 1;
 pub const LAYOUT_OLDEST_READER: u32 = 1;
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 33] = [
+pub const ALL_MAPS: [&str; 34] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -91,6 +99,7 @@ pub const ALL_MAPS: [&str; 33] = [
     crate::ipv6::MAP_SNAT6,
     crate::ipv6::MAP_NODE6,
     crate::presence::MAP_AGENT,
+    MAP_FRONTEND_GEN,
 ];
 
 /// Default capacities compiled into the object; the agent may resize at load time
@@ -404,7 +413,7 @@ pub mod ct_flags {
     pub const SPORT_NAT: u8 = 1 << 1;
     /// A flow straight to an address that is no Service frontend (a pod reached directly): no
     /// address translation. Tracked only as an ORIGINAL entry (`frontend_* == backend_*`,
-    /// `backend_id` 0), so that no translated flow is given its reply tuple; with `SPORT_NAT`
+    /// `backend_id` the frontend generation it was checked at: `MAP_FRONTEND_GEN`), so that no translated flow is given its reply tuple; with `SPORT_NAT`
     /// (it started while a translated flow held its reply tuple) it has a REPLY entry too.
     pub const DIRECT: u8 = 1 << 2;
     /// The flow holds one unit of its backend's `LCFLOWS_V1` count: set when a translated flow

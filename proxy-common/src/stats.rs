@@ -171,6 +171,9 @@ counters! {
     /// A connect()/sendmsg() of a pod's socket to a Service sent to a backend by the socket
     /// hooks, while no agent ran to attach the pod's interface.
     SockPodTranslated = "sock_pod_translated",
+    /// A packet of a direct flow whose destination has become a Service frontend since the flow
+    /// began (a client that sent before the Service existed): handled as a new flow.
+    DirectBecameFrontend = "direct_became_frontend",
     /// An IPv6 TCP/UDP packet with extension headers before its L4 header (walked, kept).
     Ipv6ExtHeaders = "ipv6_ext_headers",
     /// IPv6 whose extension header chain could not be walked to a TCP/UDP/ICMPv6 header (more

@@ -17,14 +17,14 @@
 pub use proxy_common::timeouts::idle_expired;
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, CtKey, CtValue, DatapathConfig,
-    backend_flags, ct_dir, ct_flags, ct_state,
+    ServiceKey, backend_flags, ct_dir, ct_flags, ct_state,
     flow_state::{self, Segment},
     hash::{PortProbe, flow_hash},
     proto,
 };
 
 use crate::{
-    Drop, lc,
+    Drop, frontend_gen, lc,
     maps::{self, CtEntry},
     packet::Packet,
     stats,
@@ -449,6 +449,11 @@ pub fn direct_flow(p: &Packet, key: &CtKey, now: u64) -> Result<Option<[u8; 2]>,
         // A UDP reply of a translated flow from a remote backend, on its way to the client.
         return Ok(None);
     }
+    let Some(checked_at) = frontend_gen::for_new_direct(|| {
+        maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_some()
+    }) else {
+        return Ok(None);
+    };
     let itself = Backend {
         addr: p.daddr,
         port: p.dport,
@@ -459,7 +464,7 @@ pub fn direct_flow(p: &Packet, key: &CtKey, now: u64) -> Result<Option<[u8; 2]>,
     let value = CtValue {
         last_seen_ns: now,
         created_ns: now,
-        backend_id: 0,
+        backend_id: checked_at,
         rev_nat_id: 0,
         frontend_addr: p.daddr,
         backend_addr: p.daddr,

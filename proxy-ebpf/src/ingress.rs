@@ -10,7 +10,7 @@ use proxy_common::{
 use crate::{
     Action, Drop,
     conntrack::{self, NewFlow},
-    frag, icmp,
+    frag, frontend_gen, icmp,
     log::{self, Refused},
     maps, nat,
     packet::{self, Packet, Parsed, tcp_flags},
@@ -70,6 +70,13 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
             replacing = Replacing::Old;
         } else if p.is_syn() && ct.state == ct_state::CLOSING {
             // A new connection on the tuple of a closed one: choose again, like netfilter does.
+            replacing = Replacing::Old;
+        } else if ct.flags & ct_flags::DIRECT != 0
+            && frontend_gen::direct_outdated(&entry, ct.backend_id, p.may_open_flow(), || {
+                maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_some()
+            })
+        {
+            // It began before its destination became a Service frontend: a new flow now.
             replacing = Replacing::Old;
         } else if ct.flags & ct_flags::DIRECT != 0 {
             // Straight to a pod: no address translation; a source port only after a clash.

@@ -11,6 +11,7 @@ mod affinity;
 mod conntrack;
 mod egress;
 mod frag;
+mod frontend_gen;
 mod icmp;
 mod ingress;
 mod ipv6;

@@ -173,6 +173,49 @@ static REJECTRL_V1: PerCpuArray<RejectBucket, 1> = PerCpuArray::new();
 #[btf_map]
 static SEED_V1: Array<u32, 1> = Array::new();
 
+/// The frontend generation (`MAP_FRONTEND_GEN`), written by the agent.
+#[btf_map]
+static FRONTGEN_V1: Array<u32, 1> = Array::new();
+
+/// The frontend generation now (`MAP_FRONTEND_GEN`): 0 until an agent wrote one.
+#[inline(always)]
+pub fn frontend_generation() -> u32 {
+    FRONTGEN_V1.get(0).copied().unwrap_or(0)
+}
+
+/// A conntrack value whose direct flows record the frontend generation they were checked at
+/// (`ct_flags::DIRECT`: in `backend_id`, which a direct flow has no use for).
+pub trait Checked: Stamped {
+    /// Where the generation of the value at `ptr` is.
+    ///
+    /// # Safety
+    /// As for `Stamped::stamp_fields`.
+    unsafe fn checked_at_field(ptr: *mut Self) -> *mut u32;
+}
+
+impl Checked for CtValue {
+    unsafe fn checked_at_field(ptr: *mut Self) -> *mut u32 {
+        // SAFETY: as in `stamp_fields`.
+        unsafe { &raw mut (*ptr).backend_id }
+    }
+}
+
+impl Checked for Ct6Value {
+    unsafe fn checked_at_field(ptr: *mut Self) -> *mut u32 {
+        // SAFETY: as in `stamp_fields`.
+        unsafe { &raw mut (*ptr).backend_id }
+    }
+}
+
+impl<V: Checked> FlowEntry<V> {
+    /// A direct flow was checked against frontend generation `generation`.
+    #[inline(always)]
+    pub fn set_checked_at(&self, generation: u32) {
+        // SAFETY: as in `touch`: a single-field store; concurrent writers store the same value.
+        unsafe { *V::checked_at_field(self.ptr) = generation };
+    }
+}
+
 /// Least connection: per-backend active-flow counts (`proxy_common::lc`), datapath-owned.
 #[btf_map]
 static LCFLOWS_V1: Array<u64, { LC_CAPACITY as usize }> = Array::new();
@@ -922,6 +965,7 @@ const _: () = assert!(same(MAP_SNAT_DEVICES, "SNATDEV_V1"));
 const _: () = assert!(same(MAP_TAP, "TAP_V1"));
 const _: () = assert!(same(MAP_SEED, "SEED_V1"));
 const _: () = assert!(same(proxy_common::presence::MAP_AGENT, "AGENT_V1"));
+const _: () = assert!(same(proxy_common::MAP_FRONTEND_GEN, "FRONTGEN_V1"));
 const _: () = assert!(same(MAP_REJECT_LIMIT, "REJECTRL_V1"));
 const _: () = assert!(same(MAP_SERVICE_CIDRS, "SVCCIDRS_V1"));
 const _: () = assert!(same(MAP_AFFINITY, "AFFINITY_V1"));

@@ -167,6 +167,13 @@ impl Packet {
     pub const fn is_syn(&self) -> bool {
         self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
     }
+
+    /// Could this packet start a flow: a UDP datagram, a TCP SYN or an SCTP INIT (not a
+    /// segment of a connection under way)?
+    #[inline(always)]
+    pub const fn may_open_flow(&self) -> bool {
+        (!self.is_tcp() && !self.is_sctp()) || self.is_syn()
+    }
 }
 
 /// ICMP header length (type, code, checksum, 4 bytes rest-of-header).

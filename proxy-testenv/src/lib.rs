@@ -46,7 +46,7 @@ pub use multinode::{
 };
 pub use netns::NetNs;
 pub use process::{Proc, run_with_timeout};
-pub use stream::{ByteStream, StreamSummary};
+pub use stream::{ByteStream, PINGER_PERIOD, PingReply, StreamSummary, UdpPinger};
 pub use tempdir::TempDir;
 pub use topology::{
     BACKENDS, BACKENDS6, CLIENT_IP, CLIENT_IP6, ConnectOutcome, CurlReply, Exec, GATEWAY, GATEWAY6,

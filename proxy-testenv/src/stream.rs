@@ -224,3 +224,108 @@ fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> Result<()> {
     }
     Ok(())
 }
+
+/// Sends a datagram every 200 ms from one fixed source port, the way statsd, syslog or a QUIC
+/// client keep one socket, and records every reply with its CLOCK_MONOTONIC time. Args: out
+/// file, destination, port, source port, datagrams to send (the run is bounded by it).
+const PINGER_PY: &str = r#"
+import select, socket, sys, time
+out, dst, dport, sport, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+fam = socket.AF_INET6 if ":" in dst else socket.AF_INET
+s = socket.socket(fam, socket.SOCK_DGRAM)
+s.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", sport))
+f = open(out, "w")
+for i in range(n):
+    try:
+        s.sendto(b"ping%d" % i, (dst, dport))
+    except OSError:
+        pass
+    end = time.monotonic() + 0.2
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        if select.select([s], [], [], left)[0]:
+            try:
+                data = s.recv(2048)
+            except OSError:
+                continue
+            f.write("%d %s\n" % (time.monotonic_ns(), data.decode(errors="replace")))
+            f.flush()
+f.write("done\n")
+f.close()
+"#;
+
+/// How often a [`UdpPinger`] sends.
+pub const PINGER_PERIOD: Duration = Duration::from_millis(200);
+
+/// A fixed-source-port UDP client sending every [`PINGER_PERIOD`] ([`PINGER_PY`]).
+#[derive(Debug)]
+pub struct UdpPinger {
+    out: PathBuf,
+    proc: Proc,
+}
+
+/// One reply a [`UdpPinger`] got: when (CLOCK_MONOTONIC ns) and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PingReply {
+    pub at_ns: u64,
+    pub body: String,
+}
+
+impl UdpPinger {
+    /// Starts sending from `ns` to `dst:port` from source port `sport`, `count` datagrams.
+    pub fn start(
+        ns: &NetNs,
+        dir: &Path,
+        name: &str,
+        dst: IpAddr,
+        port: u16,
+        sport: u16,
+        count: u32,
+    ) -> Result<Self> {
+        let out = dir.join(format!("pinger-{name}.out"));
+        let proc = ns.spawn(
+            &[
+                "python3",
+                "-c",
+                PINGER_PY,
+                out.to_str().context("path")?,
+                &dst.to_string(),
+                &port.to_string(),
+                &sport.to_string(),
+                &count.to_string(),
+            ],
+            Some(&dir.join(format!("pinger-{name}.log"))),
+        )?;
+        Ok(Self { out, proc })
+    }
+
+    /// The replies so far.
+    pub fn replies(&self) -> Vec<PingReply> {
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let (at, body) = l.split_once(' ')?;
+                Some(PingReply {
+                    at_ns: at.parse().ok()?,
+                    body: body.to_owned(),
+                })
+            })
+            .collect()
+    }
+
+    /// Waits until it sent its last datagram (at most `timeout`), then stops it.
+    pub fn finish(mut self, timeout: Duration) -> Vec<PingReply> {
+        let started = Instant::now();
+        while started.elapsed() < timeout {
+            let done = std::fs::read_to_string(&self.out).is_ok_and(|t| t.ends_with("done\n"));
+            if done {
+                break;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.proc.kill();
+        self.replies()
+    }
+}

@@ -35,6 +35,7 @@ use crate::{
         encode::FamilyAbi,
         incremental::Planner,
         model::{Problem, SkippedFrontend},
+        opened::OpenedFrontends,
         programmed::{Capacities, MapOp, Programmed},
         translate::NodeContext,
         translate_cache::TranslateCache,
@@ -72,6 +73,8 @@ pub struct Agent {
     maps: ServiceMaps,
     /// The conntrack and SNAT walks, on their own thread (`crate::dataplane::flow_gc`).
     flow_gc: FlowGc,
+    /// The frontend generation and the kernel conntrack purge after frontends open.
+    fresh_frontends: crate::dataplane::frontend_gen::FreshFrontends,
     /// Least-connection counts: the loop resets a freed backend id's count at once
     /// (`flow_gc::reset_freed`); the walks reconcile the rest.
     lc: LcCounts,
@@ -205,6 +208,7 @@ impl Agent {
         let snat = Snat::from_ebpf(&mut ebpf)?;
         let snat6 = crate::dataplane::maps::Snat6::from_ebpf(&mut ebpf)?;
         let lc = LcCounts::from_ebpf(&mut ebpf)?;
+        let fresh_frontends = crate::dataplane::frontend_gen::FreshFrontends::from_ebpf(&mut ebpf)?;
         let loop_lc = LcCounts::open_pinned(&pins)?;
         let health: std::sync::Arc<crate::serving::health::HealthState> = Default::default();
         let external = crate::dataplane::node_addrs::External::new(&mut ebpf, health.clone())?;
@@ -243,6 +247,7 @@ impl Agent {
             ebpf,
             maps,
             flow_gc,
+            fresh_frontends,
             lc: loop_lc,
             planner,
             cache: TranslateCache::new(),
@@ -335,6 +340,8 @@ impl Agent {
         // the op vector and the plan's indexes for every Service at once (the agent's peak).
         // What a group cannot carry (it does not fit) is left to the full plan below.
         let mut filled = Filled::default();
+        // Frontends the plans open: flows recorded toward them before go once written.
+        let mut opened = OpenedFrontends::default();
         if full && self.planner.begin_fill(desired, &mut self.programmed) {
             let fill = Instant::now();
             while let Some(group) = self.planner.plan_fill_group(
@@ -345,6 +352,7 @@ impl Agent {
             ) {
                 filled.ops += group.ops.len();
                 filled.walk_conntrack |= walks_conntrack_after(&group.ops, &self.programmed);
+                opened.add(&group.ops, &self.programmed);
                 self.backends_changed(&group.ops);
                 if let Err(e) = apply_recorded(
                     &mut self.maps,
@@ -353,6 +361,7 @@ impl Agent {
                     &mut self.family6,
                     group.ops,
                 ) {
+                    self.fresh_frontends.opened(&opened);
                     self.sync_failed();
                     return Err(e);
                 }
@@ -406,6 +415,7 @@ impl Agent {
         let Plan { ops, skipped } = plan;
         // Before the apply, so a walk running meanwhile leaves these ids alone either way.
         self.backends_changed(&ops);
+        opened.add(&ops, &self.programmed);
         if let Err(e) = apply_recorded(
             &mut self.maps,
             &mut self.planner,
@@ -413,6 +423,7 @@ impl Agent {
             &mut self.family6,
             ops,
         ) {
+            self.fresh_frontends.opened(&opened);
             self.sync_failed();
             return Err(e);
         }
@@ -420,7 +431,8 @@ impl Agent {
             skipped,
             ..Plan::default()
         });
-        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6();
+        let (ops6, freed_lc_ids6, walk6) = self.sync_ipv6(&mut opened);
+        self.fresh_frontends.opened(&opened);
         if problems[ipv4_problems..] != *self.family6.problems() {
             problems.truncate(ipv4_problems);
             problems.extend_from_slice(self.family6.problems());
@@ -907,7 +919,7 @@ impl Agent {
     /// logged here (each once); a failed write is logged and retried by the next sync.
     /// Also returns the least-connection ids it freed and whether its writes call for a
     /// conntrack walk (as [`freed_least_connection_ids`] and [`walks_conntrack_after`] on IPv4).
-    fn sync_ipv6(&mut self) -> (usize, Vec<u32>, bool) {
+    fn sync_ipv6(&mut self, opened: &mut OpenedFrontends) -> (usize, Vec<u32>, bool) {
         // Every sync, as the IPv4 family's `external.refresh()`.
         self.family6.refresh();
         if !self.family6.active()
@@ -921,6 +933,7 @@ impl Agent {
         let before_apply = |ops: &[MapOp<std::net::Ipv6Addr>], programmed6: &Programmed<_>| {
             freed = freed_least_connection_ids(ops, programmed6);
             walk = walks_conntrack_after(ops, programmed6);
+            opened.add(ops, programmed6);
             // Before the apply, so a walk running meanwhile leaves these ids alone.
             crate::dataplane::flow_gc::lock(flow_gc.shared())
                 .note_changed(changed_backend_ids(ops));

@@ -15,7 +15,7 @@ use super::{
     pick, reject, snat,
 };
 use crate::{
-    Action, Drop,
+    Action, Drop, frontend_gen,
     log::{self, Refused},
     maps::{self, Ct6Entry},
     packet::tcp_flags,
@@ -70,7 +70,21 @@ fn established(ctx: &TcContext, p: &Packet6) -> Option<Result<Action, Drop>> {
     {
         return None;
     }
+    if ct.flags & ct_flags::DIRECT != 0 && direct_outdated(p, &entry, ct) {
+        // It began before its destination became a Service frontend: forgotten here (the
+        // new-flow program has no room for the check), so that program starts it anew.
+        conntrack::remove(&key, Sent::of(&key, ct));
+        return None;
+    }
     Some(pass_tracked(ctx, p, &key, &entry, ct, now))
+}
+
+/// Must this packet of a direct flow start a new flow (see `crate::frontend_gen`)?
+#[inline(always)]
+fn direct_outdated(p: &Packet6, entry: &Ct6Entry, ct: &Ct6Value) -> bool {
+    frontend_gen::direct_outdated(entry, ct.backend_id, p.may_open_flow(), || {
+        maps::service6(&Service6Key::new(p.daddr, p.dport, p.proto, 0)).is_some()
+    })
 }
 
 /// A remote backend's reply to a SNATed flow (no conntrack entry of its own): back to the
@@ -181,6 +195,9 @@ fn new_flow(
     old: Option<Sent>,
     stale: bool,
 ) -> Result<Action, Drop> {
+    // Read before the lookup: a direct flow recorded below holds a generation no newer than
+    // the frontends it was looked up in (see `crate::frontend_gen`).
+    let checked_at = maps::frontend_generation();
     // Clients inside the cluster reach an eTP=Local frontend through its in-cluster entry.
     let mut frontend_key = Service6Key::new(p.daddr, p.dport, p.proto, 0);
     let scoped = maps::frontend6_for(&mut frontend_key, || maps::in_cluster6(&p.saddr));
@@ -210,7 +227,7 @@ fn new_flow(
                 // client: untracked.
                 return Ok(Action::pass(Counter::NotService));
             }
-            (0, &p.daddr, &p.dport, 0)
+            (checked_at, &p.daddr, &p.dport, 0)
         }
         Some(frontend) => {
             if frontend.flags & service_flags::SOURCE_RANGES != 0

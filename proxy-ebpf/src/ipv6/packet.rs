@@ -140,6 +140,12 @@ impl Packet6 {
     pub const fn is_syn(&self) -> bool {
         self.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
     }
+
+    /// Could this packet start a flow: a UDP datagram, a TCP SYN or an SCTP INIT?
+    #[inline(always)]
+    pub const fn may_open_flow(&self) -> bool {
+        (!self.is_tcp() && !self.is_sctp()) || self.is_syn()
+    }
 }
 
 /// An ICMPv6 error quoting a TCP/UDP over IPv6 packet.

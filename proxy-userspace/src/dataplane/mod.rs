@@ -14,9 +14,12 @@ pub mod batch;
 pub mod bpf_log;
 pub mod bpffs;
 pub mod clock;
+#[allow(unsafe_code)]
+pub mod ct_netlink;
 pub mod devices;
 pub mod ebpf_object;
 pub mod flow_gc;
+pub mod frontend_gen;
 pub mod interfaces;
 pub mod layout;
 pub mod lc_counts;

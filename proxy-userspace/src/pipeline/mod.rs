@@ -14,6 +14,7 @@ pub mod ids;
 pub mod incremental;
 pub mod maglev;
 pub mod model;
+pub mod opened;
 pub mod programmed;
 pub mod topology;
 pub mod translate;

@@ -251,6 +251,18 @@ impl Cluster {
         }
     }
 
+    /// The manifest folder both agents read.
+    pub fn manifests(&self) -> &ManifestDir {
+        &self._manifests
+    }
+
+    /// [`Cluster::fail`] unless `cond`.
+    pub fn check(&self, cond: bool, msg: impl FnOnce() -> String) {
+        if !cond {
+            self.fail(&msg());
+        }
+    }
+
     /// Panics with the message and every node's agent log tail.
     pub fn fail(&self, msg: &str) -> ! {
         let mut text = msg.to_owned();
