@@ -78,6 +78,25 @@ pub const fn ipv6_of(v4: Ipv4Addr) -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, digits(a), digits(b), digits(c), 0, 0, 0, digits(d))
 }
 
+/// `GET url` with curl from `ns` (2 s at most): (status code, body); code 0 when nothing answered.
+pub fn http_status(ns: &NetNs, url: &str) -> Result<(u16, String)> {
+    let out = ns.output(
+        &[
+            "curl",
+            "-s",
+            "--max-time",
+            "2",
+            "-w",
+            "\x1e%{http_code}",
+            url,
+        ],
+        Duration::from_secs(10),
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\x1e').unwrap_or((&text, "0"));
+    Ok((code.parse().unwrap_or(0), body.to_owned()))
+}
+
 /// `http://<ip>:<port>/`, with the IPv6 address in brackets.
 pub fn http_url(ip: impl Into<IpAddr>, port: u16) -> String {
     format!("http://{}/", SocketAddr::new(ip.into(), port))

@@ -105,24 +105,8 @@ fn kubeadm_kubeconfig(server: &str, sa: &Path) -> String {
 
 /// `GET http://127.0.0.1:10256/healthz` in the node: (status code, body).
 fn healthz(topo: &Topology) -> (u16, String) {
-    let out = topo
-        .node()
-        .output(
-            &[
-                "curl",
-                "-s",
-                "--max-time",
-                "2",
-                "-w",
-                "\x1e%{http_code}",
-                "http://127.0.0.1:10256/healthz",
-            ],
-            Duration::from_secs(10),
-        )
-        .expect("curl /healthz");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\x1e').unwrap_or((&text, "0"));
-    (code.parse().unwrap_or(0), body.to_owned())
+    proxy_testenv::http_status(topo.node(), "http://127.0.0.1:10256/healthz")
+        .expect("curl /healthz")
 }
 
 #[test]

@@ -48,25 +48,8 @@ fn sysctl(topo: &Topology, name: &str) -> String {
 
 /// `GET http://<host>:10256/healthz` in the node: (status code, body).
 fn healthz(topo: &Topology, host: &str) -> (u16, String) {
-    let url = format!("http://{host}:10256/healthz");
-    let out = topo
-        .node()
-        .output(
-            &[
-                "curl",
-                "-s",
-                "--max-time",
-                "2",
-                "-w",
-                "\x1e%{http_code}",
-                &url,
-            ],
-            Duration::from_secs(10),
-        )
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\x1e').unwrap_or((&text, "0"));
-    (code.parse().unwrap_or(0), body.to_owned())
+    proxy_testenv::http_status(topo.node(), &format!("http://{host}:10256/healthz"))
+        .expect("curl /healthz")
 }
 
 #[test]
