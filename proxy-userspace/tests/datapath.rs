@@ -1574,6 +1574,89 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     ));
 }
 
+/// A flow that began before its destination was a Service frontend (a client sending to a
+/// ClusterIP before the Service existed) is tracked as a direct flow. Once the frontend is there
+/// and the agent has moved the frontend generation on (`FRONTGEN_V1`), the flow's next UDP
+/// datagram or TCP SYN starts a translated flow; an established TCP connection keeps going
+/// straight. Without the new generation, the direct entry stands (the agent moves it on after
+/// writing the frontend).
+#[test]
+fn direct_flows_start_over_when_their_destination_becomes_a_frontend() {
+    const LATER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+    let mut dp = Datapath::load();
+    let q = Pkt::udp(CLIENT, 36_000, LATER, 53);
+    let syn = Pkt::tcp(CLIENT, 36_001, LATER, 80, SYN);
+    let established = Pkt::tcp(CLIENT, 36_002, LATER, 80, SYN);
+    let ack = Pkt::tcp(CLIENT, 36_002, LATER, 80, ACK);
+    for (what, p) in [
+        ("UDP to no Service yet", &q),
+        ("TCP SYN to no Service yet", &syn),
+        ("TCP SYN of a connection to no Service yet", &established),
+    ] {
+        // Tracked as a direct flow, counted as a packet to no Service.
+        dp.check(ingress(
+            what,
+            p.bytes(),
+            TC_NEXT,
+            Expect::Unchanged,
+            &[(Counter::NotService, 1)],
+        ));
+    }
+    dp.check(ingress(
+        "UDP again: the direct flow",
+        q.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::DirectFlow, 1)],
+    ));
+    dp.set_service(LATER, 53, proto::UDP, 9, &[11, 12]);
+    dp.set_service(LATER, 80, proto::TCP, 8, &[1, 2]);
+    dp.check(ingress(
+        "frontend written, generation not moved on yet: still direct",
+        q.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::DirectFlow, 1), (Counter::DirectBecameFrontend, 0)],
+    ));
+    let mut generation: Array<&mut MapData, u32> = Array::try_from(
+        dp.bpf
+            .map_mut(proxy_common::MAP_FRONTEND_GEN)
+            .expect("FRONTGEN_V1"),
+    )
+    .expect("array");
+    generation.set(0, 1, 0).expect("moving the generation on");
+    let id = expected_pick(&q, &[11, 12]);
+    dp.check(ingress(
+        "UDP after the new generation: translated",
+        q.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&q, id)),
+        &[(Counter::DirectBecameFrontend, 1), (Counter::NewFlow, 1)],
+    ));
+    dp.check(ingress(
+        "and stays so",
+        q.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&q, id)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    dp.check(ingress(
+        "an established connection's segment keeps going straight",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::DirectFlow, 1), (Counter::DirectBecameFrontend, 0)],
+    ));
+    let sid = expected_pick(&syn, &[1, 2]);
+    dp.check(ingress(
+        "a retransmitted SYN: translated",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&syn, sid)),
+        &[(Counter::DirectBecameFrontend, 1), (Counter::NewFlow, 1)],
+    ));
+}
+
 #[test]
 fn idle_expired_entries_are_replaced() {
     let cfg = DatapathConfig {

@@ -333,6 +333,64 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     );
 }
 
+/// As IPv4's `direct_flows_start_over_when_their_destination_becomes_a_frontend`: a direct
+/// flow toward what later became a frontend starts over under the next frontend generation
+/// (UDP, a SYN); an established TCP connection keeps going straight.
+#[test]
+fn direct_flows_start_over_when_their_destination_becomes_a_frontend() {
+    let later: Ipv6Addr = "fd00:96::77".parse().unwrap();
+    let mut dp = Datapath::load();
+    let q = Pkt6::udp(CLIENT, 36_000, later, 53);
+    let syn = Pkt6::tcp(CLIENT, 36_001, later, 80, SYN);
+    let connection = Pkt6::tcp(CLIENT, 36_002, later, 80, SYN);
+    let ack = Pkt6::tcp(CLIENT, 36_002, later, 80, ACK);
+    for (what, p) in [
+        ("UDP", &q),
+        ("a SYN", &syn),
+        ("a connection's SYN", &connection),
+    ] {
+        dp.step(what, PROG_TC_INGRESS, &p.bytes(), TC_NEXT, NOT_SERVICE);
+    }
+    dp.set_service(later, 53, proto::UDP, 9, &UDP_IDS);
+    dp.set_service(later, 80, proto::TCP, 8, &TCP_IDS);
+    dp.step(
+        "frontend written, generation not moved on yet: still direct",
+        PROG_TC_INGRESS,
+        &q.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1)],
+    );
+    let mut generation: Array<&mut MapData, u32> = Array::try_from(
+        dp.bpf
+            .map_mut(proxy_common::MAP_FRONTEND_GEN)
+            .expect("FRONTGEN_V1"),
+    )
+    .expect("array");
+    generation.set(0, 1, 0).expect("moving the generation on");
+    let restarted = [NEW, &[(Counter::DirectBecameFrontend, 1)]].concat();
+    dp.translated(
+        "UDP after the new generation",
+        PROG_TC_INGRESS,
+        &q,
+        &restarted,
+        &dnated(&q, picked(&q, &UDP_IDS)),
+    );
+    dp.step(
+        "an established connection's segment keeps going straight",
+        PROG_TC_INGRESS,
+        &ack.bytes(),
+        TC_NEXT,
+        &[(Counter::DirectFlow, 1)],
+    );
+    dp.translated(
+        "a retransmitted SYN",
+        PROG_TC_INGRESS,
+        &syn,
+        &restarted,
+        &dnated(&syn, picked(&syn, &TCP_IDS)),
+    );
+}
+
 #[test]
 fn udp_flow_is_dnated_and_reverse_natted_with_checksums_never_zero() {
     let dp = Datapath::load();
