@@ -295,7 +295,7 @@ fn owns_reply(original: &Ct6Key, reply_dport: [u8; 2], held: &Ct6Value) -> bool 
 }
 
 /// A new flow's translation. `direct`: a flow straight to a pod (no Service), the backend the pod
-/// itself and `backend_id` 0. The backend's address and port by reference (into map memory: a
+/// itself and `backend_id` the frontend generation it was checked at (`crate::frontend_gen`). The backend's address and port by reference (into map memory: a
 /// copy of the byte arrays would be kept in registers, spilled, on a nearly full stack).
 pub struct NewFlow6<'a> {
     pub original: &'a Ct6Key,

@@ -285,7 +285,8 @@ fn new_flow(
             )
         }
     };
-    let direct = backend_id == 0;
+    // A direct flow's `backend_id` is the frontend generation it was checked at.
+    let direct = scoped.is_none();
     let flow = NewFlow6 {
         original: key,
         backend_id,
