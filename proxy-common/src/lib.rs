@@ -1,6 +1,6 @@
 //! The one ABI between the eBPF datapath (`proxy-ebpf`) and the agent (`proxy-userspace`).
 //!
-//! Rules (see STYLE.md): every map key/value is `#[repr(C)]`, `Copy`, made of integers and byte
+//! Rules: every map key/value is `#[repr(C)]`, `Copy`, made of integers and byte
 //! arrays only, with explicit padding and a size assert, and derives `bytemuck::Pod`/`Zeroable`
 //! (whose derive rejects implicit padding at compile time). Addresses and ports are network-order
 //! byte arrays; only the agent's map layer converts them from `Ipv4Addr`/`u16`. Pure functions

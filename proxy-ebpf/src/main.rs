@@ -1,6 +1,6 @@
 //! tc programs of kube-proxy-ebpf: ClusterIP DNAT with conntrack on ingress, reverse NAT on
 //! egress; cgroup socket hooks for clients in the node's own namespace (`sock`). The entries only run the flow (`ingress`/`egress`), turn its result into one verdict
-//! and count why; everything else lives in the modules below (see STYLE.md, "module cut").
+//! and count why; everything else lives in the modules below, one per stage.
 #![no_std]
 #![no_main]
 // BPF atomics: the BPF target has no RMW atomics in core (`maps::fetch_add_u32`).

@@ -1,7 +1,7 @@
 //! The agent: wires the manifest source, the pure pipeline (translate → plan) and the dataplane
 //! edge (maps, links) into one sync loop.
 //!
-//! Start-up follows DESIGN.md: adopt the pinned maps and rebuild the shadow from them, read the
+//! Start-up: adopt the pinned maps and rebuild the shadow from them, read the
 //! source, sync, and only then attach (or atomically replace the programs of) the interfaces.
 //! Shutdown leaves maps and links pinned so traffic keeps flowing until the next agent adopts them.
 

@@ -1024,7 +1024,7 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
 
 /// Upgrade from the last agent before IPv6 (56a459a^1): its pins are the 19 IPv4 maps of that
 /// release, with a 6-entry tail-call array and 56 counters. The IPv6 work kept every IPv4 map's
-/// shape (separate maps per family, README "ABI"), so an upgraded agent adopts those maps with
+/// shape (separate maps per family, docs/architecture.md, "ABI"), so an upgraded agent adopts those maps with
 /// their state (a live flow's conntrack entries, a Service, a client's affinity record: the same
 /// kernel maps, entries as they were), replaces only the two program-side arrays that grew (the
 /// tail calls, the counters: no flow state in them) and creates the IPv6 maps beside them.

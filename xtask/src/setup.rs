@@ -24,7 +24,7 @@ pub const APT_PACKAGES: &[&str] = &[
     "iptables",
 ];
 
-/// The bpf-linker release that works with aya 0.14 and Debian's LLVM 22 (see DESIGN.md).
+/// The bpf-linker release that works with aya 0.14 and Debian's LLVM 22.
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 

@@ -1,9 +1,10 @@
 //! `--config FILE`: upstream kube-proxy's `KubeProxyConfiguration`
 //! (`kubeproxy.config.k8s.io/v1alpha1`), parsed, validated and merged under the flags.
 //!
-//! Pure apart from [`load`]. Rules (KUBE-PROXY-BEHAVIOUR.md):
-//! - Flags given on the command line (or through their environment variable) win over the file;
-//!   the file wins over flag defaults.
+//! Pure apart from [`load`]. Rules, as upstream kube-proxy applies them:
+//! - kube-proxy's own flags for settings the file holds are ignored when the file is given, as
+//!   upstream (only `--hostname-override` and `--master` override it: [`FILE_DECIDES`]); this
+//!   agent's own flags win over the file, and the file wins over flag defaults.
 //! - Empty strings and zero durations in the file mean "default", as upstream's defaulting does
 //!   (kubeadm writes `syncPeriod: 0s`, `udpTimeout: 0s`, `hostnameOverride: ""`).
 //! - A bad value is an error naming the file and the field. An unknown field is a warning that

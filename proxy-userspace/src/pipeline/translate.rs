@@ -1,6 +1,6 @@
 //! Snapshot → desired state: which frontends exist and which backends each one sends to.
 //!
-//! Pure. Follows upstream kube-proxy's Service handling (see KUBE-PROXY-BEHAVIOUR.md): skipped
+//! Pure. Follows upstream kube-proxy's Service handling (pkg/proxy, v1.36): skipped
 //! Service kinds, frontends per Service port × ClusterIP, endpoints joined from EndpointSlices
 //! ([`crate::sources::endpoints`]) and categorised ([`crate::pipeline::topology`]). A bad object is reported as a
 //! [`Problem`] and skipped; everything else is still programmed.
