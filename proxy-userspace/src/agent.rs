@@ -138,6 +138,13 @@ pub struct Agent {
     retry_skipped: bool,
     /// The maps were adopted from an earlier agent (they carry its Services from the start).
     adopted: bool,
+    /// The program groups loaded so far (`dataplane::loader::ProgramGroup`).
+    needs: loader::Needs,
+    /// Where the loaded programs are pinned for the next agent (none with the trace on: then
+    /// every program is loaded at start).
+    program_pins: Option<crate::dataplane::program_pins::ProgramPins>,
+    /// What the object was loaded with, to load more of its programs later.
+    load_params: loader::LoadParams,
 }
 
 /// The parts of one [`Agent::sync`], timed.
@@ -177,7 +184,27 @@ impl Agent {
             hash_seed: loader::node_seed(&pins)?,
             ..config
         };
-        let mut ebpf = loader::load_pinned(&pins, &config, &sizes, &sock_lb, bpf_log)?;
+        // The IPv4 Ethernet programs now; IPv6 too where the node has it (sized IPv6 maps);
+        // the L3-device programs and the socket hooks once something uses them (`Agent::need`).
+        let needs = loader::Needs {
+            ipv6: !sizes.ipv6_minimal(),
+            ..loader::Needs::default()
+        };
+        let loading = Instant::now();
+        let load_params = loader::LoadParams {
+            pins: pins.clone(),
+            config,
+            sizes,
+            sock_lb,
+            bpf_log,
+        };
+        let (mut ebpf, program_pins, loaded) = loader::load_pinned(&load_params, needs)?;
+        info!(
+            took_ms = loading.elapsed().as_millis() as u64,
+            verified = ?loaded.verified,
+            taken_from_pins = ?loaded.taken,
+            "programs loaded"
+        );
         let migrated = layout.after_load()?;
         if layout.pending() > 0 {
             info!(
@@ -284,7 +311,37 @@ impl Agent {
             pins_problem: None,
             retry_skipped: false,
             adopted: adopting,
+            needs,
+            program_pins,
+            load_params,
         })
+    }
+
+    /// Loads the programs `more` calls for that are not loaded yet (an L3 device to attach to,
+    /// IPv6 to serve). A failure is logged: what needs them then fails on its own (an attach
+    /// reports it) and the next call tries again.
+    fn need(&mut self, more: loader::Needs) {
+        let needs = self.needs.with(more);
+        let Some(pins) = self.program_pins.as_ref() else {
+            // Everything was loaded at start.
+            return;
+        };
+        if needs == self.needs {
+            return;
+        }
+        let started = Instant::now();
+        match loader::load_later(&self.load_params, &mut self.ebpf, needs, pins) {
+            Ok(loaded) => {
+                self.needs = needs;
+                info!(
+                    took_ms = started.elapsed().as_millis() as u64,
+                    verified = ?loaded.verified,
+                    taken_from_pins = ?loaded.taken,
+                    "programs loaded"
+                );
+            }
+            Err(e) => error!("loading the programs {more:?} calls for: {e}"),
+        }
     }
 
     /// Removes this node's datapath (the agent is being uninstalled): every link detached, every
@@ -645,6 +702,12 @@ impl Agent {
             }
         }
         let l3 = links::l3_devices(&links);
+        if wanted.iter().any(|i| l3.contains(&i.index)) {
+            self.need(loader::Needs {
+                l3: true,
+                ..loader::Needs::default()
+            });
+        }
         let before = self.attacher.pin_names();
         let report = if missing_only {
             self.attacher.attach_missing(&mut self.ebpf, &wanted, &l3)
@@ -922,6 +985,12 @@ impl Agent {
     fn sync_ipv6(&mut self, opened: &mut OpenedFrontends) -> (usize, Vec<u32>, bool) {
         // Every sync, as the IPv4 family's `external.refresh()`.
         self.family6.refresh();
+        if self.family6.active() {
+            self.need(loader::Needs {
+                ipv6: true,
+                ..loader::Needs::default()
+            });
+        }
         if !self.family6.active()
             || !(self.family6).wants_sync(self.cache.last_changes(), &self.cache)
         {

@@ -549,11 +549,29 @@ fn snat_gc_removes_dead_flows_both_entries_and_keeps_live_ones() {
     );
 }
 
+/// The agent's load of the object with its pins under `pins`, every program loaded.
+fn load_pinned(
+    pins: &kube_proxy_ebpf::dataplane::bpffs::PinLayout,
+    config: &DatapathConfig,
+    sizes: &kube_proxy_ebpf::dataplane::loader::MapSizes,
+    sock_lb: &proxy_common::SockLbConfig,
+    bpf_log: BpfLog,
+) -> kube_proxy_ebpf::dataplane::Result<aya::Ebpf> {
+    let params = loader::LoadParams {
+        pins: pins.clone(),
+        config: *config,
+        sizes: *sizes,
+        sock_lb: *sock_lb,
+        bpf_log,
+    };
+    loader::load_pinned(&params, loader::Needs::ALL).map(|(ebpf, _, _)| ebpf)
+}
+
 /// The agent's load of the object with its pins under `pins`, default sizes and settings.
 fn load_pinned_default(pins: &kube_proxy_ebpf::dataplane::bpffs::PinLayout) -> aya::Ebpf {
     use kube_proxy_ebpf::dataplane::loader::MapSizes;
     let sock = proxy_common::SockLbConfig::default();
-    loader::load_pinned(
+    load_pinned(
         pins,
         &DatapathConfig::DEFAULT,
         &MapSizes::default(),
@@ -633,7 +651,7 @@ fn pinned_flow_maps_of_another_size_are_adopted_as_they_are() {
         ..MapSizes::default()
     };
     let load = |sizes: &MapSizes| {
-        loader::load_pinned(
+        load_pinned(
             &pins,
             &DatapathConfig::DEFAULT,
             sizes,
@@ -707,7 +725,7 @@ fn ipv6_maps_get_their_sizes_and_one_entry_each_on_a_node_without_ipv6() {
             .expect("memlock line")
     };
     let load = |sizes: &MapSizes| {
-        loader::load_pinned(
+        load_pinned(
             &pins,
             &DatapathConfig::DEFAULT,
             sizes,
@@ -904,7 +922,7 @@ fn the_flow_hash_seed_is_random_per_node_and_kept_across_restarts() {
         };
         let sizes = tiny_map_sizes();
         drop(
-            loader::load_pinned(pins, &config, &sizes, &SockLbConfig::default(), BpfLog::Off)
+            load_pinned(pins, &config, &sizes, &SockLbConfig::default(), BpfLog::Off)
                 .expect("load"),
         );
         seed
@@ -942,7 +960,7 @@ fn a_pinned_map_of_another_shape_is_replaced_not_adopted() {
     let sizes = tiny_map_sizes();
     let load = || {
         drop(
-            loader::load_pinned(
+            load_pinned(
                 &pins,
                 &DatapathConfig::DEFAULT,
                 &sizes,

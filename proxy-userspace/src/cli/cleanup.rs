@@ -27,6 +27,7 @@ pub fn cleanup(pins: &PinLayout) -> anyhow::Result<()> {
 pub fn remove_datapath(pins: &PinLayout) -> anyhow::Result<()> {
     let links = attach::release_all(pins)?;
     maps::unpin_all(pins)?;
+    crate::dataplane::program_pins::remove_all(pins)?;
     for dir in [pins.links_dir(), pins.dir.clone()] {
         match std::fs::remove_dir(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

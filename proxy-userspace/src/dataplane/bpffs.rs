@@ -30,6 +30,11 @@ impl PinLayout {
         self.dir.join("links")
     }
 
+    /// Loaded programs by fingerprint (`super::program_pins`).
+    pub fn programs_dir(&self) -> PathBuf {
+        self.dir.join("programs")
+    }
+
     /// Creates the directories after checking the parent is a bpffs.
     pub fn create(&self) -> Result<()> {
         let parent = self.dir.parent().unwrap_or(Path::new("/"));

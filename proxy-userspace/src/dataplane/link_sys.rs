@@ -117,13 +117,20 @@ pub fn obj_identity(fd: BorrowedFd<'_>) -> io::Result<ObjIdentity> {
             )));
         }
     };
+    let [_, id] = info_words(fd)?;
+    Ok(ObjIdentity { kind, id })
+}
+
+/// The first `N` u32 words of the object's info (BPF_OBJ_GET_INFO_BY_FD; the kernel fills at
+/// most that many bytes).
+fn info_words<const N: usize>(fd: BorrowedFd<'_>) -> io::Result<[u32; N]> {
     #[repr(C)]
     struct InfoByFd {
         bpf_fd: u32,
         info_len: u32,
         info: u64,
     }
-    let mut info = [0u32; 2];
+    let mut info = [0u32; N];
     sys_bpf(
         BPF_OBJ_GET_INFO_BY_FD,
         &InfoByFd {
@@ -132,7 +139,13 @@ pub fn obj_identity(fd: BorrowedFd<'_>) -> io::Result<ObjIdentity> {
             info: info.as_mut_ptr() as u64,
         },
     )?;
-    Ok(ObjIdentity { kind, id: info[1] })
+    Ok(info)
+}
+
+/// The id of the program a BPF link runs (`bpf_link_info`: `type`, `id`, then `prog_id`).
+pub fn link_program_id(link: BorrowedFd<'_>) -> io::Result<u32> {
+    let [_, _, prog_id] = info_words(link)?;
+    Ok(prog_id)
 }
 
 /// Detaches the link from its hook now (dropping the last reference would, later).

@@ -1,17 +1,25 @@
 //! Loads the embedded eBPF object. Maps are pinned by name under the pin directory: an existing
 //! pin is adopted (same kernel map, contents kept), a missing one is created and pinned.
 
-use aya::{Ebpf, EbpfLoader, maps::Array, programs::SchedClassifier};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::Array,
+    programs::{ProgramError, SchedClassifier},
+};
 use proxy_common::{
     ALL_MAPS, BACKENDS_CAPACITY, CONFIG_GLOBAL, CONNTRACK_CAPACITY, DatapathConfig, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_REVNAT, MAP_SEED, MAP_SERVICES, MAP_SNAT,
     MAP_TAIL_CALLS, PROG_SOCK_CONNECT4, PROG_SOCK_GETPEERNAME4, PROG_SOCK_RECVMSG4,
-    PROG_SOCK_SENDMSG4, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS, PROG_TC_INGRESS_L3,
-    REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL, SockLbConfig, TAIL_CALLS,
-    bpf_log::LOG_LEVEL_GLOBAL, ipv6,
+    PROG_SOCK_SENDMSG4, REVNAT_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SOCK_LB_GLOBAL,
+    SockLbConfig, TAIL_CALLS, bpf_log::LOG_LEVEL_GLOBAL, ipv6,
 };
 
-use super::{Error, Result, bpf_log::BpfLog, bpffs::PinLayout};
+use super::{
+    Error, Result,
+    bpf_log::BpfLog,
+    bpffs::PinLayout,
+    program_pins::{self, ProgramPins},
+};
 use crate::{dataplane::ebpf_object::EBPF_OBJECT, pipeline::programmed::Capacities};
 
 /// Entries of each IPv6 hash and LRU map on a node without IPv6 (`dataplane::sizing`'s module
@@ -120,37 +128,74 @@ impl MapSizes {
     }
 }
 
-/// Loads the object with its maps pinned (or adopted) under `pins`, and loads (verifies) every
-/// program. Nothing is attached yet. `config.hash_seed` (from [`node_seed`]) is recorded in the
-/// pinned `SEED_V1` for the next agent. `bpf_log`: the datapath trace's level (its ring buffer
-/// is the object's own, never pinned: `super::bpf_log`).
+/// Everything the object is loaded with: kept by the agent to open it again for the program
+/// groups it loads later ([`load_later`]).
+#[derive(Clone, Debug)]
+pub struct LoadParams {
+    pub pins: PinLayout,
+    pub config: DatapathConfig,
+    pub sizes: MapSizes,
+    pub sock_lb: SockLbConfig,
+    /// The datapath trace's level (its ring buffer is the object's own, never pinned:
+    /// `super::bpf_log`).
+    pub bpf_log: BpfLog,
+}
+
+/// Loads the object with its maps pinned (or adopted) under `params.pins`, and loads
+/// (verifies) the programs `needs` calls for ([`ProgramGroup`]); the IPv6 tail-call slots are
+/// emptied when it does not call for IPv6. Nothing is attached yet. `config.hash_seed` (from
+/// [`node_seed`]) is recorded in the pinned `SEED_V1` for the next agent. Programs an earlier
+/// agent loaded from the same object, globals and maps are taken from their pins
+/// (`super::program_pins`); returns where this load's programs are pinned, for the next agent
+/// and for [`load_later`]. With the trace on nothing is pinned and every program is loaded now.
 pub fn load_pinned(
-    pins: &PinLayout,
-    config: &DatapathConfig,
-    sizes: &MapSizes,
-    sock_lb: &SockLbConfig,
-    bpf_log: BpfLog,
-) -> Result<Ebpf> {
+    params: &LoadParams,
+    needs: Needs,
+) -> Result<(Ebpf, Option<ProgramPins>, Loaded)> {
+    let LoadParams {
+        pins,
+        config,
+        sizes,
+        sock_lb,
+        bpf_log,
+    } = params;
     pins.create()?;
     replace_mismatched_pins(pins, sizes)?;
-    let paths: Vec<(&'static str, std::path::PathBuf)> =
-        ALL_MAPS.iter().map(|&m| (m, pins.map(m))).collect();
-    let log_level = bpf_log.code();
-    let mut loader = EbpfLoader::new();
-    loader
-        .override_global(CONFIG_GLOBAL, config, true)
-        .override_global(SOCK_LB_GLOBAL, sock_lb, true)
-        .override_global(LOG_LEVEL_GLOBAL, &log_level, true);
-    for (name, path) in &paths {
-        loader.map_pin_path(name, path.as_path());
+    let mut ebpf = open_object(params)?;
+    let program_pins = (*bpf_log == BpfLog::Off)
+        .then(|| -> Result<ProgramPins> {
+            let map_ids = ALL_MAPS
+                .iter()
+                .map(|&name| {
+                    aya::maps::MapData::from_pin(pins.map(name))
+                        .and_then(|m| m.info())
+                        .map(|info| info.id())
+                        .map_err(|source| Error::Map { name, source })
+                })
+                .collect::<Result<Vec<u32>>>()?;
+            let globals = [
+                bytemuck::bytes_of(config),
+                bytemuck::bytes_of(sock_lb),
+                &[bpf_log.code()][..],
+            ];
+            Ok(ProgramPins::new(
+                pins,
+                program_pins::fingerprint(EBPF_OBJECT, &globals, &map_ids),
+            ))
+        })
+        .transpose()?;
+    let needs = if program_pins.is_some() {
+        needs
+    } else {
+        Needs::ALL
+    };
+    let loaded = load_needed(&mut ebpf, needs, program_pins.as_ref())?;
+    if let Some(p) = &program_pins {
+        p.remove_others();
     }
-    for name in SIZED_MAPS {
-        if let Some(entries) = sizes.wanted(name) {
-            loader.map_max_entries(name, entries);
-        }
+    if !needs.ipv6 {
+        clear_tail_calls(&mut ebpf, &[ProgramGroup::Ipv6, ProgramGroup::Ipv6L3])?;
     }
-    let mut ebpf = loader.load(EBPF_OBJECT)?;
-    load_programs(&mut ebpf)?;
     let map_err = |source| Error::Map {
         name: MAP_SEED,
         source,
@@ -162,7 +207,66 @@ pub fn load_pinned(
         })?)
         .map_err(map_err)?;
     seed.set(0, config.hash_seed, 0).map_err(map_err)?;
-    Ok(ebpf)
+    Ok((ebpf, program_pins, loaded))
+}
+
+/// Loads, after the start, the groups `needs` calls for that `ebpf` lacks, into `ebpf`. A
+/// group pinned already is taken from its pins. The others are loaded from a fresh copy of the
+/// object, opened with the same parameters (the same pinned maps), and moved over through
+/// their pins: `ebpf` itself can no longer load a program, since its relocations name map fds
+/// that may have been closed (and reused) since the start.
+pub fn load_later(
+    params: &LoadParams,
+    ebpf: &mut Ebpf,
+    needs: Needs,
+    pins: &ProgramPins,
+) -> Result<Loaded> {
+    let missing: Vec<ProgramGroup> = (needs.groups().into_iter())
+        .filter(|&g| !group_loaded(ebpf, g))
+        .collect();
+    let mut loaded = Loaded::default();
+    let unpinned: Vec<ProgramGroup> = (missing.iter().copied())
+        .filter(|g| !pins.has_all(g.programs()))
+        .collect();
+    if !unpinned.is_empty() {
+        let mut fresh = open_object(params)?;
+        loaded = load_groups(&mut fresh, &unpinned, Some(pins))?;
+    }
+    for &group in &missing {
+        for &name in group.programs() {
+            let program = ebpf.program_mut(name).ok_or(Error::Missing {
+                what: "program",
+                name,
+            })?;
+            pins.take(name, program)?;
+        }
+        if !unpinned.contains(&group) {
+            loaded.taken.push(group);
+        }
+    }
+    set_tail_calls(ebpf, &missing)?;
+    Ok(loaded)
+}
+
+/// The object opened with its maps pinned (or adopted) under `params.pins`; no program loaded.
+fn open_object(params: &LoadParams) -> Result<Ebpf> {
+    let paths: Vec<(&'static str, std::path::PathBuf)> =
+        ALL_MAPS.iter().map(|&m| (m, params.pins.map(m))).collect();
+    let log_level = params.bpf_log.code();
+    let mut loader = EbpfLoader::new();
+    loader
+        .override_global(CONFIG_GLOBAL, &params.config, true)
+        .override_global(SOCK_LB_GLOBAL, &params.sock_lb, true)
+        .override_global(LOG_LEVEL_GLOBAL, &log_level, true);
+    for (name, path) in &paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    for name in SIZED_MAPS {
+        if let Some(entries) = params.sizes.wanted(name) {
+            loader.map_max_entries(name, entries);
+        }
+    }
+    Ok(loader.load(EBPF_OBJECT)?)
 }
 
 /// The node's flow hash seed: the one an earlier agent pinned in `SEED_V1`, else a fresh random
@@ -360,8 +464,8 @@ pub fn load_unpinned_logging(config: &DatapathConfig, bpf_log: BpfLog) -> Result
     Ok(ebpf)
 }
 
-/// The object's cgroup socket programs, loaded with the tc ones; `sock_lb` attaches them (its
-/// `SockHook::program` names one each, which its tests check against this list).
+/// The object's cgroup socket programs (the [`ProgramGroup::Sock`] group); `sock_lb` attaches
+/// them (its `SockHook::program` names one each, which its tests check against this list).
 pub const SOCK_PROGRAMS: [&str; 10] = [
     PROG_SOCK_CONNECT4,
     PROG_SOCK_SENDMSG4,
@@ -375,63 +479,329 @@ pub const SOCK_PROGRAMS: [&str; 10] = [
     proxy_common::PROG_SOCK_BIND6,
 ];
 
-/// Loads (verifies) the tc programs and the socket hooks of an opened object. The socket hooks
-/// stay inert (netns cookie 0) unless `SOCK_LB_GLOBAL` was set before loading.
-pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
-    let tail_called = TAIL_CALLS.iter().map(|&(name, _)| name);
-    for name in [
-        PROG_TC_INGRESS,
-        PROG_TC_EGRESS,
-        PROG_TC_INGRESS_L3,
-        PROG_TC_EGRESS_L3,
-    ]
-    .into_iter()
-    .chain(tail_called)
-    {
-        program_mut(ebpf, name)?
-            .load()
-            .map_err(|source| Error::Program { name, source })?;
-    }
-    link_tail_calls(ebpf)?;
-    for name in SOCK_PROGRAMS {
-        sock_program_mut(ebpf, name)?
-            .load()
-            .map_err(|source| Error::Program { name, source })?;
-    }
-    Ok(())
+/// The object's programs in the groups a node loads as it needs them. Loading is the verifier's
+/// work, almost all of an agent's start-up (the IPv6 and L3-device programs are most of it), so
+/// a node loads the IPv4 Ethernet programs (and the socket hooks) at start, the IPv6 ones too
+/// where the node has IPv6, and the rest only once something uses them: an L3 device to attach
+/// to, IPv6 appearing on the node. A tail call into a
+/// group that is not loaded finds an empty slot: the IPv4 programs then pass an IPv6 packet
+/// untouched, as on a kernel without the IPv6 datapath.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ProgramGroup {
+    /// IPv4 on Ethernet-framed devices: the entry programs and their tail-called parts.
+    Ethernet,
+    /// IPv4 on L3 devices (no Ethernet header: ipip, gre, WireGuard).
+    L3,
+    /// IPv6 on Ethernet-framed devices (tail-called by the IPv4 entry programs).
+    Ipv6,
+    /// IPv6 on L3 devices.
+    Ipv6L3,
+    /// The cgroup socket hooks.
+    Sock,
 }
 
-/// Puts the tail-called parts of ingress into this object's program array, where `tc_ingress`
-/// and `tc_ingress_new` jump to them (until then packets that need them are dropped, counted as
-/// `drop_tail_call`).
-fn link_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
-    let mut fds = Vec::with_capacity(TAIL_CALLS.len());
-    for (name, index) in TAIL_CALLS {
-        let fd = program_mut(ebpf, name)?
-            .fd()
-            .map_err(|source| Error::Program { name, source })?
-            .try_clone()
-            .map_err(|source| Error::Io {
-                what: format!("duplicating the fd of program {name}"),
-                source,
-            })?;
-        fds.push((index, fd));
+impl ProgramGroup {
+    pub const ALL: [ProgramGroup; 5] = [
+        ProgramGroup::Ethernet,
+        ProgramGroup::L3,
+        ProgramGroup::Ipv6,
+        ProgramGroup::Ipv6L3,
+        ProgramGroup::Sock,
+    ];
+
+    pub fn programs(self) -> &'static [&'static str] {
+        use proxy_common::*;
+        match self {
+            ProgramGroup::Ethernet => &[
+                PROG_TC_INGRESS,
+                PROG_TC_EGRESS,
+                PROG_TC_INGRESS_NEW,
+                PROG_TC_INGRESS_DIRECT,
+                PROG_TC_INGRESS_REJECT,
+            ],
+            ProgramGroup::L3 => &[
+                PROG_TC_INGRESS_L3,
+                PROG_TC_EGRESS_L3,
+                PROG_TC_INGRESS_NEW_L3,
+                PROG_TC_INGRESS_DIRECT_L3,
+                PROG_TC_INGRESS_REJECT_L3,
+            ],
+            ProgramGroup::Ipv6 => &[
+                PROG_TC_INGRESS6,
+                PROG_TC_EGRESS6,
+                PROG_TC_INGRESS6_REJECT,
+                PROG_TC_INGRESS6_NEW,
+                PROG_TC_EGRESS6_SNAT,
+                PROG_TC_INGRESS6_SNAT,
+            ],
+            ProgramGroup::Ipv6L3 => &[
+                PROG_TC_INGRESS6_L3,
+                PROG_TC_EGRESS6_L3,
+                PROG_TC_INGRESS6_REJECT_L3,
+                PROG_TC_INGRESS6_NEW_L3,
+                PROG_TC_EGRESS6_SNAT_L3,
+                PROG_TC_INGRESS6_SNAT_L3,
+            ],
+            ProgramGroup::Sock => &SOCK_PROGRAMS,
+        }
     }
-    let map = ebpf.map_mut(MAP_TAIL_CALLS).ok_or(Error::Missing {
-        what: "map",
-        name: MAP_TAIL_CALLS,
-    })?;
-    let mut array = aya::maps::ProgramArray::try_from(map).map_err(|source| Error::Map {
-        name: MAP_TAIL_CALLS,
-        source,
-    })?;
-    for (index, fd) in &fds {
+
+    /// The tail-call slots this group's programs fill.
+    fn tail_calls(self) -> impl Iterator<Item = (&'static str, u32)> {
+        TAIL_CALLS
+            .into_iter()
+            .filter(move |(name, _)| self.programs().contains(name))
+    }
+}
+
+/// What a node's datapath runs: the IPv4 Ethernet programs always, the rest as needed
+/// ([`ProgramGroup`]). Needs only grow: a loaded program stays loaded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Needs {
+    pub ipv6: bool,
+    pub l3: bool,
+}
+
+impl Needs {
+    /// Everything (tests and benchmarks).
+    pub const ALL: Needs = Needs {
+        ipv6: true,
+        l3: true,
+    };
+
+    /// Pure: the groups these needs load (the socket hooks always: they verify in
+    /// microseconds).
+    pub fn groups(self) -> Vec<ProgramGroup> {
+        let mut groups = vec![ProgramGroup::Ethernet, ProgramGroup::Sock];
+        if self.l3 {
+            groups.push(ProgramGroup::L3);
+        }
+        if self.ipv6 {
+            groups.push(ProgramGroup::Ipv6);
+        }
+        if self.ipv6 && self.l3 {
+            groups.push(ProgramGroup::Ipv6L3);
+        }
+        groups
+    }
+
+    /// These needs and `other`'s.
+    pub fn with(self, other: Needs) -> Needs {
+        Needs {
+            ipv6: self.ipv6 || other.ipv6,
+            l3: self.l3 || other.l3,
+        }
+    }
+}
+
+/// Loads (verifies) every program of an opened object and fills the tail-call slots. The
+/// socket hooks stay inert (netns cookie 0) unless `SOCK_LB_GLOBAL` was set before loading.
+pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
+    load_needed(ebpf, Needs::ALL, None).map(drop)
+}
+
+/// What [`load_needed`] did.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Groups verified by this agent.
+    pub verified: Vec<ProgramGroup>,
+    /// Groups taken from an earlier agent's pins (the same programs, not verified again).
+    pub taken: Vec<ProgramGroup>,
+}
+
+/// Loads the programs of the groups `needs` names that are not loaded yet, verifying them on
+/// every CPU at once (the kernel verifies privileged loads in parallel), then puts their
+/// tail-called parts into the program array. With `pins`, a group whose programs are all pinned
+/// there is taken from the pins instead, and the programs verified here are pinned there
+/// (`super::program_pins`).
+pub fn load_needed(ebpf: &mut Ebpf, needs: Needs, pins: Option<&ProgramPins>) -> Result<Loaded> {
+    let groups: Vec<ProgramGroup> = (needs.groups().into_iter())
+        .filter(|&g| !group_loaded(ebpf, g))
+        .collect();
+    load_groups(ebpf, &groups, pins)
+}
+
+/// [`load_needed`] of exactly `groups`, on an object that has loaded none of their programs.
+fn load_groups(
+    ebpf: &mut Ebpf,
+    groups: &[ProgramGroup],
+    pins: Option<&ProgramPins>,
+) -> Result<Loaded> {
+    let mut loaded = Loaded::default();
+    if groups.is_empty() {
+        return Ok(loaded);
+    }
+    for &g in groups {
+        if pins.is_some_and(|p| p.has_all(g.programs())) {
+            loaded.taken.push(g);
+        } else {
+            loaded.verified.push(g);
+        }
+    }
+    if let Some(&missing) =
+        (groups.iter().flat_map(|g| g.programs())).find(|&&n| ebpf.program(n).is_none())
+    {
+        return Err(Error::Missing {
+            what: "program",
+            name: missing,
+        });
+    }
+    let mut queue: Vec<(&'static str, &mut aya::programs::Program)> = Vec::new();
+    let mut to_pin: Vec<&'static str> = Vec::new();
+    for (name, program) in ebpf.programs_mut() {
+        let Some(group) = groups.iter().find(|g| g.programs().contains(&name)) else {
+            continue;
+        };
+        let name = *(group.programs().iter())
+            .find(|&&n| n == name)
+            .expect("found above");
+        if loaded.taken.contains(group) {
+            pins.expect("taken from pins").take(name, program)?;
+        } else {
+            if pins.is_some() {
+                to_pin.push(name);
+            }
+            queue.push((name, program));
+        }
+    }
+    // The costliest to verify last in the queue (taken first), so the CPUs end together.
+    queue.sort_by_key(|(name, _)| verify_cost_rank(name));
+    verify_in_parallel(queue)?;
+    if let Some(pins) = pins {
+        for name in to_pin {
+            let program = ebpf.program_mut(name).ok_or(Error::Missing {
+                what: "program",
+                name,
+            })?;
+            pins.pin(name, program)?;
+        }
+    }
+    set_tail_calls(ebpf, groups)?;
+    Ok(loaded)
+}
+
+/// Puts the tail-called programs of `groups` (loaded) into the program array.
+fn set_tail_calls(ebpf: &mut Ebpf, groups: &[ProgramGroup]) -> Result<()> {
+    let slots = (groups.iter().flat_map(|g| g.tail_calls()))
+        .map(|(name, index)| Ok((index, program_fd(ebpf, name)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut array = program_array(ebpf)?;
+    for (index, fd) in &slots {
         array.set(*index, fd, 0).map_err(|source| Error::Map {
             name: MAP_TAIL_CALLS,
             source,
         })?;
     }
     Ok(())
+}
+
+/// Empties the tail-call slots of `groups` (an earlier agent's programs there, for a part of
+/// the datapath this one does not run: packets that would jump there pass untouched instead).
+pub fn clear_tail_calls(ebpf: &mut Ebpf, groups: &[ProgramGroup]) -> Result<()> {
+    let mut array = program_array(ebpf)?;
+    for group in groups {
+        for (_, index) in group.tail_calls() {
+            match array.clear_index(&index) {
+                Ok(()) => {}
+                // Already empty.
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(2) => {}
+                Err(source) => {
+                    return Err(Error::Map {
+                        name: MAP_TAIL_CALLS,
+                        source,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether every program of `group` is loaded.
+pub fn group_loaded(ebpf: &Ebpf, group: ProgramGroup) -> bool {
+    group
+        .programs()
+        .iter()
+        .all(|&name| ebpf.program(name).is_some_and(|p| p.fd().is_ok()))
+}
+
+/// Pure: the order of the verify queue, cheapest first. The new-flow programs are the largest
+/// by far, then the direct and SNAT parts; the rest are small.
+fn verify_cost_rank(name: &str) -> u8 {
+    if name.contains("_new") {
+        3
+    } else if name.contains("_direct") || name.contains("_snat") {
+        2
+    } else if name.starts_with("tc_") {
+        1
+    } else {
+        0
+    }
+}
+
+/// Loads the queued programs on up to one thread per CPU, each taking the next from the end of
+/// the queue.
+fn verify_in_parallel(queue: Vec<(&'static str, &mut aya::programs::Program)>) -> Result<()> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(queue.len())
+        .max(1);
+    let queue = std::sync::Mutex::new(queue);
+    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| -> Result<()> {
+                    while let Some((name, program)) = next() {
+                        load_one(program).map_err(|source| Error::Program { name, source })?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect::<Result<Vec<()>>>()
+            .map(drop)
+    })
+}
+
+fn load_one(program: &mut aya::programs::Program) -> std::result::Result<(), ProgramError> {
+    use aya::programs::Program;
+    match program {
+        Program::SchedClassifier(p) => p.load(),
+        Program::CgroupSockAddr(p) => p.load(),
+        _ => Err(ProgramError::UnexpectedProgramType),
+    }
+}
+
+fn program_array(ebpf: &mut Ebpf) -> Result<aya::maps::ProgramArray<&mut aya::maps::MapData>> {
+    let map = ebpf.map_mut(MAP_TAIL_CALLS).ok_or(Error::Missing {
+        what: "map",
+        name: MAP_TAIL_CALLS,
+    })?;
+    aya::maps::ProgramArray::try_from(map).map_err(|source| Error::Map {
+        name: MAP_TAIL_CALLS,
+        source,
+    })
+}
+
+/// A duplicate of a loaded program's fd (the program array borrows the object mutably).
+fn program_fd(ebpf: &Ebpf, name: &'static str) -> Result<aya::programs::ProgramFd> {
+    let program = ebpf.program(name).ok_or(Error::Missing {
+        what: "program",
+        name,
+    })?;
+    program
+        .fd()
+        .map_err(|source| Error::Program { name, source })?
+        .try_clone()
+        .map_err(|source| Error::Io {
+            what: format!("duplicating the fd of program {name}"),
+            source,
+        })
 }
 
 /// One of our tc programs.
@@ -568,6 +938,72 @@ mod tests {
             BACKENDS_CAPACITY + ipv6::BACKENDS6_CAPACITY + 1,
             "one least-connection slot per id of both families"
         );
+    }
+
+    #[test]
+    fn every_program_of_the_object_is_in_exactly_one_group() {
+        let obj = aya_obj::Object::parse(EBPF_OBJECT).expect("object");
+        // The tap is the tests' own, attached by them.
+        let mut names: Vec<&str> = (obj.programs.keys().map(String::as_str))
+            .filter(|&n| n != proxy_common::PROG_TC_TAP)
+            .collect();
+        names.sort_unstable();
+        let mut grouped: Vec<&str> = ProgramGroup::ALL
+            .iter()
+            .flat_map(|g| g.programs().iter().copied())
+            .collect();
+        grouped.sort_unstable();
+        assert_eq!(
+            grouped, names,
+            "each program once, and no other but the tap"
+        );
+        let tail_called: usize = ProgramGroup::ALL
+            .iter()
+            .map(|g| g.tail_calls().count())
+            .sum();
+        assert_eq!(
+            tail_called,
+            TAIL_CALLS.len(),
+            "every tail-called program has a group"
+        );
+    }
+
+    #[test]
+    fn a_node_loads_ipv4_on_ethernet_and_what_it_needs() {
+        use ProgramGroup::*;
+        assert_eq!(Needs::default().groups(), [Ethernet, Sock]);
+        let l3 = Needs {
+            l3: true,
+            ..Needs::default()
+        };
+        let ipv6 = Needs {
+            ipv6: true,
+            ..Needs::default()
+        };
+        assert_eq!(l3.groups(), [Ethernet, Sock, L3]);
+        assert_eq!(ipv6.groups(), [Ethernet, Sock, Ipv6]);
+        assert_eq!(
+            l3.with(ipv6).groups(),
+            [Ethernet, Sock, L3, Ipv6, Ipv6L3],
+            "IPv6 on L3 devices once both are needed, whichever came first"
+        );
+        let mut all = Needs::ALL.groups();
+        all.sort();
+        assert_eq!(all, ProgramGroup::ALL);
+    }
+
+    #[test]
+    fn the_largest_programs_are_verified_first() {
+        let mut queue = [
+            "sock_bind4",
+            "tc_ingress",
+            "tc_ingress6_new",
+            "tc_egress6_snat",
+            "tc_ingress_new",
+        ];
+        queue.sort_by_key(|n| verify_cost_rank(n));
+        assert_eq!(queue[0], "sock_bind4");
+        assert!(queue[3..].iter().all(|n| n.contains("_new")), "{queue:?}");
     }
 
     #[test]

@@ -36,6 +36,7 @@ pub mod pin_keeper;
 pub mod pin_lock;
 pub mod port_range;
 pub mod presence;
+pub mod program_pins;
 pub mod service_cidrs;
 pub mod sizing;
 pub mod snat_gc;

@@ -72,6 +72,28 @@ impl SockHook {
         }
     }
 
+    /// The hook of the program `name`, if it is one of the socket hooks.
+    pub fn of_program(name: &str) -> Option<SockHook> {
+        SockHook::ALL.into_iter().find(|h| h.program() == name)
+    }
+
+    /// Where the kernel runs it (a program pinned by an earlier agent is opened with it).
+    pub const fn attach_type(self) -> aya::programs::CgroupSockAddrAttachType {
+        use aya::programs::CgroupSockAddrAttachType as T;
+        match self {
+            SockHook::Connect4 => T::Connect4,
+            SockHook::Sendmsg4 => T::UDPSendMsg4,
+            SockHook::Recvmsg4 => T::UDPRecvMsg4,
+            SockHook::Getpeername4 => T::GetPeerName4,
+            SockHook::Connect6 => T::Connect6,
+            SockHook::Sendmsg6 => T::UDPSendMsg6,
+            SockHook::Recvmsg6 => T::UDPRecvMsg6,
+            SockHook::Getpeername6 => T::GetPeerName6,
+            SockHook::Bind4 => T::Bind4,
+            SockHook::Bind6 => T::Bind6,
+        }
+    }
+
     const fn as_str(self) -> &'static str {
         match self {
             SockHook::Connect4 => "connect4",

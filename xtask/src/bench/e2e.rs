@@ -575,3 +575,115 @@ fn wait_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Res
     }
     Ok(())
 }
+
+/// How the agent starts in [`cold_start`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// No pins: a new or rebooted node, IPv4 only (the IPv6 programs are not loaded).
+    FreshIpv4,
+    /// No pins, IPv6 maps sized (`--ipv6-maps full`, as on a node with IPv6): both families'
+    /// programs verified.
+    FreshDualStack,
+    /// The pins the fresh IPv4 start left (a restart, an upgrade to the same build): the
+    /// programs are taken from their pins.
+    Restart,
+}
+
+impl Start {
+    pub const ALL: [Start; 3] = [Start::FreshIpv4, Start::FreshDualStack, Start::Restart];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Start::FreshIpv4 => "fresh_ipv4",
+            Start::FreshDualStack => "fresh_dual_stack",
+            Start::Restart => "restart",
+        }
+    }
+}
+
+/// The agent binary on a manifest folder of `n` Services in a bare node namespace, from its
+/// start to its first sync (status file): a fresh node (IPv4 only, then with IPv6), and a
+/// restart on the pins the fresh start left; beside them kube-proxy's rule-set load times for
+/// the same Services (`iptables-restore`, `nft -f`, where installed).
+pub fn cold_start(cfg: &Config, n: usize, rounds: usize) -> Result<Value> {
+    let topo = Topology::bare()?;
+    let specs = workload::generated(n);
+    let dir = ManifestDir::new()?;
+    workload::write_manifests(dir.path(), &specs)?;
+    let sizes = super::inproc::sizes_for(n);
+    let flags = [
+        ("--map-entries-services", sizes.services),
+        ("--map-entries-backends", sizes.backends),
+        ("--map-entries-revnat", sizes.rev_nats),
+    ]
+    .map(|(flag, v)| [flag.to_owned(), v.to_string()]);
+    let mut times: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    for round in 0..rounds {
+        for start in [Start::FreshIpv4, Start::FreshDualStack] {
+            let pins = PinDir::new(&format!("{}-cold{round}-{}", topo.prefix(), start.name()))?;
+            let mut args: Vec<&std::ffi::OsStr> =
+                vec!["--manifests".as_ref(), dir.path().as_os_str()];
+            args.extend(flags.iter().flatten().map(std::ffi::OsStr::new));
+            if start == Start::FreshDualStack {
+                args.extend(["--ipv6-maps", "full"].map(std::ffi::OsStr::new));
+            }
+            let mut starts = vec![start];
+            if start == Start::FreshIpv4 {
+                starts.push(Start::Restart);
+            }
+            for start in starts {
+                let started = Instant::now();
+                let mut agent = Agent::start_with(
+                    &cfg.agent_bin,
+                    topo.node(),
+                    &args,
+                    pins.path(),
+                    topo.tmp().path(),
+                )?;
+                agent.wait_synced(1, cfg.program_timeout)?;
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                if let Some(line) = agent
+                    .log_tail()
+                    .lines()
+                    .find(|l| l.contains("programs loaded"))
+                {
+                    eprintln!(
+                        "  {}: {ms:.0} ms; {}",
+                        start.name(),
+                        line.split_once("  INFO ").map_or(line, |(_, l)| l)
+                    );
+                }
+                times.entry(start.name()).or_default().push(ms);
+                // Stopped as a crash would (SIGKILL): the pins stay for the restart.
+                drop(agent);
+            }
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    let mut out = json!({ "services": n, "rounds": rounds });
+    for start in Start::ALL {
+        out[format!("{}_ms", start.name())] =
+            json!(times.get(start.name()).and_then(|v| median(v)));
+        out[format!("{}_all_ms", start.name())] = json!(times.get(start.name()));
+    }
+    for mode in [Mode::Iptables, Mode::Nftables] {
+        let tool = if mode == Mode::Iptables {
+            "iptables-restore"
+        } else {
+            "nft"
+        };
+        if !super::which(tool) {
+            continue;
+        }
+        let key = format!("{}_ms", mode.name());
+        out[key] = match restore_time(cfg, mode, n)? {
+            Programmed::Done(ms) => json!(ms),
+            Programmed::TimedOut => Value::Null,
+        };
+    }
+    Ok(out)
+}

@@ -82,6 +82,16 @@ enum Command {
         #[arg(long)]
         agent_sync_period: Option<String>,
     },
+    /// Only the cold start: agent start → first sync at each of `services` on a fresh node
+    /// (IPv4, then with IPv6) and on a restart, beside kube-proxy's rule-set load times.
+    ColdStart {
+        #[arg(value_delimiter = ',', default_value = "1,10000")]
+        services: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        agent_bin: PathBuf,
+    },
     /// Write the footprint's manifest folder for `services` generated Services × 10 endpoints
     /// into `dir` (to run the agent on it by hand, e.g. under heaptrack).
     WriteManifests { services: usize, dir: PathBuf },
@@ -141,6 +151,9 @@ pub struct Plan {
     pub e2e: Vec<usize>,
     pub restore: Vec<usize>,
     pub rss: Vec<usize>,
+    /// Services of the cold-start rows, and rounds each (`e2e::cold_start`).
+    pub cold_start: Vec<usize>,
+    pub cold_start_rounds: usize,
     pub effort: inproc::Effort,
     pub e2e_cfg: e2e::Config,
 }
@@ -164,6 +177,8 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
             e2e: vec![10],
             restore: vec![10],
             rss: vec![10],
+            cold_start: vec![1],
+            cold_start_rounds: 1,
             effort: inproc::Effort {
                 new_flows: 200,
                 calls: 3,
@@ -178,6 +193,8 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
             e2e: vec![1, 1_000],
             restore: vec![1_000, 10_000],
             rss: vec![1_000, 10_000],
+            cold_start: vec![1, 10_000],
+            cold_start_rounds: 1,
             effort: inproc::Effort {
                 new_flows: 5_000,
                 calls: 21,
@@ -192,6 +209,8 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
             e2e: vec![1, 1_000, 10_000],
             restore: vec![1_000, 10_000, 50_000],
             rss: vec![1_000, 5_000, 10_000, 50_000],
+            cold_start: vec![1, 10_000],
+            cold_start_rounds: 3,
             effort: inproc::Effort {
                 new_flows: 20_000,
                 calls: 51,
@@ -238,6 +257,18 @@ fn main() -> std::process::ExitCode {
             proxy_testenv::ensure_bpffs()?;
             let v = e2e::agent_footprint(&p.e2e_cfg, services)?;
             println!("{v}");
+            Ok(())
+        }),
+        Command::ColdStart {
+            services,
+            rounds,
+            agent_bin,
+        } => plan(Size::Quick, agent_bin).and_then(|p| {
+            proxy_testenv::ensure_bpffs()?;
+            for n in services {
+                let v = e2e::cold_start(&p.e2e_cfg, n, rounds)?;
+                println!("{v}");
+            }
             Ok(())
         }),
         Command::ChangeLatency {
@@ -407,6 +438,14 @@ fn run(args: RunArgs) -> Result<()> {
                 let _ = t;
                 results.restore.push(v);
             }
+        }
+        for &n in &p.cold_start {
+            let t = step(&format!(
+                "cold start: {n} Services (fresh node, with IPv6, restart)"
+            ));
+            let v = e2e::cold_start(&p.e2e_cfg, n, p.cold_start_rounds)?;
+            eprintln!("  {v} [{:.1}s]", t.elapsed().as_secs_f64());
+            results.cold_start.push(v);
         }
         for &n in &p.rss {
             let t = step(&format!(

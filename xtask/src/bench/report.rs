@@ -24,6 +24,8 @@ pub struct Results {
     pub control_sizes: Vec<usize>,
     pub inproc: Vec<SizeResult>,
     pub restore: Vec<Value>,
+    /// `e2e::cold_start` rows.
+    pub cold_start: Vec<Value>,
     pub agent: Vec<Value>,
     pub e2e: Vec<Run>,
     pub iptables_version: Value,
@@ -375,6 +377,29 @@ impl Results {
                     f(agent, 0),
                     cell(Mode::Iptables),
                     cell(Mode::Nftables)
+                );
+            }
+            s.push('\n');
+        }
+
+        if !self.cold_start.is_empty() {
+            let _ = writeln!(
+                s,
+                "### Cold start: agent start → first sync (ms; median of the rounds) vs kube-proxy's rule-set load\n\n\
+                 | Services × 10 endpoints | fresh node, IPv4 | fresh node, IPv6 too | restart (programs taken from pins) | iptables-restore | nft -f |\n\
+                 |---:|---:|---:|---:|---:|---:|"
+            );
+            for v in &self.cold_start {
+                let ms = |k: &str| f(v[k].as_f64().unwrap_or(f64::NAN), 0);
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    n_fmt(v["services"].as_u64().unwrap_or(0) as usize),
+                    ms("fresh_ipv4_ms"),
+                    ms("fresh_dual_stack_ms"),
+                    ms("restart_ms"),
+                    ms("iptables_ms"),
+                    ms("nftables_ms")
                 );
             }
             s.push('\n');
