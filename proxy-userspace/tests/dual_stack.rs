@@ -306,8 +306,17 @@ fn an_ipv4_only_node_gets_one_entry_ipv6_maps_and_a_restart_with_ipv6_sizes_them
         log.contains("the IPv6 maps were created with one entry each"),
         || "no warning about the one-entry IPv6 maps".to_owned(),
     );
+    // The IPv6 programs: not loaded at start (IPv6 passed untouched), loaded once it came.
+    let loads: Vec<&str> = (log.lines())
+        .filter(|l| l.contains("programs loaded"))
+        .collect();
+    agent.check(
+        loads.len() == 2 && !loads[0].contains("Ipv6") && loads[1].contains("verified=[Ipv6]"),
+        || format!("program loads: {loads:#?}"),
+    );
 
-    // A restart sizes them and programs every IPv6 frontend.
+    // A restart sizes them (new maps: the programs are verified again) and programs every IPv6
+    // frontend.
     agent.restart().expect("restarting the agent");
     let status = agent
         .wait_synced(1, Duration::from_secs(30))
