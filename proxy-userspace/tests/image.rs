@@ -591,9 +591,23 @@ impl Node {
     }
 
     /// The service account directory the kubelet mounts into every container.
-    fn service_account_flag(&self) -> String {
-        let sa = service_account(self.topo.tmp().path());
-        format!("--volume={}:{SERVICE_ACCOUNT_MOUNT}:ro", sa.display())
+    fn service_account(&self) -> PathBuf {
+        service_account(self.topo.tmp().path())
+    }
+
+    /// The agent container's flags: the manifest's, plus what the kubelet adds (the service
+    /// account, the `kubernetes` Service's env) and the rlimits; `seccomp` None for podman's
+    /// own default profile.
+    fn agent_flags(&self, ds: &DaemonSet, seccomp: Option<&Path>) -> Vec<String> {
+        let c = container(ds, AGENT);
+        let mut flags = podman_flags(ds, c, &self.topo.node().path(), &self.host, seccomp);
+        flags.push(format!(
+            "--volume={}:{SERVICE_ACCOUNT_MOUNT}:ro",
+            self.service_account().display()
+        ));
+        flags.extend(KUBELET_ENV.iter().map(|(k, v)| format!("--env={k}={v}")));
+        flags.extend(ulimit_flags());
+        flags
     }
 
     /// Runs init container `mount-bpffs` as the manifest says; its output.
@@ -666,7 +680,6 @@ fn proc_status(pid: i64) -> std::collections::BTreeMap<String, String> {
 fn cap_bit(name: &str) -> u32 {
     match name {
         "NET_ADMIN" => 12,
-        "SYS_ADMIN" => 21,
         "PERFMON" => 38,
         "BPF" => 39,
         other => panic!("capability {other} is not one this test knows (add its number)"),
@@ -677,9 +690,9 @@ fn cap_bit(name: &str) -> u32 {
 
 fn run_the_daemonset(runtime: Runtime, archive: &Path) {
     let started = Instant::now();
+    let rt = runtime.name();
     let ds = daemonset();
     let node = Node::new(runtime, archive);
-    let rt = runtime.name();
 
     // The init step on the host's empty /sys/fs/bpf: mounts a bpffs the host side sees.
     assert!(!is_bpffs(&node.host.bpffs));
@@ -698,23 +711,17 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
     let c = container(&ds, AGENT);
     let argv = container_argv(c, NODE);
     assert!(
-        argv.iter()
-            .any(|a| a == &format!("--hostname-override={NODE}"))
-            && argv
-                .iter()
-                .any(|a| a == "--daemonset=kube-system/kube-proxy-ebpf"),
+        argv.contains(&format!("--hostname-override={NODE}"))
+            && argv.contains(&"--daemonset=kube-system/kube-proxy-ebpf".to_owned()),
         "kubelet expansion: {argv:?}"
     );
-    let agent_flags = |seccomp: Option<&Path>| {
-        let mut flags = podman_flags(&ds, c, &node.topo.node().path(), &node.host, seccomp);
-        flags.push(node.service_account_flag());
-        flags.extend(KUBELET_ENV.iter().map(|(k, v)| format!("--env={k}={v}")));
-        flags.extend(ulimit_flags());
-        flags
-    };
-    let flags = agent_flags(Some(&node.seccomp));
     let name = node.name(AGENT);
-    let out = node.podman.run(&name, &flags, &argv, true);
+    let out = node.podman.run(
+        &name,
+        &node.agent_flags(&ds, Some(&node.seccomp)),
+        &argv,
+        true,
+    );
     if !out.status.success() {
         node.fail(&format!(
             "{rt}: podman run ({}): {}",
@@ -722,15 +729,31 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
             String::from_utf8_lossy(&out.stderr)
         ));
     }
+    wait_ready(&node, rt);
+    let ready_after = started.elapsed();
+    assert_serves(&node, rt);
+    assert_ran_as_the_manifest_says(&node, &ds, &argv, rt);
+    assert_bpf_allowed_only_under_runtime_default(&node, &ds, &argv, rt);
+    eprintln!(
+        "image: {rt}: mount-bpffs mounted then found the bpffs; the agent's container ready {} ms \
+         after this runtime's node set-up began, ClusterIP and NodePort answered, security \
+         context as the manifest says; {:.1} s in all",
+        ready_after.as_millis(),
+        started.elapsed().as_secs_f64()
+    );
+}
 
-    // Ready: /healthz 200 in the node (synced from the API server, programs attached).
+/// /healthz answers 200 in the node (synced from the API server, programs attached); fails at
+/// once if the container stops.
+fn wait_ready(node: &Node, rt: &str) {
+    let name = node.name(AGENT);
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let (code, _) =
             proxy_testenv::http_status(node.topo.node(), "http://127.0.0.1:10256/healthz")
                 .unwrap_or((0, String::new()));
         if code == 200 {
-            break;
+            return;
         }
         let running = node
             .podman
@@ -744,9 +767,11 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         }
         thread::sleep(Duration::from_millis(250));
     }
-    let ready_after = started.elapsed();
+}
 
-    // A pod through the ClusterIP.
+/// A pod through the ClusterIP, the external client through the NodePort on the node's uplink:
+/// each reply from a backend.
+fn assert_serves(node: &Node, rt: &str) {
     let replies = node
         .topo
         .curl_many(&format!("http://{VIP}/"), 6)
@@ -758,7 +783,6 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
             ));
         }
     }
-    // The external client through the NodePort on the node's uplink.
     let url = format!("http://{NODE_IP}:{NODE_PORT}/");
     for i in 0..3 {
         let out = node
@@ -777,25 +801,26 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
             ));
         }
     }
+}
 
-    // What the container ran with, as the runtime reports it and as the kernel has it.
-    let inspect = node.podman.inspect(&name);
-    let sc = c.security_context.as_ref().expect("securityContext");
-    let added: BTreeSet<String> = sc
-        .capabilities
-        .as_ref()
-        .and_then(|c| c.add.clone())
-        .unwrap_or_default()
+/// The strings of a JSON array.
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
         .into_iter()
-        .collect();
-    let with_prefix: BTreeSet<String> = added.iter().map(|c| format!("CAP_{c}")).collect();
-    let as_set = |v: &Value| -> BTreeSet<String> {
-        v.as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|s| s.as_str().map(str::to_owned))
-            .collect()
-    };
+        .flatten()
+        .filter_map(|s| s.as_str().map(str::to_owned))
+        .collect()
+}
+
+/// What the agent's container ran with, as podman reports it and as the kernel has it, against
+/// the manifest: image, command, capabilities, read-only root, uid, no_new_privs, seccomp,
+/// network, mounts; and the API server it used.
+fn assert_ran_as_the_manifest_says(node: &Node, ds: &DaemonSet, argv: &[String], rt: &str) {
+    let c = container(ds, AGENT);
+    let name = node.name(AGENT);
+    let inspect = node.podman.inspect(&name);
+    let set = |v: &Value| -> BTreeSet<String> { strings(v).into_iter().collect() };
+
     // The manifest's short name as the kubelet's runtimes complete it (docker.io/library/).
     let image = c.image.as_deref().expect("image");
     assert_eq!(image, deployed_image(), "the manifest's image");
@@ -804,29 +829,35 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         format!("docker.io/library/{image}"),
         "{rt}: image"
     );
-    let image_tags = node.podman.ok(&[
-        "image",
-        "inspect",
-        "--format",
-        "{{.Id}} {{.RepoTags}}",
-        deployed_image(),
-    ]);
-    assert!(
-        image_tags.starts_with(inspect["Image"].as_str().unwrap_or("?")),
-        "{rt}: the container's image {} is not the loaded one: {image_tags}",
-        inspect["Image"]
-    );
-    let mut ran: Vec<String> = vec![inspect["Path"].as_str().unwrap_or_default().to_owned()];
-    ran.extend(as_set_vec(&inspect["Args"]));
-    assert_eq!(ran, argv, "{rt}: command");
+    let loaded = node
+        .podman
+        .ok(&["image", "inspect", "--format", "{{.Id}}", image]);
     assert_eq!(
-        as_set(&inspect["EffectiveCaps"]),
-        with_prefix,
+        inspect["Image"].as_str(),
+        Some(loaded.trim()),
+        "{rt}: the container's image is not the one loaded"
+    );
+    let mut ran = vec![inspect["Path"].as_str().unwrap_or_default().to_owned()];
+    ran.extend(strings(&inspect["Args"]));
+    assert_eq!(ran, argv, "{rt}: command");
+
+    let sc = c.security_context.as_ref().expect("securityContext");
+    let added: BTreeSet<String> = sc
+        .capabilities
+        .as_ref()
+        .and_then(|c| c.add.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let cap_names: BTreeSet<String> = added.iter().map(|c| format!("CAP_{c}")).collect();
+    assert_eq!(
+        set(&inspect["EffectiveCaps"]),
+        cap_names,
         "{rt}: effective caps"
     );
     assert_eq!(
-        as_set(&inspect["HostConfig"]["CapAdd"]),
-        with_prefix,
+        set(&inspect["HostConfig"]["CapAdd"]),
+        cap_names,
         "{rt}: CapAdd"
     );
     assert_eq!(
@@ -838,7 +869,7 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         "{rt}: privileged"
     );
     assert_eq!(inspect["Config"]["User"], "0", "{rt}: runAsUser");
-    let security_opt = as_set(&inspect["HostConfig"]["SecurityOpt"]);
+    let security_opt = set(&inspect["HostConfig"]["SecurityOpt"]);
     assert!(
         security_opt.contains("no-new-privileges"),
         "{rt}: SecurityOpt {security_opt:?}"
@@ -852,6 +883,9 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         format!("ns:{}", node.topo.node().path().display()),
         "{rt}: hostNetwork"
     );
+
+    // Mounts: each volumeMount at its path, from the test's side of its volume, read-only and
+    // propagated as the manifest says; plus the service account the kubelet adds.
     let mounts: BTreeSet<(String, String, bool, String)> = inspect["Mounts"]
         .as_array()
         .into_iter()
@@ -865,8 +899,15 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
             )
         })
         .collect();
-    let pod = ds.spec.template.spec.as_ref().expect("pod");
-    let volumes = pod.volumes.as_deref().unwrap_or_default();
+    let volumes = ds
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .expect("pod")
+        .volumes
+        .as_deref();
+    let volumes = volumes.unwrap_or_default();
     let mut want: BTreeSet<(String, String, bool, String)> = c
         .volume_mounts
         .iter()
@@ -881,15 +922,15 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
             )
         })
         .collect();
-    let sa = node.topo.tmp().path().join("serviceaccount");
     want.insert((
         SERVICE_ACCOUNT_MOUNT.to_owned(),
-        sa.to_string_lossy().into_owned(),
+        node.service_account().to_string_lossy().into_owned(),
         false,
         "rprivate".to_owned(),
     ));
     assert_eq!(mounts, want, "{rt}: mounts");
 
+    // The kernel's view of the container's process.
     let pid = inspect["State"]["Pid"].as_i64().expect("container pid");
     let status = proc_status(pid);
     let mask: u64 = added.iter().fold(0, |m, c| m | 1 << cap_bit(c));
@@ -897,22 +938,14 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
     for key in ["CapEff", "CapPrm", "CapBnd"] {
         assert_eq!(status.get(key), Some(&want_mask), "{rt}: {key}: {status:?}");
     }
-    assert_eq!(
-        status.get("NoNewPrivs").map(String::as_str),
-        Some("1"),
-        "{rt}"
-    );
-    assert_eq!(
-        status.get("Seccomp").map(String::as_str),
-        Some("2"),
-        "{rt}: seccomp filter"
-    );
+    let field = |k: &str| status.get(k).map(String::as_str);
+    assert_eq!(field("NoNewPrivs"), Some("1"), "{rt}: no_new_privs");
+    assert_eq!(field("Seccomp"), Some("2"), "{rt}: seccomp filter");
     assert!(
-        status
-            .get("Uid")
-            .is_some_and(|u| u.split_whitespace().all(|f| f == "0")),
+        field("Uid").is_some_and(|u| u.split_whitespace().all(|f| f == "0")),
         "{rt}: uid {status:?}"
     );
+
     let log = node.podman.logs(&name);
     assert!(
         log.contains(&format!(
@@ -922,15 +955,21 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         "{rt}: the agent did not use the kubeconfig's server:\n{}",
         tail(&log, 30)
     );
+}
 
-    // `dump` in a second container like the agent's (what `kubectl exec ... dump` reads): the
-    // pinned maps through bpf(2), allowed by RuntimeDefault as containerd has it and refused by
-    // podman's (CRI-O's) own default profile.
-    let dump = |seccomp: Option<&Path>, n: &str| {
-        let mut argv = vec![argv[0].clone(), "dump".to_owned(), "services".to_owned()];
-        argv.truncate(3);
-        node.podman
-            .run(&node.name(n), &agent_flags(seccomp), &argv, false)
+/// `dump services` in a second container like the agent's (what `kubectl exec ... dump` reads):
+/// the pinned maps through bpf(2), allowed under RuntimeDefault as containerd has it, refused
+/// under podman's (CRI-O's) own default profile.
+fn assert_bpf_allowed_only_under_runtime_default(
+    node: &Node,
+    ds: &DaemonSet,
+    argv: &[String],
+    rt: &str,
+) {
+    let dump_argv = [argv[0].clone(), "dump".to_owned(), "services".to_owned()];
+    let dump = |seccomp: Option<&Path>, name: &str| {
+        let flags = node.agent_flags(ds, seccomp);
+        node.podman.run(&node.name(name), &flags, &dump_argv, false)
     };
     let out = dump(Some(&node.seccomp), "dump");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -947,22 +986,6 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         "{rt}: podman's default seccomp profile allowed bpf(2) without CAP_SYS_ADMIN ({}): {err}",
         out.status
     );
-
-    eprintln!(
-        "image: {rt}: mount-bpffs mounted then found the bpffs; the agent's container ready {} ms \
-         after this runtime's node set-up began, ClusterIP and NodePort answered, security \
-         context as the manifest says; {:.1} s in all",
-        ready_after.as_millis(),
-        started.elapsed().as_secs_f64()
-    );
-}
-
-fn as_set_vec(v: &Value) -> Vec<String> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| s.as_str().map(str::to_owned))
-        .collect()
 }
 
 #[test]
