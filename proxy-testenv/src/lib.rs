@@ -51,8 +51,8 @@ pub use tempdir::TempDir;
 pub use topology::{
     BACKENDS, BACKENDS6, CLIENT_IP, CLIENT_IP6, ConnectOutcome, CurlReply, Exec, GATEWAY, GATEWAY6,
     HTTP_PORT, IPERF_PORT, IperfRun, IperfSummary, NODE_LOCAL_IP6, Pod, Topology, UDP_PORT,
-    UdpReply, UdpReply6, http_status, http_url, ipv6_of, tcp_connect_from, tcp6_connect_from,
-    udp_request_from, udp6_request_from,
+    UdpReply, UdpReply6, Uplink, http_status, http_url, ipv6_of, tcp_connect_from,
+    tcp6_connect_from, udp_request_from, udp6_request_from,
 };
 
 /// Environment variable that `cargo xtask test` sets to run the privileged test targets.

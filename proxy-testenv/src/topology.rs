@@ -389,6 +389,16 @@ pub enum ConnectOutcome {
     Error(String),
 }
 
+/// The namespaces behind a node's uplink ([`Topology::add_uplink`]); drop them before the
+/// topology.
+#[derive(Debug)]
+pub struct Uplink {
+    /// The external client, on `up-a`.
+    pub ext: NetNs,
+    /// A second port's peer that sends nothing.
+    pub idle: NetNs,
+}
+
 /// One-node topology. Drop removes pods, then the node namespace, then the temp dir.
 #[derive(Debug)]
 pub struct Topology {
@@ -464,6 +474,57 @@ impl Topology {
 
     pub fn pods(&self) -> impl Iterator<Item = &Pod> {
         self.pods.values()
+    }
+
+    /// The node's uplink, found by the agent's `--devices auto`: a bridge `br-up` holding
+    /// `node_ip`/24 and the node's default route (via `ext_ip`), with two veth ports, `up-a` to a
+    /// new external client namespace (`ext_ip`) and `up-b` to a second, idle one. The client's
+    /// namespace routes nowhere else, so the default route leads nowhere outside the test.
+    pub fn add_uplink(&self, node_ip: Ipv4Addr, ext_ip: Ipv4Addr) -> Result<Uplink> {
+        let node = &self.node;
+        let ext = NetNs::new(&format!("{}-ext", self.prefix))?;
+        let idle = NetNs::new(&format!("{}-idle", self.prefix))?;
+        node.exec(&["ip", "link", "add", "br-up", "type", "bridge"])?;
+        for (port, peer) in [("up-a", &ext), ("up-b", &idle)] {
+            node.exec(&[
+                "ip",
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                peer.name(),
+            ])?;
+            node.exec(&["ip", "link", "set", port, "master", "br-up"])?;
+            node.exec(&["ip", "link", "set", port, "up"])?;
+            peer.exec(&["ip", "link", "set", "eth0", "up"])?;
+        }
+        node.exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{node_ip}/24"),
+            "dev",
+            "br-up",
+        ])?;
+        node.exec(&["ip", "link", "set", "br-up", "up"])?;
+        node.exec(&[
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            &ext_ip.to_string(),
+            "dev",
+            "br-up",
+        ])?;
+        ext.exec(&["ip", "addr", "add", &format!("{ext_ip}/24"), "dev", "eth0"])?;
+        ext.sysctl("net.ipv4.tcp_max_tw_buckets", "0")?;
+        Ok(Uplink { ext, idle })
     }
 
     /// Creates a pod namespace wired to the node (no servers).

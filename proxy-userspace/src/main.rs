@@ -4,7 +4,7 @@
 use clap::{CommandFactory as _, FromArgMatches as _};
 use kube_proxy_ebpf::{
     agent,
-    cli::{Cli, Command, cleanup, config, dump},
+    cli::{Cli, Command, cleanup, config, dump, mount_bpffs},
     dataplane::bpffs::PinLayout,
 };
 use tracing_subscriber::EnvFilter;
@@ -59,5 +59,16 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cleanup(args) => cleanup::cleanup(&PinLayout::new(&args.pin_dir)),
+        Command::MountBpffs(args) => {
+            match mount_bpffs::mount_bpffs(&args.dir)? {
+                mount_bpffs::Outcome::AlreadyMounted => {
+                    println!("{} is a bpffs already", args.dir.display());
+                }
+                mount_bpffs::Outcome::Mounted => {
+                    println!("mounted a bpffs at {}", args.dir.display());
+                }
+            }
+            Ok(())
+        }
     }
 }

@@ -16,62 +16,26 @@ mod common_netns;
 
 use std::{
     net::Ipv4Addr,
-    path::{Path, PathBuf},
+    path::Path,
     thread,
     time::{Duration, Instant},
 };
 
-use common_kube::{BIN, NODE, backend_ips, node, ready, service, slice};
+use common_kube::{
+    BIN, NODE, backend_ips,
+    deployed::{self, DEPLOYED_KUBECONFIG, KUBELET_ENV, kubeadm_kubeconfig, service_account},
+    node, ready, service, slice,
+};
 use proxy_testenv::{Agent, FakeApiServer, PinDir, Topology, require_privileged};
-use serde_json::Value;
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 9, 10);
-/// What the kubelet puts in every container: the `kubernetes` Service's ClusterIP.
-const KUBELET_ENV: [(&str, &str); 3] = [
-    ("KUBERNETES_SERVICE_HOST", "10.96.0.1"),
-    ("KUBERNETES_SERVICE_PORT", "443"),
-    ("KUBERNETES_PORT", "tcp://10.96.0.1:443"),
-];
-/// Where deploy/ mounts kubeadm's kube-proxy kubeconfig.
-const DEPLOYED_KUBECONFIG: &str = "/var/lib/kube-proxy/kubeconfig.conf";
-
-fn deploy(file: &str) -> Vec<Value> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy")
-        .join(file);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
-    serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{file}: {e}"))
-}
-
-/// A service account directory as the kubelet mounts it (token, namespace).
-fn service_account(dir: &Path) -> PathBuf {
-    let sa = dir.join("serviceaccount");
-    std::fs::create_dir_all(&sa).expect("sa dir");
-    std::fs::write(sa.join("token"), "test-token").expect("token");
-    std::fs::write(sa.join("namespace"), "kube-system").expect("namespace");
-    sa
-}
 
 /// The agent container's arguments from deploy/daemonset.yaml, with the pod's values filled in
 /// and the paths that are mounts in the pod pointed at `config`; the flags the test harness sets
 /// itself (pins, cgroup) left out.
 fn daemonset_args(config: &Path) -> Vec<String> {
-    let ds = deploy("daemonset.yaml")
-        .into_iter()
-        .find(|d| d["kind"] == "DaemonSet" && d["metadata"]["name"] == "kube-proxy-ebpf")
-        .expect("the agent's DaemonSet");
-    let container = &ds["spec"]["template"]["spec"]["containers"][0];
-    let argv: Vec<String> = container["command"]
-        .as_array()
-        .into_iter()
-        .chain(container["args"].as_array())
-        .flatten()
-        .filter_map(Value::as_str)
-        .map(|a| {
-            a.replace("$(NODE_NAME)", NODE)
-                .replace("$(POD_NAMESPACE)", "kube-system")
-        })
-        .collect();
+    let ds = deployed::daemonset();
+    let argv = deployed::container_argv(deployed::container(&ds, "kube-proxy-ebpf"), NODE);
     assert_eq!(argv.get(1).map(String::as_str), Some("run"), "{argv:?}");
     argv.into_iter()
         .skip(2)
@@ -85,22 +49,7 @@ fn daemonset_args(config: &Path) -> Vec<String> {
 
 /// deploy/configmap.yaml's configuration, its kubeconfig path pointed at `kubeconfig`.
 fn deployed_config(kubeconfig: &Path) -> String {
-    let cm = deploy("configmap.yaml").remove(0);
-    let text = cm["data"]["config.yaml"].as_str().expect("config.yaml");
-    assert!(text.contains(DEPLOYED_KUBECONFIG), "{text}");
-    text.replace(DEPLOYED_KUBECONFIG, &kubeconfig.to_string_lossy())
-}
-
-/// kubeadm's kube-proxy kubeconfig (`kubeconfig.conf`): the control-plane endpoint and the pod's
-/// service account token (plain HTTP here: the fake API server speaks no TLS).
-fn kubeadm_kubeconfig(server: &str, sa: &Path) -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    server: {server}\n  name: default\n\
-         contexts:\n- context:\n    cluster: default\n    namespace: default\n    user: default\n  \
-         name: default\ncurrent-context: default\nusers:\n- name: default\n  user:\n    \
-         tokenFile: {}\n",
-        sa.join("token").display()
-    )
+    deployed::deployed_config().replace(DEPLOYED_KUBECONFIG, &kubeconfig.to_string_lossy())
 }
 
 /// `GET http://127.0.0.1:10256/healthz` in the node: (status code, body).

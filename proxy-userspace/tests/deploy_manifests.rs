@@ -586,13 +586,12 @@ fn every_container_runs_with_least_privilege() {
                 init && ds == "kube-proxy-ebpf" && c.name == "mount-bpffs",
                 "{at}: privileged"
             );
-            let script = c.command.iter().flatten().cloned().collect::<Vec<_>>();
-            assert!(
-                script
-                    .iter()
-                    .any(|a| a.contains("mount -t bpf bpf /sys/fs/bpf")),
-                "{at}: the privileged step only mounts the bpffs: {script:?}"
-            );
+            let argv = c.command.iter().flatten().cloned().collect::<Vec<_>>();
+            let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{at}: {argv:?}: {e}"));
+            let Command::MountBpffs(args) = cli.command else {
+                panic!("{at}: the privileged step only mounts the bpffs: {argv:?}")
+            };
+            assert_eq!(args.dir, Path::new("/sys/fs/bpf"), "{at}");
             let mounts = c.volume_mounts.as_deref().unwrap_or_default();
             assert_eq!(mounts.len(), 1, "{at}: only the bpffs mount");
             assert_eq!(mounts[0].mount_path, "/sys/fs/bpf", "{at}");

@@ -14,7 +14,7 @@ mod common_netns;
 use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use common_netns::BIN;
-use proxy_testenv::{ManifestDir, NetNs, PinDir, Topology, require_privileged};
+use proxy_testenv::{ManifestDir, PinDir, Topology, require_privileged};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 const BE1: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
@@ -22,66 +22,6 @@ const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 10, 10);
 const NODE_PORT: u16 = 30_080;
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 61, 10);
 const EXT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 61, 100);
-
-fn ip(ns: &NetNs, args: &[&str]) {
-    let mut full = vec!["ip"];
-    full.extend_from_slice(args);
-    ns.exec(&full)
-        .unwrap_or_else(|e| panic!("ip {args:?} in {}: {e:#}", ns.name()));
-}
-
-/// The node's uplink: `br-up` with the node's address and default route, and two veth ports,
-/// `up-a` to the external client's namespace and `up-b` to a second, idle one.
-fn uplink(topo: &Topology) -> (NetNs, NetNs) {
-    let node = topo.node();
-    let ext = NetNs::new(&format!("{}-ext", topo.prefix())).expect("ext ns");
-    let idle = NetNs::new(&format!("{}-idle", topo.prefix())).expect("idle ns");
-    ip(node, &["link", "add", "br-up", "type", "bridge"]);
-    for (port, peer) in [("up-a", &ext), ("up-b", &idle)] {
-        ip(
-            node,
-            &[
-                "link",
-                "add",
-                port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                peer.name(),
-            ],
-        );
-        ip(node, &["link", "set", port, "master", "br-up"]);
-        ip(node, &["link", "set", port, "up"]);
-        ip(peer, &["link", "set", "eth0", "up"]);
-    }
-    ip(
-        node,
-        &["addr", "add", &format!("{NODE_IP}/24"), "dev", "br-up"],
-    );
-    ip(node, &["link", "set", "br-up", "up"]);
-    ip(
-        node,
-        &[
-            "route",
-            "add",
-            "default",
-            "via",
-            &EXT_IP.to_string(),
-            "dev",
-            "br-up",
-        ],
-    );
-    ip(
-        &ext,
-        &["addr", "add", &format!("{EXT_IP}/24"), "dev", "eth0"],
-    );
-    ext.sysctl("net.ipv4.tcp_max_tw_buckets", "0")
-        .expect("sysctl");
-    (ext, idle)
-}
 
 #[test]
 fn any_cni_s_pod_veth_and_a_bridge_uplink_are_found_with_default_flags() {
@@ -91,7 +31,8 @@ fn any_cni_s_pod_veth_and_a_bridge_uplink_are_found_with_default_flags() {
     topo.add_pod_on("client", CLIENT, "eni0abc")
         .expect("client pod");
     topo.add_backend("be1", BE1).expect("backend");
-    let (ext, _idle) = uplink(&topo);
+    let proxy_testenv::Uplink { ext, idle: _idle } =
+        topo.add_uplink(NODE_IP, EXT_IP).expect("uplink");
     let manifests = ManifestDir::new().expect("manifests");
     manifests
         .write_yaml(

@@ -1,10 +1,11 @@
-//! `cargo xtask setup | build-ebpf | prev-release | test | demo | bench | soak | fuzz`.
+//! `cargo xtask setup | build-ebpf | prev-release | test | demo | bench | soak | fuzz | image`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod build_ebpf;
 mod demo;
 mod fuzz;
+mod image;
 mod prev_release;
 mod setup;
 mod soak;
@@ -61,6 +62,10 @@ enum Command {
     /// Packet fuzz of every tc program (BPF_PROG_TEST_RUN, release build, 10^6 packets by
     /// default): prints the seed, packets/s and packets per verdict. Needs root.
     Fuzz(fuzz::Args),
+    /// The agent's OCI image as an image-layout archive (no Docker, nothing pulled): the binary
+    /// (release build unless --binary), its shared libraries and loader, the DaemonSet's mount
+    /// points. Reproducible (fixed mtimes, SOURCE_DATE_EPOCH or 0).
+    Image(image::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -74,6 +79,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::Soak(args) => soak::run(&args),
         Command::Fuzz(args) => fuzz::run(&args),
+        Command::Image(args) => image::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

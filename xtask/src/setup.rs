@@ -22,6 +22,13 @@ pub const APT_PACKAGES: &[&str] = &[
     "python3",
     "nftables",
     "iptables",
+    // tests/image.rs: the agent's image loaded and run by a real container runtime.
+    "podman",
+    "crun",
+    "runc",
+    "skopeo",
+    "uidmap",
+    "fuse-overlayfs",
 ];
 
 /// The bpf-linker release that works with aya 0.14 and Debian's LLVM 22.

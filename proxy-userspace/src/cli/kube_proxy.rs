@@ -15,7 +15,7 @@ use std::{ffi::OsString, time::Duration};
 use super::duration::parse_duration;
 
 /// Subcommands of the agent; a command line naming none of them is `run`'s.
-const SUBCOMMANDS: [&str; 4] = ["run", "dump", "cleanup", "help"];
+const SUBCOMMANDS: [&str; 5] = ["run", "dump", "cleanup", "mount-bpffs", "help"];
 
 /// `argv` with `run` inserted after the program name when it names no subcommand (and is not a
 /// bare `--help`/`--version`): `kube-proxy-ebpf --config f` is `kube-proxy-ebpf run --config f`.
@@ -292,6 +292,20 @@ mod tests {
             argv(&["kpe", "--help"])
         );
         assert_eq!(with_default_subcommand(argv(&["kpe"])), argv(&["kpe"]));
+    }
+
+    /// Every subcommand the CLI declares is one `with_default_subcommand` leaves alone.
+    #[test]
+    fn every_subcommand_is_known_as_one() {
+        use clap::CommandFactory as _;
+        for sub in Cli::command().get_subcommands() {
+            assert!(SUBCOMMANDS.contains(&sub.get_name()), "{}", sub.get_name());
+        }
+        let line = with_default_subcommand(argv(&["kpe", "mount-bpffs", "/sys/fs/bpf"]));
+        let cli = Cli::try_parse_from(line).expect("mount-bpffs parses");
+        assert!(
+            matches!(cli.command, Command::MountBpffs(ref a) if a.dir == std::path::Path::new("/sys/fs/bpf"))
+        );
     }
 
     /// A kubeadm kube-proxy DaemonSet's command line, and more of kube-proxy's flags.

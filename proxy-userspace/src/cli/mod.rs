@@ -1,6 +1,6 @@
 //! The command line: the flags (kube-proxy compatible where they mean the same thing), the
-//! KubeProxyConfiguration file merged under them (`config`), and the offline subcommands `dump`
-//! and `cleanup`.
+//! KubeProxyConfiguration file merged under them (`config`), and the offline subcommands `dump`,
+//! `cleanup` and `mount-bpffs`.
 //!
 //! May call: `pipeline` (parsed address types, the model dump decodes into), `dataplane` (map
 //! sizes, pins, the maps dump reads). Nothing calls `cli` but `agent` and `main`.
@@ -10,6 +10,7 @@ pub mod config;
 pub mod dump;
 pub mod duration;
 pub mod kube_proxy;
+pub mod mount_bpffs;
 
 use std::{path::PathBuf, time::Duration};
 
@@ -72,6 +73,16 @@ pub enum Command {
     Dump(DumpArgs),
     /// Remove everything the agent installed (links, maps, pin directory) and exit.
     Cleanup(PinArgs),
+    /// Mount a bpffs at DIR unless one is there already, and exit (the DaemonSet's privileged
+    /// init step; needs CAP_SYS_ADMIN only when it mounts).
+    MountBpffs(MountBpffsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct MountBpffsArgs {
+    /// Where the bpffs goes (the host's /sys/fs/bpf, mounted into the init container).
+    #[arg(default_value = "/sys/fs/bpf")]
+    pub dir: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]

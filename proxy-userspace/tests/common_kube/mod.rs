@@ -11,6 +11,8 @@
     reason = "each test binary uses a different part of the helpers"
 )]
 
+pub mod deployed;
+
 use std::{
     collections::BTreeMap,
     net::Ipv4Addr,
