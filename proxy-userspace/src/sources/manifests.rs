@@ -47,13 +47,47 @@ pub fn load_dir(dir: &Path) -> ManifestLoad {
     let mut load = Loader::default();
     match manifest_files(dir) {
         Ok(files) => {
-            for file in files {
-                load.file(&file);
+            for (file, parsed) in files.iter().zip(parse_files(&files)) {
+                load.merge(file, parsed);
             }
         }
         Err(e) => load.problem(dir, "directory", format!("cannot list manifest files: {e}")),
     }
     load.out
+}
+
+/// Each file loaded on its own, on every CPU at once (parsing is most of a large folder's
+/// load), returned in the order of `files`.
+fn parse_files(files: &[PathBuf]) -> Vec<Loader> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(files.len());
+    if threads <= 1 {
+        return files.iter().map(|f| Loader::of_file(f)).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut parsed: Vec<(usize, Loader)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(file) = files.get(i) else {
+                            return mine;
+                        };
+                        mine.push((i, Loader::of_file(file)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    parsed.sort_unstable_by_key(|(i, _)| *i);
+    parsed.into_iter().map(|(_, l)| l).collect()
 }
 
 /// A cheap change detector for `dir`: a hash of the names, sizes and modification times (ns) of
@@ -119,6 +153,35 @@ struct Loader {
 }
 
 impl Loader {
+    /// One file loaded on its own (duplicates within it reported).
+    fn of_file(path: &Path) -> Loader {
+        let mut loader = Loader::default();
+        loader.file(path);
+        loader
+    }
+
+    /// Appends what `file` loaded on its own ([`Loader::of_file`]) after the files before it:
+    /// its problems, and its objects but those an earlier file already loaded (reported).
+    fn merge(&mut self, file: &Path, parsed: Loader) {
+        let ManifestLoad { snapshot, problems } = parsed.out;
+        self.out.problems.extend(problems);
+        if parsed.files.is_empty() {
+            // Unreadable: nothing loaded, the problem says why.
+            return;
+        }
+        self.files.push(file.display().to_string());
+        for svc in snapshot.services.iter() {
+            if self.first_copy::<Service>(file, &svc.namespace, &svc.name) {
+                Arc::make_mut(&mut self.out.snapshot.services).push(svc.clone());
+            }
+        }
+        for slice in snapshot.endpoint_slices.iter() {
+            if self.first_copy::<EndpointSlice>(file, &slice.namespace, &slice.name) {
+                Arc::make_mut(&mut self.out.snapshot.endpoint_slices).push(slice.clone());
+            }
+        }
+    }
+
     fn problem(&mut self, source: &Path, object: impl Into<String>, reason: impl Into<String>) {
         self.out.problems.push(Problem {
             source: source.display().to_string(),

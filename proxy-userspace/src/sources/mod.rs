@@ -128,7 +128,7 @@ impl Source {
     pub fn state(&self) -> SourceState {
         match self {
             Source::Manifests(m) => {
-                let load = manifests::load_dir(&m.dir);
+                let load = m.load();
                 SourceState {
                     snapshot: load.snapshot,
                     problems: load.problems,
@@ -160,17 +160,45 @@ pub struct ManifestSource {
     dir: PathBuf,
     fingerprint: u64,
     poll: Interval,
+    /// The folder's first load, begun at once on a thread of its own so that it runs while the
+    /// agent loads its programs (both are most of a start), and taken by the first
+    /// [`Source::state`] if the folder has not changed meanwhile.
+    /// With the folder's fingerprint when it began.
+    first_load: std::sync::Mutex<Option<FirstLoad>>,
 }
+
+type FirstLoad = (u64, std::thread::JoinHandle<manifests::ManifestLoad>);
 
 impl ManifestSource {
     pub fn new(dir: PathBuf) -> Self {
         let fingerprint = manifests::fingerprint(&dir);
         let mut poll = tokio::time::interval(MANIFEST_POLL);
         poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let first_load = std::thread::Builder::new()
+            .name("manifests".into())
+            .spawn({
+                let dir = dir.clone();
+                move || manifests::load_dir(&dir)
+            })
+            .ok()
+            .map(|thread| (fingerprint, thread));
         Self {
             dir,
             fingerprint,
             poll,
+            first_load: std::sync::Mutex::new(first_load),
+        }
+    }
+
+    /// The folder as it is now: the first load if nothing changed since it began.
+    fn load(&self) -> manifests::ManifestLoad {
+        let first = (self.first_load.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .and_then(|(began, thread)| Some((began, thread.join().ok()?)));
+        match first {
+            Some((began, load)) if manifests::fingerprint(&self.dir) == began => load,
+            _ => manifests::load_dir(&self.dir),
         }
     }
 

@@ -579,10 +579,10 @@ fn wait_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Res
 /// How the agent starts in [`cold_start`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Start {
-    /// No pins: a new or rebooted node, IPv4 only (the IPv6 programs are not loaded).
+    /// No pins, a node without IPv6 (its global IPv6 addresses removed): a new or rebooted
+    /// node, the IPv6 programs not loaded.
     FreshIpv4,
-    /// No pins, IPv6 maps sized (`--ipv6-maps full`, as on a node with IPv6): both families'
-    /// programs verified.
+    /// No pins, a node with IPv6: both families' programs verified.
     FreshDualStack,
     /// The pins the fresh IPv4 start left (a restart, an upgrade to the same build): the
     /// programs are taken from their pins.
@@ -606,7 +606,11 @@ impl Start {
 /// restart on the pins the fresh start left; beside them kube-proxy's rule-set load times for
 /// the same Services (`iptables-restore`, `nft -f`, where installed).
 pub fn cold_start(cfg: &Config, n: usize, rounds: usize) -> Result<Value> {
-    let topo = Topology::bare()?;
+    let ipv4_only = Topology::bare()?;
+    ipv4_only
+        .node()
+        .exec(&["ip", "-6", "addr", "flush", "scope", "global"])?;
+    let dual_stack = Topology::bare()?;
     let specs = workload::generated(n);
     let dir = ManifestDir::new()?;
     workload::write_manifests(dir.path(), &specs)?;
@@ -617,21 +621,16 @@ pub fn cold_start(cfg: &Config, n: usize, rounds: usize) -> Result<Value> {
         ("--map-entries-revnat", sizes.rev_nats),
     ]
     .map(|(flag, v)| [flag.to_owned(), v.to_string()]);
+    let mut args: Vec<&std::ffi::OsStr> = vec!["--manifests".as_ref(), dir.path().as_os_str()];
+    args.extend(flags.iter().flatten().map(std::ffi::OsStr::new));
     let mut times: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
     for round in 0..rounds {
-        for start in [Start::FreshIpv4, Start::FreshDualStack] {
-            let pins = PinDir::new(&format!("{}-cold{round}-{}", topo.prefix(), start.name()))?;
-            let mut args: Vec<&std::ffi::OsStr> =
-                vec!["--manifests".as_ref(), dir.path().as_os_str()];
-            args.extend(flags.iter().flatten().map(std::ffi::OsStr::new));
-            if start == Start::FreshDualStack {
-                args.extend(["--ipv6-maps", "full"].map(std::ffi::OsStr::new));
-            }
-            let mut starts = vec![start];
-            if start == Start::FreshIpv4 {
-                starts.push(Start::Restart);
-            }
-            for start in starts {
+        for (topo, starts) in [
+            (&ipv4_only, &[Start::FreshIpv4, Start::Restart][..]),
+            (&dual_stack, &[Start::FreshDualStack][..]),
+        ] {
+            let pins = PinDir::new(&format!("{}-cold{round}", topo.prefix()))?;
+            for &start in starts {
                 let started = Instant::now();
                 let mut agent = Agent::start_with(
                     &cfg.agent_bin,
@@ -645,7 +644,7 @@ pub fn cold_start(cfg: &Config, n: usize, rounds: usize) -> Result<Value> {
                 if let Some(line) = agent
                     .log_tail()
                     .lines()
-                    .find(|l| l.contains("programs loaded"))
+                    .rfind(|l| l.contains("programs loaded"))
                 {
                     eprintln!(
                         "  {}: {ms:.0} ms; {}",
