@@ -55,6 +55,16 @@ pub use topology::{
     tcp6_connect_from, udp_request_from, udp6_request_from,
 };
 
+/// The capability number (linux/capability.h) of a name the manifests use (`NET_ADMIN`, ...).
+pub fn capability_bit(name: &str) -> u32 {
+    match name {
+        "NET_ADMIN" => 12,
+        "PERFMON" => 38,
+        "BPF" => 39,
+        other => panic!("capability {other} is not one the tests know (add its number)"),
+    }
+}
+
 /// Environment variable that `cargo xtask test` sets to run the privileged test targets.
 pub const PRIVILEGED_ENV: &str = "KPE_PRIVILEGED";
 

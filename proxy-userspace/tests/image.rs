@@ -677,15 +677,6 @@ fn proc_status(pid: i64) -> std::collections::BTreeMap<String, String> {
         .collect()
 }
 
-fn cap_bit(name: &str) -> u32 {
-    match name {
-        "NET_ADMIN" => 12,
-        "PERFMON" => 38,
-        "BPF" => 39,
-        other => panic!("capability {other} is not one this test knows (add its number)"),
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 
 fn run_the_daemonset(runtime: Runtime, archive: &Path) {
@@ -933,7 +924,9 @@ fn assert_ran_as_the_manifest_says(node: &Node, ds: &DaemonSet, argv: &[String],
     // The kernel's view of the container's process.
     let pid = inspect["State"]["Pid"].as_i64().expect("container pid");
     let status = proc_status(pid);
-    let mask: u64 = added.iter().fold(0, |m, c| m | 1 << cap_bit(c));
+    let mask: u64 = added
+        .iter()
+        .fold(0, |m, c| m | 1 << proxy_testenv::capability_bit(c));
     let want_mask = format!("{mask:016x}");
     for key in ["CapEff", "CapPrm", "CapBnd"] {
         assert_eq!(status.get(key), Some(&want_mask), "{rt}: {key}: {status:?}");

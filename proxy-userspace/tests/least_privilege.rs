@@ -28,16 +28,6 @@ use serde_json::Value;
 
 const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
-/// Capability numbers (linux/capability.h) of the names the manifests use.
-fn cap_bit(name: &str) -> u32 {
-    match name {
-        "NET_ADMIN" => 12,
-        "PERFMON" => 38,
-        "BPF" => 39,
-        other => panic!("capability {other} is not one this test knows (add its number)"),
-    }
-}
-
 /// `capabilities.add` of container `container` in the DaemonSet of deploy/`file`.
 fn manifest_caps(file: &str, container: &str) -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -87,7 +77,8 @@ fn reduced(dir: &Path, name: &str, caps: &[String]) -> PathBuf {
 
 /// The capability mask `caps` stand for.
 fn mask(caps: &[String]) -> u64 {
-    caps.iter().fold(0, |m, c| m | 1 << cap_bit(c))
+    caps.iter()
+        .fold(0, |m, c| m | 1 << proxy_testenv::capability_bit(c))
 }
 
 /// The `Cap*` lines of /proc/`pid`/status as (name, mask).

@@ -436,16 +436,8 @@ pub fn agent_footprint(cfg: &Config, n: usize) -> Result<Value> {
     let dir = ManifestDir::new()?;
     workload::write_manifests(dir.path(), &specs)?;
     let pins = PinDir::new(&format!("{}-rss", topo.prefix()))?;
-    // Maps sized for n (the defaults hold about 24,000 Services × 10 endpoints).
-    let sizes = super::inproc::sizes_for(n);
-    let flags = [
-        ("--map-entries-services", sizes.services),
-        ("--map-entries-backends", sizes.backends),
-        ("--map-entries-revnat", sizes.rev_nats),
-    ]
-    .map(|(flag, v)| [flag.to_owned(), v.to_string()]);
-    let mut args: Vec<&std::ffi::OsStr> = vec!["--manifests".as_ref(), dir.path().as_os_str()];
-    args.extend(flags.iter().flatten().map(std::ffi::OsStr::new));
+    let args = manifest_folder_args(&dir, n);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
     let started = Instant::now();
     let mut agent = Agent::start_with(
         &cfg.agent_bin,
@@ -576,6 +568,21 @@ fn wait_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Res
     Ok(())
 }
 
+/// The agent's arguments for a manifest folder of `n` generated Services, with maps sized for
+/// them (the defaults hold about 24,000 Services × 10 endpoints).
+fn manifest_folder_args(dir: &ManifestDir, n: usize) -> Vec<std::ffi::OsString> {
+    let sizes = super::inproc::sizes_for(n);
+    let mut args = vec!["--manifests".into(), dir.path().as_os_str().to_owned()];
+    for (flag, entries) in [
+        ("--map-entries-services", sizes.services),
+        ("--map-entries-backends", sizes.backends),
+        ("--map-entries-revnat", sizes.rev_nats),
+    ] {
+        args.extend([flag.into(), entries.to_string().into()]);
+    }
+    args
+}
+
 /// How the agent starts in [`cold_start`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Start {
@@ -614,15 +621,8 @@ pub fn cold_start(cfg: &Config, n: usize, rounds: usize) -> Result<Value> {
     let specs = workload::generated(n);
     let dir = ManifestDir::new()?;
     workload::write_manifests(dir.path(), &specs)?;
-    let sizes = super::inproc::sizes_for(n);
-    let flags = [
-        ("--map-entries-services", sizes.services),
-        ("--map-entries-backends", sizes.backends),
-        ("--map-entries-revnat", sizes.rev_nats),
-    ]
-    .map(|(flag, v)| [flag.to_owned(), v.to_string()]);
-    let mut args: Vec<&std::ffi::OsStr> = vec!["--manifests".as_ref(), dir.path().as_os_str()];
-    args.extend(flags.iter().flatten().map(std::ffi::OsStr::new));
+    let args = manifest_folder_args(&dir, n);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
     let mut times: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
     for round in 0..rounds {
         for (topo, starts) in [
