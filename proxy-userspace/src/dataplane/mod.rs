@@ -40,6 +40,7 @@ pub mod program_pins;
 pub mod service_cidrs;
 pub mod sizing;
 pub mod snat_gc;
+pub mod sock_hooks;
 pub mod sock_lb;
 pub mod source_ranges;
 #[allow(unsafe_code)]

@@ -20,7 +20,7 @@ use std::{
 
 use aya::programs::{CgroupSockAddr, Program, SchedClassifier};
 
-use super::{Error, Result, bpffs::PinLayout, sock_lb::SockHook};
+use super::{Error, Result, bpffs::PinLayout, sock_hooks::SockHook};
 
 /// Pure: the fingerprint of programs loaded from `object` with the globals `globals` against
 /// maps of the given kernel ids (in a fixed order). 64 bits of SipHash with fixed keys: a
