@@ -19,7 +19,7 @@ use k8s_openapi::{
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
 use kube_proxy_ebpf::sources::{endpoints::SliceData, snapshot::Snapshot};
-use proxy_testenv::kube_proxy::{self, KubeProxyService, short_hash};
+use proxy_testenv::kube_proxy::{self, KubeProxyService};
 
 pub const NAMESPACE: &str = "bench";
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
@@ -187,84 +187,28 @@ pub fn write_manifests(dir: &Path, specs: &[SvcSpec]) -> Result<()> {
     Ok(())
 }
 
-/// The nat table kube-proxy's iptables mode writes for these Services (ClusterIP part: portals
-/// in PREROUTING/OUTPUT → linear KUBE-SERVICES → KUBE-SVC-* with `statistic random` → KUBE-SEP-*
-/// with DNAT; masquerade marking as upstream). For `iptables-restore`.
+/// The rules kube-proxy's iptables mode writes for these Services, from the one generator the
+/// roll-back tests use too (`proxy_testenv::kube_proxy`). For `iptables-restore`.
 pub fn iptables_restore(specs: &[SvcSpec]) -> String {
-    let mut chains = String::new();
-    let mut rules = String::new();
-    chains.push_str("*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n");
-    chains.push_str(":KUBE-SERVICES - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-NODEPORTS - [0:0]\n");
-    rules.push_str(
-        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
-         -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
-         -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
-         -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
-         -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
-         -A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n\
-         -A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n",
-    );
-    let mut svc_rules = String::new();
-    let mut sep_rules = String::new();
-    for s in specs {
-        let spn = format!("{NAMESPACE}/{}", s.name);
-        let svc_chain = format!("KUBE-SVC-{}", short_hash(&format!("{spn}:tcp"), 16));
-        let _ = writeln!(chains, ":{svc_chain} - [0:0]");
-        let _ = writeln!(
-            rules,
-            "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{spn} cluster IP\" -m tcp --dport {} -j {svc_chain}",
-            s.vip, s.port
-        );
-        let _ = writeln!(
-            svc_rules,
-            "-A {svc_chain} ! -s {CLUSTER_CIDR} -d {}/32 -p tcp -m comment --comment \"{spn} cluster IP\" -m tcp --dport {} -j KUBE-MARK-MASQ",
-            s.vip, s.port
-        );
-        let n = s.endpoints.len();
-        for (i, ep) in s.endpoints.iter().enumerate() {
-            let sep = format!(
-                "KUBE-SEP-{}",
-                short_hash(&format!("{spn}:tcp:{ep}:{}", s.target_port), 16)
-            );
-            let _ = writeln!(chains, ":{sep} - [0:0]");
-            let to = format!("{ep}:{}", s.target_port);
-            if i + 1 < n {
-                let p = 1.0 / (n - i) as f64;
-                let _ = writeln!(
-                    svc_rules,
-                    "-A {svc_chain} -m comment --comment \"{spn} -> {to}\" -m statistic --mode random --probability {p:.10} -j {sep}"
-                );
-            } else {
-                let _ = writeln!(
-                    svc_rules,
-                    "-A {svc_chain} -m comment --comment \"{spn} -> {to}\" -j {sep}"
-                );
-            }
-            let _ = writeln!(
-                sep_rules,
-                "-A {sep} -s {ep}/32 -m comment --comment \"{spn}\" -j KUBE-MARK-MASQ\n\
-                 -A {sep} -p tcp -m comment --comment \"{spn}\" -m tcp -j DNAT --to-destination {to}"
-            );
-        }
-    }
-    rules.push_str(
-        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n",
-    );
-    chains + &rules + &svc_rules + &sep_rules + "COMMIT\n"
+    kube_proxy::iptables_ruleset(&kube_proxy_services(specs), CLUSTER_CIDR)
+}
+
+/// These Services as kube-proxy programs them.
+fn kube_proxy_services(specs: &[SvcSpec]) -> Vec<KubeProxyService> {
+    specs
+        .iter()
+        .map(|s| {
+            KubeProxyService::tcp(NAMESPACE, &s.name, s.vip, s.port)
+                .target(s.target_port, &s.endpoints)
+        })
+        .collect()
 }
 
 /// The `table ip kube-proxy` kube-proxy's nftables mode writes for these Services (ClusterIP
 /// part), from the one generator the roll-back tests use too (`proxy_testenv::kube_proxy`). For
 /// `nft -f`.
 pub fn nft_ruleset(specs: &[SvcSpec]) -> String {
-    let services: Vec<KubeProxyService> = specs
-        .iter()
-        .map(|s| {
-            KubeProxyService::tcp(NAMESPACE, &s.name, s.vip, s.port)
-                .target(s.target_port, &s.endpoints)
-        })
-        .collect();
-    kube_proxy::nft_ruleset(&services, CLUSTER_CIDR)
+    kube_proxy::nft_ruleset(&kube_proxy_services(specs), CLUSTER_CIDR)
 }
 
 #[cfg(test)]
