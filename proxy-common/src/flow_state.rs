@@ -10,7 +10,7 @@
 //! SHUTDOWN_ACK → FIN (SHUTDOWN_SENT/RECD/ACK_SENT), ABORT and SHUTDOWN_COMPLETE → RST (CLOSED).
 //! Their timeouts are SCTP's (see `timeouts`).
 
-use crate::ct_state;
+use crate::{ct_flags, ct_state};
 
 /// TCP flag bits as on the wire (byte 13 of the TCP header).
 mod tcp_bits {
@@ -333,5 +333,27 @@ mod tests {
         assert_eq!(after_client(ESTABLISHED, None), UDP);
         assert_eq!(after_backend(UDP, None), UDP);
         assert_eq!(after_client(UDP, ACK), ESTABLISHED, "mid-flow first packet");
+    }
+}
+
+/// Who translates a flow taken over from netfilter, by its entry's flags (`ct_flags::NETFILTER`,
+/// `ct_flags::HANDOFF`, on its ORIGINAL conntrack entry and its SNAT `in` entry).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TakenOver {
+    /// netfilter still does: the packet passes untouched.
+    Netfilter,
+    /// netfilter's entry is being deleted: the packet is dropped.
+    Handoff,
+}
+
+/// `None` for a flow the datapath translates itself (every flow it started).
+#[inline(always)]
+pub const fn taken_over(flags: u8) -> Option<TakenOver> {
+    if flags & ct_flags::HANDOFF != 0 {
+        Some(TakenOver::Handoff)
+    } else if flags & ct_flags::NETFILTER != 0 {
+        Some(TakenOver::Netfilter)
+    } else {
+        None
     }
 }

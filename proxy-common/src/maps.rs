@@ -428,6 +428,16 @@ pub mod ct_flags {
     /// with its own ISN and timestamp offset (the client derives them from the frontend address),
     /// would meet that TIME_WAIT socket: its SYN PAWS-rejected, the connection delayed or lost.
     pub const RETIRED: u8 = 1 << 4;
+    /// A flow taken over from netfilter's NAT (kube-proxy's rules) that netfilter still
+    /// translates with its own conntrack entry: its client packets (and, on a SNAT `in` entry,
+    /// its replies arriving on ingress) pass untouched and only keep the entries fresh. Replies
+    /// that reach tc egress untranslated (netfilter's entry is gone) are translated as usual.
+    pub const NETFILTER: u8 = 1 << 5;
+    /// A taken-over flow moving from netfilter to the datapath while the agent deletes
+    /// netfilter's entry: the packets `NETFILTER` would pass are dropped for those microseconds
+    /// (netfilter must not see them without its entry, or rules still there would start the
+    /// flow anew).
+    pub const HANDOFF: u8 = 1 << 6;
 }
 
 /// Source ports a flow may be moved to when its reply tuple clashes (netfilter's range for

@@ -179,6 +179,12 @@ counters! {
     /// IPv6 whose extension header chain could not be walked to a TCP/UDP/ICMPv6 header (more
     /// than `ipv6::MAX_EXT_HEADERS`, ESP, an unknown or truncated header): passed untouched.
     Ipv6ExtUnparsed = "ipv6_ext_unparsed",
+    /// A packet of a flow taken over from netfilter's NAT that netfilter still translates
+    /// (`ct_flags::NETFILTER`): passed untouched.
+    NetfilterFlow = "netfilter_flow",
+    /// Dropped: a packet of a taken-over flow in the microseconds its netfilter entry was being
+    /// deleted (`ct_flags::HANDOFF`).
+    DropTakeoverHandoff = "drop_takeover_handoff",
 }
 
 /// Number of entries in the stats array.

@@ -3,8 +3,11 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Counter, CtKey, CtValue, PendingFlow, ServiceKey, SourceRangeKey, TAIL_CALL_DIRECT_FLOW,
-    TAIL_CALL_INGRESS6, TAIL_CALL_REJECT, ct_flags, ct_state, frag_hook, hash::flow_hash, maglev,
-    sched, service_flags,
+    TAIL_CALL_INGRESS6, TAIL_CALL_REJECT, ct_flags, ct_state,
+    flow_state::{TakenOver, taken_over},
+    frag_hook,
+    hash::flow_hash,
+    maglev, sched, service_flags,
 };
 
 use crate::{
@@ -71,6 +74,13 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         } else if p.is_syn() && ct.state == ct_state::CLOSING {
             // A new connection on the tuple of a closed one: choose again, like netfilter does.
             replacing = Replacing::Old;
+        } else if let Some(held) = taken_over(ct.flags) {
+            // Taken over from netfilter, which still translates it (or is letting go of it).
+            if held == TakenOver::Handoff {
+                return Err(Drop::TakeoverHandoff);
+            }
+            conntrack::client_passed(&p, &key, &entry, &ct, now);
+            return Ok(Action::pass(Counter::NetfilterFlow));
         } else if ct.flags & ct_flags::DIRECT != 0
             && frontend_gen::direct_outdated(&entry, ct.backend_id, p.may_open_flow(), || {
                 maps::service(&ServiceKey::new(p.daddr, p.dport, p.proto, 0)).is_some()
@@ -125,6 +135,11 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         // client then reverse-DNATs it like any reply.
         let client = entry.get();
         snat::reply_passed(&p, &entry, &client, now);
+        match taken_over(client.flags) {
+            Some(TakenOver::Handoff) => return Err(Drop::TakeoverHandoff),
+            Some(TakenOver::Netfilter) => return Ok(Action::pass(Counter::NetfilterFlow)),
+            None => {}
+        }
         nat::dnat(ctx, &p, client.addr, client.port)?;
         return Ok(Action::pass(Counter::SnatReplyTranslated));
     }

@@ -95,6 +95,8 @@ pub(crate) enum Drop {
     TailCall,
     /// A new flow to an unallocated address inside the Service CIDRs.
     UnallocatedServiceIp,
+    /// A flow taken over from netfilter, while its netfilter entry is being deleted.
+    TakeoverHandoff,
 }
 
 impl Drop {
@@ -113,6 +115,7 @@ impl Drop {
             Drop::ReplyTupleExhausted => Counter::DropReplyTupleExhausted,
             Drop::TailCall => Counter::DropTailCall,
             Drop::UnallocatedServiceIp => Counter::DropUnallocatedServiceIp,
+            Drop::TakeoverHandoff => Counter::DropTakeoverHandoff,
         }
     }
 }

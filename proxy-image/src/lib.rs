@@ -1,5 +1,6 @@
 //! kube-proxy-ebpf's container image, built without Docker, a daemon or a registry: the agent
-//! binary and exactly what it needs at run time ([`rootfs`]), written as a reproducible OCI
+//! binary, the netfilter tools it runs to remove kube-proxy's rules (iptables, nft) and exactly
+//! what they need at run time ([`rootfs`]), written as a reproducible OCI
 //! image-layout archive ([`oci`], [`tar`]) that `podman load`, `skopeo copy oci-archive:...`
 //! and `ctr import` accept. `cargo xtask image` and tests/image.rs call [`build`].
 #![forbid(unsafe_code)]
@@ -76,8 +77,12 @@ pub fn build(source: &ImageSource, archive: &Path) -> Result<Built> {
     let agent = std::fs::read(&stripped);
     let _ = std::fs::remove_file(&stripped);
     let agent = agent.context("reading the stripped agent")?;
-    let libraries = rootfs::shared_libraries(&source.binary)?;
-    let fs = rootfs::agent_rootfs(agent, libraries);
+    let tools = rootfs::netfilter_tools()?;
+    // The agent's libraries and the tools' (their extensions' too), each once.
+    let mut binaries = vec![source.binary.as_path()];
+    binaries.extend(tools.executables.iter().map(PathBuf::as_path));
+    let libraries = rootfs::shared_libraries_of(&binaries)?;
+    let fs = rootfs::agent_rootfs(agent, libraries, tools);
     let meta = ImageMeta {
         name: IMAGE_NAME.to_owned(),
         tag: IMAGE_TAG.to_owned(),

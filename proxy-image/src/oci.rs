@@ -20,6 +20,9 @@ pub const MEDIA_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 /// its diff_id.
 pub const MEDIA_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
 
+/// The image's PATH: the agent, and the netfilter tools it runs (rootfs::NETFILTER_TOOLS).
+pub const IMAGE_PATH_ENV: &str = "PATH=/usr/local/bin:/usr/sbin";
+
 /// The files of the image's root filesystem, kept sorted by path (parents before children).
 #[derive(Clone, Debug, Default)]
 pub struct Rootfs {
@@ -39,6 +42,23 @@ impl Rootfs {
         let path = relative(path);
         self.parents(&path);
         self.entries.insert(path, (mode, Kind::File(data)));
+    }
+
+    /// A symbolic link at `path` to `target` (and its parent directories, 0755). `target` is
+    /// kept as given: relative to the link's directory, or absolute in the image.
+    pub fn symlink(&mut self, path: &str, target: &str) {
+        let path = relative(path);
+        self.parents(&path);
+        self.entries
+            .insert(path, (0o777, Kind::Symlink(target.to_owned())));
+    }
+
+    /// The symlinks, as (path, target).
+    pub fn symlinks(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.entries.iter().filter_map(|(p, (_, k))| match k {
+            Kind::Symlink(t) => Some((p.as_str(), t.as_str())),
+            _ => None,
+        })
     }
 
     /// The paths, in archive order.
@@ -140,7 +160,7 @@ pub fn config_json(meta: &ImageMeta, layer_digest: &str) -> Vec<u8> {
         "os": "linux",
         "config": {
             "Entrypoint": meta.entrypoint,
-            "Env": ["PATH=/usr/local/bin"],
+            "Env": [IMAGE_PATH_ENV],
             "Labels": meta.labels(),
         },
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
@@ -254,6 +274,17 @@ mod tests {
         ];
         let dirs = ["/sys/fs/bpf", "/etc/kube-proxy-ebpf", "/tmp"];
         let mut fs = Rootfs::default();
+        let links = [
+            ("/usr/sbin/nft-link", "nft"),
+            ("/usr/sbin/iptables-nft-save", "xtables-nft-multi"),
+        ];
+        for (p, t) in if reversed {
+            links.iter().rev().collect::<Vec<_>>()
+        } else {
+            links.iter().collect()
+        } {
+            fs.symlink(p, t);
+        }
         if reversed {
             for d in dirs.iter().rev() {
                 fs.dir(d, 0o755);
@@ -314,6 +345,15 @@ mod tests {
             (bin.mode, bin.typeflag, bin.data.len()),
             (0o755, b'0', 3000)
         );
+        let link = entries
+            .iter()
+            .find(|e| e.path == "usr/sbin/iptables-nft-save")
+            .unwrap();
+        assert_eq!(
+            (link.typeflag, link.link.as_str(), link.data.len()),
+            (b'2', "xtables-nft-multi", 0)
+        );
+        assert!(paths.contains(&"usr/sbin/"), "{paths:?}");
     }
 
     #[test]
@@ -366,6 +406,7 @@ mod tests {
             "abc123"
         );
         assert_eq!(config["created"], "2023-11-14T22:13:20Z");
+        assert_eq!(config["config"]["Env"][0], "PATH=/usr/local/bin:/usr/sbin");
         let docker: Value = serde_json::from_slice(file("manifest.json")).unwrap();
         assert_eq!(docker[0]["RepoTags"][0], "kube-proxy-ebpf:latest");
         assert_eq!(docker[0]["Config"], blob_path(&written.config_digest));

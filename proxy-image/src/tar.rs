@@ -1,5 +1,6 @@
 //! A ustar writer that records nothing of the machine it runs on: every entry has uid/gid 0, no
-//! user or group names and the same mtime, so equal inputs give equal bytes.
+//! user or group names and the same mtime, so equal inputs give equal bytes. Entries are
+//! directories, regular files and symbolic links.
 
 use std::io::{self, Write};
 
@@ -10,6 +11,8 @@ const BLOCK: usize = 512;
 pub enum Kind {
     Dir,
     File(Vec<u8>),
+    /// A symbolic link to this target (as written: relative or absolute, at most 100 bytes).
+    Symlink(String),
 }
 
 /// Writes ustar entries to `W` in the order they are appended; [`TarWriter::finish`] writes the
@@ -26,13 +29,19 @@ impl<W: Write> TarWriter<W> {
 
     /// A directory entry (`path` without a trailing slash; one is added).
     pub fn append_dir(&mut self, path: &str, mode: u32) -> io::Result<()> {
-        let header = header(&format!("{path}/"), mode, 0, self.mtime, b'5')?;
+        let header = header(&format!("{path}/"), mode, 0, self.mtime, b'5', "")?;
+        self.out.write_all(&header)
+    }
+
+    /// A symbolic link entry (typeflag `2`, no data): `path` pointing at `target`.
+    pub fn append_symlink(&mut self, path: &str, target: &str) -> io::Result<()> {
+        let header = header(path, 0o777, 0, self.mtime, b'2', target)?;
         self.out.write_all(&header)
     }
 
     /// A regular file entry and its data, padded to a block.
     pub fn append_file(&mut self, path: &str, mode: u32, data: &[u8]) -> io::Result<()> {
-        let header = header(path, mode, data.len() as u64, self.mtime, b'0')?;
+        let header = header(path, mode, data.len() as u64, self.mtime, b'0', "")?;
         self.out.write_all(&header)?;
         self.out.write_all(data)?;
         let pad = (BLOCK - data.len() % BLOCK) % BLOCK;
@@ -43,6 +52,7 @@ impl<W: Write> TarWriter<W> {
         match kind {
             Kind::Dir => self.append_dir(path, mode),
             Kind::File(data) => self.append_file(path, mode, data),
+            Kind::Symlink(target) => self.append_symlink(path, target),
         }
     }
 
@@ -53,9 +63,23 @@ impl<W: Write> TarWriter<W> {
     }
 }
 
-/// A ustar header block. Names longer than 100 bytes are split into prefix and name at a `/`.
-fn header(path: &str, mode: u32, size: u64, mtime: u64, typeflag: u8) -> io::Result<[u8; BLOCK]> {
+/// A ustar header block. Names longer than 100 bytes are split into prefix and name at a `/`;
+/// `link` (a symlink's target, else empty) must fit its 100-byte field.
+fn header(
+    path: &str,
+    mode: u32,
+    size: u64,
+    mtime: u64,
+    typeflag: u8,
+    link: &str,
+) -> io::Result<[u8; BLOCK]> {
     let mut h = [0u8; BLOCK];
+    if link.len() > 100 || link.contains('\0') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("tar: link target too long for ustar: {path} -> {link}"),
+        ));
+    }
     let (prefix, name) = split_name(path).ok_or_else(|| {
         io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -69,6 +93,7 @@ fn header(path: &str, mode: u32, size: u64, mtime: u64, typeflag: u8) -> io::Res
     octal(&mut h[124..136], size);
     octal(&mut h[136..148], mtime);
     h[156] = typeflag;
+    h[157..157 + link.len()].copy_from_slice(link.as_bytes());
     h[257..263].copy_from_slice(b"ustar\0");
     h[263..265].copy_from_slice(b"00");
     octal(&mut h[329..337], 0); // devmajor
@@ -116,6 +141,8 @@ pub(crate) mod read {
         pub gid: u64,
         pub mtime: u64,
         pub typeflag: u8,
+        /// A symlink's target (empty for other entries).
+        pub link: String,
         pub uname: String,
         pub data: Vec<u8>,
     }
@@ -158,6 +185,7 @@ pub(crate) mod read {
                 gid: num(&h[116..124]),
                 mtime: num(&h[136..148]),
                 typeflag: h[156],
+                link: field(&h[157..257]),
                 uname: field(&h[265..297]),
                 data: tar[at + 512..at + 512 + size].to_vec(),
             });
@@ -188,6 +216,46 @@ mod tests {
         for e in &got {
             assert_eq!((e.uid, e.gid, e.mtime, e.uname.as_str()), (0, 0, 42, ""));
         }
+    }
+
+    #[test]
+    fn symlinks_read_back_with_their_target_and_no_data() {
+        let mut w = TarWriter::new(Vec::new(), 7);
+        w.append_file("usr/sbin/xtables-nft-multi", 0o755, b"elf")
+            .unwrap();
+        w.append(
+            "usr/sbin/iptables-nft-save",
+            0o755,
+            &Kind::Symlink("xtables-nft-multi".into()),
+        )
+        .unwrap();
+        w.append_symlink("lib/abs", "/usr/lib/x").unwrap();
+        let bytes = w.finish().unwrap();
+        let got = read::entries(&bytes);
+        let link = &got[1];
+        assert_eq!(
+            (
+                link.path.as_str(),
+                link.typeflag,
+                link.link.as_str(),
+                link.mode
+            ),
+            (
+                "usr/sbin/iptables-nft-save",
+                b'2',
+                "xtables-nft-multi",
+                0o777
+            )
+        );
+        assert!(link.data.is_empty());
+        assert_eq!((link.uid, link.gid, link.mtime), (0, 0, 7));
+        assert_eq!(
+            (got[2].typeflag, got[2].link.as_str()),
+            (b'2', "/usr/lib/x")
+        );
+        assert_eq!(got[0].link, "");
+        let mut w = TarWriter::new(Vec::new(), 0);
+        assert!(w.append_symlink("a", &"t".repeat(101)).is_err());
     }
 
     #[test]

@@ -647,6 +647,29 @@ impl Agent {
         std::mem::take(&mut self.devices_changed)
     }
 
+    /// Takes netfilter's Service flows over (kube-proxy's, on a node it ran on), step 1: written
+    /// as netfilter's, before the programs attach (`dataplane::takeover`).
+    pub fn take_over_flows(&self) -> Option<crate::dataplane::takeover::Takeover> {
+        crate::dataplane::takeover::Takeover::before_attach(
+            &self.pins,
+            &self.programmed,
+            self.family6.programmed(),
+        )
+        .inspect_err(|e| warn!("netfilter's Service flows are not taken over: {e:#}"))
+        .ok()
+    }
+
+    /// Step 2 and 3 of [`Agent::take_over_flows`], once the programs are attached.
+    pub fn finish_takeover(
+        &self,
+        mut takeover: crate::dataplane::takeover::Takeover,
+    ) -> crate::dataplane::takeover::Report {
+        if let Err(e) = takeover.after_attach(&self.programmed, self.family6.programmed()) {
+            warn!("reading netfilter's flows again after the attach: {e:#}");
+        }
+        takeover.hand_over()
+    }
+
     /// Before the first sync on adopted maps: attaches to the wanted interfaces that have no
     /// programs yet (a pod created while no agent ran gets its Services from the maps as they
     /// are), leaving pinned links with the program they run until the first sync.
@@ -1501,10 +1524,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             false
         }
     };
+    // Flows netfilter translates for Services (kube-proxy ran here) carry on across the attach.
+    let takeover = agent.take_over_flows();
     agent.reconcile_interfaces();
     if let Err(e) = agent.attach_socket_lb(sock_cgroup.as_deref()) {
         error!("socket hooks: {e:#}; the node's own processes cannot reach Services");
     }
+    // Connections netfilter keeps translating need its NAT hooks, which go with the last NAT
+    // chain of the namespace: kube-proxy's are then emptied, not deleted.
+    let netfilter_keeps = takeover
+        .map(|t| agent.finish_takeover(t).netfilter_keeps())
+        .unwrap_or(0);
+    // Off the start-up path (the tools take a while): the datapath is attached already.
+    let remove = args.remove_kube_proxy_rules;
+    let _ = std::thread::Builder::new()
+        .name("kube-proxy-rules".into())
+        .spawn(move || kube_proxy_leftovers(remove, netfilter_keeps));
     // The new programs are attached: a layout migration copies what the old ones created
     // since the load, then retires the old maps.
     if agent.layout.pending() > 0 {
@@ -1618,6 +1653,27 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 /// Says so (one log line, and a reason in /healthz) when the API server at `url` is reached
 /// through an address this agent's own datapath translates (`sources::kube::bootstrap`);
 /// returns the advice then.
+/// kube-proxy's rules on the node, once the programs are attached: removed with
+/// `--remove-kube-proxy-rules`, else named in a warning.
+fn kube_proxy_leftovers(remove: bool, netfilter_keeps: usize) {
+    use crate::dataplane::kube_proxy_rules;
+    let found = match kube_proxy_rules::find() {
+        Ok(found) if found.is_empty() => return,
+        Ok(found) => found,
+        Err(e) => return warn!("looking for kube-proxy's rules: {e:#}"),
+    };
+    if !remove {
+        return warn!(
+            "kube-proxy's rules remain: {}; harmless to the traffic this datapath translates, but stale (--remove-kube-proxy-rules or `kube-proxy --cleanup` removes them)",
+            found.summary()
+        );
+    }
+    match kube_proxy_rules::remove(&found, netfilter_keeps) {
+        Ok(removed) => info!("removed kube-proxy's rules: {}", removed.summary()),
+        Err(e) => warn!("kube-proxy's rules remain: {}: {e:#}", found.summary()),
+    }
+}
+
 fn check_api_address(agent: &Agent, url: &http::Uri, args: &RunArgs) -> Option<String> {
     use crate::sources::kube::bootstrap::{self, Translated};
     let host = url.host()?;

@@ -233,6 +233,11 @@ impl Family6 {
     }
 
     /// The Maglev tables the IPv6 frontends name (the IPv4 family's read leaves them out).
+    /// What the IPv6 maps carry now.
+    pub fn programmed(&self) -> &Programmed<Ipv6Addr> {
+        &self.programmed
+    }
+
     pub fn maglev_tables(&self) -> HashSet<u32> {
         self.programmed.maglev.keys().copied().collect()
     }

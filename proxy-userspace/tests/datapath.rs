@@ -5853,3 +5853,81 @@ fn the_datapath_trace_names_snat_exhaustion_and_local_policy_drops() {
         ]
     );
 }
+
+/// A SNATed NodePort flow taken over from netfilter (its conntrack and SNAT entries flagged
+/// `NETFILTER`): the client's packets and the backend's replies arriving on ingress pass
+/// untouched while netfilter translates them, are dropped while its entry is deleted
+/// (`HANDOFF`), then are translated by the datapath.
+#[test]
+fn a_snated_flow_taken_over_from_netfilter_passes_until_it_is_handed_over() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let syn = Pkt::tcp(EXT_CLIENT, 40_100, NODE_IP, NODE_PORT, SYN);
+    dp.check(ingress(
+        "the flow's SYN",
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&syn, REMOTE_BE, 8080)),
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    ));
+    let nat_port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&syn, REMOTE_BE, 8080), 0)
+            .expect("SNAT out entry")
+            .port,
+    );
+    let in_key = snat_in_key(REMOTE_BE, 8080, nat_port, proto::TCP);
+    let original = original_key(&syn);
+    let set_flags = |dp: &mut Datapath, flags: u8| {
+        let clear = !(ct_flags::NETFILTER | ct_flags::HANDOFF);
+        let mut ct = dp.ct(&original).expect("ORIGINAL entry");
+        ct.flags = (ct.flags & clear) | flags;
+        dp.conntrack().insert(original, ct, 0).expect("written");
+        let mut inn = dp.snat().get(&in_key, 0).expect("SNAT in entry");
+        inn.flags = (inn.flags & clear) | flags;
+        dp.snat().insert(in_key, inn, 0).expect("written");
+    };
+    let ack = Pkt::tcp(EXT_CLIENT, 40_100, NODE_IP, NODE_PORT, ACK).payload(b"GET /");
+    let answer = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, nat_port, ACK).payload(b"200");
+    set_flags(&mut dp, ct_flags::NETFILTER);
+    for (what, p) in [
+        ("the client's packet", &ack),
+        ("the backend's reply", &answer),
+    ] {
+        dp.check(ingress(
+            &format!("netfilter still translates it: {what} passes untouched"),
+            p.bytes(),
+            TC_NEXT,
+            Expect::Unchanged,
+            &[(Counter::NetfilterFlow, 1)],
+        ));
+    }
+    set_flags(&mut dp, ct_flags::NETFILTER | ct_flags::HANDOFF);
+    for (what, p) in [
+        ("the client's packet", &ack),
+        ("the backend's reply", &answer),
+    ] {
+        dp.check(ingress(
+            &format!("netfilter's entry being deleted: {what} is dropped"),
+            p.bytes(),
+            TC_ACT_SHOT,
+            Expect::Dropped,
+            &[(Counter::DropTakeoverHandoff, 1)],
+        ));
+    }
+    set_flags(&mut dp, 0);
+    dp.check(ingress(
+        "handed over: the client's packet is DNATed",
+        ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&ack, REMOTE_BE, 8080)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    dp.check(ingress(
+        "handed over: the backend's reply goes back to the client",
+        answer.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&answer, EXT_CLIENT, 40_100)),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+}

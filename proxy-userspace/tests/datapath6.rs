@@ -2795,3 +2795,119 @@ fn packet_too_big_whose_quote_ends_beyond_the_payload_length_passes_untouched() 
         assert_eq!(out, frame, "quote cut at {cut}: passed untouched");
     }
 }
+
+/// A flow taken over from netfilter (its entries flagged `NETFILTER`): its client packets pass
+/// untouched while netfilter translates them, are dropped while the agent deletes netfilter's
+/// entry (`HANDOFF`), then are DNATed; a reply that reaches egress untranslated is translated
+/// all along (netfilter translated it only while its entry existed).
+#[test]
+fn a_flow_taken_over_from_netfilter_passes_until_it_is_handed_over() {
+    let mut dp = Datapath::load();
+    let q = Pkt6::udp(CLIENT, 33_100, VIP, 53).payload(b"query");
+    let id = picked(&q, &UDP_IDS);
+    dp.new_flow_dnated("the flow's first datagram", &q, id);
+    let key = original_key(&q);
+    let set_flags = |dp: &mut Datapath, flags: u8| {
+        let mut v = dp.ct(&key).expect("the ORIGINAL entry");
+        v.flags = (v.flags & !(ct_flags::NETFILTER | ct_flags::HANDOFF)) | flags;
+        dp.conntrack().insert(key, v, 0).expect("flags written");
+    };
+    set_flags(&mut dp, ct_flags::NETFILTER);
+    let out = dp.step(
+        "netfilter still translates it",
+        PROG_TC_INGRESS,
+        &q.bytes(),
+        TC_NEXT,
+        &[(Counter::NetfilterFlow, 1)],
+    );
+    assert_eq!(out, q.bytes(), "passed untouched");
+    let answer = dnated(&q, id).reversed();
+    dp.translated(
+        "a reply netfilter did not translate",
+        PROG_TC_EGRESS,
+        &answer,
+        REPLY,
+        &rev_natted(&answer, &q),
+    );
+    set_flags(&mut dp, ct_flags::HANDOFF | ct_flags::NETFILTER);
+    dp.step(
+        "netfilter's entry being deleted",
+        PROG_TC_INGRESS,
+        &q.bytes(),
+        TC_ACT_SHOT,
+        &[(Counter::DropTakeoverHandoff, 1)],
+    );
+    set_flags(&mut dp, 0);
+    dp.translated(
+        "handed over",
+        PROG_TC_INGRESS,
+        &q,
+        &[(Counter::EstablishedFlow, 1)],
+        &dnated(&q, id),
+    );
+}
+
+/// The `in` entry of a SNATed IPv6 flow taken over from netfilter: the backend's replies on
+/// ingress pass untouched while netfilter translates them (`NETFILTER`), are dropped while its
+/// entry is deleted (`HANDOFF`), then go back to the client.
+#[test]
+fn a_snated_flow_taken_over_from_netfilter_passes_its_replies_until_handed_over() {
+    let mut dp = Datapath::load();
+    dp.set_node6(NODE6);
+    let port: u16 = 30_091;
+    dp.set_nodeport(port, &[2], 0);
+    let syn = Pkt6::tcp(EXT_CLIENT6, 45_100, NODE6, port, SYN);
+    let forwarded = dnated(&syn, 2);
+    dp.translated(
+        "the flow's SYN",
+        PROG_TC_INGRESS,
+        &syn,
+        SNAT_NEW,
+        &forwarded,
+    );
+    let snat_port = snat_start_port(&forwarded);
+    let (backend, backend_port) = backend_addr(2);
+    let in_key = Snat6Key {
+        saddr: backend.octets(),
+        daddr: NODE6.octets(),
+        sport: backend_port.to_be_bytes(),
+        dport: snat_port.to_be_bytes(),
+        proto: proto::TCP,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    };
+    let set_flags = |dp: &mut Datapath, flags: u8| {
+        let mut v = dp.snat6().get(&in_key, 0).expect("the `in` entry");
+        v.flags = (v.flags & !(ct_flags::NETFILTER | ct_flags::HANDOFF)) | flags;
+        dp.snat6().insert(in_key, v, 0).expect("written");
+    };
+    let reply = snated(&forwarded, snat_port).reversed();
+    set_flags(&mut dp, ct_flags::NETFILTER);
+    let out = dp.step(
+        "netfilter still translates it",
+        PROG_TC_INGRESS,
+        &reply.bytes(),
+        TC_NEXT,
+        &[(Counter::NetfilterFlow, 1)],
+    );
+    assert_eq!(out, reply.bytes(), "passed untouched");
+    set_flags(&mut dp, ct_flags::NETFILTER | ct_flags::HANDOFF);
+    dp.step(
+        "netfilter's entry being deleted",
+        PROG_TC_INGRESS,
+        &reply.bytes(),
+        TC_ACT_SHOT,
+        &[(Counter::DropTakeoverHandoff, 1)],
+    );
+    set_flags(&mut dp, 0);
+    let mut to_client = reply.clone();
+    to_client.daddr = EXT_CLIENT6;
+    set_ports(&mut to_client, backend_port, 45_100);
+    dp.translated(
+        "handed over: back to the client",
+        PROG_TC_INGRESS,
+        &reply,
+        &[(Counter::SnatReplyTranslated, 1)],
+        &to_client,
+    );
+}

@@ -11,7 +11,14 @@
 //!   deploy/configmap.yaml's configuration and kubeadm's kubeconfig naming the fake API server,
 //!   serves a ClusterIP to a pod and a NodePort to an external client (real TCP backends in
 //!   their own namespaces);
-//! - `podman inspect` and /proc of the container's process say it ran with exactly that.
+//! - `podman inspect` and /proc of the container's process say it ran with exactly that;
+//! - the image's netfilter tools (iptables' nft and legacy backends, nft) run under that
+//!   securityContext (read-only root, no CAP_NET_RAW): before the agent starts, kube-proxy's
+//!   leftovers are put in the node's namespace (its nftables-mode `table ip kube-proxy`, and an
+//!   iptables-mode `KUBE-` chain set loaded by the image's own `iptables-nft-restore
+//!   --noflush`), which the image's `iptables-nft-save` and `nft list tables` see; once the
+//!   agent is ready (`--remove-kube-proxy-rules`, in the manifest's args) it has logged
+//!   `removed kube-proxy's rules` and neither is left.
 //!
 //! RuntimeDefault: containerd's and Docker's default profiles allow bpf(2) to a container holding
 //! CAP_BPF and perf_event_open(2) to one holding CAP_PERFMON; podman's (containers/common, also
@@ -58,7 +65,9 @@ use nix::{
     sys::statfs::{BPF_FS_MAGIC, statfs},
 };
 use proxy_testenv::{
-    Cgroup, FakeApiServer, TempDir, Topology, Uplink, require_privileged, run_with_timeout,
+    CLUSTER_CIDR, Cgroup, FakeApiServer, TempDir, Topology, Uplink,
+    kube_proxy::{self, KubeProxyService},
+    require_privileged, run_with_timeout,
 };
 use serde_json::{Value, json};
 
@@ -71,6 +80,14 @@ const MOUNT_STEP: &str = "mount-bpffs";
 /// Where Debian's podman keeps its default seccomp profile (containers-common).
 const PODMAN_SECCOMP: &str = "/usr/share/containers/seccomp.json";
 const PODMAN_TIMEOUT: Duration = Duration::from_secs(120);
+/// kube-proxy's leftovers are for a Service the test sends nothing to (the same backends), so
+/// its rules are never hit, removed yet or not.
+const LEFTOVER_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 7, 20);
+const LEFTOVER_NODE_PORT: u16 = 30_082;
+/// The agent's log line once it removed kube-proxy's rules (`--remove-kube-proxy-rules`).
+const REMOVED_LINE: &str = "removed kube-proxy's rules";
+/// Where the iptables-mode leftovers are mounted in the container that loads them.
+const IPTABLES_RULES_MOUNT: &str = "/kube-proxy-iptables.rules";
 
 // ---------------------------------------------------------------------------------------------
 // Mounts and the private podman store
@@ -698,6 +715,9 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
         "{rt}: second {MOUNT_STEP}: {second:?}"
     );
 
+    // kube-proxy's rules, as a node it ran on has them, put there with the image's own tools.
+    load_kube_proxy_leftovers(&node, &ds, rt);
+
     // The agent's container.
     let c = container(&ds, AGENT);
     let argv = container_argv(c, NODE);
@@ -723,15 +743,184 @@ fn run_the_daemonset(runtime: Runtime, archive: &Path) {
     wait_ready(&node, rt);
     let ready_after = started.elapsed();
     assert_serves(&node, rt);
+    assert_kube_proxy_rules_removed(&node, rt);
     assert_ran_as_the_manifest_says(&node, &ds, &argv, rt);
     assert_bpf_allowed_only_under_runtime_default(&node, &ds, &argv, rt);
     eprintln!(
-        "image: {rt}: mount-bpffs mounted then found the bpffs; the agent's container ready {} ms \
-         after this runtime's node set-up began, ClusterIP and NodePort answered, security \
-         context as the manifest says; {:.1} s in all",
+        "image: {rt}: mount-bpffs mounted then found the bpffs; the image's iptables and nft \
+         loaded and listed kube-proxy's rules; the agent's container ready {} ms after this \
+         runtime's node set-up began, ClusterIP and NodePort answered, kube-proxy's rules \
+         removed, security context as the manifest says; {:.1} s in all",
         ready_after.as_millis(),
         started.elapsed().as_secs_f64()
     );
+}
+
+/// kube-proxy's iptables-mode rules (nat table): the `KUBE-SERVICES` portal jumped to from
+/// PREROUTING and OUTPUT, masquerading of marked packets, and one Service's `KUBE-SVC-`/
+/// `KUBE-SEP-` chains, with the matches and targets kube-proxy uses (comment, statistic, mark,
+/// DNAT, MASQUERADE: the image's xtables extensions). `iptables-restore --noflush` input.
+fn kube_proxy_iptables_rules() -> String {
+    let backend = backend_ips()[0];
+    let spn = "demo/kp-leftover:http";
+    let svc = format!("KUBE-SVC-{}", kube_proxy::short_hash(spn, 16));
+    let sep = format!(
+        "KUBE-SEP-{}",
+        kube_proxy::short_hash(&format!("{spn}{backend}"), 16)
+    );
+    format!(
+        "*nat\n\
+         :KUBE-SERVICES - [0:0]\n\
+         :KUBE-POSTROUTING - [0:0]\n\
+         :KUBE-MARK-MASQ - [0:0]\n\
+         :{svc} - [0:0]\n\
+         :{sep} - [0:0]\n\
+         -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
+         -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
+         -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
+         -A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n\
+         -A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" \
+         -j MASQUERADE --random-fully\n\
+         -A KUBE-SERVICES -d {LEFTOVER_VIP}/32 -p tcp -m comment --comment \"{spn} cluster IP\" \
+         -m tcp --dport 80 -j {svc}\n\
+         -A {svc} -m comment --comment \"{spn} -> {backend}:8080\" -m statistic --mode random \
+         --probability 1.0 -j {sep}\n\
+         -A {sep} -p tcp -m comment --comment \"{spn}\" -m tcp -j DNAT --to-destination \
+         {backend}:8080\n\
+         COMMIT\n"
+    )
+}
+
+/// Runs `argv` (a netfilter tool of the image) in a container like the agent's: the manifest's
+/// securityContext (read-only root; BPF, NET_ADMIN, PERFMON only), its mounts and the node's
+/// network, plus `extra` flags. Its stdout; panics unless it exits 0.
+fn run_tool(node: &Node, ds: &DaemonSet, name: &str, argv: &[&str], extra: &[String]) -> String {
+    let mut flags = node.agent_flags(ds, Some(&node.seccomp));
+    flags.extend_from_slice(extra);
+    let argv: Vec<String> = argv.iter().map(|a| (*a).to_owned()).collect();
+    let out = node.podman.run(&node.name(name), &flags, &argv, false);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{argv:?} in the image ({}): {stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// kube-proxy's leftovers in the node's namespace before the agent starts: its nftables-mode
+/// table (loaded with the machine's nft, as kube-proxy would) and its iptables-mode chains
+/// (loaded by the image's `iptables-nft-restore --noflush` under the agent's securityContext).
+/// The image's `iptables-nft-save` and `nft list tables` then see both, and its legacy backend
+/// and nft run.
+fn load_kube_proxy_leftovers(node: &Node, ds: &DaemonSet, rt: &str) {
+    let services = [
+        KubeProxyService::tcp("demo", "kp-leftover", LEFTOVER_VIP, 80)
+            .node_port(LEFTOVER_NODE_PORT)
+            .target(8080, &backend_ips()),
+    ];
+    let tmp = node.topo.tmp().path();
+    kube_proxy::install(
+        node.topo.node(),
+        &kube_proxy::nft_ruleset(&services, CLUSTER_CIDR),
+        tmp,
+    )
+    .unwrap_or_else(|e| panic!("{rt}: kube-proxy's nftables rules: {e:#}"));
+    let rules = tmp.join("kube-proxy-iptables.rules");
+    std::fs::write(&rules, kube_proxy_iptables_rules()).expect("iptables rules");
+    let mount = format!("--volume={}:{IPTABLES_RULES_MOUNT}:ro", rules.display());
+    run_tool(
+        node,
+        ds,
+        "iptables-nft-restore",
+        &["iptables-nft-restore", "--noflush", IPTABLES_RULES_MOUNT],
+        &[mount],
+    );
+    let saved = run_tool(
+        node,
+        ds,
+        "iptables-nft-save",
+        &["iptables-nft-save", "-t", "nat"],
+        &[],
+    );
+    assert!(
+        saved.contains(":KUBE-SERVICES")
+            && saved.contains("-j KUBE-SVC-")
+            && saved.contains("--probability 1")
+            && saved.contains("-j DNAT --to-destination"),
+        "{rt}: the image's iptables-nft-save does not show kube-proxy's chains:\n{saved}"
+    );
+    let tables = run_tool(node, ds, "nft-list-tables", &["nft", "list", "tables"], &[]);
+    assert!(
+        tables.lines().any(|l| l.trim() == "table ip kube-proxy"),
+        "{rt}: the image's nft list tables: {tables:?}"
+    );
+    for (name, argv) in [
+        ("nft-version", ["nft", "--version"]),
+        (
+            "iptables-legacy-version",
+            ["iptables-legacy-save", "--version"],
+        ),
+        ("ip6tables-version", ["ip6tables-save", "--version"]),
+    ] {
+        let version = run_tool(node, ds, name, &argv, &[]);
+        assert!(
+            version.contains(" v"),
+            "{rt}: {argv:?} in the image: {version:?}"
+        );
+    }
+}
+
+/// Once the agent is ready: it logged that it removed kube-proxy's rules (on a thread of its
+/// own after the attach, so within a while), and the node's namespace has neither kube-proxy's
+/// nftables table nor its `KUBE-` iptables chains.
+fn assert_kube_proxy_rules_removed(node: &Node, rt: &str) {
+    let name = node.name(AGENT);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let log = loop {
+        let log = node.podman.logs(&name);
+        if log.contains(REMOVED_LINE) {
+            break log;
+        }
+        if Instant::now() >= deadline {
+            node.fail(&format!(
+                "{rt}: no {REMOVED_LINE:?} in the agent's log within 30 s of ready"
+            ));
+        }
+        thread::sleep(Duration::from_millis(250));
+    };
+    let line = log
+        .lines()
+        .find(|l| l.contains(REMOVED_LINE))
+        .unwrap_or_default();
+    let netns_output = |argv: &[&str]| -> String {
+        let out = node
+            .topo
+            .node()
+            .output(argv, Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{argv:?} in the node: {e:#}"));
+        assert!(
+            out.status.success(),
+            "{argv:?} in the node ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let tables = netns_output(&["nft", "list", "tables"]);
+    assert!(
+        !tables.contains("kube-proxy"),
+        "{rt}: kube-proxy's nftables table remains after {line:?}:\n{tables}"
+    );
+    let saved = netns_output(&["iptables-nft-save"]);
+    assert!(
+        !saved.contains("KUBE-SERVICES") && !saved.contains("KUBE-SVC-"),
+        "{rt}: kube-proxy's iptables chains remain after {line:?}:\n{saved}"
+    );
+    eprintln!("image: {rt}: the agent {}", line.trim());
 }
 
 /// /healthz answers 200 in the node (synced from the API server, programs attached); fails at

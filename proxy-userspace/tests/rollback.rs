@@ -30,7 +30,7 @@ use std::{
 use common_netns::BIN;
 use proxy_testenv::{
     Agent, ByteStream, CLUSTER_CIDR, EXT_DEVICE, FakeApiServer, MultiNode, NODE_IPS, NODE_NAMES,
-    NetNs, PinDir, Proc,
+    NetNs, PinDir, Proc, UDP_PORT, UdpPinger,
     fake_apiserver::Kind,
     kube_proxy::{self, KubeProxyService},
     require_privileged,
@@ -50,6 +50,13 @@ const NEW_NODEPORT: u16 = 30_081;
 /// The long stream's Service (port 9000 of WEB1).
 const STREAM: Ipv4Addr = Ipv4Addr::new(10, 96, 7, 30);
 const STREAM_PORT: u16 = 9000;
+/// A NodePort Service whose stream an external client reads (port 9001 of WEB2).
+const STREAM_EXT: Ipv4Addr = Ipv4Addr::new(10, 96, 7, 40);
+const STREAM_EXT_PORT: u16 = 9001;
+const STREAM_EXT_NODEPORT: u16 = 30_090;
+/// A UDP Service (the backends' echo port, both backends).
+const DNS: Ipv4Addr = Ipv4Addr::new(10, 96, 7, 53);
+const DNS_PORT: u16 = 53;
 const DS_NAMESPACE: &str = "kube-system";
 const DS_NAME: &str = "kube-proxy-ebpf";
 const OPT_OUT_LABEL: &str = "kube-proxy-ebpf.io/opt-out";
@@ -105,6 +112,19 @@ fn service(name: &str, ip: Ipv4Addr, port: u16, node_port: Option<u16>) -> Value
            "metadata": {"name": name, "namespace": "demo"}, "spec": spec})
 }
 
+/// A Service or EndpointSlice of [`service`]/[`slice`] with UDP ports.
+fn udp(mut object: Value) -> Value {
+    let ports = if object["kind"] == "Service" {
+        &mut object["spec"]["ports"]
+    } else {
+        &mut object["ports"]
+    };
+    for p in ports.as_array_mut().expect("ports") {
+        p["protocol"] = json!("UDP");
+    }
+    object
+}
+
 fn slice(service: &str, port: u16, endpoints: &[Ipv4Addr]) -> Value {
     let eps: Vec<Value> = endpoints
         .iter()
@@ -129,6 +149,13 @@ fn kube_proxy_services(web: &[Ipv4Addr]) -> Vec<KubeProxyService> {
             .node_port(NEW_NODEPORT)
             .target(8080, &[WEB1]),
         KubeProxyService::tcp("demo", "stream", STREAM, STREAM_PORT).target(STREAM_PORT, &[WEB1]),
+        KubeProxyService::tcp("demo", "stream-ext", STREAM_EXT, STREAM_EXT_PORT)
+            .node_port(STREAM_EXT_NODEPORT)
+            .target(STREAM_EXT_PORT, &[WEB2]),
+        KubeProxyService {
+            protocol: "udp",
+            ..KubeProxyService::tcp("demo", "dns", DNS, DNS_PORT).target(UDP_PORT, &[WEB1, WEB2])
+        },
     ]
 }
 
@@ -143,6 +170,12 @@ struct Env {
 impl Env {
     /// Node A with a client pod and two backends, the fake API server, the agent synced.
     fn start() -> Self {
+        Self::start_after(&[], |_| ()).0
+    }
+
+    /// [`Env::start`], with `before` run on the node (kube-proxy's rules, flows through them)
+    /// before the agent starts with `extra` arguments.
+    fn start_after<T>(extra: &[&str], before: impl FnOnce(&MultiNode) -> T) -> (Self, T) {
         proxy_testenv::ensure_bpffs().expect("bpffs at /sys/fs/bpf");
         let mut net = MultiNode::new().expect("the two-node topology");
         net.add_backend(NODE_A, "a-web1", WEB1).expect("a-web1");
@@ -159,26 +192,40 @@ impl Env {
             slice("web", 8080, &[WEB1, WEB2]),
             service("stream", STREAM, STREAM_PORT, None),
             slice("stream", STREAM_PORT, &[WEB1]),
+            service(
+                "stream-ext",
+                STREAM_EXT,
+                STREAM_EXT_PORT,
+                Some(STREAM_EXT_NODEPORT),
+            ),
+            slice("stream-ext", STREAM_EXT_PORT, &[WEB2]),
+            udp(service("dns", DNS, DNS_PORT, None)),
+            udp(slice("dns", UDP_PORT, &[WEB1, WEB2])),
         ])
         .expect("objects");
+        let before = before(&net);
+        let topo = net.node(NODE_A);
         let kubeconfig = api
             .write_kubeconfig(&topo.tmp().path().join("kubeconfig"))
             .expect("kubeconfig");
         let pins = PinDir::new(&format!("{}-pins", topo.prefix())).expect("pin dir");
+        let daemonset = format!("{DS_NAMESPACE}/{DS_NAME}");
+        let mut args = vec![
+            "--hostname-override",
+            NODE_NAMES[NODE_A],
+            "--devices",
+            EXT_DEVICE,
+            "--cluster-cidr",
+            CLUSTER_CIDR,
+            "--daemonset",
+            &daemonset,
+        ];
+        args.extend(extra);
         let mut agent = Agent::start_kube(
             Path::new(BIN),
             topo.node(),
             &kubeconfig,
-            &[
-                "--hostname-override",
-                NODE_NAMES[NODE_A],
-                "--devices",
-                EXT_DEVICE,
-                "--cluster-cidr",
-                CLUSTER_CIDR,
-                "--daemonset",
-                &format!("{DS_NAMESPACE}/{DS_NAME}"),
-            ],
+            &args,
             pins.path(),
             topo.tmp().path(),
         )
@@ -201,7 +248,7 @@ impl Env {
         // Served by the agent to begin with.
         env.expect_backends("the agent", WEB, &["a-web1", "a-web2"]);
         env.ext_backends("the agent", WEB_NODEPORT, 6);
-        env
+        (env, before)
     }
 
     fn node(&self) -> &NetNs {
@@ -498,5 +545,219 @@ fn a_restart_keeps_the_datapath_and_the_stream() {
     eprintln!(
         "restart: the stream {} bytes whole, longest gap {} ms",
         summary.bytes, summary.max_gap_ms
+    );
+}
+
+/// iptables-mode kube-proxy's chains (for an address the test never sends to) beside the
+/// kubelet's `KUBE-FIREWALL`, for `iptables-nft-restore --noflush`.
+const IPTABLES_LEFTOVERS: &str = "*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-TAKEOVERTEST - [0:0]
+:KUBE-SEP-TAKEOVERTEST - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A KUBE-SERVICES -d 10.96.99.99/32 -p tcp --dport 80 -j KUBE-SVC-TAKEOVERTEST
+-A KUBE-SVC-TAKEOVERTEST -j KUBE-SEP-TAKEOVERTEST
+-A KUBE-SEP-TAKEOVERTEST -p tcp -j DNAT --to-destination 10.244.1.11:8080
+-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
+COMMIT
+*filter
+:KUBE-FIREWALL - [0:0]
+:KUBE-FORWARD - [0:0]
+-A INPUT -j KUBE-FIREWALL
+-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD
+-A KUBE-FIREWALL ! -s 127.0.0.0/8 -d 127.0.0.0/8 -j DROP
+COMMIT
+";
+
+/// The datagrams the takeover test's pinger sends (one per 200 ms: 16 s).
+const PINGS: u32 = 80;
+
+#[test]
+fn taking_over_from_kube_proxy_keeps_every_live_connection() {
+    require_privileged!();
+    take_over(None);
+}
+
+/// As above, with kube-proxy's masquerade ports kept in the datapath's SNAT range, so that the
+/// NodePort stream is moved to the datapath too (upstream's rule picks any port; below 61000 the
+/// flow stays netfilter's).
+#[test]
+fn taking_over_moves_a_masqueraded_connection_to_the_datapath() {
+    require_privileged!();
+    take_over(Some(
+        "meta l4proto { tcp, udp } masquerade to :61000-65535 fully-random",
+    ));
+}
+
+/// kube-proxy serves the node; a stream from a pod through a ClusterIP, one from outside through
+/// a NodePort (masqueraded: `masquerade` replaces upstream's rule if given), and a UDP exchange
+/// through a ClusterIP run through its rules when the agent starts; all go on, whole, and
+/// kube-proxy's rules are gone.
+fn take_over(masquerade: Option<&str>) {
+    let (env, (cip, np, pinger)) =
+        Env::start_after(&["--remove-kube-proxy-rules"], |net: &MultiNode| {
+            let topo = net.node(NODE_A);
+            let tmp = topo.tmp().path();
+            let mut rules =
+                kube_proxy::nft_ruleset(&kube_proxy_services(&[WEB1, WEB2]), CLUSTER_CIDR);
+            if let Some(m) = masquerade {
+                rules = rules.replace("masquerade fully-random", m);
+            }
+            kube_proxy::install(topo.node(), &rules, tmp).expect("kube-proxy's rules");
+            // What an iptables-mode kube-proxy would have left too (for a Service address no
+            // flow here uses), and the kubelet's own chain, which must stay.
+            let file = tmp.join("iptables-leftovers");
+            std::fs::write(&file, IPTABLES_LEFTOVERS).expect("writing the rules");
+            let restore = topo
+                .node()
+                .output(
+                    &["iptables-nft-restore", "--noflush", &file.to_string_lossy()],
+                    Duration::from_secs(10),
+                )
+                .expect("iptables-nft-restore");
+            assert!(
+                restore.status.success(),
+                "iptables-nft-restore: {restore:?}"
+            );
+            let pod = |name: &str| topo.pod(name).expect(name).ns();
+            let cip = ByteStream::start(
+                tmp,
+                "takeover-cip",
+                pod("a-web1"),
+                STREAM_PORT,
+                pod("a-cli"),
+                STREAM.into(),
+                STREAM_PORT,
+            )
+            .expect("the ClusterIP stream through kube-proxy");
+            let np = ByteStream::start(
+                tmp,
+                "takeover-np",
+                pod("a-web2"),
+                STREAM_EXT_PORT,
+                net.client(),
+                NODE_IPS[NODE_A].into(),
+                STREAM_EXT_NODEPORT,
+            )
+            .expect("the NodePort stream through kube-proxy");
+            let pinger = UdpPinger::start(
+                pod("a-cli"),
+                tmp,
+                "takeover-dns",
+                DNS.into(),
+                DNS_PORT,
+                40_053,
+                PINGS,
+            )
+            .expect("the UDP pinger");
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while pinger.replies().len() < 3 {
+                assert!(
+                    Instant::now() < deadline,
+                    "kube-proxy's rules did not answer the UDP pinger"
+                );
+                thread::sleep(Duration::from_millis(50));
+            }
+            (cip, np, pinger)
+        });
+    let log = env.agent.log_tail();
+    let took = log
+        .lines()
+        .find(|l| l.contains("took over netfilter's Service flows"))
+        .unwrap_or_else(|| env.fail("the agent did not report taking over netfilter's flows"))
+        .to_owned();
+    let field = |name: &str| -> u64 {
+        took.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| env.fail(&format!("no {name}= in {took:?}")))
+    };
+    let (imported, moved, left) = (
+        field("imported"),
+        field("moved"),
+        field("left_to_netfilter"),
+    );
+    // The two streams and the UDP flow (the NodePort stream stays netfilter's when its
+    // masquerade port lies below the SNAT range).
+    let all_moved = masquerade.is_some();
+    env.check(
+        imported == 3 && moved + left == 3 && moved >= 2 && (moved == 3 || !all_moved),
+        || format!("taken over: {took}"),
+    );
+    // kube-proxy's rules go once the datapath is attached (on a thread of their own).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !env.agent.log_tail().contains("removed kube-proxy's rules") {
+        env.check(Instant::now() < deadline, || {
+            "the agent did not remove kube-proxy's rules".into()
+        });
+        thread::sleep(Duration::from_millis(50));
+    }
+    let listed = |args: &[&str]| {
+        String::from_utf8_lossy(
+            &env.node()
+                .output(args, Duration::from_secs(10))
+                .expect("listing netfilter's rules")
+                .stdout,
+        )
+        .into_owned()
+    };
+    // While netfilter still translates a connection its table stays, emptied: netfilter applies
+    // NAT only while a NAT chain is registered.
+    let table = listed(&["nft", "list", "table", "ip", "kube-proxy"]);
+    env.check(
+        if left == 0 {
+            table.is_empty()
+        } else {
+            table.contains("type nat hook") && ["dnat to", "jump ", "vmap", "fully-random"]
+                    .iter()
+                    .all(|rule| !table.contains(rule))
+        },
+        || format!("kube-proxy's nftables table after the takeover ({left} left to netfilter):\n{table}"),
+    );
+    let saved = listed(&["iptables-nft-save"]);
+    env.check(
+        !saved.contains("KUBE-SERVICES")
+            && !saved.contains("KUBE-SVC-")
+            && saved.contains(":KUBE-FIREWALL")
+            && saved.contains("-A INPUT -j KUBE-FIREWALL"),
+        || format!("iptables after the takeover:\n{saved}"),
+    );
+    // New flows are the agent's, with kube-proxy's rules gone.
+    env.expect_backends("after the takeover", WEB, &["a-web1", "a-web2"]);
+    thread::sleep(Duration::from_secs(2));
+    let mut gaps = Vec::new();
+    for (what, stream) in [("ClusterIP", cip), ("NodePort", np)] {
+        let summary = stream
+            .finish(Duration::from_secs(20))
+            .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
+        env.check(summary.whole(), || {
+            format!("the {what} stream broke across the takeover: {summary:?}")
+        });
+        gaps.push(format!(
+            "{what} stream {} bytes whole, longest gap {} ms",
+            summary.bytes, summary.max_gap_ms
+        ));
+    }
+    let replies = pinger.finish(Duration::from_secs(30));
+    let backends: BTreeMap<&str, usize> = replies.iter().fold(BTreeMap::new(), |mut m, r| {
+        *m.entry(r.body.split(':').next().unwrap_or("")).or_default() += 1;
+        m
+    });
+    env.check(
+        replies.len() == PINGS as usize && backends.len() == 1,
+        || {
+            format!(
+                "the UDP flow: {} of {PINGS} answered, by {backends:?}",
+                replies.len()
+            )
+        },
+    );
+    eprintln!(
+        "takeover: {took}; {}; UDP {}/{PINGS} answered by one backend; netfilter_flow {}",
+        gaps.join("; "),
+        replies.len(),
+        env.counter("netfilter_flow")
     );
 }

@@ -20,8 +20,12 @@ pub const APT_PACKAGES: &[&str] = &[
     "iperf3",
     "ethtool",
     "python3",
+    // Also what `cargo xtask image` copies into the image (proxy-image/src/rootfs.rs): the
+    // netfilter tools, netbase's /etc/protocols, /etc/services, /etc/ethertypes, and objcopy.
     "nftables",
     "iptables",
+    "netbase",
+    "binutils",
     // tests/image.rs: the agent's image loaded and run by a real container runtime.
     "podman",
     "crun",

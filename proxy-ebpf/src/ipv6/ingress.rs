@@ -3,7 +3,9 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, TAIL_CALL_SNAT6_NEW, ct_flags, ct_state, frag_hook,
+    Counter, TAIL_CALL_NEW6, TAIL_CALL_REJECT6, TAIL_CALL_SNAT6_NEW, ct_flags, ct_state,
+    flow_state::{TakenOver, taken_over},
+    frag_hook,
     ipv6::{Ct6Key, Ct6Value, Service6Key, SourceRange6Key},
     service_cidr, service_flags,
 };
@@ -64,10 +66,18 @@ fn established(ctx: &TcContext, p: &Packet6) -> Option<Result<Action, Drop>> {
         return snat_reply(ctx, p, now);
     };
     let ct = entry.peek();
-    if conntrack::expired(ct, p.proto, now)
-        || (p.is_syn() && ct.state == ct_state::CLOSING)
-        || (ct.flags & ct_flags::DIRECT == 0 && !conntrack::backend_valid(ct))
-    {
+    if conntrack::expired(ct, p.proto, now) || (p.is_syn() && ct.state == ct_state::CLOSING) {
+        return None;
+    }
+    if let Some(held) = taken_over(ct.flags) {
+        // Taken over from netfilter, which still translates it (or is letting go of it).
+        if held == TakenOver::Handoff {
+            return Some(Err(Drop::TakeoverHandoff));
+        }
+        conntrack::client_passed(p, &key, &entry, ct, now);
+        return Some(Ok(Action::pass(Counter::NetfilterFlow)));
+    }
+    if ct.flags & ct_flags::DIRECT == 0 && !conntrack::backend_valid(ct) {
         return None;
     }
     if ct.flags & ct_flags::DIRECT != 0 && direct_outdated(p, &entry, ct) {
@@ -97,6 +107,11 @@ fn snat_reply(ctx: &TcContext, p: &Packet6, now: u64) -> Option<Result<Action, D
     let entry = maps::snat6_entry(&snat::in_key_of_reply(p))?;
     let client = entry.get();
     snat::reply_passed(p, &entry, &client, now);
+    match taken_over(client.flags) {
+        Some(TakenOver::Handoff) => return Some(Err(Drop::TakeoverHandoff)),
+        Some(TakenOver::Netfilter) => return Some(Ok(Action::pass(Counter::NetfilterFlow))),
+        None => {}
+    }
     Some(
         nat::dnat(ctx, p, &client.addr, client.port)
             .map(|()| Action::pass(Counter::SnatReplyTranslated)),

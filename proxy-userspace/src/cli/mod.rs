@@ -240,6 +240,12 @@ pub struct RunArgs {
     /// Remove everything the agent installed and exit (like kube-proxy --cleanup).
     #[arg(long)]
     pub cleanup: bool,
+    /// Remove kube-proxy's rules from the node once the datapath is attached (its `KUBE-*`
+    /// iptables chains, `table ip/ip6 kube-proxy`, `kube-ipvs0`, IPVS virtual servers), as
+    /// `kube-proxy --cleanup` does; deploy/daemonset.yaml sets it. Without it they stay (and a
+    /// log line says so): harmless to traffic the datapath translates, but stale.
+    #[arg(long, env = "KPE_REMOVE_KUBE_PROXY_RULES")]
+    pub remove_kube_proxy_rules: bool,
     /// This agent's DaemonSet, NAMESPACE/NAME (deploy/daemonset.yaml sets it). It tells an
     /// uninstall from a restart: stopped while the DaemonSet is deleted or being deleted, or
     /// while its pod template no longer selects this node (a node opting out by label), the

@@ -1,5 +1,5 @@
-//! The kernel's own conntrack table (nf_conntrack), over ctnetlink: list the UDP entries toward
-//! given destinations and delete them, without the `conntrack` binary.
+//! The kernel's own conntrack table (nf_conntrack), over ctnetlink: list its entries (both
+//! tuples, status, TCP state) and delete them, without the `conntrack` binary.
 //!
 //! Packets the datapath passes to the stack untranslated (to a destination that was no Service
 //! frontend yet, to node processes, while handed over) may be recorded there; once that
@@ -24,24 +24,61 @@ const CT_GET: u16 = (1 << 8) | 1;
 const CT_DELETE: u16 = (1 << 8) | 2;
 const NLA_TYPE_MASK: u16 = 0x3fff;
 const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
 const CTA_ZONE: u16 = 18;
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
 const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
 const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
 
-/// One entry of a dump, as much of it as the deletion needs.
+/// One direction's tuple of an entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tuple {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    /// Ports (0 for protocols without them).
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+}
+
+/// One entry of a dump.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     /// The original direction's destination, port and protocol.
     pub daddr: IpAddr,
     pub dport: u16,
     pub proto: u8,
+    /// The whole original tuple, and the reply tuple (where NAT shows: a DNAT's reply comes
+    /// from the endpoint, a SNAT's goes to the translated source).
+    pub original: Tuple,
+    pub reply: Option<Tuple>,
+    /// `IPS_*` status bits (`pipeline::takeover::nf_status`).
+    pub status: u32,
+    /// netfilter's TCP state (`TCP_CONNTRACK_*`, `pipeline::takeover::nf_tcp`) for a TCP entry.
+    pub tcp_state: Option<u8>,
     /// The `CTA_TUPLE_ORIG` attribute as the kernel sent it (header included) and the
     /// `CTA_ZONE` one if any: a delete request names the entry with exactly these.
     identity: Vec<u8>,
+}
+
+impl Entry {
+    /// Was the entry's destination translated (a DNAT binding: the reply comes from elsewhere)?
+    /// Such a binding to a Service frontend is another proxy's (kube-proxy's rules): the agent
+    /// takes it over (`dataplane::takeover`) and never just deletes it.
+    pub fn translated(&self) -> bool {
+        self.reply
+            .is_some_and(|r| (r.src, r.sport) != (self.original.dst, self.original.dport))
+    }
 }
 
 /// The attributes of a netlink attribute stream: (type without flags, payload, whole attribute).
@@ -67,21 +104,51 @@ fn find(buf: &[u8], kind: u16) -> Option<(&[u8], &[u8])> {
         .map(|(_, p, w)| (p, w))
 }
 
+fn address(ip: &[u8], v4: u16, v6: u16) -> Option<IpAddr> {
+    match (find(ip, v4), find(ip, v6)) {
+        (Some((a, _)), _) if a.len() == 4 => Some(IpAddr::from(<[u8; 4]>::try_from(a).ok()?)),
+        (_, Some((a, _))) if a.len() == 16 => Some(IpAddr::from(<[u8; 16]>::try_from(a).ok()?)),
+        _ => None,
+    }
+}
+
+fn port(l4: &[u8], kind: u16) -> u16 {
+    find(l4, kind)
+        .and_then(|(p, _)| Some(u16::from_be_bytes(p.get(..2)?.try_into().ok()?)))
+        .unwrap_or(0)
+}
+
+/// A `CTA_TUPLE_*` payload.
+fn tuple(t: &[u8]) -> Option<Tuple> {
+    let (ip, _) = find(t, CTA_TUPLE_IP)?;
+    let dst = address(ip, CTA_IP_V4_DST, CTA_IP_V6_DST)?;
+    let src = address(ip, CTA_IP_V4_SRC, CTA_IP_V6_SRC).unwrap_or(match dst {
+        IpAddr::V4(_) => IpAddr::from([0u8; 4]),
+        IpAddr::V6(_) => IpAddr::from([0u8; 16]),
+    });
+    let (l4, _) = find(t, CTA_TUPLE_PROTO)?;
+    Some(Tuple {
+        src,
+        dst,
+        sport: port(l4, CTA_PROTO_SRC_PORT),
+        dport: port(l4, CTA_PROTO_DST_PORT),
+        proto: *find(l4, CTA_PROTO_NUM)?.0.first()?,
+    })
+}
+
 /// Pure: the entry a ctnetlink message payload (after the `nfgenmsg`) describes, if it has an
 /// original tuple with a destination address and (TCP, UDP, SCTP) a port.
 pub fn parse_entry(attrs: &[u8]) -> Option<Entry> {
-    let (tuple, tuple_whole) = find(attrs, CTA_TUPLE_ORIG)?;
-    let (ip, _) = find(tuple, CTA_TUPLE_IP)?;
-    let daddr = match (find(ip, CTA_IP_V4_DST), find(ip, CTA_IP_V6_DST)) {
-        (Some((a, _)), _) if a.len() == 4 => IpAddr::from(<[u8; 4]>::try_from(a).ok()?),
-        (_, Some((a, _))) if a.len() == 16 => IpAddr::from(<[u8; 16]>::try_from(a).ok()?),
-        _ => return None,
-    };
-    let (l4, _) = find(tuple, CTA_TUPLE_PROTO)?;
-    let proto = *find(l4, CTA_PROTO_NUM)?.0.first()?;
-    let dport = find(l4, CTA_PROTO_DST_PORT)
-        .and_then(|(p, _)| Some(u16::from_be_bytes(p.get(..2)?.try_into().ok()?)))
+    let (orig, tuple_whole) = find(attrs, CTA_TUPLE_ORIG)?;
+    let original = tuple(orig)?;
+    let reply = find(attrs, CTA_TUPLE_REPLY).and_then(|(t, _)| tuple(t));
+    let status = find(attrs, CTA_STATUS)
+        .and_then(|(p, _)| Some(u32::from_be_bytes(p.get(..4)?.try_into().ok()?)))
         .unwrap_or(0);
+    let tcp_state = find(attrs, CTA_PROTOINFO)
+        .and_then(|(p, _)| find(p, CTA_PROTOINFO_TCP))
+        .and_then(|(p, _)| find(p, CTA_PROTOINFO_TCP_STATE))
+        .and_then(|(p, _)| p.first().copied());
     let mut identity = tuple_whole.to_vec();
     identity.resize(identity.len().next_multiple_of(4), 0);
     if let Some((_, zone)) = find(attrs, CTA_ZONE) {
@@ -89,9 +156,13 @@ pub fn parse_entry(attrs: &[u8]) -> Option<Entry> {
         identity.resize(identity.len().next_multiple_of(4), 0);
     }
     Some(Entry {
-        daddr,
-        dport,
-        proto,
+        daddr: original.dst,
+        dport: original.dport,
+        proto: original.proto,
+        original,
+        reply,
+        status,
+        tcp_state,
         identity,
     })
 }
@@ -216,7 +287,8 @@ impl CtNetlink {
     }
 
     /// Deletes the UDP entries whose original destination is one of `destinations` (address,
-    /// port). Returns how many went.
+    /// port) and that were passed there untranslated (see [`Entry::translated`]). Returns how
+    /// many went.
     pub fn delete_udp_toward(&mut self, destinations: &[(IpAddr, u16)]) -> io::Result<usize> {
         let wanted: HashSet<(IpAddr, u16)> = destinations.iter().copied().collect();
         let mut deleted = 0;
@@ -234,7 +306,9 @@ impl CtNetlink {
                 continue;
             }
             let doomed: Vec<Entry> = (self.list(family)?.into_iter())
-                .filter(|e| e.proto == proto::UDP && wanted.contains(&(e.daddr, e.dport)))
+                .filter(|e| {
+                    e.proto == proto::UDP && wanted.contains(&(e.daddr, e.dport)) && !e.translated()
+                })
                 .collect();
             for entry in &doomed {
                 deleted += usize::from(self.delete(family, entry)?);

@@ -21,6 +21,7 @@ pub mod ebpf_object;
 pub mod flow_gc;
 pub mod frontend_gen;
 pub mod interfaces;
+pub mod kube_proxy_rules;
 pub mod layout;
 pub mod lc_counts;
 #[allow(unsafe_code)]
@@ -45,6 +46,7 @@ pub mod sock_lb;
 pub mod source_ranges;
 #[allow(unsafe_code)]
 pub mod sys;
+pub mod takeover;
 
 use std::{io, path::PathBuf};
 

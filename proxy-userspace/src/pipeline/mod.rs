@@ -16,6 +16,7 @@ pub mod maglev;
 pub mod model;
 pub mod opened;
 pub mod programmed;
+pub mod takeover;
 pub mod topology;
 pub mod translate;
 pub mod translate_cache;
