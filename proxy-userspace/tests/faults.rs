@@ -953,9 +953,11 @@ fn removed_pins_are_repaired_and_an_unmounted_bpffs_fails_healthz() {
     let took = rig.wait("the pins pinned again", Duration::from_secs(10), || {
         pinned_files(&rig.pin_dir) == pinned
     });
-    rig.check(
-        rig.log().contains("pins removed under the running agent"),
-        || "no log line for the repair".into(),
+    // The pins are back a moment before the agent logs that it put them back.
+    rig.wait(
+        "the log line for the repair",
+        Duration::from_secs(5),
+        || rig.log().contains("pins removed under the running agent"),
     );
     rig.served(WEB, 9, "web after the repair");
     rig.check(rig.healthz() == "200", || {
@@ -1155,6 +1157,17 @@ fn replaced_pins_are_pinned_back(rig: &Rig, pinned: &BTreeSet<String>) {
             pinned_ids(dir, pinned)
         )
     });
+    // The pins are back a moment before the agent logs that it put them back.
+    rig.wait(
+        "the log lines for the replaced pins",
+        Duration::from_secs(5),
+        || {
+            rig.log()[log_before..]
+                .matches("pin replaced by another object")
+                .count()
+                >= 2
+        },
+    );
     let log = rig.log();
     let lines: Vec<&str> = log[log_before..]
         .lines()
