@@ -112,9 +112,95 @@ impl PortProbe {
     }
 }
 
+/// The source ports a SNATed flow tries, in order: the client's own port first where it may keep
+/// it, then a [`PortProbe`] walk from the flow hash.
+#[derive(Clone, Copy)]
+pub struct SnatPorts {
+    /// The client's port to try first (host order), 0 for none.
+    keep: u16,
+    probe: PortProbe,
+}
+
+impl SnatPorts {
+    /// The ports of a flow with this hash and client port (host order), SNATed with `proto` on
+    /// the node's own address (`on_node_addr`) or on another source (hairpin, a tunnel device's
+    /// address): TCP and UDP on the node's address keep the client's port if it is unprivileged
+    /// and walk the whole unprivileged range; anything else walks the dedicated range.
+    #[inline(always)]
+    pub const fn new(hash: u32, proto: u8, client_port: u16, on_node_addr: bool) -> Self {
+        use crate::{SNAT_NODE_PORT_MIN, SNAT_PORT_MAX, SNAT_PORT_MIN};
+        if on_node_addr && crate::shares_node_ports(proto) {
+            Self {
+                keep: if client_port >= SNAT_NODE_PORT_MIN {
+                    client_port
+                } else {
+                    0
+                },
+                probe: PortProbe::new(hash, SNAT_NODE_PORT_MIN, SNAT_PORT_MAX),
+            }
+        } else {
+            Self {
+                keep: 0,
+                probe: PortProbe::new(hash, SNAT_PORT_MIN, SNAT_PORT_MAX),
+            }
+        }
+    }
+
+    /// The `i`-th port to try (host order).
+    #[inline(always)]
+    pub const fn port(&self, i: u32) -> u16 {
+        if self.keep == 0 {
+            self.probe.port(i)
+        } else if i == 0 {
+            self.keep
+        } else {
+            self.probe.port(i - 1)
+        }
+    }
+
+    /// Is the `i`-th port the client's own?
+    #[inline(always)]
+    pub const fn kept(&self, i: u32) -> bool {
+        i == 0 && self.keep != 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snat_ports_keep_the_clients_port_on_the_node_address_for_tcp_and_udp_only() {
+        use crate::{SNAT_NODE_PORT_MIN, SNAT_PORT_MAX, SNAT_PORT_MIN, proto};
+        for p in [proto::TCP, proto::UDP] {
+            let ports = SnatPorts::new(0xdead_beef, p, 40_000, true);
+            assert_eq!(ports.port(0), 40_000);
+            assert!(ports.kept(0) && !ports.kept(1));
+            let walk: Vec<u16> = (1..33).map(|i| ports.port(i)).collect();
+            assert!(walk.iter().all(|&x| x >= SNAT_NODE_PORT_MIN));
+            assert!(
+                walk.iter().any(|&x| x < SNAT_PORT_MIN),
+                "the walk covers the whole unprivileged range: {walk:?}"
+            );
+            // A privileged client port is never kept: the walk starts at once.
+            let low = SnatPorts::new(0xdead_beef, p, 53, true);
+            assert!(!low.kept(0));
+            assert_eq!(low.port(0), ports.port(1));
+        }
+        for (p, node) in [
+            (proto::SCTP, true),
+            (proto::ICMP, true),
+            (proto::TCP, false),
+            (proto::UDP, false),
+        ] {
+            let ports = SnatPorts::new(7, p, 40_000, node);
+            assert!(!ports.kept(0), "{p} on node address {node}");
+            assert!(
+                (0..64).all(|i| (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&ports.port(i))),
+                "{p} on node address {node}"
+            );
+        }
+    }
 
     #[test]
     fn same_tuple_same_hash_and_any_field_changes_it() {

@@ -63,6 +63,13 @@ pub mod proto {
     pub const SCTP: u8 = 132;
 }
 
+/// Does a flow of `proto` SNATed on the node's address share the port space with the node's
+/// sockets (`SNAT_NODE_PORT_MIN`: TCP and UDP, whose sockets the datapath can look up)?
+#[inline(always)]
+pub const fn shares_node_ports(p: u8) -> bool {
+    p == proto::TCP || p == proto::UDP
+}
+
 /// Program names (the `#[classifier]` function names in proxy-ebpf).
 pub const PROG_TC_INGRESS: &str = "tc_ingress";
 pub const PROG_TC_EGRESS: &str = "tc_egress";

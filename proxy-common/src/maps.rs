@@ -447,10 +447,19 @@ pub const CLASH_PORT_MAX: u16 = 65_535;
 /// How many ports a clashing flow tries before it is dropped (`drop_reply_tuple_exhausted`).
 pub const CLASH_PROBES: u32 = 16;
 
-/// Node ports used as SNAT source ports (above Linux's default ephemeral range 32768-60999, so
-/// the node's own connections rarely share a tuple with a SNATed flow).
+/// SNAT source ports of TCP and UDP flows on the node's own address: the client's port when the
+/// translated tuple is free, else a walk over `SNAT_NODE_PORT_MIN..=SNAT_PORT_MAX` (as
+/// MASQUERADE: the whole unprivileged range). The node's sockets share these ports: a port a
+/// local socket holds toward the backend (or listens on) is skipped, and a later connection of
+/// the node that would clash with a live SNATed flow has its own source port remapped.
+pub const SNAT_NODE_PORT_MIN: u16 = 1_024;
+/// SNAT source ports of everything else (hairpin flows, a tunnel device's address, SCTP and
+/// ICMP): above Linux's default ephemeral range 32768-60999, where no socket lookup is needed.
 pub const SNAT_PORT_MIN: u16 = 61_000;
 pub const SNAT_PORT_MAX: u16 = 65_535;
+/// How long an unanswered TCP SYN holds its SNAT port against a new flow (netfilter holds the
+/// tuple of a SYN_SENT flow 120 s; a SYN flood to a NodePort would then exhaust the ports).
+pub const SNAT_UNANSWERED_SYN_HOLD_S: u64 = 5;
 /// Source of hairpin flows (a pod sent to a Service and was picked as its own backend): the pod
 /// cannot accept a packet from its own address, so such flows are SNATed to this link-local
 /// address (pods reach it through their default route to the node).

@@ -185,6 +185,14 @@ counters! {
     /// Dropped: a packet of a taken-over flow in the microseconds its netfilter entry was being
     /// deleted (`ct_flags::HANDOFF`).
     DropTakeoverHandoff = "drop_takeover_handoff",
+    /// A SNATed flow kept its client's source port (the translated tuple was free).
+    SnatPortKept = "snat_port_kept",
+    /// A SNAT port skipped because a socket of the node holds it toward that backend (or
+    /// listens on it).
+    SnatPortLocalSocket = "snat_port_local_socket",
+    /// A connection of the node's own that would have shared its tuple with a live SNATed flow:
+    /// its source port remapped, as netfilter's NAT does for a clashing local connection.
+    SnatNodeConnectionRemapped = "snat_node_connection_remapped",
 }
 
 /// Number of entries in the stats array.

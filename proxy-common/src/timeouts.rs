@@ -70,6 +70,31 @@ pub fn idle_expired(
     now_ns.saturating_sub(last_seen_ns) > idle_timeout_ns(cfg, proto, state, flags)
 }
 
+/// May a new flow take the SNAT port of an existing one (its `in` entry last seen at
+/// `last_seen_ns`, in `state` with `flags`)? When its flow is idle past its timeout, as before;
+/// and like netfilter's NAT, a TCP flow that has closed (a new SYN reuses a TIME_WAIT/CLOSE
+/// tuple), or whose SYN has gone unanswered for `SNAT_UNANSWERED_SYN_HOLD_S`.
+#[inline(always)]
+pub fn snat_port_reclaimable(
+    last_seen_ns: u64,
+    proto: u8,
+    state: u8,
+    flags: u8,
+    now_ns: u64,
+    cfg: &DatapathConfig,
+) -> bool {
+    if idle_expired(last_seen_ns, proto, state, flags, now_ns, cfg) {
+        return true;
+    }
+    if proto != proto::TCP {
+        return false;
+    }
+    state == ct_state::CLOSING
+        || (flags & ct_flags::SEEN_REPLY == 0
+            && (state == ct_state::SYN_SENT || state == ct_state::UDP)
+            && now_ns.saturating_sub(last_seen_ns) > crate::SNAT_UNANSWERED_SYN_HOLD_S * NS_PER_S)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,5 +214,45 @@ mod tests {
             u64::MAX,
             &max
         ));
+    }
+
+    #[test]
+    fn a_snat_port_is_reclaimed_after_a_close_an_unanswered_syn_or_idleness() {
+        let now = 1_000 * S;
+        let r = |proto, state, flags, idle_s: u64| {
+            snat_port_reclaimable(now - idle_s * S, proto, state, flags, now, &CFG)
+        };
+        assert!(
+            r(proto::TCP, ct_state::CLOSING, REPLIED, 0),
+            "closed: a new SYN reuses it"
+        );
+        assert!(!r(proto::TCP, ct_state::ESTABLISHED, REPLIED, 99));
+        assert!(r(proto::TCP, ct_state::ESTABLISHED, REPLIED, 101), "idle");
+        assert!(
+            !r(proto::TCP, ct_state::FIN_ORIGINAL, REPLIED, 6),
+            "half-closed holds"
+        );
+        let hold = crate::SNAT_UNANSWERED_SYN_HOLD_S;
+        assert!(
+            !r(proto::TCP, ct_state::SYN_SENT, NONE, hold),
+            "a fresh SYN holds"
+        );
+        assert!(
+            r(proto::TCP, ct_state::SYN_SENT, NONE, hold + 1),
+            "unanswered SYN"
+        );
+        assert!(
+            !r(proto::TCP, ct_state::SYN_SENT, REPLIED, hold + 1),
+            "an answered SYN holds for the transitory timeout"
+        );
+        assert!(
+            !r(proto::UDP, ct_state::UDP, NONE, 5),
+            "UDP only by its timeout"
+        );
+        assert!(r(proto::UDP, ct_state::UDP, NONE, 6));
+        assert!(
+            !r(proto::SCTP, ct_state::CLOSING, REPLIED, 0),
+            "SCTP only by its timeout"
+        );
     }
 }

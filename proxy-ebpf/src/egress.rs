@@ -30,13 +30,10 @@ pub fn try_tc_egress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
     }
     let now = maps::now_ns();
     let Some(entry) = maps::ct_entry(&conntrack::reply_key(&p)) else {
-        // Not a reply: maybe an external flow forwarded to a remote backend, to SNAT.
-        let Some(out) = maps::snat_entry(&snat::out_key_of_forwarded(&p)) else {
+        // Not a reply: maybe an external flow forwarded to a remote backend, to SNAT (or a
+        // connection of the node's own that would clash with one).
+        let Some(node) = snat::egress(ctx, &p, now)? else {
             log::untracked(p.proto, (p.saddr, p.sport), (p.daddr, p.dport));
-            return Ok(Action::pass(Counter::ReplyNotTracked));
-        };
-        let device = maps::snat_device_addr(packet::ifindex(ctx));
-        let Some(node) = snat::forwarded(&p, out, now, device)? else {
             return Ok(Action::pass(Counter::ReplyNotTracked));
         };
         nat::snat_reply(ctx, &p, node.addr, node.port)?;

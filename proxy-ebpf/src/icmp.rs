@@ -71,7 +71,7 @@ pub fn reply(ctx: &TcContext, e: &IcmpError) -> Result<Action, Drop> {
 /// Ingress: an error about a SNATed flow (quoting node:port → backend), back to the client.
 #[inline(always)]
 pub fn snat_reply(ctx: &TcContext, e: &IcmpError) -> Result<Action, Drop> {
-    if u16::from_be_bytes(e.inner_sport) < proxy_common::SNAT_PORT_MIN {
+    if !crate::snat::may_be_snat(e.inner_sport, || maps::is_node_snat_addr(e.inner_saddr)) {
         return Ok(Action::pass(Counter::NotService));
     }
     let key = SnatKey {

@@ -335,6 +335,7 @@ fn new_flow(
             proto: p.proto,
         };
         if let Err(drop) = snat::allocate(
+            ctx,
             &f,
             conntrack::next_state(p, ct_state::UDP),
             now,

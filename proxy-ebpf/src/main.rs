@@ -16,6 +16,7 @@ mod icmp;
 mod ingress;
 mod ipv6;
 mod lc;
+mod local_socket;
 mod log;
 mod maglev;
 mod maps;

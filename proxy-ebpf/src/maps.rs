@@ -690,6 +690,16 @@ pub fn node() -> Option<NodeInfo> {
     Some(unsafe { *ptr })
 }
 
+/// Is `addr` the node's SNAT address (`NODE_V1[0].snat_addr`, never 0.0.0.0)? Compared in place.
+#[inline(always)]
+pub fn is_node_snat_addr(addr: [u8; 4]) -> bool {
+    match NODE_V1.get_ptr(0) {
+        // SAFETY: array slots are preallocated; the pointer is valid.
+        Some(ptr) => addr != [0; 4] && unsafe { (*ptr).snat_addr } == addr,
+        None => false,
+    }
+}
+
 /// The SNAT source address of flows leaving through interface `ifindex`, or
 /// `snat::NO_DEVICE` if it has none of its own. A plain address, not an `Option`: LLVM may spill
 /// a `None`'s undefined payload, which the verifier rejects (`!read_ok`).
@@ -1295,6 +1305,16 @@ pub fn node6_addr() -> [u8; 16] {
         // SAFETY: array slots are preallocated; the pointer is valid and the value copied at once.
         Some(ptr) => unsafe { (*ptr).snat_addr },
         None => [0; 16],
+    }
+}
+
+/// Is `addr` the node's IPv6 SNAT address (never `::`)? Compared in place.
+#[inline(always)]
+pub fn is_node6_addr(addr: &[u8; 16]) -> bool {
+    match NODE6_V1.get_ptr(0) {
+        // SAFETY: as in `node6_addr`.
+        Some(ptr) => *addr != [0; 16] && unsafe { (*ptr).snat_addr == *addr },
+        None => false,
     }
 }
 

@@ -20,22 +20,32 @@
 //! with the link-local `HAIRPIN_SNAT_ADDR` as source: the pod could not accept a packet from its
 //! own address, and answers the link-local address through its default route to the node.
 //!
-//! Ports are allocated per (node address, backend address/port, protocol): a bounded probe from a
-//! flow-hash start claims a free `in` key with `BPF_NOEXIST` (atomic across CPUs), or reclaims one
-//! whose flow has been idle past its conntrack timeout. Both entries live in an LRU map, refreshed
-//! by the flow's packets.
+//! Ports are allocated per (node address, backend address/port, protocol), like MASQUERADE: a
+//! TCP or UDP flow on the node's address keeps its client's port when that tuple is free, else
+//! a bounded walk from a flow-hash start over the whole unprivileged range; other flows (hairpin,
+//! a tunnel device's address, SCTP, ICMP) walk the dedicated `SNAT_PORT_MIN..`. A port is claimed
+//! by writing its `in` key with `BPF_NOEXIST` (atomic across CPUs), or taken over from a flow that
+//! netfilter would let go of (`timeouts::snat_port_reclaimable`: idle, closed, or an unanswered
+//! SYN). Both entries live in an LRU map, refreshed by the flow's packets.
+//!
+//! The node's own sockets share those ports. A port a socket of the node holds toward the same
+//! backend (or listens on) is skipped (`local_socket`); a connection the node opens later whose
+//! tuple a live SNATed flow holds gets its source port remapped here ([`egress`]), as netfilter's
+//! NAT remaps a clashing local connection, so neither is cut.
 
+use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Backend, Counter, HAIRPIN_SNAT_ADDR, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ServiceValue,
-    SnatKey, SnatValue, backend_flags, ct_dir, ct_flags,
-    hash::{PortProbe, flow_hash},
-    service_flags,
+    Backend, Counter, HAIRPIN_SNAT_ADDR, SNAT_NODE_PORT_MIN, SNAT_PORT_MIN, SNAT_PROBES,
+    ServiceValue, SnatKey, SnatValue, backend_flags, ct_dir, ct_flags, ct_state,
+    hash::{SnatPorts, flow_hash},
+    service_flags, shares_node_ports,
+    timeouts::snat_port_reclaimable,
 };
 
 use crate::{
-    Drop, conntrack,
+    Drop, conntrack, local_socket,
     maps::{self, SnatEntry},
-    packet::Packet,
+    packet::{self, Packet},
     stats,
 };
 
@@ -61,16 +71,19 @@ pub fn external_needed(
         && (backend_bits & backend_flags::LOCAL == 0 || !client_in_cluster())
 }
 
-/// Can this packet be a reply to a SNATed flow (destination port in the SNAT range)?
+/// Can this packet be a reply to a SNATed flow (to a SNAT port of its destination address)?
 #[inline(always)]
 pub fn may_be_reply(p: &Packet) -> bool {
-    is_snat_port(p.dport)
+    may_be_snat(p.dport, || maps::is_node_snat_addr(p.daddr))
 }
 
-/// Is `port` (network order) in the SNAT range (both families)?
+/// Can `port` (network order) of an address be a SNAT port (both families)? One of the dedicated
+/// range on any SNAT source, or an unprivileged port of the node's own address (`on_node_addr`,
+/// asked only then).
 #[inline(always)]
-pub fn is_snat_port(port: [u8; 2]) -> bool {
-    u16::from_be_bytes(port) >= SNAT_PORT_MIN
+pub fn may_be_snat(port: [u8; 2], on_node_addr: impl FnOnce() -> bool) -> bool {
+    let port = u16::from_be_bytes(port);
+    port >= SNAT_PORT_MIN || (port >= SNAT_NODE_PORT_MIN && on_node_addr())
 }
 
 /// A flow after DNAT: client → backend.
@@ -144,10 +157,20 @@ pub fn in_key_of_reply(p: &Packet) -> SnatKey {
     }
 }
 
-/// The `out` key of a packet leaving on egress (client → backend).
+/// The ports a flow tries (see `SnatPorts`) and whether they are shared with the node's sockets
+/// (each then looked up before it is claimed), both families. `on_node_addr`: the flow is SNATed
+/// to the node's own address.
 #[inline(always)]
-pub fn out_key_of_forwarded(p: &Packet) -> SnatKey {
-    Flow::of_forwarded(p).out_key()
+pub fn port_walk(
+    hash: u32,
+    proto: u8,
+    client_port: [u8; 2],
+    on_node_addr: bool,
+) -> (SnatPorts, bool) {
+    (
+        SnatPorts::new(hash, proto, u16::from_be_bytes(client_port), on_node_addr),
+        on_node_addr && shares_node_ports(proto),
+    )
 }
 
 /// `device` of a flow leaving by no device with its own SNAT address (or seen at ingress).
@@ -175,7 +198,13 @@ fn source_addr(f: &Flow, device: [u8; 4]) -> Option<[u8; 4]> {
 /// of the device the flow leaves by (egress), [`NO_DEVICE`] for the node's (ingress, or a device without
 /// its own). `Ok(None)`: the node has no SNAT address yet (counted; the flow goes out unSNATed).
 #[inline(always)]
-pub fn allocate(f: &Flow, state: u8, now: u64, device: [u8; 4]) -> Result<Option<SnatValue>, Drop> {
+pub fn allocate(
+    ctx: &TcContext,
+    f: &Flow,
+    state: u8,
+    now: u64,
+    device: [u8; 4],
+) -> Result<Option<SnatValue>, Drop> {
     let Some(source) = source_addr(f, device) else {
         stats::count(Counter::SnatNoNodeAddr);
         return Ok(None);
@@ -212,23 +241,27 @@ pub fn allocate(f: &Flow, state: u8, now: u64, device: [u8; 4]) -> Result<Option
         f.backend_port,
         f.proto,
     );
-    let probe = PortProbe::new(hash, SNAT_PORT_MIN, SNAT_PORT_MAX);
+    let (ports, shared) = port_walk(
+        hash,
+        f.proto,
+        f.client_port,
+        source != HAIRPIN_SNAT_ADDR && device == NO_DEVICE,
+    );
     let mut i = 0;
     while i < SNAT_PROBES {
-        let port = probe.port(i).to_be_bytes();
+        let port = ports.port(i).to_be_bytes();
+        if shared && local_socket::owns_v4(ctx, f.proto, source, port, f.backend, f.backend_port) {
+            stats::count(Counter::SnatPortLocalSocket);
+            i += 1;
+            continue;
+        }
         let in_key = f.in_key(source, port);
         let claimed = maps::snat_claim(&in_key, &client).is_ok()
             || match maps::snat_entry(&in_key) {
                 Some(taken) => {
                     let old = taken.get();
-                    conntrack::idle_expired(
-                        old.last_seen_ns,
-                        f.proto,
-                        old.state,
-                        old.flags,
-                        now,
-                        cfg,
-                    ) && maps::snat_insert(&in_key, &client).is_ok()
+                    snat_port_reclaimable(old.last_seen_ns, f.proto, old.state, old.flags, now, cfg)
+                        && maps::snat_insert(&in_key, &client).is_ok()
                 }
                 // Evicted between the claim and the lookup: take it.
                 None => maps::snat_insert(&in_key, &client).is_ok(),
@@ -250,6 +283,9 @@ pub fn allocate(f: &Flow, state: u8, now: u64, device: [u8; 4]) -> Result<Option
             } else {
                 Counter::SnatNew
             });
+            if ports.kept(i) {
+                stats::count(Counter::SnatPortKept);
+            }
             return Ok(Some(out));
         }
         i += 1;
@@ -257,28 +293,74 @@ pub fn allocate(f: &Flow, state: u8, now: u64, device: [u8; 4]) -> Result<Option
     Err(Drop::SnatPortsExhausted)
 }
 
-/// Egress: the node address and port of a forwarded packet whose flow has an `out` entry, its
-/// entries refreshed (and re-allocated if its port was reclaimed after a long silence, or if it
-/// leaves through a tunnel device whose own address `device` it does not have yet).
+/// Egress: the source address and port a packet that is no reply leaves with, if it is SNATed:
+/// a forwarded packet whose flow has an `out` entry (its entries refreshed, and re-allocated if
+/// its port was reclaimed after a long silence, or if it leaves through a tunnel device whose own
+/// address it does not have yet), or the first packet of a connection of the node's own whose
+/// tuple a live SNATed flow holds (given another port, see the module docs). `Ok(None)`: the
+/// packet leaves as it is.
 #[inline(always)]
-pub fn forwarded(
-    p: &Packet,
-    out: SnatEntry,
-    now: u64,
-    device: [u8; 4],
-) -> Result<Option<SnatValue>, Drop> {
-    let v = out.get();
-    let state = conntrack::next_state(p, v.state);
+pub fn egress(ctx: &TcContext, p: &Packet, now: u64) -> Result<Option<SnatValue>, Drop> {
     let f = Flow::of_forwarded(p);
-    if (device == NO_DEVICE || device == v.addr)
-        && let Some(own) = f.own_in_entry(&v)
+    let (state, device) = match maps::snat_entry(&f.out_key()) {
+        Some(out) => {
+            let v = out.get();
+            let state = conntrack::next_state(p, v.state);
+            let device = maps::snat_device_addr(packet::ifindex(ctx));
+            if (device == NO_DEVICE || device == v.addr)
+                && let Some(own) = f.own_in_entry(&v)
+            {
+                // The `in` entry carries the flow (it also saw the backend's FIN): move its own
+                // state.
+                own.touch(now, conntrack::next_state(p, own.get().state));
+                out.touch(now, state);
+                return Ok(Some(v));
+            }
+            (state, device)
+        }
+        None => {
+            if !node_connection_clashes(p, now) {
+                return Ok(None);
+            }
+            stats::count(Counter::SnatNodeConnectionRemapped);
+            (conntrack::next_state(p, ct_state::UDP), NO_DEVICE)
+        }
+    };
+    allocate(ctx, &f, state, now, device)
+}
+
+/// Is `p` the first packet of a connection of the node's own (from its SNAT address) whose tuple
+/// a live SNATed flow holds? A holder netfilter would let go of (closed, idle, an unanswered SYN)
+/// gives the tuple up to the node's connection instead.
+#[inline(always)]
+fn node_connection_clashes(p: &Packet, now: u64) -> bool {
+    if !shares_node_ports(p.proto)
+        || !p.may_open_flow()
+        || u16::from_be_bytes(p.sport) < SNAT_NODE_PORT_MIN
+        || !maps::is_node_snat_addr(p.saddr)
     {
-        // The `in` entry carries the flow (it also saw the backend's FIN): move its own state.
-        own.touch(now, conntrack::next_state(p, own.get().state));
-        out.touch(now, state);
-        return Ok(Some(v));
+        return false;
     }
-    allocate(&f, state, now, device)
+    let in_key = Flow::of_forwarded(p).in_key(p.saddr, p.sport);
+    let Some(holder) = maps::snat_entry(&in_key) else {
+        return false;
+    };
+    let v = holder.get();
+    if v.addr == p.saddr && v.port == p.sport {
+        return false;
+    }
+    if snat_port_reclaimable(
+        v.last_seen_ns,
+        p.proto,
+        v.state,
+        v.flags,
+        now,
+        maps::config_ref(),
+    ) {
+        maps::snat_remove(&in_key);
+        return false;
+    }
+    true
 }
 
 /// Ingress: a remote backend's reply to a SNATed flow passes through its `in` entry: refreshed,

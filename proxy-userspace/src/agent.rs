@@ -650,10 +650,16 @@ impl Agent {
     /// Takes netfilter's Service flows over (kube-proxy's, on a node it ran on), step 1: written
     /// as netfilter's, before the programs attach (`dataplane::takeover`).
     pub fn take_over_flows(&self) -> Option<crate::dataplane::takeover::Takeover> {
+        let node_snat = [self.external.snat_addr().map(std::net::IpAddr::V4)]
+            .into_iter()
+            .chain([self.family6.snat_addr().map(std::net::IpAddr::V6)])
+            .flatten()
+            .collect();
         crate::dataplane::takeover::Takeover::before_attach(
             &self.pins,
             &self.programmed,
             self.family6.programmed(),
+            node_snat,
         )
         .inspect_err(|e| warn!("netfilter's Service flows are not taken over: {e:#}"))
         .ok()
@@ -1307,7 +1313,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if init_only {
         return node_settings;
     }
-    crate::dataplane::port_range::check_node()?;
+    if let Err(e) = crate::dataplane::port_range::check_node() {
+        warn!("{e}");
+    }
     if let Some(adj) = args.kube_proxy.oom_score_adj {
         // kube-proxy's --oom-score-adj: lowering the score needs CAP_SYS_RESOURCE, which the
         // DaemonSet does not grant (its priority class already shields it).

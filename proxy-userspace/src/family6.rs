@@ -234,6 +234,11 @@ impl Family6 {
 
     /// The Maglev tables the IPv6 frontends name (the IPv4 family's read leaves them out).
     /// What the IPv6 maps carry now.
+    /// The node's IPv6 SNAT address as written for the datapath (`None`: none).
+    pub fn snat_addr(&self) -> Option<Ipv6Addr> {
+        (!self.snat.is_unspecified() && self.snat != Ipv6Addr::from_bits(1)).then_some(self.snat)
+    }
+
     pub fn programmed(&self) -> &Programmed<Ipv6Addr> {
         &self.programmed
     }

@@ -40,10 +40,10 @@ use proxy_common::{
     FragValue, HAIRPIN_SNAT_ADDR, Ipv4Prefix, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS,
     MAP_CONNTRACK, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_SERVICE_CIDRS,
     MAP_SERVICES, MAP_SNAT, MAP_SNAT_DEVICES, MAP_SOURCE_RANGES, PROG_TC_EGRESS, PROG_TC_EGRESS_L3,
-    PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    SOURCE_RANGE_FRONTEND_BITS, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue,
-    SourceRangeKey, backend_flags, bpf_log, ct_dir, ct_flags, ct_state, frag_action, frag_hook,
-    hash::{PortProbe, flow_hash, pick_slot},
+    PROG_TC_INGRESS, PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SOURCE_RANGE_FRONTEND_BITS, ServiceKey,
+    ServiceValue, SnatDevice, SnatKey, SnatValue, SourceRangeKey, backend_flags, bpf_log, ct_dir,
+    ct_flags, ct_state, frag_action, frag_hook,
+    hash::{PortProbe, SnatPorts, flow_hash, pick_slot},
     maglev::{self, Chunk, MaglevKey},
     proto, sched, service_cidr, service_flags,
 };
@@ -2435,7 +2435,7 @@ fn fragmented_datagrams_through_a_snated_nodeport_are_translated() {
         "NodePort request",
         &req,
         &fwd,
-        &[(NewFlow, 1), (SnatNew, 1)],
+        &[(NewFlow, 1), (SnatNew, 1), (SnatPortKept, 1)],
         FragmentTranslated,
     );
     let nat_port = u16::from_be_bytes(
@@ -2987,13 +2987,14 @@ fn snat_in_key(backend: Ipv4Addr, bport: u16, node_port: u16, proto: u8) -> Snat
     }
 }
 
-/// Where the datapath's port probe starts for a flow (the same pure hash).
-fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16) -> u16 {
-    snat_probe_port(client, backend, bport, 0)
+/// The first port the datapath's SNAT probe tries for a flow on the node's address (the client's
+/// own) or on another source (where the walk starts: the same pure hash).
+fn snat_probe_start(client: &Pkt, backend: Ipv4Addr, bport: u16, on_node_addr: bool) -> u16 {
+    snat_probe_port(client, backend, bport, on_node_addr, 0)
 }
 
 /// The `n`-th port the datapath's SNAT probe tries for a flow to `backend:bport`.
-fn snat_probe_port(client: &Pkt, backend: Ipv4Addr, bport: u16, n: u32) -> u16 {
+fn snat_probe_port(client: &Pkt, backend: Ipv4Addr, bport: u16, on_node_addr: bool, n: u32) -> u16 {
     let h = flow_hash(
         0,
         client.saddr.octets(),
@@ -3002,7 +3003,7 @@ fn snat_probe_port(client: &Pkt, backend: Ipv4Addr, bport: u16, n: u32) -> u16 {
         bport.to_be_bytes(),
         client.proto(),
     );
-    PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX).port(n)
+    SnatPorts::new(h, client.proto(), client.sport(), on_node_addr).port(n)
 }
 
 /// BPF_PROG_TEST_RUN runs on the loopback device (ifindex 1), which stands for a tunnel device.
@@ -3045,7 +3046,11 @@ fn forwarded_flow_through_a_tunnel_device_is_snated_to_the_device_address() {
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(fwd.clone()),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
     let out = dp
         .snat()
@@ -3055,7 +3060,7 @@ fn forwarded_flow_through_a_tunnel_device_is_snated_to_the_device_address() {
     let node_port = u16::from_be_bytes(out.port);
 
     // The device's address is another `in` key space: the first probe is free there too.
-    let port = snat_probe_start(&syn, REMOTE_BE, 8080);
+    let port = snat_probe_start(&syn, REMOTE_BE, 8080, false);
     dp.check(egress(
         "forwarded SYN out through the tunnel: source is the device's address",
         fwd.bytes(),
@@ -3138,9 +3143,13 @@ fn forwarded_flow_through_an_l3_tunnel_is_snated_and_its_reply_unsnated() {
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(fwd.clone()),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
-    let port = snat_probe_start(&syn, REMOTE_BE, 8080);
+    let port = snat_probe_start(&syn, REMOTE_BE, 8080, false);
     dp.check(egress_l3(
         "forwarded SYN out through the L3 tunnel: source is the device's address",
         fwd.l3_bytes(),
@@ -3188,9 +3197,13 @@ fn forwarded_flow_through_an_l3_tunnel_is_snated_and_its_reply_unsnated() {
         dgram.bytes(),
         TC_NEXT,
         Expect::Packet(dgram_fwd.clone()),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
-    let uport = snat_probe_start(&dgram, REMOTE_BE, 5353);
+    let uport = snat_probe_start(&dgram, REMOTE_BE, 5353, false);
     dp.check(egress_l3(
         "UDP out through the L3 tunnel: SNAT to the device's address",
         dgram_fwd.l3_bytes(),
@@ -3223,7 +3236,7 @@ fn fragmented_datagrams_through_an_l3_tunnel_are_translated() {
         "NodePort request on the external device",
         &req,
         &fwd,
-        &[(NewFlow, 1), (SnatNew, 1)],
+        &[(NewFlow, 1), (SnatNew, 1), (SnatPortKept, 1)],
         FragmentTranslated,
     );
     let nat_port = u16::from_be_bytes(
@@ -3357,7 +3370,11 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(fwd.clone()),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
     let out = dp
         .snat()
@@ -3367,7 +3384,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
     assert_eq!(out.addr, NODE_IP.octets(), "SNAT to the node address");
     assert_eq!(
         nat_port,
-        snat_probe_start(&syn, REMOTE_BE, 8080),
+        snat_probe_start(&syn, REMOTE_BE, 8080, true),
         "first probe free"
     );
     let back = dp
@@ -3421,7 +3438,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
 
     // A port taken by a live flow of another client to the same backend is skipped.
     let other = Pkt::tcp(EXT_CLIENT, 40_002, NODE_IP, NODE_PORT, SYN);
-    let start = snat_probe_start(&other, REMOTE_BE, 8080);
+    let start = snat_probe_start(&other, REMOTE_BE, 8080, true);
     let squatter = SnatValue {
         last_seen_ns: u64::MAX / 2,
         addr: [192, 168, 50, 200],
@@ -3443,7 +3460,7 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         .snat()
         .get(&snat_out_key(&other, REMOTE_BE, 8080), 0)
         .expect("second out entry");
-    let want = snat_probe_port(&other, REMOTE_BE, 8080, 1);
+    let want = snat_probe_port(&other, REMOTE_BE, 8080, true, 1);
     assert_eq!(
         u16::from_be_bytes(got.port),
         want,
@@ -3466,7 +3483,11 @@ fn nodeport_to_remote_backend_is_snated_and_reverse_translated() {
         dgram.bytes(),
         TC_NEXT,
         Expect::Packet(dfwd.clone()),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
     let uport = u16::from_be_bytes(
         dp.snat()
@@ -3636,7 +3657,11 @@ fn nodeport_local_backend_is_masqueraded_for_external_clients_only() {
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(fwd.clone()),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
     let out = dp
         .snat()
@@ -5795,7 +5820,7 @@ fn the_datapath_trace_names_snat_exhaustion_and_local_policy_drops() {
         8080u16.to_be_bytes(),
         proto::TCP,
     );
-    let probe = PortProbe::new(h, SNAT_PORT_MIN, SNAT_PORT_MAX);
+    let probe = SnatPorts::new(h, proto::TCP, 44_000, true);
     let now = monotonic_ns();
     for i in 0..proxy_common::SNAT_PROBES {
         let taken = SnatValue {
@@ -5868,7 +5893,11 @@ fn a_snated_flow_taken_over_from_netfilter_passes_until_it_is_handed_over() {
         syn.bytes(),
         TC_NEXT,
         Expect::Packet(with_dst(&syn, REMOTE_BE, 8080)),
-        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+        &[
+            (Counter::NewFlow, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatPortKept, 1),
+        ],
     ));
     let nat_port = u16::from_be_bytes(
         dp.snat()
@@ -5930,4 +5959,289 @@ fn a_snated_flow_taken_over_from_netfilter_passes_until_it_is_handed_over() {
         Expect::Packet(with_dst(&answer, EXT_CLIENT, 40_100)),
         &[(Counter::SnatReplyTranslated, 1)],
     ));
+}
+
+/// The `in` entry of the SNATed flow on the node's `port` toward `REMOTE_BE:8080`, rewritten with
+/// `state`, `flags` and a last packet `ago` before now (as the flow would have left it).
+fn age_snat_in_entry(dp: &mut Datapath, port: u16, state: u8, flags: u8, ago: Duration) {
+    let key = snat_in_key(REMOTE_BE, 8080, port, proto::TCP);
+    let mut v = dp.snat().get(&key, 0).expect("the flow's `in` entry");
+    v.state = state;
+    v.flags = flags;
+    v.last_seen_ns = monotonic_ns() - ago.as_nanos() as u64;
+    dp.snat()
+        .insert(key, v, 0)
+        .expect("rewriting the `in` entry");
+}
+
+/// The client (address, port) the `in` entry of the node's `port` toward `REMOTE_BE:8080` holds.
+fn snat_in_client(dp: &mut Datapath, port: u16) -> Option<(Ipv4Addr, u16)> {
+    let v = dp
+        .snat()
+        .get(&snat_in_key(REMOTE_BE, 8080, port, proto::TCP), 0)
+        .ok()?;
+    Some((Ipv4Addr::from(v.addr), u16::from_be_bytes(v.port)))
+}
+
+/// A new client's SYN to the NodePort from `PORT`, DNATed to `REMOTE_BE:8080`, moving `counts`.
+fn new_client(dp: &mut Datapath, client: Ipv4Addr, what: &str, counts: &[(Counter, u64)]) -> Pkt {
+    let syn = Pkt::tcp(client, SNAT_TEST_PORT, NODE_IP, NODE_PORT, SYN);
+    dp.check(ingress(
+        what,
+        syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&syn, REMOTE_BE, 8080)),
+        counts,
+    ));
+    syn
+}
+
+/// The client port of [`new_client`]'s flows.
+const SNAT_TEST_PORT: u16 = 40_100;
+
+/// Like MASQUERADE: a NodePort flow SNATed to the node keeps its client's port while that tuple
+/// is free; a second client on the same port walks on; the port is taken over from a flow whose
+/// SYN went unanswered for `SNAT_UNANSWERED_SYN_HOLD_S` and, by a new SYN, from a closed flow
+/// (never from a live one). A connection the node opens from that port to the same backend is
+/// given another source port while the SNATed flow lives, and both get their own replies; once
+/// the SNATed flow has closed, the node's connection takes the tuple as it is.
+#[test]
+fn a_snated_flow_keeps_its_port_closed_and_unanswered_flows_give_it_up_and_the_node_remaps_its_own()
+{
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    const PORT: u16 = SNAT_TEST_PORT;
+    let kept = &[
+        (Counter::NewFlow, 1),
+        (Counter::SnatNew, 1),
+        (Counter::SnatPortKept, 1),
+    ];
+    new_client(&mut dp, EXT_CLIENT, "first client: its own port kept", kept);
+    assert_eq!(snat_in_client(&mut dp, PORT), Some((EXT_CLIENT, PORT)));
+
+    // Another client on the same port while the first flow's SYN is fresh: the walk.
+    let second = new_client(
+        &mut dp,
+        OTHER,
+        "second client on the same port: the next port of its walk",
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    );
+    let walked = snat_probe_port(
+        &with_dst(&second, REMOTE_BE, 8080),
+        REMOTE_BE,
+        8080,
+        true,
+        1,
+    );
+    assert_ne!(walked, PORT);
+    assert_eq!(snat_in_client(&mut dp, walked), Some((OTHER, PORT)));
+    assert_eq!(
+        snat_in_client(&mut dp, PORT),
+        Some((EXT_CLIENT, PORT)),
+        "the live flow's entry is untouched"
+    );
+
+    // The first flow's SYN unanswered past the hold: a third client takes the port.
+    let hold = Duration::from_secs(proxy_common::SNAT_UNANSWERED_SYN_HOLD_S);
+    age_snat_in_entry(
+        &mut dp,
+        PORT,
+        ct_state::SYN_SENT,
+        0,
+        hold - Duration::from_secs(1),
+    );
+    let third_client = Ipv4Addr::new(192, 168, 50, 101);
+    new_client(
+        &mut dp,
+        third_client,
+        "third client while the unanswered SYN is within its hold: walks on",
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    );
+    assert_eq!(snat_in_client(&mut dp, PORT), Some((EXT_CLIENT, PORT)));
+    age_snat_in_entry(
+        &mut dp,
+        PORT,
+        ct_state::SYN_SENT,
+        0,
+        hold + Duration::from_secs(1),
+    );
+    let fourth_client = Ipv4Addr::new(192, 168, 50, 102);
+    new_client(
+        &mut dp,
+        fourth_client,
+        "a client after the SYN went unanswered past its hold: the port is reclaimed",
+        kept,
+    );
+    assert_eq!(snat_in_client(&mut dp, PORT), Some((fourth_client, PORT)));
+
+    // An answered, established flow holds its port; closed (both FINs seen), a new SYN takes it.
+    age_snat_in_entry(
+        &mut dp,
+        PORT,
+        ct_state::ESTABLISHED,
+        ct_flags::SEEN_REPLY,
+        Duration::from_secs(60),
+    );
+    let fifth_client = Ipv4Addr::new(192, 168, 50, 103);
+    new_client(
+        &mut dp,
+        fifth_client,
+        "a client while the port's flow is established and idle 60 s: walks on",
+        &[(Counter::NewFlow, 1), (Counter::SnatNew, 1)],
+    );
+    age_snat_in_entry(
+        &mut dp,
+        PORT,
+        ct_state::CLOSING,
+        ct_flags::SEEN_REPLY,
+        Duration::ZERO,
+    );
+    let sixth_client = Ipv4Addr::new(192, 168, 50, 104);
+    new_client(
+        &mut dp,
+        sixth_client,
+        "a new SYN takes the port of a flow that has just closed (TIME_WAIT reuse)",
+        kept,
+    );
+    assert_eq!(snat_in_client(&mut dp, PORT), Some((sixth_client, PORT)));
+
+    // The node opens a connection from the same port to the same backend while that flow lives.
+    age_snat_in_entry(
+        &mut dp,
+        PORT,
+        ct_state::ESTABLISHED,
+        ct_flags::SEEN_REPLY,
+        Duration::from_secs(1),
+    );
+    let host_syn = Pkt::tcp(NODE_IP, PORT, REMOTE_BE, 8080, SYN);
+    let remapped = snat_probe_port(&host_syn, REMOTE_BE, 8080, true, 1);
+    dp.check(egress(
+        "the node's own SYN on a tuple a live SNATed flow holds: another source port",
+        host_syn.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&host_syn, NODE_IP, remapped)),
+        &[
+            (Counter::SnatTranslated, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatNodeConnectionRemapped, 1),
+        ],
+    ));
+    let synack = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, remapped, SYN | ACK);
+    dp.check(ingress(
+        "the backend's answer to the node's connection: back to the node's own port",
+        synack.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&synack, NODE_IP, PORT)),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    let flow_reply = Pkt::tcp(REMOTE_BE, 8080, NODE_IP, PORT, ACK);
+    dp.check(ingress(
+        "the SNATed flow's reply still goes to its client",
+        flow_reply.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_dst(&flow_reply, sixth_client, PORT)),
+        &[(Counter::SnatReplyTranslated, 1)],
+    ));
+    let host_ack = Pkt::tcp(NODE_IP, PORT, REMOTE_BE, 8080, ACK);
+    dp.check(egress(
+        "the node's connection keeps its remapped port",
+        host_ack.bytes(),
+        TC_NEXT,
+        Expect::Packet(with_src(&host_ack, NODE_IP, remapped)),
+        &[(Counter::SnatTranslated, 1)],
+    ));
+
+    // The SNATed flow closed: the node's next connection on that tuple leaves as it is, and
+    // the closed flow's entry is gone.
+    age_snat_in_entry(
+        &mut dp,
+        PORT,
+        ct_state::CLOSING,
+        ct_flags::SEEN_REPLY,
+        Duration::ZERO,
+    );
+    let host_udp = Pkt::udp(NODE_IP, PORT, REMOTE_BE, 8080);
+    dp.check(egress(
+        "a UDP datagram of the node on a free tuple: untouched",
+        host_udp.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+    dp.snat()
+        .remove(&snat_out_key(&host_syn, REMOTE_BE, 8080))
+        .expect("forgetting the node's first connection");
+    let host_again = Pkt::tcp(NODE_IP, PORT, REMOTE_BE, 8080, SYN);
+    dp.check(egress(
+        "the node's SYN on the tuple of a closed SNATed flow: untouched, the tuple given up",
+        host_again.bytes(),
+        TC_NEXT,
+        Expect::Unchanged,
+        &[(Counter::ReplyNotTracked, 1)],
+    ));
+    assert_eq!(snat_in_client(&mut dp, PORT), None);
+}
+
+/// A port a socket of the node holds (a TCP listener, a bound UDP socket) is not given to a
+/// SNATed flow, even as its client's own: the walk goes on. Run in a network namespace of its
+/// own (the sockets live there; the test run's packets are looked up in it).
+#[test]
+fn a_snat_port_a_socket_of_the_node_holds_is_skipped() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .expect("a network namespace for this thread");
+            let _tcp = std::net::TcpListener::bind("0.0.0.0:40200").expect("TCP listener");
+            let _udp = std::net::UdpSocket::bind("0.0.0.0:40201").expect("UDP socket");
+            for (what, syn, bport) in [
+                (
+                    "TCP",
+                    Pkt::tcp(EXT_CLIENT, 40_200, NODE_IP, NODE_PORT, SYN),
+                    8080,
+                ),
+                (
+                    "UDP",
+                    Pkt::udp(EXT_CLIENT, 40_201, NODE_IP, NODE_PORT),
+                    5353,
+                ),
+            ] {
+                let fwd = with_dst(&syn, REMOTE_BE, bport);
+                dp.check(ingress(
+                    &format!("{what}: the client's port is a socket's: the next port"),
+                    syn.bytes(),
+                    TC_NEXT,
+                    Expect::Packet(fwd.clone()),
+                    &[
+                        (Counter::NewFlow, 1),
+                        (Counter::SnatNew, 1),
+                        (Counter::SnatPortLocalSocket, 1),
+                    ],
+                ));
+                let out = dp
+                    .snat()
+                    .get(&snat_out_key(&syn, REMOTE_BE, bport), 0)
+                    .expect("out entry");
+                assert_eq!(
+                    u16::from_be_bytes(out.port),
+                    snat_probe_port(&fwd, REMOTE_BE, bport, true, 1),
+                    "{what}"
+                );
+            }
+            // Without the sockets the client's port is kept.
+            let free = Pkt::tcp(EXT_CLIENT, 40_202, NODE_IP, NODE_PORT, SYN);
+            dp.check(ingress(
+                "TCP: a port no socket holds: kept",
+                free.bytes(),
+                TC_NEXT,
+                Expect::Packet(with_dst(&free, REMOTE_BE, 8080)),
+                &[
+                    (Counter::NewFlow, 1),
+                    (Counter::SnatNew, 1),
+                    (Counter::SnatPortKept, 1),
+                ],
+            ));
+        });
+    });
 }

@@ -30,9 +30,9 @@ use kube_proxy_ebpf::dataplane::{
 use proxy_common::{
     AffinityValue, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, DatapathConfig,
     MAP_LC_ADJUST, MAP_LC_FLOWS, PROG_TC_EGRESS, PROG_TC_EGRESS_L3, PROG_TC_INGRESS,
-    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_PORT_MAX, SNAT_PORT_MIN, ServiceValue, backend_flags,
-    csum, ct_dir, ct_flags, ct_state,
-    hash::{PortProbe, pick_slot},
+    PROG_TC_INGRESS_L3, SCOPE_INTERNAL, SNAT_NODE_PORT_MIN, SNAT_PORT_MIN, ServiceValue,
+    backend_flags, csum, ct_dir, ct_flags, ct_state,
+    hash::{PortProbe, SnatPorts, pick_slot},
     ipv6::{
         Affinity6Key, Affinity6MatchKey, Backend6, Ct6Key, Ct6Value, MAP_AFFINITY_MATCH6,
         MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_SERVICE_CIDRS6, MAP_SERVICES6, MAP_SNAT6,
@@ -2188,9 +2188,24 @@ impl Datapath {
     }
 }
 
-/// The first SNAT port a flow (after DNAT: client → backend) probes.
-fn snat_start_port(p: &Pkt6) -> u16 {
-    first_probe(p, SNAT_PORT_MIN, SNAT_PORT_MAX)
+/// The first SNAT port a flow (after DNAT: client → backend) tries: on the node's address its
+/// client's own port, on another source (hairpin) where its walk starts.
+fn snat_start_port(p: &Pkt6, on_node_addr: bool) -> u16 {
+    snat_port(p, on_node_addr, 0)
+}
+
+/// The `n`-th SNAT port a flow (after DNAT: client → backend) tries.
+fn snat_port(p: &Pkt6, on_node_addr: bool, n: u32) -> u16 {
+    let (sport, dport) = ports(p);
+    let hash = flow_hash6(
+        DatapathConfig::DEFAULT.hash_seed,
+        p.saddr.octets(),
+        p.daddr.octets(),
+        sport.to_be_bytes(),
+        dport.to_be_bytes(),
+        p.proto(),
+    );
+    SnatPorts::new(hash, p.proto(), sport, on_node_addr).port(n)
 }
 
 /// `p` (client → backend) as it leaves the node SNATed to `NODE6`:`port`.
@@ -2205,6 +2220,7 @@ const SNAT_NEW: &[(Counter, u64)] = &[
     (Counter::NewFlow, 1),
     (Counter::PickRandom, 1),
     (Counter::SnatNew, 1),
+    (Counter::SnatPortKept, 1),
 ];
 
 /// An external client's NodePort flow to a backend on another node leaves with the node's IPv6
@@ -2235,8 +2251,12 @@ fn a_nodeport_flow_to_a_remote_backend_is_snated_to_the_node_and_its_reply_comes
             SNAT_NEW,
             &forwarded,
         );
-        let snat_port = snat_start_port(&forwarded);
-        assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&snat_port));
+        let snat_port = snat_start_port(&forwarded, true);
+        assert_eq!(
+            snat_port,
+            ports(&syn).0,
+            "{what}: the client's own port kept"
+        );
         let out = dp.translated(
             &format!("{what}: egress toward the remote backend: source is the node"),
             PROG_TC_EGRESS,
@@ -2338,7 +2358,7 @@ fn a_local_backend_keeps_an_in_cluster_client_s_address_and_snats_an_outside_one
         PROG_TC_EGRESS,
         &forwarded,
         &[(Counter::SnatTranslated, 1)],
-        &snated(&forwarded, snat_start_port(&forwarded)),
+        &snated(&forwarded, snat_start_port(&forwarded, true)),
     );
 }
 
@@ -2351,17 +2371,23 @@ fn two_clients_clashing_on_a_snat_port_get_different_ports() {
     let port: u16 = 30_092;
     dp.set_nodeport(port, &[2], 0);
     let first = Pkt6::tcp(EXT_CLIENT6, 45_200, NODE6, port, SYN);
-    let taken = snat_start_port(&dnated(&first, 2));
+    let taken = snat_start_port(&dnated(&first, 2), true);
     let other = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x101);
     let second = (1_024..=u16::MAX)
         .map(|sport| Pkt6::tcp(other, sport, NODE6, port, SYN))
-        .find(|p| snat_start_port(&dnated(p, 2)) == taken)
+        .find(|p| snat_start_port(&dnated(p, 2), true) == taken)
         .expect("a client port whose flow probes the same first SNAT port");
 
     let mut got = Vec::new();
     for (what, syn) in [("first", &first), ("second", &second)] {
         let forwarded = dnated(syn, 2);
-        dp.translated(what, PROG_TC_INGRESS, syn, SNAT_NEW, &forwarded);
+        // The second client's port is the first's: taken, it walks on (nothing kept).
+        let counts: &[(Counter, u64)] = if what == "first" {
+            SNAT_NEW
+        } else {
+            &SNAT_NEW[..3]
+        };
+        dp.translated(what, PROG_TC_INGRESS, syn, counts, &forwarded);
         let out = dp.step(
             what,
             PROG_TC_EGRESS,
@@ -2373,10 +2399,7 @@ fn two_clients_clashing_on_a_snat_port_get_different_ports() {
         assert!(d.l4_csum_ok(), "{what}: checksum");
         assert_eq!(d.saddr, NODE6, "{what}: source is the node");
         let sport = u16::from_be_bytes([d.l4[0], d.l4[1]]);
-        assert!(
-            (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&sport),
-            "{what}: {sport}"
-        );
+        assert!(sport >= SNAT_NODE_PORT_MIN, "{what}: {sport}");
         assert_packet(what, &out, &snated(&forwarded, sport));
         got.push((syn.clone(), forwarded, sport));
     }
@@ -2471,7 +2494,7 @@ fn a_hairpin_flow_is_snated_to_its_frontend_and_its_reply_comes_back_from_the_vi
         .expect("the hairpin flow's out entry");
     assert_eq!(out.addr, VIP_HAIRPIN.octets(), "hairpin source is the VIP");
     let port = u16::from_be_bytes(out.port);
-    assert_eq!(port, snat_start_port(&forwarded), "its first probe");
+    assert_eq!(port, snat_start_port(&forwarded, false), "its first probe");
 
     let mut from_vip = with_sport(&forwarded, port);
     from_vip.saddr = VIP_HAIRPIN;
@@ -2625,7 +2648,7 @@ fn without_a_node_address_only_hairpin_flows_are_looked_up_on_egress() {
     let syn = Pkt6::tcp(EXT_CLIENT6, 45_300, NODE6, port, SYN);
     let forwarded = dnated(&syn, 2);
     dp.translated("NodePort flow", PROG_TC_INGRESS, &syn, SNAT_NEW, &forwarded);
-    let snat_port = snat_start_port(&forwarded);
+    let snat_port = snat_start_port(&forwarded, true);
     let snated_out = snated(&forwarded, snat_port);
     dp.translated(
         "SNATed while the node has an address",
@@ -2865,7 +2888,7 @@ fn a_snated_flow_taken_over_from_netfilter_passes_its_replies_until_handed_over(
         SNAT_NEW,
         &forwarded,
     );
-    let snat_port = snat_start_port(&forwarded);
+    let snat_port = snat_start_port(&forwarded, true);
     let (backend, backend_port) = backend_addr(2);
     let in_key = Snat6Key {
         saddr: backend.octets(),
@@ -2909,5 +2932,77 @@ fn a_snated_flow_taken_over_from_netfilter_passes_its_replies_until_handed_over(
         &reply,
         &[(Counter::SnatReplyTranslated, 1)],
         &to_client,
+    );
+}
+
+/// As on IPv4: a NodePort flow SNATed to the node keeps its client's port; a connection the
+/// node opens from that port to the same backend while the flow lives (the SNAT program,
+/// tail-called from `tc_egress6`) gets another source port, and each reply goes to its own
+/// end; a UDP datagram of the node on a free tuple passes untouched.
+#[test]
+fn a_node_connection_on_a_port_a_snated_flow_kept_is_remapped() {
+    let mut dp = Datapath::load();
+    dp.set_node6(NODE6);
+    let port: u16 = 30_094;
+    dp.set_nodeport(port, &[2], 0);
+    const PORT: u16 = 45_400;
+    let syn = Pkt6::tcp(EXT_CLIENT6, PORT, NODE6, port, SYN);
+    let forwarded = dnated(&syn, 2);
+    dp.translated(
+        "the client's SYN",
+        PROG_TC_INGRESS,
+        &syn,
+        SNAT_NEW,
+        &forwarded,
+    );
+    dp.translated(
+        "egress: the client's own port kept",
+        PROG_TC_EGRESS,
+        &forwarded,
+        &[(Counter::SnatTranslated, 1)],
+        &snated(&forwarded, PORT),
+    );
+    let (backend, backend_port) = backend_addr(2);
+    let host_syn = Pkt6::tcp(NODE6, PORT, backend, backend_port, SYN);
+    let remapped = snat_port(&host_syn, true, 1);
+    assert_ne!(remapped, PORT);
+    dp.translated(
+        "the node's own SYN on the tuple the live flow holds: another source port",
+        PROG_TC_EGRESS,
+        &host_syn,
+        &[
+            (Counter::SnatTranslated, 1),
+            (Counter::SnatNew, 1),
+            (Counter::SnatNodeConnectionRemapped, 1),
+        ],
+        &snated(&host_syn, remapped),
+    );
+    let answer = Pkt6::tcp(backend, backend_port, NODE6, remapped, SYN | ACK);
+    let mut to_node = answer.clone();
+    set_ports(&mut to_node, backend_port, PORT);
+    dp.translated(
+        "the backend's answer to the node: back to the node's own port",
+        PROG_TC_INGRESS,
+        &answer,
+        &[(Counter::SnatReplyTranslated, 1)],
+        &to_node,
+    );
+    let flow_reply = Pkt6::tcp(backend, backend_port, NODE6, PORT, SYN | ACK);
+    let mut to_client = flow_reply.clone();
+    to_client.daddr = EXT_CLIENT6;
+    dp.translated(
+        "the SNATed flow's answer still goes to its client",
+        PROG_TC_INGRESS,
+        &flow_reply,
+        &[(Counter::SnatReplyTranslated, 1)],
+        &to_client,
+    );
+    let host_udp = Pkt6::udp(NODE6, PORT, backend, backend_port);
+    dp.step(
+        "a UDP datagram of the node on a free tuple: untouched",
+        PROG_TC_EGRESS,
+        &host_udp.bytes(),
+        TC_NEXT,
+        &[(Counter::ReplyNotTracked, 1)],
     );
 }

@@ -13,6 +13,7 @@ mod common_netns;
 use std::{net::Ipv4Addr, time::Duration};
 
 use common_netns::Cluster;
+use proxy_common::{SNAT_NODE_PORT_MIN, SNAT_PORT_MIN};
 use proxy_testenv::{
     CLUSTER_CIDR, ConnectOutcome, EXT_CLIENT_IP, EXT_DEVICE, L3_TUNNEL_DEVICE, L3_TUNNEL_IPS,
     MultiNode, NODE_IPS, NODE_NAMES, VXLAN_DEVICE, VXLAN_IPS, http_get_with_peer,
@@ -188,7 +189,10 @@ fn denied_yaml() -> String {
     )
 }
 
-fn snat_port(env: &Env, addr: &str, via: Ipv4Addr) -> u16 {
+/// The port the backend saw a SNATed flow come from, checked to be `via`'s and at least `min`:
+/// `SNAT_NODE_PORT_MIN` on the node's address (the client's own port where free), the dedicated
+/// `SNAT_PORT_MIN` on a tunnel device's.
+fn snat_port(env: &Env, addr: &str, via: Ipv4Addr, min: u16) -> u16 {
     let (ip, port) = addr
         .split_once(':')
         .unwrap_or_else(|| env.fail(&format!("backend saw {addr:?}")));
@@ -198,8 +202,8 @@ fn snat_port(env: &Env, addr: &str, via: Ipv4Addr) -> u16 {
         ));
     }
     let port: u16 = port.parse().unwrap_or(0);
-    if !(61_000..=65_535).contains(&port) {
-        env.fail(&format!("SNAT port {port} outside 61000-65535"));
+    if port < min {
+        env.fail(&format!("SNAT port {port} below {min}"));
     }
     port
 }
@@ -232,7 +236,7 @@ fn traffic_through_node_a_tunnel(env: &Env, what: &str, tunnel_a: Ipv4Addr) {
         ));
     }
     for r in &answered {
-        snat_port(env, &r.client_addr, tunnel_a);
+        snat_port(env, &r.client_addr, tunnel_a, SNAT_PORT_MIN);
     }
     for i in 0..3 {
         let payload = format!("ping-{i}");
@@ -267,7 +271,7 @@ fn traffic_through_node_a_tunnel(env: &Env, what: &str, tunnel_a: Ipv4Addr) {
             "{what}: NodePort on node A's tunnel address from pod b-loc: {r:?}"
         ));
     }
-    snat_port(env, &r.client_addr, tunnel_a);
+    snat_port(env, &r.client_addr, tunnel_a, SNAT_PORT_MIN);
     let r = env.pod_get(NODE_A, "a-cli", "http://10.96.1.10/");
     if r.body != "b-web" || !r.client_addr.starts_with(&format!("{A_CLIENT}:")) {
         env.fail(&format!("{what}: ClusterIP from pod a-cli: {r:?}"));
@@ -286,7 +290,7 @@ fn external_traffic_policy_cluster_snats_external_clients_to_the_node() {
         if r.code != 200 || r.body != "b-web" {
             env.fail(&format!("NodePort via node A: {r:?}"));
         }
-        snat_port(&env, &r.client_addr, a);
+        snat_port(&env, &r.client_addr, a, SNAT_NODE_PORT_MIN);
     }
 
     // The same NodePort on node B: the backend is local there, and the client is still
@@ -295,7 +299,7 @@ fn external_traffic_policy_cluster_snats_external_clients_to_the_node() {
     if r.code != 200 || r.body != "b-web" {
         env.fail(&format!("NodePort via node B (local backend): {r:?}"));
     }
-    snat_port(&env, &r.client_addr, b);
+    snat_port(&env, &r.client_addr, b, SNAT_NODE_PORT_MIN);
 
     // externalIPs, routed to node A by the client's router: same SNAT path.
     env.net
@@ -305,7 +309,7 @@ fn external_traffic_policy_cluster_snats_external_clients_to_the_node() {
     if r.body != "b-web" {
         env.fail(&format!("externalIP via node A: {r:?}"));
     }
-    snat_port(&env, &r.client_addr, a);
+    snat_port(&env, &r.client_addr, a, SNAT_NODE_PORT_MIN);
 
     // UDP NodePort on node A: the reply comes from the NodePort.
     for i in 0..3 {
@@ -336,7 +340,7 @@ fn external_traffic_policy_cluster_snats_external_clients_to_the_node() {
     if r.body != "b-web" {
         env.fail(&format!("NodePort of node A from pod b-loc: {r:?}"));
     }
-    snat_port(&env, &r.client_addr, a);
+    snat_port(&env, &r.client_addr, a, SNAT_NODE_PORT_MIN);
 
     // Hairpin: b-web reaches a Service whose only endpoint is itself.
     let r = env.pod_get(NODE_B, "b-web", "http://10.96.1.30/");
@@ -733,5 +737,315 @@ fn node_processes_reach_their_own_nodeports_and_clusterips() {
     }
     if env.counter(NODE_A, "sock_translated") < 5 {
         env.fail("node A did not count the socket translations");
+    }
+}
+
+/// Paced load of short HTTP connections: `total` connections launched at `rate` a second by the
+/// monotonic clock (overdue ones launched at once; none after `limit` s), non-blocking sockets in
+/// one epoll loop so slow or dropped connections never stall the pacing. Each one: connect, a
+/// minimal HTTP/1.0 GET, the client's FIN right after it (the client closes first, so the
+/// TIME_WAIT is the client's, counted by its kernel as TCPTimeWaitOverflow under the wire
+/// client's tcp_max_tw_buckets=0), read until EOF, close; answered when the reply is `200` with
+/// body "b-web", failed after `timeout` s. Prints one JSON summary (first_failure_at_s: launch
+/// time of the earliest failed connection). Args: ip, port, rate, total, limit (s), timeout (s).
+const NODEPORT_LOAD_PY: &str = r#"
+import collections, errno, json, resource, selectors, socket, sys, time
+ip, port, rate, total = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+limit, timeout = float(sys.argv[5]), float(sys.argv[6])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+REQUEST = b"GET / HTTP/1.0\r\nHost: %s:%d\r\n\r\n" % (ip.encode(), port)
+
+def tw_overflows():
+    try:
+        rows = [l.split() for l in open("/proc/net/netstat") if l.startswith("TcpExt:")]
+        return int(dict(zip(rows[0], rows[1])).get("TCPTimeWaitOverflow", 0))
+    except (OSError, IndexError, ValueError):
+        return -1
+
+class Conn:
+    __slots__ = ("sock", "started", "data", "done", "sent")
+
+sel = selectors.DefaultSelector()
+pending = collections.deque()  # (deadline, conn) in launch order, so by deadline
+open_conns, answered, latencies = 0, 0, []
+failed = collections.Counter()
+first_failure, max_lag = None, 0.0
+tw_before = tw_overflows()
+t0 = time.monotonic()
+stop = t0 + limit
+
+def finish(c, kind=None):
+    global open_conns, answered, first_failure
+    c.done = True
+    open_conns -= 1
+    try:
+        sel.unregister(c.sock)
+    except (KeyError, ValueError):
+        pass
+    c.sock.close()
+    if kind is None:
+        answered += 1
+        latencies.append(time.monotonic() - c.started)
+    else:
+        failed[kind] += 1
+        at = c.started - t0
+        if first_failure is None or at < first_failure:
+            first_failure = at
+
+def launch(now):
+    global open_conns
+    c = Conn()
+    c.started, c.data, c.done, c.sent = now, b"", False, False
+    c.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.sock.setblocking(False)
+    open_conns += 1
+    err = c.sock.connect_ex((ip, port))
+    if err not in (0, errno.EINPROGRESS):
+        return finish(c, "connect:" + errno.errorcode.get(err, str(err)))
+    sel.register(c.sock, selectors.EVENT_WRITE, c)
+    pending.append((now + timeout, c))
+
+def ready(c):
+    if not c.sent:
+        err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            return finish(c, "connect:" + errno.errorcode.get(err, str(err)))
+        try:
+            c.sock.sendall(REQUEST)
+            c.sock.shutdown(socket.SHUT_WR)
+        except OSError as e:
+            return finish(c, "send:" + errno.errorcode.get(e.errno, str(e.errno)))
+        c.sent = True
+        sel.modify(c.sock, selectors.EVENT_READ, c)
+        return
+    try:
+        chunk = c.sock.recv(65536)
+    except BlockingIOError:
+        return
+    except OSError as e:
+        return finish(c, "recv:" + errno.errorcode.get(e.errno, str(e.errno)))
+    if chunk:
+        c.data += chunk
+        return
+    head, _, body = c.data.partition(b"\r\n\r\n")
+    finish(c, None if head.startswith(b"HTTP/1.1 200 ") and body == b"b-web\n" else "bad-reply")
+
+launched = 0
+while True:
+    now = time.monotonic()
+    while launched < total and now < stop and now >= t0 + launched / rate:
+        max_lag = max(max_lag, now - (t0 + launched / rate))
+        launch(now)
+        launched += 1
+    while pending and (pending[0][1].done or pending[0][0] <= now):
+        _, c = pending.popleft()
+        if not c.done:
+            finish(c, "timeout")
+    if (launched >= total or now >= stop) and open_conns == 0:
+        break
+    wake = pending[0][0] if pending else now + 1
+    if launched < total and now < stop:
+        wake = min(wake, t0 + launched / rate, stop)
+    for key, _ in sel.select(max(0.0, wake - time.monotonic())):
+        if not key.data.done:
+            ready(key.data)
+latencies.sort()
+ms = lambda s: int(s * 1000)
+print(json.dumps({
+    "attempted": launched,
+    "answered": answered,
+    "failed": sum(failed.values()),
+    "failures": dict(failed),
+    "first_failure_at_s": None if first_failure is None else round(first_failure, 2),
+    "max_latency_ms": ms(latencies[-1]) if latencies else None,
+    "p99_latency_ms": ms(latencies[(len(latencies) - 1) * 99 // 100]) if latencies else None,
+    "max_launch_lag_ms": ms(max_lag),
+    "elapsed_s": round(time.monotonic() - t0, 2),
+    "client_time_waits": tw_overflows() - tw_before,
+}), flush=True)
+"#;
+
+/// An external client opens short HTTP connections to the NodePort of node A, which has no
+/// endpoints (eTP=Cluster: every flow SNATed to node A toward b-web on node B), at a steady 150
+/// a second for 60 s: all 9,000 answered. Each flow takes a node port from the SNAT range for
+/// (node A, b-web:8080, TCP); the range must serve the rate however long a closed flow's port
+/// is held (the client closes first and keeps the TIME_WAIT).
+#[test]
+fn a_nodeport_takes_150_new_snated_connections_a_second_for_a_minute() {
+    require_privileged!();
+    const RATE: u32 = 150;
+    const SECONDS: u32 = 60;
+    const CONNECTIONS: u32 = RATE * SECONDS;
+    /// The generator stops launching after this, whatever it reached.
+    const LIMIT_SECONDS: u32 = 75;
+    const CONNECT_TIMEOUT_SECONDS: u32 = 3;
+    let env = Env::start(&cluster_policy_yaml());
+    let a = NODE_IPS[NODE_A];
+
+    // The path works before the load: answered by b-web, SNATed to node A.
+    let r = env.get(&format!("http://{a}:30080/"));
+    if r.code != 200 || r.body != "b-web" {
+        env.fail(&format!("NodePort via node A before the load: {r:?}"));
+    }
+    snat_port(&env, &r.client_addr, a, SNAT_NODE_PORT_MIN);
+    let snat_new_before = env.counter(NODE_A, "snat_new");
+    let exhausted_before = env.counter(NODE_A, "drop_snat_ports_exhausted");
+
+    let started = std::time::Instant::now();
+    let out = env
+        .net
+        .client()
+        .output(
+            &[
+                "python3",
+                "-c",
+                NODEPORT_LOAD_PY,
+                &a.to_string(),
+                "30080",
+                &RATE.to_string(),
+                &CONNECTIONS.to_string(),
+                &LIMIT_SECONDS.to_string(),
+                &CONNECT_TIMEOUT_SECONDS.to_string(),
+            ],
+            // Killed (its process group) if it overruns its own bound.
+            Duration::from_secs(u64::from(LIMIT_SECONDS + CONNECT_TIMEOUT_SECONDS) + 30),
+        )
+        .unwrap_or_else(|e| env.fail(&format!("load generator: {e:#}")));
+    let took = started.elapsed();
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        env.fail(&format!(
+            "the load generator printed no summary ({e}): {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    });
+    let snat_new = env
+        .counter(NODE_A, "snat_new")
+        .saturating_sub(snat_new_before);
+    let exhausted = env
+        .counter(NODE_A, "drop_snat_ports_exhausted")
+        .saturating_sub(exhausted_before);
+    let (attempted, answered) = (
+        summary["attempted"].as_u64().unwrap_or(0),
+        summary["answered"].as_u64().unwrap_or(0),
+    );
+    eprintln!(
+        "nodeport snat load: {answered}/{attempted} answered at {RATE}/s, p99 {} ms, \
+         snat_new {snat_new}, drop_snat_ports_exhausted {exhausted} ({took:.1?}; {summary})",
+        summary["p99_latency_ms"]
+    );
+    if attempted != u64::from(CONNECTIONS) || answered != attempted {
+        let pin_dir = env.agents[NODE_A].pin_dir().to_string_lossy().into_owned();
+        let stats = env.agents[NODE_A]
+            .cli(&["dump", "stats", "--pin-dir", &pin_dir])
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_else(|e| format!("dump stats: {e:#}"));
+        env.fail(&format!(
+            "{answered} of {attempted} connections answered ({CONNECTIONS} wanted at {RATE}/s \
+             for {SECONDS} s): {summary}; node A during the load: snat_new {snat_new}, \
+             drop_snat_ports_exhausted {exhausted}\n--- node A dump stats ---\n{stats}"
+        ));
+    }
+}
+
+/// External client: connect from source port `sport`, send the start of an HTTP request, wait
+/// `hold` s with the connection open (the server waits for the end of the headers), finish the
+/// request and print the whole reply. Args: ip, port, sport, hold (s).
+const HELD_REQUEST_PY: &str = r#"
+import socket, sys, time
+ip, port, sport, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("", sport))
+s.settimeout(10)
+s.connect((ip, port))
+s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n")
+time.sleep(hold)
+s.sendall(b"\r\n")
+data = b""
+while True:
+    chunk = s.recv(4096)
+    if not chunk:
+        break
+    data += chunk
+sys.stdout.write(data.decode(errors="replace"))
+"#;
+
+/// The SNAT port a flow keeps is its client's own, which the node's own connections may pick
+/// too: node A's ephemeral range narrowed to one port, an external client holds a NodePort
+/// connection from that port (SNATed to node A, port kept, toward b-web on node B) while a
+/// process of node A connects to b-web straight from that same port. netfilter remaps the
+/// node's clashing connection; so must the datapath: both get their own answers.
+#[test]
+fn a_node_connection_on_the_port_a_snated_flow_kept_is_remapped_and_both_are_answered() {
+    require_privileged!();
+    const PORT: u16 = 45_000;
+    let env = Env::start(&cluster_policy_yaml());
+    let a = NODE_IPS[NODE_A];
+    let node_a = env.net.node(NODE_A).node();
+    node_a
+        .sysctl("net.ipv4.ip_local_port_range", &format!("{PORT} {PORT}"))
+        .unwrap_or_else(|e| env.fail(&format!("narrowing node A's port range: {e:#}")));
+    let remapped_before = env.counter(NODE_A, "snat_node_connection_remapped");
+
+    let (held, node_reply) = std::thread::scope(|s| {
+        let held = s.spawn(|| {
+            env.net.client().output(
+                &[
+                    "python3",
+                    "-c",
+                    HELD_REQUEST_PY,
+                    &a.to_string(),
+                    "30080",
+                    &PORT.to_string(),
+                    "3",
+                ],
+                Duration::from_secs(20),
+            )
+        });
+        // The held connection is up (SNATed, port kept) before the node connects.
+        std::thread::sleep(Duration::from_millis(1500));
+        let node_reply = node_a.output(
+            &[
+                "curl",
+                "-s",
+                "--max-time",
+                "3",
+                "-w",
+                "\x1e%header{x-client-addr}",
+                &format!("http://{B_WEB}:8080/"),
+            ],
+            Duration::from_secs(10),
+        );
+        (held.join().expect("client thread"), node_reply)
+    });
+    let held = held.unwrap_or_else(|e| env.fail(&format!("held NodePort request: {e:#}")));
+    let held = String::from_utf8_lossy(&held.stdout).into_owned();
+    let node_reply = node_reply.unwrap_or_else(|e| env.fail(&format!("curl from node A: {e:#}")));
+    let node_reply = String::from_utf8_lossy(&node_reply.stdout).into_owned();
+    let remapped = env
+        .counter(NODE_A, "snat_node_connection_remapped")
+        .saturating_sub(remapped_before);
+    eprintln!(
+        "node connection clash: held reply {held:?}, node's reply {node_reply:?}, remapped {remapped}"
+    );
+    if !held.contains("b-web") || !held.contains(&format!("X-Client-Addr: {a}:{PORT}")) {
+        env.fail(&format!(
+            "the held NodePort connection (SNATed to node A, its port {PORT} kept): {held:?}"
+        ));
+    }
+    let (body, seen) = node_reply.split_once('\x1e').unwrap_or_default();
+    let seen_port = seen
+        .strip_prefix(&format!("{a}:"))
+        .and_then(|p| p.trim().parse::<u16>().ok());
+    if body.trim() != "b-web" || seen_port.is_none_or(|p| p == PORT) {
+        env.fail(&format!(
+            "node A's own connection from port {PORT} to b-web: {node_reply:?} (want b-web, \
+             seen from node A on another port)"
+        ));
+    }
+    if remapped == 0 {
+        env.fail("node A counted no remapped node connection");
     }
 }

@@ -580,9 +580,9 @@ fn taking_over_from_kube_proxy_keeps_every_live_connection() {
     take_over(None);
 }
 
-/// As above, with kube-proxy's masquerade ports kept in the datapath's SNAT range, so that the
-/// NodePort stream is moved to the datapath too (upstream's rule picks any port; below 61000 the
-/// flow stays netfilter's).
+/// As above, with kube-proxy's masquerade ports in the datapath's dedicated SNAT range, so that
+/// the NodePort stream is moved to the datapath too (upstream's rule picks any port on the
+/// address toward the backend; the datapath recognises those only on the node's SNAT address).
 #[test]
 fn taking_over_moves_a_masqueraded_connection_to_the_datapath() {
     require_privileged!();
@@ -679,8 +679,10 @@ fn take_over(masquerade: Option<&str>) {
         field("moved"),
         field("left_to_netfilter"),
     );
-    // The two streams and the UDP flow (the NodePort stream stays netfilter's when its
-    // masquerade port lies below the SNAT range).
+    // The two streams and the UDP flow. The masqueraded NodePort stream moves when the
+    // datapath would recognise its replies: a port of the dedicated range, or any unprivileged
+    // one on the node's SNAT address (netfilter masquerades to an address it picks toward the
+    // local backend, here not the SNAT address, so upstream's rule leaves it netfilter's).
     let all_moved = masquerade.is_some();
     env.check(
         imported == 3 && moved + left == 3 && moved >= 2 && (moved == 3 || !all_moved),

@@ -71,7 +71,7 @@ fn forwarded(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     let Some(s) = maps::snat6_scratch() else {
         return Ok(Action::pass(Counter::ReplyNotTracked));
     };
-    if snat::out_entry_of_forwarded(p, s).is_none() {
+    if snat::out_entry_of_forwarded(p, s).is_none() && !snat::may_be_node_connection(p) {
         log::untracked6(p.proto, (&p.saddr, p.sport), (&p.daddr, p.dport));
         return Ok(Action::pass(Counter::ReplyNotTracked));
     }
@@ -95,10 +95,12 @@ pub fn try_egress_snat(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
 #[inline(always)]
 fn masquerade(ctx: &TcContext, p: &Packet6) -> Result<Action, Drop> {
     let s = maps::snat6_scratch().ok_or(Drop::TailCall)?;
-    let Some(out) = snat::out_entry_of_forwarded(p, s) else {
-        return Ok(Action::pass(Counter::ReplyNotTracked));
+    let now = maps::now_ns();
+    let snated = match snat::out_entry_of_forwarded(p, s) {
+        Some(out) => snat::forwarded(ctx, p, out, s, now)?,
+        None => snat::node_connection(ctx, p, s, now)?,
     };
-    if !snat::forwarded(p, out, s, maps::now_ns())? {
+    if !snated {
         return Ok(Action::pass(Counter::ReplyNotTracked));
     }
     nat::snat(ctx, p, &s.out.addr, s.out.port)?;

@@ -21,7 +21,7 @@ use super::{
     nat,
     packet::{self, Icmp6Error},
 };
-use crate::{Action, Drop, maps, nat::replace_quoted_port, snat::is_snat_port};
+use crate::{Action, Drop, maps, nat::replace_quoted_port, snat::may_be_snat};
 
 #[inline(always)]
 pub fn reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
@@ -71,7 +71,7 @@ pub fn snat_reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
     let Some(q) = packet::quoted_l4(ctx, e) else {
         return Ok(Action::pass(Counter::NotService));
     };
-    if !is_snat_port(q.sport) {
+    if !may_be_snat(q.sport, || maps::is_node6_addr(&e.inner_saddr)) {
         return Ok(Action::pass(Counter::NotService));
     }
     // The quoted packet is node:port → backend: its `in` entry is backend → node:port. The

@@ -101,7 +101,7 @@ fn direct_outdated(p: &Packet6, entry: &Ct6Entry, ct: &Ct6Value) -> bool {
 /// client; tc egress toward the client then reverse-DNATs it like any reply. `None`: not one.
 #[inline(always)]
 fn snat_reply(ctx: &TcContext, p: &Packet6, now: u64) -> Option<Result<Action, Drop>> {
-    if !crate::snat::is_snat_port(p.dport) {
+    if !crate::snat::may_be_snat(p.dport, || maps::is_node6_addr(&p.daddr)) {
         return None;
     }
     let entry = maps::snat6_entry(&snat::in_key_of_reply(p))?;
@@ -358,7 +358,8 @@ pub fn try_new_snat(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         return Err(Drop::TailCall);
     };
     let (state, stale) = (s.state, s.stale);
-    let result = match snat::allocate(&snat::Flow6::of_forwarded(p), s, state, maps::now_ns()) {
+    let result = match snat::allocate(ctx, &snat::Flow6::of_forwarded(p), s, state, maps::now_ns())
+    {
         Ok(_) => Ok(Action::pass(if stale && !p.is_tcp() {
             Counter::StaleBackendReselected
         } else {

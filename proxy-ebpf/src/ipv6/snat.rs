@@ -21,19 +21,25 @@
 //! ingress, before routing sees it. (The server side of the pod sees the Service address as
 //! its peer, as with Cilium.)
 //!
+//! Ports as on IPv4 (`crate::snat`): a TCP or UDP flow on the node's address keeps its client's
+//! port when the tuple is free, else walks the whole unprivileged range skipping ports a socket
+//! of the node holds; a connection of the node's own that would clash with a live SNATed flow is
+//! given another source port ([`node_connection`]). Hairpin flows walk the dedicated range.
+//!
 //! Not on IPv6 (yet): per-device source addresses (`SNATDEV_V1`): an external flow's source
 //! is always the node's address.
 
+use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Counter, SNAT_PORT_MAX, SNAT_PORT_MIN, SNAT_PROBES, ct_dir, ct_flags,
-    hash::PortProbe,
+    Counter, SNAT_NODE_PORT_MIN, SNAT_PROBES, ct_dir, ct_flags, ct_state,
     ipv6::{Ct6Key, Snat6Key, Snat6Value, flow_hash6},
-    timeouts::idle_expired,
+    shares_node_ports,
+    timeouts::snat_port_reclaimable,
 };
 
 use super::{conntrack, packet::Packet6};
 use crate::{
-    Drop,
+    Drop, local_socket,
     maps::{self, Snat6Entry},
     stats,
 };
@@ -140,7 +146,13 @@ pub fn out_entry_of_forwarded(p: &Packet6, s: &mut Snat6Scratch) -> Option<Snat6
 /// if they are still its own): `Ok(true)` with them in `s.out`; `Ok(false)`: the node has no
 /// IPv6 SNAT address yet (counted; the flow goes out unSNATed).
 #[inline(always)]
-pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<bool, Drop> {
+pub fn allocate(
+    ctx: &TcContext,
+    f: &Flow6,
+    s: &mut Snat6Scratch,
+    state: u8,
+    now: u64,
+) -> Result<bool, Drop> {
     s.node = if f.is_hairpin() {
         s.hairpin
     } else {
@@ -180,18 +192,23 @@ pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<
         f.backend_port,
         f.proto,
     );
-    let probe = PortProbe::new(hash, SNAT_PORT_MIN, SNAT_PORT_MAX);
+    let (ports, shared) = crate::snat::port_walk(hash, f.proto, f.client_port, !f.is_hairpin());
     let node = s.node;
     f.set_in_key(&mut s.in_key, &node, [0; 2]);
     let mut i = 0;
     while i < SNAT_PROBES {
-        let port = probe.port(i).to_be_bytes();
+        let port = ports.port(i).to_be_bytes();
+        if shared && local_socket::owns_v6(ctx, f.proto, &node, port, f.backend, f.backend_port) {
+            stats::count(Counter::SnatPortLocalSocket);
+            i += 1;
+            continue;
+        }
         s.in_key.dport = port;
         let claimed = maps::snat6_claim(&s.in_key, &s.client).is_ok()
             || match maps::snat6_entry(&s.in_key) {
                 Some(taken) => {
                     let old = taken.peek();
-                    idle_expired(old.last_seen_ns, f.proto, old.state, old.flags, now, cfg)
+                    snat_port_reclaimable(old.last_seen_ns, f.proto, old.state, old.flags, now, cfg)
                         && maps::snat6_insert(&s.in_key, &s.client).is_ok()
                 }
                 // Evicted between the claim and the lookup: take it.
@@ -210,6 +227,9 @@ pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<
             } else {
                 Counter::SnatNew
             });
+            if ports.kept(i) {
+                stats::count(Counter::SnatPortKept);
+            }
             return Ok(true);
         }
         i += 1;
@@ -223,6 +243,7 @@ pub fn allocate(f: &Flow6, s: &mut Snat6Scratch, state: u8, now: u64) -> Result<
 /// no node address (the packet goes unSNATed).
 #[inline(always)]
 pub fn forwarded(
+    ctx: &TcContext,
     p: &Packet6,
     out: Snat6Entry,
     s: &mut Snat6Scratch,
@@ -237,7 +258,55 @@ pub fn forwarded(
         out.touch(now, state);
         return Ok(true);
     }
-    allocate(&f, s, state, now)
+    allocate(ctx, &f, s, state, now)
+}
+
+/// Could `p` be the first packet of a connection of the node's own that clashes with a SNATed
+/// flow (`tc_egress6` tail-calls the SNAT program for it; [`node_connection`] decides)?
+#[inline(always)]
+pub fn may_be_node_connection(p: &Packet6) -> bool {
+    shares_node_ports(p.proto)
+        && p.may_open_flow()
+        && u16::from_be_bytes(p.sport) >= SNAT_NODE_PORT_MIN
+        && maps::is_node6_addr(&p.saddr)
+}
+
+/// The first packet of a connection of the node's own (no `out` entry) whose tuple a live
+/// SNATed flow holds: given another source port in `s.out` (`Ok(true)`), as on IPv4. A holder
+/// netfilter would let go of gives the tuple up instead (`Ok(false)`: the packet leaves as it
+/// is).
+#[inline(always)]
+pub fn node_connection(
+    ctx: &TcContext,
+    p: &Packet6,
+    s: &mut Snat6Scratch,
+    now: u64,
+) -> Result<bool, Drop> {
+    if !may_be_node_connection(p) {
+        return Ok(false);
+    }
+    let f = Flow6::of_forwarded(p);
+    f.set_in_key(&mut s.in_key, &p.saddr, p.sport);
+    let Some(holder) = maps::snat6_entry(&s.in_key) else {
+        return Ok(false);
+    };
+    let v = holder.peek();
+    if v.addr == p.saddr && v.port == p.sport {
+        return Ok(false);
+    }
+    if snat_port_reclaimable(
+        v.last_seen_ns,
+        p.proto,
+        v.state,
+        v.flags,
+        now,
+        maps::config_ref(),
+    ) {
+        maps::snat6_remove(&s.in_key);
+        return Ok(false);
+    }
+    stats::count(Counter::SnatNodeConnectionRemapped);
+    allocate(ctx, &f, s, conntrack::next_state(p, ct_state::UDP), now)
 }
 
 /// Ingress: a remote backend's reply to a SNATed flow passes through its `in` entry (refreshed,

@@ -105,6 +105,11 @@ pub struct External {
 }
 
 impl External {
+    /// The node's SNAT address as written for the datapath (`None`: none known).
+    pub fn snat_addr(&self) -> Option<Ipv4Addr> {
+        self.addrs.snat
+    }
+
     /// `proxy`: the agent's health (/healthz state), reported by the health-check node ports.
     pub fn new(
         ebpf: &mut aya::Ebpf,

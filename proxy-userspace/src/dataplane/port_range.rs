@@ -1,8 +1,10 @@
-//! The node's ephemeral port range (`net.ipv4.ip_local_port_range`) against the ports the datapath
-//! SNATs external flows to (`SNAT_PORT_MIN..=SNAT_PORT_MAX`). If they overlap, a local socket can
-//! be bound to a port a SNATed flow uses: the replies of one go to the other. netfilter avoids
-//! this by asking conntrack; the datapath cannot, so the agent refuses to start instead. Pure
-//! check and parser, one IO function.
+//! The node's ephemeral port range (`net.ipv4.ip_local_port_range`) against the dedicated SNAT
+//! ports (`SNAT_PORT_MIN..=SNAT_PORT_MAX`). On the node's own address the datapath shares every
+//! unprivileged port with the node's sockets safely (it looks the sockets up, and remaps a later
+//! connection of the node that would clash). The dedicated ports are used on a tunnel device's
+//! own address (flannel.1, vxlan.calico) without that: if the ranges overlap, a connection the
+//! node opens from such an address may meet a SNATed flow's tuple. Rare, so a warning at start,
+//! not a refusal. Pure check and parser, one IO function.
 
 use proxy_common::{SNAT_PORT_MAX, SNAT_PORT_MIN};
 
@@ -15,9 +17,10 @@ const PATH: &str = "/proc/sys/net/ipv4/ip_local_port_range";
 pub enum Error {
     #[error(
         "{SYSCTL} is {low}-{high}, which overlaps the ports {SNAT_PORT_MIN}-{SNAT_PORT_MAX} the \
-         datapath SNATs external flows to: a local connection on one of them would get a SNATed \
-         flow's replies; narrow it in the node's network namespace, e.g. `sysctl -w {SYSCTL}=\"32768 {}\"` \
-         (the kernel's default), and start again",
+         datapath SNATs external flows to on tunnel devices' own addresses: a connection the \
+         node opens from such an address on one of them may get a SNATed flow's replies; \
+         narrow it in the node's network namespace, e.g. `sysctl -w {SYSCTL}=\"32768 {}\"` \
+         (the kernel's default)",
         SNAT_PORT_MIN - 1
     )]
     Overlap { low: u16, high: u16 },
@@ -36,7 +39,7 @@ pub fn parse(text: &str) -> Result<(u16, u16), Error> {
     }
 }
 
-/// Refuses a local port range that shares a port with the SNAT range.
+/// A local port range that shares a port with the dedicated SNAT range is an error.
 pub fn check((low, high): (u16, u16)) -> Result<(), Error> {
     let (snat_low, snat_high) = (u32::from(SNAT_PORT_MIN), u32::from(SNAT_PORT_MAX));
     if u32::from(low) <= snat_high && u32::from(high) >= snat_low {

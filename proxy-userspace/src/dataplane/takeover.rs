@@ -159,7 +159,7 @@ impl<A: FlowAbi> Family<A> {
         over_since: u64,
         seen: &mut HashSet<ct_netlink::Tuple>,
         programmed: &Programmed<A>,
-        local: &HashSet<IpAddr>,
+        (local, node_snat): (&HashSet<IpAddr>, &HashSet<IpAddr>),
         report: &mut Report,
     ) {
         let now = clock::monotonic_ns();
@@ -185,7 +185,7 @@ impl<A: FlowAbi> Family<A> {
                     self.held.push(Held {
                         nf: entry.clone(),
                         entries,
-                        movable: flow.movable(),
+                        movable: flow.movable(|a| node_snat.contains(&a.into())),
                     });
                 }
                 Ok(false) => report.already_tracked += 1,
@@ -234,6 +234,8 @@ pub struct Takeover {
     v6: Option<Family<Ipv6Addr>>,
     seen: HashSet<ct_netlink::Tuple>,
     local: HashSet<IpAddr>,
+    /// The node's SNAT addresses as the datapath has them (see `Imported::movable`).
+    node_snat: HashSet<IpAddr>,
     /// The first read's end: entries the datapath creates after it may be replaced.
     read_at: u64,
     pub report: Report,
@@ -245,6 +247,7 @@ impl Takeover {
         pins: &PinLayout,
         v4: &Programmed<Ipv4Addr>,
         v6: &Programmed<Ipv6Addr>,
+        node_snat: HashSet<IpAddr>,
     ) -> anyhow::Result<Self> {
         let ct = CtNetlink::open()?;
         let mut t = Self {
@@ -253,6 +256,7 @@ impl Takeover {
             v6: Family::open(pins),
             seen: HashSet::new(),
             local: local_addresses(),
+            node_snat,
             read_at: u64::MAX,
             report: Report::default(),
         };
@@ -282,7 +286,7 @@ impl Takeover {
                 self.read_at,
                 &mut self.seen,
                 v4,
-                &self.local,
+                (&self.local, &self.node_snat),
                 &mut self.report,
             );
         }
@@ -293,7 +297,7 @@ impl Takeover {
                 self.read_at,
                 &mut self.seen,
                 v6,
-                &self.local,
+                (&self.local, &self.node_snat),
                 &mut self.report,
             );
         }

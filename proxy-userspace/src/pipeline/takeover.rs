@@ -15,8 +15,8 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{
-    CtKey, CtValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SNAT_PORT_MIN, SnatValue, ct_dir, ct_flags,
-    ct_state,
+    CtKey, CtValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SNAT_NODE_PORT_MIN, SNAT_PORT_MIN, SnatValue,
+    ct_dir, ct_flags, ct_state,
     ipv6::{Ct6Key, Ct6Value, Snat6Value},
     proto,
 };
@@ -94,12 +94,14 @@ impl<A: Copy> Imported<A> {
         self.moved_sport.unwrap_or(self.client_port)
     }
 
-    /// Can netfilter's entry be deleted and the flow translated here? A masquerade port below
-    /// the datapath's SNAT range cannot be: the datapath recognises SNAT replies by that range.
-    /// Such a flow stays netfilter's (its binding keeps working without kube-proxy's rules)
-    /// until it ends.
-    pub fn movable(&self) -> bool {
-        self.snat.is_none_or(|(_, port)| port >= SNAT_PORT_MIN)
+    /// Can netfilter's entry be deleted and the flow translated here? Only if the datapath
+    /// recognises its replies as SNAT replies: a masquerade port of the dedicated range, or an
+    /// unprivileged one on the node's SNAT address (`is_node_snat`). Other flows stay
+    /// netfilter's (their binding keeps working without kube-proxy's rules) until they end.
+    pub fn movable(&self, is_node_snat: impl Fn(A) -> bool) -> bool {
+        self.snat.is_none_or(|(addr, port)| {
+            port >= SNAT_PORT_MIN || (port >= SNAT_NODE_PORT_MIN && is_node_snat(addr))
+        })
     }
 }
 
@@ -449,7 +451,7 @@ mod tests {
             (4, 1, ct_state::ESTABLISHED)
         );
         assert_eq!((f.moved_sport, f.snat), (None, None));
-        assert!(f.movable());
+        assert!(f.movable(|_| false));
         let e = entries(&f, 7, ct_flags::NETFILTER);
         let (ok, ov) = e.original;
         assert_eq!(
@@ -486,7 +488,7 @@ mod tests {
         let nf = tcp((client, 51000, NODE, 30080), (EP, 8080, NODE, 62000));
         let f = import(&nf, &programmed(), |_| false).unwrap();
         assert_eq!((f.rev_nat_id, f.snat), (2, Some((NODE, 62000))));
-        assert!(f.movable());
+        assert!(f.movable(|_| false));
         let [out, inn] = entries(&f, 7, 0).snat.unwrap();
         assert_eq!((out.0.saddr, out.0.daddr), (client.octets(), EP.octets()));
         assert_eq!(
@@ -501,9 +503,18 @@ mod tests {
             (inn.1.addr, inn.1.port),
             (client.octets(), 51000u16.to_be_bytes())
         );
-        // A masquerade port below the SNAT range stays netfilter's.
+        // A masquerade port below the dedicated range: the datapath's when it is on the node's
+        // SNAT address, netfilter's on another address or when privileged.
         let nf = tcp((client, 51000, NODE, 30080), (EP, 8080, NODE, 41000));
-        assert!(!import(&nf, &programmed(), |_| false).unwrap().movable());
+        let f = import(&nf, &programmed(), |_| false).unwrap();
+        assert!(f.movable(|a| a == NODE));
+        assert!(!f.movable(|_| false));
+        let nf = tcp((client, 51000, NODE, 30080), (EP, 8080, NODE, 1000));
+        assert!(
+            !import(&nf, &programmed(), |_| false)
+                .unwrap()
+                .movable(|a| a == NODE)
+        );
     }
 
     #[test]
