@@ -6,6 +6,14 @@
 //! offset (the IPv6 L4 offset comes back from the per-CPU scratch, unbounded for a direct
 //! packet read).
 //!
+//! A CRC32c field of 0 is left as it is: that is how an SCTP packet the node's stack leaves to
+//! offload (CHECKSUM_PARTIAL, `csum_not_inet`: pods' SCTP over veth) carries it. The CRC is
+//! computed once the packet reaches a device without SCTP CRC offload (vxlan, virtio, most
+//! NICs), over the rewritten bytes; updating the placeholder would write a value that is neither
+//! (netfilter leaves CHECKSUM_PARTIAL SCTP packets to the same computation). A real CRC32c of 0
+//! (one packet in 2^32) is left unupdated and dropped by the receiver as a bad checksum, then
+//! retransmitted like any loss.
+//!
 //! Stores use `BPF_F_RECOMPUTE_CSUM`: on a CHECKSUM_COMPLETE skb, `skb->csum` (a one's-complement
 //! sum over the packet, which SCTP's CRC does not replace) follows the bytes that changed.
 
@@ -16,6 +24,9 @@ use proxy_common::{
 };
 
 use crate::{Drop, packet::SCTP_CSUM};
+
+/// The CRC32c field of an SCTP packet whose CRC is left to offload (see the module docs).
+const CRC_LEFT_TO_OFFLOAD: [u8; 4] = [0; 4];
 
 /// Replace the port at `port_off` (the SCTP source port at `l4_off`, or the destination port at
 /// `l4_off + 2`) and update the CRC32c of the SCTP packet of `sctp_len` bytes at `l4_off`.
@@ -38,9 +49,12 @@ pub fn rewrite_port(
     } else {
         [0, 0, d[0], d[1]]
     };
-    let field = crc32c::adjust(field, delta, sctp_len as u32);
     ctx.store(port_off, &new, BPF_F_RECOMPUTE_CSUM as u64)
         .map_err(|_| Drop::RewriteFailed)?;
+    if field == CRC_LEFT_TO_OFFLOAD {
+        return Ok(());
+    }
+    let field = crc32c::adjust(field, delta, sctp_len as u32);
     ctx.store(l4_off + SCTP_CSUM, &field, BPF_F_RECOMPUTE_CSUM as u64)
         .map_err(|_| Drop::RewriteFailed)
 }
