@@ -9,6 +9,7 @@ mod inproc;
 mod loadgen;
 mod packet;
 mod report;
+mod snat_rate;
 mod stats;
 mod svg;
 mod workload;
@@ -124,6 +125,8 @@ pub enum Part {
     Datapath,
     Control,
     E2e,
+    /// NodePort new connections through SNAT, ours vs kube-proxy's rule sets.
+    SnatRate,
 }
 
 #[derive(Debug, clap::Args)]
@@ -156,6 +159,7 @@ pub struct Plan {
     pub cold_start_rounds: usize,
     pub effort: inproc::Effort,
     pub e2e_cfg: e2e::Config,
+    pub snat_rate: snat_rate::Config,
 }
 
 fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
@@ -169,6 +173,14 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
         max_conns: 500_000,
         iperf_secs,
         program_timeout: Duration::from_secs(timeout_s),
+    };
+    let snat = |rate, seconds| snat_rate::Config {
+        bench_bin: bench_bin.clone(),
+        agent_bin: agent_bin.clone(),
+        rate,
+        seconds,
+        timeout_ms: 3_000,
+        agent_timeout: Duration::from_secs(60),
     };
     Ok(match size {
         Size::Smoke => Plan {
@@ -186,6 +198,7 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
                 changes: 3,
             },
             e2e_cfg: cfg(2, 1_000, 1, 60),
+            snat_rate: snat(50, 2),
         },
         Size::Quick => Plan {
             datapath: vec![1, 1_000, 10_000],
@@ -202,6 +215,7 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
                 changes: 11,
             },
             e2e_cfg: cfg(10, 3_000, 3, 60),
+            snat_rate: snat(500, 10),
         },
         Size::Full => Plan {
             datapath: vec![1, 100, 1_000, 10_000, 100_000],
@@ -218,6 +232,7 @@ fn plan(size: Size, agent_bin: PathBuf) -> Result<Plan> {
                 changes: 21,
             },
             e2e_cfg: cfg(10, 5_000, 5, 180),
+            snat_rate: snat(1_000, 20),
         },
     })
 }
@@ -473,6 +488,29 @@ fn run(args: RunArgs) -> Result<()> {
                 eprintln!("  [{:.1}s]", t.elapsed().as_secs_f64());
                 results.e2e.push(r);
             }
+        }
+    }
+
+    // NodePort new connections through SNAT: ours, then the baselines, each in a fresh topology.
+    if want(Part::SnatRate) {
+        let c = &p.snat_rate;
+        for mode in e2e::Mode::ALL {
+            if (mode == e2e::Mode::Iptables && !have_iptables)
+                || (mode == e2e::Mode::Nftables && !have_nft)
+            {
+                continue;
+            }
+            let t = step(&format!(
+                "NodePort through SNAT: {} at {}/s for {} s",
+                mode.name(),
+                c.rate,
+                c.seconds
+            ));
+            let r = snat_rate::run(c, mode)
+                .with_context(|| format!("NodePort through SNAT: {}", mode.name()))?;
+            report::print_snat_run(&r);
+            eprintln!("  [{:.1}s]", t.elapsed().as_secs_f64());
+            results.snat_rate.push(r);
         }
     }
 

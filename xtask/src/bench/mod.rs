@@ -19,7 +19,7 @@ pub struct Args {
     /// Tiny sizes, 1 s load, debug build: only checks that the bench works (cargo xtask test).
     #[arg(long)]
     smoke: bool,
-    /// Only these parts: datapath, control, e2e (comma-separated).
+    /// Only these parts: datapath, control, e2e, snat-rate (comma-separated).
     #[arg(long)]
     only: Option<String>,
     /// Also copy results.md and the SVG plots into docs/bench/ (for BENCHMARKS.md).
@@ -73,6 +73,10 @@ pub fn run(args: &Args) -> Result<()> {
         shown.push_str(" --smoke");
     } else if args.quick {
         shown.push_str(" --quick");
+    }
+    if let Some(only) = &args.only {
+        shown.push_str(" --only ");
+        shown.push_str(only);
     }
     let mut cmd = Command::new(&bench_bin);
     cmd.current_dir(workspace_root())

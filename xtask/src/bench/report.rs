@@ -11,6 +11,7 @@ use super::{
     e2e::{Mode, Run},
     inproc::{self, PACKET_KINDS, SizeResult},
     loadgen::LoadResult,
+    snat_rate,
     svg::{Chart, Series, line_chart},
 };
 
@@ -33,6 +34,8 @@ pub struct Results {
     pub loadavg_at_end: f64,
     /// Maglev tables' memory (`inproc::maglev_memory`).
     pub maglev: Option<Value>,
+    /// NodePort new connections through SNAT, one run per dataplane.
+    pub snat_rate: Vec<snat_rate::Run>,
 }
 
 pub fn machine() -> Value {
@@ -213,6 +216,151 @@ pub fn print_run(r: &Run) {
     );
 }
 
+/// `12 (connect:timeout 10, recv:reset 2)`, or `0`.
+fn failures(l: &super::loadgen::PacedResult) -> String {
+    if l.failures.is_empty() {
+        return l.failed.to_string();
+    }
+    let by: Vec<String> = (l.failures.iter())
+        .map(|(kind, n)| format!("{kind} {n}"))
+        .collect();
+    format!("{} ({})", l.failed, by.join(", "))
+}
+
+fn opt(v: Option<u64>) -> String {
+    v.map_or("–".into(), |v| n_fmt(v as usize))
+}
+
+pub fn print_snat_run(r: &snat_rate::Run) {
+    if let Some(s) = &r.skipped {
+        eprintln!("  skipped: {s}");
+        return;
+    }
+    let Some(l) = &r.load else { return };
+    eprintln!(
+        "  {} attempted, {} answered, failed {}; {:.0} conn/s; p50 {} µs p99 {} µs max {} µs; \
+         launches: {} late, max lag {:.1} ms ({} threads); first error {:?}",
+        l.attempted,
+        l.answered,
+        failures(l),
+        l.achieved_per_s,
+        l.p50_us,
+        l.p99_us,
+        l.max_us,
+        l.late_launches,
+        l.max_launch_lag_us as f64 / 1e3,
+        l.threads,
+        l.first_error
+    );
+    let counters: Vec<String> = (snat_rate::COUNTERS.iter())
+        .map(|c| format!("{c} {}", opt(r.counter(c))))
+        .collect();
+    eprintln!(
+        "  node A: {}; conntrack entries after {}, insert_failed {}",
+        counters.join(", "),
+        opt(r.conntrack_entries),
+        opt(r.conntrack_insert_failed)
+    );
+}
+
+/// The NodePort-through-SNAT section: a row per dataplane, then ours against each baseline.
+fn snat_rate_section(s: &mut String, runs: &[snat_rate::Run]) {
+    let Some(first) = runs.first() else {
+        return;
+    };
+    let _ = writeln!(
+        s,
+        "### NodePort new connections through SNAT: {}/s for {} s, ours vs kube-proxy's rule sets\n\n\
+         An external client opens short connections (connect, one HTTP GET, read to EOF; the \
+         server closes first) to NodePort {} of node A, whose only endpoint is a pod on node B \
+         (externalTrafficPolicy Cluster: node A SNATs every connection to its own address toward \
+         that one backend; the baselines with kube-proxy's `MASQUERADE --random-fully`). A new \
+         connection is due every 1/{} s whatever the others do (open loop); each dataplane in a \
+         fresh two-node topology. Latency: before `connect()` to the end of the reply, answered \
+         connections only.\n\n\
+         | dataplane | attempted | answered | failed (by cause) | answered conn/s | p50 µs | p99 µs | max µs | slow ≥0.9 s | late launches ≥10 ms (max lag ms) | node A: snat_new / snat_port_kept / drop_snat_ports_exhausted | node A conntrack entries after (insert_failed) | 1-min load avg after |\n\
+         |---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        first.rate,
+        first.seconds,
+        snat_rate::NODE_PORT,
+        first.rate
+    );
+    for r in runs {
+        if let Some(why) = &r.skipped {
+            let _ = writeln!(
+                s,
+                "| {} | skipped: {} | | | | | | | | | | | |",
+                r.mode.name(),
+                why.lines().next().unwrap_or_default()
+            );
+            continue;
+        }
+        let Some(l) = &r.load else { continue };
+        let counters: Vec<String> = (snat_rate::COUNTERS.iter())
+            .map(|c| opt(r.counter(c)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} ({}) | {} |",
+            r.mode.name(),
+            n_fmt(l.attempted as usize),
+            n_fmt(l.answered as usize),
+            failures(l),
+            f(l.achieved_per_s, 0),
+            l.p50_us,
+            l.p99_us,
+            l.max_us,
+            l.slow_1s,
+            l.late_launches,
+            f(l.max_launch_lag_us as f64 / 1e3, 1),
+            if r.mode == Mode::Ebpf {
+                counters.join(" / ")
+            } else {
+                "–".into()
+            },
+            opt(r.conntrack_entries),
+            opt(r.conntrack_insert_failed),
+            f(r.loadavg_after, 2),
+        );
+    }
+    s.push('\n');
+    let _ = writeln!(
+        s,
+        "| metric (ratio = ours / baseline) | kube-proxy-ebpf | iptables | nftables | ours/iptables | ours/nftables |\n\
+         |---|---:|---:|---:|---:|---:|"
+    );
+    type Metric = fn(&super::loadgen::PacedResult) -> f64;
+    let metrics: [(&str, Metric, usize); 4] = [
+        ("answered conn/s", |l| l.achieved_per_s, 0),
+        (
+            "answered %",
+            |l| 100.0 * l.answered as f64 / l.attempted.max(1) as f64,
+            2,
+        ),
+        ("p50 µs", |l| l.p50_us as f64, 0),
+        ("p99 µs", |l| l.p99_us as f64, 0),
+    ];
+    for (name, get, digits) in metrics {
+        let val = |mode| {
+            (runs.iter())
+                .find(|r| r.mode == mode && r.skipped.is_none())
+                .and_then(|r| r.load.as_ref())
+                .map_or(f64::NAN, get)
+        };
+        let (o, i, nf) = (val(Mode::Ebpf), val(Mode::Iptables), val(Mode::Nftables));
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} | {} | {} | {} |",
+            f(o, digits),
+            f(i, digits),
+            f(nf, digits),
+            ratio(o, i),
+            ratio(o, nf)
+        );
+    }
+    s.push('\n');
+}
+
 impl Results {
     pub fn to_json(&self) -> Value {
         json!({
@@ -228,6 +376,7 @@ impl Results {
             "agent_binary": self.agent,
             "end_to_end": self.e2e.iter().map(Run::to_json).collect::<Vec<_>>(),
             "maglev_tables": self.maglev,
+            "nodeport_snat_rate": self.snat_rate.iter().map(snat_rate::Run::to_json).collect::<Vec<_>>(),
         })
     }
 
@@ -560,6 +709,7 @@ impl Results {
             }
             s.push('\n');
         }
+        snat_rate_section(&mut s, &self.snat_rate);
         s
     }
 
@@ -671,5 +821,68 @@ impl Results {
             ));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loadgen::PacedResult;
+
+    fn snat_run(mode: Mode, answered: u64, p99_us: u64) -> snat_rate::Run {
+        snat_rate::Run {
+            mode,
+            rate: 1_000,
+            seconds: 20,
+            skipped: None,
+            load: Some(PacedResult {
+                rate: 1_000.0,
+                planned: 20_000,
+                attempted: 20_000,
+                answered,
+                failed: 20_000 - answered,
+                failures: [("connect:timeout".to_owned(), 20_000 - answered)]
+                    .into_iter()
+                    .filter(|(_, n)| *n > 0)
+                    .collect(),
+                achieved_per_s: answered as f64 / 20.0,
+                p50_us: 500,
+                p99_us,
+                ..Default::default()
+            }),
+            counters: vec![Some(20_000), Some(19_990), Some(0)],
+            conntrack_entries: (mode != Mode::Ebpf).then_some(20_000),
+            conntrack_insert_failed: (mode != Mode::Ebpf).then_some(0),
+            loadavg_after: 1.5,
+        }
+    }
+
+    #[test]
+    fn the_snat_section_has_a_row_per_dataplane_and_ours_over_each_baseline() {
+        let mut s = String::new();
+        let runs = [
+            snat_run(Mode::Ebpf, 19_990, 2_000),
+            snat_run(Mode::Iptables, 20_000, 1_000),
+            snat_run(Mode::Nftables, 20_000, 4_000),
+        ];
+        snat_rate_section(&mut s, &runs);
+        assert!(s.starts_with("### NodePort new connections through SNAT: 1000/s for 20 s"));
+        assert!(
+            s.contains(
+                "| kube-proxy-ebpf | 20,000 | 19,990 | 10 (connect:timeout 10) | 1000 | 500 | \
+                 2000 |"
+            ),
+            "{s}"
+        );
+        assert!(s.contains("| 20,000 / 19,990 / 0 | – (–) |"), "{s}");
+        assert!(s.contains("| iptables | 20,000 | 20,000 | 0 |"), "{s}");
+        assert!(s.contains("| 20,000 (0) | 1.50 |"), "{s}");
+        assert!(
+            s.contains("| p99 µs | 2000 | 1000 | 4000 | 2.00× | 0.50× |"),
+            "{s}"
+        );
+        let mut empty = String::new();
+        snat_rate_section(&mut empty, &[]);
+        assert!(empty.is_empty());
     }
 }
