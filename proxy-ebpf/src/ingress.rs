@@ -44,7 +44,7 @@ pub fn try_tc_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
             maps::tail_call6(ctx, TAIL_CALL_INGRESS6, l2_len);
             return Ok(Action::pass(Counter::NotIpv4));
         }
-        Parsed::IcmpError(e) => return icmp::snat_reply(ctx, &e),
+        Parsed::IcmpError(e) => return icmp::ingress(ctx, &e),
         Parsed::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed::Untranslatable {
             daddr,

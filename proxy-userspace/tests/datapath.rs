@@ -4141,6 +4141,32 @@ fn icmp_error(src: Ipv4Addr, dst: Ipv4Addr, quoted: &Pkt) -> Vec<u8> {
     frame
 }
 
+/// A NodePort datagram from the external client's `sport` to the remote backend (SNATed):
+/// the datapath and the node port it left with.
+fn snated_nodeport_datagram(sport: u16) -> (Datapath, u16) {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    let dgram = Pkt::udp(EXT_CLIENT, sport, NODE_IP, NODE_PORT).payload(b"ping");
+    dp.run(PROG_TC_INGRESS, &dgram.bytes());
+    let port = u16::from_be_bytes(
+        dp.snat()
+            .get(&snat_out_key(&dgram, REMOTE_BE, 5353), 0)
+            .expect("out entry")
+            .port,
+    );
+    (dp, port)
+}
+
+/// `frame` through `prog` passes on unchanged.
+fn passes_untouched(dp: &Datapath, prog: &str, frame: &[u8], what: &str) {
+    let (verdict, out) = dp.run(prog, frame);
+    assert_eq!(
+        (verdict, out.as_slice()),
+        (TC_NEXT, frame),
+        "{what}: passes untouched"
+    );
+}
+
 /// Runs `prog` over an ICMP error and checks: verdict OK, one `icmp_error_translated`, valid
 /// outer/ICMP/quoted-IPv4 checksums, and the outer and quoted addresses/ports.
 fn check_icmp_translation(
@@ -4198,25 +4224,16 @@ fn icmp_errors_about_translated_flows_are_reverse_translated() {
         ((CLIENT, 5000), (VIP, 53)),
     );
     let stray = icmp_error(be, CLIENT, &Pkt::udp(CLIENT, 5001, be, be_port));
-    let (verdict, out) = dp.run(PROG_TC_EGRESS, &stray);
-    assert_eq!(
-        (verdict, out),
-        (TC_NEXT, stray.clone()),
-        "an error about no tracked flow passes"
+    passes_untouched(
+        &dp,
+        PROG_TC_EGRESS,
+        &stray,
+        "an error about no tracked flow",
     );
 
     // NodePort with SNAT: the remote backend's error reaches node A (ingress), goes on to the
     // client quoting client → backend, and leaves (egress) from the NodePort quoting it.
-    let mut dp = nodeport_datapath();
-    dp.set_node_addr(NODE_IP);
-    let dgram = Pkt::udp(EXT_CLIENT, 5000, NODE_IP, NODE_PORT).payload(b"ping");
-    dp.run(PROG_TC_INGRESS, &dgram.bytes());
-    let port = u16::from_be_bytes(
-        dp.snat()
-            .get(&snat_out_key(&dgram, REMOTE_BE, 5353), 0)
-            .expect("out entry")
-            .port,
-    );
+    let (dp, port) = snated_nodeport_datagram(5000);
     let quoted = Pkt::udp(NODE_IP, port, REMOTE_BE, 5353).payload(b"ping");
     let err = icmp_error(REMOTE_BE, NODE_IP, &quoted);
     let mid = check_icmp_translation(
@@ -4234,6 +4251,48 @@ fn icmp_errors_about_translated_flows_are_reverse_translated() {
         &mid,
         (NODE_IP, EXT_CLIENT),
         ((EXT_CLIENT, 5000), (NODE_IP, NODE_PORT)),
+    );
+}
+
+/// An error about a reply on its way back to the client (a router on the client's side, or the
+/// client), quoting frontend:port → client as the reply left the node, goes on to the backend
+/// quoting the reply as the backend sent it: backend:port → client for a ClusterIP flow,
+/// backend:port → the node's SNAT address and port for a SNATed NodePort flow (netfilter's
+/// RELATED handling; a Fragmentation Needed so reaches the backend and PMTU discovery works).
+#[test]
+fn icmp_errors_about_replies_go_on_to_the_backend() {
+    let router = Ipv4Addr::new(192, 168, 50, 254);
+    let dp = Datapath::load().with_services();
+    let dgram = Pkt::udp(CLIENT, 5000, VIP, 53).payload(b"query");
+    let id = expected_pick(&dgram, &[11, 12]);
+    dp.run(PROG_TC_INGRESS, &dgram.bytes());
+    let (be, be_port) = backend_addr(id);
+    let reply = Pkt::udp(VIP, 53, CLIENT, 5000).payload(b"answer");
+    check_icmp_translation(
+        &dp,
+        "ClusterIP: an error about the reply, to the backend",
+        PROG_TC_INGRESS,
+        &icmp_error(router, VIP, &reply),
+        (router, be),
+        ((be, be_port), (CLIENT, 5000)),
+    );
+    let stray = icmp_error(router, VIP, &Pkt::udp(VIP, 53, CLIENT, 5001));
+    passes_untouched(
+        &dp,
+        PROG_TC_INGRESS,
+        &stray,
+        "an error about no tracked flow",
+    );
+
+    let (dp, port) = snated_nodeport_datagram(5100);
+    let reply = Pkt::udp(NODE_IP, NODE_PORT, EXT_CLIENT, 5100).payload(b"pong");
+    check_icmp_translation(
+        &dp,
+        "SNATed NodePort: an error about the reply, to the remote backend",
+        PROG_TC_INGRESS,
+        &icmp_error(router, NODE_IP, &reply),
+        (router, REMOTE_BE),
+        ((REMOTE_BE, 5353), (NODE_IP, port)),
     );
 }
 

@@ -3006,3 +3006,74 @@ fn a_node_connection_on_a_port_a_snated_flow_kept_is_remapped() {
         &[(Counter::ReplyNotTracked, 1)],
     );
 }
+
+/// As on IPv4: a router's Packet Too Big about a reply on its way back to the client (quoting
+/// frontend:port → client, as the reply left the node) goes on to the backend quoting the reply
+/// as the backend sent it: backend:port → client for a ClusterIP flow, backend:port → the node's
+/// address and SNAT port for a SNATed NodePort flow; the MTU untouched, the checksum valid.
+#[test]
+fn packet_too_big_about_a_reply_goes_on_to_the_backend() {
+    let mtu = [0, 0, 0x05, 0x00];
+    let mut dp = Datapath::load();
+    let data = Pkt6::tcp(CLIENT, 43_100, VIP, 80, SYN);
+    let id = picked(&data, &TCP_IDS);
+    dp.step("SYN", PROG_TC_INGRESS, &data.bytes(), TC_NEXT, NEW);
+    let (be, be_port) = backend_addr(id);
+    let counts = &[(Counter::IcmpErrorTranslated, 1)];
+    let cases = [
+        (
+            "ClusterIP",
+            Pkt6::tcp(VIP, 80, CLIENT, 43_100, SYN | ACK),
+            VIP,
+            (be, be_port),
+            (CLIENT, 43_100u16),
+        ),
+        (
+            "SNATed NodePort",
+            Pkt6::tcp(NODE6, 30_095, EXT_CLIENT6, 45_500, SYN | ACK),
+            NODE6,
+            backend_addr(2),
+            (NODE6, 45_500),
+        ),
+    ];
+    dp.set_node6(NODE6);
+    dp.set_nodeport(30_095, &[2], 0);
+    let syn = Pkt6::tcp(EXT_CLIENT6, 45_500, NODE6, 30_095, SYN);
+    dp.translated(
+        "NodePort SYN",
+        PROG_TC_INGRESS,
+        &syn,
+        SNAT_NEW,
+        &dnated(&syn, 2),
+    );
+    for (what, reply, frontend, (backend, backend_port), (peer, peer_port)) in cases {
+        let quoted = reply.l3_bytes();
+        let mut want_quoted = quoted.clone();
+        want_quoted[8..24].copy_from_slice(&backend.octets());
+        want_quoted[24..40].copy_from_slice(&peer.octets());
+        want_quoted[40..42].copy_from_slice(&backend_port.to_be_bytes());
+        want_quoted[42..44].copy_from_slice(&peer_port.to_be_bytes());
+        let ptb = icmp6_frame(ROUTER, frontend, 2, 0, mtu, &quoted);
+        let out = dp.step(what, PROG_TC_INGRESS, &ptb, TC_NEXT, counts);
+        assert!(
+            Decoded6::parse(&out).l4_csum_ok(),
+            "{what}: ICMPv6 checksum"
+        );
+        assert_eq!(
+            out,
+            icmp6_frame(ROUTER, backend, 2, 0, mtu, &want_quoted),
+            "{what}: to {backend}, quoting the reply as it sent it"
+        );
+    }
+    // About a reply of no tracked flow: untouched.
+    let stray = Pkt6::tcp(VIP, 80, CLIENT, 43_101, SYN | ACK).l3_bytes();
+    let ptb = icmp6_frame(ROUTER, VIP, 2, 0, mtu, &stray);
+    let out = dp.step(
+        "no tracked flow",
+        PROG_TC_INGRESS,
+        &ptb,
+        TC_NEXT,
+        &[(Counter::NotService, 1)],
+    );
+    assert_eq!(out, ptb, "untouched");
+}

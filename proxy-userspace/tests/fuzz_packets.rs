@@ -1021,6 +1021,11 @@ impl Gen {
             (false, false) => PROG_TC_EGRESS,
             (false, true) => PROG_TC_EGRESS_L3,
         };
+        // A flipped byte may have moved an address (into the Service CIDR, onto a backend): the
+        // frame's own addresses count too.
+        if let Some((s, d)) = l3_offset(&frame, prog).and_then(|off| l3_addrs(&frame[off..])) {
+            addrs.extend([s, d]);
+        }
         Case {
             frame,
             prog,

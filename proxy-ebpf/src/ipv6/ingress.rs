@@ -33,7 +33,14 @@ pub fn try_ingress(ctx: &TcContext, l2_len: usize) -> Result<Action, Drop> {
         Parsed6::Fragment(f) => return frag::later(ctx, f, frag_hook::INGRESS),
         // An error about a SNATed flow goes back to its client here; the reverse DNAT of errors
         // toward a client is on egress.
-        Parsed6::IcmpError(e) => return icmp::snat_reply(ctx, e),
+        Parsed6::IcmpError(e) => {
+            // About a SNATed flow's packet to its backend, else about a reply to a client.
+            let done = icmp::snat_reply(ctx, e);
+            if matches!(&done, Ok(a) if a.counter == Counter::NotService) {
+                return icmp::toward_backend(ctx, e);
+            }
+            return done;
+        }
         Parsed6::Pass(counter) => return Ok(Action::pass(counter)),
         Parsed6::Untranslatable { to, reason } => {
             return match maps::service6(&Service6Key::new(to.daddr, to.dport, to.proto, 0)) {

@@ -499,7 +499,7 @@ impl Quoted {
 /// or too long, or a quoted later fragment (no ports in it).
 #[inline(always)]
 pub fn quoted_l4(ctx: &TcContext, e: &Icmp6Error) -> Option<Quoted> {
-    // Read back from the per-CPU scratch (`icmp::snat_reply` is a function of its own), the
+    // Read back from the per-CPU scratch (`icmp::snat_reply` and `icmp::toward_backend` are functions of their own), the
     // offset is any number to the verifier: bounded here by what `parse` can produce (an
     // Ethernet header, the IPv6 header and its longest extension header chain).
     let icmp_off = e.icmp_off;
