@@ -92,19 +92,23 @@ async fn wait_frontends(
 }
 
 async fn client_for(server: &FakeApiServer) -> kube::Client {
-    let dir = std::env::temp_dir().join(format!("kpe-kube-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("kpe-kube-{}-{}", std::process::id(), server.port()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let kubeconfig = server
-        .write_kubeconfig(&dir.join(format!("kubeconfig-{}", server.port())))
+        .write_kubeconfig(&dir.join("kubeconfig"))
         .expect("kubeconfig");
-    Connection {
+    let client = Connection {
         kubeconfig: Some(kubeconfig),
         ..Connection::default()
     }
     .client()
     .await
     .expect("client")
-    .0
+    .0;
+    // Read when the client was built: nothing is left behind.
+    let _ = std::fs::remove_dir_all(&dir);
+    client
 }
 
 async fn connect(server: &FakeApiServer) -> Source {
