@@ -367,6 +367,28 @@ impl MultiNode {
         &mut self.nodes[i]
     }
 
+    /// The source and node flags node `i`'s agent runs with on a manifest folder: the
+    /// manifests, the wire as its external device, its node name and `cluster_cidr`.
+    pub fn agent_args(
+        &self,
+        i: usize,
+        manifests: &std::path::Path,
+        cluster_cidr: &str,
+    ) -> Vec<std::ffi::OsString> {
+        [
+            "--manifests".as_ref(),
+            manifests.as_os_str(),
+            "--devices".as_ref(),
+            EXT_DEVICE.as_ref(),
+            "--hostname-override".as_ref(),
+            NODE_NAMES[i].as_ref(),
+            "--cluster-cidr".as_ref(),
+            cluster_cidr.as_ref(),
+        ]
+        .map(std::ffi::OsStr::to_os_string)
+        .to_vec()
+    }
+
     /// The external client's namespace.
     pub fn client(&self) -> &NetNs {
         &self.client

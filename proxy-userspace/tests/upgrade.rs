@@ -176,16 +176,8 @@ impl Nodes {
         for (i, name) in NODE_NAMES.iter().enumerate() {
             let node = net.node(i);
             let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
-            let args = [
-                "--manifests".as_ref(),
-                manifests.path().as_os_str(),
-                "--devices".as_ref(),
-                EXT_DEVICE.as_ref(),
-                "--hostname-override".as_ref(),
-                name.as_ref(),
-                "--cluster-cidr".as_ref(),
-                CLUSTER_CIDR.as_ref(),
-            ];
+            let args = net.agent_args(i, manifests.path(), CLUSTER_CIDR);
+            let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
             let agent = Agent::start_with(bin, node.node(), &args, pin.path(), node.tmp().path())
                 .unwrap_or_else(|e| panic!("starting the {name} agent ({}): {e:#}", bin.display()));
             agents.push(agent);

@@ -89,13 +89,7 @@ pub fn snat_reply(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
         return Ok(Action::pass(Counter::NotService));
     };
     let key = &mut s.in_key;
-    key.saddr = e.inner_daddr;
-    key.daddr = e.inner_saddr;
-    key.sport = q.dport;
-    key.dport = q.sport;
-    key.proto = q.proto;
-    key.dir = ct_dir::REPLY;
-    key._pad = [0; 2];
+    set_reversed_quote(key, e, &q, ct_dir::REPLY);
     let Some(entry) = maps::snat6_entry(key) else {
         return Ok(Action::pass(Counter::NotService));
     };
@@ -128,13 +122,7 @@ pub fn toward_backend(ctx: &TcContext, e: &Icmp6Error) -> Result<Action, Drop> {
     };
     // The quoted packet is frontend → client: its flow's ORIGINAL entry is client → frontend.
     let key = &mut s.original;
-    key.saddr = e.inner_daddr;
-    key.daddr = e.inner_saddr;
-    key.sport = q.dport;
-    key.dport = q.sport;
-    key.proto = q.proto;
-    key.dir = ct_dir::ORIGINAL;
-    key._pad = [0; 2];
+    set_reversed_quote(key, e, q, ct_dir::ORIGINAL);
     let Some(entry) = maps::ct6_entry(key) else {
         return Ok(Action::pass(Counter::NotService));
     };
@@ -194,4 +182,17 @@ fn rewrite_toward_backend(
     replace_quoted_port(ctx, q.dport_off(), csum, q.dport, s.out.port)?;
     nat::replace_icmp_covered_addr(ctx, e.daddr_off(), csum, e.daddr, *backend, true)?;
     Ok(Action::pass(Counter::IcmpErrorTranslated))
+}
+
+/// Writes into `key` the quoted packet's other direction (its source and destination swapped),
+/// tagged `dir`: conntrack and SNAT keys alike (the 40-byte key lives in the per-CPU scratch).
+#[inline(always)]
+fn set_reversed_quote(key: &mut Ct6Key, e: &Icmp6Error, q: &packet::Quoted, dir: u8) {
+    key.saddr = e.inner_daddr;
+    key.daddr = e.inner_saddr;
+    key.sport = q.dport;
+    key.dport = q.sport;
+    key.proto = q.proto;
+    key.dir = dir;
+    key._pad = [0; 2];
 }

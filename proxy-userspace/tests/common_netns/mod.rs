@@ -227,16 +227,8 @@ impl Cluster {
         for (i, name) in NODE_NAMES.iter().enumerate() {
             let node = net.node(i);
             let pin = PinDir::new(&format!("{}-pins", node.prefix())).expect("pin dir");
-            let args = [
-                "--manifests".as_ref(),
-                manifests.path().as_os_str(),
-                "--devices".as_ref(),
-                EXT_DEVICE.as_ref(),
-                "--hostname-override".as_ref(),
-                name.as_ref(),
-                "--cluster-cidr".as_ref(),
-                cluster_cidr.as_ref(),
-            ];
+            let args = net.agent_args(i, manifests.path(), cluster_cidr);
+            let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
             let mut want = node.pod_interfaces();
             want.push(EXT_DEVICE.to_owned());
             let agent = start_agent(node, &args, &pin, want, name);

@@ -189,19 +189,11 @@ impl Env {
     fn start_agents(&mut self, cfg: &Config) -> Result<()> {
         let manifests = ManifestDir::new()?;
         std::fs::write(manifests.path().join("services.yaml"), manifest())?;
-        for (i, name) in NODE_NAMES.iter().enumerate() {
+        for i in 0..NODE_NAMES.len() {
             let topo = self.net.node(i);
             let pins = PinDir::new(&format!("{}-snat", topo.prefix()))?;
-            let args = [
-                "--manifests".as_ref(),
-                manifests.path().as_os_str(),
-                "--devices".as_ref(),
-                EXT_DEVICE.as_ref(),
-                "--hostname-override".as_ref(),
-                name.as_ref(),
-                "--cluster-cidr".as_ref(),
-                CLUSTER_CIDR.as_ref(),
-            ];
+            let args = self.net.agent_args(i, manifests.path(), CLUSTER_CIDR);
+            let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
             let agent = Agent::start_with(
                 &cfg.agent_bin,
                 topo.node(),
