@@ -5,14 +5,20 @@
 //! `BPF_F_MARK_MANGLED_0`: a zero UDP checksum ("none") stays zero, and a computed zero is
 //! written as 0xffff. The helpers also keep `skb->csum` right for CHECKSUM_COMPLETE and only
 //! adjust the pseudo-header part for CHECKSUM_PARTIAL; no checksum is ever zeroed or recomputed.
+//! The one change no checksum absorbs is a port rewrite of a UDP datagram without a checksum:
+//! its store adds the change to `skb->csum` itself (`BPF_F_RECOMPUTE_CSUM`).
 //! SCTP has no L4 checksum over the addresses: its port rewrites update the CRC32c (`sctp.rs`).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     programs::TcContext,
 };
 
-use crate::{Drop, packet::Packet, sctp};
+use crate::{
+    Drop,
+    packet::{Packet, read},
+    sctp,
+};
 
 /// DNAT: destination → backend.
 #[inline(always)]
@@ -116,7 +122,14 @@ fn rewrite(
         let to = u16::from_ne_bytes(new_port) as u64;
         ctx.l4_csum_replace(csum_off, from, to, mangled | 2)
             .map_err(|_| Drop::RewriteFailed)?;
-        ctx.store(port_off, &new_port, 0)
+        // A UDP checksum of 0 ("none") stayed 0: nothing absorbed the port's change.
+        let unsummed = mangled != 0 && read::<2>(ctx, csum_off) == Some([0, 0]);
+        let store_flags = if unsummed {
+            BPF_F_RECOMPUTE_CSUM as u64
+        } else {
+            0
+        };
+        ctx.store(port_off, &new_port, store_flags)
             .map_err(|_| Drop::RewriteFailed)?;
     }
     Ok(())

@@ -115,7 +115,7 @@ impl Datapath {
         prog: &str,
         input: &[u8],
         repeat: u32,
-    ) -> Result<(u32, Vec<u8>, Duration), aya::programs::ProgramError> {
+    ) -> Result<(u32, Vec<u8>, Duration), String> {
         common_datapath::try_run(&self.bpf, prog, input, repeat)
     }
 
@@ -303,7 +303,8 @@ impl Datapath {
     fn check(&mut self, step: Step) -> Vec<u8> {
         let before = self.counters();
         let what = step.what;
-        let (verdict, out, _) = match self.try_run(step.prog, &step.input, 1) {
+        let run = common_datapath::try_run_checked(&self.bpf, step.prog, &step.input, step.verdict);
+        let (verdict, out, _) = match run {
             Ok(run) => run,
             // The kernel's test harness itself refuses IPv4 frames without a full IPv4 header
             // (6.18: EINVAL below 14 + 20 bytes), so those rows cannot reach the program here.

@@ -164,7 +164,7 @@ impl Datapath {
         counts: &[(Counter, u64)],
     ) -> Vec<u8> {
         let before = self.counters();
-        let (v, out, _) = common_datapath::try_run(&self.bpf, prog, input, 1)
+        let (v, out, _) = common_datapath::try_run_checked(&self.bpf, prog, input, verdict)
             .unwrap_or_else(|e| panic!("{what}: BPF_PROG_TEST_RUN of {prog}: {e:#?}"));
         assert_eq!(v, verdict, "{what}: verdict");
         let after = self.counters();

@@ -410,8 +410,9 @@ impl Datapath {
         common_datapath::counters(&self.bpf)
     }
 
-    /// Run `input` through `prog`; the verdict must be `verdict`, the output `want` byte for
-    /// byte (a valid IPv4 checksum, on IPv4, and CRC32c), and `counter` must have moved by one.
+    /// Run `input` through `prog` (on a CHECKSUM_COMPLETE skb whose `skb->csum` must stay
+    /// right); the verdict must be `verdict`, the output `want` byte for byte (a valid IPv4
+    /// checksum, on IPv4, and CRC32c), and `counter` must have moved by one.
     fn step(
         &self,
         what: &str,
@@ -422,7 +423,9 @@ impl Datapath {
         counter: Counter,
     ) -> Vec<u8> {
         let before = self.counters();
-        let (v, out) = self.run(prog, &input.bytes());
+        let (v, out, _) =
+            common_datapath::try_run_checked(&self.bpf, prog, &input.bytes(), verdict)
+                .unwrap_or_else(|e| panic!("{what}: BPF_PROG_TEST_RUN of {prog}: {e}"));
         assert_eq!(v, verdict, "{what}: verdict");
         if let Some(want) = want {
             if !is_ipv6(&out) {

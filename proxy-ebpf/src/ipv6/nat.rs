@@ -3,8 +3,16 @@
 //! IPv6 has no header checksum: an address change only moves the L4 checksum, whose
 //! pseudo-header holds both 128-bit addresses. The difference of the old and new address is
 //! summed once (`bpf_csum_diff`) and applied with `bpf_l4_csum_replace` in its "by difference"
-//! mode with `BPF_F_PSEUDO_HDR` (which also keeps `skb->csum` right for CHECKSUM_COMPLETE and
-//! touches only the pseudo-header part for CHECKSUM_PARTIAL), as cilium does. UDP uses
+//! mode with `BPF_F_PSEUDO_HDR` (which touches only the pseudo-header part for
+//! CHECKSUM_PARTIAL), as cilium does.
+//!
+//! On a CHECKSUM_COMPLETE skb (`skb->csum` sums the packet, as NICs that checksum what they
+//! receive deliver it) that helper also takes the checksum field's change out of `skb->csum`,
+//! which is right for IPv4, whose header checksum absorbs the address change, and wrong by
+//! exactly the address change for IPv6, where nothing does. The address is therefore stored
+//! with `BPF_F_RECOMPUTE_CSUM`, which adds its change to `skb->csum` (Linux ≥ 6.16 offers
+//! `BPF_F_IPV6` to skip the helper's adjustment instead; this works on every kernel). Left
+//! wrong, the receiver reports "hw csum failure" and sums each packet again in software. UDP uses
 //! `BPF_F_MARK_MANGLED_0` so a computed zero is written as 0xffff: 0 is no valid UDP checksum on
 //! IPv6 (datagrams that arrive with 0 are never translated, `ipv6::packet`).
 //!
@@ -147,14 +155,15 @@ fn rewrite(
             BPF_F_PSEUDO_HDR as u64 | mangled(p),
         )
         .map_err(|_| Drop::RewriteFailed)?;
-        ctx.store(addr_off, new_addr, 0)
+        ctx.store(addr_off, new_addr, BPF_F_RECOMPUTE_CSUM as u64)
             .map_err(|_| Drop::RewriteFailed)?;
     }
     rewrite_port(ctx, p, port_off, old_port, new_port)
 }
 
 /// Replace a 16-byte address at `off` that an ICMPv6 checksum at `csum_off` covers: in the
-/// pseudo-header (`pseudo`: the outer addresses) or in the message (the quoted packet's).
+/// pseudo-header (`pseudo`: the outer addresses; the store keeps `skb->csum` right, see the
+/// module doc) or in the message (the quoted packet's: its change and the checksum's cancel).
 #[inline(always)]
 pub fn replace_icmp_covered_addr(
     ctx: &TcContext,
@@ -168,14 +177,19 @@ pub fn replace_icmp_covered_addr(
         return Ok(());
     }
     let diff = addr_diff(&old, &new)?;
-    let flags = if pseudo { BPF_F_PSEUDO_HDR as u64 } else { 0 };
-    ctx.l4_csum_replace(csum_off, 0, diff, flags)
+    let (csum_flags, store_flags) = if pseudo {
+        (BPF_F_PSEUDO_HDR as u64, BPF_F_RECOMPUTE_CSUM as u64)
+    } else {
+        (0, 0)
+    };
+    ctx.l4_csum_replace(csum_off, 0, diff, csum_flags)
         .map_err(|_| Drop::RewriteFailed)?;
-    ctx.store(off, &new, 0).map_err(|_| Drop::RewriteFailed)
+    ctx.store(off, &new, store_flags)
+        .map_err(|_| Drop::RewriteFailed)
 }
 
 /// Replace a 16-byte address that no checksum covers (a later fragment: no L4 header in it, and
-/// the first fragment's checksum update covers the whole datagram).
+/// the first fragment's checksum update covers the whole datagram); `skb->csum` follows it.
 #[inline(always)]
 pub fn replace_bare_addr(
     ctx: &TcContext,
@@ -186,5 +200,6 @@ pub fn replace_bare_addr(
     if old == new {
         return Ok(());
     }
-    ctx.store(off, &new, 0).map_err(|_| Drop::RewriteFailed)
+    ctx.store(off, &new, BPF_F_RECOMPUTE_CSUM as u64)
+        .map_err(|_| Drop::RewriteFailed)
 }

@@ -12,7 +12,7 @@ use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapData, PerCpuArray},
-    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use kube_proxy_ebpf::dataplane::{ebpf_object::EBPF_OBJECT, loader};
 use proxy_common::{
@@ -60,7 +60,7 @@ pub fn try_run(
     prog_name: &str,
     input: &[u8],
     repeat: u32,
-) -> Result<(u32, Vec<u8>, Duration), ProgramError> {
+) -> Result<(u32, Vec<u8>, Duration), String> {
     let mut out = vec![0u8; input.len() + 256];
     let opts = TestRunOptions {
         data_in: Some(input),
@@ -68,9 +68,103 @@ pub fn try_run(
         repeat,
         ..Default::default()
     };
-    let result = prog(bpf, prog_name).test_run(opts)?;
+    let result = prog(bpf, prog_name)
+        .test_run(opts)
+        .map_err(|e| format!("{e:#?}"))?;
     out.truncate(result.data_size_out as usize);
     Ok((result.return_value, out, result.duration))
+}
+
+/// `BPF_F_TEST_SKB_CHECKSUM_COMPLETE` (uapi bpf.h; Linux ≥ 6.11, which aya's options cannot set).
+const BPF_F_TEST_SKB_CHECKSUM_COMPLETE: u32 = 1 << 2;
+
+/// One run of `prog` over `input` on a CHECKSUM_COMPLETE skb, when the run is one whose
+/// `skb->csum` the kernel can judge (see [`try_run_checksum_complete`]): a program on an
+/// Ethernet device (the test harness takes the first 14 bytes of an L3 device's frame for a
+/// MAC header, outside the sum) and a packet it passes on or drops (an answer built from it
+/// is trimmed, which makes the skb CHECKSUM_NONE and leaves a stale `skb->csum` the harness
+/// would still compare). Otherwise an ordinary run.
+pub fn try_run_checked(
+    bpf: &Ebpf,
+    prog_name: &str,
+    input: &[u8],
+    expected_verdict: u32,
+) -> Result<(u32, Vec<u8>, Duration), String> {
+    if prog_name.ends_with("_l3") || expected_verdict == TC_ACT_REDIRECT {
+        try_run(bpf, prog_name, input, 1)
+    } else {
+        try_run_checksum_complete(bpf, prog_name, input)
+    }
+}
+
+/// One BPF_PROG_TEST_RUN of `prog` over `input` with `BPF_F_TEST_SKB_CHECKSUM_COMPLETE`: the
+/// program gets a CHECKSUM_COMPLETE skb (`skb->csum` the sum of the packet from its network
+/// header, as a NIC that sums what it receives delivers it) and the kernel checks after the run
+/// that `skb->csum` still sums the packet as the program left it. A rewrite that keeps the L4
+/// checksum right but `skb->csum` wrong fails with EBADMSG (a receiver would log "hw csum
+/// failure" and sum every such packet again).
+pub fn try_run_checksum_complete(
+    bpf: &Ebpf,
+    prog_name: &str,
+    input: &[u8],
+) -> Result<(u32, Vec<u8>, Duration), String> {
+    let prog = prog(bpf, prog_name);
+    use std::os::fd::{AsFd, AsRawFd};
+    /// The `test` member of `union bpf_attr` (uapi bpf.h).
+    #[repr(C)]
+    #[derive(Default)]
+    struct TestAttr {
+        prog_fd: u32,
+        retval: u32,
+        data_size_in: u32,
+        data_size_out: u32,
+        data_in: u64,
+        data_out: u64,
+        repeat: u32,
+        duration: u32,
+        ctx_size_in: u32,
+        ctx_size_out: u32,
+        ctx_in: u64,
+        ctx_out: u64,
+        flags: u32,
+        cpu: u32,
+        batch_size: u32,
+        _pad: u32,
+    }
+    const BPF_PROG_TEST_RUN: libc::c_long = 10;
+    let fd = prog.fd().map_err(|e| format!("{e:#?}"))?;
+    let mut out = vec![0u8; input.len() + 256];
+    let mut attr = TestAttr {
+        prog_fd: fd.as_fd().as_raw_fd() as u32,
+        data_size_in: input.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: input.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat: 1,
+        flags: BPF_F_TEST_SKB_CHECKSUM_COMPLETE,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is the uapi layout, its pointers name `input` and `out` with their sizes,
+    // both alive for the call; the kernel writes only `out` and `attr`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            &mut attr as *mut TestAttr,
+            std::mem::size_of::<TestAttr>() as u32,
+        )
+    };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EBADMSG) => format!(
+                "skb->csum no longer sums the packet after the run (CHECKSUM_COMPLETE): {e}"
+            ),
+            _ => format!("{e}"),
+        });
+    }
+    out.truncate(attr.data_size_out as usize);
+    Ok((attr.retval, out, Duration::from_nanos(attr.duration as u64)))
 }
 
 /// One run of `prog` over `input`, nothing checked: (verdict, output frame).
