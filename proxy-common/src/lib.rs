@@ -346,6 +346,8 @@ mod pod {
         crate::AffinityMatchKey,
         crate::SourceRangeKey,
         crate::SockRevKey,
+        crate::SockPickKey,
+        crate::SockPickValue,
         crate::SockLbConfig,
         crate::FragKey,
         crate::FragValue,

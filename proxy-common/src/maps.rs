@@ -17,6 +17,9 @@ pub const MAP_SNAT: &str = "SNAT_V1";
 pub const MAP_NODE: &str = "NODE_V1";
 pub const MAP_SOURCE_RANGES: &str = "SRCRANGES_V1";
 pub const MAP_SOCK_REVNAT: &str = "SOCKREV_V1";
+/// `SOCKPICK_V1` (LRU hash, [`SockPickKey`] → [`SockPickValue`]): the backend each unconnected
+/// UDP socket of the node's was last sent to per frontend, both families.
+pub const MAP_SOCK_PICK: &str = "SOCKPICK_V1";
 /// `SEED_V1` (array, one `u32` at index 0): the node's flow hash seed, drawn at random by the
 /// first agent and pinned so a restarted agent loads its programs with the same one. The datapath
 /// reads the seed from `DatapathConfig::hash_seed` (no lookup per packet), never from this map.
@@ -65,7 +68,7 @@ pub const LAYOUT_VERSION: u32 = 1;
 pub const LAYOUT_OLDEST_READER: u32 = 1;
 
 /// All maps the agent pins and adopts.
-pub const ALL_MAPS: [&str; 34] = [
+pub const ALL_MAPS: [&str; 35] = [
     crate::MAP_TAIL_CALLS,
     MAP_SERVICES,
     MAP_BACKENDS,
@@ -76,6 +79,7 @@ pub const ALL_MAPS: [&str; 34] = [
     MAP_NODE,
     MAP_SOURCE_RANGES,
     MAP_SOCK_REVNAT,
+    MAP_SOCK_PICK,
     MAP_FRAGMENTS,
     MAP_SNAT_DEVICES,
     MAP_SEED,
@@ -115,6 +119,9 @@ pub const SOURCE_RANGES_CAPACITY: u32 = 16_384;
 /// Sockets of the node's own network namespace translated at connect()/sendmsg(): one entry per
 /// (socket, backend), LRU-evicted (socket cookies are never reused, so old entries are inert).
 pub const SOCK_REVNAT_CAPACITY: u32 = 131_072;
+/// Unconnected UDP sockets of the node's own namespace and the frontends they send to, one
+/// entry per pair, LRU-evicted (an evicted socket's next datagram is picked afresh).
+pub const SOCK_PICK_CAPACITY: u32 = 32_768;
 /// Fragmented datagrams in flight whose first fragment was seen (per hook), LRU-evicted: like
 /// cilium's `CILIUM_IPV4_FRAG_MAP_MAX_ENTRIES`.
 pub const FRAGMENTS_CAPACITY: u32 = 8_192;
@@ -550,6 +557,36 @@ const _: () = assert!(core::mem::size_of::<SockRevKey>() == 16);
 
 /// `SOCKREV_V1` value: the frontend the application asked for.
 pub type SockRevValue = RevNat;
+
+/// `SOCKPICK_V1` key: an unconnected UDP socket of the node's own namespace
+/// (`bpf_get_socket_cookie()`) and a frontend it sends to, either family (IPv4 as its
+/// v4-mapped IPv6 address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Pod, Zeroable)]
+pub struct SockPickKey {
+    pub cookie: u64,
+    pub frontend_addr: [u8; 16],
+    pub frontend_port: [u8; 2],
+    pub proto: u8,
+    pub _pad: [u8; 5],
+}
+const _: () = assert!(core::mem::size_of::<SockPickKey>() == 32);
+
+/// `SOCKPICK_V1` value: the backend the socket's datagrams to that frontend go to while it
+/// keeps sending, as netfilter keeps one backend per UDP tuple (a socket keeps its source port)
+/// until the tuple idles out. The address snapshot revalidates the id, as a conntrack entry's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Pod, Zeroable)]
+pub struct SockPickValue {
+    /// CLOCK_MONOTONIC ns of the socket's last datagram to the frontend.
+    pub last_seen_ns: u64,
+    pub backend_id: u32,
+    pub backend_port: [u8; 2],
+    pub _pad: [u8; 2],
+    /// The backend's address (IPv4 as v4-mapped).
+    pub backend_addr: [u8; 16],
+}
+const _: () = assert!(core::mem::size_of::<SockPickValue>() == 32);
 
 /// Per-CPU scratch handed from `tc_ingress` to the new-flow program it tail-calls (same CPU, same
 /// packet: nothing runs in between): the conntrack entry the new flow replaces, if any.

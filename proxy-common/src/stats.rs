@@ -193,6 +193,9 @@ counters! {
     /// A connection of the node's own that would have shared its tuple with a live SNATed flow:
     /// its source port remapped, as netfilter's NAT does for a clashing local connection.
     SnatNodeConnectionRemapped = "snat_node_connection_remapped",
+    /// A sendmsg() of an unconnected UDP socket of the node's went to the backend the socket's
+    /// earlier datagrams to that frontend went to (`SOCKPICK_V1`), not a new pick.
+    SockBackendKept = "sock_backend_kept",
 }
 
 /// Number of entries in the stats array.

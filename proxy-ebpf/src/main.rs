@@ -333,13 +333,14 @@ pub fn tc_tap(ctx: TcContext) -> i32 {
 /// connect() of a socket in the node's own namespace: a Service address becomes a backend.
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, sock::SockCall::Connect)
 }
 
-/// sendmsg() of an unconnected UDP socket in the node's namespace: as connect().
+/// sendmsg() of an unconnected UDP socket in the node's namespace: as connect(), each datagram
+/// kept on the backend the socket's earlier ones to that frontend went to.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, sock::SockCall::Sendmsg)
 }
 
 /// recvmsg() on a translated UDP socket: the datagram's source shows as the Service.
@@ -358,13 +359,13 @@ pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
 /// IPv4 one) becomes a backend.
 #[cgroup_sock_addr(connect6)]
 pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
-    sock6::translate(&ctx)
+    sock6::translate(&ctx, sock::SockCall::Connect)
 }
 
-/// sendmsg() of an unconnected IPv6 UDP socket in the node's namespace: as connect().
+/// sendmsg() of an unconnected IPv6 UDP socket in the node's namespace: as `sock_sendmsg4`.
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
-    sock6::translate(&ctx)
+    sock6::translate(&ctx, sock::SockCall::Sendmsg)
 }
 
 /// recvmsg() on a translated IPv6 UDP socket: the datagram's source shows as the Service.

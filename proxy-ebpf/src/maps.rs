@@ -21,12 +21,13 @@ use proxy_common::{
     MAGLEV_CAPACITY, MAP_AFFINITY, MAP_AFFINITY_MATCH, MAP_BACKENDS, MAP_CONNTRACK,
     MAP_FRAG_SCRATCH, MAP_FRAGMENTS, MAP_LC_ADJUST, MAP_LC_FLOWS, MAP_MAGLEV, MAP_NODE,
     MAP_REJECT_LIMIT, MAP_REVNAT, MAP_SEED, MAP_SERVICE_CIDRS, MAP_SERVICES, MAP_SNAT,
-    MAP_SNAT_DEVICES, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP, MAX_CLUSTER_CIDRS,
-    NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL,
-    SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY, SNAT_DEVICES_CAPACITY,
-    SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS, SOURCE_RANGES_CAPACITY, ServiceKey,
-    ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig, SockRevKey, SockRevValue,
-    SourceRangeKey, TAIL_CALL_NEW_FLOW, TAP_CAPACITY, TapKey,
+    MAP_SNAT_DEVICES, MAP_SOCK_PICK, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, MAP_STATS, MAP_TAP,
+    MAX_CLUSTER_CIDRS, NodeInfo, PendingFlow, REVNAT_CAPACITY, RejectBucket, RevNat,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, SERVICE_CIDRS_CAPACITY, SERVICES_CAPACITY, SNAT_CAPACITY,
+    SNAT_DEVICES_CAPACITY, SOCK_PICK_CAPACITY, SOCK_REVNAT_CAPACITY, SOURCE_RANGE_FRONTEND_BITS,
+    SOURCE_RANGES_CAPACITY, ServiceKey, ServiceValue, SnatDevice, SnatKey, SnatValue, SockLbConfig,
+    SockPickKey, SockPickValue, SockRevKey, SockRevValue, SourceRangeKey, TAIL_CALL_NEW_FLOW,
+    TAP_CAPACITY, TapKey,
     ipv6::{
         AFFINITY_MATCH6_CAPACITY, AFFINITY6_CAPACITY, Affinity6Key, Affinity6MatchKey,
         BACKENDS6_CAPACITY, Backend6, CLUSTER_CIDRS6_CAPACITY, CONNTRACK6_CAPACITY, Ct6Key,
@@ -770,6 +771,24 @@ pub fn sock_rev(key: &SockRevKey) -> Option<SockRevValue> {
     Some(unsafe { *ptr })
 }
 
+/// The backend of each unconnected UDP socket of the node's per frontend (`crate::sock`).
+#[btf_map]
+static SOCKPICK_V1: LruHashMap<SockPickKey, SockPickValue, { SOCK_PICK_CAPACITY as usize }> =
+    LruHashMap::new();
+
+/// The backend a socket's datagrams to a frontend went to, if recorded; writable in place (its
+/// `last_seen_ns`).
+#[inline(always)]
+pub fn sock_pick(key: &SockPickKey) -> Option<*mut SockPickValue> {
+    SOCKPICK_V1.get_ptr_mut(key)
+}
+
+/// Record the backend a socket's datagrams to a frontend go to (overwrites: the newest wins).
+#[inline(always)]
+pub fn sock_pick_insert(key: &SockPickKey, value: &SockPickValue) -> Result<(), i32> {
+    SOCKPICK_V1.insert(key, value, BPF_ANY as u64)
+}
+
 /// IPv6 sockets translated to IPv6 backends (`crate::sock6`), as `SOCKREV_V1`.
 #[btf_map]
 static SOCKREV6_V1: LruHashMap<SockRev6Key, RevNat6, { SOCK_REVNAT6_CAPACITY as usize }> =
@@ -968,6 +987,7 @@ const _: () = assert!(same(MAP_SNAT, "SNAT_V1"));
 const _: () = assert!(same(MAP_NODE, "NODE_V1"));
 const _: () = assert!(same(MAP_SOURCE_RANGES, "SRCRANGES_V1"));
 const _: () = assert!(same(MAP_SOCK_REVNAT, "SOCKREV_V1"));
+const _: () = assert!(same(MAP_SOCK_PICK, "SOCKPICK_V1"));
 const _: () = assert!(same(proxy_common::MAP_TAIL_CALLS, "TAILCALLS_V1"));
 const _: () = assert!(same(MAP_FRAGMENTS, "FRAGMENTS_V1"));
 const _: () = assert!(same(MAP_FRAG_SCRATCH, "FRAGSCRATCH"));

@@ -3,7 +3,8 @@
 //! tc ingress hook, so the translation happens once per socket instead, at connect() (and at each
 //! sendmsg() of an unconnected UDP socket), like cilium's socket LB: the socket then talks to the
 //! backend directly, with no per-packet NAT and no conntrack entry. getpeername() and recvmsg()
-//! show the frontend again, through `SOCKREV_V1`.
+//! show the frontend again, through `SOCKREV_V1`. An unconnected UDP socket's datagrams to one
+//! frontend keep one backend while it keeps sending ([`KeptBackend`]).
 //!
 //! Only sockets of the node's namespace are touched (netns cookie from the load-time
 //! `SockLbConfig`): pods keep their tc path, so a flow is never translated twice, and a cgroup
@@ -29,7 +30,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Counter, RevNat, ServiceKey, SockRevKey, SourceRangeKey, proto, service_cidr, service_flags,
+    Counter, RevNat, ServiceKey, SockPickKey, SockPickValue, SockRevKey, SourceRangeKey,
+    backend_flags, ct_state, ipv6::to_v4_mapped, proto, service_cidr, service_flags,
+    timeouts::idle_expired,
 };
 
 use crate::{log, maps, pick, stats};
@@ -44,14 +47,107 @@ pub const ETIMEDOUT: i32 = 110;
 /// instead, `None` to leave the address as it is, or the errno to fail the syscall with.
 pub type Translated<A> = Result<Option<(A, [u8; 2])>, i32>;
 
+/// The syscall a translating hook runs for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum SockCall {
+    /// connect(): the socket is translated once, for its lifetime.
+    Connect,
+    /// sendmsg() of an unconnected socket: each datagram names its destination again.
+    Sendmsg,
+}
+
+/// The backend an unconnected UDP socket's datagrams to one frontend go to, kept in
+/// `SOCKPICK_V1` while the socket keeps sending. netfilter keeps a UDP tuple on one backend until
+/// the tuple has been idle for the UDP timeout, and an unconnected socket keeps its source port,
+/// so through kube-proxy its datagrams to a Service stay on one backend (a resolver's queries,
+/// a statsd client's metrics); a fresh pick per datagram would scatter them. Both families use
+/// it (IPv4 addresses as v4-mapped).
+pub struct KeptBackend {
+    key: SockPickKey,
+    now: u64,
+}
+
+impl KeptBackend {
+    /// For a sendmsg() of a UDP socket to `frontend_addr:frontend_port`; `None` otherwise
+    /// (connect() translates a socket once, TCP has no unconnected sends).
+    #[inline(always)]
+    pub fn for_call(
+        ctx: &SockAddrContext,
+        call: SockCall,
+        proto: u8,
+        frontend_addr: [u8; 16],
+        frontend_port: [u8; 2],
+    ) -> Option<Self> {
+        if call != SockCall::Sendmsg || proto != proto::UDP {
+            return None;
+        }
+        Some(Self {
+            key: SockPickKey {
+                // SAFETY: the helper reads the socket behind a valid sock_addr context.
+                cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+                frontend_addr,
+                frontend_port,
+                proto,
+                _pad: [0; 5],
+            },
+            now: maps::now_ns(),
+        })
+    }
+
+    /// The backend the socket's last datagram to this frontend went to, refreshed, if that was
+    /// within the UDP timeout (unanswered: `udp_timeout_s`, netfilter's first timeout) and
+    /// `current(id)` (the backend's address as v4-mapped, port, flags) still names it and lets
+    /// a UDP flow keep it (a not-serving backend does not: as a conntrack entry's).
+    #[inline(always)]
+    pub fn kept(
+        &self,
+        current: impl FnOnce(u32) -> Option<([u8; 16], [u8; 2], u8)>,
+    ) -> Option<u32> {
+        let ptr = maps::sock_pick(&self.key)?;
+        // SAFETY: a valid pointer into the LRU map; racing sendmsg()s of one socket write the
+        // same fields, and a torn read is caught by the revalidation below.
+        let v = unsafe { &mut *ptr };
+        let cfg = maps::config_ref();
+        if idle_expired(v.last_seen_ns, proto::UDP, ct_state::UDP, 0, self.now, cfg) {
+            return None;
+        }
+        let (addr, port, flags) = current(v.backend_id)?;
+        if addr != v.backend_addr
+            || port != v.backend_port
+            || !backend_flags::keeps_flow(flags, proto::UDP)
+        {
+            return None;
+        }
+        v.last_seen_ns = self.now;
+        stats::count(Counter::SockBackendKept);
+        Some(v.backend_id)
+    }
+
+    /// Records the backend this datagram was sent to (a failed write only means the next
+    /// datagram is picked afresh).
+    #[inline(always)]
+    pub fn record(&self, backend_id: u32, addr: [u8; 16], port: [u8; 2]) {
+        let _ = maps::sock_pick_insert(
+            &self.key,
+            &SockPickValue {
+                last_seen_ns: self.now,
+                backend_id,
+                backend_port: port,
+                _pad: [0; 2],
+                backend_addr: addr,
+            },
+        );
+    }
+}
+
 /// connect() and sendmsg(): a Service address becomes one of its backends.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext) -> i32 {
+pub fn translate(ctx: &SockAddrContext, call: SockCall) -> i32 {
     let Some(client) = client_of(ctx) else {
         return ALLOW;
     };
     let (proto, addr, port) = user_addr(ctx);
-    match translate4(ctx, proto, addr, port) {
+    match translate4(ctx, call, proto, addr, port) {
         Ok(Some((addr, port))) => {
             set_user_addr(ctx, addr, port);
             client.count_translated();
@@ -133,6 +229,7 @@ pub fn client_of(ctx: &SockAddrContext) -> Option<SockClient> {
 #[inline(always)]
 pub fn translate4(
     ctx: &SockAddrContext,
+    call: SockCall,
     proto: u8,
     addr: [u8; 4],
     port: [u8; 2],
@@ -149,27 +246,40 @@ pub fn translate4(
         stats::count(Counter::DropSourceRange);
         return Err(ECONNREFUSED);
     }
-    let facts = pick::FlowFacts {
-        // The node as a client: its socket has no source address yet, so the node's primary
-        // address (what a flow of the node's toward another node's NodePort would come from)
-        // stands for all of the node's processes (session affinity, sh); 0.0.0.0 before the
-        // agent knows it.
-        client: maps::node().map_or([0; 4], |n| n.snat_addr),
-        frontend_addr: addr,
-        // SAFETY: bpf_get_prandom_u32 takes no arguments.
-        hash: unsafe { bpf_get_prandom_u32() },
-    };
-    let Ok(choice) = pick::choose(&key, &frontend, &facts) else {
-        stats::count(Counter::DropNoBackend);
-        return Err(ECONNREFUSED);
-    };
-    let Some(backend_id) = choice else {
-        return Err(no_endpoints(frontend.flags));
+    let sticky = KeptBackend::for_call(ctx, call, proto, to_v4_mapped(addr), port);
+    let kept = sticky.as_ref().and_then(|s| {
+        s.kept(|id| maps::backend(id).map(|b| (to_v4_mapped(b.addr), b.port, b.flags)))
+    });
+    let backend_id = match kept {
+        Some(id) => id,
+        None => {
+            let facts = pick::FlowFacts {
+                // The node as a client: its socket has no source address yet, so the node's
+                // primary address (what a flow of the node's toward another node's NodePort
+                // would come from) stands for all of the node's processes (session affinity,
+                // sh); 0.0.0.0 before the agent knows it.
+                client: maps::node().map_or([0; 4], |n| n.snat_addr),
+                frontend_addr: addr,
+                // SAFETY: bpf_get_prandom_u32 takes no arguments.
+                hash: unsafe { bpf_get_prandom_u32() },
+            };
+            let Ok(choice) = pick::choose(&key, &frontend, &facts) else {
+                stats::count(Counter::DropNoBackend);
+                return Err(ECONNREFUSED);
+            };
+            let Some(backend_id) = choice else {
+                return Err(no_endpoints(frontend.flags));
+            };
+            backend_id
+        }
     };
     let Some(backend) = maps::backend(backend_id) else {
         stats::count(Counter::DropNoBackend);
         return Err(ECONNREFUSED);
     };
+    if let (Some(s), None) = (&sticky, kept) {
+        s.record(backend_id, to_v4_mapped(backend.addr), backend.port);
+    }
     let rev = rev_key(ctx, proto, backend.addr, backend.port);
     let frontend_addr = RevNat {
         addr,

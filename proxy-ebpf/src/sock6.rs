@@ -32,22 +32,22 @@ use proxy_common::{
 use crate::{
     ipv6::pick::{self, NewFlow6},
     log, maps,
-    sock::{self, ALLOW, ECONNREFUSED, Translated},
+    sock::{self, ALLOW, ECONNREFUSED, KeptBackend, SockCall, Translated},
     stats,
 };
 
 /// connect6() and sendmsg6(): an IPv6 Service address (or a v4-mapped IPv4 one) becomes one of
 /// its backends.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext) -> i32 {
+pub fn translate(ctx: &SockAddrContext, call: SockCall) -> i32 {
     let Some(client) = sock::client_of(ctx) else {
         return ALLOW;
     };
     let (proto, addr, port) = user_addr6(ctx);
     let result = match v4_mapped(&addr) {
-        Some(addr4) => sock::translate4(ctx, proto, addr4, port)
+        Some(addr4) => sock::translate4(ctx, call, proto, addr4, port)
             .map(|to| to.map(|(addr, port)| (to_v4_mapped(addr), port))),
-        None => translate6(ctx, proto, &addr, port),
+        None => translate6(ctx, call, proto, &addr, port),
     };
     match result {
         Ok(Some((addr, port))) => {
@@ -118,6 +118,7 @@ impl NewFlow6 for SockFlow6<'_> {
 #[inline(always)]
 fn translate6(
     ctx: &SockAddrContext,
+    call: SockCall,
     proto: u8,
     addr: &[u8; 16],
     port: [u8; 2],
@@ -147,21 +148,34 @@ fn translate6(
         stats::count(Counter::DropSourceRange);
         return Err(ECONNREFUSED);
     }
-    let flow = SockFlow6 {
-        client: node,
-        frontend_addr: addr,
-    };
-    let Ok(choice) = pick::choose(&key, &frontend, &flow) else {
-        stats::count(Counter::DropNoBackend);
-        return Err(ECONNREFUSED);
-    };
-    let Some(backend_id) = choice else {
-        return Err(sock::no_endpoints(frontend.flags));
+    let sticky = KeptBackend::for_call(ctx, call, proto, *addr, port);
+    let kept = sticky
+        .as_ref()
+        .and_then(|s| s.kept(|id| maps::backend6_ref(id).map(|b| (b.addr, b.port, b.flags))));
+    let backend_id = match kept {
+        Some(id) => id,
+        None => {
+            let flow = SockFlow6 {
+                client: node,
+                frontend_addr: addr,
+            };
+            let Ok(choice) = pick::choose(&key, &frontend, &flow) else {
+                stats::count(Counter::DropNoBackend);
+                return Err(ECONNREFUSED);
+            };
+            let Some(backend_id) = choice else {
+                return Err(sock::no_endpoints(frontend.flags));
+            };
+            backend_id
+        }
     };
     let Some(backend) = maps::backend6_ref(backend_id) else {
         stats::count(Counter::DropNoBackend);
         return Err(ECONNREFUSED);
     };
+    if let (Some(s), None) = (&sticky, kept) {
+        s.record(backend_id, backend.addr, backend.port);
+    }
     let rev = rev_key6(ctx, proto, backend.addr, backend.port);
     let shown = RevNat6 {
         addr: *addr,

@@ -308,24 +308,32 @@ impl Node {
 
     /// The IPv4 Service of a v4-mapped address.
     fn set_service4(&mut self, port: u16, proto: u8, id: u32, backend_port: u16) {
-        let b = Backend {
-            addr: BACKEND4,
-            port: backend_port.to_be_bytes(),
-            proto,
-            flags: 0,
-        };
-        let mut map: HashMap<_, u32, Backend> =
-            HashMap::try_from(self.bpf.map_mut(MAP_BACKENDS).expect("BACKENDS")).expect("map");
-        map.insert(id, b, 0).expect("backend");
+        self.set_service4_backends(port, proto, &[(id, backend_port)]);
+    }
+
+    /// The IPv4 Service of a v4-mapped address with these backends (id, port on `BACKEND4`).
+    fn set_service4_backends(&mut self, port: u16, proto: u8, backends: &[(u32, u16)]) {
+        for &(id, backend_port) in backends {
+            let b = Backend {
+                addr: BACKEND4,
+                port: backend_port.to_be_bytes(),
+                proto,
+                flags: 0,
+            };
+            let mut map: HashMap<_, u32, Backend> =
+                HashMap::try_from(self.bpf.map_mut(MAP_BACKENDS).expect("BACKENDS")).expect("map");
+            map.insert(id, b, 0).expect("backend");
+        }
         let mut services: HashMap<_, ServiceKey, ServiceValue> =
             HashMap::try_from(self.bpf.map_mut(MAP_SERVICES).expect("SERVICES")).expect("map");
         let key = ServiceKey::new(VIP4, port.to_be_bytes(), proto, 0);
-        services
-            .insert(key.with_slot(1), ServiceValue::slot(id), 0)
-            .expect("slot");
-        services
-            .insert(key, ServiceValue::frontend(1, 2), 0)
-            .expect("frontend");
+        for (slot, &(id, _)) in backends.iter().enumerate() {
+            services
+                .insert(key.with_slot(slot as u16 + 1), ServiceValue::slot(id), 0)
+                .expect("slot");
+        }
+        let value = ServiceValue::frontend(backends.len() as u16, 1);
+        services.insert(key, value, 0).expect("frontend");
     }
 
     /// The IPv6 Service CIDR fd00:96::/64 with `VIP6` allocated.
@@ -511,4 +519,156 @@ fn the_node_as_an_ipv6_client_is_its_node6_address() {
         .map(|(k, v)| (k.affinity_id, k.client.into(), v.backend_id))
         .collect();
     assert_eq!(records, [(7, NODE6, 5)], "the node's affinity record");
+}
+
+/// UDP servers on the given ports (both families): each answers with its own port.
+const PORT_ECHO_PY: &str = r#"
+import socket, sys, threading
+def serve(port):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    s.bind(("::", port))
+    while True:
+        _, peer = s.recvfrom(2048)
+        s.sendto(str(port).encode(), peer)
+for p in sys.argv[1:]:
+    threading.Thread(target=serve, args=(int(p),), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"#;
+
+/// One unconnected UDP socket per family sends `n` datagrams to the Service (one answered
+/// before the next), prints the ports that answered, waits for the test's flag file, and
+/// sends `n` more from the same sockets.
+const STICKY_CLIENT_PY: &str = r#"
+import os, socket, sys, time
+vip6, vip4, flag, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+def ports(s, addr):
+    got = []
+    for _ in range(n):
+        s.sendto(b"x", addr)
+        got.append(s.recvfrom(100)[0].decode())
+    return got
+s6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s6.settimeout(3)
+s4.settimeout(3)
+print("before6", *ports(s6, (vip6, 53)), flush=True)
+print("before4", *ports(s4, (vip4, 53)), flush=True)
+deadline = time.time() + 20
+while not os.path.exists(flag):
+    if time.time() > deadline:
+        sys.exit("the test never wrote " + flag)
+    time.sleep(0.02)
+print("after6", *ports(s6, (vip6, 53)), flush=True)
+print("after4", *ports(s4, (vip4, 53)), flush=True)
+"#;
+
+/// An unconnected UDP socket of the node keeps one backend per frontend while it sends, as
+/// netfilter keeps a UDP tuple's backend (the socket keeps its source port), instead of a new
+/// random backend per sendmsg(); once that backend is gone, its next datagram goes to another
+/// one and stays there. IPv6 and IPv4 sockets, four backends each.
+#[test]
+fn an_unconnected_udp_socket_keeps_its_backend_until_the_backend_is_gone() {
+    require_privileged!();
+    const PORTS: [u16; 4] = [6001, 6002, 6003, 6004];
+    const SENDS: usize = 20;
+    let mut node = Node::start();
+    let tmp = proxy_testenv::TempDir::new("kpe-sockpick").expect("temp dir");
+    let ports: Vec<String> = PORTS.iter().map(u16::to_string).collect();
+    let mut args = vec!["python3", "-u", "-c", PORT_ECHO_PY];
+    args.extend(ports.iter().map(String::as_str));
+    let servers_log = tmp.join("servers.log");
+    let _servers = node.ns.spawn(&args, Some(&servers_log)).expect("servers");
+    wait_for_line(&servers_log, "ready");
+    let backends6: Vec<(u32, u16)> = (31..).zip(PORTS).collect();
+    let backends4: Vec<(u32, u16)> = (41..).zip(PORTS).collect();
+    node.set_service6(VIP6, 53, proto::UDP, &backends6);
+    node.set_service4_backends(53, proto::UDP, &backends4);
+
+    let flag = tmp.join("go");
+    let log = tmp.join("client.log");
+    let sends = SENDS.to_string();
+    let client_args = [
+        "python3",
+        "-u",
+        "-c",
+        STICKY_CLIENT_PY,
+        &VIP6.to_string(),
+        "10.96.0.10",
+        flag.to_str().expect("UTF-8 path"),
+        &sends,
+    ];
+    let mut client =
+        Proc::spawn(node.cgroup.command(&node.ns, &client_args), Some(&log)).expect("client");
+    wait_for_line(&log, "before4");
+    let answered = |name: &str| -> Vec<u16> {
+        let text = std::fs::read_to_string(&log).expect("client log");
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} line in the client's output:\n{text}"));
+        line.split_whitespace()
+            .skip(1)
+            .map(|p| p.parse().expect("port"))
+            .collect()
+    };
+    let one_backend = |name: &str| -> u16 {
+        let got = answered(name);
+        assert_eq!(got.len(), SENDS, "{name}: every datagram answered: {got:?}");
+        assert!(
+            got.iter().all(|p| *p == got[0]),
+            "{name}: one socket's datagrams to one Service must stay on one backend, went to \
+             {got:?}"
+        );
+        got[0]
+    };
+    let kept6 = one_backend("before6");
+    let kept4 = one_backend("before4");
+
+    // The backends the sockets kept leave their Services, as the agent removes an endpoint.
+    let without = |all: &[(u32, u16)], port: u16| -> (Vec<(u32, u16)>, u32) {
+        let gone = all.iter().find(|(_, p)| *p == port).expect("kept port").0;
+        (
+            all.iter().copied().filter(|(id, _)| *id != gone).collect(),
+            gone,
+        )
+    };
+    let (left6, gone6) = without(&backends6, kept6);
+    let (left4, gone4) = without(&backends4, kept4);
+    node.set_service6(VIP6, 53, proto::UDP, &left6);
+    node.set_service4_backends(53, proto::UDP, &left4);
+    let mut b6: HashMap<_, u32, Backend6> =
+        HashMap::try_from(node.bpf.map_mut(MAP_BACKENDS6).expect("BACKENDS6")).expect("map");
+    b6.remove(&gone6).expect("remove the IPv6 backend");
+    let mut b4: HashMap<_, u32, Backend> =
+        HashMap::try_from(node.bpf.map_mut(MAP_BACKENDS).expect("BACKENDS")).expect("map");
+    b4.remove(&gone4).expect("remove the IPv4 backend");
+    std::fs::write(&flag, b"go").expect("flag");
+
+    let status = client
+        .wait_or_kill(Duration::from_secs(30))
+        .expect("client ends");
+    assert!(status.success(), "client: {}", client.log_tail(2000));
+    let moved6 = one_backend("after6");
+    let moved4 = one_backend("after4");
+    assert_ne!(moved6, kept6, "IPv6: the removed backend got datagrams");
+    assert_ne!(moved4, kept4, "IPv4: the removed backend got datagrams");
+}
+
+/// Waits (bounded: 15 s) until `log` has a line starting with `word`.
+fn wait_for_line(log: &std::path::Path, word: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.lines().any(|l| l.starts_with(word)) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {word:?} line in {} after 15 s:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

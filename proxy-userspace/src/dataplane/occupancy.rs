@@ -9,7 +9,7 @@
 //! Counts come from where they are cheap: SERVICES, BACKENDS, REVNAT and MAGLEV (chunks) from
 //! the agent's shadow after each sync (the IPv6 ones from the IPv6 family's shadow after its
 //! sync); CONNTRACK, CONNTRACK6 and SNAT from the garbage-collection pass that lists them anyway;
-//! SRCRANGES, SOCKREV and AFFINITY (and their IPv6 twins, and SNAT6, which no pass lists) by
+//! SRCRANGES, SOCKREV, SOCKPICK and AFFINITY (and their IPv6 twins, and SNAT6, which no pass lists) by
 //! walking their keys in that same pass (every 30 s, bounded by their capacity). Capacities are the maps' real `max_entries`, so an adopted map of another size
 //! shows what it really holds. `NODE_V1` and `STATS_V1` are arrays (always full) and left out.
 
@@ -21,8 +21,8 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, MAP_AFFINITY, MAP_BACKENDS, MAP_CONNTRACK, MAP_MAGLEV, MAP_REVNAT,
-    MAP_SERVICES, MAP_SNAT, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, SockRevKey, SockRevValue,
-    SourceRangeKey,
+    MAP_SERVICES, MAP_SNAT, MAP_SOCK_PICK, MAP_SOCK_REVNAT, MAP_SOURCE_RANGES, SockPickKey,
+    SockPickValue, SockRevKey, SockRevValue, SourceRangeKey,
     ipv6::{
         Affinity6Key, MAP_AFFINITY6, MAP_BACKENDS6, MAP_CONNTRACK6, MAP_REVNAT6, MAP_SERVICES6,
         MAP_SNAT6, MAP_SOCK_REVNAT6, MAP_SOURCE_RANGES6, RevNat6, SockRev6Key, SourceRange6Key,
@@ -51,7 +51,7 @@ pub enum Kind {
 }
 
 /// Every map with a size limit: (metric label, pinned name, kind).
-pub const MAPS: [(&str, &str, Kind); 17] = [
+pub const MAPS: [(&str, &str, Kind); 18] = [
     ("services", MAP_SERVICES, Kind::Programmed),
     ("maglev", MAP_MAGLEV, Kind::Programmed),
     ("backends", MAP_BACKENDS, Kind::Programmed),
@@ -60,6 +60,7 @@ pub const MAPS: [(&str, &str, Kind); 17] = [
     ("conntrack", MAP_CONNTRACK, Kind::Lru),
     ("snat", MAP_SNAT, Kind::Lru),
     ("sock_rev", MAP_SOCK_REVNAT, Kind::Lru),
+    ("sock_pick", MAP_SOCK_PICK, Kind::Lru),
     ("affinity", MAP_AFFINITY, Kind::Lru),
     ("services6", MAP_SERVICES6, Kind::Programmed),
     ("backends6", MAP_BACKENDS6, Kind::Programmed),
@@ -175,7 +176,7 @@ impl Occupancy {
             capacities.push((label, capacity));
         }
         let open = |name| MapData::from_pin(pins.map(name)).ok();
-        let walked: [(&'static str, Option<KeyCounter>); 6] = [
+        let walked: [(&'static str, Option<KeyCounter>); 7] = [
             (
                 "source_ranges",
                 open(MAP_SOURCE_RANGES).and_then(trie_keys::<SourceRangeKey>),
@@ -183,6 +184,10 @@ impl Occupancy {
             (
                 "sock_rev",
                 open(MAP_SOCK_REVNAT).and_then(|m| hash_keys::<SockRevKey, SockRevValue>(m, true)),
+            ),
+            (
+                "sock_pick",
+                open(MAP_SOCK_PICK).and_then(|m| hash_keys::<SockPickKey, SockPickValue>(m, true)),
             ),
             (
                 "affinity",
@@ -252,7 +257,7 @@ impl Occupancy {
         }
     }
 
-    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, AFFINITY and their IPv6 twins;
+    /// Counts the maps no other pass lists (SRCRANGES, SOCKREV, SOCKPICK, AFFINITY and their IPv6 twins;
     /// the SNAT maps are counted by their sweep), bounded by their capacity.
     pub fn sample(&mut self, metrics: &Metrics) {
         let counts: Vec<(&'static str, usize)> = (self.walked.iter())
