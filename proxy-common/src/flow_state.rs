@@ -1,12 +1,18 @@
 //! Flow state transitions (`ct_state::*`), one rule for the conntrack and SNAT entries: the
-//! client's packets move a flow by [`after_client`], the backend's by [`after_backend`]. A FIN
+//! client's packets move a flow by [`after_client`], the backend's by [`after_backend`]. As in
+//! netfilter, a connection is ESTABLISHED only after SYN, SYN-ACK (SYN_RECV) and the client's
+//! ACK: a SYN followed by a bare ACK without an answer stays an opening flow (transitory
+//! timeout), and cannot hold an entry or a SNAT port for the established timeout. An entry that
+//! never sees the backend's packets (a flow straight to a pod, a SNAT `out` entry) moves by
+//! [`after_client_one_way`], where the client's ACK after its SYN stands for the handshake. A FIN
 //! from one side half-closes the flow (`FIN_ORIGINAL` / `FIN_REPLY`: the other side may still
 //! send, for kube-proxy's `tcpCloseWaitTimeout`); a FIN from the other side too, or a RST, closes
 //! it (`CLOSING`, the transitory timeout).
 //!
 //! SCTP flows use the same rule, their packet's chunks read as TCP flags by the datapath
-//! ([`SctpChunks`]; netfilter's SCTP states, folded onto these): INIT → SYN (SYN_SENT = COOKIE_WAIT and
-//! COOKIE_ECHOED), any later client chunk (COOKIE_ECHO, DATA) → ESTABLISHED, SHUTDOWN and
+//! ([`SctpChunks`]; netfilter's SCTP states, folded onto these): INIT → SYN (SYN_SENT =
+//! COOKIE_WAIT), INIT_ACK → SYN-ACK (SYN_RECV, the cookie on its way), any later client chunk
+//! (COOKIE_ECHO, DATA) → ESTABLISHED, SHUTDOWN and
 //! SHUTDOWN_ACK → FIN (SHUTDOWN_SENT/RECD/ACK_SENT), ABORT and SHUTDOWN_COMPLETE → RST (CLOSED).
 //! Their timeouts are SCTP's (see `timeouts`).
 
@@ -146,6 +152,7 @@ const fn padded(len: u16) -> usize {
 pub const fn segment_of(flags: u8) -> Segment {
     Segment {
         syn: flags & tcp_bits::SYN != 0,
+        ack: flags & tcp_bits::ACK != 0,
         fin: flags & tcp_bits::FIN != 0,
         rst: flags & tcp_bits::RST != 0,
     }
@@ -155,6 +162,7 @@ pub const fn segment_of(flags: u8) -> Segment {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Segment {
     pub syn: bool,
+    pub ack: bool,
     pub fin: bool,
     pub rst: bool,
 }
@@ -169,9 +177,25 @@ fn fin(state: u8, own: u8, other: u8) -> u8 {
     }
 }
 
-/// State after a client packet (ORIGINAL direction); `tcp` is `None` for UDP.
+/// State after a client packet (ORIGINAL direction) of a flow whose backend packets move it
+/// too ([`after_backend`]); `tcp` is `None` for UDP.
 #[inline(always)]
 pub fn after_client(state: u8, tcp: Option<Segment>) -> u8 {
+    client_moves(state, tcp, ct_state::SYN_RECV)
+}
+
+/// [`after_client`] for an entry that never sees the backend's packets: the client's ACK after
+/// its SYN finishes the handshake as far as it can tell.
+#[inline(always)]
+pub fn after_client_one_way(state: u8, tcp: Option<Segment>) -> u8 {
+    client_moves(state, tcp, ct_state::SYN_SENT)
+}
+
+/// A client packet's move; its ACK establishes the flow from `answered` (the state in which
+/// the handshake only waits for it) or from no state yet (a flow first seen mid-connection,
+/// which netfilter's loose pickup takes as established).
+#[inline(always)]
+fn client_moves(state: u8, tcp: Option<Segment>, answered: u8) -> u8 {
     let Some(seg) = tcp else {
         return ct_state::UDP;
     };
@@ -181,20 +205,21 @@ pub fn after_client(state: u8, tcp: Option<Segment>) -> u8 {
         fin(state, ct_state::FIN_ORIGINAL, ct_state::FIN_REPLY)
     } else if seg.syn {
         ct_state::SYN_SENT
-    } else if state == ct_state::SYN_SENT || state == ct_state::UDP {
-        // The handshake's ACK, or the first packet we see of a flow (state 0 = no state yet).
+    } else if state == answered || state == ct_state::UDP {
         ct_state::ESTABLISHED
     } else {
         state
     }
 }
 
-/// State after a backend packet (REPLY direction): only FIN and RST move it.
+/// State after a backend packet (REPLY direction): its SYN-ACK answers an opening flow
+/// (SYN_RECV); otherwise only FIN and RST move it.
 #[inline(always)]
 pub fn after_backend(state: u8, tcp: Option<Segment>) -> u8 {
     match tcp {
         Some(seg) if seg.rst => ct_state::CLOSING,
         Some(seg) if seg.fin => fin(state, ct_state::FIN_REPLY, ct_state::FIN_ORIGINAL),
+        Some(seg) if seg.syn && seg.ack && state == ct_state::SYN_SENT => ct_state::SYN_RECV,
         _ => state,
     }
 }
@@ -204,33 +229,22 @@ mod tests {
     use super::*;
     use crate::ct_state::*;
 
-    const ACK: Option<Segment> = Some(Segment {
-        syn: false,
-        fin: false,
-        rst: false,
-    });
-    const SYN: Option<Segment> = Some(Segment {
-        syn: true,
-        fin: false,
-        rst: false,
-    });
-    const FIN: Option<Segment> = Some(Segment {
-        syn: false,
-        fin: true,
-        rst: false,
-    });
-    const RST: Option<Segment> = Some(Segment {
-        syn: false,
-        fin: false,
-        rst: true,
-    });
+    const fn seg(flags: u8) -> Option<Segment> {
+        Some(segment_of(flags))
+    }
+    const ACK: Option<Segment> = seg(tcp_bits::ACK);
+    const SYN: Option<Segment> = seg(tcp_bits::SYN);
+    const SYN_ACK: Option<Segment> = seg(tcp_bits::SYN | tcp_bits::ACK);
+    const FIN: Option<Segment> = seg(tcp_bits::FIN | tcp_bits::ACK);
+    const RST: Option<Segment> = seg(tcp_bits::RST);
 
     #[test]
     fn a_normal_close_half_closes_then_closes_whoever_starts() {
         let s = after_client(UDP, SYN);
         assert_eq!(s, SYN_SENT);
-        let s = after_backend(s, ACK);
-        assert_eq!(s, SYN_SENT, "the SYN-ACK does not finish the handshake");
+        let s = after_backend(s, SYN_ACK);
+        assert_eq!(s, SYN_RECV, "the SYN-ACK does not finish the handshake");
+        assert_eq!(after_backend(s, SYN_ACK), SYN_RECV, "SYN-ACK retransmit");
         let s = after_client(s, ACK);
         assert_eq!(s, ESTABLISHED);
         // The client closes first.
@@ -302,7 +316,7 @@ mod tests {
         let s = c(UDP, INIT);
         assert_eq!(s, SYN_SENT, "INIT: COOKIE_WAIT");
         let s = b(s, INIT_ACK);
-        assert_eq!(s, SYN_SENT, "INIT_ACK: still opening");
+        assert_eq!(s, SYN_RECV, "INIT_ACK: answered, still opening");
         let s = c(s, COOKIE_ECHO);
         assert_eq!(s, ESTABLISHED);
         for chunk in [DATA, HEARTBEAT, COOKIE_ACK] {
@@ -324,8 +338,36 @@ mod tests {
     }
 
     #[test]
+    fn only_an_answered_syn_is_established_by_the_client_s_ack() {
+        let s = after_client(UDP, SYN);
+        assert_eq!(
+            after_client(s, ACK),
+            SYN_SENT,
+            "SYN then a bare ACK: no answer seen"
+        );
+        assert_eq!(
+            after_backend(s, ACK),
+            SYN_SENT,
+            "an ACK without SYN is no answer"
+        );
+        assert_eq!(
+            after_backend(ESTABLISHED, SYN_ACK),
+            ESTABLISHED,
+            "a late SYN-ACK does not reopen"
+        );
+        assert_eq!(after_client(SYN_RECV, SYN), SYN_SENT, "SYN retransmit");
+        assert_eq!(after_client(SYN_RECV, RST), CLOSING);
+        // Entries that never see the backend: the client's ACK stands for the handshake.
+        assert_eq!(after_client_one_way(s, ACK), ESTABLISHED);
+        assert_eq!(after_client_one_way(UDP, SYN), SYN_SENT);
+        assert_eq!(after_client_one_way(ESTABLISHED, FIN), FIN_ORIGINAL);
+        // Picked up mid-connection: established at once, as netfilter's loose pickup.
+        assert_eq!(after_client(UDP, ACK), ESTABLISHED);
+    }
+
+    #[test]
     fn rst_closes_syn_reopens_udp_has_no_state() {
-        for s in [SYN_SENT, ESTABLISHED, FIN_ORIGINAL, FIN_REPLY] {
+        for s in [SYN_SENT, SYN_RECV, ESTABLISHED, FIN_ORIGINAL, FIN_REPLY] {
             assert_eq!(after_client(s, RST), CLOSING);
             assert_eq!(after_backend(s, RST), CLOSING);
             assert_eq!(after_client(s, SYN), SYN_SENT);

@@ -368,9 +368,10 @@ const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 pub mod ct_state {
     /// UDP flow (no states).
     pub const UDP: u8 = 0;
-    /// TCP: SYN seen, handshake not finished.
+    /// TCP: the client's SYN seen, no answer yet.
     pub const SYN_SENT: u8 = 1;
-    /// TCP: handshake finished.
+    /// TCP: handshake finished (SYN, SYN-ACK, ACK; or a flow first seen mid-connection, which
+    /// netfilter picks up as established too).
     pub const ESTABLISHED: u8 = 2;
     /// TCP: closed: a FIN seen from both sides, or a RST (transitory timeout).
     pub const CLOSING: u8 = 3;
@@ -379,6 +380,8 @@ pub mod ct_state {
     pub const FIN_ORIGINAL: u8 = 4;
     /// TCP: half-closed by the backend (its FIN seen, none from the client yet).
     pub const FIN_REPLY: u8 = 5;
+    /// TCP: the backend answered the SYN with a SYN-ACK; the client's ACK not seen yet.
+    pub const SYN_RECV: u8 = 6;
 }
 
 /// `CONNTRACK` value. ORIGINAL entries: `backend_*` is where the flow is sent, `frontend_*` the

@@ -7,7 +7,8 @@ const NS_PER_S: u64 = 1_000_000_000;
 
 /// SCTP idle timeouts, netfilter's defaults (`nf_conntrack_proto_sctp.c`, Linux ≥ 6.1; kube-proxy
 /// configures none). The SCTP chunks are read as TCP flags (see `flow_state`), so the TCP states
-/// stand for SCTP's: SYN_SENT for COOKIE_WAIT/COOKIE_ECHOED (INIT seen, 3 s each in netfilter),
+/// stand for SCTP's: SYN_SENT and SYN_RECV for COOKIE_WAIT/COOKIE_ECHOED (INIT, INIT_ACK seen;
+/// 3 s each in netfilter),
 /// ESTABLISHED (210 s: a few missed 30 s heartbeats), FIN_* for SHUTDOWN_SENT/RECD/ACK_SENT
 /// (3 s), CLOSING for CLOSED (ABORT or SHUTDOWN_COMPLETE, 10 s).
 pub mod sctp {
@@ -21,7 +22,7 @@ pub mod sctp {
 /// - UDP (and anything but TCP): `udp_timeout_s` until the backend has answered, then
 ///   `udp_stream_timeout_s` (`ct_flags::SEEN_REPLY`);
 /// - TCP ESTABLISHED: `tcp_established_timeout_s`; half-closed (`FIN_ORIGINAL`/`FIN_REPLY`):
-///   `tcp_close_wait_timeout_s`; opening (SYN_SENT, no state yet) or closed (CLOSING):
+///   `tcp_close_wait_timeout_s`; opening (SYN_SENT, SYN_RECV, no state yet) or closed (CLOSING):
 ///   `tcp_transitory_timeout_s`;
 /// - SCTP: the [`sctp`] constants by state.
 #[inline(always)]
@@ -48,7 +49,7 @@ pub fn idle_timeout_ns(cfg: &DatapathConfig, proto: u8, state: u8, flags: u8) ->
 #[inline(always)]
 const fn sctp_timeout_s(state: u8) -> u32 {
     match state {
-        ct_state::SYN_SENT => sctp::OPENING_S,
+        ct_state::SYN_SENT | ct_state::SYN_RECV => sctp::OPENING_S,
         ct_state::ESTABLISHED => sctp::ESTABLISHED_S,
         ct_state::FIN_ORIGINAL | ct_state::FIN_REPLY => sctp::SHUTDOWN_S,
         _ => sctp::CLOSED_S,

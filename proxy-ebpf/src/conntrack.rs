@@ -154,10 +154,24 @@ fn segment(p: &Packet) -> Option<Segment> {
     (p.proto != proto::UDP).then_some(flow_state::segment_of(p.tcp_flags))
 }
 
-/// State of a flow after a client packet (ORIGINAL direction).
+/// State of a flow after a client packet (ORIGINAL direction), for an entry whose flow's
+/// backend packets are seen too.
 #[inline(always)]
 pub fn next_state(p: &Packet, state: u8) -> u8 {
     flow_state::after_client(state, segment(p))
+}
+
+/// [`next_state`] for an entry that never sees the backend's packets (a plain direct flow, a
+/// SNAT `out` entry): `flow_state::after_client_one_way`.
+#[inline(always)]
+pub fn next_state_one_way(p: &Packet, state: u8) -> u8 {
+    flow_state::after_client_one_way(state, segment(p))
+}
+
+/// A flow straight to a pod without a REPLY entry: its replies pass untracked.
+#[inline(always)]
+fn plain_direct(ct: &CtValue) -> bool {
+    ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0
 }
 
 /// State of a flow after a backend packet (REPLY direction): only FIN/RST change it.
@@ -172,7 +186,11 @@ pub fn next_reply_state(p: &Packet, state: u8) -> u8 {
 /// and once per ≈1 s window (see [`reply_check_due`]), written again if LRU evicted it.
 #[inline(always)]
 pub fn client_passed(p: &Packet, original: &CtKey, entry: &CtEntry, ct: &CtValue, now: u64) {
-    let state = next_state(p, ct.state);
+    let state = if plain_direct(ct) {
+        next_state_one_way(p, ct.state)
+    } else {
+        next_state(p, ct.state)
+    };
     entry.touch(now, state);
     if state == ct_state::CLOSING {
         lc::release(entry, ct.backend_id); // A RST or the second FIN: the flow is over.
@@ -249,7 +267,7 @@ pub fn reply_check_due(ct: &CtValue, now_ns: u64, state: u8) -> bool {
 /// either side sends), and write it again if it was evicted.
 #[inline(always)]
 pub fn refresh_reply(original: &CtKey, ct: &CtValue, now_ns: u64, state: u8) {
-    if ct.flags & ct_flags::DIRECT != 0 && ct.flags & ct_flags::SPORT_NAT == 0 {
+    if plain_direct(ct) {
         return; // A plain direct flow has no REPLY entry.
     }
     let key = reply_key_of(original, ct);

@@ -305,7 +305,8 @@ pub fn egress(ctx: &TcContext, p: &Packet, now: u64) -> Result<Option<SnatValue>
     let (state, device) = match maps::snat_entry(&f.out_key()) {
         Some(out) => {
             let v = out.get();
-            let state = conntrack::next_state(p, v.state);
+            // The `out` entry sees only the client's packets.
+            let state = conntrack::next_state_one_way(p, v.state);
             let device = maps::snat_device_addr(packet::ifindex(ctx));
             if (device == NO_DEVICE || device == v.addr)
                 && let Some(own) = f.own_in_entry(&v)

@@ -603,6 +603,15 @@ fn reply_from(pkt: &Pkt, id: u32) -> Pkt {
     dnated(pkt, id).reversed()
 }
 
+/// The backend's SYN-ACK to the SYN `pkt` (to backend `id`).
+fn syn_ack_from(pkt: &Pkt, id: u32) -> Pkt {
+    let mut p = reply_from(pkt, id);
+    if let common_packet::L4::Tcp { flags, .. } = &mut p.l4 {
+        *flags = SYN | ACK;
+    }
+    p
+}
+
 /// `reply` with its source rewritten to the frontend of `pkt`.
 fn rev_natted(reply: &Pkt, pkt: &Pkt) -> Pkt {
     let mut p = reply.clone();
@@ -765,11 +774,26 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     );
     assert_eq!(dp.ct_len(), 2, "one flow = two conntrack entries");
 
-    let synack = reply_from(&syn, id);
-    let mut synack = synack.clone();
-    if let common_packet::L4::Tcp { flags, .. } = &mut synack.l4 {
-        *flags = SYN | ACK;
-    }
+    // A bare ACK before any SYN-ACK (a spoofed or blind handshake) follows the flow but does
+    // not establish it: the flow keeps the opening flow's transitory timeout.
+    let early = Pkt::tcp(CLIENT, sport, VIP, 80, ACK);
+    dp.check(ingress(
+        "ACK before the SYN-ACK follows the flow",
+        early.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&early, id)),
+        &[(Counter::EstablishedFlow, 1)],
+    ));
+    assert_flow(
+        &mut dp,
+        "SYN then ACK without a SYN-ACK: not established",
+        &syn,
+        id,
+        TCP_REVNAT,
+        ct_state::SYN_SENT,
+    );
+
+    let synack = syn_ack_from(&syn, id);
     dp.check(egress(
         "SYN-ACK from the backend is reverse-NATed to VIP:80",
         synack.bytes(),
@@ -777,6 +801,14 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
         Expect::Packet(rev_natted(&synack, &syn)),
         &[(Counter::ReplyTranslated, 1)],
     ));
+    assert_flow(
+        &mut dp,
+        "after SYN-ACK",
+        &syn,
+        id,
+        TCP_REVNAT,
+        ct_state::SYN_RECV,
+    );
 
     let ack = Pkt::tcp(CLIENT, sport, VIP, 80, ACK);
     dp.check(ingress(
@@ -1224,6 +1256,7 @@ fn not_serving_backend_keeps_tcp_flows_udp_is_reselected_new_flows_avoid_it() {
         Expect::Packet(dnated(&syn, x)),
         &[(Counter::NewFlow, 1)],
     ));
+    dp.run(PROG_TC_EGRESS, &syn_ack_from(&syn, x).bytes());
     let q = Pkt::udp(CLIENT, 35_001, VIP, 53);
     let ux = expected_pick(&q, &[11, 12]);
     let ulive = if ux == 11 { 12 } else { 11 };
@@ -4798,6 +4831,7 @@ fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() 
     // A live flow survives the eviction of either entry.
     let live = Pkt::tcp(CLIENT, 43_100, VIP, 80, SYN);
     dp.run(PROG_TC_INGRESS, &live.bytes());
+    dp.run(PROG_TC_EGRESS, &syn_ack_from(&live, 1).bytes());
     dp.conntrack()
         .remove(&reply_key(&live, 1))
         .expect("evict REPLY");

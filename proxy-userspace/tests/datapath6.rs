@@ -226,6 +226,15 @@ fn dnated(p: &Pkt6, id: u32) -> Pkt6 {
     d
 }
 
+/// The backend's SYN-ACK to the SYN `p` (to backend `id`).
+fn syn_ack_from(p: &Pkt6, id: u32) -> Pkt6 {
+    let mut synack = dnated(p, id).reversed();
+    if let L4::Tcp { flags, .. } = &mut synack.l4 {
+        *flags = SYN | ACK;
+    }
+    synack
+}
+
 impl Datapath {
     /// `input` through `prog` passes on (TC_NEXT) moving exactly `counts`, and comes out as
     /// `want` (see [`assert_packet`]). Returns the output frame.
@@ -296,12 +305,24 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     let reply = reply_key(&syn, id);
     assert!(dp.ct(&reply).is_some(), "REPLY entry");
 
+    // A bare ACK before any SYN-ACK (a spoofed or blind handshake) is translated but does not
+    // establish the flow: it keeps the opening flow's transitory timeout.
+    let early = Pkt6::tcp(CLIENT, 40_000, VIP, 80, ACK);
+    dp.translated(
+        "ACK before the SYN-ACK",
+        PROG_TC_INGRESS,
+        &early,
+        ESTABLISHED,
+        &dnated(&early, id),
+    );
+    assert_eq!(
+        dp.ct(&original).unwrap().state,
+        ct_state::SYN_SENT,
+        "SYN then ACK without a SYN-ACK is not established"
+    );
+
     // The backend's SYN-ACK leaves toward the client from the VIP.
-    let synack = dnated(&syn, id).reversed();
-    let mut synack = synack;
-    if let L4::Tcp { flags, .. } = &mut synack.l4 {
-        *flags = SYN | ACK;
-    }
+    let synack = syn_ack_from(&syn, id);
     let want = rev_natted(&synack, &syn);
     dp.translated("SYN-ACK reverse NAT", PROG_TC_EGRESS, &synack, REPLY, &want);
     let ct = dp.ct(&original).unwrap();
@@ -312,9 +333,10 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     );
     assert_eq!(
         ct.state,
-        ct_state::SYN_SENT,
-        "a backend's SYN-ACK moves no state"
+        ct_state::SYN_RECV,
+        "the backend's SYN-ACK answers the SYN"
     );
+    assert_eq!(dp.ct(&reply).unwrap().state, ct_state::SYN_RECV);
 
     // Established: the same backend, through conntrack.
     let ack = Pkt6::tcp(CLIENT, 40_000, VIP, 80, ACK).payload(b"GET / HTTP/1.1\r\n\r\n");
@@ -1596,6 +1618,7 @@ fn a_closed_vip_flow_s_reply_tuple_is_reclaimed_and_evicted_entries_come_back() 
     // A live flow survives the eviction of either entry.
     let live = Pkt6::tcp(CLIENT, 43_100, VIP, 80, SYN);
     dp.run(PROG_TC_INGRESS, &live.bytes());
+    dp.run(PROG_TC_EGRESS, &syn_ack_from(&live, 1).bytes());
     dp.conntrack()
         .remove(&reply_key(&live, 1))
         .expect("evict REPLY");

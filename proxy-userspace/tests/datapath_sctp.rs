@@ -573,8 +573,8 @@ fn association(f: Family) {
     );
     assert_eq!(
         dp.state(&init),
-        ct_state::SYN_SENT,
-        "INIT_ACK keeps it opening"
+        ct_state::SYN_RECV,
+        "INIT_ACK answers, the association still opening"
     );
 
     for (what, c) in [
@@ -648,6 +648,18 @@ fn sctp_association_over_ipv6_keeps_a_not_serving_backend() {
     not_serving_keeps_the_association(V6);
 }
 
+/// The backend's INIT_ACK to `init` (to backend 21), reverse-NATed on its way to the client:
+/// the association is answered, the client's COOKIE_ECHO then establishes it.
+fn answer_init(dp: &Datapath, f: &Family, init: &Sctp) {
+    let ack = init.to(f.be_21, 3869).reversed(chunk::INIT_ACK);
+    dp.egress(
+        "INIT_ACK",
+        &ack,
+        Some(&ack.from(f.vip, 3868)),
+        Counter::ReplyTranslated,
+    );
+}
+
 fn not_serving_keeps_the_association(f: Family) {
     let mut dp = Datapath::with_services();
     let init = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::INIT);
@@ -657,6 +669,7 @@ fn not_serving_keeps_the_association(f: Family) {
         Some(&init.to(f.be_21, 3869)),
         Counter::NewFlow,
     );
+    answer_init(&dp, &f, &init);
     let echo = Sctp::new(f.client, 40_500, f.vip, 3868, chunk::COOKIE_ECHO);
     let to_21 = echo.to(f.be_21, 3869);
     dp.ingress("COOKIE_ECHO", &echo, Some(&to_21), Counter::EstablishedFlow);
@@ -721,6 +734,7 @@ fn shutdown_and_abort(f: Family) {
         Some(&c(chunk::INIT).to(f.be_21, 3869)),
         Counter::NewFlow,
     );
+    answer_init(&dp, &f, &c(chunk::INIT));
     dp.ingress(
         "COOKIE_ECHO",
         &c(chunk::COOKIE_ECHO),
@@ -770,6 +784,7 @@ fn shutdown_and_abort(f: Family) {
     let c2 = |chunk| Sctp::new(f.client, 40_101, f.vip, 3868, chunk);
     let b2 = |chunk| c2(chunk).to(f.be_21, 3869).reversed(chunk);
     dp.ingress("INIT 2", &c2(chunk::INIT), None, Counter::NewFlow);
+    answer_init(&dp, &f, &c2(chunk::INIT));
     dp.ingress(
         "COOKIE_ECHO 2",
         &c2(chunk::COOKIE_ECHO),
@@ -1183,6 +1198,7 @@ fn bundled_shutdown_and_abort(f: Family) {
             Some(&init.to(f.be_21, 3869)),
             Counter::NewFlow,
         );
+        answer_init(dp, &f, &init);
         let echo = c(port, chunk::COOKIE_ECHO).bundle(chunk::DATA, b"first data");
         let out = dp.ingress(
             "COOKIE_ECHO + DATA",

@@ -186,6 +186,12 @@ pub fn next_state(p: &Packet6, state: u8) -> u8 {
     flow_state::after_client(state, segment(p))
 }
 
+/// As `crate::conntrack::next_state_one_way`.
+#[inline(always)]
+pub fn next_state_one_way(p: &Packet6, state: u8) -> u8 {
+    flow_state::after_client_one_way(state, segment(p))
+}
+
 /// State of a flow after a backend packet (as `crate::conntrack::next_reply_state`).
 #[inline(always)]
 pub fn next_reply_state(p: &Packet6, state: u8) -> u8 {
@@ -216,7 +222,11 @@ const REPLY_CHECK_SHIFT: u32 = 30;
 #[inline(always)]
 pub fn client_passed(p: &Packet6, original: &Ct6Key, entry: &Ct6Entry, ct: &Ct6Value, now: u64) {
     let (was, last_seen) = (ct.state, ct.last_seen_ns);
-    let state = flow_state::after_client(was, segment(p));
+    let state = if plain_direct(ct) {
+        next_state_one_way(p, was)
+    } else {
+        next_state(p, was)
+    };
     entry.touch(now, state);
     if state == ct_state::CLOSING {
         release(entry, ct.backend_id); // A RST or the second FIN: the flow is over.

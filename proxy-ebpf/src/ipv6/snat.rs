@@ -251,7 +251,8 @@ pub fn forwarded(
 ) -> Result<bool, Drop> {
     s.out = out.get();
     s.hairpin = s.out.addr;
-    let state = conntrack::next_state(p, s.out.state);
+    // The `out` entry sees only the client's packets.
+    let state = conntrack::next_state_one_way(p, s.out.state);
     let f = Flow6::of_forwarded(p);
     if let Some(own) = f.own_in_entry(s) {
         own.touch(now, conntrack::next_state(p, own.peek().state));

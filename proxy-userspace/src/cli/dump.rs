@@ -335,10 +335,12 @@ fn state_name(proto: u8, state: u8) -> &'static str {
     match (proto, state) {
         (UDP, _) => "udp",
         (SCTP, ct_state::SYN_SENT) => "cookie_wait",
+        (SCTP, ct_state::SYN_RECV) => "init_acked",
         (SCTP, ct_state::FIN_ORIGINAL) => "shutdown_client",
         (SCTP, ct_state::FIN_REPLY) => "shutdown_backend",
         (SCTP, ct_state::CLOSING) => "closed",
         (_, ct_state::SYN_SENT) => "syn_sent",
+        (_, ct_state::SYN_RECV) => "syn_recv",
         (_, ct_state::ESTABLISHED) => "established",
         (_, ct_state::CLOSING) => "closing",
         (_, ct_state::FIN_ORIGINAL) => "fin_client",
@@ -701,6 +703,7 @@ mod tests {
         let names = |p| {
             [
                 ct_state::SYN_SENT,
+                ct_state::SYN_RECV,
                 ct_state::ESTABLISHED,
                 ct_state::FIN_ORIGINAL,
                 ct_state::FIN_REPLY,
@@ -712,6 +715,7 @@ mod tests {
             names(proto::TCP),
             [
                 "syn_sent",
+                "syn_recv",
                 "established",
                 "fin_client",
                 "fin_backend",
@@ -722,13 +726,14 @@ mod tests {
             names(proto::SCTP),
             [
                 "cookie_wait",
+                "init_acked",
                 "established",
                 "shutdown_client",
                 "shutdown_backend",
                 "closed"
             ]
         );
-        assert_eq!(names(proto::UDP), ["udp"; 5]);
+        assert_eq!(names(proto::UDP), ["udp"; 6]);
         assert_eq!(proto_name(proto::SCTP), "SCTP");
     }
 

@@ -168,7 +168,8 @@ pub fn import<A: FamilyAbi>(
 /// netfilter's TCP state as the datapath's; `None` for a closed connection.
 fn tcp_state(nf: u8) -> Option<u8> {
     Some(match nf {
-        nf_tcp::SYN_SENT | nf_tcp::SYN_SENT2 | nf_tcp::SYN_RECV => ct_state::SYN_SENT,
+        nf_tcp::SYN_SENT | nf_tcp::SYN_SENT2 => ct_state::SYN_SENT,
+        nf_tcp::SYN_RECV => ct_state::SYN_RECV,
         nf_tcp::ESTABLISHED => ct_state::ESTABLISHED,
         // One side's FIN (netfilter does not say whose): half-closed, the other may still send.
         nf_tcp::FIN_WAIT | nf_tcp::CLOSE_WAIT => ct_state::FIN_ORIGINAL,
