@@ -181,25 +181,41 @@ fn fin(state: u8, own: u8, other: u8) -> u8 {
 /// too ([`after_backend`]); `tcp` is `None` for UDP.
 #[inline(always)]
 pub fn after_client(state: u8, tcp: Option<Segment>) -> u8 {
-    client_moves(state, tcp, ct_state::SYN_RECV)
+    client_moves(state, tcp, Sight::BothWays)
 }
 
 /// [`after_client`] for an entry that never sees the backend's packets: the client's ACK after
-/// its SYN finishes the handshake as far as it can tell.
+/// its SYN finishes the handshake as far as it can tell, and the client's FIN closes the flow
+/// (the backend's FIN, which would close a half-closed flow, never reaches the entry: it would
+/// otherwise hold the close-wait timeout after every connection). While the backend still
+/// sends, the client's ACKs keep the entry fresh.
 #[inline(always)]
 pub fn after_client_one_way(state: u8, tcp: Option<Segment>) -> u8 {
-    client_moves(state, tcp, ct_state::SYN_SENT)
+    client_moves(state, tcp, Sight::OneWay)
 }
 
-/// A client packet's move; its ACK establishes the flow from `answered` (the state in which
-/// the handshake only waits for it) or from no state yet (a flow first seen mid-connection,
-/// which netfilter's loose pickup takes as established).
+/// Which of a flow's packets move an entry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sight {
+    /// The client's and the backend's.
+    BothWays,
+    /// The client's only.
+    OneWay,
+}
+
+/// A client packet's move. Its ACK establishes the flow once the handshake waits only for it
+/// (SYN_RECV; SYN_SENT when the answer cannot be seen) or from no state yet (a flow first seen
+/// mid-connection, which netfilter's loose pickup takes as established).
 #[inline(always)]
-fn client_moves(state: u8, tcp: Option<Segment>, answered: u8) -> u8 {
+fn client_moves(state: u8, tcp: Option<Segment>, sight: Sight) -> u8 {
     let Some(seg) = tcp else {
         return ct_state::UDP;
     };
-    if seg.rst {
+    let answered = match sight {
+        Sight::BothWays => ct_state::SYN_RECV,
+        Sight::OneWay => ct_state::SYN_SENT,
+    };
+    if seg.rst || (seg.fin && sight == Sight::OneWay) {
         ct_state::CLOSING
     } else if seg.fin {
         fin(state, ct_state::FIN_ORIGINAL, ct_state::FIN_REPLY)
@@ -360,7 +376,12 @@ mod tests {
         // Entries that never see the backend: the client's ACK stands for the handshake.
         assert_eq!(after_client_one_way(s, ACK), ESTABLISHED);
         assert_eq!(after_client_one_way(UDP, SYN), SYN_SENT);
-        assert_eq!(after_client_one_way(ESTABLISHED, FIN), FIN_ORIGINAL);
+        assert_eq!(
+            after_client_one_way(ESTABLISHED, FIN),
+            CLOSING,
+            "the client's FIN closes what cannot see the backend's"
+        );
+        assert_eq!(after_client_one_way(CLOSING, ACK), CLOSING);
         // Picked up mid-connection: established at once, as netfilter's loose pickup.
         assert_eq!(after_client(UDP, ACK), ESTABLISHED);
     }

@@ -415,8 +415,9 @@ const _: () = assert!(core::mem::size_of::<CtValue>() == 40);
 
 /// Conntrack entry flags (`CtValue::flags`).
 pub mod ct_flags {
-    /// The backend has answered at least once (UDP: the flow is a stream, with netfilter's
-    /// `udpStreamTimeout` instead of `udpTimeout`).
+    /// The backend has answered at least once (UDP: with activity more than 2 s after the flow
+    /// began, a stream, with netfilter's `udpStreamTimeout` instead of `udpTimeout`:
+    /// `timeouts::flow_idle_expired`; a SNAT entry, without a start time, at once).
     pub const SEEN_REPLY: u8 = 1 << 0;
     /// The flow's source port is translated too (`CtValue::nat_sport`): a reply-tuple clash was
     /// resolved like netfilter does, by giving the new flow another source port.

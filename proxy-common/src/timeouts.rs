@@ -20,7 +20,8 @@ pub mod sctp {
 
 /// Idle timeout of a flow, by protocol, state and entry flags, like netfilter's:
 /// - UDP (and anything but TCP): `udp_timeout_s` until the backend has answered, then
-///   `udp_stream_timeout_s` (`ct_flags::SEEN_REPLY`);
+///   `udp_stream_timeout_s` (`ct_flags::SEEN_REPLY`; conntrack entries only once the flow is
+///   also a stream by time, [`flow_idle_expired`]);
 /// - TCP ESTABLISHED: `tcp_established_timeout_s`; half-closed (`FIN_ORIGINAL`/`FIN_REPLY`):
 ///   `tcp_close_wait_timeout_s`; opening (SYN_SENT, SYN_RECV, no state yet) or closed (CLOSING):
 ///   `tcp_transitory_timeout_s`;
@@ -71,6 +72,33 @@ pub fn idle_expired(
     now_ns.saturating_sub(last_seen_ns) > idle_timeout_ns(cfg, proto, state, flags)
 }
 
+/// How long after it began a UDP flow must still be active, its backend having answered, for
+/// netfilter to call it a stream (`udpStreamTimeout`): a request and its answer alone (a DNS
+/// lookup) keep `udpTimeout` (`nf_conntrack_proto_udp.c`, `stream_ts`).
+pub const UDP_STREAM_AFTER_NS: u64 = 2 * NS_PER_S;
+
+/// [`idle_expired`] for a conntrack entry created at `created_ns`: a UDP flow counts as a stream
+/// (its `SEEN_REPLY`) only once it was last active more than [`UDP_STREAM_AFTER_NS`] after it
+/// began, as netfilter's. (SNAT entries keep no creation time and use [`idle_expired`]: an
+/// answered UDP flow's SNAT port is held for `udp_stream_timeout_s`.)
+#[inline(always)]
+pub fn flow_idle_expired(
+    created_ns: u64,
+    last_seen_ns: u64,
+    proto: u8,
+    state: u8,
+    flags: u8,
+    now_ns: u64,
+    cfg: &DatapathConfig,
+) -> bool {
+    let flags = if last_seen_ns.saturating_sub(created_ns) > UDP_STREAM_AFTER_NS {
+        flags
+    } else {
+        flags & !ct_flags::SEEN_REPLY
+    };
+    idle_expired(last_seen_ns, proto, state, flags, now_ns, cfg)
+}
+
 /// May a new flow take the SNAT port of an existing one (its `in` entry last seen at
 /// `last_seen_ns`, in `state` with `flags`)? When its flow is idle past its timeout, as before;
 /// and like netfilter's NAT, a TCP flow that has closed (a new SYN reuses a TIME_WAIT/CLOSE
@@ -99,6 +127,41 @@ pub fn snat_port_reclaimable(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answered_udp_flow_is_a_stream_only_if_active_two_seconds_after_it_began() {
+        let cfg = CFG;
+        let replied = ct_flags::SEEN_REPLY;
+        let exp = |created, last, now| {
+            flow_idle_expired(created, last, proto::UDP, ct_state::UDP, replied, now, &cfg)
+        };
+        // A request and its answer within a second: udp_timeout (5 s here), not the stream's.
+        assert!(!exp(100 * S, 101 * S, 105 * S));
+        assert!(exp(100 * S, 101 * S, 107 * S));
+        // Still active 3 s after it began: a stream (20 s).
+        assert!(!exp(100 * S, 103 * S, 120 * S));
+        assert!(exp(100 * S, 103 * S, 124 * S));
+        // Unanswered: udp_timeout however long it went on.
+        assert!(flow_idle_expired(
+            100 * S,
+            110 * S,
+            proto::UDP,
+            ct_state::UDP,
+            0,
+            116 * S,
+            &cfg
+        ));
+        // TCP ignores it.
+        assert!(!flow_idle_expired(
+            100 * S,
+            100 * S,
+            proto::TCP,
+            ct_state::ESTABLISHED,
+            replied,
+            150 * S,
+            &cfg
+        ));
+    }
 
     const S: u64 = NS_PER_S;
     const CFG: DatapathConfig = DatapathConfig {

@@ -14,7 +14,7 @@
 
 /// Has a flow been idle past its timeout? One rule in proxy-common, shared with the agent's
 /// conntrack and SNAT garbage collection.
-pub use proxy_common::timeouts::idle_expired;
+pub use proxy_common::timeouts::flow_idle_expired;
 use proxy_common::{
     Backend, CLASH_PORT_MAX, CLASH_PORT_MIN, CLASH_PROBES, Counter, CtKey, CtValue, DatapathConfig,
     ServiceKey, backend_flags, ct_dir, ct_flags, ct_state,
@@ -141,10 +141,18 @@ fn owns_reply(original: &CtKey, reply_dport: [u8; 2], held: &CtValue) -> bool {
         && client_port_of_reply(reply_dport, held) == original.sport
 }
 
-/// Has the entry been idle for longer than its timeout?
+/// Has the entry been idle for longer than its timeout (`timeouts::flow_idle_expired`)?
 #[inline(always)]
 pub fn expired(ct: &CtValue, proto: u8, now_ns: u64, cfg: &DatapathConfig) -> bool {
-    idle_expired(ct.last_seen_ns, proto, ct.state, ct.flags, now_ns, cfg)
+    flow_idle_expired(
+        ct.created_ns,
+        ct.last_seen_ns,
+        proto,
+        ct.state,
+        ct.flags,
+        now_ns,
+        cfg,
+    )
 }
 
 /// The TCP flags (SCTP: its first chunk as TCP flags) of a packet that move its flow's state

@@ -1608,6 +1608,36 @@ fn stale_backend_udp_is_reselected_tcp_is_reset() {
     ));
 }
 
+/// A flow straight to a pod is tracked from the client's side only (its replies pass
+/// untracked): the client's ACK after its SYN establishes it, and its FIN closes it (the
+/// transitory timeout, as netfilter's entry once both FINs passed) instead of leaving it
+/// half-closed on the close-wait timeout (an hour) after every connection.
+#[test]
+fn a_direct_tcp_flow_is_established_by_the_client_s_ack_and_closed_by_its_fin() {
+    let mut dp = Datapath::load().with_services();
+    let pod = Ipv4Addr::new(10, 244, 9, 9);
+    let c = |flags| Pkt::tcp(CLIENT, 38_000, pod, 8080, flags);
+    for (what, flags, state) in [
+        ("SYN", SYN, ct_state::SYN_SENT),
+        ("handshake ACK", ACK, ct_state::ESTABLISHED),
+        ("data", PSH | ACK, ct_state::ESTABLISHED),
+        ("the client's FIN", FIN | ACK, ct_state::CLOSING),
+        ("the client's last ACK", ACK, ct_state::CLOSING),
+    ] {
+        let (verdict, out) = dp.run(PROG_TC_INGRESS, &c(flags).bytes());
+        assert_eq!(
+            (verdict, out),
+            (TC_NEXT, c(flags).bytes()),
+            "{what}: untouched"
+        );
+        let v = dp
+            .ct(&original_key(&c(flags)))
+            .unwrap_or_else(|| panic!("{what}: direct entry"));
+        assert_eq!(v.flags & ct_flags::DIRECT, ct_flags::DIRECT, "{what}");
+        assert_eq!(v.state, state, "{what}");
+    }
+}
+
 /// A flow that began before its destination was a Service frontend (a client sending to a
 /// ClusterIP before the Service existed) is tracked as a direct flow. Once the frontend is there
 /// and the agent has moved the frontend generation on (`FRONTGEN_V1`), the flow's next UDP
@@ -1771,10 +1801,12 @@ fn idle_expired_entries_are_replaced() {
 }
 
 /// netfilter's UDP timeouts: a flow the backend never answered (one-shot datagrams) expires
-/// after `udp_timeout_s`; once a reply passed (`SEEN_REPLY` on both entries) it holds until
-/// `udp_stream_timeout_s`. Entries are aged by rewriting `last_seen_ns` (no sleeping).
+/// after `udp_timeout_s`, and so does a request with its answer (a DNS lookup); a flow still
+/// active more than 2 s after it began with the backend answering (`SEEN_REPLY` on both
+/// entries) is a stream and holds until `udp_stream_timeout_s`. Entries are aged by rewriting
+/// their timestamps (no sleeping).
 #[test]
-fn udp_one_shot_flows_expire_after_udp_timeout_answered_ones_after_the_stream_timeout() {
+fn udp_flows_expire_after_udp_timeout_until_they_are_streams() {
     const S: u64 = 1_000_000_000;
     let cfg = DatapathConfig {
         udp_timeout_s: 1,
@@ -1784,11 +1816,13 @@ fn udp_one_shot_flows_expire_after_udp_timeout_answered_ones_after_the_stream_ti
     let mut dp = Datapath::load_with(cfg).with_services();
     let one_shot = Pkt::udp(CLIENT, 36_000, VIP, 53).payload(b"query");
     let stream = Pkt::udp(CLIENT, 36_001, VIP, 53).payload(b"query");
-    let (id1, id2) = (
+    let lookup = Pkt::udp(CLIENT, 36_002, VIP, 53).payload(b"query");
+    let (id1, id2, id3) = (
         expected_pick(&one_shot, &[11, 12]),
         expected_pick(&stream, &[11, 12]),
+        expected_pick(&lookup, &[11, 12]),
     );
-    for (q, id) in [(&one_shot, id1), (&stream, id2)] {
+    for (q, id) in [(&one_shot, id1), (&stream, id2), (&lookup, id3)] {
         dp.check(ingress(
             "new UDP flow",
             q.bytes(),
@@ -1797,14 +1831,16 @@ fn udp_one_shot_flows_expire_after_udp_timeout_answered_ones_after_the_stream_ti
             &[(Counter::NewFlow, 1)],
         ));
     }
-    let r = reply_from(&stream, id2).payload(b"answer");
-    dp.check(egress(
-        "the backend answers the second flow",
-        r.bytes(),
-        TC_NEXT,
-        Expect::Packet(rev_natted(&r, &stream)),
-        &[(Counter::ReplyTranslated, 1)],
-    ));
+    for (q, id) in [(&stream, id2), (&lookup, id3)] {
+        let r = reply_from(q, id).payload(b"answer");
+        dp.check(egress(
+            "the backend answers",
+            r.bytes(),
+            TC_NEXT,
+            Expect::Packet(rev_natted(&r, q)),
+            &[(Counter::ReplyTranslated, 1)],
+        ));
+    }
     let flags = |dp: &mut Datapath, key: CtKey| dp.ct(&key).expect("entry").flags;
     assert_eq!(
         flags(&mut dp, original_key(&one_shot)) & ct_flags::SEEN_REPLY,
@@ -1826,15 +1862,19 @@ fn udp_one_shot_flows_expire_after_udp_timeout_answered_ones_after_the_stream_ti
         "and on REPLY"
     );
 
-    // Both flows idle for 2 s: past the one-shot timeout (1 s), within the stream one (3 s).
-    let age = |dp: &mut Datapath, q: &Pkt, by: u64| {
+    // Each flow idle for `idle`, having begun `began` before its last packet.
+    let age = |dp: &mut Datapath, q: &Pkt, idle: u64, began: u64| {
         let key = original_key(q);
         let mut v = dp.ct(&key).expect("ORIGINAL entry");
-        v.last_seen_ns = v.last_seen_ns.saturating_sub(by);
+        v.last_seen_ns = v.last_seen_ns.saturating_sub(idle);
+        v.created_ns = v.last_seen_ns.saturating_sub(began);
         dp.conntrack().insert(key, v, 0).expect("age entry");
     };
-    age(&mut dp, &one_shot, 2 * S);
-    age(&mut dp, &stream, 2 * S);
+    // Idle for 2 s: past the one-shot timeout (1 s), within the stream one (3 s). The lookup
+    // was answered at once; the stream was still going 5 s after it began.
+    age(&mut dp, &one_shot, 2 * S, 0);
+    age(&mut dp, &lookup, 2 * S, 0);
+    age(&mut dp, &stream, 2 * S, 5 * S);
     dp.check(ingress(
         "one-shot flow after 2 s: expired, a new flow",
         one_shot.bytes(),
@@ -1843,16 +1883,23 @@ fn udp_one_shot_flows_expire_after_udp_timeout_answered_ones_after_the_stream_ti
         &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
     ));
     dp.check(ingress(
-        "answered flow after 2 s: still established",
+        "an answered lookup after 2 s: no stream, expired",
+        lookup.bytes(),
+        TC_NEXT,
+        Expect::Packet(dnated(&lookup, id3)),
+        &[(Counter::ConntrackExpired, 1), (Counter::NewFlow, 1)],
+    ));
+    dp.check(ingress(
+        "a stream after 2 s: still established",
         stream.bytes(),
         TC_NEXT,
         Expect::Packet(dnated(&stream, id2)),
         &[(Counter::EstablishedFlow, 1)],
     ));
     // Idle for 4 s: past the stream timeout too.
-    age(&mut dp, &stream, 4 * S);
+    age(&mut dp, &stream, 4 * S, 5 * S);
     dp.check(ingress(
-        "answered flow after 4 s: expired",
+        "a stream after 4 s: expired",
         stream.bytes(),
         TC_NEXT,
         Expect::Packet(dnated(&stream, id2)),

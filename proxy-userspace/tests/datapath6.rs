@@ -355,6 +355,33 @@ fn tcp_flow_is_dnated_tracked_and_reverse_natted() {
     );
 }
 
+/// As IPv4's `a_direct_tcp_flow_is_established_by_the_client_s_ack_and_closed_by_its_fin`.
+#[test]
+fn a_direct_ipv6_tcp_flow_is_established_by_the_client_s_ack_and_closed_by_its_fin() {
+    let mut dp = Datapath::load();
+    let pod: Ipv6Addr = "fd00:244::99".parse().unwrap();
+    let c = |flags| Pkt6::tcp(CLIENT, 38_000, pod, 8080, flags);
+    for (what, flags, state) in [
+        ("SYN", SYN, ct_state::SYN_SENT),
+        ("handshake ACK", ACK, ct_state::ESTABLISHED),
+        ("data", PSH | ACK, ct_state::ESTABLISHED),
+        ("the client's FIN", FIN | ACK, ct_state::CLOSING),
+        ("the client's last ACK", ACK, ct_state::CLOSING),
+    ] {
+        let (verdict, out) = dp.run(PROG_TC_INGRESS, &c(flags).bytes());
+        assert_eq!(
+            (verdict, out),
+            (TC_NEXT, c(flags).bytes()),
+            "{what}: untouched"
+        );
+        let v = dp
+            .ct(&original_key(&c(flags)))
+            .unwrap_or_else(|| panic!("{what}: direct entry"));
+        assert_eq!(v.flags & ct_flags::DIRECT, ct_flags::DIRECT, "{what}");
+        assert_eq!(v.state, state, "{what}");
+    }
+}
+
 /// As IPv4's `direct_flows_start_over_when_their_destination_becomes_a_frontend`: a direct
 /// flow toward what later became a frontend starts over under the next frontend generation
 /// (UDP, a SYN); an established TCP connection keeps going straight.
@@ -410,6 +437,54 @@ fn direct_flows_start_over_when_their_destination_becomes_a_frontend() {
         &syn,
         &restarted,
         &dnated(&syn, picked(&syn, &TCP_IDS)),
+    );
+}
+
+/// As IPv4's `udp_flows_expire_after_udp_timeout_until_they_are_streams`: an answered lookup
+/// keeps `udp_timeout_s`, a flow still active 2 s after it began with answers is a stream and
+/// holds `udp_stream_timeout_s`. Aged by rewriting the timestamps.
+#[test]
+fn ipv6_udp_flows_expire_after_udp_timeout_until_they_are_streams() {
+    const S: u64 = 1_000_000_000;
+    let mut dp = Datapath::load_with(DatapathConfig {
+        udp_timeout_s: 1,
+        udp_stream_timeout_s: 3,
+        ..DatapathConfig::DEFAULT
+    });
+    let lookup = Pkt6::udp(CLIENT, 36_000, VIP, 53).payload(b"query");
+    let stream = Pkt6::udp(CLIENT, 36_001, VIP, 53).payload(b"query");
+    for q in [&lookup, &stream] {
+        let id = picked(q, &UDP_IDS);
+        dp.new_flow_dnated("new UDP flow", q, id);
+        let answer = dnated(q, id).reversed();
+        dp.reply_rev_natted("the backend answers", &answer, q);
+    }
+    let age = |dp: &mut Datapath, q: &Pkt6, idle: u64, began: u64| {
+        let key = original_key(q);
+        let mut v = dp.ct(&key).expect("ORIGINAL entry");
+        v.last_seen_ns = v.last_seen_ns.saturating_sub(idle);
+        v.created_ns = v.last_seen_ns.saturating_sub(began);
+        dp.conntrack().insert(key, v, 0).expect("age entry");
+    };
+    age(&mut dp, &lookup, 2 * S, 0);
+    age(&mut dp, &stream, 2 * S, 5 * S);
+    dp.translated(
+        "an answered lookup after 2 s: no stream, expired",
+        PROG_TC_INGRESS,
+        &lookup,
+        &[
+            (Counter::ConntrackExpired, 1),
+            (Counter::NewFlow, 1),
+            (Counter::PickRandom, 1),
+        ],
+        &dnated(&lookup, picked(&lookup, &UDP_IDS)),
+    );
+    dp.translated(
+        "a stream after 2 s: still established",
+        PROG_TC_INGRESS,
+        &stream,
+        ESTABLISHED,
+        &dnated(&stream, picked(&stream, &UDP_IDS)),
     );
 }
 

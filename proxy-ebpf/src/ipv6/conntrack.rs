@@ -21,7 +21,7 @@ use proxy_common::{
     hash::PortProbe,
     ipv6::{Ct6Key, Ct6Value, flow_hash6},
     proto,
-    timeouts::idle_expired,
+    timeouts::flow_idle_expired,
 };
 
 use super::packet::Packet6;
@@ -163,7 +163,8 @@ fn plain_direct(ct: &Ct6Value) -> bool {
 
 #[inline(always)]
 pub fn expired(ct: &Ct6Value, proto: u8, now_ns: u64) -> bool {
-    idle_expired(
+    flow_idle_expired(
+        ct.created_ns,
         ct.last_seen_ns,
         proto,
         ct.state,

@@ -27,7 +27,7 @@ use proxy_common::{
     CtKey, CtValue, DatapathConfig, ct_flags,
     ipv6::{Backend6, Ct6Key, Ct6Value},
     proto,
-    timeouts::idle_expired,
+    timeouts::flow_idle_expired,
 };
 use tracing::warn;
 
@@ -53,7 +53,8 @@ pub fn flow_is_dead(
     config: &DatapathConfig,
     backends: &Backends,
 ) -> bool {
-    if idle_expired(
+    if flow_idle_expired(
+        value.created_ns,
         value.last_seen_ns,
         key.proto,
         value.state,
@@ -81,7 +82,8 @@ pub fn flow_is_dead6(
     config: &DatapathConfig,
     backends6: Option<&Backends6>,
 ) -> bool {
-    if idle_expired(
+    if flow_idle_expired(
+        value.created_ns,
         value.last_seen_ns,
         key.proto,
         value.state,
@@ -341,7 +343,8 @@ impl<M: FlowMaps> Walker<M> {
         let v4 = Listing::ipv4(
             || maps.conntrack_entries(),
             |key, value, now| {
-                if idle_expired(
+                if flow_idle_expired(
+                    value.created_ns,
                     value.last_seen_ns,
                     key.proto,
                     value.state,
