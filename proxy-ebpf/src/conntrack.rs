@@ -272,7 +272,8 @@ pub fn reply_check_due(ct: &CtValue, now_ns: u64, state: u8) -> bool {
 }
 
 /// Ingress, a packet of a known flow: refresh its REPLY entry too (so LRU keeps both while
-/// either side sends), and write it again if it was evicted.
+/// either side sends), and write it again if it was evicted. An entry another flow wrote at the
+/// key meanwhile (the tuple looked free once ours was evicted) is left as it is.
 #[inline(always)]
 pub fn refresh_reply(original: &CtKey, ct: &CtValue, now_ns: u64, state: u8) {
     if plain_direct(ct) {
@@ -280,7 +281,9 @@ pub fn refresh_reply(original: &CtKey, ct: &CtValue, now_ns: u64, state: u8) {
     }
     let key = reply_key_of(original, ct);
     match maps::ct_entry(&key) {
-        Some(reply) => reply.touch(now_ns, state),
+        // Only our own: after an eviction another flow may have taken the tuple.
+        Some(reply) if owns_reply(original, key.dport, reply.peek()) => reply.touch(now_ns, state),
+        Some(_) => {}
         None => {
             let mut value = *ct;
             if ct.flags & ct_flags::SPORT_NAT != 0 {

@@ -4533,6 +4533,34 @@ fn two_frontends_one_backend() -> Datapath {
     dp
 }
 
+/// A REPLY entry another flow took after ours was evicted (the tuple looked free) is never
+/// moved by our packets: the first flow's FIN, a state change that reaches its REPLY entry,
+/// leaves the second flow's entry at that key as it was.
+#[test]
+fn a_flow_never_moves_a_reply_entry_another_flow_took_after_its_own_was_evicted() {
+    let mut dp = two_frontends_one_backend();
+    let a = Pkt::tcp(CLIENT, 40_100, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &a.bytes());
+    dp.conntrack()
+        .remove(&reply_key(&a, 1))
+        .expect("evict the first flow's REPLY");
+    let b = Pkt::tcp(CLIENT, 40_100, VIP2, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &b.bytes());
+    let held = dp.ct(&reply_key(&b, 1)).expect("the second flow's REPLY");
+    assert_eq!(
+        held.frontend_addr,
+        VIP2.octets(),
+        "test setup: the second flow took the freed tuple"
+    );
+    let fin = Pkt::tcp(CLIENT, 40_100, VIP, 80, FIN | ACK);
+    dp.run(PROG_TC_INGRESS, &fin.bytes());
+    assert_eq!(
+        dp.ct(&reply_key(&b, 1)),
+        Some(held),
+        "the first flow's FIN must leave the second flow's REPLY entry as it was"
+    );
+}
+
 #[test]
 fn one_client_port_through_two_frontends_to_one_backend_gets_unique_reply_tuples() {
     let mut dp = two_frontends_one_backend();

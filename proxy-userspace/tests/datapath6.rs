@@ -1291,6 +1291,32 @@ fn two_frontends_one_backend() -> Datapath {
     dp
 }
 
+/// As IPv4's `a_flow_never_moves_a_reply_entry_another_flow_took_after_its_own_was_evicted`.
+#[test]
+fn an_ipv6_flow_never_moves_a_reply_entry_another_flow_took_after_its_own_was_evicted() {
+    let mut dp = two_frontends_one_backend();
+    let a = Pkt6::tcp(CLIENT, 40_100, VIP, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &a.bytes());
+    dp.conntrack()
+        .remove(&reply_key(&a, 1))
+        .expect("evict the first flow's REPLY");
+    let b = Pkt6::tcp(CLIENT, 40_100, VIP2, 80, SYN);
+    dp.run(PROG_TC_INGRESS, &b.bytes());
+    let held = dp.ct(&reply_key(&b, 1)).expect("the second flow's REPLY");
+    assert_eq!(
+        held.frontend_addr,
+        VIP2.octets(),
+        "test setup: the second flow took the freed tuple"
+    );
+    let fin = Pkt6::tcp(CLIENT, 40_100, VIP, 80, FIN | ACK);
+    dp.run(PROG_TC_INGRESS, &fin.bytes());
+    assert_eq!(
+        dp.ct(&reply_key(&b, 1)),
+        Some(held),
+        "the first flow's FIN must leave the second flow's REPLY entry as it was"
+    );
+}
+
 fn original_key(p: &Pkt6) -> Ct6Key {
     let (sport, dport) = ports(p);
     Ct6Key {

@@ -237,7 +237,9 @@ pub fn client_passed(p: &Packet6, original: &Ct6Key, entry: &Ct6Entry, ct: &Ct6V
     }
     let key = reply_key_of(original, ct);
     match maps::ct6_entry(&key) {
-        Some(reply) => reply.touch(now, state),
+        // Only our own: after an eviction another flow may have taken the tuple.
+        Some(reply) if owns_reply(original, key.dport, reply.peek()) => reply.touch(now, state),
+        Some(_) => {}
         None => {
             // The ORIGINAL entry, just stamped, is the REPLY entry's value too (with the
             // client's own port in `nat_sport` after a clash), built in per-CPU memory.
