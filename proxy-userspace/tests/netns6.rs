@@ -455,3 +455,71 @@ fn ipv6_nodeport_from_the_external_client_snats_to_the_node_that_forwards() {
         );
     }
 }
+
+/// Path MTU discovery through an IPv6 NodePort: a client behind a router whose link toward it
+/// has MTU 1400 downloads 1 MiB from be1 (node A). The backend's full-size segments meet the
+/// smaller hop; the router's Packet Too Big quotes the reply as it left the node (node:NodePort
+/// → client, after SNAT and reverse NAT) and must reach the backend quoting the reply as the
+/// backend sent it, or the download stalls. Through node A (the backend is local) and node B
+/// (the backend is across the wire); both SNAT (externalTrafficPolicy Cluster).
+#[test]
+fn an_ipv6_download_through_a_nodeport_finds_the_path_mtu_behind_a_smaller_hop() {
+    require_privileged!();
+    const BIG6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x90);
+    const BIG_NODE_PORT: u16 = 30090;
+    let c = cluster(|m| {
+        m.write_family_service(&FamilyService {
+            namespace: "demo",
+            name: "big6",
+            cluster_ips: &[BIG6.into()],
+            ports: &[ServicePort::tcp(81, 8081)],
+            node_ports: &[BIG_NODE_PORT],
+            endpoints: &[BACKENDS6[0].1.into()],
+        })
+        .expect("writing demo/big6");
+    });
+    let work = ManifestDir::new().expect("work dir");
+    let backend = c.net.node(0).pod(BACKENDS6[0].0).expect("be1").ns();
+    let server = common_netns::big_download_server(backend, work.path())
+        .unwrap_or_else(|e| c.fail(&format!("1 MiB server in be1: {e:#}")));
+    let far = common_netns::far_client_behind(c.net.client())
+        .unwrap_or_else(|e| c.fail(&format!("far client: {e:#}")));
+    let router = EXT_CLIENT_IP6.to_string();
+    for i in 0..2 {
+        c.net
+            .node(i)
+            .node()
+            .exec(&[
+                "ip",
+                "-6",
+                "route",
+                "add",
+                common_netns::FAR_NET6,
+                "via",
+                &router,
+            ])
+            .unwrap_or_else(|e| c.fail(&format!("route to the far client: {e:#}")));
+    }
+    for (i, what) in [(0, "backend on this node"), (1, "backend across the wire")] {
+        let translated = |c: &Cluster| {
+            c.agents[i]
+                .counter("icmp_error_translated")
+                .unwrap_or_else(|e| c.fail(&format!("{e:#}")))
+        };
+        let before = translated(&c);
+        let url = http_url(NODE_IPS6[i], BIG_NODE_PORT);
+        let (got, shown) = common_netns::big_download(&far, &url)
+            .unwrap_or_else(|e| c.fail(&format!("curl {url}: {e:#}")));
+        eprintln!("PMTU through an IPv6 NodePort ({what}): {shown} (bytes of 1048576, curl exit)");
+        c.check(got == 1 << 20, || {
+            format!(
+                "1 MiB through {url} ({what}) from behind an MTU-1400 hop: {shown:?} (bytes, \
+                 curl's exit and error; the backend never learned the path MTU?)"
+            )
+        });
+        c.check(translated(&c) > before, || {
+            format!("node {i} translated no Packet Too Big toward the backend")
+        });
+    }
+    drop(server);
+}

@@ -1050,36 +1050,6 @@ fn a_node_connection_on_the_port_a_snated_flow_kept_is_remapped_and_both_are_ans
     }
 }
 
-/// A backend answering every HTTP request on port 8081 with 1 MiB (a download large enough to
-/// need full-size segments). Exits after 120 s whatever happens. Args: ready file.
-const BIG_SERVER_PY: &str = r#"
-import socket, sys, threading, time
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8081))
-s.listen(16)
-open(sys.argv[1], "w").close()
-body = b"x" * (1 << 20)
-def serve(c):
-    try:
-        c.settimeout(20)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = c.recv(4096)
-            if not chunk:
-                return
-            data += chunk
-        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    except OSError:
-        pass
-    finally:
-        c.close()
-threading.Timer(120, lambda: __import__("os")._exit(0)).start()
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"#;
-
 /// Two NodePorts on node A toward the 1 MiB server: eTP=Cluster with the backend on node B
 /// (SNATed), eTP=Local with the backend on node A.
 fn big_download_yaml() -> String {
@@ -1126,125 +1096,34 @@ fn big_download_yaml() -> String {
 #[test]
 fn a_download_through_a_nodeport_finds_the_path_mtu_behind_a_smaller_hop() {
     require_privileged!();
-    const FAR_CLIENT: &str = "192.168.90.2";
     let env = Env::start(&big_download_yaml());
     let a = NODE_IPS[NODE_A];
     let work = proxy_testenv::ManifestDir::new().expect("work dir");
     let mut servers = Vec::new();
     for (node, pod) in [(NODE_B, "b-web"), (NODE_A, "a-cli")] {
-        let ready = work.path().join(format!("{pod}.ready"));
         let ns = env.net.node(node).pod(pod).expect("pod").ns();
         servers.push(
-            ns.spawn(
-                &["python3", "-c", BIG_SERVER_PY, &ready.to_string_lossy()],
-                None,
-            )
-            .unwrap_or_else(|e| env.fail(&format!("1 MiB server in {pod}: {e:#}"))),
+            common_netns::big_download_server(ns, work.path())
+                .unwrap_or_else(|e| env.fail(&format!("1 MiB server in {pod}: {e:#}"))),
         );
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !ready.exists() {
-            if std::time::Instant::now() > deadline {
-                env.fail(&format!("the 1 MiB server in {pod} did not start"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
-    // The far client behind the external client's namespace, which routes for it; the router's
-    // side of their link has MTU 1400, the client's the usual 1500 (so its MSS asks for full
-    // segments).
-    let far = proxy_testenv::NetNs::new(&format!("{}-far", proxy_testenv::unique_prefix()))
-        .expect("far client namespace");
-    let router = env.net.client();
-    let sh = |ns: &proxy_testenv::NetNs, args: &[&str]| {
-        ns.exec(args)
-            .unwrap_or_else(|e| env.fail(&format!("{args:?} in {}: {e:#}", ns.name())))
-    };
-    sh(
-        router,
-        &[
-            "ip",
-            "link",
-            "add",
-            "eth1",
-            "mtu",
-            "1400",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            far.name(),
-        ],
-    );
-    sh(
-        router,
-        &["ip", "addr", "add", "192.168.90.1/24", "dev", "eth1"],
-    );
-    sh(router, &["ip", "link", "set", "eth1", "up"]);
-    router
-        .sysctl("net.ipv4.ip_forward", "1")
-        .unwrap_or_else(|e| env.fail(&format!("{e:#}")));
-    sh(
-        &far,
-        &[
-            "ip",
-            "addr",
-            "add",
-            &format!("{FAR_CLIENT}/24"),
-            "dev",
-            "eth0",
-        ],
-    );
-    sh(&far, &["ip", "link", "set", "eth0", "up"]);
-    sh(&far, &["ip", "link", "set", "lo", "up"]);
-    sh(
-        &far,
-        &[
-            "ip",
-            "route",
-            "add",
-            "192.168.50.0/24",
-            "via",
-            "192.168.90.1",
-        ],
-    );
-    sh(
-        env.net.node(NODE_A).node(),
-        &[
-            "ip",
-            "route",
-            "add",
-            "192.168.90.0/24",
-            "via",
-            "192.168.50.100",
-        ],
-    );
+    let far = common_netns::far_client_behind(env.net.client())
+        .unwrap_or_else(|e| env.fail(&format!("far client: {e:#}")));
+    let router = EXT_CLIENT_IP.to_string();
+    env.net
+        .node(NODE_A)
+        .node()
+        .exec(&["ip", "route", "add", common_netns::FAR_NET, "via", &router])
+        .unwrap_or_else(|e| env.fail(&format!("route to the far client: {e:#}")));
     let translated_before = env.counter(NODE_A, "icmp_error_translated");
     for (port, what) in [
         (30090, "eTP=Cluster, backend on node B (SNATed)"),
         (30091, "eTP=Local, backend on node A"),
     ] {
-        let out = far
-            .output(
-                &[
-                    "curl",
-                    "-s",
-                    "-o",
-                    "/dev/null",
-                    "--max-time",
-                    "10",
-                    "-w",
-                    "%{size_download} %{exitcode} %{errormsg}",
-                    &format!("http://{a}:{port}/"),
-                ],
-                Duration::from_secs(20),
-            )
+        let (got, shown) = common_netns::big_download(&far, &format!("http://{a}:{port}/"))
             .unwrap_or_else(|e| env.fail(&format!("curl {what}: {e:#}")));
-        let shown = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        let got = shown.split(' ').next().unwrap_or_default().to_owned();
         eprintln!("PMTU through a NodePort ({what}): {shown} (bytes of 1048576, curl exit)");
-        if got != "1048576" {
+        if got != 1 << 20 {
             env.fail(&format!(
                 "1 MiB through NodePort {port} ({what}) from behind an MTU-1400 hop: {shown:?} \
                  (bytes, curl's exit and error; the backend never learned the path MTU?)"

@@ -19,7 +19,8 @@ use std::{
 };
 
 use proxy_testenv::{
-    Agent, CurlReply, EXT_DEVICE, ManifestDir, MultiNode, NODE_NAMES, PinDir, Topology, http_url,
+    Agent, CurlReply, EXT_DEVICE, ManifestDir, MultiNode, NODE_NAMES, NetNs, PinDir, Proc,
+    Topology, http_url,
 };
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kube-proxy-ebpf");
@@ -266,4 +267,139 @@ impl Cluster {
         }
         panic!("{text}")
     }
+}
+
+/// An HTTP server answering every request on port 8081 (IPv4 and IPv6: one dual-stack socket)
+/// with 1 MiB of body; it exits after 120 s at the latest.
+const BIG_SERVER_PY: &str = r#"
+import socket, sys, threading
+s = socket.socket(socket.AF_INET6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::", 8081))
+s.listen(16)
+open(sys.argv[1], "w").close()
+body = b"x" * (1 << 20)
+def serve(c):
+    try:
+        c.settimeout(20)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = c.recv(4096)
+            if not chunk:
+                return
+            data += chunk
+        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    except OSError:
+        pass
+    finally:
+        c.close()
+threading.Timer(120, lambda: __import__("os")._exit(0)).start()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// Starts the 1 MiB server ([`BIG_SERVER_PY`], port 8081, both families) in `ns` and waits
+/// (at most 10 s) until it listens; `work` holds its ready file.
+pub fn big_download_server(ns: &NetNs, work: &Path) -> anyhow::Result<Proc> {
+    let ready = work.join(format!("{}.big-ready", ns.name()));
+    let server = ns.spawn(
+        &["python3", "-c", BIG_SERVER_PY, &ready.to_string_lossy()],
+        None,
+    )?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !ready.exists() {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the 1 MiB server in {} did not start",
+            ns.name()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(server)
+}
+
+/// The far client's networks behind the external client: 192.168.90.0/24 and
+/// fd00:192:168:90::/64, the router (the external client's namespace) at .1 / ::1.
+pub const FAR_NET: &str = "192.168.90.0/24";
+pub const FAR_NET6: &str = "fd00:192:168:90::/64";
+pub const FAR_CLIENT: &str = "192.168.90.2";
+pub const FAR_CLIENT6: &str = "fd00:192:168:90::2";
+
+/// A client namespace behind `router` (the external client's namespace, which forwards for it,
+/// both families), on a link whose router side has MTU 1400 while the client's side has the
+/// usual 1500: its MSS asks for full-size segments, which the router cannot forward, so a
+/// download to it depends on path MTU discovery. The far client reaches the two-node
+/// topology's wire; the caller routes the nodes' replies to [`FAR_NET`]/[`FAR_NET6`] via the
+/// router.
+pub fn far_client_behind(router: &NetNs) -> anyhow::Result<NetNs> {
+    let far = NetNs::new(&format!("{}-far", proxy_testenv::unique_prefix()))?;
+    let mut link = vec!["ip", "link", "add", "eth1", "mtu", "1400", "type", "veth"];
+    link.extend(["peer", "name", "eth0", "netns", far.name()]);
+    router.exec(&link)?;
+    router.exec(&["ip", "addr", "add", "192.168.90.1/24", "dev", "eth1"])?;
+    router.exec(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        "fd00:192:168:90::1/64",
+        "dev",
+        "eth1",
+    ])?;
+    router.exec(&["ip", "link", "set", "eth1", "up"])?;
+    router.sysctl("net.ipv4.ip_forward", "1")?;
+    router.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    let far_addr = format!("{FAR_CLIENT}/24");
+    let far_addr6 = format!("{FAR_CLIENT6}/64");
+    far.exec(&["ip", "addr", "add", &far_addr, "dev", "eth0"])?;
+    far.exec(&[
+        "ip", "-6", "addr", "add", &far_addr6, "dev", "eth0", "nodad",
+    ])?;
+    far.exec(&["ip", "link", "set", "eth0", "up"])?;
+    far.exec(&["ip", "link", "set", "lo", "up"])?;
+    // The two-node topology's wire (nodes and the external client).
+    far.exec(&[
+        "ip",
+        "route",
+        "add",
+        "192.168.50.0/24",
+        "via",
+        "192.168.90.1",
+    ])?;
+    let wire6 = "fd00:192:168:50::/64";
+    far.exec(&[
+        "ip",
+        "-6",
+        "route",
+        "add",
+        wire6,
+        "via",
+        "fd00:192:168:90::1",
+    ])?;
+    Ok(far)
+}
+
+/// Downloads 1 MiB from `url` in `far` (curl, 10 s at most); the number of bytes received,
+/// with curl's exit code and error for the failure message.
+pub fn big_download(far: &NetNs, url: &str) -> anyhow::Result<(u64, String)> {
+    let out = far.output(
+        &[
+            "curl",
+            "-g",
+            "-s",
+            "-o",
+            "/dev/null",
+            "--max-time",
+            "10",
+            "-w",
+            "%{size_download} %{exitcode} %{errormsg}",
+            url,
+        ],
+        Duration::from_secs(20),
+    )?;
+    let shown = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let bytes = shown.split(' ').next().unwrap_or_default().parse()?;
+    Ok((bytes, shown))
 }
