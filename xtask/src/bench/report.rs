@@ -256,10 +256,15 @@ pub fn print_snat_run(r: &snat_rate::Run) {
         .map(|c| format!("{c} {}", opt(r.counter(c))))
         .collect();
     eprintln!(
-        "  node A: {}; conntrack entries after {}, insert_failed {}",
+        "  node A: {}; tracked flows after {}, insert_failed {}{}",
         counters.join(", "),
         opt(r.conntrack_entries),
-        opt(r.conntrack_insert_failed)
+        opt(r.conntrack_insert_failed),
+        r.map_entries.map_or(String::new(), |(ct, snat)| format!(
+            "; CONNTRACK_V1 entries {}, SNAT_V1 entries {}",
+            n_fmt(ct as usize),
+            n_fmt(snat as usize)
+        ))
     );
 }
 
@@ -278,7 +283,7 @@ fn snat_rate_section(s: &mut String, runs: &[snat_rate::Run]) {
          connection is due every 1/{} s whatever the others do (open loop); each dataplane in a \
          fresh two-node topology. Latency: before `connect()` to the end of the reply, answered \
          connections only.\n\n\
-         | dataplane | attempted | answered | failed (by cause) | answered conn/s | p50 µs | p99 µs | max µs | slow ≥0.9 s | late launches ≥10 ms (max lag ms) | node A: snat_new / snat_port_kept / drop_snat_ports_exhausted | node A conntrack entries after (insert_failed) | 1-min load avg after |\n\
+         | dataplane | attempted | answered | failed (by cause) | answered conn/s | p50 µs | p99 µs | max µs | slow ≥0.9 s | late launches ≥10 ms (max lag ms) | node A: snat_new / snat_port_kept / drop_snat_ports_exhausted | node A flows tracked after the load: netfilter's entries, ours ORIGINAL entries (insert_failed) | 1-min load avg after |\n\
          |---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         first.rate,
         first.seconds,
@@ -358,6 +363,27 @@ fn snat_rate_section(s: &mut String, runs: &[snat_rate::Run]) {
             ratio(o, nf)
         );
     }
+    // Conntrack pressure: flows still tracked just after the load (one entry per flow each).
+    let tracked = |mode| {
+        (runs.iter())
+            .find(|r| r.mode == mode && r.skipped.is_none())
+            .and_then(|r| r.conntrack_entries)
+            .map_or(f64::NAN, |n| n as f64)
+    };
+    let (o, i, nf) = (
+        tracked(Mode::Ebpf),
+        tracked(Mode::Iptables),
+        tracked(Mode::Nftables),
+    );
+    let _ = writeln!(
+        s,
+        "| flows tracked after the load | {} | {} | {} | {} | {} |",
+        f(o, 0),
+        f(i, 0),
+        f(nf, 0),
+        ratio(o, i),
+        ratio(o, nf)
+    );
     s.push('\n');
 }
 
@@ -851,8 +877,9 @@ mod tests {
                 ..Default::default()
             }),
             counters: vec![Some(20_000), Some(19_990), Some(0)],
-            conntrack_entries: (mode != Mode::Ebpf).then_some(20_000),
+            conntrack_entries: Some(20_000),
             conntrack_insert_failed: (mode != Mode::Ebpf).then_some(0),
+            map_entries: (mode == Mode::Ebpf).then_some((40_000, 40_000)),
             loadavg_after: 1.5,
         }
     }
@@ -874,7 +901,11 @@ mod tests {
             ),
             "{s}"
         );
-        assert!(s.contains("| 20,000 / 19,990 / 0 | – (–) |"), "{s}");
+        assert!(s.contains("| 20,000 / 19,990 / 0 | 20,000 (–) |"), "{s}");
+        assert!(
+            s.contains("| flows tracked after the load | 20000 | 20000 | 20000 | 1.00× | 1.00× |"),
+            "{s}"
+        );
         assert!(s.contains("| iptables | 20,000 | 20,000 | 0 |"), "{s}");
         assert!(s.contains("| 20,000 (0) | 1.50 |"), "{s}");
         assert!(

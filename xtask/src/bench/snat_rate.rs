@@ -32,6 +32,11 @@ use proxy_testenv::{
     Proc,
     kube_proxy::{self, KubeProxyService},
 };
+use kube_proxy_ebpf::dataplane::{
+    bpffs::PinLayout,
+    maps::{Conntrack, Snat},
+};
+use proxy_common::ct_dir;
 use serde_json::{Value, json};
 
 use super::{e2e::Mode, loadgen::PacedResult};
@@ -74,8 +79,13 @@ pub struct Run {
     pub load: Option<PacedResult>,
     /// Ours: node A's [`COUNTERS`] over the load, in that order (`None`: not in `dump stats`).
     pub counters: Vec<Option<u64>>,
-    /// Node A's netfilter conntrack entries just after the load (`nf_conntrack_count`).
+    /// Flows node A tracks just after the load: the baselines' netfilter conntrack entries
+    /// (`nf_conntrack_count`, one per flow); ours, its `CONNTRACK_V1` ORIGINAL entries (one per
+    /// flow: the same measure of conntrack pressure for the same load).
     pub conntrack_entries: Option<u64>,
+    /// Ours: node A's `CONNTRACK_V1` entries (ORIGINAL and REPLY) and `SNAT_V1` entries (`out`
+    /// and `in`) just after the load.
+    pub map_entries: Option<(u64, u64)>,
     /// Node A's conntrack `insert_failed` over the load (`/proc/net/stat/nf_conntrack`).
     pub conntrack_insert_failed: Option<u64>,
     /// The 1-minute load average after the load (other work on the machine shows here).
@@ -94,6 +104,7 @@ impl Run {
             "load": self.load.as_ref().map(PacedResult::to_json),
             "node_a_counters": counters,
             "node_a_conntrack_entries_after": self.conntrack_entries,
+            "node_a_map_entries_after": self.map_entries.map(|(ct, snat)| json!({"conntrack": ct, "snat": snat})),
             "node_a_conntrack_insert_failed": self.conntrack_insert_failed,
             "loadavg_after": self.loadavg_after,
         })
@@ -243,6 +254,16 @@ impl Env {
             .collect()
     }
 
+    /// Ours: node A's tracked flows (`CONNTRACK_V1` ORIGINAL entries), and its `CONNTRACK_V1`
+    /// and `SNAT_V1` entries, read from the pinned maps.
+    fn our_entries(&self) -> Result<(u64, (u64, u64))> {
+        let pins = PinLayout::new(self._pins.first().context("no agent on node A")?.path());
+        let ct = Conntrack::open_pinned(&pins)?.entries();
+        let snat = Snat::open_pinned(&pins)?.entries();
+        let flows = ct.iter().filter(|(k, _)| k.dir == ct_dir::ORIGINAL).count();
+        Ok((flows as u64, (ct.len() as u64, snat.len() as u64)))
+    }
+
     /// The paced load from the external client to node A's NodePort.
     fn load(&self, cfg: &Config, rate: u32, seconds: f64) -> Result<PacedResult> {
         let target = SocketAddrV4::new(NODE_IPS[NODE_A], NODE_PORT);
@@ -313,6 +334,7 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<Run> {
         counters: vec![None; COUNTERS.len()],
         conntrack_entries: None,
         conntrack_insert_failed: None,
+        map_entries: None,
         loadavg_after: f64::NAN,
     };
     let programmed = match mode {
@@ -337,7 +359,12 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<Run> {
     let before = env.counters();
     let (_, failed_before) = conntrack(env.node(NODE_A));
     let load = env.load(cfg, cfg.rate, f64::from(cfg.seconds))?;
-    let (entries, failed_after) = conntrack(env.node(NODE_A));
+    let (mut entries, failed_after) = conntrack(env.node(NODE_A));
+    if mode == Mode::Ebpf {
+        let (flows, map_entries) = env.our_entries()?;
+        entries = Some(flows);
+        out.map_entries = Some(map_entries);
+    }
     out.counters = (before.iter().zip(env.counters()))
         .map(|(b, a)| Some(a?.saturating_sub((*b)?)))
         .collect();
