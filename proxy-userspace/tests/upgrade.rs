@@ -272,9 +272,20 @@ impl Nodes {
 
     fn fail(&self, msg: &str) -> ! {
         let mut text = msg.to_owned();
-        for (name, agent) in NODE_NAMES.iter().zip(self.agents().iter()) {
+        for (i, (name, agent)) in NODE_NAMES.iter().zip(self.agents().iter()).enumerate() {
+            // The datapath's non-zero counters say which drop or miss a failed request met.
+            let pin = self.pins[i].path().to_string_lossy().into_owned();
+            let stats = match agent.cli(&["dump", "stats", "--pin-dir", &pin]) {
+                Ok(out) => String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .filter(|l| !l.trim_end().ends_with(" 0"))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                Err(e) => format!("dump stats: {e:#}"),
+            };
             text.push_str(&format!(
-                "\n--- {name} agent log (tail) ---\n{}",
+                "\n--- {name} counters ({}) ---\n{stats}\n--- {name} agent log (tail) ---\n{}",
+                agent.bin().display(),
                 agent.log_tail()
             ));
         }
@@ -472,14 +483,17 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
     let mut swaps: Vec<(usize, &str, Duration)> = Vec::new();
     let mut after_upgrade: Option<(String, String, String, Option<Marker>)> = None;
     let mut after_rollback: Option<String> = None;
+    let mut phase_at: Vec<(&str, f64)> = Vec::new();
     thread::scope(|s| {
         let nodes = &nodes;
         let (phase, stop, tallies) = (&phase, &stop, &tallies);
         let (web_cip, web_np) = (&web_cip, &web_np);
+        let loop_began = Instant::now();
         s.spawn(move || {
             let until = Instant::now() + Duration::from_secs(180);
             while !stop.load(Ordering::Relaxed) && Instant::now() < until {
                 let p = phase.load(Ordering::Relaxed);
+                let began = Instant::now();
                 let pod = nodes.pod_get(web_cip);
                 let ext = nodes.net.http_get(web_np);
                 let mut t = tallies[p].lock().expect("tally");
@@ -493,7 +507,10 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
                     match r {
                         Ok(body) if body == "b-web" || body == "b-two" => t.ok += 1,
                         Ok(body) => t.failed.push(format!("{what}: answered {body:?}")),
-                        Err(e) => t.failed.push(format!("{what}: {e}")),
+                        Err(e) => t.failed.push(format!(
+                            "{what} (sent {:.2} s into the loop): {e}",
+                            began.duration_since(loop_began).as_secs_f64()
+                        )),
                     }
                 }
             }
@@ -501,10 +518,12 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             thread::sleep(Duration::from_secs(1));
             phase.store(1, Ordering::Relaxed);
+            phase_at.push((PHASES[1], loop_began.elapsed().as_secs_f64()));
             for i in [NODE_A, NODE_B] {
                 swaps.push((i, "upgrade", nodes.roll(i, &new_bin)));
             }
             phase.store(2, Ordering::Relaxed);
+            phase_at.push((PHASES[2], loop_began.elapsed().as_secs_f64()));
             thread::sleep(Duration::from_millis(500));
             let table = nodes.dump(NODE_A, "conntrack");
             let snat = nodes.dump(NODE_A, "snat");
@@ -514,10 +533,12 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
             after_upgrade = Some((table, snat, affinity, marker));
             thread::sleep(Duration::from_millis(500));
             phase.store(3, Ordering::Relaxed);
+            phase_at.push((PHASES[3], loop_began.elapsed().as_secs_f64()));
             for i in [NODE_A, NODE_B] {
                 swaps.push((i, "rollback", nodes.roll(i, &prev_bin)));
             }
             phase.store(4, Ordering::Relaxed);
+            phase_at.push((PHASES[4], loop_began.elapsed().as_secs_f64()));
             after_rollback = Some(nodes.dump(NODE_A, "conntrack"));
             thread::sleep(Duration::from_secs(1));
         }));
@@ -591,7 +612,9 @@ fn upgrade_to_this_build_and_roll_back_with_traffic_flowing() {
         }
     }
     nodes.check(failures.is_empty(), || {
-        format!("requests across the swaps: {failures:?}")
+        format!(
+            "requests across the swaps: {failures:?} (phases began, s into the loop: {phase_at:?})"
+        )
     });
 
     // The new agent's conntrack shows the flows the old one created, translated as before.

@@ -27,16 +27,16 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use proxy_testenv::{
-    Agent, CLUSTER_CIDR, EXT_DEVICE, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES, NetNs, PinDir,
-    Proc,
-    kube_proxy::{self, KubeProxyService},
-};
 use kube_proxy_ebpf::dataplane::{
     bpffs::PinLayout,
     maps::{Conntrack, Snat},
 };
 use proxy_common::ct_dir;
+use proxy_testenv::{
+    Agent, CLUSTER_CIDR, EXT_DEVICE, ManifestDir, MultiNode, NODE_IPS, NODE_NAMES, NetNs, PinDir,
+    Proc,
+    kube_proxy::{self, KubeProxyService},
+};
 use serde_json::{Value, json};
 
 use super::{e2e::Mode, loadgen::PacedResult};
