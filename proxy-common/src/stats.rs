@@ -196,6 +196,12 @@ counters! {
     /// A sendmsg() of an unconnected UDP socket of the node's went to the backend the socket's
     /// earlier datagrams to that frontend went to (`SOCKPICK_V1`), not a new pick.
     SockBackendKept = "sock_backend_kept",
+    /// A new flow's first packet found its flow created by another CPU between its lookup and
+    /// its insert (two receive queues): it followed that flow's backend.
+    ConntrackInsertRaced = "conntrack_insert_raced",
+    /// Dropped: a new flow's reply tuple was taken by another flow between the check and the
+    /// insert (netfilter's `insert_failed`); a retransmission picks again.
+    DropConntrackInsertFailed = "drop_conntrack_insert_failed",
 }
 
 /// Number of entries in the stats array.

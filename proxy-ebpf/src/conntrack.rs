@@ -217,6 +217,16 @@ pub fn client_passed(p: &Packet, original: &CtKey, entry: &CtEntry, ct: &CtValue
 pub fn reply_passed(p: &Packet, reply: &CtEntry, reply_ct: &CtValue, now: u64) {
     let original_key = original_key_of(&reply_key(p), reply_ct);
     match maps::ct_entry(&original_key) {
+        Some(o) if !sent_to(o.peek(), p.saddr, p.sport) => {
+            // The key holds another flow now (this one's ORIGINAL entry was evicted and the
+            // client opened a new flow on the tuple to another backend): only this flow's REPLY
+            // entry moves, never that flow's state or least-connection unit.
+            reply.touch_flags(
+                now,
+                next_reply_state(p, reply_ct.state),
+                ct_flags::SEEN_REPLY,
+            );
+        }
         Some(o) => {
             let state = next_reply_state(p, o.get().state);
             reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
@@ -242,6 +252,12 @@ pub fn reply_passed(p: &Packet, reply: &CtEntry, reply_ct: &CtValue, now: u64) {
             }
         }
     }
+}
+
+/// Was the flow of ORIGINAL value `ct` sent to `addr`:`port` (the source of a reply)?
+#[inline(always)]
+fn sent_to(ct: &CtValue, addr: [u8; 4], port: [u8; 2]) -> bool {
+    ct.backend_addr == addr && ct.backend_port == port
 }
 
 /// Does the backend the entry names still exist with the address it was created with, and may
@@ -414,9 +430,10 @@ fn clash_resolution(original: &CtKey, backend: &Backend, now: u64) -> Result<(u8
 
 /// Write both entries of a new flow (replacing an expired or stale pair of the same ORIGINAL
 /// key), with a source port that keeps its reply tuple unique. Returns the ORIGINAL value (its
-/// `translated_sport` is what the packet must leave with).
+/// `translated_sport` is what the packet must leave with), or the one another CPU created for
+/// the same flow meanwhile (see [`insert_pair`]).
 #[inline(always)]
-pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Result<CtValue, Drop> {
+pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Result<Written, Drop> {
     if let Some(old) = replaced {
         if old.state == ct_state::CLOSING && p.is_tcp() {
             retire(flow.original, old);
@@ -439,28 +456,62 @@ pub fn create(p: &Packet, flow: &NewFlow<'_>, replaced: Option<&CtValue>) -> Res
         nat_sport,
     };
     lc::count(flow.backend_id);
-    let created = insert_pair(flow.original, value);
-    if created.is_err() {
-        maps::lc_add(flow.backend_id, u64::MAX);
+    match insert_pair(flow.original, value) {
+        Ok(Written::Ours(value)) => Ok(Written::Ours(value)),
+        // Not this packet's flow to count: its pick went unused.
+        created => {
+            maps::lc_add(flow.backend_id, u64::MAX);
+            created
+        }
     }
-    created
 }
 
-/// Write a flow's ORIGINAL and REPLY entries; returns the ORIGINAL value.
+/// The ORIGINAL value a new flow goes on with.
+pub enum Written {
+    /// The entries this packet wrote.
+    Ours(CtValue),
+    /// The same flow's entry another CPU wrote between this packet's lookup and its insert (the
+    /// flow's first packets on two receive queues): this packet follows that flow's translation.
+    Theirs(CtValue),
+}
+
+/// Write a flow's ORIGINAL and REPLY entries, each only where its key is free, so that two CPUs
+/// never both create one flow nor two flows share a reply tuple: an ORIGINAL key taken meanwhile
+/// is the same flow, created on another CPU ([`Written::Theirs`]); a REPLY key another flow took
+/// since [`reply_tuple_taken`] looked is netfilter's insert clash, and the packet is dropped
+/// (`drop_conntrack_insert_failed`; a retransmission picks again). A REPLY entry of this flow's
+/// own earlier pick is overwritten.
 #[inline(always)]
-fn insert_pair(original: &CtKey, mut value: CtValue) -> Result<CtValue, Drop> {
+fn insert_pair(original: &CtKey, mut value: CtValue) -> Result<Written, Drop> {
     let reply = reply_key_of(original, &value);
-    maps::ct_insert(original, &value).map_err(|_| Drop::ConntrackFull)?;
+    if maps::ct_insert_new(original, &value).is_err() {
+        return match maps::ct_entry(original) {
+            Some(theirs) => {
+                stats::count(Counter::ConntrackInsertRaced);
+                Ok(Written::Theirs(theirs.get()))
+            }
+            None => Err(Drop::ConntrackFull),
+        };
+    }
     let sport = value.nat_sport;
     if value.flags & ct_flags::SPORT_NAT != 0 {
         value.nat_sport = original.sport;
     }
-    if maps::ct_insert(&reply, &value).is_err() {
-        maps::ct_remove(original);
-        return Err(Drop::ConntrackFull);
+    if maps::ct_insert_new(&reply, &value).is_err() {
+        let written = match maps::ct_entry(&reply) {
+            Some(held) if owns_reply(original, reply.dport, held.peek()) => {
+                maps::ct_insert(&reply, &value).map_err(|_| Drop::ConntrackFull)
+            }
+            Some(_) => Err(Drop::ConntrackInsertFailed),
+            None => Err(Drop::ConntrackFull),
+        };
+        if let Err(drop) = written {
+            maps::ct_remove(original);
+            return Err(drop);
+        }
     }
     value.nat_sport = sport;
-    Ok(value)
+    Ok(Written::Ours(value))
 }
 
 /// A packet straight to an address that is no Service frontend, on ingress: track the flow so
@@ -504,8 +555,8 @@ pub fn direct_flow(p: &Packet, key: &CtKey, now: u64) -> Result<Option<[u8; 2]>,
         nat_sport,
     };
     if flags != 0 {
-        insert_pair(key, value)?;
-        return Ok(Some(nat_sport));
+        let (Written::Ours(written) | Written::Theirs(written)) = insert_pair(key, value)?;
+        return Ok((written.flags & ct_flags::SPORT_NAT != 0).then_some(written.nat_sport));
     }
     // Losing the marker (map full) only loses clash protection for this flow: pass it on.
     let _ = maps::ct_insert(key, &value);

@@ -12,7 +12,7 @@ use proxy_common::{
 
 use crate::{
     Action, Drop,
-    conntrack::{self, NewFlow},
+    conntrack::{self, NewFlow, Written},
     frag, frontend_gen, icmp,
     log::{self, Refused},
     maps, nat,
@@ -323,7 +323,11 @@ fn new_flow(
         rev_nat_id: frontend.rev_nat_id,
         now_ns: now,
     };
-    let ct = conntrack::create(p, &flow, old)?;
+    let (ct, backend) = match conntrack::create(p, &flow, old)? {
+        Written::Ours(ct) => (ct, backend),
+        // The flow was created on another CPU meanwhile: this packet follows its pick.
+        Written::Theirs(ct) => (ct, maps::backend(ct.backend_id).ok_or(Drop::NoBackend)?),
+    };
     // The port the client's packets leave with: its own, or another if its reply tuple clashed.
     let sport = conntrack::translated_sport(key, &ct);
     if snat::needed(p.saddr, &frontend, &backend) {

@@ -76,6 +76,8 @@ pub(crate) enum Drop {
     Malformed,
     /// The conntrack entries could not be written.
     ConntrackFull,
+    /// A new flow's reply tuple was taken by another flow between its check and its insert.
+    ConntrackInsertFailed,
     /// A service slot named a backend that does not exist.
     NoBackend,
     /// The ICMP error or TCP RST could not be built.
@@ -106,6 +108,7 @@ impl Drop {
             Drop::Fragment => Counter::DropFragment,
             Drop::Malformed => Counter::DropMalformed,
             Drop::ConntrackFull => Counter::DropConntrackFull,
+            Drop::ConntrackInsertFailed => Counter::DropConntrackInsertFailed,
             Drop::NoBackend => Counter::DropNoBackend,
             Drop::RejectFailed => Counter::DropRejectFailed,
             Drop::RejectRateLimited => Counter::DropRejectRateLimited,

@@ -453,6 +453,28 @@ unsafe fn fetch_and_u64(ptr: *mut u64, mask: u64) -> u64 {
     v
 }
 
+/// A BPF compare-and-exchange on a u64 (`BPF_ATOMIC | BPF_DW | BPF_CMPXCHG`): stores `new`
+/// at `ptr` if it holds `expected`; returns what it held (`expected` when the store happened).
+/// In assembly for the reason given at [`fetch_add_u32`].
+///
+/// # Safety
+/// `ptr` must be a valid, 8-aligned pointer into map memory.
+#[inline(always)]
+unsafe fn cmpxchg_u64(ptr: *mut u64, expected: u64, new: u64) -> u64 {
+    let mut v = expected;
+    // SAFETY: as in `fetch_add_u32`; the instruction reads and writes only `*ptr` and r0.
+    unsafe {
+        core::arch::asm!(
+            "r0 = cmpxchg_64(r1 + 0, r0, r2)",
+            inout("r0") v,
+            in("r1") ptr,
+            in("r2") new,
+            options(nostack),
+        );
+    }
+    v
+}
+
 /// A BPF atomic OR on a u64 (`BPF_ATOMIC | BPF_DW | BPF_OR`), in assembly for the reason
 /// given at [`fetch_add_u32`].
 ///
@@ -562,6 +584,19 @@ impl<V: Stamped> FlowEntry<V> {
             if *current != state {
                 *current = state;
             }
+        }
+    }
+
+    /// Take the entry over from its idle holder: moves its last-seen time from `seen` (what the
+    /// caller read when it judged the entry reclaimable) to `now_ns` in one atomic step. Exactly
+    /// one of several CPUs reclaiming it at once gets `true`, and none does if the holder sent a
+    /// packet meanwhile; the winner then writes the entry as its own.
+    #[inline(always)]
+    pub fn claim_idle(&self, seen: u64, now_ns: u64) -> bool {
+        // SAFETY: as in `get`; the last-seen field is a naturally aligned u64 in map memory.
+        unsafe {
+            let (last_seen, _) = V::stamp_fields(self.ptr);
+            cmpxchg_u64(last_seen, seen, now_ns) == seen
         }
     }
 

@@ -258,13 +258,16 @@ pub fn allocate(
         let in_key = f.in_key(source, port);
         let claimed = maps::snat_claim(&in_key, &client).is_ok()
             || match maps::snat_entry(&in_key) {
+                // An idle holder's port: taken over by one CPU only (`claim_idle`), then
+                // written as this flow's.
                 Some(taken) => {
                     let old = taken.get();
                     snat_port_reclaimable(old.last_seen_ns, f.proto, old.state, old.flags, now, cfg)
+                        && taken.claim_idle(old.last_seen_ns, now)
                         && maps::snat_insert(&in_key, &client).is_ok()
                 }
-                // Evicted between the claim and the lookup: take it.
-                None => maps::snat_insert(&in_key, &client).is_ok(),
+                // Evicted between the claim and the lookup: claim it again.
+                None => maps::snat_claim(&in_key, &client).is_ok(),
             };
         if claimed {
             let out = SnatValue {

@@ -287,6 +287,35 @@ impl Datapath {
         self.conntrack().get(key, 0).ok()
     }
 
+    /// `VIP`:80/TCP picks round robin.
+    fn round_robin_on_vip(&mut self) {
+        let key = ServiceKey::new(VIP.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+        let mut frontend = self.services().get(&key, 0).expect("frontend");
+        frontend.scheduler = proxy_common::Scheduler::RoundRobin.code();
+        self.services()
+            .insert(key, frontend, 0)
+            .expect("rr frontend");
+    }
+
+    /// The ingress program's file descriptor number (for `common_datapath::race_on_two_cpus`).
+    fn ingress_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::{AsFd, AsRawFd};
+        let fd = self.prog(PROG_TC_INGRESS).fd().expect("program fd");
+        fd.as_fd().as_raw_fd()
+    }
+
+    /// Every conntrack and SNAT entry removed.
+    fn clear_flows(&mut self) {
+        let keys: Vec<CtKey> = self.conntrack().keys().map(|k| k.expect("key")).collect();
+        for key in keys {
+            let _ = self.conntrack().remove(&key);
+        }
+        let keys: Vec<SnatKey> = self.snat().keys().map(|k| k.expect("key")).collect();
+        for key in keys {
+            let _ = self.snat().remove(&key);
+        }
+    }
+
     fn ct_len(&mut self) -> usize {
         self.conntrack().keys().count()
     }
@@ -6413,4 +6442,213 @@ fn a_snat_port_a_socket_of_the_node_holds_is_skipped() {
             ));
         });
     });
+}
+
+/// The same new flow's first packet on two CPUs at once (a SYN and its retransmission, or two
+/// datagrams of a new UDP flow, taken by two receive queues): one of them creates the flow and
+/// the other follows it, so both leave for the same backend and the round-robin frontend's
+/// flow is counted once. Each round sends one new flow's SYN on two CPUs at once
+/// (`common_datapath::race_on_two_cpus`, which lines the two runs up within a few hundred
+/// nanoseconds: most rounds race); before, the racing rounds split (each CPU created the flow
+/// with its own pick).
+#[test]
+fn a_flow_opened_on_two_cpus_at_once_goes_to_one_backend() {
+    let mut dp = Datapath::load().with_services();
+    dp.round_robin_on_vip();
+    let fd = dp.ingress_fd();
+    const ROUNDS: u16 = 4_000;
+    let syn = |r: u16| Pkt::tcp(CLIENT, 20_000 + r, VIP, 80, SYN);
+    let runs = common_datapath::race_on_two_cpus(fd, ROUNDS as usize, |_, r| syn(r as u16).bytes());
+    let mut split = Vec::new();
+    for (r, round) in (0..ROUNDS).zip(&runs) {
+        let to = |cpu: usize| {
+            let (verdict, out) = &round[cpu];
+            assert_eq!(*verdict, TC_NEXT, "round {r} on CPU {cpu}");
+            Decoded::parse(out).daddr
+        };
+        let ct = dp.ct(&original_key(&syn(r))).expect("the flow's entry");
+        let kept = Ipv4Addr::from(ct.backend_addr);
+        if to(0) != to(1) || to(0) != kept {
+            split.push((r, to(0), to(1), kept));
+        }
+    }
+    println!(
+        "{ROUNDS} flows opened on two CPUs at once: {} followed the other CPU's, {} split",
+        dp.counter(Counter::ConntrackInsertRaced),
+        split.len()
+    );
+    assert!(
+        split.is_empty(),
+        "flows whose two first packets left for different backends, or not for the one the \
+         entry keeps (round, CPU 0, CPU 1, entry): {:?}",
+        &split[..split.len().min(10)]
+    );
+    assert_eq!(
+        dp.ct_len(),
+        2 * ROUNDS as usize,
+        "one flow, two entries, per round"
+    );
+}
+
+/// Two new flows with one reply tuple (the same client port to two ClusterIPs that share their
+/// one backend) created on two CPUs at once never both keep it: one moves to another source
+/// port, or, when both found the tuple free at the same instant, the later insert is refused and
+/// its packet dropped (`drop_conntrack_insert_failed`, netfilter's insert_failed; the SYN's
+/// retransmission picks again). Before, both wrote the REPLY entry and the first flow's replies
+/// were reverse-translated as the second's frontend.
+#[test]
+fn two_flows_with_one_reply_tuple_on_two_cpus_at_once_never_share_it() {
+    const VIP2: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+    let mut dp = Datapath::load().with_services();
+    dp.set_service(VIP, 80, proto::TCP, TCP_REVNAT, &[1]);
+    dp.set_service(VIP2, 80, proto::TCP, 5, &[1]);
+    let fd = dp.ingress_fd();
+    const ROUNDS: usize = 4_000;
+    let runs = common_datapath::race_on_two_cpus(fd, ROUNDS, |cpu, r| {
+        let vip = if cpu == 0 { VIP } else { VIP2 };
+        Pkt::tcp(CLIENT, 20_000 + r as u16, vip, 80, SYN).bytes()
+    });
+    let mut shared = Vec::new();
+    for (r, round) in runs.iter().enumerate() {
+        let sport = |cpu: usize| {
+            let (verdict, out) = &round[cpu];
+            match *verdict {
+                TC_NEXT => Some(u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]])),
+                TC_ACT_SHOT => None,
+                v => panic!("round {r} on CPU {cpu}: verdict {v}"),
+            }
+        };
+        match (sport(0), sport(1)) {
+            (Some(a), Some(b)) if a == b => shared.push((r, a)),
+            (None, None) => panic!("round {r}: both flows dropped"),
+            _ => {}
+        }
+    }
+    println!(
+        "{ROUNDS} pairs of flows with one reply tuple on two CPUs at once: {} moved, {} refused \
+         at the insert, {} shared the tuple",
+        dp.counter(Counter::ReplyTupleRemapped),
+        dp.counter(Counter::DropConntrackInsertFailed),
+        shared.len()
+    );
+    assert!(
+        shared.is_empty(),
+        "pairs that both left with one source port toward one backend (round, port): {:?}",
+        &shared[..shared.len().min(10)]
+    );
+}
+
+/// Two new SNATed flows that both want the port of one idle flow (two external clients on the
+/// same source port, the port's holder a SYN unanswered past its hold) on two CPUs at once:
+/// only one takes the port over (`claim_idle`, a compare-and-exchange on the holder's last-seen
+/// time); the other walks on to another port. Before, both overwrote the entry and their `out`
+/// entries named one node port toward one backend, so the backend's replies for one of them
+/// reached the other's client.
+#[test]
+fn two_flows_reclaiming_one_idle_snat_port_on_two_cpus_at_once_never_share_it() {
+    let mut dp = nodeport_datapath();
+    dp.set_node_addr(NODE_IP);
+    // Batches of 2,000 rounds (12,000 of the test maps' 16,384 conntrack entries), the flow
+    // maps emptied between them.
+    const BATCHES: usize = 2;
+    const ROUNDS: usize = 2_000;
+    let port = |r: usize| 20_000 + r as u16;
+    let holder = Ipv4Addr::new(192, 168, 50, 110);
+    let racers = [
+        Ipv4Addr::new(192, 168, 50, 111),
+        Ipv4Addr::new(192, 168, 50, 112),
+    ];
+    let hold = Duration::from_secs(proxy_common::SNAT_UNANSWERED_SYN_HOLD_S);
+    let fd = dp.ingress_fd();
+    let mut shared = Vec::new();
+    let mut taken_over = 0;
+    for batch in 0..BATCHES {
+        for r in 0..ROUNDS {
+            let syn = Pkt::tcp(holder, port(r), NODE_IP, NODE_PORT, SYN);
+            assert_eq!(dp.run(PROG_TC_INGRESS, &syn.bytes()).0, TC_NEXT);
+            age_snat_in_entry(
+                &mut dp,
+                port(r),
+                ct_state::SYN_SENT,
+                0,
+                hold + Duration::from_secs(1),
+            );
+        }
+        let runs = common_datapath::race_on_two_cpus(fd, ROUNDS, |cpu, r| {
+            Pkt::tcp(racers[cpu], port(r), NODE_IP, NODE_PORT, SYN).bytes()
+        });
+        for (r, round) in runs.iter().enumerate() {
+            // The node port each flow's `out` entry names (egress rewrites the source by it).
+            let mut left = |cpu: usize| {
+                let (verdict, out) = &round[cpu];
+                assert_eq!(*verdict, TC_NEXT, "batch {batch} round {r} on CPU {cpu}");
+                assert_eq!(Decoded::parse(out).daddr, REMOTE_BE);
+                let racer = Pkt::tcp(racers[cpu], port(r), NODE_IP, NODE_PORT, SYN);
+                let out = (dp.snat())
+                    .get(&snat_out_key(&racer, REMOTE_BE, 8080), 0)
+                    .expect("the racer's `out` entry");
+                u16::from_be_bytes(out.port)
+            };
+            let (a, b) = (left(0), left(1));
+            if a == b {
+                shared.push((batch, r, a));
+            }
+            taken_over += usize::from(a == port(r) || b == port(r));
+        }
+        dp.clear_flows();
+    }
+    const PAIRS: usize = BATCHES * ROUNDS;
+    println!(
+        "{PAIRS} pairs of flows reclaiming one idle SNAT port on two CPUs at once: {taken_over} \
+         took the port over, {} shared one port",
+        shared.len()
+    );
+    // A loser's walk may land on a later round's idle port and take that over first.
+    assert!(
+        taken_over > PAIRS / 2,
+        "the idle ports were taken over ({taken_over} of {PAIRS})"
+    );
+    assert!(
+        shared.is_empty(),
+        "pairs whose `out` entries name one node port toward one backend (batch, round, port): {:?}",
+        &shared[..shared.len().min(10)]
+    );
+}
+
+/// A late packet of a backend whose flow lost its ORIGINAL entry (LRU) after the client opened a
+/// new flow on the same tuple to another backend moves only its own REPLY entry: the new flow
+/// keeps its state and its least-connection unit. Before, the old backend's FIN half-closed the
+/// new flow (and a RST would have closed it and given back its unit).
+#[test]
+fn a_late_reply_of_an_evicted_flow_never_moves_the_flow_now_on_its_tuple() {
+    let mut dp = Datapath::load().with_services();
+    dp.round_robin_on_vip();
+    let syn = Pkt::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+    assert_eq!(verdict, TC_NEXT);
+    let first = Decoded::parse(&out).daddr;
+    dp.conntrack()
+        .remove(&original_key(&syn))
+        .expect("evicting the first flow's ORIGINAL entry");
+    let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+    assert_eq!(verdict, TC_NEXT);
+    let second = Decoded::parse(&out).daddr;
+    assert_ne!(
+        first, second,
+        "round robin: the new flow goes to the other backend"
+    );
+    let before = dp.ct(&original_key(&syn)).expect("the new flow's entry");
+    assert_eq!(Ipv4Addr::from(before.backend_addr), second);
+
+    // The first backend's FIN (its connection is still open on its side).
+    let fin = Pkt::tcp(first, 8080, CLIENT, 41_000, FIN | ACK);
+    let (verdict, _) = dp.run(PROG_TC_EGRESS, &fin.bytes());
+    assert_eq!(verdict, TC_NEXT);
+    let after = dp.ct(&original_key(&syn)).expect("the new flow's entry");
+    assert_eq!(
+        (after.state, after.flags, Ipv4Addr::from(after.backend_addr)),
+        (before.state, before.flags, second),
+        "the new flow's entry is as it was (state {} before)",
+        before.state
+    );
 }

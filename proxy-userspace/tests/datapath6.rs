@@ -112,6 +112,32 @@ impl Datapath {
         HashMap::try_from(self.bpf.map_mut(MAP_CONNTRACK6).unwrap()).unwrap()
     }
 
+    /// `VIP`:80/TCP (the test backends 1 and 2) picks round robin.
+    fn round_robin_on_vip(&mut self) {
+        let key = Service6Key::new(VIP.octets(), 80u16.to_be_bytes(), proto::TCP, 0);
+        let mut fe = ServiceValue::frontend(2, 1);
+        fe.scheduler = sched::code::ROUND_ROBIN;
+        self.services().insert(key, fe, 0).unwrap();
+    }
+
+    /// The ingress program's file descriptor number (for `common_datapath::race_on_two_cpus`).
+    fn ingress_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::{AsFd, AsRawFd};
+        let fd = common_datapath::prog(&self.bpf, PROG_TC_INGRESS)
+            .fd()
+            .expect("program fd");
+        fd.as_fd().as_raw_fd()
+    }
+
+    /// Every conntrack entry removed.
+    fn clear_conntrack(&mut self) {
+        let keys: Vec<Ct6Key> = self.conntrack().keys().map(|k| k.expect("key")).collect();
+        let mut ct = self.conntrack();
+        for key in keys {
+            let _ = ct.remove(&key);
+        }
+    }
+
     fn ct(&mut self, key: &Ct6Key) -> Option<Ct6Value> {
         self.conntrack().get(key, 0).ok()
     }
@@ -3200,4 +3226,217 @@ fn packet_too_big_about_a_reply_goes_on_to_the_backend() {
         &[(Counter::NotService, 1)],
     );
     assert_eq!(out, ptb, "untouched");
+}
+
+/// IPv6 twin of `datapath::a_flow_opened_on_two_cpus_at_once_goes_to_one_backend`: the same
+/// new flow's SYN on two CPUs at once leaves for one backend, the one its entry keeps.
+#[test]
+fn a_flow_opened_on_two_cpus_at_once_goes_to_one_backend() {
+    let mut dp = Datapath::load();
+    dp.round_robin_on_vip();
+    let fd = dp.ingress_fd();
+    // Batches of 1,500 flows (3,000 of the test maps' 4,096 conntrack entries: none evicted),
+    // the map emptied between them.
+    const BATCHES: usize = 3;
+    const ROUNDS: u16 = 1_500;
+    let syn = |r: u16| Pkt6::tcp(CLIENT, 20_000 + r, VIP, 80, SYN);
+    let mut split = Vec::new();
+    for batch in 0..BATCHES {
+        let runs =
+            common_datapath::race_on_two_cpus(fd, ROUNDS as usize, |_, r| syn(r as u16).bytes());
+        for (r, round) in (0..ROUNDS).zip(&runs) {
+            let to = |cpu: usize| {
+                let (verdict, out) = &round[cpu];
+                assert_eq!(*verdict, TC_NEXT, "batch {batch} round {r} on CPU {cpu}");
+                Decoded6::parse(out).daddr
+            };
+            let ct = dp.ct(&original_key(&syn(r))).expect("the flow's entry");
+            let kept = Ipv6Addr::from(ct.backend_addr);
+            if to(0) != to(1) || to(0) != kept {
+                split.push((batch, r, to(0), to(1), kept));
+            }
+        }
+        assert_eq!(dp.conntrack().keys().count(), 2 * ROUNDS as usize);
+        dp.clear_conntrack();
+    }
+    let raced = dp.counters()[Counter::ConntrackInsertRaced.name()];
+    println!(
+        "{BATCHES} × {ROUNDS} IPv6 flows opened on two CPUs at once: {raced} followed the other \
+         CPU's, {} split",
+        split.len()
+    );
+    assert!(
+        split.is_empty(),
+        "flows whose two first packets left for different backends, or not for the one the \
+         entry keeps (batch, round, CPU 0, CPU 1, entry): {:?}",
+        &split[..split.len().min(10)]
+    );
+}
+
+/// IPv6 twin of `datapath::two_flows_with_one_reply_tuple_on_two_cpus_at_once_never_share_it`.
+#[test]
+fn two_ipv6_flows_with_one_reply_tuple_on_two_cpus_at_once_never_share_it() {
+    let mut dp = two_frontends_one_backend();
+    let fd = dp.ingress_fd();
+    // Batches of 750 pairs (3,000 of the test maps' 4,096 conntrack entries: none evicted),
+    // the map emptied between them.
+    const BATCHES: usize = 4;
+    const ROUNDS: usize = 750;
+    let mut shared = Vec::new();
+    for batch in 0..BATCHES {
+        let runs = common_datapath::race_on_two_cpus(fd, ROUNDS, |cpu, r| {
+            let vip = if cpu == 0 { VIP } else { VIP2 };
+            Pkt6::tcp(CLIENT, 20_000 + r as u16, vip, 80, SYN).bytes()
+        });
+        for (r, round) in runs.iter().enumerate() {
+            let sport = |cpu: usize| {
+                let (verdict, out) = &round[cpu];
+                match *verdict {
+                    TC_NEXT => {
+                        let l4 = Decoded6::parse(out).l4;
+                        Some(u16::from_be_bytes([l4[0], l4[1]]))
+                    }
+                    TC_ACT_SHOT => None,
+                    v => panic!("batch {batch} round {r} on CPU {cpu}: verdict {v}"),
+                }
+            };
+            match (sport(0), sport(1)) {
+                (Some(a), Some(b)) if a == b => shared.push((batch, r, a)),
+                (None, None) => panic!("batch {batch} round {r}: both flows dropped"),
+                _ => {}
+            }
+        }
+        dp.clear_conntrack();
+    }
+    let counters = dp.counters();
+    println!(
+        "{BATCHES} × {ROUNDS} pairs of IPv6 flows with one reply tuple on two CPUs at once: {} moved, {} \
+         refused at the insert, {} shared the tuple",
+        counters[Counter::ReplyTupleRemapped.name()],
+        counters[Counter::DropConntrackInsertFailed.name()],
+        shared.len()
+    );
+    assert!(
+        shared.is_empty(),
+        "pairs that both left with one source port toward one backend (batch, round, port): {:?}",
+        &shared[..shared.len().min(10)]
+    );
+}
+
+/// IPv6 twin of
+/// `datapath::two_flows_reclaiming_one_idle_snat_port_on_two_cpus_at_once_never_share_it`: the
+/// two flows' `out` entries never name one node port (the source rewrite itself is egress's).
+#[test]
+fn two_ipv6_flows_reclaiming_one_idle_snat_port_on_two_cpus_at_once_never_share_it() {
+    let mut dp = Datapath::load();
+    dp.set_node6(NODE6);
+    let nodeport: u16 = 30_091;
+    dp.set_nodeport(nodeport, &[2], 0);
+    let (backend, backend_port) = backend_addr(2);
+    // Batches of 500 holders and 1,000 racing flows (3,000 of the test maps' 4,096 conntrack
+    // entries), the flow maps emptied between them.
+    const BATCHES: usize = 2;
+    const ROUNDS: usize = 500;
+    let port = |r: usize| 20_000 + r as u16;
+    let client = |last: u16| Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, last);
+    let (holder, racers) = (client(0x110), [client(0x111), client(0x112)]);
+    let hold = proxy_common::SNAT_UNANSWERED_SYN_HOLD_S * 1_000_000_000;
+    let in_key = |p: u16| Snat6Key {
+        saddr: backend.octets(),
+        daddr: NODE6.octets(),
+        sport: backend_port.to_be_bytes(),
+        dport: p.to_be_bytes(),
+        proto: proto::TCP,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    };
+    let fd = dp.ingress_fd();
+    let mut shared = Vec::new();
+    for batch in 0..BATCHES {
+        for r in 0..ROUNDS {
+            let syn = Pkt6::tcp(holder, port(r), NODE6, nodeport, SYN);
+            assert_eq!(dp.run(PROG_TC_INGRESS, &syn.bytes()).0, TC_NEXT);
+            // The holder's SYN unanswered past its hold: its port may be taken over.
+            let mut v = (dp.snat6().get(&in_key(port(r)), 0)).expect("the holder's `in` entry");
+            v.last_seen_ns = monotonic_ns() - hold - 1_000_000_000;
+            dp.snat6().insert(in_key(port(r)), v, 0).unwrap();
+        }
+        let runs = common_datapath::race_on_two_cpus(fd, ROUNDS, |cpu, r| {
+            Pkt6::tcp(racers[cpu], port(r), NODE6, nodeport, SYN).bytes()
+        });
+        for (r, round) in runs.iter().enumerate() {
+            let mut node_port = |cpu: usize| {
+                assert_eq!(
+                    round[cpu].0, TC_NEXT,
+                    "batch {batch} round {r} on CPU {cpu}"
+                );
+                let out_key = Snat6Key {
+                    saddr: racers[cpu].octets(),
+                    daddr: backend.octets(),
+                    sport: port(r).to_be_bytes(),
+                    dport: backend_port.to_be_bytes(),
+                    proto: proto::TCP,
+                    dir: ct_dir::ORIGINAL,
+                    _pad: [0; 2],
+                };
+                let out = dp
+                    .snat6()
+                    .get(&out_key, 0)
+                    .expect("the racer's `out` entry");
+                u16::from_be_bytes(out.port)
+            };
+            let (a, b) = (node_port(0), node_port(1));
+            if a == b {
+                shared.push((batch, r, a));
+            }
+        }
+        dp.clear_conntrack();
+        let keys: Vec<Snat6Key> = dp.snat6().keys().map(|k| k.expect("key")).collect();
+        for key in keys {
+            let _ = dp.snat6().remove(&key);
+        }
+    }
+    println!(
+        "{BATCHES} × {ROUNDS} pairs of IPv6 flows reclaiming one idle SNAT port on two CPUs at once: {} \
+         shared one port",
+        shared.len()
+    );
+    assert!(
+        shared.is_empty(),
+        "pairs whose `out` entries name one node port toward one backend (batch, round, port): {:?}",
+        &shared[..shared.len().min(10)]
+    );
+}
+
+/// IPv6 twin of `datapath::a_late_reply_of_an_evicted_flow_never_moves_the_flow_now_on_its_tuple`.
+#[test]
+fn a_late_ipv6_reply_of_an_evicted_flow_never_moves_the_flow_now_on_its_tuple() {
+    let mut dp = Datapath::load();
+    dp.round_robin_on_vip();
+    let syn = Pkt6::tcp(CLIENT, 41_000, VIP, 80, SYN);
+    let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+    assert_eq!(verdict, TC_NEXT);
+    let first = Decoded6::parse(&out).daddr;
+    dp.conntrack()
+        .remove(&original_key(&syn))
+        .expect("evicting the first flow's ORIGINAL entry");
+    let (verdict, out) = dp.run(PROG_TC_INGRESS, &syn.bytes());
+    assert_eq!(verdict, TC_NEXT);
+    let second = Decoded6::parse(&out).daddr;
+    assert_ne!(
+        first, second,
+        "round robin: the new flow goes to the other backend"
+    );
+    let before = dp.ct(&original_key(&syn)).expect("the new flow's entry");
+
+    let fin = Pkt6::tcp(first, 8080, CLIENT, 41_000, FIN | ACK);
+    let (verdict, _) = dp.run(PROG_TC_EGRESS, &fin.bytes());
+    assert_eq!(verdict, TC_NEXT);
+    let after = dp.ct(&original_key(&syn)).expect("the new flow's entry");
+    assert_eq!(
+        (after.state, after.flags, Ipv6Addr::from(after.backend_addr)),
+        (before.state, before.flags, second),
+        "the new flow's entry is as it was (state {} before)",
+        before.state
+    );
 }

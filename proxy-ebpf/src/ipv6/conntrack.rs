@@ -264,6 +264,11 @@ pub fn client_passed(p: &Packet6, original: &Ct6Key, entry: &Ct6Entry, ct: &Ct6V
 pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64) {
     let original_key = original_key_of(&reply_key(p), reply_ct);
     match maps::ct6_entry(&original_key) {
+        Some(o) if !sent_to(o.peek(), &p.saddr, p.sport) => {
+            // Another flow's entry now, as on IPv4: only this flow's REPLY entry moves.
+            let state = flow_state::after_backend(reply_ct.state, segment(p));
+            reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
+        }
         Some(o) => {
             let state = flow_state::after_backend(o.get().state, segment(p));
             reply.touch_flags(now, state, ct_flags::SEEN_REPLY);
@@ -294,6 +299,12 @@ pub fn reply_passed(p: &Packet6, reply: &Ct6Entry, reply_ct: &Ct6Value, now: u64
             }
         }
     }
+}
+
+/// Was the flow of ORIGINAL value `ct` sent to `addr`:`port` (the source of a reply)?
+#[inline(always)]
+fn sent_to(ct: &Ct6Value, addr: &[u8; 16], port: [u8; 2]) -> bool {
+    ct.backend_addr == *addr && ct.backend_port == port
 }
 
 /// Is this REPLY entry (`reply_dport`: its key's destination port, the port the flow left with)
@@ -446,14 +457,11 @@ fn choose_sport(
 /// Write a new flow's entries (replacing `replaced`, an expired or stale pair of the same
 /// ORIGINAL key) with a source port that keeps its reply tuple unique: both entries for a
 /// translated flow or a moved direct flow, the ORIGINAL marker only for a plain direct one.
-/// Returns the source port the packet must leave with when a clash moved it (`None`: its own).
-/// The value is built in per-CPU map memory (`maps::ct6_new_value`), not on the stack.
+/// The value is built in per-CPU map memory (`maps::ct6_new_value`), not on the stack; it holds
+/// the flow's ORIGINAL value afterwards, the one another CPU created for the same flow meanwhile
+/// included (see [`insert_pair`]).
 #[inline(always)]
-pub fn create(
-    p: &Packet6,
-    flow: &NewFlow6<'_>,
-    replaced: Option<Sent>,
-) -> Result<Option<[u8; 2]>, Drop> {
+pub fn create(p: &Packet6, flow: &NewFlow6<'_>, replaced: Option<Sent>) -> Result<Created6, Drop> {
     if let Some(old) = replaced {
         if old.closed && p.is_tcp() {
             retire(flow.original, old);
@@ -494,21 +502,45 @@ pub fn create(
     if plain_direct(value) {
         // Losing the marker (map full) only loses clash protection for this flow: pass it on.
         let _ = maps::ct6_insert(flow.original, value);
-        return Ok(None);
+        return Ok(Created6 {
+            sport: None,
+            theirs: false,
+        });
     }
     if !flow.direct {
         maps::lc_add(flow.backend_id, 1);
     }
     let created = insert_pair(flow, value, flags);
-    if created.is_err() && !flow.direct {
+    if !matches!(created, Ok(false)) && !flow.direct {
+        // Not this packet's flow to count: its pick went unused.
         maps::lc_add(flow.backend_id, u64::MAX);
     }
-    created.map(|()| (flags != 0).then_some(nat_sport))
+    let theirs = created?;
+    Ok(Created6 {
+        sport: if theirs {
+            (value.flags & ct_flags::SPORT_NAT != 0).then_some(value.nat_sport)
+        } else {
+            (flags != 0).then_some(nat_sport)
+        },
+        theirs,
+    })
 }
 
-/// Write a new flow's ORIGINAL and REPLY entries (`value`: the ORIGINAL value, in map memory).
+/// A new flow as [`create`] wrote it.
+pub struct Created6 {
+    /// The source port the packet must leave with when a clash moved it (`None`: its own).
+    pub sport: Option<[u8; 2]>,
+    /// The flow was created on another CPU meanwhile: this packet follows that translation,
+    /// whose ORIGINAL value is in `maps::ct6_new_value`.
+    pub theirs: bool,
+}
+
+/// Write a new flow's ORIGINAL and REPLY entries (`value`: the ORIGINAL value, in map memory),
+/// each only where its key is free, as the IPv4 `insert_pair`: `Ok(true)` when the ORIGINAL key
+/// was taken meanwhile by the same flow on another CPU (its value then copied into `value`); a
+/// REPLY key another flow took since [`reply_tuple_taken`] looked drops the packet.
 #[inline(always)]
-fn insert_pair(flow: &NewFlow6<'_>, value: &mut Ct6Value, flags: u8) -> Result<(), Drop> {
+fn insert_pair(flow: &NewFlow6<'_>, value: &mut Ct6Value, flags: u8) -> Result<bool, Drop> {
     let s = maps::clash6().ok_or(Drop::ConntrackFull)?;
     set_reply_key(
         &mut s.candidate,
@@ -517,15 +549,33 @@ fn insert_pair(flow: &NewFlow6<'_>, value: &mut Ct6Value, flags: u8) -> Result<(
         value.backend_port,
         translated_sport(flow.original, value),
     );
-    maps::ct6_insert(flow.original, value).map_err(|_| Drop::ConntrackFull)?;
+    if maps::ct6_insert_new(flow.original, value).is_err() {
+        return match maps::ct6_entry(flow.original) {
+            Some(theirs) => {
+                *value = theirs.get();
+                stats::count(Counter::ConntrackInsertRaced);
+                Ok(true)
+            }
+            None => Err(Drop::ConntrackFull),
+        };
+    }
     if flags != 0 {
         value.nat_sport = flow.original.sport; // The REPLY value names the client's own port.
     }
-    if maps::ct6_insert(&s.candidate, value).is_err() {
-        maps::ct6_remove(flow.original);
-        return Err(Drop::ConntrackFull);
+    if maps::ct6_insert_new(&s.candidate, value).is_err() {
+        let written = match maps::ct6_entry(&s.candidate) {
+            Some(held) if owns_reply(flow.original, s.candidate.dport, held.peek()) => {
+                maps::ct6_insert(&s.candidate, value).map_err(|_| Drop::ConntrackFull)
+            }
+            Some(_) => Err(Drop::ConntrackInsertFailed),
+            None => Err(Drop::ConntrackFull),
+        };
+        if let Err(drop) = written {
+            maps::ct6_remove(flow.original);
+            return Err(drop);
+        }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Where a flow's packets went: what its REPLY key is made of besides the ORIGINAL key.

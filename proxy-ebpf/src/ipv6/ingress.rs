@@ -319,9 +319,20 @@ fn new_flow(
         direct,
     };
     // The port the client's packets leave with: its own, or another if its reply tuple clashed.
-    let moved = conntrack::create(p, &flow, if direct { None } else { old })?;
+    let created = conntrack::create(p, &flow, if direct { None } else { old })?;
+    let moved = created.sport;
     if !direct {
-        nat::dnat(ctx, p, backend_addr, *backend_port)?;
+        // A flow created on another CPU meanwhile: this packet follows its pick.
+        let adopted = if created.theirs {
+            maps::ct6_new_value()
+        } else {
+            None
+        };
+        let (addr, port) = match adopted {
+            Some(v) => (&v.backend_addr, v.backend_port),
+            None => (backend_addr, *backend_port),
+        };
+        nat::dnat(ctx, p, addr, port)?;
     }
     if let Some(sport) = moved {
         nat::source_port(ctx, p, sport)?;

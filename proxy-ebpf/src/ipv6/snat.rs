@@ -206,13 +206,16 @@ pub fn allocate(
         s.in_key.dport = port;
         let claimed = maps::snat6_claim(&s.in_key, &s.client).is_ok()
             || match maps::snat6_entry(&s.in_key) {
+                // An idle holder's port: taken over by one CPU only, as on IPv4.
                 Some(taken) => {
                     let old = taken.peek();
-                    snat_port_reclaimable(old.last_seen_ns, f.proto, old.state, old.flags, now, cfg)
+                    let seen = old.last_seen_ns;
+                    snat_port_reclaimable(seen, f.proto, old.state, old.flags, now, cfg)
+                        && taken.claim_idle(seen, now)
                         && maps::snat6_insert(&s.in_key, &s.client).is_ok()
                 }
-                // Evicted between the claim and the lookup: take it.
-                None => maps::snat6_insert(&s.in_key, &s.client).is_ok(),
+                // Evicted between the claim and the lookup: claim it again.
+                None => maps::snat6_claim(&s.in_key, &s.client).is_ok(),
             };
         if claimed {
             s.out = s.client;

@@ -108,8 +108,29 @@ pub fn try_run_checksum_complete(
     prog_name: &str,
     input: &[u8],
 ) -> Result<(u32, Vec<u8>, Duration), String> {
-    let prog = prog(bpf, prog_name);
     use std::os::fd::{AsFd, AsRawFd};
+    let fd = prog(bpf, prog_name).fd().map_err(|e| format!("{e:#?}"))?;
+    test_run_fd(
+        fd.as_fd().as_raw_fd(),
+        input,
+        BPF_F_TEST_SKB_CHECKSUM_COMPLETE,
+    )
+    .map_err(|e| match e.raw_os_error() {
+        Some(libc::EBADMSG) => {
+            format!("skb->csum no longer sums the packet after the run (CHECKSUM_COMPLETE): {e}")
+        }
+        _ => format!("{e}"),
+    })
+}
+
+/// One BPF_PROG_TEST_RUN of the program `prog_fd` over `input` with `flags`, by the raw
+/// syscall (a file descriptor number can be shared by threads that run it at once, on their
+/// own CPUs): (verdict, output frame, duration).
+pub fn test_run_fd(
+    prog_fd: std::os::fd::RawFd,
+    input: &[u8],
+    flags: u32,
+) -> std::io::Result<(u32, Vec<u8>, Duration)> {
     /// The `test` member of `union bpf_attr` (uapi bpf.h).
     #[repr(C)]
     #[derive(Default)]
@@ -132,16 +153,15 @@ pub fn try_run_checksum_complete(
         _pad: u32,
     }
     const BPF_PROG_TEST_RUN: libc::c_long = 10;
-    let fd = prog.fd().map_err(|e| format!("{e:#?}"))?;
     let mut out = vec![0u8; input.len() + 256];
     let mut attr = TestAttr {
-        prog_fd: fd.as_fd().as_raw_fd() as u32,
+        prog_fd: prog_fd as u32,
         data_size_in: input.len() as u32,
         data_size_out: out.len() as u32,
         data_in: input.as_ptr() as u64,
         data_out: out.as_mut_ptr() as u64,
         repeat: 1,
-        flags: BPF_F_TEST_SKB_CHECKSUM_COMPLETE,
+        flags,
         ..Default::default()
     };
     // SAFETY: `attr` is the uapi layout, its pointers name `input` and `out` with their sizes,
@@ -155,16 +175,71 @@ pub fn try_run_checksum_complete(
         )
     };
     if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::EBADMSG) => format!(
-                "skb->csum no longer sums the packet after the run (CHECKSUM_COMPLETE): {e}"
-            ),
-            _ => format!("{e}"),
-        });
+        return Err(std::io::Error::last_os_error());
     }
     out.truncate(attr.data_size_out as usize);
     Ok((attr.retval, out, Duration::from_nanos(attr.duration as u64)))
+}
+
+/// The calling thread runs on `cpu` only.
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET and sched_setaffinity(0 = this
+    // thread) only read and write it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(
+        rc,
+        0,
+        "sched_setaffinity to CPU {cpu}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// `rounds` races: in round `r`, two threads pinned to two CPUs (one, on a one-CPU machine) are
+/// released together and each runs `prog_fd` once over `packet(cpu, r)` — two receive queues
+/// delivering packets at the same instant. Per round, per CPU: (verdict, output frame).
+pub fn race_on_two_cpus(
+    prog_fd: std::os::fd::RawFd,
+    rounds: usize,
+    packet: impl Fn(usize, usize) -> Vec<u8> + Sync,
+) -> Vec<[(u32, Vec<u8>); 2]> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // A spinning barrier: both threads leave it within a few hundred nanoseconds of each other
+    // (a futex wake-up would leave tens of microseconds between them, wider than the windows
+    // raced for). On one CPU the spin yields so the other thread can arrive.
+    let arrived = AtomicUsize::new(0);
+    let run = |cpu: usize| -> Vec<(u32, Vec<u8>)> {
+        pin_to_cpu(cpu % cpus);
+        (0..rounds)
+            .map(|r| {
+                let input = packet(cpu, r);
+                arrived.fetch_add(1, Ordering::SeqCst);
+                while arrived.load(Ordering::SeqCst) < 2 * (r + 1) {
+                    if cpus < 2 {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+                let (verdict, out, _) = test_run_fd(prog_fd, &input, 0)
+                    .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN, round {r}, CPU {cpu}: {e}"));
+                (verdict, out)
+            })
+            .collect()
+    };
+    let (first, second) = std::thread::scope(|s| {
+        let first = s.spawn(|| run(0));
+        let second = s.spawn(|| run(1));
+        (
+            first.join().expect("the CPU 0 thread"),
+            second.join().expect("the CPU 1 thread"),
+        )
+    });
+    first.into_iter().zip(second).map(|(a, b)| [a, b]).collect()
 }
 
 /// One run of `prog` over `input`, nothing checked: (verdict, output frame).
